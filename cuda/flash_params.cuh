@@ -1,0 +1,68 @@
+// flashcore: the one parameter struct that crosses the Python/CUDA boundary.
+//
+// It is passed BY VALUE to every kernel. flashcore/kernels/params.py builds the matching
+// NumPy structured scalar; the two definitions must stay in the same order with the same
+// types (a test compares offsetof() on the CUDA side with the NumPy dtype).
+//
+// Conventions (see DESIGN.md):
+//  * q: (batch, seqlen_q, nheads, headdim), k/v: (batch, seqlen_k, nheads_k, headdim), strides
+//    in ELEMENTS; the last dimension is contiguous. Varlen: cu_seqlens_q/k are non-null, the
+//    batch strides are 0 and the row offset of sequence b is cu_seqlens[b].
+//  * lse / dsoftmax_sum: float32 (batch, nheads, seqlen_q), or (nheads, total_q) for varlen
+//    (lse_batch_stride = 0 there; the row offset comes from cu_seqlens_q).
+//  * window: query row i (0-based in its sequence) sees key column j iff
+//        i + (sk - sq) - window_left <= j <= i + (sk - sq) + window_right
+//    An unbounded side is passed as FC_WINDOW_NONE (a large positive number), so causal is
+//    (FC_WINDOW_NONE, 0). sk and sq are the per-sequence lengths (varlen: from cu_seqlens).
+//  * softcap > 0: s -> softcap * tanh(s / softcap) after scaling, before ALiBi and the mask.
+//  * ALiBi adds -slope * |i + sk - sq - j|; slope = alibi_slopes[b * alibi_batch_stride + h].
+#pragma once
+
+#define FC_WINDOW_NONE (1 << 30)
+
+struct FlashParams {
+    // ---- pointers (device addresses) --------------------------------------------------
+    const void* q;
+    const void* k;
+    const void* v;
+    void* o;
+    float* lse;
+    const void* dout;          // backward only
+    void* dq;                  // backward only
+    void* dk;                  // backward only
+    void* dv;                  // backward only
+    float* dq_accum;           // backward: fp32 scratch, (batch, seqlen_q_rounded, nheads, hdim_rounded)
+    float* dsoftmax_sum;       // backward: D = rowsum(dO * O), same layout as lse
+    const int* cu_seqlens_q;   // nullptr unless varlen
+    const int* cu_seqlens_k;   // nullptr unless varlen
+    const float* alibi_slopes; // nullptr unless ALiBi
+
+    // ---- strides, in elements ---------------------------------------------------------
+    long long q_batch_stride, q_row_stride, q_head_stride;
+    long long k_batch_stride, k_row_stride, k_head_stride;
+    long long v_batch_stride, v_row_stride, v_head_stride;
+    long long o_batch_stride, o_row_stride, o_head_stride;
+    long long do_batch_stride, do_row_stride, do_head_stride;
+    long long dq_batch_stride, dq_row_stride, dq_head_stride;
+    long long dk_batch_stride, dk_row_stride, dk_head_stride;
+    long long dv_batch_stride, dv_row_stride, dv_head_stride;
+    long long dq_accum_batch_stride, dq_accum_row_stride, dq_accum_head_stride;
+    long long lse_batch_stride, lse_head_stride;
+    long long alibi_batch_stride;
+
+    // ---- sizes ------------------------------------------------------------------------
+    int batch;
+    int nheads;
+    int nheads_k;
+    int headdim;               // the real head dim (<= the kernel's tile head dim)
+    int seqlen_q;              // max_seqlen_q for varlen
+    int seqlen_k;              // max_seqlen_k for varlen
+    int window_left;           // FC_WINDOW_NONE when unbounded
+    int window_right;          // FC_WINDOW_NONE when unbounded; 0 for causal
+
+    // ---- scalars ----------------------------------------------------------------------
+    float softmax_scale;
+    float scale_log2;          // softmax_scale * log2(e) (softcap: log2(e) only, see kernels)
+    float softcap;             // 0 when off
+    float _pad0;
+};

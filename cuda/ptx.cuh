@@ -1,0 +1,143 @@
+// flashcore: thin wrappers over the PTX instructions the Ampere-class kernels use
+// (mma.sync, ldmatrix, cp.async, ex2) and our own 16-bit element types.
+//
+// No CUDA header is included on purpose: cuda_fp16.h / cuda_bf16.h are not shipped with CuPy,
+// and every source must compile under bare NVRTC on a machine with no GPU (CI does that).
+#pragma once
+
+typedef unsigned short fc_u16;
+typedef unsigned int fc_u32;
+typedef unsigned long long fc_u64;
+
+// ---- element types -----------------------------------------------------------------------
+// Each tag says how to convert to and from float and which mma.sync variant to issue.
+struct fc_bf16 {
+    static __device__ __forceinline__ float to_float(fc_u16 x) {
+        return __uint_as_float(static_cast<fc_u32>(x) << 16);
+    }
+    // Round-to-nearest-even pack of two floats: lo in the low half, hi in the high half.
+    static __device__ __forceinline__ fc_u32 pack2(float lo, float hi) {
+        fc_u32 r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+    static __device__ __forceinline__ fc_u16 from_float(float x) {
+        return static_cast<fc_u16>(pack2(x, 0.f) & 0xffffu);
+    }
+    // d += a * b, m16n8k16, fp32 accumulators.
+    static __device__ __forceinline__ void mma(float (&d)[4], const fc_u32 (&a)[4],
+                                               const fc_u32 (&b)[2]) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+};
+
+struct fc_fp16 {
+    static __device__ __forceinline__ float to_float(fc_u16 x) {
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+        return f;
+    }
+    static __device__ __forceinline__ fc_u32 pack2(float lo, float hi) {
+        fc_u32 r;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+    static __device__ __forceinline__ fc_u16 from_float(float x) {
+        return static_cast<fc_u16>(pack2(x, 0.f) & 0xffffu);
+    }
+    static __device__ __forceinline__ void mma(float (&d)[4], const fc_u32 (&a)[4],
+                                               const fc_u32 (&b)[2]) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+};
+
+// ---- shared memory addressing ---------------------------------------------------------------
+__device__ __forceinline__ fc_u32 smem_u32(const void* p) {
+    return static_cast<fc_u32>(__cvta_generic_to_shared(p));
+}
+
+// ---- ldmatrix ---------------------------------------------------------------------------------
+// Each lane passes the shared address of one 16-byte row (lanes 0-7 matrix 0, 8-15 matrix 1, ...).
+__device__ __forceinline__ void ldmatrix_x4(fc_u32 (&r)[4], fc_u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(fc_u32 (&r)[4], fc_u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x2(fc_u32 (&r)[2], fc_u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x2_trans(fc_u32 (&r)[2], fc_u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+
+// ---- cp.async -----------------------------------------------------------------------------------
+// 16-byte global -> shared copy that bypasses L1. When pred is false nothing is read and the
+// 16 destination bytes are zero-filled (src-size 0), so out-of-range rows/columns become 0.
+__device__ __forceinline__ void cp_async_16(fc_u32 smem_addr, const void* gmem, bool pred) {
+    const int src_size = pred ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(smem_addr), "l"(gmem), "r"(src_size));
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+}
+
+// ---- math ------------------------------------------------------------------------------------------
+__device__ __forceinline__ float fc_exp2(float x) {  // 2^x, flushes denormals; ex2(-inf) = +0
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float fc_tanh(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+// Reductions over the 4 lanes of an mma quad (lanes 4g .. 4g+3 hold one accumulator row).
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+    return x;
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    x += __shfl_xor_sync(0xffffffffu, x, 2);
+    return x;
+}
+
+// ---- swizzled tile addressing ------------------------------------------------------------------
+// A shared tile of ROWS x COLS 16-bit elements stored row-major in 16-byte chunks; the chunk
+// index is XOR-ed with (row % 8) so that the 8 rows read by one ldmatrix phase hit 8 different
+// bank groups. COLS must be a multiple of 64 (128-byte rows) for the XOR to stay in the row;
+// for narrower tiles (COLS = 32) the XOR uses (row / 2) % 4 over 4 chunks.
+template <int COLS>
+__device__ __forceinline__ int swz(int row, int col) {  // element offset of (row, col)
+    constexpr int kChunks = COLS / 8;
+    const int chunk = col >> 3;
+    int sw;
+    if constexpr (kChunks >= 8) {
+        sw = chunk ^ (row & 7);
+    } else if constexpr (kChunks == 4) {
+        sw = chunk ^ ((row >> 1) & 3);
+    } else {
+        sw = chunk;
+    }
+    return row * COLS + (sw << 3) + (col & 7);
+}
