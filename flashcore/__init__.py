@@ -1,0 +1,20 @@
+"""flashcore: exact attention the FlashAttention way, for NumPy, CuPy and PyTorch arrays."""
+from . import backends as _backends  # noqa: F401  (registers the backends)
+from .api import (
+    attention,
+    attention_backward,
+    attention_forward,
+    backends,
+    varlen_attention,
+    varlen_attention_backward,
+    varlen_attention_forward,
+)
+from .backends.base import NotSupportedError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "attention", "attention_forward", "attention_backward",
+    "varlen_attention", "varlen_attention_forward", "varlen_attention_backward",
+    "backends", "NotSupportedError", "__version__",
+]

@@ -1,0 +1,8 @@
+"""Backends: one module each; importing this package registers them in priority order.
+
+None of them imports torch or CuPy at import time.
+"""
+from . import numpy_backend  # noqa: F401
+from . import cupy_backend  # noqa: F401
+from . import torch_backend  # noqa: F401
+from .base import Backend, NotSupportedError, all_backends, choose, get_backend  # noqa: F401

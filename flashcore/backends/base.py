@@ -1,0 +1,130 @@
+"""The backend protocol, the registry and dispatch.
+
+A backend states its capabilities as data (class attributes) and explains every refusal:
+``not_supported_reasons(spec)`` returns readable strings, and when no backend can take a call
+the user sees each backend's reasons at once.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+from ..spec import AttentionSpec
+
+__all__ = ["Backend", "NotSupportedError", "register", "get_backend", "all_backends", "choose"]
+
+
+class NotSupportedError(ValueError):
+    """No backend can run this call; the message lists every backend's reasons."""
+
+
+class Backend:
+    name: ClassVar[str]
+    #: array libraries whose arrays this backend takes ('numpy', 'cupy', 'torch')
+    libraries: ClassVar[tuple[str, ...]]
+    dtypes: ClassVar[tuple[str, ...]]
+    max_headdim: ClassVar[int | None] = None
+    headdim_multiple: ClassVar[int] = 1
+    supports_varlen: ClassVar[bool] = True
+    supports_window: ClassVar[bool] = True
+    supports_softcap: ClassVar[bool] = True
+    supports_alibi: ClassVar[bool] = True
+    supports_backward: ClassVar[bool] = True
+    is_deterministic: ClassVar[bool] = True   # deterministic without being asked
+
+    # -- availability --------------------------------------------------------------------
+    def unavailable_reason(self) -> str | None:
+        """None when usable on this machine, else why not (no GPU, package missing, ...)."""
+        return None
+
+    def info(self) -> dict:
+        """Versions and device facts for the environment report."""
+        return {}
+
+    # -- capabilities -------------------------------------------------------------------
+    def not_supported_reasons(self, spec: AttentionSpec, backward: bool = False) -> list[str]:
+        r = []
+        why = self.unavailable_reason()
+        if why:
+            return [f"not available: {why}"]
+        if spec.library not in self.libraries:
+            r.append(f"takes {' or '.join(self.libraries)} arrays, got {spec.library} arrays")
+        if spec.dtype not in self.dtypes:
+            r.append(f"dtype {spec.dtype} not in {self.dtypes}")
+        if self.max_headdim is not None and spec.headdim > self.max_headdim:
+            r.append(f"headdim {spec.headdim} > {self.max_headdim}")
+        if spec.headdim % self.headdim_multiple:
+            r.append(f"headdim {spec.headdim} is not a multiple of {self.headdim_multiple}")
+        if spec.varlen and not self.supports_varlen:
+            r.append("variable-length batches are not supported")
+        if spec.is_local and not spec.causal and not self.supports_window:
+            r.append("sliding windows are not supported")
+        if spec.softcap and not self.supports_softcap:
+            r.append("softcap is not supported")
+        if spec.alibi and not self.supports_alibi:
+            r.append("ALiBi is not supported")
+        if backward and not self.supports_backward:
+            r.append("no backward pass")
+        return r
+
+    # -- the work -------------------------------------------------------------------------
+    def forward(self, spec, q, k, v, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None):
+        """Return ``(out, lse)``; out like q in q's dtype, lse float32 (b, h, sq) / (h, total_q)."""
+        raise NotImplementedError
+
+    def backward(self, spec, dout, q, k, v, out, lse, *, alibi_slopes=None,
+                 cu_seqlens_q=None, cu_seqlens_k=None):
+        """Return ``(dq, dk, dv)`` in the input dtypes; dk/dv summed over GQA groups."""
+        raise NotImplementedError
+
+    def __repr__(self):
+        return f"<flashcore backend {self.name!r}>"
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> Backend:
+    _REGISTRY[backend.name] = backend
+    return backend
+
+
+def all_backends() -> dict[str, Backend]:
+    return dict(_REGISTRY)
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"argument 'backend': expected one of {sorted(_REGISTRY)} or None, got {name!r}"
+        ) from None
+
+
+def choose(spec: AttentionSpec, backend: str | None, backward: bool = False) -> Backend:
+    """The backend for this call: the named one, else the first that takes these arrays."""
+    if backend is not None:
+        if not isinstance(backend, str):
+            raise TypeError(f"argument 'backend': expected a backend name (str) or None, "
+                            f"got {type(backend).__name__}")
+        b = get_backend(backend)
+        reasons = b.not_supported_reasons(spec, backward)
+        if reasons:
+            raise NotSupportedError(
+                f"backend {b.name!r} cannot run this call:\n  - " + "\n  - ".join(reasons))
+        return b
+    tried = []
+    for b in _REGISTRY.values():
+        if spec.library not in b.libraries:
+            continue
+        reasons = b.not_supported_reasons(spec, backward)
+        if not reasons:
+            return b
+        tried.append((b.name, reasons))
+    lines = [f"no flashcore backend can run this call ({spec.library} arrays, {spec.dtype}, "
+             f"headdim {spec.headdim}, on {spec.device}):"]
+    if not tried:
+        lines.append(f"  no backend takes {spec.library} arrays")
+    for name, reasons in tried:
+        lines.append(f"  {name}: " + "; ".join(reasons))
+    raise NotSupportedError("\n".join(lines))

@@ -1,0 +1,117 @@
+"""The CuPy backend: the CUDA kernels in ``cuda/``, JIT-compiled by NVRTC.
+
+Kernels run on CuPy's current stream and on the device that holds the inputs. Availability is
+probed lazily: importing flashcore never imports CuPy.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+from ..spec import AttentionSpec
+from .base import Backend, register
+
+MIN_COMPUTE_CAPABILITY = 80
+
+
+@functools.lru_cache(maxsize=None)
+def _probe() -> str | None:
+    if importlib.util.find_spec("cupy") is None:
+        return "CuPy is not installed (pip install 'flashcore[cuda12]' or 'flashcore[cuda13]')"
+    try:
+        import cupy
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # no driver, no device
+        return f"no CUDA device ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    if n == 0:
+        return "no CUDA device"
+    ccs = [int(cupy.cuda.Device(i).compute_capability) for i in range(n)]
+    if max(ccs) < MIN_COMPUTE_CAPABILITY:
+        return (f"compute capability {max(ccs) / 10:.1f} is below the "
+                f"{MIN_COMPUTE_CAPABILITY / 10:.1f} the kernels need (mma.sync bf16, cp.async)")
+    return None
+
+
+class CupyBackend(Backend):
+    name = "cupy"
+    libraries = ("cupy",)
+    dtypes = ("float16", "bfloat16")
+    max_headdim = 256
+    headdim_multiple = 8
+    is_deterministic = False   # dQ is accumulated with atomics unless deterministic=True
+
+    def unavailable_reason(self):
+        return _probe()
+
+    def info(self):
+        if _probe() is not None:
+            return {}
+        import cupy
+        from cupy_backends.cuda.libs import nvrtc
+        dev = cupy.cuda.Device()
+        props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        return {"cupy": cupy.__version__, "nvrtc": ".".join(map(str, nvrtc.getVersion())),
+                "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
+                "gpu": name, "compute_capability": dev.compute_capability,
+                "multiprocessors": props["multiProcessorCount"]}
+
+    def not_supported_reasons(self, spec: AttentionSpec, backward: bool = False):
+        r = super().not_supported_reasons(spec, backward)
+        if r and r[0].startswith("not available"):
+            return r
+        if spec.library == "cupy":
+            import cupy
+            cc = int(cupy.cuda.Device(int(spec.device.split(":")[1])).compute_capability)
+            if cc < MIN_COMPUTE_CAPABILITY:
+                r.append(f"device {spec.device} has compute capability {cc / 10:.1f} < 8.0")
+        return r
+
+    @staticmethod
+    def _kernel_kwargs(spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k):
+        return dict(softmax_scale=spec.softmax_scale, window_left=spec.window_left,
+                    window_right=spec.window_right, softcap=spec.softcap,
+                    alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+                    cu_seqlens_k=cu_seqlens_k,
+                    max_seqlen_q=spec.seqlen_q if spec.varlen else None,
+                    max_seqlen_k=spec.seqlen_k if spec.varlen else None)
+
+    def forward(self, spec, q, k, v, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                out=None, lse=None):
+        import cupy
+        from ..kernels.forward import launch_forward
+        with cupy.cuda.Device(q.device.id):
+            if out is None:
+                out = cupy.empty(q.shape, dtype=q.dtype)
+            if lse is None:
+                shape = (spec.nheads, spec.total_q) if spec.varlen else \
+                    (spec.batch, spec.nheads, spec.seqlen_q)
+                lse = cupy.empty(shape, dtype=cupy.float32)
+            if q.size and k.shape[0]:
+                launch_forward(q, k, v, out, lse,
+                               **self._kernel_kwargs(spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k))
+            else:   # no queries, or no keys at all: nothing is visible
+                out[...] = 0
+                lse[...] = -cupy.inf
+        return out, lse
+
+    def backward(self, spec, dout, q, k, v, out, lse, *, alibi_slopes=None,
+                 cu_seqlens_q=None, cu_seqlens_k=None, dq=None, dk=None, dv=None):
+        import cupy
+        from ..kernels.backward import launch_backward
+        with cupy.cuda.Device(q.device.id):
+            dq = cupy.empty(q.shape, q.dtype) if dq is None else dq
+            dk = cupy.empty(k.shape, k.dtype) if dk is None else dk
+            dv = cupy.empty(v.shape, v.dtype) if dv is None else dv
+            if q.size and k.shape[0]:
+                launch_backward(dout, q, k, v, out, lse, dq, dk, dv,
+                                deterministic=spec.deterministic,
+                                **self._kernel_kwargs(spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k))
+            else:
+                dq[...] = 0
+                dk[...] = 0
+                dv[...] = 0
+        return dq, dk, dv
+
+
+register(CupyBackend())

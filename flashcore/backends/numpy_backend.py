@@ -1,0 +1,343 @@
+"""The NumPy backend: the reference algorithm, readable, and the default with no GPU.
+
+Two paths compute the same function:
+
+* ``naive_forward`` / ``naive_backward`` materialise the full score matrix: the textbook
+  computation, the oracle every other result is judged against.
+* ``tiled_forward`` / ``tiled_backward`` are the FlashAttention algorithm step by step, the
+  way the CUDA kernels do it: blocks of queries against blocks of keys, a running max and a
+  running sum, the partial output rescaled whenever the max grows, the log-sum-exp (LSE) kept
+  instead of the probabilities, and a backward that recomputes the probabilities block by block
+  from the LSE. Blocks that the causal mask or the window hide entirely are skipped.
+
+Arrays are handled in (batch, heads, seq, dim) order internally (views of the
+(batch, seq, heads, dim) inputs). float16/bfloat16/float32 inputs are computed in float32,
+float64 in float64. Varlen batches are processed one sequence at a time.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..spec import AttentionSpec
+from .base import Backend, register
+
+__all__ = [
+    "NumpyBackend", "naive_forward", "naive_backward", "tiled_forward", "tiled_backward",
+    "round_to_dtype",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers shared by both paths: the score of a (query block, key block) pair
+# --------------------------------------------------------------------------------------------
+
+def round_to_dtype(x: np.ndarray, dtype: str | None) -> np.ndarray:
+    """Round float32 values to float16 / bfloat16 precision (returned as float32).
+
+    Used to emulate a computation carried out in the low precision (the second reference of
+    the flash-attn correctness rule). bfloat16 is rounded to nearest-even on the bit pattern.
+    """
+    if dtype is None or dtype in ("float32", "float64"):
+        return x
+    x = np.asarray(x, dtype=np.float32)
+    if dtype == "float16":
+        with np.errstate(over="ignore"):
+            return x.astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        b = x.view(np.uint32).astype(np.uint64)
+        rounded = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        out = rounded.astype(np.uint32).view(np.float32)
+        return np.where(np.isnan(x), x, out)
+    raise ValueError(f"cannot round to {dtype}")
+
+
+class _Scores:
+    """Everything needed to turn Q·Kᵀ of one sequence into the final, masked scores."""
+
+    def __init__(self, spec: AttentionSpec, sq: int, sk: int, slopes: np.ndarray | None):
+        self.scale = spec.softmax_scale
+        self.softcap = spec.softcap
+        self.wl, self.wr = spec.window_left, spec.window_right
+        self.sq, self.sk = sq, sk
+        self.offset = sk - sq                # bottom-right alignment of the mask
+        self.slopes = slopes                 # (b, h) or None
+
+    def visible(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """(len(rows), len(cols)) boolean: query row i may see key column j."""
+        i = rows[:, None] + self.offset
+        j = cols[None, :]
+        ok = np.ones((rows.size, cols.size), dtype=bool)
+        if self.wl >= 0:
+            ok &= j >= i - self.wl
+        if self.wr >= 0:
+            ok &= j <= i + self.wr
+        return ok
+
+    def block_visible(self, r0, r1, c0, c1) -> bool:
+        """Whether any (row, col) in [r0, r1) x [c0, c1) is visible: used to skip blocks."""
+        if r1 <= r0 or c1 <= c0:
+            return False
+        if self.wr >= 0 and c0 > (r1 - 1) + self.offset + self.wr:
+            return False
+        if self.wl >= 0 and c1 - 1 < r0 + self.offset - self.wl:
+            return False
+        return True
+
+    def __call__(self, s_raw, rows, cols):
+        """Raw Q·Kᵀ (b, h, r, c) -> (final scores with -inf where masked, tanh term or None)."""
+        s = s_raw * self.scale
+        t = None
+        if self.softcap:
+            t = np.tanh(s / self.softcap)
+            s = self.softcap * t
+        if self.slopes is not None:
+            dist = np.abs(rows[:, None] + self.offset - cols[None, :]).astype(s.dtype)
+            s = s - self.slopes[:, :, None, None].astype(s.dtype) * dist
+        s = np.where(self.visible(rows, cols), s, -np.inf)
+        return s, t
+
+
+def _bhsd(x):   # (b, s, h, d) -> (b, h, s, d) view
+    return x.transpose(0, 2, 1, 3)
+
+
+def _expand_kv(x, group):   # (b, hk, s, d) -> (b, h, s, d), query head i uses key head i // group
+    return np.repeat(x, group, axis=1) if group > 1 else x
+
+
+def _sum_groups(x, group):  # (b, h, s, d) -> (b, hk, s, d), summing the heads that share a key head
+    if group == 1:
+        return x
+    b, h, s, d = x.shape
+    return x.reshape(b, h // group, group, s, d).sum(axis=2)
+
+
+def _slopes_for(spec, alibi_slopes, batch_index=None, batch=None):
+    if alibi_slopes is None:
+        return None
+    a = np.asarray(alibi_slopes, dtype=np.float64)
+    if a.ndim == 1:
+        a = np.broadcast_to(a[None, :], (batch if batch_index is None else 1, a.shape[0]))
+    elif batch_index is not None:
+        a = a[batch_index:batch_index + 1]
+    return a
+
+
+def _safe(m):
+    """The running max as used in an exponent: a row that has seen only -inf uses 0, so that
+    exp(-inf - 0) = 0 instead of exp(-inf - (-inf)) = NaN. The stored max stays -inf."""
+    return np.where(np.isneginf(m), 0.0, m)
+
+
+# --------------------------------------------------------------------------------------------
+# The oracle: full score matrix
+# --------------------------------------------------------------------------------------------
+
+def naive_forward(spec, q, k, v, slopes=None, round_to=None):
+    """Dense (b, s, h, d) inputs of one sequence length. Returns (out (b,sq,h,d), lse (b,h,sq)).
+
+    ``round_to`` ('float16'/'bfloat16') rounds every intermediate like a low-precision
+    computation would (scores after Q·Kᵀ, probabilities, output).
+    """
+    ct = np.float64 if q.dtype == np.float64 else np.float32
+    r = (lambda x: round_to_dtype(x, round_to)) if round_to else (lambda x: x)
+    qh = _bhsd(q).astype(ct)
+    kh = _expand_kv(_bhsd(k).astype(ct), spec.group_size)
+    vh = _expand_kv(_bhsd(v).astype(ct), spec.group_size)
+    sq, sk = qh.shape[2], kh.shape[2]
+    sc = _Scores(spec, sq, sk, slopes)
+    rows, cols = np.arange(sq), np.arange(sk)
+    s, _ = sc(r(qh @ kh.swapaxes(-1, -2)), rows, cols)
+    m = s.max(axis=-1, keepdims=True) if sk else np.full(s.shape[:-1] + (1,), -np.inf, ct)
+    p = np.exp(s - _safe(m))
+    l = p.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = r(np.where(l > 0, p / np.where(l > 0, l, 1), 0.0))
+        out = r(p @ vh)
+        lse = np.where(l > 0, m + np.log(np.where(l > 0, l, 1)), -np.inf)[..., 0]
+    return out.transpose(0, 2, 1, 3), lse
+
+
+def naive_backward(spec, dout, q, k, v, slopes=None, round_to=None):
+    """The textbook gradient, recomputed from q, k, v alone. Returns (dq, dk, dv)."""
+    ct = np.float64 if q.dtype == np.float64 else np.float32
+    r = (lambda x: round_to_dtype(x, round_to)) if round_to else (lambda x: x)
+    g = spec.group_size
+    qh, doh = _bhsd(q).astype(ct), _bhsd(dout).astype(ct)
+    kh = _expand_kv(_bhsd(k).astype(ct), g)
+    vh = _expand_kv(_bhsd(v).astype(ct), g)
+    sq, sk = qh.shape[2], kh.shape[2]
+    sc = _Scores(spec, sq, sk, slopes)
+    rows, cols = np.arange(sq), np.arange(sk)
+    s, t = sc(r(qh @ kh.swapaxes(-1, -2)), rows, cols)
+    m = s.max(axis=-1, keepdims=True) if sk else np.full(s.shape[:-1] + (1,), -np.inf, ct)
+    p = np.exp(s - _safe(m))
+    l = p.sum(axis=-1, keepdims=True)
+    p = r(np.where(l > 0, p / np.where(l > 0, l, 1), 0.0))
+    dv = p.swapaxes(-1, -2) @ doh
+    dp = r(doh @ vh.swapaxes(-1, -2))
+    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))   # softmax Jacobian
+    if t is not None:
+        ds = ds * (1.0 - t * t)                              # d softcap·tanh(x/softcap) / dx
+    ds = r(ds * spec.softmax_scale)
+    dq = ds @ kh
+    dk = ds.swapaxes(-1, -2) @ qh
+    return (dq.transpose(0, 2, 1, 3), _sum_groups(dk, g).transpose(0, 2, 1, 3),
+            _sum_groups(dv, g).transpose(0, 2, 1, 3))
+
+
+# --------------------------------------------------------------------------------------------
+# The FlashAttention algorithm, tile by tile
+# --------------------------------------------------------------------------------------------
+
+def tiled_forward(spec, q, k, v, slopes=None, block_q=64, block_k=64):
+    """FlashAttention forward on dense (b, s, h, d) inputs. Returns (out, lse)."""
+    ct = np.float64 if q.dtype == np.float64 else np.float32
+    g = spec.group_size
+    qh = _bhsd(q).astype(ct)
+    kh = _bhsd(k).astype(ct)
+    vh = _bhsd(v).astype(ct)
+    b, h, sq, d = qh.shape
+    sk = kh.shape[2]
+    sc = _Scores(spec, sq, sk, slopes)
+    out = np.zeros((b, h, sq, d), ct)
+    lse = np.full((b, h, sq), -np.inf, ct)
+    for r0 in range(0, sq, block_q):
+        r1 = min(r0 + block_q, sq)
+        rows = np.arange(r0, r1)
+        qi = qh[:, :, r0:r1]
+        m = np.full((b, h, r1 - r0, 1), -np.inf, ct)     # running max of the scores
+        l = np.zeros((b, h, r1 - r0, 1), ct)             # running sum of exp(score - m)
+        acc = np.zeros((b, h, r1 - r0, d), ct)           # running, unnormalised output
+        for c0 in range(0, sk, block_k):
+            c1 = min(c0 + block_k, sk)
+            if not sc.block_visible(r0, r1, c0, c1):
+                continue                                 # hidden by the mask: skip, don't mask
+            kj = _expand_kv(kh[:, :, c0:c1], g)
+            vj = _expand_kv(vh[:, :, c0:c1], g)
+            s, _ = sc(qi @ kj.swapaxes(-1, -2), rows, np.arange(c0, c1))
+            m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
+            p = np.exp(s - _safe(m_new))
+            alpha = np.exp(m - _safe(m_new))             # rescales what was summed so far
+            l = alpha * l + p.sum(axis=-1, keepdims=True)
+            acc = alpha * acc + p @ vj
+            m = m_new
+        seen = l > 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out[:, :, r0:r1] = np.where(seen, acc / np.where(seen, l, 1), 0.0)
+            lse[:, :, r0:r1] = np.where(seen, m + np.log(np.where(seen, l, 1)), -np.inf)[..., 0]
+    return out.transpose(0, 2, 1, 3), lse
+
+
+def tiled_backward(spec, dout, q, k, v, out, lse, slopes=None, block_q=64, block_k=64):
+    """FlashAttention backward: P recomputed per block from the LSE. Returns (dq, dk, dv)."""
+    ct = np.float64 if q.dtype == np.float64 else np.float32
+    g = spec.group_size
+    qh, kh, vh = _bhsd(q).astype(ct), _bhsd(k).astype(ct), _bhsd(v).astype(ct)
+    doh, oh = _bhsd(dout).astype(ct), _bhsd(out).astype(ct)
+    lse = np.asarray(lse, ct)
+    b, h, sq, d = qh.shape
+    sk = kh.shape[2]
+    sc = _Scores(spec, sq, sk, slopes)
+    D = (doh * oh).sum(axis=-1)                          # rowsum(dO ∘ O) = rowsum(P ∘ dP)
+    lse_safe = np.where(np.isneginf(lse), np.inf, lse)   # fully masked row: P = exp(-inf) = 0
+    dq = np.zeros((b, h, sq, d), ct)
+    dk = np.zeros((b, h, sk, d), ct)
+    dv = np.zeros((b, h, sk, d), ct)
+    for c0 in range(0, sk, block_k):                     # one key block: dK_j, dV_j stay "on chip"
+        c1 = min(c0 + block_k, sk)
+        cols = np.arange(c0, c1)
+        kj = _expand_kv(kh[:, :, c0:c1], g)
+        vj = _expand_kv(vh[:, :, c0:c1], g)
+        for r0 in range(0, sq, block_q):
+            r1 = min(r0 + block_q, sq)
+            if not sc.block_visible(r0, r1, c0, c1):
+                continue
+            rows = np.arange(r0, r1)
+            qi, doi = qh[:, :, r0:r1], doh[:, :, r0:r1]
+            s, t = sc(qi @ kj.swapaxes(-1, -2), rows, cols)
+            p = np.exp(s - lse_safe[:, :, r0:r1, None])
+            dv[:, :, c0:c1] += p.swapaxes(-1, -2) @ doi
+            dp = doi @ vj.swapaxes(-1, -2)
+            ds = p * (dp - D[:, :, r0:r1, None])
+            if t is not None:
+                ds = ds * (1.0 - t * t)
+            ds = ds * spec.softmax_scale
+            dk[:, :, c0:c1] += ds.swapaxes(-1, -2) @ qi
+            dq[:, :, r0:r1] += ds @ kj
+    return (dq.transpose(0, 2, 1, 3), _sum_groups(dk, g).transpose(0, 2, 1, 3),
+            _sum_groups(dv, g).transpose(0, 2, 1, 3))
+
+
+# --------------------------------------------------------------------------------------------
+# The backend
+# --------------------------------------------------------------------------------------------
+
+def _per_sequence(spec, cu_q, cu_k):
+    cq, ck = np.asarray(cu_q, np.int64), np.asarray(cu_k, np.int64)
+    for i in range(spec.batch):
+        yield i, slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+
+
+def _out_dtype(dtype: str):
+    if dtype == "bfloat16":
+        import ml_dtypes  # noqa: F401  (only reached when the input already was bfloat16)
+        return np.dtype("bfloat16")
+    return np.dtype(dtype)
+
+
+class NumpyBackend(Backend):
+    """Runs the tiled FlashAttention algorithm in NumPy (``path='naive'`` for the oracle)."""
+
+    name = "numpy"
+    libraries = ("numpy",)
+    dtypes = ("float16", "bfloat16", "float32", "float64")
+
+    def __init__(self, path: str = "tiled", block_q: int = 64, block_k: int = 64):
+        self.path, self.block_q, self.block_k = path, block_q, block_k
+
+    def info(self):
+        return {"numpy": np.__version__}
+
+    def _fwd(self, spec, q, k, v, slopes):
+        if self.path == "naive":
+            return naive_forward(spec, q, k, v, slopes)
+        return tiled_forward(spec, q, k, v, slopes, self.block_q, self.block_k)
+
+    def _bwd(self, spec, dout, q, k, v, out, lse, slopes):
+        if self.path == "naive":
+            return naive_backward(spec, dout, q, k, v, slopes)
+        return tiled_backward(spec, dout, q, k, v, out, lse, slopes, self.block_q, self.block_k)
+
+    def forward(self, spec, q, k, v, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None):
+        odt = _out_dtype(spec.dtype)
+        lse_dt = np.float64 if spec.dtype == "float64" else np.float32
+        if not spec.varlen:
+            out, lse = self._fwd(spec, q, k, v, _slopes_for(spec, alibi_slopes, batch=spec.batch))
+            return out.astype(odt), lse.astype(lse_dt)
+        out = np.zeros(q.shape, odt)
+        lse = np.full((spec.nheads, q.shape[0]), -np.inf, lse_dt)
+        for i, sq_, sk_ in _per_sequence(spec, cu_seqlens_q, cu_seqlens_k):
+            o, l = self._fwd(spec, q[None, sq_], k[None, sk_], v[None, sk_],
+                             _slopes_for(spec, alibi_slopes, i))
+            out[sq_] = o[0]
+            lse[:, sq_] = l[0]
+        return out, lse
+
+    def backward(self, spec, dout, q, k, v, out, lse, *, alibi_slopes=None,
+                 cu_seqlens_q=None, cu_seqlens_k=None):
+        if not spec.varlen:
+            dq, dk, dv = self._bwd(spec, dout, q, k, v, out, lse,
+                                   _slopes_for(spec, alibi_slopes, batch=spec.batch))
+            return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+        dq, dk, dv = (np.zeros(x.shape, x.dtype) for x in (q, k, v))
+        for i, sq_, sk_ in _per_sequence(spec, cu_seqlens_q, cu_seqlens_k):
+            g = self._bwd(spec, dout[None, sq_], q[None, sq_], k[None, sk_], v[None, sk_],
+                          out[None, sq_], lse[None, :, sq_], _slopes_for(spec, alibi_slopes, i))
+            dq[sq_], dk[sk_], dv[sk_] = g[0][0], g[1][0], g[2][0]
+        return dq, dk, dv
+
+
+register(NumpyBackend())
