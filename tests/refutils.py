@@ -1,0 +1,59 @@
+"""Shared test helpers: random problems and the flash-attn correctness rule."""
+from __future__ import annotations
+
+import numpy as np
+
+from flashcore.backends.numpy_backend import naive_backward, naive_forward
+from flashcore.spec import forward_spec
+
+
+def rand(rng, shape, dtype=np.float32, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(dtype)
+
+
+def make_problem(rng, b=2, sq=33, sk=47, h=4, hk=2, d=16, dtype=np.float64):
+    q = rand(rng, (b, sq, h, d), dtype)
+    k = rand(rng, (b, sk, hk, d), dtype)
+    v = rand(rng, (b, sk, hk, d), dtype)
+    return q, k, v
+
+
+def slopes_array(spec_like_alibi, b, h, rng):
+    if spec_like_alibi is None:
+        return None
+    if spec_like_alibi == "per_head":
+        return rng.uniform(0.01, 0.5, size=(h,)).astype(np.float32)
+    return rng.uniform(0.01, 0.5, size=(b, h)).astype(np.float32)
+
+
+def reference(q, k, v, dout=None, round_to=None, **kw):
+    """Naive reference on float32/float64 NumPy arrays of dense layout: (out, lse[, grads])."""
+    spec = forward_spec(q, k, v, **{x: y for x, y in kw.items() if x != "alibi_slopes"},
+                        alibi_slopes=kw.get("alibi_slopes"))
+    slopes = kw.get("alibi_slopes")
+    if slopes is not None and np.ndim(slopes) == 1:
+        slopes = np.broadcast_to(np.asarray(slopes)[None], (q.shape[0], len(slopes)))
+    out, lse = naive_forward(spec, q, k, v, slopes, round_to=round_to)
+    if dout is None:
+        return out, lse
+    return out, lse, naive_backward(spec, dout, q, k, v, slopes, round_to=round_to)
+
+
+def max_err(a, b):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    both_inf = np.isinf(a) & np.isinf(b) & (np.sign(a) == np.sign(b))
+    with np.errstate(invalid="ignore"):
+        d = np.where(both_inf, 0.0, np.abs(a - b))
+    return float(np.nanmax(d)) if d.size else 0.0
+
+
+def assert_flash_rule(name, got, ref_hi, ref_lo, factor, atol=1e-5):
+    """flash-attn's rule: |got - ref_hi| <= factor * |ref_lo - ref_hi| + atol (max abs)."""
+    got = np.asarray(got, np.float64)
+    assert not np.isnan(got).any() or np.isnan(ref_hi).any(), f"{name}: NaN in result"
+    e_got = max_err(got, ref_hi)
+    e_lo = max_err(ref_lo, ref_hi)
+    assert e_got <= factor * e_lo + atol, (
+        f"{name}: max error {e_got:.3e} > {factor} x low-precision error {e_lo:.3e} + {atol:g}")
+    return e_got, e_lo
