@@ -87,7 +87,8 @@ def _check_array(name, x, ndim, lib=None, device=None):
 
 
 def _check_last_contiguous(name, x):
-    if x.shape[-1] > 1 and strides_in_elements(x)[-1] != 1:
+    # an empty array, or a last dimension of size 1, has no meaningful last stride
+    if x.shape[-1] > 1 and math.prod(x.shape) > 0 and strides_in_elements(x)[-1] != 1:
         raise _arg_error(ValueError, name,
                          "a contiguous last dimension (stride 1; other strides may be anything)",
                          f"strides {strides_in_elements(x)} (in elements)")

@@ -1,0 +1,167 @@
+"""``python -m flashcore.bench``: flashcore against torch SDPA's flash and cuDNN backends,
+measured in the same run, at the flash-attn benchmark sizes (16k tokens per batch, hidden 2048).
+
+Timing: ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls, median) when Triton
+is installed, else CUDA events around each call after warm-up (median). Inputs are random,
+never zeros. FLOPs are counted as flash-attn does: forward 4·b·h·s²·d (halved for causal),
+backward 2.5× forward, forward+backward 3.5× forward. Prints a table and the ratios; writes
+JSON with ``--json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+
+def _timer():
+    import torch
+    try:
+        from triton.testing import do_bench
+
+        def t(fn):
+            return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
+        return t, "triton.do_bench median"
+    except Exception:
+        def t(fn):
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(20):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) * 1e-3)
+            times.sort()
+            return times[len(times) // 2]
+        return t, "CUDA events median"
+
+
+def run(seqlens, headdims, causals, modes, dtype="bfloat16", tokens=16384, hidden=2048,
+        peers=("sdpa_flash", "sdpa_cudnn"), impls=("cupy",), out=print):
+    import cupy
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import flashcore
+    timer, how = _timer()
+    tdt = getattr(torch, dtype)
+    rows = []
+    out(f"# flashcore vs torch SDPA ({torch.__version__}), {dtype}, {how}; "
+        f"GPU {torch.cuda.get_device_name()}")
+    for d in headdims:
+        h = hidden // d
+        for causal in causals:
+            for s in seqlens:
+                b = max(1, tokens // s)
+                g = torch.Generator(device="cuda").manual_seed(s * 1000 + d)
+                mk = lambda: torch.randn(b, s, h, d, device="cuda", dtype=tdt, generator=g)
+                q, k, v, do = mk(), mk(), mk(), mk()
+                # SDPA's preferred layout is (b, h, s, d) contiguous
+                qt, kt, vt, dot = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
+                fl = 4.0 * b * h * s * s * d / (2 if causal else 1)
+                res = {"seqlen": s, "headdim": d, "causal": causal, "batch": b, "nheads": h}
+                for mode in modes:
+                    flops = fl * {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}[mode]
+                    for impl in tuple(impls) + tuple(peers):
+                        try:
+                            fn = _make(impl, mode, q, k, v, do, qt, kt, vt, dot, causal,
+                                       F, sdpa_kernel, SDPBackend, cupy, flashcore, torch)
+                            t = timer(fn)
+                            res[f"{impl}_{mode}_tflops"] = flops / t / 1e12
+                        except Exception as e:  # a peer that cannot run this shape
+                            res[f"{impl}_{mode}_tflops"] = float("nan")
+                            res[f"{impl}_{mode}_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+                rows.append(res)
+                _print_row(res, modes, impls, peers, out)
+                del q, k, v, do, qt, kt, vt, dot
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _make(impl, mode, q, k, v, do, qt, kt, vt, dot, causal, F, sdpa_kernel, SDPBackend,
+          cupy, flashcore, torch):
+    if impl.startswith("sdpa"):
+        be = SDPBackend.FLASH_ATTENTION if impl == "sdpa_flash" else SDPBackend.CUDNN_ATTENTION
+        if mode == "fwd":
+            def fn():
+                with sdpa_kernel(be):
+                    F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            return fn
+        qg, kg, vg = (x.detach().requires_grad_() for x in (qt, kt, vt))
+        with sdpa_kernel(be):
+            o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+        if mode == "bwd":
+            return lambda: torch.autograd.grad(o, (qg, kg, vg), dot, retain_graph=True)
+
+        def fn():
+            with sdpa_kernel(be):
+                o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+            torch.autograd.grad(o, (qg, kg, vg), dot)
+        return fn
+    if impl == "cupy":
+        cq, ck, cv, cdo = (cupy.from_dlpack(x) for x in (q, k, v, do))
+        o, l = flashcore.attention_forward(cq, ck, cv, causal=causal)
+        if mode == "fwd":
+            return lambda: flashcore.attention_forward(cq, ck, cv, causal=causal)
+        if mode == "bwd":
+            return lambda: flashcore.attention_backward(cdo, cq, ck, cv, o, l, causal=causal)
+
+        def fn():
+            o, l = flashcore.attention_forward(cq, ck, cv, causal=causal)
+            flashcore.attention_backward(cdo, cq, ck, cv, o, l, causal=causal)
+        return fn
+    if impl == "torch":
+        if mode == "fwd":
+            return lambda: flashcore.attention(q, k, v, causal=causal)
+        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+        o = flashcore.attention(qg, kg, vg, causal=causal)
+        if mode == "bwd":
+            return lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)
+
+        def fn():
+            o = flashcore.attention(qg, kg, vg, causal=causal)
+            torch.autograd.grad(o, (qg, kg, vg), do)
+        return fn
+    raise ValueError(impl)
+
+
+def _print_row(r, modes, impls, peers, out):
+    parts = [f"d{r['headdim']:<3d} {'causal' if r['causal'] else 'full  '} s{r['seqlen']:<6d}"]
+    for mode in modes:
+        for impl in tuple(impls) + tuple(peers):
+            parts.append(f"{impl}:{mode} {r.get(f'{impl}_{mode}_tflops', float('nan')):6.1f}")
+        for impl in impls:
+            for p in peers:
+                a, b = r.get(f"{impl}_{mode}_tflops"), r.get(f"{p}_{mode}_tflops")
+                if a and b and not math.isnan(a) and not math.isnan(b):
+                    parts.append(f"{impl}/{p.split('_')[1]} {a / b:5.2f}x")
+    out("  ".join(parts))
+    sys.stdout.flush()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m flashcore.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqlen", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--headdim", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    p.add_argument("--mode", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "bwd", "fwdbwd"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--impl", nargs="+", default=["cupy"], choices=["cupy", "torch"])
+    p.add_argument("--json", help="write the rows to this JSON file")
+    a = p.parse_args(argv)
+    causals = {"both": [False, True], "yes": [True], "no": [False]}[a.causal]
+    rows = run(a.seqlen, a.headdim, causals, a.mode, a.dtype, impls=tuple(a.impl))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

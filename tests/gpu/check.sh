@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The GPU check: the GPU test group, a quick benchmark against torch SDPA (flash and cuDNN
+# backends, same run), and one summary line. Run from the repository root on a GPU machine:
+#     bash tests/gpu/check.sh [quick|full]
+# Logs go to $OUT (or ./gpu-check-out).
+set -uo pipefail
+mode=${1:-full}
+out=${OUT:-gpu-check-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$out/gpu.txt"
+python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'torch', torch.__version__)"
+
+workers=${FLASHCORE_TEST_WORKERS:-8}
+xdist=""
+python3 -c "import xdist" 2>/dev/null && xdist="-n $workers"
+t0=$(date +%s)
+python3 -m pytest tests/gpu -m gpu -q $xdist -p no:cacheprovider --timeout=900 2>&1 | tee "$out/gpu_tests.log" | tail -40
+tests_rc=${PIPESTATUS[0]}
+t1=$(date +%s)
+tests_line=$(grep -E "^(=+ )?[0-9]+ (passed|failed)" "$out/gpu_tests.log" | tail -1)
+
+if [ "$mode" = quick ]; then
+  seqs="1024 4096 16384"; dims="64 128 256"
+else
+  seqs="512 1024 2048 4096 8192 16384"; dims="64 128 256"
+fi
+python3 -m flashcore.bench --seqlen $seqs --headdim $dims --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
+bench_rc=${PIPESTATUS[0]}
+python3 - "$out/bench.json" <<'PY' | tee "$out/summary.txt"
+import json, math, sys
+rows = json.load(open(sys.argv[1]))
+def gm(xs):
+    xs = [x for x in xs if x and not math.isnan(x)]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
+for mode in ("fwd", "fwdbwd"):
+    for peer in ("sdpa_flash", "sdpa_cudnn"):
+        r = [x.get(f"cupy_{mode}_tflops", float("nan")) / x.get(f"{peer}_{mode}_tflops", float("nan")) for x in rows]
+        print(f"{mode:7s} flashcore/{peer}: geomean {gm(r):.2f}x  min {min(r):.2f}x  max {max(r):.2f}x")
+PY
+echo "SUMMARY tests: ${tests_line:-none} (rc $tests_rc, $((t1 - t0)) s); bench rc $bench_rc; $(head -1 "$out/summary.txt" 2>/dev/null)"
+exit $(( tests_rc != 0 || bench_rc != 0 ))

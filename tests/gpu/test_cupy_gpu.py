@@ -1,0 +1,270 @@
+"""The CuPy backend's kernels against the float64 NumPy oracle, with the flash-attn rule:
+max error <= 2x that of the same computation in the low precision (3x for gradients).
+
+Outputs are poisoned (NaN) before each run, inputs are fresh random data, sizes are odd.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from refutils import assert_flash_rule
+from flashcore.backends.numpy_backend import naive_backward, naive_forward, round_to_dtype
+from flashcore.spec import forward_spec
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = ["float16", "bfloat16"]
+
+
+def _cp():
+    import cupy
+    return cupy
+
+
+def to_dev(x32, dtype):
+    cp = _cp()
+    if dtype == "bfloat16":
+        import ml_dtypes
+        return cp.asarray(x32.astype(ml_dtypes.bfloat16))
+    return cp.asarray(x32.astype(dtype))
+
+
+def to_host64(x):
+    return x.get().astype(np.float64)
+
+
+def quantize(x32, dtype):
+    """The values the GPU actually sees, as float32 on the host."""
+    return round_to_dtype(x32, dtype).astype(np.float32)
+
+
+def _slopes(kind, b, h, rng):
+    if kind is None:
+        return None
+    shape = (h,) if kind == "per_head" else (b, h)
+    return rng.uniform(0.02, 0.3, size=shape).astype(np.float32)
+
+
+def run_case(dtype, b, sq, sk, h, hk, d, causal=False, window=(-1, -1), softcap=0.0,
+             alibi=None, seed=0, qscale=1.0, kvscale=1.0, backward=True, deterministic=False,
+             strided=False):
+    cp = _cp()
+    from flashcore.backends.cupy_backend import CupyBackend
+    rng = np.random.default_rng(seed)
+    q32 = quantize(rng.standard_normal((b, sq, h, d)).astype(np.float32) * qscale, dtype)
+    k32 = quantize(rng.standard_normal((b, sk, hk, d)).astype(np.float32) * kvscale, dtype)
+    v32 = quantize(rng.standard_normal((b, sk, hk, d)).astype(np.float32) * kvscale, dtype)
+    do32 = quantize(rng.standard_normal((b, sq, h, d)).astype(np.float32), dtype)
+    slopes = _slopes(alibi, b, h, rng)
+    kw = dict(causal=causal, window_size=window, softcap=softcap)
+    q, k, v, do = (to_dev(x, dtype) for x in (q32, k32, v32, do32))
+    if strided:   # non-contiguous head/seq strides, contiguous last dim
+        def widen(x):
+            big = cp.zeros((x.shape[0], x.shape[1], x.shape[2] + 3, x.shape[3] + 8), x.dtype)
+            big[:, :, :x.shape[2], :x.shape[3]] = x
+            return big[:, :, :x.shape[2], :x.shape[3]]
+        q, k, v, do = (widen(x) for x in (q, k, v, do))
+        assert not q.flags.c_contiguous
+    spec = forward_spec(q, k, v, alibi_slopes=None if slopes is None else cp.asarray(slopes),
+                        deterministic=deterministic, **kw)
+    be = CupyBackend()
+    out = cp.full(q.shape, cp.nan, dtype=q.dtype)           # poison
+    lse = cp.full((b, h, sq), cp.nan, dtype=cp.float32)
+    out, lse = be.forward(spec, q, k, v, out=out, lse=lse,
+                          alibi_slopes=None if slopes is None else cp.asarray(slopes))
+    s64 = None if slopes is None else (np.broadcast_to(slopes[None], (b, h)) if slopes.ndim == 1 else slopes)
+    hi_spec = forward_spec(q32.astype(np.float64), k32.astype(np.float64), v32.astype(np.float64), **kw)
+    ro, rl = naive_forward(hi_spec, q32.astype(np.float64), k32.astype(np.float64), v32.astype(np.float64), s64)
+    lo_spec = forward_spec(q32, k32, v32, **kw)
+    lo_o, _ = naive_forward(lo_spec, q32, k32, v32, s64, round_to=dtype)
+    got_o = to_host64(out)
+    assert np.isfinite(got_o).all(), "non-finite output (unwritten or NaN)"
+    assert_flash_rule("out", got_o, ro, lo_o, 2)
+    got_l = lse.get().astype(np.float64)
+    assert not np.isnan(got_l).any(), "NaN / unwritten lse"
+    assert np.array_equal(np.isneginf(got_l), np.isneginf(rl)), "lse -inf pattern differs"
+    fin = np.isfinite(rl)
+    if fin.any():
+        assert np.abs(got_l[fin] - rl[fin]).max() <= 1e-3 * max(1.0, np.abs(rl[fin]).max()), "lse"
+    if not backward:
+        return
+    dq = cp.full(q.shape, cp.nan, q.dtype)
+    dk = cp.full(k.shape, cp.nan, k.dtype)
+    dv = cp.full(v.shape, cp.nan, v.dtype)
+    dq, dk, dv = be.backward(spec, do, q, k, v, out, lse, dq=dq, dk=dk, dv=dv,
+                             alibi_slopes=None if slopes is None else cp.asarray(slopes))
+    rg = naive_backward(hi_spec, do32.astype(np.float64), q32.astype(np.float64),
+                        k32.astype(np.float64), v32.astype(np.float64), s64)
+    lg = naive_backward(lo_spec, do32, q32, k32, v32, s64, round_to=dtype)
+    for name, got, r, l in zip(("dq", "dk", "dv"), (dq, dk, dv), rg, lg):
+        g = to_host64(got)
+        assert np.isfinite(g).all(), f"{name}: non-finite gradient"
+        assert_flash_rule(name, g, r, round_to_dtype(l.astype(np.float32), dtype), 3)
+    return out, lse, (dq, dk, dv)
+
+
+# ---------- the main matrix: every tile and odd head dims, both dtypes, odd seqlens ----------
+HEADDIMS = [32, 40, 64, 72, 96, 128, 192, 200, 256]
+SEQS = [(1, 1), (17, 113), (113, 203), (203, 17), (1023, 2049), (2049, 1023)]
+MATRIX = []
+for i, d in enumerate(HEADDIMS):
+    for j, (sq, sk) in enumerate(SEQS):
+        if d >= 192 and sq * sk > 2_000_000 and j % 2:
+            continue
+        causal = (i + j) % 2 == 1
+        heads = [(6, 2), (6, 1), (4, 4)][(i + j) % 3]
+        MATRIX.append((d, sq, sk, causal, heads))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d,sq,sk,causal,heads", MATRIX,
+                         ids=[f"d{d}-{sq}x{sk}-{'c' if c else 'f'}-{h[0]}:{h[1]}" for d, sq, sk, c, h in MATRIX])
+def test_matrix(dtype, d, sq, sk, causal, heads):
+    b = 2 if sq * sk < 1_000_000 else 1
+    run_case(dtype, b, sq, sk, heads[0], heads[1], d, causal=causal, seed=hash((d, sq, sk)) % 1000)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_both_causal_settings_each_tile(dtype, d, causal):
+    run_case(dtype, 2, 300, 300, 4, 2, d, causal=causal, seed=11)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_large_scores_no_inf_nan(dtype, d):
+    # flash-attn's stress: q x5, k and v x3 push scores past the fp16 range
+    run_case(dtype, 2, 257, 311, 4, 2, d, qscale=5.0, kvscale=3.0, causal=True, seed=5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fully_masked_rows(dtype):
+    cp = _cp()
+    out, lse, grads = run_case(dtype, 2, 300, 100, 4, 2, 64, causal=True, seed=3)
+    assert bool(cp.all(out[:, :200] == 0)) and bool(cp.all(cp.isneginf(lse[:, :, :200])))
+    assert bool(cp.all(grads[0][:, :200] == 0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [(64, 0), (17, 33), (-1, 5), (100, -1), (0, 0)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_sliding_window(dtype, window, d):
+    run_case(dtype, 2, 333, 517, 4, 2, d, window=window, seed=17)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+def test_softcap(dtype, d):
+    run_case(dtype, 2, 211, 257, 4, 2, d, softcap=10.0, qscale=3.0, causal=True, seed=19)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("alibi", ["per_head", "per_batch_head"])
+def test_alibi(dtype, alibi):
+    run_case(dtype, 2, 211, 257, 4, 2, 64, alibi=alibi, causal=True, seed=23)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_inputs(dtype):
+    run_case(dtype, 2, 129, 177, 4, 2, 64, strided=True, seed=29)
+
+
+@pytest.mark.parametrize("softmax_scale", [1e-4, 3.0])
+def test_extreme_softmax_scale(softmax_scale):
+    cp = _cp()
+    import flashcore
+    rng = np.random.default_rng(31)
+    q, k, v = (to_dev(rng.standard_normal(s).astype(np.float32), "bfloat16")
+               for s in ((1, 100, 2, 64), (1, 130, 2, 64), (1, 130, 2, 64)))
+    out, lse = flashcore.attention_forward(q, k, v, softmax_scale=softmax_scale)
+    h = [x.get().astype(np.float64) for x in (q, k, v)]
+    spec = forward_spec(*h, softmax_scale=softmax_scale)
+    ro, rl = naive_forward(spec, *h)
+    assert np.isfinite(out.get().astype(np.float32)).all()
+    assert np.abs(out.get().astype(np.float64) - ro).max() < 5e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_varlen_with_empty_sequences(dtype):
+    cp = _cp()
+    import flashcore
+    rng = np.random.default_rng(37)
+    lens_q, lens_k = [5, 0, 130, 1, 77], [9, 4, 200, 0, 77]
+    h, hk, d = 6, 2, 64
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q32 = quantize(rng.standard_normal((cu_q[-1], h, d)).astype(np.float32), dtype)
+    k32 = quantize(rng.standard_normal((cu_k[-1], hk, d)).astype(np.float32), dtype)
+    v32 = quantize(rng.standard_normal((cu_k[-1], hk, d)).astype(np.float32), dtype)
+    do32 = quantize(rng.standard_normal(q32.shape).astype(np.float32), dtype)
+    q, k, v, do = (to_dev(x, dtype) for x in (q32, k32, v32, do32))
+    for causal in (False, True):
+        out, lse = flashcore.varlen_attention_forward(q, k, v, cp.asarray(cu_q), cp.asarray(cu_k),
+                                                      causal=causal)
+        dq, dk, dv = flashcore.varlen_attention_backward(do, q, k, v, out, lse, cp.asarray(cu_q),
+                                                         cp.asarray(cu_k), causal=causal)
+        ro, rl = flashcore.varlen_attention_forward(*(x.astype(np.float64) for x in (q32, k32, v32)),
+                                                    cu_q, cu_k, causal=causal)
+        lo, _ = flashcore.varlen_attention_forward(q32, k32, v32, cu_q, cu_k, causal=causal)
+        assert_flash_rule("out", to_host64(out), ro, quantize(lo, dtype), 2, atol=2e-3)
+        gl = lse.get()
+        assert np.array_equal(np.isneginf(gl), np.isneginf(rl))
+        rg = flashcore.varlen_attention_backward(*(x.astype(np.float64) for x in (do32, q32, k32, v32)),
+                                                 ro, rl, cu_q, cu_k, causal=causal)
+        for name, g, r in zip(("dq", "dk", "dv"), (dq, dk, dv), rg):
+            g = to_host64(g)
+            assert np.isfinite(g).all(), name
+            assert np.abs(g - r).max() < 0.05 * max(1.0, np.abs(r).max()), name
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_forward_is_bitwise_repeatable(d):
+    """A race shows up as a result that moves between identical runs."""
+    cp = _cp()
+    import flashcore
+    rng = np.random.default_rng(41)
+    q, k, v = (to_dev(rng.standard_normal(s).astype(np.float32), "bfloat16")
+               for s in ((2, 1000, 4, d), (2, 1000, 2, d), (2, 1000, 2, d)))
+    o0, l0 = flashcore.attention_forward(q, k, v, causal=True)
+    for _ in range(250):
+        o, l = flashcore.attention_forward(q, k, v, causal=True)
+        assert bool((o.view(cp.uint16) == o0.view(cp.uint16)).all())
+        assert bool((l == l0).all())
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_deterministic_backward_bitwise(d):
+    cp = _cp()
+    import flashcore
+    rng = np.random.default_rng(43)
+    q, k, v, do = (to_dev(rng.standard_normal(s).astype(np.float32), "bfloat16")
+                   for s in ((2, 777, 6, d), (2, 901, 2, d), (2, 901, 2, d), (2, 777, 6, d)))
+    out, lse = flashcore.attention_forward(q, k, v, causal=True)
+    ref = flashcore.attention_backward(do, q, k, v, out, lse, causal=True, deterministic=True)
+    for _ in range(10):
+        g = flashcore.attention_backward(do, q, k, v, out, lse, causal=True, deterministic=True)
+        for a, b in zip(g, ref):
+            assert bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
+
+
+def test_deterministic_matches_reference():
+    run_case("bfloat16", 2, 333, 444, 6, 2, 128, causal=True, deterministic=True, seed=47)
+
+
+def test_bad_headdim_refused_before_launch():
+    import flashcore
+    from flashcore.backends.base import NotSupportedError
+    rng = np.random.default_rng(0)
+    q = to_dev(rng.standard_normal((1, 8, 2, 36)).astype(np.float32), "float16")
+    with pytest.raises(NotSupportedError, match="headdim 36"):
+        flashcore.attention_forward(q, q, q)
+    q = to_dev(rng.standard_normal((1, 8, 2, 264)).astype(np.float32), "float16")
+    with pytest.raises(NotSupportedError, match="headdim 264"):
+        flashcore.attention_forward(q, q, q)
+    q = _cp().asarray(rng.standard_normal((1, 8, 2, 64)).astype(np.float32))
+    with pytest.raises(NotSupportedError, match="float32"):
+        flashcore.attention_forward(q, q, q)
