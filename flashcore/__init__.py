@@ -10,11 +10,12 @@ from .api import (
     varlen_attention_forward,
 )
 from .backends.base import NotSupportedError
+from .backends.cupy_backend import DeviceMemoryError
 
 __version__ = "0.1.0"
 
 __all__ = [
     "attention", "attention_forward", "attention_backward",
     "varlen_attention", "varlen_attention_forward", "varlen_attention_backward",
-    "backends", "NotSupportedError", "__version__",
+    "backends", "NotSupportedError", "DeviceMemoryError", "__version__",
 ]

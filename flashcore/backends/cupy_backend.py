@@ -5,13 +5,37 @@ probed lazily: importing flashcore never imports CuPy.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+import re
 
 from ..spec import AttentionSpec
 from .base import Backend, register
 
 MIN_COMPUTE_CAPABILITY = 80
+
+
+class DeviceMemoryError(MemoryError):
+    """The GPU ran out of memory; ``nbytes`` is the size of the allocation that failed."""
+
+    def __init__(self, msg, nbytes=None):
+        super().__init__(msg)
+        self.nbytes = nbytes
+
+
+@contextlib.contextmanager
+def _translate_oom(what):
+    import cupy
+    try:
+        yield
+    except cupy.cuda.memory.OutOfMemoryError as e:
+        m = re.search(r"allocating ([\d,]+) bytes", str(e))
+        nbytes = int(m.group(1).replace(",", "")) if m else None
+        raise DeviceMemoryError(
+            f"flashcore {what}: out of GPU memory while allocating "
+            f"{nbytes if nbytes is not None else 'an unknown number of'} bytes ({e})",
+            nbytes) from None
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,7 +104,7 @@ class CupyBackend(Backend):
                 out=None, lse=None):
         import cupy
         from ..kernels.forward import launch_forward
-        with cupy.cuda.Device(q.device.id):
+        with cupy.cuda.Device(q.device.id), _translate_oom("forward"):
             if out is None:
                 out = cupy.empty(q.shape, dtype=q.dtype)
             if lse is None:
@@ -99,7 +123,7 @@ class CupyBackend(Backend):
                  cu_seqlens_q=None, cu_seqlens_k=None, dq=None, dk=None, dv=None):
         import cupy
         from ..kernels.backward import launch_backward
-        with cupy.cuda.Device(q.device.id):
+        with cupy.cuda.Device(q.device.id), _translate_oom("backward"):
             dq = cupy.empty(q.shape, q.dtype) if dq is None else dq
             dk = cupy.empty(k.shape, k.dtype) if dk is None else dk
             dv = cupy.empty(v.shape, v.dtype) if dv is None else dv

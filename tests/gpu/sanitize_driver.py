@@ -1,0 +1,55 @@
+"""Runs a representative matrix of every kernel once, small sizes, for compute-sanitizer.
+
+Uses plain cudaMalloc per array (no memory pool), so an out-of-bounds access lands outside an
+allocation where memcheck sees it. Run through tests/gpu/sanitize.sh."""
+import sys
+
+import numpy as np
+import cupy as cp
+
+import flashcore
+
+cp.cuda.set_allocator(None)
+rng = np.random.default_rng(0)
+
+
+def arr(shape, dtype):
+    x = rng.standard_normal(shape).astype(np.float32)
+    if dtype == "bfloat16":
+        import ml_dtypes
+        return cp.asarray(x.astype(ml_dtypes.bfloat16))
+    return cp.asarray(x.astype(dtype))
+
+
+CASES = []
+for d in (32, 40, 64, 96, 128, 192, 256):
+    CASES.append(dict(d=d, sq=77, sk=93, causal=d % 64 == 0, dtype="bfloat16" if d % 3 else "float16"))
+CASES += [
+    dict(d=64, sq=130, sk=70, causal=True, dtype="float16"),             # fully masked rows
+    dict(d=128, sq=1, sk=257, causal=False, dtype="bfloat16"),
+    dict(d=64, sq=200, sk=200, window=(31, 5), dtype="bfloat16"),
+    dict(d=64, sq=100, sk=150, softcap=5.0, alibi=True, dtype="float16"),
+    dict(d=128, sq=190, sk=190, causal=True, deterministic=True, dtype="bfloat16"),
+    dict(d=64, varlen=True, dtype="bfloat16"),
+]
+n = 0
+for c in CASES:
+    d, dt = c["d"], c["dtype"]
+    kw = dict(causal=c.get("causal", False), window_size=c.get("window", (-1, -1)),
+              softcap=c.get("softcap", 0.0), deterministic=c.get("deterministic", False))
+    if c.get("alibi"):
+        kw["alibi_slopes"] = cp.asarray(rng.uniform(0.1, 0.5, 4).astype(np.float32))
+    if c.get("varlen"):
+        cu_q = cp.asarray(np.array([0, 5, 5, 140, 141], np.int32))
+        cu_k = cp.asarray(np.array([0, 9, 13, 100, 100], np.int32))
+        q, k, v, do = arr((141, 4, d), dt), arr((100, 2, d), dt), arr((100, 2, d), dt), arr((141, 4, d), dt)
+        out, lse = flashcore.varlen_attention_forward(q, k, v, cu_q, cu_k, **kw)
+        g = flashcore.varlen_attention_backward(do, q, k, v, out, lse, cu_q, cu_k, **kw)
+    else:
+        q, do = arr((2, c["sq"], 4, d), dt), arr((2, c["sq"], 4, d), dt)
+        k, v = arr((2, c["sk"], 2, d), dt), arr((2, c["sk"], 2, d), dt)
+        out, lse = flashcore.attention_forward(q, k, v, **kw)
+        g = flashcore.attention_backward(do, q, k, v, out, lse, **kw)
+    cp.cuda.Device().synchronize()
+    n += 1
+print(f"sanitize driver: {n} cases ran")
