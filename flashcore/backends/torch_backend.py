@@ -1,2 +1,330 @@
-"""PLACEHOLDER being written by the torch engineer."""
-from .base import Backend, register
+"""The torch backend: torch tensors in, torch tensors out, no copies on the way.
+
+Three thin layers, bottom to top:
+
+1. :class:`TorchBackend` moves tensors to the backend that does the work and back, zero-copy:
+   CPU tensors become NumPy views (``t.detach().numpy()``) for the NumPy backend and its
+   results come back through ``torch.from_numpy``; CUDA tensors become CuPy arrays through
+   DLPack (``cupy.from_dlpack(t.detach())``), the outputs are allocated by torch and handed to
+   the CuPy kernels as ``out=``/``lse=``/``dq=``..., and the kernels run on torch's current
+   stream and on the tensor's device.
+2. Two ``torch.library`` custom ops, ``flashcore::fwd`` and ``flashcore::bwd``, with fake
+   (shape-only) implementations, so that ``torch.compile(fullgraph=True)`` traces through
+   flashcore without a graph break and ``torch.library.opcheck`` passes. One op serves padded
+   and varlen calls: ``cu_seqlens_q`` present means varlen.
+3. Autograd registered on the ops (``register_autograd``): the forward saves
+   ``(q, k, v, out, lse)``, the backward calls ``flashcore::bwd``. ``lse`` is not
+   differentiable; differentiating the backward (double backward) is refused.
+
+Nothing here imports torch at flashcore import time: the ops are defined on first use.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+
+from .._arrays import device_of, dtype_name
+from ..spec import FLOAT_DTYPES, AttentionSpec, forward_spec
+from .base import Backend, choose, get_backend, register
+
+__all__ = ["TorchBackend", "autograd_attention", "torch_ops"]
+
+DOUBLE_BACKWARD_MESSAGE = (
+    "flashcore: double backward is not supported (the attention backward is not itself "
+    "differentiable); use torch.nn.functional.scaled_dot_product_attention's math backend "
+    "for higher-order gradients")
+
+
+# --------------------------------------------------------------------------------------------
+# Layer 1: the backend (no autograd)
+# --------------------------------------------------------------------------------------------
+
+_TORCH_REASON: list = []    # memo of _torch_unavailable_reason(), filled on first call
+
+
+def _torch_unavailable_reason() -> str | None:
+    if "torch" in sys.modules:  # already imported: usable, and no file-system probe
+        return None
+    if not _TORCH_REASON:
+        _TORCH_REASON.append(None if importlib.util.find_spec("torch") is not None else
+                             "PyTorch is not installed (pip install 'flashcore[torch]')")
+    return _TORCH_REASON[0]
+
+
+def _cupy_bf16_reason() -> str | None:
+    """Why bfloat16 cannot cross DLPack into CuPy here, or None."""
+    import cupy
+    if int(cupy.__version__.split(".")[0]) < 14:
+        return (f"bfloat16 CUDA tensors need CuPy >= 14 to cross DLPack (found CuPy "
+                f"{cupy.__version__})")
+    if importlib.util.find_spec("ml_dtypes") is None:
+        return "bfloat16 CUDA tensors need the ml_dtypes package (pip install ml_dtypes)"
+    return None
+
+
+def _cupy_stream(torch, device):
+    """torch's current stream on ``device`` as a CuPy stream (usable as a context)."""
+    import cupy
+    ts = torch.cuda.current_stream(device)
+    if hasattr(cupy.cuda.Stream, "from_external"):     # CuPy >= 14
+        return cupy.cuda.Stream.from_external(ts)
+    return cupy.cuda.ExternalStream(ts.cuda_stream, device.index)
+
+
+def _contiguous_numpy_to_torch(torch, a):
+    # The NumPy backend may hand back a (b, s, h, d) view of (b, h, s, d) memory; the fake
+    # implementations promise contiguous results, so make them so (a copy only when needed).
+    import numpy as np
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+class TorchBackend(Backend):
+    """torch.Tensor front end: CPU tensors on the NumPy backend, CUDA tensors on the CuPy kernels.
+
+    Capabilities depend on where the tensors live: CPU takes float16/float32/float64
+    (bfloat16 has no NumPy view), CUDA takes what the CuPy kernels take (float16/bfloat16,
+    headdim a multiple of 8 up to 256). ``not_supported_reasons`` says which applies.
+    """
+
+    name = "torch"
+    libraries = ("torch",)
+    dtypes = FLOAT_DTYPES
+
+    def unavailable_reason(self):
+        return _torch_unavailable_reason()
+
+    def info(self):
+        if self.unavailable_reason() is not None:
+            return {}
+        import torch
+        d = {"torch": torch.__version__, "torch_cuda": torch.version.cuda}
+        if torch.cuda.is_available():
+            d["torch_gpu"] = torch.cuda.get_device_name()
+        return d
+
+    def not_supported_reasons(self, spec: AttentionSpec, backward: bool = False):
+        r = super().not_supported_reasons(spec, backward)
+        if r:
+            return r
+        if spec.device == "cpu":
+            if spec.dtype == "bfloat16":
+                return ["bfloat16 CPU tensors are not supported: NumPy cannot view torch's "
+                        "bfloat16 storage without a copy (use float32/float64 on CPU, or a "
+                        "CUDA tensor)"]
+            numpy_backend = get_backend("numpy")
+            return [f"on CPU (NumPy backend): {x}" for x in
+                    numpy_backend.not_supported_reasons(dataclasses.replace(spec, library="numpy"),
+                                                        backward)]
+        if spec.device.startswith("cuda"):
+            cupy_backend = get_backend("cupy")
+            reasons = cupy_backend.not_supported_reasons(
+                dataclasses.replace(spec, library="cupy"), backward)
+            if not reasons and spec.dtype == "bfloat16":
+                why = _cupy_bf16_reason()
+                reasons = [why] if why else []
+            return [f"CUDA tensors run on the CuPy kernels, which cannot take this call: {x}"
+                    for x in reasons]
+        return [f"tensors on {spec.device} are not supported (CPU and CUDA only)"]
+
+    # -- the work (plain tensors in and out; autograd lives in the custom ops below) --------
+
+    def forward(self, spec, q, k, v, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None):
+        """Return ``(out, lse)`` as torch tensors on q's device; out contiguous, like q."""
+        import torch
+        if q.device.type == "cpu":
+            nb = get_backend("numpy")
+            out, lse = nb.forward(dataclasses.replace(spec, library="numpy"),
+                                  *(_np(x) for x in (q, k, v)),
+                                  alibi_slopes=_np(alibi_slopes), cu_seqlens_q=_np(cu_seqlens_q),
+                                  cu_seqlens_k=_np(cu_seqlens_k))
+            return _contiguous_numpy_to_torch(torch, out), _contiguous_numpy_to_torch(torch, lse)
+        import cupy
+        cb = get_backend("cupy")
+        lse_shape = (spec.nheads, spec.total_q) if spec.varlen else \
+            (spec.batch, spec.nheads, spec.seqlen_q)
+        with cupy.cuda.Device(q.device.index), _cupy_stream(torch, q.device):
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+            cb.forward(dataclasses.replace(spec, library="cupy"), *(_cp(x) for x in (q, k, v)),
+                       alibi_slopes=_cp(alibi_slopes), cu_seqlens_q=_cp(cu_seqlens_q),
+                       cu_seqlens_k=_cp(cu_seqlens_k), out=_cp(out), lse=_cp(lse))
+        return out, lse
+
+    def backward(self, spec, dout, q, k, v, out, lse, *, alibi_slopes=None,
+                 cu_seqlens_q=None, cu_seqlens_k=None):
+        """Return ``(dq, dk, dv)`` as contiguous torch tensors like q, k, v."""
+        import torch
+        if q.device.type == "cpu":
+            nb = get_backend("numpy")
+            grads = nb.backward(dataclasses.replace(spec, library="numpy"),
+                                *(_np(x) for x in (dout, q, k, v, out, lse)),
+                                alibi_slopes=_np(alibi_slopes), cu_seqlens_q=_np(cu_seqlens_q),
+                                cu_seqlens_k=_np(cu_seqlens_k))
+            return tuple(_contiguous_numpy_to_torch(torch, g) for g in grads)
+        import cupy
+        cb = get_backend("cupy")
+        with cupy.cuda.Device(q.device.index), _cupy_stream(torch, q.device):
+            dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+            cb.backward(dataclasses.replace(spec, library="cupy"),
+                        *(_cp(x) for x in (dout, q, k, v, out, lse)),
+                        alibi_slopes=_cp(alibi_slopes), cu_seqlens_q=_cp(cu_seqlens_q),
+                        cu_seqlens_k=_cp(cu_seqlens_k), dq=_cp(dq), dk=_cp(dk), dv=_cp(dv))
+        return dq, dk, dv
+
+
+def _np(t):
+    """A NumPy view of a CPU tensor's storage (no copy), or None."""
+    return None if t is None else t.detach().numpy()
+
+
+def _cp(t):
+    """A CuPy view of a CUDA tensor's storage through DLPack (no copy), or None.
+
+    Called with torch's stream current in CuPy, so the DLPack exchange needs no sync.
+    """
+    if t is None:
+        return None
+    import cupy
+    return cupy.from_dlpack(t.detach())
+
+
+_BACKEND = register(TorchBackend())
+
+
+# --------------------------------------------------------------------------------------------
+# Layer 2: torch.library custom ops with fake implementations
+# --------------------------------------------------------------------------------------------
+
+# The call's options cross the op boundary as plain scalars (a schema cannot take a spec);
+# the window is already folded with `causal` by flashcore.spec, -1 meaning unbounded.
+_OPTIONS = ("int max_seqlen_q, int max_seqlen_k, bool causal, float softmax_scale, "
+            "int window_left, int window_right, float softcap, bool deterministic")
+_FWD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? alibi_slopes, Tensor? cu_seqlens_q, "
+               f"Tensor? cu_seqlens_k, {_OPTIONS}) -> (Tensor, Tensor)")
+_BWD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+               "Tensor? alibi_slopes, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
+               f"{_OPTIONS}) -> (Tensor, Tensor, Tensor)")
+
+
+def _op_spec(q, k, alibi_slopes, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal,
+             softmax_scale, window_left, window_right, softcap, deterministic) -> AttentionSpec:
+    """The spec of an op call, from arguments flashcore.spec validated before the op ran."""
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        batch, sq, sk = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
+        total_q, total_k = q.shape[0], k.shape[0]
+    else:
+        batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+        total_q = total_k = None
+    alibi = None if alibi_slopes is None else \
+        ("per_head" if alibi_slopes.ndim == 1 else "per_batch_head")
+    return AttentionSpec(
+        library="torch", device=device_of(q), dtype=dtype_name(q), batch=batch, seqlen_q=sq,
+        seqlen_k=sk, nheads=q.shape[-2], nheads_k=k.shape[-2], headdim=q.shape[-1],
+        causal=causal, window_left=window_left, window_right=window_right,
+        softmax_scale=softmax_scale, softcap=softcap, alibi=alibi,
+        deterministic=deterministic, varlen=varlen, total_q=total_q, total_k=total_k)
+
+
+_OPS: list = []   # [torch.ops.flashcore], filled by torch_ops() on first use
+
+
+def torch_ops():
+    """``torch.ops.flashcore`` with ``fwd`` and ``bwd`` defined (imports torch on first use)."""
+    if not _OPS:
+        _OPS.append(_define_ops())
+    return _OPS[0]
+
+
+def _define_ops():
+    import torch
+
+    @torch.library.custom_op("flashcore::fwd", mutates_args=(), schema=_FWD_SCHEMA)
+    def fwd(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            causal, softmax_scale, window_left, window_right, softcap, deterministic):
+        spec = _op_spec(q, k, alibi_slopes, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal,
+                        softmax_scale, window_left, window_right, softcap, deterministic)
+        return _BACKEND.forward(spec, q, k, v, alibi_slopes=alibi_slopes,
+                                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+
+    @fwd.register_fake
+    def _fwd_fake(q, k, v, alibi_slopes, cu_seqlens_q, *_):
+        lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else \
+            (q.shape[0], q.shape[2], q.shape[1])
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=lse_dtype)
+
+    @torch.library.custom_op("flashcore::bwd", mutates_args=(), schema=_BWD_SCHEMA)
+    def bwd(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
+            deterministic):
+        spec = _op_spec(q, k, alibi_slopes, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal,
+                        softmax_scale, window_left, window_right, softcap, deterministic)
+        return _BACKEND.backward(spec, dout, q, k, v, out, lse, alibi_slopes=alibi_slopes,
+                                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+
+    @bwd.register_fake
+    def _bwd_fake(dout, q, k, v, *_):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    # -- Layer 3: autograd ------------------------------------------------------------------
+
+    def fwd_setup_context(ctx, inputs, output):
+        q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *options = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+        ctx.options = options
+        ctx.mark_non_differentiable(lse)
+
+    def fwd_backward(ctx, dout, _dlse):
+        q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        # The kernels need a contiguous last dimension; the incoming gradient can be anything
+        # (an expanded scalar from .sum() has stride 0 everywhere).
+        if dout.shape[-1] > 1 and dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        dq, dk, dv = torch.ops.flashcore.bwd(dout, q, k, v, out, lse, alibi_slopes,
+                                             cu_seqlens_q, cu_seqlens_k, *ctx.options)
+        return (dq, dk, dv) + (None,) * (3 + len(ctx.options))
+
+    torch.library.register_autograd("flashcore::fwd", fwd_backward,
+                                    setup_context=fwd_setup_context)
+
+    def bwd_setup_context(ctx, inputs, output):
+        pass
+
+    def bwd_backward(ctx, *grads):
+        raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
+
+    torch.library.register_autograd("flashcore::bwd", bwd_backward,
+                                    setup_context=bwd_setup_context)
+    return torch.ops.flashcore
+
+
+# --------------------------------------------------------------------------------------------
+# The entry point used by flashcore.attention / flashcore.varlen_attention on torch tensors
+# --------------------------------------------------------------------------------------------
+
+def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, softmax_scale=None,
+                       window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                       deterministic=False, cu_seqlens_q=None, cu_seqlens_k=None,
+                       max_seqlen_q=None, max_seqlen_k=None):
+    """Differentiable attention on torch tensors. Returns ``(out, lse)``; lse has no gradient.
+
+    The arguments are validated (flashcore.spec) and a backend chosen before any op runs;
+    under ``torch.compile`` the same Python runs at trace time on fake tensors.
+    """
+    import torch
+    spec = forward_spec(q, k, v, varlen=varlen, causal=causal, softmax_scale=softmax_scale,
+                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                        deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
+                        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                        max_seqlen_k=max_seqlen_k)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or
+                                              v.requires_grad)
+    choose(spec, backend, backward=needs_grad)
+    return torch_ops().fwd(q, k, v, alibi_slopes, cu_seqlens_q if varlen else None,
+                           cu_seqlens_k if varlen else None,
+                           spec.seqlen_q if varlen else 0, spec.seqlen_k if varlen else 0,
+                           spec.causal, spec.softmax_scale, spec.window_left, spec.window_right,
+                           spec.softcap, spec.deterministic)

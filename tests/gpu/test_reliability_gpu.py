@@ -58,9 +58,7 @@ def test_one_million_tokens_forward_backward_memory_linear():
     s, h, hk, d = 1 << 20, 2, 1, 128
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
-    rs = cp.random.RandomState(2)
-    q = rs.standard_normal((1, s, h, d), dtype=cp.float32).astype(cp.bfloat16) \
-        if hasattr(cp, "bfloat16") else _bf16(cp, np.random.default_rng(2).standard_normal((1, s, h, d), dtype=np.float32))
+    q = _bf16(cp, np.random.default_rng(2).standard_normal((1, s, h, d), dtype=np.float32))
     k = _bf16(cp, np.random.default_rng(3).standard_normal((1, s, hk, d), dtype=np.float32))
     v = _bf16(cp, np.random.default_rng(4).standard_normal((1, s, hk, d), dtype=np.float32))
     do = _bf16(cp, np.random.default_rng(5).standard_normal((1, s, h, d), dtype=np.float32))
