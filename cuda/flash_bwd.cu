@@ -1,0 +1,863 @@
+// flashcore: attention backward, Ampere-class path (mma.sync m16n8k16, ldmatrix, cp.async).
+//
+// FlashAttention-2 structure, four kernels (flashcore/kernels/backward.py launches them):
+//
+//   1. flash_bwd_preprocess_kernel   D = rowsum(dO * O) in fp32 -> p.dsoftmax_sum (lse layout).
+//   2. flash_bwd_dkdv_kernel         one CTA per (key block, kv head, batch). K and V of the block
+//                                    stay in shared memory; the CTA loops over the query heads of
+//                                    its GQA group and over the query blocks that can see the key
+//                                    block, recomputing the probabilities from lse, and keeps dK,
+//                                    dV in fp32 registers for the whole loop: the GQA sum over the
+//                                    sharing query heads is free and deterministic. With
+//                                    Atomic_dq it also adds dS*K of every block into the fp32
+//                                    p.dq_accum with red.global.add.
+//   3a. flash_bwd_convert_dq_kernel  (atomic mode) dq = dq_accum * softmax_scale -> 16-bit.
+//   3b. flash_bwd_dq_kernel          (deterministic mode) one CTA per (query block, head, batch)
+//                                    loops over key blocks and accumulates dQ in registers: no
+//                                    atomics, so the summation order (and every bit) is fixed.
+//
+// Math (per head; s = scaled, capped, biased, masked score of the forward):
+//   P   = exp(s - lse)                      (lse = -inf for a row with no visible key)
+//   dV  = P^T dO          dP = dO V^T       D = rowsum(dO * O) = rowsum(P * dP)
+//   dS  = P * (dP - D) * ds/dS_raw,  ds/dS_raw = scale (no softcap) or scale * (1 - tanh^2)
+//   dK  = dS^T Q          dQ = dS K
+// The factor softmax_scale is left out of dS (which is rounded to 16 bits as an mma operand,
+// and is better conditioned without it) and applied once to dK at the end and to dQ in the
+// convert kernel / the dQ kernel's epilogue.
+//
+// Orientation of the key-block kernel. Its warps own KEY rows: a warp computes the transposed
+// scores S^T = K Q^T for 16 keys x (its share of) the query block, so the mma accumulator rows
+// are keys and its columns are queries. That is exactly the row layout of the A operand of
+// dV += P^T dO and dK += dS^T Q (rows = keys, reduction over queries), so when one warp owns a
+// key row over the whole query block and the whole head dim (the "register reuse" configs,
+// head dim <= 128) P^T and dS^T go from the fp32 accumulators straight into A fragments, as P
+// does in the forward's P V product, and never touch shared memory. Only dS^T is stored (as
+// 16-bit, [key][query]) because dQ = dS K reduces over keys, i.e. across warps. For head dims
+// 192/256 one warp cannot hold dK and dV for 16 keys x the whole head dim (that would be 256
+// fp32 registers), so two warps split the head dim for dK/dV and the query block for S^T; P^T
+// then also goes through shared memory.
+//
+// Shared tiles are row-major 16-bit with 16-byte chunks XOR-swizzled by the row (bwd_swz
+// below); every writer (cp.async, st.shared of dS/P) and every reader (ldmatrix) goes through
+// the same function, so the swizzle is consistent by construction.
+#include "flash_params.cuh"
+#include "ptx.cuh"
+
+#define FC_BWD_LOG2E 1.4426950408889634f
+
+// ---- small helpers (backward-local) ---------------------------------------------------------
+
+// Swizzled element offset of (row, col) in a ROWS x COLS tile. Rows whose chunk count is a
+// multiple of 8 XOR the chunk with row % 8 (within its aligned group of 8 chunks); rows of 4 or
+// 12 chunks (32 / 96 columns) XOR with (row / 2) % 4 within the aligned group of 4 chunks, which
+// keeps the 8 rows of one ldmatrix phase on 8 distinct 16-byte bank groups in both cases.
+template <int COLS>
+__device__ __forceinline__ int bwd_swz(int row, int col) {
+    constexpr int kChunks = COLS / 8;
+    static_assert(COLS % 32 == 0, "tile width must be a multiple of 32 elements");
+    const int chunk = col >> 3;
+    int sw;
+    if constexpr (kChunks % 8 == 0) {
+        sw = chunk ^ (row & 7);
+    } else {
+        sw = chunk ^ ((row >> 1) & 3);
+    }
+    return row * COLS + (sw << 3) + (col & 7);
+}
+
+template <int COLS>
+__device__ __forceinline__ fc_u32 bwd_saddr(const fc_u16* base, int row, int col) {
+    return smem_u32(base + bwd_swz<COLS>(row, col));
+}
+
+// Per-lane ldmatrix addressing without re-deriving the swizzle at every call (ptxas otherwise
+// hoists dozens of loop-invariant addresses into registers). An ldmatrix.x4 reads a 16x16 block
+// whose lanes each supply one 16-byte row; lane l's row inside the block and its chunk-low bit
+// are fixed for the kernel, and because a block starts at a row that is a multiple of 16, the
+// row's swizzle value is fixed too. Two lane patterns cover every ldmatrix here:
+//   kLdsmA: row (l & 7) + 8 * ((l >> 3) & 1), chunk-lo l >> 4  -> A fragment (plain) / B pair (.trans)
+//   kLdsmB: row (l & 7) + 8 * (l >> 4), chunk-lo (l >> 3) & 1  -> B pair (plain) / A fragment (.trans)
+// The 16-column step c of a block is chunk 2c + lo; inside a swizzle group of 2*kHalf chunks,
+// (2c + lo) ^ rsw = ((lo ^ rsw) ^ 2c), so the byte offset is a per-lane constant XOR an
+// immediate. xor_lo lets warps that interleave 16-column steps (step kSplit * i + w) fold their
+// w into the lane constant and call with c = kSplit * i (valid for kSplit in {1, 2}).
+enum { kLdsmA = 0, kLdsmB = 1 };
+template <int COLS>
+struct BwdLdsm {
+    static constexpr int kHalf = (COLS / 8) % 8 == 0 ? 4 : 2;  // 16-column steps per swizzle group
+    fc_u32 lane_off;                                            // bytes
+    fc_u32 sw;                                                  // bytes
+    __device__ __forceinline__ BwdLdsm(int pattern, int lane, int xor_lo = 0) {
+        const int row = pattern == kLdsmA ? (lane & 7) + ((lane >> 3) & 1) * 8 : (lane & 7) + (lane >> 4) * 8;
+        const int lo = pattern == kLdsmA ? (lane >> 4) : ((lane >> 3) & 1);
+        const int rsw = kHalf == 4 ? (row & 7) : ((row >> 1) & 3);
+        lane_off = static_cast<fc_u32>(row * COLS * 2);
+        sw = static_cast<fc_u32>(((lo ^ rsw) << 4) ^ (xor_lo << 5));
+    }
+    // Byte offset from the tile start of this lane's row for the block at rows r0.. (r0 % 16 == 0)
+    // and 16-column step c (compile-time after unrolling).
+    __device__ __forceinline__ fc_u32 operator()(int r0, int c) const {
+        return lane_off + static_cast<fc_u32>(r0 * COLS * 2) + (c / kHalf) * (kHalf * 32) +
+               (sw ^ static_cast<fc_u32>((c % kHalf) << 5));
+    }
+};
+
+// fp32 reduction into global memory (no return value: red, not atom). sm_90 has a 2-wide vector
+// form, which halves the number of reduction instructions for dQ.
+__device__ __forceinline__ void bwd_red_add2(float* addr, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(addr), "f"(a), "f"(b) : "memory");
+#else
+    asm volatile("red.global.add.f32 [%0], %1;" :: "l"(addr), "f"(a) : "memory");
+    asm volatile("red.global.add.f32 [%0], %1;" :: "l"(addr + 1), "f"(b) : "memory");
+#endif
+}
+
+__device__ __forceinline__ float bwd_rcp(float x) {  // rcp(+inf) = 0
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// tanh accurate to a few fp32 ulps in absolute terms: 1 - 2 / (2^(2x log2 e) + 1). tanh.approx
+// has a relative error of ~2^-11, which the softcap multiplies (c * tanh) into score errors of
+// c * 5e-4 -- several percent of a probability at c = 50. Saturates cleanly: x -> +inf gives 1
+// (rcp(inf) = 0), x -> -inf gives -1.
+__device__ __forceinline__ float bwd_tanh(float x) {
+    return 1.f - 2.f * bwd_rcp(fc_exp2(x * (2.f * FC_BWD_LOG2E)) + 1.f);
+}
+
+// Where one sequence of the batch lives (varlen: rows of the packed tensors).
+struct BwdSeq {
+    long long q_off, k_off;  // first row of the sequence in the packed tensors (0 otherwise)
+    int sq, sk;
+};
+__device__ __forceinline__ BwdSeq bwd_seq(const FlashParams& p, int b) {
+    BwdSeq s;
+    s.q_off = 0;
+    s.k_off = 0;
+    s.sq = p.seqlen_q;
+    s.sk = p.seqlen_k;
+    if (p.cu_seqlens_q != nullptr) {
+        const int a = p.cu_seqlens_q[b];
+        s.q_off = a;
+        s.sq = p.cu_seqlens_q[b + 1] - a;
+    }
+    if (p.cu_seqlens_k != nullptr) {
+        const int a = p.cu_seqlens_k[b];
+        s.k_off = a;
+        s.sk = p.cu_seqlens_k[b + 1] - a;
+    }
+    return s;
+}
+
+// cp.async a ROWS x COLS 16-bit tile (row r at g + r * row_stride) into a swizzled shared tile.
+// Rows >= rows_valid and columns >= cols_valid are zero-filled (the source is not read; its
+// address is clamped to g so that no out-of-range address is even formed).
+template <int ROWS, int COLS, int NT, bool Is_even_d>
+__device__ __forceinline__ void bwd_load_tile(fc_u16* s, const fc_u16* g, long long row_stride,
+                                              int rows_valid, int cols_valid, int tid) {
+    constexpr int kChunksPerRow = COLS / 8;
+    constexpr int kTotal = ROWS * kChunksPerRow;
+#pragma unroll
+    for (int it = 0; it < (kTotal + NT - 1) / NT; ++it) {
+        const int idx = it * NT + tid;
+        if (kTotal % NT == 0 || idx < kTotal) {
+            const int r = idx / kChunksPerRow;
+            const int c = (idx % kChunksPerRow) * 8;
+            const bool pred = r < rows_valid && (Is_even_d || c < cols_valid);
+            const fc_u16* src = pred ? g + r * row_stride + c : g;
+            cp_async_16(bwd_saddr<COLS>(s, r, c), src, pred);
+        }
+    }
+}
+
+// The dQ tile width handled by one warp per pass of the key-block kernel's dQ product: as wide
+// as possible (64 columns = 32 fp32 registers) while dividing the head dim evenly.
+template <int kHeadDim, int kWarpsD>
+struct BwdDqCols {
+    static constexpr int value = kHeadDim % (64 * kWarpsD) == 0 ? 64
+                               : kHeadDim % (48 * kWarpsD) == 0 ? 48
+                               : kHeadDim % (32 * kWarpsD) == 0 ? 32
+                               : 16;
+    static_assert(kHeadDim % (value * kWarpsD) == 0, "no dQ column split for this head dim");
+};
+
+// ---- 1. preprocess: D = rowsum(dO * O) --------------------------------------------------------
+// Grid (ceil(seqlen_q / 64), nheads, batch), 256 threads: groups of 8 lanes own one row at a
+// time, each lane reading 16-byte chunks of dO and O (head dim is a multiple of 8).
+template <typename Elem>
+__global__ void __launch_bounds__(256) flash_bwd_preprocess_kernel(const FlashParams p) {
+    constexpr int kRows = 64;
+    const int b = blockIdx.z, h = blockIdx.y;
+    const BwdSeq seq = bwd_seq(p, b);
+    const int m0 = blockIdx.x * kRows;
+    if (m0 >= seq.sq) return;
+    const int grp = threadIdx.x >> 3, l8 = threadIdx.x & 7;
+    const int nchunks = p.headdim >> 3;
+#pragma unroll
+    for (int r = grp; r < kRows; r += 32) {
+        const int i = m0 + r;
+        float acc = 0.f;
+        if (i < seq.sq) {
+            const long long row = seq.q_off + i;
+            const fc_u16* o = static_cast<const fc_u16*>(p.o) + b * p.o_batch_stride +
+                              row * p.o_row_stride + h * p.o_head_stride;
+            const fc_u16* dout = static_cast<const fc_u16*>(p.dout) + b * p.do_batch_stride +
+                                 row * p.do_row_stride + h * p.do_head_stride;
+            for (int c = l8; c < nchunks; c += 8) {
+                const uint4 vo = *reinterpret_cast<const uint4*>(o + c * 8);
+                const uint4 vd = *reinterpret_cast<const uint4*>(dout + c * 8);
+                const fc_u32 wo[4] = {vo.x, vo.y, vo.z, vo.w};
+                const fc_u32 wd[4] = {vd.x, vd.y, vd.z, vd.w};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    acc += Elem::to_float(static_cast<fc_u16>(wo[e] & 0xffffu)) *
+                           Elem::to_float(static_cast<fc_u16>(wd[e] & 0xffffu));
+                    acc += Elem::to_float(static_cast<fc_u16>(wo[e] >> 16)) *
+                           Elem::to_float(static_cast<fc_u16>(wd[e] >> 16));
+                }
+            }
+        }
+        // All 32 lanes shuffle (rows past the end contribute 0): the 8 lanes of a group reduce.
+        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+        acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+        acc += __shfl_xor_sync(0xffffffffu, acc, 4);
+        if (l8 == 0 && i < seq.sq) {
+            p.dsoftmax_sum[b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_off + i] = acc;
+        }
+    }
+}
+
+// ---- shared elementwise step: P and dS from the raw score and dP ---------------------------------
+// Everything in fp32. neg_lse2 = -lse * log2(e), or -inf for a row that must not contribute
+// (no visible key: forward lse = -inf; or a row past seqlen_q): exp2(finite + -inf) = +0, so the
+// row's P and dS are exactly 0 -- never exp2(-inf - (-inf)) = NaN. Masked elements are zeroed by
+// a select, not by pushing -inf through the exponent.
+struct BwdScoreMath {
+    float scale_log2;   // softmax_scale * log2(e)                  (no softcap)
+    float cap_in;       // softmax_scale / softcap                  (softcap)
+    float cap_log2;     // softcap * log2(e)                        (softcap)
+    float slope_log2;   // alibi slope * log2(e)                    (alibi)
+    int off;            // sk - sq
+    int wl, wr;         // window (FC_WINDOW_NONE = unbounded)
+    int sk;
+
+    template <bool Has_softcap, bool Has_alibi, bool Is_local>
+    __device__ __forceinline__ void apply(float& s_to_p, float& dp_to_ds, int i, int j,
+                                          float neg_lse2, float dsum, bool need_mask) const {
+        float x, dtanh = 1.f;
+        if constexpr (Has_softcap) {
+            const float tt = bwd_tanh(s_to_p * cap_in);
+            x = fmaf(tt, cap_log2, neg_lse2);
+            dtanh = fmaf(-tt, tt, 1.f);
+        } else {
+            x = fmaf(s_to_p, scale_log2, neg_lse2);
+        }
+        if constexpr (Has_alibi) {
+            x -= slope_log2 * fabsf(static_cast<float>(i + off - j));
+        }
+        float pr = fc_exp2(x);
+        if (need_mask) {
+            const int rel = j - i - off;  // visible iff -wl <= rel <= wr
+            bool vis = j < sk;
+            if constexpr (Is_local) vis = vis && rel >= -wl && rel <= wr;
+            pr = vis ? pr : 0.f;
+        }
+        float ds = pr * (dp_to_ds - dsum);
+        if constexpr (Has_softcap) ds *= dtanh;
+        s_to_p = pr;
+        dp_to_ds = ds;
+    }
+};
+
+__device__ __forceinline__ BwdScoreMath bwd_score_math(const FlashParams& p, int b, int h,
+                                                       const BwdSeq& seq, bool has_alibi) {
+    BwdScoreMath m;
+    m.scale_log2 = p.softmax_scale * FC_BWD_LOG2E;
+    m.cap_in = p.softcap > 0.f ? p.softmax_scale / p.softcap : 0.f;
+    m.cap_log2 = p.softcap * FC_BWD_LOG2E;
+    m.slope_log2 = has_alibi ? p.alibi_slopes[b * p.alibi_batch_stride + h] * FC_BWD_LOG2E : 0.f;
+    m.off = seq.sk - seq.sq;
+    m.wl = p.window_left;
+    m.wr = p.window_right;
+    m.sk = seq.sk;
+    return m;
+}
+
+// -neg lse in log2 units and D for query row i of head h (see BwdScoreMath).
+__device__ __forceinline__ void bwd_row_stats(const FlashParams& p, int b, int h, const BwdSeq& seq,
+                                              int i, float& neg_lse2, float& dsum) {
+    if (i < seq.sq) {
+        const long long o = b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_off + i;
+        const float l = p.lse[o];
+        neg_lse2 = l == -__int_as_float(0x7f800000) ? l : -l * FC_BWD_LOG2E;
+        dsum = p.dsoftmax_sum[o];
+    } else {
+        neg_lse2 = -__int_as_float(0x7f800000);
+        dsum = 0.f;
+    }
+}
+
+// ---- 2. key-block kernel: dK, dV (and dQ through atomics) ------------------------------------------
+//
+// Grid (ceil(seqlen_k / kBlockN), nheads_k, batch), kNWarps * 32 threads, dynamic shared memory
+// (elements of 16 bits unless noted):
+//   sK, sV        kBlockN x kHeadDim           loaded once
+//   sQ, sdO       2 x kBlockM x kHeadDim       double-buffered over the (head, query block) loop
+//   sdS           kBlockN x kBlockM            dS^T ([key][query]) of the current block
+//   sP            kBlockN x kBlockM            P^T, only when warps split the head dim (kSplit 2)
+//   sLse, sDsum   2 x kBlockM fp32             -lse*log2e and D of the current / next block
+//
+// Warp roles: kWarpsN = kBlockN / 16 warps along the keys; kSplit = kNWarps / kWarpsN warps along
+// the queries (S^T, dP^T) and along the head dim (dK, dV). For the dQ product the warps are laid
+// out kWarpsMC (16 query rows each) x kWarpsDC (head-dim columns), in passes over the head dim.
+//
+// Per iteration: wait for this block's Q/dO, barrier, prefetch the next block's Q/dO (cp.async)
+// and its row statistics (plain loads into registers, stored to shared at the end of the
+// iteration, behind the compute), then
+//   S^T = K Q^T, dP^T = V dO^T  ->  P, dS (fp32, registers)  ->  dS^T (and P^T) to shared, barrier
+//   dV += P^T dO, dK += dS^T Q  ->  (Atomic_dq) dQ_accum += dS K.
+// Two barriers per iteration: the one at the top also guarantees that every warp has finished
+// reading the buffers that this iteration's prefetch overwrites, and the sdS/sP written below.
+template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool Is_local,
+          bool Has_softcap, bool Has_alibi, bool Is_even_d, bool Atomic_dq>
+__global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_kernel(const FlashParams p) {
+    constexpr int kNT = kNWarps * 32;
+    constexpr int kWarpsN = kBlockN / 16;
+    static_assert(kBlockN % 16 == 0 && kNWarps % kWarpsN == 0, "warps must tile the key block");
+    constexpr int kSplit = kNWarps / kWarpsN;
+    constexpr bool kReuse = kSplit == 1;           // P^T / dS^T A fragments straight from registers
+    constexpr int kTileMA = kBlockM / kSplit;      // queries per warp in S^T / dP^T
+    constexpr int kColsB = kHeadDim / kSplit;      // dK / dV columns per warp
+    static_assert(kTileMA % 16 == 0 && kColsB % 16 == 0, "bad warp tiling");
+    // Queries per S^T sub-chunk (see the iteration body): the whole warp tile when P goes through
+    // shared memory, else 64 (head dim <= 64) or 32 columns.
+    constexpr int kSubM = !kReuse ? kTileMA : (kHeadDim <= 64 ? (kTileMA < 64 ? kTileMA : 64)
+                                                              : (kTileMA < 32 ? kTileMA : 32));
+    constexpr int kNtA = kSubM / 8;
+    constexpr int kNtB = kColsB / 8;
+    constexpr int kWarpsMC = kBlockM / 16 < kNWarps ? kBlockM / 16 : kNWarps;
+    static_assert(kWarpsMC * 16 == kBlockM && kNWarps % kWarpsMC == 0, "bad dQ warp tiling");
+    constexpr int kWarpsDC = kNWarps / kWarpsMC;
+    constexpr int kDqCols = BwdDqCols<kHeadDim, kWarpsDC>::value;
+    constexpr int kDqPasses = kHeadDim / (kDqCols * kWarpsDC);
+    constexpr bool kDsToSmem = Atomic_dq || !kReuse;
+
+    extern __shared__ __align__(128) unsigned char bwd_smem_raw[];
+    fc_u16* sK = reinterpret_cast<fc_u16*>(bwd_smem_raw);
+    fc_u16* sV = sK + kBlockN * kHeadDim;
+    fc_u16* sQ = sV + kBlockN * kHeadDim;
+    fc_u16* sdO = sQ + 2 * kBlockM * kHeadDim;
+    fc_u16* sdS = sdO + 2 * kBlockM * kHeadDim;
+    fc_u16* sP = sdS + kBlockN * kBlockM;
+    float* sLse = reinterpret_cast<float*>(sP + (kReuse ? 0 : kBlockN * kBlockM));
+    float* sDsum = sLse + 2 * kBlockM;
+
+    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const BwdSeq seq = bwd_seq(p, b);
+    const int n0 = n_block * kBlockN;
+    if (n0 >= seq.sk) return;  // varlen: this sequence has fewer key blocks
+    const int off = seq.sk - seq.sq;
+    const int ratio = p.nheads / p.nheads_k;
+    const int h0 = hk * ratio;
+
+    // Query blocks that can see at least one key of this block (the same for every head).
+    int m_begin = 0, m_end = (seq.sq + kBlockM - 1) / kBlockM;
+    if constexpr (Is_local) {
+        const long long n1 = min(n0 + kBlockN, seq.sk);
+        const long long lo = max(0LL, static_cast<long long>(n0) - off - p.window_right);
+        const long long hi =
+            min(static_cast<long long>(seq.sq) - 1, n1 - 1 - off + p.window_left);
+        if (lo > hi) {
+            m_end = 0;
+        } else {
+            m_begin = static_cast<int>(lo / kBlockM);
+            m_end = static_cast<int>(hi / kBlockM) + 1;
+        }
+    }
+    const int n_m = m_end > m_begin ? m_end - m_begin : 0;
+    const int n_iter = n_m * ratio;
+
+    const fc_u16* gq = static_cast<const fc_u16*>(p.q) + b * p.q_batch_stride + seq.q_off * p.q_row_stride;
+    const fc_u16* gdo = static_cast<const fc_u16*>(p.dout) + b * p.do_batch_stride + seq.q_off * p.do_row_stride;
+    const int rows_k = seq.sk - n0;
+
+    // dK, dV accumulators: warp (wn, ws) owns keys wn*16.. and head-dim columns ws*kColsB..
+    const int wn = warp % kWarpsN, ws = warp / kWarpsN;
+    const int kn0 = wn * 16;
+    const int qa0 = ws * kTileMA;
+    // dK/dV columns: warp ws takes the 16-column steps c = kSplit * i + ws (interleaved, so
+    // that the step's swizzle term is a compile-time immediate; see BwdLdsm).
+    const BwdLdsm<kHeadDim> ldA(kLdsmA, lane), ldB(kLdsmB, lane), ldAw(kLdsmA, lane, ws);
+    const BwdLdsm<kBlockM> ldmA(kLdsmA, lane);
+    const fc_u32 uK = smem_u32(sK), uV = smem_u32(sV), uQ = smem_u32(sQ), udO = smem_u32(sdO);
+    const fc_u32 udS = smem_u32(sdS), uP = smem_u32(sP);
+    float acc_dk[kNtB][4], acc_dv[kNtB][4];
+#pragma unroll
+    for (int nt = 0; nt < kNtB; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dk[nt][e] = acc_dv[nt][e] = 0.f;
+
+    if (n_iter > 0) {
+        bwd_load_tile<kBlockN, kHeadDim, kNT, Is_even_d>(
+            sK, static_cast<const fc_u16*>(p.k) + b * p.k_batch_stride + (seq.k_off + n0) * p.k_row_stride +
+                    hk * p.k_head_stride, p.k_row_stride, rows_k, p.headdim, tid);
+        bwd_load_tile<kBlockN, kHeadDim, kNT, Is_even_d>(
+            sV, static_cast<const fc_u16*>(p.v) + b * p.v_batch_stride + (seq.k_off + n0) * p.v_row_stride +
+                    hk * p.v_head_stride, p.v_row_stride, rows_k, p.headdim, tid);
+        const int mm = m_begin * kBlockM;
+        bwd_load_tile<kBlockM, kHeadDim, kNT, Is_even_d>(
+            sQ, gq + static_cast<long long>(mm) * p.q_row_stride + h0 * p.q_head_stride,
+            p.q_row_stride, seq.sq - mm, p.headdim, tid);
+        bwd_load_tile<kBlockM, kHeadDim, kNT, Is_even_d>(
+            sdO, gdo + static_cast<long long>(mm) * p.do_row_stride + h0 * p.do_head_stride,
+            p.do_row_stride, seq.sq - mm, p.headdim, tid);
+        cp_async_commit();
+        if (tid < kBlockM) bwd_row_stats(p, b, h0, seq, mm + tid, sLse[tid], sDsum[tid]);
+    }
+
+    int h = h0, m_block = m_begin;
+    for (int it = 0; it < n_iter; ++it) {
+        const int buf = it & 1;
+        cp_async_wait<0>();
+        __syncthreads();
+
+        // Prefetch the next (head, query block) into the other buffers.
+        int h_next = h, m_next = m_block + 1;
+        if (m_next == m_end) {
+            m_next = m_begin;
+            ++h_next;
+        }
+        const bool has_next = it + 1 < n_iter;
+        float nl_next = 0.f, ds_next = 0.f;
+        if (has_next) {
+            const int mm = m_next * kBlockM;
+            bwd_load_tile<kBlockM, kHeadDim, kNT, Is_even_d>(
+                sQ + (buf ^ 1) * kBlockM * kHeadDim,
+                gq + static_cast<long long>(mm) * p.q_row_stride + h_next * p.q_head_stride,
+                p.q_row_stride, seq.sq - mm, p.headdim, tid);
+            bwd_load_tile<kBlockM, kHeadDim, kNT, Is_even_d>(
+                sdO + (buf ^ 1) * kBlockM * kHeadDim,
+                gdo + static_cast<long long>(mm) * p.do_row_stride + h_next * p.do_head_stride,
+                p.do_row_stride, seq.sq - mm, p.headdim, tid);
+            cp_async_commit();
+            if (tid < kBlockM) bwd_row_stats(p, b, h_next, seq, mm + tid, nl_next, ds_next);
+        }
+
+        const fc_u32 uQb = uQ + buf * (kBlockM * kHeadDim * 2);
+        const fc_u32 udOb = udO + buf * (kBlockM * kHeadDim * 2);
+        const float* sLb = sLse + buf * kBlockM;
+        const float* sDb = sDsum + buf * kBlockM;
+        const int m0 = m_block * kBlockM;
+
+        const BwdScoreMath sm = bwd_score_math(p, b, h, seq, Has_alibi);
+        bool need_mask = n0 + kBlockN > seq.sk;  // keys past the end (zero-filled K gives S = 0, not -inf)
+        if constexpr (Is_local) {
+            // The whole tile is inside the window iff the extreme (key - query) differences are.
+            const int rel_min = n0 - (m0 + kBlockM - 1) - off;
+            const int rel_max = n0 + kBlockN - 1 - m0 - off;
+            need_mask = need_mask || rel_min < -p.window_left || rel_max > p.window_right;
+        }
+        // Rows past seqlen_q need no mask: their neg_lse2 is -inf, so P = 0 there.
+
+        // The warp's queries are processed in sub-chunks of kSubM (register reuse configs only),
+        // so that only kSubM/8 n-tiles of S^T and dP^T are live next to the dK/dV accumulators.
+#pragma unroll
+        for (int mc = 0; mc < kTileMA / kSubM; ++mc) {
+            const int qs0 = qa0 + mc * kSubM;  // first query (in the tile) of this sub-chunk
+
+            // ---- S^T = K Q^T and dP^T = V dO^T: keys kn0..+16 x queries qs0..+kSubM ------------
+            // A = K / V rows (row-major [key][d] = mma's "row" A: plain ldmatrix); B = Q / dO,
+            // whose [query][d] storage is the "col" (n-major) layout mma wants for B: plain too.
+            float acc_s[kNtA][4], acc_dp[kNtA][4];
+#pragma unroll
+            for (int nt = 0; nt < kNtA; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_s[nt][e] = acc_dp[nt][e] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+                fc_u32 ak[4], av[4];
+                ldmatrix_x4(ak, uK + ldA(kn0, kk));
+                ldmatrix_x4(av, uV + ldA(kn0, kk));
+#pragma unroll
+                for (int nt = 0; nt < kNtA; nt += 2) {
+                    fc_u32 bq[4], bo[4];
+                    ldmatrix_x4(bq, uQb + ldB(qs0 + nt * 8, kk));
+                    ldmatrix_x4(bo, udOb + ldB(qs0 + nt * 8, kk));
+                    const fc_u32 bq0[2] = {bq[0], bq[1]}, bq1[2] = {bq[2], bq[3]};
+                    const fc_u32 bo0[2] = {bo[0], bo[1]}, bo1[2] = {bo[2], bo[3]};
+                    Elem::mma(acc_s[nt], ak, bq0);
+                    Elem::mma(acc_s[nt + 1], ak, bq1);
+                    Elem::mma(acc_dp[nt], av, bo0);
+                    Elem::mma(acc_dp[nt + 1], av, bo1);
+                }
+            }
+
+            // ---- P and dS. (nt, e): key kn0 + g + 8*(e>>1), query qs0 + nt*8 + 2t + (e&1) ----
+#pragma unroll
+            for (int nt = 0; nt < kNtA; ++nt) {
+                const int qc = qs0 + nt * 8 + 2 * t;
+                const float2 nl = *reinterpret_cast<const float2*>(sLb + qc);
+                const float2 dd = *reinterpret_cast<const float2*>(sDb + qc);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    sm.template apply<Has_softcap, Has_alibi, Is_local>(
+                        acc_s[nt][e], acc_dp[nt][e], m0 + qc + (e & 1), n0 + kn0 + g + (e >> 1) * 8,
+                        (e & 1) ? nl.y : nl.x, (e & 1) ? dd.y : dd.x, need_mask);
+                }
+            }
+
+            // 16-bit copies: [nt][0] = key row g (queries 2t, 2t+1), [nt][1] = key row g + 8.
+            fc_u32 pp[kNtA][2], dsp[kNtA][2];
+#pragma unroll
+            for (int nt = 0; nt < kNtA; ++nt) {
+                pp[nt][0] = Elem::pack2(acc_s[nt][0], acc_s[nt][1]);
+                pp[nt][1] = Elem::pack2(acc_s[nt][2], acc_s[nt][3]);
+                dsp[nt][0] = Elem::pack2(acc_dp[nt][0], acc_dp[nt][1]);
+                dsp[nt][1] = Elem::pack2(acc_dp[nt][2], acc_dp[nt][3]);
+            }
+            if constexpr (kDsToSmem) {
+                // dS^T tile [key][query]: two adjacent queries are one 32-bit word in one chunk.
+#pragma unroll
+                for (int nt = 0; nt < kNtA; ++nt) {
+                    const int qc = qs0 + nt * 8 + 2 * t;
+                    *reinterpret_cast<fc_u32*>(sdS + bwd_swz<kBlockM>(kn0 + g, qc)) = dsp[nt][0];
+                    *reinterpret_cast<fc_u32*>(sdS + bwd_swz<kBlockM>(kn0 + g + 8, qc)) = dsp[nt][1];
+                    if constexpr (!kReuse) {
+                        *reinterpret_cast<fc_u32*>(sP + bwd_swz<kBlockM>(kn0 + g, qc)) = pp[nt][0];
+                        *reinterpret_cast<fc_u32*>(sP + bwd_swz<kBlockM>(kn0 + g + 8, qc)) = pp[nt][1];
+                    }
+                }
+            }
+            if constexpr (!kReuse) __syncthreads();  // P^T, dS^T of the partner warp
+
+            // ---- dV += P^T dO, dK += dS^T Q: keys kn0..+16 x this warp's columns, k = queries ----
+            // A (P^T / dS^T, [key][query]) comes from this warp's own accumulators (kReuse: the
+            // accumulators of n-tiles 2ks, 2ks+1 are exactly the m16k16 A fragment of k-step ks)
+            // or from shared memory (plain ldmatrix, addressed like K above). B = dO / Q as
+            // [query][d] = [k][n] row-major, the transpose of mma's "col" B: ldmatrix.trans.
+#pragma unroll
+            for (int ks = 0; ks < (kReuse ? kSubM : kBlockM) / 16; ++ks) {
+                fc_u32 a_p[4], a_ds[4];
+                if constexpr (kReuse) {
+                    a_p[0] = pp[2 * ks][0];
+                    a_p[1] = pp[2 * ks][1];
+                    a_p[2] = pp[2 * ks + 1][0];
+                    a_p[3] = pp[2 * ks + 1][1];
+                    a_ds[0] = dsp[2 * ks][0];
+                    a_ds[1] = dsp[2 * ks][1];
+                    a_ds[2] = dsp[2 * ks + 1][0];
+                    a_ds[3] = dsp[2 * ks + 1][1];
+                } else {
+                    ldmatrix_x4(a_p, uP + ldmA(kn0, ks));
+                    ldmatrix_x4(a_ds, udS + ldmA(kn0, ks));
+                }
+                const int qk0 = (kReuse ? qs0 : 0) + ks * 16;
+#pragma unroll
+                for (int nt = 0; nt < kNtB; nt += 2) {
+                    fc_u32 bo[4], bq[4];
+                    ldmatrix_x4_trans(bo, udOb + ldAw(qk0, kSplit * (nt / 2)));
+                    ldmatrix_x4_trans(bq, uQb + ldAw(qk0, kSplit * (nt / 2)));
+                    const fc_u32 bo0[2] = {bo[0], bo[1]}, bo1[2] = {bo[2], bo[3]};
+                    const fc_u32 bq0[2] = {bq[0], bq[1]}, bq1[2] = {bq[2], bq[3]};
+                    Elem::mma(acc_dv[nt], a_p, bo0);
+                    Elem::mma(acc_dv[nt + 1], a_p, bo1);
+                    Elem::mma(acc_dk[nt], a_ds, bq0);
+                    Elem::mma(acc_dk[nt + 1], a_ds, bq1);
+                }
+            }
+        }
+
+        // ---- dQ_accum += dS K: queries x head dim, k = keys of this block -----------------------
+        // A = dS [query][key], stored transposed as dS^T [key][query]: ldmatrix.trans of the 8x8
+        // blocks (key k0.., query q0..) hands lane (g, t) the elements (query g, keys 2t, 2t+1),
+        // i.e. the A fragment. B = K [key][d] = [k][n]: ldmatrix.trans as for dO above.
+        if constexpr (Atomic_dq) {
+            if constexpr (kReuse) __syncthreads();  // the whole dS^T tile is in shared memory
+            const int wm = warp % kWarpsMC, wd = warp / kWarpsMC;
+            const int q0c = wm * 16;
+            const int i0 = m0 + q0c + g;
+            // Columns: warp wd takes the 16-column steps kWarpsDC * i + wd (interleaved).
+            const BwdLdsm<kHeadDim> ldAc(kLdsmA, lane, wd);
+            const fc_u32 udSc = udS + BwdLdsm<kBlockM>(kLdsmB, lane)(0, wm);
+            // This lane's two rows, with its column offset (wd * 16 + 2t) folded in, so that each
+            // reduction below is the pointer plus a compile-time immediate.
+            float* dqa0 = p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride +
+                          (seq.q_off + i0) * p.dq_accum_row_stride + wd * 16 + 2 * t;
+            float* dqa1 = dqa0 + 8 * p.dq_accum_row_stride;
+            const bool row0_ok = i0 < seq.sq, row1_ok = i0 + 8 < seq.sq;
+#pragma unroll
+            for (int pass = 0; pass < kDqPasses; ++pass) {
+                constexpr int kSteps = kDqCols / 16;  // 16-column steps per warp per pass
+                float acc[kDqCols / 8][4];
+#pragma unroll
+                for (int nt = 0; nt < kDqCols / 8; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+#pragma unroll
+                for (int ks = 0; ks < kBlockN / 16; ++ks) {
+                    fc_u32 a[4];
+                    ldmatrix_x4_trans(a, udSc + ks * 16 * kBlockM * 2);
+#pragma unroll
+                    for (int nt = 0; nt < kDqCols / 8; nt += 2) {
+                        fc_u32 bk[4];
+                        ldmatrix_x4_trans(bk, uK + ldAc(ks * 16, kWarpsDC * (pass * kSteps + nt / 2)));
+                        const fc_u32 b0[2] = {bk[0], bk[1]}, b1[2] = {bk[2], bk[3]};
+                        Elem::mma(acc[nt], a, b0);
+                        Elem::mma(acc[nt + 1], a, b1);
+                    }
+                }
+                // Rows past seqlen_q are skipped: in varlen they belong to the next sequence.
+#pragma unroll
+                if (row0_ok) {
+#pragma unroll
+                    for (int nt = 0; nt < kDqCols / 8; ++nt)
+                        bwd_red_add2(dqa0 + kWarpsDC * (pass * kSteps + nt / 2) * 16 + (nt & 1) * 8,
+                                     acc[nt][0], acc[nt][1]);
+                }
+                if (row1_ok) {
+#pragma unroll
+                    for (int nt = 0; nt < kDqCols / 8; ++nt)
+                        bwd_red_add2(dqa1 + kWarpsDC * (pass * kSteps + nt / 2) * 16 + (nt & 1) * 8,
+                                     acc[nt][2], acc[nt][3]);
+                }
+            }
+        }
+
+        if (has_next && tid < kBlockM) {
+            sLse[(buf ^ 1) * kBlockM + tid] = nl_next;
+            sDsum[(buf ^ 1) * kBlockM + tid] = ds_next;
+        }
+        h = h_next;
+        m_block = m_next;
+    }
+
+    // ---- epilogue: dK * softmax_scale, dV, as 16-bit (zeros for a block no query sees) -------
+    const float scale = p.softmax_scale;
+    fc_u16* gdk = static_cast<fc_u16*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
+    fc_u16* gdv = static_cast<fc_u16*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int j = n0 + kn0 + g + half * 8;
+        if (j < seq.sk) {
+            const long long rk = (seq.k_off + j) * p.dk_row_stride;
+            const long long rv = (seq.k_off + j) * p.dv_row_stride;
+#pragma unroll
+            for (int nt = 0; nt < kNtB; ++nt) {
+                const int col = (kSplit * (nt / 2) + ws) * 16 + (nt & 1) * 8 + 2 * t;
+                if (Is_even_d || col < p.headdim) {
+                    *reinterpret_cast<fc_u32*>(gdk + rk + col) =
+                        Elem::pack2(acc_dk[nt][2 * half] * scale, acc_dk[nt][2 * half + 1] * scale);
+                    *reinterpret_cast<fc_u32*>(gdv + rv + col) =
+                        Elem::pack2(acc_dv[nt][2 * half], acc_dv[nt][2 * half + 1]);
+                }
+            }
+        }
+    }
+}
+
+// ---- 3a. convert: dq = dq_accum * softmax_scale ------------------------------------------------
+// Grid (ceil(seqlen_q / 64), nheads, batch), 256 threads, two columns per step.
+template <typename Elem>
+__global__ void __launch_bounds__(256) flash_bwd_convert_dq_kernel(const FlashParams p) {
+    constexpr int kRows = 64;
+    const int b = blockIdx.z, h = blockIdx.y;
+    const BwdSeq seq = bwd_seq(p, b);
+    const int m0 = blockIdx.x * kRows;
+    if (m0 >= seq.sq) return;
+    const int pairs = p.headdim >> 1;
+    const int rows = min(kRows, seq.sq - m0);
+    for (int idx = threadIdx.x; idx < rows * pairs; idx += 256) {
+        const int r = idx / pairs;
+        const int c = (idx - r * pairs) * 2;
+        const long long row = seq.q_off + m0 + r;
+        const float2 v = *reinterpret_cast<const float2*>(
+            p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride +
+            row * p.dq_accum_row_stride + c);
+        *reinterpret_cast<fc_u32*>(static_cast<fc_u16*>(p.dq) + b * p.dq_batch_stride +
+                                   row * p.dq_row_stride + h * p.dq_head_stride + c) =
+            Elem::pack2(v.x * p.softmax_scale, v.y * p.softmax_scale);
+    }
+}
+
+// ---- 3b. deterministic dQ: one CTA per (query block, head, batch) ----------------------------------
+//
+// Warps own 16 query rows each (kBlockM = 16 * kNWarps), the forward's orientation: S = Q K^T
+// and dP = dO V^T have query rows, dS goes from the accumulators straight into the A fragments of
+// dQ += dS K, and dQ stays in fp32 registers over the whole key loop -- a fixed summation order,
+// hence bitwise reproducible. Shared: sQ, sdO (kBlockM x kHeadDim), sK, sV (2 x kBlockN x
+// kHeadDim, double-buffered over the key blocks). The row statistics live in registers.
+template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool Is_local,
+          bool Has_softcap, bool Has_alibi, bool Is_even_d>
+__global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dq_kernel(const FlashParams p) {
+    constexpr int kNT = kNWarps * 32;
+    static_assert(kBlockM == 16 * kNWarps, "one warp per 16 query rows");
+    static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "bad tile");
+    constexpr int kNtS = kBlockN / 8;
+    constexpr int kNtD = kHeadDim / 8;
+
+    extern __shared__ __align__(128) unsigned char bwd_smem_raw[];
+    fc_u16* sQ = reinterpret_cast<fc_u16*>(bwd_smem_raw);
+    fc_u16* sdO = sQ + kBlockM * kHeadDim;
+    fc_u16* sK = sdO + kBlockM * kHeadDim;
+    fc_u16* sV = sK + 2 * kBlockN * kHeadDim;
+
+    const int m_block = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const BwdSeq seq = bwd_seq(p, b);
+    const int m0 = m_block * kBlockM;
+    if (m0 >= seq.sq) return;
+    const int off = seq.sk - seq.sq;
+    const int hk = h / (p.nheads / p.nheads_k);
+
+    // Key blocks visible from this query block.
+    int n_begin = 0, n_end = (seq.sk + kBlockN - 1) / kBlockN;
+    if constexpr (Is_local) {
+        const long long m1 = min(m0 + kBlockM, seq.sq);
+        const long long lo = max(0LL, static_cast<long long>(m0) + off - p.window_left);
+        const long long hi = min(static_cast<long long>(seq.sk) - 1, m1 - 1 + off + p.window_right);
+        if (lo > hi) {
+            n_end = 0;
+        } else {
+            n_begin = static_cast<int>(lo / kBlockN);
+            n_end = static_cast<int>(hi / kBlockN) + 1;
+        }
+    }
+
+    const fc_u16* gk = static_cast<const fc_u16*>(p.k) + b * p.k_batch_stride + seq.k_off * p.k_row_stride +
+                       hk * p.k_head_stride;
+    const fc_u16* gv = static_cast<const fc_u16*>(p.v) + b * p.v_batch_stride + seq.k_off * p.v_row_stride +
+                       hk * p.v_head_stride;
+
+    float acc_dq[kNtD][4];
+#pragma unroll
+    for (int nt = 0; nt < kNtD; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dq[nt][e] = 0.f;
+
+    const int i0 = m0 + warp * 16 + g;  // this lane's rows: i0 (e = 0, 1) and i0 + 8 (e = 2, 3)
+    float nl[2], dd[2];
+    bwd_row_stats(p, b, h, seq, i0, nl[0], dd[0]);
+    bwd_row_stats(p, b, h, seq, i0 + 8, nl[1], dd[1]);
+    const BwdScoreMath sm = bwd_score_math(p, b, h, seq, Has_alibi);
+    const BwdLdsm<kHeadDim> ldA(kLdsmA, lane), ldB(kLdsmB, lane);
+    const fc_u32 uQw = smem_u32(sQ) + ldA(warp * 16, 0) - ldA(0, 0);  // this warp's 16 rows
+    const fc_u32 udOw = smem_u32(sdO) + ldA(warp * 16, 0) - ldA(0, 0);
+
+    if (n_end > n_begin) {
+        const long long qrow = seq.q_off + m0;
+        bwd_load_tile<kBlockM, kHeadDim, kNT, Is_even_d>(
+            sQ, static_cast<const fc_u16*>(p.q) + b * p.q_batch_stride + qrow * p.q_row_stride +
+                    h * p.q_head_stride, p.q_row_stride, seq.sq - m0, p.headdim, tid);
+        bwd_load_tile<kBlockM, kHeadDim, kNT, Is_even_d>(
+            sdO, static_cast<const fc_u16*>(p.dout) + b * p.do_batch_stride + qrow * p.do_row_stride +
+                     h * p.do_head_stride, p.do_row_stride, seq.sq - m0, p.headdim, tid);
+        const int nn = n_begin * kBlockN;
+        bwd_load_tile<kBlockN, kHeadDim, kNT, Is_even_d>(
+            sK, gk + static_cast<long long>(nn) * p.k_row_stride, p.k_row_stride, seq.sk - nn, p.headdim, tid);
+        bwd_load_tile<kBlockN, kHeadDim, kNT, Is_even_d>(
+            sV, gv + static_cast<long long>(nn) * p.v_row_stride, p.v_row_stride, seq.sk - nn, p.headdim, tid);
+        cp_async_commit();
+    }
+
+    for (int n_block = n_begin; n_block < n_end; ++n_block) {
+        const int buf = (n_block - n_begin) & 1;
+        cp_async_wait<0>();
+        __syncthreads();  // tiles visible; everyone is done with the other buffer
+        if (n_block + 1 < n_end) {
+            const int nn = (n_block + 1) * kBlockN;
+            bwd_load_tile<kBlockN, kHeadDim, kNT, Is_even_d>(
+                sK + (buf ^ 1) * kBlockN * kHeadDim, gk + static_cast<long long>(nn) * p.k_row_stride,
+                p.k_row_stride, seq.sk - nn, p.headdim, tid);
+            bwd_load_tile<kBlockN, kHeadDim, kNT, Is_even_d>(
+                sV + (buf ^ 1) * kBlockN * kHeadDim, gv + static_cast<long long>(nn) * p.v_row_stride,
+                p.v_row_stride, seq.sk - nn, p.headdim, tid);
+            cp_async_commit();
+        }
+        const fc_u32 uKb = smem_u32(sK) + buf * (kBlockN * kHeadDim * 2);
+        const fc_u32 uVb = smem_u32(sV) + buf * (kBlockN * kHeadDim * 2);
+        const int n0 = n_block * kBlockN;
+
+        // S = Q K^T, dP = dO V^T (rows = this warp's 16 queries): A = Q / dO plain ldmatrix,
+        // B = K / V as [key][d] = mma's "col" B layout: plain ldmatrix.
+        float acc_s[kNtS][4], acc_dp[kNtS][4];
+#pragma unroll
+        for (int nt = 0; nt < kNtS; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_s[nt][e] = acc_dp[nt][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+            fc_u32 aq[4], ao[4];
+            ldmatrix_x4(aq, uQw + ldA(0, kk));
+            ldmatrix_x4(ao, udOw + ldA(0, kk));
+#pragma unroll
+            for (int nt = 0; nt < kNtS; nt += 2) {
+                fc_u32 bk[4], bv[4];
+                ldmatrix_x4(bk, uKb + ldB(nt * 8, kk));
+                ldmatrix_x4(bv, uVb + ldB(nt * 8, kk));
+                const fc_u32 bk0[2] = {bk[0], bk[1]}, bk1[2] = {bk[2], bk[3]};
+                const fc_u32 bv0[2] = {bv[0], bv[1]}, bv1[2] = {bv[2], bv[3]};
+                Elem::mma(acc_s[nt], aq, bk0);
+                Elem::mma(acc_s[nt + 1], aq, bk1);
+                Elem::mma(acc_dp[nt], ao, bv0);
+                Elem::mma(acc_dp[nt + 1], ao, bv1);
+            }
+        }
+
+        bool need_mask = n0 + kBlockN > seq.sk;
+        if constexpr (Is_local) {
+            const int rel_min = n0 - (m0 + kBlockM - 1) - off;
+            const int rel_max = n0 + kBlockN - 1 - m0 - off;
+            need_mask = need_mask || rel_min < -p.window_left || rel_max > p.window_right;
+        }
+        // Accumulator (nt, e): query row i0 + 8*(e>>1), key col n0 + nt*8 + 2t + (e&1).
+#pragma unroll
+        for (int nt = 0; nt < kNtS; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                sm.template apply<Has_softcap, Has_alibi, Is_local>(
+                    acc_s[nt][e], acc_dp[nt][e], i0 + (e >> 1) * 8, n0 + nt * 8 + 2 * t + (e & 1),
+                    nl[e >> 1], dd[e >> 1], need_mask);
+
+        // dQ += dS K: the dS accumulators of n-tiles 2ks, 2ks+1 form the A fragment of k-step ks;
+        // B = K [key][d] = [k][n] row-major: ldmatrix.trans.
+#pragma unroll
+        for (int ks = 0; ks < kBlockN / 16; ++ks) {
+            fc_u32 a[4];
+            a[0] = Elem::pack2(acc_dp[2 * ks][0], acc_dp[2 * ks][1]);
+            a[1] = Elem::pack2(acc_dp[2 * ks][2], acc_dp[2 * ks][3]);
+            a[2] = Elem::pack2(acc_dp[2 * ks + 1][0], acc_dp[2 * ks + 1][1]);
+            a[3] = Elem::pack2(acc_dp[2 * ks + 1][2], acc_dp[2 * ks + 1][3]);
+#pragma unroll
+            for (int nt = 0; nt < kNtD; nt += 2) {
+                fc_u32 bk[4];
+                ldmatrix_x4_trans(bk, uKb + ldA(ks * 16, nt / 2));
+                const fc_u32 b0[2] = {bk[0], bk[1]}, b1[2] = {bk[2], bk[3]};
+                Elem::mma(acc_dq[nt], a, b0);
+                Elem::mma(acc_dq[nt + 1], a, b1);
+            }
+        }
+    }
+
+    // Epilogue: dq = acc * softmax_scale (zeros for a block that sees no key).
+    const float scale = p.softmax_scale;
+    fc_u16* gdq = static_cast<fc_u16*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int i = i0 + half * 8;
+        if (i < seq.sq) {
+            const long long r = (seq.q_off + i) * p.dq_row_stride;
+#pragma unroll
+            for (int nt = 0; nt < kNtD; ++nt) {
+                const int col = nt * 8 + 2 * t;
+                if (Is_even_d || col < p.headdim)
+                    *reinterpret_cast<fc_u32*>(gdq + r + col) =
+                        Elem::pack2(acc_dq[nt][2 * half] * scale, acc_dq[nt][2 * half + 1] * scale);
+            }
+        }
+    }
+}
