@@ -1,0 +1,127 @@
+"""GPU throughput and memory of flashcore and of its peers, at the flash-attn benchmark sizes.
+
+Every figure of flashcore is only meaningful next to the peers measured in the same run:
+torch's scaled_dot_product_attention pinned to its FlashAttention-2 kernel (``sdpa_flash``)
+and to cuDNN (``sdpa_cudnn``). The peers are benchmark parameters like flashcore's backends,
+so each commit's results carry the peers of that run, and ``TimeRatio`` measures flashcore and
+a peer in one process.
+"""
+from .common import (
+    BACKENDS, CAUSAL, GPU_BACKENDS, HEADDIMS, PEERS, SEQLENS, Attention, CudaTimer, flops,
+    require_gpu_backend, shape_for, torch, cupy,
+)
+
+
+class Throughput:
+    """TFLOP/s of one backend (flash-attn FLOP count), 16k tokens per batch, hidden 2048, bf16."""
+
+    params = [BACKENDS, SEQLENS, HEADDIMS, CAUSAL]
+    param_names = ["backend", "seqlen", "headdim", "causal"]
+    unit = "TFLOP/s"
+    timeout = 180       # the first call of a configuration may compile its kernels
+
+    def setup(self, backend, seqlen, headdim, causal):
+        self.shape = shape_for(seqlen, headdim)
+        self.attn = Attention(backend, *self.shape, causal)
+
+    def _track(self, which):
+        return self.attn.tflops(which, flops(*self.shape, self.attn.causal, which))
+
+    def track_forward(self, *params):
+        return self._track("forward")
+
+    def track_backward(self, *params):
+        return self._track("backward")
+
+    def track_forward_backward(self, *params):
+        return self._track("forward_backward")
+
+
+class Ratio:
+    """flashcore's speed divided by a peer's, both measured in this process (> 1: faster).
+
+    flashcore is called through its CuPy API (the kernels themselves, no autograd layer); the
+    peer through torch autograd. Both are timed by the same method on the same inputs' sizes.
+    """
+
+    params = [PEERS, ["forward", "forward_backward"], SEQLENS, HEADDIMS, CAUSAL]
+    param_names = ["peer", "pass", "seqlen", "headdim", "causal"]
+    unit = "ratio"
+    timeout = 180
+
+    def setup(self, peer, which, seqlen, headdim, causal):
+        shape = shape_for(seqlen, headdim)
+        self.flashcore = Attention("cupy", *shape, causal)
+        self.peer = Attention(peer, *shape, causal)
+
+    def track_ratio(self, peer, which, *params):
+        fc = CudaTimer("cupy").median_ms(getattr(self.flashcore, which))
+        other = CudaTimer("torch").median_ms(getattr(self.peer, which))
+        return other / fc
+
+
+class PeakMemory:
+    """Device memory a call allocates at its peak, beyond what existed before it (bytes).
+
+    batch 1, 16 heads of 128, bf16, long sequences: an exact-attention kernel that never
+    materialises the seqlen x seqlen scores grows linearly (x4 per step here); the scores alone
+    would need 64 GiB at 16k and 1 TiB at 64k.
+    """
+
+    params = [BACKENDS, [4096, 16384, 65536], CAUSAL]
+    param_names = ["backend", "seqlen", "causal"]
+    unit = "bytes"
+    timeout = 180
+
+    def setup(self, backend, seqlen, causal):
+        require_gpu_backend(backend)
+        self.attn = Attention(backend, 1, seqlen, 16, 128, causal)
+
+    def _peak(self, fn):
+        if self.attn.lib == "torch":
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            result = fn()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - before
+            del result
+            return peak
+        hook = _PeakHook()
+        cupy.cuda.Device().synchronize()
+        with hook:
+            result = fn()
+            cupy.cuda.Device().synchronize()
+            del result
+        return hook.peak
+
+    def track_peak_memory_forward(self, *params):
+        return self._peak(self.attn.forward)
+
+    def track_peak_memory_backward(self, *params):
+        return self._peak(self.attn.backward)
+
+
+def _PeakHook():
+    """A CuPy memory hook that follows the bytes allocated from the pool while it is active."""
+    from cupy.cuda.memory_hook import MemoryHook
+
+    class PeakHook(MemoryHook):
+        name = "flashcore_peak"
+
+        def __init__(self):
+            self.current = self.peak = 0
+
+        def malloc_postprocess(self, **kw):
+            self.current += kw["mem_size"]
+            self.peak = max(self.peak, self.current)
+
+        def free_postprocess(self, **kw):
+            self.current -= kw["mem_size"]
+
+    return PeakHook()
+
+
+# the GPU backends listed for readers of this module; the parameters above use BACKENDS so
+# that the NumPy backend shows up as "skipped on the GPU" rather than disappearing
+__all__ = ["Throughput", "Ratio", "PeakMemory", "GPU_BACKENDS"]

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Run flashcore's asv suite on the GPU machine (no network), publish the HTML, and hand the
+# results back through $OUT. Run from anywhere inside the checkout:
+#
+#     asv_benchmarks/run_gpu.sh                 # the whole suite (about 6 minutes on an H200)
+#     asv_benchmarks/run_gpu.sh -b Throughput   # extra arguments go to `asv run`
+#
+# Needs: the asv wheels of shared/wheels/asv copied into .whl/ (an ignored folder, so that
+# they travel with the working tree) unless asv is already installed; the repository's .git.
+# Environment: ASV_MACHINE (default nvidia-h200: one name across sessions, so results line
+# up), PYTHON (default python3), ASV_WHEELS (default .whl).
+set -euo pipefail
+
+ROOT=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
+cd "$ROOT"
+PY=${PYTHON:-python3}
+MACHINE=${ASV_MACHINE:-nvidia-h200}
+WHEELS=${ASV_WHEELS:-.whl}
+
+# asv itself: installed outside the checkout (asv clears PYTHONPATH for the benchmarks, which
+# only need flashcore, torch and CuPy from the interpreter's own site-packages).
+if ! command -v asv >/dev/null 2>&1; then
+    SITE=${TMPDIR:-/tmp}/flashcore-asv-site
+    "$PY" -m pip install -q --no-index --no-deps --upgrade --target "$SITE" "$WHEELS"/*.whl
+    export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} PATH=$SITE/bin:$PATH
+fi
+
+# flashcore into the interpreter the benchmarks run in (setuptools only, offline).
+"$PY" -m pip install -q --no-deps --no-build-isolation -e .
+"$PY" -c "import flashcore; print('flashcore backends:', flashcore.backends())"
+
+# Compile every kernel configuration in parallel first: the suite then loads them from disk.
+"$PY" asv_benchmarks/warm_kernel_cache.py || echo "run_gpu.sh: warming the kernel cache failed (see above); the benchmarks will compile as they go"
+
+cd asv_benchmarks
+asv machine --yes --machine "$MACHINE" >/dev/null
+status=0
+asv run --environment "existing:$(command -v "$PY")" --set-commit-hash "$(git rev-parse HEAD)" \
+    --machine "$MACHINE" --show-stderr "$@" || status=$?
+asv publish
+
+if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT/asv_benchmarks/results"
+    cp -r results/. "$OUT/asv_benchmarks/results/"
+    tar -czf "$OUT/asv_html.tar.gz" html
+    echo "run_gpu.sh: results copied to \$OUT/asv_benchmarks/results (commit them as asv_benchmarks/results/)"
+fi
+exit $status
