@@ -1,0 +1,182 @@
+"""flash-attn 2 compatible functions: code written for flash-attn runs by changing one import.
+
+::
+
+    # from flash_attn import flash_attn_func, flash_attn_varlen_func
+    from flashcore.flash_attn import flash_attn_func, flash_attn_varlen_func
+
+Names, argument order, defaults, shapes and returns are flash-attn 2.x's
+(``flash_attn/flash_attn_interface.py``). Differences, each refused or documented:
+
+* ``dropout_p`` > 0 raises :class:`NotImplementedError` (flashcore has no attention dropout
+  yet); with flash-attn too, dropout is only meant for training.
+* ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: flashcore never
+  materialises the attention probabilities, so the third element (flash-attn's ``S_dmask``,
+  documented there as "for testing only") is always None.
+* ``block_table`` (paged KV cache in ``flash_attn_varlen_func``) must be None for now.
+
+On torch tensors the results are differentiable (``flashcore.attention``'s autograd); the
+functions also take NumPy and CuPy arrays (then without autograd).
+
+The causal mask is aligned to the bottom-right corner of the score matrix. With
+seqlen_q = 2 and seqlen_k = 5 (``x`` = kept, ``.`` = masked)::
+
+    k:  0 1 2 3 4
+    q0  x x x x .
+    q1  x x x x x
+
+and with seqlen_q = 5, seqlen_k = 2 the first three query rows see nothing (output 0,
+lse = -inf)::
+
+    k:  0 1
+    q0  . .
+    q1  . .
+    q2  . .
+    q3  x .
+    q4  x x
+
+``window_size=(left, right)`` (-1 = unbounded) keeps keys j with
+``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``.
+"""
+from __future__ import annotations
+
+from .api import attention, varlen_attention
+
+__all__ = [
+    "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+    "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
+]
+
+
+def _check_dropout(dropout_p):
+    if dropout_p:
+        raise NotImplementedError(
+            f"argument 'dropout_p': flashcore does not implement attention dropout yet; "
+            f"expected 0.0, got {dropout_p!r}")
+
+
+def _result(out, lse, return_attn_probs):
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False):
+    """Attention over padded batches; MQA/GQA when k, v have fewer heads than q.
+
+    Arguments:
+        q: (batch_size, seqlen_q, nheads, headdim)
+        k, v: (batch_size, seqlen_k, nheads_k, headdim), nheads % nheads_k == 0; query head i
+            uses key head i // (nheads // nheads_k).
+        dropout_p: must be 0.0 (dropout is not implemented).
+        softmax_scale: scaling of q·kᵀ before the softmax; default 1 / sqrt(headdim).
+        causal: bottom-right aligned causal mask (see the module docstring).
+        window_size: (left, right) sliding window, -1 = unbounded.
+        softcap: > 0 replaces a score s by softcap·tanh(s / softcap); 0 disables it.
+        alibi_slopes: (nheads,) or (batch_size, nheads), float32; adds
+            -slope·|i + seqlen_k - seqlen_q - j| to the score of query i and key j.
+        deterministic: bitwise reproducible backward.
+        return_attn_probs: also return the log-sum-exp (and None, see below).
+
+    Returns:
+        out: (batch_size, seqlen_q, nheads, headdim), q's dtype. With
+        ``return_attn_probs=True``: ``(out, softmax_lse, None)``, softmax_lse float32
+        (batch_size, nheads, seqlen_q), the natural-log log-sum-exp of each row of the final
+        scores; the third element is always None (probabilities are never materialised).
+    """
+    _check_dropout(dropout_p)
+    out, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                         deterministic=deterministic, return_lse=True)
+    return _result(out, lse, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False):
+    """:func:`flash_attn_func` with q, k, v stacked: qkv (batch_size, seqlen, 3, nheads, headdim).
+
+    q, k, v are strided views of qkv (no copy). Returns out (batch_size, seqlen, nheads,
+    headdim), or ``(out, softmax_lse (batch_size, nheads, seqlen), None)`` with
+    ``return_attn_probs=True``.
+    """
+    return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale,
+                           causal, window_size, softcap, alibi_slopes, deterministic,
+                           return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False):
+    """:func:`flash_attn_func` with k, v stacked.
+
+    q: (batch_size, seqlen_q, nheads, headdim); kv: (batch_size, seqlen_k, 2, nheads_k,
+    headdim). Returns out like q, or ``(out, softmax_lse (batch_size, nheads, seqlen_q), None)``
+    with ``return_attn_probs=True``.
+    """
+    return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
+                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None):
+    """Attention over packed variable-length sequences (no padding).
+
+    Arguments:
+        q: (total_q, nheads, headdim), the batch's query tokens one sequence after another.
+        k, v: (total_k, nheads_k, headdim).
+        cu_seqlens_q, cu_seqlens_k: (batch_size + 1,) int32, cumulative sequence lengths;
+            sequence b holds rows cu_seqlens[b]:cu_seqlens[b+1].
+        max_seqlen_q, max_seqlen_k: int, the longest query / key sequence.
+        block_table: must be None (paged KV cache is not supported yet).
+        Other arguments as in :func:`flash_attn_func`; the masks apply per sequence.
+        alibi_slopes: (nheads,) or (batch_size, nheads), float32.
+
+    Returns:
+        out: (total_q, nheads, headdim), or ``(out, softmax_lse, None)`` with
+        ``return_attn_probs=True``, softmax_lse float32 (nheads, total_q).
+    """
+    _check_dropout(dropout_p)
+    if block_table is not None:
+        raise NotImplementedError("argument 'block_table': flashcore does not support a paged "
+                                  "KV cache yet; expected None")
+    out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                causal=causal, softmax_scale=softmax_scale,
+                                window_size=window_size, softcap=softcap,
+                                alibi_slopes=alibi_slopes, deterministic=deterministic,
+                                return_lse=True)
+    return _result(out, lse, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """:func:`flash_attn_varlen_func` with q, k, v stacked: qkv (total, 3, nheads, headdim).
+
+    cu_seqlens: (batch_size + 1,) int32 for queries and keys alike; max_seqlen: int.
+    Returns out (total, nheads, headdim), or ``(out, softmax_lse (nheads, total), None)``.
+    """
+    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens,
+                                  max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
+                                  window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                                    causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False,
+                                    return_attn_probs=False):
+    """:func:`flash_attn_varlen_func` with k, v stacked.
+
+    q: (total_q, nheads, headdim); kv: (total_k, 2, nheads_k, headdim). Returns out like q,
+    or ``(out, softmax_lse (nheads, total_q), None)`` with ``return_attn_probs=True``.
+    """
+    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k,
+                                  max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                                  window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)

@@ -1,0 +1,160 @@
+"""flashcore as a Hugging Face transformers attention implementation (transformers >= 4.48).
+
+::
+
+    import flashcore.integrations.transformers as fct
+    name = fct.register()             # once, before loading the model; "flashcore" or "fcore"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=name)
+
+The name: "flashcore" where transformers accepts it. transformers 5 treats every
+``attn_implementation`` containing "flash" as a flash-attention kernel to load from the Hub
+(``is_flash_attention_requested``), so there "flashcore" cannot name a registered function and
+:func:`register` picks "fcore" instead. Pass ``name=`` to choose; the name in use is returned.
+
+What the attention function does with what transformers passes it:
+
+* query/key/value arrive as (batch, heads, seq, headdim); they are handed to flashcore as
+  (batch, seq, heads, headdim) views (no copy). GQA/MQA key/value heads are used as they are:
+  flashcore does the grouping itself, nothing is repeated.
+* ``is_causal`` (keyword, else ``module.is_causal``) selects the bottom-right aligned causal
+  mask, which is also right for decoding with a cache (the queries are the last tokens).
+* ``scaling`` is the softmax scale, ``softcap`` the score cap, ``sliding_window`` w keeps the
+  w most recent keys (window ``(w - 1, w - 1)``, the right side folded away when causal) like
+  transformers' flash-attention path.
+* Padding: :func:`register` also registers flash-attention's mask function for the name
+  (transformers >= 4.53), so the attention function receives None when nothing is padded and
+  the 2D ``(batch, kv_len)`` padding mask otherwise. A 2D mask is handled by removing the
+  padded tokens and running varlen attention (the queries are the last ``q_len`` positions of
+  the mask); padded query positions get output 0. Older transformers pass a 4D mask: it is
+  accepted when it is exactly the causal/window mask flashcore applies anyway (checked on
+  the values, so not under torch.compile), anything else is refused with an explanation.
+* ``dropout`` > 0 is refused (flashcore has no attention dropout). No attention weights are
+  returned (None), as with every fused implementation.
+
+transformers is imported only by :func:`register`.
+"""
+from __future__ import annotations
+
+from ..api import attention, varlen_attention
+
+__all__ = ["register", "flashcore_attention_forward", "DEFAULT_NAME"]
+
+
+DEFAULT_NAME = "flashcore"
+FALLBACK_NAME = "fcore"
+
+
+def _taken_for_flash_attn(name: str) -> bool:
+    """Whether this transformers routes ``attn_implementation=name`` to its flash-attn loader."""
+    try:
+        from transformers.utils.generic import is_flash_attention_requested
+    except ImportError:   # transformers < 5: only the flash_attention_N names are special
+        return name.startswith("flash_attention")
+    return bool(is_flash_attention_requested(requested_attention_implementation=name))
+
+
+def register(name: str | None = None) -> str:
+    """Register flashcore in transformers' ``AttentionInterface`` (and mask interface).
+
+    ``name`` defaults to "flashcore", or "fcore" on transformers versions that take any name
+    containing "flash" for a flash-attention kernel (see the module docstring). Afterwards
+    ``attn_implementation=<name>`` selects flashcore. Returns the name.
+    """
+    try:
+        from transformers import AttentionInterface
+    except ImportError as e:
+        raise ImportError("flashcore.integrations.transformers.register needs transformers >= "
+                          f"4.48 (AttentionInterface): {e}") from e
+    if name is None:
+        name = FALLBACK_NAME if _taken_for_flash_attn(DEFAULT_NAME) else DEFAULT_NAME
+    elif _taken_for_flash_attn(name):
+        raise ValueError(f"argument 'name': this transformers version treats {name!r} as a "
+                         "flash-attention kernel to load (names containing 'flash'); expected "
+                         f"another name, e.g. {FALLBACK_NAME!r}")
+    AttentionInterface.register(name, flashcore_attention_forward)
+    try:   # transformers >= 4.53: masks are built per implementation
+        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    except ImportError:
+        pass
+    else:
+        AttentionMaskInterface.register(name, flash_attention_mask)
+    return name
+
+
+def _window(sliding_window):
+    if sliding_window is None:
+        return (-1, -1)
+    return (int(sliding_window) - 1, int(sliding_window) - 1)
+
+
+def flashcore_attention_forward(module, query, key, value, attention_mask, scaling=None,
+                                dropout=0.0, sliding_window=None, softcap=None, is_causal=None,
+                                **kwargs):
+    """transformers attention function: (batch, heads, seq, dim) in, (batch, seq, heads, dim) out.
+
+    Returns ``(attn_output, None)``: attn_output (batch, seq_q, heads, headdim) contiguous.
+    """
+    if dropout:
+        raise NotImplementedError(
+            f"flashcore attention: argument 'dropout': attention dropout is not implemented; "
+            f"expected 0.0, got {dropout!r} (set the model's attention_dropout to 0.0 or call "
+            "model.eval())")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))   # (b, s, h, d) views
+    kw = dict(causal=bool(is_causal), softmax_scale=scaling, window_size=_window(sliding_window),
+              softcap=0.0 if softcap is None else softcap)
+    if attention_mask is not None and attention_mask.ndim == 4:
+        _check_4d_mask(attention_mask, q.shape[1], k.shape[1], kw["causal"], kw["window_size"])
+        attention_mask = None
+    if attention_mask is None:
+        out = attention(q, k, v, **kw)
+    elif attention_mask.ndim == 2:
+        out = _padded_via_varlen(q, k, v, attention_mask, **kw)
+    else:
+        raise ValueError("flashcore attention: argument 'attention_mask': expected None, a 2D "
+                         f"(batch, kv_len) padding mask or a 4D mask, got shape "
+                         f"{tuple(attention_mask.shape)}")
+    return out.contiguous(), None
+
+
+def _padded_via_varlen(q, k, v, attention_mask, **kw):
+    """Drop the padded tokens, run varlen attention, scatter the result back (zeros at pads)."""
+    import torch
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    keep_k = attention_mask[:, -sk:].to(torch.bool)
+    keep_q = keep_k[:, -sq:]                 # the queries are the last sq positions
+    idx_q = keep_q.reshape(-1).nonzero().squeeze(1)
+    idx_k = keep_k.reshape(-1).nonzero().squeeze(1)
+    lens_q, lens_k = keep_q.sum(1, dtype=torch.int32), keep_k.sum(1, dtype=torch.int32)
+    zero = torch.zeros(1, dtype=torch.int32, device=q.device)
+    cu_q = torch.cat([zero, lens_q.cumsum(0, dtype=torch.int32)])
+    cu_k = torch.cat([zero, lens_k.cumsum(0, dtype=torch.int32)])
+    out = varlen_attention(q.reshape(b * sq, h, d)[idx_q], k.reshape(b * sk, hk, d)[idx_k],
+                           v.reshape(b * sk, hk, d)[idx_k], cu_q, cu_k,
+                           int(lens_q.max()), int(lens_k.max()), **kw)
+    full = out.new_zeros(b * sq, h, d).index_copy(0, idx_q, out)
+    return full.view(b, sq, h, d)
+
+
+def _check_4d_mask(mask, sq, sk, causal, window_size):
+    """Accept a 4D mask only if it is the mask flashcore applies anyway (older transformers)."""
+    import torch
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    allowed = allowed[..., -sq:, -sk:]
+    i = torch.arange(sq, device=mask.device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=mask.device)[None, :]
+    left, right = window_size
+    right = 0 if causal and right < 0 else (min(right, 0) if causal else right)
+    want = torch.ones(sq, sk, dtype=torch.bool, device=mask.device)
+    if left >= 0:
+        want &= j >= i - left
+    if right >= 0:
+        want &= j <= i + right
+    if not bool((allowed == want).all()):
+        raise NotImplementedError(
+            "flashcore attention: argument 'attention_mask': this 4D mask is not the plain "
+            "causal/sliding-window mask (padding or a custom pattern); flashcore takes padding "
+            "as a 2D mask, which transformers >= 4.53 passes once flashcore.integrations."
+            "transformers.register() has registered the mask function")

@@ -1,0 +1,173 @@
+"""The torch layer on CUDA: zero-copy DLPack, torch's stream and device, gradients within the
+flash-attn rule, CUDA graphs, torch.compile, a transformers model. Needs a GPU."""
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'flashcore[torch]')")
+import flashcore  # noqa: E402
+from flashcore.backends import get_backend  # noqa: E402
+
+_CUPY_REASON = get_backend("cupy").unavailable_reason()
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible to torch"),
+    pytest.mark.skipif(_CUPY_REASON is not None, reason=f"CuPy backend unavailable: {_CUPY_REASON}"),
+]
+
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _qkv(b=2, sq=128, sk=160, h=8, hk=2, d=64, dtype=torch.float16, device="cuda", seed=0,
+         requires_grad=True):
+    g = torch.Generator(device=device).manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g, device=device, dtype=dtype).requires_grad_(requires_grad)  # noqa: E731
+    return mk(b, sq, h, d), mk(b, sk, hk, d), mk(b, sk, hk, d)
+
+
+def _sdpa(q, k, v, causal, dtype=None, math=True):
+    """SDPA in (b, s, h, d) layout, bottom-right causal, optionally upcast; math backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    if dtype is not None:
+        qt, kt, vt = (x.to(dtype) for x in (qt, kt, vt))
+    g = qt.shape[1] // kt.shape[1]
+    kt, vt = kt.repeat_interleave(g, 1), vt.repeat_interleave(g, 1)
+    mask = causal_lower_right(qt.shape[2], kt.shape[2]) if causal else None
+    with sdpa_kernel(SDPBackend.MATH if math else SDPBackend.EFFICIENT_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
+    return out.transpose(1, 2)
+
+
+def _spy(monkeypatch, backend, method):
+    seen = []
+    orig = getattr(backend, method)
+
+    def spy(*args, **kwargs):
+        import cupy
+        seen.append((args, kwargs, cupy.cuda.get_current_stream().ptr, cupy.cuda.Device().id))
+        return orig(*args, **kwargs)
+    monkeypatch.setattr(backend, method, spy)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_copy_inputs_and_outputs(monkeypatch, dtype):
+    cb = get_backend("cupy")
+    fwd, bwd = _spy(monkeypatch, cb, "forward"), _spy(monkeypatch, cb, "backward")
+    base = torch.randn(2, 8, 128, 64, device="cuda", dtype=dtype)
+    q = base.transpose(1, 2).requires_grad_()          # strided view, requires grad
+    _, k, v = _qkv(dtype=dtype)
+    out, lse = flashcore.attention(q, k, v, causal=True, return_lse=True)
+    (args, kw, _, _), = fwd
+    _spec, cq, ck, cv = args
+    assert (cq.data.ptr, ck.data.ptr, cv.data.ptr) == (q.data_ptr(), k.data_ptr(), v.data_ptr())
+    assert cq.data.ptr == base.data_ptr() and cq.strides == tuple(s * q.element_size() for s in q.stride())
+    assert str(cq.dtype) == str(dtype).replace("torch.", "")
+    assert kw["out"].data.ptr == out.data_ptr() and kw["lse"].data.ptr == lse.data_ptr()
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    (args, kw, _, _), = bwd
+    assert args[1].data.ptr == dout.data_ptr()
+    assert (kw["dq"].data.ptr, kw["dk"].data.ptr, kw["dv"].data.ptr) == \
+        (q.grad.data_ptr(), k.grad.data_ptr(), v.grad.data_ptr())
+
+
+def test_runs_on_torchs_current_stream(monkeypatch):
+    fwd = _spy(monkeypatch, get_backend("cupy"), "forward")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        q, k, v = _qkv(requires_grad=False, sq=1024, sk=1024)
+        torch.cuda._sleep(10_000_000)                  # work queued ahead on the same stream
+        q.mul_(2.0)
+        out = flashcore.attention(q, k, v, causal=True)
+        ref = _sdpa(q, k, v, True, torch.float32)
+    s.synchronize()
+    assert fwd[0][2] == s.cuda_stream
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=0)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_runs_on_the_tensors_device(monkeypatch):
+    fwd = _spy(monkeypatch, get_backend("cupy"), "forward")
+    q, k, v = _qkv(device="cuda:1", requires_grad=False)
+    out = flashcore.attention(q, k, v)
+    assert out.device == torch.device("cuda:1") and fwd[0][3] == 1
+    torch.testing.assert_close(out.float(), _sdpa(q, k, v, False, torch.float32), atol=2e-2, rtol=0)
+
+
+def _max_err(a, b):
+    return (a.float() - b.float()).abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_values_and_gradients_within_the_flash_attn_rule(dtype, causal):
+    q, k, v = _qkv(dtype=dtype)
+    dout = torch.randn(q.shape, device="cuda", dtype=dtype)
+    out = flashcore.attention(q, k, v, causal=causal)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref = _sdpa(q, k, v, causal, torch.float32)                 # the truth, in float32
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout.float())
+    low = _sdpa(q, k, v, causal)                                # the same math in low precision
+    low_grads = torch.autograd.grad(low, (q, k, v), dout)
+    assert _max_err(out, ref) <= 2 * _max_err(low, ref) + 1e-5
+    for g, r, lg in zip(grads, ref_grads, low_grads):
+        assert _max_err(g, r) <= 3 * _max_err(lg, r) + 1e-5
+
+
+def test_cuda_graph_capture_of_a_forward():
+    q, k, v = _qkv(requires_grad=False)
+    flashcore.attention(q, k, v, causal=True)                   # compile the kernels first
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flashcore.attention(q, k, v, causal=True)
+    for seed in (1, 2):
+        nq, nk, nv = _qkv(requires_grad=False, seed=seed)
+        q.copy_(nq), k.copy_(nk), v.copy_(nv)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, flashcore.attention(q, k, v, causal=True))
+
+
+def test_torch_compile_fullgraph_on_cuda():
+    torch._dynamo.reset()
+    q, k, v = _qkv(dtype=torch.bfloat16)
+
+    def f(q, k, v):
+        return flashcore.attention(q, k, v, causal=True).float().square().mean()
+    loss = torch.compile(f, fullgraph=True)(q, k, v)
+    loss.backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    f(q, k, v).backward()
+    for g, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(g, t.grad)
+
+
+def test_llama_bf16_matches_sdpa():
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    from flashcore.integrations import transformers as fct
+    name = fct.register()
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                   max_position_embeddings=512)
+    torch.manual_seed(0)
+    ours = transformers.LlamaForCausalLM(copy.deepcopy(cfg)).cuda().to(torch.bfloat16)
+    ref = transformers.LlamaForCausalLM(copy.deepcopy(cfg)).cuda().to(torch.bfloat16)
+    ref.load_state_dict(ours.state_dict())
+    ours.set_attn_implementation(name)
+    ref.set_attn_implementation("sdpa")
+    ids = torch.randint(0, 512, (2, 256), device="cuda")
+    lo, lr = ours(ids, labels=ids), ref(ids, labels=ids)
+    torch.testing.assert_close(lo.logits.float(), lr.logits.float(), atol=5e-2, rtol=5e-2)
+    lo.loss.backward()
+    lr.loss.backward()
+    for (n, p), (_, pr) in zip(ours.named_parameters(), ref.named_parameters()):
+        scale = pr.grad.float().abs().max().item() + 1e-6
+        assert _max_err(p.grad, pr.grad) <= 5e-2 * scale, n
+    compiled = torch.compile(ours, fullgraph=True)
+    torch.testing.assert_close(compiled(ids).logits.float(), lr.logits.float(), atol=5e-2, rtol=5e-2)

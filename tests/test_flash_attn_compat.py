@@ -1,0 +1,145 @@
+"""flashcore.flash_attn: flash-attn 2.x names, argument order, defaults and returns."""
+import inspect
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'flashcore[torch]')")
+
+import flashcore  # noqa: E402
+from flashcore import flash_attn as fa  # noqa: E402
+
+_TAIL = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False),
+         ("window_size", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None),
+         ("deterministic", False), ("return_attn_probs", False)]
+_REQ = inspect.Parameter.empty
+
+# flash-attn 2.x (flash_attn/flash_attn_interface.py), positional order included
+SIGNATURES = {
+    "flash_attn_func": [("q", _REQ), ("k", _REQ), ("v", _REQ)] + _TAIL,
+    "flash_attn_qkvpacked_func": [("qkv", _REQ)] + _TAIL,
+    "flash_attn_kvpacked_func": [("q", _REQ), ("kv", _REQ)] + _TAIL,
+    "flash_attn_varlen_func": [("q", _REQ), ("k", _REQ), ("v", _REQ), ("cu_seqlens_q", _REQ),
+                               ("cu_seqlens_k", _REQ), ("max_seqlen_q", _REQ),
+                               ("max_seqlen_k", _REQ)] + _TAIL + [("block_table", None)],
+    "flash_attn_varlen_qkvpacked_func": [("qkv", _REQ), ("cu_seqlens", _REQ),
+                                         ("max_seqlen", _REQ)] + _TAIL,
+    "flash_attn_varlen_kvpacked_func": [("q", _REQ), ("kv", _REQ), ("cu_seqlens_q", _REQ),
+                                        ("cu_seqlens_k", _REQ), ("max_seqlen_q", _REQ),
+                                        ("max_seqlen_k", _REQ)] + _TAIL,
+}
+
+
+@pytest.mark.parametrize("name", list(SIGNATURES))
+def test_signature_is_flash_attn_2s(name):
+    fn = getattr(fa, name)
+    params = list(inspect.signature(fn).parameters.values())
+    assert [(p.name, p.default) for p in params] == SIGNATURES[name]
+    assert all(p.kind == p.POSITIONAL_OR_KEYWORD for p in params)
+    assert "(batch_size" in fn.__doc__ or "(total" in fn.__doc__    # shapes documented
+    assert name in fa.__all__
+
+
+def _rand(*shape, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=dtype, requires_grad=True)
+
+
+def test_func_equals_flashcore_attention_and_returns_lse():
+    q, k, v = _rand(2, 5, 4, 8), _rand(2, 6, 2, 8, seed=1), _rand(2, 6, 2, 8, seed=2)
+    out = fa.flash_attn_func(q, k, v, 0.0, None, True)      # positional, as flash-attn code does
+    ref, ref_lse = flashcore.attention(q, k, v, causal=True, return_lse=True)
+    torch.testing.assert_close(out, ref)
+    res = fa.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert isinstance(res, tuple) and len(res) == 3
+    o, lse, probs = res
+    assert probs is None
+    assert lse.shape == (2, 4, 5) and lse.dtype == torch.float64
+    torch.testing.assert_close(lse, ref_lse)
+
+
+def _grads(out, *inputs):
+    return torch.autograd.grad(out, inputs, torch.ones_like(out))
+
+
+def test_qkvpacked_equals_unpacked_values_and_gradients():
+    qkv = _rand(2, 5, 3, 4, 8)
+    out = fa.flash_attn_qkvpacked_func(qkv, causal=True, window_size=(2, 0), softcap=1.0)
+    (dqkv,) = _grads(out, qkv)
+    q, k, v = (qkv.detach()[:, :, i].clone().requires_grad_() for i in range(3))
+    ref = fa.flash_attn_func(q, k, v, causal=True, window_size=(2, 0), softcap=1.0)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(dqkv, torch.stack(_grads(ref, q, k, v), dim=2))
+
+
+def test_kvpacked_equals_unpacked_gqa():
+    q, kv = _rand(2, 5, 4, 8), _rand(2, 7, 2, 2, 8, seed=3)
+    slopes = torch.rand(4, dtype=torch.float32)
+    out = fa.flash_attn_kvpacked_func(q, kv, alibi_slopes=slopes)
+    dq, dkv = _grads(out, q, kv)
+    k, v = (kv.detach()[:, :, i].clone().requires_grad_() for i in range(2))
+    ref = fa.flash_attn_func(q, k, v, alibi_slopes=slopes)
+    torch.testing.assert_close(out, ref)
+    rq, rk, rv = _grads(ref, q, k, v)
+    torch.testing.assert_close(dq, rq)
+    torch.testing.assert_close(dkv, torch.stack((rk, rv), dim=2))
+
+
+def test_varlen_equals_one_dense_call_per_sequence():
+    cu_q = torch.tensor([0, 3, 8], dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 10], dtype=torch.int32)
+    q, k, v = _rand(8, 4, 8), _rand(10, 2, 8, seed=1), _rand(10, 2, 8, seed=2)
+    out, lse, probs = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 6, causal=True,
+                                                return_attn_probs=True)
+    assert probs is None and lse.shape == (4, 8)
+    for b in range(2):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        ref, ref_lse = fa.flash_attn_func(q[None, sq], k[None, sk], v[None, sk], causal=True,
+                                          return_attn_probs=True)[:2]
+        torch.testing.assert_close(out[sq], ref[0])
+        torch.testing.assert_close(lse[:, sq], ref_lse[0])
+
+
+def test_varlen_packed_variants_equal_unpacked():
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    qkv = _rand(8, 3, 4, 8)
+    out = fa.flash_attn_varlen_qkvpacked_func(qkv, cu, 5, causal=True)
+    (dqkv,) = _grads(out, qkv)
+    q, k, v = (qkv.detach()[:, i].clone().requires_grad_() for i in range(3))
+    ref = fa.flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(dqkv, torch.stack(_grads(ref, q, k, v), dim=1))
+
+    kv = _rand(8, 2, 2, 8, seed=4)
+    out = fa.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 5, 5)
+    k2, v2 = (kv.detach()[:, i] for i in range(2))
+    torch.testing.assert_close(out, fa.flash_attn_varlen_func(q, k2, v2, cu, cu, 5, 5))
+
+
+@pytest.mark.parametrize("call", [
+    lambda q, k, v: fa.flash_attn_func(q, k, v, 0.1),
+    lambda q, k, v: fa.flash_attn_func(q, k, v, dropout_p=0.5),
+    lambda q, k, v: fa.flash_attn_qkvpacked_func(torch.stack((q, k, v), 2), dropout_p=0.1),
+    lambda q, k, v: fa.flash_attn_kvpacked_func(q, torch.stack((k, v), 2), dropout_p=0.1),
+])
+def test_dropout_is_refused_naming_dropout_p(call):
+    q, k, v = _rand(1, 3, 2, 8), _rand(1, 3, 2, 8), _rand(1, 3, 2, 8)
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        call(q, k, v)
+
+
+def test_varlen_dropout_and_block_table_are_refused():
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    q = _rand(3, 2, 8)
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        fa.flash_attn_varlen_func(q, q, q, cu, cu, 3, 3, dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        fa.flash_attn_varlen_func(q, q, q, cu, cu, 3, 3, block_table=cu)
+
+
+def test_numpy_arrays_work_too():
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 4, 2, 8)) for _ in range(3))
+    out, lse, none = fa.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert isinstance(out, np.ndarray) and none is None
+    np.testing.assert_allclose(out, flashcore.attention(q, k, v, causal=True))

@@ -1,0 +1,246 @@
+"""The torch layer on CPU: zero-copy hand-off to the NumPy backend, autograd, custom ops,
+torch.compile. Runs in CI without a GPU."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'flashcore[torch]')")
+
+import flashcore  # noqa: E402
+from flashcore.backends import get_backend  # noqa: E402
+from flashcore.backends.numpy_backend import naive_backward, naive_forward  # noqa: E402
+from flashcore.backends.torch_backend import DOUBLE_BACKWARD_MESSAGE, torch_ops  # noqa: E402
+from flashcore.spec import forward_spec  # noqa: E402
+
+
+def _qkv(b=2, sq=5, sk=7, h=4, hk=2, d=8, dtype=torch.float64, requires_grad=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=dtype).requires_grad_(requires_grad)  # noqa: E731
+    return mk(b, sq, h, d), mk(b, sk, hk, d), mk(b, sk, hk, d)
+
+
+def _np(t):
+    return t.detach().numpy()
+
+
+def test_importing_flashcore_does_not_import_torch():
+    code = "import flashcore, sys; assert 'torch' not in sys.modules; print(flashcore.backends()['torch'])"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "None"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_matches_the_numpy_oracle(dtype, causal):
+    q, k, v = _qkv(dtype=dtype, requires_grad=False)
+    out, lse = flashcore.attention(q, k, v, causal=causal, return_lse=True)
+    assert isinstance(out, torch.Tensor) and out.dtype == dtype and out.shape == q.shape
+    assert lse.shape == (2, 4, 5)
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    spec = forward_spec(_np(q), _np(k), _np(v), causal=causal)
+    ref_out, ref_lse = naive_forward(spec, _np(q), _np(k), _np(v))
+    tol = 1e-3 if dtype == torch.float16 else 1e-6
+    np.testing.assert_allclose(_np(out).astype(np.float64), ref_out, atol=tol, rtol=tol)
+    np.testing.assert_allclose(_np(lse), ref_lse, atol=1e-6, rtol=1e-6)
+
+
+def _spy(monkeypatch, backend, method):
+    seen = []
+    orig = getattr(backend, method)
+
+    def spy(*args, **kwargs):
+        seen.append((args, kwargs))
+        return orig(*args, **kwargs)
+    monkeypatch.setattr(backend, method, spy)
+    return seen
+
+
+def _ptr(a):
+    return a.__array_interface__["data"][0]
+
+
+def test_cpu_tensors_reach_the_numpy_backend_without_a_copy(monkeypatch):
+    nb = get_backend("numpy")
+    fwd = _spy(monkeypatch, nb, "forward")
+    bwd = _spy(monkeypatch, nb, "backward")
+    # q as a strided view (b, s, h, d) of (b, h, s, d) memory: still no copy
+    qh = torch.randn(2, 4, 5, 8, dtype=torch.float64)
+    q = qh.transpose(1, 2).requires_grad_()
+    _, k, v = _qkv()
+    out, lse = flashcore.attention(q, k, v, causal=True, return_lse=True)
+    (args, _), = fwd
+    _spec, nq, nk, nv = args
+    assert _ptr(nq) == q.data_ptr() == qh.data_ptr()
+    assert nq.strides == tuple(s * 8 for s in q.stride())
+    assert _ptr(nk) == k.data_ptr() and _ptr(nv) == v.data_ptr()
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    (args, _), = bwd
+    _spec, ndout, nq, nk, nv, nout, nlse = args
+    assert _ptr(ndout) == dout.data_ptr()
+    assert (_ptr(nq), _ptr(nk), _ptr(nv)) == (q.data_ptr(), k.data_ptr(), v.data_ptr())
+    assert _ptr(nout) == out.data_ptr() and _ptr(nlse) == lse.data_ptr()
+
+
+def test_results_are_numpy_buffers_wrapped_by_torch(monkeypatch):
+    nb = get_backend("numpy")
+    returned = []
+    orig = nb.forward
+
+    def spy(*a, **kw):
+        res = orig(*a, **kw)
+        returned.append(res)
+        return res
+    monkeypatch.setattr(nb, "forward", spy)
+    q, k, v = _qkv(requires_grad=False)
+    out, lse = flashcore.attention_forward(q, k, v)
+    (n_out, n_lse), = returned
+    assert lse.data_ptr() == _ptr(n_lse)                     # wrapped, not copied
+    assert out.is_contiguous() and lse.is_contiguous()
+
+
+GRADCHECK_CASES = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "gqa_causal": dict(causal=True),
+    "window": dict(window_size=(2, 1)),
+    "softcap": dict(softcap=1.5, softmax_scale=0.7),
+    "alibi": dict(alibi_slopes="per_head", causal=True),
+    "alibi_per_batch": dict(alibi_slopes="per_batch_head"),
+}
+
+
+@pytest.mark.parametrize("case", list(GRADCHECK_CASES))
+def test_gradcheck_float64(case):
+    kw = dict(GRADCHECK_CASES[case])
+    hk = 2 if case.startswith("gqa") else 4
+    q, k, v = _qkv(b=2, sq=4, sk=6, h=4, hk=hk, d=4)
+    if kw.get("alibi_slopes") == "per_head":
+        kw["alibi_slopes"] = torch.rand(4, dtype=torch.float32)
+    elif kw.get("alibi_slopes") == "per_batch_head":
+        kw["alibi_slopes"] = torch.rand(2, 4, dtype=torch.float32)
+    assert torch.autograd.gradcheck(lambda q, k, v: flashcore.attention(q, k, v, **kw), (q, k, v))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck_varlen_float64(causal):
+    g = torch.Generator().manual_seed(1)
+    cu_q = torch.tensor([0, 3, 3, 7], dtype=torch.int32)    # includes an empty sequence
+    cu_k = torch.tensor([0, 4, 6, 11], dtype=torch.int32)
+    q = torch.randn(7, 4, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(11, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(11, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    slopes = torch.rand(4, dtype=torch.float32)
+    f = lambda q, k, v: flashcore.varlen_attention(q, k, v, cu_q, cu_k, causal=causal,  # noqa: E731
+                                                    alibi_slopes=slopes)
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_backward_matches_the_numpy_oracle_with_an_expanded_gradient():
+    q, k, v = _qkv()
+    out = flashcore.attention(q, k, v, causal=True)
+    out.sum().backward()            # the incoming gradient is an expanded scalar (stride 0)
+    spec = forward_spec(_np(q), _np(k), _np(v), causal=True)
+    ref = naive_backward(spec, np.ones(q.shape), _np(q), _np(k), _np(v))
+    for got, want in zip((q.grad, k.grad, v.grad), ref):
+        np.testing.assert_allclose(_np(got), want, atol=1e-10, rtol=1e-10)
+
+
+def test_lse_is_not_differentiable():
+    q, k, v = _qkv()
+    out, lse = flashcore.attention(q, k, v, return_lse=True)
+    assert out.requires_grad and not lse.requires_grad
+    assert lse.grad_fn is None
+
+
+def test_double_backward_is_refused():
+    q, k, v = _qkv()
+    out = flashcore.attention(q, k, v)
+    (dq,) = torch.autograd.grad((out * out).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="flashcore: double backward is not supported"):
+        dq.sum().backward()
+    assert DOUBLE_BACKWARD_MESSAGE.startswith("flashcore: double backward is not supported")
+
+
+def test_no_grad_and_the_non_autograd_functions():
+    q, k, v = _qkv()
+    with torch.no_grad():
+        out = flashcore.attention(q, k, v)
+    assert not out.requires_grad
+    out2, lse = flashcore.attention_forward(q, k, v)
+    dq, dk, dv = flashcore.attention_backward(torch.ones_like(out2), q, k, v, out2, lse)
+    assert all(isinstance(t, torch.Tensor) for t in (dq, dk, dv))
+    assert dk.shape == k.shape
+
+
+def test_bfloat16_on_cpu_is_refused_with_the_reason():
+    q, k, v = _qkv(dtype=torch.bfloat16, requires_grad=False)
+    with pytest.raises(flashcore.NotSupportedError, match="bfloat16 CPU tensors"):
+        flashcore.attention(q, k, v)
+
+
+def test_cuda_tensors_without_a_usable_gpu_are_explained():
+    import dataclasses
+    q, k, v = _qkv(dtype=torch.float16, requires_grad=False)
+    spec = dataclasses.replace(forward_spec(q, k, v), device="cuda:0")
+    reasons = get_backend("torch").not_supported_reasons(spec)
+    if get_backend("cupy").unavailable_reason() is None:
+        pytest.skip("a GPU is usable here")
+    assert reasons and all("CUDA tensors run on the CuPy kernels" in r for r in reasons)
+    spec32 = dataclasses.replace(spec, dtype="float32")
+    assert get_backend("torch").not_supported_reasons(spec32)
+
+
+def test_validation_happens_before_any_op():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="argument 'k'"):
+        flashcore.attention(q, torch.randn(2, 7, 3, 8, dtype=q.dtype),
+                            torch.randn(2, 7, 3, 8, dtype=q.dtype))     # 4 % 3 heads
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        flashcore.attention(torch.randn(2, 5, 4, 16, dtype=q.dtype)[..., ::2], k, v)
+    with pytest.raises(flashcore.NotSupportedError):
+        flashcore.attention(q, k, v, backend="numpy")       # numpy takes numpy arrays
+
+
+def test_opcheck_forward_and_backward():
+    ops = torch_ops()
+    q, k, v = _qkv(dtype=torch.float32)
+    fwd_args = (q, k, v, None, None, None, 0, 0, True, 0.3, -1, 0, 0.0, False)
+    torch.library.opcheck(ops.fwd.default, fwd_args)
+    out, lse = ops.fwd(*fwd_args)
+    bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse,
+                None, None, None, 0, 0, True, 0.3, -1, 0, 0.0, False)
+    torch.library.opcheck(ops.bwd.default, bwd_args)
+
+
+def test_opcheck_varlen_with_alibi_window_softcap():
+    ops = torch_ops()
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    q = torch.randn(7, 4, 8, requires_grad=True)
+    k = torch.randn(7, 2, 8, requires_grad=True)
+    v = torch.randn(7, 2, 8, requires_grad=True)
+    torch.library.opcheck(ops.fwd.default, (q, k, v, torch.rand(4), cu, cu, 4, 4, True, 0.35,
+                                            2, 0, 3.0, False))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+
+    def f(q, k, v):
+        return flashcore.attention(q, k, v, causal=True, softcap=2.0).sin().sum()
+
+    q, k, v = _qkv(dtype=torch.float32)
+    compiled = torch.compile(f, fullgraph=True)
+    loss = compiled(q, k, v)
+    loss.backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ref = f(q, k, v)
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    for g, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(g, t.grad)

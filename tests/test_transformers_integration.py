@@ -1,0 +1,127 @@
+"""flashcore as a transformers attention implementation: a tiny random Llama, no downloads."""
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'flashcore[torch]')")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+if not hasattr(transformers, "AttentionInterface"):
+    pytest.skip("transformers < 4.48 has no AttentionInterface", allow_module_level=True)
+
+from flashcore.backends import get_backend  # noqa: E402
+from flashcore.integrations import transformers as fct  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def name():
+    return fct.register()
+
+
+def _models(name, dtype=torch.float32, device="cpu", seed=0):
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                   max_position_embeddings=128)
+    torch.manual_seed(seed)
+    ours = transformers.LlamaForCausalLM(copy.deepcopy(cfg)).to(device=device, dtype=dtype)
+    ref = transformers.LlamaForCausalLM(copy.deepcopy(cfg)).to(device=device, dtype=dtype)
+    ref.load_state_dict(ours.state_dict())
+    ours.set_attn_implementation(name)
+    ref.set_attn_implementation("sdpa")
+    return ours, ref
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Shapes of (q, k) every time the torch backend runs a forward."""
+    tb = get_backend("torch")
+    seen = []
+    orig = tb.forward
+
+    def spy(spec, q, k, v, **kw):
+        seen.append((tuple(q.shape), tuple(k.shape)))
+        return orig(spec, q, k, v, **kw)
+    monkeypatch.setattr(tb, "forward", spy)
+    return seen
+
+
+def test_register_returns_a_name_transformers_accepts(name):
+    assert name in transformers.AttentionInterface()
+    if fct._taken_for_flash_attn("flashcore"):
+        assert name == fct.FALLBACK_NAME
+        with pytest.raises(ValueError, match="argument 'name'"):
+            fct.register("flashcore")
+    else:
+        assert name == fct.DEFAULT_NAME
+
+
+def test_logits_and_gradients_match_sdpa(name, calls):
+    ours, ref = _models(name)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    lo, lr = ours(ids, labels=ids), ref(ids, labels=ids)
+    torch.testing.assert_close(lo.logits, lr.logits, atol=1e-5, rtol=1e-5)
+    lo.loss.backward()
+    lr.loss.backward()
+    for (n, p), (_, pr) in zip(ours.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, pr.grad, atol=1e-5, rtol=1e-4, msg=n)
+    # flashcore ran once per layer, on the un-repeated GQA key/value heads
+    assert calls == [((2, 16, 4, 16), (2, 16, 2, 16))] * 2
+
+
+def test_left_padding_goes_through_varlen_and_matches_sdpa(name):
+    ours, ref = _models(name)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, :5] = 0
+    lo = ours(ids, attention_mask=mask).logits
+    lr = ref(ids, attention_mask=mask).logits
+    torch.testing.assert_close(lo[1], lr[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lo[0, 5:], lr[0, 5:], atol=1e-5, rtol=1e-5)
+
+
+def test_generate_with_a_cache_matches_sdpa(name):
+    ours, ref = _models(name)
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert ours.generate(ids, **kw).tolist() == ref.generate(ids, **kw).tolist()
+
+
+def test_compiled_fullgraph_runs_and_matches(name):
+    torch._dynamo.reset()
+    ours, ref = _models(name)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
+    compiled = torch.compile(ours, fullgraph=True)
+    out = compiled(ids, labels=ids)
+    out.loss.backward()
+    expected = ref(ids, labels=ids)
+    torch.testing.assert_close(out.logits, expected.logits, atol=1e-5, rtol=1e-5)
+    assert all(p.grad is not None for p in ours.parameters() if p.requires_grad)
+
+
+def test_dropout_in_training_is_refused():
+    q = torch.randn(1, 2, 3, 8)
+
+    class M(torch.nn.Module):
+        is_causal = True
+    with pytest.raises(NotImplementedError, match="dropout"):
+        fct.flashcore_attention_forward(M(), q, q, q, None, dropout=0.1)
+
+
+def test_attention_function_handles_window_softcap_and_4d_causal_mask():
+    import flashcore
+    q, k = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8)
+
+    class M(torch.nn.Module):
+        is_causal = True
+    out, w = fct.flashcore_attention_forward(M(), q, k, k, None, scaling=0.5, sliding_window=3,
+                                             softcap=2.0)
+    assert w is None and out.shape == (1, 6, 4, 8) and out.is_contiguous()
+    ref = flashcore.attention(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2),
+                              causal=True, softmax_scale=0.5, window_size=(2, 2), softcap=2.0)
+    torch.testing.assert_close(out, ref)
+    causal4d = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
+    out4d, _ = fct.flashcore_attention_forward(M(), q, k, k, causal4d)
+    torch.testing.assert_close(out4d, fct.flashcore_attention_forward(M(), q, k, k, None)[0])
+    custom = causal4d.clone()
+    custom[..., 3, 0] = False
+    with pytest.raises(NotImplementedError, match="attention_mask"):
+        fct.flashcore_attention_forward(M(), q, k, k, custom)
