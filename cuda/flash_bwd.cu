@@ -176,7 +176,7 @@ __device__ __forceinline__ void bwd_load_tile(fc_u16* s, const fc_u16* g, long l
 // as possible (64 columns = 32 fp32 registers) while dividing the head dim evenly.
 template <int kHeadDim, int kWarpsD>
 struct BwdDqCols {
-    static constexpr int value = kHeadDim % (64 * kWarpsD) == 0 ? 64
+    static constexpr int value = kHeadDim <= 128 && kHeadDim % (64 * kWarpsD) == 0 ? 64
                                : kHeadDim % (48 * kWarpsD) == 0 ? 48
                                : kHeadDim % (32 * kWarpsD) == 0 ? 32
                                : 16;
@@ -343,6 +343,11 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_kernel(const F
     constexpr int kDqCols = BwdDqCols<kHeadDim, kWarpsDC>::value;
     constexpr int kDqPasses = kHeadDim / (kDqCols * kWarpsDC);
     constexpr bool kDsToSmem = Atomic_dq || !kReuse;
+    // Interleaved column steps (BwdLdsm's xor_lo) need the interleave factor to divide the
+    // swizzle group's steps.
+    static_assert(kSplit <= BwdLdsm<kHeadDim>::kHalf && kWarpsDC <= BwdLdsm<kHeadDim>::kHalf &&
+                  (kSplit & (kSplit - 1)) == 0 && (kWarpsDC & (kWarpsDC - 1)) == 0,
+                  "column interleave must be a power of two <= the swizzle group's 16-column steps");
 
     extern __shared__ __align__(128) unsigned char bwd_smem_raw[];
     fc_u16* sK = reinterpret_cast<fc_u16*>(bwd_smem_raw);

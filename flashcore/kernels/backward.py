@@ -1,0 +1,329 @@
+"""Launcher for the backward kernels in ``cuda/flash_bwd.cu`` (Ampere-class path, sm_80 and newer).
+
+One backward call runs three kernels on the current CuPy stream:
+
+1. ``flash_bwd_preprocess_kernel``: D = rowsum(dO * O), fp32, in the layout of ``lse``.
+2. ``flash_bwd_dkdv_kernel``: one CTA per (key block, kv head, batch); dK and dV for the whole
+   GQA group in registers, written once. In the default (atomic) mode it also adds dS K into an
+   fp32 ``dq_accum`` scratch with fp32 reductions, so the order in which CTAs add -- and the
+   last bits of dQ -- vary from run to run.
+3. atomic mode: ``flash_bwd_convert_dq_kernel`` (dq = dq_accum * softmax_scale, 16-bit);
+   ``deterministic=True``: ``flash_bwd_dq_kernel`` instead, one CTA per (query block, head,
+   batch) that recomputes S, P, dP, dS and sums dQ in registers in a fixed order (bitwise
+   reproducible, about 40% more backward FLOPs).
+
+The caller (the CuPy backend) has validated shapes, dtypes and devices. CuPy is imported lazily.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+from .params import WINDOW_NONE, make_params
+
+__all__ = ["launch_backward", "instantiations", "BwdTile", "dkdv_tiles", "dq_tiles",
+           "dkdv_smem_bytes", "dq_smem_bytes", "HEADDIM_TILES"]
+
+SOURCE = "flash_bwd.cu"
+HEADDIM_TILES = (32, 64, 96, 128, 192, 256)
+_LOG2E = 1.4426950408889634
+_ROWS_PER_CTA = 64   # preprocess / convert kernels: query rows per CTA (kRows in the source)
+_SMALL_THREADS = 256
+
+
+class BwdTile(NamedTuple):
+    block_m: int   # query rows per block
+    block_n: int   # keys per block
+    n_warps: int
+
+
+# Key-block kernel tiles, in order of preference; the first whose shared memory fits the device
+# is used (H100/H200: 227 KiB per block, A100: 163 KiB, sm_86/89: 99 KiB). With block_n = 16 *
+# n_warps every warp owns 16 keys over the whole head dim and P^T / dS^T feed the dV / dK
+# products straight from registers ("register reuse"); head dims 192/256 need two warps per 16
+# keys (dK + dV of 16 keys x 256 columns would be 256 fp32 registers per thread), so P^T goes
+# through shared memory there. Registers (ptxas, sm_90a) decided the rest:
+#   d32 : 128x128, 8 warps    d64: 128x128, 8 warps       (dK+dV 32/64 regs, S/dP in 64-col chunks)
+#   d96 : 64x128, 8 warps     d128: 64x128, 8 warps       (dK+dV 96/128 regs, S/dP in 32-col chunks)
+#   d192: 64x64, 8 warps      d256: 64x64, 8 warps        (warps split the head dim in two)
+_DKDV_TILES: dict[int, tuple[BwdTile, ...]] = {
+    32: (BwdTile(128, 128, 8), BwdTile(64, 128, 8)),
+    64: (BwdTile(128, 128, 8), BwdTile(64, 128, 8), BwdTile(64, 64, 4)),
+    96: (BwdTile(64, 128, 8), BwdTile(64, 64, 4)),
+    128: (BwdTile(64, 128, 8), BwdTile(32, 64, 4)),
+    192: (BwdTile(64, 64, 8), BwdTile(32, 64, 8)),
+    256: (BwdTile(64, 64, 8), BwdTile(32, 64, 8)),
+}
+# Deterministic dQ kernel: block_m = 16 * n_warps (one warp per 16 query rows), K/V
+# double-buffered; dQ (16 x d per warp, d/2 fp32 registers per thread) lives in registers.
+_DQ_TILES: dict[int, tuple[BwdTile, ...]] = {
+    32: (BwdTile(128, 64, 8), BwdTile(64, 64, 4)),
+    64: (BwdTile(128, 64, 8), BwdTile(64, 64, 4)),
+    96: (BwdTile(128, 64, 8), BwdTile(64, 64, 4)),
+    128: (BwdTile(128, 64, 8), BwdTile(64, 64, 4)),
+    192: (BwdTile(64, 32, 4),),
+    256: (BwdTile(64, 32, 4),),
+}
+
+
+def dkdv_tiles(d: int) -> tuple[BwdTile, ...]:
+    return _DKDV_TILES[d]
+
+
+def dq_tiles(d: int) -> tuple[BwdTile, ...]:
+    return _DQ_TILES[d]
+
+
+def dkdv_smem_bytes(d: int, t: BwdTile) -> int:
+    """sK, sV + double-buffered sQ, sdO + sdS (+ sP without register reuse) + 2 x 2 x block_m fp32."""
+    reuse = t.block_n // 16 == t.n_warps
+    tiles = 2 * t.block_n * d + 4 * t.block_m * d + t.block_n * t.block_m * (1 if reuse else 2)
+    return 2 * tiles + 4 * 4 * t.block_m
+
+
+def dq_smem_bytes(d: int, t: BwdTile) -> int:
+    """sQ, sdO + double-buffered sK, sV, 16-bit."""
+    return 2 * (2 * t.block_m * d + 4 * t.block_n * d)
+
+
+def headdim_tile(headdim: int) -> int:
+    for d in HEADDIM_TILES:
+        if headdim <= d:
+            return d
+    raise ValueError(f"headdim {headdim} exceeds the largest supported tile (256)")
+
+
+def _b(x: bool) -> str:
+    return "true" if x else "false"
+
+
+_ELEM = {"float16": "fc_fp16", "bfloat16": "fc_bf16"}
+
+
+def _dkdv_name(elem: str, d: int, t: BwdTile, is_local: bool, has_softcap: bool, has_alibi: bool,
+               even_d: bool, atomic_dq: bool) -> str:
+    return (f"flash_bwd_dkdv_kernel<{elem}, {d}, {t.block_m}, {t.block_n}, {t.n_warps}, "
+            f"{_b(is_local)}, {_b(has_softcap)}, {_b(has_alibi)}, {_b(even_d)}, {_b(atomic_dq)}>")
+
+
+def _dq_name(elem: str, d: int, t: BwdTile, is_local: bool, has_softcap: bool, has_alibi: bool,
+             even_d: bool) -> str:
+    return (f"flash_bwd_dq_kernel<{elem}, {d}, {t.block_m}, {t.block_n}, {t.n_warps}, "
+            f"{_b(is_local)}, {_b(has_softcap)}, {_b(has_alibi)}, {_b(even_d)}>")
+
+
+def instantiations() -> list[str]:
+    """Every template name :func:`launch_backward` can produce (CI compiles a sample)."""
+    names = []
+    flags = [(loc, cap, ali, even) for loc in (False, True) for cap in (False, True)
+             for ali in (False, True) for even in (True, False)]
+    for elem in ("fc_fp16", "fc_bf16"):
+        names.append(f"flash_bwd_preprocess_kernel<{elem}>")
+        names.append(f"flash_bwd_convert_dq_kernel<{elem}>")
+        for d in HEADDIM_TILES:
+            for loc, cap, ali, even in flags:
+                for t in _DKDV_TILES[d]:
+                    for atomic in (True, False):
+                        names.append(_dkdv_name(elem, d, t, loc, cap, ali, even, atomic))
+                for t in _DQ_TILES[d]:
+                    names.append(_dq_name(elem, d, t, loc, cap, ali, even))
+    return names
+
+
+@functools.lru_cache(maxsize=None)
+def _max_smem(device_id: int) -> int:
+    import cupy
+    return int(cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"])
+
+
+def _pick(tiles, smem_fn, d: int, limit: int, what: str) -> tuple[BwdTile, int]:
+    for t in tiles:
+        n = smem_fn(d, t)
+        if n <= limit:
+            return t, n
+    raise ValueError(
+        f"flash backward ({what}): head dim tile {d} needs {smem_fn(d, tiles[-1])} bytes of shared "
+        f"memory per block in its smallest configuration; this device allows {limit}")
+
+
+def _strides(arr) -> tuple[int, ...]:
+    isz = arr.dtype.itemsize
+    return tuple(s // isz for s in arr.strides)
+
+
+def _used_strides_ok(arr, multiple: int, align: int) -> bool:
+    # The stride of a size-1 dimension is never multiplied by a non-zero index: ignore it.
+    st = _strides(arr)
+    return (arr.data.ptr % align == 0 and st[-1] == 1 and
+            all(s % multiple == 0 for s, n in zip(st[:-1], arr.shape[:-1]) if n > 1))
+
+
+def _as_input(arr):
+    """cp.async moves 16 bytes: base 16-byte aligned, strides multiples of 8 elements; else copy."""
+    import cupy
+    if arr.size == 0 or _used_strides_ok(arr, 8, 16):
+        return arr
+    return cupy.ascontiguousarray(arr)
+
+
+def _as_output(arr):
+    """Gradients are stored two elements (4 bytes) at a time; returns (array to write, copy-back)."""
+    import cupy
+    if arr.size == 0 or _used_strides_ok(arr, 2, 4):
+        return arr, None
+    return cupy.empty(arr.shape, arr.dtype), arr
+
+
+def _window(w) -> int:
+    return WINDOW_NONE if w is None or w < 0 or w >= WINDOW_NONE else int(w)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, window_left: int,
+                    window_right: int, softcap: float = 0.0, alibi_slopes=None,
+                    deterministic: bool = False, cu_seqlens_q=None, cu_seqlens_k=None,
+                    max_seqlen_q=None, max_seqlen_k=None) -> None:
+    """Compute dq, dk, dv (written in place) for attention with the forward's settings.
+
+    q, out, dout, dq: (b, sq, h, d); k, v, dk, dv: (b, sk, hk, d); or, varlen, (total, h, d) with
+    int32 ``cu_seqlens_q/k`` (b + 1,). lse: float32 (b, h, sq) or, varlen, (h, total_q), as the
+    forward wrote it (-inf for rows that see no key). Windows use -1 for unbounded; causal is
+    (-1, 0). ``alibi_slopes``: None, float32 (h,) or (b, h). For GQA, dk/dv hold the sums over
+    the query heads that share a key head.
+    """
+    import cupy
+
+    from ..jit import get_kernel
+
+    varlen = cu_seqlens_q is not None
+    dtype_name = q.dtype.name
+    elem = _ELEM[dtype_name]
+    headdim = int(q.shape[-1])
+    d = headdim_tile(headdim)
+    even_d = headdim == d
+    nheads, nheads_k = int(q.shape[-2]), int(k.shape[-2])
+
+    device_id = q.device.id
+    cc = int(cupy.cuda.Device(device_id).compute_capability)
+    smem_limit = _max_smem(device_id)
+
+    if varlen:
+        batch = int(cu_seqlens_q.shape[0]) - 1
+        cu_seqlens_q = cupy.ascontiguousarray(cu_seqlens_q, dtype=cupy.int32)
+        cu_seqlens_k = cupy.ascontiguousarray(cu_seqlens_k, dtype=cupy.int32)
+        if max_seqlen_q is None:
+            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if batch else 0
+        if max_seqlen_k is None:
+            max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if batch else 0
+        seqlen_q, seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+        total_q = int(q.shape[0])
+    else:
+        batch, seqlen_q, seqlen_k = int(q.shape[0]), int(q.shape[1]), int(k.shape[1])
+        total_q = 0
+    if batch == 0 or seqlen_k == 0:
+        dq[...] = 0
+        dk[...] = 0
+        dv[...] = 0
+        return
+
+    # Inputs the kernels read with cp.async / 16-byte loads; outputs written 4 bytes at a time.
+    q, k, v, out, dout = (_as_input(a) for a in (q, k, v, out, dout))
+    (dq_w, dq_back), (dk_w, dk_back), (dv_w, dv_back) = (_as_output(a) for a in (dq, dk, dv))
+    # lse and D share one set of strides (lse_batch_stride, lse_head_stride, row stride 1).
+    lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
+    dsoftmax_sum = cupy.empty_like(lse)
+
+    def bhr(arr):  # (batch, row, head) strides in elements
+        st = _strides(arr)
+        return (0, st[0], st[1]) if varlen else (st[0], st[1], st[2])
+
+    q_b, q_r, q_h = bhr(q)
+    k_b, k_r, k_h = bhr(k)
+    v_b, v_r, v_h = bhr(v)
+    o_b, o_r, o_h = bhr(out)
+    do_b, do_r, do_h = bhr(dout)
+    dq_b, dq_r, dq_h = bhr(dq_w)
+    dk_b, dk_r, dk_h = bhr(dk_w)
+    dv_b, dv_r, dv_h = bhr(dv_w)
+    if varlen:
+        lse_b, lse_h = 0, lse.strides[0] // 4
+    else:
+        lse_b, lse_h = lse.strides[0] // 4, lse.strides[1] // 4
+
+    if alibi_slopes is not None:
+        alibi_slopes = cupy.ascontiguousarray(alibi_slopes, dtype=cupy.float32)
+        alibi_b = nheads if alibi_slopes.ndim == 2 else 0
+
+    wl, wr = _window(window_left), _window(window_right)
+    is_local = not (wl == WINDOW_NONE and wr == WINDOW_NONE)
+    has_softcap = softcap is not None and softcap > 0.0
+    has_alibi = alibi_slopes is not None
+
+    # Scratch: fp32 dQ accumulator, (b, h, sq, d_tile) or, varlen, (h, total_q, d_tile): each
+    # block's dQ tile is one contiguous slab; rows past a sequence's end are never touched.
+    dq_accum = None
+    dqa_b = dqa_r = dqa_h = 0
+    if not deterministic:
+        if varlen:
+            dq_accum = cupy.zeros((nheads, total_q, d), dtype=cupy.float32)
+            dqa_b, dqa_h, dqa_r = 0, total_q * d, d
+        else:
+            dq_accum = cupy.zeros((batch, nheads, seqlen_q, d), dtype=cupy.float32)
+            dqa_b, dqa_h, dqa_r = nheads * seqlen_q * d, seqlen_q * d, d
+
+    def ptr(a):
+        return None if a is None else a.data.ptr
+
+    params = make_params(
+        q=ptr(q), k=ptr(k), v=ptr(v), o=ptr(out), lse=ptr(lse), dout=ptr(dout),
+        dq=ptr(dq_w), dk=ptr(dk_w), dv=ptr(dv_w), dq_accum=ptr(dq_accum),
+        dsoftmax_sum=ptr(dsoftmax_sum),
+        cu_seqlens_q=ptr(cu_seqlens_q) if varlen else None,
+        cu_seqlens_k=ptr(cu_seqlens_k) if varlen else None,
+        alibi_slopes=ptr(alibi_slopes),
+        q_batch_stride=q_b, q_row_stride=q_r, q_head_stride=q_h,
+        k_batch_stride=k_b, k_row_stride=k_r, k_head_stride=k_h,
+        v_batch_stride=v_b, v_row_stride=v_r, v_head_stride=v_h,
+        o_batch_stride=o_b, o_row_stride=o_r, o_head_stride=o_h,
+        do_batch_stride=do_b, do_row_stride=do_r, do_head_stride=do_h,
+        dq_batch_stride=dq_b, dq_row_stride=dq_r, dq_head_stride=dq_h,
+        dk_batch_stride=dk_b, dk_row_stride=dk_r, dk_head_stride=dk_h,
+        dv_batch_stride=dv_b, dv_row_stride=dv_r, dv_head_stride=dv_h,
+        dq_accum_batch_stride=dqa_b, dq_accum_row_stride=dqa_r, dq_accum_head_stride=dqa_h,
+        lse_batch_stride=lse_b, lse_head_stride=lse_h,
+        alibi_batch_stride=alibi_b if has_alibi else 0,
+        batch=batch, nheads=nheads, nheads_k=nheads_k, headdim=headdim,
+        seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=wl, window_right=wr,
+        softmax_scale=float(softmax_scale), scale_log2=float(softmax_scale) * _LOG2E,
+        softcap=float(softcap) if has_softcap else 0.0,
+    )
+    args = (params,)
+
+    with cupy.cuda.Device(device_id):
+        m_small = _cdiv(seqlen_q, _ROWS_PER_CTA)
+        if m_small > 0:
+            pre = get_kernel(SOURCE, f"flash_bwd_preprocess_kernel<{elem}>", device_id, cc)
+            pre((m_small, nheads, batch), (_SMALL_THREADS,), args)
+
+        t, smem = _pick(_DKDV_TILES[d], dkdv_smem_bytes, d, smem_limit, "dK/dV kernel")
+        name = _dkdv_name(elem, d, t, is_local, has_softcap, has_alibi, even_d, not deterministic)
+        kern = get_kernel(SOURCE, name, device_id, cc, smem)
+        kern((_cdiv(seqlen_k, t.block_n), nheads_k, batch), (32 * t.n_warps,), args, shared_mem=smem)
+
+        if m_small > 0:
+            if deterministic:
+                t, smem = _pick(_DQ_TILES[d], dq_smem_bytes, d, smem_limit, "dQ kernel")
+                name = _dq_name(elem, d, t, is_local, has_softcap, has_alibi, even_d)
+                kern = get_kernel(SOURCE, name, device_id, cc, smem)
+                kern((_cdiv(seqlen_q, t.block_m), nheads, batch), (32 * t.n_warps,), args,
+                     shared_mem=smem)
+            else:
+                conv = get_kernel(SOURCE, f"flash_bwd_convert_dq_kernel<{elem}>", device_id, cc)
+                conv((m_small, nheads, batch), (_SMALL_THREADS,), args)
+
+    for work, dest in ((dq_w, dq_back), (dk_w, dk_back), (dv_w, dv_back)):
+        if dest is not None:
+            dest[...] = work
