@@ -36,7 +36,7 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 4)
     args = ap.parse_args()
     import flashcore
-    why = flashcore.backends().get("cupy")
+    why = flashcore.available_backends().get("cupy")
     if why:
         print(f"warm_kernel_cache: nothing to do, the CuPy backend is unavailable: {why}")
         return 0

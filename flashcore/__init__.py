@@ -4,7 +4,7 @@ from .api import (
     attention,
     attention_backward,
     attention_forward,
-    backends,
+    available_backends,
     varlen_attention,
     varlen_attention_backward,
     varlen_attention_forward,
@@ -17,5 +17,5 @@ __version__ = "0.1.0"
 __all__ = [
     "attention", "attention_forward", "attention_backward",
     "varlen_attention", "varlen_attention_forward", "varlen_attention_backward",
-    "backends", "NotSupportedError", "DeviceMemoryError", "__version__",
+    "available_backends", "NotSupportedError", "DeviceMemoryError", "__version__",
 ]

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from . import __version__, attention_backward, attention_forward, backends
+from . import __version__, attention_backward, attention_forward, available_backends
 from .backends.base import all_backends
 from .backends.numpy_backend import naive_backward, naive_forward, round_to_dtype
 from .spec import forward_spec
@@ -40,7 +40,7 @@ def _parse(argv):
 def _environment():
     print(f"flashcore {__version__}  python {platform.python_version()}  numpy {np.__version__}  "
           f"({platform.machine()}, {platform.system()})")
-    for name, why in backends().items():
+    for name, why in available_backends().items():
         b = all_backends()[name]
         extra = ""
         if why is None:
@@ -167,7 +167,7 @@ def _bench(names, args):
 def main(argv=None) -> int:
     args = _parse(argv)
     _environment()
-    avail = [n for n, why in backends().items() if why is None]
+    avail = [n for n, why in available_backends().items() if why is None]
     names = [n for n in (args.backend or avail)]
     missing = [n for n in names if n not in avail]
     if missing:

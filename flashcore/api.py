@@ -33,7 +33,7 @@ from .spec import backward_spec, forward_spec
 __all__ = [
     "attention", "attention_forward", "attention_backward",
     "varlen_attention", "varlen_attention_forward", "varlen_attention_backward",
-    "backends",
+    "available_backends",
 ]
 
 
@@ -143,6 +143,6 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
     return (out, lse) if return_lse else out
 
 
-def backends() -> dict[str, str | None]:
+def available_backends() -> dict[str, str | None]:
     """Every backend flashcore knows, mapped to None when usable here, else the reason why not."""
     return {name: b.unavailable_reason() for name, b in all_backends().items()}

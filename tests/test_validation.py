@@ -123,7 +123,7 @@ def test_backward_rejects(which, bad, exc, words):
 
 
 def test_backends_report():
-    b = flashcore.backends()
+    b = flashcore.available_backends()
     assert b["numpy"] is None
     for name in ("cupy", "torch"):
         assert name in b

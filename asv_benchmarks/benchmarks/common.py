@@ -70,7 +70,7 @@ def require_gpu_backend(backend: str) -> None:
             raise NotImplementedError("PyTorch sees no CUDA device")
     if backend in ("cupy", "torch"):
         import flashcore
-        why = flashcore.backends().get(backend, f"flashcore has no {backend!r} backend")
+        why = flashcore.available_backends().get(backend, f"flashcore has no {backend!r} backend")
         if why:
             raise NotImplementedError(f"flashcore's {backend!r} backend is unavailable: {why}")
     if backend in PEERS:
