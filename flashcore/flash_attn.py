@@ -75,7 +75,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         window_size: (left, right) sliding window, -1 = unbounded.
         softcap: > 0 replaces a score s by softcap·tanh(s / softcap); 0 disables it.
         alibi_slopes: (nheads,) or (batch_size, nheads), float32; adds
-            -slope·|i + seqlen_k - seqlen_q - j| to the score of query i and key j.
+            ``-slope·|i + seqlen_k - seqlen_q - j|`` to the score of query i and key j.
         deterministic: bitwise reproducible backward.
         return_attn_probs: also return the log-sum-exp (and None, see below).
 
@@ -132,8 +132,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             sequence b holds rows cu_seqlens[b]:cu_seqlens[b+1].
         max_seqlen_q, max_seqlen_k: int, the longest query / key sequence.
         block_table: must be None (paged KV cache is not supported yet).
-        Other arguments as in :func:`flash_attn_func`; the masks apply per sequence.
         alibi_slopes: (nheads,) or (batch_size, nheads), float32.
+
+    Other arguments as in :func:`flash_attn_func`; the masks apply per sequence.
 
     Returns:
         out: (total_q, nheads, headdim), or ``(out, softmax_lse, None)`` with
