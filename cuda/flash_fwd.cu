@@ -1,0 +1,545 @@
+// flashcore: FlashAttention-2 style forward kernel (Ampere-class path: mma.sync, ldmatrix,
+// cp.async). Runs on sm_80 and newer, compiled by NVRTC (see flashcore/jit.py); the launcher is
+// flashcore/kernels/forward.py.
+//
+// One CTA computes a kBlockM x headdim tile of the output for one (batch, head). It walks the
+// key/value blocks that the mask leaves visible, from the last one down to the first, keeping
+//   * the Q fragments of its rows in registers (kQInRegs) or in shared memory,
+//   * S = Q K^T (fp32), the running row max m and row sum l, and the un-normalised O (fp32)
+//     in registers,
+// and writes O / l (16-bit) and lse = log(l) + m (float32, natural log) at the end.
+//
+// Warp split (FA2): warp w owns rows [w * 16 * kMT, (w + 1) * 16 * kMT) of the Q tile, as kMT
+// m16 slices. A row's scores live in the four lanes of one mma quad, so the softmax needs only
+// two shuffles per reduction and no shared-memory exchange between warps. kMT = 2 makes every
+// K / V fragment fetched by ldmatrix feed two mma instead of one, halving the shared-memory
+// traffic per FLOP (which is what bounds mma.sync attention at 16 rows per warp).
+//
+// Pipeline: K and V are double-buffered, each tile its own cp.async group, issued one whole
+// iteration ahead:   groups in flight ... K[i] V[i] | K[i+1] V[i+1]
+//   top of iteration i:  wait_group 1 (K[i] landed; V[i] may still fly) + __syncthreads
+//                        (also: every warp is done with iteration i-1, so its buffers are free)
+//                        issue K[i+1], V[i+1] into the other buffers
+//                        S = Q K[i]^T, mask, online softmax
+//   middle:              wait_group 2 (V[i] landed) + __syncthreads
+//                        O += P V[i]
+// Groups are committed even when empty (last iteration) so that the counts stay uniform.
+//
+// Shared memory: Q (kBlockM x D), K[2] and V[2] (kBlockN x D each), 16-bit, stored in column
+// blocks of W = 64 (or 32) elements, i.e. [D / W][rows][W], and inside a block the 16-byte
+// chunk index is XOR-swizzled with the row (swz<W> in ptx.cuh). The 8 row addresses of one
+// ldmatrix phase then fall in 8 different bank groups, and so do the cp.async writes of 8
+// consecutive threads. Column blocks make head dims 96 and 192 (not a multiple of 64) swizzle
+// without leaving the row.
+#include "flash_params.cuh"
+#include "ptx.cuh"
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+namespace fc_fwd {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 16-byte shared load / global store (no vector-type headers needed).
+__device__ __forceinline__ void lds128(fc_u32 (&r)[4], fc_u32 addr) {
+    asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void stg128(void* p, const fc_u32 (&r)[4]) {
+    asm volatile("st.global.v4.b32 [%0], {%1,%2,%3,%4};\n"
+                 :: "l"(p), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+__device__ __forceinline__ void sts32(fc_u32 addr, fc_u32 v) {
+    asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
+}
+
+// Element offset of (row, col) in a ROWS x D tile stored as [D / W][ROWS][W], swizzled.
+template <int W, int ROWS>
+__device__ __forceinline__ int tile_off(int row, int col) {
+    return (col / W) * (ROWS * W) + swz<W>(row, col % W);
+}
+
+// The lane-dependent part of an ldmatrix address inside one column block: lane row lr (the
+// row within a 16-row group; group bases are multiples of 16, so they do not change the XOR)
+// and lane half hc (0: columns 0-7 of the 16-column step j, 1: columns 8-15).
+template <int W>
+__device__ __forceinline__ int lane_off(int lr, int hc, int j) {
+    return swz<W>(lr, j * 16 + hc * 8);
+}
+
+// Copy a ROWS x D tile (rows of `row_stride` elements starting at gsrc) into a swizzled shared
+// tile. Rows >= rows_valid and columns >= headdim are zero-filled by cp.async (src-size 0), so
+// padded keys give S = 0 before masking and padded V rows / columns contribute exactly 0.
+template <int ROWS, int D, int W, int NT, bool Is_even_d>
+__device__ __forceinline__ void load_tile(fc_u32 sdst, const fc_u16* gsrc, long long row_stride,
+                                          int rows_valid, int headdim, int tid) {
+    constexpr int kCPR = D / 8;             // 16-byte chunks per row
+    if constexpr (NT % kCPR == 0 && (ROWS * kCPR) % NT == 0 && (NT / kCPR) % 8 == 0) {
+        // Fast path: each thread owns one column chunk and every kRS-th row. kRS is a multiple
+        // of 8, so the swizzle of its rows is the same and the shared address advances by a
+        // constant; the global address advances by kRS rows. Only two 64-bit values live
+        // across the loop (keeping one per chunk costs registers the mma loop needs).
+        constexpr int kRS = NT / kCPR;
+        const int r0 = tid / kCPR;
+        const int c = tid % kCPR;
+        const bool col_ok = Is_even_d || c * 8 < headdim;
+        const fc_u32 s0 = sdst + 2u * (fc_u32)tile_off<W, ROWS>(r0, c * 8);
+        const fc_u16* src = gsrc + (long long)r0 * row_stride + c * 8;
+        const long long step = (long long)kRS * row_stride;
+#pragma unroll
+        for (int it = 0; it < ROWS / kRS; ++it) {
+            const bool pred = col_ok && r0 + it * kRS < rows_valid;
+            cp_async_16(s0 + 2u * it * kRS * W, pred ? src : gsrc, pred);
+            src += step;
+        }
+    } else {
+        constexpr int kTotal = ROWS * kCPR;
+        constexpr int kIters = (kTotal + NT - 1) / NT;
+#pragma unroll
+        for (int it = 0; it < kIters; ++it) {
+            const int idx = tid + it * NT;
+            if (kTotal % NT != 0 && idx >= kTotal) break;
+            const int r = idx / kCPR;
+            const int c = idx % kCPR;
+            const bool pred = r < rows_valid && (Is_even_d || c * 8 < headdim);
+            const fc_u16* src = pred ? gsrc + (long long)r * row_stride + c * 8 : gsrc;
+            cp_async_16(sdst + 2u * (fc_u32)tile_off<W, ROWS>(r, c * 8), src, pred);
+        }
+    }
+}
+
+}  // namespace fc_fwd
+
+// Template parameters (all compile-time):
+//   Elem        fc_bf16 / fc_fp16
+//   kHeadDim    head-dim tile: 32, 64, 96, 128, 192, 256 (the real headdim may be smaller)
+//   kBlockM     query rows per CTA;  kBlockN keys per iteration;  kNWarps warps per CTA
+//   kQInRegs    keep the Q fragments in registers for the whole CTA (else ldmatrix per k-step)
+//   Is_local    any window side bounded (causal included): block skipping + boundary masks
+//   Has_softcap s -> softcap * tanh(s * scale / softcap)
+//   Has_alibi   s -> s - slope * |i + sk - sq - j|
+//   Is_even_d   real headdim == kHeadDim (no column predicates)
+template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kQInRegs,
+          bool Is_local, bool Has_softcap, bool Has_alibi, bool Is_even_d>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+flash_fwd_kernel(const FlashParams params) {
+    using namespace fc_fwd;
+    constexpr int kNThreads = kNWarps * 32;
+    constexpr int kMT = kBlockM / (16 * kNWarps);   // m16 slices per warp
+    constexpr int kNT = kBlockN / 8;                // n8 tiles of S per slice
+    constexpr int kDT = kHeadDim / 8;               // n8 tiles of O per slice
+    constexpr int kKD = kHeadDim / 16;              // k16 steps of Q K^T
+    constexpr int kW = (kHeadDim % 64 == 0) ? 64 : 32;  // swizzle column-block width
+    constexpr int kJW = kW / 16;                    // 16-column steps per column block
+    // Scores are kept raw (unscaled) when only a scale applies, so that the exponent is one
+    // FFMA: exp(scale * (s - m)) = 2^(s * scale_log2 - m * scale_log2). With softcap or ALiBi
+    // the scores are first mapped to natural-log units (scaled, capped, biased), and the
+    // exponent multiplier becomes log2(e).
+    constexpr bool kNatural = Has_softcap || Has_alibi;
+    static_assert(kBlockM % (16 * kNWarps) == 0, "kBlockM must be a multiple of 16 * kNWarps");
+    static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "tiles must be multiples of 16");
+    static_assert(kHeadDim % kW == 0, "head-dim tile must be a multiple of the swizzle width");
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const fc_u32 sQ = smem_u32(smem_raw);
+    const fc_u32 sK = sQ + 2u * kBlockM * kHeadDim;           // two K buffers
+    const fc_u32 sV = sK + 2u * 2 * kBlockN * kHeadDim;       // two V buffers
+    constexpr fc_u32 kKVBytes = 2u * kBlockN * kHeadDim;      // one K (or V) buffer
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int g = lane >> 2;   // mma group: accumulator rows g and g + 8
+    const int t = lane & 3;    // thread in quad: accumulator columns 2t, 2t + 1
+
+    // Heavier m-blocks first when the mask makes the work uneven (causal: late rows see more).
+    const int m_block = Is_local ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+    const int h = blockIdx.y;
+    const int b = blockIdx.z;
+
+    // ---- sequence geometry ------------------------------------------------------------------
+    long long q_row0 = 0, k_row0 = 0;   // first row of this sequence in packed (varlen) tensors
+    int sq = params.seqlen_q, sk = params.seqlen_k;
+    if (params.cu_seqlens_q != nullptr) {
+        q_row0 = params.cu_seqlens_q[b];
+        sq = params.cu_seqlens_q[b + 1] - params.cu_seqlens_q[b];
+    }
+    if (params.cu_seqlens_k != nullptr) {
+        k_row0 = params.cu_seqlens_k[b];
+        sk = params.cu_seqlens_k[b + 1] - params.cu_seqlens_k[b];
+    }
+    const int m0 = m_block * kBlockM;
+    if (m0 >= sq) return;   // varlen: this sequence is shorter than the grid's max
+    const int off = sk - sq;   // bottom-right alignment: row i is "at" key i + off
+
+    const int hk = h / (params.nheads / params.nheads_k);
+    const fc_u16* gQ = static_cast<const fc_u16*>(params.q) + (long long)b * params.q_batch_stride
+                       + (q_row0 + m0) * params.q_row_stride + (long long)h * params.q_head_stride;
+    const fc_u16* gK = static_cast<const fc_u16*>(params.k) + (long long)b * params.k_batch_stride
+                       + k_row0 * params.k_row_stride + (long long)hk * params.k_head_stride;
+    const fc_u16* gV = static_cast<const fc_u16*>(params.v) + (long long)b * params.v_batch_stride
+                       + k_row0 * params.v_row_stride + (long long)hk * params.v_head_stride;
+    fc_u16* gO = static_cast<fc_u16*>(params.o) + (long long)b * params.o_batch_stride
+                 + (q_row0 + m0) * params.o_row_stride + (long long)h * params.o_head_stride;
+    float* gLse = params.lse + (long long)b * params.lse_batch_stride
+                  + (long long)h * params.lse_head_stride + q_row0 + m0;
+    const int rows_q = min(kBlockM, sq - m0);   // valid rows of this tile
+
+    // ---- which key blocks can be visible at all ---------------------------------------------
+    // Blocks entirely outside the window of every row of this tile are skipped, not masked:
+    // with causal masking that halves the work, with a sliding window it makes it O(window).
+    const bool left_bounded = Is_local && params.window_left < FC_WINDOW_NONE;
+    const bool right_bounded = Is_local && params.window_right < FC_WINDOW_NONE;
+    int n_block_max = (sk + kBlockN - 1) / kBlockN;
+    int n_block_min = 0;
+    if (right_bounded) {
+        // last visible key of the tile's last valid row, + 1
+        const long long hi = (long long)(m0 + rows_q - 1) + off + params.window_right + 1;
+        const int nb = hi <= 0 ? 0 : (int)min((hi + kBlockN - 1) / kBlockN, (long long)n_block_max);
+        n_block_max = min(n_block_max, nb);
+    }
+    if (left_bounded) {
+        const long long lo = (long long)m0 + off - params.window_left;  // first row's first key
+        if (lo > 0) n_block_min = (int)min(lo / kBlockN, (long long)n_block_max);
+    }
+
+    if (n_block_max <= n_block_min) {
+        // No row of this tile sees any key (sk = 0, causal with sq > sk, windows):
+        // output exactly 0, lse = -inf.
+        constexpr int kCPR = kHeadDim / 8;
+        const fc_u32 zero[4] = {0u, 0u, 0u, 0u};
+        for (int idx = tid; idx < kBlockM * kCPR; idx += kNThreads) {
+            const int r = idx / kCPR, c = idx % kCPR;
+            if (r < rows_q && (Is_even_d || c * 8 < params.headdim))
+                stg128(gO + (long long)r * params.o_row_stride + c * 8, zero);
+        }
+        for (int r = tid; r < rows_q; r += kNThreads) gLse[r] = -INFINITY;
+        return;
+    }
+
+    // ---- prologue: Q, then the first K and V tiles, three cp.async groups ----------------
+    const int headdim = params.headdim;
+    int n_block = n_block_max - 1;
+    load_tile<kBlockM, kHeadDim, kW, kNThreads, Is_even_d>(sQ, gQ, params.q_row_stride, rows_q,
+                                                           headdim, tid);
+    cp_async_commit();
+    {
+        const int n0 = n_block * kBlockN;
+        load_tile<kBlockN, kHeadDim, kW, kNThreads, Is_even_d>(
+            sK, gK + (long long)n0 * params.k_row_stride, params.k_row_stride, sk - n0, headdim, tid);
+        cp_async_commit();
+        load_tile<kBlockN, kHeadDim, kW, kNThreads, Is_even_d>(
+            sV, gV + (long long)n0 * params.v_row_stride, params.v_row_stride, sk - n0, headdim, tid);
+        cp_async_commit();
+    }
+
+    // ---- per-lane ldmatrix offsets --------------------------------------------------------
+    // A operand (Q) and V^T (ldmatrix.trans) use the same lane pattern: lanes 0-15 give rows
+    // 0-15 of the left 8 columns, lanes 16-31 rows 0-15 of the right 8 columns. For Q this
+    // yields a0..a3 = (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15),
+    // (rows 8-15, k 8-15); for V (rows = keys) the transposed matrices are b0/b1 of d-tile 0,
+    // then b0/b1 of d-tile 1.
+    // K (B operand of Q K^T, non-transposed, rows = keys): lanes 0-7 keys 0-7 / d 0-7, 8-15
+    // keys 0-7 / d 8-15, 16-23 keys 8-15 / d 0-7, 24-31 keys 8-15 / d 8-15, giving b0/b1 of
+    // key-tile 0, then b0/b1 of key-tile 1.
+    int a_off[kJW], k_off[kJW];
+    {
+        const int a_lr = lane & 15, a_hc = lane >> 4;
+        const int k_lr = (lane & 7) + ((lane >> 4) << 3), k_hc = (lane >> 3) & 1;
+#pragma unroll
+        for (int j = 0; j < kJW; ++j) {
+            a_off[j] = lane_off<kW>(a_lr, a_hc, j);
+            k_off[j] = lane_off<kW>(k_lr, k_hc, j);
+        }
+    }
+    const int warp_row0 = warp * 16 * kMT;   // first tile row owned by this warp
+    const fc_u32 sQw = sQ + 2u * warp_row0 * kW;
+
+    auto q_addr = [&](int mt, int kk) -> fc_u32 {
+        return sQw + 2u * ((kk / kJW) * (kBlockM * kW) + mt * 16 * kW + a_off[kk % kJW]);
+    };
+
+    // ---- Q fragments ----------------------------------------------------------------------
+    fc_u32 qf[kQInRegs ? kMT : 1][kQInRegs ? kKD : 1][4];
+    if constexpr (kQInRegs) {
+        cp_async_wait<2>();   // Q landed (K, V of the first block may still be in flight)
+        __syncthreads();
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int kk = 0; kk < kKD; ++kk) ldmatrix_x4(qf[mt][kk], q_addr(mt, kk));
+    }
+
+    // ---- per-row state --------------------------------------------------------------------
+    // Thread rows: slice mt, half r -> tile row warp_row0 + mt*16 + g + 8r.
+    float acc_o[kMT][kDT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int j = 0; j < kDT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[mt][j][e] = 0.f;
+    float row_max[kMT][2], row_sum[kMT][2];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            row_max[mt][r] = -INFINITY;
+            row_sum[mt][r] = 0.f;
+        }
+    // Diagonal position i + sk - sq of this thread's first row (slice 0, half 0); the others
+    // are + mt*16 + 8r. Row bounds are derived from it where needed instead of being kept in
+    // registers (register pressure is what limits the tile sizes). The window sizes are
+    // clamped to values with the same meaning (a right window >= sq or a left window >= sk
+    // reaches past every key) so that the int arithmetic below cannot overflow.
+    const int row_pos0 = m0 + warp_row0 + g + off;
+    const int win_r = right_bounded ? min(params.window_right, sq) : 0;
+    const int win_l = left_bounded ? min(params.window_left, sk) : 0;
+    float alibi_slope = 0.f;
+    if constexpr (Has_alibi)
+        alibi_slope = params.alibi_slopes[(long long)b * params.alibi_batch_stride + h];
+    const float mult = kNatural ? kLog2e : params.scale_log2;
+    const float cap_in = Has_softcap ? params.softmax_scale / params.softcap : 0.f;
+
+    // A block needs the element mask iff it is not fully visible to every row of the tile
+    // (rows past sq included: they are computed but never stored, masking them is harmless).
+    const int blk_hi = right_bounded ? min(sk, m0 + off + win_r + 1) : sk;   // upper-mask free below
+    const int blk_lo = left_bounded ? m0 + kBlockM - 1 + off - win_l : 0;    // lower-mask free from
+
+    // ---- main loop over key blocks, last to first ----------------------------------------
+    for (int it = 0; n_block >= n_block_min; ++it, --n_block) {
+        const int n0 = n_block * kBlockN;
+        const fc_u32 buf = (fc_u32)(it & 1) * kKVBytes;
+
+        cp_async_wait<1>();   // K[it] landed
+        __syncthreads();      // ... for every thread; and buffers of iteration it-1 are free
+
+        if (n_block - 1 >= n_block_min) {   // prefetch the next block into the other buffers
+            const int n1 = n0 - kBlockN;
+            const fc_u32 nbuf = kKVBytes - buf;
+            load_tile<kBlockN, kHeadDim, kW, kNThreads, Is_even_d>(
+                sK + nbuf, gK + (long long)n1 * params.k_row_stride, params.k_row_stride, sk - n1,
+                headdim, tid);
+            cp_async_commit();
+            load_tile<kBlockN, kHeadDim, kW, kNThreads, Is_even_d>(
+                sV + nbuf, gV + (long long)n1 * params.v_row_stride, params.v_row_stride, sk - n1,
+                headdim, tid);
+            cp_async_commit();
+        } else {
+            cp_async_commit();
+            cp_async_commit();
+        }
+
+        // S = Q K^T  (fp32 accumulators, kMT x kNT n8 tiles)
+        float s[kMT][kNT][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+        const fc_u32 sKb = sK + buf;
+#pragma unroll
+        for (int kk = 0; kk < kKD; ++kk) {
+            fc_u32 qa[kMT][4];
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+                if constexpr (kQInRegs) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) qa[mt][e] = qf[kQInRegs ? mt : 0][kQInRegs ? kk : 0][e];
+                } else {
+                    ldmatrix_x4(qa[mt], q_addr(mt, kk));
+                }
+            }
+#pragma unroll
+            for (int np = 0; np < kNT / 2; ++np) {
+                fc_u32 kb[4];
+                ldmatrix_x4(kb, sKb + 2u * ((kk / kJW) * (kBlockN * kW) + np * 16 * kW
+                                            + k_off[kk % kJW]));
+                const fc_u32 b0[2] = {kb[0], kb[1]};
+                const fc_u32 b1[2] = {kb[2], kb[3]};
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) {
+                    Elem::mma(s[mt][2 * np], qa[mt], b0);
+                    Elem::mma(s[mt][2 * np + 1], qa[mt], b1);
+                }
+            }
+        }
+
+        // Score modifications, in the order of DESIGN.md: scale, softcap, ALiBi, mask.
+        // Accumulator element e of tile nt: row half r = e / 2, key n0 + nt*8 + 2t + (e & 1).
+        if constexpr (Has_softcap) {
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        s[mt][nt][e] = params.softcap * fc_tanh(s[mt][nt][e] * cap_in);
+        } else if constexpr (Has_alibi) {
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[mt][nt][e] *= params.softmax_scale;
+        }
+        if constexpr (Has_alibi) {
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    // distance |i + off - j| with j = n0 + 2t + (nt*8 + e&1): one int->float
+                    // per row, then a constant offset per element.
+                    const float d0 = (float)(row_pos0 + mt * 16 + 8 * r - n0 - 2 * t);
+#pragma unroll
+                    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                        for (int e = 2 * r; e < 2 * r + 2; ++e)
+                            s[mt][nt][e] -= alibi_slope * fabsf(d0 - (float)(nt * 8 + (e & 1)));
+                }
+        }
+        const bool need_mask = n0 + kBlockN > blk_hi || n0 < blk_lo;
+        if (need_mask) {
+            // Only boundary blocks get here (usually one or two per tile). A masked score is
+            // -inf, so its exponent gives exactly 0 below.
+            // Row i sees keys [lo, hi): hi = min(sk, i + off + wr + 1), lo = i + off - wl.
+            // Compared relative to this lane's first key column n0 + 2t.
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int pos = row_pos0 + mt * 16 + 8 * r - n0 - 2 * t;   // i + off - (n0 + 2t)
+                    int hi = sk - n0 - 2 * t;
+                    if (right_bounded) hi = min(hi, pos + win_r + 1);
+                    const int lo = left_bounded ? pos - win_l : -kBlockN;
+#pragma unroll
+                    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                        for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                            const int jr = nt * 8 + (e & 1);
+                            if (jr >= hi || jr < lo) s[mt][nt][e] = -INFINITY;
+                        }
+                }
+        }
+
+        // Online softmax. New max m' = max(m, rowmax(S)); O and l are rescaled by
+        // 2^((m - m') * mult); P = 2^(S * mult - m' * mult), one FFMA + ex2 per score.
+        // A row that has seen only masked keys has m' = -inf: the exponent offset is taken as
+        // 0 (so -inf - (-inf) never happens), P = 2^-inf = 0, and the stored max stays -inf.
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float mx = row_max[mt][r];
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt)
+                    mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+                mx = quad_max(mx);
+                const float m_scaled = (mx == -INFINITY) ? 0.f : mx * mult;
+                const float corr = fc_exp2(row_max[mt][r] * mult - m_scaled);  // 0 if old was -inf
+                row_max[mt][r] = mx;
+                float sum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                    for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                        const float p = fc_exp2(fmaf(s[mt][nt][e], mult, -m_scaled));
+                        s[mt][nt][e] = p;
+                        sum += p;
+                    }
+                // Partial sums stay per lane (each lane's 2 columns per tile); the quad is
+                // reduced once at the end, which is valid since corr is quad-uniform.
+                row_sum[mt][r] = row_sum[mt][r] * corr + sum;
+#pragma unroll
+                for (int j = 0; j < kDT; ++j) {
+                    acc_o[mt][j][2 * r] *= corr;
+                    acc_o[mt][j][2 * r + 1] *= corr;
+                }
+            }
+
+        cp_async_wait<2>();   // V[it] landed (K[it+1], V[it+1] may still be in flight)
+        __syncthreads();
+
+        // O += P V. The S accumulators of key tiles 2kk and 2kk+1 are exactly the A fragment
+        // of the k16 step kk: a0 = (row g, keys 2t..2t+1) = tile 2kk c0,c1; a1 = row g+8 =
+        // tile 2kk c2,c3; a2/a3 = the same for tile 2kk+1. P never touches shared memory.
+        const fc_u32 sVb = sV + buf;
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            fc_u32 pa[kMT][4];
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+                pa[mt][0] = Elem::pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][1] = Elem::pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][2] = Elem::pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][3] = Elem::pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+                fc_u32 vb[4];
+                ldmatrix_x4_trans(vb, sVb + 2u * ((dp / kJW) * (kBlockN * kW) + kk * 16 * kW
+                                                  + a_off[dp % kJW]));
+                const fc_u32 b0[2] = {vb[0], vb[1]};
+                const fc_u32 b1[2] = {vb[2], vb[3]};
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) {
+                    Elem::mma(acc_o[mt][2 * dp], pa[mt], b0);
+                    Elem::mma(acc_o[mt][2 * dp + 1], pa[mt], b1);
+                }
+            }
+        }
+    }
+    // Every group still pending is an empty one from the last iteration.
+
+    // ---- epilogue: O / l, lse ---------------------------------------------------------------
+    // lse in natural-log units of the modified scores: m * scale + ln(l) (raw scores) or
+    // m + ln(l) (natural-unit scores). l == 0 only for rows that saw no visible key.
+    const float lse_scale = kNatural ? 1.f : params.softmax_scale;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float l = quad_sum(row_sum[mt][r]);
+            const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+            for (int j = 0; j < kDT; ++j) {
+                acc_o[mt][j][2 * r] *= inv;
+                acc_o[mt][j][2 * r + 1] *= inv;
+            }
+            const int row = warp_row0 + mt * 16 + g + 8 * r;
+            if (t == 0 && row < rows_q)
+                gLse[row] = l > 0.f ? row_max[mt][r] * lse_scale + logf(l) : -INFINITY;
+        }
+
+    // Stage O through this warp's own rows of the Q tile (no other warp reads them, and Q is
+    // no longer needed), then write 16-byte chunks, coalesced along each row.
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int j = 0; j < kDT; ++j)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = warp_row0 + mt * 16 + g + 8 * r;
+                sts32(sQ + 2u * tile_off<kW, kBlockM>(row, j * 8 + 2 * t),
+                      Elem::pack2(acc_o[mt][j][2 * r], acc_o[mt][j][2 * r + 1]));
+            }
+    __syncwarp();
+    {
+        constexpr int kCPR = kHeadDim / 8;
+        constexpr int kChunks = 16 * kMT * kCPR;   // this warp's rows
+        static_assert(kChunks % 32 == 0, "warp-owned output tile must split over 32 lanes");
+#pragma unroll
+        for (int it = 0; it < kChunks / 32; ++it) {
+            const int idx = lane + it * 32;
+            const int row = warp_row0 + idx / kCPR;
+            const int c = idx % kCPR;
+            fc_u32 v[4];
+            lds128(v, sQ + 2u * tile_off<kW, kBlockM>(row, c * 8));
+            if (row < rows_q && (Is_even_d || c * 8 < headdim))
+                stg128(gO + (long long)row * params.o_row_stride + c * 8, v);
+        }
+    }
+}

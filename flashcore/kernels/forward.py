@@ -1,0 +1,271 @@
+"""Launcher for the forward kernel ``cuda/flash_fwd.cu`` (Ampere-class path, sm_80 and newer).
+
+The caller (the CuPy backend) has validated shapes, dtypes and devices; this module picks the
+tile configuration for the head dim, builds the template name and the ``FlashParams`` struct,
+and launches on the current CuPy stream. CuPy is imported lazily.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from .params import WINDOW_NONE, make_params
+
+__all__ = ["launch_forward", "kernel_name", "instantiations", "tile_config", "smem_bytes",
+           "set_tile_override", "TileConfig", "HEADDIM_TILES"]
+
+SOURCE = "flash_fwd.cu"
+HEADDIM_TILES = (32, 64, 96, 128, 192, 256)
+_LOG2E = 1.4426950408889634
+
+
+class TileConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    n_warps: int
+    q_in_regs: bool
+
+
+# Tile per head-dim tile (H100/H200: ~227 KiB shared memory per block, 64K registers per SM).
+# Warp w owns 16 * kMT query rows, kMT = block_m / (16 * n_warps). With kMT = 2 every K / V
+# fragment read by ldmatrix feeds two mma (half the shared-memory traffic per FLOP) but the
+# O and S accumulators double. The choice was made on the ptxas report (sm_90a, 255 registers
+# at most, zero spill bytes required for every variant):
+#   d32 : 128x128, 8 warps, kMT=1, Q in regs  (40 KiB smem; tiny mma, softmax-bound: big key
+#         blocks amortise the row reductions, 8 warps overlap ex2 with mma)
+#   d64 : 128x64, 4 warps, kMT=2, Q in regs   (48 KiB; S 64 + O 64 + Q 32 fp32 regs; FA2 also
+#         runs d64 with 32 rows per warp)
+#   d96 : 128x64, 8 warps, kMT=1, Q in regs   (72 KiB)
+#   d128: 128x64, 8 warps, kMT=1, Q in regs   (96 KiB, ~220 regs; FA2's 4-warp kMT=2 tile
+#         with Q in smem needs O 128 + S 64 regs per thread and spills under ptxas)
+#   d192: 128x64, 8 warps, kMT=1, Q from smem (144 KiB; Q in regs spills)
+#   d256: 128x64, 8 warps, kMT=1, Q from smem (192 KiB; O alone is 128 regs per thread)
+# K and V are double-buffered (prefetched one whole iteration ahead): 2 * 2 * block_n * d.
+_TILES: dict[int, TileConfig] = {
+    32: TileConfig(128, 128, 8, True),
+    64: TileConfig(128, 64, 4, True),
+    96: TileConfig(128, 64, 8, True),
+    128: TileConfig(128, 64, 8, True),
+    192: TileConfig(128, 64, 8, False),
+    256: TileConfig(128, 64, 8, False),
+}
+
+# Variants whose extra per-score work (mask bounds, tanh, ALiBi distance) pushes the primary
+# tile over the register limit use a lighter one (found by compiling every variant):
+#   d64 : kMT=1 (8 warps) unless plain (no softcap / ALiBi) and not (local with an odd headdim)
+#   d192: 32 keys per block when local with headdim < 192
+#   d256: 32 keys per block when local with softcap or ALiBi
+_FALLBACK: dict[int, TileConfig] = {
+    64: TileConfig(128, 64, 8, True),
+    192: TileConfig(128, 32, 8, False),
+    256: TileConfig(128, 32, 8, False),
+}
+
+
+def _needs_fallback(d: int, is_local: bool, has_softcap: bool, has_alibi: bool,
+                    is_even_d: bool) -> bool:
+    if d == 64:
+        return has_softcap or has_alibi or (is_local and not is_even_d)
+    if d == 192:
+        return is_local and not is_even_d
+    if d == 256:
+        return is_local and (has_softcap or has_alibi)
+    return False
+
+
+# Benchmarking hook: tile_config() returns these first (never set in normal use; names made
+# with an override are not in instantiations()).
+_OVERRIDES: dict[int, TileConfig] = {}
+
+
+def set_tile_override(headdim_tile_: int, cfg: TileConfig | None) -> None:
+    """Force a tile configuration for one head-dim tile (for tuning sweeps); None clears it."""
+    if cfg is None:
+        _OVERRIDES.pop(headdim_tile_, None)
+    else:
+        cfg = TileConfig(*cfg)
+        if cfg.block_m % (16 * cfg.n_warps) or cfg.block_n % 16:
+            raise ValueError(f"invalid tile {cfg}: block_m % (16 * n_warps) and block_n % 16 "
+                             "must be 0")
+        _OVERRIDES[headdim_tile_] = cfg
+
+
+def tile_config(headdim_tile_: int, is_local: bool = False, has_softcap: bool = False,
+                has_alibi: bool = False, is_even_d: bool = True) -> TileConfig:
+    """Tile configuration for a head-dim tile and kernel variant."""
+    if headdim_tile_ in _OVERRIDES:
+        return _OVERRIDES[headdim_tile_]
+    if _needs_fallback(headdim_tile_, is_local, has_softcap, has_alibi, is_even_d):
+        return _FALLBACK[headdim_tile_]
+    return _TILES[headdim_tile_]
+
+
+def headdim_tile(headdim: int) -> int:
+    """The smallest kernel head-dim tile that holds ``headdim`` (a multiple of 8, <= 256)."""
+    for d in HEADDIM_TILES:
+        if headdim <= d:
+            return d
+    raise ValueError(f"headdim {headdim} exceeds the largest supported tile (256)")
+
+
+def smem_bytes(d: int, cfg: TileConfig) -> int:
+    """Dynamic shared memory of one CTA: Q tile + double-buffered K and V tiles, 16-bit."""
+    return 2 * (cfg.block_m * d + 4 * cfg.block_n * d)
+
+
+def _elem_tag(dtype_name: str) -> str:
+    if dtype_name == "bfloat16":
+        return "fc_bf16"
+    if dtype_name == "float16":
+        return "fc_fp16"
+    raise ValueError(f"flash forward kernel supports float16 and bfloat16, not {dtype_name}")
+
+
+def _b(x: bool) -> str:
+    return "true" if x else "false"
+
+
+def kernel_name(dtype_name: str, headdim: int, is_local: bool, has_softcap: bool,
+                has_alibi: bool) -> str:
+    """The NVRTC name expression of the kernel for these settings.
+
+    ``headdim`` is the real head dim; the tile is the next size up and ``Is_even_d`` says
+    whether they are equal.
+    """
+    d = headdim_tile(headdim)
+    cfg = tile_config(d, is_local, has_softcap, has_alibi, headdim == d)
+    return (f"flash_fwd_kernel<{_elem_tag(dtype_name)}, {d}, {cfg.block_m}, {cfg.block_n}, "
+            f"{cfg.n_warps}, {_b(cfg.q_in_regs)}, {_b(is_local)}, {_b(has_softcap)}, "
+            f"{_b(has_alibi)}, {_b(headdim == d)}>")
+
+
+def instantiations() -> list[str]:
+    """Every template name :func:`launch_forward` can produce (CI compiles a sample)."""
+    names = []
+    for dt in ("float16", "bfloat16"):
+        for d in HEADDIM_TILES:
+            for even in (True, False):
+                hd = d if even else d - 8   # any real headdim below the tile gives the same name
+                for loc in (False, True):
+                    for cap in (False, True):
+                        for ali in (False, True):
+                            names.append(kernel_name(dt, hd, loc, cap, ali))
+    return names
+
+
+def _dtype_name(arr) -> str:
+    name = arr.dtype.name
+    if name in ("float16", "bfloat16"):
+        return name
+    raise ValueError(f"expected a float16 or bfloat16 array, got {arr.dtype}")
+
+
+def _strides(arr) -> tuple[int, ...]:
+    isz = arr.dtype.itemsize
+    return tuple(s // isz for s in arr.strides)
+
+
+def _window(w: int) -> int:
+    return WINDOW_NONE if w is None or w < 0 or w >= WINDOW_NONE else int(w)
+
+
+def _check_aligned(name: str, arr, strides) -> None:
+    # cp.async and the 16-byte output stores move 8 elements at a time. The stride of a
+    # size-1 dimension is never used (its index is always 0), so it may be anything.
+    if arr.data.ptr % 16 != 0 or any(
+            s % 8 != 0 for s, n in zip(strides[:-1], arr.shape[:-1]) if n > 1):
+        raise ValueError(
+            f"{name}: the flash kernels need a 16-byte aligned base pointer and strides that are "
+            f"multiples of 8 elements (got strides {strides}); make a contiguous copy")
+
+
+def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
+                   window_right: int, softcap: float = 0.0, alibi_slopes=None,
+                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
+                   max_seqlen_k: int | None = None) -> None:
+    """Run the forward kernel: ``out`` and ``lse`` are written in place.
+
+    q, k, v, out: (b, s, h, d) or, varlen, (total, h, d) with int32 ``cu_seqlens_*`` (b + 1,).
+    lse: float32 (b, h, sq) or, varlen, (h, total_q), contiguous. Windows use -1 for unbounded.
+    """
+    import cupy
+
+    varlen = cu_seqlens_q is not None
+    dtype_name = _dtype_name(q)
+    headdim = int(q.shape[-1])
+    nheads, nheads_k = int(q.shape[-2]), int(k.shape[-2])
+    qs, ks, vs, os_ = _strides(q), _strides(k), _strides(v), _strides(out)
+    if varlen:
+        batch = int(cu_seqlens_q.shape[0]) - 1
+        if max_seqlen_q is None:
+            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if batch else 0
+        if max_seqlen_k is None:
+            max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if batch else 0
+        seqlen_q, seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+        # (total, h, d): no batch stride, the row offset comes from cu_seqlens.
+        q_b, q_r, q_h = 0, qs[0], qs[1]
+        k_b, k_r, k_h = 0, ks[0], ks[1]
+        v_b, v_r, v_h = 0, vs[0], vs[1]
+        o_b, o_r, o_h = 0, os_[0], os_[1]
+        lse_b, lse_h = 0, lse.strides[0] // 4
+    else:
+        batch, seqlen_q = int(q.shape[0]), int(q.shape[1])
+        seqlen_k = int(k.shape[1])
+        q_b, q_r, q_h = qs[0], qs[1], qs[2]
+        k_b, k_r, k_h = ks[0], ks[1], ks[2]
+        v_b, v_r, v_h = vs[0], vs[1], vs[2]
+        o_b, o_r, o_h = os_[0], os_[1], os_[2]
+        lse_b, lse_h = lse.strides[0] // 4, lse.strides[1] // 4
+    if batch == 0 or seqlen_q == 0 or nheads == 0:
+        return
+    for nm, a, st in (("q", q, qs), ("k", k, ks), ("v", v, vs), ("out", out, os_)):
+        _check_aligned(nm, a, st)
+
+    if not softmax_scale > 0.0:
+        # The kernel keeps raw scores and folds the scale into the exponent, which assumes
+        # a positive scale (the row max of s is the row max of s * scale).
+        raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
+    if nheads > 65535 or batch > 65535:
+        raise ValueError(f"the forward grid allows at most 65535 heads and 65535 sequences "
+                         f"(got nheads={nheads}, batch={batch})")
+
+    wl, wr = _window(window_left), _window(window_right)
+    is_local = wl != WINDOW_NONE or wr != WINDOW_NONE
+    has_softcap = softcap is not None and softcap > 0.0
+    has_alibi = alibi_slopes is not None
+
+    d = headdim_tile(headdim)
+    cfg = tile_config(d, is_local, has_softcap, has_alibi, headdim == d)
+    name = kernel_name(dtype_name, headdim, is_local, has_softcap, has_alibi)
+    smem = smem_bytes(d, cfg)
+
+    device_id = q.device.id
+    cc = int(cupy.cuda.Device(device_id).compute_capability)
+    from ..jit import get_kernel
+    kernel = get_kernel(SOURCE, name, device_id, cc, smem)
+
+    alibi_bs = 0
+    if has_alibi and alibi_slopes.ndim == 2:
+        alibi_bs = alibi_slopes.strides[0] // 4
+    params = make_params(
+        q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
+        cu_seqlens_q=cu_seqlens_q.data.ptr if varlen else None,
+        cu_seqlens_k=cu_seqlens_k.data.ptr if varlen else None,
+        alibi_slopes=alibi_slopes.data.ptr if has_alibi else None,
+        q_batch_stride=q_b, q_row_stride=q_r, q_head_stride=q_h,
+        k_batch_stride=k_b, k_row_stride=k_r, k_head_stride=k_h,
+        v_batch_stride=v_b, v_row_stride=v_r, v_head_stride=v_h,
+        o_batch_stride=o_b, o_row_stride=o_r, o_head_stride=o_h,
+        lse_batch_stride=lse_b, lse_head_stride=lse_h,
+        alibi_batch_stride=alibi_bs,
+        batch=batch, nheads=nheads, nheads_k=nheads_k, headdim=headdim,
+        seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=wl, window_right=wr,
+        softmax_scale=float(softmax_scale),
+        # With softcap the kernel works on capped scores in natural units: only log2(e) left.
+        scale_log2=_LOG2E if has_softcap else float(softmax_scale) * _LOG2E,
+        softcap=float(softcap) if has_softcap else 0.0,
+    )
+    grid = (math.ceil(seqlen_q / cfg.block_m), nheads, batch)
+    block = (cfg.n_warps * 32, 1, 1)
+    with cupy.cuda.Device(device_id):
+        kernel(grid, block, (params,), shared_mem=smem)
