@@ -119,13 +119,8 @@ __device__ __forceinline__ float bwd_rcp(float x) {  // rcp(+inf) = 0
     return y;
 }
 
-// tanh accurate to a few fp32 ulps in absolute terms: 1 - 2 / (2^(2x log2 e) + 1). tanh.approx
-// has a relative error of ~2^-11, which the softcap multiplies (c * tanh) into score errors of
-// c * 5e-4 -- several percent of a probability at c = 50. Saturates cleanly: x -> +inf gives 1
-// (rcp(inf) = 0), x -> -inf gives -1.
-__device__ __forceinline__ float bwd_tanh(float x) {
-    return 1.f - 2.f * bwd_rcp(fc_exp2(x * (2.f * FC_BWD_LOG2E)) + 1.f);
-}
+// The forward and the backward share one tanh (ptx.cuh explains the choice).
+__device__ __forceinline__ float bwd_tanh(float x) { return fc_tanh(x); }
 
 // Where one sequence of the batch lives (varlen: rows of the packed tensors).
 struct BwdSeq {

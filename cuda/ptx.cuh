@@ -105,10 +105,15 @@ __device__ __forceinline__ float fc_exp2(float x) {  // 2^x, flushes denormals; 
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
+// tanh accurate to a few fp32 ulps in absolute terms: 1 - 2 / (2^(2x log2 e) + 1).
+// tanh.approx.f32 has ~2^-11 relative error, which a softcap c multiplies into score errors of
+// c * 5e-4; and the forward and backward must use the same function, since the backward
+// rebuilds P from the forward's LSE. Saturates cleanly: +inf -> 1 (rcp(inf) = 0), -inf -> -1.
 __device__ __forceinline__ float fc_tanh(float x) {
-    float y;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
+    float e, r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * 2.885390081777927f));  // 2 log2(e)
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(e + 1.f));
+    return 1.f - 2.f * r;
 }
 // Reductions over the 4 lanes of an mma quad (lanes 4g .. 4g+3 hold one accumulator row).
 __device__ __forceinline__ float quad_max(float x) {

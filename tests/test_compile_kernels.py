@@ -55,7 +55,7 @@ def _sample(names, budget):
     return chosen
 
 
-BUDGET = int(os.environ.get("FLASHCORE_COMPILE_BUDGET", "24"))
+BUDGET = int(os.environ.get("FLASHCORE_COMPILE_BUDGET", "48"))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -84,6 +84,9 @@ class CupyBackend(Backend):
         r = super().not_supported_reasons(spec, backward)
         if r and r[0].startswith("not available"):
             return r
+        if spec.nheads > 65535 or spec.batch > 65535:
+            r.append(f"at most 65535 heads and 65535 sequences per call (the CUDA grid), got "
+                     f"nheads={spec.nheads}, batch={spec.batch}")
         if spec.library == "cupy":
             import cupy
             cc = int(cupy.cuda.Device(int(spec.device.split(":")[1])).compute_capability)

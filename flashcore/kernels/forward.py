@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from .common import _as_input, _strides, _used_strides_ok
 from .params import WINDOW_NONE, make_params
 
 __all__ = ["launch_forward", "kernel_name", "instantiations", "tile_config", "smem_bytes",
@@ -160,23 +161,8 @@ def _dtype_name(arr) -> str:
     raise ValueError(f"expected a float16 or bfloat16 array, got {arr.dtype}")
 
 
-def _strides(arr) -> tuple[int, ...]:
-    isz = arr.dtype.itemsize
-    return tuple(s // isz for s in arr.strides)
-
-
 def _window(w: int) -> int:
     return WINDOW_NONE if w is None or w < 0 or w >= WINDOW_NONE else int(w)
-
-
-def _check_aligned(name: str, arr, strides) -> None:
-    # cp.async and the 16-byte output stores move 8 elements at a time. The stride of a
-    # size-1 dimension is never used (its index is always 0), so it may be anything.
-    if arr.data.ptr % 16 != 0 or any(
-            s % 8 != 0 for s, n in zip(strides[:-1], arr.shape[:-1]) if n > 1):
-        raise ValueError(
-            f"{name}: the flash kernels need a 16-byte aligned base pointer and strides that are "
-            f"multiples of 8 elements (got strides {strides}); make a contiguous copy")
 
 
 def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
@@ -190,6 +176,13 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     """
     import cupy
 
+    # cp.async and the 16-byte output stores move 8 elements at a time: inputs with other
+    # strides (or unaligned bases) are copied; an output like that is written through a
+    # temporary and copied back.
+    q, k, v = _as_input(q), _as_input(k), _as_input(v)
+    out_final = None
+    if out.size and not _used_strides_ok(out, 8, 16):
+        out_final, out = out, cupy.empty(out.shape, out.dtype)
     varlen = cu_seqlens_q is not None
     dtype_name = _dtype_name(q)
     headdim = int(q.shape[-1])
@@ -218,9 +211,6 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         lse_b, lse_h = lse.strides[0] // 4, lse.strides[1] // 4
     if batch == 0 or seqlen_q == 0 or nheads == 0:
         return
-    for nm, a, st in (("q", q, qs), ("k", k, ks), ("v", v, vs), ("out", out, os_)):
-        _check_aligned(nm, a, st)
-
     if not softmax_scale > 0.0:
         # The kernel keeps raw scores and folds the scale into the exponent, which assumes
         # a positive scale (the row max of s is the row max of s * scale).
@@ -269,3 +259,5 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     block = (cfg.n_warps * 32, 1, 1)
     with cupy.cuda.Device(device_id):
         kernel(grid, block, (params,), shared_mem=smem)
+        if out_final is not None:
+            out_final[...] = out
