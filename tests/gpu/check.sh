@@ -15,7 +15,7 @@ workers=${FLASHCORE_TEST_WORKERS:-8}
 xdist=""
 python3 -c "import xdist" 2>/dev/null && xdist="-n $workers"
 t0=$(date +%s)
-python3 -m pytest tests/gpu -m gpu -q $xdist -p no:cacheprovider --timeout=900 2>&1 | tee "$out/gpu_tests.log" | tail -40
+timeout ${GPU_TEST_TIMEOUT:-1800} python3 -m pytest tests/gpu -m gpu -q -rfE $xdist -p no:cacheprovider --maxfail=40 ${GPU_TEST_ARGS:-} 2>&1 | tee "$out/gpu_tests.log" | tail -60
 tests_rc=${PIPESTATUS[0]}
 t1=$(date +%s)
 tests_line=$(grep -E "^(=+ )?[0-9]+ (passed|failed)" "$out/gpu_tests.log" | tail -1)
@@ -25,6 +25,18 @@ if [ "$mode" = quick ]; then
 else
   seqs="512 1024 2048 4096 8192 16384"; dims="64 128 256"
 fi
+python3 - <<'PY' 2>&1 | tee "$out/kernels.txt"
+# registers and local memory (spills) of the main kernels as the device's NVRTC builds them
+import cupy, flashcore.jit as jit
+from flashcore.kernels import forward, backward
+cc = int(cupy.cuda.Device().compute_capability)
+for d in (64, 128, 256):
+    for src, names in (("flash_fwd.cu", [forward.kernel_name("bfloat16", d, c, False, False) for c in (False, True)]),
+                       ("flash_bwd.cu", [n for n in backward.instantiations() if "dkdv" in n and f"fc_bf16, {d}," in n][:2])):
+        for n in names:
+            k = jit.get_kernel(src, n, 0, cc)
+            print(f"{n}: regs {k.num_regs}, local {k.local_size_bytes} B, smem static {k.shared_size_bytes}")
+PY
 python3 -m flashcore.bench --seqlen $seqs --headdim $dims --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
 bench_rc=${PIPESTATUS[0]}
 python3 - "$out/bench.json" <<'PY' | tee "$out/summary.txt"
