@@ -27,7 +27,7 @@ fi
 
 # flashcore into the interpreter the benchmarks run in (setuptools only, offline).
 "$PY" -m pip install -q --no-deps --no-build-isolation -e .
-"$PY" -c "import flashcore; print('flashcore backends:', flashcore.backends())"
+"$PY" -c "import flashcore; print('flashcore backends:', flashcore.available_backends())"
 
 # Compile every kernel configuration in parallel first: the suite then loads them from disk.
 "$PY" asv_benchmarks/warm_kernel_cache.py || echo "run_gpu.sh: warming the kernel cache failed (see above); the benchmarks will compile as they go"
@@ -40,9 +40,11 @@ asv run --environment "existing:$(command -v "$PY")" --set-commit-hash "$(git re
 asv publish
 
 if [ -n "${OUT:-}" ]; then
-    mkdir -p "$OUT/asv_benchmarks/results"
-    cp -r results/. "$OUT/asv_benchmarks/results/"
-    tar -czf "$OUT/asv_html.tar.gz" html
-    echo "run_gpu.sh: results copied to \$OUT/asv_benchmarks/results (commit them as asv_benchmarks/results/)"
+    # The device tool returns files at most two folders down and at most 8 files: hand back
+    # the machine's result files flat, plus benchmarks.json.
+    mkdir -p "$OUT/asv"
+    cp results/benchmarks.json "$OUT/asv/"
+    cp results/"$MACHINE"/*.json "$OUT/asv/"
+    echo "run_gpu.sh: results copied to \$OUT/asv (commit them under asv_benchmarks/results/$MACHINE/, benchmarks.json one level up)"
 fi
 exit $status

@@ -186,7 +186,27 @@ def _cp(t):
     if t is None:
         return None
     import cupy
-    return cupy.from_dlpack(t.detach())
+    x = cupy.from_dlpack(t.detach())
+    if t.numel() and x.data.ptr != t.data_ptr():
+        # Some torch/CuPy pairs hand a strided tensor over DLPack as a compact copy; the
+        # kernels take strides, so view the very same memory instead (the tensor owns it).
+        x = _cp_view(cupy, t)
+    return x
+
+
+def _cp_view(cupy, t):
+    """A CuPy array over a CUDA tensor's memory with the tensor's strides (no copy)."""
+    import numpy as np
+    item = t.element_size()
+    if str(t.dtype) == "torch.bfloat16":
+        import ml_dtypes
+        dt = np.dtype(ml_dtypes.bfloat16)
+    else:
+        dt = np.dtype(str(t.dtype).replace("torch.", ""))
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    mem = cupy.cuda.UnownedMemory(t.data_ptr(), span * item, t, t.device.index)
+    return cupy.ndarray(tuple(t.shape), dt, cupy.cuda.MemoryPointer(mem, 0),
+                        strides=tuple(st * item for st in t.stride()))
 
 
 _BACKEND = register(TorchBackend())
@@ -322,7 +342,11 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
                         max_seqlen_k=max_seqlen_k)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or
                                               v.requires_grad)
-    choose(spec, backend, backward=needs_grad)
+    if not torch.compiler.is_compiling():
+        # Eager: every backend's reasons before any op runs. Under torch.compile this probe
+        # (CuPy import checks, device queries) is not traceable; the shapes, dtypes and options
+        # were still validated above, and the backend reports what it cannot run when called.
+        choose(spec, backend, backward=needs_grad)
     return torch_ops().fwd(q, k, v, alibi_slopes, cu_seqlens_q if varlen else None,
                            cu_seqlens_k if varlen else None,
                            spec.seqlen_q if varlen else 0, spec.seqlen_k if varlen else 0,

@@ -101,6 +101,24 @@ def _max_err(a, b):
     return (a.float() - b.float()).abs().max().item()
 
 
+def _attn_ref(q, k, v, causal, upcast):
+    """flash-attn's attention_ref: explicit matmul/softmax, in float32 (upcast) or in the inputs'
+    own precision (every intermediate rounded to it), bottom-right causal, GQA by repetition."""
+    dt = q.dtype
+    if upcast:
+        q, k, v = (x.float() for x in (q, k, v))
+    g = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
+    s = torch.einsum("bshd,bthd->bhst", q, k) / q.shape[-1] ** 0.5
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        s = s.masked_fill(j > i + sk - sq, float("-inf"))
+    p = torch.softmax(s, dim=-1).to(v.dtype)
+    return torch.einsum("bhst,bthd->bshd", p, v).to(dt if not upcast else torch.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_values_and_gradients_within_the_flash_attn_rule(dtype, causal):
@@ -108,10 +126,12 @@ def test_values_and_gradients_within_the_flash_attn_rule(dtype, causal):
     dout = torch.randn(q.shape, device="cuda", dtype=dtype)
     out = flashcore.attention(q, k, v, causal=causal)
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    ref = _sdpa(q, k, v, causal, torch.float32)                 # the truth, in float32
-    ref_grads = torch.autograd.grad(ref, (q, k, v), dout.float())
-    low = _sdpa(q, k, v, causal)                                # the same math in low precision
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref = _attn_ref(q32, k32, v32, causal, upcast=True)        # the truth, in float32
+    ref_grads = torch.autograd.grad(ref, (q32, k32, v32), dout.float())
+    low = _attn_ref(q, k, v, causal, upcast=False)             # the same math in low precision
     low_grads = torch.autograd.grad(low, (q, k, v), dout)
+    assert _max_err(low, ref) > 0, "the low-precision reference is not low precision"
     assert _max_err(out, ref) <= 2 * _max_err(low, ref) + 1e-5
     for g, r, lg in zip(grads, ref_grads, low_grads):
         assert _max_err(g, r) <= 3 * _max_err(lg, r) + 1e-5
