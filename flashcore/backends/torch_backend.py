@@ -161,11 +161,15 @@ class TorchBackend(Backend):
                                 *(_np(x) for x in (dout, q, k, v, out, lse)),
                                 alibi_slopes=_np(alibi_slopes), cu_seqlens_q=_np(cu_seqlens_q),
                                 cu_seqlens_k=_np(cu_seqlens_k))
-            return tuple(_contiguous_numpy_to_torch(torch, g) for g in grads)
+            # In the inputs' layout, like the CUDA path and the fake implementation.
+            return tuple(torch.empty_like(x).copy_(torch.from_numpy(g))
+                         for x, g in zip((q, k, v), grads))
         import cupy
         cb = get_backend("cupy")
         with cupy.cuda.Device(q.device.index), _cupy_stream(torch, q.device):
-            dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+            # Gradients in the inputs' own layout (empty_like keeps a dense view's strides), so
+            # autograd can hand them to .grad without a copy.
+            dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
             cb.backward(dataclasses.replace(spec, library="cupy"),
                         *(_cp(x) for x in (dout, q, k, v, out, lse)),
                         alibi_slopes=_cp(alibi_slopes), cu_seqlens_q=_cp(cu_seqlens_q),
@@ -286,7 +290,7 @@ def _define_ops():
 
     @bwd.register_fake
     def _bwd_fake(dout, q, k, v, *_):
-        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     # -- Layer 3: autograd ------------------------------------------------------------------
 
