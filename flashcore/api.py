@@ -27,6 +27,7 @@ Conventions (flash-attn's; see docs/conventions):
 """
 from __future__ import annotations
 
+from ._arrays import library_of
 from .backends.base import all_backends, choose
 from .spec import backward_spec, forward_spec
 
@@ -87,8 +88,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     """
     kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
               softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
-    spec = forward_spec(q, k, v, **kw)
-    if spec.library == "torch":
+    if library_of(q) == "torch":    # validated once, inside (this path is per-call overhead)
         from .backends.torch_backend import autograd_attention
         out, lse = autograd_attention(q, k, v, backend=backend, **kw)
     else:
@@ -134,8 +134,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
               softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    spec = forward_spec(q, k, v, varlen=True, **kw)
-    if spec.library == "torch":
+    if library_of(q) == "torch":
         from .backends.torch_backend import autograd_attention
         out, lse = autograd_attention(q, k, v, backend=backend, varlen=True, **kw)
     else:

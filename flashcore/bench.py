@@ -145,6 +145,55 @@ def _print_row(r, modes, impls, peers, out):
     sys.stdout.flush()
 
 
+def overhead(n=2000, out=print):
+    """Host cost per call on a tiny problem (launch-bound): the CuPy backend called directly
+    against the same call through torch (no grad, and forward+backward with autograd)."""
+    import time
+
+    import cupy
+    import torch
+
+    import flashcore
+    q, k, v, do = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    cq, ck, cv, cdo = (cupy.from_dlpack(x) for x in (q, k, v, do))
+
+    def per_call(fn):
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            torch.cuda.synchronize()
+            best = min(best, (time.perf_counter() - t0) / n)
+        return best * 1e6
+
+    def cupy_fb():
+        o, l = flashcore.attention_forward(cq, ck, cv, causal=True)
+        flashcore.attention_backward(cdo, cq, ck, cv, o, l, causal=True)
+
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+
+    def torch_fb():
+        o = flashcore.attention(qg, kg, vg, causal=True)
+        torch.autograd.grad(o, (qg, kg, vg), do)
+
+    def torch_f():
+        with torch.no_grad():
+            flashcore.attention(q, k, v, causal=True)
+    r = {"cupy_fwd_us": per_call(lambda: flashcore.attention_forward(cq, ck, cv, causal=True)),
+         "torch_fwd_us": per_call(torch_f), "cupy_fwdbwd_us": per_call(cupy_fb),
+         "torch_fwdbwd_us": per_call(torch_fb)}
+    out(f"# per-call host overhead, tiny problem (1x128x2x64 bf16, causal), best of 5 x {n} calls:")
+    out(f"forward:          CuPy direct {r['cupy_fwd_us']:.1f} us, through torch {r['torch_fwd_us']:.1f} us "
+        f"(+{r['torch_fwd_us'] - r['cupy_fwd_us']:.1f} us)")
+    out(f"forward+backward: CuPy direct {r['cupy_fwdbwd_us']:.1f} us, through torch autograd "
+        f"{r['torch_fwdbwd_us']:.1f} us (+{r['torch_fwdbwd_us'] - r['cupy_fwdbwd_us']:.1f} us)")
+    return r
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m flashcore.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--seqlen", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
@@ -154,7 +203,15 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--impl", nargs="+", default=["cupy"], choices=["cupy", "torch"])
     p.add_argument("--json", help="write the rows to this JSON file")
+    p.add_argument("--overhead", action="store_true",
+                   help="only measure the per-call host overhead (CuPy direct vs through torch)")
     a = p.parse_args(argv)
+    if a.overhead:
+        r = overhead()
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(r, f, indent=1)
+        return 0
     causals = {"both": [False, True], "yes": [True], "no": [False]}[a.causal]
     rows = run(a.seqlen, a.headdim, causals, a.mode, a.dtype, impls=tuple(a.impl))
     if a.json:

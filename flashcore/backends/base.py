@@ -6,6 +6,7 @@ the user sees each backend's reasons at once.
 """
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 from ..spec import AttentionSpec
@@ -102,11 +103,20 @@ def get_backend(name: str) -> Backend:
 
 
 def choose(spec: AttentionSpec, backend: str | None, backward: bool = False) -> Backend:
-    """The backend for this call: the named one, else the first that takes these arrays."""
+    """The backend for this call: the named one, else the first that takes these arrays.
+
+    Memoised on the (frozen, hashable) spec: a training loop repeats the same few calls, and
+    the capability checks would otherwise run on every one of them.
+    """
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"argument 'backend': expected a backend name (str) or None, "
+                        f"got {type(backend).__name__}")
+    return _choose(spec, backend, backward)
+
+
+@functools.lru_cache(maxsize=1024)
+def _choose(spec: AttentionSpec, backend: str | None, backward: bool) -> Backend:
     if backend is not None:
-        if not isinstance(backend, str):
-            raise TypeError(f"argument 'backend': expected a backend name (str) or None, "
-                            f"got {type(backend).__name__}")
         b = get_backend(backend)
         reasons = b.not_supported_reasons(spec, backward)
         if reasons:

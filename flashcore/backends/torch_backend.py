@@ -347,12 +347,59 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or
                                               v.requires_grad)
     if not torch.compiler.is_compiling():
-        # Eager: every backend's reasons before any op runs. Under torch.compile this probe
-        # (CuPy import checks, device queries) is not traceable; the shapes, dtypes and options
-        # were still validated above, and the backend reports what it cannot run when called.
+        # Eager: every backend's reasons before any op runs, then the autograd Function straight
+        # away (the custom op's dispatch costs tens of microseconds a call). Under torch.compile
+        # the probe (CuPy import checks, device queries) is not traceable: the shapes, dtypes
+        # and options were still validated above, and the custom op carries the call.
         choose(spec, backend, backward=needs_grad)
+        return _eager_function().apply(q, k, v, alibi_slopes, cu_seqlens_q if varlen else None,
+                                       cu_seqlens_k if varlen else None, spec)
     return torch_ops().fwd(q, k, v, alibi_slopes, cu_seqlens_q if varlen else None,
                            cu_seqlens_k if varlen else None,
                            spec.seqlen_q if varlen else 0, spec.seqlen_k if varlen else 0,
                            spec.causal, spec.softmax_scale, spec.window_left, spec.window_right,
                            spec.softcap, spec.deterministic)
+
+
+_EAGER: list = []
+
+
+def _eager_function():
+    """The eager-mode autograd Function (same backend calls as the custom ops)."""
+    if _EAGER:
+        return _EAGER[0]
+    import torch
+
+    class FlashAttentionFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, spec):
+            out, lse = _BACKEND.forward(spec, q, k, v, alibi_slopes=alibi_slopes,
+                                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+            ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+            ctx.spec = spec
+            ctx.mark_non_differentiable(lse)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, _dlse):
+            q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+            if dout.shape[-1] > 1 and dout.stride(-1) != 1:
+                dout = dout.contiguous()
+            dq, dk, dv = _BACKEND.backward(ctx.spec, dout, q, k, v, out, lse,
+                                           alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+                                           cu_seqlens_k=cu_seqlens_k)
+            if torch.is_grad_enabled():      # create_graph=True: refuse when differentiated
+                dq, dk, dv = NoSecondDerivative.apply(dout, dq, dk, dv)
+            return dq, dk, dv, None, None, None, None
+
+    class NoSecondDerivative(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, dout, *grads):   # dout ties the gradients to the graph being built
+            return tuple(g.clone() for g in grads)
+
+        @staticmethod
+        def backward(ctx, *_):
+            raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
+
+    _EAGER.append(FlashAttentionFunction)
+    return FlashAttentionFunction

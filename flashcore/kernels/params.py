@@ -41,15 +41,22 @@ def params_dtype() -> np.dtype:
     return np.dtype(fields, align=True)
 
 
+@functools.lru_cache(maxsize=None)
+def _field_index() -> dict[str, int]:
+    return {n: i for i, n in enumerate(params_dtype().names)}
+
+
 def make_params(**values) -> np.ndarray:
-    """A zero-initialised 0-d structured scalar with the given fields set.
+    """A 0-d structured scalar with the given fields set and every other field 0.
 
     Pointers are given as ints (``array.data.ptr``) or None (null). Unknown names raise.
+    Built from one tuple in a single call: this runs on every kernel launch.
     """
-    dt = params_dtype()
-    p = np.zeros((), dtype=dt)
+    index = _field_index()
+    row = [0] * len(index)
     for name, val in values.items():
-        if name not in dt.names:
-            raise KeyError(f"FlashParams has no field {name!r}")
-        p[name] = 0 if val is None else val
-    return p
+        try:
+            row[index[name]] = 0 if val is None else val
+        except KeyError:
+            raise KeyError(f"FlashParams has no field {name!r}") from None
+    return np.array(tuple(row), dtype=params_dtype())

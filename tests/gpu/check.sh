@@ -37,6 +37,7 @@ for d in (64, 128, 256):
             k = jit.get_kernel(src, n, 0, cc)
             print(f"{n}: regs {k.num_regs}, local {k.local_size_bytes} B, smem static {k.shared_size_bytes}")
 PY
+python3 -m flashcore.bench --overhead 2>&1 | tee "$out/overhead.log"
 python3 -m flashcore.bench --seqlen $seqs --headdim $dims --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
 bench_rc=${PIPESTATUS[0]}
 python3 - "$out/bench.json" <<'PY' | tee "$out/summary.txt"
