@@ -659,6 +659,367 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_kernel(const F
     }
 }
 
+// ---- 2'. key-block kernel, 2-D warp layouts ("v2"): dK, dV (and dQ through atomics) -------------
+//
+// Same job, grid, loop, prefetch and math as flash_bwd_dkdv_kernel; only the warp tiling of the
+// five products differs. The v1 kernel gives each warp 16 keys x the whole head dim, so every
+// ldmatrix of Q / dO feeds only two mma (m = 16 keys) and K / V are reloaded per query chunk:
+// shared-memory (LSU) throughput, not the tensor pipe, bounds it. Here each product has its own
+// 2-D warp grid, FA2-style, so that every ldmatrix.x4 feeds more mma:
+//   S^T = K Q^T, dP^T = V dO^T   kSWn x (kNWarps / kSWn) warps over keys x queries
+//   dV += P^T dO, dK += dS^T Q   kKWn x (kNWarps / kKWn) warps over keys x head dim
+//   dQ_accum += dS K             kQWm x (kNWarps / kQWm) warps over queries x head dim
+// P^T and dS^T go through shared memory ([key][query], 16-bit, swizzled) between the first and
+// the other products. dP^T is computed before S^T so that only one GEMM's fragments are live next
+// to both accumulators. d128 (64 x 128 tile, 8 warps, 4/4/2): per warp and query block 152
+// ldmatrix.x4-equivalents for 320 mma, against 204 in v1.
+//
+// Shared: sK, sV (kBlockN x d), sQ, sdO (2 x kBlockM x d), sP, sdS (kBlockN x kBlockM), sLse,
+// sDsum (2 x kBlockM fp32). Two barriers per iteration: the top one (this block's Q / dO landed;
+// everyone is done with the previous iteration's sP / sdS and the other Q / dO buffer) and one
+// after the P^T / dS^T stores.
+template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kSWn, int kKWn,
+          int kQWm, bool Is_local, bool Has_softcap, bool Has_alibi, bool Is_even_d, bool Atomic_dq>
+__global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv2_kernel(const FlashParams p) {
+    constexpr int kNT = kNWarps * 32;
+    static_assert(kNWarps % kSWn == 0 && kNWarps % kKWn == 0 && kNWarps % kQWm == 0, "bad warp grid");
+    // S^T / dP^T: warp tile kSTn keys x kSTm queries.
+    constexpr int kSWm = kNWarps / kSWn;
+    constexpr int kSTn = kBlockN / kSWn, kSTm = kBlockM / kSWm;
+    static_assert(kSTn % 16 == 0 && kSTm % 16 == 0, "bad S warp tile");
+    constexpr int kSMi = kSTn / 16, kSNt = kSTm / 8;
+    // dK / dV: warp tile kKTn keys x kKCols columns (16-column steps interleaved by kKWd).
+    constexpr int kKWd = kNWarps / kKWn;
+    constexpr int kKTn = kBlockN / kKWn, kKCols = kHeadDim / kKWd;
+    static_assert(kKTn % 16 == 0 && kKCols % 16 == 0, "bad dK/dV warp tile");
+    constexpr int kKMi = kKTn / 16, kKNt = kKCols / 8;
+    // dQ: warp tile kQTm queries x kQCols columns (16-column steps interleaved by kQWd), in
+    // passes of at most 64 accumulator registers.
+    constexpr int kQWd = kNWarps / kQWm;
+    constexpr int kQTm = kBlockM / kQWm, kQCols = kHeadDim / kQWd;
+    static_assert(kQTm % 16 == 0 && kQCols % 16 == 0, "bad dQ warp tile");
+    constexpr int kQMi = kQTm / 16;
+    constexpr int kQSteps = kQCols / 16;                                  // 16-col steps per warp
+    constexpr int kQPassSteps = (kQMi * kQSteps * 8 <= 64) ? kQSteps
+                              : (kQSteps % 2 == 0 && kQMi * kQSteps * 4 <= 64) ? kQSteps / 2 : 1;
+    constexpr int kQPasses = kQSteps / kQPassSteps;
+    static_assert(kQSteps % kQPassSteps == 0, "bad dQ passes");
+    static_assert(kKWd <= BwdLdsm<kHeadDim>::kHalf && (kKWd & (kKWd - 1)) == 0 &&
+                  kQWd <= BwdLdsm<kHeadDim>::kHalf && (kQWd & (kQWd - 1)) == 0,
+                  "column interleave must be a power of two <= the swizzle group's 16-column steps");
+    static_assert(kBlockM % 32 == 0, "kBlockM: P^T / dS^T tile width");
+
+    extern __shared__ __align__(128) unsigned char bwd_smem_raw[];
+    fc_u16* sK = reinterpret_cast<fc_u16*>(bwd_smem_raw);
+    fc_u16* sV = sK + kBlockN * kHeadDim;
+    fc_u16* sQ = sV + kBlockN * kHeadDim;
+    fc_u16* sdO = sQ + 2 * kBlockM * kHeadDim;
+    fc_u16* sdS = sdO + 2 * kBlockM * kHeadDim;
+    fc_u16* sP = sdS + kBlockN * kBlockM;
+    float* sLse = reinterpret_cast<float*>(sP + kBlockN * kBlockM);
+    float* sDsum = sLse + 2 * kBlockM;
+
+    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const BwdSeq seq = bwd_seq(p, b);
+    const int n0 = n_block * kBlockN;
+    if (n0 >= seq.sk) return;  // varlen: this sequence has fewer key blocks
+    const int off = seq.sk - seq.sq;
+    const int ratio = p.nheads / p.nheads_k;
+    const int h0 = hk * ratio;
+
+    int m_begin = 0, m_end = (seq.sq + kBlockM - 1) / kBlockM;
+    if constexpr (Is_local) {
+        const long long n1 = min(n0 + kBlockN, seq.sk);
+        const long long lo = max(0LL, static_cast<long long>(n0) - off - p.window_right);
+        const long long hi =
+            min(static_cast<long long>(seq.sq) - 1, n1 - 1 - off + p.window_left);
+        if (lo > hi) {
+            m_end = 0;
+        } else {
+            m_begin = static_cast<int>(lo / kBlockM);
+            m_end = static_cast<int>(hi / kBlockM) + 1;
+        }
+    }
+    const int n_m = m_end > m_begin ? m_end - m_begin : 0;
+    const int n_iter = n_m * ratio;
+
+    const fc_u16* gq = static_cast<const fc_u16*>(p.q) + b * p.q_batch_stride + seq.q_off * p.q_row_stride;
+    const fc_u16* gdo = static_cast<const fc_u16*>(p.dout) + b * p.do_batch_stride + seq.q_off * p.do_row_stride;
+    const int rows_k = seq.sk - n0;
+
+    const int swn = warp % kSWn, swm = warp / kSWn;
+    const int sk0 = swn * kSTn, sq0 = swm * kSTm;
+    const int kwn = warp % kKWn, kwd = warp / kKWn;
+    const int kk0 = kwn * kKTn;
+    const int qwm = warp % kQWm, qwd = warp / kQWm;
+
+    const BwdLdsm<kHeadDim> ldA(kLdsmA, lane), ldB(kLdsmB, lane);
+    const BwdLdsm<kHeadDim> ldAk(kLdsmA, lane, kwd), ldAq(kLdsmA, lane, qwd);
+    const BwdLdsm<kBlockM> ldmA(kLdsmA, lane);
+    const fc_u32 uK = smem_u32(sK), uV = smem_u32(sV), uQ = smem_u32(sQ), udO = smem_u32(sdO);
+    const fc_u32 udS = smem_u32(sdS), uP = smem_u32(sP);
+
+    float acc_dk[kKMi][kKNt][4], acc_dv[kKMi][kKNt][4];
+#pragma unroll
+    for (int mi = 0; mi < kKMi; ++mi)
+#pragma unroll
+        for (int nt = 0; nt < kKNt; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dk[mi][nt][e] = acc_dv[mi][nt][e] = 0.f;
+
+    if (n_iter > 0) {
+        bwd_load_tile<kBlockN, kHeadDim, kNT, Is_even_d>(
+            sK, static_cast<const fc_u16*>(p.k) + b * p.k_batch_stride + (seq.k_off + n0) * p.k_row_stride +
+                    hk * p.k_head_stride, p.k_row_stride, rows_k, p.headdim, tid);
+        bwd_load_tile<kBlockN, kHeadDim, kNT, Is_even_d>(
+            sV, static_cast<const fc_u16*>(p.v) + b * p.v_batch_stride + (seq.k_off + n0) * p.v_row_stride +
+                    hk * p.v_head_stride, p.v_row_stride, rows_k, p.headdim, tid);
+        const int mm = m_begin * kBlockM;
+        bwd_load_tile<kBlockM, kHeadDim, kNT, Is_even_d>(
+            sQ, gq + static_cast<long long>(mm) * p.q_row_stride + h0 * p.q_head_stride,
+            p.q_row_stride, seq.sq - mm, p.headdim, tid);
+        bwd_load_tile<kBlockM, kHeadDim, kNT, Is_even_d>(
+            sdO, gdo + static_cast<long long>(mm) * p.do_row_stride + h0 * p.do_head_stride,
+            p.do_row_stride, seq.sq - mm, p.headdim, tid);
+        cp_async_commit();
+        if (tid < kBlockM) bwd_row_stats(p, b, h0, seq, mm + tid, sLse[tid], sDsum[tid]);
+    }
+
+    int h = h0, m_block = m_begin;
+    for (int it = 0; it < n_iter; ++it) {
+        const int buf = it & 1;
+        cp_async_wait<0>();
+        __syncthreads();
+
+        int h_next = h, m_next = m_block + 1;
+        if (m_next == m_end) {
+            m_next = m_begin;
+            ++h_next;
+        }
+        const bool has_next = it + 1 < n_iter;
+        float nl_next = 0.f, ds_next = 0.f;
+        if (has_next) {
+            const int mm = m_next * kBlockM;
+            bwd_load_tile<kBlockM, kHeadDim, kNT, Is_even_d>(
+                sQ + (buf ^ 1) * kBlockM * kHeadDim,
+                gq + static_cast<long long>(mm) * p.q_row_stride + h_next * p.q_head_stride,
+                p.q_row_stride, seq.sq - mm, p.headdim, tid);
+            bwd_load_tile<kBlockM, kHeadDim, kNT, Is_even_d>(
+                sdO + (buf ^ 1) * kBlockM * kHeadDim,
+                gdo + static_cast<long long>(mm) * p.do_row_stride + h_next * p.do_head_stride,
+                p.do_row_stride, seq.sq - mm, p.headdim, tid);
+            cp_async_commit();
+            if (tid < kBlockM) bwd_row_stats(p, b, h_next, seq, mm + tid, nl_next, ds_next);
+        }
+
+        const fc_u32 uQb = uQ + buf * (kBlockM * kHeadDim * 2);
+        const fc_u32 udOb = udO + buf * (kBlockM * kHeadDim * 2);
+        const float* sLb = sLse + buf * kBlockM;
+        const float* sDb = sDsum + buf * kBlockM;
+        const int m0 = m_block * kBlockM;
+
+        const BwdScoreMath sm = bwd_score_math(p, b, h, seq, Has_alibi);
+        bool need_mask = n0 + kBlockN > seq.sk;
+        if constexpr (Is_local) {
+            const int rel_min = n0 - (m0 + kBlockM - 1) - off;
+            const int rel_max = n0 + kBlockN - 1 - m0 - off;
+            need_mask = need_mask || rel_min < -p.window_left || rel_max > p.window_right;
+        }
+
+        {
+            // ---- dP^T = V dO^T, then S^T = K Q^T: keys sk0..+kSTn x queries sq0..+kSTm --------
+            // A = V / K rows (plain ldmatrix), B = dO / Q [query][d] (plain ldmatrix), as in v1.
+            float acc_s[kSMi][kSNt][4], acc_dp[kSMi][kSNt][4];
+#pragma unroll
+            for (int mi = 0; mi < kSMi; ++mi)
+#pragma unroll
+                for (int nt = 0; nt < kSNt; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc_s[mi][nt][e] = acc_dp[mi][nt][e] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+                fc_u32 a[kSMi][4];
+#pragma unroll
+                for (int mi = 0; mi < kSMi; ++mi) ldmatrix_x4(a[mi], uV + ldA(sk0 + 16 * mi, kk));
+#pragma unroll
+                for (int nt = 0; nt < kSNt; nt += 2) {
+                    fc_u32 bb[4];
+                    ldmatrix_x4(bb, udOb + ldB(sq0 + nt * 8, kk));
+                    const fc_u32 b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
+#pragma unroll
+                    for (int mi = 0; mi < kSMi; ++mi) {
+                        Elem::mma(acc_dp[mi][nt], a[mi], b0);
+                        Elem::mma(acc_dp[mi][nt + 1], a[mi], b1);
+                    }
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+                fc_u32 a[kSMi][4];
+#pragma unroll
+                for (int mi = 0; mi < kSMi; ++mi) ldmatrix_x4(a[mi], uK + ldA(sk0 + 16 * mi, kk));
+#pragma unroll
+                for (int nt = 0; nt < kSNt; nt += 2) {
+                    fc_u32 bb[4];
+                    ldmatrix_x4(bb, uQb + ldB(sq0 + nt * 8, kk));
+                    const fc_u32 b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
+#pragma unroll
+                    for (int mi = 0; mi < kSMi; ++mi) {
+                        Elem::mma(acc_s[mi][nt], a[mi], b0);
+                        Elem::mma(acc_s[mi][nt + 1], a[mi], b1);
+                    }
+                }
+            }
+
+            // ---- P, dS; (mi, nt, e): key sk0 + 16 mi + g + 8 (e>>1), query sq0 + nt*8 + 2t + (e&1)
+            // Stored as 16-bit P^T / dS^T [key][query]: two adjacent queries are one 32-bit word.
+#pragma unroll
+            for (int nt = 0; nt < kSNt; ++nt) {
+                const int qc = sq0 + nt * 8 + 2 * t;
+                const float2 nl = *reinterpret_cast<const float2*>(sLb + qc);
+                const float2 dd = *reinterpret_cast<const float2*>(sDb + qc);
+#pragma unroll
+                for (int mi = 0; mi < kSMi; ++mi) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        sm.template apply<Has_softcap, Has_alibi, Is_local>(
+                            acc_s[mi][nt][e], acc_dp[mi][nt][e], m0 + qc + (e & 1),
+                            n0 + sk0 + 16 * mi + g + (e >> 1) * 8, (e & 1) ? nl.y : nl.x,
+                            (e & 1) ? dd.y : dd.x, need_mask);
+                    }
+                    const int kr = sk0 + 16 * mi + g;
+                    *reinterpret_cast<fc_u32*>(sP + bwd_swz<kBlockM>(kr, qc)) =
+                        Elem::pack2(acc_s[mi][nt][0], acc_s[mi][nt][1]);
+                    *reinterpret_cast<fc_u32*>(sP + bwd_swz<kBlockM>(kr + 8, qc)) =
+                        Elem::pack2(acc_s[mi][nt][2], acc_s[mi][nt][3]);
+                    *reinterpret_cast<fc_u32*>(sdS + bwd_swz<kBlockM>(kr, qc)) =
+                        Elem::pack2(acc_dp[mi][nt][0], acc_dp[mi][nt][1]);
+                    *reinterpret_cast<fc_u32*>(sdS + bwd_swz<kBlockM>(kr + 8, qc)) =
+                        Elem::pack2(acc_dp[mi][nt][2], acc_dp[mi][nt][3]);
+                }
+            }
+        }
+        __syncthreads();  // the whole P^T / dS^T tile is in shared memory
+
+        // ---- dV += P^T dO, dK += dS^T Q: keys kk0..+kKTn x this warp's columns, k = queries ----
+        // A = P^T / dS^T (plain ldmatrix), B = dO / Q [query][d] = [k][n]: ldmatrix.trans.
+#pragma unroll
+        for (int ks = 0; ks < kBlockM / 16; ++ks) {
+            fc_u32 ap[kKMi][4], ads[kKMi][4];
+#pragma unroll
+            for (int mi = 0; mi < kKMi; ++mi) {
+                ldmatrix_x4(ap[mi], uP + ldmA(kk0 + 16 * mi, ks));
+                ldmatrix_x4(ads[mi], udS + ldmA(kk0 + 16 * mi, ks));
+            }
+#pragma unroll
+            for (int nt = 0; nt < kKNt; nt += 2) {
+                fc_u32 bo[4], bq[4];
+                ldmatrix_x4_trans(bo, udOb + ldAk(ks * 16, kKWd * (nt / 2)));
+                ldmatrix_x4_trans(bq, uQb + ldAk(ks * 16, kKWd * (nt / 2)));
+                const fc_u32 bo0[2] = {bo[0], bo[1]}, bo1[2] = {bo[2], bo[3]};
+                const fc_u32 bq0[2] = {bq[0], bq[1]}, bq1[2] = {bq[2], bq[3]};
+#pragma unroll
+                for (int mi = 0; mi < kKMi; ++mi) {
+                    Elem::mma(acc_dv[mi][nt], ap[mi], bo0);
+                    Elem::mma(acc_dv[mi][nt + 1], ap[mi], bo1);
+                    Elem::mma(acc_dk[mi][nt], ads[mi], bq0);
+                    Elem::mma(acc_dk[mi][nt + 1], ads[mi], bq1);
+                }
+            }
+        }
+
+        // ---- dQ_accum += dS K: queries x head dim, k = keys of this block -------------------------
+        // A = dS [query][key] from dS^T [key][query] by ldmatrix.trans; B = K [key][d]: .trans.
+        if constexpr (Atomic_dq) {
+            // This lane's address in the 16-query column step qwm * kQMi + mi of dS^T (row 0).
+            const BwdLdsm<kBlockM> ldmB(kLdsmB, lane);
+            fc_u32 udSq[kQMi];
+#pragma unroll
+            for (int mi = 0; mi < kQMi; ++mi) udSq[mi] = udS + ldmB(0, qwm * kQMi + mi);
+            const int i0 = m0 + qwm * kQTm + g;
+            float* dqa = p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride +
+                         (seq.q_off + i0) * p.dq_accum_row_stride + qwd * 16 + 2 * t;
+#pragma unroll
+            for (int pass = 0; pass < kQPasses; ++pass) {
+                float acc[kQMi][2 * kQPassSteps][4];
+#pragma unroll
+                for (int mi = 0; mi < kQMi; ++mi)
+#pragma unroll
+                    for (int nt = 0; nt < 2 * kQPassSteps; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) acc[mi][nt][e] = 0.f;
+#pragma unroll
+                for (int ks = 0; ks < kBlockN / 16; ++ks) {
+                    fc_u32 a[kQMi][4];
+#pragma unroll
+                    for (int mi = 0; mi < kQMi; ++mi) {
+                        ldmatrix_x4_trans(a[mi], udSq[mi] + ks * 16 * kBlockM * 2);
+                    }
+#pragma unroll
+                    for (int nt = 0; nt < 2 * kQPassSteps; nt += 2) {
+                        fc_u32 bk[4];
+                        ldmatrix_x4_trans(bk, uK + ldAq(ks * 16, kQWd * (pass * kQPassSteps + nt / 2)));
+                        const fc_u32 b0[2] = {bk[0], bk[1]}, b1[2] = {bk[2], bk[3]};
+#pragma unroll
+                        for (int mi = 0; mi < kQMi; ++mi) {
+                            Elem::mma(acc[mi][nt], a[mi], b0);
+                            Elem::mma(acc[mi][nt + 1], a[mi], b1);
+                        }
+                    }
+                }
+#pragma unroll
+                for (int mi = 0; mi < kQMi; ++mi) {
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        if (i0 + 16 * mi + 8 * half < seq.sq) {
+                            float* dq_row = dqa + (16 * mi + 8 * half) * p.dq_accum_row_stride;
+#pragma unroll
+                            for (int nt = 0; nt < 2 * kQPassSteps; ++nt)
+                                bwd_red_add2(dq_row + kQWd * (pass * kQPassSteps + nt / 2) * 16 + (nt & 1) * 8,
+                                             acc[mi][nt][2 * half], acc[mi][nt][2 * half + 1]);
+                        }
+                    }
+                }
+            }
+        }
+
+        if (has_next && tid < kBlockM) {
+            sLse[(buf ^ 1) * kBlockM + tid] = nl_next;
+            sDsum[(buf ^ 1) * kBlockM + tid] = ds_next;
+        }
+        h = h_next;
+        m_block = m_next;
+    }
+
+    // ---- epilogue: dK * softmax_scale, dV, as 16-bit (zeros for a block no query sees) -------
+    const float scale = p.softmax_scale;
+    fc_u16* gdk = static_cast<fc_u16*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
+    fc_u16* gdv = static_cast<fc_u16*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride;
+#pragma unroll
+    for (int mi = 0; mi < kKMi; ++mi) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int j = n0 + kk0 + 16 * mi + g + half * 8;
+            if (j < seq.sk) {
+                const long long rk = (seq.k_off + j) * p.dk_row_stride;
+                const long long rv = (seq.k_off + j) * p.dv_row_stride;
+#pragma unroll
+                for (int nt = 0; nt < kKNt; ++nt) {
+                    const int col = (kKWd * (nt / 2) + kwd) * 16 + (nt & 1) * 8 + 2 * t;
+                    if (Is_even_d || col < p.headdim) {
+                        *reinterpret_cast<fc_u32*>(gdk + rk + col) = Elem::pack2(
+                            acc_dk[mi][nt][2 * half] * scale, acc_dk[mi][nt][2 * half + 1] * scale);
+                        *reinterpret_cast<fc_u32*>(gdv + rv + col) =
+                            Elem::pack2(acc_dv[mi][nt][2 * half], acc_dv[mi][nt][2 * half + 1]);
+                    }
+                }
+            }
+        }
+    }
+}
+
 // ---- 3a. convert: dq = dq_accum * softmax_scale ------------------------------------------------
 // Grid (ceil(seqlen_q / 64), nheads, batch), 256 threads, two columns per step.
 template <typename Elem>

@@ -17,6 +17,7 @@ The caller (the CuPy backend) has validated shapes, dtypes and devices. CuPy is 
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 from .common import _as_input, _as_output, _strides
@@ -36,6 +37,15 @@ class BwdTile(NamedTuple):
     block_m: int   # query rows per block
     block_n: int   # keys per block
     n_warps: int
+    # 2-D warp layouts of ``flash_bwd_dkdv2_kernel`` (all 0: the v1 kernel, ``flash_bwd_dkdv_kernel``):
+    # warps along the keys for S^T / dP^T, along the keys for dK / dV, along the queries for dQ.
+    s_wn: int = 0
+    k_wn: int = 0
+    q_wm: int = 0
+
+    @property
+    def v2(self) -> bool:
+        return self.s_wn > 0
 
 
 # Key-block kernel tiles, in order of preference; the first whose shared memory fits the device
@@ -55,6 +65,24 @@ _DKDV_TILES: dict[int, tuple[BwdTile, ...]] = {
     192: (BwdTile(64, 64, 8), BwdTile(32, 64, 8)),
     256: (BwdTile(64, 64, 8), BwdTile(32, 64, 8)),
 }
+# flash_bwd_dkdv2_kernel (2-D warp layouts per product, FA2-style; P^T and dS^T through shared
+# memory): fewer shared-memory bytes per mma than v1. Opt-in while it is being validated on the GPU:
+# FLASHCORE_BWD_V2=1 puts these tiles in front of the v1 ones (the first that fits is used).
+_DKDV_TILES_V2: dict[int, tuple[BwdTile, ...]] = {
+    64: (BwdTile(64, 128, 8, 4, 4, 2), BwdTile(128, 128, 8, 4, 4, 4)),
+    128: (BwdTile(64, 128, 8, 4, 4, 2),),
+    256: (BwdTile(64, 64, 8, 2, 2, 2),),
+}
+
+
+def _use_v2() -> bool:
+    return os.environ.get("FLASHCORE_BWD_V2", "0") == "1"
+
+
+def _dkdv_table(d: int) -> tuple[BwdTile, ...]:
+    return (_DKDV_TILES_V2.get(d, ()) if _use_v2() else ()) + _DKDV_TILES[d]
+
+
 # Deterministic dQ kernel: block_m = 16 * n_warps (one warp per 16 query rows), K/V
 # double-buffered; dQ (16 x d per warp, d/2 fp32 registers per thread) lives in registers.
 _DQ_TILES: dict[int, tuple[BwdTile, ...]] = {
@@ -68,7 +96,7 @@ _DQ_TILES: dict[int, tuple[BwdTile, ...]] = {
 
 
 def dkdv_tiles(d: int) -> tuple[BwdTile, ...]:
-    return _DKDV_TILES[d]
+    return _dkdv_table(d)
 
 
 def dq_tiles(d: int) -> tuple[BwdTile, ...]:
@@ -77,7 +105,7 @@ def dq_tiles(d: int) -> tuple[BwdTile, ...]:
 
 def dkdv_smem_bytes(d: int, t: BwdTile) -> int:
     """sK, sV + double-buffered sQ, sdO + sdS (+ sP without register reuse) + 2 x 2 x block_m fp32."""
-    reuse = t.block_n // 16 == t.n_warps
+    reuse = t.block_n // 16 == t.n_warps and not t.v2
     tiles = 2 * t.block_n * d + 4 * t.block_m * d + t.block_n * t.block_m * (1 if reuse else 2)
     return 2 * tiles + 4 * 4 * t.block_m
 
@@ -103,6 +131,10 @@ _ELEM = {"float16": "fc_fp16", "bfloat16": "fc_bf16"}
 
 def _dkdv_name(elem: str, d: int, t: BwdTile, is_local: bool, has_softcap: bool, has_alibi: bool,
                even_d: bool, atomic_dq: bool) -> str:
+    if t.v2:
+        return (f"flash_bwd_dkdv2_kernel<{elem}, {d}, {t.block_m}, {t.block_n}, {t.n_warps}, "
+                f"{t.s_wn}, {t.k_wn}, {t.q_wm}, "
+                f"{_b(is_local)}, {_b(has_softcap)}, {_b(has_alibi)}, {_b(even_d)}, {_b(atomic_dq)}>")
     return (f"flash_bwd_dkdv_kernel<{elem}, {d}, {t.block_m}, {t.block_n}, {t.n_warps}, "
             f"{_b(is_local)}, {_b(has_softcap)}, {_b(has_alibi)}, {_b(even_d)}, {_b(atomic_dq)}>")
 
@@ -123,7 +155,7 @@ def instantiations() -> list[str]:
         names.append(f"flash_bwd_convert_dq_kernel<{elem}>")
         for d in HEADDIM_TILES:
             for loc, cap, ali, even in flags:
-                for t in _DKDV_TILES[d]:
+                for t in _DKDV_TILES[d] + _DKDV_TILES_V2.get(d, ()):
                     for atomic in (True, False):
                         names.append(_dkdv_name(elem, d, t, loc, cap, ali, even, atomic))
                 for t in _DQ_TILES[d]:
@@ -281,7 +313,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
             pre = get_kernel(SOURCE, f"flash_bwd_preprocess_kernel<{elem}>", device_id, cc)
             pre((m_small, nheads, batch), (_SMALL_THREADS,), args)
 
-        t, smem = _pick(_DKDV_TILES[d], dkdv_smem_bytes, d, smem_limit, "dK/dV kernel")
+        t, smem = _pick(_dkdv_table(d), dkdv_smem_bytes, d, smem_limit, "dK/dV kernel")
         name = _dkdv_name(elem, d, t, is_local, has_softcap, has_alibi, even_d, not deterministic)
         kern = get_kernel(SOURCE, name, device_id, cc, smem)
         kern((_cdiv(seqlen_k, t.block_n), nheads_k, batch), (32 * t.n_warps,), args, shared_mem=smem)

@@ -17,10 +17,16 @@ FWD = {
           (128, 128, 8, False), (64, 64, 4, True), (128, 32, 4, True), (64, 128, 4, True)],
     256: [(128, 64, 8, False), (64, 64, 4, False), (128, 32, 8, False), (64, 32, 4, False), (64, 64, 4, True)],
 }
+# 3-tuples: flash_bwd_dkdv_kernel (v1); 6-tuples (block_m, block_n, warps, s_wn, k_wn, q_wm):
+# flash_bwd_dkdv2_kernel (2-D warp layouts). The reference ("default") is the v1 table unless
+# FLASHCORE_BWD_V2=1.
 BWD = {
-    64: [(128, 128, 8), (64, 128, 8), (64, 64, 4), (32, 128, 8)],
-    128: [(64, 128, 8), (32, 128, 8), (128, 128, 8), (64, 64, 4), (32, 64, 4)],
-    256: [(64, 64, 8), (32, 64, 8), (64, 32, 4), (32, 32, 4)],
+    64: [(128, 128, 8), (64, 128, 8), (64, 64, 4),
+         (64, 128, 8, 4, 4, 2), (128, 128, 8, 4, 4, 4), (128, 128, 8, 2, 4, 4), (64, 128, 8, 2, 4, 2)],
+    128: [(64, 128, 8), (128, 128, 8),
+          (64, 128, 8, 4, 4, 2), (64, 128, 8, 2, 4, 2), (64, 128, 8, 4, 4, 4), (64, 128, 8, 8, 4, 2)],
+    256: [(64, 64, 8), (32, 64, 8),
+          (64, 64, 8, 2, 2, 2), (64, 64, 8, 4, 2, 2), (64, 64, 8, 2, 2, 4)],
 }
 
 
@@ -81,6 +87,8 @@ def main():
             o_ref, l_ref = flashcore.attention_forward(cq, ck, cv, causal=causal)
             g_ref = flashcore.attention_backward(cdo, cq, ck, cv, o_ref, l_ref, causal=causal) if kind == "bwd" else None
             saved = dict(backward._DKDV_TILES)
+            saved2 = dict(backward._DKDV_TILES_V2)
+            backward._DKDV_TILES_V2.clear()  # the override below must be the only candidate
             try:
                 if kind == "fwd":
                     forward.set_tile_override(d, forward.TileConfig(*tile))
@@ -101,6 +109,7 @@ def main():
                 forward._OVERRIDES.clear()
                 backward._DKDV_TILES.clear()
                 backward._DKDV_TILES.update(saved)
+                backward._DKDV_TILES_V2.update(saved2)
             rows.append((kind, d, causal, s, tile, regs, local, err, tf))
             print(f"{kind} d{d} {'causal' if causal else 'full  '} s{s:<6d} tile {tile}: regs {regs} "
                   f"local {local} B, max|diff vs default| {err:.2e}, {tf:6.1f} TFLOP/s", flush=True)
