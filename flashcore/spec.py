@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,6 +69,11 @@ def _describe(x) -> str:
     if lib is None:
         return f"{type(x).__name__}"
     return f"{lib} array of shape {tuple(x.shape)} and dtype {dtype_name(x)} on {device_of(x)}"
+
+
+def _torch_compiling() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.compiler.is_compiling())
 
 
 def _check_array(name, x, ndim, lib=None, device=None):
@@ -134,6 +140,14 @@ def _cu_seqlens(name, cu, lib, device, total, max_seqlen_name, max_seqlen):
         raise _arg_error(TypeError, name, "an int32 array of length batch+1", f"dtype {dtype_name(cu)}")
     if cu.shape[0] < 2:
         raise _arg_error(ValueError, name, "length batch+1 >= 2", f"length {cu.shape[0]}")
+    if lib == "torch" and _torch_compiling():
+        # Under torch.compile the values are not known at trace time: they cannot be read
+        # back, so the caller must state the longest sequence (as flash-attn always requires).
+        if max_seqlen is None:
+            raise _arg_error(ValueError, max_seqlen_name,
+                             "an int under torch.compile (cu_seqlens cannot be read while tracing)",
+                             "None")
+        return cu.shape[0] - 1, _as_int(max_seqlen_name, max_seqlen, 0)
     h = np.asarray(to_host(cu)).astype(np.int64)
     if h[0] != 0:
         raise _arg_error(ValueError, name, "cu_seqlens[0] == 0", f"{h[0]}")

@@ -257,6 +257,14 @@ _OPS: list = []   # [torch.ops.flashcore], filled by torch_ops() on first use
 def torch_ops():
     """``torch.ops.flashcore`` with ``fwd`` and ``bwd`` defined (imports torch on first use)."""
     if not _OPS:
+        import torch
+        if torch.compiler.is_compiling():
+            # Defining an op is not traceable. The ops are defined when flashcore is imported
+            # after torch, or at the first eager call; here neither happened.
+            raise RuntimeError(
+                "flashcore: the torch custom ops are not defined yet and cannot be defined while "
+                "torch.compile traces; import torch before flashcore, or call "
+                "flashcore.backends.torch_backend.torch_ops() once before compiling")
         _OPS.append(_define_ops())
     return _OPS[0]
 
@@ -403,3 +411,7 @@ def _eager_function():
 
     _EAGER.append(FlashAttentionFunction)
     return FlashAttentionFunction
+
+
+if "torch" in sys.modules:   # torch already loaded: define the ops now, outside any trace
+    torch_ops()
