@@ -63,7 +63,8 @@ def main():
     import flashcore
     from flashcore.kernels import backward, forward
 
-    jobs = [("fwd", d, t, c) for d, ts in FWD.items() for t in ts for c in (False, True)]
+    jobs = [] if "--bwd-only" in sys.argv else \
+        [("fwd", d, t, c) for d, ts in FWD.items() for t in ts for c in (False, True)]
     jobs += [("bwd", d, t, c) for d, ts in BWD.items() for t in ts for c in (False, True)]
     res = {}
     with cf.ProcessPoolExecutor(max_workers=min(14, os.cpu_count() or 4)) as ex:
