@@ -17,7 +17,6 @@ The caller (the CuPy backend) has validated shapes, dtypes and devices. CuPy is 
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 from .common import _as_input, _as_output, _strides
@@ -61,26 +60,26 @@ _DKDV_TILES: dict[int, tuple[BwdTile, ...]] = {
     32: (BwdTile(128, 128, 8), BwdTile(64, 128, 8)),
     64: (BwdTile(128, 128, 8), BwdTile(64, 128, 8), BwdTile(64, 64, 4)),
     96: (BwdTile(64, 128, 8), BwdTile(64, 64, 4)),
-    128: (BwdTile(64, 128, 8), BwdTile(32, 64, 4)),
+    128: (BwdTile(64, 128, 8, 4, 4, 2), BwdTile(64, 128, 8), BwdTile(32, 64, 4)),
     192: (BwdTile(64, 64, 8), BwdTile(32, 64, 8)),
-    256: (BwdTile(64, 64, 8), BwdTile(32, 64, 8)),
+    256: (BwdTile(64, 64, 8, 2, 2, 2), BwdTile(64, 64, 8), BwdTile(32, 64, 8)),
 }
-# flash_bwd_dkdv2_kernel (2-D warp layouts per product, FA2-style; P^T and dS^T through shared
-# memory): fewer shared-memory bytes per mma than v1. Opt-in while it is being validated on the GPU:
-# FLASHCORE_BWD_V2=1 puts these tiles in front of the v1 ones (the first that fits is used).
-_DKDV_TILES_V2: dict[int, tuple[BwdTile, ...]] = {
+# 6-field tiles select flash_bwd_dkdv2_kernel (2-D warp layouts per product, FA2-style; P^T and
+# dS^T through shared memory: ~25% fewer shared-memory bytes per mma at d128). Chosen on the
+# H200 (2026-11-29, tests/gpu/sweep_tiles.py, backward alone, geomean of s2k and s16k):
+#   d128: 263 vs 238 TFLOP/s (v1) full, 232 vs 213 causal;  d256: 201 vs 196, 186 vs 184.
+#   d64: no v2 layout beat v1 (239 vs 237 full, 214 vs 218 causal): v1 stays.
+# The v1 tiles behind them are the fallbacks for devices with less shared memory.
+
+
+# Other v2 layouts the tuning sweep tries: listed so that CI compiles them too.
+_EXTRA_V2_CANDIDATES: dict[int, tuple[BwdTile, ...]] = {
     64: (BwdTile(64, 128, 8, 4, 4, 2), BwdTile(128, 128, 8, 4, 4, 4)),
-    128: (BwdTile(64, 128, 8, 4, 4, 2),),
-    256: (BwdTile(64, 64, 8, 2, 2, 2),),
 }
-
-
-def _use_v2() -> bool:
-    return os.environ.get("FLASHCORE_BWD_V2", "0") == "1"
 
 
 def _dkdv_table(d: int) -> tuple[BwdTile, ...]:
-    return (_DKDV_TILES_V2.get(d, ()) if _use_v2() else ()) + _DKDV_TILES[d]
+    return _DKDV_TILES[d]
 
 
 # Deterministic dQ kernel: block_m = 16 * n_warps (one warp per 16 query rows), K/V
@@ -155,7 +154,7 @@ def instantiations() -> list[str]:
         names.append(f"flash_bwd_convert_dq_kernel<{elem}>")
         for d in HEADDIM_TILES:
             for loc, cap, ali, even in flags:
-                for t in _DKDV_TILES[d] + _DKDV_TILES_V2.get(d, ()):
+                for t in _DKDV_TILES[d] + _EXTRA_V2_CANDIDATES.get(d, ()):
                     for atomic in (True, False):
                         names.append(_dkdv_name(elem, d, t, loc, cap, ali, even, atomic))
                 for t in _DQ_TILES[d]:

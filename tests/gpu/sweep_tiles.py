@@ -18,8 +18,7 @@ FWD = {
     256: [(128, 64, 8, False), (64, 64, 4, False), (128, 32, 8, False), (64, 32, 4, False), (64, 64, 4, True)],
 }
 # 3-tuples: flash_bwd_dkdv_kernel (v1); 6-tuples (block_m, block_n, warps, s_wn, k_wn, q_wm):
-# flash_bwd_dkdv2_kernel (2-D warp layouts). The reference ("default") is the v1 table unless
-# FLASHCORE_BWD_V2=1.
+# flash_bwd_dkdv2_kernel (2-D warp layouts). The reference ("default") is the launcher's table.
 BWD = {
     64: [(128, 128, 8), (64, 128, 8), (64, 64, 4),
          (64, 128, 8, 4, 4, 2), (128, 128, 8, 4, 4, 4), (128, 128, 8, 2, 4, 4), (64, 128, 8, 2, 4, 2)],
@@ -88,8 +87,6 @@ def main():
             o_ref, l_ref = flashcore.attention_forward(cq, ck, cv, causal=causal)
             g_ref = flashcore.attention_backward(cdo, cq, ck, cv, o_ref, l_ref, causal=causal) if kind == "bwd" else None
             saved = dict(backward._DKDV_TILES)
-            saved2 = dict(backward._DKDV_TILES_V2)
-            backward._DKDV_TILES_V2.clear()  # the override below must be the only candidate
             try:
                 if kind == "fwd":
                     forward.set_tile_override(d, forward.TileConfig(*tile))
@@ -110,7 +107,6 @@ def main():
                 forward._OVERRIDES.clear()
                 backward._DKDV_TILES.clear()
                 backward._DKDV_TILES.update(saved)
-                backward._DKDV_TILES_V2.update(saved2)
             rows.append((kind, d, causal, s, tile, regs, local, err, tf))
             print(f"{kind} d{d} {'causal' if causal else 'full  '} s{s:<6d} tile {tile}: regs {regs} "
                   f"local {local} B, max|diff vs default| {err:.2e}, {tf:6.1f} TFLOP/s", flush=True)
