@@ -360,6 +360,7 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
         # the probe (CuPy import checks, device queries) is not traceable: the shapes, dtypes
         # and options were still validated above, and the custom op carries the call.
         choose(spec, backend, backward=needs_grad)
+        torch_ops()   # defined once, so that a later torch.compile of this code can use them
         return _eager_function().apply(q, k, v, alibi_slopes, cu_seqlens_q if varlen else None,
                                        cu_seqlens_k if varlen else None, spec)
     return torch_ops().fwd(q, k, v, alibi_slopes, cu_seqlens_q if varlen else None,
@@ -413,5 +414,32 @@ def _eager_function():
     return FlashAttentionFunction
 
 
+class _DefineOpsAfterTorchImport:
+    """A one-shot import hook: when torch is imported after flashcore, define the custom ops
+    right after torch finishes loading, so that a first flashcore call made inside a
+    torch.compile trace finds them (defining an op cannot be traced)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec("torch")
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_then_define(module):
+            exec_module(module)
+            try:
+                torch_ops()
+            except Exception:   # never break `import torch`; the eager path defines them later
+                pass
+        loader.exec_module = exec_then_define
+        return spec
+
+
 if "torch" in sys.modules:   # torch already loaded: define the ops now, outside any trace
     torch_ops()
+elif importlib.util.find_spec("torch") is not None:
+    sys.meta_path.insert(0, _DefineOpsAfterTorchImport())
