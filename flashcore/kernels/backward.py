@@ -20,7 +20,7 @@ import functools
 from typing import NamedTuple
 
 from .common import _as_input, _as_output, _strides
-from .params import WINDOW_NONE, make_params
+from .params import WINDOW_NONE, as_kernel_arg, make_params
 
 __all__ = ["launch_backward", "instantiations", "BwdTile", "dkdv_tiles", "dq_tiles",
            "dkdv_smem_bytes", "dq_smem_bytes", "HEADDIM_TILES"]
@@ -304,7 +304,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
         softmax_scale=float(softmax_scale), scale_log2=float(softmax_scale) * _LOG2E,
         softcap=float(softcap) if has_softcap else 0.0,
     )
-    args = (params,)
+    args = (as_kernel_arg(params),)
 
     with cupy.cuda.Device(device_id):
         m_small = _cdiv(seqlen_q, _ROWS_PER_CTA)

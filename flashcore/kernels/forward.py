@@ -10,7 +10,7 @@ import math
 from typing import NamedTuple
 
 from .common import _as_input, _strides, _used_strides_ok
-from .params import WINDOW_NONE, make_params
+from .params import WINDOW_NONE, as_kernel_arg, make_params
 
 __all__ = ["launch_forward", "kernel_name", "instantiations", "tile_config", "smem_bytes",
            "set_tile_override", "TileConfig", "HEADDIM_TILES"]
@@ -264,6 +264,6 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     grid = (math.ceil(seqlen_q / cfg.block_m), nheads, batch)
     block = (cfg.n_warps * 32, 1, 1)
     with cupy.cuda.Device(device_id):
-        kernel(grid, block, (params,), shared_mem=smem)
+        kernel(grid, block, (as_kernel_arg(params),), shared_mem=smem)
         if out_final is not None:
             out_final[...] = out
