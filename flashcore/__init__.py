@@ -4,7 +4,9 @@ from .api import (
     attention,
     attention_backward,
     attention_forward,
+    attention_with_kvcache,
     available_backends,
+    merge_attention_states,
     varlen_attention,
     varlen_attention_backward,
     varlen_attention_forward,
@@ -17,5 +19,6 @@ __version__ = "0.1.0"
 __all__ = [
     "attention", "attention_forward", "attention_backward",
     "varlen_attention", "varlen_attention_forward", "varlen_attention_backward",
+    "attention_with_kvcache", "merge_attention_states",
     "available_backends", "NotSupportedError", "DeviceMemoryError", "__version__",
 ]

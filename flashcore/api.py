@@ -28,13 +28,13 @@ Conventions (flash-attn's; see docs/conventions):
 from __future__ import annotations
 
 from ._arrays import library_of
-from .backends.base import all_backends, choose
-from .spec import backward_spec, forward_spec
+from .backends.base import all_backends, choose, choose_kvcache
+from .spec import backward_spec, forward_spec, kvcache_spec, merge_spec
 
 __all__ = [
     "attention", "attention_forward", "attention_backward",
     "varlen_attention", "varlen_attention_forward", "varlen_attention_backward",
-    "available_backends",
+    "attention_with_kvcache", "merge_attention_states", "available_backends",
 ]
 
 
@@ -140,6 +140,116 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
     else:
         out, lse = _forward(q, k, v, backend, True, **kw)
     return (out, lse) if return_lse else out
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
+                           block_table=None, rotary_cos=None, rotary_sin=None,
+                           rotary_interleaved=False, causal=False, softmax_scale=None,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None, num_splits=0,
+                           return_lse=False, backend=None):
+    """One decoding step with a KV cache (flash-attn's ``flash_attn_with_kvcache``).
+
+    **The cache is updated in place**: when ``k`` and ``v`` are given, they are written into
+    ``k_cache``/``v_cache`` at positions ``cache_seqlens[b], cache_seqlens[b] + 1, ...`` of
+    each sequence, and attention then runs over the first ``cache_seqlens[b] + seqlen_new``
+    keys of sequence b. ``cache_seqlens`` itself is not changed: advance it yourself.
+
+    Arguments:
+        q: (batch, seqlen_q, nheads, headdim).
+        k_cache, v_cache: the cache, either contiguous ``(batch, seqlen_cache, nheads_k,
+            headdim)`` or paged ``(num_blocks, page_size, nheads_k, headdim)`` (with
+            ``block_table``; page_size a multiple of 16). Only the last dimension needs to be
+            contiguous (a slice of a larger cache is updated in place all the same).
+        k, v: optional new keys/values ``(batch, seqlen_new, nheads_k, headdim)``, appended.
+        cache_seqlens: int, or int32 array ``(batch,)``: the number of cached keys of each
+            sequence *before* appending. Every ``cache_seqlens[b] + seqlen_new`` must fit in the
+            cache (checked; for device arrays this reads the lengths back to the host).
+        block_table: int32 ``(batch, max_blocks_per_seq)``: key position t of sequence b lives
+            in row ``t % page_size`` of block ``block_table[b, t // page_size]``. Every block a
+            sequence uses must exist (checked); unused entries are ignored.
+        rotary_cos, rotary_sin: ``(seqlen_ro, rotary_dim / 2)`` in q's dtype, rotary_dim a
+            multiple of 16 and at most headdim; only with ``k``/``v``. The new keys are rotated
+            at their positions ``cache_seqlens[b] + t`` before they are written; q is rotated
+            at ``cache_seqlens[b] + i`` when causal or windowed, else every query row at
+            ``cache_seqlens[b]`` (flash-attn's rule).
+        rotary_interleaved: rotate channel pairs (0, 1), (2, 3), ... (GPT-J) instead of
+            (i, i + rotary_dim/2) (GPT-NeoX, the default here; flash-attn's own default is
+            True, which :func:`flashcore.flash_attn.flash_attn_with_kvcache` keeps).
+        causal, window_size, softcap, alibi_slopes, softmax_scale: as in :func:`attention`,
+            bottom-right aligned per sequence to its ``cache_seqlens[b] + seqlen_new`` keys.
+        num_splits: split the keys of each sequence into this many chunks merged through
+            their LSE (Flash-Decoding); 0 lets the backend choose. The result is the same.
+        return_lse: also return the log-sum-exp.
+
+    Returns:
+        out like q (in q's dtype), or ``(out, lse)`` with lse float32 ``(batch, nheads,
+        seqlen_q)``. A sequence with no key (length 0, or everything masked) gets out 0 and
+        lse -inf. On torch tensors there is no autograd: the call runs as under
+        ``torch.no_grad()`` and the results do not require grad (inference only).
+    """
+    spec = kvcache_spec(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                        block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                        rotary_interleaved=rotary_interleaved, causal=causal,
+                        softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                        alibi_slopes=alibi_slopes, num_splits=num_splits)
+    b = choose_kvcache(spec, backend)
+    out, lse = b.forward_kvcache(spec, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                 block_table=block_table, rotary_cos=rotary_cos,
+                                 rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
+    return (out, lse) if return_lse else out
+
+
+def merge_attention_states(outs, lses):
+    """Merge partial attention results computed over disjoint sets of keys.
+
+    If ``(outs[i], lses[i])`` is the attention of the same queries over the i-th part of the
+    keys (any forward's ``(out, lse)``), the merge is the attention over all of them:
+    ``lse = log Σ exp(lses[i])`` and ``out = Σ exp(lses[i] - lse) · outs[i]`` (the combine step
+    of split-KV decoding). Parts where a row saw no key (lse -inf) contribute nothing; a row
+    that no part saw gets out 0 and lse -inf, never NaN.
+
+    Arguments:
+        outs: a list of ``(batch, seqlen_q, nheads, headdim)`` arrays (or packed ``(total,
+            nheads, headdim)``), or one stacked ``(n, ...)`` array.
+        lses: the matching ``(batch, nheads, seqlen_q)`` (packed: ``(nheads, total)``) arrays,
+            or one stacked ``(n, ...)`` array.
+
+    NumPy, CuPy and torch arrays are merged with their own library's operations (on torch this
+    is differentiable). Computed in float32 (float64 when the inputs are float64). Returns
+    ``(out, lse)``: out in the dtype of ``outs``, lse float32 (float64 for float64 inputs).
+    """
+    lib, outs, lses = merge_spec(outs, lses)
+    if lib == "torch":
+        import torch
+        ct = torch.float64 if torch.float64 in (outs[0].dtype, lses[0].dtype) else torch.float32
+        L = torch.stack([x.to(ct) for x in lses])                      # (n, ..., h, s)
+        m = torch.amax(L, dim=0)
+        m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+        ssum = torch.exp(L - m).sum(dim=0)
+        lse = torch.where(ssum > 0, m + torch.log(torch.where(ssum > 0, ssum, torch.ones_like(ssum))),
+                          torch.full_like(ssum, float("-inf")))
+        w = torch.exp(L - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse))
+        # a part with weight 0 contributes nothing, even if its out holds NaN/garbage
+        out = sum(torch.where((wi > 0).transpose(-1, -2).unsqueeze(-1),
+                              wi.transpose(-1, -2).unsqueeze(-1) * o.to(ct), 0)
+                  for wi, o in zip(w, outs))
+        return out.to(outs[0].dtype), lse
+    if lib == "cupy":
+        import cupy as xp
+    else:
+        import numpy as xp
+    ct = xp.float64 if xp.float64 in (outs[0].dtype, lses[0].dtype) else xp.float32
+    L = xp.stack([xp.asarray(x).astype(ct) for x in lses])             # (n, ..., h, s)
+    m = L.max(axis=0)
+    m = xp.where(xp.isneginf(m), 0, m).astype(ct)
+    ssum = xp.exp(L - m).sum(axis=0)
+    lse = xp.where(ssum > 0, m + xp.log(xp.where(ssum > 0, ssum, 1)), -xp.inf).astype(ct)
+    w = xp.exp(L - xp.where(xp.isneginf(lse), 0, lse))
+    # a part with weight 0 contributes nothing, even if its out holds NaN/garbage
+    out = sum(xp.where(xp.swapaxes(wi > 0, -1, -2)[..., None],
+                       xp.swapaxes(wi, -1, -2)[..., None] * o.astype(ct), 0)
+              for wi, o in zip(w, outs))
+    return out.astype(outs[0].dtype), lse
 
 
 def available_backends() -> dict[str, str | None]:

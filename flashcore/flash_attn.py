@@ -14,6 +14,9 @@ Names, argument order, defaults, shapes and returns are flash-attn 2.x's
   materialises the attention probabilities, so the third element (flash-attn's ``S_dmask``,
   documented there as "for testing only") is always None.
 * ``block_table`` (paged KV cache in ``flash_attn_varlen_func``) must be None for now.
+* :func:`flash_attn_with_kvcache`: ``cache_batch_idx`` and ``cache_leftpad`` must be None;
+  a paged cache's page size may be any multiple of 16 (flash-attn 2: 256); the new keys must
+  fit in the cache (checked).
 
 On torch tensors the results are differentiable (``flashcore.attention``'s autograd); the
 functions also take NumPy and CuPy arrays (then without autograd).
@@ -40,12 +43,12 @@ lse = -inf)::
 """
 from __future__ import annotations
 
-from .api import attention, varlen_attention
+from .api import attention, attention_with_kvcache, varlen_attention
 
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
     "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
-    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache",
 ]
 
 
@@ -181,3 +184,59 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                   max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                                   window_size, softcap, alibi_slopes, deterministic,
                                   return_attn_probs)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False):
+    """Incremental decoding with a KV cache; ``k_cache``/``v_cache`` are updated **in place**.
+
+    If k and v are given they are written into the cache at positions ``cache_seqlens[b]``,
+    ``cache_seqlens[b] + 1``, ... (the cache must have room), and attention runs over the first
+    ``cache_seqlens[b] + seqlen_new`` keys of each sequence. ``cache_seqlens`` is not advanced.
+    Inference only: no backward (torch results do not require grad).
+
+    Arguments:
+        q: (batch_size, seqlen, nheads, headdim)
+        k_cache, v_cache: (batch_size, seqlen_cache, nheads_k, headdim), or with
+            ``block_table`` a paged cache (num_blocks, page_block_size, nheads_k, headdim),
+            page_block_size a multiple of 16.
+        k, v: optional (batch_size, seqlen_new, nheads_k, headdim), appended to the cache.
+        rotary_cos, rotary_sin: optional (seqlen_ro, rotary_dim / 2), q's dtype, rotary_dim a
+            multiple of 16; only with k, v. The new keys are rotated at positions
+            ``cache_seqlens, cache_seqlens + 1, ...``; q likewise when causal or local, else
+            every query at position ``cache_seqlens``.
+        cache_seqlens: int, or (batch_size,) int32: cached lengths before appending. None
+            means the whole cache is valid (its capacity), as in flash-attn.
+        cache_batch_idx, cache_leftpad: must be None (not implemented).
+        block_table: optional (batch_size, max_num_blocks_per_seq) int32 (paged cache).
+        softmax_scale: default 1 / sqrt(headdim).
+        causal, window_size, softcap, alibi_slopes: as in :func:`flash_attn_func`, aligned
+            to the bottom-right corner of each sequence's (new) cache.
+        rotary_interleaved: True: rotate channel pairs (0, 1), (2, 3), ...; False: (i,
+            i + rotary_dim / 2) (GPT-NeoX).
+        num_splits: key-range splits (Flash-Decoding); 0 = heuristic, 1 = no split.
+        return_softmax_lse: also return the log-sum-exp.
+
+    Returns:
+        out: (batch_size, seqlen, nheads, headdim), or ``(out, softmax_lse)`` with
+        ``return_softmax_lse=True``, softmax_lse float32 (batch_size, nheads, seqlen).
+    """
+    for name, x in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if x is not None:
+            raise NotImplementedError(f"argument '{name}': flashcore does not implement it yet; "
+                                      f"expected None")
+    if cache_seqlens is None and k is None and getattr(k_cache, "ndim", None) == 4:
+        # flash-attn: no lengths means every cached row is valid
+        cache_seqlens = (int(k_cache.shape[1]) if block_table is None or
+                         getattr(block_table, "ndim", None) != 2 else
+                         int(block_table.shape[1]) * int(k_cache.shape[1]))
+    out, lse = attention_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
+        rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+        causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, num_splits=num_splits, return_lse=True)
+    return (out, lse) if return_softmax_lse else out

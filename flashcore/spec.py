@@ -14,7 +14,8 @@ import numpy as np
 
 from ._arrays import device_of, dtype_name, library_of, strides_in_elements, to_host
 
-__all__ = ["AttentionSpec", "forward_spec", "backward_spec", "FLOAT_DTYPES"]
+__all__ = ["AttentionSpec", "KVCacheSpec", "forward_spec", "backward_spec", "kvcache_spec",
+           "merge_spec", "FLOAT_DTYPES"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -280,3 +281,319 @@ def backward_spec(dout, q, k, v, out, lse, **kw) -> AttentionSpec:
     if dtype_name(lse) != "float32" and not (spec.dtype == "float64" and dtype_name(lse) == "float64"):
         raise _arg_error(TypeError, "lse", "dtype float32", f"dtype {dtype_name(lse)}")
     return spec
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding with a KV cache
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shapes and options of one :func:`flashcore.attention_with_kvcache` call.
+
+    ``attn`` describes the attention part (its ``seqlen_k`` is the cache *capacity*, the same
+    from one decoding step to the next, so that backend choice stays memoised); the per-sequence
+    key counts are ``cache_seqlens + seqlen_new``, known only to the call.
+    """
+    attn: AttentionSpec
+    paged: bool
+    page_size: int | None        # paged: rows per block
+    num_blocks: int | None       # paged: blocks in the cache
+    max_blocks: int | None       # paged: block_table.shape[1]
+    capacity: int                # keys one sequence can hold
+    seqlen_new: int              # rows of k/v appended (0 when k, v are None)
+    rotary_dim: int              # 0 without rotary
+    rotary_interleaved: bool
+    num_splits: int              # 0: heuristic
+    cache_seqlens_int: int | None  # cache_seqlens given as a Python int
+
+    @property
+    def rotary_per_row(self) -> bool:
+        """flash-attn's rule: with causal or a window, q row i is rotated at position
+        ``cache_seqlens + i``; otherwise every q row sits at position ``cache_seqlens``."""
+        return self.attn.causal or self.attn.is_local
+
+    @property
+    def appends(self) -> bool:
+        return self.seqlen_new > 0
+
+
+def _scale_and_softcap(softmax_scale, softcap, headdim):
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(headdim)
+    softmax_scale = _as_float("softmax_scale", softmax_scale)
+    if softmax_scale <= 0:
+        raise _arg_error(ValueError, "softmax_scale", "a finite number > 0", softmax_scale)
+    softcap = _as_float("softcap", 0.0 if softcap is None else softcap)
+    if softcap < 0:
+        raise _arg_error(ValueError, "softcap", "a number >= 0 (0 disables it)", softcap)
+    return softmax_scale, softcap
+
+
+def _alibi_kind(alibi_slopes, lib, device, batch, nheads):
+    if alibi_slopes is None:
+        return None
+    _check_array("alibi_slopes", alibi_slopes, (1, 2), lib, device)
+    if dtype_name(alibi_slopes) != "float32" and not (lib == "numpy" and dtype_name(alibi_slopes) == "float64"):
+        raise _arg_error(TypeError, "alibi_slopes", "a float32 array", f"dtype {dtype_name(alibi_slopes)}")
+    shp = tuple(alibi_slopes.shape)
+    if shp == (nheads,):
+        kind = "per_head"
+    elif shp == (batch, nheads):
+        kind = "per_batch_head"
+    else:
+        raise _arg_error(ValueError, "alibi_slopes", f"shape ({nheads},) or ({batch}, {nheads})",
+                         f"shape {shp}")
+    _check_last_contiguous("alibi_slopes", alibi_slopes)
+    return kind
+
+
+def _int32_array(name, x, ndim, lib, device, shape_desc):
+    _check_array(name, x, ndim, lib, device)
+    if dtype_name(x) != "int32":
+        raise _arg_error(TypeError, name, f"an int32 array {shape_desc}", f"dtype {dtype_name(x)}")
+
+
+def kvcache_spec(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
+                 rotary_cos=None, rotary_sin=None, rotary_interleaved=False, causal=False,
+                 softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                 num_splits=0) -> KVCacheSpec:
+    """Validate the arguments of a KV-cache decoding call and return their spec.
+
+    Besides shapes and dtypes, the *values* of ``cache_seqlens`` and ``block_table`` are
+    checked (every append must fit in the cache, every block used must exist): a kernel that
+    wrote past the cache would corrupt memory. For device arrays this reads the two small
+    integer arrays back to the host (skipped while torch.compile traces).
+    """
+    _check_array("q", q, 4)
+    lib, device = library_of(q), device_of(q)
+    _check_array("k_cache", k_cache, 4, lib, device)
+    _check_array("v_cache", v_cache, 4, lib, device)
+    dt = dtype_name(q)
+    if dt not in FLOAT_DTYPES:
+        raise _arg_error(TypeError, "q", f"a floating dtype in {FLOAT_DTYPES}", f"dtype {dt}")
+    for n, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if dtype_name(x) != dt:
+            raise _arg_error(TypeError, n, f"dtype {dt} like 'q'", f"dtype {dtype_name(x)}")
+    batch, sq, nheads, headdim = (int(n) for n in q.shape)
+    c0, c1, nheads_k, hd_k = (int(n) for n in k_cache.shape)
+    paged = block_table is not None
+    layout = ("(num_blocks, page_size, nheads_k, headdim) (paged, with block_table)" if paged
+              else "(batch, seqlen_cache, nheads_k, headdim)")
+    if headdim < 1:
+        raise _arg_error(ValueError, "q", "(batch, seqlen_q, nheads, headdim) with headdim >= 1",
+                         f"shape {tuple(q.shape)}")
+    if nheads < 1:
+        raise _arg_error(ValueError, "q", "at least one head", f"shape {tuple(q.shape)}")
+    if nheads_k < 1:
+        raise _arg_error(ValueError, "k_cache", "at least one head", f"shape {tuple(k_cache.shape)}")
+    if hd_k != headdim:
+        raise _arg_error(ValueError, "k_cache", f"{layout} with headdim {headdim} like 'q'",
+                         f"shape {tuple(k_cache.shape)}")
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise _arg_error(ValueError, "v_cache", f"the shape of 'k_cache' {tuple(k_cache.shape)}",
+                         f"shape {tuple(v_cache.shape)}")
+    if nheads % nheads_k:
+        raise _arg_error(ValueError, "k_cache",
+                         f"a number of heads that divides the {nheads} query heads (MQA/GQA)",
+                         f"{nheads_k} heads")
+    for n, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_last_contiguous(n, x)
+
+    # -- the cache layout --------------------------------------------------------------------
+    if paged:
+        _int32_array("block_table", block_table, 2, lib, device, "(batch, max_blocks_per_seq)")
+        if int(block_table.shape[0]) != batch or int(block_table.shape[1]) < 1:
+            raise _arg_error(ValueError, "block_table",
+                             f"shape ({batch}, max_blocks_per_seq >= 1) (batch like 'q')",
+                             f"shape {tuple(block_table.shape)}")
+        num_blocks, page_size, max_blocks = c0, c1, int(block_table.shape[1])
+        if page_size < 16 or page_size % 16:
+            raise _arg_error(ValueError, "k_cache",
+                             f"{layout} with page_size a multiple of 16",
+                             f"page_size {page_size} (shape {tuple(k_cache.shape)})")
+        if num_blocks < 1:
+            raise _arg_error(ValueError, "k_cache", f"{layout} with at least one block",
+                             f"shape {tuple(k_cache.shape)}")
+        capacity = max_blocks * page_size
+    else:
+        if c0 != batch:
+            raise _arg_error(ValueError, "k_cache", f"{layout} with batch {batch} like 'q' "
+                             "(slice a larger cache: a view is still updated in place)",
+                             f"shape {tuple(k_cache.shape)}")
+        num_blocks = page_size = max_blocks = None
+        capacity = c1
+
+    # -- new keys and values -----------------------------------------------------------------
+    if (k is None) != (v is None):
+        missing, given = ("v", "k") if v is None else ("k", "v")
+        raise _arg_error(ValueError, missing, f"an array when '{given}' is given (both or neither)",
+                         "None")
+    seqlen_new = 0
+    if k is not None:
+        _check_array("k", k, 4, lib, device)
+        _check_array("v", v, 4, lib, device)
+        for n, x in (("k", k), ("v", v)):
+            if dtype_name(x) != dt:
+                raise _arg_error(TypeError, n, f"dtype {dt} like 'q'", f"dtype {dtype_name(x)}")
+        kb, seqlen_new, kh, kd = (int(n) for n in k.shape)
+        if kb != batch or kh != nheads_k or kd != headdim:
+            raise _arg_error(ValueError, "k", f"shape ({batch}, seqlen_new, {nheads_k}, {headdim}) "
+                             "(batch like 'q', heads and headdim like 'k_cache')",
+                             f"shape {tuple(k.shape)}")
+        if tuple(v.shape) != tuple(k.shape):
+            raise _arg_error(ValueError, "v", f"the shape of 'k' {tuple(k.shape)}",
+                             f"shape {tuple(v.shape)}")
+        for n, x in (("k", k), ("v", v)):
+            _check_last_contiguous(n, x)
+
+    # -- cache_seqlens -----------------------------------------------------------------------
+    seqlens_int = None
+    if cache_seqlens is None:
+        raise _arg_error(ValueError, "cache_seqlens",
+                         f"an int or an int32 array of shape ({batch},): the cached lengths", "None")
+    if library_of(cache_seqlens) is None:
+        seqlens_int = _as_int("cache_seqlens", cache_seqlens, 0)
+    else:
+        _int32_array("cache_seqlens", cache_seqlens, 1, lib, device, f"of shape ({batch},)")
+        if tuple(cache_seqlens.shape) != (batch,):
+            raise _arg_error(ValueError, "cache_seqlens", f"shape ({batch},) (batch like 'q')",
+                             f"shape {tuple(cache_seqlens.shape)}")
+
+    # -- rotary ------------------------------------------------------------------------------
+    if not isinstance(rotary_interleaved, (bool, np.bool_)):
+        raise _arg_error(TypeError, "rotary_interleaved", "a bool",
+                         f"{type(rotary_interleaved).__name__} {rotary_interleaved!r}")
+    rotary_dim = 0
+    if (rotary_cos is None) != (rotary_sin is None):
+        missing, given = (("rotary_sin", "rotary_cos") if rotary_sin is None
+                          else ("rotary_cos", "rotary_sin"))
+        raise _arg_error(ValueError, missing, f"an array when '{given}' is given (both or neither)",
+                         "None")
+    seqlen_ro = None
+    if rotary_cos is not None:
+        if k is None:
+            raise _arg_error(ValueError, "rotary_cos",
+                             "None when no new 'k'/'v' are appended (rotary applies to the new "
+                             "keys and to q)", "an array")
+        for n, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            _check_array(n, x, 2, lib, device)
+            if dtype_name(x) != dt:
+                raise _arg_error(TypeError, n, f"dtype {dt} like 'q'", f"dtype {dtype_name(x)}")
+            _check_last_contiguous(n, x)
+        seqlen_ro, half = (int(n) for n in rotary_cos.shape)
+        if tuple(rotary_sin.shape) != tuple(rotary_cos.shape):
+            raise _arg_error(ValueError, "rotary_sin", f"the shape of 'rotary_cos' "
+                             f"{tuple(rotary_cos.shape)}", f"shape {tuple(rotary_sin.shape)}")
+        rotary_dim = 2 * half
+        if rotary_dim < 16 or rotary_dim % 16 or rotary_dim > headdim:
+            raise _arg_error(ValueError, "rotary_cos",
+                             f"shape (seqlen_ro, rotary_dim / 2) with rotary_dim a multiple of 16 "
+                             f"and at most headdim {headdim}",
+                             f"shape {tuple(rotary_cos.shape)} (rotary_dim {rotary_dim})")
+
+    # -- options -----------------------------------------------------------------------------
+    left, right = _window(window_size, bool(causal))
+    softmax_scale, softcap = _scale_and_softcap(softmax_scale, softcap, headdim)
+    alibi = _alibi_kind(alibi_slopes, lib, device, batch, nheads)
+    num_splits = _as_int("num_splits", num_splits, 0)
+
+    # -- values: every append fits, every block used exists ----------------------------------
+    if not (lib == "torch" and _torch_compiling()):
+        if seqlens_int is not None:
+            before = np.full((batch,), seqlens_int, np.int64)
+        else:
+            before = np.asarray(to_host(cache_seqlens)).astype(np.int64)
+            if (before < 0).any():
+                i = int(np.argmax(before < 0))
+                raise _arg_error(ValueError, "cache_seqlens", "lengths >= 0",
+                                 f"cache_seqlens[{i}] = {before[i]}")
+        after = before + seqlen_new
+        if batch and (after > capacity).any():
+            i = int(np.argmax(after > capacity))
+            where = (f"{max_blocks} blocks of {page_size} in 'block_table'" if paged
+                     else "seqlen_cache of 'k_cache'")
+            raise _arg_error(ValueError, "cache_seqlens",
+                             f"cache_seqlens + seqlen_new <= the cache capacity {capacity} "
+                             f"({where})",
+                             f"sequence {i}: {before[i]} cached + {seqlen_new} new = {after[i]}")
+        if seqlen_ro is not None and batch and seqlen_ro < int(after.max()):
+            raise _arg_error(ValueError, "rotary_cos",
+                             f"at least {int(after.max())} rows (positions up to "
+                             f"max(cache_seqlens + seqlen_new) - 1)",
+                             f"shape {tuple(rotary_cos.shape)}")
+        if paged and batch:
+            bt = np.asarray(to_host(block_table)).astype(np.int64)
+            used = (after + page_size - 1) // page_size       # blocks each sequence touches
+            mask = np.arange(max_blocks)[None, :] < used[:, None]
+            bad = mask & ((bt < 0) | (bt >= num_blocks))
+            if bad.any():
+                i, j = (int(x) for x in np.argwhere(bad)[0])
+                raise _arg_error(ValueError, "block_table",
+                                 f"block indices in [0, {num_blocks}) (the blocks of 'k_cache') "
+                                 f"for every block a sequence uses",
+                                 f"block_table[{i}, {j}] = {bt[i, j]}")
+
+    attn = AttentionSpec(
+        library=lib, device=device, dtype=dt, batch=batch, seqlen_q=sq, seqlen_k=int(capacity),
+        nheads=nheads, nheads_k=nheads_k, headdim=headdim, causal=bool(causal),
+        window_left=left, window_right=right, softmax_scale=softmax_scale, softcap=softcap,
+        alibi=alibi, deterministic=True, varlen=False)
+    return KVCacheSpec(
+        attn=attn, paged=paged, page_size=page_size, num_blocks=num_blocks,
+        max_blocks=max_blocks, capacity=int(capacity), seqlen_new=seqlen_new,
+        rotary_dim=rotary_dim, rotary_interleaved=bool(rotary_interleaved),
+        num_splits=num_splits, cache_seqlens_int=seqlens_int)
+
+
+# --------------------------------------------------------------------------------------------
+# Merging partial attention results
+# --------------------------------------------------------------------------------------------
+
+def merge_spec(outs, lses):
+    """Validate :func:`flashcore.merge_attention_states` arguments.
+
+    Returns ``(library, outs, lses)`` with ``outs``/``lses`` as lists of arrays. Each out is
+    ``(..., seqlen, nheads, headdim)`` and its lse ``(..., nheads, seqlen)``: ``(b, sq, h, d)``
+    with ``(b, h, sq)``, or packed ``(total, h, d)`` with ``(h, total)``.
+    """
+    def as_list(name, x):
+        if library_of(x) is not None:
+            if x.ndim < 1 or x.shape[0] < 1:
+                raise _arg_error(ValueError, name, "a non-empty stack (n, ...) of partial results",
+                                 f"shape {tuple(x.shape)}")
+            return [x[i] for i in range(x.shape[0])]
+        if isinstance(x, (list, tuple)):
+            if not x:
+                raise _arg_error(ValueError, name, "at least one partial result", "an empty sequence")
+            return list(x)
+        raise _arg_error(TypeError, name, "a list of arrays or one stacked array",
+                         type(x).__name__)
+
+    outs, lses = as_list("outs", outs), as_list("lses", lses)
+    if len(outs) != len(lses):
+        raise _arg_error(ValueError, "lses", f"{len(outs)} partial results like 'outs'",
+                         f"{len(lses)}")
+    _check_array("outs[0]", outs[0], (3, 4))
+    lib, device = library_of(outs[0]), device_of(outs[0])
+    shape, dt = tuple(outs[0].shape), dtype_name(outs[0])
+    if dt not in FLOAT_DTYPES:
+        raise _arg_error(TypeError, "outs[0]", f"a floating dtype in {FLOAT_DTYPES}", f"dtype {dt}")
+    want = shape[:-3] + (shape[-2], shape[-3])
+    for i, (o, l) in enumerate(zip(outs, lses)):
+        _check_array(f"outs[{i}]", o, len(shape), lib, device)
+        if tuple(o.shape) != shape:
+            raise _arg_error(ValueError, f"outs[{i}]", f"shape {shape} like 'outs[0]'",
+                             f"shape {tuple(o.shape)}")
+        if dtype_name(o) != dt:
+            raise _arg_error(TypeError, f"outs[{i}]", f"dtype {dt} like 'outs[0]'",
+                             f"dtype {dtype_name(o)}")
+        _check_array(f"lses[{i}]", l, len(want), lib, device)
+        if tuple(l.shape) != want:
+            raise _arg_error(ValueError, f"lses[{i}]",
+                             f"shape {want} (nheads before seqlen, like the forward's lse)",
+                             f"shape {tuple(l.shape)}")
+        if dtype_name(l) not in ("float32", "float64"):
+            raise _arg_error(TypeError, f"lses[{i}]", "dtype float32 (or float64)",
+                             f"dtype {dtype_name(l)}")
+    return lib, outs, lses

@@ -9,9 +9,10 @@ from __future__ import annotations
 import functools
 from typing import ClassVar
 
-from ..spec import AttentionSpec
+from ..spec import AttentionSpec, KVCacheSpec
 
-__all__ = ["Backend", "NotSupportedError", "register", "get_backend", "all_backends", "choose"]
+__all__ = ["Backend", "NotSupportedError", "register", "get_backend", "all_backends", "choose",
+           "choose_kvcache"]
 
 
 class NotSupportedError(ValueError):
@@ -31,6 +32,7 @@ class Backend:
     supports_alibi: ClassVar[bool] = True
     supports_backward: ClassVar[bool] = True
     is_deterministic: ClassVar[bool] = True   # deterministic without being asked
+    supports_kvcache: ClassVar[bool] = False   # attention_with_kvcache (decoding)
 
     # -- availability --------------------------------------------------------------------
     def unavailable_reason(self) -> str | None:
@@ -76,6 +78,25 @@ class Backend:
                  cu_seqlens_q=None, cu_seqlens_k=None):
         """Return ``(dq, dk, dv)`` in the input dtypes; dk/dv summed over GQA groups."""
         raise NotImplementedError
+
+    # -- decoding with a KV cache ------------------------------------------------------------
+    def kvcache_not_supported_reasons(self, spec: KVCacheSpec) -> list[str]:
+        """Why this backend cannot run an :func:`flashcore.attention_with_kvcache` call."""
+        r = self.not_supported_reasons(spec.attn)
+        if r and r[0].startswith("not available"):
+            return r
+        if not self.supports_kvcache:
+            r.append("KV-cache decoding is not supported")
+        return r
+
+    def forward_kvcache(self, spec: KVCacheSpec, q, k_cache, v_cache, k=None, v=None, *,
+                        cache_seqlens, block_table=None, rotary_cos=None, rotary_sin=None,
+                        alibi_slopes=None):
+        """Append k, v (rotated) into the cache in place, attend. Return ``(out, lse)``.
+
+        ``cache_seqlens`` is an int or an int32 array: the lengths before appending.
+        """
+        raise NotImplementedError(f"backend {self.name!r} has no KV-cache decoding")
 
     def __repr__(self):
         return f"<flashcore backend {self.name!r}>"
@@ -135,6 +156,41 @@ def _choose(spec: AttentionSpec, backend: str | None, backward: bool) -> Backend
              f"headdim {spec.headdim}, on {spec.device}):"]
     if not tried:
         lines.append(f"  no backend takes {spec.library} arrays")
+    for name, reasons in tried:
+        lines.append(f"  {name}: " + "; ".join(reasons))
+    raise NotSupportedError("\n".join(lines))
+
+
+def choose_kvcache(spec: KVCacheSpec, backend: str | None) -> Backend:
+    """:func:`choose` for a KV-cache decoding call (memoised on the spec the same way)."""
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"argument 'backend': expected a backend name (str) or None, "
+                        f"got {type(backend).__name__}")
+    return _choose_kvcache(spec, backend)
+
+
+@functools.lru_cache(maxsize=1024)
+def _choose_kvcache(spec: KVCacheSpec, backend: str | None) -> Backend:
+    if backend is not None:
+        b = get_backend(backend)
+        reasons = b.kvcache_not_supported_reasons(spec)
+        if reasons:
+            raise NotSupportedError(
+                f"backend {b.name!r} cannot run this KV-cache call:\n  - " + "\n  - ".join(reasons))
+        return b
+    a = spec.attn
+    tried = []
+    for b in _REGISTRY.values():
+        if a.library not in b.libraries:
+            continue
+        reasons = b.kvcache_not_supported_reasons(spec)
+        if not reasons:
+            return b
+        tried.append((b.name, reasons))
+    lines = [f"no flashcore backend can run this KV-cache call ({a.library} arrays, {a.dtype}, "
+             f"headdim {a.headdim}, on {a.device}):"]
+    if not tried:
+        lines.append(f"  no backend takes {a.library} arrays")
     for name, reasons in tried:
         lines.append(f"  {name}: " + "; ".join(reasons))
     raise NotSupportedError("\n".join(lines))

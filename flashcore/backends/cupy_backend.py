@@ -56,6 +56,17 @@ def _probe() -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _decode_kernels_reason() -> str | None:
+    """None when the decoding kernels' launcher imports, else why not (checked once)."""
+    try:
+        from ..kernels.decode import launch_decode, launch_rotary_append  # noqa: F401
+    except Exception as e:   # the module is missing, or it failed to import
+        msg = str(e).splitlines()[0] if str(e) else ""
+        return f"decode kernels not available: {type(e).__name__}: {msg}"
+    return None
+
+
 class CupyBackend(Backend):
     name = "cupy"
     libraries = ("cupy",)
@@ -63,6 +74,7 @@ class CupyBackend(Backend):
     max_headdim = 256
     headdim_multiple = 8
     is_deterministic = False   # dQ is accumulated with atomics unless deterministic=True
+    supports_kvcache = True    # when flashcore.kernels.decode imports (see the reasons)
 
     def unavailable_reason(self):
         return _probe()
@@ -139,6 +151,64 @@ class CupyBackend(Backend):
                 dk[...] = 0
                 dv[...] = 0
         return dq, dk, dv
+
+    # -- decoding with a KV cache -----------------------------------------------------------
+
+    def kvcache_not_supported_reasons(self, spec):
+        r = super().kvcache_not_supported_reasons(spec)
+        if r and r[0].startswith("not available"):
+            return r
+        why = _decode_kernels_reason()
+        if why:
+            r.append(why)
+        return r
+
+    def forward_kvcache(self, spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
+                        block_table=None, rotary_cos=None, rotary_sin=None, alibi_slopes=None,
+                        out=None, lse=None):
+        """Append (rotary) with ``launch_rotary_append``, then ``launch_decode`` over
+        ``cache_seqlens + seqlen_new`` keys (computed on the device, no host round trip)."""
+        import cupy
+        import numpy as np
+        from ..kernels.decode import launch_decode, launch_rotary_append
+        from .numpy_backend import apply_rotary
+        a = spec.attn
+        with cupy.cuda.Device(q.device.id), _translate_oom("decode"):
+            if out is None:
+                out = cupy.empty(q.shape, dtype=q.dtype)
+            if lse is None:
+                lse = cupy.empty((a.batch, a.nheads, a.seqlen_q), dtype=cupy.float32)
+            if a.batch == 0:
+                return out, lse
+            if spec.cache_seqlens_int is not None:
+                before = cupy.full((a.batch,), spec.cache_seqlens_int, dtype=cupy.int32)
+            else:
+                before = cupy.ascontiguousarray(cache_seqlens)
+            q_att, after = q, before
+            if spec.appends:
+                rotary = rotary_cos is not None
+                # q rotated by the append kernel where its positions are cache_seqlens + i;
+                # flash-attn's other case (all rows at cache_seqlens) with array operations
+                fused_q = rotary and spec.rotary_per_row and q.size > 0
+                q_out = cupy.empty(q.shape, dtype=q.dtype) if fused_q else None
+                launch_rotary_append(k_cache, v_cache, k, v, before, block_table, rotary_cos,
+                                     rotary_sin, spec.rotary_interleaved,
+                                     q=q if fused_q else None, q_out=q_out)
+                if fused_q:
+                    q_att = q_out
+                elif rotary and q.size:
+                    pos = cupy.broadcast_to(before[:, None].astype(cupy.int64),
+                                            (a.batch, a.seqlen_q))
+                    q_att = apply_rotary(q, rotary_cos, rotary_sin, pos, spec.rotary_interleaved,
+                                         xp=cupy)
+                after = before + np.int32(spec.seqlen_new)
+            if q.size:
+                launch_decode(q_att, k_cache, v_cache, out, lse, cache_seqlens=after,
+                              block_table=block_table, softmax_scale=a.softmax_scale,
+                              window_left=a.window_left, window_right=a.window_right,
+                              softcap=a.softcap, alibi_slopes=alibi_slopes,
+                              num_splits=spec.num_splits)
+        return out, lse
 
 
 register(CupyBackend())

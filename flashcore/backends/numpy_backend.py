@@ -13,6 +13,11 @@ Two paths compute the same function:
 Arrays are handled in (batch, heads, seq, dim) order internally (views of the
 (batch, seq, heads, dim) inputs). float16/bfloat16/float32 inputs are computed in float32,
 float64 in float64. Varlen batches are processed one sequence at a time.
+
+Decoding with a KV cache (``kvcache_forward``) is the same computation after two plain steps:
+the new keys and values (rotated, with rotary) are written into the cache in place, then the
+visible keys of each sequence are gathered (from its rows, or from its pages through the block
+table) and attended one sequence at a time.
 """
 from __future__ import annotations
 
@@ -25,7 +30,8 @@ from .base import Backend, register
 
 __all__ = [
     "NumpyBackend", "naive_forward", "naive_backward", "tiled_forward", "tiled_backward",
-    "round_to_dtype",
+    "round_to_dtype", "apply_rotary", "kvcache_append", "kvcache_gather", "kvcache_forward",
+    "partial_forward",
 ]
 
 
@@ -272,6 +278,129 @@ def tiled_backward(spec, dout, q, k, v, out, lse, slopes=None, block_q=64, block
 
 
 # --------------------------------------------------------------------------------------------
+# Decoding with a KV cache: append (rotary) in place, gather, attend
+# --------------------------------------------------------------------------------------------
+
+def apply_rotary(x, cos, sin, positions, interleaved, xp=np):
+    """Rotary embedding of ``x`` (b, s, h, d) at integer ``positions`` (b, s).
+
+    ``cos``/``sin`` are ``(seqlen_ro, rotary_dim / 2)``; the first ``rotary_dim`` channels
+    rotate, the rest pass through. ``interleaved``: channel pairs (0, 1), (2, 3), ... (GPT-J);
+    otherwise (i, i + rotary_dim/2) (GPT-NeoX). Computed in float32 (float64 for float64) and
+    returned in x's dtype. ``xp`` is the array namespace (numpy or cupy).
+    """
+    ct = xp.float64 if x.dtype == xp.float64 else xp.float32
+    r = 2 * cos.shape[1]
+    c = cos[positions].astype(ct)[:, :, None, :]        # (b, s, 1, r/2)
+    sn = sin[positions].astype(ct)[:, :, None, :]
+    xr = x[..., :r].astype(ct)
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = xp.stack([x1 * c - x2 * sn, x1 * sn + x2 * c], axis=-1).reshape(xr.shape)
+    else:
+        x1, x2 = xr[..., :r // 2], xr[..., r // 2:]
+        rot = xp.concatenate([x1 * c - x2 * sn, x2 * c + x1 * sn], axis=-1)
+    return xp.concatenate([rot.astype(x.dtype), x[..., r:]], axis=-1)
+
+
+def _cache_rows(spec, block_table, b, positions):
+    """Where key positions of sequence b live: an index tuple into a cache array."""
+    if not spec.paged:
+        return (b, positions)
+    ps = spec.page_size
+    return (np.asarray(block_table[b])[positions // ps], positions % ps)
+
+
+def kvcache_append(spec, k_cache, v_cache, k, v, cache_seqlens, block_table=None):
+    """Write k, v (b, s_new, hk, d) into the cache in place at rows cache_seqlens[b] + t."""
+    before = np.asarray(cache_seqlens, np.int64)
+    for b in range(spec.attn.batch):
+        idx = _cache_rows(spec, block_table, b, before[b] + np.arange(spec.seqlen_new))
+        k_cache[idx] = k[b]
+        v_cache[idx] = v[b]
+
+
+def kvcache_gather(spec, cache, b, length, block_table=None):
+    """The first ``length`` keys (or values) of sequence b, dense: (length, hk, d)."""
+    return cache[_cache_rows(spec, block_table, b, np.arange(length))]
+
+
+def partial_forward(spec, q, k, v, slopes, c0, c1):
+    """Attention of dense (1, sq, h, d) q over keys ``c0:c1`` only, of (1, sk, hk, d) k, v.
+
+    Masks and ALiBi use the keys' positions in the whole sequence (sk keys). One partial
+    result of split-KV decoding: merged through the LSE it gives the full attention.
+    """
+    ct = np.float64 if q.dtype == np.float64 else np.float32
+    g = spec.group_size
+    qh = _bhsd(q).astype(ct)
+    kh = _expand_kv(_bhsd(k[:, c0:c1]).astype(ct), g)
+    vh = _expand_kv(_bhsd(v[:, c0:c1]).astype(ct), g)
+    sq, sk = qh.shape[2], k.shape[1]
+    sc = _Scores(spec, sq, sk, slopes)
+    s, _ = sc(qh @ kh.swapaxes(-1, -2), np.arange(sq), np.arange(c0, c1))
+    m = s.max(axis=-1, keepdims=True) if c1 > c0 else np.full(s.shape[:-1] + (1,), -np.inf, ct)
+    p = np.exp(s - _safe(m))
+    l = p.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(l > 0, (p @ vh) / np.where(l > 0, l, 1), 0.0)
+        lse = np.where(l > 0, m + np.log(np.where(l > 0, l, 1)), -np.inf)[..., 0]
+    return out.transpose(0, 2, 1, 3), lse
+
+
+def kvcache_forward(spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
+                    block_table=None, rotary_cos=None, rotary_sin=None, alibi_slopes=None,
+                    attend=None):
+    """The reference KV-cache decoding step on NumPy arrays. Returns ``(out, lse)``.
+
+    1. With k, v: rotate k (rotary), write k, v into the cache in place at cache_seqlens.
+    2. Rotate q (at cache_seqlens + i with causal or a window, else at cache_seqlens).
+    3. Per sequence b: gather its cache_seqlens[b] + seqlen_new keys and values (from the
+       pages named by block_table when paged) and attend. With ``num_splits > 1`` the keys are
+       cut into that many chunks, attended separately and merged through their LSE (the
+       split-KV scheme of the kernels); otherwise ``attend(spec, q, k, v, slopes)`` (default
+       :func:`tiled_forward`) runs on the whole sequence.
+    """
+    a = spec.attn
+    attend = attend or (lambda sp, q_, k_, v_, sl: tiled_forward(sp, q_, k_, v_, sl))
+    batch, sq = a.batch, a.seqlen_q
+    if spec.cache_seqlens_int is not None:
+        before = np.full((batch,), spec.cache_seqlens_int, np.int64)
+    else:
+        before = np.asarray(cache_seqlens).astype(np.int64)
+    rotary = rotary_cos is not None
+    if spec.appends:
+        if rotary:
+            pos = before[:, None] + np.arange(spec.seqlen_new)[None, :]
+            k = apply_rotary(k, rotary_cos, rotary_sin, pos, spec.rotary_interleaved)
+        kvcache_append(spec, k_cache, v_cache, k, v, before, block_table)
+    if rotary:
+        pos = before[:, None] + (np.arange(sq)[None, :] if spec.rotary_per_row else
+                                 np.zeros((1, sq), np.int64))
+        q = apply_rotary(q, rotary_cos, rotary_sin, pos, spec.rotary_interleaved)
+    after = before + spec.seqlen_new
+
+    ct = np.float64 if a.dtype == "float64" else np.float32
+    out = np.zeros((batch, sq, a.nheads, a.headdim), ct)
+    lse = np.full((batch, a.nheads, sq), -np.inf, ct)
+    for b in range(batch):
+        n = int(after[b])
+        kb = kvcache_gather(spec, k_cache, b, n, block_table)[None]
+        vb = kvcache_gather(spec, v_cache, b, n, block_table)[None]
+        slopes = _slopes_for(a, alibi_slopes, b)
+        if spec.num_splits > 1 and n:
+            from ..api import merge_attention_states
+            step = -(-n // spec.num_splits)
+            parts = [partial_forward(a, q[b:b + 1], kb, vb, slopes, c0, min(c0 + step, n))
+                     for c0 in range(0, n, step)]
+            o, l = merge_attention_states([p[0] for p in parts], [p[1] for p in parts])
+        else:
+            o, l = attend(a, q[b:b + 1], kb, vb, slopes)
+        out[b], lse[b] = o[0], l[0]
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------------
 # The backend
 # --------------------------------------------------------------------------------------------
 
@@ -294,6 +423,7 @@ class NumpyBackend(Backend):
     name = "numpy"
     libraries = ("numpy",)
     dtypes = ("float16", "bfloat16", "float32", "float64")
+    supports_kvcache = True
 
     def __init__(self, path: str = "tiled", block_q: int = 64, block_k: int = 64):
         self.path, self.block_q, self.block_k = path, block_q, block_k
@@ -338,6 +468,16 @@ class NumpyBackend(Backend):
                           out[None, sq_], lse[None, :, sq_], _slopes_for(spec, alibi_slopes, i))
             dq[sq_], dk[sk_], dv[sk_] = g[0][0], g[1][0], g[2][0]
         return dq, dk, dv
+
+    def forward_kvcache(self, spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
+                        block_table=None, rotary_cos=None, rotary_sin=None, alibi_slopes=None):
+        """:func:`kvcache_forward` with this backend's path; out in q's dtype."""
+        out, lse = kvcache_forward(spec, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                   block_table=block_table, rotary_cos=rotary_cos,
+                                   rotary_sin=rotary_sin, alibi_slopes=alibi_slopes,
+                                   attend=self._fwd)
+        lse_dt = np.float64 if spec.attn.dtype == "float64" else np.float32
+        return out.astype(_out_dtype(spec.attn.dtype)), lse.astype(lse_dt)
 
 
 register(NumpyBackend())

@@ -90,6 +90,7 @@ class TorchBackend(Backend):
     name = "torch"
     libraries = ("torch",)
     dtypes = FLOAT_DTYPES
+    supports_kvcache = True
 
     def unavailable_reason(self):
         return _torch_unavailable_reason()
@@ -175,6 +176,76 @@ class TorchBackend(Backend):
                         alibi_slopes=_cp(alibi_slopes), cu_seqlens_q=_cp(cu_seqlens_q),
                         cu_seqlens_k=_cp(cu_seqlens_k), dq=_cp(dq), dk=_cp(dk), dv=_cp(dv))
         return dq, dk, dv
+
+    # -- decoding with a KV cache (inference: no autograd) ---------------------------------
+
+    def kvcache_not_supported_reasons(self, spec):
+        why = self.unavailable_reason()
+        if why:
+            return [f"not available: {why}"]
+        a = spec.attn
+        if a.device == "cpu":
+            if a.dtype == "bfloat16":
+                return ["bfloat16 CPU tensors are not supported: NumPy cannot view torch's "
+                        "bfloat16 storage without a copy (use float32/float64 on CPU, or a "
+                        "CUDA tensor)"]
+            nb = get_backend("numpy")
+            return [f"on CPU (NumPy backend): {x}"
+                    for x in nb.kvcache_not_supported_reasons(_kv_library(spec, "numpy"))]
+        if a.device.startswith("cuda"):
+            reasons = get_backend("cupy").kvcache_not_supported_reasons(_kv_library(spec, "cupy"))
+            if not reasons and a.dtype == "bfloat16":
+                why = _cupy_bf16_reason()
+                reasons = [why] if why else []
+            return [f"CUDA tensors run on the CuPy kernels, which cannot take this call: {x}"
+                    for x in reasons]
+        return [f"tensors on {a.device} are not supported (CPU and CUDA only)"]
+
+    def forward_kvcache(self, spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
+                        block_table=None, rotary_cos=None, rotary_sin=None, alibi_slopes=None):
+        """Return ``(out, lse)`` as torch tensors (not requiring grad); the cache tensors are
+        written in place through zero-copy views (NumPy on CPU, CuPy/DLPack on CUDA), and
+        their autograd version counters are bumped."""
+        import torch
+        conv = _np if q.device.type == "cpu" else _cp
+        as_int = spec.cache_seqlens_int is not None
+        with torch.no_grad():
+            if q.device.type == "cpu":
+                out, lse = get_backend("numpy").forward_kvcache(
+                    _kv_library(spec, "numpy"), *(conv(x) for x in (q, k_cache, v_cache, k, v)),
+                    cache_seqlens=cache_seqlens if as_int else conv(cache_seqlens),
+                    block_table=conv(block_table), rotary_cos=conv(rotary_cos),
+                    rotary_sin=conv(rotary_sin), alibi_slopes=conv(alibi_slopes))
+                out = _contiguous_numpy_to_torch(torch, out)
+                lse = _contiguous_numpy_to_torch(torch, lse)
+            else:
+                import cupy
+                a = spec.attn
+                with cupy.cuda.Device(q.device.index), _cupy_stream(torch, q.device):
+                    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+                    lse = torch.empty((a.batch, a.nheads, a.seqlen_q), dtype=torch.float32,
+                                      device=q.device)
+                    get_backend("cupy").forward_kvcache(
+                        _kv_library(spec, "cupy"), *(conv(x) for x in (q, k_cache, v_cache, k, v)),
+                        cache_seqlens=cache_seqlens if as_int else conv(cache_seqlens),
+                        block_table=conv(block_table), rotary_cos=conv(rotary_cos),
+                        rotary_sin=conv(rotary_sin), alibi_slopes=conv(alibi_slopes),
+                        out=conv(out), lse=conv(lse))
+        if spec.appends:
+            _bump_version(torch, k_cache, v_cache)
+        return out, lse
+
+
+def _kv_library(spec, library):
+    return dataclasses.replace(spec, attn=dataclasses.replace(spec.attn, library=library))
+
+
+def _bump_version(torch, *tensors):
+    """Tell autograd that these tensors were written (through a view it cannot see)."""
+    inc = getattr(getattr(torch.autograd, "graph", None), "increment_version", None)
+    for t in tensors:
+        if inc is not None and not t.is_inference():
+            inc(t)
 
 
 def _np(t):
