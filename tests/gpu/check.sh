@@ -15,7 +15,7 @@ workers=${FLASHCORE_TEST_WORKERS:-8}
 xdist=""
 python3 -c "import xdist" 2>/dev/null && xdist="-n $workers"
 t0=$(date +%s)
-timeout ${GPU_TEST_TIMEOUT:-1800} python3 -m pytest tests/gpu -m gpu -q -rfE $xdist -p no:cacheprovider --maxfail=40 ${GPU_TEST_ARGS:-} 2>&1 | tee "$out/gpu_tests.log" | tail -60
+timeout ${GPU_TEST_TIMEOUT:-1800} python3 -m pytest tests -m gpu -q -rfE $xdist -p no:cacheprovider --maxfail=40 ${GPU_TEST_ARGS:-} 2>&1 | tee "$out/gpu_tests.log" | tail -60
 tests_rc=${PIPESTATUS[0]}
 t1=$(date +%s)
 tests_line=$(grep -E "^(=+ )?[0-9]+ (passed|failed)" "$out/gpu_tests.log" | tail -1)
