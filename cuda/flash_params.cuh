@@ -16,6 +16,15 @@
 //    (FC_WINDOW_NONE, 0). sk and sq are the per-sequence lengths (varlen: from cu_seqlens).
 //  * softcap > 0: s -> softcap * tanh(s / softcap) after scaling, before ALiBi and the mask.
 //  * ALiBi adds -slope * |i + sk - sq - j|; slope = alibi_slopes[b * alibi_batch_stride + h].
+//  * KV-cache decoding (flash_decode.cu): k/v point at the cache. sk of sequence b is
+//    cache_seqlens[b]; seqlen_k is unused. Contiguous cache: (batch, seqlen_cache, nheads_k, d)
+//    with the usual strides. Paged cache (block_table != nullptr): (num_blocks, page_size,
+//    nheads_k, d); k/v_batch_stride is the stride between blocks, k/v_row_stride the stride
+//    within one; token t of sequence b is row t % page_size of block
+//    block_table[b * block_table_batch_stride + t / page_size] (64-bit arithmetic).
+//    Split-KV (num_splits > 1): each split writes fp32 partial results to
+//    o_accum (num_splits, batch, nheads, seqlen_q, headdim) and lse_accum
+//    (num_splits, batch, nheads, seqlen_q), both contiguous; a combine kernel merges them.
 #pragma once
 
 #define FC_WINDOW_NONE (1 << 30)
@@ -65,4 +74,13 @@ struct FlashParams {
     float scale_log2;          // softmax_scale * log2(e) (softcap: log2(e) only, see kernels)
     float softcap;             // 0 when off
     float _pad0;
+
+    // ---- KV-cache decoding (flash_decode.cu; appended, zero for the other kernels) -------
+    const int* cache_seqlens;  // int32 (batch,): valid keys of each sequence
+    const int* block_table;    // int32 (batch, max_blocks); nullptr for a contiguous cache
+    float* o_accum;            // split-KV scratch, fp32 (num_splits, batch, nheads, seqlen_q, headdim)
+    float* lse_accum;          // split-KV scratch, fp32 (num_splits, batch, nheads, seqlen_q)
+    long long block_table_batch_stride;
+    int page_size;             // rows per cache block (paged), a multiple of 16
+    int num_splits;            // key-range splits per (batch, kv head, m-block); 1 = no combine
 };

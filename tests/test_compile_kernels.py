@@ -32,8 +32,8 @@ def _nvrtc_or_skip():
 
 
 def _modules():
-    from flashcore.kernels import backward, forward
-    return [("flash_fwd.cu", forward), ("flash_bwd.cu", backward)]
+    from flashcore.kernels import backward, decode, forward
+    return [("flash_fwd.cu", forward), ("flash_bwd.cu", backward), ("flash_decode.cu", decode)]
 
 
 def _sample(names, budget):
@@ -59,7 +59,7 @@ BUDGET = int(os.environ.get("FLASHCORE_COMPILE_BUDGET", "48"))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("source", ["flash_fwd.cu", "flash_bwd.cu"])
+@pytest.mark.parametrize("source", ["flash_fwd.cu", "flash_bwd.cu", "flash_decode.cu"])
 def test_kernels_compile(source, arch):
     _nvrtc_or_skip()
     mod = dict(_modules())[source]

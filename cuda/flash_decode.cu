@@ -1,0 +1,714 @@
+// flashcore: KV-cache decoding (Flash-Decoding) on the Ampere-class path (mma.sync, ldmatrix,
+// cp.async), sm_80 and newer. Launcher: flashcore/kernels/decode.py.
+//
+// flash_decode_kernel: one CTA per (batch, kv head, m-block, split).
+//   * M packing (GQA/MQA): the G = nheads / nheads_k query heads that share kv head hk and the
+//     seqlen_q query rows form sq * G "packed rows", p = qi * G + (h - hk * G). A CTA owns
+//     kBlockM = 16 * kMT consecutive packed rows, so every K/V byte is read once per kv head
+//     (per m-block) instead of once per query head.
+//   * The keys are streamed in blocks of kBlockN through a kStages-deep cp.async ring (one
+//     commit group per block: K and V together). Inside a block, warp w owns keys
+//     [w * kWN, (w + 1) * kWN): it computes S = Q K^T for ALL packed rows of the tile over its
+//     keys and keeps its own running max / sum / O in registers (FA2's per-row state, but the
+//     warps split N instead of M, since M is tiny when decoding). The four partial softmax
+//     states are merged through shared memory at the end.
+//   * Split-KV: the visible key blocks of the tile (after window skipping) are cut into
+//     num_splits contiguous ranges, one per blockIdx.z. With num_splits > 1 (Is_split) each CTA
+//     writes fp32 O (already normalised by its own sum) and its LSE to scratch; the combine
+//     kernel merges them. Otherwise the CTA writes the 16-bit output and the LSE directly.
+//   * Paged cache: token t lives at block block_table[b, t / page_size], row t % page_size.
+//     Every thread loads the rows it copies, so a key block may straddle pages (page_size 16
+//     with kBlockN 64 or 128). The block-table entries of the next key block are read one
+//     block ahead into registers, so their latency hides behind a block of compute.
+//
+// Masking and alignment are exactly those of flash_fwd.cu (bottom-right causal, windows,
+// softcap, ALiBi; rows that see no key get O = 0 and lse = -inf).
+//
+// flash_decode_combine_kernel: one warp per output row (b, h, qi):
+//   m = max lse_s (skipping -inf), L = m + log sum exp(lse_s - m), O = sum exp(lse_s - L) O_s.
+//
+// flash_append_kv_kernel: writes new k/v rows into the cache (contiguous or paged) at
+// cache_seqlens_before[b] + t, optionally applying rotary embedding (fp32 math), and also
+// serves q -> q_out rotation.
+#include "flash_params.cuh"
+#include "ptx.cuh"
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+namespace fc_dec {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ void stg128(void* p, const fc_u32 (&r)[4]) {
+    asm volatile("st.global.v4.b32 [%0], {%1,%2,%3,%4};\n"
+                 :: "l"(p), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+__device__ __forceinline__ void stg128f(float* p, float a, float b, float c, float d) {
+    asm volatile("st.global.v4.f32 [%0], {%1,%2,%3,%4};\n"
+                 :: "l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+__device__ __forceinline__ void ldg128f(float (&r)[4], const float* p) {
+    asm volatile("ld.global.v4.f32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=f"(r[0]), "=f"(r[1]), "=f"(r[2]), "=f"(r[3]) : "l"(p));
+}
+__device__ __forceinline__ void sts64f(fc_u32 addr, float a, float b) {
+    asm volatile("st.shared.v2.f32 [%0], {%1,%2};\n" :: "r"(addr), "f"(a), "f"(b) : "memory");
+}
+__device__ __forceinline__ void lds128f(float (&r)[4], fc_u32 addr) {
+    asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=f"(r[0]), "=f"(r[1]), "=f"(r[2]), "=f"(r[3]) : "r"(addr));
+}
+
+// Element offset of (row, col) in a ROWS x D tile stored as [D / W][ROWS][W], swizzled
+// (same layout as flash_fwd.cu).
+template <int W, int ROWS>
+__device__ __forceinline__ int tile_off(int row, int col) {
+    return (col / W) * (ROWS * W) + swz<W>(row, col % W);
+}
+template <int W>
+__device__ __forceinline__ int lane_off(int lr, int hc, int j) {
+    return swz<W>(lr, j * 16 + hc * 8);
+}
+
+}  // namespace fc_dec
+
+// Template parameters:
+//   Elem        fc_bf16 / fc_fp16
+//   kHeadDim    head-dim tile: 64, 128, 256 (the real headdim, a multiple of 8, may be smaller)
+//   kBlockN     keys per pipeline stage;  kNWarps warps, each owning kBlockN / kNWarps keys
+//   kStages     cp.async ring depth (K + V of one key block per stage)
+//   kMT         m16 slices per CTA: kBlockM = 16 * kMT packed rows
+//   Is_paged    block_table addressing;  Is_local: any window side bounded (causal included)
+//   Has_softcap, Has_alibi, Is_even_d (headdim == kHeadDim)
+//   Is_split    write fp32 partials to o_accum / lse_accum for the combine kernel
+template <typename Elem, int kHeadDim, int kBlockN, int kNWarps, int kStages, int kMT,
+          bool Is_paged, bool Is_local, bool Has_softcap, bool Has_alibi, bool Is_even_d,
+          bool Is_split>
+__global__ void __launch_bounds__(kNWarps * 32, 2)
+flash_decode_kernel(const FlashParams params) {
+    using namespace fc_dec;
+    constexpr int kNThreads = kNWarps * 32;
+    constexpr int kBlockM = 16 * kMT;
+    constexpr int kWN = kBlockN / kNWarps;          // keys per warp per block
+    constexpr int kNT = kWN / 8;                    // n8 tiles of S per slice
+    constexpr int kDT = kHeadDim / 8;               // n8 tiles of O per slice
+    constexpr int kKD = kHeadDim / 16;              // k16 steps of Q K^T
+    constexpr int kW = 64;                          // swizzle column-block width
+    constexpr int kJW = kW / 16;
+    constexpr bool kNatural = Has_softcap || Has_alibi;
+    constexpr bool kQInRegs = kMT * kHeadDim <= 128;
+    constexpr int kCPR = kHeadDim / 8;              // 16-byte chunks per row
+    constexpr int kRS = kNThreads / kCPR;           // rows covered by one pass of the CTA
+    constexpr int kRPT = kBlockN / kRS;             // rows copied per thread per K (or V) tile
+    constexpr fc_u32 kTileBytes = 2u * kBlockN * kHeadDim;
+    constexpr fc_u32 kStageBytes = 2u * kTileBytes;   // K then V
+    constexpr fc_u32 kQBytes = 2u * kBlockM * kHeadDim;
+    constexpr int kRedStride = kHeadDim + 8;        // floats per row of a reduction slab
+    static_assert(kWN % 16 == 0, "each warp needs whole k16 steps of keys");
+    static_assert(kHeadDim % kW == 0, "head-dim tile must be a multiple of 64");
+    static_assert(kNThreads % kCPR == 0 && kBlockN % kRS == 0, "load split");
+    static_assert(kStages >= 2, "at least double buffering");
+    static_assert((fc_u32)kNWarps * kBlockM * kRedStride * 4 <= kStages * kStageBytes,
+                  "reduction slabs must fit in the K/V ring");
+
+    // Shared memory: Q | ring of kStages x (K, V) | stats (max, sum per warp and row; 1/L).
+    // After the main loop the ring is reused for the per-warp O slabs (fp32).
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const fc_u32 sQ = smem_u32(smem_raw);
+    const fc_u32 sKV = sQ + kQBytes;
+    const fc_u32 sRed = sKV;
+    float* sMax = reinterpret_cast<float*>(smem_raw + kQBytes + kStages * kStageBytes);
+    float* sSum = sMax + kNWarps * kBlockM;
+    float* sInv = sSum + kNWarps * kBlockM;
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+
+    const int hk = blockIdx.x % params.nheads_k;
+    const int b = blockIdx.x / params.nheads_k;
+    const int m_block = blockIdx.y;
+    const int split = blockIdx.z;
+    const int G = params.nheads / params.nheads_k;
+    const int sq = params.seqlen_q;
+    const int sk = params.cache_seqlens[b];
+    const int m0 = m_block * kBlockM;
+    const int rows_valid = min(kBlockM, sq * G - m0);
+    const int off = sk - sq;
+    const int headdim = params.headdim;
+
+    // Packed row p -> (query row qi, query head h).
+    auto row_qi = [&](int r) { return (m0 + r) / G; };
+    auto row_h = [&](int r) { return hk * G + (m0 + r) % G; };
+    auto lse_ptr = [&](int r) -> float* {
+        const int qi = row_qi(r), h = row_h(r);
+        if constexpr (Is_split)
+            return params.lse_accum
+                   + (((long long)split * params.batch + b) * params.nheads + h) * sq + qi;
+        else
+            return params.lse + (long long)b * params.lse_batch_stride
+                   + (long long)h * params.lse_head_stride + qi;
+    };
+
+    // ---- the key blocks this CTA walks ---------------------------------------------------
+    const bool left_bounded = Is_local && params.window_left < FC_WINDOW_NONE;
+    const bool right_bounded = Is_local && params.window_right < FC_WINDOW_NONE;
+    const int qi_first = m0 / G;
+    const int qi_last = (m0 + rows_valid - 1) / G;
+    int n_block_max = (sk + kBlockN - 1) / kBlockN;
+    int n_block_min = 0;
+    if (right_bounded) {
+        const long long hi = (long long)qi_last + off + params.window_right + 1;
+        const int nb = hi <= 0 ? 0 : (int)min((hi + kBlockN - 1) / kBlockN, (long long)n_block_max);
+        n_block_max = min(n_block_max, nb);
+    }
+    if (left_bounded) {
+        const long long lo = (long long)qi_first + off - params.window_left;
+        if (lo > 0) n_block_min = (int)min(lo / kBlockN, (long long)n_block_max);
+    }
+    const int n_total = max(n_block_max - n_block_min, 0);
+    const int per_split = (n_total + params.num_splits - 1) / params.num_splits;
+    const int nb_begin = n_block_min + split * per_split;
+    const int nb_end = min(nb_begin + per_split, n_block_max);
+
+    if (nb_begin >= nb_end) {
+        // Nothing visible to this CTA: lse = -inf; O = 0 (a split's O is never read when its
+        // lse is -inf, so the split path writes only the lse).
+        for (int r = tid; r < rows_valid; r += kNThreads) *lse_ptr(r) = -INFINITY;
+        if constexpr (!Is_split) {
+            const fc_u32 zero[4] = {0u, 0u, 0u, 0u};
+            for (int idx = tid; idx < kBlockM * kCPR; idx += kNThreads) {
+                const int r = idx / kCPR, c = idx % kCPR;
+                if (r < rows_valid && (Is_even_d || c * 8 < headdim))
+                    stg128(static_cast<fc_u16*>(params.o) + (long long)b * params.o_batch_stride
+                               + (long long)row_qi(r) * params.o_row_stride
+                               + (long long)row_h(r) * params.o_head_stride + c * 8,
+                           zero);
+            }
+        }
+        return;
+    }
+
+    // ---- Q tile (gathered rows), one cp.async group -----------------------------------------
+    {
+        const fc_u16* q = static_cast<const fc_u16*>(params.q);
+        constexpr int kIters = (kBlockM * kCPR + kNThreads - 1) / kNThreads;
+#pragma unroll
+        for (int it = 0; it < kIters; ++it) {
+            const int idx = tid + it * kNThreads;
+            if ((kBlockM * kCPR) % kNThreads != 0 && idx >= kBlockM * kCPR) break;
+            const int r = idx / kCPR, c = idx % kCPR;
+            const bool pred = r < rows_valid && (Is_even_d || c * 8 < headdim);
+            const fc_u16* src = q;
+            if (pred)
+                src = q + (long long)b * params.q_batch_stride
+                      + (long long)row_qi(r) * params.q_row_stride
+                      + (long long)row_h(r) * params.q_head_stride + c * 8;
+            cp_async_16(sQ + 2u * (fc_u32)tile_off<kW, kBlockM>(r, c * 8), src, pred);
+        }
+        cp_async_commit();
+    }
+
+    // ---- K/V block loads ---------------------------------------------------------------------
+    // Thread owns 16-byte column chunk lc of rows lr0 + i * kRS (i < kRPT): 16 (d128) threads
+    // cover one row, so each warp reads whole contiguous rows.
+    const int lr0 = tid / kCPR;
+    const int lc = tid % kCPR;
+    const bool col_ok = Is_even_d || lc * 8 < headdim;
+    const fc_u16* gK = static_cast<const fc_u16*>(params.k) + (long long)hk * params.k_head_stride
+                       + (Is_paged ? 0ll : (long long)b * params.k_batch_stride) + lc * 8;
+    const fc_u16* gV = static_cast<const fc_u16*>(params.v) + (long long)hk * params.v_head_stride
+                       + (Is_paged ? 0ll : (long long)b * params.v_batch_stride) + lc * 8;
+    const int* bt = Is_paged ? params.block_table + (long long)b * params.block_table_batch_stride
+                             : nullptr;
+    const int page_size = params.page_size;
+    int pg[Is_paged ? kRPT : 1];   // physical blocks of this thread's rows of the NEXT block to load
+#pragma unroll
+    for (int i = 0; i < (Is_paged ? kRPT : 1); ++i) pg[i] = 0;
+
+    auto fetch_pages = [&](int nb) {
+        if constexpr (Is_paged) {
+#pragma unroll
+            for (int i = 0; i < kRPT; ++i) {
+                const int tok = nb * kBlockN + lr0 + i * kRS;
+                pg[i] = (nb < nb_end && tok < sk) ? bt[tok / page_size] : 0;
+            }
+        }
+    };
+    auto load_kv = [&](int nb, int stage) {
+        const fc_u32 sK = sKV + (fc_u32)stage * kStageBytes;
+        const fc_u32 sV = sK + kTileBytes;
+#pragma unroll
+        for (int i = 0; i < kRPT; ++i) {
+            const int row = lr0 + i * kRS;
+            const int tok = nb * kBlockN + row;
+            const bool pred = col_ok && tok < sk;
+            long long ko, vo;
+            if constexpr (Is_paged) {
+                const int in_page = tok - (tok / page_size) * page_size;
+                ko = (long long)pg[i] * params.k_batch_stride + (long long)in_page * params.k_row_stride;
+                vo = (long long)pg[i] * params.v_batch_stride + (long long)in_page * params.v_row_stride;
+            } else {
+                ko = (long long)tok * params.k_row_stride;
+                vo = (long long)tok * params.v_row_stride;
+            }
+            const fc_u32 so = 2u * (fc_u32)tile_off<kW, kBlockN>(row, lc * 8);
+            cp_async_16(sK + so, pred ? gK + ko : gK, pred);
+            cp_async_16(sV + so, pred ? gV + vo : gV, pred);
+        }
+    };
+
+    // ---- prologue: kStages - 1 blocks in flight ----------------------------------------------
+    fetch_pages(nb_begin);
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+        if (nb_begin + s < nb_end) {
+            load_kv(nb_begin + s, s);
+            fetch_pages(nb_begin + s + 1);
+        }
+        cp_async_commit();
+    }
+
+    // ---- per-lane ldmatrix offsets (see flash_fwd.cu for the fragment layouts) --------------
+    int a_off[kJW], k_off[kJW];
+    {
+        const int a_lr = lane & 15, a_hc = lane >> 4;
+        const int k_lr = (lane & 7) + ((lane >> 4) << 3), k_hc = (lane >> 3) & 1;
+#pragma unroll
+        for (int j = 0; j < kJW; ++j) {
+            a_off[j] = lane_off<kW>(a_lr, a_hc, j);
+            k_off[j] = lane_off<kW>(k_lr, k_hc, j);
+        }
+    }
+    auto q_addr = [&](int mt, int kk) -> fc_u32 {
+        return sQ + 2u * ((kk / kJW) * (kBlockM * kW) + mt * 16 * kW + a_off[kk % kJW]);
+    };
+    fc_u32 qf[kQInRegs ? kMT : 1][kQInRegs ? kKD : 1][4];
+    if constexpr (kQInRegs) {
+        cp_async_wait<kStages - 1>();   // the Q group (the oldest) landed
+        __syncthreads();
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int kk = 0; kk < kKD; ++kk) ldmatrix_x4(qf[mt][kk], q_addr(mt, kk));
+    }
+
+    // ---- per-row state ---------------------------------------------------------------------
+    // Thread rows: slice mt, half r -> tile row mt * 16 + g + 8r (the same for every warp).
+    float acc_o[kMT][kDT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int j = 0; j < kDT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[mt][j][e] = 0.f;
+    float row_max[kMT][2], row_sum[kMT][2];
+    int row_pos[kMT][2];          // i + sk - sq of the row's query
+    float slope[kMT][2];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            row_max[mt][r] = -INFINITY;
+            row_sum[mt][r] = 0.f;
+            const int rr = mt * 16 + g + 8 * r;
+            row_pos[mt][r] = row_qi(rr) + off;
+            slope[mt][r] = 0.f;
+            if constexpr (Has_alibi) {
+                // rows past the tile's valid rows read the slope of a valid head (never stored)
+                const int rc = rr < rows_valid ? rr : 0;
+                slope[mt][r] = params.alibi_slopes[(long long)b * params.alibi_batch_stride + row_h(rc)];
+            }
+        }
+    const int win_r = right_bounded ? min(params.window_right, sq) : 0;
+    const int win_l = left_bounded ? min(params.window_left, sk) : 0;
+    const float mult = kNatural ? kLog2e : params.scale_log2;
+    const float cap_in = Has_softcap ? params.softmax_scale / params.softcap : 0.f;
+    // Blocks that need no element mask: fully below every row's right edge and the tail,
+    // fully above every row's left edge (the tile's last row, padding rows included).
+    const int blk_hi = right_bounded ? min(sk, qi_first + off + win_r + 1) : sk;
+    const int blk_lo = left_bounded ? (m0 + kBlockM - 1) / G + off - win_l : 0;
+    const int wn0 = warp * kWN;   // this warp's first key row inside a block
+
+    // ---- main loop ------------------------------------------------------------------------
+    int stage = 0;
+    int load_stage = kStages - 1;
+    for (int nb = nb_begin; nb < nb_end; ++nb) {
+        cp_async_wait<kStages - 2>();   // block nb landed (this thread's copies)
+        __syncthreads();                // everyone's; and the ring slot of nb - 1 is free
+
+        if (nb + kStages - 1 < nb_end) {
+            load_kv(nb + kStages - 1, load_stage);
+            fetch_pages(nb + kStages);
+        }
+        cp_async_commit();   // possibly empty: keeps the group count uniform
+        load_stage = (load_stage + 1 == kStages) ? 0 : load_stage + 1;
+
+        const fc_u32 sKb = sKV + (fc_u32)stage * kStageBytes;
+        const fc_u32 sVb = sKb + kTileBytes;
+        stage = (stage + 1 == kStages) ? 0 : stage + 1;
+        const int n0 = nb * kBlockN;
+
+        // S = Q K^T over this warp's kWN keys
+        float s[kMT][kNT][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < kKD; ++kk) {
+            fc_u32 qa[kMT][4];
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+                if constexpr (kQInRegs) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) qa[mt][e] = qf[kQInRegs ? mt : 0][kQInRegs ? kk : 0][e];
+                } else {
+                    ldmatrix_x4(qa[mt], q_addr(mt, kk));
+                }
+            }
+#pragma unroll
+            for (int np = 0; np < kNT / 2; ++np) {
+                fc_u32 kb[4];
+                ldmatrix_x4(kb, sKb + 2u * ((kk / kJW) * (kBlockN * kW) + (wn0 + np * 16) * kW
+                                            + k_off[kk % kJW]));
+                const fc_u32 b0[2] = {kb[0], kb[1]};
+                const fc_u32 b1[2] = {kb[2], kb[3]};
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) {
+                    Elem::mma(s[mt][2 * np], qa[mt], b0);
+                    Elem::mma(s[mt][2 * np + 1], qa[mt], b1);
+                }
+            }
+        }
+
+        // scale, softcap, ALiBi, mask (DESIGN.md order). Element e of tile nt: row half
+        // r = e / 2, key n0 + wn0 + nt*8 + 2t + (e & 1).
+        const int kc0 = n0 + wn0 + 2 * t;   // this lane's first key column
+        if constexpr (Has_softcap) {
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        s[mt][nt][e] = params.softcap * fc_tanh(s[mt][nt][e] * cap_in);
+        } else if constexpr (Has_alibi) {
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[mt][nt][e] *= params.softmax_scale;
+        }
+        if constexpr (Has_alibi) {
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const float d0 = (float)(row_pos[mt][r] - kc0);
+#pragma unroll
+                    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                        for (int e = 2 * r; e < 2 * r + 2; ++e)
+                            s[mt][nt][e] -= slope[mt][r] * fabsf(d0 - (float)(nt * 8 + (e & 1)));
+                }
+        }
+        if (n0 + kBlockN > blk_hi || n0 < blk_lo) {
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int pos = row_pos[mt][r] - kc0;
+                    int hi = sk - kc0;
+                    if (right_bounded) hi = min(hi, pos + win_r + 1);
+                    const int lo = left_bounded ? pos - win_l : -kBlockN;
+#pragma unroll
+                    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                        for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                            const int jr = nt * 8 + (e & 1);
+                            if (jr >= hi || jr < lo) s[mt][nt][e] = -INFINITY;
+                        }
+                }
+        }
+
+        // online softmax (per warp; see flash_fwd.cu for the -inf handling)
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float mx = row_max[mt][r];
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt)
+                    mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+                mx = quad_max(mx);
+                const float m_scaled = (mx == -INFINITY) ? 0.f : mx * mult;
+                const float corr = fc_exp2(row_max[mt][r] * mult - m_scaled);
+                row_max[mt][r] = mx;
+                float sum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                    for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                        const float p = fc_exp2(fmaf(s[mt][nt][e], mult, -m_scaled));
+                        s[mt][nt][e] = p;
+                        sum += p;
+                    }
+                row_sum[mt][r] = row_sum[mt][r] * corr + sum;
+#pragma unroll
+                for (int j = 0; j < kDT; ++j) {
+                    acc_o[mt][j][2 * r] *= corr;
+                    acc_o[mt][j][2 * r + 1] *= corr;
+                }
+            }
+
+        // O += P V over this warp's keys (P straight from the S accumulators)
+#pragma unroll
+        for (int kk = 0; kk < kWN / 16; ++kk) {
+            fc_u32 pa[kMT][4];
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+                pa[mt][0] = Elem::pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][1] = Elem::pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][2] = Elem::pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][3] = Elem::pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+                fc_u32 vb[4];
+                ldmatrix_x4_trans(vb, sVb + 2u * ((dp / kJW) * (kBlockN * kW)
+                                                  + (wn0 + kk * 16) * kW + a_off[dp % kJW]));
+                const fc_u32 b0[2] = {vb[0], vb[1]};
+                const fc_u32 b1[2] = {vb[2], vb[3]};
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) {
+                    Elem::mma(acc_o[mt][2 * dp], pa[mt], b0);
+                    Elem::mma(acc_o[mt][2 * dp + 1], pa[mt], b1);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();   // only empty groups can be pending; the ring is about to be reused
+
+    // ---- merge the warps' partial softmax states ---------------------------------------------
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float l = quad_sum(row_sum[mt][r]);
+            if (t == 0) {
+                const int rr = mt * 16 + g + 8 * r;
+                sMax[warp * kBlockM + rr] = row_max[mt][r];
+                sSum[warp * kBlockM + rr] = l;
+            }
+        }
+    __syncthreads();   // stats visible; every warp is done reading the ring
+
+    const float lse_scale = kNatural ? 1.f : params.softmax_scale;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int rr = mt * 16 + g + 8 * r;
+            float M = -INFINITY;
+#pragma unroll
+            for (int w = 0; w < kNWarps; ++w) M = fmaxf(M, sMax[w * kBlockM + rr]);
+            const float Ms = (M == -INFINITY) ? 0.f : M * mult;
+            float L = 0.f;
+#pragma unroll
+            for (int w = 0; w < kNWarps; ++w)
+                L += fc_exp2(sMax[w * kBlockM + rr] * mult - Ms) * sSum[w * kBlockM + rr];
+            const float f = fc_exp2(row_max[mt][r] * mult - Ms);   // 0 when this warp saw nothing
+            const float inv = L > 0.f ? 1.f / L : 0.f;
+            if (warp == 0 && t == 0) {
+                sInv[rr] = inv;
+                if (rr < rows_valid) *lse_ptr(rr) = L > 0.f ? M * lse_scale + logf(L) : -INFINITY;
+            }
+            const fc_u32 slab = sRed + 4u * (fc_u32)((warp * kBlockM + rr) * kRedStride);
+#pragma unroll
+            for (int j = 0; j < kDT; ++j)
+                sts64f(slab + 4u * (j * 8 + 2 * t), acc_o[mt][j][2 * r] * f,
+                       acc_o[mt][j][2 * r + 1] * f);
+        }
+    __syncthreads();
+
+    // ---- sum the slabs, normalise, store (8 columns per thread and step, coalesced) -----------
+    for (int idx = tid; idx < kBlockM * kCPR; idx += kNThreads) {
+        const int r = idx / kCPR, c = idx % kCPR;
+        if (r >= rows_valid || !(Is_even_d || c * 8 < headdim)) continue;
+        float o[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[e] = 0.f;
+#pragma unroll
+        for (int w = 0; w < kNWarps; ++w) {
+            const fc_u32 a = sRed + 4u * (fc_u32)((w * kBlockM + r) * kRedStride + c * 8);
+            float x[4], y[4];
+            lds128f(x, a);
+            lds128f(y, a + 16u);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                o[e] += x[e];
+                o[4 + e] += y[e];
+            }
+        }
+        const float inv = sInv[r];
+        const int qi = row_qi(r), h = row_h(r);
+        if constexpr (Is_split) {
+            float* dst = params.o_accum
+                         + ((((long long)split * params.batch + b) * params.nheads + h) * sq + qi)
+                               * headdim + c * 8;
+            stg128f(dst, o[0] * inv, o[1] * inv, o[2] * inv, o[3] * inv);
+            stg128f(dst + 4, o[4] * inv, o[5] * inv, o[6] * inv, o[7] * inv);
+        } else {
+            fc_u32 v[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) v[e] = Elem::pack2(o[2 * e] * inv, o[2 * e + 1] * inv);
+            stg128(static_cast<fc_u16*>(params.o) + (long long)b * params.o_batch_stride
+                       + (long long)qi * params.o_row_stride + (long long)h * params.o_head_stride
+                       + c * 8,
+                   v);
+        }
+    }
+}
+
+// Merge the splits: one warp per output row (b, h, qi); 4 warps per CTA. num_splits <= 256.
+// A lane owns 8 consecutive columns (headdim <= 256 = 32 lanes x 8).
+template <typename Elem>
+__global__ void __launch_bounds__(128)
+flash_decode_combine_kernel(const FlashParams params) {
+    using namespace fc_dec;
+    constexpr int kMaxSplits = 256;
+    __shared__ float sW[4][kMaxSplits];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int sq = params.seqlen_q;
+    const long long rows = (long long)params.batch * params.nheads * sq;
+    const long long R = (long long)blockIdx.x * 4 + warp;   // (b * nheads + h) * sq + qi
+    if (R >= rows) return;   // warp-uniform
+    const int qi = (int)(R % sq);
+    const long long bh = R / sq;
+    const int h = (int)(bh % params.nheads);
+    const int b = (int)(bh / params.nheads);
+    const int S = params.num_splits;
+    const int headdim = params.headdim;
+
+    float m = -INFINITY;
+    for (int s = lane; s < S; s += 32) m = fmaxf(m, params.lse_accum[s * rows + R]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+
+    float* lse_out = params.lse + (long long)b * params.lse_batch_stride
+                     + (long long)h * params.lse_head_stride + qi;
+    fc_u16* out = static_cast<fc_u16*>(params.o) + (long long)b * params.o_batch_stride
+                  + (long long)qi * params.o_row_stride + (long long)h * params.o_head_stride;
+    const int c = lane * 8;
+    if (m == -INFINITY) {   // no split saw a key
+        if (lane == 0) *lse_out = -INFINITY;
+        if (c < headdim) {
+            const fc_u32 zero[4] = {0u, 0u, 0u, 0u};
+            stg128(out + c, zero);
+        }
+        return;
+    }
+    float sum = 0.f;
+    for (int s = lane; s < S; s += 32) sum += expf(params.lse_accum[s * rows + R] - m);  // exp(-inf) = 0
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const float L = m + logf(sum);
+    for (int s = lane; s < S; s += 32) sW[warp][s] = expf(params.lse_accum[s * rows + R] - L);
+    __syncwarp();
+    if (lane == 0) *lse_out = L;
+    if (c >= headdim) return;
+
+    float acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+    const float* src = params.o_accum + R * headdim + c;
+    const long long split_stride = rows * headdim;
+    for (int s = 0; s < S; ++s) {
+        const float w = sW[warp][s];
+        if (w == 0.f) continue;   // -inf splits (their O was never written) and underflow
+        float x[4], y[4];
+        ldg128f(x, src + s * split_stride);
+        ldg128f(y, src + s * split_stride + 4);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            acc[e] = fmaf(w, x[e], acc[e]);
+            acc[4 + e] = fmaf(w, y[e], acc[4 + e]);
+        }
+    }
+    fc_u32 v[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = Elem::pack2(acc[2 * e], acc[2 * e + 1]);
+    stg128(out + c, v);
+}
+
+// Write new rows into a cache (or rotate q into q_out). One thread per pair of elements, so a
+// rotation reads both inputs before writing both outputs (in-place safe).
+//   src  (batch, seqlen, nheads, headdim) with strides (src_bs, src_rs, src_hs)
+//   dst  row pos = (dst_row_offsets ? dst_row_offsets[b] : 0) + t of sequence b:
+//        contiguous: dst + b*dst_bs + pos*dst_rs + h*dst_hs
+//        paged:      dst + block_table[b*bt_stride + pos/page_size]*dst_bs
+//                        + (pos%page_size)*dst_rs + h*dst_hs
+//   rotary (Has_rotary): position rot_offsets[b] + t of cos/sin (fp32, (seqlen_ro, rotary_dim/2),
+//        contiguous); non-interleaved rotates (x[i], x[i + rd/2]), interleaved (x[2i], x[2i+1]),
+//        i < rd/2: o1 = x1 cos - x2 sin, o2 = x2 cos + x1 sin. Dims >= rotary_dim are copied.
+template <typename Elem, bool Is_paged, bool Has_rotary, bool Interleaved>
+__global__ void __launch_bounds__(256)
+flash_append_kv_kernel(const fc_u16* __restrict__ src, long long src_bs, long long src_rs,
+                       long long src_hs, fc_u16* dst, long long dst_bs, long long dst_rs,
+                       long long dst_hs, const int* dst_row_offsets, const int* block_table,
+                       long long bt_stride, int page_size, const float* cos_t,
+                       const float* sin_t, const int* rot_offsets, int rotary_dim, int seqlen_ro,
+                       int batch, int seqlen, int nheads, int headdim) {
+    const int half_d = headdim / 2;
+    const long long total = (long long)batch * seqlen * nheads * half_d;
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= total) return;
+    const int u = (int)(idx % half_d);
+    long long rest = idx / half_d;
+    const int h = (int)(rest % nheads);
+    rest /= nheads;
+    const int t = (int)(rest % seqlen);
+    const int b = (int)(rest / seqlen);
+
+    const int rd = Has_rotary ? rotary_dim : 0;
+    const int half_r = rd / 2;
+    int j1, j2;
+    const bool rotate = Has_rotary && u < half_r;
+    if (rotate) {
+        j1 = Interleaved ? 2 * u : u;
+        j2 = Interleaved ? 2 * u + 1 : u + half_r;
+    } else {
+        j1 = rd + 2 * (u - half_r);
+        j2 = j1 + 1;
+    }
+    const fc_u16* s = src + (long long)b * src_bs + (long long)t * src_rs + (long long)h * src_hs;
+    fc_u16 o1 = s[j1], o2 = s[j2];
+    if (rotate) {
+        int pos = rot_offsets[b] + t;
+        pos = min(max(pos, 0), seqlen_ro - 1);   // the caller validates; never read out of bounds
+        const float c = cos_t[(long long)pos * half_r + u];
+        const float sn = sin_t[(long long)pos * half_r + u];
+        const float x1 = Elem::to_float(o1), x2 = Elem::to_float(o2);
+        o1 = Elem::from_float(x1 * c - x2 * sn);
+        o2 = Elem::from_float(x2 * c + x1 * sn);
+    }
+    const int pos = (dst_row_offsets != nullptr ? dst_row_offsets[b] : 0) + t;
+    fc_u16* d;
+    if constexpr (Is_paged) {
+        const long long blk = block_table[(long long)b * bt_stride + pos / page_size];
+        d = dst + blk * dst_bs + (long long)(pos % page_size) * dst_rs + (long long)h * dst_hs;
+    } else {
+        d = dst + (long long)b * dst_bs + (long long)pos * dst_rs + (long long)h * dst_hs;
+    }
+    d[j1] = o1;
+    d[j2] = o2;
+}

@@ -1,0 +1,360 @@
+"""Launcher for the KV-cache decoding kernels ``cuda/flash_decode.cu`` (Ampere-class path).
+
+``launch_decode`` runs attention of a few query rows against a KV cache (contiguous or paged),
+with split-KV (Flash-Decoding) and GQA head packing; ``launch_rotary_append`` writes new k/v
+rows into the cache, optionally applying rotary embedding to them (and to q).
+
+The caller has validated shapes, dtypes and devices. CuPy is imported lazily.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from .common import _as_input, _strides, _used_strides_ok
+from .params import WINDOW_NONE, make_params
+
+__all__ = ["launch_decode", "launch_rotary_append", "instantiations", "num_splits_heuristic",
+           "kernel_name", "combine_name", "append_name", "DecodeConfig", "decode_config",
+           "HEADDIM_TILES", "MAX_SPLITS"]
+
+SOURCE = "flash_decode.cu"
+HEADDIM_TILES = (64, 128, 256)
+MAX_SPLITS = 256          # the combine kernel's shared weight table
+_SPLIT_CAP = 128          # the heuristic never goes beyond this
+_LOG2E = 1.4426950408889634
+_SMEM_PER_SM = 233472     # H100/H200: 228 KiB per SM (1 KiB of it reserved per CTA)
+
+
+class DecodeConfig(NamedTuple):
+    block_n: int   # keys per pipeline stage
+    n_warps: int   # warps per CTA, each owning block_n / n_warps keys of a stage
+    stages: int    # cp.async ring depth
+
+
+# Every stage holds K and V of block_n keys: 32 KiB at d64/d128 (three stages: two CTAs per
+# SM, ~192 KiB of loads in flight per SM) and 64 KiB at d256 (one CTA per SM).
+_CONFIGS = {
+    64: DecodeConfig(128, 4, 3),
+    128: DecodeConfig(64, 4, 3),
+    256: DecodeConfig(64, 4, 3),
+}
+
+
+def headdim_tile(headdim: int) -> int:
+    for d in HEADDIM_TILES:
+        if headdim <= d:
+            return d
+    raise ValueError(f"headdim {headdim} exceeds the largest supported tile (256)")
+
+
+def decode_config(headdim: int) -> DecodeConfig:
+    return _CONFIGS[headdim_tile(headdim)]
+
+
+def _m_tiles(headdim: int, packed_rows: int) -> int:
+    """m16 slices per CTA: two when the packed rows exceed 16 (d <= 128: registers allow)."""
+    return 2 if packed_rows > 16 and headdim_tile(headdim) <= 128 else 1
+
+
+def smem_bytes(headdim: int, m_tiles: int) -> int:
+    d = headdim_tile(headdim)
+    cfg = _CONFIGS[d]
+    block_m = 16 * m_tiles
+    return 2 * block_m * d + cfg.stages * 4 * cfg.block_n * d + (2 * cfg.n_warps + 1) * block_m * 4
+
+
+def _elem_tag(dtype_name: str) -> str:
+    if dtype_name == "bfloat16":
+        return "fc_bf16"
+    if dtype_name == "float16":
+        return "fc_fp16"
+    raise ValueError(f"the decode kernels support float16 and bfloat16, not {dtype_name}")
+
+
+def _b(x: bool) -> str:
+    return "true" if x else "false"
+
+
+def kernel_name(dtype_name: str, headdim: int, m_tiles: int, paged: bool, is_local: bool,
+                has_softcap: bool, has_alibi: bool, is_split: bool) -> str:
+    d = headdim_tile(headdim)
+    cfg = _CONFIGS[d]
+    return (f"flash_decode_kernel<{_elem_tag(dtype_name)}, {d}, {cfg.block_n}, {cfg.n_warps}, "
+            f"{cfg.stages}, {m_tiles}, {_b(paged)}, {_b(is_local)}, {_b(has_softcap)}, "
+            f"{_b(has_alibi)}, {_b(headdim == d)}, {_b(is_split)}>")
+
+
+def combine_name(dtype_name: str) -> str:
+    return f"flash_decode_combine_kernel<{_elem_tag(dtype_name)}>"
+
+
+def append_name(dtype_name: str, paged: bool, rotary: bool, interleaved: bool) -> str:
+    return (f"flash_append_kv_kernel<{_elem_tag(dtype_name)}, {_b(paged)}, {_b(rotary)}, "
+            f"{_b(interleaved and rotary)}>")
+
+
+def instantiations() -> list[str]:
+    """Every template name the launchers can produce (CI compiles a stratified sample)."""
+    names = []
+    for dt in ("float16", "bfloat16"):
+        for d in HEADDIM_TILES:
+            for even in (True, False):
+                hd = d if even else d - 8
+                for mt in ((1, 2) if d <= 128 else (1,)):
+                    for paged in (False, True):
+                        for loc in (False, True):
+                            for cap in (False, True):
+                                for ali in (False, True):
+                                    for spl in (False, True):
+                                        names.append(kernel_name(dt, hd, mt, paged, loc, cap,
+                                                                 ali, spl))
+        names.append(combine_name(dt))
+        for paged in (False, True):
+            for rot, inter in ((False, False), (True, False), (True, True)):
+                names.append(append_name(dt, paged, rot, inter))
+    return names
+
+
+def num_splits_heuristic(batch_nheads_mblocks: int, num_sms: int, num_n_blocks: int,
+                         max_splits: int = _SPLIT_CAP) -> int:
+    """flash-attn's rule: one split when the CTAs fill the GPU; else the smallest split count
+    whose wave efficiency is within 85% of the best (counts that give the same number of
+    blocks per split as one split fewer are not eligible)."""
+    if batch_nheads_mblocks >= 0.8 * num_sms:
+        return 1
+    max_splits = min(max_splits, num_sms, num_n_blocks)
+    if max_splits <= 1:
+        return 1
+
+    def eligible(s):
+        return s == 1 or math.ceil(num_n_blocks / s) != math.ceil(num_n_blocks / (s - 1))
+
+    eff = {}
+    for s in range(1, max_splits + 1):
+        if eligible(s):
+            waves = batch_nheads_mblocks * s / num_sms
+            eff[s] = waves / math.ceil(waves)
+    best = max(eff.values())
+    for s in range(1, max_splits + 1):
+        if s in eff and eff[s] >= 0.85 * best:
+            return s
+    return 1
+
+
+def _dtype_name(arr) -> str:
+    name = arr.dtype.name
+    if name in ("float16", "bfloat16"):
+        return name
+    raise ValueError(f"expected a float16 or bfloat16 array, got {arr.dtype}")
+
+
+def _window(w) -> int:
+    return WINDOW_NONE if w is None or w < 0 or w >= WINDOW_NONE else int(w)
+
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device_id: int) -> int:
+    n = _SM_COUNT.get(device_id)
+    if n is None:
+        import cupy
+        n = int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+        _SM_COUNT[device_id] = n
+    return n
+
+
+def _int32_contig(arr):
+    import cupy
+    if arr.dtype != cupy.int32:
+        arr = arr.astype(cupy.int32)
+    return cupy.ascontiguousarray(arr)
+
+
+def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=None,
+                  softmax_scale: float, window_left: int, window_right: int,
+                  softcap: float = 0.0, alibi_slopes=None, num_splits: int = 0) -> int:
+    """Attention of q against a KV cache; ``out`` and ``lse`` are written in place.
+
+    q, out: (b, sq, h, d) float16/bfloat16; lse: float32 (b, h, sq) contiguous.
+    k_cache, v_cache: (b_cache, seqlen_cache, hk, d), or paged (num_blocks, page_size, hk, d)
+    with int32 ``block_table`` (b, max_blocks). ``cache_seqlens`` int32 (b,): the valid keys of
+    each sequence. Windows use -1 for unbounded (causal = (-1, 0)). ``num_splits`` 0 picks the
+    split count with flash-attn's heuristic. Returns the number of splits used.
+    """
+    import cupy
+
+    q = _as_input(q)
+    k_cache, v_cache = _as_input(k_cache), _as_input(v_cache)
+    out_final = None
+    if out.size and not _used_strides_ok(out, 8, 16):
+        out_final, out = out, cupy.empty(out.shape, out.dtype)
+    dtype_name = _dtype_name(q)
+    batch, seqlen_q, nheads, headdim = (int(x) for x in q.shape)
+    nheads_k = int(k_cache.shape[2])
+    if batch == 0 or seqlen_q == 0 or nheads == 0:
+        return 1
+    if not softmax_scale > 0.0:
+        raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
+    paged = block_table is not None
+    group = nheads // nheads_k
+    packed_rows = seqlen_q * group
+    m_tiles = _m_tiles(headdim, packed_rows)
+    m_blocks = math.ceil(packed_rows / (16 * m_tiles))
+    if batch * nheads_k > 2**31 - 1 or m_blocks > 65535:
+        raise ValueError("decode grid too large "
+                         f"(batch * nheads_k = {batch * nheads_k}, m-blocks = {m_blocks})")
+    d = headdim_tile(headdim)
+    cfg = _CONFIGS[d]
+    smem = smem_bytes(headdim, m_tiles)
+
+    wl, wr = _window(window_left), _window(window_right)
+    is_local = wl != WINDOW_NONE or wr != WINDOW_NONE
+    has_softcap = softcap is not None and softcap > 0.0
+    has_alibi = alibi_slopes is not None
+
+    device_id = q.device.id
+    cache_seqlens = _int32_contig(cache_seqlens)
+    if paged:
+        block_table = block_table if block_table.dtype == cupy.int32 else block_table.astype(cupy.int32)
+        if block_table.strides[-1] != 4:
+            block_table = cupy.ascontiguousarray(block_table)
+        page_size = int(k_cache.shape[1])
+        max_seqlen_k = int(block_table.shape[1]) * page_size
+    else:
+        page_size = 0
+        max_seqlen_k = int(k_cache.shape[1])
+
+    # Split count (host-side only: no read of cache_seqlens, which would synchronise).
+    if num_splits is None or num_splits <= 0:
+        n_blocks = max(1, math.ceil(max_seqlen_k / cfg.block_n))
+        if wl != WINDOW_NONE:
+            span = wl + seqlen_q + (0 if wr == WINDOW_NONE else wr)
+            n_blocks = min(n_blocks, math.ceil(span / cfg.block_n) + 1)
+        ctas_per_sm = max(1, min(4, _SMEM_PER_SM // (smem + 1024)))
+        num_splits = num_splits_heuristic(batch * nheads_k * m_blocks,
+                                          _sm_count(device_id) * ctas_per_sm, n_blocks)
+    num_splits = int(max(1, min(int(num_splits), MAX_SPLITS)))
+    is_split = num_splits > 1
+
+    cc = int(cupy.cuda.Device(device_id).compute_capability)
+    from ..jit import get_kernel
+    kernel = get_kernel(SOURCE, kernel_name(dtype_name, headdim, m_tiles, paged, is_local,
+                                            has_softcap, has_alibi, is_split),
+                        device_id, cc, smem)
+
+    o_accum = lse_accum = None
+    if is_split:
+        o_accum = cupy.empty((num_splits, batch, nheads, seqlen_q, headdim), cupy.float32)
+        lse_accum = cupy.empty((num_splits, batch, nheads, seqlen_q), cupy.float32)
+
+    qs, ks, vs, os_ = _strides(q), _strides(k_cache), _strides(v_cache), _strides(out)
+    alibi_bs = 0
+    if has_alibi:
+        alibi_slopes = cupy.ascontiguousarray(alibi_slopes, dtype=cupy.float32)
+        if alibi_slopes.ndim == 2:
+            alibi_bs = alibi_slopes.strides[0] // 4
+    params = make_params(
+        q=q.data.ptr, k=k_cache.data.ptr, v=v_cache.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
+        alibi_slopes=alibi_slopes.data.ptr if has_alibi else None,
+        q_batch_stride=qs[0], q_row_stride=qs[1], q_head_stride=qs[2],
+        k_batch_stride=ks[0], k_row_stride=ks[1], k_head_stride=ks[2],
+        v_batch_stride=vs[0], v_row_stride=vs[1], v_head_stride=vs[2],
+        o_batch_stride=os_[0], o_row_stride=os_[1], o_head_stride=os_[2],
+        lse_batch_stride=lse.strides[0] // 4, lse_head_stride=lse.strides[1] // 4,
+        alibi_batch_stride=alibi_bs,
+        batch=batch, nheads=nheads, nheads_k=nheads_k, headdim=headdim,
+        seqlen_q=seqlen_q, seqlen_k=max_seqlen_k, window_left=wl, window_right=wr,
+        softmax_scale=float(softmax_scale),
+        scale_log2=_LOG2E if has_softcap else float(softmax_scale) * _LOG2E,
+        softcap=float(softcap) if has_softcap else 0.0,
+        cache_seqlens=cache_seqlens.data.ptr,
+        block_table=block_table.data.ptr if paged else None,
+        o_accum=o_accum.data.ptr if is_split else None,
+        lse_accum=lse_accum.data.ptr if is_split else None,
+        block_table_batch_stride=(block_table.strides[0] // 4) if paged else 0,
+        page_size=page_size, num_splits=num_splits,
+    )
+    with cupy.cuda.Device(device_id):
+        kernel((batch * nheads_k, m_blocks, num_splits), (cfg.n_warps * 32, 1, 1), (params,),
+               shared_mem=smem)
+        if is_split:
+            comb = get_kernel(SOURCE, combine_name(dtype_name), device_id, cc)
+            rows = batch * nheads * seqlen_q
+            comb((math.ceil(rows / 4), 1, 1), (128, 1, 1), (params,))
+        if out_final is not None:
+            out_final[...] = out
+    return num_splits
+
+
+def launch_rotary_append(k_cache, v_cache, k_new, v_new, cache_seqlens_before, block_table,
+                         rotary_cos, rotary_sin, rotary_interleaved, q=None, q_out=None,
+                         seqlen_offsets=None):
+    """Write k_new / v_new (b, s_new, hk, d) into the cache at rows cache_seqlens_before[b] + t.
+
+    The cache is contiguous (b_cache, seqlen_cache, hk, d) or paged (num_blocks, page_size, hk, d)
+    with ``block_table``. With ``rotary_cos`` / ``rotary_sin`` (seqlen_ro, rotary_dim / 2),
+    rotary embedding (flash-attn's convention, fp32 math) is applied to k_new at positions
+    offsets[b] + t and, when ``q`` is given, to q at offsets[b] + i into ``q_out`` (allocated
+    when None), where offsets = ``seqlen_offsets`` if given, else ``cache_seqlens_before``.
+    ``q_out`` may be ``q`` itself. Returns ``q_out`` (or None without q).
+    """
+    import cupy
+    import numpy as np
+
+    paged = block_table is not None
+    rotary = rotary_cos is not None
+    dtype_name = _dtype_name(k_cache)
+    device_id = k_cache.device.id
+    cc = int(cupy.cuda.Device(device_id).compute_capability)
+    from ..jit import get_kernel
+
+    seqlens = _int32_contig(cache_seqlens_before)
+    rot_off = _int32_contig(seqlen_offsets) if seqlen_offsets is not None else seqlens
+    if rotary:
+        cos = cupy.ascontiguousarray(rotary_cos, dtype=cupy.float32)
+        sin = cupy.ascontiguousarray(rotary_sin, dtype=cupy.float32)
+        rotary_dim, seqlen_ro = 2 * int(cos.shape[1]), int(cos.shape[0])
+        cos_p, sin_p = cos.data.ptr, sin.data.ptr
+    else:
+        rotary_dim = seqlen_ro = 0
+        cos_p = sin_p = 0
+    if paged:
+        block_table = _int32_contig(block_table)
+        bt_p, bt_stride, page_size = block_table.data.ptr, block_table.strides[0] // 4, int(k_cache.shape[1])
+    else:
+        bt_p, bt_stride, page_size = 0, 0, 0
+
+    def run(src, dst, dst_paged, rot, row_offsets_ptr):
+        if src.size == 0:
+            return
+        if src.strides[-1] != src.dtype.itemsize:
+            src = cupy.ascontiguousarray(src)
+        b, s, nh, d = (int(x) for x in src.shape)
+        ss, ds = _strides(src), _strides(dst)
+        kern = get_kernel(SOURCE, append_name(dtype_name, dst_paged, rot, bool(rotary_interleaved)),
+                          device_id, cc)
+        total = b * s * nh * (d // 2)
+        i64, i32, ptr = np.int64, np.int32, np.uint64
+        args = (ptr(src.data.ptr), i64(ss[0]), i64(ss[1]), i64(ss[2]),
+                ptr(dst.data.ptr), i64(ds[0]), i64(ds[1]), i64(ds[2]),
+                ptr(row_offsets_ptr), ptr(bt_p if dst_paged else 0), i64(bt_stride),
+                i32(page_size), ptr(cos_p if rot else 0), ptr(sin_p if rot else 0),
+                ptr(rot_off.data.ptr), i32(rotary_dim if rot else 0), i32(seqlen_ro),
+                i32(b), i32(s), i32(nh), i32(d))
+        kern((math.ceil(total / 256), 1, 1), (256, 1, 1), args)
+
+    with cupy.cuda.Device(device_id):
+        if k_new is not None:
+            run(k_new, k_cache, paged, rotary, seqlens.data.ptr)
+        if v_new is not None:
+            run(v_new, v_cache, paged, False, seqlens.data.ptr)
+        if q is not None:
+            if q_out is None:
+                q_out = cupy.empty_like(q)
+            if rotary:
+                run(q, q_out, False, True, 0)
+            elif q_out is not q:
+                q_out[...] = q
+    return q_out

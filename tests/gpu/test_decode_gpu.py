@@ -1,0 +1,288 @@
+"""The KV-cache decoding kernels (cuda/flash_decode.cu via flashcore.kernels.decode) against a
+dense float64 reference built here: the valid part of each sequence's cache is gathered on the
+host into (1, sk, hk, d) and given to naive_forward (independent of the kvcache reference).
+
+flash-attn's rule: max error <= 2x that of the same computation in the low precision. Outputs
+are poisoned (NaN) before each run; cache rows past cache_seqlens and unused pages are NaN too,
+so any read outside the valid keys shows up.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from refutils import assert_flash_rule
+from flashcore.backends.numpy_backend import naive_forward, round_to_dtype
+from flashcore.spec import forward_spec
+
+pytestmark = pytest.mark.gpu
+
+
+def _cp():
+    import cupy
+    return cupy
+
+
+def to_dev(x32, dtype):
+    cp = _cp()
+    if dtype == "bfloat16":
+        import ml_dtypes
+        return cp.asarray(x32.astype(ml_dtypes.bfloat16))
+    return cp.asarray(x32.astype(dtype))
+
+
+def quantize(x32, dtype):
+    return round_to_dtype(x32, dtype).astype(np.float32)
+
+
+def make_cache(rng, dtype, b, lens, hk, d, page_size, max_len):
+    """Host float32 cache (NaN outside the valid keys), device cache, block_table, gather fn."""
+    if page_size is None:
+        kc = np.full((b, max_len, hk, d), np.nan, np.float32)
+        vc = np.full((b, max_len, hk, d), np.nan, np.float32)
+        for i, n in enumerate(lens):
+            kc[i, :n] = quantize(rng.standard_normal((n, hk, d)).astype(np.float32), dtype)
+            vc[i, :n] = quantize(rng.standard_normal((n, hk, d)).astype(np.float32), dtype)
+
+        def gather(c, i):
+            return c[i, :lens[i]]
+        return kc, vc, None, gather
+    max_blocks = math.ceil(max_len / page_size)
+    nblocks = b * max_blocks + 3
+    kc = np.full((nblocks, page_size, hk, d), np.nan, np.float32)
+    vc = np.full((nblocks, page_size, hk, d), np.nan, np.float32)
+    perm = rng.permutation(nblocks - 1)   # the last block is never used (NaN): unused entries
+    bt = np.full((b, max_blocks), nblocks - 1, np.int32)
+    k = 0
+    for i, n in enumerate(lens):
+        for j in range(math.ceil(n / page_size)):
+            blk = perm[k]
+            k += 1
+            bt[i, j] = blk
+            rows = min(page_size, n - j * page_size)
+            kc[blk, :rows] = quantize(rng.standard_normal((rows, hk, d)).astype(np.float32), dtype)
+            vc[blk, :rows] = quantize(rng.standard_normal((rows, hk, d)).astype(np.float32), dtype)
+
+    def gather(c, i):
+        t = np.arange(lens[i])
+        return c[bt[i, t // page_size], t % page_size]
+    return kc, vc, bt, gather
+
+
+def run_decode(dtype, b, sq, h, hk, d, lens, *, page_size=None, max_len=None, causal=False,
+               window=(-1, -1), softcap=0.0, alibi=None, num_splits=0, seed=0):
+    cp = _cp()
+    from flashcore.kernels.decode import launch_decode
+    rng = np.random.default_rng(seed)
+    max_len = max_len or max(max(lens), 1)
+    q32 = quantize(rng.standard_normal((b, sq, h, d)).astype(np.float32), dtype)
+    kc, vc, bt, gather = make_cache(rng, dtype, b, lens, hk, d, page_size, max_len)
+    slopes = None
+    if alibi is not None:
+        slopes = rng.uniform(0.02, 0.3, size=(h,) if alibi == "per_head" else (b, h)).astype(np.float32)
+    wl, wr = window
+    if causal:
+        wr = 0
+    out = cp.full((b, sq, h, d), cp.nan, dtype=to_dev(q32[:1, :1, :1, :1], dtype).dtype)
+    lse = cp.full((b, h, sq), cp.nan, dtype=cp.float32)
+    used = launch_decode(
+        to_dev(q32, dtype), to_dev(kc, dtype), to_dev(vc, dtype), out, lse,
+        cache_seqlens=cp.asarray(np.asarray(lens, np.int32)),
+        block_table=None if bt is None else cp.asarray(bt),
+        softmax_scale=1.0 / math.sqrt(d), window_left=wl, window_right=wr, softcap=softcap,
+        alibi_slopes=None if slopes is None else cp.asarray(slopes), num_splits=num_splits)
+    assert used >= 1
+    if num_splits > 0:
+        assert used == num_splits
+    got_o = out.get().astype(np.float64)
+    got_l = lse.get().astype(np.float64)
+    assert np.isfinite(got_o).all(), "non-finite output (unwritten, NaN read from the cache?)"
+    assert not np.isnan(got_l).any(), "NaN / unwritten lse"
+
+    kw = dict(causal=causal, window_size=(window[0], -1 if causal else window[1]), softcap=softcap)
+    ro = np.zeros((b, sq, h, d))
+    lo = np.zeros((b, sq, h, d))
+    rl = np.full((b, h, sq), -np.inf)
+    for i, n in enumerate(lens):
+        if n == 0:
+            continue
+        k32, v32 = gather(kc, i)[None], gather(vc, i)[None]
+        qb = q32[i:i + 1]
+        s64 = None
+        if slopes is not None:
+            s64 = (slopes[None] if slopes.ndim == 1 else slopes[i:i + 1]).astype(np.float64)
+        hi_spec = forward_spec(qb.astype(np.float64), k32.astype(np.float64), v32.astype(np.float64), **kw)
+        o_hi, l_hi = naive_forward(hi_spec, qb.astype(np.float64), k32.astype(np.float64),
+                                   v32.astype(np.float64), s64)
+        lo_spec = forward_spec(qb, k32, v32, **kw)
+        o_lo, _ = naive_forward(lo_spec, qb, k32, v32,
+                                None if s64 is None else s64.astype(np.float32), round_to=dtype)
+        ro[i], lo[i], rl[i] = o_hi[0], o_lo[0], l_hi[0]
+    ro = np.nan_to_num(ro)   # rows with no visible key: 0 by convention
+    lo = np.nan_to_num(lo)
+    assert_flash_rule("out", got_o, ro, lo, 2)
+    assert np.array_equal(np.isneginf(got_l), np.isneginf(rl)), "lse -inf pattern differs"
+    fin = np.isfinite(rl)
+    if fin.any():
+        assert np.abs(got_l[fin] - rl[fin]).max() <= 1e-3 * max(1.0, np.abs(rl[fin]).max()), "lse"
+    assert np.all(got_o[~np.isfinite(rl).transpose(0, 2, 1)] == 0), "masked rows must be 0"
+    return used
+
+
+DTYPES = ["float16", "bfloat16"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("page_size", [None, 16, 256])
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+def test_decode_gqa_one_token(dtype, d, page_size, num_splits):
+    lens = [1000, 37, 0, 513]   # not multiples of the page size, one empty sequence
+    run_decode(dtype, 4, 1, 32, 8, d, lens, page_size=page_size, max_len=1100,
+               num_splits=num_splits, seed=d + (page_size or 1) + num_splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sq", [1, 4])
+@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+def test_decode_causal(dtype, sq, page_size, num_splits):
+    run_decode(dtype, 3, sq, 32, 8, 128, [777, 3, 250], page_size=page_size, causal=True,
+               num_splits=num_splits, seed=sq * 7 + num_splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [(100, 0), (64, 8), (0, 0), (5, -1)])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_window(dtype, window, num_splits):
+    run_decode(dtype, 2, 4, 8, 2, 128, [900, 70], page_size=16, window=window,
+               num_splits=num_splits, seed=window[0] + num_splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [40, 72, 128, 200])
+@pytest.mark.parametrize("heads", [(32, 8), (6, 2), (8, 1), (4, 4)])
+def test_decode_headdims_and_groups(dtype, d, heads):
+    # MQA 8:1 with sq 5 gives 40 packed rows: two m16 slices per CTA and several m-blocks
+    run_decode(dtype, 2, 5, heads[0], heads[1], d, [300, 1], causal=True, num_splits=0,
+               seed=d + heads[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 5])
+def test_decode_softcap_alibi(dtype, num_splits):
+    run_decode(dtype, 2, 2, 8, 2, 64, [400, 129], softcap=30.0, num_splits=num_splits, seed=1)
+    run_decode(dtype, 2, 2, 8, 2, 64, [400, 129], alibi="per_head", causal=True,
+               num_splits=num_splits, seed=2)
+    run_decode(dtype, 2, 1, 8, 2, 128, [400, 129], alibi="per_batch", page_size=16,
+               num_splits=num_splits, seed=3)
+
+
+def test_decode_more_splits_than_blocks():
+    # splits with no key block write lse = -inf only; the combine must skip them
+    run_decode("bfloat16", 2, 1, 32, 8, 128, [100, 7], num_splits=40, seed=5)
+
+
+def test_decode_long_cache_split_heuristic():
+    used = run_decode("bfloat16", 1, 1, 32, 8, 128, [16384], num_splits=0, seed=9)
+    assert used > 1   # batch 1 x 8 kv heads cannot fill the GPU
+
+
+def test_decode_strided_out():
+    cp = _cp()
+    from flashcore.kernels.decode import launch_decode
+    rng = np.random.default_rng(3)
+    b, sq, h, hk, d = 2, 1, 8, 2, 64
+    q = to_dev(rng.standard_normal((b, sq, h, d)).astype(np.float32), "float16")
+    kc = to_dev(rng.standard_normal((b, 50, hk, d)).astype(np.float32), "float16")
+    vc = to_dev(rng.standard_normal((b, 50, hk, d)).astype(np.float32), "float16")
+    big = cp.full((b, sq, h + 3, d + 8), cp.nan, cp.float16)
+    out = big[:, :, :h, :d]
+    lse = cp.empty((b, h, sq), cp.float32)
+    ref_o = cp.empty((b, sq, h, d), cp.float16)
+    ref_l = cp.empty((b, h, sq), cp.float32)
+    kw = dict(cache_seqlens=cp.asarray(np.array([50, 20], np.int32)), softmax_scale=0.125,
+              window_left=-1, window_right=-1, num_splits=2)
+    launch_decode(q, kc, vc, out, lse, **kw)
+    launch_decode(q, kc, vc, ref_o, ref_l, **kw)
+    assert cp.array_equal(out, ref_o) and cp.array_equal(lse, ref_l)
+    assert cp.isnan(big[:, :, h:, :]).all()
+
+
+# ---------------- append + rotary ----------------
+
+def _rotary_ref(x, cos, sin, pos, interleaved):
+    """x (s, nh, d) float64 at positions pos (s,): flash-attn's apply_rotary_emb."""
+    r = 2 * cos.shape[1]
+    c, s_ = cos[pos][:, None, :], sin[pos][:, None, :]
+    y = x.copy()
+    if interleaved:
+        x1, x2 = x[..., 0:r:2], x[..., 1:r:2]
+        y[..., 0:r:2] = x1 * c - x2 * s_
+        y[..., 1:r:2] = x1 * s_ + x2 * c
+    else:
+        x1, x2 = x[..., :r // 2], x[..., r // 2:r]
+        y[..., :r // 2] = x1 * c - x2 * s_
+        y[..., r // 2:r] = x1 * s_ + x2 * c
+    return y
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("rotary", [None, "plain", "interleaved"])
+def test_rotary_append(dtype, page_size, rotary):
+    cp = _cp()
+    from flashcore.kernels.decode import launch_rotary_append
+    rng = np.random.default_rng(4)
+    b, hk, h, d, s_new, rd = 3, 2, 4, 64, 3, 32
+    before = [10, 0, 29]
+    max_len = 40
+    lens_after = [n + s_new for n in before]
+    # pages are allocated for the lengths after the append; rows past `before` get overwritten
+    kc, vc, bt, gather = make_cache(rng, dtype, b, lens_after, hk, d, page_size, max_len)
+    kc = np.nan_to_num(kc)
+    vc = np.nan_to_num(vc)
+    k_new = quantize(rng.standard_normal((b, s_new, hk, d)).astype(np.float32), dtype)
+    v_new = quantize(rng.standard_normal((b, s_new, hk, d)).astype(np.float32), dtype)
+    q = quantize(rng.standard_normal((b, s_new, h, d)).astype(np.float32), dtype)
+    cos = sin = None
+    if rotary:
+        ang = rng.uniform(0, 2 * np.pi, size=(64, rd // 2))
+        cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    kc_d, vc_d = to_dev(kc, dtype), to_dev(vc, dtype)
+    q_out = launch_rotary_append(
+        kc_d, vc_d, to_dev(k_new, dtype), to_dev(v_new, dtype),
+        cp.asarray(np.asarray(before, np.int32)), None if bt is None else cp.asarray(bt),
+        None if cos is None else cp.asarray(cos), None if sin is None else cp.asarray(sin),
+        rotary == "interleaved", q=to_dev(q, dtype))
+    got_k = kc_d.get().astype(np.float32)
+    got_v = vc_d.get().astype(np.float32)
+    got_q = q_out.get().astype(np.float64)
+    rel = 2.0 ** -7 if dtype == "bfloat16" else 2.0 ** -10   # one ulp of the stored value
+    for i in range(b):
+        pos = before[i] + np.arange(s_new)
+        if page_size is None:
+            gk, gv = got_k[i, pos], got_v[i, pos]
+            old_k, old_v = got_k[i, :before[i]], got_v[i, :before[i]]
+        else:
+            gk = got_k[bt[i, pos // page_size], pos % page_size]
+            gv = got_v[bt[i, pos // page_size], pos % page_size]
+            t = np.arange(before[i])
+            old_k = got_k[bt[i, t // page_size], t % page_size]
+            old_v = got_v[bt[i, t // page_size], t % page_size]
+        # rows before the append are untouched; v is copied bit-exactly
+        assert np.array_equal(old_k, gather(kc, i)[:before[i]])
+        assert np.array_equal(old_v, gather(vc, i)[:before[i]])
+        assert np.array_equal(gv, v_new[i])
+        if rotary:
+            want_k = _rotary_ref(k_new[i].astype(np.float64), cos, sin, pos, rotary == "interleaved")
+            want_q = _rotary_ref(q[i].astype(np.float64), cos, sin, pos, rotary == "interleaved")
+            assert (np.abs(gk - want_k) <= rel * np.abs(want_k) + 1e-4).all()
+            assert (np.abs(got_q[i] - want_q) <= rel * np.abs(want_q) + 1e-4).all()
+            assert np.array_equal(gk[..., rd:], k_new[i][..., rd:])
+        else:
+            assert np.array_equal(gk, k_new[i])
+            assert np.array_equal(got_q[i], q[i])
+    assert lens_after  # the caller then decodes with cache_seqlens = before + s_new
