@@ -238,20 +238,7 @@ def forward_spec(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, 
         sk = k.shape[1]
         total_q = total_k = None
 
-    alibi = None
-    if alibi_slopes is not None:
-        _check_array("alibi_slopes", alibi_slopes, (1, 2), lib, device)
-        if dtype_name(alibi_slopes) != "float32" and not (lib == "numpy" and dtype_name(alibi_slopes) == "float64"):
-            raise _arg_error(TypeError, "alibi_slopes", "a float32 array", f"dtype {dtype_name(alibi_slopes)}")
-        shp = tuple(alibi_slopes.shape)
-        if shp == (nheads,):
-            alibi = "per_head"
-        elif shp == (batch, nheads):
-            alibi = "per_batch_head"
-        else:
-            raise _arg_error(ValueError, "alibi_slopes", f"shape ({nheads},) or ({batch}, {nheads})",
-                             f"shape {shp}")
-        _check_last_contiguous("alibi_slopes", alibi_slopes)
+    alibi = _alibi_kind(alibi_slopes, lib, device, batch, nheads)
 
     return AttentionSpec(
         library=lib, device=device, dtype=dt, batch=int(batch), seqlen_q=int(sq),

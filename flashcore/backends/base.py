@@ -137,25 +137,31 @@ def choose(spec: AttentionSpec, backend: str | None, backward: bool = False) -> 
 
 @functools.lru_cache(maxsize=1024)
 def _choose(spec: AttentionSpec, backend: str | None, backward: bool) -> Backend:
+    return _pick(backend, spec, "call", lambda b: b.not_supported_reasons(spec, backward))
+
+
+def _pick(backend, attn, what, reasons_of) -> Backend:
+    """The named backend if it has no reasons to refuse, else the first backend that takes
+    ``attn.library`` arrays and has none; otherwise every backend's reasons in one error."""
     if backend is not None:
         b = get_backend(backend)
-        reasons = b.not_supported_reasons(spec, backward)
+        reasons = reasons_of(b)
         if reasons:
             raise NotSupportedError(
-                f"backend {b.name!r} cannot run this call:\n  - " + "\n  - ".join(reasons))
+                f"backend {b.name!r} cannot run this {what}:\n  - " + "\n  - ".join(reasons))
         return b
     tried = []
     for b in _REGISTRY.values():
-        if spec.library not in b.libraries:
+        if attn.library not in b.libraries:
             continue
-        reasons = b.not_supported_reasons(spec, backward)
+        reasons = reasons_of(b)
         if not reasons:
             return b
         tried.append((b.name, reasons))
-    lines = [f"no flashcore backend can run this call ({spec.library} arrays, {spec.dtype}, "
-             f"headdim {spec.headdim}, on {spec.device}):"]
+    lines = [f"no flashcore backend can run this {what} ({attn.library} arrays, {attn.dtype}, "
+             f"headdim {attn.headdim}, on {attn.device}):"]
     if not tried:
-        lines.append(f"  no backend takes {spec.library} arrays")
+        lines.append(f"  no backend takes {attn.library} arrays")
     for name, reasons in tried:
         lines.append(f"  {name}: " + "; ".join(reasons))
     raise NotSupportedError("\n".join(lines))
@@ -171,26 +177,4 @@ def choose_kvcache(spec: KVCacheSpec, backend: str | None) -> Backend:
 
 @functools.lru_cache(maxsize=1024)
 def _choose_kvcache(spec: KVCacheSpec, backend: str | None) -> Backend:
-    if backend is not None:
-        b = get_backend(backend)
-        reasons = b.kvcache_not_supported_reasons(spec)
-        if reasons:
-            raise NotSupportedError(
-                f"backend {b.name!r} cannot run this KV-cache call:\n  - " + "\n  - ".join(reasons))
-        return b
-    a = spec.attn
-    tried = []
-    for b in _REGISTRY.values():
-        if a.library not in b.libraries:
-            continue
-        reasons = b.kvcache_not_supported_reasons(spec)
-        if not reasons:
-            return b
-        tried.append((b.name, reasons))
-    lines = [f"no flashcore backend can run this KV-cache call ({a.library} arrays, {a.dtype}, "
-             f"headdim {a.headdim}, on {a.device}):"]
-    if not tried:
-        lines.append(f"  no backend takes {a.library} arrays")
-    for name, reasons in tried:
-        lines.append(f"  {name}: " + "; ".join(reasons))
-    raise NotSupportedError("\n".join(lines))
+    return _pick(backend, spec.attn, "KV-cache call", lambda b: b.kvcache_not_supported_reasons(spec))
