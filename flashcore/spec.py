@@ -208,14 +208,7 @@ def forward_spec(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, 
         _check_last_contiguous(n, x)
 
     left, right = _window(window_size, bool(causal))
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(headdim)
-    softmax_scale = _as_float("softmax_scale", softmax_scale)
-    if softmax_scale <= 0:
-        raise _arg_error(ValueError, "softmax_scale", "a finite number > 0", softmax_scale)
-    softcap = _as_float("softcap", 0.0 if softcap is None else softcap)
-    if softcap < 0:
-        raise _arg_error(ValueError, "softcap", "a number >= 0 (0 disables it)", softcap)
+    softmax_scale, softcap = _scale_and_softcap(softmax_scale, softcap, headdim)
 
     if varlen:
         if cu_seqlens_q is None or cu_seqlens_k is None:
