@@ -57,3 +57,18 @@ def assert_flash_rule(name, got, ref_hi, ref_lo, factor, atol=1e-5):
     assert e_got <= factor * e_lo + atol, (
         f"{name}: max error {e_got:.3e} > {factor} x low-precision error {e_lo:.3e} + {atol:g}")
     return e_got, e_lo
+
+
+def to_dev(x32, dtype):
+    """A host float32 array as a CuPy array of ``dtype`` ('float16', 'bfloat16', ...)."""
+    import cupy
+    if dtype == "bfloat16":
+        import ml_dtypes
+        return cupy.asarray(x32.astype(ml_dtypes.bfloat16))
+    return cupy.asarray(x32.astype(dtype))
+
+
+def quantize(x32, dtype):
+    """The values a ``dtype`` array holds, as float32 on the host."""
+    from flashcore.backends.numpy_backend import round_to_dtype
+    return round_to_dtype(x32, dtype).astype(np.float32)

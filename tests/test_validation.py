@@ -74,7 +74,6 @@ def test_backend_wrong_library_lists_reason():
 
 
 def varlen(**over):
-    lens = [3, 5]
     a = dict(q=arr(8, 4, 16), k=arr(9, 2, 16), v=arr(9, 2, 16),
              cu_seqlens_q=np.array([0, 3, 8], np.int32), cu_seqlens_k=np.array([0, 4, 9], np.int32))
     a.update(over)

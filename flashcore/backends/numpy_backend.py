@@ -21,8 +21,6 @@ table) and attended one sequence at a time.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from ..spec import AttentionSpec

@@ -86,7 +86,7 @@ def main():
                     print(f"  ({name}: {type(e).__name__}: {str(e)[:80]})", file=sys.stderr)
                     res[name] = float("nan")
             buf = torch.empty(nbytes // 2, device=dev, dtype=torch.bfloat16).normal_()
-            res["read"] = _time(lambda: buf.sum(dtype=torch.float32))
+            res["read"] = _time(lambda buf=buf: buf.sum(dtype=torch.float32))
             del buf
             tb = {k: nbytes / t / 1e12 for k, t in res.items()}
             print(f"{b:>5} {sk // 1024:>5}k | {tb['flashcore']:>9.2f} {tb['paged']:>7.2f} "

@@ -2,7 +2,6 @@
 
 Uses plain cudaMalloc per array (no memory pool), so an out-of-bounds access lands outside an
 allocation where memcheck sees it. Run through tests/gpu/sanitize.sh."""
-import sys
 
 import numpy as np
 import cupy as cp

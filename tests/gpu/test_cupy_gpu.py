@@ -5,12 +5,11 @@ Outputs are poisoned (NaN) before each run, inputs are fresh random data, sizes 
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
 
-from refutils import assert_flash_rule
+from refutils import assert_flash_rule, quantize, to_dev
 from flashcore.backends.numpy_backend import naive_backward, naive_forward, round_to_dtype
 from flashcore.spec import forward_spec
 
@@ -24,21 +23,8 @@ def _cp():
     return cupy
 
 
-def to_dev(x32, dtype):
-    cp = _cp()
-    if dtype == "bfloat16":
-        import ml_dtypes
-        return cp.asarray(x32.astype(ml_dtypes.bfloat16))
-    return cp.asarray(x32.astype(dtype))
-
-
 def to_host64(x):
     return x.get().astype(np.float64)
-
-
-def quantize(x32, dtype):
-    """The values the GPU actually sees, as float32 on the host."""
-    return round_to_dtype(x32, dtype).astype(np.float32)
 
 
 def _slopes(kind, b, h, rng):
@@ -175,7 +161,6 @@ def test_strided_inputs(dtype):
 
 @pytest.mark.parametrize("softmax_scale", [1e-4, 3.0])
 def test_extreme_softmax_scale(softmax_scale):
-    cp = _cp()
     import flashcore
     rng = np.random.default_rng(31)
     q, k, v = (to_dev(rng.standard_normal(s).astype(np.float32), "bfloat16")

@@ -13,8 +13,8 @@ import math
 import numpy as np
 import pytest
 
-from refutils import assert_flash_rule
-from flashcore.backends.numpy_backend import naive_forward, round_to_dtype
+from refutils import assert_flash_rule, quantize, to_dev
+from flashcore.backends.numpy_backend import naive_forward
 from flashcore.spec import forward_spec
 
 pytestmark = pytest.mark.gpu
@@ -23,18 +23,6 @@ pytestmark = pytest.mark.gpu
 def _cp():
     import cupy
     return cupy
-
-
-def to_dev(x32, dtype):
-    cp = _cp()
-    if dtype == "bfloat16":
-        import ml_dtypes
-        return cp.asarray(x32.astype(ml_dtypes.bfloat16))
-    return cp.asarray(x32.astype(dtype))
-
-
-def quantize(x32, dtype):
-    return round_to_dtype(x32, dtype).astype(np.float32)
 
 
 def make_cache(rng, dtype, b, lens, hk, d, page_size, max_len):
