@@ -15,6 +15,18 @@ set -euo pipefail
 git config --global --add safe.directory '*' 2>/dev/null || true
 ROOT=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
 cd "$ROOT"
+# A copied checkout may carry a .git without history (the device machine's does): asv needs the
+# commits, so restore them from a bundle made beforehand with
+#     git bundle create .whl/repo.bundle main        (an ignored folder that travels)
+if ! git rev-parse -q --verify HEAD >/dev/null 2>&1; then
+  bundle=${ASV_BUNDLE:-.whl/repo.bundle}
+  if [ -f "$bundle" ]; then
+    git fetch -q "$bundle" main && git update-ref refs/heads/main FETCH_HEAD
+  else
+    echo "run_gpu.sh: this checkout has no commits and no $bundle to restore them from" >&2
+    exit 2
+  fi
+fi
 PY=${PYTHON:-python3}
 MACHINE=${ASV_MACHINE:-nvidia-h200}
 WHEELS=${ASV_WHEELS:-.whl}
