@@ -2,8 +2,13 @@
 # Run flashcore's asv suite on the GPU machine (no network), publish the HTML, and hand the
 # results back through $OUT. Run from anywhere inside the checkout:
 #
-#     asv_benchmarks/run_gpu.sh                 # the whole suite (about 6 minutes on an H200)
+#     asv_benchmarks/run_gpu.sh                 # the whole suite
 #     asv_benchmarks/run_gpu.sh -b Throughput   # extra arguments go to `asv run`
+#     ASV_GROUPS='^bench_attention_gpu.Ratio;^bench_attention_gpu.Throughput' asv_benchmarks/run_gpu.sh
+#
+# Measured on the H200 (2026-11-29): install + kernel warm-up + the Ratio group (72 benchmarks)
+# took about 7 minutes, so the whole suite needs several 10-minute device calls: use
+# ASV_GROUPS (each group saves its results when it ends) and one call per group or two.
 #
 # Needs: the asv wheels of shared/wheels/asv copied into .whl/ (an ignored folder, so that
 # they travel with the working tree) unless asv is already installed; the repository's .git.
