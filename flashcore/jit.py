@@ -23,6 +23,7 @@ __all__ = [
     "source_fingerprint",
     "compile_options",
     "arch_for",
+    "device_facts",
     "get_kernel",
     "compile_check",
 ]
@@ -52,6 +53,19 @@ def source_fingerprint() -> str:
         h.update(p.read_bytes())
         h.update(b"\0")
     return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def device_facts(device_id: int) -> tuple[int, int, int]:
+    """(compute capability as an int, e.g. 90; opt-in shared memory per block in bytes;
+    multiprocessor count) of a device, queried once: ``Device.attributes`` asks the driver
+    for every attribute, far too slow for each launch."""
+    import cupy
+    from cupy.cuda import runtime
+    dev = cupy.cuda.Device(device_id)
+    smem = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id)
+    sms = runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id)
+    return int(dev.compute_capability), int(smem), int(sms)
 
 
 def arch_for(compute_capability: int | str) -> str:

@@ -163,11 +163,6 @@ def instantiations() -> list[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _max_smem(device_id: int) -> int:
-    import cupy
-    return int(cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"])
-
-
 def _pick(tiles, smem_fn, d: int, limit: int, what: str) -> tuple[BwdTile, int]:
     for t in tiles:
         n = smem_fn(d, t)
@@ -200,7 +195,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
     """
     import cupy
 
-    from ..jit import get_kernel
+    from ..jit import device_facts, get_kernel
 
     varlen = cu_seqlens_q is not None
     dtype_name = q.dtype.name
@@ -211,8 +206,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
     nheads, nheads_k = int(q.shape[-2]), int(k.shape[-2])
 
     device_id = q.device.id
-    cc = int(cupy.cuda.Device(device_id).compute_capability)
-    smem_limit = _max_smem(device_id)
+    cc, smem_limit, _ = device_facts(device_id)
 
     if varlen:
         batch = int(cu_seqlens_q.shape[0]) - 1

@@ -235,9 +235,9 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     name = kernel_name(dtype_name, headdim, is_local, has_softcap, has_alibi)
     smem = smem_bytes(d, cfg)
 
+    from ..jit import device_facts, get_kernel
     device_id = q.device.id
-    cc = int(cupy.cuda.Device(device_id).compute_capability)
-    from ..jit import get_kernel
+    cc = device_facts(device_id)[0]
     kernel = get_kernel(SOURCE, name, device_id, cc, smem)
 
     alibi_bs = 0
