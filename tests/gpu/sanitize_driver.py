@@ -51,4 +51,28 @@ for c in CASES:
         g = flashcore.attention_backward(do, q, k, v, out, lse, **kw)
     cp.cuda.Device().synchronize()
     n += 1
+
+# KV-cache decoding: contiguous and paged caches, append with rotary, split-KV and not, GQA.
+for d, page, splits, sq in ((128, None, 1, 1), (64, 16, 3, 1), (128, 256, 0, 4), (72, 16, 2, 2)):
+    b, h, hk, cap = 3, 8, 2, 512
+    lens = np.array([0, 37, 300], np.int32)
+    q = arr((b, sq, h, d), "bfloat16")
+    k_new, v_new = arr((b, sq, hk, d), "bfloat16"), arr((b, sq, hk, d), "bfloat16")
+    if page is None:
+        kc, vc, table = arr((b, cap, hk, d), "bfloat16"), arr((b, cap, hk, d), "bfloat16"), None
+    else:
+        per = cap // page
+        kc, vc = arr((b * per + 1, page, hk, d), "bfloat16"), arr((b * per + 1, page, hk, d), "bfloat16")
+        table = cp.asarray(rng.permutation(b * per + 1)[: b * per].reshape(b, per).astype(np.int32))
+    rot = d // 2 if d % 32 == 0 else 16
+    ang = rng.uniform(0, 6.3, size=(cap, rot // 2)).astype(np.float32)
+    cos, sin = arr((1,), "bfloat16"), None
+    import ml_dtypes
+    cos = cp.asarray(np.cos(ang).astype(ml_dtypes.bfloat16))
+    sin = cp.asarray(np.sin(ang).astype(ml_dtypes.bfloat16))
+    flashcore.attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=cp.asarray(lens),
+                                     block_table=table, rotary_cos=cos, rotary_sin=sin,
+                                     causal=True, num_splits=splits)
+    cp.cuda.Device().synchronize()
+    n += 1
 print(f"sanitize driver: {n} cases ran")
