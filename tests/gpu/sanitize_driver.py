@@ -66,7 +66,6 @@ for d, page, splits, sq in ((128, None, 1, 1), (64, 16, 3, 1), (128, 256, 0, 4),
         table = cp.asarray(rng.permutation(b * per + 1)[: b * per].reshape(b, per).astype(np.int32))
     rot = d // 2 if d % 32 == 0 else 16
     ang = rng.uniform(0, 6.3, size=(cap, rot // 2)).astype(np.float32)
-    cos, sin = arr((1,), "bfloat16"), None
     import ml_dtypes
     cos = cp.asarray(np.cos(ang).astype(ml_dtypes.bfloat16))
     sin = cp.asarray(np.sin(ang).astype(ml_dtypes.bfloat16))
