@@ -158,9 +158,9 @@ def naive_forward(spec, q, k, v, slopes=None, round_to=None):
     p = np.exp(s - _safe(m))
     l = p.sum(axis=-1, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore"):
-        p = r(np.where(l > 0, p / np.where(l > 0, l, 1), 0.0))
+        p = r(np.where(l != 0, p / np.where(l != 0, l, 1), 0.0))
         out = r(p @ vh)
-        lse = np.where(l > 0, m + np.log(np.where(l > 0, l, 1)), -np.inf)[..., 0]
+        lse = np.where(l != 0, m + np.log(np.where(l != 0, l, 1)), -np.inf)[..., 0]
     return out.transpose(0, 2, 1, 3), lse
 
 
@@ -179,7 +179,7 @@ def naive_backward(spec, dout, q, k, v, slopes=None, round_to=None):
     m = s.max(axis=-1, keepdims=True) if sk else np.full(s.shape[:-1] + (1,), -np.inf, ct)
     p = np.exp(s - _safe(m))
     l = p.sum(axis=-1, keepdims=True)
-    p = r(np.where(l > 0, p / np.where(l > 0, l, 1), 0.0))
+    p = r(np.where(l != 0, p / np.where(l != 0, l, 1), 0.0))
     dv = p.swapaxes(-1, -2) @ doh
     dp = r(doh @ vh.swapaxes(-1, -2))
     ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))   # softmax Jacobian
@@ -228,7 +228,7 @@ def tiled_forward(spec, q, k, v, slopes=None, block_q=64, block_k=64):
             l = alpha * l + p.sum(axis=-1, keepdims=True)
             acc = alpha * acc + p @ vj
             m = m_new
-        seen = l > 0
+        seen = l != 0   # NaN scores give NaN, not "saw nothing"
         with np.errstate(divide="ignore", invalid="ignore"):
             out[:, :, r0:r1] = np.where(seen, acc / np.where(seen, l, 1), 0.0)
             lse[:, :, r0:r1] = np.where(seen, m + np.log(np.where(seen, l, 1)), -np.inf)[..., 0]
@@ -341,8 +341,8 @@ def partial_forward(spec, q, k, v, slopes, c0, c1):
     p = np.exp(s - _safe(m))
     l = p.sum(axis=-1, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.where(l > 0, (p @ vh) / np.where(l > 0, l, 1), 0.0)
-        lse = np.where(l > 0, m + np.log(np.where(l > 0, l, 1)), -np.inf)[..., 0]
+        out = np.where(l != 0, (p @ vh) / np.where(l != 0, l, 1), 0.0)
+        lse = np.where(l != 0, m + np.log(np.where(l != 0, l, 1)), -np.inf)[..., 0]
     return out.transpose(0, 2, 1, 3), lse
 
 

@@ -253,3 +253,23 @@ def test_bad_headdim_refused_before_launch():
     q = _cp().asarray(rng.standard_normal((1, 8, 2, 64)).astype(np.float32))
     with pytest.raises(NotSupportedError, match="float32"):
         flashcore.attention_forward(q, q, q)
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_nan_stays_in_its_batch_and_head(where):
+    """A NaN input poisons only outputs that depend on it: never another batch or head, and a
+    NaN in q only its own row (same property as the NumPy reference's test)."""
+    import flashcore
+    rng = np.random.default_rng(53)
+    host = {n: rng.standard_normal(s).astype(np.float32) for n, s in
+            (("q", (3, 130, 4, 64)), ("k", (3, 150, 2, 64)), ("v", (3, 150, 2, 64)))}
+    host[where][1, 5, 0, 3] = np.nan
+    q, k, v = (to_dev(host[n], "bfloat16") for n in "qkv")
+    out, lse = flashcore.attention_forward(q, k, v, causal=True)
+    bad = ~np.isfinite(out.get().astype(np.float32))
+    assert not bad[0].any() and not bad[2].any(), "another batch was poisoned"
+    assert not bad[1, :, 2:].any(), "another head group was poisoned"
+    if where == "q":
+        assert bad[1, 5, 0].all() and bad[1].sum() == bad[1, 5, 0].size
+    else:   # every row that sees key 5 (causal, offset 20: all rows) is NaN in heads 0-1
+        assert bad[1, :, :2][..., slice(None) if where == "k" else 3].all()
