@@ -93,6 +93,23 @@ def _check_array(name, x, ndim, lib=None, device=None):
         raise _arg_error(ValueError, name, f"{ndim}-dimensional array", f"shape {tuple(x.shape)}")
 
 
+def _check_q_and_kv(q, k, v, k_name, v_name, q_ndim, kv_ndim=None):
+    """q a floating array of q_ndim dimensions; k and v arrays of kv_ndim (default: q's)
+    dimensions and of q's library, device and dtype. Returns (library, device, dtype name)."""
+    _check_array("q", q, q_ndim)
+    kv_ndim = q.ndim if kv_ndim is None else kv_ndim
+    lib, device = library_of(q), device_of(q)
+    _check_array(k_name, k, kv_ndim, lib, device)
+    _check_array(v_name, v, kv_ndim, lib, device)
+    dt = dtype_name(q)
+    if dt not in FLOAT_DTYPES:
+        raise _arg_error(TypeError, "q", f"a floating dtype in {FLOAT_DTYPES}", f"dtype {dt}")
+    for n, x in ((k_name, k), (v_name, v)):
+        if dtype_name(x) != dt:
+            raise _arg_error(TypeError, n, f"dtype {dt} like 'q'", f"dtype {dtype_name(x)}")
+    return lib, device, dt
+
+
 def _check_last_contiguous(name, x):
     # an empty array, or a last dimension of size 1, has no meaningful last stride
     if x.shape[-1] > 1 and math.prod(x.shape) > 0 and strides_in_elements(x)[-1] != 1:
@@ -175,16 +192,7 @@ def forward_spec(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, 
                  cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                  max_seqlen_k=None, varlen=False) -> AttentionSpec:
     """Validate the forward arguments and return their spec. Raises TypeError/ValueError."""
-    _check_array("q", q, 3 if varlen else 4)
-    lib, device = library_of(q), device_of(q)
-    _check_array("k", k, q.ndim, lib, device)
-    _check_array("v", v, q.ndim, lib, device)
-    dt = dtype_name(q)
-    if dt not in FLOAT_DTYPES:
-        raise _arg_error(TypeError, "q", f"a floating dtype in {FLOAT_DTYPES}", f"dtype {dt}")
-    for n, x in (("k", k), ("v", v)):
-        if dtype_name(x) != dt:
-            raise _arg_error(TypeError, n, f"dtype {dt} like 'q'", f"dtype {dtype_name(x)}")
+    lib, device, dt = _check_q_and_kv(q, k, v, "k", "v", 3 if varlen else 4)
     layout = "(total, nheads, headdim)" if varlen else "(batch, seqlen, nheads, headdim)"
     *lead_q, nheads, headdim = q.shape
     *lead_k, nheads_k, hd_k = k.shape
@@ -345,16 +353,7 @@ def kvcache_spec(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_ta
     wrote past the cache would corrupt memory. For device arrays this reads the two small
     integer arrays back to the host (skipped while torch.compile traces).
     """
-    _check_array("q", q, 4)
-    lib, device = library_of(q), device_of(q)
-    _check_array("k_cache", k_cache, 4, lib, device)
-    _check_array("v_cache", v_cache, 4, lib, device)
-    dt = dtype_name(q)
-    if dt not in FLOAT_DTYPES:
-        raise _arg_error(TypeError, "q", f"a floating dtype in {FLOAT_DTYPES}", f"dtype {dt}")
-    for n, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if dtype_name(x) != dt:
-            raise _arg_error(TypeError, n, f"dtype {dt} like 'q'", f"dtype {dtype_name(x)}")
+    lib, device, dt = _check_q_and_kv(q, k_cache, v_cache, "k_cache", "v_cache", 4, 4)
     batch, sq, nheads, headdim = (int(n) for n in q.shape)
     c0, c1, nheads_k, hd_k = (int(n) for n in k_cache.shape)
     paged = block_table is not None

@@ -139,47 +139,51 @@ def _safe(m):
 # The oracle: full score matrix
 # --------------------------------------------------------------------------------------------
 
+def _naive_probs(spec, q, k, v, slopes, r):
+    """The whole probability matrix of dense (b, s, h, d) inputs, in (b, h, ...) order.
+
+    Returns (qh, kh, vh, p, t, m, l): kh/vh expanded to the query heads, the tanh term of the
+    softcap (or None), the row max and the row sum of exp(s - max). A row with no visible key
+    has l = 0 and p = 0; a NaN score gives a NaN row (it is not "nothing visible")."""
+    ct = np.float64 if q.dtype == np.float64 else np.float32
+    qh = _bhsd(q).astype(ct)
+    kh = _expand_kv(_bhsd(k).astype(ct), spec.group_size)
+    vh = _expand_kv(_bhsd(v).astype(ct), spec.group_size)
+    sq, sk = qh.shape[2], kh.shape[2]
+    sc = _Scores(spec, sq, sk, slopes)
+    s, t = sc(r(qh @ kh.swapaxes(-1, -2)), np.arange(sq), np.arange(sk))
+    m = s.max(axis=-1, keepdims=True) if sk else np.full(s.shape[:-1] + (1,), -np.inf, ct)
+    p = np.exp(s - _safe(m))
+    l = p.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = r(np.where(l != 0, p / np.where(l != 0, l, 1), 0.0))
+    return qh, kh, vh, p, t, m, l
+
+
+def _rounder(round_to):
+    return (lambda x: round_to_dtype(x, round_to)) if round_to else (lambda x: x)
+
+
 def naive_forward(spec, q, k, v, slopes=None, round_to=None):
     """Dense (b, s, h, d) inputs of one sequence length. Returns (out (b,sq,h,d), lse (b,h,sq)).
 
     ``round_to`` ('float16'/'bfloat16') rounds every intermediate like a low-precision
     computation would (scores after Q·Kᵀ, probabilities, output).
     """
-    ct = np.float64 if q.dtype == np.float64 else np.float32
-    r = (lambda x: round_to_dtype(x, round_to)) if round_to else (lambda x: x)
-    qh = _bhsd(q).astype(ct)
-    kh = _expand_kv(_bhsd(k).astype(ct), spec.group_size)
-    vh = _expand_kv(_bhsd(v).astype(ct), spec.group_size)
-    sq, sk = qh.shape[2], kh.shape[2]
-    sc = _Scores(spec, sq, sk, slopes)
-    rows, cols = np.arange(sq), np.arange(sk)
-    s, _ = sc(r(qh @ kh.swapaxes(-1, -2)), rows, cols)
-    m = s.max(axis=-1, keepdims=True) if sk else np.full(s.shape[:-1] + (1,), -np.inf, ct)
-    p = np.exp(s - _safe(m))
-    l = p.sum(axis=-1, keepdims=True)
+    r = _rounder(round_to)
+    _, _, vh, p, _, m, l = _naive_probs(spec, q, k, v, slopes, r)
+    out = r(p @ vh)
     with np.errstate(divide="ignore", invalid="ignore"):
-        p = r(np.where(l != 0, p / np.where(l != 0, l, 1), 0.0))
-        out = r(p @ vh)
         lse = np.where(l != 0, m + np.log(np.where(l != 0, l, 1)), -np.inf)[..., 0]
     return out.transpose(0, 2, 1, 3), lse
 
 
 def naive_backward(spec, dout, q, k, v, slopes=None, round_to=None):
     """The textbook gradient, recomputed from q, k, v alone. Returns (dq, dk, dv)."""
-    ct = np.float64 if q.dtype == np.float64 else np.float32
-    r = (lambda x: round_to_dtype(x, round_to)) if round_to else (lambda x: x)
+    r = _rounder(round_to)
     g = spec.group_size
-    qh, doh = _bhsd(q).astype(ct), _bhsd(dout).astype(ct)
-    kh = _expand_kv(_bhsd(k).astype(ct), g)
-    vh = _expand_kv(_bhsd(v).astype(ct), g)
-    sq, sk = qh.shape[2], kh.shape[2]
-    sc = _Scores(spec, sq, sk, slopes)
-    rows, cols = np.arange(sq), np.arange(sk)
-    s, t = sc(r(qh @ kh.swapaxes(-1, -2)), rows, cols)
-    m = s.max(axis=-1, keepdims=True) if sk else np.full(s.shape[:-1] + (1,), -np.inf, ct)
-    p = np.exp(s - _safe(m))
-    l = p.sum(axis=-1, keepdims=True)
-    p = r(np.where(l != 0, p / np.where(l != 0, l, 1), 0.0))
+    qh, kh, vh, p, t, _, _ = _naive_probs(spec, q, k, v, slopes, r)
+    doh = _bhsd(dout).astype(qh.dtype)
     dv = p.swapaxes(-1, -2) @ doh
     dp = r(doh @ vh.swapaxes(-1, -2))
     ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))   # softmax Jacobian

@@ -108,25 +108,9 @@ class TorchBackend(Backend):
         r = super().not_supported_reasons(spec, backward)
         if r:
             return r
-        if spec.device == "cpu":
-            if spec.dtype == "bfloat16":
-                return ["bfloat16 CPU tensors are not supported: NumPy cannot view torch's "
-                        "bfloat16 storage without a copy (use float32/float64 on CPU, or a "
-                        "CUDA tensor)"]
-            numpy_backend = get_backend("numpy")
-            return [f"on CPU (NumPy backend): {x}" for x in
-                    numpy_backend.not_supported_reasons(dataclasses.replace(spec, library="numpy"),
-                                                        backward)]
-        if spec.device.startswith("cuda"):
-            cupy_backend = get_backend("cupy")
-            reasons = cupy_backend.not_supported_reasons(
-                dataclasses.replace(spec, library="cupy"), backward)
-            if not reasons and spec.dtype == "bfloat16":
-                why = _cupy_bf16_reason()
-                reasons = [why] if why else []
-            return [f"CUDA tensors run on the CuPy kernels, which cannot take this call: {x}"
-                    for x in reasons]
-        return [f"tensors on {spec.device} are not supported (CPU and CUDA only)"]
+        return _delegated_reasons(
+            spec, lambda lib: get_backend(lib).not_supported_reasons(
+                dataclasses.replace(spec, library=lib), backward))
 
     # -- the work (plain tensors in and out; autograd lives in the custom ops below) --------
 
@@ -183,23 +167,9 @@ class TorchBackend(Backend):
         why = self.unavailable_reason()
         if why:
             return [f"not available: {why}"]
-        a = spec.attn
-        if a.device == "cpu":
-            if a.dtype == "bfloat16":
-                return ["bfloat16 CPU tensors are not supported: NumPy cannot view torch's "
-                        "bfloat16 storage without a copy (use float32/float64 on CPU, or a "
-                        "CUDA tensor)"]
-            nb = get_backend("numpy")
-            return [f"on CPU (NumPy backend): {x}"
-                    for x in nb.kvcache_not_supported_reasons(_kv_library(spec, "numpy"))]
-        if a.device.startswith("cuda"):
-            reasons = get_backend("cupy").kvcache_not_supported_reasons(_kv_library(spec, "cupy"))
-            if not reasons and a.dtype == "bfloat16":
-                why = _cupy_bf16_reason()
-                reasons = [why] if why else []
-            return [f"CUDA tensors run on the CuPy kernels, which cannot take this call: {x}"
-                    for x in reasons]
-        return [f"tensors on {a.device} are not supported (CPU and CUDA only)"]
+        return _delegated_reasons(
+            spec.attn, lambda lib: get_backend(lib).kvcache_not_supported_reasons(
+                _kv_library(spec, lib)))
 
     def forward_kvcache(self, spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
                         block_table=None, rotary_cos=None, rotary_sin=None, alibi_slopes=None):
@@ -253,6 +223,26 @@ def _np(t):
     return None if t is None else t.detach().numpy()
 
 
+def _delegated_reasons(attn: AttentionSpec, reasons_of) -> list[str]:
+    """Why the backend that torch tensors on ``attn.device`` go to cannot take the call:
+    CPU tensors run on the NumPy backend, CUDA tensors on the CuPy kernels.
+    ``reasons_of(library)`` asks that backend."""
+    if attn.device == "cpu":
+        if attn.dtype == "bfloat16":
+            return ["bfloat16 CPU tensors are not supported: NumPy cannot view torch's "
+                    "bfloat16 storage without a copy (use float32/float64 on CPU, or a "
+                    "CUDA tensor)"]
+        return [f"on CPU (NumPy backend): {x}" for x in reasons_of("numpy")]
+    if attn.device.startswith("cuda"):
+        reasons = reasons_of("cupy")
+        if not reasons and attn.dtype == "bfloat16":
+            why = _cupy_bf16_reason()
+            reasons = [why] if why else []
+        return [f"CUDA tensors run on the CuPy kernels, which cannot take this call: {x}"
+                for x in reasons]
+    return [f"tensors on {attn.device} are not supported (CPU and CUDA only)"]
+
+
 def _cp(t):
     """A CuPy view of a CUDA tensor's storage through DLPack (no copy), or None.
 
@@ -266,27 +256,7 @@ def _cp(t):
         return None
     import cupy
     from torch.utils.dlpack import to_dlpack
-    x = cupy.from_dlpack(to_dlpack(t.detach()))
-    if t.numel() and x.data.ptr != t.data_ptr():
-        # Some torch/CuPy pairs hand a strided tensor over DLPack as a compact copy; the
-        # kernels take strides, so view the very same memory instead (the tensor owns it).
-        x = _cp_view(cupy, t)
-    return x
-
-
-def _cp_view(cupy, t):
-    """A CuPy array over a CUDA tensor's memory with the tensor's strides (no copy)."""
-    import numpy as np
-    item = t.element_size()
-    if str(t.dtype) == "torch.bfloat16":
-        import ml_dtypes
-        dt = np.dtype(ml_dtypes.bfloat16)
-    else:
-        dt = np.dtype(str(t.dtype).replace("torch.", ""))
-    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-    mem = cupy.cuda.UnownedMemory(t.data_ptr(), span * item, t, t.device.index)
-    return cupy.ndarray(tuple(t.shape), dt, cupy.cuda.MemoryPointer(mem, 0),
-                        strides=tuple(st * item for st in t.stride()))
+    return cupy.from_dlpack(to_dlpack(t.detach()))
 
 
 _BACKEND = register(TorchBackend())
