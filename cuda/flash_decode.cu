@@ -526,10 +526,10 @@ flash_decode_kernel(const FlashParams params) {
             for (int w = 0; w < kNWarps; ++w)
                 L += fc_exp2(sMax[w * kBlockM + rr] * mult - Ms) * sSum[w * kBlockM + rr];
             const float f = fc_exp2(row_max[mt][r] * mult - Ms);   // 0 when this warp saw nothing
-            const float inv = L > 0.f ? 1.f / L : 0.f;
+            const float inv = L == 0.f ? 0.f : 1.f / L;   // NaN L propagates (see flash_fwd)
             if (warp == 0 && t == 0) {
                 sInv[rr] = inv;
-                if (rr < rows_valid) *lse_ptr(rr) = L > 0.f ? M * lse_scale + logf(L) : -INFINITY;
+                if (rr < rows_valid) *lse_ptr(rr) = L == 0.f ? -INFINITY : M * lse_scale + logf(L);
             }
             const fc_u32 slab = sRed + 4u * (fc_u32)((warp * kBlockM + rr) * kRedStride);
 #pragma unroll
@@ -600,9 +600,15 @@ flash_decode_combine_kernel(const FlashParams params) {
     const int headdim = params.headdim;
 
     float m = -INFINITY;
-    for (int s = lane; s < S; s += 32) m = fmaxf(m, params.lse_accum[s * rows + R]);
+    bool has_nan = false;   // fmaxf drops NaN: a NaN split must not make the row read as empty
+    for (int s = lane; s < S; s += 32) {
+        const float x = params.lse_accum[s * rows + R];
+        has_nan |= x != x;
+        m = fmaxf(m, x);
+    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (__any_sync(0xffffffffu, has_nan)) m = __int_as_float(0x7fffffff);
 
     float* lse_out = params.lse + (long long)b * params.lse_batch_stride
                      + (long long)h * params.lse_head_stride + qi;

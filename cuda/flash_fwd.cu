@@ -503,7 +503,9 @@ flash_fwd_kernel(const FlashParams params) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const float l = quad_sum(row_sum[mt][r]);
-            const float inv = l > 0.f ? 1.f / l : 0.f;
+            // l == 0: no visible key (0, lse -inf). l NaN (a NaN input reached this row): the
+            // NaN propagates to O and lse instead of reading as a fully masked row.
+            const float inv = l == 0.f ? 0.f : 1.f / l;
 #pragma unroll
             for (int j = 0; j < kDT; ++j) {
                 acc_o[mt][j][2 * r] *= inv;
@@ -511,7 +513,7 @@ flash_fwd_kernel(const FlashParams params) {
             }
             const int row = warp_row0 + mt * 16 + g + 8 * r;
             if (t == 0 && row < rows_q)
-                gLse[row] = l > 0.f ? row_max[mt][r] * lse_scale + logf(l) : -INFINITY;
+                gLse[row] = l == 0.f ? -INFINITY : row_max[mt][r] * lse_scale + logf(l);
         }
 
     // Stage O through this warp's own rows of the Q tile (no other warp reads them, and Q is

@@ -271,5 +271,9 @@ def test_nan_stays_in_its_batch_and_head(where):
     assert not bad[1, :, 2:].any(), "another head group was poisoned"
     if where == "q":
         assert bad[1, 5, 0].all() and bad[1].sum() == bad[1, 5, 0].size
+        lh = lse.get()
+        assert np.isnan(lh[1, 0, 5]), "the NaN row's lse reads as a fully masked row"
+        lh[1, 0, 5] = 0.0
+        assert np.isfinite(lh).all()
     else:   # every row that sees key 5 (causal, offset 20: all rows) is NaN in heads 0-1
         assert bad[1, :, :2][..., slice(None) if where == "k" else 3].all()

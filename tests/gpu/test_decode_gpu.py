@@ -199,6 +199,36 @@ def test_decode_strided_out():
     assert cp.isnan(big[:, :, h:, :]).all()
 
 
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_nan_query_propagates(num_splits):
+    """A NaN in one query head poisons that head's output and lse only -- with split-KV too,
+    where every split's partial lse is NaN and the combine must not read the row as empty."""
+    cp = _cp()
+    from flashcore.kernels.decode import launch_decode
+    rng = np.random.default_rng(11)
+    b, sq, h, hk, d = 2, 1, 8, 2, 64
+    qh = rng.standard_normal((b, sq, h, d)).astype(np.float32)
+    qh[1, 0, 5, 7] = np.nan
+    q = to_dev(qh, "bfloat16")
+    kc = to_dev(rng.standard_normal((b, 300, hk, d)).astype(np.float32), "bfloat16")
+    vc = to_dev(rng.standard_normal((b, 300, hk, d)).astype(np.float32), "bfloat16")
+    out = cp.empty_like(q)
+    out.view(cp.uint16).fill(0x7FC0)   # poison: bf16 NaN
+    lse = cp.full((b, h, sq), 7.0, cp.float32)
+    launch_decode(q, kc, vc, out, lse, cache_seqlens=cp.asarray(np.array([300, 170], np.int32)),
+                  softmax_scale=0.125, window_left=-1, window_right=-1, num_splits=num_splits)
+    o = out.get().astype(np.float32)
+    bad = ~np.isfinite(o)
+    assert bad[1, 0, 5].all(), "the NaN query's output is not NaN"
+    bad[1, 0, 5] = False
+    assert not bad.any(), "a NaN query poisoned another head or batch"
+    lh = lse.get()
+    assert np.isnan(lh[1, 5, 0]), f"lse of the NaN row is {lh[1, 5, 0]}, expected NaN"
+    lh[1, 5, 0] = 0.0
+    assert np.isfinite(lh).all()
+
+
 # ---------------- append + rotary ----------------
 
 def _rotary_ref(x, cos, sin, pos, interleaved):
