@@ -19,6 +19,10 @@ class Throughput:
     param_names = ["backend", "seqlen", "headdim", "causal"]
     unit = "TFLOP/s"
     timeout = 180       # the first call of a configuration may compile its kernels
+    # One process per parameter set (asv's default is 2 rounds): each figure is already the
+    # median of many CUDA-event samples, and a second round doubles a suite that must fit
+    # into 10-minute device calls.
+    rounds = 1
 
     def setup(self, backend, seqlen, headdim, causal):
         self.shape = shape_for(seqlen, headdim)
@@ -48,6 +52,7 @@ class Ratio:
     param_names = ["peer", "pass", "seqlen", "headdim", "causal"]
     unit = "ratio"
     timeout = 180
+    rounds = 1          # see Throughput
 
     def setup(self, peer, which, seqlen, headdim, causal):
         shape = shape_for(seqlen, headdim)
@@ -72,6 +77,7 @@ class PeakMemory:
     param_names = ["backend", "seqlen", "causal"]
     unit = "bytes"
     timeout = 180
+    rounds = 1          # see Throughput (and the figure is deterministic)
 
     def setup(self, backend, seqlen, causal):
         require_gpu_backend(backend)

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check: the GPU test group, a quick benchmark against torch SDPA (flash and cuDNN
 # backends, same run), and one summary line. Run from the repository root on a GPU machine:
-#     bash tests/gpu/check.sh [quick|full]
-# Logs go to $OUT (or ./gpu-check-out).
+#     bash tests/gpu/check.sh [quick|full|tests]      (tests: the test group only)
+# Logs go to $OUT (or ./gpu-check-out). A machine without network that lacks the test
+# dependencies (hypothesis, pytest-xdist, ml_dtypes) gets them from the wheels in
+# $FLASHCORE_TEST_WHEELS (default .whl/test, an ignored folder that travels with the tree).
 set -uo pipefail
 mode=${1:-full}
 out=${OUT:-gpu-check-out}
@@ -10,6 +12,14 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'torch', torch.__version__)"
+
+wheels=${FLASHCORE_TEST_WHEELS:-.whl/test}
+for mod in hypothesis xdist ml_dtypes; do
+  if ! python3 -c "import $mod" 2>/dev/null && [ -d "$wheels" ]; then
+    python3 -m pip install -q --no-index --find-links "$wheels" --break-system-packages \
+      "$(case $mod in xdist) echo pytest-xdist;; ml_dtypes) echo ml-dtypes;; *) echo $mod;; esac)" 2>&1 | tail -2
+  fi
+done
 
 workers=${FLASHCORE_TEST_WORKERS:-8}
 xdist=""
@@ -19,6 +29,10 @@ timeout ${GPU_TEST_TIMEOUT:-1800} python3 -m pytest tests -m gpu -q -rfE $xdist 
 tests_rc=${PIPESTATUS[0]}
 t1=$(date +%s)
 tests_line=$(grep -E "^(=+ )?[0-9]+ (passed|failed)" "$out/gpu_tests.log" | tail -1)
+if [ "$mode" = tests ]; then
+  echo "SUMMARY tests: ${tests_line:-none} (rc $tests_rc, $((t1 - t0)) s)"
+  exit $tests_rc
+fi
 
 if [ "$mode" = quick ]; then
   seqs="1024 4096 16384"; dims="64 128 256"
