@@ -5,6 +5,7 @@
 #     asv_benchmarks/run_gpu.sh                 # the whole suite
 #     asv_benchmarks/run_gpu.sh -b Throughput   # extra arguments go to `asv run`
 #     ASV_GROUPS='^bench_attention_gpu.Ratio;^bench_attention_gpu.Throughput' asv_benchmarks/run_gpu.sh
+#     ASV_COMMIT=<hash of the tree being measured> asv_benchmarks/run_gpu.sh
 #
 # Measured on the H200 (2026-11-29): install + kernel warm-up + the Ratio group (72 benchmarks)
 # took about 7 minutes, so the whole suite needs several 10-minute device calls: use
@@ -23,15 +24,21 @@ cd "$ROOT"
 # A copied checkout may carry a .git without history (the device machine's does): asv needs the
 # commits, so restore them from a bundle made beforehand with
 #     git bundle create .whl/repo.bundle main        (an ignored folder that travels)
-if ! git rev-parse -q --verify HEAD >/dev/null 2>&1; then
+# A copied .git may also be stale (seen on the device machine: its HEAD was an older commit
+# than the working tree). Name the commit the tree is at with ASV_COMMIT=<hash>; it is taken
+# from the bundle when the copied .git lacks it.
+COMMIT=${ASV_COMMIT:-HEAD}
+if ! git rev-parse -q --verify "$COMMIT^{commit}" >/dev/null 2>&1; then
   bundle=${ASV_BUNDLE:-.whl/repo.bundle}
   if [ -f "$bundle" ]; then
     git fetch -q "$bundle" main && git update-ref refs/heads/main FETCH_HEAD
   else
-    echo "run_gpu.sh: this checkout has no commits and no $bundle to restore them from" >&2
+    echo "run_gpu.sh: this checkout lacks $COMMIT and there is no $bundle to restore it from" >&2
     exit 2
   fi
 fi
+COMMIT=$(git rev-parse "$COMMIT^{commit}")
+echo "run_gpu.sh: results are recorded for commit $COMMIT"
 PY=${PYTHON:-python3}
 MACHINE=${ASV_MACHINE:-nvidia-h200}
 WHEELS=${ASV_WHEELS:-.whl}
@@ -67,12 +74,12 @@ hand_back() {
 if [ -n "${ASV_GROUPS:-}" ]; then
   IFS=';' read -ra groups <<<"$ASV_GROUPS"
   for g in "${groups[@]}"; do
-    asv run --environment "existing:$(command -v "$PY")" --set-commit-hash "$(git rev-parse HEAD)" \
+    asv run --environment "existing:$(command -v "$PY")" --set-commit-hash "$COMMIT" \
         --machine "$MACHINE" --show-stderr -b "$g" "$@" || status=$?
     hand_back
   done
 else
-  asv run --environment "existing:$(command -v "$PY")" --set-commit-hash "$(git rev-parse HEAD)" \
+  asv run --environment "existing:$(command -v "$PY")" --set-commit-hash "$COMMIT" \
       --machine "$MACHINE" --show-stderr "$@" || status=$?
 fi
 asv publish
