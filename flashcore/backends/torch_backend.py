@@ -318,3 +318,235 @@ def _cp(t):
         _VIEWS.clear()
     _VIEWS[key] = a
     return a
+
+
+_BACKEND = register(TorchBackend())
+
+
+# --------------------------------------------------------------------------------------------
+# Layer 2: torch.library custom ops with fake implementations
+# --------------------------------------------------------------------------------------------
+
+# The call's options cross the op boundary as plain scalars (a schema cannot take a spec);
+# the window is already folded with `causal` by flashcore.spec, -1 meaning unbounded.
+_OPTIONS = ("int max_seqlen_q, int max_seqlen_k, bool causal, float softmax_scale, "
+            "int window_left, int window_right, float softcap, bool deterministic")
+_FWD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? alibi_slopes, Tensor? cu_seqlens_q, "
+               f"Tensor? cu_seqlens_k, {_OPTIONS}) -> (Tensor, Tensor)")
+_BWD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+               "Tensor? alibi_slopes, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
+               f"{_OPTIONS}) -> (Tensor, Tensor, Tensor)")
+
+
+def _op_spec(q, k, alibi_slopes, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal,
+             softmax_scale, window_left, window_right, softcap, deterministic) -> AttentionSpec:
+    """The spec of an op call, from arguments flashcore.spec validated before the op ran."""
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        batch, sq, sk = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
+        total_q, total_k = q.shape[0], k.shape[0]
+    else:
+        batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+        total_q = total_k = None
+    alibi = None if alibi_slopes is None else \
+        ("per_head" if alibi_slopes.ndim == 1 else "per_batch_head")
+    return AttentionSpec(
+        library="torch", device=device_of(q), dtype=dtype_name(q), batch=batch, seqlen_q=sq,
+        seqlen_k=sk, nheads=q.shape[-2], nheads_k=k.shape[-2], headdim=q.shape[-1],
+        causal=causal, window_left=window_left, window_right=window_right,
+        softmax_scale=softmax_scale, softcap=softcap, alibi=alibi,
+        deterministic=deterministic, varlen=varlen, total_q=total_q, total_k=total_k)
+
+
+_OPS: list = []   # [torch.ops.flashcore], filled by torch_ops() on first use
+
+
+def torch_ops():
+    """``torch.ops.flashcore`` with ``fwd`` and ``bwd`` defined (imports torch on first use)."""
+    if not _OPS:
+        import torch
+        if torch.compiler.is_compiling():
+            # Defining an op is not traceable. The ops are defined when flashcore is imported
+            # after torch, or at the first eager call; here neither happened.
+            raise RuntimeError(
+                "flashcore: the torch custom ops are not defined yet and cannot be defined while "
+                "torch.compile traces; import torch before flashcore, or call "
+                "flashcore.backends.torch_backend.torch_ops() once before compiling")
+        _OPS.append(_define_ops())
+    return _OPS[0]
+
+
+def _define_ops():
+    import torch
+
+    @torch.library.custom_op("flashcore::fwd", mutates_args=(), schema=_FWD_SCHEMA)
+    def fwd(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            causal, softmax_scale, window_left, window_right, softcap, deterministic):
+        spec = _op_spec(q, k, alibi_slopes, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal,
+                        softmax_scale, window_left, window_right, softcap, deterministic)
+        return _BACKEND.forward(spec, q, k, v, alibi_slopes=alibi_slopes,
+                                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+
+    @fwd.register_fake
+    def _fwd_fake(q, k, v, alibi_slopes, cu_seqlens_q, *_):
+        lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else \
+            (q.shape[0], q.shape[2], q.shape[1])
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=lse_dtype)
+
+    @torch.library.custom_op("flashcore::bwd", mutates_args=(), schema=_BWD_SCHEMA)
+    def bwd(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
+            deterministic):
+        spec = _op_spec(q, k, alibi_slopes, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal,
+                        softmax_scale, window_left, window_right, softcap, deterministic)
+        return _BACKEND.backward(spec, dout, q, k, v, out, lse, alibi_slopes=alibi_slopes,
+                                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+
+    @bwd.register_fake
+    def _bwd_fake(dout, q, k, v, *_):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    # -- Layer 3: autograd ------------------------------------------------------------------
+
+    def fwd_setup_context(ctx, inputs, output):
+        q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *options = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+        ctx.options = options
+        ctx.mark_non_differentiable(lse)
+
+    def fwd_backward(ctx, dout, _dlse):
+        q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        # The kernels need a contiguous last dimension; the incoming gradient can be anything
+        # (an expanded scalar from .sum() has stride 0 everywhere).
+        if dout.shape[-1] > 1 and dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        dq, dk, dv = torch.ops.flashcore.bwd(dout, q, k, v, out, lse, alibi_slopes,
+                                             cu_seqlens_q, cu_seqlens_k, *ctx.options)
+        return (dq, dk, dv) + (None,) * (3 + len(ctx.options))
+
+    torch.library.register_autograd("flashcore::fwd", fwd_backward,
+                                    setup_context=fwd_setup_context)
+
+    def bwd_setup_context(ctx, inputs, output):
+        pass
+
+    def bwd_backward(ctx, *grads):
+        raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
+
+    torch.library.register_autograd("flashcore::bwd", bwd_backward,
+                                    setup_context=bwd_setup_context)
+    return torch.ops.flashcore
+
+
+# --------------------------------------------------------------------------------------------
+# The entry point used by flashcore.attention / flashcore.varlen_attention on torch tensors
+# --------------------------------------------------------------------------------------------
+
+def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, softmax_scale=None,
+                       window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                       deterministic=False, cu_seqlens_q=None, cu_seqlens_k=None,
+                       max_seqlen_q=None, max_seqlen_k=None):
+    """Differentiable attention on torch tensors. Returns ``(out, lse)``; lse has no gradient.
+
+    The arguments are validated (flashcore.spec) and a backend chosen before any op runs;
+    under ``torch.compile`` the same Python runs at trace time on fake tensors.
+    """
+    import torch
+    spec = forward_spec(q, k, v, varlen=varlen, causal=causal, softmax_scale=softmax_scale,
+                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                        deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
+                        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                        max_seqlen_k=max_seqlen_k)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or
+                                              v.requires_grad)
+    if not torch.compiler.is_compiling():
+        # Eager: every backend's reasons before any op runs, then the autograd Function straight
+        # away (the custom op's dispatch costs tens of microseconds a call). Under torch.compile
+        # the probe (CuPy import checks, device queries) is not traceable: the shapes, dtypes
+        # and options were still validated above, and the custom op carries the call.
+        choose(spec, backend, backward=needs_grad)
+        torch_ops()   # defined once, so that a later torch.compile of this code can use them
+        return _eager_function().apply(q, k, v, alibi_slopes, cu_seqlens_q if varlen else None,
+                                       cu_seqlens_k if varlen else None, spec)
+    return torch_ops().fwd(q, k, v, alibi_slopes, cu_seqlens_q if varlen else None,
+                           cu_seqlens_k if varlen else None,
+                           spec.seqlen_q if varlen else 0, spec.seqlen_k if varlen else 0,
+                           spec.causal, spec.softmax_scale, spec.window_left, spec.window_right,
+                           spec.softcap, spec.deterministic)
+
+
+_EAGER: list = []
+
+
+def _eager_function():
+    """The eager-mode autograd Function (same backend calls as the custom ops)."""
+    if _EAGER:
+        return _EAGER[0]
+    import torch
+
+    class FlashAttentionFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, spec):
+            out, lse = _BACKEND.forward(spec, q, k, v, alibi_slopes=alibi_slopes,
+                                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+            ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+            ctx.spec = spec
+            ctx.mark_non_differentiable(lse)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, _dlse):
+            q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+            if dout.shape[-1] > 1 and dout.stride(-1) != 1:
+                dout = dout.contiguous()
+            dq, dk, dv = _BACKEND.backward(ctx.spec, dout, q, k, v, out, lse,
+                                           alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+                                           cu_seqlens_k=cu_seqlens_k)
+            if torch.is_grad_enabled():      # create_graph=True: refuse when differentiated
+                dq, dk, dv = NoSecondDerivative.apply(dout, dq, dk, dv)
+            return dq, dk, dv, None, None, None, None
+
+    class NoSecondDerivative(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, dout, *grads):   # dout ties the gradients to the graph being built
+            return tuple(g.clone() for g in grads)
+
+        @staticmethod
+        def backward(ctx, *_):
+            raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
+
+    _EAGER.append(FlashAttentionFunction)
+    return FlashAttentionFunction
+
+
+class _DefineOpsAfterTorchImport:
+    """A one-shot import hook: when torch is imported after flashcore, define the custom ops
+    right after torch finishes loading, so that a first flashcore call made inside a
+    torch.compile trace finds them (defining an op cannot be traced)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec("torch")
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_then_define(module):
+            exec_module(module)
+            try:
+                torch_ops()
+            except Exception:   # never break `import torch`; the eager path defines them later
+                pass
+        loader.exec_module = exec_then_define
+        return spec
+
+
+if "torch" in sys.modules:   # torch already loaded: define the ops now, outside any trace
+    torch_ops()
+elif importlib.util.find_spec("torch") is not None:
+    sys.meta_path.insert(0, _DefineOpsAfterTorchImport())

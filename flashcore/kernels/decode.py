@@ -12,7 +12,7 @@ import math
 from typing import NamedTuple
 
 from .common import _as_input, _strides, _used_strides_ok
-from .params import WINDOW_NONE, make_params
+from .params import WINDOW_NONE, as_kernel_arg, make_params
 
 __all__ = ["launch_decode", "launch_rotary_append", "instantiations", "num_splits_heuristic",
            "kernel_name", "combine_name", "append_name", "DecodeConfig", "decode_config",
@@ -153,16 +153,10 @@ def _window(w) -> int:
     return WINDOW_NONE if w is None or w < 0 or w >= WINDOW_NONE else int(w)
 
 
-_SM_COUNT: dict = {}
-
 
 def _sm_count(device_id: int) -> int:
-    n = _SM_COUNT.get(device_id)
-    if n is None:
-        import cupy
-        n = int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
-        _SM_COUNT[device_id] = n
-    return n
+    from ..jit import device_facts
+    return device_facts(device_id)[2]
 
 
 def _int32_contig(arr):
@@ -238,8 +232,8 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
     num_splits = int(max(1, min(int(num_splits), MAX_SPLITS)))
     is_split = num_splits > 1
 
-    cc = int(cupy.cuda.Device(device_id).compute_capability)
-    from ..jit import get_kernel
+    from ..jit import device_facts, get_kernel
+    cc = device_facts(device_id)[0]
     kernel = get_kernel(SOURCE, kernel_name(dtype_name, headdim, m_tiles, paged, is_local,
                                             has_softcap, has_alibi, is_split),
                         device_id, cc, smem)
@@ -276,13 +270,14 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
         block_table_batch_stride=(block_table.strides[0] // 4) if paged else 0,
         page_size=page_size, num_splits=num_splits,
     )
+    args = (as_kernel_arg(params),)     # an opaque struct: see params.as_kernel_arg
     with cupy.cuda.Device(device_id):
-        kernel((batch * nheads_k, m_blocks, num_splits), (cfg.n_warps * 32, 1, 1), (params,),
+        kernel((batch * nheads_k, m_blocks, num_splits), (cfg.n_warps * 32, 1, 1), args,
                shared_mem=smem)
         if is_split:
             comb = get_kernel(SOURCE, combine_name(dtype_name), device_id, cc)
             rows = batch * nheads * seqlen_q
-            comb((math.ceil(rows / 4), 1, 1), (128, 1, 1), (params,))
+            comb((math.ceil(rows / 4), 1, 1), (128, 1, 1), args)
         if out_final is not None:
             out_final[...] = out
     return num_splits
@@ -307,8 +302,8 @@ def launch_rotary_append(k_cache, v_cache, k_new, v_new, cache_seqlens_before, b
     rotary = rotary_cos is not None
     dtype_name = _dtype_name(k_cache)
     device_id = k_cache.device.id
-    cc = int(cupy.cuda.Device(device_id).compute_capability)
-    from ..jit import get_kernel
+    from ..jit import device_facts, get_kernel
+    cc = device_facts(device_id)[0]
 
     seqlens = _int32_contig(cache_seqlens_before)
     rot_off = _int32_contig(seqlen_offsets) if seqlen_offsets is not None else seqlens
