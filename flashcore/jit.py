@@ -25,6 +25,7 @@ __all__ = [
     "arch_for",
     "device_facts",
     "get_kernel",
+    "clear_memory_cache",
     "compile_check",
 ]
 
@@ -96,6 +97,7 @@ def _code_for(source_file: str) -> str:
 
 _lock = threading.Lock()
 _kernels: dict = {}
+_smem_opted: dict = {}   # key -> (kernel, the largest dynamic shared memory allowed)
 
 
 def get_kernel(source_file: str, name: str, device_id: int, compute_capability: int,
@@ -123,9 +125,23 @@ def get_kernel(source_file: str, name: str, device_id: int, compute_capability: 
                     )
                     k = mod.get_function(name)
                 _kernels[key] = k
-    if dynamic_smem > 48 * 1024 and k.max_dynamic_shared_size_bytes < dynamic_smem:
-        k.max_dynamic_shared_size_bytes = dynamic_smem
+    # The opt-in limit is a driver attribute: read it (a driver call) only when a larger
+    # request than any seen for this kernel comes.
+    if dynamic_smem > 48 * 1024:
+        seen = _smem_opted.get(key)
+        if seen is None or seen[0] is not k or seen[1] < dynamic_smem:
+            if k.max_dynamic_shared_size_bytes < dynamic_smem:
+                k.max_dynamic_shared_size_bytes = dynamic_smem
+            _smem_opted[key] = (k, dynamic_smem)
     return k
+
+
+def clear_memory_cache() -> None:
+    """Forget the kernels loaded in this process (the disk cache stays): the next
+    :func:`get_kernel` compiles or loads again."""
+    with _lock:
+        _kernels.clear()
+        _smem_opted.clear()
 
 
 def compile_check(source_file: str, names: list[str], arch: str,

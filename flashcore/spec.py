@@ -187,11 +187,82 @@ def _cu_seqlens(name, cu, lib, device, total, max_seqlen_name, max_seqlen):
     return cu.shape[0] - 1, max_seqlen
 
 
+# ---- memo of validated calls ------------------------------------------------------------
+# Validation is a pure function of the arrays' layouts (type, shape, strides, dtype, device)
+# and of the scalar options, except with cu_seqlens (whose values are read). It costs tens of
+# microseconds of Python per call, paid again on every training step with the same shapes:
+# a call whose layouts and options were validated before gets the same spec from the memo.
+# Anything that cannot be keyed exactly (unhashable or unknown objects, varlen, torch.compile
+# tracing) is validated in full; failures are never memoised.
+_SPEC_MEMO: dict = {}
+_SPEC_MEMO_MAX = 4096
+
+
+def _layout_key(x):
+    t = type(x)
+    if t is np.ndarray:
+        return (t, x.shape, x.strides, x.dtype)
+    lib = library_of(x)
+    if lib == "cupy":
+        return (t, x.shape, x.strides, x.dtype, x.device.id)
+    if lib == "torch":
+        return (t, tuple(x.shape), x.stride(), x.dtype, x.device)
+    raise TypeError   # not keyable: validate in full
+
+
+def _scalar_key(v):
+    if v is None or isinstance(v, (bool, int, float, str, np.number)):
+        return (type(v), v)
+    if isinstance(v, (tuple, list)):
+        return (type(v),) + tuple(_scalar_key(e) for e in v)
+    raise TypeError
+
+
+def _memo_key(kind, arrays, alibi_slopes, scalars):
+    if "torch" in sys.modules and _torch_compiling():
+        return None
+    try:
+        key = (kind,) + tuple(_layout_key(x) for x in arrays) + tuple(
+            _scalar_key(v) for v in scalars)
+        if alibi_slopes is not None:
+            key += (_layout_key(alibi_slopes),)
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _memo_put(key, spec):
+    if key is not None:
+        if len(_SPEC_MEMO) >= _SPEC_MEMO_MAX:
+            _SPEC_MEMO.clear()
+        _SPEC_MEMO[key] = spec
+    return spec
+
+
 def forward_spec(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                  softcap=0.0, alibi_slopes=None, deterministic=False,
                  cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                  max_seqlen_k=None, varlen=False) -> AttentionSpec:
     """Validate the forward arguments and return their spec. Raises TypeError/ValueError."""
+    key = None
+    if not varlen and cu_seqlens_q is None and cu_seqlens_k is None \
+            and max_seqlen_q is None and max_seqlen_k is None:
+        key = _memo_key("fwd", (q, k, v), alibi_slopes,
+                        (causal, softmax_scale, window_size, softcap, deterministic))
+        spec = _SPEC_MEMO.get(key) if key is not None else None
+        if spec is not None:
+            return spec
+    return _memo_put(key, _forward_spec(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+        softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, varlen=varlen))
+
+
+def _forward_spec(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi_slopes,
+                  deterministic, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  varlen) -> AttentionSpec:
     lib, device, dt = _check_q_and_kv(q, k, v, "k", "v", 3 if varlen else 4)
     layout = "(total, nheads, headdim)" if varlen else "(batch, seqlen, nheads, headdim)"
     *lead_q, nheads, headdim = q.shape
@@ -251,8 +322,24 @@ def forward_spec(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, 
     )
 
 
+_BWD_OPTIONS = ("causal", "softmax_scale", "window_size", "softcap", "deterministic")
+_VARLEN_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+
+
 def backward_spec(dout, q, k, v, out, lse, **kw) -> AttentionSpec:
     """Validate the backward arguments: the forward's, plus dout/out like q and lse."""
+    key = None
+    if not kw.get("varlen") and all(kw.get(n) is None for n in _VARLEN_OPTIONS) and \
+            set(kw) <= set(_BWD_OPTIONS) | set(_VARLEN_OPTIONS) | {"alibi_slopes", "varlen"}:
+        key = _memo_key("bwd", (dout, q, k, v, out, lse), kw.get("alibi_slopes"),
+                        tuple(kw.get(n, "<default>") for n in _BWD_OPTIONS))
+        spec = _SPEC_MEMO.get(key) if key is not None else None
+        if spec is not None:
+            return spec
+    return _memo_put(key, _backward_spec(dout, q, k, v, out, lse, **kw))
+
+
+def _backward_spec(dout, q, k, v, out, lse, **kw) -> AttentionSpec:
     spec = forward_spec(q, k, v, **kw)
     for n, x in (("dout", dout), ("out", out)):
         _check_array(n, x, q.ndim, spec.library, spec.device)

@@ -73,7 +73,9 @@ class PeakMemory:
     would need 64 GiB at 16k and 1 TiB at 64k.
     """
 
-    params = [BACKENDS, [4096, 16384, 65536], CAUSAL]
+    # Not causal only: a causal mask changes no allocation (and halves a suite that must fit
+    # into 10-minute device calls); the parameter stays so that results keep one layout.
+    params = [BACKENDS, [4096, 16384, 65536], [False]]
     param_names = ["backend", "seqlen", "causal"]
     unit = "bytes"
     timeout = 180

@@ -99,6 +99,14 @@ def newest_gpu_run(runs: list[Run]) -> Run | None:
     return max(gpu, key=lambda r: (r.date, r.started, r.n_gpu())) if gpu else None
 
 
+def newest_with(runs: list[Run], *names: str) -> Run | None:
+    """The newest run holding results of any of the benchmarks ``names``: a device session may
+    run only part of the suite, so each figure comes from the newest run that has it (and
+    says which one)."""
+    have = [r for r in runs if any(r.get(n) for n in names)]
+    return max(have, key=lambda r: (r.date, r.started)) if have else None
+
+
 # --------------------------------------------------------------------------------------------
 # Plots
 # --------------------------------------------------------------------------------------------
@@ -268,29 +276,39 @@ def generate(results_dir: Path, out: Path) -> str:
                "run on a GPU machine (`asv_benchmarks/run_gpu.sh`) and its results are "
                "committed.", "```", ""]
     else:
-        md += [f"Figures from {_describe(results_dir, gpu)}: the newest commit with GPU "
-               "results. Every line comes from the same run, so flashcore and its peers were "
-               "measured on the same machine, software and day.", ""]
+        md += ["Each figure below comes from the newest committed run that holds it (named "
+               "under the figure). Within a figure every line comes from that one run, so "
+               "flashcore and its peers were measured on the same machine, software and day.",
+               ""]
         for which in ("forward", "forward_backward", "backward"):
-            p = plot_throughput(gpu, which, out)
+            r = newest_with(runs, f"{GPU_MODULE}Throughput.track_{which}")
+            p = plot_throughput(r, which, out) if r else None
             if p:
                 md += [f"### Throughput, {PASS_TITLES[which]}", "",
                        f"![{PASS_TITLES[which]} TFLOP/s against sequence length]({rel}/{p.name})",
-                       ""]
-        t = ratio_table(gpu)
+                       "", f"From {_describe(results_dir, r)}.", ""]
+        r = newest_with(runs, f"{GPU_MODULE}Ratio.track_ratio")
+        t = ratio_table(r) if r else []
         if t:
             md += ["### flashcore relative to its peers", "",
                    "Time of the peer divided by time of flashcore (CuPy API), both measured in "
-                   "one process: above 1, flashcore is faster.", ""] + t + [""]
-        p = plot_memory(gpu, out)
+                   f"one process: above 1, flashcore is faster. From {_describe(results_dir, r)}.",
+                   ""] + t + [""]
+        r = newest_with(runs, f"{GPU_MODULE}PeakMemory.track_peak_memory_forward",
+                        f"{GPU_MODULE}PeakMemory.track_peak_memory_backward")
+        p = plot_memory(r, out) if r else None
         if p:
             md += ["### Memory", "",
                    "Peak device memory a call allocates beyond its inputs. The dotted line is "
                    "the score matrix that attention computed without tiling would hold.", "",
-                   f"![peak memory against sequence length]({rel}/{p.name})", ""]
-        t = compile_table(gpu)
+                   f"![peak memory against sequence length]({rel}/{p.name})", "",
+                   f"From {_describe(results_dir, r)}.", ""]
+        r = newest_with(runs, "bench_jit.KernelCompile.track_cold_compile",
+                        "bench_jit.KernelCompile.track_warm_load")
+        t = compile_table(r) if r else []
         if t:
-            md += ["### Kernel compile and load time", ""] + t + [""]
+            md += ["### Kernel compile and load time", "", f"From {_describe(results_dir, r)}.",
+                   ""] + t + [""]
     cpu = [r for r in runs if numpy_table(r)]
     if cpu:
         r = max(cpu, key=lambda r: (r.date, r.started))

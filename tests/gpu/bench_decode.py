@@ -105,6 +105,7 @@ def main():
 
     h, hk, d = 32, 8, 128
     host_line = ""
+    sweep, picked = [], {}
     dev = torch.device("cuda")
     print(f"{'batch':>5} {'cache':>6} | {'flashcore':>9} {'paged':>7} {'splits':>6} | "
           f"{'sdpa-fa':>7} {'cuDNN':>7} | {'read':>6}  (TB/s of K+V bytes)")
@@ -129,6 +130,15 @@ def main():
                 res["flashcore"] = _time(lambda: launch_decode(
                     cq, ck, cv, co, cl, cache_seqlens=cs, softmax_scale=scale,
                     window_left=-1, window_right=-1))
+                if b <= 8:   # the split count, swept (the heuristic's pick is "splits")
+                    for ns in (8, 16, 24, 32, 48, 64, 96, 128):
+                        if ns * b * 8 > 4096 or ns == splits:
+                            continue
+                        sweep.append((b, sk, ns, nbytes / _time(lambda ns=ns: launch_decode(
+                            cq, ck, cv, co, cl, cache_seqlens=cs, softmax_scale=scale,
+                            window_left=-1, window_right=-1, num_splits=ns)) / 1e12))
+                    sweep.append((b, sk, splits, nbytes / res["flashcore"] / 1e12))
+                    picked[(b, sk)] = splits
                 # paged, page 256, blocks in a shuffled order
                 ps = 256
                 nblk = b * sk // ps
@@ -175,6 +185,12 @@ def main():
             del q, kc, vc, out
             torch.cuda.empty_cache()
     print(host_line)
+    print("# split-count sweep (contiguous cache), TB/s; * = the heuristic's pick")
+    for bb, sk in sorted({(x[0], x[1]) for x in sweep}):
+        cells = sorted((ns, tb) for b_, s_, ns, tb in sweep if (b_, s_) == (bb, sk))
+        best = max(cells, key=lambda c: c[1])
+        print(f"{bb:>5} {sk // 1024:>5}k | best {best[0]:>3} splits {best[1]:.2f} | " + " ".join(
+            f"{ns}{'*' if ns == picked[(bb, sk)] else ''}:{tb:.2f}" for ns, tb in cells))
 
 
 if __name__ == "__main__":
