@@ -15,6 +15,7 @@ from .common import _as_input, _strides, _used_strides_ok
 from .params import WINDOW_NONE, as_kernel_arg, make_params
 
 __all__ = ["launch_decode", "launch_rotary_append", "instantiations", "num_splits_heuristic",
+           "choose_num_splits",
            "kernel_name", "combine_name", "append_name", "DecodeConfig", "decode_config",
            "HEADDIM_TILES", "MAX_SPLITS"]
 
@@ -142,6 +143,18 @@ def num_splits_heuristic(batch_nheads_mblocks: int, num_sms: int, num_n_blocks: 
     return 1
 
 
+def choose_num_splits(base_ctas: int, num_sms: int, ctas_per_sm: int, num_n_blocks: int) -> int:
+    """Split count for ``num_splits=0``: flash-attn's wave rule over the CTA slots, then two
+    bounds from a sweep on the H200 (docs/performance-log.md, 2026-11-29; batch 1 and 8,
+    8 kv heads, d128, caches 4k-128k): a split should walk at least 8 key blocks, and more
+    than 16 splits per (sequence, kv head, m-block) only pays when it is needed to give each
+    SM a CTA. At batch 1 these bounds picked the measured best (8, 16, 16 splits at 4k, 16k,
+    128k: 0.92, 1.92, 3.83 TB/s against 0.71, 1.73, 3.54 for the wave rule alone); at batch 8
+    the wave rule's 4 was already the best measured and is kept."""
+    s = num_splits_heuristic(base_ctas, num_sms * ctas_per_sm, num_n_blocks)
+    return max(1, min(s, num_n_blocks // 8, max(16, num_sms // max(1, base_ctas))))
+
+
 def _dtype_name(arr) -> str:
     name = arr.dtype.name
     if name in ("float16", "bfloat16"):
@@ -227,8 +240,8 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
             span = wl + seqlen_q + (0 if wr == WINDOW_NONE else wr)
             n_blocks = min(n_blocks, math.ceil(span / cfg.block_n) + 1)
         ctas_per_sm = max(1, min(4, _SMEM_PER_SM // (smem + 1024)))
-        num_splits = num_splits_heuristic(batch * nheads_k * m_blocks,
-                                          _sm_count(device_id) * ctas_per_sm, n_blocks)
+        num_splits = choose_num_splits(batch * nheads_k * m_blocks, _sm_count(device_id),
+                                       ctas_per_sm, n_blocks)
     num_splits = int(max(1, min(int(num_splits), MAX_SPLITS)))
     is_split = num_splits > 1
 
