@@ -300,7 +300,10 @@ def generate(results_dir: Path, out: Path) -> str:
         if p:
             md += ["### Memory", "",
                    "Peak device memory a call allocates beyond its inputs. The dotted line is "
-                   "the score matrix that attention computed without tiling would hold.", "",
+                   "the score matrix that attention computed without tiling would hold. For "
+                   "flashcore's PyTorch backend, runs up to commit 960bf83 count torch's "
+                   "allocator only: the backward's fp32 dQ accumulator comes from CuPy's pool, "
+                   "which the CuPy line includes.", "",
                    f"![peak memory against sequence length]({rel}/{p.name})", "",
                    f"From {_describe(results_dir, r)}.", ""]
         r = newest_with(runs, "bench_jit.KernelCompile.track_cold_compile",
