@@ -72,3 +72,42 @@ def quantize(x32, dtype):
     """The values a ``dtype`` array holds, as float32 on the host."""
     from flashcore.backends.numpy_backend import round_to_dtype
     return round_to_dtype(x32, dtype).astype(np.float32)
+
+
+def inf_case(rng, where, b=3, sq=130, sk=150, h=4, hk=2, d=64):
+    """float32 q, k, v with one +inf at [1, 5, 0, 3] of ``where`` (batch 1, row/key 5, head or
+    kv head 0, column 3), and the (batch, row, head, column) mask of the outputs that exact
+    causal attention (bottom-right) leaves non-finite or allows to be non-finite:
+    returns (q, k, v, must_be_bad, may_be_bad), boolean masks shaped like the output.
+
+    q: the row's score against key j is +-inf by the sign of k[1, j, 0, 3]; one +inf among
+    its visible keys makes the row NaN (inf - inf in the softmax). k: a row i that sees key 5
+    scores it +-inf by the sign of q[1, i, h, 3] (h = 0, 1 share kv head 0): +inf -> NaN row,
+    -inf -> that key's probability is 0 and the row stays finite. v: column 3 of every row
+    that sees key 5 is +inf or NaN (0 * inf where a probability underflows or is masked in the
+    same key block), in heads 0, 1.
+    """
+    q = rng.standard_normal((b, sq, h, d)).astype(np.float32)
+    k = rng.standard_normal((b, sk, hk, d)).astype(np.float32)
+    v = rng.standard_normal((b, sk, hk, d)).astype(np.float32)
+    {"q": q, "k": k, "v": v}[where][1, 5, 0, 3] = np.inf
+    off = sk - sq
+    must = np.zeros(q.shape, bool)
+    may = np.zeros(q.shape, bool)
+    group = h // hk
+    if where == "q":
+        visible = k[1, : 5 + off + 1, 0, 3]
+        assert (visible > 0).any(), "pick a seed where the row sees a positive k[..., 3]"
+        must[1, 5, 0] = True
+        may[1, 5, 0] = True
+    else:
+        sees = np.arange(sq) + off >= 5                      # rows i with key 5 visible
+        for hh in range(group):                              # query heads of kv head 0
+            if where == "k":
+                pos = sees & (q[1, :, hh, 3] > 0)
+                must[1, pos, hh] = True
+                may[1, pos, hh] = True
+            else:
+                must[1, sees, hh, 3] = True
+                may[1, :, hh, 3] = True
+    return q, k, v, must, may

@@ -272,3 +272,16 @@ def test_nan_propagates_only_where_the_math_says(where):
     assert not bad[1, :, 2:].any()
     if where == "v":
         assert not np.delete(bad[1], 3, axis=-1).any()
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_inf_propagates_only_where_the_math_says(where):
+    """A +inf input element: the outputs exact attention makes non-finite are, and nothing
+    else is (refutils.inf_case spells out which)."""
+    from refutils import inf_case
+    q, k, v, must, may = inf_case(np.random.default_rng(12), where, sq=13, sk=17, d=8)
+    for q_, k_, v_ in ((q, k, v), tuple(x.astype(np.float64) for x in (q, k, v))):
+        out, lse = flashcore.attention_forward(q_, k_, v_, causal=True)
+        bad = ~np.isfinite(out)
+        assert bad[must].all(), "an output the +inf reaches is finite"
+        assert not bad[~may].any(), "the +inf reached an output it cannot reach"

@@ -255,6 +255,22 @@ def test_bad_headdim_refused_before_launch():
         flashcore.attention_forward(q, q, q)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_inf_propagates_only_where_the_math_says(where, dtype):
+    """A +inf input element poisons exactly the outputs exact attention makes non-finite
+    (refutils.inf_case), never another row, head or batch; its lse likewise."""
+    import flashcore
+    from refutils import inf_case
+    q, k, v, must, may = inf_case(np.random.default_rng(12), where)
+    out, lse = flashcore.attention_forward(*(to_dev(x, dtype) for x in (q, k, v)), causal=True)
+    bad = ~np.isfinite(out.get().astype(np.float32))
+    assert bad[must].all(), "an output the +inf reaches is finite"
+    assert not bad[~may].any(), "the +inf reached an output it cannot reach"
+    lbad = np.isnan(lse.get())                      # (b, h, sq); rows made NaN have NaN lse
+    assert not lbad[[0, 2]].any() and not lbad[1, 2:].any()
+
+
 @pytest.mark.parametrize("where", ["q", "k", "v"])
 def test_nan_stays_in_its_batch_and_head(where):
     """A NaN input poisons only outputs that depend on it: never another batch or head, and a
