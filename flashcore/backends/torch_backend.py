@@ -468,6 +468,10 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
         # and options were still validated above, and the custom op carries the call.
         choose(spec, backend, backward=needs_grad)
         torch_ops()   # defined once, so that a later torch.compile of this code can use them
+        if not needs_grad:    # inference: no autograd node to build (saves its overhead)
+            return _BACKEND.forward(spec, q, k, v, alibi_slopes=alibi_slopes,
+                                    cu_seqlens_q=cu_seqlens_q if varlen else None,
+                                    cu_seqlens_k=cu_seqlens_k if varlen else None)
         return _eager_function().apply(q, k, v, alibi_slopes, cu_seqlens_q if varlen else None,
                                        cu_seqlens_k if varlen else None, spec)
     return torch_ops().fwd(q, k, v, alibi_slopes, cu_seqlens_q if varlen else None,
