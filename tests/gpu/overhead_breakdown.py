@@ -1,0 +1,118 @@
+"""Where the per-call host time of the torch path goes, against baselines that bound it
+(a diagnostic for the per-call overhead target: a few microseconds over the CuPy backend).
+
+Rows, each the best of 5 x N calls on a tiny problem (1 x 128 x 2 x 64 bf16, causal):
+  cupy fwd / fwd+bwd          flashcore on CuPy arrays (the reference)
+  torch fwd / fwd+bwd         flashcore.attention on torch tensors (no grad / autograd)
+  sdpa fwd / fwd+bwd          torch SDPA (C++ autograd node): torch's own floor
+  Function noop fwd+bwd       a Python autograd.Function whose forward and backward launch
+                              one tiny CuPy kernel each: the floor of any Python custom op
+  pieces                      forward_spec, choose, _cp, _cupy_stream, torch.empty
+    python tests/gpu/overhead_breakdown.py [N]
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+
+def per_call(fn, n):
+    import torch
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best * 1e6
+
+
+def main(n=1000):
+    import cupy
+    import torch
+    import torch.nn.functional as F
+
+    import flashcore
+    from flashcore.backends import torch_backend as tb
+    from flashcore.backends.base import choose
+    from flashcore.spec import forward_spec
+
+    dev = torch.device("cuda")
+    q, k, v, do = (torch.randn(1, 128, 2, 64, device=dev, dtype=torch.bfloat16) for _ in range(4))
+    cq, ck, cv, cdo = (cupy.from_dlpack(x) for x in (q, k, v, do))
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    qt, kt, vt = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+    dot = do.transpose(1, 2).contiguous()
+    rows = []
+
+    def row(name, fn):
+        rows.append((name, per_call(fn, n)))
+
+    def cupy_fb():
+        o, l_ = flashcore.attention_forward(cq, ck, cv, causal=True)
+        flashcore.attention_backward(cdo, cq, ck, cv, o, l_, causal=True)
+
+    def torch_f():
+        with torch.no_grad():
+            flashcore.attention(q, k, v, causal=True)
+
+    def torch_fb():
+        o = flashcore.attention(qg, kg, vg, causal=True)
+        torch.autograd.grad(o, (qg, kg, vg), do)
+
+    def sdpa_f():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+
+    def sdpa_fb():
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+        torch.autograd.grad(o, (qt, kt, vt), dot)
+
+    noop = cupy.ElementwiseKernel("T x", "T y", "y = x", "flashcore_noop_copy")
+
+    class Noop(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            out = torch.empty_like(x)
+            with tb._cupy_stream(torch, x.device):
+                noop(tb._cp(x), tb._cp(out))
+            return out
+
+        @staticmethod
+        def backward(ctx, g):
+            gi = torch.empty_like(g)
+            with tb._cupy_stream(torch, g.device):
+                noop(tb._cp(g), tb._cp(gi))
+            return gi
+
+    xq = q.float().requires_grad_()
+    gq = do.float()
+
+    def noop_fb():
+        torch.autograd.grad(Noop.apply(xq), (xq,), gq)
+
+    row("cupy fwd", lambda: flashcore.attention_forward(cq, ck, cv, causal=True))
+    row("torch fwd (no grad)", torch_f)
+    row("sdpa fwd (no grad)", sdpa_f)
+    row("cupy fwd+bwd", cupy_fb)
+    row("torch fwd+bwd (autograd)", torch_fb)
+    row("sdpa fwd+bwd (autograd)", sdpa_fb)
+    row("Function noop fwd+bwd", noop_fb)
+    spec = forward_spec(q, k, v, causal=True)
+    row("piece: forward_spec (memo hit)", lambda: forward_spec(q, k, v, causal=True))
+    row("piece: choose", lambda: choose(spec, None))
+    row("piece: _cp (memo hit)", lambda: tb._cp(q))
+    row("piece: _cupy_stream", lambda: tb._cupy_stream(torch, dev))
+    row("piece: torch.empty", lambda: torch.empty(q.shape, dtype=q.dtype, device=dev))
+    row("piece: cupy.empty", lambda: cupy.empty(cq.shape, cq.dtype))
+    print(f"# per-call host time, best of 5 x {n} calls (microseconds)")
+    for name, us in rows:
+        print(f"{name:34s} {us:9.1f}")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 1000)
