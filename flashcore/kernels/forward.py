@@ -7,13 +7,15 @@ and launches on the current CuPy stream. CuPy is imported lazily.
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 from .common import _as_input, _strides, _used_strides_ok
 from .params import WINDOW_NONE, as_kernel_arg, make_params
 
 __all__ = ["launch_forward", "kernel_name", "instantiations", "tile_config", "smem_bytes",
-           "set_tile_override", "TileConfig", "HEADDIM_TILES"]
+           "set_tile_override", "TileConfig", "HEADDIM_TILES", "set_sm90", "sm90_applies",
+           "sm90_kernel_name", "sm90_instantiations", "SM90_SOURCE"]
 
 SOURCE = "flash_fwd.cu"
 HEADDIM_TILES = (32, 64, 96, 128, 192, 256)
@@ -160,6 +162,33 @@ def instantiations() -> list[str]:
     return names
 
 
+# ---- the Hopper family (cuda/flash_fwd_sm90.cu: wgmma from shared memory) ------------------
+SM90_SOURCE = "flash_fwd_sm90.cu"
+SM90_SMEM = 5 * 2 * 128 * 128 + 1024      # Q + 2 K + 2 V (128 x 128, 16-bit) + alignment
+_SM90 = {"enabled": os.environ.get("FLASHCORE_SM90", "0") == "1"}
+
+
+def set_sm90(enabled: bool) -> None:
+    """Use the Hopper (wgmma) forward kernel where it applies (compute capability 9.0, head
+    dim 128, no softcap or ALiBi). Off by default until the GPU suite has verified it; the
+    environment variable FLASHCORE_SM90=1 turns it on at import."""
+    _SM90["enabled"] = bool(enabled)
+
+
+def sm90_applies(cc: int, headdim: int, has_softcap: bool, has_alibi: bool) -> bool:
+    return (_SM90["enabled"] and cc == 90 and headdim == 128 and not has_softcap
+            and not has_alibi)
+
+
+def sm90_kernel_name(dtype_name: str, is_local: bool) -> str:
+    return f"flash_fwd_sm90_kernel<{_elem_tag(dtype_name)}, {_b(is_local)}>"
+
+
+def sm90_instantiations() -> list[str]:
+    """Every template name of the Hopper forward (compiled for sm_90a only)."""
+    return [sm90_kernel_name(dt, loc) for dt in ("float16", "bfloat16") for loc in (False, True)]
+
+
 def _dtype_name(arr) -> str:
     name = arr.dtype.name
     if name in ("float16", "bfloat16"):
@@ -230,15 +259,20 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     has_softcap = softcap is not None and softcap > 0.0
     has_alibi = alibi_slopes is not None
 
-    d = headdim_tile(headdim)
-    cfg = tile_config(d, is_local, has_softcap, has_alibi, headdim == d)
-    name = kernel_name(dtype_name, headdim, is_local, has_softcap, has_alibi)
-    smem = smem_bytes(d, cfg)
-
     from ..jit import device_facts, get_kernel
     device_id = q.device.id
     cc = device_facts(device_id)[0]
-    kernel = get_kernel(SOURCE, name, device_id, cc, smem)
+    if sm90_applies(cc, headdim, has_softcap, has_alibi):
+        kernel = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, is_local), device_id, cc,
+                            SM90_SMEM)
+        grid_m, block, smem = math.ceil(seqlen_q / 128), (256, 1, 1), SM90_SMEM
+    else:
+        d = headdim_tile(headdim)
+        cfg = tile_config(d, is_local, has_softcap, has_alibi, headdim == d)
+        name = kernel_name(dtype_name, headdim, is_local, has_softcap, has_alibi)
+        smem = smem_bytes(d, cfg)
+        kernel = get_kernel(SOURCE, name, device_id, cc, smem)
+        grid_m, block = math.ceil(seqlen_q / cfg.block_m), (cfg.n_warps * 32, 1, 1)
 
     alibi_bs = 0
     if has_alibi and alibi_slopes.ndim == 2:
@@ -261,8 +295,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         scale_log2=_LOG2E if has_softcap else float(softmax_scale) * _LOG2E,
         softcap=float(softcap) if has_softcap else 0.0,
     )
-    grid = (math.ceil(seqlen_q / cfg.block_m), nheads, batch)
-    block = (cfg.n_warps * 32, 1, 1)
+    grid = (grid_m, nheads, batch)
     with cupy.cuda.Device(device_id):
         kernel(grid, block, (as_kernel_arg(params),), shared_mem=smem)
         if out_final is not None:

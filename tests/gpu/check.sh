@@ -2,6 +2,8 @@
 # The GPU check: the GPU test group, a quick benchmark against torch SDPA (flash and cuDNN
 # backends, same run), and one summary line. Run from the repository root on a GPU machine:
 #     bash tests/gpu/check.sh [quick|full|tests]      (tests: the test group only)
+#     FLASHCORE_SM90=1 bash tests/gpu/check.sh quick   (the whole suite and the benchmark with
+#                                                      the Hopper forward where it applies)
 # Logs go to $OUT (or ./gpu-check-out). A machine without network that lacks the test
 # dependencies (hypothesis, pytest-xdist, ml_dtypes) gets them from the wheels in
 # $FLASHCORE_TEST_WHEELS (default .whl/test, an ignored folder that travels with the tree).

@@ -1,0 +1,307 @@
+// flashcore: forward kernel for Hopper (sm_90a): warpgroup MMA (wgmma) with operands read
+// straight from shared memory. Launcher: flashcore/kernels/forward.py (the sm90 family; the
+// Ampere-class flash_fwd.cu serves every other configuration and device).
+//
+// Status: first version, opt-in (FLASHCORE_SM90=1) until the GPU suite has verified it.
+//
+// One CTA = 2 warpgroups (256 threads) computes a 128-row x headdim-128 output tile for one
+// (batch, head). Warpgroup wg owns tile rows [64 wg, 64 wg + 64): per key block
+//   S  = Q K^T        wgmma m64n128k16, A = Q and B = K from shared memory (both K-major)
+//   online softmax on S in registers (exp2, scale folded in; FA2's per-row state)
+//   O += P V          wgmma m64n128k16, A = P from registers (S packed to 16 bits: the
+//                     accumulator layout is the A-register layout), B = V from shared memory
+//                     read N-major (imm-trans-b), so V is used in its natural [key][d] layout
+// The tensor cores read shared memory directly: no ldmatrix, no per-warp operand traffic
+// through registers (what bounds the mma.sync kernel at about half of the Hopper peak).
+//
+// Pipeline: Q once; K and V double-buffered, the next block's cp.async issued before the
+// current block's MMAs. cp.async writes through the generic proxy and wgmma reads through the
+// async proxy: every thread fences (fence.proxy.async) after its copies land, then the CTA
+// synchronises, before any wgmma reads the tile.
+//
+// Shared memory (1024-byte aligned; each [128 rows][64 cols] block 16 KiB, 128-byte swizzle,
+// the same physical layout as flash_fwd.cu's tiles): Q 32 KiB, K 2 x 32 KiB, V 2 x 32 KiB.
+//
+// Masking, alignment and outputs are those of flash_fwd.cu (bottom-right causal, windows with
+// block skipping, varlen, GQA; rows that see no key get O = 0 and lse = -inf; NaN propagates).
+// Not in this version (the launcher routes them to flash_fwd.cu): head dims other than 128,
+// softcap, ALiBi.
+#include "flash_params.cuh"
+#include "ptx.cuh"
+#include "wgmma.cuh"
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+namespace fc_h {
+
+constexpr int kD = 128;          // head dim (tile and real)
+constexpr int kBlockM = 128;     // query rows per CTA (2 warpgroups x 64)
+constexpr int kBlockN = 128;     // keys per block
+constexpr int kNThreads = 256;
+constexpr fc_u32 kColBlock = 128u * 128u;        // bytes of one [128 rows][64 cols] block
+constexpr fc_u32 kTile = 2u * kColBlock;         // one 128 x 128 tile (Q, one K or one V)
+constexpr fc_u32 kSmemBytes = 5u * kTile + 1024u; // Q + 2 K + 2 V + alignment slack
+
+__device__ __forceinline__ void stg32(void* p, fc_u32 v) {
+    asm volatile("st.global.b32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
+}
+
+// A 128 x 128 tile (rows of `row_stride` elements from gsrc) into the swizzled layout; rows
+// >= rows_valid are zero-filled. 256 threads: thread -> (column chunk tid % 16, row tid / 16),
+// 8 passes of 16 rows (16 is a multiple of 8: the swizzle phase is constant per thread).
+__device__ __forceinline__ void load_tile(fc_u32 sdst, const fc_u16* gsrc, long long row_stride,
+                                          int rows_valid, int tid) {
+    const int c = tid & 15;          // 16-byte chunk of the row: columns 8c .. 8c + 7
+    const int r0 = tid >> 4;         // 0 .. 15
+    const fc_u32 s0 = sdst + (fc_u32)(c >> 3) * kColBlock
+                      + 2u * (fc_u32)swz<64>(r0, (c & 7) * 8);
+    const fc_u16* src = gsrc + (long long)r0 * row_stride + c * 8;
+#pragma unroll
+    for (int it = 0; it < kBlockN / 16; ++it) {
+        const bool pred = r0 + it * 16 < rows_valid;
+        cp_async_16(s0 + (fc_u32)it * 16u * 128u, pred ? src : gsrc, pred);
+        src += 16 * row_stride;
+    }
+}
+
+}  // namespace fc_h
+
+// Template parameters: Elem (fc_bf16 / fc_fp16); Is_local: a window side is bounded (causal
+// included), giving block skipping and boundary masks.
+template <typename Elem, bool Is_local>
+__global__ void __launch_bounds__(256, 1)
+flash_fwd_sm90_kernel(const FlashParams params) {
+    using namespace fc_h;
+    constexpr int kNT = kBlockN / 8;    // n8 tiles of S per thread row pair (16)
+    constexpr int kDT = kD / 8;         // n8 tiles of O (16)
+
+    extern __shared__ unsigned char smem_raw[];
+    const fc_u32 sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const fc_u32 sK = sQ + kTile;              // two K buffers
+    const fc_u32 sV = sK + 2u * kTile;         // two V buffers
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int wg = warp >> 2;          // warpgroup: tile rows [64 wg, 64 wg + 64)
+    const int g = lane >> 2;
+    const int t = lane & 3;
+
+    const int m_block = Is_local ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+    const int h = blockIdx.y;
+    const int b = blockIdx.z;
+
+    // ---- sequence geometry (as flash_fwd.cu) ----------------------------------------------
+    long long q_row0 = 0, k_row0 = 0;
+    int sq = params.seqlen_q, sk = params.seqlen_k;
+    if (params.cu_seqlens_q != nullptr) {
+        q_row0 = params.cu_seqlens_q[b];
+        sq = params.cu_seqlens_q[b + 1] - params.cu_seqlens_q[b];
+    }
+    if (params.cu_seqlens_k != nullptr) {
+        k_row0 = params.cu_seqlens_k[b];
+        sk = params.cu_seqlens_k[b + 1] - params.cu_seqlens_k[b];
+    }
+    const int m0 = m_block * kBlockM;
+    if (m0 >= sq) return;
+    const int off = sk - sq;
+
+    const int hk = h / (params.nheads / params.nheads_k);
+    const fc_u16* gQ = static_cast<const fc_u16*>(params.q) + (long long)b * params.q_batch_stride
+                       + (q_row0 + m0) * params.q_row_stride + (long long)h * params.q_head_stride;
+    const fc_u16* gK = static_cast<const fc_u16*>(params.k) + (long long)b * params.k_batch_stride
+                       + k_row0 * params.k_row_stride + (long long)hk * params.k_head_stride;
+    const fc_u16* gV = static_cast<const fc_u16*>(params.v) + (long long)b * params.v_batch_stride
+                       + k_row0 * params.v_row_stride + (long long)hk * params.v_head_stride;
+    fc_u16* gO = static_cast<fc_u16*>(params.o) + (long long)b * params.o_batch_stride
+                 + (q_row0 + m0) * params.o_row_stride + (long long)h * params.o_head_stride;
+    float* gLse = params.lse + (long long)b * params.lse_batch_stride
+                  + (long long)h * params.lse_head_stride + q_row0 + m0;
+    const int rows_q = min(kBlockM, sq - m0);
+
+    const bool left_bounded = Is_local && params.window_left < FC_WINDOW_NONE;
+    const bool right_bounded = Is_local && params.window_right < FC_WINDOW_NONE;
+    int n_block_max = (sk + kBlockN - 1) / kBlockN;
+    int n_block_min = 0;
+    if (right_bounded) {
+        const long long hi = (long long)(m0 + rows_q - 1) + off + params.window_right + 1;
+        const int nb = hi <= 0 ? 0 : (int)min((hi + kBlockN - 1) / kBlockN, (long long)n_block_max);
+        n_block_max = min(n_block_max, nb);
+    }
+    if (left_bounded) {
+        const long long lo = (long long)m0 + off - params.window_left;
+        if (lo > 0) n_block_min = (int)min(lo / kBlockN, (long long)n_block_max);
+    }
+    if (n_block_max <= n_block_min) {   // no row of this tile sees a key: O = 0, lse = -inf
+        for (int idx = tid; idx < kBlockM * (kD / 2); idx += kNThreads) {
+            const int r = idx / (kD / 2), c = idx % (kD / 2);
+            if (r < rows_q) stg32(gO + (long long)r * params.o_row_stride + 2 * c, 0u);
+        }
+        for (int r = tid; r < rows_q; r += kNThreads) gLse[r] = -INFINITY;
+        return;
+    }
+
+    // ---- prologue: Q, first K and V (one group each) ----------------------------------------
+    int n_block = n_block_max - 1;
+    load_tile(sQ, gQ, params.q_row_stride, rows_q, tid);
+    cp_async_commit();
+    {
+        const int n0 = n_block * kBlockN;
+        load_tile(sK, gK + (long long)n0 * params.k_row_stride, params.k_row_stride, sk - n0, tid);
+        load_tile(sV, gV + (long long)n0 * params.v_row_stride, params.v_row_stride, sk - n0, tid);
+        cp_async_commit();
+    }
+
+    // ---- per-thread row state: rows 64 wg + 16 (warp % 4) + g + 8 r --------------------------
+    float acc_o[kDT * 4];
+#pragma unroll
+    for (int i = 0; i < kDT * 4; ++i) acc_o[i] = 0.f;
+    float row_max[2] = {-INFINITY, -INFINITY};
+    float row_sum[2] = {0.f, 0.f};
+    const int warp_row0 = 64 * wg + 16 * (warp & 3);
+    const int row_pos0 = m0 + warp_row0 + g + off;   // i + off of this thread's row half 0
+    const int win_r = right_bounded ? min(params.window_right, sq) : 0;
+    const int win_l = left_bounded ? min(params.window_left, sk) : 0;
+    const float mult = params.scale_log2;
+    const int blk_hi = right_bounded ? min(sk, m0 + off + win_r + 1) : sk;
+    const int blk_lo = left_bounded ? m0 + kBlockM - 1 + off - win_l : 0;
+
+    // Q descriptors of this warpgroup's 64 rows: k-step kk reads columns 16 kk .. 16 kk + 15,
+    // i.e. column block kk / 4 at byte offset 32 (kk % 4) inside the 128-byte rows.
+    const fc_u32 sQwg = sQ + (fc_u32)wg * 64u * 128u;
+
+    for (int it = 0; n_block >= n_block_min; ++it, --n_block) {
+        const int n0 = n_block * kBlockN;
+        const fc_u32 buf = (fc_u32)(it & 1) * kTile;
+
+        // Prefetch the next block into the other buffers (freed by the barrier that ended the
+        // previous iteration); always commit, so that "all but the newest group" below means
+        // "everything up to this block".
+        if (n_block - 1 >= n_block_min) {
+            const int n1 = n0 - kBlockN;
+            const fc_u32 nbuf = kTile - buf;
+            load_tile(sK + nbuf, gK + (long long)n1 * params.k_row_stride, params.k_row_stride,
+                      sk - n1, tid);
+            load_tile(sV + nbuf, gV + (long long)n1 * params.v_row_stride, params.v_row_stride,
+                      sk - n1, tid);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();      // Q and this block's K, V have landed (for this thread)
+        fence_proxy_async();     // ... and are visible to the async proxy
+        __syncthreads();         // ... for every thread
+
+        // S = Q K^T
+        float s[kNT * 4];
+#pragma unroll
+        for (int i = 0; i < kNT * 4; ++i) s[i] = 0.f;
+#pragma unroll
+        for (int i = 0; i < kNT * 4; ++i) fence_operand(s[i]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kD / 16; ++kk) {
+            const fc_u32 koff = (fc_u32)(kk >> 2) * kColBlock + (fc_u32)(kk & 3) * 32u;
+            Wgmma<Elem>::ss(s, wgmma_desc(sQwg + koff, 16u, 1024u),
+                            wgmma_desc(sK + buf + koff, 16u, 1024u), kk > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < kNT * 4; ++i) fence_operand(s[i]);
+
+        // Mask (boundary blocks only). Element e of n8 tile j: row half r = e / 2,
+        // key n0 + 8 j + 2 t + (e & 1).
+        const bool need_mask = n0 + kBlockN > blk_hi || n0 < blk_lo;
+        if (need_mask) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int pos = row_pos0 + 8 * r - n0 - 2 * t;   // i + off - (n0 + 2t)
+                int hi = sk - n0 - 2 * t;
+                if (right_bounded) hi = min(hi, pos + win_r + 1);
+                const int lo = left_bounded ? pos - win_l : -kBlockN;
+#pragma unroll
+                for (int j = 0; j < kNT; ++j)
+#pragma unroll
+                    for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                        const int jr = j * 8 + (e & 1);
+                        if (jr >= hi || jr < lo) s[4 * j + e] = -INFINITY;
+                    }
+            }
+        }
+
+        // Online softmax (as flash_fwd.cu).
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = row_max[r];
+#pragma unroll
+            for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+            mx = quad_max(mx);
+            const float m_scaled = (mx == -INFINITY) ? 0.f : mx * mult;
+            const float corr = fc_exp2(row_max[r] * mult - m_scaled);
+            row_max[r] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < kNT; ++j)
+#pragma unroll
+                for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                    const float p = fc_exp2(fmaf(s[4 * j + e], mult, -m_scaled));
+                    s[4 * j + e] = p;
+                    sum += p;
+                }
+            row_sum[r] = row_sum[r] * corr + sum;
+#pragma unroll
+            for (int j = 0; j < kDT; ++j) {
+                acc_o[4 * j + 2 * r] *= corr;
+                acc_o[4 * j + 2 * r + 1] *= corr;
+            }
+        }
+
+        // P (16-bit) as the A operand of k-step kk (keys 16 kk .. 16 kk + 15): tiles 2kk, 2kk+1.
+        fc_u32 pa[kBlockN / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            pa[kk][0] = Elem::pack2(s[8 * kk + 0], s[8 * kk + 1]);
+            pa[kk][1] = Elem::pack2(s[8 * kk + 2], s[8 * kk + 3]);
+            pa[kk][2] = Elem::pack2(s[8 * kk + 4], s[8 * kk + 5]);
+            pa[kk][3] = Elem::pack2(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+
+        // O += P V: B = V (keys x d), N-major: 64-column blocks of d are kColBlock apart
+        // (LBO), groups of 8 keys 1024 bytes apart (SBO); k-step kk starts at key 16 kk.
+#pragma unroll
+        for (int i = 0; i < kDT * 4; ++i) fence_operand(acc_o[i]);
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) fence_operand(pa[kk][e]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk)
+            Wgmma<Elem>::rs_tb(acc_o, pa[kk],
+                               wgmma_desc(sV + buf + (fc_u32)kk * 16u * 128u, kColBlock, 1024u), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < kDT * 4; ++i) fence_operand(acc_o[i]);
+
+        __syncthreads();   // every warpgroup is done with this block's buffers
+    }
+
+    // ---- epilogue: O / l (NaN propagates: l == 0 only for rows that saw no key), lse ----------
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float l = quad_sum(row_sum[r]);
+        const float inv = l == 0.f ? 0.f : 1.f / l;
+        const int row = warp_row0 + g + 8 * r;
+        if (row < rows_q) {
+            fc_u16* orow = gO + (long long)row * params.o_row_stride;
+#pragma unroll
+            for (int j = 0; j < kDT; ++j)
+                stg32(orow + 8 * j + 2 * t,
+                      Elem::pack2(acc_o[4 * j + 2 * r] * inv, acc_o[4 * j + 2 * r + 1] * inv));
+            if (t == 0)
+                gLse[row] = l == 0.f ? -INFINITY : row_max[r] * params.softmax_scale + logf(l);
+        }
+    }
+}
