@@ -69,8 +69,8 @@ class PeakMemory:
     """Device memory a call allocates at its peak, beyond what existed before it (bytes).
 
     batch 1, 16 heads of 128, bf16, long sequences: an exact-attention kernel that never
-    materialises the seqlen x seqlen scores grows linearly (x4 per step here); the scores alone
-    would need 64 GiB at 16k and 1 TiB at 64k.
+    materialises the seqlen x seqlen scores grows linearly (x4 per step here); the fp32 scores
+    of the 16 heads alone would need 16 GiB at 16k and 256 GiB at 64k.
     """
 
     # Not causal only: a causal mask changes no allocation (and halves a suite that must fit
