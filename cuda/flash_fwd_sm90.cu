@@ -284,6 +284,10 @@ flash_fwd_sm90_kernel(const FlashParams params) {
         wgmma_wait<0>();
 #pragma unroll
         for (int i = 0; i < kDT * 4; ++i) fence_operand(acc_o[i]);
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk)   // the A registers stay untouched until here
+#pragma unroll
+            for (int e = 0; e < 4; ++e) fence_operand(pa[kk][e]);
 
         __syncthreads();   // every warpgroup is done with this block's buffers
     }

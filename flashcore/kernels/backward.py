@@ -20,7 +20,9 @@ import functools
 from typing import NamedTuple
 
 from .common import _as_input, _as_output, _strides
+from . import plans
 from .params import WINDOW_NONE, as_kernel_arg, make_params
+from .plans import layout_key
 
 __all__ = ["launch_backward", "instantiations", "BwdTile", "dkdv_tiles", "dq_tiles",
            "dkdv_smem_bytes", "dq_smem_bytes", "HEADDIM_TILES"]
@@ -197,6 +199,22 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
 
     from ..jit import device_facts, get_kernel
 
+    # Replay a recorded plan for this layout (see plans.py): pointers and fresh scratch only.
+    key = None
+    if cu_seqlens_q is None and cu_seqlens_k is None and plans.enabled():
+        key = ("bwd", q.device.id, *(layout_key(a) for a in (dout, q, k, v, out, lse, dq, dk, dv,
+                                                              alibi_slopes)),
+               float(softmax_scale), _window(window_left), _window(window_right),
+               float(softcap or 0.0), bool(deterministic))
+        plan = plans.lookup(key)
+        if plan is not None:
+            plan.run({"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "o": out.data.ptr,
+                      "lse": lse.data.ptr, "dout": dout.data.ptr, "dq": dq.data.ptr,
+                      "dk": dk.data.ptr, "dv": dv.data.ptr,
+                      "alibi_slopes": None if alibi_slopes is None else alibi_slopes.data.ptr})
+            return
+    given = (q, k, v, out, dout, lse, alibi_slopes)
+
     varlen = cu_seqlens_q is not None
     dtype_name = q.dtype.name
     elem = _ELEM[dtype_name]
@@ -299,28 +317,39 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
         softcap=float(softcap) if has_softcap else 0.0,
     )
     args = (as_kernel_arg(params),)
+    launched = []   # (kernel, grid, block, shared memory), in order: the plan of this layout
+
+    def launch(kern, grid, block, smem=0):
+        kern(grid, block, args, shared_mem=smem)
+        launched.append((kern, grid, block, smem))
 
     with cupy.cuda.Device(device_id):
         m_small = _cdiv(seqlen_q, _ROWS_PER_CTA)
         if m_small > 0:
             pre = get_kernel(SOURCE, f"flash_bwd_preprocess_kernel<{elem}>", device_id, cc)
-            pre((m_small, nheads, batch), (_SMALL_THREADS,), args)
+            launch(pre, (m_small, nheads, batch), (_SMALL_THREADS,))
 
         t, smem = _pick(_dkdv_table(d), dkdv_smem_bytes, d, smem_limit, "dK/dV kernel")
         name = _dkdv_name(elem, d, t, is_local, has_softcap, has_alibi, even_d, not deterministic)
         kern = get_kernel(SOURCE, name, device_id, cc, smem)
-        kern((_cdiv(seqlen_k, t.block_n), nheads_k, batch), (32 * t.n_warps,), args, shared_mem=smem)
+        launch(kern, (_cdiv(seqlen_k, t.block_n), nheads_k, batch), (32 * t.n_warps,), smem)
 
         if m_small > 0:
             if deterministic:
                 t, smem = _pick(_DQ_TILES[d], dq_smem_bytes, d, smem_limit, "dQ kernel")
                 name = _dq_name(elem, d, t, is_local, has_softcap, has_alibi, even_d)
                 kern = get_kernel(SOURCE, name, device_id, cc, smem)
-                kern((_cdiv(seqlen_q, t.block_m), nheads, batch), (32 * t.n_warps,), args,
-                     shared_mem=smem)
+                launch(kern, (_cdiv(seqlen_q, t.block_m), nheads, batch), (32 * t.n_warps,), smem)
             else:
                 conv = get_kernel(SOURCE, f"flash_bwd_convert_dq_kernel<{elem}>", device_id, cc)
-                conv((m_small, nheads, batch), (_SMALL_THREADS,), args)
+                launch(conv, (m_small, nheads, batch), (_SMALL_THREADS,))
+
+    if (key is not None and dq_back is None and dk_back is None and dv_back is None
+            and all(a is b for a, b in zip((q, k, v, out, dout, lse, alibi_slopes), given))):
+        scratch = [("dsoftmax_sum", tuple(dsoftmax_sum.shape), False)]
+        if dq_accum is not None:
+            scratch.append(("dq_accum", tuple(dq_accum.shape), True))
+        plans.remember(key, plans.Plan(device_id, launched, params, scratch))
 
     for work, dest in ((dq_w, dq_back), (dk_w, dk_back), (dv_w, dv_back)):
         if dest is not None:

@@ -15,11 +15,15 @@ def _used_strides_ok(arr, multiple: int, align: int) -> bool:
 
 
 def _as_input(arr):
-    """cp.async moves 16 bytes: base 16-byte aligned, strides multiples of 8 elements; else copy."""
+    """cp.async moves 16 bytes: base 16-byte aligned, strides multiples of 8 elements; else a
+    copy into a fresh (aligned, contiguous) array. Not ``ascontiguousarray``: it returns a
+    contiguous array as it is, however its base is aligned."""
     import cupy
     if arr.size == 0 or _used_strides_ok(arr, 8, 16):
         return arr
-    return cupy.ascontiguousarray(arr)
+    out = cupy.empty(arr.shape, arr.dtype)
+    out[...] = arr
+    return out
 
 
 def _as_output(arr):

@@ -23,12 +23,19 @@ def _cc():
 
 @pytest.fixture(autouse=True)
 def sm90_on():
-    from flashcore.kernels import forward
+    """The Hopper family on, and the process's kernel and plan caches emptied, so that
+    _ran_sm90 sees only what this test loaded."""
+    from flashcore import jit
+    from flashcore.kernels import forward, plans
     if _cc() != 90:
         pytest.skip("the wgmma kernel needs compute capability 9.0")
+    was = forward._SM90["enabled"]
+    jit.clear_memory_cache()
+    plans.clear()
     forward.set_sm90(True)
     yield
-    forward.set_sm90(False)
+    forward.set_sm90(was)
+    plans.clear()
 
 
 def _ran_sm90(dtype, local):
@@ -64,22 +71,45 @@ def test_windows(dtype, window):
 def test_gqa_mqa_strided(dtype):
     run_case(dtype, 2, 333, 257, 8, 1, 128, causal=True, seed=3, strided=True)
     run_case(dtype, 2, 257, 333, 8, 2, 128, seed=4, strided=True)
+    assert _ran_sm90(dtype, True) and _ran_sm90(dtype, False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_large_scores_no_inf_nan(dtype):
     run_case(dtype, 1, 700, 900, 4, 4, 128, qscale=5.0, kvscale=3.0, seed=5)
+    assert _ran_sm90(dtype, False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fully_masked_rows(dtype):
     # causal with seqlen_q > seqlen_k: the first sq - sk rows see no key (0, lse = -inf)
     run_case(dtype, 2, 300, 100, 4, 2, 128, causal=True, seed=9)
+    assert _ran_sm90(dtype, True)
+
+
+@pytest.mark.parametrize("where", ["q", "k"])
+def test_nan_stays_in_its_row_batch_and_head(where):
+    import flashcore
+    from refutils import to_dev
+    rng = np.random.default_rng(54)
+    host = {n: rng.standard_normal(s).astype(np.float32) for n, s in
+            (("q", (3, 260, 4, 128)), ("k", (3, 300, 2, 128)), ("v", (3, 300, 2, 128)))}
+    host[where][1, 5, 0, 3] = np.nan
+    out, lse = flashcore.attention_forward(*(to_dev(host[n], "bfloat16") for n in "qkv"),
+                                           causal=True)
+    bad = ~np.isfinite(out.get().astype(np.float32))
+    lbad = np.isnan(lse.get())
+    assert not bad[[0, 2]].any() and not bad[1, :, 2:].any()
+    if where == "q":
+        assert bad[1, 5, 0].all() and bad[1].sum() == bad[1, 5, 0].size
+        assert lbad[1, 0, 5] and lbad.sum() == 1
+    else:   # key 5 of kv head 0 is seen by every row (causal, offset 40) of heads 0 and 1
+        assert bad[1, :, :2].all()
+    assert _ran_sm90("bfloat16", True)
 
 
 def test_varlen_with_empty_sequences():
     import cupy as cp
-    import flashcore
     from flashcore.backends.numpy_backend import naive_forward
     from flashcore.spec import forward_spec
     from refutils import assert_flash_rule, quantize, to_dev
@@ -90,10 +120,20 @@ def test_varlen_with_empty_sequences():
     q32 = quantize(rng.standard_normal((cq[-1], 4, 128)).astype(np.float32), "bfloat16")
     k32 = quantize(rng.standard_normal((ck[-1], 2, 128)).astype(np.float32), "bfloat16")
     v32 = quantize(rng.standard_normal((ck[-1], 2, 128)).astype(np.float32), "bfloat16")
-    out, lse = flashcore.varlen_attention_forward(
-        *(to_dev(x, "bfloat16") for x in (q32, k32, v32)), cp.asarray(cq), cp.asarray(ck),
-        causal=True)
+    from flashcore.backends.cupy_backend import CupyBackend
+    q, k, v = (to_dev(x, "bfloat16") for x in (q32, k32, v32))
+    cqd, ckd = cp.asarray(cq), cp.asarray(ck)
+    spec = forward_spec(q, k, v, varlen=True, causal=True, cu_seqlens_q=cqd, cu_seqlens_k=ckd)
+    out = cp.empty_like(q)
+    out.view(cp.uint16).fill(0x7FC0)                         # poison: bf16 NaN
+    lse = cp.full((4, int(cq[-1])), cp.nan, cp.float32)
+    out, lse = CupyBackend().forward(spec, q, k, v, cu_seqlens_q=cqd, cu_seqlens_k=ckd,
+                                     out=out, lse=lse)
     got = out.get().astype(np.float64)
+    gl = lse.get()
+    assert np.isfinite(got).all() and not np.isnan(gl).any(), "rows left unwritten"
+    empty = slice(cq[2], cq[3])                              # sequence 2 has no keys
+    assert (got[empty] == 0).all() and np.isneginf(gl[:, empty]).all()
     for i in range(4):
         qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
         if lens_q[i] == 0:
