@@ -20,7 +20,8 @@
 // synchronises, before any wgmma reads the tile.
 //
 // Shared memory (1024-byte aligned; each [128 rows][64 cols] block 16 KiB, 128-byte swizzle,
-// the same physical layout as flash_fwd.cu's tiles): Q 32 KiB, K 2 x 32 KiB, V 2 x 32 KiB.
+// the same physical layout as flash_fwd.cu's tiles): Q 32 KiB, then K and V rings of 32 KiB
+// tiles, 2 stages (v0: 161 KiB in all) or 3 (v1: 225 KiB).
 //
 // Masking, alignment and outputs are those of flash_fwd.cu (bottom-right causal, windows with
 // block skipping, varlen, GQA; rows that see no key get O = 0 and lse = -inf; NaN propagates).
@@ -42,7 +43,6 @@ constexpr int kBlockN = 128;     // keys per block
 constexpr int kNThreads = 256;
 constexpr fc_u32 kColBlock = 128u * 128u;        // bytes of one [128 rows][64 cols] block
 constexpr fc_u32 kTile = 2u * kColBlock;         // one 128 x 128 tile (Q, one K or one V)
-constexpr fc_u32 kSmemBytes = 5u * kTile + 1024u; // Q + 2 K + 2 V + alignment slack
 
 __device__ __forceinline__ void stg32(void* p, fc_u32 v) {
     asm volatile("st.global.b32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
@@ -69,8 +69,9 @@ __device__ __forceinline__ void load_tile(fc_u32 sdst, const fc_u16* gsrc, long 
 }  // namespace fc_h
 
 // Template parameters: Elem (fc_bf16 / fc_fp16); Is_local: a window side is bounded (causal
-// included), giving block skipping and boundary masks.
-template <typename Elem, bool Is_local>
+// included), giving block skipping and boundary masks; kPipe: v1 (softmax of the next block
+// overlapped with P V of this one) instead of v0.
+template <typename Elem, bool Is_local, bool kPipe>
 __global__ void __launch_bounds__(256, 1)
 flash_fwd_sm90_kernel(const FlashParams params) {
     using namespace fc_h;
@@ -79,8 +80,9 @@ flash_fwd_sm90_kernel(const FlashParams params) {
 
     extern __shared__ unsigned char smem_raw[];
     const fc_u32 sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;
-    const fc_u32 sK = sQ + kTile;              // two K buffers
-    const fc_u32 sV = sK + 2u * kTile;         // two V buffers
+    constexpr fc_u32 kStages = kPipe ? 3u : 2u;
+    const fc_u32 sK = sQ + kTile;              // kStages K buffers
+    const fc_u32 sV = sK + kStages * kTile;    // kStages V buffers
 
     const int tid = threadIdx.x;
     const int lane = tid & 31;
@@ -143,11 +145,11 @@ flash_fwd_sm90_kernel(const FlashParams params) {
         return;
     }
 
-    // ---- prologue: Q, first K and V (one group each) ----------------------------------------
+    // ---- prologue: Q (v0 also the first K and V, one group each; v1 loads its own) ---------
     int n_block = n_block_max - 1;
     load_tile(sQ, gQ, params.q_row_stride, rows_q, tid);
-    cp_async_commit();
-    {
+    if constexpr (!kPipe) {
+        cp_async_commit();
         const int n0 = n_block * kBlockN;
         load_tile(sK, gK + (long long)n0 * params.k_row_stride, params.k_row_stride, sk - n0, tid);
         load_tile(sV, gV + (long long)n0 * params.v_row_stride, params.v_row_stride, sk - n0, tid);
@@ -172,30 +174,9 @@ flash_fwd_sm90_kernel(const FlashParams params) {
     // i.e. column block kk / 4 at byte offset 32 (kk % 4) inside the 128-byte rows.
     const fc_u32 sQwg = sQ + (fc_u32)wg * 64u * 128u;
 
-    for (int it = 0; n_block >= n_block_min; ++it, --n_block) {
-        const int n0 = n_block * kBlockN;
-        const fc_u32 buf = (fc_u32)(it & 1) * kTile;
-
-        // Prefetch the next block into the other buffers (freed by the barrier that ended the
-        // previous iteration); always commit, so that "all but the newest group" below means
-        // "everything up to this block".
-        if (n_block - 1 >= n_block_min) {
-            const int n1 = n0 - kBlockN;
-            const fc_u32 nbuf = kTile - buf;
-            load_tile(sK + nbuf, gK + (long long)n1 * params.k_row_stride, params.k_row_stride,
-                      sk - n1, tid);
-            load_tile(sV + nbuf, gV + (long long)n1 * params.v_row_stride, params.v_row_stride,
-                      sk - n1, tid);
-        }
-        cp_async_commit();
-        cp_async_wait<1>();      // Q and this block's K, V have landed (for this thread)
-        fence_proxy_async();     // ... and are visible to the async proxy
-        __syncthreads();         // ... for every thread
-
-        // S = Q K^T
-        float s[kNT * 4];
-#pragma unroll
-        for (int i = 0; i < kNT * 4; ++i) s[i] = 0.f;
+    // ---- the steps of one key block ------------------------------------------------------
+    // S = Q K^T into s (asynchronous: committed as one wgmma group, not waited for).
+    auto issue_s = [&](float (&s)[kNT * 4], fc_u32 buf) {
 #pragma unroll
         for (int i = 0; i < kNT * 4; ++i) fence_operand(s[i]);
         wgmma_fence();
@@ -206,69 +187,11 @@ flash_fwd_sm90_kernel(const FlashParams params) {
                             wgmma_desc(sK + buf + koff, 16u, 1024u), kk > 0 ? 1 : 0);
         }
         wgmma_commit();
-        wgmma_wait<0>();
-#pragma unroll
-        for (int i = 0; i < kNT * 4; ++i) fence_operand(s[i]);
-
-        // Mask (boundary blocks only). Element e of n8 tile j: row half r = e / 2,
-        // key n0 + 8 j + 2 t + (e & 1).
-        const bool need_mask = n0 + kBlockN > blk_hi || n0 < blk_lo;
-        if (need_mask) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int pos = row_pos0 + 8 * r - n0 - 2 * t;   // i + off - (n0 + 2t)
-                int hi = sk - n0 - 2 * t;
-                if (right_bounded) hi = min(hi, pos + win_r + 1);
-                const int lo = left_bounded ? pos - win_l : -kBlockN;
-#pragma unroll
-                for (int j = 0; j < kNT; ++j)
-#pragma unroll
-                    for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                        const int jr = j * 8 + (e & 1);
-                        if (jr >= hi || jr < lo) s[4 * j + e] = -INFINITY;
-                    }
-            }
-        }
-
-        // Online softmax (as flash_fwd.cu).
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = row_max[r];
-#pragma unroll
-            for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
-            mx = quad_max(mx);
-            const float m_scaled = (mx == -INFINITY) ? 0.f : mx * mult;
-            const float corr = fc_exp2(row_max[r] * mult - m_scaled);
-            row_max[r] = mx;
-            float sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < kNT; ++j)
-#pragma unroll
-                for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                    const float p = fc_exp2(fmaf(s[4 * j + e], mult, -m_scaled));
-                    s[4 * j + e] = p;
-                    sum += p;
-                }
-            row_sum[r] = row_sum[r] * corr + sum;
-#pragma unroll
-            for (int j = 0; j < kDT; ++j) {
-                acc_o[4 * j + 2 * r] *= corr;
-                acc_o[4 * j + 2 * r + 1] *= corr;
-            }
-        }
-
-        // P (16-bit) as the A operand of k-step kk (keys 16 kk .. 16 kk + 15): tiles 2kk, 2kk+1.
-        fc_u32 pa[kBlockN / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) {
-            pa[kk][0] = Elem::pack2(s[8 * kk + 0], s[8 * kk + 1]);
-            pa[kk][1] = Elem::pack2(s[8 * kk + 2], s[8 * kk + 3]);
-            pa[kk][2] = Elem::pack2(s[8 * kk + 4], s[8 * kk + 5]);
-            pa[kk][3] = Elem::pack2(s[8 * kk + 6], s[8 * kk + 7]);
-        }
-
-        // O += P V: B = V (keys x d), N-major: 64-column blocks of d are kColBlock apart
-        // (LBO), groups of 8 keys 1024 bytes apart (SBO); k-step kk starts at key 16 kk.
+    };
+    // O += P V (asynchronous, one group). B = V (keys x d), N-major: 64-column blocks of d are
+    // kColBlock apart (LBO), groups of 8 keys 1024 bytes apart (SBO); k-step kk starts at key
+    // 16 kk.
+    auto issue_pv = [&](fc_u32 (&pa)[kBlockN / 16][4], fc_u32 buf) {
 #pragma unroll
         for (int i = 0; i < kDT * 4; ++i) fence_operand(acc_o[i]);
 #pragma unroll
@@ -281,15 +204,169 @@ flash_fwd_sm90_kernel(const FlashParams params) {
             Wgmma<Elem>::rs_tb(acc_o, pa[kk],
                                wgmma_desc(sV + buf + (fc_u32)kk * 16u * 128u, kColBlock, 1024u), 1);
         wgmma_commit();
-        wgmma_wait<0>();
+    };
+    // After a wait: pin the registers an MMA wrote (or read) so no access moves above it.
+    auto settle_s = [&](float (&s)[kNT * 4]) {
+#pragma unroll
+        for (int i = 0; i < kNT * 4; ++i) fence_operand(s[i]);
+    };
+    auto settle_pv = [&](fc_u32 (&pa)[kBlockN / 16][4]) {
 #pragma unroll
         for (int i = 0; i < kDT * 4; ++i) fence_operand(acc_o[i]);
 #pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk)   // the A registers stay untouched until here
+        for (int kk = 0; kk < kBlockN / 16; ++kk)
 #pragma unroll
             for (int e = 0; e < 4; ++e) fence_operand(pa[kk][e]);
+    };
+    // Mask the scores of the block at key n0 (boundary blocks only). Element e of n8 tile j:
+    // row half r = e / 2, key n0 + 8 j + 2 t + (e & 1).
+    auto mask_s = [&](float (&s)[kNT * 4], int n0) {
+        if (!(n0 + kBlockN > blk_hi || n0 < blk_lo)) return;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int pos = row_pos0 + 8 * r - n0 - 2 * t;   // i + off - (n0 + 2t)
+            int hi = sk - n0 - 2 * t;
+            if (right_bounded) hi = min(hi, pos + win_r + 1);
+            const int lo = left_bounded ? pos - win_l : -kBlockN;
+#pragma unroll
+            for (int j = 0; j < kNT; ++j)
+#pragma unroll
+                for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                    const int jr = j * 8 + (e & 1);
+                    if (jr >= hi || jr < lo) s[4 * j + e] = -INFINITY;
+                }
+        }
+    };
+    // Online softmax (as flash_fwd.cu): s -> P (fp32), row max and sum updated; corr is the
+    // factor the O of the earlier blocks must be multiplied by.
+    auto softmax = [&](float (&s)[kNT * 4], float (&corr)[2]) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = row_max[r];
+#pragma unroll
+            for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+            mx = quad_max(mx);
+            const float m_scaled = (mx == -INFINITY) ? 0.f : mx * mult;
+            corr[r] = fc_exp2(row_max[r] * mult - m_scaled);
+            row_max[r] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < kNT; ++j)
+#pragma unroll
+                for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                    const float p = fc_exp2(fmaf(s[4 * j + e], mult, -m_scaled));
+                    s[4 * j + e] = p;
+                    sum += p;
+                }
+            row_sum[r] = row_sum[r] * corr[r] + sum;
+        }
+    };
+    auto rescale_o = [&](const float (&corr)[2]) {
+#pragma unroll
+        for (int j = 0; j < kDT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[4 * j + e] *= corr[e >> 1];
+    };
+    // P (16-bit) as the A operand of k-step kk (keys 16 kk .. 16 kk + 15): tiles 2kk, 2kk+1.
+    auto pack_p = [&](const float (&s)[kNT * 4], fc_u32 (&pa)[kBlockN / 16][4]) {
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            pa[kk][0] = Elem::pack2(s[8 * kk + 0], s[8 * kk + 1]);
+            pa[kk][1] = Elem::pack2(s[8 * kk + 2], s[8 * kk + 3]);
+            pa[kk][2] = Elem::pack2(s[8 * kk + 4], s[8 * kk + 5]);
+            pa[kk][3] = Elem::pack2(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+    };
+    auto load_kv = [&](int nb, fc_u32 buf) {
+        const int n1 = nb * kBlockN;
+        load_tile(sK + buf, gK + (long long)n1 * params.k_row_stride, params.k_row_stride,
+                  sk - n1, tid);
+        load_tile(sV + buf, gV + (long long)n1 * params.v_row_stride, params.v_row_stride,
+                  sk - n1, tid);
+    };
 
-        __syncthreads();   // every warpgroup is done with this block's buffers
+    float s[kNT * 4];
+#pragma unroll
+    for (int i = 0; i < kNT * 4; ++i) s[i] = 0.f;
+    fc_u32 pa[kBlockN / 16][4];
+    float corr[2];
+
+    if constexpr (!kPipe) {
+        // v0: S, softmax, PV one after the other per block (the two warpgroups overlap each
+        // other between the barriers).
+        for (int it = 0; n_block >= n_block_min; ++it, --n_block) {
+            const int n0 = n_block * kBlockN;
+            const fc_u32 buf = (fc_u32)(it & 1) * kTile;
+            // Prefetch the next block into the other buffers (freed by the barrier that ended
+            // the previous iteration); always commit, so that "all but the newest group" below
+            // means "everything up to this block".
+            if (n_block - 1 >= n_block_min) load_kv(n_block - 1, kTile - buf);
+            cp_async_commit();
+            cp_async_wait<1>();      // Q and this block's K, V have landed (for this thread)
+            fence_proxy_async();     // ... and are visible to the async proxy
+            __syncthreads();         // ... for every thread
+
+            issue_s(s, buf);
+            wgmma_wait<0>();
+            settle_s(s);
+            mask_s(s, n0);
+            softmax(s, corr);
+            rescale_o(corr);
+            pack_p(s, pa);
+            issue_pv(pa, buf);
+            wgmma_wait<0>();
+            settle_pv(pa);
+            __syncthreads();         // every warpgroup is done with this block's buffers
+        }
+    } else {
+        // v1 (FA3's intra-warpgroup overlap): while the tensor cores run P_i V_i, the
+        // warpgroup computes the softmax of block i+1, whose S was issued just before.
+        //   step i:  wait for block i+1 (loaded two steps earlier) + barrier
+        //            S_{i+1} = Q K_{i+1}^T issued, then O += P_i V_i issued
+        //            wait for S_{i+1} only (wgmma groups retire in order), softmax it
+        //            wait for P_i V_i; O *= corr; P_{i+1} packed
+        //            barrier; block i+3 into the stage block i used
+        // K/V ring of 3 stages (block j in stage j % 3). cp.async groups: {Q, B0}, {B1}, {B2},
+        // then one per step ({B_{i+3}} or empty), so at the top of step i "all but the newest
+        // group" is everything up to B_{i+1}.
+        int nb = n_block;                       // block i (walking down)
+        auto stage = [&](int j) { return (fc_u32)(j % 3) * kTile; };
+#pragma unroll
+        for (int j = 0; j < 3; ++j) {
+            if (nb - j >= n_block_min) load_kv(nb - j, stage(j));
+            cp_async_commit();
+        }
+        cp_async_wait<2>();                     // Q and the first block landed
+        fence_proxy_async();
+        __syncthreads();
+        issue_s(s, stage(0));
+        wgmma_wait<0>();
+        settle_s(s);
+        mask_s(s, nb * kBlockN);
+        softmax(s, corr);                       // O is 0: no rescale
+        pack_p(s, pa);
+        int it = 0;
+        for (; nb - 1 >= n_block_min; ++it, --nb) {   // every block but the last
+            cp_async_wait<1>();                 // block i+1 landed
+            fence_proxy_async();
+            __syncthreads();
+            issue_s(s, stage(it + 1));          // S_{i+1}
+            issue_pv(pa, stage(it));            // O += P_i V_i
+            wgmma_wait<1>();                    // S_{i+1} done (P_i V_i may still run)
+            settle_s(s);
+            mask_s(s, (nb - 1) * kBlockN);
+            softmax(s, corr);
+            wgmma_wait<0>();
+            settle_pv(pa);
+            rescale_o(corr);
+            pack_p(s, pa);
+            __syncthreads();                    // both warpgroups are done with stage(it)
+            if (nb - 3 >= n_block_min) load_kv(nb - 3, stage(it));
+            cp_async_commit();
+        }
+        issue_pv(pa, stage(it));                // the last block
+        wgmma_wait<0>();
+        settle_pv(pa);
     }
 
     // ---- epilogue: O / l (NaN propagates: l == 0 only for rows that saw no key), lse ----------

@@ -166,15 +166,21 @@ def instantiations() -> list[str]:
 
 # ---- the Hopper family (cuda/flash_fwd_sm90.cu: wgmma from shared memory) ------------------
 SM90_SOURCE = "flash_fwd_sm90.cu"
-SM90_SMEM = 5 * 2 * 128 * 128 + 1024      # Q + 2 K + 2 V (128 x 128, 16-bit) + alignment
-_SM90 = {"enabled": os.environ.get("FLASHCORE_SM90", "0") == "1"}
+SM90_SMEM = 5 * 2 * 128 * 128 + 1024        # v0: Q + 2 K + 2 V (128 x 128, 16-bit) + alignment
+SM90_PIPE_SMEM = 7 * 2 * 128 * 128 + 1024   # v1: Q + 3 K + 3 V
+_SM90 = {"enabled": os.environ.get("FLASHCORE_SM90", "0") == "1",
+         "pipelined": os.environ.get("FLASHCORE_SM90_PIPE", "0") == "1"}
 
 
-def set_sm90(enabled: bool) -> None:
+def set_sm90(enabled: bool, pipelined: bool | None = None) -> None:
     """Use the Hopper (wgmma) forward kernel where it applies (compute capability 9.0, head
     dim 128, no softcap or ALiBi). Off by default until the GPU suite has verified it; the
-    environment variable FLASHCORE_SM90=1 turns it on at import."""
+    environment variable FLASHCORE_SM90=1 turns it on at import. ``pipelined`` picks v1 (the
+    softmax of the next key block overlapped with P V of this one; FLASHCORE_SM90_PIPE=1)
+    over v0."""
     _SM90["enabled"] = bool(enabled)
+    if pipelined is not None:
+        _SM90["pipelined"] = bool(pipelined)
 
 
 def sm90_applies(cc: int, headdim: int, has_softcap: bool, has_alibi: bool) -> bool:
@@ -182,13 +188,15 @@ def sm90_applies(cc: int, headdim: int, has_softcap: bool, has_alibi: bool) -> b
             and not has_alibi)
 
 
-def sm90_kernel_name(dtype_name: str, is_local: bool) -> str:
-    return f"flash_fwd_sm90_kernel<{_elem_tag(dtype_name)}, {_b(is_local)}>"
+def sm90_kernel_name(dtype_name: str, is_local: bool, pipelined: bool | None = None) -> str:
+    pipe = _SM90["pipelined"] if pipelined is None else pipelined
+    return f"flash_fwd_sm90_kernel<{_elem_tag(dtype_name)}, {_b(is_local)}, {_b(pipe)}>"
 
 
 def sm90_instantiations() -> list[str]:
     """Every template name of the Hopper forward (compiled for sm_90a only)."""
-    return [sm90_kernel_name(dt, loc) for dt in ("float16", "bfloat16") for loc in (False, True)]
+    return [sm90_kernel_name(dt, loc, pipe) for dt in ("float16", "bfloat16")
+            for loc in (False, True) for pipe in (False, True)]
 
 
 def _dtype_name(arr) -> str:
@@ -219,7 +227,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         key = ("fwd", q.device.id, layout_key(q), layout_key(k), layout_key(v), layout_key(out),
                layout_key(lse), layout_key(alibi_slopes), float(softmax_scale),
                _window(window_left), _window(window_right), float(softcap or 0.0),
-               _SM90["enabled"])
+               _SM90["enabled"], _SM90["pipelined"])
         plan = plans.lookup(key)
         if plan is not None:
             plan.run({"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "o": out.data.ptr,
@@ -280,9 +288,10 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     device_id = q.device.id
     cc = device_facts(device_id)[0]
     if sm90_applies(cc, headdim, has_softcap, has_alibi):
+        smem = SM90_PIPE_SMEM if _SM90["pipelined"] else SM90_SMEM
         kernel = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, is_local), device_id, cc,
-                            SM90_SMEM)
-        grid_m, block, smem = math.ceil(seqlen_q / 128), (256, 1, 1), SM90_SMEM
+                            smem)
+        grid_m, block = math.ceil(seqlen_q / 128), (256, 1, 1)
     else:
         d = headdim_tile(headdim)
         cfg = tile_config(d, is_local, has_softcap, has_alibi, headdim == d)

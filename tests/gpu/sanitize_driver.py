@@ -56,20 +56,21 @@ for c in CASES:
 # a window, varlen -- forward only (its backward is the one above).
 if int(cp.cuda.Device().compute_capability) == 90:
     from flashcore.kernels import forward as _fwd
-    _fwd.set_sm90(True)
-    for dt, sq, sk, kw in (("bfloat16", 77, 93, {}), ("float16", 300, 130, {"causal": True}),
-                           ("bfloat16", 200, 260, {"window_size": (40, 7)})):
-        q, k, v = arr((2, sq, 4, 128), dt), arr((2, sk, 2, 128), dt), arr((2, sk, 2, 128), dt)
-        flashcore.attention_forward(q, k, v, **kw)
+    for pipelined in (False, True):       # v0 and v1
+        _fwd.set_sm90(True, pipelined=pipelined)
+        for dt, sq, sk, kw in (("bfloat16", 77, 93, {}), ("float16", 300, 130, {"causal": True}),
+                               ("bfloat16", 200, 700, {"window_size": (40, 7)})):
+            q, k, v = arr((2, sq, 4, 128), dt), arr((2, sk, 2, 128), dt), arr((2, sk, 2, 128), dt)
+            flashcore.attention_forward(q, k, v, **kw)
+            cp.cuda.Device().synchronize()
+            n += 1
+        cu_q = cp.asarray(np.array([0, 5, 5, 140, 141], np.int32))
+        cu_k = cp.asarray(np.array([0, 9, 13, 500, 500], np.int32))
+        q, k, v = arr((141, 4, 128), "bfloat16"), arr((500, 2, 128), "bfloat16"), arr((500, 2, 128), "bfloat16")
+        flashcore.varlen_attention_forward(q, k, v, cu_q, cu_k, causal=True)
         cp.cuda.Device().synchronize()
         n += 1
-    cu_q = cp.asarray(np.array([0, 5, 5, 140, 141], np.int32))
-    cu_k = cp.asarray(np.array([0, 9, 13, 100, 100], np.int32))
-    q, k, v = arr((141, 4, 128), "bfloat16"), arr((100, 2, 128), "bfloat16"), arr((100, 2, 128), "bfloat16")
-    flashcore.varlen_attention_forward(q, k, v, cu_q, cu_k, causal=True)
-    cp.cuda.Device().synchronize()
-    n += 1
-    _fwd.set_sm90(False)
+    _fwd.set_sm90(False, pipelined=False)
 
 # KV-cache decoding: contiguous and paged caches, append with rotary, split-KV and not, GQA.
 for d, page, splits, sq in ((128, None, 1, 1), (64, 16, 3, 1), (128, 256, 0, 4), (72, 16, 2, 2)):

@@ -21,27 +21,31 @@ def _cc():
     return int(cupy.cuda.Device().compute_capability)
 
 
-@pytest.fixture(autouse=True)
-def sm90_on():
+_VARIANT = {"pipelined": False}
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["v0", "v1-pipelined"])
+def sm90_on(request):
     """The Hopper family on, and the process's kernel and plan caches emptied, so that
     _ran_sm90 sees only what this test loaded."""
     from flashcore import jit
     from flashcore.kernels import forward, plans
     if _cc() != 90:
         pytest.skip("the wgmma kernel needs compute capability 9.0")
-    was = forward._SM90["enabled"]
+    was = dict(forward._SM90)
     jit.clear_memory_cache()
     plans.clear()
-    forward.set_sm90(True)
+    _VARIANT["pipelined"] = request.param
+    forward.set_sm90(True, pipelined=request.param)
     yield
-    forward.set_sm90(was)
+    forward.set_sm90(was["enabled"], pipelined=was["pipelined"])
     plans.clear()
 
 
 def _ran_sm90(dtype, local):
     from flashcore import jit
     from flashcore.kernels import forward
-    name = forward.sm90_kernel_name(dtype, local)
+    name = forward.sm90_kernel_name(dtype, local, _VARIANT["pipelined"])
     return any(k[2] == forward.SM90_SOURCE and k[3] == name for k in jit._kernels)
 
 
