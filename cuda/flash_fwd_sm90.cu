@@ -175,10 +175,23 @@ flash_fwd_sm90_kernel(const FlashParams params) {
     const fc_u32 sQwg = sQ + (fc_u32)wg * 64u * 128u;
 
     // ---- the steps of one key block ------------------------------------------------------
-    // S = Q K^T into s (asynchronous: committed as one wgmma group, not waited for).
-    auto issue_s = [&](float (&s)[kNT * 4], fc_u32 buf) {
+    // Pin the registers an MMA reads or writes in program order (fence_operand): before its
+    // issue (no write to them moves below it) and after its wait (no read moves above it).
+    auto settle_s = [&](float (&s)[kNT * 4]) {
 #pragma unroll
         for (int i = 0; i < kNT * 4; ++i) fence_operand(s[i]);
+    };
+    auto settle_pv = [&](fc_u32 (&pa)[kBlockN / 16][4]) {
+#pragma unroll
+        for (int i = 0; i < kDT * 4; ++i) fence_operand(acc_o[i]);
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) fence_operand(pa[kk][e]);
+    };
+    // S = Q K^T into s (asynchronous: committed as one wgmma group, not waited for).
+    auto issue_s = [&](float (&s)[kNT * 4], fc_u32 buf) {
+        settle_s(s);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kD / 16; ++kk) {
@@ -192,31 +205,13 @@ flash_fwd_sm90_kernel(const FlashParams params) {
     // kColBlock apart (LBO), groups of 8 keys 1024 bytes apart (SBO); k-step kk starts at key
     // 16 kk.
     auto issue_pv = [&](fc_u32 (&pa)[kBlockN / 16][4], fc_u32 buf) {
-#pragma unroll
-        for (int i = 0; i < kDT * 4; ++i) fence_operand(acc_o[i]);
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) fence_operand(pa[kk][e]);
+        settle_pv(pa);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk)
             Wgmma<Elem>::rs_tb(acc_o, pa[kk],
                                wgmma_desc(sV + buf + (fc_u32)kk * 16u * 128u, kColBlock, 1024u), 1);
         wgmma_commit();
-    };
-    // After a wait: pin the registers an MMA wrote (or read) so no access moves above it.
-    auto settle_s = [&](float (&s)[kNT * 4]) {
-#pragma unroll
-        for (int i = 0; i < kNT * 4; ++i) fence_operand(s[i]);
-    };
-    auto settle_pv = [&](fc_u32 (&pa)[kBlockN / 16][4]) {
-#pragma unroll
-        for (int i = 0; i < kDT * 4; ++i) fence_operand(acc_o[i]);
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) fence_operand(pa[kk][e]);
     };
     // Mask the scores of the block at key n0 (boundary blocks only). Element e of n8 tile j:
     // row half r = e / 2, key n0 + 8 j + 2 t + (e & 1).

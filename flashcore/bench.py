@@ -145,11 +145,28 @@ def _print_row(r, modes, impls, peers, out):
     sys.stdout.flush()
 
 
+def per_call_us(fn, n, warmup=50, rounds=5):
+    """Host time per call of ``fn`` in microseconds: the best of ``rounds`` rounds of ``n``
+    calls back to back, each round ended by a device synchronisation."""
+    import time
+
+    import torch
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best * 1e6
+
+
 def overhead(n=2000, out=print):
     """Host cost per call on a tiny problem (launch-bound): the CuPy backend called directly
     against the same call through torch (no grad, and forward+backward with autograd)."""
-    import time
-
     import cupy
     import torch
 
@@ -158,17 +175,7 @@ def overhead(n=2000, out=print):
     cq, ck, cv, cdo = (cupy.from_dlpack(x) for x in (q, k, v, do))
 
     def per_call(fn):
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            torch.cuda.synchronize()
-            best = min(best, (time.perf_counter() - t0) / n)
-        return best * 1e6
+        return per_call_us(fn, n)
 
     def cupy_fb():
         o, l = flashcore.attention_forward(cq, ck, cv, causal=True)

@@ -13,22 +13,6 @@ Rows, each the best of 5 x N calls on a tiny problem (1 x 128 x 2 x 64 bf16, cau
 from __future__ import annotations
 
 import sys
-import time
-
-
-def per_call(fn, n):
-    import torch
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / n)
-    return best * 1e6
 
 
 def main(n=1000):
@@ -38,6 +22,7 @@ def main(n=1000):
 
     import flashcore
     from flashcore.backends import torch_backend as tb
+    from flashcore.bench import per_call_us
     from flashcore.backends.base import choose
     from flashcore.spec import forward_spec
 
@@ -50,7 +35,7 @@ def main(n=1000):
     rows = []
 
     def row(name, fn):
-        rows.append((name, per_call(fn, n)))
+        rows.append((name, per_call_us(fn, n, warmup=20)))
 
     def cupy_fb():
         o, l_ = flashcore.attention_forward(cq, ck, cv, causal=True)
