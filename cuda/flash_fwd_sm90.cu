@@ -14,10 +14,11 @@
 // The tensor cores read shared memory directly: no ldmatrix, no per-warp operand traffic
 // through registers (what bounds the mma.sync kernel at about half of the Hopper peak).
 //
-// Pipeline: Q once; K and V double-buffered, the next block's cp.async issued before the
-// current block's MMAs. cp.async writes through the generic proxy and wgmma reads through the
-// async proxy: every thread fences (fence.proxy.async) after its copies land, then the CTA
-// synchronises, before any wgmma reads the tile.
+// Pipeline: Q once; v0 double-buffers K and V (the next block's cp.async issued before the
+// current block's MMAs), v1 keeps a 3-stage ring loaded two steps ahead (see its loop).
+// cp.async writes through the generic proxy and wgmma reads through the async proxy: every
+// thread fences (fence.proxy.async) after its copies land, then the CTA synchronises, before
+// any wgmma reads the tile.
 //
 // Shared memory (1024-byte aligned; each [128 rows][64 cols] block 16 KiB, 128-byte swizzle,
 // the same physical layout as flash_fwd.cu's tiles): Q 32 KiB, then K and V rings of 32 KiB

@@ -142,6 +142,8 @@ def clear_memory_cache() -> None:
     with _lock:
         _kernels.clear()
         _smem_opted.clear()
+    from .kernels import plans     # launch plans hold kernel objects: drop them too
+    plans.clear()
 
 
 def compile_check(source_file: str, names: list[str], arch: str,

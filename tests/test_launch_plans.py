@@ -224,3 +224,26 @@ def test_options_are_part_of_the_key():
     _forward(dict(c, scale=c["scale"] * 2), arrays)
     _forward(dict(c, wl=3, wr=3), arrays)
     assert len(plans.PLANS) == 3
+
+
+def test_key_holds_the_address_modulo_16():
+    """The backward writes dq/dk/dv in place when 4-byte aligned, else through a temporary:
+    a plan recorded for one alignment must not serve another (review finding)."""
+    a8 = fake_array((2, 8, 2, 64), np.float16, align=8)
+    a2 = fake_array((2, 8, 2, 64), np.float16, align=2)
+    a0 = fake_array((2, 8, 2, 64), np.float16)
+    keys = {plans.layout_key(a) for a in (a8, a2, a0)}
+    assert len(keys) == 3
+
+
+def test_tile_overrides_and_kernel_reloads_drop_the_plans():
+    rng = np.random.default_rng(12)
+    c = _case(rng)
+    _forward(c, _fwd_arrays(rng, c))
+    assert plans.PLANS
+    forward.set_tile_override(64, None)
+    assert not plans.PLANS
+    _forward(c, _fwd_arrays(rng, c))
+    assert plans.PLANS
+    jit.clear_memory_cache()
+    assert not plans.PLANS

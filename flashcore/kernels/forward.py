@@ -91,6 +91,7 @@ _OVERRIDES: dict[int, TileConfig] = {}
 
 def set_tile_override(headdim_tile_: int, cfg: TileConfig | None) -> None:
     """Force a tile configuration for one head-dim tile (for tuning sweeps); None clears it."""
+    plans.clear()      # recorded launches used the previous tiles
     if cfg is None:
         _OVERRIDES.pop(headdim_tile_, None)
     else:

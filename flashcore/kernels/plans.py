@@ -9,8 +9,9 @@ kernels it launched, in order, with their geometry, and the struct with its poin
 noted. Later calls of that layout fill in the pointers (and any scratch the plan names) and
 launch.
 
-What a plan may depend on is exactly what its key holds: shape, strides, dtype and 16-byte
-alignment of every array, the device, and the scalar options. Calls that made copies (an
+What a plan may depend on is exactly what its key holds: shape, strides, dtype and the
+address modulo 16 of every array, the device, and the scalar options. Anything that changes a
+launcher's decisions otherwise (tile overrides, reloaded kernels) clears the plans. Calls that made copies (an
 unaligned or strided input the kernels cannot read directly), varlen calls (whose maximum
 lengths may be read from the device) and calls that launched nothing are never recorded.
 ``set_enabled(False)`` turns the replay off (the launchers then run in full every time).
@@ -43,10 +44,12 @@ def clear() -> None:
 
 
 def layout_key(a):
-    """Everything of a CuPy array a launcher may depend on, except the pointer itself."""
+    """Everything of a CuPy array a launcher may depend on, except the pointer itself: the
+    launchers decide copies on the base's alignment at 16 bytes (inputs) and at 4 (outputs),
+    so the key holds the address modulo 16."""
     if a is None:
         return None
-    return (a.shape, a.strides, a.dtype, a.data.ptr % 16 == 0)
+    return (a.shape, a.strides, a.dtype, a.data.ptr % 16)
 
 
 def _ptr_slots() -> dict[str, int]:
