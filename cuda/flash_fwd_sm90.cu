@@ -4,8 +4,8 @@
 //
 // Status: first version, opt-in (FLASHCORE_SM90=1) until the GPU suite has verified it.
 //
-// One CTA = 2 warpgroups (256 threads) computes a 128-row x headdim-128 output tile for one
-// (batch, head). Warpgroup wg owns tile rows [64 wg, 64 wg + 64): per key block
+// One CTA = 2 warpgroups (256 threads) computes a 128-row x headdim output tile (head dim 64
+// or 128) for one (batch, head). Warpgroup wg owns tile rows [64 wg, 64 wg + 64): per key block
 //   S  = Q K^T        wgmma m64n128k16, A = Q and B = K from shared memory (both K-major)
 //   online softmax on S in registers (exp2, scale folded in; FA2's per-row state)
 //   O += P V          wgmma m64n128k16, A = P from registers (S packed to 16 bits: the
@@ -26,8 +26,8 @@
 //
 // Masking, alignment and outputs are those of flash_fwd.cu (bottom-right causal, windows with
 // block skipping, varlen, GQA; rows that see no key get O = 0 and lse = -inf; NaN propagates).
-// Not in this version (the launcher routes them to flash_fwd.cu): head dims other than 128,
-// softcap, ALiBi.
+// Not in this version (the launcher routes them to flash_fwd.cu): head dims other than 64 and
+// 128, softcap, ALiBi.
 #include "flash_params.cuh"
 #include "ptx.cuh"
 #include "wgmma.cuh"
@@ -38,44 +38,49 @@
 
 namespace fc_h {
 
-constexpr int kD = 128;          // head dim (tile and real)
 constexpr int kBlockM = 128;     // query rows per CTA (2 warpgroups x 64)
 constexpr int kBlockN = 128;     // keys per block
 constexpr int kNThreads = 256;
 constexpr fc_u32 kColBlock = 128u * 128u;        // bytes of one [128 rows][64 cols] block
-constexpr fc_u32 kTile = 2u * kColBlock;         // one 128 x 128 tile (Q, one K or one V)
 
 __device__ __forceinline__ void stg32(void* p, fc_u32 v) {
     asm volatile("st.global.b32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
 }
 
-// A 128 x 128 tile (rows of `row_stride` elements from gsrc) into the swizzled layout; rows
-// >= rows_valid are zero-filled. 256 threads: thread -> (column chunk tid % 16, row tid / 16),
-// 8 passes of 16 rows (16 is a multiple of 8: the swizzle phase is constant per thread).
+// A 128 x kD tile (rows of `row_stride` elements from gsrc) into the swizzled layout; rows
+// >= rows_valid are zero-filled. 256 threads: thread -> (column chunk tid % C, row tid / C),
+// C = kD / 8 chunks per row, passes of 256 / C rows (a multiple of 8: the swizzle phase is
+// constant per thread).
+template <int kD>
 __device__ __forceinline__ void load_tile(fc_u32 sdst, const fc_u16* gsrc, long long row_stride,
                                           int rows_valid, int tid) {
-    const int c = tid & 15;          // 16-byte chunk of the row: columns 8c .. 8c + 7
-    const int r0 = tid >> 4;         // 0 .. 15
+    constexpr int kC = kD / 8;                 // 16-byte chunks per row
+    constexpr int kRS = kNThreads / kC;        // rows per pass
+    const int c = tid % kC;          // columns 8c .. 8c + 7
+    const int r0 = tid / kC;
     const fc_u32 s0 = sdst + (fc_u32)(c >> 3) * kColBlock
                       + 2u * (fc_u32)swz<64>(r0, (c & 7) * 8);
     const fc_u16* src = gsrc + (long long)r0 * row_stride + c * 8;
 #pragma unroll
-    for (int it = 0; it < kBlockN / 16; ++it) {
-        const bool pred = r0 + it * 16 < rows_valid;
-        cp_async_16(s0 + (fc_u32)it * 16u * 128u, pred ? src : gsrc, pred);
-        src += 16 * row_stride;
+    for (int it = 0; it < kBlockN / kRS; ++it) {
+        const bool pred = r0 + it * kRS < rows_valid;
+        cp_async_16(s0 + (fc_u32)(it * kRS) * 128u, pred ? src : gsrc, pred);
+        src += kRS * row_stride;
     }
 }
 
 }  // namespace fc_h
 
-// Template parameters: Elem (fc_bf16 / fc_fp16); Is_local: a window side is bounded (causal
+// Template parameters: Elem (fc_bf16 / fc_fp16); kD: head dim (64 or 128, exact);
+// Is_local: a window side is bounded (causal
 // included), giving block skipping and boundary masks; kPipe: v1 (softmax of the next block
 // overlapped with P V of this one) instead of v0.
-template <typename Elem, bool Is_local, bool kPipe>
+template <typename Elem, int kD, bool Is_local, bool kPipe>
 __global__ void __launch_bounds__(256, 1)
 flash_fwd_sm90_kernel(const FlashParams params) {
     using namespace fc_h;
+    static_assert(kD == 64 || kD == 128, "head dims 64 and 128");
+    constexpr fc_u32 kTile = (fc_u32)(kD / 64) * kColBlock;   // one 128 x kD tile
     constexpr int kNT = kBlockN / 8;    // n8 tiles of S per thread row pair (16)
     constexpr int kDT = kD / 8;         // n8 tiles of O (16)
 
@@ -148,12 +153,12 @@ flash_fwd_sm90_kernel(const FlashParams params) {
 
     // ---- prologue: Q (v0 also the first K and V, one group each; v1 loads its own) ---------
     int n_block = n_block_max - 1;
-    load_tile(sQ, gQ, params.q_row_stride, rows_q, tid);
+    load_tile<kD>(sQ, gQ, params.q_row_stride, rows_q, tid);
     if constexpr (!kPipe) {
         cp_async_commit();
         const int n0 = n_block * kBlockN;
-        load_tile(sK, gK + (long long)n0 * params.k_row_stride, params.k_row_stride, sk - n0, tid);
-        load_tile(sV, gV + (long long)n0 * params.v_row_stride, params.v_row_stride, sk - n0, tid);
+        load_tile<kD>(sK, gK + (long long)n0 * params.k_row_stride, params.k_row_stride, sk - n0, tid);
+        load_tile<kD>(sV, gV + (long long)n0 * params.v_row_stride, params.v_row_stride, sk - n0, tid);
         cp_async_commit();
     }
 
@@ -275,9 +280,9 @@ flash_fwd_sm90_kernel(const FlashParams params) {
     };
     auto load_kv = [&](int nb, fc_u32 buf) {
         const int n1 = nb * kBlockN;
-        load_tile(sK + buf, gK + (long long)n1 * params.k_row_stride, params.k_row_stride,
+        load_tile<kD>(sK + buf, gK + (long long)n1 * params.k_row_stride, params.k_row_stride,
                   sk - n1, tid);
-        load_tile(sV + buf, gV + (long long)n1 * params.v_row_stride, params.v_row_stride,
+        load_tile<kD>(sV + buf, gV + (long long)n1 * params.v_row_stride, params.v_row_stride,
                   sk - n1, tid);
     };
 

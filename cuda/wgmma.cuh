@@ -51,7 +51,8 @@ __device__ __forceinline__ void fence_operand(fc_u32& x) { asm volatile("" : "+r
 template <typename Elem> struct Wgmma;
 
 // D (64 x 128, fp32) (+)= A (64 x 16, shared, K-major) * B (16 x 128, shared, K-major): ss
-// D (64 x 128, fp32) (+)= A (64 x 16, registers) * B (16 x 128, shared, N-major): rs_tb
+// D (64 x N, fp32) (+)= A (64 x 16, registers) * B (16 x N, shared, N-major): rs_tb, N = 128
+// or 64 (chosen by the accumulator array's size)
 // scale_d = 0 overwrites D, 1 accumulates.
 // One specialisation per element type; T is the PTX type name (bf16, f16).
 #define FC_WGMMA_ACC64 \
@@ -63,6 +64,12 @@ template <typename Elem> struct Wgmma;
       "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
       "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
       "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+
+#define FC_WGMMA_ACC32 \
+      "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+      "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+      "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 
 #define FC_WGMMA_SPECIALISE(ELEM, T)                                                          \
 template <> struct Wgmma<ELEM> {                                                             \
@@ -86,9 +93,20 @@ template <> struct Wgmma<ELEM> {                                                
             : FC_WGMMA_ACC64                                                                 \
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));        \
     }                                                                                        \
+    static __device__ __forceinline__ void rs_tb(float (&d)[32], const fc_u32 (&a)[4],       \
+                                                 fc_u64 desc_b, int scale_d) {               \
+        asm volatile(                                                                        \
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                    \
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32." #T "." #T " "                      \
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                                                                    \
+            "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                                  \
+            : FC_WGMMA_ACC32                                                                 \
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));        \
+    }                                                                                        \
 };
 
 FC_WGMMA_SPECIALISE(fc_bf16, bf16)
 FC_WGMMA_SPECIALISE(fc_fp16, f16)
 #undef FC_WGMMA_SPECIALISE
 #undef FC_WGMMA_ACC64
+#undef FC_WGMMA_ACC32

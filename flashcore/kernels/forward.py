@@ -167,15 +167,19 @@ def instantiations() -> list[str]:
 
 # ---- the Hopper family (cuda/flash_fwd_sm90.cu: wgmma from shared memory) ------------------
 SM90_SOURCE = "flash_fwd_sm90.cu"
-SM90_SMEM = 5 * 2 * 128 * 128 + 1024        # v0: Q + 2 K + 2 V (128 x 128, 16-bit) + alignment
-SM90_PIPE_SMEM = 7 * 2 * 128 * 128 + 1024   # v1: Q + 3 K + 3 V
+SM90_HEADDIMS = (64, 128)
+
+
+def sm90_smem(headdim: int, pipelined: bool) -> int:
+    """Q + 2 (v0) or 3 (v1) stages of K and V, 128 x headdim 16-bit tiles, + alignment slack."""
+    return (7 if pipelined else 5) * 2 * 128 * headdim + 1024
 _SM90 = {"enabled": os.environ.get("FLASHCORE_SM90", "0") == "1",
          "pipelined": os.environ.get("FLASHCORE_SM90_PIPE", "0") == "1"}
 
 
 def set_sm90(enabled: bool, pipelined: bool | None = None) -> None:
     """Use the Hopper (wgmma) forward kernel where it applies (compute capability 9.0, head
-    dim 128, no softcap or ALiBi). Off by default until the GPU suite has verified it; the
+    dim 64 or 128, no softcap or ALiBi). Off by default until the GPU suite has verified it; the
     environment variable FLASHCORE_SM90=1 turns it on at import. ``pipelined`` picks v1 (the
     softmax of the next key block overlapped with P V of this one; FLASHCORE_SM90_PIPE=1)
     over v0."""
@@ -185,19 +189,21 @@ def set_sm90(enabled: bool, pipelined: bool | None = None) -> None:
 
 
 def sm90_applies(cc: int, headdim: int, has_softcap: bool, has_alibi: bool) -> bool:
-    return (_SM90["enabled"] and cc == 90 and headdim == 128 and not has_softcap
+    return (_SM90["enabled"] and cc == 90 and headdim in SM90_HEADDIMS and not has_softcap
             and not has_alibi)
 
 
-def sm90_kernel_name(dtype_name: str, is_local: bool, pipelined: bool | None = None) -> str:
+def sm90_kernel_name(dtype_name: str, headdim: int, is_local: bool,
+                     pipelined: bool | None = None) -> str:
     pipe = _SM90["pipelined"] if pipelined is None else pipelined
-    return f"flash_fwd_sm90_kernel<{_elem_tag(dtype_name)}, {_b(is_local)}, {_b(pipe)}>"
+    return (f"flash_fwd_sm90_kernel<{_elem_tag(dtype_name)}, {headdim}, {_b(is_local)}, "
+            f"{_b(pipe)}>")
 
 
 def sm90_instantiations() -> list[str]:
     """Every template name of the Hopper forward (compiled for sm_90a only)."""
-    return [sm90_kernel_name(dt, loc, pipe) for dt in ("float16", "bfloat16")
-            for loc in (False, True) for pipe in (False, True)]
+    return [sm90_kernel_name(dt, d, loc, pipe) for dt in ("float16", "bfloat16")
+            for d in SM90_HEADDIMS for loc in (False, True) for pipe in (False, True)]
 
 
 def _dtype_name(arr) -> str:
@@ -289,9 +295,9 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     device_id = q.device.id
     cc = device_facts(device_id)[0]
     if sm90_applies(cc, headdim, has_softcap, has_alibi):
-        smem = SM90_PIPE_SMEM if _SM90["pipelined"] else SM90_SMEM
-        kernel = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, is_local), device_id, cc,
-                            smem)
+        smem = sm90_smem(headdim, _SM90["pipelined"])
+        kernel = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, headdim, is_local),
+                            device_id, cc, smem)
         grid_m, block = math.ceil(seqlen_q / 128), (256, 1, 1)
     else:
         d = headdim_tile(headdim)

@@ -58,9 +58,11 @@ if int(cp.cuda.Device().compute_capability) == 90:
     from flashcore.kernels import forward as _fwd
     for pipelined in (False, True):       # v0 and v1
         _fwd.set_sm90(True, pipelined=pipelined)
-        for dt, sq, sk, kw in (("bfloat16", 77, 93, {}), ("float16", 300, 130, {"causal": True}),
-                               ("bfloat16", 200, 700, {"window_size": (40, 7)})):
-            q, k, v = arr((2, sq, 4, 128), dt), arr((2, sk, 2, 128), dt), arr((2, sk, 2, 128), dt)
+        for dt, sq, sk, hd, kw in (("bfloat16", 77, 93, 128, {}),
+                                   ("float16", 300, 130, 128, {"causal": True}),
+                                   ("bfloat16", 200, 700, 128, {"window_size": (40, 7)}),
+                                   ("float16", 333, 401, 64, {"causal": True})):
+            q, k, v = arr((2, sq, 4, hd), dt), arr((2, sk, 2, hd), dt), arr((2, sk, 2, hd), dt)
             flashcore.attention_forward(q, k, v, **kw)
             cp.cuda.Device().synchronize()
             n += 1

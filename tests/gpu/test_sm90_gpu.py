@@ -42,10 +42,10 @@ def sm90_on(request):
     plans.clear()
 
 
-def _ran_sm90(dtype, local):
+def _ran_sm90(dtype, local, d=128):
     from flashcore import jit
     from flashcore.kernels import forward
-    name = forward.sm90_kernel_name(dtype, local, _VARIANT["pipelined"])
+    name = forward.sm90_kernel_name(dtype, d, local, _VARIANT["pipelined"])
     return any(k[2] == forward.SM90_SOURCE and k[3] == name for k in jit._kernels)
 
 
@@ -53,22 +53,30 @@ SEQS = [(1, 1), (17, 113), (113, 203), (203, 17), (128, 128), (1023, 2049), (204
         (4096, 4096)]
 
 
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", SEQS, ids=[f"{a}x{b}" for a, b in SEQS])
-def test_matrix(dtype, causal, sq, sk):
+def test_matrix(dtype, causal, sq, sk, d):
     b = 2 if sq * sk < 1_000_000 else 1
     heads = (6, 2) if causal else (4, 4)
-    run_case(dtype, b, sq, sk, heads[0], heads[1], 128, causal=causal,
+    run_case(dtype, b, sq, sk, heads[0], heads[1], d, causal=causal,
              seed=(sq * 31 + sk) % 1000, backward=sq * sk < 5_000_000)
-    assert _ran_sm90(dtype, causal)
+    assert _ran_sm90(dtype, causal, d)
 
 
+@pytest.mark.parametrize("d", [40, 72, 96, 256])
+def test_other_head_dims_stay_on_the_ampere_kernel(d):
+    run_case("bfloat16", 1, 130, 150, 4, 2, d, causal=True, seed=d, backward=False)
+    assert not _ran_sm90("bfloat16", True, d) and not _ran_sm90("bfloat16", True, 128)
+
+
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [(0, 0), (5, 3), (127, 0), (300, -1), (-1, 77)])
-def test_windows(dtype, window):
-    run_case(dtype, 2, 517, 611, 6, 3, 128, window=window, seed=7)
-    assert _ran_sm90(dtype, True)
+def test_windows(dtype, window, d):
+    run_case(dtype, 2, 517, 611, 6, 3, d, window=window, seed=7)
+    assert _ran_sm90(dtype, True, d)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
