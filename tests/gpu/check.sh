@@ -25,7 +25,13 @@ done
 
 workers=${FLASHCORE_TEST_WORKERS:-8}
 xdist=""
-python3 -c "import xdist" 2>/dev/null && xdist="-n $workers"
+if python3 -c "import xdist" 2>/dev/null; then
+  xdist="-n $workers"
+  # Each worker computes NumPy references: one BLAS thread each, or the workers' thread pools
+  # oversubscribe the cores (a worker per core is the parallelism wanted here).
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1} \
+         MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
+fi
 t0=$(date +%s)
 timeout ${GPU_TEST_TIMEOUT:-1800} python3 -m pytest tests -m gpu -q -rfE $xdist -p no:cacheprovider --maxfail=40 ${GPU_TEST_ARGS:-} 2>&1 | tee "$out/gpu_tests.log" | tail -60
 tests_rc=${PIPESTATUS[0]}
