@@ -53,6 +53,8 @@ template <typename Elem> struct Wgmma;
 // D (64 x 128, fp32) (+)= A (64 x 16, shared, K-major) * B (16 x 128, shared, K-major): ss
 // D (64 x N, fp32) (+)= A (64 x 16, registers) * B (16 x N, shared, N-major): rs_tb, N = 128
 // or 64 (chosen by the accumulator array's size)
+// D (64 x 64, fp32) (+)= A (64 x 16, shared) * B (16 x 64, shared): ss (both K-major) and
+// ss_tt (A M-major, B N-major: imm-trans-a = imm-trans-b = 1)
 // scale_d = 0 overwrites D, 1 accumulates.
 // One specialisation per element type; T is the PTX type name (bf16, f16).
 #define FC_WGMMA_ACC64 \
@@ -92,6 +94,25 @@ template <> struct Wgmma<ELEM> {                                                
             "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                                  \
             : FC_WGMMA_ACC64                                                                 \
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));        \
+    }                                                                                        \
+    static __device__ __forceinline__ void ss(float (&d)[32], fc_u64 desc_a, fc_u64 desc_b,  \
+                                              int scale_d) {                                 \
+        ss_n64<0, 0>(d, desc_a, desc_b, scale_d);                                            \
+    }                                                                                        \
+    static __device__ __forceinline__ void ss_tt(float (&d)[32], fc_u64 desc_a,              \
+                                                 fc_u64 desc_b, int scale_d) {               \
+        ss_n64<1, 1>(d, desc_a, desc_b, scale_d);                                            \
+    }                                                                                        \
+    template <int TA, int TB>                                                                \
+    static __device__ __forceinline__ void ss_n64(float (&d)[32], fc_u64 desc_a,             \
+                                                  fc_u64 desc_b, int scale_d) {              \
+        asm volatile(                                                                        \
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                    \
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32." #T "." #T " "                      \
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                                                                    \
+            "%32, %33, p, 1, 1, %35, %36;\n}\n"                                              \
+            : FC_WGMMA_ACC32                                                                 \
+            : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));                     \
     }                                                                                        \
     static __device__ __forceinline__ void rs_tb(float (&d)[32], const fc_u32 (&a)[4],       \
                                                  fc_u64 desc_b, int scale_d) {               \

@@ -38,8 +38,9 @@ def _modules():
 
 def _sm90_sources():
     """Hopper-only sources (wgmma): compiled for sm_90a alone. (source, instantiations)."""
-    from flashcore.kernels import forward
-    return [(forward.SM90_SOURCE, forward.sm90_instantiations)]
+    from flashcore.kernels import backward, forward
+    return [(forward.SM90_SOURCE, forward.sm90_instantiations),
+            (backward.SM90_SOURCE, backward.sm90_instantiations)]
 
 
 def _sample(names, budget):
@@ -82,7 +83,7 @@ def test_kernels_compile(source, arch):
             assert int(m.group(2)) <= 2048, f"{source} {arch}: heavy spills\n{log}"
 
 
-@pytest.mark.parametrize("source", ["flash_fwd_sm90.cu"])
+@pytest.mark.parametrize("source", ["flash_fwd_sm90.cu", "flash_bwd_sm90.cu"])
 def test_hopper_kernels_compile(source):
     _nvrtc_or_skip()
     names = dict(_sm90_sources())[source]()

@@ -17,6 +17,7 @@ The caller (the CuPy backend) has validated shapes, dtypes and devices. CuPy is 
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 from .common import _as_input, _as_output, _strides
@@ -25,7 +26,8 @@ from .params import WINDOW_NONE, as_kernel_arg, make_params
 from .plans import layout_key
 
 __all__ = ["launch_backward", "instantiations", "BwdTile", "dkdv_tiles", "dq_tiles",
-           "dkdv_smem_bytes", "dq_smem_bytes", "HEADDIM_TILES"]
+           "dkdv_smem_bytes", "dq_smem_bytes", "HEADDIM_TILES", "set_sm90", "sm90_applies",
+           "sm90_kernel_name", "sm90_instantiations", "SM90_SOURCE"]
 
 SOURCE = "flash_bwd.cu"
 HEADDIM_TILES = (32, 64, 96, 128, 192, 256)
@@ -164,6 +166,35 @@ def instantiations() -> list[str]:
     return names
 
 
+# ---- the Hopper family (cuda/flash_bwd_sm90.cu: the dK/dV kernel on wgmma) ------------------
+SM90_SOURCE = "flash_bwd_sm90.cu"
+# K, V (128 x 128), Q and dO (2 stages of 64 x 128), dS^T (128 x 64), lse and D, + alignment
+SM90_SMEM = 2 * (2 * 128 * 128) + 2 * 2 * (2 * 64 * 128) + 2 * 128 * 64 + 2 * 2 * 64 * 4 + 1024
+_SM90 = {"enabled": os.environ.get("FLASHCORE_SM90_BWD", "0") == "1"}
+
+
+def set_sm90(enabled: bool) -> None:
+    """Use the Hopper (wgmma) dK/dV kernel where it applies (compute capability 9.0, head dim
+    128, no softcap or ALiBi, not deterministic). Off by default until the GPU suite has
+    verified it; FLASHCORE_SM90_BWD=1 turns it on at import."""
+    _SM90["enabled"] = bool(enabled)
+    plans.clear()
+
+
+def sm90_applies(cc: int, headdim: int, has_softcap: bool, has_alibi: bool,
+                 deterministic: bool) -> bool:
+    return (_SM90["enabled"] and cc == 90 and headdim == 128 and not has_softcap
+            and not has_alibi and not deterministic)
+
+
+def sm90_kernel_name(dtype_name: str, is_local: bool) -> str:
+    return f"flash_bwd_dkdv_sm90_kernel<{_ELEM[dtype_name]}, {_b(is_local)}>"
+
+
+def sm90_instantiations() -> list[str]:
+    return [sm90_kernel_name(dt, loc) for dt in ("float16", "bfloat16") for loc in (False, True)]
+
+
 @functools.lru_cache(maxsize=None)
 def _pick(tiles, smem_fn, d: int, limit: int, what: str) -> tuple[BwdTile, int]:
     for t in tiles:
@@ -205,7 +236,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
         key = ("bwd", q.device.id, *(layout_key(a) for a in (dout, q, k, v, out, lse, dq, dk, dv,
                                                               alibi_slopes)),
                float(softmax_scale), _window(window_left), _window(window_right),
-               float(softcap or 0.0), bool(deterministic))
+               float(softcap or 0.0), bool(deterministic), _SM90["enabled"])
         plan = plans.lookup(key)
         if plan is not None:
             plan.run({"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "o": out.data.ptr,
@@ -329,10 +360,16 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
             pre = get_kernel(SOURCE, f"flash_bwd_preprocess_kernel<{elem}>", device_id, cc)
             launch(pre, (m_small, nheads, batch), (_SMALL_THREADS,))
 
-        t, smem = _pick(_dkdv_table(d), dkdv_smem_bytes, d, smem_limit, "dK/dV kernel")
-        name = _dkdv_name(elem, d, t, is_local, has_softcap, has_alibi, even_d, not deterministic)
-        kern = get_kernel(SOURCE, name, device_id, cc, smem)
-        launch(kern, (_cdiv(seqlen_k, t.block_n), nheads_k, batch), (32 * t.n_warps,), smem)
+        if sm90_applies(cc, headdim, has_softcap, has_alibi, deterministic):
+            kern = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, is_local), device_id, cc,
+                              SM90_SMEM)
+            launch(kern, (_cdiv(seqlen_k, 128), nheads_k, batch), (256,), SM90_SMEM)
+        else:
+            t, smem = _pick(_dkdv_table(d), dkdv_smem_bytes, d, smem_limit, "dK/dV kernel")
+            name = _dkdv_name(elem, d, t, is_local, has_softcap, has_alibi, even_d,
+                              not deterministic)
+            kern = get_kernel(SOURCE, name, device_id, cc, smem)
+            launch(kern, (_cdiv(seqlen_k, t.block_n), nheads_k, batch), (32 * t.n_warps,), smem)
 
         if m_small > 0:
             if deterministic:

@@ -73,6 +73,17 @@ if int(cp.cuda.Device().compute_capability) == 90:
         cp.cuda.Device().synchronize()
         n += 1
     _fwd.set_sm90(False, pipelined=False)
+    from flashcore.kernels import backward as _bwd    # the Hopper dK/dV kernel
+    _bwd.set_sm90(True)
+    for dt, sq, sk, kw in (("bfloat16", 77, 93, {}), ("float16", 300, 130, {"causal": True}),
+                           ("bfloat16", 200, 330, {"window_size": (40, 7)})):
+        q, k, v = arr((2, sq, 6, 128), dt), arr((2, sk, 2, 128), dt), arr((2, sk, 2, 128), dt)
+        do = arr((2, sq, 6, 128), dt)
+        out, lse = flashcore.attention_forward(q, k, v, **kw)
+        flashcore.attention_backward(do, q, k, v, out, lse, **kw)
+        cp.cuda.Device().synchronize()
+        n += 1
+    _bwd.set_sm90(False)
 
 # KV-cache decoding: contiguous and paged caches, append with rotary, split-KV and not, GQA.
 for d, page, splits, sq in ((128, None, 1, 1), (64, 16, 3, 1), (128, 256, 0, 4), (72, 16, 2, 2)):

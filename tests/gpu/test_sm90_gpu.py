@@ -170,3 +170,58 @@ def test_forward_is_bitwise_repeatable():
         o, l_ = flashcore.attention_forward(q, k, v, causal=True)
         assert cp.array_equal(o, o0) and cp.array_equal(l_, l0)
     assert _ran_sm90("float16", True)
+
+
+
+# ---------------- the Hopper dK/dV kernel (flash_bwd_sm90.cu) ----------------
+
+def _ran_sm90_bwd(dtype, local):
+    from flashcore import jit
+    from flashcore.kernels import backward
+    name = backward.sm90_kernel_name(dtype, local)
+    return any(k[2] == backward.SM90_SOURCE and k[3] == name for k in jit._kernels)
+
+
+@pytest.fixture
+def sm90_bwd():
+    from flashcore.kernels import backward
+    was = backward._SM90["enabled"]
+    backward.set_sm90(True)
+    yield
+    backward.set_sm90(was)
+
+
+BWD_SEQS = [(1, 1), (17, 113), (113, 203), (203, 17), (64, 128), (300, 300), (1023, 2049)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", BWD_SEQS, ids=[f"{a}x{b}" for a, b in BWD_SEQS])
+def test_backward_matrix(sm90_bwd, dtype, causal, sq, sk):
+    if _VARIANT["pipelined"]:
+        pytest.skip("the backward does not depend on the forward variant: run once")
+    heads = (6, 2) if causal else (4, 4)
+    run_case(dtype, 2 if sq * sk < 1_000_000 else 1, sq, sk, heads[0], heads[1], 128,
+             causal=causal, seed=(sq * 7 + sk) % 1000)
+    assert _ran_sm90_bwd(dtype, causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [(5, 3), (127, 0), (-1, 77)])
+def test_backward_windows_gqa(sm90_bwd, dtype, window):
+    if _VARIANT["pipelined"]:
+        pytest.skip("the backward does not depend on the forward variant: run once")
+    run_case(dtype, 2, 517, 611, 6, 3, 128, window=window, seed=17)
+    run_case(dtype, 2, 333, 257, 8, 1, 128, causal=True, seed=18, strided=True)
+    assert _ran_sm90_bwd(dtype, True)
+
+
+def test_backward_fully_masked_rows_and_deterministic_fallback(sm90_bwd):
+    if _VARIANT["pipelined"]:
+        pytest.skip("the backward does not depend on the forward variant: run once")
+    run_case("bfloat16", 2, 300, 100, 4, 2, 128, causal=True, seed=19)
+    assert _ran_sm90_bwd("bfloat16", True)
+    from flashcore import jit
+    jit.clear_memory_cache()
+    run_case("bfloat16", 2, 200, 150, 4, 2, 128, causal=True, seed=20, deterministic=True)
+    assert not _ran_sm90_bwd("bfloat16", True)     # deterministic mode stays on flash_bwd.cu

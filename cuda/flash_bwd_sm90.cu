@@ -1,0 +1,323 @@
+// flashcore: backward dK/dV kernel for Hopper (sm_90a): warpgroup MMAs (wgmma) reading their
+// operands from shared memory. Launcher: flashcore/kernels/backward.py (the sm90 family). The
+// preprocess (D = rowsum(dO * O)) and the dQ conversion are flash_bwd.cu's kernels, whose
+// helpers (sequence geometry, score math, masks, red.add) this file reuses by including it.
+//
+// Status: first version, opt-in (FLASHCORE_SM90_BWD=1) until the GPU suite has verified it.
+// Head dim 128 exactly, fp16/bf16, causal/windows/varlen/GQA, dQ through fp32 atomics; softcap,
+// ALiBi, other head dims and deterministic mode stay on flash_bwd.cu.
+//
+// One CTA = 2 warpgroups (256 threads) owns a block of 128 keys of one (batch, kv head);
+// warpgroup w owns keys [64 w, 64 w + 64). dK and dV of its keys stay in fp32 registers while
+// the CTA walks the query heads of the GQA group and the query blocks (64 rows) that can see
+// the key block. Per query block, per warpgroup (the orientation of flash_bwd.cu: accumulator
+// rows are keys, columns are queries):
+//   S^T  = K_w Q^T        wgmma m64n64k16, A = K (K-major), B = Q (K-major)
+//   dP^T = V_w dO^T       the same with V and dO
+//   P^T, dS^T             elementwise, from the forward's lse and D (BwdScoreMath)
+//   dV_w += P^T dO        wgmma m64n128k16, A = P^T from registers, B = dO read N-major
+//   dK_w += dS^T Q        the same with dS^T and Q
+//   dS^T -> shared ([key][query], 16-bit), then after a barrier
+//   dQ[:, 64 w:64 w+64] = dS K[:, 64 w:64 w+64]    m64n64k16, A = dS read M-major from the
+//                         [key][query] tile (imm-trans-a), B = K read N-major (imm-trans-b);
+//                         added to the fp32 dq_accum with red.global.add
+// Shared memory (1024-byte aligned, every tile [rows][64 columns] blocks with the 128-byte
+// swizzle of the forward): K, V 32 KiB each; Q, dO 2 stages x 16 KiB each; dS^T 16 KiB; lse and
+// D 2 x 2 x 64 floats.
+#include "flash_bwd.cu"
+#include "wgmma.cuh"
+
+namespace fc_hb {
+
+constexpr int kD = 128;
+constexpr int kBlockN = 128;        // keys per CTA
+constexpr int kBlockM = 64;         // queries per step
+constexpr int kNThreads = 256;
+constexpr fc_u32 kKBlock = 128u * 128u;   // one [128 rows][64 cols] block (K, V, dS^T)
+constexpr fc_u32 kQBlock = 64u * 128u;    // one [64 rows][64 cols] block (Q, dO)
+constexpr fc_u32 kKTile = 2u * kKBlock;   // K or V: 128 x 128
+constexpr fc_u32 kQTile = 2u * kQBlock;   // Q or dO: 64 x 128
+
+__device__ __forceinline__ void stg32(void* p, fc_u32 v) {
+    asm volatile("st.global.b32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void sts32(fc_u32 addr, fc_u32 v) {
+    asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
+}
+
+// ROWS x 128 tile into [2][ROWS][64] swizzled blocks (block = ROWS * 128 bytes); rows >=
+// rows_valid zero-filled. 256 threads: (chunk tid % 16, row tid / 16), 16 rows per pass.
+template <int ROWS>
+__device__ __forceinline__ void load_tile(fc_u32 sdst, const fc_u16* gsrc, long long row_stride,
+                                          int rows_valid, int tid) {
+    const int c = tid & 15;
+    const int r0 = tid >> 4;
+    const fc_u32 s0 = sdst + (fc_u32)(c >> 3) * (fc_u32)(ROWS * 128)
+                      + 2u * (fc_u32)swz<64>(r0, (c & 7) * 8);
+    const fc_u16* src = gsrc + (long long)r0 * row_stride + c * 8;
+#pragma unroll
+    for (int it = 0; it < ROWS / 16; ++it) {
+        const bool pred = r0 + it * 16 < rows_valid;
+        cp_async_16(s0 + (fc_u32)it * 16u * 128u, pred ? src : gsrc, pred);
+        src += 16 * row_stride;
+    }
+}
+
+}  // namespace fc_hb
+
+template <typename Elem, bool Is_local>
+__global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const FlashParams p) {
+    using namespace fc_hb;
+    extern __shared__ unsigned char smem_raw[];
+    const fc_u32 sK = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const fc_u32 sV = sK + kKTile;
+    const fc_u32 sQ = sV + kKTile;               // 2 stages
+    const fc_u32 sdO = sQ + 2u * kQTile;         // 2 stages
+    const fc_u32 sdS = sdO + 2u * kQTile;        // [128 keys][64 queries]
+    float* sLse = reinterpret_cast<float*>(smem_raw + (sdS + kKBlock - smem_u32(smem_raw)));
+    float* sDsum = sLse + 2 * kBlockM;
+
+    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wg = warp >> 2, wl = warp & 3;
+    const int g = lane >> 2, t = lane & 3;
+    const BwdSeq seq = bwd_seq(p, b);
+    const int n0 = n_block * kBlockN;
+    if (n0 >= seq.sk) return;
+    const int off = seq.sk - seq.sq;
+    const int ratio = p.nheads / p.nheads_k;
+    const int h0 = hk * ratio;
+
+    // Query blocks that can see this key block (as flash_bwd_dkdv2_kernel).
+    int m_begin = 0, m_end = (seq.sq + kBlockM - 1) / kBlockM;
+    if constexpr (Is_local) {
+        const long long n1 = min(n0 + kBlockN, seq.sk);
+        const long long lo = max(0LL, static_cast<long long>(n0) - off - p.window_right);
+        const long long hi = min(static_cast<long long>(seq.sq) - 1, n1 - 1 - off + p.window_left);
+        if (lo > hi) {
+            m_end = 0;
+        } else {
+            m_begin = static_cast<int>(lo / kBlockM);
+            m_end = static_cast<int>(hi / kBlockM) + 1;
+        }
+    }
+    const int n_m = m_end > m_begin ? m_end - m_begin : 0;
+    const int n_iter = n_m * ratio;
+
+    const fc_u16* gq = static_cast<const fc_u16*>(p.q) + b * p.q_batch_stride + seq.q_off * p.q_row_stride;
+    const fc_u16* gdo = static_cast<const fc_u16*>(p.dout) + b * p.do_batch_stride + seq.q_off * p.do_row_stride;
+    const int rows_k = seq.sk - n0;
+
+    float acc_dk[64], acc_dv[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+
+    if (n_iter > 0) {
+        load_tile<kBlockN>(sK, static_cast<const fc_u16*>(p.k) + b * p.k_batch_stride
+                               + (seq.k_off + n0) * p.k_row_stride + hk * p.k_head_stride,
+                           p.k_row_stride, rows_k, tid);
+        load_tile<kBlockN>(sV, static_cast<const fc_u16*>(p.v) + b * p.v_batch_stride
+                               + (seq.k_off + n0) * p.v_row_stride + hk * p.v_head_stride,
+                           p.v_row_stride, rows_k, tid);
+        const int mm = m_begin * kBlockM;
+        load_tile<kBlockM>(sQ, gq + static_cast<long long>(mm) * p.q_row_stride + h0 * p.q_head_stride,
+                           p.q_row_stride, seq.sq - mm, tid);
+        load_tile<kBlockM>(sdO, gdo + static_cast<long long>(mm) * p.do_row_stride + h0 * p.do_head_stride,
+                           p.do_row_stride, seq.sq - mm, tid);
+        cp_async_commit();
+        if (tid < kBlockM) bwd_row_stats(p, b, h0, seq, mm + tid, sLse[tid], sDsum[tid]);
+    }
+
+    // This thread's accumulator rows (keys, within the block) and the warpgroup's key slice.
+    const int key0 = 64 * wg + 16 * wl + g;            // + 8 r
+    const fc_u32 kw_off = (fc_u32)wg * 64u * 128u;     // the slice's rows inside K / V blocks
+
+    auto pin32 = [&](float (&x)[32]) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) fence_operand(x[i]);
+    };
+    auto pin64 = [&](float (&x)[64]) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) fence_operand(x[i]);
+    };
+    auto pin_a = [&](fc_u32 (&a)[kBlockM / 16][4]) {
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) fence_operand(a[kk][e]);
+    };
+
+    int h = h0, m_block = m_begin;
+    for (int it = 0; it < n_iter; ++it) {
+        const fc_u32 buf = (fc_u32)(it & 1);
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();
+
+        int h_next = h, m_next = m_block + 1;
+        if (m_next == m_end) {
+            m_next = m_begin;
+            ++h_next;
+        }
+        const bool has_next = it + 1 < n_iter;
+        float nl_next = 0.f, ds_next = 0.f;
+        if (has_next) {
+            const int mm = m_next * kBlockM;
+            load_tile<kBlockM>(sQ + (buf ^ 1u) * kQTile,
+                               gq + static_cast<long long>(mm) * p.q_row_stride + h_next * p.q_head_stride,
+                               p.q_row_stride, seq.sq - mm, tid);
+            load_tile<kBlockM>(sdO + (buf ^ 1u) * kQTile,
+                               gdo + static_cast<long long>(mm) * p.do_row_stride + h_next * p.do_head_stride,
+                               p.do_row_stride, seq.sq - mm, tid);
+            cp_async_commit();
+            if (tid < kBlockM) bwd_row_stats(p, b, h_next, seq, mm + tid, nl_next, ds_next);
+        }
+
+        const fc_u32 sQb = sQ + buf * kQTile, sdOb = sdO + buf * kQTile;
+        const float* sLb = sLse + buf * kBlockM;
+        const float* sDb = sDsum + buf * kBlockM;
+        const int m0 = m_block * kBlockM;
+        const BwdScoreMath sm = bwd_score_math(p, b, h, seq, false);
+        bool need_mask = n0 + kBlockN > seq.sk;
+        if constexpr (Is_local) {
+            const int rel_min = n0 - (m0 + kBlockM - 1) - off;
+            const int rel_max = n0 + kBlockN - 1 - m0 - off;
+            need_mask = need_mask || rel_min < -p.window_left || rel_max > p.window_right;
+        }
+
+        // ---- S^T = K_w Q^T and dP^T = V_w dO^T (64 keys x 64 queries each) ----------------
+        float acc_s[32], acc_dp[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) acc_s[i] = acc_dp[i] = 0.f;
+        pin32(acc_s);
+        pin32(acc_dp);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kD / 16; ++kk) {
+            const fc_u32 ko = (fc_u32)(kk >> 2) * kKBlock + kw_off + (fc_u32)(kk & 3) * 32u;
+            const fc_u32 qo = (fc_u32)(kk >> 2) * kQBlock + (fc_u32)(kk & 3) * 32u;
+            Wgmma<Elem>::ss(acc_s, wgmma_desc(sK + ko, 16u, 1024u), wgmma_desc(sQb + qo, 16u, 1024u),
+                            kk > 0 ? 1 : 0);
+            Wgmma<Elem>::ss(acc_dp, wgmma_desc(sV + ko, 16u, 1024u), wgmma_desc(sdOb + qo, 16u, 1024u),
+                            kk > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin32(acc_s);
+        pin32(acc_dp);
+
+        // ---- P^T, dS^T. Element e of n8 tile j: key key0 + 8 (e >> 1), query 8 j + 2 t + (e & 1)
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) {
+            const int qc = 8 * j + 2 * t;
+            const float2 nl = *reinterpret_cast<const float2*>(sLb + qc);
+            const float2 dd = *reinterpret_cast<const float2*>(sDb + qc);
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                sm.template apply<false, false, Is_local>(
+                    acc_s[4 * j + e], acc_dp[4 * j + e], m0 + qc + (e & 1),
+                    n0 + key0 + 8 * (e >> 1), (e & 1) ? nl.y : nl.x, (e & 1) ? dd.y : dd.x,
+                    need_mask);
+        }
+
+        // 16-bit A operands (k = queries): k-step kk takes n8 tiles 2kk and 2kk+1.
+        fc_u32 pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                pa[kk][e] = Elem::pack2(acc_s[8 * kk + 2 * e], acc_s[8 * kk + 2 * e + 1]);
+                dsa[kk][e] = Elem::pack2(acc_dp[8 * kk + 2 * e], acc_dp[8 * kk + 2 * e + 1]);
+            }
+        }
+
+        // ---- dS^T to shared memory (16-bit, [key][query], swizzled), before the MMAs that
+        // read dsa are issued (an in-flight wgmma's A registers may not be accessed) ----------
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int key = key0 + 8 * r, q = 8 * j + 2 * t;
+                sts32(sdS + 2u * (fc_u32)swz<64>(key, q), dsa[j >> 1][(j & 1) * 2 + r]);
+            }
+
+        // ---- dV_w += P^T dO, dK_w += dS^T Q: B read N-major (d blocks kQBlock apart) -------
+        pin64(acc_dv);
+        pin64(acc_dk);
+        pin_a(pa);
+        pin_a(dsa);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk) {
+            const fc_u32 ro = (fc_u32)kk * 16u * 128u;   // queries 16 kk ..
+            Wgmma<Elem>::rs_tb(acc_dv, pa[kk], wgmma_desc(sdOb + ro, kQBlock, 1024u), 1);
+            Wgmma<Elem>::rs_tb(acc_dk, dsa[kk], wgmma_desc(sQb + ro, kQBlock, 1024u), 1);
+        }
+        wgmma_commit();
+        fence_proxy_async();      // the dS^T stores, for the dQ product's async-proxy reads
+        __syncthreads();          // the whole dS^T tile is written
+
+        // ---- dQ[:, 64 wg .. 64 wg + 64) = dS K: A = dS^T read M-major, B = K read N-major ----
+        float acc_dq[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) acc_dq[i] = 0.f;
+        pin32(acc_dq);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            const fc_u32 ro = (fc_u32)kk * 16u * 128u;   // keys 16 kk ..
+            Wgmma<Elem>::ss_tt(acc_dq, wgmma_desc(sdS + ro, kKBlock, 1024u),
+                               wgmma_desc(sK + (fc_u32)wg * kKBlock + ro, kKBlock, 1024u),
+                               kk > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();          // dV, dK and dQ products done
+        pin32(acc_dq);
+        pin64(acc_dv);
+        pin64(acc_dk);
+        pin_a(pa);
+        pin_a(dsa);
+
+        // dQ rows (queries) 16 wl + g + 8 r, columns 64 wg + 8 j + 2 t.
+        {
+            const int i0 = m0 + 16 * wl + g;
+            float* dqa = p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride
+                         + (seq.q_off + i0) * p.dq_accum_row_stride + 64 * wg + 2 * t;
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                if (i0 + 8 * r < seq.sq) {
+                    float* row = dqa + (8 * r) * p.dq_accum_row_stride;
+#pragma unroll
+                    for (int j = 0; j < 8; ++j)
+                        bwd_red_add2(row + 8 * j, acc_dq[4 * j + 2 * r], acc_dq[4 * j + 2 * r + 1]);
+                }
+        }
+
+        __syncthreads();          // dS^T, this stage's Q / dO and lse / D are free
+        if (has_next && tid < kBlockM) {
+            sLse[(buf ^ 1u) * kBlockM + tid] = nl_next;
+            sDsum[(buf ^ 1u) * kBlockM + tid] = ds_next;
+        }
+        h = h_next;
+        m_block = m_next;
+    }
+
+    // ---- epilogue: dK * softmax_scale and dV as 16-bit; rows are keys --------------------------
+    const float scale = p.softmax_scale;
+    fc_u16* gdk = static_cast<fc_u16*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
+    fc_u16* gdv = static_cast<fc_u16*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = n0 + key0 + 8 * r;
+        if (key < seq.sk) {
+            fc_u16* dkr = gdk + (seq.k_off + key) * p.dk_row_stride;
+            fc_u16* dvr = gdv + (seq.k_off + key) * p.dv_row_stride;
+#pragma unroll
+            for (int j = 0; j < kD / 8; ++j) {
+                stg32(dkr + 8 * j + 2 * t, Elem::pack2(acc_dk[4 * j + 2 * r] * scale,
+                                                       acc_dk[4 * j + 2 * r + 1] * scale));
+                stg32(dvr + 8 * j + 2 * t, Elem::pack2(acc_dv[4 * j + 2 * r], acc_dv[4 * j + 2 * r + 1]));
+            }
+        }
+    }
+}
