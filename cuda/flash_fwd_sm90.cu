@@ -4,8 +4,9 @@
 //
 // Status: first version, opt-in (FLASHCORE_SM90=1) until the GPU suite has verified it.
 //
-// One CTA = 2 warpgroups (256 threads) computes a 128-row x headdim output tile (head dim 64
-// or 128) for one (batch, head). Warpgroup wg owns tile rows [64 wg, 64 wg + 64): per key block
+// One CTA = 2 warpgroups (256 threads) computes a 128-row x headdim output tile (head dim 64,
+// 128 or 256; key blocks of 128, or 64 at 256 where O alone takes 128 registers) for one
+// (batch, head). Warpgroup wg owns tile rows [64 wg, 64 wg + 64): per key block
 //   S  = Q K^T        wgmma m64n128k16, A = Q and B = K from shared memory (both K-major)
 //   online softmax on S in registers (exp2, scale folded in; FA2's per-row state)
 //   O += P V          wgmma m64n128k16, A = P from registers (S packed to 16 bits: the
@@ -26,8 +27,8 @@
 //
 // Masking, alignment and outputs are those of flash_fwd.cu (bottom-right causal, windows with
 // block skipping, varlen, GQA; rows that see no key get O = 0 and lse = -inf; NaN propagates).
-// Not in this version (the launcher routes them to flash_fwd.cu): head dims other than 64 and
-// 128, softcap, ALiBi.
+// Not in this version (the launcher routes them to flash_fwd.cu): other head dims, softcap,
+// ALiBi.
 #include "flash_params.cuh"
 #include "ptx.cuh"
 #include "wgmma.cuh"
@@ -39,7 +40,11 @@
 namespace fc_h {
 
 constexpr int kBlockM = 128;     // query rows per CTA (2 warpgroups x 64)
-constexpr int kBlockN = 128;     // keys per block
+// Keys per block: 128 (head dims 64, 128) or 64 (head dim 256, whose O needs 128 registers).
+template <int kD>
+struct BlockN {
+    static constexpr int value = kD == 256 ? 64 : 128;
+};
 constexpr int kNThreads = 256;
 constexpr fc_u32 kColBlock = 128u * 128u;        // bytes of one [128 rows][64 cols] block
 
@@ -47,22 +52,23 @@ __device__ __forceinline__ void stg32(void* p, fc_u32 v) {
     asm volatile("st.global.b32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
 }
 
-// A 128 x kD tile (rows of `row_stride` elements from gsrc) into the swizzled layout; rows
-// >= rows_valid are zero-filled. 256 threads: thread -> (column chunk tid % C, row tid / C),
-// C = kD / 8 chunks per row, passes of 256 / C rows (a multiple of 8: the swizzle phase is
-// constant per thread).
-template <int kD>
+// A ROWS x kD tile (rows of `row_stride` elements from gsrc) into the swizzled layout
+// [kD / 64][ROWS][64] (each block ROWS * 128 bytes); rows >= rows_valid are zero-filled.
+// 256 threads: thread -> (column chunk tid % C, row tid / C), C = kD / 8 chunks per row,
+// passes of 256 / C rows (a multiple of 8: the swizzle phase is constant per thread).
+template <int ROWS, int kD>
 __device__ __forceinline__ void load_tile(fc_u32 sdst, const fc_u16* gsrc, long long row_stride,
                                           int rows_valid, int tid) {
     constexpr int kC = kD / 8;                 // 16-byte chunks per row
     constexpr int kRS = kNThreads / kC;        // rows per pass
+    static_assert(kRS % 8 == 0 && ROWS % kRS == 0, "load split");
     const int c = tid % kC;          // columns 8c .. 8c + 7
     const int r0 = tid / kC;
-    const fc_u32 s0 = sdst + (fc_u32)(c >> 3) * kColBlock
+    const fc_u32 s0 = sdst + (fc_u32)(c >> 3) * (fc_u32)(ROWS * 128)
                       + 2u * (fc_u32)swz<64>(r0, (c & 7) * 8);
     const fc_u16* src = gsrc + (long long)r0 * row_stride + c * 8;
 #pragma unroll
-    for (int it = 0; it < kBlockN / kRS; ++it) {
+    for (int it = 0; it < ROWS / kRS; ++it) {
         const bool pred = r0 + it * kRS < rows_valid;
         cp_async_16(s0 + (fc_u32)(it * kRS) * 128u, pred ? src : gsrc, pred);
         src += kRS * row_stride;
@@ -79,15 +85,19 @@ template <typename Elem, int kD, bool Is_local, bool kPipe>
 __global__ void __launch_bounds__(256, 1)
 flash_fwd_sm90_kernel(const FlashParams params) {
     using namespace fc_h;
-    static_assert(kD == 64 || kD == 128, "head dims 64 and 128");
-    constexpr fc_u32 kTile = (fc_u32)(kD / 64) * kColBlock;   // one 128 x kD tile
-    constexpr int kNT = kBlockN / 8;    // n8 tiles of S per thread row pair (16)
+    static_assert(kD == 64 || kD == 128 || kD == 256, "head dims 64, 128 and 256");
+    constexpr int kBlockN = BlockN<kD>::value;
+    static_assert(!(kPipe && kD == 256), "v1's 3-stage ring does not fit at head dim 256");
+    constexpr fc_u32 kQTile = (fc_u32)(kD / 64) * kColBlock;           // 128 x kD
+    constexpr fc_u32 kKVBlock = (fc_u32)kBlockN * 128u;                // [kBlockN][64] block
+    constexpr fc_u32 kTile = (fc_u32)(kD / 64) * kKVBlock;             // one K or V tile
+    constexpr int kNT = kBlockN / 8;    // n8 tiles of S per thread row pair
     constexpr int kDT = kD / 8;         // n8 tiles of O (16)
 
     extern __shared__ unsigned char smem_raw[];
     const fc_u32 sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;
     constexpr fc_u32 kStages = kPipe ? 3u : 2u;
-    const fc_u32 sK = sQ + kTile;              // kStages K buffers
+    const fc_u32 sK = sQ + kQTile;             // kStages K buffers
     const fc_u32 sV = sK + kStages * kTile;    // kStages V buffers
 
     const int tid = threadIdx.x;
@@ -153,12 +163,12 @@ flash_fwd_sm90_kernel(const FlashParams params) {
 
     // ---- prologue: Q (v0 also the first K and V, one group each; v1 loads its own) ---------
     int n_block = n_block_max - 1;
-    load_tile<kD>(sQ, gQ, params.q_row_stride, rows_q, tid);
+    load_tile<kBlockM, kD>(sQ, gQ, params.q_row_stride, rows_q, tid);
     if constexpr (!kPipe) {
         cp_async_commit();
         const int n0 = n_block * kBlockN;
-        load_tile<kD>(sK, gK + (long long)n0 * params.k_row_stride, params.k_row_stride, sk - n0, tid);
-        load_tile<kD>(sV, gV + (long long)n0 * params.v_row_stride, params.v_row_stride, sk - n0, tid);
+        load_tile<kBlockN, kD>(sK, gK + (long long)n0 * params.k_row_stride, params.k_row_stride, sk - n0, tid);
+        load_tile<kBlockN, kD>(sV, gV + (long long)n0 * params.v_row_stride, params.v_row_stride, sk - n0, tid);
         cp_async_commit();
     }
 
@@ -201,14 +211,15 @@ flash_fwd_sm90_kernel(const FlashParams params) {
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kD / 16; ++kk) {
-            const fc_u32 koff = (fc_u32)(kk >> 2) * kColBlock + (fc_u32)(kk & 3) * 32u;
-            Wgmma<Elem>::ss(s, wgmma_desc(sQwg + koff, 16u, 1024u),
+            const fc_u32 qoff = (fc_u32)(kk >> 2) * kColBlock + (fc_u32)(kk & 3) * 32u;
+            const fc_u32 koff = (fc_u32)(kk >> 2) * kKVBlock + (fc_u32)(kk & 3) * 32u;
+            Wgmma<Elem>::ss(s, wgmma_desc(sQwg + qoff, 16u, 1024u),
                             wgmma_desc(sK + buf + koff, 16u, 1024u), kk > 0 ? 1 : 0);
         }
         wgmma_commit();
     };
     // O += P V (asynchronous, one group). B = V (keys x d), N-major: 64-column blocks of d are
-    // kColBlock apart (LBO), groups of 8 keys 1024 bytes apart (SBO); k-step kk starts at key
+    // kKVBlock apart (LBO), groups of 8 keys 1024 bytes apart (SBO); k-step kk starts at key
     // 16 kk.
     auto issue_pv = [&](fc_u32 (&pa)[kBlockN / 16][4], fc_u32 buf) {
         settle_pv(pa);
@@ -216,7 +227,7 @@ flash_fwd_sm90_kernel(const FlashParams params) {
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk)
             Wgmma<Elem>::rs_tb(acc_o, pa[kk],
-                               wgmma_desc(sV + buf + (fc_u32)kk * 16u * 128u, kColBlock, 1024u), 1);
+                               wgmma_desc(sV + buf + (fc_u32)kk * 16u * 128u, kKVBlock, 1024u), 1);
         wgmma_commit();
     };
     // Mask the scores of the block at key n0 (boundary blocks only). Element e of n8 tile j:
@@ -280,9 +291,9 @@ flash_fwd_sm90_kernel(const FlashParams params) {
     };
     auto load_kv = [&](int nb, fc_u32 buf) {
         const int n1 = nb * kBlockN;
-        load_tile<kD>(sK + buf, gK + (long long)n1 * params.k_row_stride, params.k_row_stride,
+        load_tile<kBlockN, kD>(sK + buf, gK + (long long)n1 * params.k_row_stride, params.k_row_stride,
                   sk - n1, tid);
-        load_tile<kD>(sV + buf, gV + (long long)n1 * params.v_row_stride, params.v_row_stride,
+        load_tile<kBlockN, kD>(sV + buf, gV + (long long)n1 * params.v_row_stride, params.v_row_stride,
                   sk - n1, tid);
     };
 

@@ -167,22 +167,34 @@ def instantiations() -> list[str]:
 
 # ---- the Hopper family (cuda/flash_fwd_sm90.cu: wgmma from shared memory) ------------------
 SM90_SOURCE = "flash_fwd_sm90.cu"
-SM90_HEADDIMS = (64, 128)
+SM90_HEADDIMS = (64, 128, 256)
+
+
+def _sm90_block_n(headdim: int) -> int:
+    return 64 if headdim == 256 else 128        # BlockN<kD> in the source
+
+
+def _sm90_pipelined(headdim: int, pipelined: bool) -> bool:
+    return pipelined and headdim != 256           # v1's 3-stage ring does not fit at d256
 
 
 def sm90_smem(headdim: int, pipelined: bool) -> int:
-    """Q + 2 (v0) or 3 (v1) stages of K and V, 128 x headdim 16-bit tiles, + alignment slack."""
-    return (7 if pipelined else 5) * 2 * 128 * headdim + 1024
+    """Q (128 x headdim) + 2 (v0) or 3 (v1) stages of K and V (block_n x headdim), 16-bit, +
+    alignment slack."""
+    stages = 3 if _sm90_pipelined(headdim, pipelined) else 2
+    return 2 * 128 * headdim + stages * 2 * (2 * _sm90_block_n(headdim) * headdim) + 1024
+
+
 _SM90 = {"enabled": os.environ.get("FLASHCORE_SM90", "0") == "1",
          "pipelined": os.environ.get("FLASHCORE_SM90_PIPE", "0") == "1"}
 
 
 def set_sm90(enabled: bool, pipelined: bool | None = None) -> None:
     """Use the Hopper (wgmma) forward kernel where it applies (compute capability 9.0, head
-    dim 64 or 128, no softcap or ALiBi). Off by default until the GPU suite has verified it; the
+    dim 64, 128 or 256, no softcap or ALiBi). Off by default until the GPU suite has verified it; the
     environment variable FLASHCORE_SM90=1 turns it on at import. ``pipelined`` picks v1 (the
     softmax of the next key block overlapped with P V of this one; FLASHCORE_SM90_PIPE=1)
-    over v0."""
+    over v0 (head dim 256 always runs v0: the 3-stage ring does not fit)."""
     _SM90["enabled"] = bool(enabled)
     if pipelined is not None:
         _SM90["pipelined"] = bool(pipelined)
@@ -195,15 +207,15 @@ def sm90_applies(cc: int, headdim: int, has_softcap: bool, has_alibi: bool) -> b
 
 def sm90_kernel_name(dtype_name: str, headdim: int, is_local: bool,
                      pipelined: bool | None = None) -> str:
-    pipe = _SM90["pipelined"] if pipelined is None else pipelined
+    pipe = _sm90_pipelined(headdim, _SM90["pipelined"] if pipelined is None else pipelined)
     return (f"flash_fwd_sm90_kernel<{_elem_tag(dtype_name)}, {headdim}, {_b(is_local)}, "
             f"{_b(pipe)}>")
 
 
 def sm90_instantiations() -> list[str]:
     """Every template name of the Hopper forward (compiled for sm_90a only)."""
-    return [sm90_kernel_name(dt, d, loc, pipe) for dt in ("float16", "bfloat16")
-            for d in SM90_HEADDIMS for loc in (False, True) for pipe in (False, True)]
+    return sorted({sm90_kernel_name(dt, d, loc, pipe) for dt in ("float16", "bfloat16")
+                   for d in SM90_HEADDIMS for loc in (False, True) for pipe in (False, True)})
 
 
 def _dtype_name(arr) -> str:

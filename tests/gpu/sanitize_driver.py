@@ -61,7 +61,8 @@ if int(cp.cuda.Device().compute_capability) == 90:
         for dt, sq, sk, hd, kw in (("bfloat16", 77, 93, 128, {}),
                                    ("float16", 300, 130, 128, {"causal": True}),
                                    ("bfloat16", 200, 700, 128, {"window_size": (40, 7)}),
-                                   ("float16", 333, 401, 64, {"causal": True})):
+                                   ("float16", 333, 401, 64, {"causal": True}),
+                                   ("bfloat16", 150, 333, 256, {"causal": True})):
             q, k, v = arr((2, sq, 4, hd), dt), arr((2, sk, 2, hd), dt), arr((2, sk, 2, hd), dt)
             flashcore.attention_forward(q, k, v, **kw)
             cp.cuda.Device().synchronize()
