@@ -196,9 +196,9 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
         for (int kk = 0; kk < kD / 16; ++kk) {
             const fc_u32 ko = (fc_u32)(kk >> 2) * kKBlock + kw_off + (fc_u32)(kk & 3) * 32u;
             const fc_u32 qo = (fc_u32)(kk >> 2) * kQBlock + (fc_u32)(kk & 3) * 32u;
-            Wgmma<Elem>::ss(acc_s, wgmma_desc(sK + ko, 16u, 1024u), wgmma_desc(sQb + qo, 16u, 1024u),
+            Wgmma<Elem>::ss(acc_s, wgmma_desc_k(sK + ko), wgmma_desc_k(sQb + qo),
                             kk > 0 ? 1 : 0);
-            Wgmma<Elem>::ss(acc_dp, wgmma_desc(sV + ko, 16u, 1024u), wgmma_desc(sdOb + qo, 16u, 1024u),
+            Wgmma<Elem>::ss(acc_dp, wgmma_desc_k(sV + ko), wgmma_desc_k(sdOb + qo),
                             kk > 0 ? 1 : 0);
         }
         wgmma_commit();
@@ -250,8 +250,8 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
 #pragma unroll
         for (int kk = 0; kk < kBlockM / 16; ++kk) {
             const fc_u32 ro = (fc_u32)kk * 16u * 128u;   // queries 16 kk ..
-            Wgmma<Elem>::rs_tb(acc_dv, pa[kk], wgmma_desc(sdOb + ro, kQBlock, 1024u), 1);
-            Wgmma<Elem>::rs_tb(acc_dk, dsa[kk], wgmma_desc(sQb + ro, kQBlock, 1024u), 1);
+            Wgmma<Elem>::rs_tb(acc_dv, pa[kk], wgmma_desc_mn(sdOb + ro, kQBlock), 1);
+            Wgmma<Elem>::rs_tb(acc_dk, dsa[kk], wgmma_desc_mn(sQb + ro, kQBlock), 1);
         }
         wgmma_commit();
         fence_proxy_async();      // the dS^T stores, for the dQ product's async-proxy reads
@@ -266,8 +266,8 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
             const fc_u32 ro = (fc_u32)kk * 16u * 128u;   // keys 16 kk ..
-            Wgmma<Elem>::ss_tt(acc_dq, wgmma_desc(sdS + ro, kKBlock, 1024u),
-                               wgmma_desc(sK + (fc_u32)wg * kKBlock + ro, kKBlock, 1024u),
+            Wgmma<Elem>::ss_tt(acc_dq, wgmma_desc_mn(sdS + ro, kKBlock),
+                               wgmma_desc_mn(sK + (fc_u32)wg * kKBlock + ro, kKBlock),
                                kk > 0 ? 1 : 0);
         }
         wgmma_commit();

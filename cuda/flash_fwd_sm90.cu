@@ -213,8 +213,8 @@ flash_fwd_sm90_kernel(const FlashParams params) {
         for (int kk = 0; kk < kD / 16; ++kk) {
             const fc_u32 qoff = (fc_u32)(kk >> 2) * kColBlock + (fc_u32)(kk & 3) * 32u;
             const fc_u32 koff = (fc_u32)(kk >> 2) * kKVBlock + (fc_u32)(kk & 3) * 32u;
-            Wgmma<Elem>::ss(s, wgmma_desc(sQwg + qoff, 16u, 1024u),
-                            wgmma_desc(sK + buf + koff, 16u, 1024u), kk > 0 ? 1 : 0);
+            Wgmma<Elem>::ss(s, wgmma_desc_k(sQwg + qoff),
+                            wgmma_desc_k(sK + buf + koff), kk > 0 ? 1 : 0);
         }
         wgmma_commit();
     };
@@ -227,7 +227,7 @@ flash_fwd_sm90_kernel(const FlashParams params) {
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk)
             Wgmma<Elem>::rs_tb(acc_o, pa[kk],
-                               wgmma_desc(sV + buf + (fc_u32)kk * 16u * 128u, kKVBlock, 1024u), 1);
+                               wgmma_desc_mn(sV + buf + (fc_u32)kk * 16u * 128u, kKVBlock), 1);
         wgmma_commit();
     };
     // Mask the scores of the block at key n0 (boundary blocks only). Element e of n8 tile j:

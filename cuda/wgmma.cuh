@@ -28,6 +28,23 @@ __device__ __forceinline__ fc_u64 wgmma_desc(fc_u32 smem_addr, fc_u32 lbo_bytes,
     return d;
 }
 
+// Descriptors of the two operand kinds. K-major: contiguous along K; SBO = 1024 between groups
+// of 8 rows, LBO unused (1). MN-major (read with imm-trans-a/b = 1): `atoms` = the distance
+// between 64-element blocks along M/N (LBO), 1024 between groups of 8 rows along K (SBO), as
+// CUTLASS's canonical layouts have it. FC_WGMMA_MN_SWAP swaps the two, as a diagnostic for the
+// GPU fault locator (tests/gpu/probe_sm90.py): the PTX ISA's wording of these offsets for
+// MN-major swizzled layouts can be read either way.
+__device__ __forceinline__ fc_u64 wgmma_desc_k(fc_u32 smem_addr) {
+    return wgmma_desc(smem_addr, 16u, 1024u);
+}
+__device__ __forceinline__ fc_u64 wgmma_desc_mn(fc_u32 smem_addr, fc_u32 atoms) {
+#ifdef FC_WGMMA_MN_SWAP
+    return wgmma_desc(smem_addr, 1024u, atoms);
+#else
+    return wgmma_desc(smem_addr, atoms, 1024u);
+#endif
+}
+
 __device__ __forceinline__ void wgmma_fence() {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }

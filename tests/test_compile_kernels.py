@@ -94,6 +94,9 @@ def test_hopper_kernels_compile(source):
         assert int(m.group(2)) == 0, f"{source}: spills\n{log}"
     # ptxas serialises wgmma (a large slowdown) when it cannot prove the pipeline safe: say so
     assert "serializ" not in log.lower(), f"{source}: wgmma serialised\n{log}"
+    # the fault locator's alternative descriptor convention compiles too
+    cubin, _ = jit.compile_check(source, names[:1], "sm_90a", ("-DFC_WGMMA_MN_SWAP",))
+    assert len(cubin) > 0
 
 
 def test_every_source_file_is_covered():

@@ -361,8 +361,9 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
             launch(pre, (m_small, nheads, batch), (_SMALL_THREADS,))
 
         if sm90_applies(cc, headdim, has_softcap, has_alibi, deterministic):
+            from .forward import SM90_DEFINES
             kern = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, is_local), device_id, cc,
-                              SM90_SMEM)
+                              SM90_SMEM, tuple(SM90_DEFINES))
             launch(kern, (_cdiv(seqlen_k, 128), nheads_k, batch), (256,), SM90_SMEM)
         else:
             t, smem = _pick(_dkdv_table(d), dkdv_smem_bytes, d, smem_limit, "dK/dV kernel")

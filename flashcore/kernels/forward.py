@@ -200,6 +200,18 @@ def set_sm90(enabled: bool, pipelined: bool | None = None) -> None:
         _SM90["pipelined"] = bool(pipelined)
 
 
+# Extra NVRTC options of the Hopper kernels (forward and backward): empty in normal use; the
+# GPU fault locator (tests/gpu/probe_sm90.py) tries alternatives such as -DFC_WGMMA_MN_SWAP.
+SM90_DEFINES: list = []
+
+
+def set_sm90_defines(defines) -> None:
+    """Compile the Hopper kernels (forward and backward) with these extra options (a
+    diagnostic; see cuda/wgmma.cuh). Recorded launch plans are dropped."""
+    SM90_DEFINES[:] = list(defines)
+    plans.clear()
+
+
 def sm90_applies(cc: int, headdim: int, has_softcap: bool, has_alibi: bool) -> bool:
     return (_SM90["enabled"] and cc == 90 and headdim in SM90_HEADDIMS and not has_softcap
             and not has_alibi)
@@ -309,7 +321,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     if sm90_applies(cc, headdim, has_softcap, has_alibi):
         smem = sm90_smem(headdim, _SM90["pipelined"])
         kernel = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, headdim, is_local),
-                            device_id, cc, smem)
+                            device_id, cc, smem, tuple(SM90_DEFINES))
         grid_m, block = math.ceil(seqlen_q / 128), (256, 1, 1)
     else:
         d = headdim_tile(headdim)
