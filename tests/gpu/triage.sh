@@ -5,7 +5,9 @@
 # kernels (same run, peers included), and decoding. $OUT receives two files (the device tool
 # returns at most 8): summary.txt, appended after every step (so a time limit loses only the
 # step in flight), and logs.tgz with every log at the end.
-#     bash tests/gpu/triage.sh            (STEPS="tests probe bench decode" selects steps)
+# Two device calls (each under 10 minutes):
+#     STEPS="tests probe" bash tests/gpu/triage.sh       (the default)
+#     STEPS="overhead bench decode" bash tests/gpu/triage.sh
 set -uo pipefail
 final=${OUT:-triage-out}
 out=$(mktemp -d)
@@ -13,7 +15,7 @@ mkdir -p "$final"
 sum="$final/summary.txt"
 : > "$sum"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-steps=${STEPS:-tests probe bench decode}
+steps=${STEPS:-tests probe}
 t0=$(date +%s)
 note() { echo "[$(( $(date +%s) - t0 )) s] $*" >> "$sum"; }
 
@@ -25,8 +27,10 @@ for step in $steps; do
     note "tests"; grep -E "SUMMARY|FAILED|ERROR" "$out/tests.txt" | tail -25 >> "$sum"
     ;;
   probe)
-    timeout 60 python3 tests/gpu/probe_sm90.py > "$out/probe_sm90.txt" 2>&1
-    note "probe_sm90"; tail -8 "$out/probe_sm90.txt" >> "$sum"
+    timeout 200 python3 tests/gpu/probe_sm90.py > "$out/probe_sm90.txt" 2>&1
+    note "probe_sm90"; tail -16 "$out/probe_sm90.txt" >> "$sum"
+    ;;
+  overhead)
     timeout 60 python3 tests/gpu/overhead_breakdown.py 500 > "$out/overhead.txt" 2>&1
     note "overhead breakdown"; tail -16 "$out/overhead.txt" >> "$sum"
     ;;
