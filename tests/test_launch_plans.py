@@ -247,3 +247,83 @@ def test_tile_overrides_and_kernel_reloads_drop_the_plans():
     assert plans.PLANS
     jit.clear_memory_cache()
     assert not plans.PLANS
+
+
+# ---------------- decoding (flashcore/kernels/decode.py) ----------------
+
+def _decode_case(rng):
+    from flashcore.kernels import decode  # noqa: F401
+    dtype = rng.choice(["float16", ml_dtypes.bfloat16])
+    d = int(rng.choice([64, 128, 256]))
+    hk = int(rng.choice([1, 2, 8]))
+    h = hk * int(rng.choice([1, 4]))
+    b, sq = int(rng.integers(1, 5)), int(rng.choice([1, 1, 3]))
+    paged = bool(rng.random() < 0.5)
+    cap = int(rng.choice([256, 4096, 65536]))
+    wl, wr = [(-1, -1), (-1, 0), (511, 0)][rng.integers(3)]
+    return dict(dtype=dtype, d=d, hk=hk, h=h, b=b, sq=sq, paged=paged, cap=cap, wl=wl, wr=wr,
+                splits=int(rng.choice([0, 0, 1, 3])), scale=float(rng.uniform(0.05, 0.2)),
+                softcap=float(rng.choice([0.0, 30.0])))
+
+
+def _decode_arrays(rng, c):
+    q = fake_array((c["b"], c["sq"], c["h"], c["d"]), c["dtype"])
+    if c["paged"]:
+        page = 256
+        nblk = c["b"] * c["cap"] // page
+        kc = fake_array((nblk, page, c["hk"], c["d"]), c["dtype"])
+        vc = fake_array((nblk, page, c["hk"], c["d"]), c["dtype"])
+        bt = fake_array((c["b"], c["cap"] // page), np.int32)
+    else:
+        kc = fake_array((c["b"], c["cap"], c["hk"], c["d"]), c["dtype"])
+        vc = fake_array((c["b"], c["cap"], c["hk"], c["d"]), c["dtype"])
+        bt = None
+    return (q, kc, vc, fake_array(q.shape, q.dtype),
+            fake_array((c["b"], c["h"], c["sq"]), np.float32), fake_array((c["b"],), np.int32), bt)
+
+
+def _decode(c, arrays):
+    from flashcore.kernels import decode
+    q, kc, vc, out, lse, seqlens, bt = arrays
+    LOG.append(("returned", decode.launch_decode(
+        q, kc, vc, out, lse, cache_seqlens=seqlens, block_table=bt, softmax_scale=c["scale"],
+        window_left=c["wl"], window_right=c["wr"], softcap=c["softcap"],
+        num_splits=c["splits"]), (), 0, b""))
+
+
+def _decode_masked(log):
+    from flashcore.kernels.params import params_dtype
+    dt = params_dtype()
+    words = [dt.fields[n][1] // 8 for n in ("o_accum", "lse_accum")]
+    out = []
+    for name, grid, block, smem, raw in log:
+        if raw:
+            w = np.frombuffer(raw, np.uint64).copy()
+            w[words] = 0
+            raw = w.tobytes()
+        out.append((name, grid, block, smem, raw))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_decode_replay_equals_full_launch(seed, monkeypatch):
+    from flashcore.kernels import decode
+    monkeypatch.setattr(decode, "_as_input", lambda a: a)
+    rng = np.random.default_rng(2000 + seed)
+    c = _decode_case(rng)
+    a1 = _decode_arrays(rng, c)
+    _decode(c, a1)
+    full1 = list(LOG)
+    LOG.clear()
+    _decode(c, a1)
+    assert _decode_masked(LOG) == _decode_masked(full1)
+    a2 = _decode_arrays(rng, c)
+    LOG.clear()
+    _decode(c, a2)
+    replay2 = list(LOG)
+    plans.set_enabled(False)
+    LOG.clear()
+    _decode(c, a2)
+    plans.set_enabled(True)
+    assert _decode_masked(replay2) == _decode_masked(LOG)
+    assert replay2[0][4] != full1[0][4], "pointers were not updated"

@@ -12,7 +12,9 @@ import math
 from typing import NamedTuple
 
 from .common import _as_input, _strides, _used_strides_ok
+from . import plans
 from .params import WINDOW_NONE, as_kernel_arg, make_params
+from .plans import layout_key
 
 __all__ = ["launch_decode", "launch_rotary_append", "instantiations", "num_splits_heuristic",
            "choose_num_splits",
@@ -192,6 +194,24 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
     """
     import cupy
 
+    # Replay a recorded plan for this layout (see plans.py): pointers and fresh scratch only.
+    key = None
+    if plans.enabled():
+        key = ("dec", q.device.id, *(layout_key(a) for a in (q, k_cache, v_cache, out, lse,
+                                                              cache_seqlens, block_table,
+                                                              alibi_slopes)),
+               float(softmax_scale), _window(window_left), _window(window_right),
+               float(softcap or 0.0), int(num_splits or 0))
+        plan = plans.lookup(key)
+        if plan is not None:
+            plan.run({"q": q.data.ptr, "k": k_cache.data.ptr, "v": v_cache.data.ptr,
+                      "o": out.data.ptr, "lse": lse.data.ptr,
+                      "cache_seqlens": cache_seqlens.data.ptr,
+                      "block_table": None if block_table is None else block_table.data.ptr,
+                      "alibi_slopes": None if alibi_slopes is None else alibi_slopes.data.ptr})
+            return plan.result
+    given = (q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes)
+
     q = _as_input(q)
     k_cache, v_cache = _as_input(k_cache), _as_input(v_cache)
     out_final = None
@@ -284,15 +304,22 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
         page_size=page_size, num_splits=num_splits,
     )
     args = (as_kernel_arg(params),)     # an opaque struct: see params.as_kernel_arg
+    launches = [(kernel, (batch * nheads_k, m_blocks, num_splits), (cfg.n_warps * 32, 1, 1),
+                 smem)]
+    if is_split:
+        comb = get_kernel(SOURCE, combine_name(dtype_name), device_id, cc)
+        launches.append((comb, (math.ceil(batch * nheads * seqlen_q / 4), 1, 1), (128, 1, 1), 0))
     with cupy.cuda.Device(device_id):
-        kernel((batch * nheads_k, m_blocks, num_splits), (cfg.n_warps * 32, 1, 1), args,
-               shared_mem=smem)
-        if is_split:
-            comb = get_kernel(SOURCE, combine_name(dtype_name), device_id, cc)
-            rows = batch * nheads * seqlen_q
-            comb((math.ceil(rows / 4), 1, 1), (128, 1, 1), args)
+        for kern, grid, block, sm in launches:
+            kern(grid, block, args, shared_mem=sm)
         if out_final is not None:
             out_final[...] = out
+    if key is not None and out_final is None and all(
+            a is b for a, b in zip((q, k_cache, v_cache, cache_seqlens, block_table,
+                                    alibi_slopes), given)):
+        scratch = [("o_accum", tuple(o_accum.shape), False),
+                   ("lse_accum", tuple(lse_accum.shape), False)] if is_split else []
+        plans.remember(key, plans.Plan(device_id, launches, params, scratch, num_splits))
     return num_splits
 
 

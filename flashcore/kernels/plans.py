@@ -75,16 +75,18 @@ def slots() -> dict[str, int]:
 
 class Plan:
     """Recorded launches of one layout: ``launches`` [(kernel, grid, block, shared_mem)], the
-    struct ``template`` (a 0-d structured array), and ``scratch`` [(field, shape, zero)]:
-    float32 buffers the launcher allocated per call (pointer field, shape, zero-filled?)."""
+    struct ``template`` (a 0-d structured array), ``scratch`` [(field, shape, zero)]: float32
+    buffers the launcher allocated per call (pointer field, shape, zero-filled?), and the
+    launcher's return value."""
 
-    __slots__ = ("device_id", "launches", "template", "scratch")
+    __slots__ = ("device_id", "launches", "template", "scratch", "result")
 
-    def __init__(self, device_id, launches, template, scratch=()):
+    def __init__(self, device_id, launches, template, scratch=(), result=None):
         self.device_id = device_id
         self.launches = tuple(launches)
         self.template = template.copy()
         self.scratch = tuple(scratch)
+        self.result = result          # what the launcher returns (the decode's split count)
 
     def run(self, pointers: dict) -> list:
         """Launch with ``pointers`` (field -> address; fields not given keep the template's,
