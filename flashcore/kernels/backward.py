@@ -20,7 +20,8 @@ import functools
 import os
 from typing import NamedTuple
 
-from .common import _as_input, _as_output, _strides
+from .common import (ELEM_TAGS, _as_input, _as_output, _strides, smallest_tile,
+                     tpl_bool as _b, window_arg as _window)
 from . import plans
 from .params import WINDOW_NONE, as_kernel_arg, make_params
 from .plans import layout_key
@@ -119,17 +120,10 @@ def dq_smem_bytes(d: int, t: BwdTile) -> int:
 
 
 def headdim_tile(headdim: int) -> int:
-    for d in HEADDIM_TILES:
-        if headdim <= d:
-            return d
-    raise ValueError(f"headdim {headdim} exceeds the largest supported tile (256)")
+    return smallest_tile(headdim, HEADDIM_TILES)
 
 
-def _b(x: bool) -> str:
-    return "true" if x else "false"
-
-
-_ELEM = {"float16": "fc_fp16", "bfloat16": "fc_bf16"}
+_ELEM = ELEM_TAGS
 
 
 def _dkdv_name(elem: str, d: int, t: BwdTile, is_local: bool, has_softcap: bool, has_alibi: bool,
@@ -204,10 +198,6 @@ def _pick(tiles, smem_fn, d: int, limit: int, what: str) -> tuple[BwdTile, int]:
     raise ValueError(
         f"flash backward ({what}): head dim tile {d} needs {smem_fn(d, tiles[-1])} bytes of shared "
         f"memory per block in its smallest configuration; this device allows {limit}")
-
-
-def _window(w) -> int:
-    return WINDOW_NONE if w is None or w < 0 or w >= WINDOW_NONE else int(w)
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -1,6 +1,45 @@
 """Helpers shared by the kernel launchers."""
 from __future__ import annotations
 
+from .params import WINDOW_NONE
+
+
+def window_arg(w) -> int:
+    """A window side as the kernels take it: WINDOW_NONE for unbounded (None, -1, or wider)."""
+    return WINDOW_NONE if w is None or w < 0 or w >= WINDOW_NONE else int(w)
+
+
+def tpl_bool(x: bool) -> str:
+    """A bool as a C++ template argument."""
+    return "true" if x else "false"
+
+
+ELEM_TAGS = {"float16": "fc_fp16", "bfloat16": "fc_bf16"}
+
+
+def elem_tag(dtype_name: str) -> str:
+    """The kernels' element type (cuda/ptx.cuh) for a 16-bit dtype name."""
+    try:
+        return ELEM_TAGS[dtype_name]
+    except KeyError:
+        raise ValueError(f"the kernels support float16 and bfloat16, not {dtype_name}") from None
+
+
+def kernel_dtype_name(arr) -> str:
+    """'float16' or 'bfloat16' for an array the kernels take, else ValueError."""
+    name = arr.dtype.name
+    if name in ELEM_TAGS:
+        return name
+    raise ValueError(f"expected a float16 or bfloat16 array, got {arr.dtype}")
+
+
+def smallest_tile(headdim: int, tiles) -> int:
+    """The smallest head-dim tile in ``tiles`` (ascending) that holds ``headdim``."""
+    for d in tiles:
+        if headdim <= d:
+            return d
+    raise ValueError(f"headdim {headdim} exceeds the largest supported tile ({tiles[-1]})")
+
 
 def _strides(arr):
     isz = arr.dtype.itemsize

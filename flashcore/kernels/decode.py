@@ -11,7 +11,9 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from .common import _as_input, _strides, _used_strides_ok
+from .common import (_as_input, _strides, _used_strides_ok, elem_tag as _elem_tag,
+                     kernel_dtype_name as _dtype_name, smallest_tile, tpl_bool as _b,
+                     window_arg as _window)
 from . import plans
 from .params import WINDOW_NONE, as_kernel_arg, make_params
 from .plans import layout_key
@@ -45,10 +47,7 @@ _CONFIGS = {
 
 
 def headdim_tile(headdim: int) -> int:
-    for d in HEADDIM_TILES:
-        if headdim <= d:
-            return d
-    raise ValueError(f"headdim {headdim} exceeds the largest supported tile (256)")
+    return smallest_tile(headdim, HEADDIM_TILES)
 
 
 def decode_config(headdim: int) -> DecodeConfig:
@@ -65,18 +64,6 @@ def smem_bytes(headdim: int, m_tiles: int) -> int:
     cfg = _CONFIGS[d]
     block_m = 16 * m_tiles
     return 2 * block_m * d + cfg.stages * 4 * cfg.block_n * d + (2 * cfg.n_warps + 1) * block_m * 4
-
-
-def _elem_tag(dtype_name: str) -> str:
-    if dtype_name == "bfloat16":
-        return "fc_bf16"
-    if dtype_name == "float16":
-        return "fc_fp16"
-    raise ValueError(f"the decode kernels support float16 and bfloat16, not {dtype_name}")
-
-
-def _b(x: bool) -> str:
-    return "true" if x else "false"
 
 
 def kernel_name(dtype_name: str, headdim: int, m_tiles: int, paged: bool, is_local: bool,
@@ -155,18 +142,6 @@ def choose_num_splits(base_ctas: int, num_sms: int, ctas_per_sm: int, num_n_bloc
     the wave rule's 4 was already the best measured and is kept."""
     s = num_splits_heuristic(base_ctas, num_sms * ctas_per_sm, num_n_blocks)
     return max(1, min(s, num_n_blocks // 8, max(16, num_sms // max(1, base_ctas))))
-
-
-def _dtype_name(arr) -> str:
-    name = arr.dtype.name
-    if name in ("float16", "bfloat16"):
-        return name
-    raise ValueError(f"expected a float16 or bfloat16 array, got {arr.dtype}")
-
-
-def _window(w) -> int:
-    return WINDOW_NONE if w is None or w < 0 or w >= WINDOW_NONE else int(w)
-
 
 
 def _sm_count(device_id: int) -> int:

@@ -10,7 +10,9 @@ import math
 import os
 from typing import NamedTuple
 
-from .common import _as_input, _strides, _used_strides_ok
+from .common import (_as_input, _strides, _used_strides_ok, elem_tag as _elem_tag,
+                     kernel_dtype_name as _dtype_name, smallest_tile, tpl_bool as _b,
+                     window_arg as _window)
 from . import plans
 from .params import WINDOW_NONE, as_kernel_arg, make_params
 from .plans import layout_key
@@ -114,27 +116,12 @@ def tile_config(headdim_tile_: int, is_local: bool = False, has_softcap: bool = 
 
 def headdim_tile(headdim: int) -> int:
     """The smallest kernel head-dim tile that holds ``headdim`` (a multiple of 8, <= 256)."""
-    for d in HEADDIM_TILES:
-        if headdim <= d:
-            return d
-    raise ValueError(f"headdim {headdim} exceeds the largest supported tile (256)")
+    return smallest_tile(headdim, HEADDIM_TILES)
 
 
 def smem_bytes(d: int, cfg: TileConfig) -> int:
     """Dynamic shared memory of one CTA: Q tile + double-buffered K and V tiles, 16-bit."""
     return 2 * (cfg.block_m * d + 4 * cfg.block_n * d)
-
-
-def _elem_tag(dtype_name: str) -> str:
-    if dtype_name == "bfloat16":
-        return "fc_bf16"
-    if dtype_name == "float16":
-        return "fc_fp16"
-    raise ValueError(f"flash forward kernel supports float16 and bfloat16, not {dtype_name}")
-
-
-def _b(x: bool) -> str:
-    return "true" if x else "false"
 
 
 def kernel_name(dtype_name: str, headdim: int, is_local: bool, has_softcap: bool,
@@ -228,17 +215,6 @@ def sm90_instantiations() -> list[str]:
     """Every template name of the Hopper forward (compiled for sm_90a only)."""
     return sorted({sm90_kernel_name(dt, d, loc, pipe) for dt in ("float16", "bfloat16")
                    for d in SM90_HEADDIMS for loc in (False, True) for pipe in (False, True)})
-
-
-def _dtype_name(arr) -> str:
-    name = arr.dtype.name
-    if name in ("float16", "bfloat16"):
-        return name
-    raise ValueError(f"expected a float16 or bfloat16 array, got {arr.dtype}")
-
-
-def _window(w: int) -> int:
-    return WINDOW_NONE if w is None or w < 0 or w >= WINDOW_NONE else int(w)
 
 
 def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
