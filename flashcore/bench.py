@@ -164,35 +164,43 @@ def per_call_us(fn, n, warmup=50, rounds=5):
     return best * 1e6
 
 
-def overhead(n=2000, out=print):
-    """Host cost per call on a tiny problem (launch-bound): the CuPy backend called directly
-    against the same call through torch (no grad, and forward+backward with autograd)."""
+def tiny_calls():
+    """The per-call cost probes on a tiny, launch-bound problem (1 x 128 x 2 x 64 bf16, causal):
+    argument-less callables for flashcore through CuPy and through torch, forward (no grad) and
+    forward+backward (autograd), plus the torch tensors they use."""
     import cupy
     import torch
 
     import flashcore
     q, k, v, do = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     cq, ck, cv, cdo = (cupy.from_dlpack(x) for x in (q, k, v, do))
-
-    def per_call(fn):
-        return per_call_us(fn, n)
-
-    def cupy_fb():
-        o, l = flashcore.attention_forward(cq, ck, cv, causal=True)
-        flashcore.attention_backward(cdo, cq, ck, cv, o, l, causal=True)
-
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
 
-    def torch_fb():
+    def cupy_fwd():
+        flashcore.attention_forward(cq, ck, cv, causal=True)
+
+    def cupy_fwdbwd():
+        o, l_ = flashcore.attention_forward(cq, ck, cv, causal=True)
+        flashcore.attention_backward(cdo, cq, ck, cv, o, l_, causal=True)
+
+    def torch_fwd():
+        with torch.no_grad():
+            flashcore.attention(q, k, v, causal=True)
+
+    def torch_fwdbwd():
         o = flashcore.attention(qg, kg, vg, causal=True)
         torch.autograd.grad(o, (qg, kg, vg), do)
 
-    def torch_f():
-        with torch.no_grad():
-            flashcore.attention(q, k, v, causal=True)
-    r = {"cupy_fwd_us": per_call(lambda: flashcore.attention_forward(cq, ck, cv, causal=True)),
-         "torch_fwd_us": per_call(torch_f), "cupy_fwdbwd_us": per_call(cupy_fb),
-         "torch_fwdbwd_us": per_call(torch_fb)}
+    calls = {"cupy_fwd": cupy_fwd, "torch_fwd": torch_fwd, "cupy_fwdbwd": cupy_fwdbwd,
+             "torch_fwdbwd": torch_fwdbwd}
+    return calls, (q, k, v, do)
+
+
+def overhead(n=2000, out=print):
+    """Host cost per call on a tiny problem (launch-bound): the CuPy backend called directly
+    against the same call through torch (no grad, and forward+backward with autograd)."""
+    calls, _ = tiny_calls()
+    r = {f"{name}_us": per_call_us(fn, n) for name, fn in calls.items()}
     out(f"# per-call host overhead, tiny problem (1x128x2x64 bf16, causal), best of 5 x {n} calls:")
     out(f"forward:          CuPy direct {r['cupy_fwd_us']:.1f} us, through torch {r['torch_fwd_us']:.1f} us "
         f"(+{r['torch_fwd_us'] - r['cupy_fwd_us']:.1f} us)")

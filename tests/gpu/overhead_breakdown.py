@@ -20,34 +20,19 @@ def main(n=1000):
     import torch
     import torch.nn.functional as F
 
-    import flashcore
     from flashcore.backends import torch_backend as tb
-    from flashcore.bench import per_call_us
+    from flashcore.bench import per_call_us, tiny_calls
     from flashcore.backends.base import choose
     from flashcore.spec import forward_spec
 
     dev = torch.device("cuda")
-    q, k, v, do = (torch.randn(1, 128, 2, 64, device=dev, dtype=torch.bfloat16) for _ in range(4))
-    cq, ck, cv, cdo = (cupy.from_dlpack(x) for x in (q, k, v, do))
-    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    calls, (q, k, v, do) = tiny_calls()
     qt, kt, vt = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
     dot = do.transpose(1, 2).contiguous()
     rows = []
 
     def row(name, fn):
         rows.append((name, per_call_us(fn, n, warmup=20)))
-
-    def cupy_fb():
-        o, l_ = flashcore.attention_forward(cq, ck, cv, causal=True)
-        flashcore.attention_backward(cdo, cq, ck, cv, o, l_, causal=True)
-
-    def torch_f():
-        with torch.no_grad():
-            flashcore.attention(q, k, v, causal=True)
-
-    def torch_fb():
-        o = flashcore.attention(qg, kg, vg, causal=True)
-        torch.autograd.grad(o, (qg, kg, vg), do)
 
     def sdpa_f():
         with torch.no_grad():
@@ -80,11 +65,11 @@ def main(n=1000):
     def noop_fb():
         torch.autograd.grad(Noop.apply(xq), (xq,), gq)
 
-    row("cupy fwd", lambda: flashcore.attention_forward(cq, ck, cv, causal=True))
-    row("torch fwd (no grad)", torch_f)
+    row("cupy fwd", calls["cupy_fwd"])
+    row("torch fwd (no grad)", calls["torch_fwd"])
     row("sdpa fwd (no grad)", sdpa_f)
-    row("cupy fwd+bwd", cupy_fb)
-    row("torch fwd+bwd (autograd)", torch_fb)
+    row("cupy fwd+bwd", calls["cupy_fwdbwd"])
+    row("torch fwd+bwd (autograd)", calls["torch_fwdbwd"])
     row("sdpa fwd+bwd (autograd)", sdpa_fb)
     row("Function noop fwd+bwd", noop_fb)
     spec = forward_spec(q, k, v, causal=True)
@@ -93,7 +78,7 @@ def main(n=1000):
     row("piece: _cp (memo hit)", lambda: tb._cp(q))
     row("piece: _cupy_stream", lambda: tb._cupy_stream(torch, dev))
     row("piece: torch.empty", lambda: torch.empty(q.shape, dtype=q.dtype, device=dev))
-    row("piece: cupy.empty", lambda: cupy.empty(cq.shape, cq.dtype))
+    row("piece: cupy.empty", lambda: cupy.empty(tuple(q.shape), cupy.float16))
     print(f"# per-call host time, best of 5 x {n} calls (microseconds)")
     for name, us in rows:
         print(f"{name:34s} {us:9.1f}")
