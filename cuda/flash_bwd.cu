@@ -178,6 +178,29 @@ struct BwdDqCols {
     static_assert(kHeadDim % (value * kWarpsD) == 0, "no dQ column split for this head dim");
 };
 
+// ---- the walk of a key-block CTA over (query head, query block) ---------------------------------
+// Query blocks [m_begin, m_end) that can see at least one key of the block at n0 (the same for
+// every head of the GQA group): all of them, or, with a window, those its band reaches.
+// off = sk - sq.
+template <bool Is_local, int kBlockM, int kBlockN>
+__device__ __forceinline__ void bwd_query_blocks(const FlashParams& p, const BwdSeq& seq, int n0,
+                                                 int off, int& m_begin, int& m_end) {
+    m_begin = 0;
+    m_end = (seq.sq + kBlockM - 1) / kBlockM;
+    if constexpr (Is_local) {
+        const long long n1 = min(n0 + kBlockN, seq.sk);
+        const long long lo = max(0LL, static_cast<long long>(n0) - off - p.window_right);
+        const long long hi =
+            min(static_cast<long long>(seq.sq) - 1, n1 - 1 - off + p.window_left);
+        if (lo > hi) {
+            m_end = 0;
+        } else {
+            m_begin = static_cast<int>(lo / kBlockM);
+            m_end = static_cast<int>(hi / kBlockM) + 1;
+        }
+    }
+}
+
 // ---- 1. preprocess: D = rowsum(dO * O) --------------------------------------------------------
 // Grid (ceil(seqlen_q / 64), nheads, batch), 256 threads: groups of 8 lanes own one row at a
 // time, each lane reading 16-byte chunks of dO and O (head dim is a multiple of 8).
@@ -365,19 +388,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_kernel(const F
     const int h0 = hk * ratio;
 
     // Query blocks that can see at least one key of this block (the same for every head).
-    int m_begin = 0, m_end = (seq.sq + kBlockM - 1) / kBlockM;
-    if constexpr (Is_local) {
-        const long long n1 = min(n0 + kBlockN, seq.sk);
-        const long long lo = max(0LL, static_cast<long long>(n0) - off - p.window_right);
-        const long long hi =
-            min(static_cast<long long>(seq.sq) - 1, n1 - 1 - off + p.window_left);
-        if (lo > hi) {
-            m_end = 0;
-        } else {
-            m_begin = static_cast<int>(lo / kBlockM);
-            m_end = static_cast<int>(hi / kBlockM) + 1;
-        }
-    }
+    int m_begin, m_end;
+    bwd_query_blocks<Is_local, kBlockM, kBlockN>(p, seq, n0, off, m_begin, m_end);
     const int n_m = m_end > m_begin ? m_end - m_begin : 0;
     const int n_iter = n_m * ratio;
 
