@@ -3,9 +3,9 @@
 // preprocess (D = rowsum(dO * O)) and the dQ conversion are flash_bwd.cu's kernels, whose
 // helpers (sequence geometry, score math, masks, red.add) this file reuses by including it.
 //
-// Status: first version, opt-in (FLASHCORE_SM90_BWD=1) until the GPU suite has verified it.
-// Head dim 128 exactly, fp16/bf16, causal/windows/varlen/GQA, dQ through fp32 atomics; softcap,
-// ALiBi, other head dims and deterministic mode stay on flash_bwd.cu.
+// Head dims 64 and 128, fp16/bf16, causal/windows/varlen/GQA, dQ through fp32 atomics; softcap,
+// ALiBi, other head dims and deterministic mode stay on flash_bwd.cu. The default on compute
+// capability 9.0 (FLASHCORE_SM90_BWD=0 turns it off).
 //
 // One CTA = 2 warpgroups (256 threads) owns a block of 128 keys of one (batch, kv head);
 // warpgroup w owns keys [64 w, 64 w + 64). dK and dV of its keys stay in fp32 registers while
@@ -18,25 +18,26 @@
 //   dV_w += P^T dO        wgmma m64n128k16, A = P^T from registers, B = dO read N-major
 //   dK_w += dS^T Q        the same with dS^T and Q
 //   dS^T -> shared ([key][query], 16-bit), then after a barrier
-//   dQ[:, 64 w:64 w+64] = dS K[:, 64 w:64 w+64]    m64n64k16, A = dS read M-major from the
-//                         [key][query] tile (imm-trans-a), B = K read N-major (imm-trans-b);
-//                         added to the fp32 dq_accum with red.global.add
+//   d128: dQ[:, 64 w:64 w+64] = dS K[:, 64 w:64 w+64]    m64n64k16 over all 128 keys, A = dS
+//         read M-major from the [key][query] tile (imm-trans-a), B = K read N-major
+//         (imm-trans-b); added to the fp32 dq_accum with red.global.add
+//   d64:  dQ += dS[:, keys_w] K[keys_w, :]   the same instruction over the warpgroup's own 64
+//         keys: each warpgroup adds its partial product (as many atomics per step as d128)
 // Shared memory (1024-byte aligned, every tile [rows][64 columns] blocks with the 128-byte
-// swizzle of the forward): K, V 32 KiB each; Q, dO 2 stages x 16 KiB each; dS^T 16 KiB; lse and
-// D 2 x 2 x 64 floats.
+// swizzle of the forward): K, V kD / 4 KiB each; Q, dO 2 stages x kD / 8 KiB each; dS^T 16 KiB;
+// lse and D 2 x 2 x 64 floats.
 #include "flash_bwd.cu"
 #include "wgmma.cuh"
 
 namespace fc_hb {
 
-constexpr int kD = 128;
 constexpr int kBlockN = 128;        // keys per CTA
 constexpr int kBlockM = 64;         // queries per step
 constexpr int kNThreads = 256;
 constexpr fc_u32 kKBlock = 128u * 128u;   // one [128 rows][64 cols] block (K, V, dS^T)
 constexpr fc_u32 kQBlock = 64u * 128u;    // one [64 rows][64 cols] block (Q, dO)
-constexpr fc_u32 kKTile = 2u * kKBlock;   // K or V: 128 x 128
-constexpr fc_u32 kQTile = 2u * kQBlock;   // Q or dO: 64 x 128
+template <int kD> constexpr fc_u32 kKTile = (fc_u32)(kD / 64) * kKBlock;   // K or V: 128 x kD
+template <int kD> constexpr fc_u32 kQTile = (fc_u32)(kD / 64) * kQBlock;   // Q or dO: 64 x kD
 
 __device__ __forceinline__ void stg32(void* p, fc_u32 v) {
     asm volatile("st.global.b32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
@@ -45,35 +46,40 @@ __device__ __forceinline__ void sts32(fc_u32 addr, fc_u32 v) {
     asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
 }
 
-// ROWS x 128 tile into [2][ROWS][64] swizzled blocks (block = ROWS * 128 bytes); rows >=
-// rows_valid zero-filled. 256 threads: (chunk tid % 16, row tid / 16), 16 rows per pass.
-template <int ROWS>
+// ROWS x D tile into [D / 64][ROWS][64] swizzled blocks (block = ROWS * 128 bytes); rows >=
+// rows_valid zero-filled. 256 threads: (16-byte chunk tid % (D / 8), row tid / (D / 8)),
+// 2048 / D rows per pass.
+template <int ROWS, int D>
 __device__ __forceinline__ void load_tile(fc_u32 sdst, const fc_u16* gsrc, long long row_stride,
                                           int rows_valid, int tid) {
-    const int c = tid & 15;
-    const int r0 = tid >> 4;
+    constexpr int kChunks = D / 8;
+    constexpr int kRowsPerPass = 256 / kChunks;
+    const int c = tid % kChunks;
+    const int r0 = tid / kChunks;
     const fc_u32 s0 = sdst + (fc_u32)(c >> 3) * (fc_u32)(ROWS * 128)
                       + 2u * (fc_u32)swz<64>(r0, (c & 7) * 8);
     const fc_u16* src = gsrc + (long long)r0 * row_stride + c * 8;
 #pragma unroll
-    for (int it = 0; it < ROWS / 16; ++it) {
-        const bool pred = r0 + it * 16 < rows_valid;
-        cp_async_16(s0 + (fc_u32)it * 16u * 128u, pred ? src : gsrc, pred);
-        src += 16 * row_stride;
+    for (int it = 0; it < ROWS / kRowsPerPass; ++it) {
+        const bool pred = r0 + it * kRowsPerPass < rows_valid;
+        cp_async_16(s0 + (fc_u32)it * (fc_u32)kRowsPerPass * 128u, pred ? src : gsrc, pred);
+        src += kRowsPerPass * row_stride;
     }
 }
 
 }  // namespace fc_hb
 
-template <typename Elem, bool Is_local>
+template <typename Elem, int kD, bool Is_local>
 __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const FlashParams p) {
     using namespace fc_hb;
+    static_assert(kD == 64 || kD == 128, "the Hopper dK/dV kernel covers head dims 64 and 128");
+    constexpr fc_u32 kKT = kKTile<kD>, kQT = kQTile<kD>;
     extern __shared__ unsigned char smem_raw[];
     const fc_u32 sK = (smem_u32(smem_raw) + 1023u) & ~1023u;
-    const fc_u32 sV = sK + kKTile;
-    const fc_u32 sQ = sV + kKTile;               // 2 stages
-    const fc_u32 sdO = sQ + 2u * kQTile;         // 2 stages
-    const fc_u32 sdS = sdO + 2u * kQTile;        // [128 keys][64 queries]
+    const fc_u32 sV = sK + kKT;
+    const fc_u32 sQ = sV + kKT;                  // 2 stages
+    const fc_u32 sdO = sQ + 2u * kQT;            // 2 stages
+    const fc_u32 sdS = sdO + 2u * kQT;           // [128 keys][64 queries]
     float* sLse = reinterpret_cast<float*>(smem_raw + (sdS + kKBlock - smem_u32(smem_raw)));
     float* sDsum = sLse + 2 * kBlockM;
 
@@ -98,21 +104,22 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
     const fc_u16* gdo = static_cast<const fc_u16*>(p.dout) + b * p.do_batch_stride + seq.q_off * p.do_row_stride;
     const int rows_k = seq.sk - n0;
 
-    float acc_dk[64], acc_dv[64];
+    constexpr int kAcc = kD / 2;                 // dK, dV of 64 keys x kD per warpgroup
+    float acc_dk[kAcc], acc_dv[kAcc];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+    for (int i = 0; i < kAcc; ++i) acc_dk[i] = acc_dv[i] = 0.f;
 
     if (n_iter > 0) {
-        load_tile<kBlockN>(sK, static_cast<const fc_u16*>(p.k) + b * p.k_batch_stride
+        load_tile<kBlockN, kD>(sK, static_cast<const fc_u16*>(p.k) + b * p.k_batch_stride
                                + (seq.k_off + n0) * p.k_row_stride + hk * p.k_head_stride,
                            p.k_row_stride, rows_k, tid);
-        load_tile<kBlockN>(sV, static_cast<const fc_u16*>(p.v) + b * p.v_batch_stride
+        load_tile<kBlockN, kD>(sV, static_cast<const fc_u16*>(p.v) + b * p.v_batch_stride
                                + (seq.k_off + n0) * p.v_row_stride + hk * p.v_head_stride,
                            p.v_row_stride, rows_k, tid);
         const int mm = m_begin * kBlockM;
-        load_tile<kBlockM>(sQ, gq + static_cast<long long>(mm) * p.q_row_stride + h0 * p.q_head_stride,
+        load_tile<kBlockM, kD>(sQ, gq + static_cast<long long>(mm) * p.q_row_stride + h0 * p.q_head_stride,
                            p.q_row_stride, seq.sq - mm, tid);
-        load_tile<kBlockM>(sdO, gdo + static_cast<long long>(mm) * p.do_row_stride + h0 * p.do_head_stride,
+        load_tile<kBlockM, kD>(sdO, gdo + static_cast<long long>(mm) * p.do_row_stride + h0 * p.do_head_stride,
                            p.do_row_stride, seq.sq - mm, tid);
         cp_async_commit();
         if (tid < kBlockM) bwd_row_stats(p, b, h0, seq, mm + tid, sLse[tid], sDsum[tid]);
@@ -126,9 +133,9 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
 #pragma unroll
         for (int i = 0; i < 32; ++i) fence_operand(x[i]);
     };
-    auto pin64 = [&](float (&x)[64]) {
+    auto pin_acc = [&](float (&x)[kAcc]) {
 #pragma unroll
-        for (int i = 0; i < 64; ++i) fence_operand(x[i]);
+        for (int i = 0; i < kAcc; ++i) fence_operand(x[i]);
     };
     auto pin_a = [&](fc_u32 (&a)[kBlockM / 16][4]) {
 #pragma unroll
@@ -153,17 +160,17 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
         float nl_next = 0.f, ds_next = 0.f;
         if (has_next) {
             const int mm = m_next * kBlockM;
-            load_tile<kBlockM>(sQ + (buf ^ 1u) * kQTile,
+            load_tile<kBlockM, kD>(sQ + (buf ^ 1u) * kQT,
                                gq + static_cast<long long>(mm) * p.q_row_stride + h_next * p.q_head_stride,
                                p.q_row_stride, seq.sq - mm, tid);
-            load_tile<kBlockM>(sdO + (buf ^ 1u) * kQTile,
+            load_tile<kBlockM, kD>(sdO + (buf ^ 1u) * kQT,
                                gdo + static_cast<long long>(mm) * p.do_row_stride + h_next * p.do_head_stride,
                                p.do_row_stride, seq.sq - mm, tid);
             cp_async_commit();
             if (tid < kBlockM) bwd_row_stats(p, b, h_next, seq, mm + tid, nl_next, ds_next);
         }
 
-        const fc_u32 sQb = sQ + buf * kQTile, sdOb = sdO + buf * kQTile;
+        const fc_u32 sQb = sQ + buf * kQT, sdOb = sdO + buf * kQT;
         const float* sLb = sLse + buf * kBlockM;
         const float* sDb = sDsum + buf * kBlockM;
         const int m0 = m_block * kBlockM;
@@ -232,8 +239,8 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
             }
 
         // ---- dV_w += P^T dO, dK_w += dS^T Q: B read N-major (d blocks kQBlock apart) -------
-        pin64(acc_dv);
-        pin64(acc_dk);
+        pin_acc(acc_dv);
+        pin_acc(acc_dk);
         pin_a(pa);
         pin_a(dsa);
         wgmma_fence();
@@ -247,24 +254,27 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
         fence_proxy_async();      // the dS^T stores, for the dQ product's async-proxy reads
         __syncthreads();          // the whole dS^T tile is written
 
-        // ---- dQ[:, 64 wg .. 64 wg + 64) = dS K: A = dS^T read M-major, B = K read N-major ----
+        // ---- dQ = dS K: A = dS^T read M-major, B = K read N-major. d128: columns
+        // [64 wg, 64 wg + 64) over all keys; d64: all columns over the warpgroup's keys --------
+        constexpr int kDqSteps = kD == 128 ? kBlockN / 16 : 64 / 16;
+        const int kk0 = kD == 128 ? 0 : 4 * wg;
+        const fc_u32 kcol = kD == 128 ? (fc_u32)wg * kKBlock : 0u;
         float acc_dq[32];
 #pragma unroll
         for (int i = 0; i < 32; ++i) acc_dq[i] = 0.f;
         pin32(acc_dq);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) {
-            const fc_u32 ro = (fc_u32)kk * 16u * 128u;   // keys 16 kk ..
+        for (int kk = 0; kk < kDqSteps; ++kk) {
+            const fc_u32 ro = (fc_u32)(kk0 + kk) * 16u * 128u;   // keys 16 (kk0 + kk) ..
             Wgmma<Elem>::ss_tt(acc_dq, wgmma_desc_mn(sdS + ro, kKBlock),
-                               wgmma_desc_mn(sK + (fc_u32)wg * kKBlock + ro, kKBlock),
-                               kk > 0 ? 1 : 0);
+                               wgmma_desc_mn(sK + kcol + ro, kKBlock), kk > 0 ? 1 : 0);
         }
         wgmma_commit();
         wgmma_wait<0>();          // dV, dK and dQ products done
         pin32(acc_dq);
-        pin64(acc_dv);
-        pin64(acc_dk);
+        pin_acc(acc_dv);
+        pin_acc(acc_dk);
         pin_a(pa);
         pin_a(dsa);
 
@@ -272,7 +282,8 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
         {
             const int i0 = m0 + 16 * wl + g;
             float* dqa = p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride
-                         + (seq.q_off + i0) * p.dq_accum_row_stride + 64 * wg + 2 * t;
+                         + (seq.q_off + i0) * p.dq_accum_row_stride + (kD == 128 ? 64 * wg : 0)
+                         + 2 * t;
 #pragma unroll
             for (int r = 0; r < 2; ++r)
                 if (i0 + 8 * r < seq.sq) {

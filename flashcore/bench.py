@@ -218,16 +218,17 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--impl", nargs="+", default=["cupy"], choices=["cupy", "torch"])
     p.add_argument("--json", help="write the rows to this JSON file")
-    p.add_argument("--sm90", choices=["v0", "v1"], nargs="?", const="v0", default=None,
-                   help="use the Hopper (wgmma) forward kernel where it applies, v0 or v1 "
-                        "(pipelined); opt-in while it is being verified "
-                        "(flashcore.kernels.forward.set_sm90)")
+    p.add_argument("--family", choices=["default", "ampere", "v0", "v1"], default="default",
+                   help="kernel family on compute capability 9.0: the default (the Hopper "
+                        "wgmma kernels where they apply, forward v1), 'ampere' (the mma.sync "
+                        "kernels everywhere), or the Hopper forward v0 / v1 explicitly")
     p.add_argument("--overhead", action="store_true",
                    help="only measure the per-call host overhead (CuPy direct vs through torch)")
     a = p.parse_args(argv)
-    if a.sm90:
-        from .kernels.forward import set_sm90
-        set_sm90(True, pipelined=a.sm90 == "v1")
+    if a.family != "default":
+        from .kernels import backward, forward
+        forward.set_sm90(a.family != "ampere", pipelined=a.family == "v1")
+        backward.set_sm90(a.family != "ampere")
     if a.overhead:
         r = overhead()
         if a.json:

@@ -162,31 +162,39 @@ def instantiations() -> list[str]:
 
 # ---- the Hopper family (cuda/flash_bwd_sm90.cu: the dK/dV kernel on wgmma) ------------------
 SM90_SOURCE = "flash_bwd_sm90.cu"
-# K, V (128 x 128), Q and dO (2 stages of 64 x 128), dS^T (128 x 64), lse and D, + alignment
-SM90_SMEM = 2 * (2 * 128 * 128) + 2 * 2 * (2 * 64 * 128) + 2 * 128 * 64 + 2 * 2 * 64 * 4 + 1024
-_SM90 = {"enabled": os.environ.get("FLASHCORE_SM90_BWD", "0") == "1"}
+SM90_HEADDIMS = (64, 128)
+
+
+def sm90_smem(headdim: int) -> int:
+    """K, V (128 x d), Q and dO (2 stages of 64 x d), dS^T (128 x 64), lse and D, + alignment."""
+    return 2 * (2 * 128 * headdim) + 2 * 2 * (2 * 64 * headdim) + 2 * 128 * 64 + 2 * 2 * 64 * 4 + 1024
+
+
+# On by default (compute capability 9.0): verified by the GPU suite on the H200.
+_SM90 = {"enabled": os.environ.get("FLASHCORE_SM90_BWD", "1") != "0"}
 
 
 def set_sm90(enabled: bool) -> None:
     """Use the Hopper (wgmma) dK/dV kernel where it applies (compute capability 9.0, head dim
-    128, no softcap or ALiBi, not deterministic). Off by default until the GPU suite has
-    verified it; FLASHCORE_SM90_BWD=1 turns it on at import."""
+    64 or 128, no softcap or ALiBi, not deterministic). On by default; FLASHCORE_SM90_BWD=0
+    turns it off at import. Recorded launch plans are dropped."""
     _SM90["enabled"] = bool(enabled)
     plans.clear()
 
 
 def sm90_applies(cc: int, headdim: int, has_softcap: bool, has_alibi: bool,
                  deterministic: bool) -> bool:
-    return (_SM90["enabled"] and cc == 90 and headdim == 128 and not has_softcap
+    return (_SM90["enabled"] and cc == 90 and headdim in SM90_HEADDIMS and not has_softcap
             and not has_alibi and not deterministic)
 
 
-def sm90_kernel_name(dtype_name: str, is_local: bool) -> str:
-    return f"flash_bwd_dkdv_sm90_kernel<{_ELEM[dtype_name]}, {_b(is_local)}>"
+def sm90_kernel_name(dtype_name: str, headdim: int, is_local: bool) -> str:
+    return f"flash_bwd_dkdv_sm90_kernel<{_ELEM[dtype_name]}, {headdim}, {_b(is_local)}>"
 
 
 def sm90_instantiations() -> list[str]:
-    return [sm90_kernel_name(dt, loc) for dt in ("float16", "bfloat16") for loc in (False, True)]
+    return [sm90_kernel_name(dt, d, loc) for dt in ("float16", "bfloat16")
+            for d in SM90_HEADDIMS for loc in (False, True)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -352,9 +360,10 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
 
         if sm90_applies(cc, headdim, has_softcap, has_alibi, deterministic):
             from .forward import SM90_DEFINES
-            kern = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, is_local), device_id, cc,
-                              SM90_SMEM, tuple(SM90_DEFINES))
-            launch(kern, (_cdiv(seqlen_k, 128), nheads_k, batch), (256,), SM90_SMEM)
+            smem = sm90_smem(headdim)
+            kern = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, headdim, is_local),
+                              device_id, cc, smem, tuple(SM90_DEFINES))
+            launch(kern, (_cdiv(seqlen_k, 128), nheads_k, batch), (256,), smem)
         else:
             t, smem = _pick(_dkdv_table(d), dkdv_smem_bytes, d, smem_limit, "dK/dV kernel")
             name = _dkdv_name(elem, d, t, is_local, has_softcap, has_alibi, even_d,

@@ -172,19 +172,23 @@ def sm90_smem(headdim: int, pipelined: bool) -> int:
     return 2 * 128 * headdim + stages * 2 * (2 * _sm90_block_n(headdim) * headdim) + 1024
 
 
-_SM90 = {"enabled": os.environ.get("FLASHCORE_SM90", "0") == "1",
-         "pipelined": os.environ.get("FLASHCORE_SM90_PIPE", "0") == "1"}
+# On by default (compute capability 9.0), v1: verified by the GPU suite on the H200, where v1
+# measured at least as fast as v0 at head dims 64 and 128 (docs/performance-log.md).
+_SM90 = {"enabled": os.environ.get("FLASHCORE_SM90", "1") != "0",
+         "pipelined": os.environ.get("FLASHCORE_SM90_PIPE", "1") != "0"}
 
 
 def set_sm90(enabled: bool, pipelined: bool | None = None) -> None:
     """Use the Hopper (wgmma) forward kernel where it applies (compute capability 9.0, head
-    dim 64, 128 or 256, no softcap or ALiBi). Off by default until the GPU suite has verified it; the
-    environment variable FLASHCORE_SM90=1 turns it on at import. ``pipelined`` picks v1 (the
-    softmax of the next key block overlapped with P V of this one; FLASHCORE_SM90_PIPE=1)
-    over v0 (head dim 256 always runs v0: the 3-stage ring does not fit)."""
+    dim 64, 128 or 256, no softcap or ALiBi). On by default; the environment variable
+    FLASHCORE_SM90=0 turns it off at import. ``pipelined`` picks v1 (the softmax of the next
+    key block overlapped with P V of this one; the default, FLASHCORE_SM90_PIPE=0 picks v0)
+    over v0 (head dim 256 always runs v0: the 3-stage ring does not fit). Recorded launch
+    plans are dropped."""
     _SM90["enabled"] = bool(enabled)
     if pipelined is not None:
         _SM90["pipelined"] = bool(pipelined)
+    plans.clear()
 
 
 # Extra NVRTC options of the Hopper kernels (forward and backward): empty in normal use; the

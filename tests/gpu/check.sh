@@ -2,8 +2,9 @@
 # The GPU check: the GPU test group, a quick benchmark against torch SDPA (flash and cuDNN
 # backends, same run), and one summary line. Run from the repository root on a GPU machine:
 #     bash tests/gpu/check.sh [quick|full|tests]      (tests: the test group only)
-#     FLASHCORE_SM90=1 bash tests/gpu/check.sh quick   (the whole suite and the benchmark with
-#                                                      the Hopper forward where it applies)
+# On compute capability 9.0 the suite runs with the default kernels (the Hopper family where it
+# applies), then the Ampere-class suite and fuzz tests again with FLASHCORE_SM90=0 and
+# FLASHCORE_SM90_BWD=0, so that both families are checked on an H100/H200.
 # Logs go to $OUT (or ./gpu-check-out). A machine without network that lacks the test
 # dependencies (hypothesis, pytest-xdist, ml_dtypes) gets them from the wheels in
 # $FLASHCORE_TEST_WHEELS (default .whl/test, an ignored folder that travels with the tree).
@@ -35,8 +36,16 @@ fi
 t0=$(date +%s)
 timeout ${GPU_TEST_TIMEOUT:-1800} python3 -m pytest tests -m gpu -q -rfE $xdist -p no:cacheprovider --maxfail=40 ${GPU_TEST_ARGS:-} 2>&1 | tee "$out/gpu_tests.log" | tail -60
 tests_rc=${PIPESTATUS[0]}
-t1=$(date +%s)
 tests_line=$(grep -E "^(=+ )?[0-9]+ (passed|failed)" "$out/gpu_tests.log" | tail -1)
+if python3 -c "import cupy, sys; sys.exit(cupy.cuda.Device().compute_capability != '90')" 2>/dev/null; then
+  FLASHCORE_SM90=0 FLASHCORE_SM90_BWD=0 timeout ${GPU_TEST_TIMEOUT:-1800} python3 -m pytest \
+      tests/gpu/test_cupy_gpu.py tests/gpu/test_fuzz_gpu.py -m gpu -q -rfE $xdist -p no:cacheprovider \
+      --maxfail=40 2>&1 | tee "$out/gpu_tests_ampere.log" | tail -30
+  rc2=${PIPESTATUS[0]}
+  [ "$tests_rc" = 0 ] && tests_rc=$rc2
+  tests_line="$tests_line; Ampere family (FLASHCORE_SM90=0): $(grep -E "^(=+ )?[0-9]+ (passed|failed)" "$out/gpu_tests_ampere.log" | tail -1)"
+fi
+t1=$(date +%s)
 if [ "$mode" = tests ]; then
   echo "SUMMARY tests: ${tests_line:-none} (rc $tests_rc, $((t1 - t0)) s)"
   exit $tests_rc

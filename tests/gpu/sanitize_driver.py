@@ -31,6 +31,12 @@ CASES += [
     dict(d=128, sq=190, sk=190, causal=True, deterministic=True, dtype="bfloat16"),
     dict(d=64, varlen=True, dtype="bfloat16"),
 ]
+# The Ampere-class kernels first, everywhere (on compute capability 9.0 the Hopper family is the
+# default for head dims 64/128/256 and is checked separately below).
+from flashcore.kernels import backward as _bwd, forward as _fwd
+_fwd_was, _bwd_was = dict(_fwd._SM90), _bwd._SM90["enabled"]
+_fwd.set_sm90(False)
+_bwd.set_sm90(False)
 n = 0
 for c in CASES:
     d, dt = c["d"], c["dtype"]
@@ -55,7 +61,6 @@ for c in CASES:
 # The Hopper forward (wgmma), where the device has it: full, causal with fully masked rows,
 # a window, varlen -- forward only (its backward is the one above).
 if int(cp.cuda.Device().compute_capability) == 90:
-    from flashcore.kernels import forward as _fwd
     for pipelined in (False, True):       # v0 and v1
         _fwd.set_sm90(True, pipelined=pipelined)
         for dt, sq, sk, hd, kw in (("bfloat16", 77, 93, 128, {}),
@@ -74,17 +79,21 @@ if int(cp.cuda.Device().compute_capability) == 90:
         cp.cuda.Device().synchronize()
         n += 1
     _fwd.set_sm90(False, pipelined=False)
-    from flashcore.kernels import backward as _bwd    # the Hopper dK/dV kernel
-    _bwd.set_sm90(True)
-    for dt, sq, sk, kw in (("bfloat16", 77, 93, {}), ("float16", 300, 130, {"causal": True}),
-                           ("bfloat16", 200, 330, {"window_size": (40, 7)})):
-        q, k, v = arr((2, sq, 6, 128), dt), arr((2, sk, 2, 128), dt), arr((2, sk, 2, 128), dt)
-        do = arr((2, sq, 6, 128), dt)
+    _bwd.set_sm90(True)                                # the Hopper dK/dV kernel
+    for dt, sq, sk, hd, kw in (("bfloat16", 77, 93, 128, {}),
+                               ("float16", 300, 130, 128, {"causal": True}),
+                               ("bfloat16", 200, 330, 128, {"window_size": (40, 7)}),
+                               ("float16", 203, 117, 64, {"causal": True}),
+                               ("bfloat16", 77, 300, 64, {"window_size": (20, 50)})):
+        q, k, v = arr((2, sq, 6, hd), dt), arr((2, sk, 2, hd), dt), arr((2, sk, 2, hd), dt)
+        do = arr((2, sq, 6, hd), dt)
         out, lse = flashcore.attention_forward(q, k, v, **kw)
         flashcore.attention_backward(do, q, k, v, out, lse, **kw)
         cp.cuda.Device().synchronize()
         n += 1
     _bwd.set_sm90(False)
+_fwd.set_sm90(_fwd_was["enabled"], pipelined=_fwd_was["pipelined"])
+_bwd.set_sm90(_bwd_was)
 
 # KV-cache decoding: contiguous and paged caches, append with rotary, split-KV and not, GQA.
 for d, page, splits, sq in ((128, None, 1, 1), (64, 16, 3, 1), (128, 256, 0, 4), (72, 16, 2, 2)):

@@ -1,8 +1,7 @@
-"""The Hopper forward kernel (cuda/flash_fwd_sm90.cu, wgmma) against the float64 oracle with
-the flash-attn rule, on compute capability 9.0 only. The family is switched on for these tests
-(it is opt-in until they pass on the H200), and each test checks that the wgmma kernel, not
-the Ampere-class one, is the kernel that ran. Backward passes use the existing kernels on the
-Hopper forward's output and LSE, so they check that LSE too.
+"""The Hopper kernels (cuda/flash_fwd_sm90.cu, cuda/flash_bwd_sm90.cu, wgmma) against the
+float64 oracle with the flash-attn rule, on compute capability 9.0 only. They are the default
+there; each test switches the variant it checks on explicitly and asserts that the wgmma
+kernel, not the Ampere-class one, is the kernel that ran.
 """
 from __future__ import annotations
 
@@ -175,10 +174,10 @@ def test_forward_is_bitwise_repeatable():
 
 # ---------------- the Hopper dK/dV kernel (flash_bwd_sm90.cu) ----------------
 
-def _ran_sm90_bwd(dtype, local):
+def _ran_sm90_bwd(dtype, local, d=128):
     from flashcore import jit
     from flashcore.kernels import backward
-    name = backward.sm90_kernel_name(dtype, local)
+    name = backward.sm90_kernel_name(dtype, d, local)
     return any(k[2] == backward.SM90_SOURCE and k[3] == name for k in jit._kernels)
 
 
@@ -198,16 +197,17 @@ def sm90_bwd():
 BWD_SEQS = [(1, 1), (17, 113), (113, 203), (203, 17), (64, 128), (300, 300), (1023, 2049)]
 
 
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", BWD_SEQS, ids=[f"{a}x{b}" for a, b in BWD_SEQS])
-def test_backward_matrix(sm90_bwd, dtype, causal, sq, sk):
+def test_backward_matrix(sm90_bwd, dtype, causal, sq, sk, d):
     if _VARIANT["pipelined"]:
         pytest.skip("the backward does not depend on the forward variant: run once")
     heads = (6, 2) if (sq + sk) % 2 else (4, 4)
-    run_case(dtype, 2 if sq * sk < 1_000_000 else 1, sq, sk, heads[0], heads[1], 128,
-             causal=causal, seed=(sq * 7 + sk) % 1000)
-    assert _ran_sm90_bwd(dtype, causal)
+    run_case(dtype, 2 if sq * sk < 1_000_000 else 1, sq, sk, heads[0], heads[1], d,
+             causal=causal, seed=(sq * 7 + sk + d) % 1000)
+    assert _ran_sm90_bwd(dtype, causal, d)
 
 
 def test_backward_varlen_no_worse_than_the_ampere_kernel(sm90_bwd):
@@ -261,15 +261,45 @@ def test_backward_windows_gqa(sm90_bwd, dtype, window):
         pytest.skip("the backward does not depend on the forward variant: run once")
     run_case(dtype, 2, 517, 611, 6, 3, 128, window=window, seed=17)
     run_case(dtype, 2, 333, 257, 8, 1, 128, causal=True, seed=18, strided=True)
-    assert _ran_sm90_bwd(dtype, True)
+    run_case(dtype, 2, 517, 611, 6, 3, 64, window=window, seed=27)
+    run_case(dtype, 2, 333, 257, 8, 1, 64, causal=True, seed=28, strided=True)
+    assert _ran_sm90_bwd(dtype, True) and _ran_sm90_bwd(dtype, True, 64)
 
 
 def test_backward_fully_masked_rows_and_deterministic_fallback(sm90_bwd):
     if _VARIANT["pipelined"]:
         pytest.skip("the backward does not depend on the forward variant: run once")
     run_case("bfloat16", 2, 300, 100, 4, 2, 128, causal=True, seed=19)
-    assert _ran_sm90_bwd("bfloat16", True)
+    run_case("bfloat16", 2, 300, 100, 4, 2, 64, causal=True, seed=29)
+    assert _ran_sm90_bwd("bfloat16", True) and _ran_sm90_bwd("bfloat16", True, 64)
     from flashcore import jit
     jit.clear_memory_cache()
     run_case("bfloat16", 2, 200, 150, 4, 2, 128, causal=True, seed=20, deterministic=True)
     assert not _ran_sm90_bwd("bfloat16", True)     # deterministic mode stays on flash_bwd.cu
+
+
+def test_hopper_family_is_the_default_on_cc90():
+    """With nothing set in the environment, a plain call on an H100/H200 runs the wgmma
+    forward (v1) and the wgmma dK/dV kernel."""
+    import os
+    import subprocess
+    import sys
+    if _VARIANT["pipelined"]:
+        pytest.skip("independent of the fixture's variant: run once")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHCORE_SM90")}
+    code = """
+import cupy as cp, numpy as np, flashcore
+from flashcore import jit
+from flashcore.kernels import forward, backward
+rng = np.random.default_rng(0)
+q, k, v, do = (cp.asarray(rng.standard_normal((1, 300, 4, 128)).astype(np.float16)) for _ in range(4))
+out, lse = flashcore.attention_forward(q, k, v, causal=True)
+flashcore.attention_backward(do, q, k, v, out, lse, causal=True)
+names = {k[3] for k in jit._kernels}
+assert forward.sm90_kernel_name("float16", 128, True, True) in names, names
+assert backward.sm90_kernel_name("float16", 128, True) in names, names
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]

@@ -8,6 +8,7 @@
 # Two device calls (each under 10 minutes):
 #     STEPS="tests probe" bash tests/gpu/triage.sh       (the default)
 #     STEPS="overhead bench decode" bash tests/gpu/triage.sh
+# Other steps: sanitize (tests/gpu/sanitize.sh), profile (cProfile of the per-call host path).
 set -uo pipefail
 final=${OUT:-triage-out}
 out=$(mktemp -d)
@@ -35,15 +36,21 @@ for step in $steps; do
     note "overhead breakdown"; tail -16 "$out/overhead.txt" >> "$sum"
     ;;
   bench)
-    for variant in ampere v0 v1; do
-      args=(--seqlen 4096 16384 --headdim 64 128)
-      pre=()
-      if [ "$variant" != ampere ]; then args+=(--sm90 "$variant"); pre=(env FLASHCORE_SM90_BWD=1); fi
-      "${pre[@]}" timeout 120 python3 -m flashcore.bench "${args[@]}" \
+    for variant in ${BENCH_FAMILIES:-ampere v0 v1}; do
+      args=(--seqlen ${BENCH_SEQS:-4096 16384} --headdim ${BENCH_DIMS:-64 128} --family "$variant")
+      timeout ${BENCH_TIMEOUT:-120} python3 -m flashcore.bench "${args[@]}" \
           --json "$out/bench_$variant.json" > "$out/bench_$variant.txt" 2>&1
       note "bench $variant"
       tail -12 "$out/bench_$variant.txt" >> "$sum"
     done
+    ;;
+  sanitize)
+    OUT="$out/sanitize" timeout ${SANITIZE_TIMEOUT:-240} bash tests/gpu/sanitize.sh > "$out/sanitize.txt" 2>&1
+    note "sanitize (rc $?)"; tail -6 "$out/sanitize.txt" >> "$sum"
+    ;;
+  profile)
+    timeout 90 python3 tests/gpu/profile_overhead.py > "$out/profile.txt" 2>&1
+    note "profile_overhead"; head -70 "$out/profile.txt" >> "$sum"
     ;;
   decode)
     timeout 90 python3 tests/gpu/bench_decode.py > "$out/decode.txt" 2>&1
