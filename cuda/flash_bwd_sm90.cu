@@ -12,7 +12,7 @@
 // the CTA walks the query heads of the GQA group and the query blocks (64 rows) that can see
 // the key block. Per query block, per warpgroup (the orientation of flash_bwd.cu: accumulator
 // rows are keys, columns are queries):
-//   S^T  = K_w Q^T        wgmma m64n64k16, A = K (K-major), B = Q (K-major)
+//   S^T  = K_w Q^T        wgmma m64n{kBlockM}k16, A = K (K-major), B = Q (K-major)
 //   dP^T = V_w dO^T       the same with V and dO
 //   P^T, dS^T             elementwise, from the forward's lse and D (BwdScoreMath)
 //   dV_w += P^T dO        wgmma m64n128k16, A = P^T from registers, B = dO read N-major
@@ -32,12 +32,11 @@
 namespace fc_hb {
 
 constexpr int kBlockN = 128;        // keys per CTA
-constexpr int kBlockM = 64;         // queries per step
 constexpr int kNThreads = 256;
 constexpr fc_u32 kKBlock = 128u * 128u;   // one [128 rows][64 cols] block (K, V, dS^T)
-constexpr fc_u32 kQBlock = 64u * 128u;    // one [64 rows][64 cols] block (Q, dO)
 template <int kD> constexpr fc_u32 kKTile = (fc_u32)(kD / 64) * kKBlock;   // K or V: 128 x kD
-template <int kD> constexpr fc_u32 kQTile = (fc_u32)(kD / 64) * kQBlock;   // Q or dO: 64 x kD
+// Q or dO: kBM x kD, in [kD / 64][kBM rows][64 cols] blocks of kBM * 128 bytes
+template <int kD, int kBM> constexpr fc_u32 kQTile = (fc_u32)(kD / 64) * (fc_u32)(kBM * 128);
 
 __device__ __forceinline__ void stg32(void* p, fc_u32 v) {
     asm volatile("st.global.b32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
@@ -69,18 +68,21 @@ __device__ __forceinline__ void load_tile(fc_u32 sdst, const fc_u16* gsrc, long 
 
 }  // namespace fc_hb
 
-template <typename Elem, int kD, bool Is_local>
+template <typename Elem, int kD, int kBlockM, bool Is_local>
 __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const FlashParams p) {
     using namespace fc_hb;
     static_assert(kD == 64 || kD == 128, "the Hopper dK/dV kernel covers head dims 64 and 128");
-    constexpr fc_u32 kKT = kKTile<kD>, kQT = kQTile<kD>;
+    static_assert(kBlockM == 64 || (kBlockM == 128 && kD == 64), "query blocks: 64, or 128 at d64");
+    constexpr fc_u32 kQBlock = (fc_u32)kBlockM * 128u;   // one [kBlockM rows][64 cols] block
+    constexpr fc_u32 kKT = kKTile<kD>, kQT = kQTile<kD, kBlockM>;
     extern __shared__ unsigned char smem_raw[];
     const fc_u32 sK = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const fc_u32 sV = sK + kKT;
     const fc_u32 sQ = sV + kKT;                  // 2 stages
     const fc_u32 sdO = sQ + 2u * kQT;            // 2 stages
-    const fc_u32 sdS = sdO + 2u * kQT;           // [128 keys][64 queries]
-    float* sLse = reinterpret_cast<float*>(smem_raw + (sdS + kKBlock - smem_u32(smem_raw)));
+    const fc_u32 sdS = sdO + 2u * kQT;           // [kBlockM / 64][128 keys][64 queries]
+    float* sLse = reinterpret_cast<float*>(smem_raw + (sdS + (fc_u32)(kBlockM / 64) * kKBlock
+                                                       - smem_u32(smem_raw)));
     float* sDsum = sLse + 2 * kBlockM;
 
     const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
@@ -133,6 +135,10 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
 #pragma unroll
         for (int i = 0; i < 32; ++i) fence_operand(x[i]);
     };
+    auto pin_s = [&](float (&x)[kBlockM / 2]) {
+#pragma unroll
+        for (int i = 0; i < kBlockM / 2; ++i) fence_operand(x[i]);
+    };
     auto pin_acc = [&](float (&x)[kAcc]) {
 #pragma unroll
         for (int i = 0; i < kAcc; ++i) fence_operand(x[i]);
@@ -183,11 +189,12 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
         }
 
         // ---- S^T = K_w Q^T and dP^T = V_w dO^T (64 keys x 64 queries each) ----------------
-        float acc_s[32], acc_dp[32];
+        constexpr int kSAcc = kBlockM / 2;       // 64 keys x kBlockM queries per warpgroup
+        float acc_s[kSAcc], acc_dp[kSAcc];
 #pragma unroll
-        for (int i = 0; i < 32; ++i) acc_s[i] = acc_dp[i] = 0.f;
-        pin32(acc_s);
-        pin32(acc_dp);
+        for (int i = 0; i < kSAcc; ++i) acc_s[i] = acc_dp[i] = 0.f;
+        pin_s(acc_s);
+        pin_s(acc_dp);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kD / 16; ++kk) {
@@ -200,8 +207,8 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
         }
         wgmma_commit();
         wgmma_wait<0>();
-        pin32(acc_s);
-        pin32(acc_dp);
+        pin_s(acc_s);
+        pin_s(acc_dp);
 
         // ---- P^T, dS^T. Element e of n8 tile j: key key0 + 8 (e >> 1), query 8 j + 2 t + (e & 1)
 #pragma unroll
@@ -235,7 +242,8 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int key = key0 + 8 * r, q = 8 * j + 2 * t;
-                sts32(sdS + 2u * (fc_u32)swz<64>(key, q), dsa[j >> 1][(j & 1) * 2 + r]);
+                sts32(sdS + (fc_u32)(q >> 6) * kKBlock + 2u * (fc_u32)swz<64>(key, q & 63),
+                      dsa[j >> 1][(j & 1) * 2 + r]);
             }
 
         // ---- dV_w += P^T dO, dK_w += dS^T Q: B read N-major (d blocks kQBlock apart) -------
@@ -255,10 +263,14 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
         __syncthreads();          // the whole dS^T tile is written
 
         // ---- dQ = dS K: A = dS^T read M-major, B = K read N-major. d128: columns
-        // [64 wg, 64 wg + 64) over all keys; d64: all columns over the warpgroup's keys --------
-        constexpr int kDqSteps = kD == 128 ? kBlockN / 16 : 64 / 16;
-        const int kk0 = kD == 128 ? 0 : 4 * wg;
+        // [64 wg, 64 wg + 64) over all keys; d64 with 64-query blocks: all columns over the
+        // warpgroup's keys (both warpgroups add); d64 with 128-query blocks: queries
+        // [64 wg, 64 wg + 64) over all keys ------------------------------------------------------
+        constexpr bool kSplitKeys = kD == 64 && kBlockM == 64;
+        constexpr int kDqSteps = kSplitKeys ? 64 / 16 : kBlockN / 16;
+        const int kk0 = kSplitKeys ? 4 * wg : 0;
         const fc_u32 kcol = kD == 128 ? (fc_u32)wg * kKBlock : 0u;
+        const fc_u32 qblk = kBlockM == 128 ? (fc_u32)wg * kKBlock : 0u;
         float acc_dq[32];
 #pragma unroll
         for (int i = 0; i < 32; ++i) acc_dq[i] = 0.f;
@@ -267,7 +279,7 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
 #pragma unroll
         for (int kk = 0; kk < kDqSteps; ++kk) {
             const fc_u32 ro = (fc_u32)(kk0 + kk) * 16u * 128u;   // keys 16 (kk0 + kk) ..
-            Wgmma<Elem>::ss_tt(acc_dq, wgmma_desc_mn(sdS + ro, kKBlock),
+            Wgmma<Elem>::ss_tt(acc_dq, wgmma_desc_mn(sdS + qblk + ro, kKBlock),
                                wgmma_desc_mn(sK + kcol + ro, kKBlock), kk > 0 ? 1 : 0);
         }
         wgmma_commit();
@@ -280,7 +292,7 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
 
         // dQ rows (queries) 16 wl + g + 8 r, columns 64 wg + 8 j + 2 t.
         {
-            const int i0 = m0 + 16 * wl + g;
+            const int i0 = m0 + (kBlockM == 128 ? 64 * wg : 0) + 16 * wl + g;
             float* dqa = p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride
                          + (seq.q_off + i0) * p.dq_accum_row_stride + (kD == 128 ? 64 * wg : 0)
                          + 2 * t;

@@ -165,21 +165,34 @@ SM90_SOURCE = "flash_bwd_sm90.cu"
 SM90_HEADDIMS = (64, 128)
 
 
-def sm90_smem(headdim: int) -> int:
-    """K, V (128 x d), Q and dO (2 stages of 64 x d), dS^T (128 x 64), lse and D, + alignment."""
-    return 2 * (2 * 128 * headdim) + 2 * 2 * (2 * 64 * headdim) + 2 * 128 * 64 + 2 * 2 * 64 * 4 + 1024
+def sm90_smem(headdim: int, block_m: int = 64) -> int:
+    """K, V (128 x d), Q and dO (2 stages of block_m x d), dS^T (128 x block_m), lse and D (2
+    stages of block_m each), + alignment."""
+    return (2 * (2 * 128 * headdim) + 2 * 2 * (2 * block_m * headdim) + 2 * 128 * block_m
+            + 2 * 2 * block_m * 4 + 1024)
 
 
-# On by default (compute capability 9.0): verified by the GPU suite on the H200.
-_SM90 = {"enabled": os.environ.get("FLASHCORE_SM90_BWD", "1") != "0"}
+# On by default (compute capability 9.0): verified by the GPU suite on the H200. Head dim 64
+# runs 64-query steps unless FLASHCORE_SM90_BWD_D64_BM=128 (both warpgroups on 128 queries).
+_SM90 = {"enabled": os.environ.get("FLASHCORE_SM90_BWD", "1") != "0",
+         "d64_block_m": int(os.environ.get("FLASHCORE_SM90_BWD_D64_BM", "64"))}
 
 
-def set_sm90(enabled: bool) -> None:
+def set_sm90(enabled: bool, d64_block_m: int | None = None) -> None:
     """Use the Hopper (wgmma) dK/dV kernel where it applies (compute capability 9.0, head dim
     64 or 128, no softcap or ALiBi, not deterministic). On by default; FLASHCORE_SM90_BWD=0
-    turns it off at import. Recorded launch plans are dropped."""
+    turns it off at import. ``d64_block_m`` (64 or 128): queries per step at head dim 64.
+    Recorded launch plans are dropped."""
     _SM90["enabled"] = bool(enabled)
+    if d64_block_m is not None:
+        if d64_block_m not in (64, 128):
+            raise ValueError(f"d64_block_m: expected 64 or 128, got {d64_block_m!r}")
+        _SM90["d64_block_m"] = int(d64_block_m)
     plans.clear()
+
+
+def sm90_block_m(headdim: int) -> int:
+    return _SM90["d64_block_m"] if headdim == 64 else 64
 
 
 def sm90_applies(cc: int, headdim: int, has_softcap: bool, has_alibi: bool,
@@ -188,13 +201,15 @@ def sm90_applies(cc: int, headdim: int, has_softcap: bool, has_alibi: bool,
             and not has_alibi and not deterministic)
 
 
-def sm90_kernel_name(dtype_name: str, headdim: int, is_local: bool) -> str:
-    return f"flash_bwd_dkdv_sm90_kernel<{_ELEM[dtype_name]}, {headdim}, {_b(is_local)}>"
+def sm90_kernel_name(dtype_name: str, headdim: int, is_local: bool,
+                     block_m: int | None = None) -> str:
+    bm = sm90_block_m(headdim) if block_m is None else block_m
+    return f"flash_bwd_dkdv_sm90_kernel<{_ELEM[dtype_name]}, {headdim}, {bm}, {_b(is_local)}>"
 
 
 def sm90_instantiations() -> list[str]:
-    return [sm90_kernel_name(dt, d, loc) for dt in ("float16", "bfloat16")
-            for d in SM90_HEADDIMS for loc in (False, True)]
+    return [sm90_kernel_name(dt, d, loc, bm) for dt in ("float16", "bfloat16")
+            for d, bm in ((64, 64), (64, 128), (128, 64)) for loc in (False, True)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -234,7 +249,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
         key = ("bwd", q.device.id, *(layout_key(a) for a in (dout, q, k, v, out, lse, dq, dk, dv,
                                                               alibi_slopes)),
                float(softmax_scale), _window(window_left), _window(window_right),
-               float(softcap or 0.0), bool(deterministic), _SM90["enabled"])
+               float(softcap or 0.0), bool(deterministic), _SM90["enabled"], _SM90["d64_block_m"])
         plan = plans.lookup(key)
         if plan is not None:
             plan.run({"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "o": out.data.ptr,
@@ -360,7 +375,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
 
         if sm90_applies(cc, headdim, has_softcap, has_alibi, deterministic):
             from .forward import SM90_DEFINES
-            smem = sm90_smem(headdim)
+            smem = sm90_smem(headdim, sm90_block_m(headdim))
             kern = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, headdim, is_local),
                               device_id, cc, smem, tuple(SM90_DEFINES))
             launch(kern, (_cdiv(seqlen_k, 128), nheads_k, batch), (256,), smem)
