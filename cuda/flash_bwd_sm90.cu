@@ -211,23 +211,23 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
         pin_s(acc_dp);
 
         // ---- P^T, dS^T. Element e of n8 tile j: key key0 + 8 (e >> 1), query 8 j + 2 t + (e & 1)
-#pragma unroll
-        for (int j = 0; j < kBlockM / 8; ++j) {
-            const int qc = 8 * j + 2 * t;
-            const float2 nl = *reinterpret_cast<const float2*>(sLb + qc);
-            const float2 dd = *reinterpret_cast<const float2*>(sDb + qc);
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                sm.template apply<false, false, Is_local>(
-                    acc_s[4 * j + e], acc_dp[4 * j + e], m0 + qc + (e & 1),
-                    n0 + key0 + 8 * (e >> 1), (e & 1) ? nl.y : nl.x, (e & 1) ? dd.y : dd.x,
-                    need_mask);
-        }
-
-        // 16-bit A operands (k = queries): k-step kk takes n8 tiles 2kk and 2kk+1.
+        // 16-bit A operands (k = queries): k-step kk takes n8 tiles 2kk and 2kk+1, packed as
+        // soon as they are computed (fewer fp32 values live at once).
         fc_u32 pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
 #pragma unroll
         for (int kk = 0; kk < kBlockM / 16; ++kk) {
+#pragma unroll
+            for (int j = 2 * kk; j < 2 * kk + 2; ++j) {
+                const int qc = 8 * j + 2 * t;
+                const float2 nl = *reinterpret_cast<const float2*>(sLb + qc);
+                const float2 dd = *reinterpret_cast<const float2*>(sDb + qc);
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    sm.template apply<false, false, Is_local>(
+                        acc_s[4 * j + e], acc_dp[4 * j + e], m0 + qc + (e & 1),
+                        n0 + key0 + 8 * (e >> 1), (e & 1) ? nl.y : nl.x, (e & 1) ? dd.y : dd.x,
+                        need_mask);
+            }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 pa[kk][e] = Elem::pack2(acc_s[8 * kk + 2 * e], acc_s[8 * kk + 2 * e + 1]);

@@ -174,8 +174,11 @@ def sm90_smem(headdim: int, pipelined: bool) -> int:
 
 # On by default (compute capability 9.0), v1: verified by the GPU suite on the H200, where v1
 # measured at least as fast as v0 at head dims 64 and 128 (docs/performance-log.md).
+# At head dim 64 the Ampere-class kernel measured faster below 2k keys (1.04-1.07x SDPA flash
+# against 0.97-0.99x at 1k, the same from 4k up), so the Hopper one takes d64 from there.
 _SM90 = {"enabled": os.environ.get("FLASHCORE_SM90", "1") != "0",
-         "pipelined": os.environ.get("FLASHCORE_SM90_PIPE", "1") != "0"}
+         "pipelined": os.environ.get("FLASHCORE_SM90_PIPE", "1") != "0",
+         "d64_min_seqlen_k": 2048}
 
 
 def set_sm90(enabled: bool, pipelined: bool | None = None) -> None:
@@ -203,7 +206,10 @@ def set_sm90_defines(defines) -> None:
     plans.clear()
 
 
-def sm90_applies(cc: int, headdim: int, has_softcap: bool, has_alibi: bool) -> bool:
+def sm90_applies(cc: int, headdim: int, has_softcap: bool, has_alibi: bool,
+                 seqlen_k: int | None = None) -> bool:
+    if headdim == 64 and seqlen_k is not None and seqlen_k < _SM90["d64_min_seqlen_k"]:
+        return False
     return (_SM90["enabled"] and cc == 90 and headdim in SM90_HEADDIMS and not has_softcap
             and not has_alibi)
 
@@ -238,7 +244,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         key = ("fwd", q.device.id, layout_key(q), layout_key(k), layout_key(v), layout_key(out),
                layout_key(lse), layout_key(alibi_slopes), float(softmax_scale),
                _window(window_left), _window(window_right), float(softcap or 0.0),
-               _SM90["enabled"], _SM90["pipelined"])
+               _SM90["enabled"], _SM90["pipelined"], _SM90["d64_min_seqlen_k"])
         plan = plans.lookup(key)
         if plan is not None:
             plan.run({"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "o": out.data.ptr,
@@ -298,7 +304,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     from ..jit import device_facts, get_kernel
     device_id = q.device.id
     cc = device_facts(device_id)[0]
-    if sm90_applies(cc, headdim, has_softcap, has_alibi):
+    if sm90_applies(cc, headdim, has_softcap, has_alibi, seqlen_k):
         smem = sm90_smem(headdim, _SM90["pipelined"])
         kernel = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, headdim, is_local),
                             device_id, cc, smem, tuple(SM90_DEFINES))
