@@ -19,7 +19,10 @@
 //   * Paged cache: token t lives at block block_table[b, t / page_size], row t % page_size.
 //     Every thread loads the rows it copies, so a key block may straddle pages (page_size 16
 //     with kBlockN 64 or 128). The block-table entries of the next key block are read one
-//     block ahead into registers, so their latency hides behind a block of compute.
+//     block ahead into registers, so their latency hides behind a block of compute; the page
+//     walk is incremental (one division per CTA, not two per row and block: the divisions
+//     were half of the paged main loop's instructions), and the prologue requests the entries
+//     of its second block before it waits for those of its first.
 //
 // Masking and alignment are exactly those of flash_fwd.cu (bottom-right causal, windows,
 // softcap, ALiBi; rows that see no key get O = 0 and lse = -inf).
@@ -49,10 +52,6 @@ __device__ __forceinline__ void stg128f(float* p, float a, float b, float c, flo
     asm volatile("st.global.v4.f32 [%0], {%1,%2,%3,%4};\n"
                  :: "l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
-__device__ __forceinline__ void ldg128f(float (&r)[4], const float* p) {
-    asm volatile("ld.global.v4.f32 {%0,%1,%2,%3}, [%4];\n"
-                 : "=f"(r[0]), "=f"(r[1]), "=f"(r[2]), "=f"(r[3]) : "l"(p));
-}
 __device__ __forceinline__ void sts64f(fc_u32 addr, float a, float b) {
     asm volatile("st.shared.v2.f32 [%0], {%1,%2};\n" :: "r"(addr), "f"(a), "f"(b) : "memory");
 }
@@ -70,6 +69,149 @@ __device__ __forceinline__ int tile_off(int row, int col) {
 template <int W>
 __device__ __forceinline__ int lane_off(int lr, int hc, int j) {
     return swz<W>(lr, j * 16 + hc * 8);
+}
+
+// Loads of the split partials, through L2 only (.cg): in the fused combine they were written by
+// other CTAs of the same launch, and a line of this SM's L1 filled earlier in the launch (a
+// neighbouring group's rows share lines) could be stale. When pred is false nothing is read
+// and the destination keeps its value. "memory": never moved across the fences.
+__device__ __forceinline__ void ldcg_f32_pred(float& x, const float* p, bool pred) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n"
+                 " @p ld.global.cg.f32 %0, [%1];\n}\n"
+                 : "+f"(x) : "l"(p), "r"((int)pred) : "memory");
+}
+__device__ __forceinline__ void ldcg_f32x8_pred(float (&x)[8], const float* p, bool pred) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %10, 0;\n"
+                 " @p ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%8];\n"
+                 " @p ld.global.cg.v4.f32 {%4,%5,%6,%7}, [%9];\n}\n"
+                 : "+f"(x[0]), "+f"(x[1]), "+f"(x[2]), "+f"(x[3]),
+                   "+f"(x[4]), "+f"(x[5]), "+f"(x[6]), "+f"(x[7])
+                 : "l"(p), "l"(p + 4), "r"((int)pred) : "memory");
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];\n" :: "l"(p));
+}
+
+constexpr int kMaxSplits = 256;   // the combine's weight table (decode.py MAX_SPLITS)
+
+// Merge the num_splits partial results of one output row R = (b * nheads + h) * sq + qi: one
+// warp, lane owns columns [8 lane, 8 lane + 8) (headdim <= 256), sW is the warp's table of
+// kMaxSplits floats. Used by the combine kernel and by the fused combine (the last split CTA
+// of a group), so both give the same bits:
+//   m = max lse_s (NaN if any is NaN), L = m + log sum exp(lse_s - m), O = sum exp(lse_s - L) O_s
+//   in split order; no split saw a key (m = -inf): lse = -inf, O = 0.
+// Every lane returns through the trailing __syncwarp (sW is reused by the warp's next row).
+template <typename Elem>
+__device__ __forceinline__ void combine_row(const FlashParams& params, long long R, int b, int h,
+                                            int qi, float* sW, int lane) {
+    constexpr int kPerLane = kMaxSplits / 32;
+    const int S = params.num_splits;
+    const int headdim = params.headdim;
+    const long long rows = (long long)params.batch * params.nheads * params.seqlen_q;
+
+    float ls[kPerLane];   // lse of splits lane + 32 i: one round trip for all of them
+    float m = -INFINITY;
+    bool has_nan = false;  // fmaxf drops NaN: a NaN split must not make the row read as empty
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+        const int s = lane + 32 * i;
+        ls[i] = -INFINITY;
+        ldcg_f32_pred(ls[i], params.lse_accum + s * rows + R, s < S);
+        has_nan |= ls[i] != ls[i];
+        m = fmaxf(m, ls[i]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (__any_sync(0xffffffffu, has_nan)) m = __int_as_float(0x7fffffff);
+
+    float* lse_out = params.lse + (long long)b * params.lse_batch_stride
+                     + (long long)h * params.lse_head_stride + qi;
+    fc_u16* out = static_cast<fc_u16*>(params.o) + (long long)b * params.o_batch_stride
+                  + (long long)qi * params.o_row_stride + (long long)h * params.o_head_stride;
+    const int c = lane * 8;
+    if (m == -INFINITY) {   // no split saw a key (warp-uniform)
+        if (lane == 0) *lse_out = -INFINITY;
+        if (c < headdim) {
+            const fc_u32 zero[4] = {0u, 0u, 0u, 0u};
+            stg128(out + c, zero);
+        }
+        return;
+    }
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i)
+        if (lane + 32 * i < S) sum += expf(ls[i] - m);   // exp(-inf) = 0
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const float L = m + logf(sum);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i)
+        if (lane + 32 * i < S) sW[lane + 32 * i] = expf(ls[i] - L);
+    __syncwarp();
+    if (lane == 0) *lse_out = L;
+    if (c < headdim) {
+        float acc[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+        const float* src = params.o_accum + R * headdim + c;
+        const long long split_stride = rows * headdim;
+        // Eight splits per step, their loads issued together. Splits with weight 0 (-inf lse:
+        // their O was never written; or underflow) are neither read nor added.
+        for (int s0 = 0; s0 < S; s0 += 8) {
+            float w[8], x[8][8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                w[j] = s0 + j < S ? sW[s0 + j] : 0.f;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) x[j][e] = 0.f;
+                ldcg_f32x8_pred(x[j], src + (s0 + j) * split_stride, w[j] != 0.f);
+            }
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                if (w[j] != 0.f) {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[e] = fmaf(w[j], x[j][e], acc[e]);
+                }
+        }
+        fc_u32 v[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[e] = Elem::pack2(acc[2 * e], acc[2 * e + 1]);
+        stg128(out + c, v);
+    }
+    __syncwarp();
+}
+
+// Fused combine, run by every CTA of a split launch once its partial O / lse are stored (or,
+// for a CTA whose split has no key, its lse = -inf): arrive on the group's counter; the last
+// CTA of the group to arrive merges the group's rows (packed rows [m0, m0 + rows_valid) of kv
+// head hk) and resets the counter to 0 for the next launch. Uniform over the CTA: every thread
+// calls it. sFlag: one int of shared memory; sW: kNWarps * kMaxSplits floats of shared memory,
+// both free for reuse (the caller's last reads of them are behind the first barrier below).
+template <typename Elem, int kNWarps>
+__device__ __forceinline__ void split_arrive_and_combine(const FlashParams& params, int b, int hk,
+                                                         int m0, int rows_valid, int* sFlag,
+                                                         float* sW) {
+    __threadfence();   // release: this thread's partial stores are visible GPU-wide ...
+    __syncthreads();   // ... for every thread of the CTA, before the arrival below
+    if (threadIdx.x == 0) {
+        int* ctr = params.split_counter + ((long long)blockIdx.x * gridDim.y + blockIdx.y);
+        const int arrived = atomicAdd(ctr, 1);
+        const int last = arrived == params.num_splits - 1;
+        if (last) atomicExch(ctr, 0);   // all splits arrived: nobody touches it in this launch
+        *sFlag = last;
+    }
+    __syncthreads();
+    if (*sFlag == 0) return;   // CTA-uniform
+    __threadfence();   // acquire: the other splits' partials, read below through L2
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int G = params.nheads / params.nheads_k;
+    const int sq = params.seqlen_q;
+    for (int r = warp; r < rows_valid; r += kNWarps) {   // warp-uniform
+        const int qi = (m0 + r) / G, h = hk * G + (m0 + r) % G;
+        combine_row<Elem>(params, ((long long)b * params.nheads + h) * sq + qi, b, h, qi,
+                          sW + warp * kMaxSplits, lane);
+    }
 }
 
 }  // namespace fc_dec
@@ -112,6 +254,9 @@ flash_decode_kernel(const FlashParams params) {
     static_assert(kStages >= 2, "at least double buffering");
     static_assert((fc_u32)kNWarps * kBlockM * kRedStride * 4 <= kStages * kStageBytes,
                   "reduction slabs must fit in the K/V ring");
+    static_assert((fc_u32)kNWarps * kMaxSplits * 4 <= kStages * kStageBytes && kQBytes >= 4,
+                  "fused combine: weight tables in the ring, the flag in the Q tile");
+    static_assert(kRS <= 16, "page walk: a thread's rows advance by less than a page (>= 16)");
 
     // Shared memory: Q | ring of kStages x (K, V) | stats (max, sum per warp and row; 1/L).
     // After the main loop the ring is reused for the per-warp O slabs (fp32).
@@ -177,9 +322,15 @@ flash_decode_kernel(const FlashParams params) {
 
     if (nb_begin >= nb_end) {
         // Nothing visible to this CTA: lse = -inf; O = 0 (a split's O is never read when its
-        // lse is -inf, so the split path writes only the lse).
+        // lse is -inf, so the split path writes only the lse). A split CTA still arrives on its
+        // group's counter (fused combine): every CTA of a group arrives exactly once.
         for (int r = tid; r < rows_valid; r += kNThreads) *lse_ptr(r) = -INFINITY;
-        if constexpr (!Is_split) {
+        if constexpr (Is_split) {
+            if (params.split_counter != nullptr)
+                split_arrive_and_combine<Elem, kNWarps>(
+                    params, b, hk, m0, rows_valid, reinterpret_cast<int*>(smem_raw),
+                    reinterpret_cast<float*>(smem_raw + kQBytes));
+        } else {
             const fc_u32 zero[4] = {0u, 0u, 0u, 0u};
             for (int idx = tid; idx < kBlockM * kCPR; idx += kNThreads) {
                 const int r = idx / kCPR, c = idx % kCPR;
@@ -226,49 +377,119 @@ flash_decode_kernel(const FlashParams params) {
     const int* bt = Is_paged ? params.block_table + (long long)b * params.block_table_batch_stride
                              : nullptr;
     const int page_size = params.page_size;
-    int pg[Is_paged ? kRPT : 1];   // physical blocks of this thread's rows of the NEXT block to load
+    // Paged: the page walk of this thread's rows without a division per row. (wp, wr): page
+    // index and row in page of the thread's first row (lr0) of the next block to fetch; a block
+    // advances it by kBlockN = bq pages + br rows, and the thread's next row lies kRS <= 16 <=
+    // page_size rows further (at most one page step). Table entries are read at min(index,
+    // bt_last): always inside the table row, so no predicate; an entry past the sequence's
+    // pages is never used (its rows fail tok < sk).
+    int wp = 0, wr = 0, bq = 0, br = 0, bt_last = 0;
+    if constexpr (Is_paged) {
+        const int tok0 = nb_begin * kBlockN + lr0;
+        wp = tok0 / page_size;
+        wr = tok0 - wp * page_size;
+        bq = kBlockN / page_size;
+        br = kBlockN - bq * page_size;
+        bt_last = max(params.seqlen_k / page_size - 1, 0);
+    }
+    // Table entries (physical blocks) of this thread's rows of a fetched block, and the row in
+    // page of its first row. Two sets: the prologue fetches block s + 1 before it issues the
+    // copies of block s (whose entries it then waits for), so the table reads of the first
+    // blocks overlap; the main loop reads the entries of block nb + kStages one block ahead.
+    constexpr int kPg = Is_paged ? kRPT : 1;
+    int pgs[2][kPg];
+    int pr0[2] = {0, 0};
 #pragma unroll
-    for (int i = 0; i < (Is_paged ? kRPT : 1); ++i) pg[i] = 0;
+    for (int u = 0; u < 2; ++u)
+#pragma unroll
+        for (int i = 0; i < kPg; ++i) pgs[u][i] = 0;
 
-    auto fetch_pages = [&](int nb) {
+    // A thread's rows of a block lie in one page when r0 + (kRPT - 1) * kRS < page_size (always
+    // when kBlockN divides page_size, e.g. 256): one table entry, and the rows' offsets are the
+    // first one's plus multiples of kRS rows, as for a contiguous cache.
+    auto one_page = [&](int r0) { return r0 + (kRPT - 1) * kRS < page_size; };
+    auto fetch_pages = [&](int (&pg)[kPg], int& r0) {   // the block after the last fetched one
         if constexpr (Is_paged) {
+            int p = wp, r = wr;
+            r0 = r;
+            if (one_page(r)) {
+                pg[0] = bt[min(p, bt_last)];
+            } else {
 #pragma unroll
-            for (int i = 0; i < kRPT; ++i) {
-                const int tok = nb * kBlockN + lr0 + i * kRS;
-                pg[i] = (nb < nb_end && tok < sk) ? bt[tok / page_size] : 0;
+                for (int i = 0; i < kRPT; ++i) {
+                    if (i > 0) {
+                        r += kRS;
+                        if (r >= page_size) {
+                            r -= page_size;
+                            ++p;
+                        }
+                    }
+                    pg[i] = bt[min(p, bt_last)];
+                }
+            }
+            // keep the table's next lines warm in L2 (page 16: a 128-byte line is 8 blocks)
+            if (tid == 0) prefetch_l2(bt + min(wp + 32, bt_last));
+            wp += bq;
+            wr += br;
+            if (wr >= page_size) {
+                wr -= page_size;
+                ++wp;
             }
         }
     };
-    auto load_kv = [&](int nb, int stage) {
+    auto load_kv = [&](int nb, int stage, const int (&pg)[kPg], int r0) {
         const fc_u32 sK = sKV + (fc_u32)stage * kStageBytes;
         const fc_u32 sV = sK + kTileBytes;
-#pragma unroll
-        for (int i = 0; i < kRPT; ++i) {
+        auto issue = [&](int i, long long ko, long long vo) {
             const int row = lr0 + i * kRS;
-            const int tok = nb * kBlockN + row;
-            const bool pred = col_ok && tok < sk;
-            long long ko, vo;
-            if constexpr (Is_paged) {
-                const int in_page = tok - (tok / page_size) * page_size;
-                ko = (long long)pg[i] * params.k_batch_stride + (long long)in_page * params.k_row_stride;
-                vo = (long long)pg[i] * params.v_batch_stride + (long long)in_page * params.v_row_stride;
-            } else {
-                ko = (long long)tok * params.k_row_stride;
-                vo = (long long)tok * params.v_row_stride;
-            }
+            const bool pred = col_ok && nb * kBlockN + row < sk;
             const fc_u32 so = 2u * (fc_u32)tile_off<kW, kBlockN>(row, lc * 8);
             cp_async_16(sK + so, pred ? gK + ko : gK, pred);
             cp_async_16(sV + so, pred ? gV + vo : gV, pred);
+        };
+        if constexpr (Is_paged) {
+            if (one_page(r0)) {
+                const long long kb = (long long)pg[0] * params.k_batch_stride
+                                     + (long long)r0 * params.k_row_stride;
+                const long long vb = (long long)pg[0] * params.v_batch_stride
+                                     + (long long)r0 * params.v_row_stride;
+#pragma unroll
+                for (int i = 0; i < kRPT; ++i)
+                    issue(i, kb + (long long)(i * kRS) * params.k_row_stride,
+                          vb + (long long)(i * kRS) * params.v_row_stride);
+            } else {
+                int in_page = r0;
+#pragma unroll
+                for (int i = 0; i < kRPT; ++i) {
+                    if (i > 0) {
+                        in_page += kRS;
+                        if (in_page >= page_size) in_page -= page_size;
+                    }
+                    issue(i, (long long)pg[i] * params.k_batch_stride
+                                 + (long long)in_page * params.k_row_stride,
+                          (long long)pg[i] * params.v_batch_stride
+                                 + (long long)in_page * params.v_row_stride);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < kRPT; ++i) {
+                const long long tok = nb * kBlockN + lr0 + i * kRS;
+                issue(i, tok * params.k_row_stride, tok * params.v_row_stride);
+            }
         }
     };
 
     // ---- prologue: kStages - 1 blocks in flight ----------------------------------------------
-    fetch_pages(nb_begin);
+    // (paged: the entries of block s + 1 are requested before the copies of block s wait for
+    // theirs; afterwards set kPgMain holds the entries of block nb_begin + kStages - 1)
+    constexpr int kPgMain = (kStages - 1) & 1;
+    fetch_pages(pgs[0], pr0[0]);
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
         if (nb_begin + s < nb_end) {
-            load_kv(nb_begin + s, s);
-            fetch_pages(nb_begin + s + 1);
+            fetch_pages(pgs[(s + 1) & 1], pr0[(s + 1) & 1]);
+            load_kv(nb_begin + s, s, pgs[s & 1], pr0[s & 1]);
         }
         cp_async_commit();
     }
@@ -342,8 +563,8 @@ flash_decode_kernel(const FlashParams params) {
         __syncthreads();                // everyone's; and the ring slot of nb - 1 is free
 
         if (nb + kStages - 1 < nb_end) {
-            load_kv(nb + kStages - 1, load_stage);
-            fetch_pages(nb + kStages);
+            load_kv(nb + kStages - 1, load_stage, pgs[kPgMain], pr0[kPgMain]);
+            fetch_pages(pgs[kPgMain], pr0[kPgMain]);   // block nb + kStages
         }
         cp_async_commit();   // possibly empty: keeps the group count uniform
         load_stage = (load_stage + 1 == kStages) ? 0 : load_stage + 1;
@@ -576,15 +797,22 @@ flash_decode_kernel(const FlashParams params) {
                    v);
         }
     }
+    if constexpr (Is_split) {
+        // Fused combine: the flag in the Q tile, the weight tables in the ring (both free now;
+        // the barrier inside orders them after the slab reads above).
+        if (params.split_counter != nullptr)
+            split_arrive_and_combine<Elem, kNWarps>(params, b, hk, m0, rows_valid,
+                                                    reinterpret_cast<int*>(smem_raw),
+                                                    reinterpret_cast<float*>(smem_raw + kQBytes));
+    }
 }
 
-// Merge the splits: one warp per output row (b, h, qi); 4 warps per CTA. num_splits <= 256.
-// A lane owns 8 consecutive columns (headdim <= 256 = 32 lanes x 8).
+// Merge the splits (the two-kernel path, split_counter == nullptr): one warp per output row
+// (b, h, qi); 4 warps per CTA. num_splits <= 256. The same per-row code as the fused combine.
 template <typename Elem>
 __global__ void __launch_bounds__(128)
 flash_decode_combine_kernel(const FlashParams params) {
     using namespace fc_dec;
-    constexpr int kMaxSplits = 256;
     __shared__ float sW[4][kMaxSplits];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -596,64 +824,7 @@ flash_decode_combine_kernel(const FlashParams params) {
     const long long bh = R / sq;
     const int h = (int)(bh % params.nheads);
     const int b = (int)(bh / params.nheads);
-    const int S = params.num_splits;
-    const int headdim = params.headdim;
-
-    float m = -INFINITY;
-    bool has_nan = false;   // fmaxf drops NaN: a NaN split must not make the row read as empty
-    for (int s = lane; s < S; s += 32) {
-        const float x = params.lse_accum[s * rows + R];
-        has_nan |= x != x;
-        m = fmaxf(m, x);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (__any_sync(0xffffffffu, has_nan)) m = __int_as_float(0x7fffffff);
-
-    float* lse_out = params.lse + (long long)b * params.lse_batch_stride
-                     + (long long)h * params.lse_head_stride + qi;
-    fc_u16* out = static_cast<fc_u16*>(params.o) + (long long)b * params.o_batch_stride
-                  + (long long)qi * params.o_row_stride + (long long)h * params.o_head_stride;
-    const int c = lane * 8;
-    if (m == -INFINITY) {   // no split saw a key
-        if (lane == 0) *lse_out = -INFINITY;
-        if (c < headdim) {
-            const fc_u32 zero[4] = {0u, 0u, 0u, 0u};
-            stg128(out + c, zero);
-        }
-        return;
-    }
-    float sum = 0.f;
-    for (int s = lane; s < S; s += 32) sum += expf(params.lse_accum[s * rows + R] - m);  // exp(-inf) = 0
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const float L = m + logf(sum);
-    for (int s = lane; s < S; s += 32) sW[warp][s] = expf(params.lse_accum[s * rows + R] - L);
-    __syncwarp();
-    if (lane == 0) *lse_out = L;
-    if (c >= headdim) return;
-
-    float acc[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-    const float* src = params.o_accum + R * headdim + c;
-    const long long split_stride = rows * headdim;
-    for (int s = 0; s < S; ++s) {
-        const float w = sW[warp][s];
-        if (w == 0.f) continue;   // -inf splits (their O was never written) and underflow
-        float x[4], y[4];
-        ldg128f(x, src + s * split_stride);
-        ldg128f(y, src + s * split_stride + 4);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            acc[e] = fmaf(w, x[e], acc[e]);
-            acc[4 + e] = fmaf(w, y[e], acc[4 + e]);
-        }
-    }
-    fc_u32 v[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) v[e] = Elem::pack2(acc[2 * e], acc[2 * e + 1]);
-    stg128(out + c, v);
+    combine_row<Elem>(params, R, b, h, qi, sW[warp], lane);
 }
 
 // Write new rows into a cache (or rotate q into q_out). One thread per pair of elements, so a

@@ -24,7 +24,10 @@
 //    block_table[b * block_table_batch_stride + t / page_size] (64-bit arithmetic).
 //    Split-KV (num_splits > 1): each split writes fp32 partial results to
 //    o_accum (num_splits, batch, nheads, seqlen_q, headdim) and lse_accum
-//    (num_splits, batch, nheads, seqlen_q), both contiguous; a combine kernel merges them.
+//    (num_splits, batch, nheads, seqlen_q), both contiguous. They are merged either by the last
+//    split CTA of each (batch, kv head, m-block) to finish (split_counter != nullptr: one int32
+//    arrival counter per group, zero before the launch and reset to zero by that CTA), or by
+//    the separate combine kernel (split_counter == nullptr).
 #pragma once
 
 #define FC_WINDOW_NONE (1 << 30)
@@ -83,4 +86,7 @@ struct FlashParams {
     long long block_table_batch_stride;
     int page_size;             // rows per cache block (paged), a multiple of 16
     int num_splits;            // key-range splits per (batch, kv head, m-block); 1 = no combine
+    int* split_counter;        // split-KV fused combine: int32 arrival counters, one per
+                               // (batch, kv head, m-block), all 0 between launches; nullptr =
+                               // the separate combine kernel merges the splits
 };

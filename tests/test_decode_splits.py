@@ -29,3 +29,14 @@ def test_bounds(base, nb):
     assert s <= num_splits_heuristic(base, H200_SMS * CTAS_PER_SM, nb)
     if nb >= 8 * 16 and base * 16 < H200_SMS:              # few CTAs: still enough to fill SMs
         assert base * s >= min(H200_SMS // 2, base * (nb // 8))
+
+
+def test_max_splits_matches_the_kernels_weight_table():
+    """The launcher caps the split count at MAX_SPLITS; the combine (fused or not) keeps one
+    weight per split in a table of fc_dec::kMaxSplits floats per warp."""
+    import re
+    from flashcore import jit
+    from flashcore.kernels.decode import MAX_SPLITS
+    src = (jit.cuda_dir() / "flash_decode.cu").read_text()
+    m = re.search(r"constexpr int kMaxSplits = (\d+);", src)
+    assert m and int(m.group(1)) == MAX_SPLITS

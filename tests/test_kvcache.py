@@ -674,3 +674,14 @@ def test_cupy_against_reference(dtype, layout, case):
     for i in range(p.b):
         n = int(p.before[i]) + p.s_new
         np.testing.assert_allclose(K_got[i, :n], K_ref[i, :n], rtol=0, atol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["contiguous", "paged16", "paged256"])
+@pytest.mark.parametrize("case", ["split_kv_3", "split_kv_7_window"])
+def test_cupy_split_kv_with_the_combine_kernel(layout, case, monkeypatch):
+    """The split cases again on the two-kernel path (FLASHCORE_DECODE_FUSED_COMBINE=0); the
+    test above runs them with the default fused combine."""
+    from flashcore.kernels import decode
+    monkeypatch.setitem(decode._FUSED, "enabled", False)
+    test_cupy_against_reference("bfloat16", layout, case)

@@ -21,6 +21,7 @@ from flashcore.kernels.params import params_dtype  # noqa: E402
 
 LOG: list = []
 _NEXT = itertools.count(1)
+STREAM = {"ptr": 0x7000}     # the fake current stream's handle (decode counters are per stream)
 
 
 class FakeKernel:
@@ -80,6 +81,13 @@ def no_gpu(monkeypatch):
         return a if a.size == 0 or _used_strides_ok(a, 8, 16) else _alloc(a.shape, a.dtype)
     for mod in (forward, backward):
         monkeypatch.setattr(mod, "_as_input", as_input)
+    # decoding's fused split combine: the current stream (answered here) picks the persistent
+    # counter array; fresh counters per test, the real ones restored after it
+    from flashcore.kernels import decode
+    STREAM["ptr"] = 0x7000
+    monkeypatch.setattr(decode, "_current_stream_ptr", lambda dev: STREAM["ptr"])
+    monkeypatch.setattr(decode, "_COUNTERS", {})
+    monkeypatch.setitem(decode._FUSED, "enabled", True)
     plans.clear()
     plans.set_enabled(True)
     LOG.clear()
@@ -327,3 +335,255 @@ def test_decode_replay_equals_full_launch(seed, monkeypatch):
     plans.set_enabled(True)
     assert _decode_masked(replay2) == _decode_masked(LOG)
     assert replay2[0][4] != full1[0][4], "pointers were not updated"
+
+
+# ---------------- decoding: the fused split combine ----------------
+
+def _counter_word():
+    return params_dtype().fields["split_counter"][1] // 8
+
+
+def _word(raw, i):
+    return int(np.frombuffer(raw, np.uint64)[i])
+
+
+def _kernel_launches():
+    return [e for e in LOG if e[0] != "returned"]
+
+
+def _fused_case(**over):
+    c = dict(dtype=ml_dtypes.bfloat16, d=128, hk=8, h=32, b=1, sq=1, paged=False, cap=4096,
+             wl=-1, wr=-1, splits=3, scale=0.1, softcap=0.0)
+    c.update(over)
+    return c
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_fused_combine_is_one_launch(paged, monkeypatch):
+    from flashcore.kernels import decode
+    monkeypatch.setattr(decode, "_as_input", lambda a: a)
+    rng = np.random.default_rng(3)
+    c = _fused_case(paged=paged)
+    arrays = _decode_arrays(rng, c)
+    _decode(c, arrays)
+    (name, grid, block, smem, raw), = _kernel_launches()
+    assert name.startswith("flash_decode_kernel<") and name.endswith("true>")   # Is_split
+    assert grid == (8, 1, 3)
+    buf = decode._COUNTERS[(0, STREAM["ptr"])]
+    assert buf.dtype == np.int32 and buf.size >= 8
+    assert _word(raw, _counter_word()) == buf.data.ptr
+    # the two-kernel path: the decode kernel without counters, then the combine kernel
+    decode.set_fused_combine(False)
+    LOG.clear()
+    _decode(c, arrays)
+    (n1, g1, _, _, r1), (n2, g2, _, _, r2) = _kernel_launches()
+    assert n1 == name and g1 == grid and n2.startswith("flash_decode_combine_kernel<")
+    assert _word(r1, _counter_word()) == 0 and _word(r2, _counter_word()) == 0
+    assert len(plans.PLANS) == 2, "the choice is part of the plan key"
+    # no split: one launch, no counters, whichever the switch
+    for on in (True, False):
+        decode.set_fused_combine(on)
+        LOG.clear()
+        _decode(dict(c, splits=1), arrays)
+        (n, g, _, _, r), = _kernel_launches()
+        assert g == (8, 1, 1) and n.endswith("false>") and _word(r, _counter_word()) == 0
+
+
+def test_decode_counters_are_per_stream_and_replayed(monkeypatch):
+    from flashcore.kernels import decode
+    monkeypatch.setattr(decode, "_as_input", lambda a: a)
+    rng = np.random.default_rng(4)
+    c = _fused_case()
+    arrays = _decode_arrays(rng, c)
+    seen = {}
+    for stream in (0x7000, 0x9000, 0x7000, 0x9000):
+        STREAM["ptr"] = stream
+        LOG.clear()
+        _decode(c, arrays)            # the first is a full launch, the others replays
+        (_, _, _, _, raw), = _kernel_launches()
+        seen.setdefault(stream, set()).add(_word(raw, _counter_word()))
+    assert len(plans.PLANS) == 1
+    assert seen[0x7000] == {decode._COUNTERS[(0, 0x7000)].data.ptr}
+    assert seen[0x9000] == {decode._COUNTERS[(0, 0x9000)].data.ptr}
+    assert seen[0x7000] != seen[0x9000]
+
+
+def test_decode_counters_grow_zero_filled(monkeypatch):
+    from flashcore.kernels import decode
+    monkeypatch.setattr(decode, "_as_input", lambda a: a)
+    made = []
+
+    def zeros(shape, dtype=np.float32, **kw):
+        made.append((tuple(shape) if not isinstance(shape, int) else (shape,), np.dtype(dtype)))
+        return _alloc(shape, dtype)
+    monkeypatch.setattr(cupy, "zeros", zeros)
+    rng = np.random.default_rng(5)
+    small = _fused_case(b=2)
+    _decode(small, _decode_arrays(rng, small))
+    assert made == [((1024,), np.dtype(np.int32))]
+    # 600 sequences x 8 kv heads = 4800 groups: a new, larger zero-filled array
+    big = _fused_case(b=600, cap=256)
+    LOG.clear()
+    _decode(big, _decode_arrays(rng, big))
+    (_, grid, _, _, raw), = _kernel_launches()
+    assert grid[0] * grid[1] == 4800
+    assert made[-1][1] == np.int32 and made[-1][0][0] >= 4800
+    assert _word(raw, _counter_word()) == decode._COUNTERS[(0, STREAM["ptr"])].data.ptr
+    # replaying the small layout keeps the grown array
+    LOG.clear()
+    n = len(made)
+    _decode(small, _decode_arrays(rng, small))
+    (_, _, _, _, raw), = _kernel_launches()
+    assert len(made) == n
+    assert _word(raw, _counter_word()) == decode._COUNTERS[(0, STREAM["ptr"])].data.ptr
+
+
+def test_decode_fused_switch_from_the_environment():
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    root = str(pathlib.Path(__file__).resolve().parents[1])    # this checkout's flashcore
+    code = ("import flashcore.kernels.decode as d, pathlib, sys; "
+            f"assert pathlib.Path(d.__file__).resolve().is_relative_to({root!r}), d.__file__; "
+            "print(d.fused_combine_enabled())")
+    for val, want in (("0", "False"), ("1", "True"), (None, "True")):
+        env = dict(os.environ, PYTHONPATH=root)
+        env.pop("FLASHCORE_DECODE_FUSED_COMBINE", None)
+        if val is not None:
+            env["FLASHCORE_DECODE_FUSED_COMBINE"] = val
+        out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root,
+                             capture_output=True, text=True, check=True).stdout.strip()
+        assert out == want, (val, out)
+
+
+# ---------------- direct launches (plans.Direct) and plans.capture ----------------
+
+_FWD_NAMES = ("q", "k", "v", "o", "lse", "alibi_slopes")
+_BWD_NAMES = ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "alibi_slopes")
+_FPTRS: dict = {}
+
+
+def _fake_func_ptr(kern, device_id):
+    return _FPTRS.setdefault(kern.name, 0x1000 + 16 * len(_FPTRS))
+
+
+def _fake_driver_launch(f, gx, gy, gz, bx, by, bz, smem, stream, argp, extra):
+    """cuLaunchKernel as the driver sees it: the struct bytes are read through the void* array."""
+    import ctypes
+    name = next(n for n, p in _FPTRS.items() if p == f)
+    struct_ptr = ctypes.c_void_p.from_address(argp).value
+    raw = ctypes.string_at(struct_ptr, params_dtype().itemsize)
+    assert extra == 0 and stream == 0x5000
+    LOG.append((name, (gx, gy, gz), (bx, by, bz), smem, raw))
+
+
+def _pad3(log):
+    def d3(t):
+        t = tuple(t)
+        return t + (1,) * (3 - len(t))
+    return [(n, d3(g), d3(b), s, raw) for n, g, b, s, raw in log]
+
+
+def _direct_fills(names, arrays_by_name, plan):
+    s = plans.slots()
+    fills = [(s[n], 0 if arrays_by_name[n] is None else arrays_by_name[n].data.ptr) for n in names]
+    scratch = []
+    for field, shape, zero in plan.scratch:
+        buf = _alloc(shape)
+        scratch.append(buf)
+        fills.append((s[field], buf.data.ptr))
+    return fills
+
+
+def _check_direct(run, make, c, rng, names, by_name):
+    with plans.capture() as seen:
+        run(c, make(rng, c))               # full run: records the plan
+    assert len(seen) == 1
+    plan = seen[0]
+    direct = plans.Direct(plan, func_ptr=_fake_func_ptr)
+    for _ in range(2):                     # twice: the buffer is reused, nothing stale stays
+        a2 = make(rng, c)
+        m = by_name(c, a2)
+        LOG.clear()
+        plan.run({n: None if m[n] is None else m[n].data.ptr for n in names})
+        replay = _pad3(LOG)
+        LOG.clear()
+        direct.run(_direct_fills(names, m, plan), 0x5000, _fake_driver_launch)
+        assert _masked(LOG) == _masked(replay), "direct launch differs from the plan's"
+        plans.set_enabled(False)
+        LOG.clear()
+        run(c, a2)                         # and from the full launcher
+        plans.set_enabled(True)
+        assert _masked(_pad3(LOG)) == _masked(replay)
+
+
+def _fwd_by_name(c, a):
+    q, k, v, out, lse = a
+    return dict(q=q, k=k, v=v, o=out, lse=lse, alibi_slopes=c["alibi"])
+
+
+def _bwd_by_name(c, a):
+    do, q, k, v, out, lse, dq, dk, dv = a
+    return dict(q=q, k=k, v=v, o=out, lse=lse, dout=do, dq=dq, dk=dk, dv=dv,
+                alibi_slopes=c["alibi"])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_direct_forward_equals_plan_run(seed):
+    rng = np.random.default_rng(5000 + seed)
+    c = _case(rng)
+    with plans.capture() as seen:
+        _forward(c, _fwd_arrays(rng, c))
+    plans.clear()
+    if not seen:
+        pytest.skip("layout not recorded")
+    _check_direct(_forward, _fwd_arrays, c, rng, _FWD_NAMES, _fwd_by_name)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_direct_backward_equals_plan_run(seed):
+    rng = np.random.default_rng(6000 + seed)
+    c = _case(rng)
+    with plans.capture() as seen:
+        _backward(c, _bwd_arrays(rng, c))
+    plans.clear()
+    if not seen:
+        pytest.skip("layout not recorded")
+    _check_direct(_backward, _bwd_arrays, c, rng, _BWD_NAMES, _bwd_by_name)
+
+
+def test_capture_lists_recorded_and_replayed_plans_only():
+    rng = np.random.default_rng(21)
+    c = _case(rng)
+    q, k, v, out, lse = _fwd_arrays(rng, c)
+    odd = fake_array(q.shape, q.dtype, align=8)        # copied by the launcher: no plan
+    with plans.capture() as seen:
+        _forward(c, (odd, k, v, out, lse))
+    assert seen == []
+    with plans.capture() as seen:
+        _forward(c, (q, k, v, out, lse))               # recorded
+        _forward(c, (q, k, v, out, lse))               # replayed
+    assert len(seen) == 2 and seen[0] is seen[1]
+    with plans.capture() as outer:
+        with plans.capture() as inner:
+            _forward(c, (q, k, v, out, lse))
+        assert len(inner) == 1
+    assert outer == []                                 # nesting restores the outer list
+    _forward(c, (q, k, v, out, lse))                   # no capture active: nothing noted
+
+
+def test_derived_entries_go_with_the_plans():
+    plans.derived_put(("torch-fwd", 1), "entry")
+    assert plans.derived_get(("torch-fwd", 1)) == "entry"
+    plans.clear()
+    assert plans.derived_get(("torch-fwd", 1)) is None
+    plans.derived_put(("torch-fwd", 1), "entry")
+    plans.set_enabled(False)
+    assert plans.derived_get(("torch-fwd", 1)) is None
+    plans.derived_put(("torch-fwd", 1), "entry")
+    assert not plans.PLANS
+    plans.set_enabled(True)
+    plans.derived_put(("torch-fwd", 1), "entry")
+    forward.set_tile_override(64, None)
+    assert plans.derived_get(("torch-fwd", 1)) is None

@@ -270,3 +270,76 @@ print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+# ---------------- the eager fast path's key (flashcore/backends/torch_backend.py) ----------------
+
+def _fk(q, k, v, **over):
+    from flashcore.backends import torch_backend as tb
+    kw = dict(alibi_slopes=None, backend=None, causal=True, softmax_scale=None,
+              window_size=(-1, -1), softcap=0.0, deterministic=False)
+    kw.update(over)
+    return tb._fast_key(torch, q, k, v, kw["alibi_slopes"], kw["backend"], kw["causal"],
+                        kw["softmax_scale"], kw["window_size"], kw["softcap"],
+                        kw["deterministic"])
+
+
+def test_fast_key_holds_layouts_options_and_grad_mode():
+    q, k, v = _qkv(dtype=torch.float32, requires_grad=False)
+    base = _fk(q, k, v)
+    assert base is not None and base == _fk(q.clone(), k.clone(), v.clone())  # new pointers
+    assert base[1] is False
+    with torch.no_grad():
+        assert _fk(*_qkv(dtype=torch.float32, requires_grad=True)) == base
+    assert _fk(*_qkv(dtype=torch.float32, requires_grad=True))[1] is True
+    others = [
+        _fk(q, k, v, causal=False), _fk(q, k, v, softmax_scale=0.5), _fk(q, k, v, softcap=0),
+        _fk(q, k, v, window_size=[-1, -1]), _fk(q, k, v, window_size=(3, 0)),
+        _fk(q, k, v, deterministic=True), _fk(q, k, v, backend="torch"),
+        _fk(q, k, v, alibi_slopes=torch.ones(4)),
+        _fk(q.transpose(1, 2).contiguous().transpose(1, 2), k, v),          # other strides
+        _fk(q.to(torch.float64), k, v),                                      # other dtype
+        _fk(torch.empty(q.numel() + 1)[1:].view(q.shape), k, v),             # address % 16
+        _fk(q[:, :4], k, v),                                                 # other shape
+    ]
+    assert all(o is not None for o in others)
+    assert len({base, *others}) == len(others) + 1
+
+
+def test_fast_key_refuses_what_it_cannot_key():
+    q, k, v = _qkv(dtype=torch.float32, requires_grad=False)
+
+    class Sub(torch.Tensor):
+        pass
+    assert _fk(q.as_subclass(Sub), k, v) is None
+    assert _fk(q, k, v, softmax_scale=np.float64(0.5)) is None
+    assert _fk(q, k, v, softcap=torch.tensor(1.0)) is None
+    assert _fk(q, k, v, window_size=np.array([-1, -1])) is None
+    assert _fk(q, k, v, backend=object()) is None
+
+
+def test_cpu_calls_record_no_fast_entries():
+    from flashcore.kernels import plans
+    q, k, v = _qkv(dtype=torch.float32)
+    for _ in range(2):
+        out = flashcore.attention(q, k, v, causal=True)
+        out.sum().backward()
+        with torch.no_grad():
+            flashcore.attention(q, k, v)
+    assert not any(type(key) is tuple and str(key[0]).startswith("torch-") for key in plans.PLANS)
+
+
+def test_set_fast_path_switches_and_drops_entries(monkeypatch):
+    from flashcore.backends import torch_backend as tb
+    from flashcore.kernels import plans
+    monkeypatch.setitem(tb._FAST, "enabled", True)
+    monkeypatch.setitem(tb._FAST, "direct", True)
+    plans.derived_put(("torch-fwd", "x"), "e")
+    plans.derived_put(("fwd", "x"), "p")
+    tb.set_fast_path(direct=False)
+    assert not tb._FAST["direct"] and tb.fast_path_enabled()
+    assert plans.derived_get(("torch-fwd", "x")) is None
+    assert plans.derived_get(("fwd", "x")) == "p"          # launch plans stay
+    tb.set_fast_path(False)
+    assert not tb.fast_path_enabled()
+    plans.clear()

@@ -23,13 +23,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import os
 import sys
 
 from .._arrays import device_of, dtype_name
+from ..kernels import plans
 from ..spec import FLOAT_DTYPES, AttentionSpec, forward_spec
 from .base import Backend, choose, get_backend, register
 
-__all__ = ["TorchBackend", "autograd_attention", "torch_ops"]
+__all__ = ["TorchBackend", "autograd_attention", "torch_ops", "set_fast_path"]
 
 DOUBLE_BACKWARD_MESSAGE = (
     "flashcore: double backward is not supported (the attention backward is not itself "
@@ -454,6 +456,19 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
     under ``torch.compile`` the same Python runs at trace time on fake tensors.
     """
     import torch
+    fk = None
+    if _FAST["enabled"] and not varlen and not torch.compiler.is_compiling() and q.is_cuda:
+        fk = _fast_key(torch, q, k, v, alibi_slopes, backend, causal, softmax_scale, window_size,
+                       softcap, deterministic)
+        if fk is not None:
+            e = plans.derived_get(fk)
+            if e is not None:          # this layout and these options ran in full before
+                if fk[1]:
+                    return _eager_function().apply(q, k, v, alibi_slopes, None, None, e.spec,
+                                                   (fk, e))
+                r = _fast_forward(torch, e, q, k, v, alibi_slopes)
+                if r is not None:
+                    return r
     spec = forward_spec(q, k, v, varlen=varlen, causal=causal, softmax_scale=softmax_scale,
                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                         deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
@@ -468,17 +483,224 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
         # and options were still validated above, and the custom op carries the call.
         choose(spec, backend, backward=needs_grad)
         torch_ops()   # defined once, so that a later torch.compile of this code can use them
+        if fk is not None and fk[1] != needs_grad:   # (cannot happen: same test) be safe
+            fk = None
         if not needs_grad:    # inference: no autograd node to build (saves its overhead)
+            if fk is not None:
+                return _forward_recording(torch, fk, spec, q, k, v, alibi_slopes)
             return _BACKEND.forward(spec, q, k, v, alibi_slopes=alibi_slopes,
                                     cu_seqlens_q=cu_seqlens_q if varlen else None,
                                     cu_seqlens_k=cu_seqlens_k if varlen else None)
         return _eager_function().apply(q, k, v, alibi_slopes, cu_seqlens_q if varlen else None,
-                                       cu_seqlens_k if varlen else None, spec)
+                                       cu_seqlens_k if varlen else None, spec, (fk, None))
     return torch_ops().fwd(q, k, v, alibi_slopes, cu_seqlens_q if varlen else None,
                            cu_seqlens_k if varlen else None,
                            spec.seqlen_q if varlen else 0, spec.seqlen_k if varlen else 0,
                            spec.causal, spec.softmax_scale, spec.window_left, spec.window_right,
                            spec.softcap, spec.deterministic)
+
+
+# --------------------------------------------------------------------------------------------
+# The eager fast path for CUDA tensors
+# --------------------------------------------------------------------------------------------
+# A training or inference loop repeats the same calls with the same layouts. The first call of
+# a layout (and of the options) runs in full: validation (flashcore.spec), the backend choice,
+# CuPy views, the launchers, which record a launch plan (flashcore/kernels/plans.py) when they
+# made no copies. That call is then recorded here too, under a key made from the torch tensors
+# themselves: later calls with that key allocate the outputs with torch.empty, fill the
+# pointers into the recorded struct and launch the recorded kernels on torch's current stream
+# (cuLaunchKernel straight from a persistent parameter buffer, see plans.Direct), with none of
+# the spec, the CuPy views, the CuPy stream or the launcher's Python in between.
+#
+# The key holds everything the full call depends on: for q, k, v (and alibi_slopes) the
+# address modulo 16, shape, strides, dtype and device; the options with their types; the
+# backend argument; whether the call builds an autograd node. A key is only ever recorded after
+# a full call with that key succeeded, so bad input always takes the full path and gets its
+# error. Not taken: varlen calls, under torch.compile (the custom ops carry the call there),
+# tensor subclasses, options of other types. The entries live in plans.PLANS, so whatever drops
+# the launch plans (plans.set_enabled(False), tile overrides, kernel reloads) drops them too.
+# set_fast_path(False) turns the path off; set_fast_path(direct=False) keeps it but launches
+# through the recorded plan (CuPy's RawKernel, under CuPy's view of torch's stream) instead.
+
+_FAST = {"enabled": os.environ.get("FLASHCORE_TORCH_FAST", "1") != "0", "direct": True}
+_FWD_NAMES = ("q", "k", "v", "o", "lse", "alibi_slopes")
+_BWD_NAMES = ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "alibi_slopes")
+_SCALARS = (bool, int, float, type(None))
+
+
+def set_fast_path(enabled: bool | None = None, direct: bool | None = None) -> None:
+    """Turn the torch eager fast path on or off (``enabled``; the environment variable
+    FLASHCORE_TORCH_FAST=0 turns it off at import), and its direct driver launches
+    (``direct``; off, the recorded plans launch through CuPy's RawKernel). Recorded entries are
+    dropped."""
+    if enabled is not None:
+        _FAST["enabled"] = bool(enabled)
+    if direct is not None:
+        _FAST["direct"] = bool(direct)
+    for key in [key for key in plans.PLANS if type(key) is tuple and key
+                and key[0] in ("torch-fwd", "torch-bwd")]:
+        plans.PLANS.pop(key, None)
+
+
+def fast_path_enabled() -> bool:
+    return _FAST["enabled"]
+
+
+def _tl(t):
+    return (t.data_ptr() % 16, t.shape, t.stride(), t.dtype, t.get_device())
+
+
+def _fast_key(torch, q, k, v, alibi_slopes, backend, causal, softmax_scale, window_size, softcap,
+              deterministic):
+    """The fast path's key of an eager call on plain tensors, or None (not eligible); the
+    caller checks that they are CUDA tensors."""
+    if torch.compiler.is_compiling():
+        return None
+    T = torch.Tensor
+    if type(q) is not T or type(k) is not T or type(v) is not T:
+        return None
+    if alibi_slopes is not None and type(alibi_slopes) is not T:
+        return None
+    tw = type(window_size)
+    if tw is not tuple and tw is not list:
+        return None
+    ws = tuple(window_size)
+    scalars = (causal, softmax_scale, softcap, deterministic) + ws
+    for x in scalars:
+        if type(x) not in _SCALARS:
+            return None
+    if backend is not None and type(backend) is not str:
+        return None
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or
+                                              v.requires_grad)
+    try:
+        return ("torch-fwd", needs_grad, backend, scalars, tuple(type(x) for x in scalars), tw,
+                _tl(q), _tl(k), _tl(v), None if alibi_slopes is None else _tl(alibi_slopes))
+    except Exception:        # a tensor without storage or strides: not for this path
+        return None
+
+
+def _fast_bwd_key(torch, fk, dout, out, lse):
+    if torch.compiler.is_compiling() or type(dout) is not torch.Tensor:
+        return None
+    try:
+        return ("torch-bwd", fk, _tl(dout), out.data_ptr() % 16, lse.data_ptr() % 16)
+    except Exception:
+        return None
+
+
+class _Entry:
+    """What the fast path needs of one recorded full call."""
+
+    __slots__ = ("spec", "plan", "names", "slots", "scratch", "direct", "index", "device",
+                 "ctx", "lse_shape", "out_mods")
+
+    def __init__(self, torch, spec, plan, names, index, lse_shape, out_mods):
+        self.spec = spec
+        self.plan = plan
+        self.names = names
+        s = plans.slots()
+        self.slots = tuple(s[n] for n in names) + tuple(s[f] for f, _, _ in plan.scratch)
+        self.scratch = tuple((shape, zero) for _, shape, zero in plan.scratch)
+        self.index = index
+        self.device = torch.device("cuda", index)
+        self.lse_shape = lse_shape
+        self.out_mods = out_mods
+        self.direct = None
+        self.ctx = None
+        try:
+            import cupy
+            with cupy.cuda.Device(index):
+                self.ctx = int(cupy.cuda.driver.ctxGetCurrent())
+            if self.ctx:       # (no current context: leave launching to CuPy)
+                self.direct = plans.Direct(plan)
+        except Exception:    # no CUfunction to be had: the plan's RawKernel path serves
+            self.direct = None
+
+
+_RAW_STREAM: list = []
+
+
+def _raw_stream(torch, index):
+    """torch's current stream on device ``index``, as the raw ``cudaStream_t``."""
+    if not _RAW_STREAM:
+        f = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if f is None:
+            def f(i):
+                return torch.cuda.current_stream(i).cuda_stream
+        _RAW_STREAM.append(f)
+    return _RAW_STREAM[0](index)
+
+
+def _run_entry(torch, e, addrs):
+    """Launch entry ``e`` with ``addrs`` (addresses in ``e.names`` order) on torch's current
+    stream. Returns the scratch it allocated (the caller drops it after the launches are
+    queued: torch's allocator, like CuPy's, reuses memory in stream order)."""
+    import cupy
+    if e.direct is not None and _FAST["direct"]:
+        keep = []
+        if e.scratch:
+            addrs = list(addrs)
+            for shape, zero in e.scratch:
+                t = (torch.zeros if zero else torch.empty)(shape, dtype=torch.float32,
+                                                           device=e.device)
+                keep.append(t)
+                addrs.append(t.data_ptr())
+        drv = cupy.cuda.driver
+        stream = _raw_stream(torch, e.index)
+        if drv.ctxGetCurrent() == e.ctx:
+            e.direct.run(zip(e.slots, addrs), stream, drv.launchKernel)
+        else:
+            with cupy.cuda.Device(e.index):
+                e.direct.run(zip(e.slots, addrs), stream, drv.launchKernel)
+        return keep
+    with cupy.cuda.Device(e.index), _cupy_stream(torch, e.device):
+        return e.plan.run(dict(zip(e.names, addrs)))
+
+
+def _fast_forward(torch, e, q, k, v, alibi_slopes):
+    """``(out, lse)`` by entry ``e``, or None (fresh outputs of another alignment: the caller
+    takes the full path)."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=e.device)
+    lse = torch.empty(e.lse_shape, dtype=torch.float32, device=e.device)
+    po, pl = out.data_ptr(), lse.data_ptr()
+    if (po % 16, pl % 16) != e.out_mods:
+        return None
+    _run_entry(torch, e, (q.data_ptr(), k.data_ptr(), v.data_ptr(), po, pl,
+                          0 if alibi_slopes is None else alibi_slopes.data_ptr()))
+    return out, lse
+
+
+def _forward_recording(torch, fk, spec, q, k, v, alibi_slopes):
+    """The full forward; when it amounted to one launch plan, record the fast entry of ``fk``."""
+    with plans.capture() as seen:
+        out, lse = _BACKEND.forward(spec, q, k, v, alibi_slopes=alibi_slopes)
+    if len(seen) == 1 and out.is_cuda:
+        plans.derived_put(fk, _Entry(torch, spec, seen[0], _FWD_NAMES, q.get_device(),
+                                     tuple(lse.shape), (out.data_ptr() % 16,
+                                                        lse.data_ptr() % 16)))
+    return out, lse
+
+
+def _fast_backward(torch, e, dout, q, k, v, out, lse, alibi_slopes):
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    pq, pk, pv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
+    if (pq % 16, pk % 16, pv % 16) != e.out_mods:
+        return None
+    _run_entry(torch, e, (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                          lse.data_ptr(), dout.data_ptr(), pq, pk, pv,
+                          0 if alibi_slopes is None else alibi_slopes.data_ptr()))
+    return dq, dk, dv
+
+
+def _backward_recording(torch, bk, spec, dout, q, k, v, out, lse, alibi_slopes):
+    with plans.capture() as seen:
+        dq, dk, dv = _BACKEND.backward(spec, dout, q, k, v, out, lse, alibi_slopes=alibi_slopes)
+    if len(seen) == 1 and dq.is_cuda:
+        plans.derived_put(bk, _Entry(torch, spec, seen[0], _BWD_NAMES, q.get_device(), None,
+                                     (dq.data_ptr() % 16, dk.data_ptr() % 16,
+                                      dv.data_ptr() % 16)))
+    return dq, dk, dv
 
 
 _EAGER: list = []
@@ -492,11 +714,23 @@ def _eager_function():
 
     class FlashAttentionFunction(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, spec):
-            out, lse = _BACKEND.forward(spec, q, k, v, alibi_slopes=alibi_slopes,
-                                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        def forward(ctx, q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, spec, fast=(None, None)):
+            # fast: (key, entry) of the torch fast path (see _fast_key): entry set, the launches
+            # recorded for this key replay; key only, the full call records them.
+            fk, e = fast
+            r = None
+            if e is not None:
+                r = _fast_forward(torch, e, q, k, v, alibi_slopes)
+            if r is None:
+                if fk is not None:
+                    r = _forward_recording(torch, fk, spec, q, k, v, alibi_slopes)
+                else:
+                    r = _BACKEND.forward(spec, q, k, v, alibi_slopes=alibi_slopes,
+                                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+            out, lse = r
             ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
             ctx.spec = spec
+            ctx.fast_key = fk
             ctx.mark_non_differentiable(lse)
             return out, lse
 
@@ -505,12 +739,27 @@ def _eager_function():
             q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
             if dout.shape[-1] > 1 and dout.stride(-1) != 1:
                 dout = dout.contiguous()
-            dq, dk, dv = _BACKEND.backward(ctx.spec, dout, q, k, v, out, lse,
-                                           alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
-                                           cu_seqlens_k=cu_seqlens_k)
+            grads = None
+            bk = None
+            if ctx.fast_key is not None and _FAST["enabled"]:
+                bk = _fast_bwd_key(torch, ctx.fast_key, dout, out, lse)
+                if bk is not None:
+                    e = plans.derived_get(bk)
+                    if e is not None:
+                        grads = _fast_backward(torch, e, dout, q, k, v, out, lse, alibi_slopes)
+            if grads is None:
+                if bk is not None:
+                    grads = _backward_recording(torch, bk, ctx.spec, dout, q, k, v, out, lse,
+                                                alibi_slopes)
+                else:
+                    grads = _BACKEND.backward(ctx.spec, dout, q, k, v, out, lse,
+                                              alibi_slopes=alibi_slopes,
+                                              cu_seqlens_q=cu_seqlens_q,
+                                              cu_seqlens_k=cu_seqlens_k)
+            dq, dk, dv = grads
             if torch.is_grad_enabled():      # create_graph=True: refuse when differentiated
                 dq, dk, dv = NoSecondDerivative.apply(dout, dq, dk, dv)
-            return dq, dk, dv, None, None, None, None
+            return dq, dk, dv, None, None, None, None, None
 
     class NoSecondDerivative(torch.autograd.Function):
         @staticmethod

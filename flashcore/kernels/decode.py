@@ -4,11 +4,19 @@
 with split-KV (Flash-Decoding) and GQA head packing; ``launch_rotary_append`` writes new k/v
 rows into the cache, optionally applying rotary embedding to them (and to q).
 
+Split-KV merges the splits' partial results in the decode kernel itself by default (fused
+combine: the last CTA of each (sequence, kv head, m-block) to finish merges them, counted on a
+persistent int32 arrival counter per (device, stream) that the kernel leaves at zero), so a split
+call is one launch. ``FLASHCORE_DECODE_FUSED_COMBINE=0`` in the environment, or
+``set_fused_combine(False)``, selects the former two-kernel path (decode, then
+``flash_decode_combine_kernel``); both give the same bits.
+
 The caller has validated shapes, dtypes and devices. CuPy is imported lazily.
 """
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 from .common import (_as_input, _strides, _used_strides_ok, elem_tag as _elem_tag,
@@ -21,11 +29,12 @@ from .plans import layout_key
 __all__ = ["launch_decode", "launch_rotary_append", "instantiations", "num_splits_heuristic",
            "choose_num_splits",
            "kernel_name", "combine_name", "append_name", "DecodeConfig", "decode_config",
-           "HEADDIM_TILES", "MAX_SPLITS"]
+           "HEADDIM_TILES", "MAX_SPLITS", "set_fused_combine", "fused_combine_enabled",
+           "split_counter"]
 
 SOURCE = "flash_decode.cu"
 HEADDIM_TILES = (64, 128, 256)
-MAX_SPLITS = 256          # the combine kernel's shared weight table
+MAX_SPLITS = 256          # the combine's shared weight table (fc_dec::kMaxSplits)
 _SPLIT_CAP = 128          # the heuristic never goes beyond this
 _LOG2E = 1.4426950408889634
 _SMEM_PER_SM = 233472     # H100/H200: 228 KiB per SM (1 KiB of it reserved per CTA)
@@ -144,6 +153,46 @@ def choose_num_splits(base_ctas: int, num_sms: int, ctas_per_sm: int, num_n_bloc
     return max(1, min(s, num_n_blocks // 8, max(16, num_sms // max(1, base_ctas))))
 
 
+# ---- fused combine ---------------------------------------------------------------------------
+_FUSED = {"enabled": os.environ.get("FLASHCORE_DECODE_FUSED_COMBINE", "1").strip() != "0"}
+
+
+def set_fused_combine(on: bool) -> None:
+    """Merge split-KV partials in the decode kernel (True, the default) or with the separate
+    combine kernel (False). Launch plans key on the choice, so no plan needs dropping."""
+    _FUSED["enabled"] = bool(on)
+
+
+def fused_combine_enabled() -> bool:
+    return _FUSED["enabled"]
+
+
+# (device id, stream handle) -> int32 CuPy array of arrival counters, all zero between launches
+# (each launch's last CTA per group puts its counter back to 0). One per stream, so that calls
+# running concurrently on different streams never share a counter; calls on one stream are
+# ordered. Grown (a new zero-filled array, on that stream) when a launch has more groups.
+_COUNTERS: dict = {}
+
+
+def _current_stream_ptr(device_id: int) -> int:
+    import cupy
+    return cupy.cuda.get_current_stream(device_id).ptr
+
+
+def split_counter(device_id: int, groups: int) -> int:
+    """Address of at least ``groups`` zeroed int32 arrival counters for the current stream of
+    ``device_id`` (the stream the next launch goes to)."""
+    key = (device_id, _current_stream_ptr(device_id))
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.size < groups:
+        import cupy
+        n = max(groups, 1024, 2 * (0 if buf is None else buf.size))
+        with cupy.cuda.Device(device_id):
+            buf = cupy.zeros((n,), dtype=cupy.int32)
+        _COUNTERS[key] = buf   # the old array returns to the pool, reused in stream order
+    return buf.data.ptr
+
+
 def _sm_count(device_id: int) -> int:
     from ..jit import device_facts
     return device_facts(device_id)[2]
@@ -165,25 +214,33 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
     k_cache, v_cache: (b_cache, seqlen_cache, hk, d), or paged (num_blocks, page_size, hk, d)
     with int32 ``block_table`` (b, max_blocks). ``cache_seqlens`` int32 (b,): the valid keys of
     each sequence. Windows use -1 for unbounded (causal = (-1, 0)). ``num_splits`` 0 picks the
-    split count with flash-attn's heuristic. Returns the number of splits used.
+    split count with flash-attn's heuristic. Returns the number of splits used. With more than
+    one split the partials are merged in the decode kernel (fused combine) unless
+    ``set_fused_combine(False)`` / ``FLASHCORE_DECODE_FUSED_COMBINE=0``.
     """
     import cupy
 
-    # Replay a recorded plan for this layout (see plans.py): pointers and fresh scratch only.
+    fused = _FUSED["enabled"]
+    # Replay a recorded plan for this layout (see plans.py): pointers and fresh scratch only;
+    # the fused combine's counters are the current stream's (persistent, not scratch).
     key = None
     if plans.enabled():
         key = ("dec", q.device.id, *(layout_key(a) for a in (q, k_cache, v_cache, out, lse,
                                                               cache_seqlens, block_table,
                                                               alibi_slopes)),
                float(softmax_scale), _window(window_left), _window(window_right),
-               float(softcap or 0.0), int(num_splits or 0))
+               float(softcap or 0.0), int(num_splits or 0), fused)
         plan = plans.lookup(key)
         if plan is not None:
-            plan.run({"q": q.data.ptr, "k": k_cache.data.ptr, "v": v_cache.data.ptr,
-                      "o": out.data.ptr, "lse": lse.data.ptr,
-                      "cache_seqlens": cache_seqlens.data.ptr,
-                      "block_table": None if block_table is None else block_table.data.ptr,
-                      "alibi_slopes": None if alibi_slopes is None else alibi_slopes.data.ptr})
+            ptrs = {"q": q.data.ptr, "k": k_cache.data.ptr, "v": v_cache.data.ptr,
+                    "o": out.data.ptr, "lse": lse.data.ptr,
+                    "cache_seqlens": cache_seqlens.data.ptr,
+                    "block_table": None if block_table is None else block_table.data.ptr,
+                    "alibi_slopes": None if alibi_slopes is None else alibi_slopes.data.ptr}
+            if fused and plan.result > 1:   # one launch, grid (b * hk, m-blocks, splits)
+                grid = plan.launches[0][1]
+                ptrs["split_counter"] = split_counter(plan.device_id, grid[0] * grid[1])
+            plan.run(ptrs)
             return plan.result
     given = (q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes)
 
@@ -223,6 +280,8 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
         if block_table.strides[-1] != 4:
             block_table = cupy.ascontiguousarray(block_table)
         page_size = int(k_cache.shape[1])
+        if page_size < 16 or page_size % 16:
+            raise ValueError(f"page_size must be a positive multiple of 16, got {page_size}")
         max_seqlen_k = int(block_table.shape[1]) * page_size
     else:
         page_size = 0
@@ -247,9 +306,12 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
                         device_id, cc, smem)
 
     o_accum = lse_accum = None
+    counter = None
     if is_split:
         o_accum = cupy.empty((num_splits, batch, nheads, seqlen_q, headdim), cupy.float32)
         lse_accum = cupy.empty((num_splits, batch, nheads, seqlen_q), cupy.float32)
+        if fused:
+            counter = split_counter(device_id, batch * nheads_k * m_blocks)
 
     qs, ks, vs, os_ = _strides(q), _strides(k_cache), _strides(v_cache), _strides(out)
     alibi_bs = 0
@@ -276,12 +338,12 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
         o_accum=o_accum.data.ptr if is_split else None,
         lse_accum=lse_accum.data.ptr if is_split else None,
         block_table_batch_stride=(block_table.strides[0] // 4) if paged else 0,
-        page_size=page_size, num_splits=num_splits,
+        page_size=page_size, num_splits=num_splits, split_counter=counter,
     )
     args = (as_kernel_arg(params),)     # an opaque struct: see params.as_kernel_arg
     launches = [(kernel, (batch * nheads_k, m_blocks, num_splits), (cfg.n_warps * 32, 1, 1),
                  smem)]
-    if is_split:
+    if is_split and not fused:
         comb = get_kernel(SOURCE, combine_name(dtype_name), device_id, cc)
         launches.append((comb, (math.ceil(batch * nheads * seqlen_q / 4), 1, 1), (128, 1, 1), 0))
     with cupy.cuda.Device(device_id):

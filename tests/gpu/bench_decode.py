@@ -4,6 +4,8 @@ cache 4k/16k/128k, GPU time per call (see _time), 32 query heads over 8 kv heads
 Peers measured in the same run: torch SDPA with the flash backend and with the cuDNN backend
 (enable_gqa=True), and the best plain read of the same number of bytes (torch's sum over a
 buffer of that size, or a 16-byte-load read kernel at a few grid sizes). flashcore is run contiguous and paged (page 256), with the split heuristic.
+At batch 1 and 8 the split-KV merge is also timed both ways: fused into the decode kernel (the
+default, one launch) and with the separate combine kernel (FLASHCORE_DECODE_FUSED_COMBINE=0).
 
     python tests/gpu/bench_decode.py
 """
@@ -101,11 +103,13 @@ def main():
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    from flashcore.kernels import decode as decode_mod
     from flashcore.kernels.decode import launch_decode
 
     h, hk, d = 32, 8, 128
     host_line = ""
     sweep, picked = [], {}
+    fusion = []     # (batch, cache, splits, layout, fused TB/s, two-kernel TB/s)
     dev = torch.device("cuda")
     print(f"{'batch':>5} {'cache':>6} | {'flashcore':>9} {'paged':>7} {'splits':>6} | "
           f"{'sdpa-fa':>7} {'cuDNN':>7} | {'read':>6}  (TB/s of K+V bytes)")
@@ -150,6 +154,23 @@ def main():
                 res["paged"] = _time(lambda: launch_decode(
                     cq, ckp, cvp, co, cl, cache_seqlens=cs, block_table=cbt, softmax_scale=scale,
                     window_left=-1, window_right=-1))
+                if b <= 8 and splits > 1:   # the same calls with the separate combine kernel
+                    fused_was = decode_mod.fused_combine_enabled()
+                    decode_mod.set_fused_combine(False)
+                    try:
+                        two = _time(lambda: launch_decode(
+                            cq, ck, cv, co, cl, cache_seqlens=cs, softmax_scale=scale,
+                            window_left=-1, window_right=-1))
+                        two_p = _time(lambda: launch_decode(
+                            cq, ckp, cvp, co, cl, cache_seqlens=cs, block_table=cbt,
+                            softmax_scale=scale, window_left=-1, window_right=-1))
+                    finally:
+                        decode_mod.set_fused_combine(fused_was)
+                    tag = "fused" if fused_was else "two-kernel(default)"
+                    fusion.append((b, sk, splits, "contiguous", nbytes / res["flashcore"] / 1e12,
+                                   nbytes / two / 1e12, tag))
+                    fusion.append((b, sk, splits, "paged256", nbytes / res["paged"] / 1e12,
+                                   nbytes / two_p / 1e12, tag))
                 del kp, vp
             qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
             for name, be in (("sdpa-fa", SDPBackend.FLASH_ATTENTION),
@@ -185,6 +206,12 @@ def main():
             del q, kc, vc, out
             torch.cuda.empty_cache()
     print(host_line)
+    if fusion:
+        print("# split-KV merge: default path (fused unless FLASHCORE_DECODE_FUSED_COMBINE=0) vs "
+              "the separate combine kernel, TB/s")
+        for bb, sk, ns, lay, tf, tt, tag in fusion:
+            print(f"{bb:>5} {sk // 1024:>5}k {lay:>10} {ns:>3} splits | {tag} {tf:.2f} | "
+                  f"two-kernel {tt:.2f} | ratio {tf / tt:.3f}")
     print("# split-count sweep (contiguous cache), TB/s; * = the heuristic's pick")
     for bb, sk in sorted({(x[0], x[1]) for x in sweep}):
         cells = sorted((ns, tb) for b_, s_, ns, tb in sweep if (b_, s_) == (bb, sk))

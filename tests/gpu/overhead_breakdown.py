@@ -7,7 +7,13 @@ Rows, each the best of 5 x N calls on a tiny problem (1 x 128 x 2 x 64 bf16, cau
   sdpa fwd / fwd+bwd          torch SDPA (C++ autograd node): torch's own floor
   Function noop fwd+bwd       a Python autograd.Function whose forward and backward launch
                               one tiny CuPy kernel each: the floor of any Python custom op
-  pieces                      forward_spec, choose, _cp, _cupy_stream, torch.empty
+  torch ... (full path)       the same torch calls with the eager fast path off
+                              (torch_backend.set_fast_path(False)): every call validated,
+                              CuPy views, launcher
+  torch ... (fast, RawKernel) the fast path launching through the recorded plans' RawKernels
+  pieces                      forward_spec, choose, _cp, _cupy_stream, torch.empty, the raw
+                              stream query, a fast-path key
+  summary                     torch over cupy (fwd, fwd+bwd), and over the noop Function floor
     python tests/gpu/overhead_breakdown.py [N]
 """
 from __future__ import annotations
@@ -65,10 +71,26 @@ def main(n=1000):
     def noop_fb():
         torch.autograd.grad(Noop.apply(xq), (xq,), gq)
 
+    def with_fast(enabled, direct, fn):
+        def go():
+            tb.set_fast_path(enabled, direct)
+            try:
+                row_us = per_call_us(fn, n, warmup=20)
+            finally:
+                tb.set_fast_path(True, True)
+            return row_us
+        return go
+
     row("cupy fwd", calls["cupy_fwd"])
+    rows.append(("torch fwd (no grad), full path", with_fast(False, True, calls["torch_fwd"])()))
+    rows.append(("torch fwd (no grad), fast RawKernel",
+                 with_fast(True, False, calls["torch_fwd"])()))
     row("torch fwd (no grad)", calls["torch_fwd"])
     row("sdpa fwd (no grad)", sdpa_f)
     row("cupy fwd+bwd", calls["cupy_fwdbwd"])
+    rows.append(("torch fwd+bwd, full path", with_fast(False, True, calls["torch_fwdbwd"])()))
+    rows.append(("torch fwd+bwd, fast RawKernel",
+                 with_fast(True, False, calls["torch_fwdbwd"])()))
     row("torch fwd+bwd (autograd)", calls["torch_fwdbwd"])
     row("sdpa fwd+bwd (autograd)", sdpa_fb)
     row("Function noop fwd+bwd", noop_fb)
@@ -79,9 +101,21 @@ def main(n=1000):
     row("piece: _cupy_stream", lambda: tb._cupy_stream(torch, dev))
     row("piece: torch.empty", lambda: torch.empty(q.shape, dtype=q.dtype, device=dev))
     row("piece: cupy.empty", lambda: cupy.empty(tuple(q.shape), cupy.float16))
+    row("piece: raw stream", lambda: tb._raw_stream(torch, dev.index or 0))
+    row("piece: fast key", lambda: tb._fast_key(torch, q, k, v, None, None, True, None,
+                                                (-1, -1), 0.0, False))
     print(f"# per-call host time, best of 5 x {n} calls (microseconds)")
+    print(f"# torch._C._cuda_getCurrentRawStream: "
+          f"{'yes' if hasattr(torch._C, '_cuda_getCurrentRawStream') else 'no (fallback)'}")
     for name, us in rows:
-        print(f"{name:34s} {us:9.1f}")
+        print(f"{name:36s} {us:9.1f}")
+    r = dict(rows)
+    print("# summary (microseconds per call)")
+    print(f"torch fwd (no grad) - cupy fwd           {r['torch fwd (no grad)'] - r['cupy fwd']:9.1f}")
+    print(f"torch fwd+bwd - cupy fwd+bwd             "
+          f"{r['torch fwd+bwd (autograd)'] - r['cupy fwd+bwd']:9.1f}")
+    print(f"torch fwd+bwd - Function noop fwd+bwd    "
+          f"{r['torch fwd+bwd (autograd)'] - r['Function noop fwd+bwd']:9.1f}")
 
 
 if __name__ == "__main__":

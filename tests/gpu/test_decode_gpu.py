@@ -59,63 +59,100 @@ def make_cache(rng, dtype, b, lens, hk, d, page_size, max_len):
     return kc, vc, bt, gather
 
 
+class Problem:
+    """One decode problem: host inputs (float32, the values the device holds), device inputs."""
+
+    def __init__(self, dtype, b, sq, h, hk, d, lens, *, page_size=None, max_len=None,
+                 causal=False, window=(-1, -1), softcap=0.0, alibi=None, seed=0):
+        cp = _cp()
+        rng = np.random.default_rng(seed)
+        self.dtype, self.b, self.sq, self.h, self.hk, self.d = dtype, b, sq, h, hk, d
+        self.lens = list(lens)
+        max_len = max_len or max(max(lens), 1)
+        self.q32 = quantize(rng.standard_normal((b, sq, h, d)).astype(np.float32), dtype)
+        self.kc, self.vc, self.bt, self.gather = make_cache(rng, dtype, b, lens, hk, d,
+                                                            page_size, max_len)
+        self.slopes = None
+        if alibi is not None:
+            self.slopes = rng.uniform(0.02, 0.3, size=(h,) if alibi == "per_head" else (b, h)
+                                      ).astype(np.float32)
+        self.window, self.causal, self.softcap = window, causal, softcap
+        wl, wr = window
+        if causal:
+            wr = 0
+        self.wl, self.wr = wl, wr
+        self.q_d, self.kc_d, self.vc_d = (to_dev(x, dtype) for x in (self.q32, self.kc, self.vc))
+        self.seqlens_d = cp.asarray(np.asarray(lens, np.int32))
+        self.bt_d = None if self.bt is None else cp.asarray(self.bt)
+        self.slopes_d = None if self.slopes is None else cp.asarray(self.slopes)
+
+    def outputs(self):
+        """Fresh output arrays, poisoned with NaN."""
+        cp = _cp()
+        out = cp.full((self.b, self.sq, self.h, self.d), cp.nan, dtype=self.q_d.dtype)
+        lse = cp.full((self.b, self.h, self.sq), cp.nan, dtype=cp.float32)
+        return out, lse
+
+    def launch(self, out, lse, num_splits=0):
+        from flashcore.kernels.decode import launch_decode
+        return launch_decode(
+            self.q_d, self.kc_d, self.vc_d, out, lse, cache_seqlens=self.seqlens_d,
+            block_table=self.bt_d, softmax_scale=1.0 / math.sqrt(self.d),
+            window_left=self.wl, window_right=self.wr, softcap=self.softcap,
+            alibi_slopes=self.slopes_d, num_splits=num_splits)
+
+    def check(self, out, lse):
+        """flash-attn's error rule against the float64 reference, -inf / zero empty rows."""
+        got_o = out.get().astype(np.float64)
+        got_l = lse.get().astype(np.float64)
+        assert np.isfinite(got_o).all(), "non-finite output (unwritten, NaN read from the cache?)"
+        assert not np.isnan(got_l).any(), "NaN / unwritten lse"
+        b, sq, h, d, dtype = self.b, self.sq, self.h, self.d, self.dtype
+        kw = dict(causal=self.causal,
+                  window_size=(self.window[0], -1 if self.causal else self.window[1]),
+                  softcap=self.softcap)
+        ro = np.zeros((b, sq, h, d))
+        lo = np.zeros((b, sq, h, d))
+        rl = np.full((b, h, sq), -np.inf)
+        for i, n in enumerate(self.lens):
+            if n == 0:
+                continue
+            k32, v32 = self.gather(self.kc, i)[None], self.gather(self.vc, i)[None]
+            qb = self.q32[i:i + 1]
+            s64 = None
+            if self.slopes is not None:
+                s64 = (self.slopes[None] if self.slopes.ndim == 1
+                       else self.slopes[i:i + 1]).astype(np.float64)
+            hi_spec = forward_spec(qb.astype(np.float64), k32.astype(np.float64),
+                                   v32.astype(np.float64), **kw)
+            o_hi, l_hi = naive_forward(hi_spec, qb.astype(np.float64), k32.astype(np.float64),
+                                       v32.astype(np.float64), s64)
+            lo_spec = forward_spec(qb, k32, v32, **kw)
+            o_lo, _ = naive_forward(lo_spec, qb, k32, v32,
+                                    None if s64 is None else s64.astype(np.float32),
+                                    round_to=dtype)
+            ro[i], lo[i], rl[i] = o_hi[0], o_lo[0], l_hi[0]
+        ro = np.nan_to_num(ro)   # rows with no visible key: 0 by convention
+        lo = np.nan_to_num(lo)
+        assert_flash_rule("out", got_o, ro, lo, 2)
+        assert np.array_equal(np.isneginf(got_l), np.isneginf(rl)), "lse -inf pattern differs"
+        fin = np.isfinite(rl)
+        if fin.any():
+            assert np.abs(got_l[fin] - rl[fin]).max() <= 1e-3 * max(1.0, np.abs(rl[fin]).max()), \
+                "lse"
+        assert np.all(got_o[~np.isfinite(rl).transpose(0, 2, 1)] == 0), "masked rows must be 0"
+
+
 def run_decode(dtype, b, sq, h, hk, d, lens, *, page_size=None, max_len=None, causal=False,
                window=(-1, -1), softcap=0.0, alibi=None, num_splits=0, seed=0):
-    cp = _cp()
-    from flashcore.kernels.decode import launch_decode
-    rng = np.random.default_rng(seed)
-    max_len = max_len or max(max(lens), 1)
-    q32 = quantize(rng.standard_normal((b, sq, h, d)).astype(np.float32), dtype)
-    kc, vc, bt, gather = make_cache(rng, dtype, b, lens, hk, d, page_size, max_len)
-    slopes = None
-    if alibi is not None:
-        slopes = rng.uniform(0.02, 0.3, size=(h,) if alibi == "per_head" else (b, h)).astype(np.float32)
-    wl, wr = window
-    if causal:
-        wr = 0
-    out = cp.full((b, sq, h, d), cp.nan, dtype=to_dev(q32[:1, :1, :1, :1], dtype).dtype)
-    lse = cp.full((b, h, sq), cp.nan, dtype=cp.float32)
-    used = launch_decode(
-        to_dev(q32, dtype), to_dev(kc, dtype), to_dev(vc, dtype), out, lse,
-        cache_seqlens=cp.asarray(np.asarray(lens, np.int32)),
-        block_table=None if bt is None else cp.asarray(bt),
-        softmax_scale=1.0 / math.sqrt(d), window_left=wl, window_right=wr, softcap=softcap,
-        alibi_slopes=None if slopes is None else cp.asarray(slopes), num_splits=num_splits)
+    p = Problem(dtype, b, sq, h, hk, d, lens, page_size=page_size, max_len=max_len,
+                causal=causal, window=window, softcap=softcap, alibi=alibi, seed=seed)
+    out, lse = p.outputs()
+    used = p.launch(out, lse, num_splits)
     assert used >= 1
     if num_splits > 0:
         assert used == num_splits
-    got_o = out.get().astype(np.float64)
-    got_l = lse.get().astype(np.float64)
-    assert np.isfinite(got_o).all(), "non-finite output (unwritten, NaN read from the cache?)"
-    assert not np.isnan(got_l).any(), "NaN / unwritten lse"
-
-    kw = dict(causal=causal, window_size=(window[0], -1 if causal else window[1]), softcap=softcap)
-    ro = np.zeros((b, sq, h, d))
-    lo = np.zeros((b, sq, h, d))
-    rl = np.full((b, h, sq), -np.inf)
-    for i, n in enumerate(lens):
-        if n == 0:
-            continue
-        k32, v32 = gather(kc, i)[None], gather(vc, i)[None]
-        qb = q32[i:i + 1]
-        s64 = None
-        if slopes is not None:
-            s64 = (slopes[None] if slopes.ndim == 1 else slopes[i:i + 1]).astype(np.float64)
-        hi_spec = forward_spec(qb.astype(np.float64), k32.astype(np.float64), v32.astype(np.float64), **kw)
-        o_hi, l_hi = naive_forward(hi_spec, qb.astype(np.float64), k32.astype(np.float64),
-                                   v32.astype(np.float64), s64)
-        lo_spec = forward_spec(qb, k32, v32, **kw)
-        o_lo, _ = naive_forward(lo_spec, qb, k32, v32,
-                                None if s64 is None else s64.astype(np.float32), round_to=dtype)
-        ro[i], lo[i], rl[i] = o_hi[0], o_lo[0], l_hi[0]
-    ro = np.nan_to_num(ro)   # rows with no visible key: 0 by convention
-    lo = np.nan_to_num(lo)
-    assert_flash_rule("out", got_o, ro, lo, 2)
-    assert np.array_equal(np.isneginf(got_l), np.isneginf(rl)), "lse -inf pattern differs"
-    fin = np.isfinite(rl)
-    if fin.any():
-        assert np.abs(got_l[fin] - rl[fin]).max() <= 1e-3 * max(1.0, np.abs(rl[fin]).max()), "lse"
-    assert np.all(got_o[~np.isfinite(rl).transpose(0, 2, 1)] == 0), "masked rows must be 0"
+    p.check(out, lse)
     return used
 
 
@@ -227,6 +264,169 @@ def test_decode_nan_query_propagates(num_splits):
     assert np.isnan(lh[1, 5, 0]), f"lse of the NaN row is {lh[1, 5, 0]}, expected NaN"
     lh[1, 5, 0] = 0.0
     assert np.isfinite(lh).all()
+
+
+# ---------------- split-KV: fused combine (one launch) vs the combine kernel ----------------
+
+@pytest.fixture
+def combine_mode():
+    """set(on) picks the fused combine (True) or the two-kernel path; restored afterwards."""
+    from flashcore.kernels import decode
+    was = decode.fused_combine_enabled()
+    yield decode.set_fused_combine
+    decode.set_fused_combine(was)
+
+
+def _both_paths(p, num_splits, set_fused, reps=1):
+    """Run p with the fused combine and with the combine kernel: (out, lse) of each; the
+    results must be the same bits (the same per-row code merges the same partials)."""
+    res = {}
+    for fused in (True, False):
+        set_fused(fused)
+        for _ in range(reps):
+            out, lse = p.outputs()
+            used = p.launch(out, lse, num_splits)
+            assert used == num_splits
+        res[fused] = (out, lse)
+    (fo, fl), (to, tl) = res[True], res[False]
+    cp = _cp()
+    assert cp.array_equal(fo.view(cp.uint16), to.view(cp.uint16)), "fused != two-kernel output"
+    assert cp.array_equal(fl.view(cp.uint32), tl.view(cp.uint32)), "fused != two-kernel lse"
+    return fo, fl
+
+
+def _counters_are_zero():
+    """Every counter array the fused combine used is back to all zeros."""
+    cp = _cp()
+    cp.cuda.Device().synchronize()
+    from flashcore.kernels import decode
+    for key, buf in decode._COUNTERS.items():
+        assert int(cp.count_nonzero(buf)) == 0, f"counters of {key} not reset"
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 256])
+@pytest.mark.parametrize("num_splits", [2, 3, 16, 250])
+def test_fused_combine_matches_two_kernels_and_reference(page_size, num_splits, combine_mode):
+    # 20000 keys: 313 blocks of 64, so 250 splits mix 1- and 2-block splits with empty ones;
+    # 300 and 5 keys: most splits of those sequences are empty; 0 keys: every split is empty
+    p = Problem("bfloat16", 4, 1, 8, 2, 128, [20000, 300, 0, 5], page_size=page_size,
+                max_len=20100, seed=num_splits + (page_size or 1))
+    out, lse = _both_paths(p, num_splits, combine_mode)
+    p.check(out, lse)
+    _counters_are_zero()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [None, 16, 256])
+@pytest.mark.parametrize("case", ["gqa_sq4_causal", "mqa_two_mblocks", "window", "d64_alibi",
+                                  "d256_softcap", "d72"])
+def test_fused_combine_cases(dtype, page_size, case, combine_mode):
+    kw = dict(
+        gqa_sq4_causal=dict(b=3, sq=4, h=32, hk=8, d=128, lens=[777, 3, 250], causal=True),
+        # MQA 8:1 x 5 query rows = 40 packed rows: two m16 slices, two m-blocks per kv head
+        mqa_two_mblocks=dict(b=2, sq=5, h=8, hk=1, d=128, lens=[1500, 1], causal=True),
+        window=dict(b=2, sq=4, h=8, hk=2, d=128, lens=[900, 70], window=(64, 8)),
+        d64_alibi=dict(b=2, sq=2, h=8, hk=2, d=64, lens=[1400, 129], alibi="per_batch",
+                       causal=True),
+        d256_softcap=dict(b=2, sq=1, h=8, hk=2, d=256, lens=[1000, 17], softcap=30.0),
+        d72=dict(b=2, sq=2, h=6, hk=2, d=72, lens=[640, 0]),
+    )[case]
+    b, sq, h, hk, d, lens = (kw.pop(x) for x in ("b", "sq", "h", "hk", "d", "lens"))
+    p = Problem(dtype, b, sq, h, hk, d, lens, page_size=page_size, seed=len(case), **kw)
+    for num_splits in (3, 7):
+        out, lse = _both_paths(p, num_splits, combine_mode)
+        p.check(out, lse)
+    _counters_are_zero()
+
+
+def test_fused_combine_back_to_back_calls(combine_mode):
+    """20 calls in a row, no synchronisation between them, alternating two layouts with
+    different group and split counts (replays of their launch plans after the first): every
+    call's result equals the first of its layout, bit for bit (the counters are reset by each
+    launch), and the counters are zero at the end."""
+    cp = _cp()
+    combine_mode(True)
+    pa = Problem("bfloat16", 1, 1, 32, 8, 128, [4096], seed=1)
+    pb = Problem("float16", 3, 2, 16, 4, 64, [1000, 0, 33], page_size=16, max_len=1024, seed=2)
+    results = {id(pa): [], id(pb): []}
+    for i in range(20):
+        p, ns = (pa, 16) if i % 2 == 0 else (pb, 5)
+        out, lse = p.outputs()
+        assert p.launch(out, lse, ns) == ns
+        results[id(p)].append((out, lse))
+    for p in (pa, pb):
+        (o0, l0), *rest = results[id(p)]
+        p.check(o0, l0)
+        for o, l in rest:
+            assert cp.array_equal(o.view(cp.uint16), o0.view(cp.uint16))
+            assert cp.array_equal(l.view(cp.uint32), l0.view(cp.uint32))
+    _counters_are_zero()
+
+
+def test_fused_combine_two_streams_concurrently(combine_mode):
+    """Calls queued alternately on two streams (which run concurrently) use each its own
+    counters: every result equals the same call run alone."""
+    cp = _cp()
+    from flashcore.kernels import decode
+    combine_mode(True)
+    probs = [Problem("bfloat16", 1, 1, 32, 8, 128, [16384], seed=3),
+             Problem("bfloat16", 1, 1, 32, 8, 128, [16384], seed=4)]
+    alone = []
+    for p in probs:
+        out, lse = p.outputs()
+        p.launch(out, lse, 16)
+        p.check(out, lse)
+        alone.append((out, lse))
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in probs]
+    got = [[], []]
+    for _ in range(10):
+        for j, (p, st) in enumerate(zip(probs, streams)):
+            with st:
+                out, lse = p.outputs()
+                p.launch(out, lse, 16)
+                got[j].append((out, lse))
+    for st in streams:
+        st.synchronize()
+    for j in range(2):
+        o0, l0 = alone[j]
+        for o, l in got[j]:
+            assert cp.array_equal(o.view(cp.uint16), o0.view(cp.uint16)), f"stream {j}"
+            assert cp.array_equal(l.view(cp.uint32), l0.view(cp.uint32)), f"stream {j}"
+    dev = cp.cuda.Device().id
+    ptrs = {decode._COUNTERS[(dev, st.ptr)].data.ptr for st in streams}
+    assert len(ptrs) == 2, "the streams shared a counter array"
+    _counters_are_zero()
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 256])
+@pytest.mark.parametrize("window", [(-1, -1), (40, 0), (0, 0)])
+def test_fused_combine_empty_and_short_sequences(page_size, window, combine_mode):
+    """cache_seqlens with 0 and lengths shorter than one split (or one key block): the CTAs
+    whose split has no key still arrive (lse -inf), so every group is merged exactly once."""
+    lens = [0, 1, 5, 63, 64, 65, 200, 0]
+    p = Problem("bfloat16", len(lens), 2, 16, 4, 128, lens, page_size=page_size, max_len=256,
+                window=window, seed=7)
+    for num_splits in (2, 16, 64):
+        out, lse = _both_paths(p, num_splits, combine_mode)
+        p.check(out, lse)
+    _counters_are_zero()
+
+
+def test_fused_combine_many_groups(combine_mode):
+    """More groups (sequences x kv heads x m-blocks) than the first counter array holds
+    (1024): the array grows, zero-filled, and every group is merged."""
+    rng = np.random.default_rng(8)
+    lens = [int(x) for x in rng.integers(0, 200, size=160)]
+    p = Problem("float16", 160, 1, 16, 8, 64, lens, page_size=16, max_len=208, seed=8)
+    out, lse = _both_paths(p, 2, combine_mode)   # 1280 groups
+    p.check(out, lse)
+    _counters_are_zero()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_fused_combine_nan_query(fused, combine_mode):
+    combine_mode(fused)
+    test_decode_nan_query_propagates(3)
 
 
 # ---------------- append + rotary ----------------

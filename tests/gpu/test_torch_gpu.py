@@ -40,6 +40,14 @@ def _sdpa(q, k, v, causal, dtype=None, math=True):
     return out.transpose(1, 2)
 
 
+@pytest.fixture
+def slow_path(monkeypatch):
+    """Spying tests watch the full path (CupyBackend.forward/backward): the eager fast path
+    (torch_backend._FAST), which replays earlier calls' launches, is off for them."""
+    from flashcore.backends import torch_backend as tb
+    monkeypatch.setitem(tb._FAST, "enabled", False)
+
+
 def _spy(monkeypatch, backend, method):
     seen = []
     orig = getattr(backend, method)
@@ -53,7 +61,7 @@ def _spy(monkeypatch, backend, method):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_zero_copy_inputs_and_outputs(monkeypatch, dtype):
+def test_zero_copy_inputs_and_outputs(monkeypatch, slow_path, dtype):
     cb = get_backend("cupy")
     fwd, bwd = _spy(monkeypatch, cb, "forward"), _spy(monkeypatch, cb, "backward")
     base = torch.randn(2, 8, 128, 64, device="cuda", dtype=dtype)
@@ -74,7 +82,7 @@ def test_zero_copy_inputs_and_outputs(monkeypatch, dtype):
         (q.grad.data_ptr(), k.grad.data_ptr(), v.grad.data_ptr())
 
 
-def test_runs_on_torchs_current_stream(monkeypatch):
+def test_runs_on_torchs_current_stream(monkeypatch, slow_path):
     fwd = _spy(monkeypatch, get_backend("cupy"), "forward")
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
@@ -89,7 +97,7 @@ def test_runs_on_torchs_current_stream(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_runs_on_the_tensors_device(monkeypatch):
+def test_runs_on_the_tensors_device(monkeypatch, slow_path):
     fwd = _spy(monkeypatch, get_backend("cupy"), "forward")
     q, k, v = _qkv(device="cuda:1", requires_grad=False)
     out = flashcore.attention(q, k, v)
@@ -191,3 +199,98 @@ def test_llama_bf16_matches_sdpa():
         assert _max_err(p.grad, pr.grad) <= 5e-2 * scale, n
     compiled = torch.compile(ours, fullgraph=True)
     torch.testing.assert_close(compiled(ids).logits.float(), lr.logits.float(), atol=5e-2, rtol=5e-2)
+
+
+# ---------------- the eager fast path (torch_backend._fast_*, plans.Direct) ----------------
+
+def _fast_calls(q, k, v, dout, grad, **kw):
+    if not grad:
+        with torch.no_grad():
+            return flashcore.attention(q, k, v, return_lse=True, **kw)
+    for x in (q, k, v):
+        x.grad = None
+    out, lse = flashcore.attention(q, k, v, return_lse=True, **kw)
+    out.backward(dout)
+    return out, lse, q.grad, k.grad, v.grad
+
+
+def _fast_entries():
+    from flashcore.kernels import plans
+    return [k for k in plans.PLANS if type(k) is tuple and str(k[0]).startswith("torch-")]
+
+
+FAST_CASES = [dict(causal=True), dict(causal=False), dict(window_size=(37, 5)),
+              dict(causal=True, softcap=30.0), dict(causal=True, deterministic=True)]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("kw", FAST_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fast_path_is_bitwise_the_full_path(monkeypatch, dtype, kw, grad, direct):
+    """Same bits with the fast path (its replay, direct driver launches or the recorded plans'
+    RawKernels) as with the full path, on a non-default stream, GQA, after a layout change."""
+    from flashcore.backends import torch_backend as tb
+    from flashcore.kernels import plans
+    monkeypatch.setitem(tb._FAST, "direct", direct)
+    plans.clear()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        q, k, v = _qkv(dtype=dtype, h=8, hk=2, requires_grad=grad)
+        dout = torch.randn_like(q)
+        monkeypatch.setitem(tb._FAST, "enabled", False)
+        ref = _fast_calls(q, k, v, dout, grad, **kw)
+        ref = [x.clone() for x in ref]
+        assert not _fast_entries()
+        monkeypatch.setitem(tb._FAST, "enabled", True)
+        first = _fast_calls(q, k, v, dout, grad, **kw)          # full path, records
+        assert len(_fast_entries()) == (2 if grad else 1)
+        first = [x.clone() for x in first]
+        torch.cuda._sleep(5_000_000)                            # queued work ahead on s
+        q2, k2, v2 = (x.detach().clone().requires_grad_(grad) for x in (q, k, v))
+        again = _fast_calls(q2, k2, v2, dout, grad, **kw)       # fast path, new pointers
+        n = len(_fast_entries())
+        # a layout change: a strided q (a view of a (b, h, s, d) buffer) misses, runs in full
+        qt = q.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(grad)
+        changed = _fast_calls(qt, k2, v2, dout, grad, **kw)
+        assert len(_fast_entries()) > n
+        changed = [x.clone() for x in changed]
+        changed2 = _fast_calls(qt, k2, v2, dout, grad, **kw)    # and replays that layout
+    s.synchronize()
+    # out and lse bitwise; gradients bitwise when deterministic (otherwise dQ is accumulated
+    # with atomics, whose order may change the last bit from one run to the next)
+    for i, (a, b, c, d, e) in enumerate(zip(ref, first, again, changed, changed2)):
+        if i < 2 or kw.get("deterministic"):
+            assert torch.equal(a, b) and torch.equal(a, c), i
+            assert torch.equal(a, d) and torch.equal(a, e), i
+        else:
+            for x in (b, c, d, e):
+                torch.testing.assert_close(x, a)
+
+
+def test_fast_path_still_validates_and_misses_on_options(monkeypatch):
+    from flashcore.backends import torch_backend as tb
+    monkeypatch.setitem(tb._FAST, "enabled", True)
+    q, k, v = _qkv(requires_grad=False)
+    with torch.no_grad():
+        flashcore.attention(q, k, v, causal=True)
+        flashcore.attention(q, k, v, causal=True)
+        with pytest.raises(Exception):
+            flashcore.attention(q, k, v, causal=True, softmax_scale=-1.0)
+        with pytest.raises(Exception):
+            flashcore.attention(q, k[..., :32], v, causal=True)
+        a = flashcore.attention(q, k, v, window_size=(8, 0))     # other options: a miss
+        b = flashcore.attention(q, k, v, causal=True)
+    assert not torch.equal(a, b)
+
+
+def test_fast_path_and_torch_compile_coexist(monkeypatch):
+    from flashcore.backends import torch_backend as tb
+    monkeypatch.setitem(tb._FAST, "enabled", True)
+    q, k, v = _qkv(requires_grad=False)
+    with torch.no_grad():
+        eager = [flashcore.attention(q, k, v, causal=True) for _ in range(3)]
+        f = torch.compile(lambda a, b, c: flashcore.attention(a, b, c, causal=True),
+                          fullgraph=True)
+        compiled = f(q, k, v)
+    assert torch.equal(eager[0], eager[2]) and torch.equal(eager[0], compiled)
