@@ -55,12 +55,31 @@ _CONFIGS = {
 }
 
 
+_CONFIG_OVERRIDE: dict = {}
+
+
+def set_config_override(headdim_tile_: int, cfg: DecodeConfig | None) -> None:
+    """Use ``cfg`` (block_n, n_warps, stages) instead of the default for a head-dim tile (None:
+    back to the default); a tuning aid (tests/gpu/sweep_decode.py). block_n / n_warps must be a
+    multiple of 16. Recorded launch plans are dropped."""
+    if cfg is None:
+        _CONFIG_OVERRIDE.pop(headdim_tile_, None)
+    else:
+        cfg = DecodeConfig(*cfg)
+        if cfg.block_n % (16 * cfg.n_warps) or cfg.stages < 2:
+            raise ValueError(f"cfg: block_n / n_warps must be a multiple of 16 and stages >= 2, "
+                             f"got {cfg}")
+        _CONFIG_OVERRIDE[headdim_tile_] = cfg
+    plans.clear()
+
+
 def headdim_tile(headdim: int) -> int:
     return smallest_tile(headdim, HEADDIM_TILES)
 
 
 def decode_config(headdim: int) -> DecodeConfig:
-    return _CONFIGS[headdim_tile(headdim)]
+    d = headdim_tile(headdim)
+    return _CONFIG_OVERRIDE.get(d) or _CONFIGS[d]
 
 
 def _m_tiles(headdim: int, packed_rows: int) -> int:
@@ -70,7 +89,7 @@ def _m_tiles(headdim: int, packed_rows: int) -> int:
 
 def smem_bytes(headdim: int, m_tiles: int) -> int:
     d = headdim_tile(headdim)
-    cfg = _CONFIGS[d]
+    cfg = decode_config(headdim)
     block_m = 16 * m_tiles
     return 2 * block_m * d + cfg.stages * 4 * cfg.block_n * d + (2 * cfg.n_warps + 1) * block_m * 4
 
@@ -78,7 +97,7 @@ def smem_bytes(headdim: int, m_tiles: int) -> int:
 def kernel_name(dtype_name: str, headdim: int, m_tiles: int, paged: bool, is_local: bool,
                 has_softcap: bool, has_alibi: bool, is_split: bool) -> str:
     d = headdim_tile(headdim)
-    cfg = _CONFIGS[d]
+    cfg = decode_config(headdim)
     return (f"flash_decode_kernel<{_elem_tag(dtype_name)}, {d}, {cfg.block_n}, {cfg.n_warps}, "
             f"{cfg.stages}, {m_tiles}, {_b(paged)}, {_b(is_local)}, {_b(has_softcap)}, "
             f"{_b(has_alibi)}, {_b(headdim == d)}, {_b(is_split)}>")
@@ -265,7 +284,7 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
         raise ValueError("decode grid too large "
                          f"(batch * nheads_k = {batch * nheads_k}, m-blocks = {m_blocks})")
     d = headdim_tile(headdim)
-    cfg = _CONFIGS[d]
+    cfg = decode_config(headdim)
     smem = smem_bytes(headdim, m_tiles)
 
     wl, wr = _window(window_left), _window(window_right)
