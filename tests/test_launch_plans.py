@@ -530,27 +530,19 @@ def _bwd_by_name(c, a):
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_direct_forward_equals_plan_run(seed):
-    rng = np.random.default_rng(5000 + seed)
+@pytest.mark.parametrize("which", ["forward", "backward"])
+def test_direct_launch_equals_plan_run(which, seed):
+    launcher, arrays, names, by_name, base = {
+        "forward": (_forward, _fwd_arrays, _FWD_NAMES, _fwd_by_name, 5000),
+        "backward": (_backward, _bwd_arrays, _BWD_NAMES, _bwd_by_name, 6000)}[which]
+    rng = np.random.default_rng(base + seed)
     c = _case(rng)
     with plans.capture() as seen:
-        _forward(c, _fwd_arrays(rng, c))
+        launcher(c, arrays(rng, c))
     plans.clear()
     if not seen:
         pytest.skip("layout not recorded")
-    _check_direct(_forward, _fwd_arrays, c, rng, _FWD_NAMES, _fwd_by_name)
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_direct_backward_equals_plan_run(seed):
-    rng = np.random.default_rng(6000 + seed)
-    c = _case(rng)
-    with plans.capture() as seen:
-        _backward(c, _bwd_arrays(rng, c))
-    plans.clear()
-    if not seen:
-        pytest.skip("layout not recorded")
-    _check_direct(_backward, _bwd_arrays, c, rng, _BWD_NAMES, _bwd_by_name)
+    _check_direct(launcher, arrays, c, rng, names, by_name)
 
 
 def test_capture_lists_recorded_and_replayed_plans_only():
