@@ -38,33 +38,9 @@ template <int kD> constexpr fc_u32 kKTile = (fc_u32)(kD / 64) * kKBlock;   // K 
 // Q or dO: kBM x kD, in [kD / 64][kBM rows][64 cols] blocks of kBM * 128 bytes
 template <int kD, int kBM> constexpr fc_u32 kQTile = (fc_u32)(kD / 64) * (fc_u32)(kBM * 128);
 
-__device__ __forceinline__ void stg32(void* p, fc_u32 v) {
-    asm volatile("st.global.b32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ void sts32(fc_u32 addr, fc_u32 v) {
-    asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
-}
-
-// ROWS x D tile into [D / 64][ROWS][64] swizzled blocks (block = ROWS * 128 bytes); rows >=
-// rows_valid zero-filled. 256 threads: (16-byte chunk tid % (D / 8), row tid / (D / 8)),
-// 2048 / D rows per pass.
-template <int ROWS, int D>
-__device__ __forceinline__ void load_tile(fc_u32 sdst, const fc_u16* gsrc, long long row_stride,
-                                          int rows_valid, int tid) {
-    constexpr int kChunks = D / 8;
-    constexpr int kRowsPerPass = 256 / kChunks;
-    const int c = tid % kChunks;
-    const int r0 = tid / kChunks;
-    const fc_u32 s0 = sdst + (fc_u32)(c >> 3) * (fc_u32)(ROWS * 128)
-                      + 2u * (fc_u32)swz<64>(r0, (c & 7) * 8);
-    const fc_u16* src = gsrc + (long long)r0 * row_stride + c * 8;
-#pragma unroll
-    for (int it = 0; it < ROWS / kRowsPerPass; ++it) {
-        const bool pred = r0 + it * kRowsPerPass < rows_valid;
-        cp_async_16(s0 + (fc_u32)it * (fc_u32)kRowsPerPass * 128u, pred ? src : gsrc, pred);
-        src += kRowsPerPass * row_stride;
-    }
-}
+using fc_sm90::load_tile;     // (256 threads: kNThreads)
+using fc_sm90::stg32;
+using fc_sm90::sts32;
 
 }  // namespace fc_hb
 

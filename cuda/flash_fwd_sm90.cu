@@ -48,32 +48,8 @@ struct BlockN {
 constexpr int kNThreads = 256;
 constexpr fc_u32 kColBlock = 128u * 128u;        // bytes of one [128 rows][64 cols] block
 
-__device__ __forceinline__ void stg32(void* p, fc_u32 v) {
-    asm volatile("st.global.b32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
-}
-
-// A ROWS x kD tile (rows of `row_stride` elements from gsrc) into the swizzled layout
-// [kD / 64][ROWS][64] (each block ROWS * 128 bytes); rows >= rows_valid are zero-filled.
-// 256 threads: thread -> (column chunk tid % C, row tid / C), C = kD / 8 chunks per row,
-// passes of 256 / C rows (a multiple of 8: the swizzle phase is constant per thread).
-template <int ROWS, int kD>
-__device__ __forceinline__ void load_tile(fc_u32 sdst, const fc_u16* gsrc, long long row_stride,
-                                          int rows_valid, int tid) {
-    constexpr int kC = kD / 8;                 // 16-byte chunks per row
-    constexpr int kRS = kNThreads / kC;        // rows per pass
-    static_assert(kRS % 8 == 0 && ROWS % kRS == 0, "load split");
-    const int c = tid % kC;          // columns 8c .. 8c + 7
-    const int r0 = tid / kC;
-    const fc_u32 s0 = sdst + (fc_u32)(c >> 3) * (fc_u32)(ROWS * 128)
-                      + 2u * (fc_u32)swz<64>(r0, (c & 7) * 8);
-    const fc_u16* src = gsrc + (long long)r0 * row_stride + c * 8;
-#pragma unroll
-    for (int it = 0; it < ROWS / kRS; ++it) {
-        const bool pred = r0 + it * kRS < rows_valid;
-        cp_async_16(s0 + (fc_u32)(it * kRS) * 128u, pred ? src : gsrc, pred);
-        src += kRS * row_stride;
-    }
-}
+using fc_sm90::load_tile;     // (256 threads: kNThreads)
+using fc_sm90::stg32;
 
 }  // namespace fc_h
 

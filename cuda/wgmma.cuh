@@ -12,6 +12,43 @@
 #pragma once
 #include "ptx.cuh"
 
+// What both Hopper sources need around the MMAs: 32-bit stores, and the loader that writes a
+// tile in the layout the descriptors below read.
+namespace fc_sm90 {
+
+__device__ __forceinline__ void stg32(void* p, fc_u32 v) {
+    asm volatile("st.global.b32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void sts32(fc_u32 addr, fc_u32 v) {
+    asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
+}
+
+// A ROWS x D tile (rows of `row_stride` elements from gsrc) into the swizzled layout
+// [D / 64][ROWS][64] (each block ROWS * 128 bytes) with cp.async; rows >= rows_valid are
+// zero-filled. 256 threads: thread -> (16-byte column chunk tid % C, row tid / C), C = D / 8
+// chunks per row, passes of 256 / C rows (a multiple of 8: the swizzle phase is constant per
+// thread).
+template <int ROWS, int D>
+__device__ __forceinline__ void load_tile(fc_u32 sdst, const fc_u16* gsrc, long long row_stride,
+                                          int rows_valid, int tid) {
+    constexpr int kC = D / 8;                  // 16-byte chunks per row
+    constexpr int kRS = 256 / kC;              // rows per pass
+    static_assert(kRS % 8 == 0 && ROWS % kRS == 0, "load split");
+    const int c = tid % kC;                    // columns 8c .. 8c + 7
+    const int r0 = tid / kC;
+    const fc_u32 s0 = sdst + (fc_u32)(c >> 3) * (fc_u32)(ROWS * 128)
+                      + 2u * (fc_u32)swz<64>(r0, (c & 7) * 8);
+    const fc_u16* src = gsrc + (long long)r0 * row_stride + c * 8;
+#pragma unroll
+    for (int it = 0; it < ROWS / kRS; ++it) {
+        const bool pred = r0 + it * kRS < rows_valid;
+        cp_async_16(s0 + (fc_u32)(it * kRS) * 128u, pred ? src : gsrc, pred);
+        src += kRS * row_stride;
+    }
+}
+
+}  // namespace fc_sm90
+
 // Shared-memory matrix descriptor: start address, leading and stride byte offsets (all >> 4),
 // 128-byte swizzle (layout type 1 in bits 62-63). Tiles are stored as [cols / 64][rows][64]
 // 16-bit elements with the 16-byte chunk XOR-ed with (row % 8) (swz<64> in ptx.cuh), i.e. the

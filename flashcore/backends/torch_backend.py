@@ -457,9 +457,10 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
     """
     import torch
     fk = None
+    needs_grad = _needs_grad(torch, q, k, v)
     if _FAST["enabled"] and not varlen and not torch.compiler.is_compiling() and q.is_cuda:
         fk = _fast_key(torch, q, k, v, alibi_slopes, backend, causal, softmax_scale, window_size,
-                       softcap, deterministic)
+                       softcap, deterministic, needs_grad)
         if fk is not None:
             e = plans.derived_get(fk)
             if e is not None:          # this layout and these options ran in full before
@@ -474,8 +475,6 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
                         deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                         max_seqlen_k=max_seqlen_k)
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or
-                                              v.requires_grad)
     if not torch.compiler.is_compiling():
         # Eager: every backend's reasons before any op runs, then the autograd Function straight
         # away (the custom op's dispatch costs tens of microseconds a call). Under torch.compile
@@ -483,8 +482,6 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
         # and options were still validated above, and the custom op carries the call.
         choose(spec, backend, backward=needs_grad)
         torch_ops()   # defined once, so that a later torch.compile of this code can use them
-        if fk is not None and fk[1] != needs_grad:   # (cannot happen: same test) be safe
-            fk = None
         if not needs_grad:    # inference: no autograd node to build (saves its overhead)
             if fk is not None:
                 return _forward_recording(torch, fk, spec, q, k, v, alibi_slopes)
@@ -550,12 +547,15 @@ def _tl(t):
     return (t.data_ptr() % 16, t.shape, t.stride(), t.dtype, t.get_device())
 
 
+def _needs_grad(torch, q, k, v) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
 def _fast_key(torch, q, k, v, alibi_slopes, backend, causal, softmax_scale, window_size, softcap,
-              deterministic):
+              deterministic, needs_grad=None):
     """The fast path's key of an eager call on plain tensors, or None (not eligible); the
-    caller checks that they are CUDA tensors."""
-    if torch.compiler.is_compiling():
-        return None
+    caller checks that they are CUDA tensors and that torch is not compiling.
+    ``needs_grad``: the caller's _needs_grad (computed here when not given)."""
     T = torch.Tensor
     if type(q) is not T or type(k) is not T or type(v) is not T:
         return None
@@ -571,8 +571,8 @@ def _fast_key(torch, q, k, v, alibi_slopes, backend, causal, softmax_scale, wind
             return None
     if backend is not None and type(backend) is not str:
         return None
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or
-                                              v.requires_grad)
+    if needs_grad is None:
+        needs_grad = _needs_grad(torch, q, k, v)
     try:
         return ("torch-fwd", needs_grad, backend, scalars, tuple(type(x) for x in scalars), tw,
                 _tl(q), _tl(k), _tl(v), None if alibi_slopes is None else _tl(alibi_slopes))
