@@ -214,6 +214,143 @@ __device__ __forceinline__ void split_arrive_and_combine(const FlashParams& para
     }
 }
 
+
+// ---- split-KV merge inside a thread-block cluster (sm_90+) -----------------------------------
+// The kCluster splits of a group (one (sequence, kv head, m-block)) form one cluster along
+// gridDim.z. Each CTA leaves its partial (O normalised by its own sum, fp32, and its lse) in its
+// own shared memory; after a cluster barrier the CTAs merge the group's rows between them,
+// reading every split's partial through distributed shared memory, and a second barrier keeps
+// each CTA's shared memory alive until all reads of it are done. No global scratch, no fence,
+// no counter: the merge costs two cluster barriers and one round of DSMEM reads.
+__device__ __forceinline__ fc_u32 cluster_ctarank() {
+    fc_u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void cluster_sync_all() {   // every thread of every CTA of the cluster
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ fc_u32 mapa_rank(fc_u32 addr, fc_u32 rank) {
+    fc_u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ float ld_dsmem_f32(fc_u32 addr) {
+    float x;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(x) : "r"(addr) : "memory");
+    return x;
+}
+__device__ __forceinline__ void ld_dsmem_f32x4(float (&x)[4], fc_u32 addr) {
+    asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=f"(x[0]), "=f"(x[1]), "=f"(x[2]), "=f"(x[3]) : "r"(addr) : "memory");
+}
+
+// The merge of one output chunk (packed row r of the group, columns [8c, 8c + 8)) from the
+// kCluster partials: sPartO (fp32 [kBlockM][kHeadDim]) and sPartL (fp32 [kBlockM]) at the same
+// shared addresses in every CTA of the cluster. The same arithmetic, in the same order, as
+// combine_row (the fused and two-kernel paths), so all three give the same bits: m = max lse_s
+// (NaN if any is NaN); the sum of exp(lse_s - m) in the order of combine_row's warp butterfly;
+// L = m + log(sum); O = sum over s in order of exp(lse_s - L) * O_s, splits of weight 0 skipped.
+template <typename Elem, int kCluster, int kHeadDim>
+__device__ __forceinline__ void cluster_combine_chunk(const FlashParams& params, fc_u32 sPartO,
+                                                      fc_u32 sPartL, int r, int c, int b, int h,
+                                                      int qi) {
+    static_assert(kCluster >= 2 && kCluster <= 16, "cluster merge: 2 to 16 splits");
+    float ls[kCluster];
+    float x[8][8];   // eight splits' O chunks: the first eight requested with the lse values
+    auto load_chunks = [&](int s0) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if (s0 + j < kCluster) {
+                const fc_u32 a = mapa_rank(sPartO + 4u * (fc_u32)(r * kHeadDim + c * 8), s0 + j);
+                float lo[4], hi[4];
+                ld_dsmem_f32x4(lo, a);
+                ld_dsmem_f32x4(hi, a + 16u);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    x[j][e] = lo[e];
+                    x[j][4 + e] = hi[e];
+                }
+            }
+        }
+    };
+    float m = -INFINITY;
+    bool has_nan = false;
+#pragma unroll
+    for (int s = 0; s < kCluster; ++s) ls[s] = ld_dsmem_f32(mapa_rank(sPartL + 4u * r, s));
+    load_chunks(0);
+#pragma unroll
+    for (int s = 0; s < kCluster; ++s) {
+        has_nan |= ls[s] != ls[s];
+        m = fmaxf(m, ls[s]);
+    }
+    if (has_nan) m = __int_as_float(0x7fffffff);
+    float* lse_out = params.lse + (long long)b * params.lse_batch_stride
+                     + (long long)h * params.lse_head_stride + qi;
+    fc_u16* out = static_cast<fc_u16*>(params.o) + (long long)b * params.o_batch_stride
+                  + (long long)qi * params.o_row_stride + (long long)h * params.o_head_stride
+                  + c * 8;
+    if (m == -INFINITY) {   // no split saw a key
+        if (c == 0) *lse_out = -INFINITY;
+        const fc_u32 zero[4] = {0u, 0u, 0u, 0u};
+        stg128(out, zero);
+        return;
+    }
+    float t[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) t[i] = i < kCluster ? expf(ls[i] - m) : 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) t[i] = t[i] + t[i + 8];   // combine_row's xor-8 step, ...
+#pragma unroll
+    for (int i = 0; i < 4; ++i) t[i] = t[i] + t[i + 4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) t[i] = t[i] + t[i + 2];
+    const float L = m + logf(t[0] + t[1]);                 // ... down to xor-1 (lane 0's sum)
+    if (c == 0) *lse_out = L;
+    float acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+#pragma unroll
+    for (int s0 = 0; s0 < kCluster; s0 += 8) {
+        if (s0 > 0) load_chunks(s0);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if (s0 + j < kCluster) {
+                const float w = expf(ls[s0 + j] - L);
+                if (w != 0.f) {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[e] = fmaf(w, x[j][e], acc[e]);
+                }
+            }
+        }
+    }
+    fc_u32 v[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = Elem::pack2(acc[2 * e], acc[2 * e + 1]);
+    stg128(out, v);
+}
+
+// The cluster merge, called by every thread of every CTA of the cluster exactly once, after
+// the CTA's partial is in sPartO / sPartL (rows [0, rows_valid) of the group). CTA of rank k
+// merges the chunks i = k, k + kCluster, ... of the group's rows_valid * (headdim / 8) chunks.
+template <typename Elem, int kCluster, int kHeadDim, int kNThreads, bool Is_even_d>
+__device__ __forceinline__ void cluster_merge(const FlashParams& params, int b, int hk, int m0,
+                                              int rows_valid, fc_u32 sPartO, fc_u32 sPartL) {
+    constexpr int kCPR = kHeadDim / 8;
+    cluster_sync_all();   // every split's partial is in its shared memory
+    const int rank = (int)cluster_ctarank();
+    const int G = params.nheads / params.nheads_k;
+    for (int it = threadIdx.x * kCluster + rank; it < rows_valid * kCPR;
+         it += kCluster * kNThreads) {
+        const int r = it / kCPR, c = it % kCPR;
+        if (!(Is_even_d || c * 8 < params.headdim)) continue;
+        cluster_combine_chunk<Elem, kCluster, kHeadDim>(params, sPartO, sPartL, r, c, b,
+                                                        hk * G + (m0 + r) % G, (m0 + r) / G);
+    }
+    cluster_sync_all();   // no CTA leaves while another still reads its shared memory
+}
+
 }  // namespace fc_dec
 
 // Template parameters:
@@ -225,12 +362,15 @@ __device__ __forceinline__ void split_arrive_and_combine(const FlashParams& para
 //   Is_paged    block_table addressing;  Is_local: any window side bounded (causal included)
 //   Has_softcap, Has_alibi, Is_even_d (headdim == kHeadDim)
 //   Is_split    write fp32 partials to o_accum / lse_accum for the combine kernel
+//   kCluster    0, or (sm_90+, Is_split) the split count, merged inside the cluster of the
+//               group's kCluster CTAs (flash_decode_cluster_kernel) instead of through global
+//               scratch
 template <typename Elem, int kHeadDim, int kBlockN, int kNWarps, int kStages, int kMT,
           bool Is_paged, bool Is_local, bool Has_softcap, bool Has_alibi, bool Is_even_d,
-          bool Is_split>
-__global__ void __launch_bounds__(kNWarps * 32, 2)
-flash_decode_kernel(const FlashParams params) {
+          bool Is_split, int kCluster>
+__device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     using namespace fc_dec;
+    static_assert(kCluster == 0 || Is_split, "a cluster merge merges splits");
     constexpr int kNThreads = kNWarps * 32;
     constexpr int kBlockM = 16 * kMT;
     constexpr int kWN = kBlockN / kNWarps;          // keys per warp per block
@@ -257,6 +397,10 @@ flash_decode_kernel(const FlashParams params) {
     static_assert((fc_u32)kNWarps * kMaxSplits * 4 <= kStages * kStageBytes && kQBytes >= 4,
                   "fused combine: weight tables in the ring, the flag in the Q tile");
     static_assert(kRS <= 16, "page walk: a thread's rows advance by less than a page (>= 16)");
+    constexpr fc_u32 kRedBytes = (fc_u32)kNWarps * kBlockM * kRedStride * 4;
+    static_assert(kCluster == 0
+                  || kRedBytes + 4u * kBlockM * kHeadDim + 4u * kBlockM <= kStages * kStageBytes,
+                  "cluster merge: the partial O and lse after the reduction slabs, in the ring");
 
     // Shared memory: Q | ring of kStages x (K, V) | stats (max, sum per warp and row; 1/L).
     // After the main loop the ring is reused for the per-warp O slabs (fp32).
@@ -267,6 +411,10 @@ flash_decode_kernel(const FlashParams params) {
     float* sMax = reinterpret_cast<float*>(smem_raw + kQBytes + kStages * kStageBytes);
     float* sSum = sMax + kNWarps * kBlockM;
     float* sInv = sSum + kNWarps * kBlockM;
+    // Cluster merge: this CTA's partial O (fp32 [kBlockM][kHeadDim]) and lse, in the ring after
+    // the reduction slabs (the ring is free once the main loop is done).
+    const fc_u32 sPartO = sKV + kRedBytes;
+    const fc_u32 sPartL = sPartO + 4u * kBlockM * kHeadDim;
 
     const int tid = threadIdx.x;
     const int lane = tid & 31;
@@ -324,6 +472,13 @@ flash_decode_kernel(const FlashParams params) {
         // Nothing visible to this CTA: lse = -inf; O = 0 (a split's O is never read when its
         // lse is -inf, so the split path writes only the lse). A split CTA still arrives on its
         // group's counter (fused combine): every CTA of a group arrives exactly once.
+        if constexpr (kCluster > 0) {
+            float* pl = reinterpret_cast<float*>(smem_raw + (sPartL - sQ));
+            for (int r = tid; r < rows_valid; r += kNThreads) pl[r] = -INFINITY;
+            cluster_merge<Elem, kCluster, kHeadDim, kNThreads, Is_even_d>(
+                params, b, hk, m0, rows_valid, sPartO, sPartL);
+            return;
+        }
         for (int r = tid; r < rows_valid; r += kNThreads) *lse_ptr(r) = -INFINITY;
         if constexpr (Is_split) {
             if (params.split_counter != nullptr)
@@ -750,7 +905,13 @@ flash_decode_kernel(const FlashParams params) {
             const float inv = L == 0.f ? 0.f : 1.f / L;   // NaN L propagates (see flash_fwd)
             if (warp == 0 && t == 0) {
                 sInv[rr] = inv;
-                if (rr < rows_valid) *lse_ptr(rr) = L == 0.f ? -INFINITY : M * lse_scale + logf(L);
+                if (rr < rows_valid) {
+                    const float lse_v = L == 0.f ? -INFINITY : M * lse_scale + logf(L);
+                    if constexpr (kCluster > 0)
+                        reinterpret_cast<float*>(smem_raw + (sPartL - sQ))[rr] = lse_v;
+                    else
+                        *lse_ptr(rr) = lse_v;
+                }
             }
             const fc_u32 slab = sRed + 4u * (fc_u32)((warp * kBlockM + rr) * kRedStride);
 #pragma unroll
@@ -781,7 +942,13 @@ flash_decode_kernel(const FlashParams params) {
         }
         const float inv = sInv[r];
         const int qi = row_qi(r), h = row_h(r);
-        if constexpr (Is_split) {
+        if constexpr (kCluster > 0) {
+            const fc_u32 dst = sPartO + 4u * (fc_u32)(r * kHeadDim + c * 8);
+            sts64f(dst, o[0] * inv, o[1] * inv);
+            sts64f(dst + 8u, o[2] * inv, o[3] * inv);
+            sts64f(dst + 16u, o[4] * inv, o[5] * inv);
+            sts64f(dst + 24u, o[6] * inv, o[7] * inv);
+        } else if constexpr (Is_split) {
             float* dst = params.o_accum
                          + ((((long long)split * params.batch + b) * params.nheads + h) * sq + qi)
                                * headdim + c * 8;
@@ -797,7 +964,10 @@ flash_decode_kernel(const FlashParams params) {
                    v);
         }
     }
-    if constexpr (Is_split) {
+    if constexpr (kCluster > 0) {
+        cluster_merge<Elem, kCluster, kHeadDim, kNThreads, Is_even_d>(params, b, hk, m0,
+                                                                      rows_valid, sPartO, sPartL);
+    } else if constexpr (Is_split) {
         // Fused combine: the flag in the Q tile, the weight tables in the ring (both free now;
         // the barrier inside orders them after the slab reads above).
         if (params.split_counter != nullptr)
@@ -805,6 +975,27 @@ flash_decode_kernel(const FlashParams params) {
                                                     reinterpret_cast<int*>(smem_raw),
                                                     reinterpret_cast<float*>(smem_raw + kQBytes));
     }
+}
+
+template <typename Elem, int kHeadDim, int kBlockN, int kNWarps, int kStages, int kMT,
+          bool Is_paged, bool Is_local, bool Has_softcap, bool Has_alibi, bool Is_even_d,
+          bool Is_split>
+__global__ void __launch_bounds__(kNWarps * 32, 2)
+flash_decode_kernel(const FlashParams params) {
+    flash_decode_body<Elem, kHeadDim, kBlockN, kNWarps, kStages, kMT, Is_paged, Is_local,
+                      Has_softcap, Has_alibi, Is_even_d, Is_split, 0>(params);
+}
+
+// Split-KV with the merge inside a cluster (sm_90+): grid (batch * nheads_k, m-blocks,
+// kCluster), one cluster per group along z. kCluster > 8 needs the non-portable cluster size
+// allowed on the function (the launcher sets it).
+template <typename Elem, int kHeadDim, int kBlockN, int kNWarps, int kStages, int kMT,
+          bool Is_paged, bool Is_local, bool Has_softcap, bool Has_alibi, bool Is_even_d,
+          int kCluster>
+__global__ void __cluster_dims__(1, 1, kCluster) __launch_bounds__(kNWarps * 32, 2)
+flash_decode_cluster_kernel(const FlashParams params) {
+    flash_decode_body<Elem, kHeadDim, kBlockN, kNWarps, kStages, kMT, Is_paged, Is_local,
+                      Has_softcap, Has_alibi, Is_even_d, true, kCluster>(params);
 }
 
 // Merge the splits (the two-kernel path, split_counter == nullptr): one warp per output row

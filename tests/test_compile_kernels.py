@@ -99,6 +99,23 @@ def test_hopper_kernels_compile(source):
     assert len(cubin) > 0
 
 
+def test_decode_cluster_kernels_compile():
+    """The split kernels that merge inside a thread-block cluster (sm_90a only): a stratified
+    sample over every flag and every cluster size, with no local-memory frame at all."""
+    _nvrtc_or_skip()
+    from flashcore.kernels import decode
+    names = decode.sm90_instantiations()
+    assert names
+    sample = _sample(names, 24)
+    for i in range(0, len(sample), 8):
+        cubin, log = jit.compile_check("flash_decode.cu", sample[i:i + 8], "sm_90a",
+                                       want_log=True)
+        assert len(cubin) > 0
+        frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", log)
+        assert len(frames) == len(sample[i:i + 8])
+        assert all(f == ("0", "0") for f in frames), f"stack frame or spills\n{log}"
+
+
 def test_every_source_file_is_covered():
     covered = {s for s, _ in _modules()} | {s for s, _ in _sm90_sources()}
     includes = set()

@@ -27,6 +27,7 @@ STREAM = {"ptr": 0x7000}     # the fake current stream's handle (decode counters
 class FakeKernel:
     def __init__(self, name):
         self.name = name
+        self.kernel = type("Function", (), {"ptr": 0xF000 + len(name)})()   # the CUfunction
 
     def __call__(self, grid, block, args, shared_mem=0):
         LOG.append((self.name, tuple(grid), tuple(block), shared_mem, bytes(args[0].tobytes())))
@@ -88,6 +89,9 @@ def no_gpu(monkeypatch):
     monkeypatch.setattr(decode, "_current_stream_ptr", lambda dev: STREAM["ptr"])
     monkeypatch.setattr(decode, "_COUNTERS", {})
     monkeypatch.setitem(decode._FUSED, "enabled", True)
+    # the cluster merge (sm_90) has tests of its own below; the others test the global paths
+    monkeypatch.setitem(decode._CLUSTER, "enabled", False)
+    monkeypatch.setattr(decode, "_CLUSTER_REFUSED", set())
     plans.clear()
     plans.set_enabled(True)
     LOG.clear()
@@ -579,3 +583,106 @@ def test_derived_entries_go_with_the_plans():
     plans.derived_put(("torch-fwd", 1), "entry")
     forward.set_tile_override(64, None)
     assert plans.derived_get(("torch-fwd", 1)) is None
+
+
+# ---------------- decoding: the split merge inside a thread-block cluster (sm_90) ----------------
+
+def _accum_words():
+    dt = params_dtype()
+    return [dt.fields[n][1] // 8 for n in ("o_accum", "lse_accum")]
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_cluster_merge_is_one_launch_without_scratch(paged, monkeypatch):
+    from cupy.cuda import driver
+    from flashcore.kernels import decode
+    monkeypatch.setattr(decode, "_as_input", lambda a: a)
+    monkeypatch.setitem(decode._CLUSTER, "enabled", True)
+    attrs = []
+    monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: attrs.append(a))
+    made = []
+    monkeypatch.setattr(cupy, "empty", lambda *a, **k: (made.append(a), _alloc(*a, **k))[1])
+    rng = np.random.default_rng(6)
+    for splits, want_attr in ((3, False), (16, True)):
+        c = _fused_case(paged=paged, splits=splits)
+        arrays = _decode_arrays(rng, c)
+        made.clear()
+        attrs.clear()
+        LOG.clear()
+        _decode(c, arrays)
+        (name, grid, block, smem, raw), = _kernel_launches()
+        assert name.startswith("flash_decode_cluster_kernel<") and name.endswith(f", {splits}>")
+        assert grid == (8, 1, splits)
+        assert _word(raw, _counter_word()) == 0, "no arrival counter"
+        assert all(_word(raw, w) == 0 for w in _accum_words()), "no global partials"
+        assert not made, "no scratch allocated"
+        assert LOG[-1] == ("returned", splits, (), 0, b"")
+        # a count above 8 is a non-portable cluster size: allowed on the function first
+        assert attrs == ([(0xF000 + len(name), 14, 1)] if want_attr else [])
+        # the replay launches the same
+        full = list(LOG)
+        LOG.clear()
+        _decode(c, arrays)
+        assert LOG == full
+    assert not decode._COUNTERS, "the cluster path needs no counters"
+
+
+def test_decode_cluster_merge_only_where_it_applies(monkeypatch):
+    """Not for one split, more than 16 splits, the two-kernel path, the switch off, or a device
+    before sm_90; the choice is part of the plan key."""
+    from cupy.cuda import driver
+    from flashcore import jit
+    from flashcore.kernels import decode
+    monkeypatch.setattr(decode, "_as_input", lambda a: a)
+    monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: None)
+    monkeypatch.setitem(decode._CLUSTER, "enabled", True)
+    rng = np.random.default_rng(7)
+
+    def kernel_of(**over):
+        c = _fused_case(**over)
+        LOG.clear()
+        _decode(c, _decode_arrays(rng, c))
+        return _kernel_launches()[0][0]
+    assert kernel_of(splits=8).startswith("flash_decode_cluster_kernel<")
+    assert kernel_of(splits=1).startswith("flash_decode_kernel<")
+    assert kernel_of(splits=17).startswith("flash_decode_kernel<")
+    decode.set_fused_combine(False)
+    assert kernel_of(splits=8).startswith("flash_decode_kernel<")
+    decode.set_fused_combine(True)
+    decode.set_cluster_merge(False)
+    assert kernel_of(splits=8).startswith("flash_decode_kernel<")
+    decode.set_cluster_merge(True)
+    monkeypatch.setattr(jit, "device_facts", lambda i: (80, 166912, 108))
+    plans.clear()
+    assert kernel_of(splits=8).startswith("flash_decode_kernel<")
+
+
+def test_decode_cluster_refused_falls_back_to_the_global_merge(monkeypatch):
+    """A device that refuses the cluster launch (say, a size it cannot place) gets the fused
+    global-memory merge for that split count, on that call and the later ones."""
+    from cupy.cuda import driver
+    from flashcore.kernels import decode
+    monkeypatch.setattr(decode, "_as_input", lambda a: a)
+    monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: None)
+    monkeypatch.setitem(decode._CLUSTER, "enabled", True)
+
+    class Refused(driver.CUDADriverError):
+        def __init__(self):
+            Exception.__init__(self, "CUDA_ERROR_CLUSTER_OUT_OF_RESOURCES (stand-in)")
+
+    def call(self, grid, block, args, shared_mem=0):
+        if self.name.startswith("flash_decode_cluster_kernel"):
+            raise Refused()
+        LOG.append((self.name, tuple(grid), tuple(block), shared_mem, bytes(args[0].tobytes())))
+    monkeypatch.setattr(FakeKernel, "__call__", call)
+    rng = np.random.default_rng(8)
+    c = _fused_case(splits=12)
+    arrays = _decode_arrays(rng, c)
+    for _ in range(2):
+        LOG.clear()
+        _decode(c, arrays)
+        (name, grid, _, _, raw), = _kernel_launches()
+        assert name.startswith("flash_decode_kernel<") and grid == (8, 1, 12)
+        assert _word(raw, _counter_word()) != 0, "the fused global merge, with its counters"
+        assert LOG[-1][1] == 12
+    assert (0, 12) in decode._CLUSTER_REFUSED

@@ -30,7 +30,8 @@ __all__ = ["launch_decode", "launch_rotary_append", "instantiations", "num_split
            "choose_num_splits",
            "kernel_name", "combine_name", "append_name", "DecodeConfig", "decode_config",
            "HEADDIM_TILES", "MAX_SPLITS", "set_fused_combine", "fused_combine_enabled",
-           "split_counter"]
+           "split_counter", "MAX_CLUSTER", "set_cluster_merge", "cluster_merge_enabled",
+           "cluster_kernel_name", "sm90_instantiations"]
 
 SOURCE = "flash_decode.cu"
 HEADDIM_TILES = (64, 128, 256)
@@ -103,6 +104,16 @@ def kernel_name(dtype_name: str, headdim: int, m_tiles: int, paged: bool, is_loc
             f"{_b(has_alibi)}, {_b(headdim == d)}, {_b(is_split)}>")
 
 
+def cluster_kernel_name(dtype_name: str, headdim: int, m_tiles: int, paged: bool,
+                        is_local: bool, has_softcap: bool, has_alibi: bool, splits: int) -> str:
+    """The split kernel whose ``splits`` CTAs per group merge inside their cluster (sm_90+)."""
+    d = headdim_tile(headdim)
+    cfg = decode_config(headdim)
+    return (f"flash_decode_cluster_kernel<{_elem_tag(dtype_name)}, {d}, {cfg.block_n}, "
+            f"{cfg.n_warps}, {cfg.stages}, {m_tiles}, {_b(paged)}, {_b(is_local)}, "
+            f"{_b(has_softcap)}, {_b(has_alibi)}, {_b(headdim == d)}, {splits}>")
+
+
 def combine_name(dtype_name: str) -> str:
     return f"flash_decode_combine_kernel<{_elem_tag(dtype_name)}>"
 
@@ -131,6 +142,25 @@ def instantiations() -> list[str]:
         for paged in (False, True):
             for rot, inter in ((False, False), (True, False), (True, True)):
                 names.append(append_name(dt, paged, rot, inter))
+    return names
+
+
+def sm90_instantiations() -> list[str]:
+    """The cluster-merge kernels (sm_90+ only): every flag combination for each head-dim tile
+    and dtype, split counts 2 to MAX_CLUSTER (CI compiles a stratified sample)."""
+    names = []
+    for dt in ("float16", "bfloat16"):
+        for d in HEADDIM_TILES:
+            for even in (True, False):
+                hd = d if even else d - 8
+                for mt in ((1, 2) if d <= 128 else (1,)):
+                    for paged in (False, True):
+                        for loc in (False, True):
+                            for cap in (False, True):
+                                for ali in (False, True):
+                                    for c in range(2, MAX_CLUSTER + 1):
+                                        names.append(cluster_kernel_name(dt, hd, mt, paged, loc,
+                                                                         cap, ali, c))
     return names
 
 
@@ -174,6 +204,29 @@ def choose_num_splits(base_ctas: int, num_sms: int, ctas_per_sm: int, num_n_bloc
 
 # ---- fused combine ---------------------------------------------------------------------------
 _FUSED = {"enabled": os.environ.get("FLASHCORE_DECODE_FUSED_COMBINE", "1").strip() != "0"}
+
+# ---- cluster merge (sm_90+) --------------------------------------------------------------------
+# With 2 to MAX_CLUSTER splits on compute capability 9.0 or newer, the splits of a group form a
+# thread-block cluster and merge through distributed shared memory (flash_decode_cluster_kernel):
+# no fp32 scratch, no fence, no arrival counter. Measured on the H200 (docs/performance-log.md,
+# session 4): the global-memory merge cost about 4.4 us of a 17.5 us batch-1 call. Counts above
+# 8 need a non-portable cluster size; a device that refuses a size falls back to the
+# global-memory merge for it.
+MAX_CLUSTER = 16
+_CLUSTER = {"enabled": os.environ.get("FLASHCORE_DECODE_CLUSTER", "1").strip() != "0"}
+_CLUSTER_REFUSED: set = set()     # (device id, split count) whose cluster launch failed
+_CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+
+
+def set_cluster_merge(on: bool) -> None:
+    """Merge split-KV partials inside a thread-block cluster where the device allows it (True,
+    the default on sm_90+) or through global memory (False: the fused or two-kernel path).
+    Launch plans key on the choice."""
+    _CLUSTER["enabled"] = bool(on)
+
+
+def cluster_merge_enabled() -> bool:
+    return _CLUSTER["enabled"]
 
 
 def set_fused_combine(on: bool) -> None:
@@ -248,7 +301,7 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
                                                               cache_seqlens, block_table,
                                                               alibi_slopes)),
                float(softmax_scale), _window(window_left), _window(window_right),
-               float(softcap or 0.0), int(num_splits or 0), fused)
+               float(softcap or 0.0), int(num_splits or 0), fused, _CLUSTER["enabled"])
         plan = plans.lookup(key)
         if plan is not None:
             ptrs = {"q": q.data.ptr, "k": k_cache.data.ptr, "v": v_cache.data.ptr,
@@ -256,7 +309,7 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
                     "cache_seqlens": cache_seqlens.data.ptr,
                     "block_table": None if block_table is None else block_table.data.ptr,
                     "alibi_slopes": None if alibi_slopes is None else alibi_slopes.data.ptr}
-            if fused and plan.result > 1:   # one launch, grid (b * hk, m-blocks, splits)
+            if fused and plan.result > 1 and plan.scratch:   # global merge: the counters
                 grid = plan.launches[0][1]
                 ptrs["split_counter"] = split_counter(plan.device_id, grid[0] * grid[1])
             plan.run(ptrs)
@@ -320,13 +373,26 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
 
     from ..jit import device_facts, get_kernel
     cc = device_facts(device_id)[0]
-    kernel = get_kernel(SOURCE, kernel_name(dtype_name, headdim, m_tiles, paged, is_local,
-                                            has_softcap, has_alibi, is_split),
-                        device_id, cc, smem)
+    cluster = (is_split and fused and _CLUSTER["enabled"] and cc >= 90
+               and num_splits <= MAX_CLUSTER and (device_id, num_splits) not in _CLUSTER_REFUSED)
+    if cluster:
+        kernel = get_kernel(SOURCE, cluster_kernel_name(dtype_name, headdim, m_tiles, paged,
+                                                        is_local, has_softcap, has_alibi,
+                                                        num_splits),
+                            device_id, cc, smem)
+        if num_splits > 8:
+            from cupy.cuda import driver
+            with cupy.cuda.Device(device_id):
+                driver.funcSetAttribute(kernel.kernel.ptr,
+                                        _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+    else:
+        kernel = get_kernel(SOURCE, kernel_name(dtype_name, headdim, m_tiles, paged, is_local,
+                                                has_softcap, has_alibi, is_split),
+                            device_id, cc, smem)
 
     o_accum = lse_accum = None
     counter = None
-    if is_split:
+    if is_split and not cluster:
         o_accum = cupy.empty((num_splits, batch, nheads, seqlen_q, headdim), cupy.float32)
         lse_accum = cupy.empty((num_splits, batch, nheads, seqlen_q), cupy.float32)
         if fused:
@@ -354,8 +420,8 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
         softcap=float(softcap) if has_softcap else 0.0,
         cache_seqlens=cache_seqlens.data.ptr,
         block_table=block_table.data.ptr if paged else None,
-        o_accum=o_accum.data.ptr if is_split else None,
-        lse_accum=lse_accum.data.ptr if is_split else None,
+        o_accum=o_accum.data.ptr if o_accum is not None else None,
+        lse_accum=lse_accum.data.ptr if lse_accum is not None else None,
         block_table_batch_stride=(block_table.strides[0] // 4) if paged else 0,
         page_size=page_size, num_splits=num_splits, split_counter=counter,
     )
@@ -366,15 +432,30 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
         comb = get_kernel(SOURCE, combine_name(dtype_name), device_id, cc)
         launches.append((comb, (math.ceil(batch * nheads * seqlen_q / 4), 1, 1), (128, 1, 1), 0))
     with cupy.cuda.Device(device_id):
-        for kern, grid, block, sm in launches:
-            kern(grid, block, args, shared_mem=sm)
+        if cluster:
+            try:
+                kernel(launches[0][1], launches[0][2], args, shared_mem=smem)
+            except cupy.cuda.driver.CUDADriverError:
+                # this cluster size is refused here (resources, or the size itself): use the
+                # global-memory merge for this count from now on
+                _CLUSTER_REFUSED.add((device_id, num_splits))
+                plans.clear()
+                return launch_decode(given[0], given[1], given[2], out_final if out_final
+                                     is not None else out, lse, cache_seqlens=given[3],
+                                     block_table=given[4], softmax_scale=softmax_scale,
+                                     window_left=window_left, window_right=window_right,
+                                     softcap=softcap, alibi_slopes=given[5],
+                                     num_splits=num_splits)
+        else:
+            for kern, grid, block, sm in launches:
+                kern(grid, block, args, shared_mem=sm)
         if out_final is not None:
             out_final[...] = out
     if key is not None and out_final is None and all(
             a is b for a, b in zip((q, k_cache, v_cache, cache_seqlens, block_table,
                                     alibi_slopes), given)):
         scratch = [("o_accum", tuple(o_accum.shape), False),
-                   ("lse_accum", tuple(lse_accum.shape), False)] if is_split else []
+                   ("lse_accum", tuple(lse_accum.shape), False)] if o_accum is not None else []
         plans.remember(key, plans.Plan(device_id, launches, params, scratch, num_splits))
     return num_splits
 

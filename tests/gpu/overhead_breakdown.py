@@ -19,6 +19,7 @@ Rows, each the best of 5 x N calls on a tiny problem (1 x 128 x 2 x 64 bf16, cau
 from __future__ import annotations
 
 import sys
+import time
 
 
 def main(n=1000):
@@ -29,6 +30,8 @@ def main(n=1000):
     from flashcore.backends import torch_backend as tb
     from flashcore.bench import per_call_us, tiny_calls
     from flashcore.backends.base import choose
+    import flashcore
+    from flashcore.kernels import plans
     from flashcore.spec import forward_spec
 
     dev = torch.device("cuda")
@@ -94,6 +97,67 @@ def main(n=1000):
     row("torch fwd+bwd (autograd)", calls["torch_fwdbwd"])
     row("sdpa fwd+bwd (autograd)", sdpa_fb)
     row("Function noop fwd+bwd", noop_fb)
+    # ---- inside the autograd path: what the Function's own bodies take, on their threads ----
+    F_ = tb._eager_function()
+    inside = {"fwd": 0.0, "bwd": 0.0, "nf": 0, "nb": 0}
+    orig_f, orig_b = F_.forward, F_.backward
+
+    def timed_f(ctx, *a):
+        t0 = time.perf_counter()
+        r = orig_f(ctx, *a)
+        inside["fwd"] += time.perf_counter() - t0
+        inside["nf"] += 1
+        return r
+
+    def timed_b(ctx, *a):
+        t0 = time.perf_counter()
+        r = orig_b(ctx, *a)
+        inside["bwd"] += time.perf_counter() - t0
+        inside["nb"] += 1
+        return r
+
+    F_.forward, F_.backward = staticmethod(timed_f), staticmethod(timed_b)
+    try:
+        calls["torch_fwdbwd"]()
+        for key in ("fwd", "bwd"):
+            inside[key] = 0.0
+        inside["nf"] = inside["nb"] = 0
+        row("torch fwd+bwd (autograd, timed bodies)", calls["torch_fwdbwd"])
+    finally:
+        F_.forward, F_.backward = orig_f, orig_b
+    rows.append(("  inside Function.forward", inside["fwd"] / max(1, inside["nf"]) * 1e6))
+    rows.append(("  inside Function.backward", inside["bwd"] / max(1, inside["nb"]) * 1e6))
+    qg2, kg2, vg2 = (x.detach().clone().requires_grad_() for x in (q, k, v))
+
+    def fwd_grad_only():
+        flashcore.attention(qg2, kg2, vg2, causal=True)
+    row("torch fwd with grad (node built, no backward)", fwd_grad_only)
+
+    def sdpa_fwd_grad_only():
+        F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+    row("sdpa fwd with grad (no backward)", sdpa_fwd_grad_only)
+
+    class Pure(torch.autograd.Function):     # no kernels at all: Function + engine floor
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    def pure_fb():
+        torch.autograd.grad(Pure.apply(xq), (xq,), gq)
+    row("Function pure (view) fwd+bwd", pure_fb)
+
+    def cpp_fb():               # a C++ node, one elementwise kernel each way
+        torch.autograd.grad(xq * 2.0, (xq,), gq)
+    row("C++ mul fwd+bwd", cpp_fb)
+    e_f = plans.derived_get(tb._fast_key(torch, qg2, kg2, vg2, None, None, True, None,
+                                         (-1, -1), 0.0, False, True))
+    if e_f is not None:
+        row("piece: _fast_forward (direct, no autograd)",
+            lambda: tb._fast_forward(torch, e_f, qg2, kg2, vg2, None))
     spec = forward_spec(q, k, v, causal=True)
     row("piece: forward_spec (memo hit)", lambda: forward_spec(q, k, v, causal=True))
     row("piece: choose", lambda: choose(spec, None))

@@ -96,15 +96,18 @@ _fwd.set_sm90(_fwd_was["enabled"], pipelined=_fwd_was["pipelined"])
 _bwd.set_sm90(_bwd_was)
 
 # KV-cache decoding: contiguous and paged caches, append with rotary, split-KV and not, GQA.
-# Split-KV with the fused combine (the default: the last CTA of each group merges) and with the
-# separate combine kernel; 40 splits of at most 300 keys leave most CTAs without a key.
+# Split-KV merged inside a thread-block cluster (the default on sm_90 for 2 to 16 splits), with
+# the fused global-memory combine (the last CTA of each group merges) and with the separate
+# combine kernel; 40 splits of at most 300 keys leave most CTAs without a key.
 from flashcore.kernels import decode as _dec
-_fused_was = _dec.fused_combine_enabled()
-for d, page, splits, sq, fused in ((128, None, 1, 1, True), (64, 16, 3, 1, True),
-                                   (128, 256, 0, 4, True), (72, 16, 2, 2, True),
-                                   (128, None, 40, 1, True), (64, 16, 3, 1, False),
-                                   (128, 256, 40, 2, False)):
-    _dec.set_fused_combine(fused)
+_fused_was, _cluster_was = _dec.fused_combine_enabled(), _dec.cluster_merge_enabled()
+for d, page, splits, sq, mode in ((128, None, 1, 1, "cluster"), (64, 16, 3, 1, "cluster"),
+                                  (128, 256, 0, 4, "cluster"), (72, 16, 2, 2, "cluster"),
+                                  (128, None, 16, 1, "cluster"), (64, 16, 3, 1, "global"),
+                                  (128, None, 40, 1, "global"), (64, 16, 3, 1, "two"),
+                                  (128, 256, 40, 2, "two")):
+    _dec.set_fused_combine(mode != "two")
+    _dec.set_cluster_merge(mode == "cluster")
     b, h, hk, cap = 3, 8, 2, 512
     lens = np.array([0, 37, 300], np.int32)
     q = arr((b, sq, h, d), "bfloat16")
@@ -126,4 +129,5 @@ for d, page, splits, sq, fused in ((128, None, 1, 1, True), (64, 16, 3, 1, True)
     cp.cuda.Device().synchronize()
     n += 1
 _dec.set_fused_combine(_fused_was)
+_dec.set_cluster_merge(_cluster_was)
 print(f"sanitize driver: {n} cases ran")

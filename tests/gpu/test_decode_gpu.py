@@ -270,29 +270,61 @@ def test_decode_nan_query_propagates(num_splits):
 
 @pytest.fixture
 def combine_mode():
-    """set(on) picks the fused combine (True) or the two-kernel path; restored afterwards."""
+    """set(on) picks the fused combine (True) or the two-kernel path; the fused and cluster
+    settings are restored afterwards."""
     from flashcore.kernels import decode
-    was = decode.fused_combine_enabled()
+    was, was_cluster = decode.fused_combine_enabled(), decode.cluster_merge_enabled()
     yield decode.set_fused_combine
     decode.set_fused_combine(was)
+    decode.set_cluster_merge(was_cluster)
+
+
+# (fused, cluster): the merge inside a thread-block cluster (sm_90+, up to 16 splits; elsewhere
+# the same as the next), the fused global-memory merge, the separate combine kernel
+_MERGES = ((True, True), (True, False), (False, False))
 
 
 def _both_paths(p, num_splits, set_fused, reps=1):
-    """Run p with the fused combine and with the combine kernel: (out, lse) of each; the
-    results must be the same bits (the same per-row code merges the same partials)."""
+    """Run p with every merge path: the cluster merge, the fused combine and the combine kernel;
+    the results must be the same bits (the same arithmetic, in the same order, merges the same
+    partials). Returns the default path's (out, lse)."""
+    from flashcore.kernels import decode
     res = {}
-    for fused in (True, False):
+    for fused, cluster in _MERGES:
         set_fused(fused)
+        decode.set_cluster_merge(cluster)
         for _ in range(reps):
             out, lse = p.outputs()
             used = p.launch(out, lse, num_splits)
             assert used == num_splits
-        res[fused] = (out, lse)
-    (fo, fl), (to, tl) = res[True], res[False]
+        res[fused, cluster] = (out, lse)
+    decode.set_cluster_merge(True)
     cp = _cp()
-    assert cp.array_equal(fo.view(cp.uint16), to.view(cp.uint16)), "fused != two-kernel output"
-    assert cp.array_equal(fl.view(cp.uint32), tl.view(cp.uint32)), "fused != two-kernel lse"
-    return fo, fl
+    to, tl = res[False, False]
+    for mode in _MERGES[:2]:
+        fo, fl = res[mode]
+        assert cp.array_equal(fo.view(cp.uint16), to.view(cp.uint16)), f"{mode} != two-kernel output"
+        assert cp.array_equal(fl.view(cp.uint32), tl.view(cp.uint32)), f"{mode} != two-kernel lse"
+    return res[True, True]
+
+
+def test_cluster_merge_is_used_on_sm90():
+    """On compute capability 9.0+ a call with 2 to 16 splits launches the cluster kernel (so
+    that the comparisons above cover it), and a call with more splits does not."""
+    cp = _cp()
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("the cluster merge needs sm_90")
+    from flashcore import jit
+    from flashcore.kernels import decode
+    assert decode.cluster_merge_enabled()
+    p = Problem("bfloat16", 1, 1, 32, 8, 128, [20000], seed=11)
+    for ns, want in ((8, True), (16, True), (17, False)):
+        jit.clear_memory_cache()
+        out, lse = p.outputs()
+        assert p.launch(out, lse, ns) == ns
+        p.check(out, lse)
+        used = [key[3] for key in jit._kernels if key[2] == "flash_decode.cu"]
+        assert any(n.startswith("flash_decode_cluster_kernel") for n in used) == want, used
 
 
 def _counters_are_zero():
@@ -369,6 +401,7 @@ def test_fused_combine_two_streams_concurrently(combine_mode):
     cp = _cp()
     from flashcore.kernels import decode
     combine_mode(True)
+    decode.set_cluster_merge(False)     # the counters are what this test is about
     probs = [Problem("bfloat16", 1, 1, 32, 8, 128, [16384], seed=3),
              Problem("bfloat16", 1, 1, 32, 8, 128, [16384], seed=4)]
     alone = []

@@ -1,0 +1,173 @@
+"""Where a batch-1 decode call's time goes (H200, a diagnostic for the decode-speed target).
+
+Three parts, 32 query heads over 8 kv heads, headdim 128, bf16, one query token:
+
+  peers    torch.profiler of torch SDPA (cuDNN and flash backends) and of flashcore's decode on
+           the target shapes: kernel names, grid, block, registers, shared memory, durations
+  scaling  GPU time (bench_decode._time: L2 flushed, events per call) of flashcore's decode at
+           batch 1 over cache lengths x split counts x tile configurations, with cuDNN and a
+           plain read of the same bytes at each length: the fixed cost (time at one key block
+           per CTA) against the cost per block
+  combine  the split merge's cost: fused, two kernels, the decode kernel alone
+  --ncu    one call each of flashcore's decode and cuDNN's at batch 1, cache 4k (for
+           ``ncu --clock-control none ... python tests/gpu/decode_anatomy.py --ncu``)
+
+    python tests/gpu/decode_anatomy.py [peers] [scaling] [--ncu]
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+
+from bench_decode import _read_kernel_time, _time
+
+H, HK, D = 32, 8, 128
+
+
+def _problem(b, sk):
+    import cupy as cp
+    import torch
+    dev = torch.device("cuda")
+    q = torch.randn(b, 1, H, D, device=dev, dtype=torch.bfloat16)
+    kc = torch.randn(b, sk, HK, D, device=dev, dtype=torch.bfloat16)
+    vc = torch.randn(b, sk, HK, D, device=dev, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    lse = torch.empty(b, H, 1, device=dev, dtype=torch.float32)
+    seqlens = torch.full((b,), sk, device=dev, dtype=torch.int32)
+    cq, ck, cv, co, cl, cs = (cp.from_dlpack(x) for x in (q, kc, vc, out, lse, seqlens))
+    from flashcore.kernels.decode import launch_decode
+
+    def ours(ns=0):
+        return launch_decode(cq, ck, cv, co, cl, cache_seqlens=cs, softmax_scale=D ** -0.5,
+                             window_left=-1, window_right=-1, num_splits=ns)
+
+    qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+
+    def sdpa(backend):
+        import torch.nn.functional as F
+        from torch.nn.attention import sdpa_kernel
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+    return ours, sdpa, (q, kc, vc)
+
+
+def peers():
+    import cupy as cp
+    import torch
+    from torch.nn.attention import SDPBackend
+    from torch.profiler import ProfilerActivity, profile
+    stream = cp.cuda.Stream.from_external(torch.cuda.current_stream())
+    print("# peers: kernels launched per call (torch.profiler)")
+    for b, sk in ((1, 4096), (1, 16384), (1, 131072), (8, 4096)):
+        ours, sdpa, _ = _problem(b, sk)
+        fns = {"flashcore": ours, "cuDNN": lambda: sdpa(SDPBackend.CUDNN_ATTENTION),
+               "sdpa-flash": lambda: sdpa(SDPBackend.FLASH_ATTENTION)}
+        for name, fn in fns.items():
+            with stream:
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    fn()
+                    torch.cuda.synchronize()
+            path = os.path.join(tempfile.mkdtemp(), "t.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                ev = json.load(f)["traceEvents"]
+            for e in ev:
+                if e.get("cat") != "kernel":
+                    continue
+                a = e.get("args", {})
+                print(f"b{b} {sk // 1024}k {name:10s} {e['dur']:7.2f} us grid {a.get('grid')} "
+                      f"block {a.get('block')} regs {a.get('registers per thread')} "
+                      f"smem {a.get('shared memory')} | {e['name'][:110]}")
+
+
+def scaling():
+    import cupy as cp
+    import torch
+    from torch.nn.attention import SDPBackend
+    from flashcore.kernels import decode as dm
+    stream = cp.cuda.Stream.from_external(torch.cuda.current_stream())
+    configs = [None, (64, 4, 4), (64, 4, 5)]
+    splits = (1, 2, 4, 8, 16, 32)
+    print("# scaling, batch 1: GPU time in us (L2 flushed); columns = split counts")
+    print(f"{'cache':>6} {'config':>12} | " + " ".join(f"{s:>6}" for s in splits)
+          + " | cuDNN   read")
+    for sk in (512, 1024, 2048, 4096, 8192, 16384):
+        ours, sdpa, (q, kc, vc) = _problem(1, sk)
+        t_cud = _time(lambda: sdpa(SDPBackend.CUDNN_ATTENTION)) * 1e6
+        buf = torch.cat([kc.reshape(-1), vc.reshape(-1)])
+        with stream:
+            t_read = _read_kernel_time(buf) * 1e6
+        for cfg in configs:
+            dm.set_config_override(128, cfg)
+            cells = []
+            with stream:
+                for ns in splits:
+                    try:
+                        ours(ns)
+                        cells.append(f"{_time(lambda ns=ns: ours(ns)) * 1e6:6.2f}")
+                    except Exception as e:    # a configuration that does not fit
+                        cells.append(f"{type(e).__name__[:6]:>6}")
+            dm.set_config_override(128, None)
+            name = "default" if cfg is None else ",".join(map(str, cfg))
+            print(f"{sk:>6} {name:>12} | " + " ".join(cells) + f" | {t_cud:6.2f} {t_read:6.2f}")
+        del buf
+        torch.cuda.empty_cache()
+
+
+def combine_cost():
+    """Batch 1, cache 4k and 16k, 8 and 16 splits: the fused call, the two-kernel call, and the
+    decode kernel alone (partials written, never merged): what the merge costs each way."""
+    import cupy as cp
+    import torch
+    from flashcore.kernels import decode as dm, plans
+    stream = cp.cuda.Stream.from_external(torch.cuda.current_stream())
+    print("# split merge cost, batch 1 (us): fused | two-kernel | decode kernel alone")
+    for sk in (4096, 16384):
+        ours, _, _ = _problem(1, sk)
+        with stream:
+            for ns in (8, 16):
+                t_f = _time(lambda: ours(ns)) * 1e6
+                dm.set_fused_combine(False)
+                try:
+                    plans.clear()
+                    ours(ns)
+                    t_two = _time(lambda: ours(ns)) * 1e6
+                    plan = [p for p in plans.PLANS.values()
+                            if isinstance(p, plans.Plan) and p.result == ns][0]
+                    alone = plans.Plan(plan.device_id, plan.launches[:1], plan.template,
+                                       plan.scratch, plan.result)
+                    t_a = _time(lambda: alone.run({})) * 1e6
+                finally:
+                    dm.set_fused_combine(True)
+                    plans.clear()
+                print(f"{sk // 1024:>4}k {ns:>3} splits | {t_f:6.2f} | {t_two:6.2f} | {t_a:6.2f}")
+
+
+def ncu_calls():
+    import cupy as cp
+    import torch
+    from torch.nn.attention import SDPBackend
+    ours, sdpa, _ = _problem(1, 4096)
+    stream = cp.cuda.Stream.from_external(torch.cuda.current_stream())
+    with stream:
+        ours()
+        sdpa(SDPBackend.CUDNN_ATTENTION)
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:] or ["peers", "scaling", "combine"]
+    if "--ncu" in args:
+        ncu_calls()
+    if "peers" in args:
+        peers()
+    if "scaling" in args:
+        scaling()
+    if "combine" in args:
+        combine_cost()
