@@ -164,6 +164,28 @@ def per_call_us(fn, n, warmup=50, rounds=5):
     return best * 1e6
 
 
+def per_call_us_interleaved(fns, n, warmup=50, rounds=7):
+    """``per_call_us`` for several callables at once: each round times ``n`` calls of every
+    callable in turn, so a host that runs faster or slower for a while affects all of them
+    alike. Returns {name: best round's microseconds per call}."""
+    import time
+
+    import torch
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    best = {name: float("inf") for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            torch.cuda.synchronize()
+            best[name] = min(best[name], (time.perf_counter() - t0) / n)
+    return {name: t * 1e6 for name, t in best.items()}
+
+
 def tiny_calls():
     """The per-call cost probes on a tiny, launch-bound problem (1 x 128 x 2 x 64 bf16, causal):
     argument-less callables for flashcore through CuPy and through torch, forward (no grad) and
@@ -200,8 +222,9 @@ def overhead(n=2000, out=print):
     """Host cost per call on a tiny problem (launch-bound): the CuPy backend called directly
     against the same call through torch (no grad, and forward+backward with autograd)."""
     calls, _ = tiny_calls()
-    r = {f"{name}_us": per_call_us(fn, n) for name, fn in calls.items()}
-    out(f"# per-call host overhead, tiny problem (1x128x2x64 bf16, causal), best of 5 x {n} calls:")
+    r = {f"{name}_us": us for name, us in per_call_us_interleaved(calls, n).items()}
+    out(f"# per-call host overhead, tiny problem (1x128x2x64 bf16, causal), best of 7 rounds "
+        f"of {n} calls, the four probes interleaved:")
     out(f"forward:          CuPy direct {r['cupy_fwd_us']:.1f} us, through torch {r['torch_fwd_us']:.1f} us "
         f"(+{r['torch_fwd_us'] - r['cupy_fwd_us']:.1f} us)")
     out(f"forward+backward: CuPy direct {r['cupy_fwdbwd_us']:.1f} us, through torch autograd "

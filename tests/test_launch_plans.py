@@ -686,3 +686,47 @@ def test_decode_cluster_refused_falls_back_to_the_global_merge(monkeypatch):
         assert _word(raw, _counter_word()) != 0, "the fused global merge, with its counters"
         assert LOG[-1][1] == 12
     assert (0, 12) in decode._CLUSTER_REFUSED
+
+
+def test_decode_cluster_split_rule():
+    from flashcore.kernels.decode import cluster_num_splits
+    # 32 q over 8 kv heads: batch 1 -> 8 splits, batch 8 -> 2, batch 64 -> no split
+    assert cluster_num_splits(8, 132, 32) == 8
+    assert cluster_num_splits(64, 132, 32) == 2
+    assert cluster_num_splits(512, 132, 32) == 1
+    assert cluster_num_splits(110, 132, 32) == 1       # 80% of the SMs already
+    assert cluster_num_splits(8, 132, 6) == 3          # at most half the key blocks
+    assert cluster_num_splits(8, 132, 3) == 1
+    assert cluster_num_splits(1, 132, 1000) == 0       # 8 CTAs on 132 SMs: the global rule
+    assert cluster_num_splits(4, 132, 1000) == 0       # 32 CTAs: under a quarter of the SMs
+    assert cluster_num_splits(5, 132, 1000) == 8       # 40 CTAs
+
+
+@pytest.mark.parametrize("b, cap, hk, h, sq, want", [
+    (1, 4096, 8, 32, 1, ("cluster", 8, 128)),
+    (8, 16384, 8, 32, 1, ("cluster", 2, 128)),
+    (64, 4096, 8, 32, 1, ("plain", 1, 64)),
+    (1, 131072, 1, 8, 1, ("global", None, 64)),       # MQA, one sequence: many splits
+    (1, 4096, 8, 32, 5, ("cluster", 8, 64)),          # 20 packed rows: two m16 slices
+])
+def test_decode_default_split_and_tile(b, cap, hk, h, sq, want, monkeypatch):
+    """num_splits=0 on sm_90: the cluster rule and its 128-key tile at d128 (one m16 slice),
+    the global rule where the cluster rule would leave the GPU idle."""
+    from cupy.cuda import driver
+    from flashcore.kernels import decode
+    monkeypatch.setattr(decode, "_as_input", lambda a: a)
+    monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: None)
+    monkeypatch.setitem(decode._CLUSTER, "enabled", True)
+    rng = np.random.default_rng(9)
+    c = _fused_case(b=b, cap=cap, hk=hk, h=h, sq=sq, splits=0)
+    _decode(c, _decode_arrays(rng, c))
+    (name, grid, _, _, _), = _kernel_launches()
+    kind, splits, block_n = want
+    args = [a.strip() for a in name[name.index("<") + 1:-1].split(",")]
+    assert int(args[2]) == block_n, name
+    if kind == "cluster":
+        assert name.startswith("flash_decode_cluster_kernel<") and grid[2] == splits
+    elif kind == "plain":
+        assert name.startswith("flash_decode_kernel<") and grid[2] == 1
+    else:
+        assert name.startswith("flash_decode_kernel<") and grid[2] > decode.MAX_CLUSTER

@@ -593,7 +593,8 @@ class _Entry:
     """What the fast path needs of one recorded full call."""
 
     __slots__ = ("spec", "plan", "names", "slots", "scratch", "direct", "index", "device",
-                 "ctx", "lse_shape", "out_mods")
+                 "ctx", "lse_shape", "out_mods", "scratch_offsets", "scratch_floats",
+                 "scratch_zero")
 
     def __init__(self, torch, spec, plan, names, index, lse_shape, out_mods):
         self.spec = spec
@@ -602,6 +603,18 @@ class _Entry:
         s = plans.slots()
         self.slots = tuple(s[n] for n in names) + tuple(s[f] for f, _, _ in plan.scratch)
         self.scratch = tuple((shape, zero) for _, shape, zero in plan.scratch)
+        # the scratch buffers as byte offsets into one float32 allocation, each 256-byte aligned
+        # (what the allocator gives a buffer of its own)
+        offs, floats = [], 0
+        for shape, _ in self.scratch:
+            offs.append(4 * floats)
+            n = 1
+            for x in shape:
+                n *= int(x)
+            floats += -(-n // 64) * 64
+        self.scratch_offsets = tuple(offs)
+        self.scratch_floats = max(floats, 1)
+        self.scratch_zero = any(zero for _, zero in self.scratch)
         self.index = index
         self.device = torch.device("cuda", index)
         self.lse_shape = lse_shape
@@ -640,12 +653,14 @@ def _run_entry(torch, e, addrs):
     if e.direct is not None and _FAST["direct"]:
         keep = []
         if e.scratch:
+            # one allocation for all of the plan's scratch (zero-filled when any part must be):
+            # one allocator call and at most one fill instead of one of each per buffer
+            buf = (torch.zeros if e.scratch_zero else torch.empty)(
+                (e.scratch_floats,), dtype=torch.float32, device=e.device)
+            keep.append(buf)
+            base = buf.data_ptr()
             addrs = list(addrs)
-            for shape, zero in e.scratch:
-                t = (torch.zeros if zero else torch.empty)(shape, dtype=torch.float32,
-                                                           device=e.device)
-                keep.append(t)
-                addrs.append(t.data_ptr())
+            addrs.extend(base + off for off in e.scratch_offsets)
         drv = cupy.cuda.driver
         stream = _raw_stream(torch, e.index)
         if drv.ctxGetCurrent() == e.ctx:
@@ -732,10 +747,15 @@ def _eager_function():
             ctx.spec = spec
             ctx.fast_key = fk
             ctx.mark_non_differentiable(lse)
+            # lse has no gradient: don't let autograd fill a zero tensor for it (a kernel launch
+            # per backward); backward sees None there instead
+            ctx.set_materialize_grads(False)
             return out, lse
 
         @staticmethod
         def backward(ctx, dout, _dlse):
+            if dout is None:      # (not materialised) no gradient reached the output
+                return None, None, None, None, None, None, None, None
             q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
             if dout.shape[-1] > 1 and dout.stride(-1) != 1:
                 dout = dout.contiguous()

@@ -54,6 +54,16 @@ _CONFIGS = {
     128: DecodeConfig(64, 4, 3),
     256: DecodeConfig(64, 4, 3),
 }
+# The split kernels that merge inside a cluster (sm_90) run few CTAs, one per SM: at d128 they
+# take 128-key stages (three stages, 192 KiB: one CTA per SM, 128 KiB of loads in flight). The
+# policy sweep on the H200 (tests/gpu/sweep_decode.py, docs/performance-log.md session 4)
+# measured this best at batch 1 (caches 4k-128k); the other tiles keep their configuration
+# (d64 already streams 128-key stages; d256 holds one CTA per SM at 64 keys).
+_CLUSTER_CONFIGS = {
+    64: DecodeConfig(128, 4, 3),
+    128: DecodeConfig(128, 4, 3),
+    256: DecodeConfig(64, 4, 3),
+}
 
 
 _CONFIG_OVERRIDE: dict = {}
@@ -78,9 +88,14 @@ def headdim_tile(headdim: int) -> int:
     return smallest_tile(headdim, HEADDIM_TILES)
 
 
-def decode_config(headdim: int) -> DecodeConfig:
+def decode_config(headdim: int, cluster: bool = False, m_tiles: int = 1) -> DecodeConfig:
+    """The tile configuration of the decode kernel for ``headdim`` (an override set by
+    set_config_override wins), for the kernels that merge splits inside a cluster or not. Two
+    m16 slices (more than 16 packed rows) keep the default: with 128-key stages their
+    accumulators would spill."""
     d = headdim_tile(headdim)
-    return _CONFIG_OVERRIDE.get(d) or _CONFIGS[d]
+    table = _CLUSTER_CONFIGS if cluster and m_tiles == 1 else _CONFIGS
+    return _CONFIG_OVERRIDE.get(d) or table[d]
 
 
 def _m_tiles(headdim: int, packed_rows: int) -> int:
@@ -88,9 +103,9 @@ def _m_tiles(headdim: int, packed_rows: int) -> int:
     return 2 if packed_rows > 16 and headdim_tile(headdim) <= 128 else 1
 
 
-def smem_bytes(headdim: int, m_tiles: int) -> int:
+def smem_bytes(headdim: int, m_tiles: int, cluster: bool = False) -> int:
     d = headdim_tile(headdim)
-    cfg = decode_config(headdim)
+    cfg = decode_config(headdim, cluster, m_tiles)
     block_m = 16 * m_tiles
     return 2 * block_m * d + cfg.stages * 4 * cfg.block_n * d + (2 * cfg.n_warps + 1) * block_m * 4
 
@@ -108,7 +123,7 @@ def cluster_kernel_name(dtype_name: str, headdim: int, m_tiles: int, paged: bool
                         is_local: bool, has_softcap: bool, has_alibi: bool, splits: int) -> str:
     """The split kernel whose ``splits`` CTAs per group merge inside their cluster (sm_90+)."""
     d = headdim_tile(headdim)
-    cfg = decode_config(headdim)
+    cfg = decode_config(headdim, True, m_tiles)
     return (f"flash_decode_cluster_kernel<{_elem_tag(dtype_name)}, {d}, {cfg.block_n}, "
             f"{cfg.n_warps}, {cfg.stages}, {m_tiles}, {_b(paged)}, {_b(is_local)}, "
             f"{_b(has_softcap)}, {_b(has_alibi)}, {_b(headdim == d)}, {splits}>")
@@ -200,6 +215,24 @@ def choose_num_splits(base_ctas: int, num_sms: int, ctas_per_sm: int, num_n_bloc
     the wave rule's 4 was already the best measured and is kept."""
     s = num_splits_heuristic(base_ctas, num_sms * ctas_per_sm, num_n_blocks)
     return max(1, min(s, num_n_blocks // 8, max(16, num_sms // max(1, base_ctas))))
+
+
+def cluster_num_splits(base_ctas: int, num_sms: int, num_n_blocks: int) -> int:
+    """Split count for ``num_splits=0`` where the splits merge inside a cluster (sm_90): no
+    split when the groups (sequences x kv heads x m-blocks) already fill 80% of the SMs; else
+    as many splits as give every group's splits an SM of their own, at most 8 (a portable
+    cluster) and at most half the key blocks. The H200 sweep (32 q over 8 kv heads, d128,
+    caches 4k-128k) measured 8 splits best at batch 1 and 2 at batch 8, both this rule.
+    Returns 0 when the cap of 8 would leave more than three quarters of the SMs idle while the
+    keys could be spread further (few groups, say one MQA sequence): the caller then takes the
+    global-merge rule, which spreads them over many more CTAs."""
+    if base_ctas >= 0.8 * num_sms:
+        return 1
+    s_max = min(num_sms // max(1, base_ctas), num_n_blocks // 2)
+    s = max(1, min(8, s_max))
+    if s_max > 8 and base_ctas * s < num_sms // 4:
+        return 0
+    return s
 
 
 # ---- fused combine ---------------------------------------------------------------------------
@@ -337,15 +370,18 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
         raise ValueError("decode grid too large "
                          f"(batch * nheads_k = {batch * nheads_k}, m-blocks = {m_blocks})")
     d = headdim_tile(headdim)
-    cfg = decode_config(headdim)
-    smem = smem_bytes(headdim, m_tiles)
+    device_id = q.device.id
+    from ..jit import device_facts, get_kernel
+    cc = device_facts(device_id)[0]
+    # Splits merge inside a thread-block cluster on sm_90 (the fused path's default there);
+    # that path has its own split rule and tile configuration.
+    cluster_ok = fused and _CLUSTER["enabled"] and cc >= 90
 
     wl, wr = _window(window_left), _window(window_right)
     is_local = wl != WINDOW_NONE or wr != WINDOW_NONE
     has_softcap = softcap is not None and softcap > 0.0
     has_alibi = alibi_slopes is not None
 
-    device_id = q.device.id
     cache_seqlens = _int32_contig(cache_seqlens)
     if paged:
         block_table = block_table if block_table.dtype == cupy.int32 else block_table.astype(cupy.int32)
@@ -359,22 +395,31 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
         page_size = 0
         max_seqlen_k = int(k_cache.shape[1])
 
-    # Split count (host-side only: no read of cache_seqlens, which would synchronise).
-    if num_splits is None or num_splits <= 0:
+    def key_blocks(cfg):   # key blocks a group walks (before splitting)
         n_blocks = max(1, math.ceil(max_seqlen_k / cfg.block_n))
         if wl != WINDOW_NONE:
             span = wl + seqlen_q + (0 if wr == WINDOW_NONE else wr)
             n_blocks = min(n_blocks, math.ceil(span / cfg.block_n) + 1)
-        ctas_per_sm = max(1, min(4, _SMEM_PER_SM // (smem + 1024)))
-        num_splits = choose_num_splits(batch * nheads_k * m_blocks, _sm_count(device_id),
-                                       ctas_per_sm, n_blocks)
+        return n_blocks
+
+    # Split count (host-side only: no read of cache_seqlens, which would synchronise).
+    if num_splits is None or num_splits <= 0:
+        base_ctas = batch * nheads_k * m_blocks
+        if cluster_ok:
+            num_splits = cluster_num_splits(base_ctas, _sm_count(device_id),
+                                            key_blocks(decode_config(headdim, True, m_tiles)))
+        if not cluster_ok or num_splits == 0:
+            smem = smem_bytes(headdim, m_tiles)
+            ctas_per_sm = max(1, min(4, _SMEM_PER_SM // (smem + 1024)))
+            num_splits = choose_num_splits(base_ctas, _sm_count(device_id), ctas_per_sm,
+                                           key_blocks(decode_config(headdim)))
     num_splits = int(max(1, min(int(num_splits), MAX_SPLITS)))
     is_split = num_splits > 1
 
-    from ..jit import device_facts, get_kernel
-    cc = device_facts(device_id)[0]
-    cluster = (is_split and fused and _CLUSTER["enabled"] and cc >= 90
-               and num_splits <= MAX_CLUSTER and (device_id, num_splits) not in _CLUSTER_REFUSED)
+    cluster = (is_split and cluster_ok and num_splits <= MAX_CLUSTER
+               and (device_id, num_splits) not in _CLUSTER_REFUSED)
+    cfg = decode_config(headdim, cluster, m_tiles)
+    smem = smem_bytes(headdim, m_tiles, cluster)
     if cluster:
         kernel = get_kernel(SOURCE, cluster_kernel_name(dtype_name, headdim, m_tiles, paged,
                                                         is_local, has_softcap, has_alibi,

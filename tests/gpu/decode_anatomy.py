@@ -92,12 +92,12 @@ def scaling():
     from torch.nn.attention import SDPBackend
     from flashcore.kernels import decode as dm
     stream = cp.cuda.Stream.from_external(torch.cuda.current_stream())
-    configs = [None, (64, 4, 4), (64, 4, 5)]
-    splits = (1, 2, 4, 8, 16, 32)
+    configs = [None, (64, 4, 4), (64, 4, 5), (128, 4, 3)]
+    splits = (1, 2, 4, 8, 12, 16, 24, 32)
     print("# scaling, batch 1: GPU time in us (L2 flushed); columns = split counts")
     print(f"{'cache':>6} {'config':>12} | " + " ".join(f"{s:>6}" for s in splits)
           + " | cuDNN   read")
-    for sk in (512, 1024, 2048, 4096, 8192, 16384):
+    for sk in (1024, 4096, 16384, 65536):
         ours, sdpa, (q, kc, vc) = _problem(1, sk)
         t_cud = _time(lambda: sdpa(SDPBackend.CUDNN_ATTENTION)) * 1e6
         buf = torch.cat([kc.reshape(-1), vc.reshape(-1)])
@@ -121,20 +121,24 @@ def scaling():
 
 
 def combine_cost():
-    """Batch 1, cache 4k and 16k, 8 and 16 splits: the fused call, the two-kernel call, and the
-    decode kernel alone (partials written, never merged): what the merge costs each way."""
+    """Batch 1, caches 4k and 16k, 4 to 16 splits: the default call (the cluster merge on
+    sm_90), the fused global-memory merge, the two-kernel call, and the decode kernel alone
+    (partials written, never merged): what the merge costs each way."""
     import cupy as cp
     import torch
     from flashcore.kernels import decode as dm, plans
     stream = cp.cuda.Stream.from_external(torch.cuda.current_stream())
-    print("# split merge cost, batch 1 (us): fused | two-kernel | decode kernel alone")
+    print("# split merge cost, batch 1 (us): cluster (default) | fused global | two-kernel | "
+          "decode kernel alone")
     for sk in (4096, 16384):
         ours, _, _ = _problem(1, sk)
         with stream:
-            for ns in (8, 16):
-                t_f = _time(lambda: ours(ns)) * 1e6
-                dm.set_fused_combine(False)
+            for ns in (4, 8, 12, 16):
+                t_c = _time(lambda: ours(ns)) * 1e6
+                dm.set_cluster_merge(False)
                 try:
+                    t_f = _time(lambda: ours(ns)) * 1e6
+                    dm.set_fused_combine(False)
                     plans.clear()
                     ours(ns)
                     t_two = _time(lambda: ours(ns)) * 1e6
@@ -145,8 +149,10 @@ def combine_cost():
                     t_a = _time(lambda: alone.run({})) * 1e6
                 finally:
                     dm.set_fused_combine(True)
+                    dm.set_cluster_merge(True)
                     plans.clear()
-                print(f"{sk // 1024:>4}k {ns:>3} splits | {t_f:6.2f} | {t_two:6.2f} | {t_a:6.2f}")
+                print(f"{sk // 1024:>4}k {ns:>3} splits | {t_c:6.2f} | {t_f:6.2f} | {t_two:6.2f} "
+                      f"| {t_a:6.2f}")
 
 
 def ncu_calls():

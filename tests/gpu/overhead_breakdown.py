@@ -28,7 +28,7 @@ def main(n=1000):
     import torch.nn.functional as F
 
     from flashcore.backends import torch_backend as tb
-    from flashcore.bench import per_call_us, tiny_calls
+    from flashcore.bench import per_call_us, per_call_us_interleaved, tiny_calls
     from flashcore.backends.base import choose
     import flashcore
     from flashcore.kernels import plans
@@ -84,6 +84,14 @@ def main(n=1000):
             return row_us
         return go
 
+    # the comparison that the target is about, interleaved round by round (the host's speed
+    # drifts between rounds; each row is its best round)
+    head = per_call_us_interleaved({
+        "cupy fwd": calls["cupy_fwd"], "torch fwd (no grad)": calls["torch_fwd"],
+        "sdpa fwd (no grad)": sdpa_f, "cupy fwd+bwd": calls["cupy_fwdbwd"],
+        "torch fwd+bwd (autograd)": calls["torch_fwdbwd"], "sdpa fwd+bwd (autograd)": sdpa_fb,
+        "Function noop fwd+bwd": noop_fb}, n, warmup=20)
+    rows.extend((f"[interleaved] {k}", v) for k, v in head.items())
     row("cupy fwd", calls["cupy_fwd"])
     rows.append(("torch fwd (no grad), full path", with_fast(False, True, calls["torch_fwd"])()))
     rows.append(("torch fwd (no grad), fast RawKernel",
@@ -98,6 +106,7 @@ def main(n=1000):
     row("sdpa fwd+bwd (autograd)", sdpa_fb)
     row("Function noop fwd+bwd", noop_fb)
     # ---- inside the autograd path: what the Function's own bodies take, on their threads ----
+    qg2, kg2, vg2 = (x.detach().clone().requires_grad_() for x in (q, k, v))
     F_ = tb._eager_function()
     inside = {"fwd": 0.0, "bwd": 0.0, "nf": 0, "nb": 0}
     orig_f, orig_b = F_.forward, F_.backward
@@ -116,19 +125,77 @@ def main(n=1000):
         inside["nb"] += 1
         return r
 
+    # the helpers the bodies call, timed the same way (module globals, looked up per call)
+    helpers = {}
+    patched = []
+    for mod, name in ((tb, "_fast_forward"), (tb, "_fast_backward"), (tb, "_run_entry"),
+                      (tb, "_fast_bwd_key"), (tb, "_fast_key"), (plans, "derived_get")):
+        fn0 = getattr(mod, name)
+        helpers[name] = [0.0, 0]
+
+        def timed(*a, _fn=fn0, _acc=helpers[name], **k):
+            t0 = time.perf_counter()
+            r = _fn(*a, **k)
+            _acc[0] += time.perf_counter() - t0
+            _acc[1] += 1
+            return r
+        setattr(mod, name, timed)
+        patched.append((mod, name, fn0))
     F_.forward, F_.backward = staticmethod(timed_f), staticmethod(timed_b)
     try:
-        calls["torch_fwdbwd"]()
-        for key in ("fwd", "bwd"):
-            inside[key] = 0.0
-        inside["nf"] = inside["nb"] = 0
-        row("torch fwd+bwd (autograd, timed bodies)", calls["torch_fwdbwd"])
+        for _ in range(20):
+            calls["torch_fwdbwd"]()
+        best = None
+        for _ in range(5):      # keep the round with the best total, and its inside figures
+            for key in ("fwd", "bwd"):
+                inside[key] = 0.0
+            inside["nf"] = inside["nb"] = 0
+            for acc in helpers.values():
+                acc[:] = [0.0, 0]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                calls["torch_fwdbwd"]()
+            torch.cuda.synchronize()
+            tot = (time.perf_counter() - t0) / n * 1e6
+            if best is None or tot < best[0]:
+                best = (tot, dict(inside), {k: list(v) for k, v in helpers.items()})
+        rows.append(("torch fwd+bwd (autograd, timed bodies)", best[0]))
+        inside.update(best[1])
+        for name, acc in best[2].items():
+            helpers[name][:] = acc
     finally:
         F_.forward, F_.backward = orig_f, orig_b
+        for mod, name, fn0 in patched:
+            setattr(mod, name, fn0)
     rows.append(("  inside Function.forward", inside["fwd"] / max(1, inside["nf"]) * 1e6))
     rows.append(("  inside Function.backward", inside["bwd"] / max(1, inside["nb"]) * 1e6))
-    qg2, kg2, vg2 = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    for name, (tot, cnt) in helpers.items():
+        rows.append((f"  inside {name} (x{cnt / max(1, inside['nb']):.0f}/call)",
+                     tot / max(1, inside["nb"]) * 1e6))
 
+    class Mirror(torch.autograd.Function):   # our Function's shape, no flashcore work at all
+        @staticmethod
+        def forward(ctx, q, k, v, alibi_slopes, cu_q, cu_k, spec, fast=(None, None)):
+            out = torch.empty_like(q)
+            lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32,
+                              device=q.device)
+            ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_q, cu_k)
+            ctx.spec = spec
+            ctx.fast_key = fast[0]
+            ctx.mark_non_differentiable(lse)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, _dlse):
+            q, k, v, out, lse, _, _, _ = ctx.saved_tensors
+            return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None,
+                    None, None, None)
+
+    def mirror_fb():
+        o, _ = Mirror.apply(qg2, kg2, vg2, None, None, None, None, (None, None))
+        torch.autograd.grad(o, (qg2, kg2, vg2), do)
+    row("Mirror Function (our shape, no work) fwd+bwd", mirror_fb)
     def fwd_grad_only():
         flashcore.attention(qg2, kg2, vg2, causal=True)
     row("torch fwd with grad (node built, no backward)", fwd_grad_only)
@@ -174,7 +241,8 @@ def main(n=1000):
     for name, us in rows:
         print(f"{name:36s} {us:9.1f}")
     r = dict(rows)
-    print("# summary (microseconds per call)")
+    r.update({k[len("[interleaved] "):]: v for k, v in rows if k.startswith("[interleaved] ")})
+    print("# summary (microseconds per call; the interleaved rows)")
     print(f"torch fwd (no grad) - cupy fwd           {r['torch fwd (no grad)'] - r['cupy fwd']:9.1f}")
     print(f"torch fwd+bwd - cupy fwd+bwd             "
           f"{r['torch fwd+bwd (autograd)'] - r['cupy fwd+bwd']:9.1f}")

@@ -1,17 +1,23 @@
-"""Decode tile sweep (H200, a tuning aid): block_n / warps / stages x split count at batch 1 and
-8 (32 q heads over 8 kv heads, d128, bf16, contiguous cache), GPU time as in bench_decode.py.
-Each configuration's output is checked against the default configuration's first.
+"""Decode policy sweep (H200, a tuning aid): tile configuration (block_n, warps, stages) x split
+count x split merge (inside a thread-block cluster, or through global memory) at batch 1 and 8,
+caches 4k / 16k / 128k (32 q heads over 8 kv heads, d128, bf16, contiguous cache), GPU time as
+in bench_decode.py, with cuDNN's time on the same shape. Every variant's output is checked
+against the first variant's (the same math, so within bf16 rounding of it).
 
-    python tests/gpu/sweep_decode.py
+    python tests/gpu/sweep_decode.py [--top K]
 """
 from __future__ import annotations
 
 import math
+import sys
 
 from bench_decode import _time
 
+CONFIGS = [(64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3)]
+SPLITS = {1: (4, 8, 12, 16, 24, 32), 8: (2, 4, 8, 16)}
 
-def main():
+
+def main(top=6):
     import cupy as cp
     import torch
     import torch.nn.functional as F
@@ -19,57 +25,60 @@ def main():
     from flashcore.kernels import decode as dm
 
     h, hk, d = 32, 8, 128
-    configs = [None, (64, 4, 4), (64, 4, 6), (128, 4, 3), (128, 4, 2)]
     dev = torch.device("cuda")
-    print("batch cache | cuDNN | config(block_n,warps,stages): best splits TB/s [splits:TB/s ...]")
-    for b, sk in ((1, 4096), (1, 16384), (1, 131072), (8, 4096), (8, 16384)):
-        nbytes = 2 * b * sk * hk * d * 2
-        q = torch.randn(b, 1, h, d, device=dev, dtype=torch.bfloat16)
-        kc = torch.randn(b, sk, hk, d, device=dev, dtype=torch.bfloat16)
-        vc = torch.randn(b, sk, hk, d, device=dev, dtype=torch.bfloat16)
-        out = torch.empty_like(q)
-        lse = torch.empty(b, h, 1, device=dev, dtype=torch.float32)
-        seqlens = torch.full((b,), sk, device=dev, dtype=torch.int32)
-        cq, ck, cv, co, cl, cs = (cp.from_dlpack(x) for x in (q, kc, vc, out, lse, seqlens))
-        scale = 1.0 / math.sqrt(d)
-        qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            t_cudnn = _time(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
-        stream = cp.cuda.Stream.from_external(torch.cuda.current_stream())
-        ref = None
-        cells = []
-        with stream:
-            for cfg in configs:
-                dm.set_config_override(128, cfg)
-                try:
-                    res = []
-                    for ns in (0, 4, 8, 12, 16, 24, 32):
-                        if ns and ns * b * hk > 2048:
-                            continue
-                        used = dm.launch_decode(cq, ck, cv, co, cl, cache_seqlens=cs,
-                                                softmax_scale=scale, window_left=-1,
-                                                window_right=-1, num_splits=ns)
-                        o = out.float().clone()
-                        if ref is None:
-                            ref = o
-                        err = float((o - ref).abs().max())
-                        t = _time(lambda ns=ns: dm.launch_decode(
-                            cq, ck, cv, co, cl, cache_seqlens=cs, softmax_scale=scale,
-                            window_left=-1, window_right=-1, num_splits=ns))
-                        res.append((nbytes / t / 1e12, used, ns == 0, err))
-                    best = max(res)
-                    name = "default" if cfg is None else str(cfg)
-                    maxerr = max(r[3] for r in res)
-                    cells.append(f"{name}: best {best[1]} {best[0]:.2f} (heur {[r for r in res if r[2]][0][1]}: "
-                                 f"{[r for r in res if r[2]][0][0]:.2f}) err {maxerr:.1e} ["
-                                 + " ".join(f"{r[1]}:{r[0]:.2f}" for r in res if not r[2]) + "]")
-                except Exception as e:  # a configuration that does not fit
-                    cells.append(f"{cfg}: {type(e).__name__}: {str(e)[:80]}")
-        dm.set_config_override(128, None)
-        print(f"{b:5d} {sk // 1024:4d}k | {nbytes / t_cudnn / 1e12:.2f} |")
-        for c in cells:
-            print("      " + c)
+    print("batch cache | cuDNN TB/s | default TB/s (splits) | best variants: "
+          "config/splits/merge TB/s")
+    for b in (1, 8):
+        for sk in (4096, 16384, 131072):
+            nbytes = 2 * b * sk * hk * d * 2
+            q = torch.randn(b, 1, h, d, device=dev, dtype=torch.bfloat16)
+            kc = torch.randn(b, sk, hk, d, device=dev, dtype=torch.bfloat16)
+            vc = torch.randn(b, sk, hk, d, device=dev, dtype=torch.bfloat16)
+            out = torch.empty_like(q)
+            lse = torch.empty(b, h, 1, device=dev, dtype=torch.float32)
+            seqlens = torch.full((b,), sk, device=dev, dtype=torch.int32)
+            cq, ck, cv, co, cl, cs = (cp.from_dlpack(x) for x in (q, kc, vc, out, lse, seqlens))
+            scale = 1.0 / math.sqrt(d)
+            qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                t_cudnn = _time(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
+            stream = cp.cuda.Stream.from_external(torch.cuda.current_stream())
+
+            def call(ns=0):
+                return dm.launch_decode(cq, ck, cv, co, cl, cache_seqlens=cs, softmax_scale=scale,
+                                        window_left=-1, window_right=-1, num_splits=ns)
+            res, ref, worst = [], None, 0.0
+            with stream:
+                used = call()
+                t_def = _time(call)
+                for cfg in CONFIGS:
+                    dm.set_config_override(128, cfg)
+                    for ns in SPLITS[b]:
+                        for cluster in ((True, False) if ns <= dm.MAX_CLUSTER else (False,)):
+                            dm.set_cluster_merge(cluster)
+                            try:
+                                call(ns)
+                                o = out.float().clone()
+                                if ref is None:
+                                    ref = o
+                                worst = max(worst, float((o - ref).abs().max()))
+                                t = _time(lambda ns=ns: call(ns))
+                                res.append((nbytes / t / 1e12, cfg, ns, cluster))
+                            except Exception as e:   # a variant that does not fit
+                                print(f"  {cfg} {ns} {cluster}: {type(e).__name__}: {str(e)[:60]}")
+                dm.set_config_override(128, None)
+                dm.set_cluster_merge(True)
+            res.sort(reverse=True)
+            cells = " ".join(f"{c[0]},{c[1]},{c[2]}/{ns}/{'cl' if cl else 'gl'} {tb:.2f}"
+                             for tb, c, ns, cl in res[:top])
+            print(f"{b:5d} {sk // 1024:4d}k | {nbytes / t_cudnn / 1e12:.2f} | "
+                  f"{nbytes / t_def / 1e12:.2f} ({used}) | {cells} | max diff {worst:.1e}")
+            for tb, c, ns, cl in res:
+                print(f"      {b} {sk // 1024}k {c} {ns:>3} {'cluster' if cl else 'global '} "
+                      f"{tb:.3f}", file=sys.stderr)
+            del q, kc, vc
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
-    main()
+    main(int(sys.argv[sys.argv.index("--top") + 1]) if "--top" in sys.argv else 6)

@@ -285,27 +285,40 @@ _MERGES = ((True, True), (True, False), (False, False))
 
 
 def _both_paths(p, num_splits, set_fused, reps=1):
-    """Run p with every merge path: the cluster merge, the fused combine and the combine kernel;
-    the results must be the same bits (the same arithmetic, in the same order, merges the same
-    partials). Returns the default path's (out, lse)."""
+    """Run p with every merge path: the cluster merge, the fused combine and the combine kernel,
+    all with the same tile configuration (the cluster kernels' own, which the others then take
+    too): the results must be the same bits (the same arithmetic, in the same order, merges the
+    same partials). Returns (out, lse) of the default call (default tiles and merge), which the
+    caller checks against the reference."""
     from flashcore.kernels import decode
-    res = {}
-    for fused, cluster in _MERGES:
-        set_fused(fused)
-        decode.set_cluster_merge(cluster)
-        for _ in range(reps):
-            out, lse = p.outputs()
-            used = p.launch(out, lse, num_splits)
-            assert used == num_splits
-        res[fused, cluster] = (out, lse)
+    set_fused(True)
     decode.set_cluster_merge(True)
+    out_d, lse_d = p.outputs()
+    assert p.launch(out_d, lse_d, num_splits) == num_splits
+    tile = decode.headdim_tile(p.d)
+    cfg = decode.decode_config(p.d, True, decode._m_tiles(p.d, p.sq * (p.h // p.hk)))
+    res = {}
+    decode.set_config_override(tile, cfg)
+    try:
+        for fused, cluster in _MERGES:
+            set_fused(fused)
+            decode.set_cluster_merge(cluster)
+            for _ in range(reps):
+                out, lse = p.outputs()
+                used = p.launch(out, lse, num_splits)
+                assert used == num_splits
+            res[fused, cluster] = (out, lse)
+    finally:
+        decode.set_config_override(tile, None)
+        decode.set_cluster_merge(True)
     cp = _cp()
     to, tl = res[False, False]
     for mode in _MERGES[:2]:
         fo, fl = res[mode]
         assert cp.array_equal(fo.view(cp.uint16), to.view(cp.uint16)), f"{mode} != two-kernel output"
         assert cp.array_equal(fl.view(cp.uint32), tl.view(cp.uint32)), f"{mode} != two-kernel lse"
-    return res[True, True]
+    p.check(*res[True, True])
+    return out_d, lse_d
 
 
 def test_cluster_merge_is_used_on_sm90():
