@@ -2,7 +2,8 @@
 //
 // FlashAttention-2 structure, four kernels (flashcore/kernels/backward.py launches them):
 //
-//   1. flash_bwd_preprocess_kernel   D = rowsum(dO * O) in fp32 -> p.dsoftmax_sum (lse layout).
+//   1. flash_bwd_preprocess_kernel   D = rowsum(dO * O) in fp32 -> p.dsoftmax_sum (lse layout);
+//                                    zeroes its rows of p.dq_accum (allocated uninitialised).
 //   2. flash_bwd_dkdv_kernel         one CTA per (key block, kv head, batch). K and V of the block
 //                                    stay in shared memory; the CTA loops over the query heads of
 //                                    its GQA group and over the query blocks that can see the key
@@ -243,6 +244,21 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_kernel(const FlashPa
         acc += __shfl_xor_sync(0xffffffffu, acc, 4);
         if (l8 == 0 && i < seq.sq) {
             p.dsoftmax_sum[b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_off + i] = acc;
+        }
+    }
+    // The fp32 dQ accumulator's rows of this CTA start at zero (the dK/dV kernel, launched
+    // next on the stream, adds into them): the launcher allocates it uninitialised, so no
+    // separate fill is launched. Rows are dq_accum_row_stride (the head-dim tile) floats, a
+    // multiple of 4: 16-byte stores.
+    if (p.dq_accum != nullptr) {
+        const int rows = min(kRows, seq.sq - m0);
+        const int n4 = (int)(p.dq_accum_row_stride >> 2);
+        float* base = p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride +
+                      (seq.q_off + m0) * p.dq_accum_row_stride;
+        for (int idx = threadIdx.x; idx < rows * n4; idx += blockDim.x) {
+            const int r = idx / n4, c = idx - r * n4;
+            *reinterpret_cast<float4*>(base + r * p.dq_accum_row_stride + 4 * c) =
+                make_float4(0.f, 0.f, 0.f, 0.f);
         }
     }
 }

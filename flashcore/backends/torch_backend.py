@@ -465,8 +465,10 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
             e = plans.derived_get(fk)
             if e is not None:          # this layout and these options ran in full before
                 if fk[1]:
-                    return _eager_function().apply(q, k, v, alibi_slopes, None, None, e.spec,
-                                                   (fk, e))
+                    box = []
+                    out = _eager_function().apply(q, k, v, alibi_slopes, None, None, e.spec,
+                                                  (fk, e), box)
+                    return out, box[0]
                 r = _fast_forward(torch, e, q, k, v, alibi_slopes)
                 if r is not None:
                     return r
@@ -488,8 +490,10 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
             return _BACKEND.forward(spec, q, k, v, alibi_slopes=alibi_slopes,
                                     cu_seqlens_q=cu_seqlens_q if varlen else None,
                                     cu_seqlens_k=cu_seqlens_k if varlen else None)
-        return _eager_function().apply(q, k, v, alibi_slopes, cu_seqlens_q if varlen else None,
-                                       cu_seqlens_k if varlen else None, spec, (fk, None))
+        box = []
+        out = _eager_function().apply(q, k, v, alibi_slopes, cu_seqlens_q if varlen else None,
+                                      cu_seqlens_k if varlen else None, spec, (fk, None), box)
+        return out, box[0]
     return torch_ops().fwd(q, k, v, alibi_slopes, cu_seqlens_q if varlen else None,
                            cu_seqlens_k if varlen else None,
                            spec.seqlen_q if varlen else 0, spec.seqlen_k if varlen else 0,
@@ -594,7 +598,7 @@ class _Entry:
 
     __slots__ = ("spec", "plan", "names", "slots", "scratch", "direct", "index", "device",
                  "ctx", "lse_shape", "out_mods", "scratch_offsets", "scratch_floats",
-                 "scratch_zero")
+                 "scratch_zero", "out_like_q")
 
     def __init__(self, torch, spec, plan, names, index, lse_shape, out_mods):
         self.spec = spec
@@ -619,6 +623,7 @@ class _Entry:
         self.device = torch.device("cuda", index)
         self.lse_shape = lse_shape
         self.out_mods = out_mods
+        self.out_like_q = False     # set by the forward's recording (q contiguous)
         self.direct = None
         self.ctx = None
         try:
@@ -676,7 +681,10 @@ def _run_entry(torch, e, addrs):
 def _fast_forward(torch, e, q, k, v, alibi_slopes):
     """``(out, lse)`` by entry ``e``, or None (fresh outputs of another alignment: the caller
     takes the full path)."""
-    out = torch.empty(q.shape, dtype=q.dtype, device=e.device)
+    # (empty_like: the cheapest allocation call; q's strides are the key's, so the entry knows
+    # whether it gives the contiguous out that the recorded call had)
+    out = torch.empty_like(q) if e.out_like_q else torch.empty(q.shape, dtype=q.dtype,
+                                                                device=e.device)
     lse = torch.empty(e.lse_shape, dtype=torch.float32, device=e.device)
     po, pl = out.data_ptr(), lse.data_ptr()
     if (po % 16, pl % 16) != e.out_mods:
@@ -691,9 +699,10 @@ def _forward_recording(torch, fk, spec, q, k, v, alibi_slopes):
     with plans.capture() as seen:
         out, lse = _BACKEND.forward(spec, q, k, v, alibi_slopes=alibi_slopes)
     if len(seen) == 1 and out.is_cuda:
-        plans.derived_put(fk, _Entry(torch, spec, seen[0], _FWD_NAMES, q.get_device(),
-                                     tuple(lse.shape), (out.data_ptr() % 16,
-                                                        lse.data_ptr() % 16)))
+        e = _Entry(torch, spec, seen[0], _FWD_NAMES, q.get_device(), tuple(lse.shape),
+                   (out.data_ptr() % 16, lse.data_ptr() % 16))
+        e.out_like_q = q.is_contiguous()
+        plans.derived_put(fk, e)
     return out, lse
 
 
@@ -729,9 +738,11 @@ def _eager_function():
 
     class FlashAttentionFunction(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, spec, fast=(None, None)):
+        def forward(ctx, q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, spec, fast, box):
             # fast: (key, entry) of the torch fast path (see _fast_key): entry set, the launches
             # recorded for this key replay; key only, the full call records them.
+            # box: a list that receives lse. lse is no output of the node: it has no gradient,
+            # and a second (non-differentiable) output costs the node microseconds per call.
             fk, e = fast
             r = None
             if e is not None:
@@ -743,20 +754,23 @@ def _eager_function():
                     r = _BACKEND.forward(spec, q, k, v, alibi_slopes=alibi_slopes,
                                          cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
             out, lse = r
-            ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+            box.append(lse)
+            if cu_seqlens_q is None and alibi_slopes is None:    # (fewer saved: cheaper node)
+                ctx.save_for_backward(q, k, v, out, lse)
+            else:
+                ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
             ctx.spec = spec
             ctx.fast_key = fk
-            ctx.mark_non_differentiable(lse)
-            # lse has no gradient: don't let autograd fill a zero tensor for it (a kernel launch
-            # per backward); backward sees None there instead
-            ctx.set_materialize_grads(False)
-            return out, lse
+            return out
 
         @staticmethod
-        def backward(ctx, dout, _dlse):
-            if dout is None:      # (not materialised) no gradient reached the output
-                return None, None, None, None, None, None, None, None
-            q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        def backward(ctx, dout):
+            saved = ctx.saved_tensors
+            if len(saved) == 5:
+                q, k, v, out, lse = saved
+                alibi_slopes = cu_seqlens_q = cu_seqlens_k = None
+            else:
+                q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k = saved
             if dout.shape[-1] > 1 and dout.stride(-1) != 1:
                 dout = dout.contiguous()
             grads = None
@@ -779,7 +793,7 @@ def _eager_function():
             dq, dk, dv = grads
             if torch.is_grad_enabled():      # create_graph=True: refuse when differentiated
                 dq, dk, dv = NoSecondDerivative.apply(dout, dq, dk, dv)
-            return dq, dk, dv, None, None, None, None, None
+            return dq, dk, dv, None, None, None, None, None, None
 
     class NoSecondDerivative(torch.autograd.Function):
         @staticmethod

@@ -325,14 +325,16 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
 
     # Scratch: fp32 dQ accumulator, (b, h, sq, d_tile) or, varlen, (h, total_q, d_tile): each
     # block's dQ tile is one contiguous slab; rows past a sequence's end are never touched.
+    # Uninitialised: the preprocess kernel zeroes the rows of every sequence before the dK/dV
+    # kernel adds into them (one launch fewer than a separate fill).
     dq_accum = None
     dqa_b = dqa_r = dqa_h = 0
     if not deterministic:
         if varlen:
-            dq_accum = cupy.zeros((nheads, total_q, d), dtype=cupy.float32)
+            dq_accum = cupy.empty((nheads, total_q, d), dtype=cupy.float32)
             dqa_b, dqa_h, dqa_r = 0, total_q * d, d
         else:
-            dq_accum = cupy.zeros((batch, nheads, seqlen_q, d), dtype=cupy.float32)
+            dq_accum = cupy.empty((batch, nheads, seqlen_q, d), dtype=cupy.float32)
             dqa_b, dqa_h, dqa_r = nheads * seqlen_q * d, seqlen_q * d, d
 
     def ptr(a):
@@ -401,7 +403,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
             and all(a is b for a, b in zip((q, k, v, out, dout, lse, alibi_slopes), given))):
         scratch = [("dsoftmax_sum", tuple(dsoftmax_sum.shape), False)]
         if dq_accum is not None:
-            scratch.append(("dq_accum", tuple(dq_accum.shape), True))
+            scratch.append(("dq_accum", tuple(dq_accum.shape), False))   # zeroed by preprocess
         plans.remember(key, plans.Plan(device_id, launched, params, scratch))
 
     for work, dest in ((dq_w, dq_back), (dk_w, dk_back), (dv_w, dv_back)):

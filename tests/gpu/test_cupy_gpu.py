@@ -324,3 +324,27 @@ def test_contiguous_input_with_unaligned_base(where):
     got, got_l = flashcore.attention_forward(*(odd if n == where else arrs[n] for n in "qkv"),
                                              causal=True)
     assert cp.array_equal(got, ref) and cp.array_equal(got_l, ref_l)
+
+
+def _poison_pool(nbytes=256 << 20):
+    """Fill free memory of CuPy's pool with NaN: a scratch buffer that a kernel should have
+    initialised and did not then reads NaN (the dQ accumulator is allocated uninitialised)."""
+    cp = _cp()
+    junk = cp.full(nbytes // 4, cp.nan, dtype=cp.float32)
+    cp.cuda.Device().synchronize()
+    del junk
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dq_accumulator_is_zeroed_by_preprocess(d, causal):
+    """The preprocess kernel zeroes the fp32 dQ accumulator's rows (there is no separate fill):
+    over a memory pool full of NaN, the gradients are still finite and right (on cc 9.0 the
+    Hopper dK/dV kernel at d64/d128, the Ampere one at d256)."""
+    _poison_pool()
+    run_case("bfloat16", 2, 203, 150, 4, 2, d, causal=causal, seed=d + causal)
+
+
+def test_dq_accumulator_is_zeroed_by_preprocess_varlen():
+    _poison_pool()
+    test_varlen_with_empty_sequences("float16")
