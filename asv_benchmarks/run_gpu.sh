@@ -56,7 +56,11 @@ fi
 "$PY" -c "import flashcore; print('flashcore backends:', flashcore.available_backends())"
 
 # Compile every kernel configuration in parallel first: the suite then loads them from disk.
-"$PY" asv_benchmarks/warm_kernel_cache.py || echo "run_gpu.sh: warming the kernel cache failed (see above); the benchmarks will compile as they go"
+# (ASV_WARM=0 skips it: for a group, such as the decode benchmarks, whose few kernels compile
+# within the benchmarks' own timeouts.)
+if [ "${ASV_WARM:-1}" != 0 ]; then
+  "$PY" asv_benchmarks/warm_kernel_cache.py || echo "run_gpu.sh: warming the kernel cache failed (see above); the benchmarks will compile as they go"
+fi
 
 cd asv_benchmarks
 asv machine --yes --machine "$MACHINE" >/dev/null

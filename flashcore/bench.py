@@ -164,6 +164,38 @@ def per_call_us(fn, n, warmup=50, rounds=5):
     return best * 1e6
 
 
+_FLUSH: list = []
+
+
+def gpu_time_l2_flushed(fn, iters=30, warmup=5):
+    """Median GPU time of ``fn()`` in seconds: the device time of the call itself, not the
+    host's (for calls shorter than their Python launch, such as decoding steps).
+
+    A spin kernel holds the GPU while every repetition is queued behind it; each repetition
+    overwrites the L2 (256 MB, outside the timed interval, as triton's do_bench does: a cache of
+    a few MB would otherwise be read from L2 rather than HBM) and is bracketed by its own pair
+    of CUDA events. ``fn`` must not synchronise with the host. Every implementation compared
+    is timed the same way (tests/gpu/bench_decode.py, the asv Decode benchmarks)."""
+    import numpy as np
+    import torch
+    if not _FLUSH:
+        _FLUSH.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
+    flush = _FLUSH[0]
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+          for _ in range(iters)]
+    torch.cuda._sleep(50_000_000)      # ~25 ms at H200 clocks: longer than the queueing below
+    for a, b in ev:
+        flush.zero_()
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return float(np.median([a.elapsed_time(b) * 1e-3 for a, b in ev]))
+
+
 def per_call_us_interleaved(fns, n, warmup=50, rounds=7):
     """``per_call_us`` for several callables at once: each round times ``n`` calls of every
     callable in turn, so a host that runs faster or slower for a while affects all of them

@@ -17,8 +17,6 @@ import sys
 import numpy as np
 
 
-_FLUSH = None
-
 _READ_SRC = r"""
 extern "C" __global__ void read_pass(const uint4* __restrict__ src, long long n16,
                                      unsigned int* __restrict__ sink) {
@@ -57,31 +55,9 @@ def _read_kernel_time(buf):
 
 
 def _time(fn, iters=30, warmup=5):
-    """Median GPU time of fn() in seconds: the device time of the call itself, not the host's.
-
-    Decoding calls are shorter than a Python launch, so timing them one by one measures the
-    host. Here a spin kernel holds the GPU while every repetition is queued behind it; each
-    repetition overwrites the L2 (256 MB, outside the timed interval, as do_bench does: a
-    cache of a few MB would otherwise be read from L2 rather than HBM) and is bracketed by
-    its own pair of events. Every implementation is timed the same way.
-    """
-    import torch
-    global _FLUSH
-    if _FLUSH is None:
-        _FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-          for _ in range(iters)]
-    torch.cuda._sleep(50_000_000)      # ~25 ms at H200 clocks: longer than queueing below
-    for a, b in ev:
-        _FLUSH.zero_()
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return float(np.median([a.elapsed_time(b) * 1e-3 for a, b in ev]))
+    """Median GPU time of fn() in seconds, L2 flushed (flashcore.bench.gpu_time_l2_flushed)."""
+    from flashcore.bench import gpu_time_l2_flushed
+    return gpu_time_l2_flushed(fn, iters, warmup)
 
 
 def _host_us(fn, n=200):
