@@ -988,7 +988,9 @@ flash_decode_kernel(const FlashParams params) {
 
 // Split-KV with the merge inside a cluster (sm_90+): grid (batch * nheads_k, m-blocks,
 // kCluster), one cluster per group along z. kCluster > 8 needs the non-portable cluster size
-// allowed on the function (the launcher sets it).
+// allowed on the function (the launcher sets it). Not declared for older targets
+// (__cluster_dims__ does not compile there; the launcher never asks for it below sm_90).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 template <typename Elem, int kHeadDim, int kBlockN, int kNWarps, int kStages, int kMT,
           bool Is_paged, bool Is_local, bool Has_softcap, bool Has_alibi, bool Is_even_d,
           int kCluster>
@@ -997,6 +999,7 @@ flash_decode_cluster_kernel(const FlashParams params) {
     flash_decode_body<Elem, kHeadDim, kBlockN, kNWarps, kStages, kMT, Is_paged, Is_local,
                       Has_softcap, Has_alibi, Is_even_d, true, kCluster>(params);
 }
+#endif
 
 // Merge the splits (the two-kernel path, split_counter == nullptr): one warp per output row
 // (b, h, qi); 4 warps per CTA. num_splits <= 256. The same per-row code as the fused combine.

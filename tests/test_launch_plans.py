@@ -704,11 +704,12 @@ def test_decode_cluster_split_rule():
 
 
 @pytest.mark.parametrize("b, cap, hk, h, sq, want", [
-    (1, 4096, 8, 32, 1, ("cluster", 8, 128)),
-    (8, 16384, 8, 32, 1, ("cluster", 2, 128)),
-    (64, 4096, 8, 32, 1, ("plain", 1, 64)),
-    (1, 131072, 1, 8, 1, ("global", None, 64)),       # MQA, one sequence: many splits
-    (1, 4096, 8, 32, 5, ("cluster", 8, 64)),          # 20 packed rows: two m16 slices
+    (1, 4096, 8, 32, 1, ("cluster", 8, 128, 3)),
+    (8, 16384, 8, 32, 1, ("cluster", 2, 128, 3)),
+    (64, 4096, 8, 32, 1, ("plain", 1, 64, 4)),        # 512 CTAs: under 4 waves of 1 per SM
+    (128, 4096, 8, 32, 1, ("plain", 1, 64, 3)),       # 1024 CTAs: the default tile
+    (1, 131072, 1, 8, 1, ("global", None, 64, 3)),    # MQA, one sequence: many splits
+    (1, 4096, 8, 32, 5, ("cluster", 8, 64, 3)),       # 20 packed rows: two m16 slices
 ])
 def test_decode_default_split_and_tile(b, cap, hk, h, sq, want, monkeypatch):
     """num_splits=0 on sm_90: the cluster rule and its 128-key tile at d128 (one m16 slice),
@@ -722,9 +723,9 @@ def test_decode_default_split_and_tile(b, cap, hk, h, sq, want, monkeypatch):
     c = _fused_case(b=b, cap=cap, hk=hk, h=h, sq=sq, splits=0)
     _decode(c, _decode_arrays(rng, c))
     (name, grid, _, _, _), = _kernel_launches()
-    kind, splits, block_n = want
+    kind, splits, block_n, stages = want
     args = [a.strip() for a in name[name.index("<") + 1:-1].split(",")]
-    assert int(args[2]) == block_n, name
+    assert int(args[2]) == block_n and int(args[4]) == stages, name
     if kind == "cluster":
         assert name.startswith("flash_decode_cluster_kernel<") and grid[2] == splits
     elif kind == "plain":

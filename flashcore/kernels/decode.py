@@ -88,14 +88,31 @@ def headdim_tile(headdim: int) -> int:
     return smallest_tile(headdim, HEADDIM_TILES)
 
 
-def decode_config(headdim: int, cluster: bool = False, m_tiles: int = 1) -> DecodeConfig:
+# One split and at most _SINGLE_WAVES waves of one CTA per SM (say batch 64 of 8 kv heads: 512
+# CTAs): at d128, four 64-key stages (136 KiB, one CTA per SM, 96 KiB in flight) measured
+# 0.5-1.8% faster than the default's two CTAs per SM of three stages (H200, batch 64, caches
+# 4k-128k; docs/performance-log.md, session 4). Larger grids keep the default (not measured).
+_SINGLE_CONFIGS = {128: DecodeConfig(64, 4, 4)}
+_SINGLE_WAVES = 4
+
+
+def decode_config(headdim: int, cluster: bool = False, m_tiles: int = 1,
+                  single_ctas: int = 0, num_sms: int = 0) -> DecodeConfig:
     """The tile configuration of the decode kernel for ``headdim`` (an override set by
-    set_config_override wins), for the kernels that merge splits inside a cluster or not. Two
-    m16 slices (more than 16 packed rows) keep the default: with 128-key stages their
-    accumulators would spill."""
+    set_config_override wins): for the split kernels that merge inside a cluster
+    (``cluster``), for an unsplit launch of ``single_ctas`` CTAs on ``num_sms`` SMs, or the
+    default. Two m16 slices (more than 16 packed rows) keep the default: with deeper stages
+    their accumulators would spill."""
     d = headdim_tile(headdim)
-    table = _CLUSTER_CONFIGS if cluster and m_tiles == 1 else _CONFIGS
-    return _CONFIG_OVERRIDE.get(d) or table[d]
+    over = _CONFIG_OVERRIDE.get(d)
+    if over:
+        return over
+    if m_tiles == 1:
+        if cluster:
+            return _CLUSTER_CONFIGS[d]
+        if single_ctas and d in _SINGLE_CONFIGS and single_ctas <= _SINGLE_WAVES * num_sms:
+            return _SINGLE_CONFIGS[d]
+    return _CONFIGS[d]
 
 
 def _m_tiles(headdim: int, packed_rows: int) -> int:
@@ -103,17 +120,19 @@ def _m_tiles(headdim: int, packed_rows: int) -> int:
     return 2 if packed_rows > 16 and headdim_tile(headdim) <= 128 else 1
 
 
-def smem_bytes(headdim: int, m_tiles: int, cluster: bool = False) -> int:
+def smem_bytes(headdim: int, m_tiles: int, cluster: bool = False,
+               cfg: DecodeConfig | None = None) -> int:
     d = headdim_tile(headdim)
-    cfg = decode_config(headdim, cluster, m_tiles)
+    cfg = cfg or decode_config(headdim, cluster, m_tiles)
     block_m = 16 * m_tiles
     return 2 * block_m * d + cfg.stages * 4 * cfg.block_n * d + (2 * cfg.n_warps + 1) * block_m * 4
 
 
 def kernel_name(dtype_name: str, headdim: int, m_tiles: int, paged: bool, is_local: bool,
-                has_softcap: bool, has_alibi: bool, is_split: bool) -> str:
+                has_softcap: bool, has_alibi: bool, is_split: bool,
+                cfg: DecodeConfig | None = None) -> str:
     d = headdim_tile(headdim)
-    cfg = decode_config(headdim)
+    cfg = cfg or decode_config(headdim)
     return (f"flash_decode_kernel<{_elem_tag(dtype_name)}, {d}, {cfg.block_n}, {cfg.n_warps}, "
             f"{cfg.stages}, {m_tiles}, {_b(paged)}, {_b(is_local)}, {_b(has_softcap)}, "
             f"{_b(has_alibi)}, {_b(headdim == d)}, {_b(is_split)}>")
@@ -153,6 +172,14 @@ def instantiations() -> list[str]:
                                     for spl in (False, True):
                                         names.append(kernel_name(dt, hd, mt, paged, loc, cap,
                                                                  ali, spl))
+        for d, cfg in _SINGLE_CONFIGS.items():     # unsplit launches of a few waves
+            for hd in (d, d - 8):
+                for paged in (False, True):
+                    for loc in (False, True):
+                        for cap in (False, True):
+                            for ali in (False, True):
+                                names.append(kernel_name(dt, hd, 1, paged, loc, cap, ali, False,
+                                                         cfg))
         names.append(combine_name(dt))
         for paged in (False, True):
             for rot, inter in ((False, False), (True, False), (True, True)):
@@ -418,8 +445,10 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
 
     cluster = (is_split and cluster_ok and num_splits <= MAX_CLUSTER
                and (device_id, num_splits) not in _CLUSTER_REFUSED)
-    cfg = decode_config(headdim, cluster, m_tiles)
-    smem = smem_bytes(headdim, m_tiles, cluster)
+    cfg = decode_config(headdim, cluster, m_tiles,
+                        single_ctas=0 if is_split else batch * nheads_k * m_blocks,
+                        num_sms=_sm_count(device_id))
+    smem = smem_bytes(headdim, m_tiles, cfg=cfg)
     if cluster:
         kernel = get_kernel(SOURCE, cluster_kernel_name(dtype_name, headdim, m_tiles, paged,
                                                         is_local, has_softcap, has_alibi,
@@ -432,7 +461,7 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
                                         _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
     else:
         kernel = get_kernel(SOURCE, kernel_name(dtype_name, headdim, m_tiles, paged, is_local,
-                                                has_softcap, has_alibi, is_split),
+                                                has_softcap, has_alibi, is_split, cfg),
                             device_id, cc, smem)
 
     o_accum = lse_accum = None

@@ -4,7 +4,7 @@ caches 4k / 16k / 128k (32 q heads over 8 kv heads, d128, bf16, contiguous cache
 in bench_decode.py, with cuDNN's time on the same shape. Every variant's output is checked
 against the first variant's (the same math, so within bf16 rounding of it).
 
-    python tests/gpu/sweep_decode.py [--top K]
+    python tests/gpu/sweep_decode.py [--top K] [--batches 1,8,64] [--more-configs]
 """
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ import sys
 from bench_decode import _time
 
 CONFIGS = [(64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3)]
-SPLITS = {1: (4, 8, 12, 16, 24, 32), 8: (2, 4, 8, 16)}
+SPLITS = {1: (4, 8, 12, 16, 24, 32), 8: (2, 4, 8, 16), 64: (1, 2)}
 
 
-def main(top=6):
+def main(top=6, batches=(1, 8), configs=None):
+    configs = configs or CONFIGS
     import cupy as cp
     import torch
     import torch.nn.functional as F
@@ -28,7 +29,7 @@ def main(top=6):
     dev = torch.device("cuda")
     print("batch cache | cuDNN TB/s | default TB/s (splits) | best variants: "
           "config/splits/merge TB/s")
-    for b in (1, 8):
+    for b in batches:
         for sk in (4096, 16384, 131072):
             nbytes = 2 * b * sk * hk * d * 2
             q = torch.randn(b, 1, h, d, device=dev, dtype=torch.bfloat16)
@@ -51,10 +52,10 @@ def main(top=6):
             with stream:
                 used = call()
                 t_def = _time(call)
-                for cfg in CONFIGS:
+                for cfg in configs:
                     dm.set_config_override(128, cfg)
                     for ns in SPLITS[b]:
-                        for cluster in ((True, False) if ns <= dm.MAX_CLUSTER else (False,)):
+                        for cluster in ((True, False) if 1 < ns <= dm.MAX_CLUSTER else (False,)):
                             dm.set_cluster_merge(cluster)
                             try:
                                 call(ns)
@@ -81,4 +82,8 @@ def main(top=6):
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[sys.argv.index("--top") + 1]) if "--top" in sys.argv else 6)
+    a = sys.argv
+    main(int(a[a.index("--top") + 1]) if "--top" in a else 6,
+         tuple(int(x) for x in a[a.index("--batches") + 1].split(",")) if "--batches" in a
+         else (1, 8),
+         CONFIGS + [(64, 4, 2), (32, 2, 4)] if "--more-configs" in a else None)
