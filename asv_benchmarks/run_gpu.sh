@@ -67,10 +67,12 @@ asv machine --yes --machine "$MACHINE" >/dev/null
 status=0
 hand_back() {
   if [ -n "${OUT:-}" ] && [ -d results/"$MACHINE" ]; then
-    # The device tool returns files at most two folders down and at most 8 files: hand back
-    # the machine's result files flat, plus benchmarks.json.
+    # The device tool returns at most 8 files, at most two folders down: hand back this
+    # commit's result file, machine.json and benchmarks.json (the older results are the
+    # repository's own; copying them too pushed the new one past the limit once).
     mkdir -p "$OUT/asv"
-    cp results/benchmarks.json results/"$MACHINE"/*.json "$OUT/asv/" 2>/dev/null || true
+    cp results/benchmarks.json results/"$MACHINE"/machine.json \
+       results/"$MACHINE"/"${COMMIT:0:8}"-*.json "$OUT/asv/" 2>/dev/null || true
   fi
 }
 # asv saves results when a run ends: run the suite in groups (ASV_GROUPS, '|'-separated regexes
@@ -89,11 +91,7 @@ fi
 asv publish
 
 if [ -n "${OUT:-}" ]; then
-    # The device tool returns files at most two folders down and at most 8 files: hand back
-    # the machine's result files flat, plus benchmarks.json.
-    mkdir -p "$OUT/asv"
-    cp results/benchmarks.json "$OUT/asv/"
-    cp results/"$MACHINE"/*.json "$OUT/asv/"
+    hand_back
     echo "run_gpu.sh: results copied to \$OUT/asv (commit them under asv_benchmarks/results/$MACHINE/, benchmarks.json one level up)"
 fi
 exit $status
