@@ -164,6 +164,52 @@ def per_call_us(fn, n, warmup=50, rounds=5):
     return best * 1e6
 
 
+class DecodeProblem:
+    """One decoding step on the shapes of the decode-speed target (a GPU tool): one query
+    token, ``nheads`` query heads over ``nheads_k`` kv heads, bf16, a full contiguous cache of
+    ``cache`` tokens per sequence. Holds the torch tensors (random, never zeros), their CuPy
+    views, torch's current stream as a CuPy stream, and the K+V bytes a step reads; ``run``
+    calls flashcore's launcher (no host synchronisation, so it can be queued for
+    gpu_time_l2_flushed), ``sdpa`` torch SDPA pinned to one backend on the same K/V."""
+
+    def __init__(self, batch, cache, nheads=32, nheads_k=8, headdim=128, seed=None):
+        import cupy as cp
+        import torch
+        dev = torch.device("cuda")
+        g = None if seed is None else torch.Generator(device=dev).manual_seed(seed)
+
+        def randn(*shape):
+            return torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=g)
+        self.q = randn(batch, 1, nheads, headdim)
+        self.k_cache = randn(batch, cache, nheads_k, headdim)
+        self.v_cache = randn(batch, cache, nheads_k, headdim)
+        self.out = torch.empty_like(self.q)
+        self.lse = torch.empty(batch, nheads, 1, device=dev, dtype=torch.float32)
+        self.cache_seqlens = torch.full((batch,), cache, device=dev, dtype=torch.int32)
+        self.nbytes = 2 * batch * cache * nheads_k * headdim * 2
+        self.scale = 1.0 / math.sqrt(headdim)
+        self.cq, self.ck, self.cv, self.co, self.cl, self.cs = (cp.from_dlpack(x) for x in (
+            self.q, self.k_cache, self.v_cache, self.out, self.lse, self.cache_seqlens))
+        self.stream = cp.cuda.Stream.from_external(torch.cuda.current_stream())
+
+    def run(self, num_splits=0, paged=None):
+        """flashcore's decode launcher on the current CuPy stream; ``paged``: (k pages, v pages,
+        block table) CuPy arrays in place of the contiguous cache. Returns the split count."""
+        from flashcore.kernels.decode import launch_decode
+        k, v, table = paged if paged is not None else (self.ck, self.cv, None)
+        return launch_decode(self.cq, k, v, self.co, self.cl, cache_seqlens=self.cs,
+                             block_table=table, softmax_scale=self.scale, window_left=-1,
+                             window_right=-1, num_splits=num_splits)
+
+    def sdpa(self, backend):
+        """torch SDPA pinned to ``backend`` (a torch.nn.attention.SDPBackend), same K/V."""
+        import torch.nn.functional as F
+        from torch.nn.attention import sdpa_kernel
+        qt, kt, vt = (x.transpose(1, 2) for x in (self.q, self.k_cache, self.v_cache))
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+
+
 _FLUSH: list = []
 
 

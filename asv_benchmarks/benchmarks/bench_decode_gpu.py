@@ -12,7 +12,7 @@ attention_with_kvcache validates cache_seqlens on the host, which synchronises, 
 queued that way. SDPA is given the same K/V (enable_gqa) without cache lengths: the full cache
 is read by everyone.
 """
-from .common import PEERS, require_gpu_backend, sdpa_backend, torch
+from .common import PEERS, require_gpu_backend, sdpa_backend
 
 H, HK, D = 32, 8, 128
 BATCHES = [1, 8, 64]
@@ -20,47 +20,27 @@ CACHES = [4096, 16384, 131072]
 
 
 class _Decode:
-    def _setup(self, batch, cache):
-        import math
+    """The shared setup; a benchmark's first parameter names the implementation or peer."""
 
-        import cupy as cp
+    timeout = 240
+    rounds = 1          # one process per parameter set (see bench_attention_gpu.Throughput)
+
+    def setup(self, _which, batch, cache):
+        from flashcore.bench import DecodeProblem
         require_gpu_backend("cupy")
-        self.nbytes = 2 * batch * cache * HK * D * 2
-        dev = torch.device("cuda")
-        g = torch.Generator(device=dev).manual_seed(batch * 100003 + cache)
-        self.q = torch.randn(batch, 1, H, D, device=dev, dtype=torch.bfloat16, generator=g)
-        self.kc = torch.randn(batch, cache, HK, D, device=dev, dtype=torch.bfloat16, generator=g)
-        self.vc = torch.randn(batch, cache, HK, D, device=dev, dtype=torch.bfloat16, generator=g)
-        self.out = torch.empty_like(self.q)
-        self.lse = torch.empty(batch, H, 1, device=dev, dtype=torch.float32)
-        self.seqlens = torch.full((batch,), cache, device=dev, dtype=torch.int32)
-        arrays = (self.q, self.kc, self.vc, self.out, self.lse, self.seqlens)
-        self.cq, self.ck, self.cv, self.co, self.cl, self.cs = (cp.from_dlpack(x) for x in arrays)
-        self.stream = cp.cuda.Stream.from_external(torch.cuda.current_stream())
-        self.scale = 1.0 / math.sqrt(D)
+        self.pb = DecodeProblem(batch, cache, H, HK, D, seed=batch * 100003 + cache)
+        self.nbytes = self.pb.nbytes
 
     def _flashcore_time(self):
         from flashcore.bench import gpu_time_l2_flushed
-        from flashcore.kernels.decode import launch_decode
-
-        def call():
-            launch_decode(self.cq, self.ck, self.cv, self.co, self.cl, cache_seqlens=self.cs,
-                          softmax_scale=self.scale, window_left=-1, window_right=-1)
-        with self.stream:
-            return gpu_time_l2_flushed(call)
+        with self.pb.stream:
+            return gpu_time_l2_flushed(self.pb.run)
 
     def _peer_time(self, peer):
-        import torch.nn.functional as F
-        from torch.nn.attention import sdpa_kernel
-
         from flashcore.bench import gpu_time_l2_flushed
         require_gpu_backend(peer)
-        qt, kt, vt = (x.transpose(1, 2) for x in (self.q, self.kc, self.vc))
-
-        def call():
-            with sdpa_kernel(sdpa_backend(peer)):
-                F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
-        return gpu_time_l2_flushed(call)
+        backend = sdpa_backend(peer)
+        return gpu_time_l2_flushed(lambda: self.pb.sdpa(backend))
 
 
 class DecodeBandwidth(_Decode):
@@ -69,11 +49,6 @@ class DecodeBandwidth(_Decode):
     params = [["flashcore"] + PEERS, BATCHES, CACHES]
     param_names = ["impl", "batch", "cache"]
     unit = "TB/s"
-    timeout = 240
-    rounds = 1
-
-    def setup(self, impl, batch, cache):
-        self._setup(batch, cache)
 
     def track_bandwidth(self, impl, batch, cache):
         t = self._flashcore_time() if impl == "flashcore" else self._peer_time(impl)
@@ -87,11 +62,6 @@ class DecodeRatio(_Decode):
     params = [PEERS, BATCHES, CACHES]
     param_names = ["peer", "batch", "cache"]
     unit = "ratio"
-    timeout = 240
-    rounds = 1
-
-    def setup(self, peer, batch, cache):
-        self._setup(batch, cache)
 
     def track_ratio(self, peer, batch, cache):
         return self._peer_time(peer) / self._flashcore_time()

@@ -15,6 +15,7 @@ The caller has validated shapes, dtypes and devices. CuPy is imported lazily.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from typing import NamedTuple
@@ -157,29 +158,28 @@ def append_name(dtype_name: str, paged: bool, rotary: bool, interleaved: bool) -
             f"{_b(interleaved and rotary)}>")
 
 
+def _variants(dtype_names=("float16", "bfloat16")):
+    """(dtype, headdim, m_tiles, paged, is_local, has_softcap, has_alibi) for every head-dim
+    tile (and a smaller head dim in it), both m-slice counts where they exist, every flag."""
+    for dt in dtype_names:
+        for d in HEADDIM_TILES:
+            for hd in (d, d - 8):
+                for mt in ((1, 2) if d <= 128 else (1,)):
+                    for flags in itertools.product((False, True), repeat=4):
+                        yield (dt, hd, mt) + flags
+
+
 def instantiations() -> list[str]:
     """Every template name the launchers can produce (CI compiles a stratified sample)."""
     names = []
     for dt in ("float16", "bfloat16"):
-        for d in HEADDIM_TILES:
-            for even in (True, False):
-                hd = d if even else d - 8
-                for mt in ((1, 2) if d <= 128 else (1,)):
-                    for paged in (False, True):
-                        for loc in (False, True):
-                            for cap in (False, True):
-                                for ali in (False, True):
-                                    for spl in (False, True):
-                                        names.append(kernel_name(dt, hd, mt, paged, loc, cap,
-                                                                 ali, spl))
-        for d, cfg in _SINGLE_CONFIGS.items():     # unsplit launches of a few waves
-            for hd in (d, d - 8):
-                for paged in (False, True):
-                    for loc in (False, True):
-                        for cap in (False, True):
-                            for ali in (False, True):
-                                names.append(kernel_name(dt, hd, 1, paged, loc, cap, ali, False,
-                                                         cfg))
+        for v in _variants((dt,)):
+            for spl in (False, True):
+                names.append(kernel_name(*v, spl))
+        for v in _variants((dt,)):          # unsplit launches of a few waves
+            d = headdim_tile(v[1])
+            if v[2] == 1 and d in _SINGLE_CONFIGS:
+                names.append(kernel_name(*v, False, _SINGLE_CONFIGS[d]))
         names.append(combine_name(dt))
         for paged in (False, True):
             for rot, inter in ((False, False), (True, False), (True, True)):
@@ -190,20 +190,7 @@ def instantiations() -> list[str]:
 def sm90_instantiations() -> list[str]:
     """The cluster-merge kernels (sm_90+ only): every flag combination for each head-dim tile
     and dtype, split counts 2 to MAX_CLUSTER (CI compiles a stratified sample)."""
-    names = []
-    for dt in ("float16", "bfloat16"):
-        for d in HEADDIM_TILES:
-            for even in (True, False):
-                hd = d if even else d - 8
-                for mt in ((1, 2) if d <= 128 else (1,)):
-                    for paged in (False, True):
-                        for loc in (False, True):
-                            for cap in (False, True):
-                                for ali in (False, True):
-                                    for c in range(2, MAX_CLUSTER + 1):
-                                        names.append(cluster_kernel_name(dt, hd, mt, paged, loc,
-                                                                         cap, ali, c))
-    return names
+    return [cluster_kernel_name(*v, c) for v in _variants() for c in range(2, MAX_CLUSTER + 1)]
 
 
 def num_splits_heuristic(batch_nheads_mblocks: int, num_sms: int, num_n_blocks: int,

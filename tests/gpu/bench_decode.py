@@ -11,10 +11,8 @@ default, one launch) and with the separate combine kernel (FLASHCORE_DECODE_FUSE
 """
 from __future__ import annotations
 
-import math
 import sys
 
-import numpy as np
 
 
 _READ_SRC = r"""
@@ -77,10 +75,9 @@ def _host_us(fn, n=200):
 def main():
     import cupy as cp
     import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
+    from flashcore.bench import DecodeProblem
     from flashcore.kernels import decode as decode_mod
-    from flashcore.kernels.decode import launch_decode
 
     h, hk, d = 32, 8, 128
     host_line = ""
@@ -94,67 +91,46 @@ def main():
             nbytes = 2 * b * sk * hk * d * 2
             if nbytes > 40e9:
                 continue
-            q = torch.randn(b, 1, h, d, device=dev, dtype=torch.bfloat16)
-            kc = torch.randn(b, sk, hk, d, device=dev, dtype=torch.bfloat16)
-            vc = torch.randn(b, sk, hk, d, device=dev, dtype=torch.bfloat16)
-            out = torch.empty_like(q)
-            lse = torch.empty(b, h, 1, device=dev, dtype=torch.float32)
-            seqlens = torch.full((b,), sk, device=dev, dtype=torch.int32)
-            cq, ck, cv, co, cl, cs = (cp.from_dlpack(x) for x in (q, kc, vc, out, lse, seqlens))
-            scale = 1.0 / math.sqrt(d)
+            pb = DecodeProblem(b, sk, h, hk, d)
             res = {}
-            stream = cp.cuda.Stream.from_external(torch.cuda.current_stream())
+            stream = pb.stream
             with stream:
-                splits = launch_decode(cq, ck, cv, co, cl, cache_seqlens=cs, softmax_scale=scale,
-                                       window_left=-1, window_right=-1)
-                res["flashcore"] = _time(lambda: launch_decode(
-                    cq, ck, cv, co, cl, cache_seqlens=cs, softmax_scale=scale,
-                    window_left=-1, window_right=-1))
+                splits = pb.run()
+                res["flashcore"] = _time(pb.run)
                 if b <= 8:   # the split count, swept (the heuristic's pick is "splits")
                     for ns in (8, 16, 24, 32, 48, 64, 96, 128):
                         if ns * b * 8 > 4096 or ns == splits:
                             continue
-                        sweep.append((b, sk, ns, nbytes / _time(lambda ns=ns: launch_decode(
-                            cq, ck, cv, co, cl, cache_seqlens=cs, softmax_scale=scale,
-                            window_left=-1, window_right=-1, num_splits=ns)) / 1e12))
+                        sweep.append((b, sk, ns, nbytes / _time(lambda ns=ns: pb.run(ns)) / 1e12))
                     sweep.append((b, sk, splits, nbytes / res["flashcore"] / 1e12))
                     picked[(b, sk)] = splits
                 # paged, page 256, blocks in a shuffled order
                 ps = 256
                 nblk = b * sk // ps
                 perm = torch.randperm(nblk, device=dev).to(torch.int32)
-                kp = kc.reshape(nblk, ps, hk, d)[perm.argsort()].contiguous()
-                vp = vc.reshape(nblk, ps, hk, d)[perm.argsort()].contiguous()
+                kp = pb.k_cache.reshape(nblk, ps, hk, d)[perm.argsort()].contiguous()
+                vp = pb.v_cache.reshape(nblk, ps, hk, d)[perm.argsort()].contiguous()
                 bt = perm.reshape(b, sk // ps).contiguous()
-                ckp, cvp, cbt = (cp.from_dlpack(x) for x in (kp, vp, bt))
-                res["paged"] = _time(lambda: launch_decode(
-                    cq, ckp, cvp, co, cl, cache_seqlens=cs, block_table=cbt, softmax_scale=scale,
-                    window_left=-1, window_right=-1))
+                paged = tuple(cp.from_dlpack(x) for x in (kp, vp, bt))
+                res["paged"] = _time(lambda: pb.run(paged=paged))
                 if b <= 8 and splits > 1:   # the same calls with the separate combine kernel
                     fused_was = decode_mod.fused_combine_enabled()
                     decode_mod.set_fused_combine(False)
                     try:
-                        two = _time(lambda: launch_decode(
-                            cq, ck, cv, co, cl, cache_seqlens=cs, softmax_scale=scale,
-                            window_left=-1, window_right=-1))
-                        two_p = _time(lambda: launch_decode(
-                            cq, ckp, cvp, co, cl, cache_seqlens=cs, block_table=cbt,
-                            softmax_scale=scale, window_left=-1, window_right=-1))
+                        two = _time(pb.run)
+                        two_p = _time(lambda: pb.run(paged=paged))
                     finally:
                         decode_mod.set_fused_combine(fused_was)
-                    tag = "fused" if fused_was else "two-kernel(default)"
+                    tag = "default" if fused_was else "two-kernel(default)"
                     fusion.append((b, sk, splits, "contiguous", nbytes / res["flashcore"] / 1e12,
                                    nbytes / two / 1e12, tag))
                     fusion.append((b, sk, splits, "paged256", nbytes / res["paged"] / 1e12,
                                    nbytes / two_p / 1e12, tag))
-                del kp, vp
-            qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+                kp = vp = paged = None
             for name, be in (("sdpa-fa", SDPBackend.FLASH_ATTENTION),
                              ("cuDNN", SDPBackend.CUDNN_ATTENTION)):
                 try:
-                    with sdpa_kernel(be):
-                        res[name] = _time(lambda: F.scaled_dot_product_attention(
-                            qt, kt, vt, enable_gqa=True))
+                    res[name] = _time(lambda be=be: pb.sdpa(be))
                 except Exception as e:  # backend unavailable for these shapes
                     print(f"  ({name}: {type(e).__name__}: {str(e)[:80]})", file=sys.stderr)
                     res[name] = float("nan")
@@ -169,22 +145,20 @@ def main():
             if b == 1 and sk == 4096:   # host cost per call, where decoding is launch-bound
                 import flashcore
                 with stream:
-                    hk_ = _host_us(lambda: launch_decode(
-                        cq, ck, cv, co, cl, cache_seqlens=cs, softmax_scale=scale,
-                        window_left=-1, window_right=-1))
+                    hk_ = _host_us(pb.run)
                     api = _host_us(lambda: flashcore.attention_with_kvcache(
-                        cq, ck, cv, cache_seqlens=cs))
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    cud = _host_us(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
+                        pb.cq, pb.ck, pb.cv, cache_seqlens=pb.cs))
+                cud = _host_us(lambda: pb.sdpa(SDPBackend.CUDNN_ATTENTION))
                 host_line = (f"# host per call at batch 1, cache 4k: launch_decode {hk_:.1f} us, "
                              f"flashcore.attention_with_kvcache (CuPy) {api:.1f} us, "
                              f"torch SDPA cuDNN {cud:.1f} us")
-            del q, kc, vc, out
+            pb = None
             torch.cuda.empty_cache()
     print(host_line)
     if fusion:
-        print("# split-KV merge: default path (fused unless FLASHCORE_DECODE_FUSED_COMBINE=0) vs "
-              "the separate combine kernel, TB/s")
+        print("# split-KV merge: the default path (the cluster merge on sm_90, else the fused "
+              "combine, unless FLASHCORE_DECODE_FUSED_COMBINE=0) vs the separate combine kernel, "
+              "TB/s")
         for bb, sk, ns, lay, tf, tt, tag in fusion:
             print(f"{bb:>5} {sk // 1024:>5}k {lay:>10} {ns:>3} splits | {tag} {tf:.2f} | "
                   f"two-kernel {tt:.2f} | ratio {tf / tt:.3f}")

@@ -17,7 +17,6 @@ Three parts, 32 query heads over 8 kv heads, headdim 128, bf16, one query token:
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import tempfile
@@ -28,30 +27,10 @@ H, HK, D = 32, 8, 128
 
 
 def _problem(b, sk):
-    import cupy as cp
-    import torch
-    dev = torch.device("cuda")
-    q = torch.randn(b, 1, H, D, device=dev, dtype=torch.bfloat16)
-    kc = torch.randn(b, sk, HK, D, device=dev, dtype=torch.bfloat16)
-    vc = torch.randn(b, sk, HK, D, device=dev, dtype=torch.bfloat16)
-    out = torch.empty_like(q)
-    lse = torch.empty(b, H, 1, device=dev, dtype=torch.float32)
-    seqlens = torch.full((b,), sk, device=dev, dtype=torch.int32)
-    cq, ck, cv, co, cl, cs = (cp.from_dlpack(x) for x in (q, kc, vc, out, lse, seqlens))
-    from flashcore.kernels.decode import launch_decode
-
-    def ours(ns=0):
-        return launch_decode(cq, ck, cv, co, cl, cache_seqlens=cs, softmax_scale=D ** -0.5,
-                             window_left=-1, window_right=-1, num_splits=ns)
-
-    qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
-
-    def sdpa(backend):
-        import torch.nn.functional as F
-        from torch.nn.attention import sdpa_kernel
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
-    return ours, sdpa, (q, kc, vc)
+    """(flashcore's call with a split count, SDPA pinned to a backend, the problem)."""
+    from flashcore.bench import DecodeProblem
+    pb = DecodeProblem(b, sk, H, HK, D)
+    return pb.run, pb.sdpa, pb
 
 
 def peers():
@@ -98,9 +77,9 @@ def scaling():
     print(f"{'cache':>6} {'config':>12} | " + " ".join(f"{s:>6}" for s in splits)
           + " | cuDNN   read")
     for sk in (1024, 4096, 16384, 65536):
-        ours, sdpa, (q, kc, vc) = _problem(1, sk)
+        ours, sdpa, pb = _problem(1, sk)
         t_cud = _time(lambda: sdpa(SDPBackend.CUDNN_ATTENTION)) * 1e6
-        buf = torch.cat([kc.reshape(-1), vc.reshape(-1)])
+        buf = torch.cat([pb.k_cache.reshape(-1), pb.v_cache.reshape(-1)])
         with stream:
             t_read = _read_kernel_time(buf) * 1e6
         for cfg in configs:

@@ -8,7 +8,6 @@ against the first variant's (the same math, so within bf16 rounding of it).
 """
 from __future__ import annotations
 
-import math
 import sys
 
 from bench_decode import _time
@@ -19,35 +18,20 @@ SPLITS = {1: (4, 8, 12, 16, 24, 32), 8: (2, 4, 8, 16), 64: (1, 2)}
 
 def main(top=6, batches=(1, 8), configs=None):
     configs = configs or CONFIGS
-    import cupy as cp
     import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
+    from flashcore.bench import DecodeProblem
     from flashcore.kernels import decode as dm
 
     h, hk, d = 32, 8, 128
-    dev = torch.device("cuda")
     print("batch cache | cuDNN TB/s | default TB/s (splits) | best variants: "
           "config/splits/merge TB/s")
     for b in batches:
         for sk in (4096, 16384, 131072):
-            nbytes = 2 * b * sk * hk * d * 2
-            q = torch.randn(b, 1, h, d, device=dev, dtype=torch.bfloat16)
-            kc = torch.randn(b, sk, hk, d, device=dev, dtype=torch.bfloat16)
-            vc = torch.randn(b, sk, hk, d, device=dev, dtype=torch.bfloat16)
-            out = torch.empty_like(q)
-            lse = torch.empty(b, h, 1, device=dev, dtype=torch.float32)
-            seqlens = torch.full((b,), sk, device=dev, dtype=torch.int32)
-            cq, ck, cv, co, cl, cs = (cp.from_dlpack(x) for x in (q, kc, vc, out, lse, seqlens))
-            scale = 1.0 / math.sqrt(d)
-            qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                t_cudnn = _time(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
-            stream = cp.cuda.Stream.from_external(torch.cuda.current_stream())
-
-            def call(ns=0):
-                return dm.launch_decode(cq, ck, cv, co, cl, cache_seqlens=cs, softmax_scale=scale,
-                                        window_left=-1, window_right=-1, num_splits=ns)
+            pb = DecodeProblem(b, sk, h, hk, d)
+            nbytes, out, stream = pb.nbytes, pb.out, pb.stream
+            t_cudnn = _time(lambda: pb.sdpa(SDPBackend.CUDNN_ATTENTION))
+            call = pb.run
             res, ref, worst = [], None, 0.0
             with stream:
                 used = call()
@@ -77,7 +61,7 @@ def main(top=6, batches=(1, 8), configs=None):
             for tb, c, ns, cl in res:
                 print(f"      {b} {sk // 1024}k {c} {ns:>3} {'cluster' if cl else 'global '} "
                       f"{tb:.3f}", file=sys.stderr)
-            del q, kc, vc
+            pb = out = None
             torch.cuda.empty_cache()
 
 
