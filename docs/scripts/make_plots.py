@@ -216,6 +216,33 @@ def ratio_table(run: Run) -> list[str]:
     return lines
 
 
+DECODE_MODULE = "bench_decode_gpu."
+
+
+def decode_tables(run: Run) -> list[str]:
+    """KV-cache decoding: TB/s of each implementation, and flashcore's ratio to each peer, per
+    batch and cache length (rows: batch; columns: cache)."""
+    bw = run.get(f"{DECODE_MODULE}DecodeBandwidth.track_bandwidth")
+    ratio = run.get(f"{DECODE_MODULE}DecodeRatio.track_ratio")
+    lines = []
+    for data, what, fmt in ((bw, "TB/s of K+V cache read per step", "{:.2f}"),
+                            (ratio, "time of the peer / time of flashcore", "{:.3f}")):
+        if not data:
+            continue
+        caches = sorted({k[2] for k in data})
+        lines += [f"{what}:", "", "| implementation | batch | "
+                  + " | ".join(f"cache {c // 1024}k" for c in caches) + " |",
+                  "| --- " * (2 + len(caches)) + "|"]
+        for impl, batch in sorted({(k[0], k[1]) for k in data},
+                                  key=lambda x: (x[0] != "flashcore", x[0], x[1])):
+            cells = [data.get((impl, batch, c)) for c in caches]
+            label = impl if data is bw else f"flashcore vs {impl}"
+            lines.append(f"| {label} | {batch} | "
+                         + " | ".join("–" if c is None else fmt.format(c) for c in cells) + " |")
+        lines.append("")
+    return lines
+
+
 def compile_table(run: Run) -> list[str]:
     cold = run.get("bench_jit.KernelCompile.track_cold_compile")
     warm = run.get("bench_jit.KernelCompile.track_warm_load")
@@ -294,6 +321,16 @@ def generate(results_dir: Path, out: Path) -> str:
                    "Time of the peer divided by time of flashcore (CuPy API), both measured in "
                    f"one process: above 1, flashcore is faster. From {_describe(results_dir, r)}.",
                    ""] + t + [""]
+        r = newest_with(runs, f"{DECODE_MODULE}DecodeRatio.track_ratio",
+                        f"{DECODE_MODULE}DecodeBandwidth.track_bandwidth")
+        t = decode_tables(r) if r else []
+        if t:
+            md += ["### Decoding with a KV cache", "",
+                   "One query token, 32 query heads over 8 kv heads, headdim 128, bf16, a full "
+                   "contiguous cache; GPU time of a step with the L2 flushed before it "
+                   "(`flashcore.bench.gpu_time_l2_flushed`), flashcore through its decode "
+                   "launcher with its default split rule, SDPA on the same K/V. From "
+                   f"{_describe(results_dir, r)}.", ""] + t
         r = newest_with(runs, f"{GPU_MODULE}PeakMemory.track_peak_memory_forward",
                         f"{GPU_MODULE}PeakMemory.track_peak_memory_backward")
         p = plot_memory(r, out) if r else None
