@@ -14,8 +14,11 @@
 //     states are merged through shared memory at the end.
 //   * Split-KV: the visible key blocks of the tile (after window skipping) are cut into
 //     num_splits contiguous ranges, one per blockIdx.z. With num_splits > 1 (Is_split) each CTA
-//     writes fp32 O (already normalised by its own sum) and its LSE to scratch; the combine
-//     kernel merges them. Otherwise the CTA writes the 16-bit output and the LSE directly.
+//     writes fp32 O (already normalised by its own sum) and its LSE to scratch, and the last
+//     CTA of the group (fused combine) or the combine kernel merges them; on sm_90,
+//     flash_decode_cluster_kernel keeps the partials in shared memory instead and the group's
+//     CTAs, one cluster, merge them through DSMEM (see cluster_merge). Otherwise the CTA writes
+//     the 16-bit output and the LSE directly.
 //   * Paged cache: token t lives at block block_table[b, t / page_size], row t % page_size.
 //     Every thread loads the rows it copies, so a key block may straddle pages (page_size 16
 //     with kBlockN 64 or 128). The block-table entries of the next key block are read one

@@ -1,15 +1,19 @@
-"""Launcher for the KV-cache decoding kernels ``cuda/flash_decode.cu`` (Ampere-class path).
+"""Launcher for the KV-cache decoding kernels ``cuda/flash_decode.cu`` (mma.sync, sm_80 and newer;
+the cluster merge on sm_90).
 
 ``launch_decode`` runs attention of a few query rows against a KV cache (contiguous or paged),
 with split-KV (Flash-Decoding) and GQA head packing; ``launch_rotary_append`` writes new k/v
 rows into the cache, optionally applying rotary embedding to them (and to q).
 
-Split-KV merges the splits' partial results in the decode kernel itself by default (fused
-combine: the last CTA of each (sequence, kv head, m-block) to finish merges them, counted on a
-persistent int32 arrival counter per (device, stream) that the kernel leaves at zero), so a split
-call is one launch. ``FLASHCORE_DECODE_FUSED_COMBINE=0`` in the environment, or
-``set_fused_combine(False)``, selects the former two-kernel path (decode, then
-``flash_decode_combine_kernel``); both give the same bits.
+Split-KV merges the splits' partial results in the decode kernel itself, so a split call is
+one launch. On sm_90 with 2 to 16 splits the splits of each (sequence, kv head, m-block) form a
+thread-block cluster and merge through distributed shared memory
+(``flash_decode_cluster_kernel``; ``FLASHCORE_DECODE_CLUSTER=0`` or ``set_cluster_merge(False)``
+turns it off). Otherwise the fused combine: the last CTA of each group to finish merges, counted
+on a persistent int32 arrival counter per (device, stream) that the kernel leaves at zero.
+``FLASHCORE_DECODE_FUSED_COMBINE=0`` in the environment, or ``set_fused_combine(False)``, selects
+the two-kernel path (decode, then ``flash_decode_combine_kernel``). All three merge with the same
+arithmetic in the same order: on the same tiles they give the same bits.
 
 The caller has validated shapes, dtypes and devices. CuPy is imported lazily.
 """
