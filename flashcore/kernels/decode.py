@@ -387,7 +387,6 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
     if batch * nheads_k > 2**31 - 1 or m_blocks > 65535:
         raise ValueError("decode grid too large "
                          f"(batch * nheads_k = {batch * nheads_k}, m-blocks = {m_blocks})")
-    d = headdim_tile(headdim)
     device_id = q.device.id
     from ..jit import device_facts, get_kernel
     cc = device_facts(device_id)[0]
