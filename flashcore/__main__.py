@@ -23,7 +23,9 @@ def _parse(argv):
     p.add_argument("--backend", choices=sorted(all_backends()), action="append",
                    help="only this backend (repeatable; default: every available one)")
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,
-                   help="element type (default: bfloat16 on GPU backends, float32 for numpy)")
+                   help="element type (default: on a GPU float16 and bfloat16 in the self-check, "
+                        "bfloat16 in the benchmark; on the CPU float32, the only choice for "
+                        "torch's CPU tensors besides float64)")
     p.add_argument("--batch", type=int, default=None, help="batch size (default: 16384 // seqlen on GPU, 1 on CPU)")
     p.add_argument("--seqlen", type=int, action="append",
                    help="sequence length to benchmark (repeatable; default 1024 2048 4096 on GPU, 256 512 on CPU)")
@@ -75,6 +77,31 @@ def _to_np(x):
 
 def _lib_of(name):
     return {"numpy": "numpy", "cupy": "cupy", "torch": "torch"}[name]
+
+
+def _on_gpu(name) -> bool:
+    """Whether backend ``name`` runs on a GPU here (torch without CUDA runs its CPU tensors on
+    the NumPy backend)."""
+    if name == "cupy":
+        return True
+    if name == "torch":
+        import torch
+        return torch.cuda.is_available()
+    return False
+
+
+def _dtypes(name, requested, for_bench):
+    """Element types to run ``name`` with: the requested one, or float32 on the CPU, float16
+    and bfloat16 on a GPU (bfloat16 alone in the benchmark). torch's CPU tensors are float32
+    or float64 only (NumPy cannot view torch's 16-bit CPU storage without a copy)."""
+    gpu = _on_gpu(name)
+    if name == "torch" and not gpu:
+        return [requested if requested == "float32" else "float32"]
+    if requested:
+        return [requested]
+    if not gpu:
+        return ["float32"]
+    return ["bfloat16"] if for_bench else ["float16", "bfloat16"]
 
 
 def _self_check(name, dtype, causal):
@@ -133,8 +160,6 @@ def _time(fn, lib, repeats):
 
 
 def _bench(names, args):
-    gpu = any(n != "numpy" for n in names)
-    seqlens = args.seqlen or ([1024, 2048, 4096] if gpu else [256, 512])
     print(f"\nbenchmark: headdim {args.headdim}, causal={args.causal}; median wall time of "
           "synchronised calls; TFLOP/s counted as flash-attn does (fwd 4·b·h·s²·d, halved for "
           "causal; fwd+bwd 3.5× that)")
@@ -143,16 +168,17 @@ def _bench(names, args):
     rng = np.random.default_rng(0)
     for name in names:
         lib = _lib_of(name)
-        dtype = args.dtype or ("float32" if name == "numpy" else "bfloat16")
-        for s in seqlens:
-            h = args.nheads or (2048 // args.headdim if name != "numpy" else 4)
+        gpu = _on_gpu(name)
+        dtype = _dtypes(name, args.dtype, True)[0]
+        for s in args.seqlen or ([1024, 2048, 4096] if gpu else [256, 512]):
+            h = args.nheads or (2048 // args.headdim if gpu else 4)
             hk = args.nheads_k or h
-            b = args.batch or (max(1, 16384 // s) if name != "numpy" else 1)
+            b = args.batch or (max(1, 16384 // s) if gpu else 1)
             d = args.headdim
             q, k, v, do = (_arrays(lib, dtype, shp, rng) for shp in
                            ((b, s, h, d), (b, s, hk, d), (b, s, hk, d), (b, s, h, d)))
             kw = dict(causal=args.causal, backend=name)
-            reps = args.repeats or (20 if lib != "numpy" else 3)
+            reps = args.repeats or (20 if gpu else 3)
             tf = _time(lambda: attention_forward(q, k, v, **kw), lib, reps)
 
             def fb():
@@ -178,13 +204,7 @@ def main(argv=None) -> int:
         print("\nself-check against the float64 naive reference (flash-attn rule: error ≤ 2× "
               "that of the same computation in the low precision, 3× for gradients):")
         for name in names:
-            dtypes = ([args.dtype] if args.dtype else
-                      (["float32"] if name == "numpy" else ["float16", "bfloat16"]))
-            if name == "torch":
-                import torch
-                if not torch.cuda.is_available():
-                    dtypes = [args.dtype] if args.dtype in ("float32",) else ["float32"]
-            for dt in dtypes:
+            for dt in _dtypes(name, args.dtype, False):
                 for causal in (False, True):
                     ok &= _self_check(name, dt, causal)
     if not args.no_bench:
