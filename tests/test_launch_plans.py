@@ -667,13 +667,16 @@ def test_decode_cluster_refused_falls_back_to_the_global_merge(monkeypatch):
     monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: None)
     monkeypatch.setitem(decode._CLUSTER, "enabled", True)
 
-    class Refused(driver.CUDADriverError):
-        def __init__(self):
-            Exception.__init__(self, "CUDA_ERROR_CLUSTER_OUT_OF_RESOURCES (stand-in)")
+    class DriverError(driver.CUDADriverError):
+        def __init__(self, status):
+            Exception.__init__(self, f"CUDA driver error {status} (stand-in)")
+            self.status = status
+
+    status = {"code": 912}    # CUDA_ERROR_INVALID_CLUSTER_SIZE
 
     def call(self, grid, block, args, shared_mem=0):
         if self.name.startswith("flash_decode_cluster_kernel"):
-            raise Refused()
+            raise DriverError(status["code"])
         LOG.append((self.name, tuple(grid), tuple(block), shared_mem, bytes(args[0].tobytes())))
     monkeypatch.setattr(FakeKernel, "__call__", call)
     rng = np.random.default_rng(8)
@@ -686,7 +689,51 @@ def test_decode_cluster_refused_falls_back_to_the_global_merge(monkeypatch):
         assert name.startswith("flash_decode_kernel<") and grid == (8, 1, 12)
         assert _word(raw, _counter_word()) != 0, "the fused global merge, with its counters"
         assert LOG[-1][1] == 12
-    assert (0, 12) in decode._CLUSTER_REFUSED
+    refused = {n for dev, n in decode._CLUSTER_REFUSED if dev == 0}
+    assert len(refused) == 1 and next(iter(refused)).endswith(", 12>")
+    # another kernel (here: 8 splits) is not affected by that refusal ...
+    status["code"] = 700      # ... and an error that is no refusal (an earlier fault) is raised
+    with pytest.raises(driver.CUDADriverError):
+        _decode(_fused_case(splits=8), _decode_arrays(rng, _fused_case(splits=8)))
+    assert len(decode._CLUSTER_REFUSED) == 1
+
+
+def test_decode_cluster_rule_declining_means_the_global_merge(monkeypatch):
+    """One MQA sequence: the cluster rule would leave the GPU idle and hands the count to the
+    global rule, whose count (even one of 16 or fewer) then merges through global memory."""
+    from cupy.cuda import driver
+    from flashcore.kernels import decode
+    monkeypatch.setattr(decode, "_as_input", lambda a: a)
+    monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: None)
+    monkeypatch.setitem(decode._CLUSTER, "enabled", True)
+    rng = np.random.default_rng(10)
+    c = _fused_case(b=1, cap=4096, hk=1, h=8, splits=0)
+    _decode(c, _decode_arrays(rng, c))
+    (name, grid, _, _, raw), = _kernel_launches()
+    assert 1 < grid[2] <= decode.MAX_CLUSTER, grid
+    assert name.startswith("flash_decode_kernel<") and _word(raw, _counter_word()) != 0
+
+
+def test_decode_cluster_skipped_for_an_override_that_leaves_no_room(monkeypatch):
+    """A tile override too small for the cluster kernel's partials (its static_assert) takes the
+    global merge instead of failing to compile."""
+    from cupy.cuda import driver
+    from flashcore.kernels import decode
+    monkeypatch.setattr(decode, "_as_input", lambda a: a)
+    monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: None)
+    monkeypatch.setitem(decode._CLUSTER, "enabled", True)
+    assert not decode._cluster_layout_fits(128, 1, decode.DecodeConfig(16, 1, 2))
+    assert decode._cluster_layout_fits(128, 1, decode.DecodeConfig(128, 4, 3))
+    assert decode._cluster_layout_fits(128, 2, decode.DecodeConfig(64, 4, 3))
+    decode.set_config_override(128, (16, 1, 2))
+    try:
+        rng = np.random.default_rng(11)
+        c = _fused_case(splits=3)
+        _decode(c, _decode_arrays(rng, c))
+        (name, grid, _, _, _), = _kernel_launches()
+        assert name.startswith("flash_decode_kernel<") and grid == (8, 1, 3)
+    finally:
+        decode.set_config_override(128, None)
 
 
 def test_decode_cluster_split_rule():

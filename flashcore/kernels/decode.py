@@ -265,14 +265,27 @@ _FUSED = {"enabled": os.environ.get("FLASHCORE_DECODE_FUSED_COMBINE", "1").strip
 # global-memory merge for it.
 MAX_CLUSTER = 16
 _CLUSTER = {"enabled": os.environ.get("FLASHCORE_DECODE_CLUSTER", "1").strip() != "0"}
-_CLUSTER_REFUSED: set = set()     # (device id, split count) whose cluster launch failed
+_CLUSTER_REFUSED: set = set()     # (device id, kernel name) whose cluster launch was refused
 _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+# Driver errors that mean "this cluster cannot be launched here" (invalid cluster size, out of
+# resources, not supported); any other error is raised as it is.
+_CLUSTER_REFUSALS = (912, 701, 801)
+
+
+def _cluster_layout_fits(headdim: int, m_tiles: int, cfg: DecodeConfig) -> bool:
+    """The cluster kernel keeps its partial O and lse in the K/V ring after the reduction
+    slabs (the kernel's static_assert): whether ``cfg`` leaves room (a tile override may not)."""
+    d = headdim_tile(headdim)
+    rows = 16 * m_tiles
+    red = cfg.n_warps * rows * (d + 8) * 4
+    return red + 4 * rows * d + 4 * rows <= cfg.stages * 4 * cfg.block_n * d
 
 
 def set_cluster_merge(on: bool) -> None:
     """Merge split-KV partials inside a thread-block cluster where the device allows it (True,
     the default on sm_90+) or through global memory (False: the fused or two-kernel path).
-    Launch plans key on the choice."""
+    Launch plans key on the choice. The paths merge with the same arithmetic, but the cluster
+    path has its own split rule and tiles, so turning it off can change the result's rounding."""
     _CLUSTER["enabled"] = bool(on)
 
 
@@ -337,9 +350,11 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
     k_cache, v_cache: (b_cache, seqlen_cache, hk, d), or paged (num_blocks, page_size, hk, d)
     with int32 ``block_table`` (b, max_blocks). ``cache_seqlens`` int32 (b,): the valid keys of
     each sequence. Windows use -1 for unbounded (causal = (-1, 0)). ``num_splits`` 0 picks the
-    split count with flash-attn's heuristic. Returns the number of splits used. With more than
-    one split the partials are merged in the decode kernel (fused combine) unless
-    ``set_fused_combine(False)`` / ``FLASHCORE_DECODE_FUSED_COMBINE=0``.
+    split count (on sm_90 the cluster rule, cluster_num_splits; elsewhere flash-attn's wave rule
+    with the bounds of choose_num_splits). Returns the number of splits used. With more than one
+    split the partials are merged inside a thread-block cluster (sm_90, up to 16 splits), else
+    in the decode kernel (fused combine), unless ``set_fused_combine(False)`` /
+    ``FLASHCORE_DECODE_FUSED_COMBINE=0`` (the combine kernel).
     """
     import cupy
 
@@ -393,6 +408,7 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
     # Splits merge inside a thread-block cluster on sm_90 (the fused path's default there);
     # that path has its own split rule and tile configuration.
     cluster_ok = fused and _CLUSTER["enabled"] and cc >= 90
+    cluster_declined = False     # the cluster split rule handed the count to the global rule
 
     wl, wr = _window(window_left), _window(window_right)
     is_local = wl != WINDOW_NONE or wr != WINDOW_NONE
@@ -425,7 +441,8 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
         if cluster_ok:
             num_splits = cluster_num_splits(base_ctas, _sm_count(device_id),
                                             key_blocks(decode_config(headdim, True, m_tiles)))
-        if not cluster_ok or num_splits == 0:
+            cluster_declined = num_splits == 0
+        if not cluster_ok or cluster_declined:
             smem = smem_bytes(headdim, m_tiles)
             ctas_per_sm = max(1, min(4, _SMEM_PER_SM // (smem + 1024)))
             num_splits = choose_num_splits(base_ctas, _sm_count(device_id), ctas_per_sm,
@@ -433,22 +450,20 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
     num_splits = int(max(1, min(int(num_splits), MAX_SPLITS)))
     is_split = num_splits > 1
 
-    cluster = (is_split and cluster_ok and num_splits <= MAX_CLUSTER
-               and (device_id, num_splits) not in _CLUSTER_REFUSED)
+    cluster = is_split and cluster_ok and not cluster_declined and num_splits <= MAX_CLUSTER
+    cname = None
+    if cluster:
+        cname = cluster_kernel_name(dtype_name, headdim, m_tiles, paged, is_local, has_softcap,
+                                    has_alibi, num_splits)
+        cluster = ((device_id, cname) not in _CLUSTER_REFUSED
+                   and _cluster_layout_fits(headdim, m_tiles,
+                                            decode_config(headdim, True, m_tiles)))
     cfg = decode_config(headdim, cluster, m_tiles,
                         single_ctas=0 if is_split else batch * nheads_k * m_blocks,
                         num_sms=_sm_count(device_id))
     smem = smem_bytes(headdim, m_tiles, cfg=cfg)
     if cluster:
-        kernel = get_kernel(SOURCE, cluster_kernel_name(dtype_name, headdim, m_tiles, paged,
-                                                        is_local, has_softcap, has_alibi,
-                                                        num_splits),
-                            device_id, cc, smem)
-        if num_splits > 8:
-            from cupy.cuda import driver
-            with cupy.cuda.Device(device_id):
-                driver.funcSetAttribute(kernel.kernel.ptr,
-                                        _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+        kernel = get_kernel(SOURCE, cname, device_id, cc, smem)
     else:
         kernel = get_kernel(SOURCE, kernel_name(dtype_name, headdim, m_tiles, paged, is_local,
                                                 has_softcap, has_alibi, is_split, cfg),
@@ -498,11 +513,16 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
     with cupy.cuda.Device(device_id):
         if cluster:
             try:
+                if num_splits > 8:      # a non-portable cluster size: allowed on the function
+                    cupy.cuda.driver.funcSetAttribute(
+                        kernel.kernel.ptr, _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
                 kernel(launches[0][1], launches[0][2], args, shared_mem=smem)
-            except cupy.cuda.driver.CUDADriverError:
-                # this cluster size is refused here (resources, or the size itself): use the
-                # global-memory merge for this count from now on
-                _CLUSTER_REFUSED.add((device_id, num_splits))
+            except cupy.cuda.driver.CUDADriverError as e:
+                if getattr(e, "status", None) not in _CLUSTER_REFUSALS:
+                    raise
+                # this cluster is refused here (its size, or its resources): this kernel takes
+                # the global-memory merge from now on
+                _CLUSTER_REFUSED.add((device_id, cname))
                 plans.clear()
                 return launch_decode(given[0], given[1], given[2], out_final if out_final
                                      is not None else out, lse, cache_seqlens=given[3],
