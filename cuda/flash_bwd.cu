@@ -757,19 +757,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv2_kernel(const 
     const int ratio = p.nheads / p.nheads_k;
     const int h0 = hk * ratio;
 
-    int m_begin = 0, m_end = (seq.sq + kBlockM - 1) / kBlockM;
-    if constexpr (Is_local) {
-        const long long n1 = min(n0 + kBlockN, seq.sk);
-        const long long lo = max(0LL, static_cast<long long>(n0) - off - p.window_right);
-        const long long hi =
-            min(static_cast<long long>(seq.sq) - 1, n1 - 1 - off + p.window_left);
-        if (lo > hi) {
-            m_end = 0;
-        } else {
-            m_begin = static_cast<int>(lo / kBlockM);
-            m_end = static_cast<int>(hi / kBlockM) + 1;
-        }
-    }
+    int m_begin, m_end;
+    bwd_query_blocks<Is_local, kBlockM, kBlockN>(p, seq, n0, off, m_begin, m_end);
     const int n_m = m_end > m_begin ? m_end - m_begin : 0;
     const int n_iter = n_m * ratio;
 
