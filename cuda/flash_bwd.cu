@@ -202,6 +202,32 @@ __device__ __forceinline__ void bwd_query_blocks(const FlashParams& p, const Bwd
     }
 }
 
+// What a key-block CTA of the backward (the dK/dV kernels of both families) derives from its
+// key block n0 of sequence b and its kv head hk before its walk over (query head, query block):
+// off = sk - sq, the GQA group (ratio heads from h0), the query blocks [m_begin, m_end) that
+// see the block, the walk's length, and the sequence's first rows of q and dO.
+struct BwdKeyWalk {
+    int off, ratio, h0, m_begin, m_end, n_iter, rows_k;
+    const fc_u16* gq;
+    const fc_u16* gdo;
+};
+template <bool Is_local, int kBlockM, int kBlockN>
+__device__ __forceinline__ BwdKeyWalk bwd_key_walk(const FlashParams& p, const BwdSeq& seq,
+                                                   int b, int hk, int n0) {
+    BwdKeyWalk w;
+    w.off = seq.sk - seq.sq;
+    w.ratio = p.nheads / p.nheads_k;
+    w.h0 = hk * w.ratio;
+    bwd_query_blocks<Is_local, kBlockM, kBlockN>(p, seq, n0, w.off, w.m_begin, w.m_end);
+    const int n_m = w.m_end > w.m_begin ? w.m_end - w.m_begin : 0;
+    w.n_iter = n_m * w.ratio;
+    w.gq = static_cast<const fc_u16*>(p.q) + b * p.q_batch_stride + seq.q_off * p.q_row_stride;
+    w.gdo = static_cast<const fc_u16*>(p.dout) + b * p.do_batch_stride +
+            seq.q_off * p.do_row_stride;
+    w.rows_k = seq.sk - n0;
+    return w;
+}
+
 // ---- 1. preprocess: D = rowsum(dO * O) --------------------------------------------------------
 // Grid (ceil(seqlen_q / 64), nheads, batch), 256 threads: groups of 8 lanes own one row at a
 // time, each lane reading 16-byte chunks of dO and O (head dim is a multiple of 8).
@@ -399,19 +425,11 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_kernel(const F
     const BwdSeq seq = bwd_seq(p, b);
     const int n0 = n_block * kBlockN;
     if (n0 >= seq.sk) return;  // varlen: this sequence has fewer key blocks
-    const int off = seq.sk - seq.sq;
-    const int ratio = p.nheads / p.nheads_k;
-    const int h0 = hk * ratio;
-
-    // Query blocks that can see at least one key of this block (the same for every head).
-    int m_begin, m_end;
-    bwd_query_blocks<Is_local, kBlockM, kBlockN>(p, seq, n0, off, m_begin, m_end);
-    const int n_m = m_end > m_begin ? m_end - m_begin : 0;
-    const int n_iter = n_m * ratio;
-
-    const fc_u16* gq = static_cast<const fc_u16*>(p.q) + b * p.q_batch_stride + seq.q_off * p.q_row_stride;
-    const fc_u16* gdo = static_cast<const fc_u16*>(p.dout) + b * p.do_batch_stride + seq.q_off * p.do_row_stride;
-    const int rows_k = seq.sk - n0;
+    const BwdKeyWalk kw = bwd_key_walk<Is_local, kBlockM, kBlockN>(p, seq, b, hk, n0);
+    const int off = kw.off, ratio = kw.ratio, h0 = kw.h0, m_begin = kw.m_begin, m_end = kw.m_end;
+    const int n_iter = kw.n_iter, rows_k = kw.rows_k;
+    const fc_u16* gq = kw.gq;
+    const fc_u16* gdo = kw.gdo;
 
     // dK, dV accumulators: warp (wn, ws) owns keys wn*16.. and head-dim columns ws*kColsB..
     const int wn = warp % kWarpsN, ws = warp / kWarpsN;
@@ -753,18 +771,11 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv2_kernel(const 
     const BwdSeq seq = bwd_seq(p, b);
     const int n0 = n_block * kBlockN;
     if (n0 >= seq.sk) return;  // varlen: this sequence has fewer key blocks
-    const int off = seq.sk - seq.sq;
-    const int ratio = p.nheads / p.nheads_k;
-    const int h0 = hk * ratio;
-
-    int m_begin, m_end;
-    bwd_query_blocks<Is_local, kBlockM, kBlockN>(p, seq, n0, off, m_begin, m_end);
-    const int n_m = m_end > m_begin ? m_end - m_begin : 0;
-    const int n_iter = n_m * ratio;
-
-    const fc_u16* gq = static_cast<const fc_u16*>(p.q) + b * p.q_batch_stride + seq.q_off * p.q_row_stride;
-    const fc_u16* gdo = static_cast<const fc_u16*>(p.dout) + b * p.do_batch_stride + seq.q_off * p.do_row_stride;
-    const int rows_k = seq.sk - n0;
+    const BwdKeyWalk kw = bwd_key_walk<Is_local, kBlockM, kBlockN>(p, seq, b, hk, n0);
+    const int off = kw.off, ratio = kw.ratio, h0 = kw.h0, m_begin = kw.m_begin, m_end = kw.m_end;
+    const int n_iter = kw.n_iter, rows_k = kw.rows_k;
+    const fc_u16* gq = kw.gq;
+    const fc_u16* gdo = kw.gdo;
 
     const int swn = warp % kSWn, swm = warp / kSWn;
     const int sk0 = swn * kSTn, sq0 = swm * kSTm;

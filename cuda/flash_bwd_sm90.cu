@@ -68,19 +68,11 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
     const BwdSeq seq = bwd_seq(p, b);
     const int n0 = n_block * kBlockN;
     if (n0 >= seq.sk) return;
-    const int off = seq.sk - seq.sq;
-    const int ratio = p.nheads / p.nheads_k;
-    const int h0 = hk * ratio;
-
-    // Query blocks that can see this key block (as flash_bwd_dkdv2_kernel).
-    int m_begin, m_end;
-    bwd_query_blocks<Is_local, kBlockM, kBlockN>(p, seq, n0, off, m_begin, m_end);
-    const int n_m = m_end > m_begin ? m_end - m_begin : 0;
-    const int n_iter = n_m * ratio;
-
-    const fc_u16* gq = static_cast<const fc_u16*>(p.q) + b * p.q_batch_stride + seq.q_off * p.q_row_stride;
-    const fc_u16* gdo = static_cast<const fc_u16*>(p.dout) + b * p.do_batch_stride + seq.q_off * p.do_row_stride;
-    const int rows_k = seq.sk - n0;
+    const BwdKeyWalk kw = bwd_key_walk<Is_local, kBlockM, kBlockN>(p, seq, b, hk, n0);
+    const int off = kw.off, ratio = kw.ratio, h0 = kw.h0, m_begin = kw.m_begin, m_end = kw.m_end;
+    const int n_iter = kw.n_iter, rows_k = kw.rows_k;
+    const fc_u16* gq = kw.gq;
+    const fc_u16* gdo = kw.gdo;
 
     constexpr int kAcc = kD / 2;                 // dK, dV of 64 keys x kD per warpgroup
     float acc_dk[kAcc], acc_dv[kAcc];
