@@ -202,6 +202,18 @@ __device__ __forceinline__ void bwd_query_blocks(const FlashParams& p, const Bwd
     }
 }
 
+// The step after (h, m_block) of a key-block CTA's walk: the next query block of the same head,
+// or the first block of the next head of the GQA group.
+__device__ __forceinline__ void bwd_walk_next(int h, int m_block, int m_begin, int m_end,
+                                              int& h_next, int& m_next) {
+    h_next = h;
+    m_next = m_block + 1;
+    if (m_next == m_end) {
+        m_next = m_begin;
+        ++h_next;
+    }
+}
+
 // What a key-block CTA of the backward (the dK/dV kernels of both families) derives from its
 // key block n0 of sequence b and its kv head hk before its walk over (query head, query block):
 // off = sk - sq, the GQA group (ratio heads from h0), the query blocks [m_begin, m_end) that
@@ -472,11 +484,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_kernel(const F
         __syncthreads();
 
         // Prefetch the next (head, query block) into the other buffers.
-        int h_next = h, m_next = m_block + 1;
-        if (m_next == m_end) {
-            m_next = m_begin;
-            ++h_next;
-        }
+        int h_next, m_next;
+        bwd_walk_next(h, m_block, m_begin, m_end, h_next, m_next);
         const bool has_next = it + 1 < n_iter;
         float nl_next = 0.f, ds_next = 0.f;
         if (has_next) {
@@ -821,11 +830,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv2_kernel(const 
         cp_async_wait<0>();
         __syncthreads();
 
-        int h_next = h, m_next = m_block + 1;
-        if (m_next == m_end) {
-            m_next = m_begin;
-            ++h_next;
-        }
+        int h_next, m_next;
+        bwd_walk_next(h, m_block, m_begin, m_end, h_next, m_next);
         const bool has_next = it + 1 < n_iter;
         float nl_next = 0.f, ds_next = 0.f;
         if (has_next) {

@@ -125,11 +125,8 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
         fence_proxy_async();
         __syncthreads();
 
-        int h_next = h, m_next = m_block + 1;
-        if (m_next == m_end) {
-            m_next = m_begin;
-            ++h_next;
-        }
+        int h_next, m_next;
+        bwd_walk_next(h, m_block, m_begin, m_end, h_next, m_next);
         const bool has_next = it + 1 < n_iter;
         float nl_next = 0.f, ds_next = 0.f;
         if (has_next) {
