@@ -162,6 +162,13 @@ def test_double_backward_is_refused():
     (dq,) = torch.autograd.grad((out * out).sum(), q, create_graph=True)
     with pytest.raises(RuntimeError, match="flashcore: double backward is not supported"):
         dq.sum().backward()
+    # a constant incoming gradient: the gradients still depend on q, k, v (refused, not
+    # handed back as constants)
+    out = flashcore.attention(q, k, v)
+    (dq,) = torch.autograd.grad(out, q, torch.randn_like(out), create_graph=True)
+    assert dq.requires_grad
+    with pytest.raises(RuntimeError, match="flashcore: double backward is not supported"):
+        dq.sum().backward()
     assert DOUBLE_BACKWARD_MESSAGE.startswith("flashcore: double backward is not supported")
 
 

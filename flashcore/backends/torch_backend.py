@@ -464,6 +464,12 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
         if fk is not None:
             e = plans.derived_get(fk)
             if e is not None:          # this layout and these options ran in full before
+                nid = e.native
+                if nid is None:
+                    nid = _native_id(fk, e)
+                if nid >= 0 and _FAST["native"]:
+                    # the C++ node: the same launches, with no Python in the step
+                    return _NATIVE_OP[0](q, k, v, alibi_slopes, nid)
                 if fk[1]:
                     box = []
                     out = _eager_function().apply(q, k, v, alibi_slopes, None, None, e.spec,
@@ -523,24 +529,28 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
 # set_fast_path(False) turns the path off; set_fast_path(direct=False) keeps it but launches
 # through the recorded plan (CuPy's RawKernel, under CuPy's view of torch's stream) instead.
 
-_FAST = {"enabled": os.environ.get("FLASHCORE_TORCH_FAST", "1") != "0", "direct": True}
+_FAST = {"enabled": os.environ.get("FLASHCORE_TORCH_FAST", "1") != "0", "direct": True,
+         "native": True}
 _FWD_NAMES = ("q", "k", "v", "o", "lse", "alibi_slopes")
 _BWD_NAMES = ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "alibi_slopes")
 _SCALARS = (bool, int, float, type(None))
 
 
-def set_fast_path(enabled: bool | None = None, direct: bool | None = None) -> None:
+def set_fast_path(enabled: bool | None = None, direct: bool | None = None,
+                  native: bool | None = None) -> None:
     """Turn the torch eager fast path on or off (``enabled``; the environment variable
-    FLASHCORE_TORCH_FAST=0 turns it off at import), and its direct driver launches
-    (``direct``; off, the recorded plans launch through CuPy's RawKernel). Recorded entries are
-    dropped."""
+    FLASHCORE_TORCH_FAST=0 turns it off at import), its direct driver launches (``direct``;
+    off, the recorded plans launch through CuPy's RawKernel), and its native C++ autograd node
+    (``native``; off, the Python autograd Function replays the records; see
+    :mod:`flashcore.backends.torch_native`). Recorded entries are dropped."""
     if enabled is not None:
         _FAST["enabled"] = bool(enabled)
     if direct is not None:
         _FAST["direct"] = bool(direct)
-    for key in [key for key in plans.PLANS if type(key) is tuple and key
-                and key[0] in ("torch-fwd", "torch-bwd")]:
-        plans.PLANS.pop(key, None)
+    if native is not None:
+        _FAST["native"] = bool(native)
+    plans.drop([key for key in plans.PLANS if type(key) is tuple and key
+                and key[0] in ("torch-fwd", "torch-bwd")])
 
 
 def fast_path_enabled() -> bool:
@@ -598,7 +608,7 @@ class _Entry:
 
     __slots__ = ("spec", "plan", "names", "slots", "scratch", "direct", "index", "device",
                  "ctx", "lse_shape", "out_mods", "scratch_offsets", "scratch_floats",
-                 "scratch_zero", "out_like_q")
+                 "scratch_zero", "out_like_q", "native")
 
     def __init__(self, torch, spec, plan, names, index, lse_shape, out_mods):
         self.spec = spec
@@ -626,6 +636,7 @@ class _Entry:
         self.out_like_q = False     # set by the forward's recording (q contiguous)
         self.direct = None
         self.ctx = None
+        self.native = None          # its native record's id (see _native_id); None: not yet
         try:
             import cupy
             with cupy.cuda.Device(index):
@@ -704,6 +715,59 @@ def _forward_recording(torch, fk, spec, q, k, v, alibi_slopes):
         e.out_like_q = q.is_contiguous()
         plans.derived_put(fk, e)
     return out, lse
+
+
+_NATIVE_OP: list = []       # [torch.ops.flashcore_native.attention.default] once loaded
+_NATIVE_FWD: dict = {}      # native forward id -> (spec, fast key), for its backward misses
+
+
+def _native_id(key, e) -> int:
+    """The native record id of fast entry ``e`` (recorded under ``key``), attaching it when the
+    native library is loaded; -1 when there is none (not built yet: asked again next call)."""
+    from . import torch_native
+    if not (_FAST["native"] and _FAST["direct"]):
+        e.native = -1           # (turning it back on drops the entries: see set_fast_path)
+        return -1
+    ops = torch_native.ops()
+    if ops is None:
+        if torch_native.status()["status"] != "building":
+            e.native = -1       # off or failed: do not ask again for this entry
+        return -1
+    if not _NATIVE_OP:
+        torch_native._STATE["miss"] = _native_bwd_miss
+        _NATIVE_OP.append(ops.attention.default)
+    forward = key[0] == "torch-fwd"
+    nid = torch_native.attach(key, e, len(_FWD_NAMES if forward else _BWD_NAMES))
+    e.native = nid
+    if nid >= 0 and forward:
+        _NATIVE_FWD[nid] = (e.spec, key)
+    return nid
+
+
+def _native_bwd_miss(dout, q, k, v, out, lse, alibi_slopes, nid):
+    """The native node's backward when it has no current record for this gradient's layout
+    (or under create_graph): the Python backward, recording and attaching a new record."""
+    import torch
+    spec, fk = _NATIVE_FWD[nid]
+    if torch.is_grad_enabled():        # create_graph=True: refuse when differentiated
+        dq, dk, dv = _BACKEND.backward(spec, dout, q, k, v, out, lse, alibi_slopes=alibi_slopes)
+        return _eager_function().no_second_derivative.apply(dout, q, k, v, dq, dk, dv)
+    bk = _fast_bwd_key(torch, fk, dout, out, lse) if _FAST["enabled"] else None
+    if bk is None:
+        return _BACKEND.backward(spec, dout, q, k, v, out, lse, alibi_slopes=alibi_slopes)
+    e = plans.derived_get(bk)
+    grads = None
+    if e is not None:
+        grads = _fast_backward(torch, e, dout, q, k, v, out, lse, alibi_slopes)
+    if grads is None:
+        grads = _backward_recording(torch, bk, spec, dout, q, k, v, out, lse, alibi_slopes)
+        e = plans.derived_get(bk)
+    if e is not None:
+        bid = e.native if e.native is not None and e.native >= 0 else _native_id(bk, e)
+        if bid >= 0:
+            from . import torch_native
+            torch_native.ops().set_backward(nid, bid, dout)
+    return grads
 
 
 def _fast_backward(torch, e, dout, q, k, v, out, lse, alibi_slopes):
@@ -792,18 +856,21 @@ def _eager_function():
                                               cu_seqlens_k=cu_seqlens_k)
             dq, dk, dv = grads
             if torch.is_grad_enabled():      # create_graph=True: refuse when differentiated
-                dq, dk, dv = NoSecondDerivative.apply(dout, dq, dk, dv)
+                dq, dk, dv = NoSecondDerivative.apply(dout, q, k, v, dq, dk, dv)
             return dq, dk, dv, None, None, None, None, None, None
 
     class NoSecondDerivative(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, dout, *grads):   # dout ties the gradients to the graph being built
+        def forward(ctx, dout, q, k, v, *grads):
+            # dout, q, k, v tie the gradients to the graph being built: they require grad
+            # whenever the gradients could be differentiated (a constant dout included)
             return tuple(g.clone() for g in grads)
 
         @staticmethod
         def backward(ctx, *_):
             raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
 
+    FlashAttentionFunction.no_second_derivative = NoSecondDerivative
     _EAGER.append(FlashAttentionFunction)
     return FlashAttentionFunction
 

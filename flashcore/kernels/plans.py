@@ -31,10 +31,32 @@ _MAX_PLANS = 1024
 _STATE = {"enabled": True}
 
 
+_DROP_LISTENERS: list = []
+
+
+def on_drop(fn) -> None:
+    """Call ``fn()`` whenever recorded plans are dropped (whoever copied launch data out of
+    them, like the torch backend's native records, must stop using it: the kernels may be
+    unloaded)."""
+    _DROP_LISTENERS.append(fn)
+
+
+def _dropped() -> None:
+    for fn in _DROP_LISTENERS:
+        fn()
+
+
+def drop(keys) -> None:
+    """Drop the entries under ``keys`` (missing ones ignored)."""
+    for key in keys:
+        PLANS.pop(key, None)
+    _dropped()
+
+
 def set_enabled(on: bool) -> None:
     _STATE["enabled"] = bool(on)
     if not on:
-        PLANS.clear()
+        clear()
 
 
 def enabled() -> bool:
@@ -43,6 +65,7 @@ def enabled() -> bool:
 
 def clear() -> None:
     PLANS.clear()
+    _dropped()
 
 
 def layout_key(a):
@@ -116,7 +139,7 @@ def remember(key, plan: Plan) -> None:
     if key is None or not _STATE["enabled"]:
         return
     if len(PLANS) >= _MAX_PLANS:
-        PLANS.clear()
+        clear()
     PLANS[key] = plan
     _note(plan)
 
@@ -172,7 +195,7 @@ def derived_put(key, entry) -> None:
     if not _STATE["enabled"]:
         return
     if len(PLANS) >= _MAX_PLANS:
-        PLANS.clear()
+        clear()
     PLANS[key] = entry
 
 

@@ -3,7 +3,9 @@
 
 Rows, each the best of 5 x N calls on a tiny problem (1 x 128 x 2 x 64 bf16, causal):
   cupy fwd / fwd+bwd          flashcore on CuPy arrays (the reference)
-  torch fwd / fwd+bwd         flashcore.attention on torch tensors (no grad / autograd)
+  torch fwd / fwd+bwd         flashcore.attention on torch tensors (no grad / autograd), the
+                              fast path's replay in the C++ node (torch_native), when it builds
+  torch ..., Python node      the same with the replay in the Python autograd Function
   sdpa fwd / fwd+bwd          torch SDPA (C++ autograd node): torch's own floor
   Function noop fwd+bwd       a Python autograd.Function whose forward and backward launch
                               one tiny CuPy kernel each: the floor of any Python custom op
@@ -34,8 +36,23 @@ def main(n=1000):
     from flashcore.kernels import plans
     from flashcore.spec import forward_spec
 
+    from flashcore.backends import torch_native
+    try:
+        torch_native.build()
+    except RuntimeError as exc:
+        print(f"# native node unavailable: {exc}")
+    print(f"# native node: {torch_native.status()}")
     dev = torch.device("cuda")
     calls, (q, k, v, do) = tiny_calls()
+
+    def python_node(fn):
+        def go():
+            tb._FAST["native"] = False
+            try:
+                fn()
+            finally:
+                tb._FAST["native"] = True
+        return go
     qt, kt, vt = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
     dot = do.transpose(1, 2).contiguous()
     rows = []
@@ -90,7 +107,10 @@ def main(n=1000):
         "cupy fwd": calls["cupy_fwd"], "torch fwd (no grad)": calls["torch_fwd"],
         "sdpa fwd (no grad)": sdpa_f, "cupy fwd+bwd": calls["cupy_fwdbwd"],
         "torch fwd+bwd (autograd)": calls["torch_fwdbwd"], "sdpa fwd+bwd (autograd)": sdpa_fb,
-        "Function noop fwd+bwd": noop_fb}, n, warmup=20)
+        "Function noop fwd+bwd": noop_fb,
+        "torch fwd (no grad), Python node": python_node(calls["torch_fwd"]),
+        "torch fwd+bwd (autograd), Python node": python_node(calls["torch_fwdbwd"])},
+        n, warmup=20)
     rows.extend((f"[interleaved] {k}", v) for k, v in head.items())
     row("cupy fwd", calls["cupy_fwd"])
     rows.append(("torch fwd (no grad), full path", with_fast(False, True, calls["torch_fwd"])()))
@@ -130,6 +150,7 @@ def main(n=1000):
         helpers[name] = [0.0, 0]
         setattr(mod, name, timer(fn0, helpers[name]))
         patched.append((mod, name, fn0))
+    tb._FAST["native"] = False       # (these rows are about the Python Function)
     F_.forward = staticmethod(timer(orig_f, body["Function.forward"]))
     F_.backward = staticmethod(timer(orig_b, body["Function.backward"]))
     try:
@@ -150,6 +171,7 @@ def main(n=1000):
                 best = (tot, {k: list(v) for k, v in accs.items()})
         rows.append(("torch fwd+bwd (autograd, timed bodies)", best[0]))
     finally:
+        tb._FAST["native"] = True
         F_.forward, F_.backward = orig_f, orig_b
         for mod, name, fn0 in patched:
             setattr(mod, name, fn0)
@@ -230,6 +252,10 @@ def main(n=1000):
     print(f"torch fwd (no grad) - cupy fwd           {r['torch fwd (no grad)'] - r['cupy fwd']:9.1f}")
     print(f"torch fwd+bwd - cupy fwd+bwd             "
           f"{r['torch fwd+bwd (autograd)'] - r['cupy fwd+bwd']:9.1f}")
+    print(f"torch fwd+bwd (Python node) - cupy       "
+          f"{r['torch fwd+bwd (autograd), Python node'] - r['cupy fwd+bwd']:9.1f}")
+    print(f"torch fwd+bwd - sdpa fwd+bwd             "
+          f"{r['torch fwd+bwd (autograd)'] - r['sdpa fwd+bwd (autograd)']:9.1f}")
     print(f"torch fwd+bwd - Function noop fwd+bwd    "
           f"{r['torch fwd+bwd (autograd)'] - r['Function noop fwd+bwd']:9.1f}")
 

@@ -223,16 +223,42 @@ FAST_CASES = [dict(causal=True), dict(causal=False), dict(window_size=(37, 5)),
               dict(causal=True, softcap=30.0), dict(causal=True, deterministic=True)]
 
 
-@pytest.mark.parametrize("direct", [True, False])
+def _set_launch(monkeypatch, launch):
+    """The fast path's replay: "native" (the C++ autograd node, built now), "direct" (the
+    Python Function, cuLaunchKernel from Python) or "rawkernel" (the recorded plans' RawKernels)."""
+    from flashcore.backends import torch_backend as tb
+    from flashcore.backends import torch_native
+    if launch == "native":
+        torch_native.build()
+    monkeypatch.setitem(tb._FAST, "native", launch == "native")
+    monkeypatch.setitem(tb._FAST, "direct", launch != "rawkernel")
+
+
+def _native_state(q, k, v, grad, **kw):
+    """(forward record current?, its backward record id) of the native entry for this call."""
+    from flashcore.backends import torch_backend as tb
+    from flashcore.backends import torch_native
+    from flashcore.kernels import plans
+    fk = tb._fast_key(torch, q, k, v, None, None, kw.get("causal", False), None,
+                      kw.get("window_size", (-1, -1)), kw.get("softcap", 0.0),
+                      kw.get("deterministic", False), grad)
+    e = plans.derived_get(fk)
+    assert e is not None and e.native is not None and e.native >= 0
+    st = torch_native.ops().entry_state(e.native)
+    return st[-2], st[-1]
+
+
+@pytest.mark.parametrize("launch", ["native", "direct", "rawkernel"])
 @pytest.mark.parametrize("grad", [False, True])
 @pytest.mark.parametrize("kw", FAST_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fast_path_is_bitwise_the_full_path(monkeypatch, dtype, kw, grad, direct):
-    """Same bits with the fast path (its replay, direct driver launches or the recorded plans'
-    RawKernels) as with the full path, on a non-default stream, GQA, after a layout change."""
+def test_fast_path_is_bitwise_the_full_path(monkeypatch, dtype, kw, grad, launch):
+    """Same bits with the fast path (its replay: the C++ node, direct driver launches from
+    Python, or the recorded plans' RawKernels) as with the full path, on a non-default stream
+    with work queued ahead, GQA, after a layout change."""
     from flashcore.backends import torch_backend as tb
     from flashcore.kernels import plans
-    monkeypatch.setitem(tb._FAST, "direct", direct)
+    _set_launch(monkeypatch, launch)
     plans.clear()
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
@@ -249,6 +275,14 @@ def test_fast_path_is_bitwise_the_full_path(monkeypatch, dtype, kw, grad, direct
         torch.cuda._sleep(5_000_000)                            # queued work ahead on s
         q2, k2, v2 = (x.detach().clone().requires_grad_(grad) for x in (q, k, v))
         again = _fast_calls(q2, k2, v2, dout, grad, **kw)       # fast path, new pointers
+        again = [x.clone() for x in again]
+        torch.cuda._sleep(5_000_000)
+        # native: the first replay's backward attached its record; this one replays it in C++
+        again2 = _fast_calls(q2, k2, v2, dout, grad, **kw)
+        again2 = [x.clone() for x in again2]
+        if launch == "native":
+            current, bwd = _native_state(q2, k2, v2, grad, **kw)
+            assert current == 1 and (bwd >= 0) == grad
         n = len(_fast_entries())
         # a layout change: a strided q (a view of a (b, h, s, d) buffer) misses, runs in full
         qt = q.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(grad)
@@ -259,13 +293,46 @@ def test_fast_path_is_bitwise_the_full_path(monkeypatch, dtype, kw, grad, direct
     s.synchronize()
     # out and lse bitwise; gradients bitwise when deterministic (otherwise dQ is accumulated
     # with atomics, whose order may change the last bit from one run to the next)
-    for i, (a, b, c, d, e) in enumerate(zip(ref, first, again, changed, changed2)):
+    for i, (a, *others) in enumerate(zip(ref, first, again, again2, changed, changed2)):
         if i < 2 or kw.get("deterministic"):
-            assert torch.equal(a, b) and torch.equal(a, c), i
-            assert torch.equal(a, d) and torch.equal(a, e), i
+            for j, x in enumerate(others):
+                assert torch.equal(a, x), (i, j)
         else:
-            for x in (b, c, d, e):
+            for x in others:
                 torch.testing.assert_close(x, a)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_node_gradient_layouts_create_graph_and_double_backward(monkeypatch, dtype):
+    """The C++ node's backward: an incoming gradient of another layout (strided, expanded)
+    misses its record and runs the Python backward, with the same values; create_graph=True
+    works until the attention backward itself is differentiated, which is refused."""
+    from flashcore.backends import torch_backend as tb
+    _set_launch(monkeypatch, "native")
+    monkeypatch.setitem(tb._FAST, "enabled", True)
+    q, k, v = _qkv(dtype=dtype, h=4, hk=4, d=64, sq=96, sk=96, seed=3)
+    dout = torch.randn_like(q)
+    for _ in range(3):       # record, attach, replay
+        out = flashcore.attention(q, k, v, causal=True)
+        ref = torch.autograd.grad(out, (q, k, v), dout)
+    assert _native_state(q, k, v, True, causal=True)[1] >= 0
+    dstrided = dout.transpose(1, 2).contiguous().transpose(1, 2)      # same values, other strides
+    for _ in range(2):
+        out = flashcore.attention(q, k, v, causal=True)
+        got = torch.autograd.grad(out, (q, k, v), dstrided)
+        for a, b in zip(ref, got):
+            torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+    out = flashcore.attention(q, k, v, causal=True)
+    (gs,) = torch.autograd.grad(out.float().sum(), (q,))               # expanded ones
+    out = flashcore.attention(q, k, v, causal=True)
+    (gd,) = torch.autograd.grad(out, (q,), torch.ones_like(out))
+    torch.testing.assert_close(gs.float(), gd.float(), atol=2e-2, rtol=2e-2)
+    out = flashcore.attention(q, k, v, causal=True)
+    g = torch.autograd.grad(out, (q, k, v), dout, create_graph=True)
+    for a, b in zip(ref, g):
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+    with pytest.raises(RuntimeError, match="double backward"):
+        g[0].float().sum().backward()
 
 
 def test_fast_path_still_validates_and_misses_on_options(monkeypatch):
