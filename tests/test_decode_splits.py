@@ -40,3 +40,46 @@ def test_max_splits_matches_the_kernels_weight_table():
     src = (jit.cuda_dir() / "flash_decode.cu").read_text()
     m = re.search(r"constexpr int kMaxSplits = (\d+);", src)
     assert m and int(m.group(1)) == MAX_SPLITS
+
+
+# ---- sm_90 unsplit tiles and the two-split fallback (decode.single_config, sm90_num_splits) ----
+
+from flashcore.kernels.decode import (  # noqa: E402
+    DecodeConfig, single_config, sm90_num_splits, wave_efficiency)
+
+ONE, TWO, THREE = DecodeConfig(64, 4, 4), DecodeConfig(64, 4, 3), DecodeConfig(64, 4, 2)
+
+
+@pytest.mark.parametrize("batch, tile", [
+    # (batch of 8 kv heads on 132 SMs -> the tile the H200 sweep measured best or within 1%)
+    (12, ONE), (16, ONE),                 # one wave of one CTA per SM
+    (17, TWO), (20, TWO),                 # 136-160 CTAs: one per SM would leave a 2nd wave
+    (24, THREE), (32, THREE), (40, THREE), (48, THREE),   # all resident only at three per SM
+    (33, ONE), (64, ONE), (66, ONE), (80, ONE), (128, ONE), (256, ONE),  # full waves
+    (50, TWO), (56, TWO),                 # ragged either way: two per SM measured 3-10% ahead
+])
+def test_single_config_follows_the_wave_sweep(batch, tile):
+    cfg, eff = single_config(128, batch * 8, 132)
+    assert cfg == tile
+    assert 0 < eff <= 1
+
+
+def test_wave_efficiency():
+    assert wave_efficiency(100, 132) == 1.0
+    assert wave_efficiency(264, 132) == 1.0
+    assert wave_efficiency(136, 132) == pytest.approx(136 / 264)
+    assert wave_efficiency(512, 132) == pytest.approx(512 / 528)
+
+
+def test_two_splits_only_for_ragged_waves_of_long_caches():
+    blocks = lambda keys: keys // 128  # noqa: E731  (the cluster tile's 128-key blocks)
+    # batch 50, 16k: ragged (0.76) and long -> 2; at 4k the unsplit tile stays
+    assert sm90_num_splits(400, 132, blocks(16384), 128, 1, 16384) == 2
+    assert sm90_num_splits(400, 132, blocks(4096), 128, 1, 4096) == 1
+    # full waves stay unsplit at any length; the cluster rule's own counts are untouched
+    assert sm90_num_splits(512, 132, blocks(131072), 128, 1, 131072) == 1
+    assert sm90_num_splits(8, 132, blocks(131072), 128, 1, 131072) == 8
+    assert sm90_num_splits(64, 132, blocks(16384), 128, 1, 16384) == 2
+    # two m16 slices, or a head dim without candidates: the cluster rule alone
+    assert sm90_num_splits(400, 132, blocks(16384), 128, 2, 16384) == 1
+    assert sm90_num_splits(400, 132, blocks(16384), 64, 1, 16384) == 1

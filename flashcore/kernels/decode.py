@@ -93,21 +93,70 @@ def headdim_tile(headdim: int) -> int:
     return smallest_tile(headdim, HEADDIM_TILES)
 
 
-# One split and at most _SINGLE_WAVES waves of one CTA per SM (say batch 64 of 8 kv heads: 512
-# CTAs): at d128, four 64-key stages (136 KiB, one CTA per SM, 96 KiB in flight) measured
-# 0.5-1.8% faster than the default's two CTAs per SM of three stages (H200, batch 64, caches
-# 4k-128k; docs/performance-log.md, session 4). Larger grids keep the default (not measured).
-_SINGLE_CONFIGS = {128: DecodeConfig(64, 4, 4)}
-_SINGLE_WAVES = 4
+# Unsplit launches on sm_90 (d128, one m16 slice): the tile is chosen by how the CTAs fill the
+# GPU's resident slots, from three that differ only in pipeline depth and so in CTAs per SM:
+# four 64-key stages (136 KiB: one CTA per SM), three (101 KiB: two), two (69 KiB: three). The
+# H200 sweep over batch (tests/gpu/decode_waves.py --configs, docs/performance-log.md session 5)
+# found the step's time set by the last, partial wave: at a 4k cache, batch 17 (136 CTAs) ran at
+# 2.55 TB/s with one CTA per SM (two waves, the second of 4 CTAs) and 3.53 with two (one wave);
+# batch 50 at 3.66 against 4.02. single_config() encodes what the sweep measured best.
+_SINGLE_CANDIDATES = {128: (DecodeConfig(64, 4, 4), DecodeConfig(64, 4, 3), DecodeConfig(64, 4, 2))}
+
+
+# Where even the best unsplit tile leaves the last wave ragged (wave efficiency < 0.9) and the
+# caches are long, two splits merged in a cluster halve every CTA and so the ragged tail: batch
+# 50 at 16k ran at 4.45 TB/s split against 3.93-3.99 unsplit (cuDNN 4.11); at 4k the split's
+# fixed costs ate the gain (3.95 against 4.02), hence the length floor.
+_SPLIT2_MIN_KEYS = 8192
+
+
+def ctas_per_sm(smem: int) -> int:
+    return max(1, min(4, _SMEM_PER_SM // (smem + 1024)))
+
+
+def wave_efficiency(ctas: int, slots: int) -> float:
+    """The fraction of the launch's wave-slots that hold a CTA (1 when every CTA is resident
+    at once): ctas / (waves rounded up x slots)."""
+    if ctas <= slots:
+        return 1.0
+    w = ctas / slots
+    return w / math.ceil(w)
+
+
+def single_config(headdim: int, ctas: int, num_sms: int) -> tuple[DecodeConfig, float]:
+    """``(tile, wave efficiency)`` of an unsplit launch of ``ctas`` CTAs on ``num_sms`` SMs (sm_90,
+    a head-dim tile in _SINGLE_CANDIDATES, one m16 slice); batches below are of 8 kv heads on
+    132 SMs, each measured in the sweep:
+
+    - one CTA per SM (the deepest pipeline) when its waves are full (efficiency >= 0.95, within
+      0.02 of the best candidate's): batch <= 16, 33, 64, 66, 80, 128, 256;
+    - else two per SM when that holds every CTA at once with at most 1.3 CTAs per SM on average:
+      batch 17-21 (2.55 -> 3.53 TB/s at batch 17, 4k);
+    - else three per SM when that holds every CTA at once: batch 22-32, 34-48;
+    - else the best wave efficiency, two per SM first on a tie: batch 50-62 (3.03-3.76 waves of
+      one per SM, 1.52-1.88 of two; two per SM ran 3-10% faster there).
+    """
+    cands = _SINGLE_CANDIDATES[headdim_tile(headdim)]
+    slots = [num_sms * ctas_per_sm(smem_bytes(headdim, 1, cfg=c)) for c in cands]
+    eff = [wave_efficiency(ctas, n) for n in slots]
+    best = max(eff)
+    if eff[0] >= 0.95 and eff[0] >= best - 0.02:
+        return cands[0], eff[0]
+    if ctas <= slots[1] and ctas <= 1.3 * num_sms:
+        return cands[1], eff[1]
+    if ctas <= slots[2]:
+        return cands[2], eff[2]
+    i = max((1, 0, 2), key=lambda j: eff[j])      # first of the best, in this order
+    return cands[i], eff[i]
 
 
 def decode_config(headdim: int, cluster: bool = False, m_tiles: int = 1,
                   single_ctas: int = 0, num_sms: int = 0) -> DecodeConfig:
     """The tile configuration of the decode kernel for ``headdim`` (an override set by
     set_config_override wins): for the split kernels that merge inside a cluster
-    (``cluster``), for an unsplit launch of ``single_ctas`` CTAs on ``num_sms`` SMs, or the
-    default. Two m16 slices (more than 16 packed rows) keep the default: with deeper stages
-    their accumulators would spill."""
+    (``cluster``), for an unsplit launch of ``single_ctas`` CTAs on ``num_sms`` SMs (sm_90:
+    single_config), or the default. Two m16 slices (more than 16 packed rows) keep the default:
+    with deeper stages their accumulators would spill."""
     d = headdim_tile(headdim)
     over = _CONFIG_OVERRIDE.get(d)
     if over:
@@ -115,8 +164,8 @@ def decode_config(headdim: int, cluster: bool = False, m_tiles: int = 1,
     if m_tiles == 1:
         if cluster:
             return _CLUSTER_CONFIGS[d]
-        if single_ctas and d in _SINGLE_CONFIGS and single_ctas <= _SINGLE_WAVES * num_sms:
-            return _SINGLE_CONFIGS[d]
+        if single_ctas and num_sms and d in _SINGLE_CANDIDATES:
+            return single_config(headdim, single_ctas, num_sms)[0]
     return _CONFIGS[d]
 
 
@@ -180,10 +229,12 @@ def instantiations() -> list[str]:
         for v in _variants((dt,)):
             for spl in (False, True):
                 names.append(kernel_name(*v, spl))
-        for v in _variants((dt,)):          # unsplit launches of a few waves
+        for v in _variants((dt,)):          # unsplit launches on sm_90 (single_config)
             d = headdim_tile(v[1])
-            if v[2] == 1 and d in _SINGLE_CONFIGS:
-                names.append(kernel_name(*v, False, _SINGLE_CONFIGS[d]))
+            if v[2] == 1 and d in _SINGLE_CANDIDATES:
+                for cfg in _SINGLE_CANDIDATES[d]:
+                    if cfg != _CONFIGS[d]:
+                        names.append(kernel_name(*v, False, cfg))
         names.append(combine_name(dt))
         for paged in (False, True):
             for rot, inter in ((False, False), (True, False), (True, True)):
@@ -250,6 +301,19 @@ def cluster_num_splits(base_ctas: int, num_sms: int, num_n_blocks: int) -> int:
     s = max(1, min(8, s_max))
     if s_max > 8 and base_ctas * s < num_sms // 4:
         return 0
+    return s
+
+
+def sm90_num_splits(base_ctas: int, num_sms: int, num_n_blocks: int, headdim: int,
+                    m_tiles: int, max_seqlen_k: int) -> int:
+    """The split count for ``num_splits=0`` on sm_90 (cluster merge available): the cluster rule
+    (cluster_num_splits; 0 hands over to the global rule), and two splits where the rule says
+    one but the best unsplit tile leaves a ragged last wave of long CTAs (_SPLIT2_MIN_KEYS)."""
+    s = cluster_num_splits(base_ctas, num_sms, num_n_blocks)
+    if (s == 1 and m_tiles == 1 and max_seqlen_k >= _SPLIT2_MIN_KEYS and num_n_blocks >= 4
+            and headdim_tile(headdim) in _SINGLE_CANDIDATES
+            and single_config(headdim, base_ctas, num_sms)[1] < 0.9):
+        return 2
     return s
 
 
@@ -439,13 +503,13 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
     if num_splits is None or num_splits <= 0:
         base_ctas = batch * nheads_k * m_blocks
         if cluster_ok:
-            num_splits = cluster_num_splits(base_ctas, _sm_count(device_id),
-                                            key_blocks(decode_config(headdim, True, m_tiles)))
+            num_splits = sm90_num_splits(base_ctas, _sm_count(device_id),
+                                         key_blocks(decode_config(headdim, True, m_tiles)),
+                                         headdim, m_tiles, max_seqlen_k)
             cluster_declined = num_splits == 0
         if not cluster_ok or cluster_declined:
-            smem = smem_bytes(headdim, m_tiles)
-            ctas_per_sm = max(1, min(4, _SMEM_PER_SM // (smem + 1024)))
-            num_splits = choose_num_splits(base_ctas, _sm_count(device_id), ctas_per_sm,
+            num_splits = choose_num_splits(base_ctas, _sm_count(device_id),
+                                           ctas_per_sm(smem_bytes(headdim, m_tiles)),
                                            key_blocks(decode_config(headdim)))
     num_splits = int(max(1, min(int(num_splits), MAX_SPLITS)))
     is_split = num_splits > 1
@@ -459,7 +523,7 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
                    and _cluster_layout_fits(headdim, m_tiles,
                                             decode_config(headdim, True, m_tiles)))
     cfg = decode_config(headdim, cluster, m_tiles,
-                        single_ctas=0 if is_split else batch * nheads_k * m_blocks,
+                        single_ctas=0 if is_split or cc < 90 else batch * nheads_k * m_blocks,
                         num_sms=_sm_count(device_id))
     smem = smem_bytes(headdim, m_tiles, cfg=cfg)
     if cluster:

@@ -5,6 +5,7 @@ counts (8 kv heads per sequence, one CTA per SM for the unsplit tile: batch 16.5
 counts and merges. GPU time with the L2 flushed, as in bench_decode.py.
 
     python tests/gpu/decode_waves.py            # the tables
+    python tests/gpu/decode_waves.py --configs  # unsplit tiles x batch (waves), 4k and 16k
     python tests/gpu/decode_waves.py --ncu B S  # one flashcore step and one cuDNN step of
                                                 # batch B, cache S, between cudaProfilerStart/Stop
                                                 # (run under ncu --profile-from-start off)
@@ -52,6 +53,48 @@ def tables():
     print(f"  default {pb.nbytes / t / 1e12:.3f}   cuDNN {pb.nbytes / tc / 1e12:.3f}")
 
 
+CONFIGS = [(64, 4, 4), (64, 4, 3), (64, 4, 2), (128, 4, 2), (32, 2, 4), (32, 2, 3)]
+
+
+def configs():
+    """Each unsplit tile (and 2 splits with the default rule's tiles) against batch, where the
+    waves of one-CTA-per-SM tiles fall between integers; cuDNN alongside."""
+    from torch.nn.attention import SDPBackend
+    from flashcore.bench import DecodeProblem
+    from flashcore.kernels import decode as dm
+
+    print("cache batch waves(1/SM) | cuDNN | " + " | ".join(f"{c[0]}x{c[1]}x{c[2]}" for c in CONFIGS)
+          + " | 2 splits | default")
+    for sk, batches in ((4096, (8, 12, 16, 17, 20, 24, 32, 33, 40, 48, 50, 56, 64, 66, 80, 96,
+                                 99, 128, 160, 192, 256)),
+                        (16384, (16, 17, 24, 33, 40, 50, 56, 64, 66, 96)),
+                        (131072, (17, 50, 64))):
+        for b in batches:
+            pb = DecodeProblem(b, sk)
+            tc = _time(lambda: pb.sdpa(SDPBackend.CUDNN_ATTENTION))
+            row = []
+            ref = None
+            with pb.stream:
+                for cfg in CONFIGS:
+                    dm.set_config_override(128, cfg)
+                    try:
+                        pb.run(1)
+                        o = pb.out.float().clone()
+                        ref = o if ref is None else ref
+                        assert float((o - ref).abs().max()) < 0.05
+                        row.append(pb.nbytes / _time(lambda: pb.run(1)) / 1e12)
+                    except Exception as e:
+                        print(f"  {cfg}: {type(e).__name__}: {str(e)[:70]}")
+                        row.append(float("nan"))
+                dm.set_config_override(128, None)
+                row.append(pb.nbytes / _time(lambda: pb.run(2)) / 1e12)
+                ns = pb.run()
+                row.append(pb.nbytes / _time(pb.run) / 1e12)
+            print(f"{sk // 1024:4d}k {b:5d} {b * 8 / 132:5.2f} | {pb.nbytes / tc / 1e12:.3f} | "
+                  + " | ".join(f"{x:.3f}" for x in row) + f" ({ns})")
+            del pb
+
+
 def ncu_target(b, s):
     import torch
     from torch.nn.attention import SDPBackend
@@ -73,5 +116,7 @@ if __name__ == "__main__":
     if "--ncu" in sys.argv:
         i = sys.argv.index("--ncu")
         ncu_target(int(sys.argv[i + 1]), int(sys.argv[i + 2]))
+    elif "--configs" in sys.argv:
+        configs()
     else:
         tables()
