@@ -59,9 +59,16 @@ ONE, TWO, THREE = DecodeConfig(64, 4, 4), DecodeConfig(64, 4, 3), DecodeConfig(6
     (50, TWO), (56, TWO),                 # ragged either way: two per SM measured 3-10% ahead
 ])
 def test_single_config_follows_the_wave_sweep(batch, tile):
-    cfg, eff = single_config(128, batch * 8, 132)
+    cfg, eff = single_config(128, batch * 8, 132)            # (cache length not given)
     assert cfg == tile
     assert 0 < eff <= 1
+    assert single_config(128, batch * 8, 132, 16384)[0] == tile
+
+
+@pytest.mark.parametrize("batch, tile", [(12, TWO), (16, TWO), (33, TWO), (64, TWO), (66, TWO),
+                                         (80, ONE), (128, ONE), (17, TWO), (40, THREE)])
+def test_single_config_short_caches_take_two_per_sm_on_full_waves(batch, tile):
+    assert single_config(128, batch * 8, 132, 4096)[0] == tile
 
 
 def test_wave_efficiency():

@@ -753,7 +753,8 @@ def test_decode_cluster_split_rule():
 @pytest.mark.parametrize("b, cap, hk, h, sq, want", [
     (1, 4096, 8, 32, 1, ("cluster", 8, 128, 3)),
     (8, 16384, 8, 32, 1, ("cluster", 2, 128, 3)),
-    (64, 4096, 8, 32, 1, ("plain", 1, 64, 4)),        # 512 CTAs: 3.88 waves of 1 per SM
+    (64, 4096, 8, 32, 1, ("plain", 1, 64, 3)),        # 512 CTAs, short: 1.94 waves of 2 per SM
+    (64, 16384, 8, 32, 1, ("plain", 1, 64, 4)),       # the same, long: 3.88 waves of 1 per SM
     (128, 4096, 8, 32, 1, ("plain", 1, 64, 4)),       # 1024 CTAs: 7.76 waves of 1 per SM
     (17, 4096, 8, 32, 1, ("plain", 1, 64, 3)),        # 136 CTAs: one wave of 2 per SM
     (1, 131072, 1, 8, 1, ("global", None, 64, 3)),    # MQA, one sequence: many splits
