@@ -734,7 +734,7 @@ def _native_id(key, e) -> int:
             e.native = -1       # off or failed: do not ask again for this entry
         return -1
     if not _NATIVE_OP:
-        torch_native._STATE["miss"] = _native_bwd_miss
+        torch_native.set_backward_miss(_native_bwd_miss)
         _NATIVE_OP.append(ops.attention.default)
     forward = key[0] == "torch-fwd"
     nid = torch_native.attach(key, e, len(_FWD_NAMES if forward else _BWD_NAMES))
@@ -763,7 +763,7 @@ def _native_bwd_miss(dout, q, k, v, out, lse, alibi_slopes, nid):
         grads = _backward_recording(torch, bk, spec, dout, q, k, v, out, lse, alibi_slopes)
         e = plans.derived_get(bk)
     if e is not None:
-        bid = e.native if e.native is not None and e.native >= 0 else _native_id(bk, e)
+        bid = e.native if e.native is not None else _native_id(bk, e)
         if bid >= 0:
             from . import torch_native
             torch_native.ops().set_backward(nid, bid, dout)

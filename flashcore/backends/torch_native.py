@@ -153,6 +153,12 @@ def _bwd_miss(dout, q, k, v, out, lse, alibi_slopes, entry):
     return _STATE["miss"](dout, q, k, v, out, lse, alibi_slopes, entry)
 
 
+def set_backward_miss(fn) -> None:
+    """``fn(dout, q, k, v, out, lse, alibi_slopes, entry) -> (dq, dk, dv)``: what the node's
+    backward calls when it has no current record for the call (the torch backend's)."""
+    _STATE["miss"] = fn
+
+
 def _finish() -> None:
     """Load what the build thread produced (in the caller's thread)."""
     res = _STATE["result"][0]

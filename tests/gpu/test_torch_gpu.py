@@ -239,7 +239,7 @@ def _native_state(q, k, v, grad, **kw):
     from flashcore.backends import torch_backend as tb
     from flashcore.backends import torch_native
     from flashcore.kernels import plans
-    fk = tb._fast_key(torch, q, k, v, None, None, kw.get("causal", False), None,
+    fk = tb._fast_key(torch, q, k, v, kw.get("alibi_slopes"), None, kw.get("causal", False), None,
                       kw.get("window_size", (-1, -1)), kw.get("softcap", 0.0),
                       kw.get("deterministic", False), grad)
     e = plans.derived_get(fk)
@@ -250,7 +250,7 @@ def _native_state(q, k, v, grad, **kw):
 
 @pytest.mark.parametrize("launch", ["native", "direct", "rawkernel"])
 @pytest.mark.parametrize("grad", [False, True])
-@pytest.mark.parametrize("kw", FAST_CASES)
+@pytest.mark.parametrize("kw", FAST_CASES + ["alibi"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fast_path_is_bitwise_the_full_path(monkeypatch, dtype, kw, grad, launch):
     """Same bits with the fast path (its replay: the C++ node, direct driver launches from
@@ -260,6 +260,8 @@ def test_fast_path_is_bitwise_the_full_path(monkeypatch, dtype, kw, grad, launch
     from flashcore.kernels import plans
     _set_launch(monkeypatch, launch)
     plans.clear()
+    if kw == "alibi":     # ALiBi slopes per head (a sixth pointer, saved for the backward)
+        kw = dict(causal=True, alibi_slopes=torch.rand(8, device="cuda", dtype=torch.float32))
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         q, k, v = _qkv(dtype=dtype, h=8, hk=2, requires_grad=grad)
