@@ -21,9 +21,18 @@ needs_cxx = pytest.mark.skipif(torch_native._compiler() is None, reason="no C++ 
 @pytest.fixture(scope="module")
 def native(tmp_path_factory):
     mp = pytest.MonkeyPatch()
-    mp.setenv("FLASHCORE_CACHE_DIR", str(tmp_path_factory.mktemp("native-cache")))
+    cache = tmp_path_factory.mktemp("native-cache")
+    mp.setenv("FLASHCORE_CACHE_DIR", str(cache))
+    # a partial output left by a build that was killed two hours ago, and one in progress now
+    old, new = cache / "flashcore_native-0.1.2.tmp.so", cache / "flashcore_native-0.3.4.tmp.so"
+    old.write_bytes(b"partial")
+    new.write_bytes(b"partial")
+    os.utime(old, (os.path.getmtime(old) - 7200,) * 2)
     try:
-        yield torch_native.build()
+        ops = torch_native.build()
+        if torch_native.status()["status"] == "ready" and os.path.isfile(torch_native.library_path()):
+            assert not old.exists() and new.exists()      # the build cleared the stale one only
+        yield ops
     finally:
         mp.undo()
 

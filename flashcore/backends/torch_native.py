@@ -98,8 +98,20 @@ def library_path(cxx: str | None = None) -> Path:
     return cache_dir() / f"flashcore_native-{h.hexdigest()[:16]}.so"
 
 
+def _remove_stale_partials(folder: Path, age_s: float = 3600.0) -> None:
+    """Partial outputs of builds that were killed (a process ended mid-build) and are old."""
+    import time
+    for p in folder.glob("flashcore_native-*.tmp.so"):
+        try:
+            if time.time() - p.stat().st_mtime > age_s:
+                p.unlink()
+        except OSError:
+            pass
+
+
 def _compile(cxx: str, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_partials(path.parent)
     tmp = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp.so")
     cmd = build_command(cxx, tmp)
     try:
