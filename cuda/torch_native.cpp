@@ -11,16 +11,20 @@
 //       a torch::autograd::Function: allocates out and lse, fills the recorded struct with the
 //       pointers, launches the recorded kernels with cuLaunchKernel on torch's current stream,
 //       saves (q, k, v, out, lse[, alibi_slopes]). Its backward replays the backward record
-//       attached to the entry when the incoming gradient has the layout that record was made
-//       for; otherwise it calls flashcore_native::bwd_miss, implemented in Python, which runs
-//       the backward in full (validation, launchers) and attaches a new record.
+//       attached to the entry when the incoming gradient and the saved tensors (as autograd
+//       hands them back: saved-tensor hooks may change their layout) have the layouts that
+//       record was made for; otherwise it calls flashcore_native::bwd_miss, implemented in
+//       Python, which runs the backward in full (validation, launchers) and attaches a new
+//       record. A forward whose record went stale in the meantime (another thread dropped the
+//       plans) calls flashcore_native::fwd_miss, also Python, which runs the forward in full.
 //
 // Records are made in Python (torch_backend._Entry) and handed over with set_entry: launches as
 // (CUfunction, grid, block, shared memory), the struct's bytes, the word index of each pointer
 // field. An entry id stays valid for the life of the process; set_entry overwrites it in place.
 // Whenever Python drops its launch plans (tile overrides, kernel reloads, the cache cap) it calls
-// invalidate(): every record made before that is treated as missing from then on, so a node
-// never launches a kernel whose module may have been unloaded.
+// invalidate(): every record made before that is treated as missing from then on. (The Python
+// side also keeps each record's kernels alive until the record is overwritten, so a launch that
+// raced with a drop still finds its module loaded.)
 //
 // The driver API is reached through dlopen/dlsym of libcuda (already loaded by CuPy and torch),
 // and torch's current stream through c10's device-guard interface: the file needs torch's
@@ -139,9 +143,10 @@ struct Entry {
   bool out_like_q = false;          // forward records: out = empty_like(q) gives the recorded out
   int64_t device = 0;
   CUcontext ctx = nullptr;
-  // forward records: the backward record to replay, and the incoming gradient's layout it is for
+  // forward records: the backward record to replay, and the layouts it is for (the incoming
+  // gradient's, then the saved q, k, v, out, lse and alibi_slopes')
   int64_t bwd = -1;
-  std::vector<int64_t> dout_key;
+  std::vector<int64_t> bwd_key;
 };
 
 static std::mutex g_mu;
@@ -206,16 +211,33 @@ static void set_entry(int64_t id, const at::Tensor& words, at::IntArrayRef launc
   e.device = device;
   e.ctx = reinterpret_cast<CUcontext>(static_cast<uintptr_t>(ctx));
   e.bwd = -1;           // a new forward record: its backward is recorded anew
-  e.dout_key.clear();
+  e.bwd_key.clear();
   e.generation = g_generation.load();
 }
 
-static void set_backward(int64_t fwd, int64_t bwd, const at::Tensor& dout) {
+// The layouts a backward record depends on: dout, q, k, v, out, lse, alibi_slopes (undefined: -1).
+static std::vector<int64_t> backward_key(at::TensorList ts) {
+  std::vector<int64_t> key;
+  for (const auto& t : ts) {
+    if (!t.defined()) {
+      key.push_back(-1);
+      continue;
+    }
+    auto k = layout_of(t);
+    key.insert(key.end(), k.begin(), k.end());
+  }
+  return key;
+}
+
+static void set_backward(int64_t fwd, int64_t bwd, at::TensorList dout_q_k_v_out_lse_alibi) {
+  TORCH_CHECK(dout_q_k_v_out_lse_alibi.size() == 7,
+              "flashcore: set_backward takes dout, q, k, v, out, lse, alibi_slopes");
   Entry& e = entry(fwd);
   entry(bwd);   // (checks the id)
+  auto key = backward_key(dout_q_k_v_out_lse_alibi);
   std::lock_guard<std::mutex> g(e.mu);
   e.bwd = bwd;
-  e.dout_key = layout_of(dout);
+  e.bwd_key = std::move(key);
 }
 
 static void invalidate() { g_generation.fetch_add(1); }
@@ -243,12 +265,14 @@ static uint64_t addr(const at::Tensor& t) {
 }
 
 // Fill the record's struct with `ptrs` (in the record's pointer order) and launch its kernels on
-// torch's current stream of the record's device. The caller holds a DeviceGuard on that device.
-static void launch(Entry& e, const std::vector<uint64_t>& ptrs, const at::TensorOptions& opts) {
+// torch's current stream of the record's device; false (nothing launched) when the record is no
+// longer current. The caller holds a DeviceGuard on that device.
+static bool launch(Entry& e, const std::vector<uint64_t>& ptrs, const at::TensorOptions& opts) {
   const Driver& d = driver();
   TORCH_CHECK(d.why.empty(), "flashcore: ", d.why);
   at::Tensor scratch;
   std::lock_guard<std::mutex> g(e.mu);
+  if (!current(e)) return false;
   TORCH_CHECK(static_cast<int64_t>(ptrs.size()) == e.npointers,
               "flashcore: internal error: pointer count of a native record");
   for (int64_t i = 0; i < e.npointers; ++i) e.words[e.slots[i]] = ptrs[i];
@@ -280,21 +304,8 @@ static void launch(Entry& e, const std::vector<uint64_t>& ptrs, const at::Tensor
     d.ctx_pop(&popped);
   }
   check_cu(r, "cuLaunchKernel");
+  return true;
 }
-
-static bool mods_match(const Entry& e, std::initializer_list<const at::Tensor*> outs) {
-  size_t i = 0;
-  for (const at::Tensor* t : outs) {
-    if (i >= e.out_mods.size() || static_cast<int64_t>(addr(*t) % 16) != e.out_mods[i]) return false;
-    ++i;
-  }
-  return i == e.out_mods.size();
-}
-
-static const char* kDoubleBackward =
-    "flashcore: double backward is not supported (the attention backward is not itself "
-    "differentiable); use torch.nn.functional.scaled_dot_product_attention's math backend "
-    "for higher-order gradients";
 
 // ---- the autograd node ------------------------------------------------------------------
 
@@ -305,13 +316,35 @@ struct FlashAttention : public torch::autograd::Function<FlashAttention> {
                                int64_t id) {
     const at::Tensor alibi = alibi_slopes.has_value() ? *alibi_slopes : at::Tensor();
     Entry& e = entry(id);
-    TORCH_CHECK(current(e), "flashcore: internal error: a stale native forward record");
-    c10::DeviceGuard guard(q.device());
-    at::Tensor out = e.out_like_q ? at::empty_like(q) : at::empty(q.sizes(), q.options());
-    at::Tensor lse = at::empty(e.lse_shape, q.options().dtype(at::kFloat));
-    TORCH_CHECK(mods_match(e, {&out, &lse}),
-                "flashcore: internal error: torch allocated outputs of another alignment");
-    launch(e, {addr(q), addr(k), addr(v), addr(out), addr(lse), addr(alibi)}, q.options());
+    bool usable;
+    bool like_q;
+    std::vector<int64_t> lse_shape, mods;
+    {
+      std::lock_guard<std::mutex> g(e.mu);
+      usable = current(e);
+      like_q = e.out_like_q;
+      lse_shape = e.lse_shape;
+      mods = e.out_mods;
+    }
+    at::Tensor out, lse;
+    if (usable) {
+      c10::DeviceGuard guard(q.device());
+      out = like_q ? at::empty_like(q) : at::empty(q.sizes(), q.options());
+      lse = at::empty(lse_shape, q.options().dtype(at::kFloat));
+      usable = mods.size() == 2 && static_cast<int64_t>(addr(out) % 16) == mods[0] &&
+               static_cast<int64_t>(addr(lse) % 16) == mods[1];
+      // (launch re-checks that the record is current, under its lock)
+      if (usable) usable = launch(e, {addr(q), addr(k), addr(v), addr(out), addr(lse), addr(alibi)},
+                                  q.options());
+    }
+    if (!usable) {   // stale (plans dropped since the caller looked) or outputs of another alignment
+      static auto op = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("flashcore_native::fwd_miss", "")
+                           .typed<std::tuple<at::Tensor, at::Tensor>(
+                               const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const std::optional<at::Tensor>&, int64_t)>();
+      std::tie(out, lse) = op.call(q, k, v, alibi_slopes, id);
+    }
     ctx->save_for_backward({q, k, v, out, lse, alibi});
     ctx->saved_data["id"] = id;
     ctx->mark_non_differentiable({lse});
@@ -329,25 +362,29 @@ struct FlashAttention : public torch::autograd::Function<FlashAttention> {
     bool done = false;
     if (!c10::GradMode::is_enabled()) {   // (create_graph: Python refuses when differentiated)
       Entry& e = entry(id);
+      const auto key = backward_key({dout, q, k, v, out, lse, alibi});
       int64_t bwd = -1;
       {
         std::lock_guard<std::mutex> g(e.mu);
-        if (current(e) && e.bwd >= 0 && e.dout_key == layout_of(dout)) bwd = e.bwd;
+        if (current(e) && e.bwd >= 0 && e.bwd_key == key) bwd = e.bwd;
       }
       if (bwd >= 0) {
         Entry& b = entry(bwd);
-        if (current(b)) {
-          c10::DeviceGuard guard(q.device());
-          dq = at::empty_like(q);
-          dk = at::empty_like(k);
-          dv = at::empty_like(v);
-          if (mods_match(b, {&dq, &dk, &dv})) {
-            launch(b, {addr(q), addr(k), addr(v), addr(out), addr(lse), addr(dout), addr(dq),
-                       addr(dk), addr(dv), addr(alibi)},
-                   q.options());
-            done = true;
-          }
+        std::vector<int64_t> mods;
+        {
+          std::lock_guard<std::mutex> g(b.mu);
+          mods = b.out_mods;
         }
+        c10::DeviceGuard guard(q.device());
+        dq = at::empty_like(q);
+        dk = at::empty_like(k);
+        dv = at::empty_like(v);
+        if (mods.size() == 3 && static_cast<int64_t>(addr(dq) % 16) == mods[0] &&
+            static_cast<int64_t>(addr(dk) % 16) == mods[1] &&
+            static_cast<int64_t>(addr(dv) % 16) == mods[2])
+          done = launch(b, {addr(q), addr(k), addr(v), addr(out), addr(lse), addr(dout), addr(dq),
+                            addr(dk), addr(dv), addr(alibi)},
+                        q.options());
       }
     }
     if (!done) {
@@ -384,6 +421,7 @@ TORCH_LIBRARY(flashcore_native, m) {
   // implemented in Python (flashcore/backends/torch_native.py)
   m.def("bwd_miss(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor? alibi_slopes, int entry) -> (Tensor, Tensor, Tensor)");
+  m.def("fwd_miss(Tensor q, Tensor k, Tensor v, Tensor? alibi_slopes, int entry) -> (Tensor, Tensor)");
   m.def("new_entry() -> int", TORCH_FN(new_entry));
   m.def("set_entry(Tensor words, int[] launches, int[] slots, int npointers, "
         "int[] scratch_offsets, int scratch_floats, bool scratch_zero, int[] out_mods, "
@@ -395,7 +433,12 @@ TORCH_LIBRARY(flashcore_native, m) {
           set_entry(id, words, launches, slots, npointers, scratch_offsets, scratch_floats,
                     scratch_zero, out_mods, lse_shape, out_like_q, device, ctx);
         });
-  m.def("set_backward(int fwd, int bwd, Tensor dout) -> ()", TORCH_FN(set_backward));
+  m.def("set_backward(int fwd, int bwd, Tensor?[] dout_q_k_v_out_lse_alibi) -> ()",
+        [](int64_t fwd, int64_t bwd, const c10::List<std::optional<at::Tensor>>& ts) {
+          std::vector<at::Tensor> v;
+          for (const std::optional<at::Tensor>& t : ts) v.push_back(t.has_value() ? *t : at::Tensor());
+          set_backward(fwd, bwd, v);
+        });
   m.def("invalidate() -> ()", TORCH_FN(invalidate));
   m.def("entry_state(int entry) -> int[]", TORCH_FN(entry_state));
   m.def("driver_status() -> str", TORCH_FN(driver_status));

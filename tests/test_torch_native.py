@@ -44,11 +44,12 @@ def test_builds_loads_and_caches(native):
     assert os.path.isfile(st["library"])
     assert st["library"] == str(torch_native.library_path())
     # every op of the library's schema is there, and bwd_miss has its Python kernel
-    for name in ("attention", "bwd_miss", "new_entry", "set_entry", "set_backward",
+    for name in ("attention", "bwd_miss", "fwd_miss", "new_entry", "set_entry", "set_backward",
                  "invalidate", "entry_state", "driver_status"):
         assert hasattr(native, name), name
-    assert torch._C._dispatch_has_kernel_for_dispatch_key(
-        "flashcore_native::bwd_miss", "CompositeImplicitAutograd")
+    for name in ("bwd_miss", "fwd_miss"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(
+            f"flashcore_native::{name}", "CompositeImplicitAutograd")
 
 
 @needs_cxx
@@ -65,7 +66,9 @@ def test_records_round_trip_and_go_stale_when_plans_drop(native):
     assert st[6:-2] == launches
     assert st[-2:] == [1, -1]               # current, no backward record yet
     native.set_entry(words, launches[:8], [1], 1, [], 0, False, [0], [], False, 0, 0, j)
-    native.set_backward(i, j, torch.empty(2, 3))
+    with pytest.raises(RuntimeError, match="dout, q, k, v, out, lse, alibi_slopes"):
+        native.set_backward(i, j, [torch.empty(2, 3)])
+    native.set_backward(i, j, [torch.empty(2, 3)] * 6 + [None])
     assert native.entry_state(i)[-1] == j
     plans.clear()                           # dropped plans: every record goes stale
     assert native.entry_state(i)[-2:] == [0, j]
@@ -121,3 +124,16 @@ def test_a_failed_build_is_reported_not_raised_on_the_call_path(tmp_path):
     lines = out.splitlines()
     assert lines[0] == "failed"
     assert "building the native autograd node failed" in out and false in out
+
+
+def test_pointer_orders_match_the_python_names():
+    """The C++ node passes the pointers in the order of torch_backend's _FWD_NAMES and
+    _BWD_NAMES (the record's slots are laid out in that order): read it from the source."""
+    import re
+    from flashcore.backends import torch_backend as tb
+    src = torch_native.source_path().read_text()
+    calls = re.findall(r"launch\((?:e|b), \{([^}]*)\}", src)
+    as_names = [tuple(re.findall(r"addr\((\w+)\)", c)) for c in calls]
+    cpp = {"out": "o", "alibi": "alibi_slopes"}
+    as_names = [tuple(cpp.get(n, n) for n in names) for names in as_names]
+    assert as_names == [tb._FWD_NAMES, tb._BWD_NAMES]

@@ -468,7 +468,10 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
                 if nid is None:
                     nid = _native_id(fk, e)
                 if nid >= 0 and _FAST["native"]:
-                    # the C++ node: the same launches, with no Python in the step
+                    # the C++ node: the same launches, with no Python in the step (slopes get
+                    # no gradient: detached, so that they alone do not make out require grad)
+                    if alibi_slopes is not None and alibi_slopes.requires_grad:
+                        alibi_slopes = alibi_slopes.detach()
                     return _NATIVE_OP[0](q, k, v, alibi_slopes, nid)
                 if fk[1]:
                     box = []
@@ -531,6 +534,7 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
 
 _FAST = {"enabled": os.environ.get("FLASHCORE_TORCH_FAST", "1") != "0", "direct": True,
          "native": True}
+# (cuda/torch_native.cpp passes the pointers in these orders: tests/test_torch_native.py checks)
 _FWD_NAMES = ("q", "k", "v", "o", "lse", "alibi_slopes")
 _BWD_NAMES = ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "alibi_slopes")
 _SCALARS = (bool, int, float, type(None))
@@ -594,11 +598,15 @@ def _fast_key(torch, q, k, v, alibi_slopes, backend, causal, softmax_scale, wind
         return None
 
 
-def _fast_bwd_key(torch, fk, dout, out, lse):
+def _fast_bwd_key(torch, fk, dout, q, k, v, out, lse):
+    """The backward's fast key: the forward's (options, alibi_slopes) and the layouts of the
+    incoming gradient and of the saved tensors as autograd hands them back (saved-tensor hooks,
+    e.g. torch.autograd.graph.save_on_cpu, may return them in another layout than the
+    forward's)."""
     if torch.compiler.is_compiling() or type(dout) is not torch.Tensor:
         return None
     try:
-        return ("torch-bwd", fk, _tl(dout), out.data_ptr() % 16, lse.data_ptr() % 16)
+        return ("torch-bwd", fk, _tl(dout), _tl(q), _tl(k), _tl(v), _tl(out), _tl(lse))
     except Exception:
         return None
 
@@ -734,7 +742,7 @@ def _native_id(key, e) -> int:
             e.native = -1       # off or failed: do not ask again for this entry
         return -1
     if not _NATIVE_OP:
-        torch_native.set_backward_miss(_native_bwd_miss)
+        torch_native.set_misses(_native_fwd_miss, _native_bwd_miss)
         _NATIVE_OP.append(ops.attention.default)
     forward = key[0] == "torch-fwd"
     nid = torch_native.attach(key, e, len(_FWD_NAMES if forward else _BWD_NAMES))
@@ -752,7 +760,7 @@ def _native_bwd_miss(dout, q, k, v, out, lse, alibi_slopes, nid):
     if torch.is_grad_enabled():        # create_graph=True: refuse when differentiated
         dq, dk, dv = _BACKEND.backward(spec, dout, q, k, v, out, lse, alibi_slopes=alibi_slopes)
         return _eager_function().no_second_derivative.apply(dout, q, k, v, dq, dk, dv)
-    bk = _fast_bwd_key(torch, fk, dout, out, lse) if _FAST["enabled"] else None
+    bk = _fast_bwd_key(torch, fk, dout, q, k, v, out, lse) if _FAST["enabled"] else None
     if bk is None:
         return _BACKEND.backward(spec, dout, q, k, v, out, lse, alibi_slopes=alibi_slopes)
     e = plans.derived_get(bk)
@@ -766,8 +774,14 @@ def _native_bwd_miss(dout, q, k, v, out, lse, alibi_slopes, nid):
         bid = e.native if e.native is not None else _native_id(bk, e)
         if bid >= 0:
             from . import torch_native
-            torch_native.ops().set_backward(nid, bid, dout)
+            torch_native.ops().set_backward(nid, bid, [dout, q, k, v, out, lse, alibi_slopes])
     return grads
+
+
+def _native_fwd_miss(q, k, v, alibi_slopes, nid):
+    """The native node's forward when its record went stale after the caller looked it up
+    (another thread dropped the plans): the full forward."""
+    return _BACKEND.forward(_NATIVE_FWD[nid][0], q, k, v, alibi_slopes=alibi_slopes)
 
 
 def _fast_backward(torch, e, dout, q, k, v, out, lse, alibi_slopes):
@@ -840,7 +854,7 @@ def _eager_function():
             grads = None
             bk = None
             if ctx.fast_key is not None and _FAST["enabled"]:
-                bk = _fast_bwd_key(torch, ctx.fast_key, dout, out, lse)
+                bk = _fast_bwd_key(torch, ctx.fast_key, dout, q, k, v, out, lse)
                 if bk is not None:
                     e = plans.derived_get(bk)
                     if e is not None:

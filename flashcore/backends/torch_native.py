@@ -23,6 +23,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -42,8 +43,11 @@ _STATE: dict = {
     "ops": None,          # torch.ops.flashcore_native once loaded
     "lib": None,          # the torch.library.Library holding the Python bwd_miss kernel
     "miss": None,         # the Python implementation of bwd_miss (set by the torch backend)
+    "fwd_miss": None,     # and of fwd_miss
 }
 _IDS: dict = {}           # record key -> native entry id (ids live as long as the process)
+_KEEP: dict = {}          # native entry id -> the Python entry it was made from: keeps the
+                          # record's kernels (their modules) loaded until it is overwritten
 _LOCK = threading.Lock()
 
 
@@ -112,11 +116,14 @@ def _remove_stale_partials(folder: Path, age_s: float = 3600.0) -> None:
 def _compile(cxx: str, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(path.parent)
-    tmp = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp.so")
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=path.stem + ".", suffix=".tmp.so")
+    os.close(fd)
+    tmp = Path(name)
     cmd = build_command(cxx, tmp)
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     except (OSError, subprocess.SubprocessError) as exc:
+        tmp.unlink(missing_ok=True)
         raise RuntimeError(f"flashcore: building the native autograd node failed to run "
                            f"{cmd[0]}: {exc}") from exc
     if r.returncode != 0:
@@ -146,10 +153,14 @@ def _load(path: Path):
     except Exception:
         # a cached library that no longer loads (e.g. a torch rebuilt in place): build it anew
         path.unlink(missing_ok=True)
-        torch.ops.load_library(str(_compile(_compiler(), path)))
+        cxx = _compiler()
+        if cxx is None:
+            raise
+        torch.ops.load_library(str(_compile(cxx, path)))
     ops = torch.ops.flashcore_native
     lib = torch.library.Library("flashcore_native", "IMPL")
     lib.impl("bwd_miss", _bwd_miss, "CompositeImplicitAutograd")
+    lib.impl("fwd_miss", _fwd_miss, "CompositeImplicitAutograd")
     _STATE["lib"] = lib
     plans.on_drop(_invalidate)
     return ops
@@ -165,10 +176,15 @@ def _bwd_miss(dout, q, k, v, out, lse, alibi_slopes, entry):
     return _STATE["miss"](dout, q, k, v, out, lse, alibi_slopes, entry)
 
 
-def set_backward_miss(fn) -> None:
-    """``fn(dout, q, k, v, out, lse, alibi_slopes, entry) -> (dq, dk, dv)``: what the node's
-    backward calls when it has no current record for the call (the torch backend's)."""
-    _STATE["miss"] = fn
+def _fwd_miss(q, k, v, alibi_slopes, entry):
+    return _STATE["fwd_miss"](q, k, v, alibi_slopes, entry)
+
+
+def set_misses(fwd, bwd) -> None:
+    """What the node calls when it has no current record for a call (the torch backend's):
+    ``fwd(q, k, v, alibi_slopes, entry) -> (out, lse)`` and
+    ``bwd(dout, q, k, v, out, lse, alibi_slopes, entry) -> (dq, dk, dv)``."""
+    _STATE["fwd_miss"], _STATE["miss"] = fwd, bwd
 
 
 def _finish() -> None:
@@ -257,4 +273,5 @@ def attach(key, entry, npointers: int) -> int:
                    int(entry.scratch_floats), bool(entry.scratch_zero),
                    list(entry.out_mods), list(entry.lse_shape or ()), bool(entry.out_like_q),
                    int(entry.index), int(entry.ctx), nid)
+    _KEEP[nid] = entry
     return nid

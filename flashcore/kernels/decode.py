@@ -509,13 +509,18 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
             n_blocks = min(n_blocks, math.ceil(span / cfg.block_n) + 1)
         return n_blocks
 
+    # keys a sequence's query rows can see at most (the window bounds them, not the cache)
+    span_keys = max_seqlen_k if wl == WINDOW_NONE else \
+        min(max_seqlen_k, wl + seqlen_q + (0 if wr == WINDOW_NONE else wr))
+    hopper = cc // 10 == 9      # the sm_90 tile rules were measured on the H200 only
+
     # Split count (host-side only: no read of cache_seqlens, which would synchronise).
     if num_splits is None or num_splits <= 0:
         base_ctas = batch * nheads_k * m_blocks
         if cluster_ok:
             num_splits = sm90_num_splits(base_ctas, _sm_count(device_id),
                                          key_blocks(decode_config(headdim, True, m_tiles)),
-                                         headdim, m_tiles, max_seqlen_k)
+                                         headdim, m_tiles, span_keys if hopper else 0)
             cluster_declined = num_splits == 0
         if not cluster_ok or cluster_declined:
             num_splits = choose_num_splits(base_ctas, _sm_count(device_id),
@@ -533,8 +538,8 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
                    and _cluster_layout_fits(headdim, m_tiles,
                                             decode_config(headdim, True, m_tiles)))
     cfg = decode_config(headdim, cluster, m_tiles,
-                        single_ctas=0 if is_split or cc < 90 else batch * nheads_k * m_blocks,
-                        num_sms=_sm_count(device_id), keys=max_seqlen_k)
+                        single_ctas=0 if is_split or not hopper else batch * nheads_k * m_blocks,
+                        num_sms=_sm_count(device_id), keys=span_keys)
     smem = smem_bytes(headdim, m_tiles, cfg=cfg)
     if cluster:
         kernel = get_kernel(SOURCE, cname, device_id, cc, smem)

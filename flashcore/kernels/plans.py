@@ -47,10 +47,11 @@ def _dropped() -> None:
 
 
 def drop(keys) -> None:
-    """Drop the entries under ``keys`` (missing ones ignored)."""
+    """Drop the entries under ``keys`` (missing ones ignored). The listeners hear of it first,
+    so that nothing copied out of an entry outlives it in use."""
+    _dropped()
     for key in keys:
         PLANS.pop(key, None)
-    _dropped()
 
 
 def set_enabled(on: bool) -> None:
@@ -64,8 +65,8 @@ def enabled() -> bool:
 
 
 def clear() -> None:
-    PLANS.clear()
     _dropped()
+    PLANS.clear()
 
 
 def layout_key(a):

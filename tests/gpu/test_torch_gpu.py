@@ -363,3 +363,33 @@ def test_fast_path_and_torch_compile_coexist(monkeypatch):
                           fullgraph=True)
         compiled = f(q, k, v)
     assert torch.equal(eager[0], eager[2]) and torch.equal(eager[0], compiled)
+
+
+@pytest.mark.parametrize("launch", ["native", "direct"])
+def test_fast_path_backward_with_saved_tensor_hooks(monkeypatch, launch):
+    """Saved-tensor hooks (torch.autograd.graph.save_on_cpu) hand q, k, v, out and lse back to
+    the backward in another layout than the forward's (contiguous copies of a strided q): the
+    backward must not replay a record made for the forward's layouts."""
+    import contextlib
+    from flashcore.backends import torch_backend as tb
+    _set_launch(monkeypatch, launch)
+    monkeypatch.setitem(tb._FAST, "enabled", True)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    mk = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.float16)  # noqa: E731
+    q = mk(2, 8, 96, 64).transpose(1, 2).requires_grad_()       # a strided (b, s, h, d) view
+    k, v = (mk(2, 96, 8, 64).requires_grad_() for _ in range(2))
+    dout = mk(2, 96, 8, 64)
+
+    def step(hooks):
+        for x in (q, k, v):
+            x.grad = None
+        with torch.autograd.graph.save_on_cpu() if hooks else contextlib.nullcontext():
+            out = flashcore.attention(q, k, v, causal=True, deterministic=True)
+        out.backward(dout)
+        return [x.detach().clone() for x in (out, q.grad, k.grad, v.grad)]
+
+    ref = [step(False) for _ in range(3)][-1]        # record, attach, replay
+    for hooks in (True, True, False, True):          # the hooks' layouts: a miss, then replays
+        got = step(hooks)
+        for a, b in zip(ref, got):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
