@@ -350,3 +350,77 @@ def test_set_fast_path_switches_and_drops_entries(monkeypatch):
     tb.set_fast_path(False)
     assert not tb.fast_path_enabled()
     plans.clear()
+
+
+def test_backward_replayed_paths(monkeypatch):
+    """The fast path's backward (shared by the Python autograd Function and the C++ node's
+    misses): replays a recorded entry for these layouts, else runs in full and records one; a
+    call with no fast key, or with the fast path off, runs in full and records nothing. Stubs
+    stand in for the GPU pieces (no CUDA needed)."""
+    from flashcore.backends import torch_backend as tb
+    calls = []
+    recorded = {}
+    monkeypatch.setattr(tb, "_fast_bwd_key", lambda torch_, fk, *a: ("torch-bwd", fk))
+    monkeypatch.setattr(tb.plans, "derived_get", lambda key: recorded.get(key))
+
+    def fast(torch_, e, *a):
+        calls.append(("replay", e))
+        return None if e == "misaligned" else ("dq", "dk", "dv")
+
+    def record(torch_, bk, *a):
+        calls.append(("record", bk))
+        recorded[bk] = "entry"
+        return ("rq", "rk", "rv")
+
+    def full(spec, *a, **kw):
+        calls.append(("full", kw["cu_seqlens_q"]))
+        return ("fq", "fk", "fv")
+    monkeypatch.setattr(tb, "_fast_backward", fast)
+    monkeypatch.setattr(tb, "_backward_recording", record)
+    monkeypatch.setattr(tb._BACKEND, "backward", full)
+    args = ("spec", "fk", "dout", "q", "k", "v", "out", "lse", None)
+    assert tb._backward_replayed(torch, *args) == (("rq", "rk", "rv"),
+                                                   (("torch-bwd", "fk"), "entry"))
+    assert tb._backward_replayed(torch, *args) == (("dq", "dk", "dv"),
+                                                   (("torch-bwd", "fk"), "entry"))
+    recorded[("torch-bwd", "fk")] = "misaligned"        # fresh outputs of another alignment
+    grads, (bk, e) = tb._backward_replayed(torch, *args)
+    assert grads == ("rq", "rk", "rv") and e == "entry"
+    no_key = ("spec", None) + args[2:]
+    assert tb._backward_replayed(torch, *no_key, "cuq", "cuk") == (("fq", "fk", "fv"),
+                                                                   (None, None))
+    monkeypatch.setitem(tb._FAST, "enabled", False)
+    assert tb._backward_replayed(torch, *args)[1] == (None, None)
+    assert calls == [("record", ("torch-bwd", "fk")), ("replay", "entry"),
+                     ("replay", "misaligned"), ("record", ("torch-bwd", "fk")),
+                     ("full", "cuq"), ("full", None)]
+
+
+def test_native_backward_miss_attaches_the_record(monkeypatch):
+    """The C++ node's backward miss: the gradients of _backward_replayed, and the backward
+    record attached to the forward record with the layouts it was made for; under
+    create_graph, gradients that refuse to be differentiated and nothing attached."""
+    from flashcore.backends import torch_backend as tb
+    from flashcore.backends import torch_native
+    seen = []
+
+    class Ops:
+        def set_backward(self, fwd, bwd, tensors):
+            seen.append((fwd, bwd, len(tensors)))
+    monkeypatch.setattr(torch_native, "ops", lambda: Ops())
+    monkeypatch.setitem(tb._NATIVE_FWD, 7, ("spec", "fk"))
+    q, k, v, dout, out = (torch.randn(1, 4, 2, 8, requires_grad=i < 3) for i in range(5))
+    grads = tuple(torch.randn(1, 4, 2, 8) for _ in range(3))
+
+    class Entry:
+        native = None
+    monkeypatch.setattr(tb, "_backward_replayed", lambda *a: (grads, ("bk", Entry())))
+    monkeypatch.setattr(tb, "_native_id", lambda key, e: 3)
+    with torch.no_grad():
+        assert tb._native_bwd_miss(dout, q, k, v, out, None, None, 7) is grads
+    assert seen == [(7, 3, 7)]
+    g = tb._native_bwd_miss(dout, q, k, v, out, None, None, 7)    # grad mode on
+    assert all(torch.equal(a, b) for a, b in zip(g, grads)) and g[0].requires_grad
+    with pytest.raises(RuntimeError, match="double backward"):
+        g[0].sum().backward()
+    assert seen == [(7, 3, 7)]

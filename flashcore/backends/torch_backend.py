@@ -757,19 +757,9 @@ def _native_bwd_miss(dout, q, k, v, out, lse, alibi_slopes, nid):
     (or under create_graph): the Python backward, recording and attaching a new record."""
     import torch
     spec, fk = _NATIVE_FWD[nid]
+    grads, (bk, e) = _backward_replayed(torch, spec, fk, dout, q, k, v, out, lse, alibi_slopes)
     if torch.is_grad_enabled():        # create_graph=True: refuse when differentiated
-        dq, dk, dv = _BACKEND.backward(spec, dout, q, k, v, out, lse, alibi_slopes=alibi_slopes)
-        return _eager_function().no_second_derivative.apply(dout, q, k, v, dq, dk, dv)
-    bk = _fast_bwd_key(torch, fk, dout, q, k, v, out, lse) if _FAST["enabled"] else None
-    if bk is None:
-        return _BACKEND.backward(spec, dout, q, k, v, out, lse, alibi_slopes=alibi_slopes)
-    e = plans.derived_get(bk)
-    grads = None
-    if e is not None:
-        grads = _fast_backward(torch, e, dout, q, k, v, out, lse, alibi_slopes)
-    if grads is None:
-        grads = _backward_recording(torch, bk, spec, dout, q, k, v, out, lse, alibi_slopes)
-        e = plans.derived_get(bk)
+        return _eager_function().no_second_derivative.apply(dout, q, k, v, *grads)
     if e is not None:
         bid = e.native if e.native is not None else _native_id(bk, e)
         if bid >= 0:
@@ -782,6 +772,27 @@ def _native_fwd_miss(q, k, v, alibi_slopes, nid):
     """The native node's forward when its record went stale after the caller looked it up
     (another thread dropped the plans): the full forward."""
     return _BACKEND.forward(_NATIVE_FWD[nid][0], q, k, v, alibi_slopes=alibi_slopes)
+
+
+def _backward_replayed(torch, spec, fk, dout, q, k, v, out, lse, alibi_slopes,
+                       cu_seqlens_q=None, cu_seqlens_k=None):
+    """The backward of a forward made under fast key ``fk`` (None: not eligible): replayed
+    from its fast entry when one was recorded for these layouts, else in full, recording one.
+    Returns ``((dq, dk, dv), (backward key, its entry))``, the pair (None, None) when the call
+    is not eligible."""
+    bk = _fast_bwd_key(torch, fk, dout, q, k, v, out, lse) \
+        if fk is not None and _FAST["enabled"] else None
+    if bk is None:
+        return _BACKEND.backward(spec, dout, q, k, v, out, lse, alibi_slopes=alibi_slopes,
+                                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k), \
+            (None, None)
+    e = plans.derived_get(bk)
+    grads = None if e is None else _fast_backward(torch, e, dout, q, k, v, out, lse,
+                                                  alibi_slopes)
+    if grads is None:
+        grads = _backward_recording(torch, bk, spec, dout, q, k, v, out, lse, alibi_slopes)
+        e = plans.derived_get(bk)
+    return grads, (bk, e)
 
 
 def _fast_backward(torch, e, dout, q, k, v, out, lse, alibi_slopes):
@@ -851,24 +862,9 @@ def _eager_function():
                 q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k = saved
             if dout.shape[-1] > 1 and dout.stride(-1) != 1:
                 dout = dout.contiguous()
-            grads = None
-            bk = None
-            if ctx.fast_key is not None and _FAST["enabled"]:
-                bk = _fast_bwd_key(torch, ctx.fast_key, dout, q, k, v, out, lse)
-                if bk is not None:
-                    e = plans.derived_get(bk)
-                    if e is not None:
-                        grads = _fast_backward(torch, e, dout, q, k, v, out, lse, alibi_slopes)
-            if grads is None:
-                if bk is not None:
-                    grads = _backward_recording(torch, bk, ctx.spec, dout, q, k, v, out, lse,
-                                                alibi_slopes)
-                else:
-                    grads = _BACKEND.backward(ctx.spec, dout, q, k, v, out, lse,
-                                              alibi_slopes=alibi_slopes,
-                                              cu_seqlens_q=cu_seqlens_q,
-                                              cu_seqlens_k=cu_seqlens_k)
-            dq, dk, dv = grads
+            (dq, dk, dv), _ = _backward_replayed(torch, ctx.spec, ctx.fast_key, dout, q, k, v,
+                                                 out, lse, alibi_slopes, cu_seqlens_q,
+                                                 cu_seqlens_k)
             if torch.is_grad_enabled():      # create_graph=True: refuse when differentiated
                 dq, dk, dv = NoSecondDerivative.apply(dout, q, k, v, dq, dk, dv)
             return dq, dk, dv, None, None, None, None, None, None

@@ -41,9 +41,9 @@ _STATE: dict = {
     "thread": None,
     "result": None,       # [path or exception] from the build thread
     "ops": None,          # torch.ops.flashcore_native once loaded
-    "lib": None,          # the torch.library.Library holding the Python bwd_miss kernel
-    "miss": None,         # the Python implementation of bwd_miss (set by the torch backend)
-    "fwd_miss": None,     # and of fwd_miss
+    "lib": None,          # the torch.library.Library holding the Python miss kernels
+    "fwd_miss": None,     # the Python implementations of fwd_miss and bwd_miss (set by the
+    "bwd_miss": None,     # torch backend: set_misses)
 }
 _IDS: dict = {}           # record key -> native entry id (ids live as long as the process)
 _KEEP: dict = {}          # native entry id -> the Python entry it was made from: keeps the
@@ -173,7 +173,7 @@ def _invalidate() -> None:
 
 
 def _bwd_miss(dout, q, k, v, out, lse, alibi_slopes, entry):
-    return _STATE["miss"](dout, q, k, v, out, lse, alibi_slopes, entry)
+    return _STATE["bwd_miss"](dout, q, k, v, out, lse, alibi_slopes, entry)
 
 
 def _fwd_miss(q, k, v, alibi_slopes, entry):
@@ -184,7 +184,7 @@ def set_misses(fwd, bwd) -> None:
     """What the node calls when it has no current record for a call (the torch backend's):
     ``fwd(q, k, v, alibi_slopes, entry) -> (out, lse)`` and
     ``bwd(dout, q, k, v, out, lse, alibi_slopes, entry) -> (dq, dk, dv)``."""
-    _STATE["fwd_miss"], _STATE["miss"] = fwd, bwd
+    _STATE["fwd_miss"], _STATE["bwd_miss"] = fwd, bwd
 
 
 def _finish() -> None:
@@ -266,7 +266,7 @@ def attach(key, entry, npointers: int) -> int:
             return -1
         nid = ops_.new_entry()
         _IDS[key] = nid
-    words = torch.from_numpy(np.ascontiguousarray(d.words).view(np.int64).copy())
+    words = torch.from_numpy(d.words.view(np.int64).copy())   # (Direct's words: contiguous)
     launches = [int(x) for launch in d.launches for x in launch]
     ops_.set_entry(words, launches, list(entry.slots), npointers,
                    list(entry.scratch_offsets) if entry.scratch else [],

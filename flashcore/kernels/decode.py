@@ -165,8 +165,8 @@ def decode_config(headdim: int, cluster: bool = False, m_tiles: int = 1,
     """The tile configuration of the decode kernel for ``headdim`` (an override set by
     set_config_override wins): for the split kernels that merge inside a cluster
     (``cluster``), for an unsplit launch of ``single_ctas`` CTAs on ``num_sms`` SMs over
-    ``keys`` keys per sequence (sm_90: single_config), or the default. Two m16 slices (more than 16 packed rows) keep the default:
-    with deeper stages their accumulators would spill."""
+    ``keys`` keys per sequence (sm_90: single_config), or the default. Two m16 slices (more
+    than 16 packed rows) keep the default: with deeper stages their accumulators would spill."""
     d = headdim_tile(headdim)
     over = _CONFIG_OVERRIDE.get(d)
     if over:
