@@ -15,10 +15,15 @@ _LIBRARY_OF_CLASS = {("numpy", "ndarray"): NUMPY, ("cupy", "ndarray"): CUPY,
                      ("cupy._core.core", "_ndarray_base"): CUPY, ("torch", "Tensor"): TORCH}
 
 
+_PLAIN = (bool, int, float, complex, str, bytes, tuple, list, dict, np.generic)
+
+
 def library_of(x) -> str | None:
     """'numpy', 'cupy', 'torch' or None. Never imports a library."""
     if isinstance(x, np.ndarray):
         return NUMPY
+    if x is None or isinstance(x, _PLAIN):     # (dynamo cannot walk the MRO of these)
+        return None
     for cls in type(x).__mro__:
         lib = _LIBRARY_OF_CLASS.get((cls.__module__, cls.__name__))
         if lib is not None:

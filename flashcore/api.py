@@ -27,7 +27,7 @@ Conventions (flash-attn's; see docs/conventions):
 """
 from __future__ import annotations
 
-from ._arrays import library_of
+from ._arrays import library_of, torch_compiling
 from .backends.base import all_backends, choose, choose_kvcache
 from .spec import backward_spec, forward_spec, kvcache_spec, merge_spec
 
@@ -163,10 +163,15 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         k, v: optional new keys/values ``(batch, seqlen_new, nheads_k, headdim)``, appended.
         cache_seqlens: int, or int32 array ``(batch,)``: the number of cached keys of each
             sequence *before* appending. Every ``cache_seqlens[b] + seqlen_new`` must fit in the
-            cache (checked; for device arrays this reads the lengths back to the host).
+            cache. Checked for an int and host arrays; device arrays are not read back (no
+            sync: the call can be captured in a CUDA graph), the kernels clamp what they
+            address to the cache instead, and debug mode (``FLASHCORE_DEBUG=1``, see
+            :mod:`flashcore.config`) checks them with named errors.
         block_table: int32 ``(batch, max_blocks_per_seq)``: key position t of sequence b lives
             in row ``t % page_size`` of block ``block_table[b, t // page_size]``. Every block a
-            sequence uses must exist (checked); unused entries are ignored.
+            sequence uses must exist (checked like ``cache_seqlens``: on the host, or in debug
+            mode; the kernels never read or write outside the pool); unused entries are
+            ignored.
         rotary_cos, rotary_sin: ``(seqlen_ro, rotary_dim / 2)`` in q's dtype, rotary_dim a
             multiple of 16 and at most headdim; only with ``k``/``v``. The new keys are rotated
             at their positions ``cache_seqlens[b] + t`` before they are written; q is rotated
@@ -192,10 +197,18 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                         rotary_interleaved=rotary_interleaved, causal=causal,
                         softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                         alibi_slopes=alibi_slopes, num_splits=num_splits)
-    b = choose_kvcache(spec, backend)
-    out, lse = b.forward_kvcache(spec, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
-                                 block_table=block_table, rotary_cos=rotary_cos,
-                                 rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
+    if spec.attn.library == "torch":
+        from .backends.torch_backend import kvcache_attention
+        if not torch_compiling(q):
+            choose_kvcache(spec, backend)
+        out, lse = kvcache_attention(q, k_cache, v_cache, k, v, spec, cache_seqlens=cache_seqlens,
+                                     block_table=block_table, rotary_cos=rotary_cos,
+                                     rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
+    else:
+        out, lse = choose_kvcache(spec, backend).forward_kvcache(
+            spec, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+            block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+            alibi_slopes=alibi_slopes)
     return (out, lse) if return_lse else out
 
 

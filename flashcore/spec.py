@@ -149,6 +149,9 @@ def _as_float(name, v):
 def _window(window_size, causal):
     if window_size is None:
         window_size = (-1, -1)
+    if library_of(window_size) is not None and window_size.ndim == 1:
+        # flash-attn takes any pair of ints: a NumPy array or a tensor is read as host ints
+        window_size = tuple(int(x) for x in np.asarray(to_host(window_size)).tolist())
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise _arg_error(TypeError, "window_size", "a pair (left, right) of ints >= -1",
                          repr(window_size))

@@ -255,6 +255,7 @@ class TorchBackend(Backend):
         return out, lse
 
 
+@functools.lru_cache(maxsize=1024)
 def _kv_library(spec, library):
     return dataclasses.replace(spec, attn=dataclasses.replace(spec.attn, library=library))
 
@@ -372,6 +373,13 @@ _BWD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor l
                f"{_OPTIONS}) -> (Tensor, Tensor, Tensor)")
 
 
+_KV_SCHEMA = ("(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
+              "Tensor? cache_seqlens, int cache_seqlens_int, Tensor? block_table, "
+              "Tensor? rotary_cos, Tensor? rotary_sin, bool rotary_interleaved, bool causal, "
+              "float softmax_scale, int window_left, int window_right, float softcap, "
+              "Tensor? alibi_slopes, int num_splits) -> (Tensor, Tensor)")
+
+
 def _op_spec(q, k, alibi_slopes, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal,
              softmax_scale, window_left, window_right, softcap, deterministic) -> AttentionSpec:
     """The spec of an op call, from arguments flashcore.spec validated before the op ran."""
@@ -482,6 +490,29 @@ def _define_ops():
 
     torch.library.register_autograd("flashcore::bwd", bwd_backward,
                                     setup_context=bwd_setup_context)
+
+    # -- decoding with a KV cache: no autograd; the cache is written in place -------------
+    @torch.library.custom_op("flashcore::kvcache", mutates_args=("k_cache", "v_cache"),
+                             schema=_KV_SCHEMA)
+    def kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, block_table,
+                rotary_cos, rotary_sin, rotary_interleaved, causal, softmax_scale, window_left,
+                window_right, softcap, alibi_slopes, num_splits):
+        from ..spec import kvcache_spec
+        lens = cache_seqlens_int if cache_seqlens is None else cache_seqlens
+        spec = kvcache_spec(q, k_cache, v_cache, k, v, cache_seqlens=lens,
+                            block_table=block_table, rotary_cos=rotary_cos,
+                            rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+                            causal=causal, softmax_scale=softmax_scale,
+                            window_size=(window_left, window_right), softcap=softcap,
+                            alibi_slopes=alibi_slopes, num_splits=num_splits)
+        return _BACKEND.forward_kvcache(spec, q, k_cache, v_cache, k, v, cache_seqlens=lens,
+                                        block_table=block_table, rotary_cos=rotary_cos,
+                                        rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
+
+    @kvcache.register_fake
+    def _kvcache_fake(q, *_):
+        return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]),
+                                                 dtype=torch.float32)
     return torch.ops.flashcore
 
 
@@ -514,6 +545,22 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
         cu_seqlens_k if varlen else None, spec.seqlen_q if varlen else 0,
         spec.seqlen_k if varlen else 0, spec.causal, spec.softmax_scale, spec.window_left,
         spec.window_right, spec.softcap, spec.deterministic)
+
+
+def kvcache_attention(q, k_cache, v_cache, k, v, spec, *, cache_seqlens, block_table,
+                      rotary_cos, rotary_sin, alibi_slopes):
+    """flashcore.attention_with_kvcache on torch tensors, through the ``flashcore::kvcache``
+    op (validated into ``spec`` already): eagerly and under torch.compile alike."""
+    import torch
+    a = spec.attn
+    as_int = spec.cache_seqlens_int is not None
+    with torch.no_grad():        # inference only: the results never require grad
+        return torch_ops().kvcache.default(
+            q, k_cache, v_cache, k, v, None if as_int else cache_seqlens,
+            spec.cache_seqlens_int if as_int else 0, block_table, rotary_cos, rotary_sin,
+            spec.rotary_interleaved, a.causal, a.softmax_scale,
+            # the causal window is folded in: the op takes the window flashcore.spec made
+            a.window_left, a.window_right, a.softcap, alibi_slopes, spec.num_splits)
 
 
 def _needs_grad(q, k, v) -> bool:
