@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import importlib.util
 import sys
+import threading
 
 from .._arrays import device_of, dtype_name, torch_compiling
 from ..spec import FLOAT_DTYPES, AttentionSpec, forward_spec
@@ -412,11 +413,16 @@ def _op_spec_of(device, dtype, q_shape, k_shape, alibi_ndim, varlen_batch, max_s
 
 
 _OPS: list = []   # [torch.ops.flashcore], filled by torch_ops() on first use
+_OPS_LOCK = threading.Lock()
 
 
 def torch_ops():
     """``torch.ops.flashcore`` with ``fwd`` and ``bwd`` defined (imports torch on first use)."""
-    if not _OPS:
+    if _OPS:
+        return _OPS[0]
+    with _OPS_LOCK:      # (first calls from several threads at once define them once)
+        if _OPS:
+            return _OPS[0]
         import torch
         if torch.compiler.is_compiling():
             # Defining an op is not traceable. The ops are defined when flashcore is imported
