@@ -668,6 +668,32 @@ def _kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, rota
 
 
 # --------------------------------------------------------------------------------------------
+# Caller-owned outputs (CuPy: the outputs of a call captured in a CUDA graph)
+# --------------------------------------------------------------------------------------------
+
+def check_outputs(spec: AttentionSpec, given: dict, expected: dict) -> dict:
+    """Validate preallocated outputs ``given`` {name: array or None} against ``expected``
+    {name: (shape, dtype name)}: arrays of the call's library (CuPy only), device, shape and
+    dtype, with a contiguous last dimension (lse: C-contiguous). Returns the given ones."""
+    given = {n: x for n, x in given.items() if x is not None}
+    if given and spec.library != "cupy":
+        n = next(iter(given))
+        raise _arg_error(TypeError, n, "None: preallocated outputs are for CuPy arrays (a CuPy "
+                         "graph capture needs its outputs to outlive it; torch.cuda.graph serves "
+                         "them from its own pool)", f"an array with {spec.library} inputs")
+    for n, x in given.items():
+        shape, dt = expected[n]
+        _check_array(n, x, len(shape), spec.library, spec.device)
+        if tuple(x.shape) != tuple(shape) or dtype_name(x) != dt:
+            raise _arg_error(ValueError, n, f"an array of shape {tuple(shape)} and dtype {dt}",
+                             f"shape {tuple(x.shape)} and dtype {dtype_name(x)}")
+        if n == "lse" and not x.flags.c_contiguous:
+            raise _arg_error(ValueError, n, "a C-contiguous array", f"strides {x.strides}")
+        _check_last_contiguous(n, x)
+    return given
+
+
+# --------------------------------------------------------------------------------------------
 # Merging partial attention results
 # --------------------------------------------------------------------------------------------
 

@@ -19,7 +19,6 @@ integration), with the arguments users pass. Prints a table per section; --json 
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 
@@ -153,11 +152,11 @@ def tiny(n_first=1000, n=2000, rounds=5):
         o = F.scaled_dot_product_attention(qtg, ktg, vtg, is_causal=True)
         torch.autograd.grad(o, (qtg, ktg, vtg), dot)
     fns = {"fc_fwd": fc_fwd, "sdpa_fwd": sdpa_fwd, "fc_step": fc_step, "sdpa_step": sdpa_step}
-    first = {f"{k}_first{n_first}_us": host_loop_us(f, n_first) for k, f in fns.items()}
-    best = {f"{k}_us": float("inf") for k in fns}
+    first = {f"{name}_first{n_first}_us": host_loop_us(f, n_first) for name, f in fns.items()}
+    best = {f"{name}_us": float("inf") for name in fns}
     for _ in range(rounds):
-        for k, f in fns.items():
-            best[f"{k}_us"] = min(best[f"{k}_us"], host_loop_us(f, n))
+        for name, f in fns.items():
+            best[f"{name}_us"] = min(best[f"{name}_us"], host_loop_us(f, n))
     emit(section="tiny", **first, **best,
          fwd_minus_sdpa_first_us=first[f"fc_fwd_first{n_first}_us"] - first[f"sdpa_fwd_first{n_first}_us"],
          step_over_sdpa_first=first[f"fc_step_first{n_first}_us"] / first[f"sdpa_step_first{n_first}_us"],
@@ -250,12 +249,45 @@ def generate(shapes=((1, 512), (8, 2048)), new=128):
                 o = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
                 torch.cuda.synchronize()
             r[impl + "_tok_s"] = batch * new / (time.perf_counter() - t0)
-            outs[impl] = o[:, prompt:prompt + 8]
+            outs[impl] = o[:, prompt:]
+            # the first step's logits: how close the two are (greedy tokens of a random model
+            # flip on near-ties)
+            with torch.no_grad():
+                r[impl + "_logits"] = model(ids).logits[:, -1].float()
             del model
             torch.cuda.empty_cache()
+        same = (outs["sdpa"] == outs["flashcore"]).int().cumprod(1).sum(1)
+        la, lb = r.pop("sdpa_logits"), r.pop("flashcore_logits")
         emit(section="generate", batch=batch, prompt=prompt, **r,
              ratio=r["flashcore_tok_s"] / r["sdpa_tok_s"],
-             first8_equal=bool(torch.equal(outs["sdpa"], outs["flashcore"])))
+             equal_prefix_min=int(same.min()), equal_prefix_mean=float(same.float().mean()),
+             logits_maxdiff=float((la - lb).abs().max()), logits_scale=float(la.abs().max()))
+
+
+def profile(n=300):
+    """cProfile of the host side of the decode step (batch 1, 4k) and of the tiny forward."""
+    import cProfile
+    import pstats
+    q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    kc = torch.randn(1, 4096, 8, 128, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    lens = torch.full((1,), 4096, device="cuda", dtype=torch.int32)
+    qt = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
+    calls = {"decode": lambda: flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=lens),
+             "tiny_fwd": lambda: flashcore.attention(qt, qt, qt, causal=True)}
+    for name, fn in calls.items():
+        with torch.no_grad():
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(n):
+                fn()
+            pr.disable()
+        torch.cuda.synchronize()
+        print(f"# profile {name}: {n} calls")
+        pstats.Stats(pr).sort_stats("tottime").print_stats(22)
 
 
 def main(argv):
@@ -269,7 +301,7 @@ def main(argv):
     for s in sections:
         try:
             {"decode": decode, "tiny": tiny, "llama": llama, "generate": generate,
-             "compile": compile_step}[s]()
+             "compile": compile_step, "profile": profile}[s]()
         except Exception as e:
             import traceback
             traceback.print_exc()

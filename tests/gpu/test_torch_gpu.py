@@ -408,11 +408,20 @@ def test_cupy_stream_capture_with_the_stream_ordered_pool():
         qd = mk(2, 1, 8, 64)
         lens = cupy.array([333, 699], dtype=cupy.int32)
 
-        def step():
-            out, lse = flashcore.attention_forward(q, k, v, causal=True)
+        # the outputs outlive the graph: preallocated, written in place; the scratch of each
+        # call is allocated and freed inside the graph (stream-ordered pool)
+        outs = dict(out=cupy.empty_like(q), lse=cupy.empty((2, 8, 150), cupy.float32),
+                    dq=cupy.empty_like(q), dk=cupy.empty_like(k), dv=cupy.empty_like(v),
+                    od=cupy.empty_like(qd), lsed=cupy.empty((2, 8, 1), cupy.float32))
+
+        def step(o=outs):
+            out, lse = flashcore.attention_forward(q, k, v, causal=True, out=o["out"],
+                                                   lse=o["lse"])
             dq, dk, dv = flashcore.attention_backward(do, q, k, v, out, lse, causal=True,
-                                                      deterministic=True)
-            od = flashcore.attention_with_kvcache(qd, kc, vc, cache_seqlens=lens, num_splits=4)
+                                                      deterministic=True, dq=o["dq"],
+                                                      dk=o["dk"], dv=o["dv"])
+            od = flashcore.attention_with_kvcache(qd, kc, vc, cache_seqlens=lens, num_splits=4,
+                                                  out=o["od"], lse=o["lsed"])
             return out, lse, dq, dk, dv, od
         s = cupy.cuda.Stream(non_blocking=True)
         with s:
@@ -428,8 +437,9 @@ def test_cupy_stream_capture_with_the_stream_ordered_pool():
             with s:
                 graph.launch()
             s.synchronize()
-            eager = step()
-            for a, b in zip(captured, eager):
+            captured_now = [a.copy() for a in captured]
+            eager = step({n: cupy.empty_like(a) for n, a in outs.items()})
+            for a, b in zip(captured_now, eager):
                 assert bool(cupy.array_equal(a, b, equal_nan=True))
     finally:
         cupy.cuda.set_allocator(prev)
