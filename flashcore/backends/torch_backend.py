@@ -8,16 +8,17 @@ One route, the same eagerly and under ``torch.compile`` (flash-attn's shape):
    the outputs allocated by torch and every scratch buffer the launchers need (split-KV
    partials, dQ accumulators, copies) taken from torch's caching allocator: so a call can be
    captured in a CUDA graph (``torch.cuda.graph``) and replays bit for bit.
-2. Two ``torch.library`` custom ops, ``flashcore::fwd`` and ``flashcore::bwd``, with fake
-   (shape-only) implementations: ``torch.compile(fullgraph=True)`` traces through flashcore
-   without a graph break and ``torch.library.opcheck`` passes. One op serves padded and varlen
-   calls: ``cu_seqlens_q`` present means varlen.
-3. Autograd registered on the ops (``register_autograd``): the forward saves
-   ``(q, k, v, out, lse)``, the backward calls ``flashcore::bwd``. ``lse`` is not
-   differentiable; differentiating the backward (double backward) is refused.
+2. Three ``torch.library`` ops, ``flashcore::fwd``, ``flashcore::bwd`` and
+   ``flashcore::kvcache`` (which writes the cache in place), with fake (shape-only)
+   implementations: ``torch.compile(fullgraph=True)`` traces through flashcore without a
+   graph break and ``torch.library.opcheck`` passes. One op serves padded and varlen calls:
+   ``cu_seqlens_q`` present means varlen.
+3. An autograd Function over the ops: the forward saves ``(q, k, v, out, lse)``, the backward
+   calls ``flashcore::bwd``. ``lse`` is not differentiable; differentiating the backward
+   (double backward) is refused.
 
-:func:`autograd_attention` validates (flashcore.spec, memoised per layout) and calls the
-forward op. Nothing here imports torch at flashcore import time: the ops are defined when torch
+:func:`autograd_attention` validates (flashcore.spec, memoised per layout) and applies the
+Function, eagerly and under ``torch.compile`` alike (flash-attn's route). Nothing here imports torch at flashcore import time: the ops are defined when torch
 is imported (an import hook, or at once if torch is already loaded) or at the first call.
 """
 from __future__ import annotations
@@ -435,91 +436,132 @@ def torch_ops():
     return _OPS[0]
 
 
+def _fwd_impl(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              causal, softmax_scale, window_left, window_right, softcap, deterministic):
+    spec = _op_spec(q, k, alibi_slopes, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal,
+                    softmax_scale, window_left, window_right, softcap, deterministic)
+    return _BACKEND.forward(spec, q, k, v, alibi_slopes=alibi_slopes,
+                            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+
+
+def _bwd_impl(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+              max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
+              deterministic):
+    spec = _op_spec(q, k, alibi_slopes, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal,
+                    softmax_scale, window_left, window_right, softcap, deterministic)
+    return _BACKEND.backward(spec, dout, q, k, v, out, lse, alibi_slopes=alibi_slopes,
+                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+
+
+def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, block_table,
+                  rotary_cos, rotary_sin, rotary_interleaved, causal, softmax_scale, window_left,
+                  window_right, softcap, alibi_slopes, num_splits):
+    from ..spec import kvcache_spec
+    lens = cache_seqlens_int if cache_seqlens is None else cache_seqlens
+    spec = kvcache_spec(q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=block_table,
+                        rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                        rotary_interleaved=rotary_interleaved, causal=causal,
+                        softmax_scale=softmax_scale, window_size=(window_left, window_right),
+                        softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits)
+    return _BACKEND.forward_kvcache(spec, q, k_cache, v_cache, k, v, cache_seqlens=lens,
+                                    block_table=block_table, rotary_cos=rotary_cos,
+                                    rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
+
+
+_LIBRARY: list = []     # the torch.library.Library that owns the ops (kept alive)
+
+
 def _define_ops():
+    """The three ops, defined with torch.library's low-level API: a Python kernel reached
+    through the dispatcher costs ~5 us a call on the H200 host, against ~20 us for a
+    ``torch.library.custom_op`` (whose wrapper adds checks and a dynamo guard per call)."""
     import torch
+    lib = torch.library.Library("flashcore", "DEF")
+    for name, schema, impl in (("fwd", _FWD_SCHEMA, _fwd_impl), ("bwd", _BWD_SCHEMA, _bwd_impl),
+                               ("kvcache", _KV_SCHEMA, _kvcache_impl)):
+        lib.define(name + schema)
+        for key in ("CPU", "CUDA"):
+            lib.impl(name, impl, key)
 
-    @torch.library.custom_op("flashcore::fwd", mutates_args=(), schema=_FWD_SCHEMA)
-    def fwd(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            causal, softmax_scale, window_left, window_right, softcap, deterministic):
-        spec = _op_spec(q, k, alibi_slopes, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal,
-                        softmax_scale, window_left, window_right, softcap, deterministic)
-        return _BACKEND.forward(spec, q, k, v, alibi_slopes=alibi_slopes,
-                                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-
-    @fwd.register_fake
-    def _fwd_fake(q, k, v, alibi_slopes, cu_seqlens_q, *_):
+    def fwd_fake(q, k, v, alibi_slopes, cu_seqlens_q, *_):
         lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else \
             (q.shape[0], q.shape[2], q.shape[1])
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=lse_dtype)
 
-    @torch.library.custom_op("flashcore::bwd", mutates_args=(), schema=_BWD_SCHEMA)
-    def bwd(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-            max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
-            deterministic):
-        spec = _op_spec(q, k, alibi_slopes, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal,
-                        softmax_scale, window_left, window_right, softcap, deterministic)
-        return _BACKEND.backward(spec, dout, q, k, v, out, lse, alibi_slopes=alibi_slopes,
-                                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-
-    @bwd.register_fake
-    def _bwd_fake(dout, q, k, v, *_):
+    def bwd_fake(dout, q, k, v, *_):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
-    # -- Layer 3: autograd ------------------------------------------------------------------
-
-    def fwd_setup_context(ctx, inputs, output):
-        q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *options = inputs
-        out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
-        ctx.options = options
-        ctx.mark_non_differentiable(lse)
-
-    def fwd_backward(ctx, dout, _dlse):
-        q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        # The kernels need a contiguous last dimension; the incoming gradient can be anything
-        # (an expanded scalar from .sum() has stride 0 everywhere).
-        if dout.shape[-1] > 1 and dout.stride(-1) != 1:
-            dout = dout.contiguous()
-        dq, dk, dv = torch.ops.flashcore.bwd(dout, q, k, v, out, lse, alibi_slopes,
-                                             cu_seqlens_q, cu_seqlens_k, *ctx.options)
-        return (dq, dk, dv) + (None,) * (3 + len(ctx.options))
-
-    torch.library.register_autograd("flashcore::fwd", fwd_backward,
-                                    setup_context=fwd_setup_context)
-
-    def bwd_setup_context(ctx, inputs, output):
-        pass
-
-    def bwd_backward(ctx, *grads):
-        raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
-
-    torch.library.register_autograd("flashcore::bwd", bwd_backward,
-                                    setup_context=bwd_setup_context)
-
-    # -- decoding with a KV cache: no autograd; the cache is written in place -------------
-    @torch.library.custom_op("flashcore::kvcache", mutates_args=("k_cache", "v_cache"),
-                             schema=_KV_SCHEMA)
-    def kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, block_table,
-                rotary_cos, rotary_sin, rotary_interleaved, causal, softmax_scale, window_left,
-                window_right, softcap, alibi_slopes, num_splits):
-        from ..spec import kvcache_spec
-        lens = cache_seqlens_int if cache_seqlens is None else cache_seqlens
-        spec = kvcache_spec(q, k_cache, v_cache, k, v, cache_seqlens=lens,
-                            block_table=block_table, rotary_cos=rotary_cos,
-                            rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-                            causal=causal, softmax_scale=softmax_scale,
-                            window_size=(window_left, window_right), softcap=softcap,
-                            alibi_slopes=alibi_slopes, num_splits=num_splits)
-        return _BACKEND.forward_kvcache(spec, q, k_cache, v_cache, k, v, cache_seqlens=lens,
-                                        block_table=block_table, rotary_cos=rotary_cos,
-                                        rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
-
-    @kvcache.register_fake
-    def _kvcache_fake(q, *_):
+    def kvcache_fake(q, *_):
         return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]),
                                                  dtype=torch.float32)
-    return torch.ops.flashcore
+    torch.library.register_fake("flashcore::fwd", fwd_fake, lib=lib)
+    torch.library.register_fake("flashcore::bwd", bwd_fake, lib=lib)
+    torch.library.register_fake("flashcore::kvcache", kvcache_fake, lib=lib)
+    _LIBRARY.append(lib)
+    ops = torch.ops.flashcore
+    _FUNCTION.append(_attention_function(torch, ops))
+    return ops
+
+
+# -- Layer 3: autograd ------------------------------------------------------------------------
+
+_FUNCTION: list = []
+
+
+def _attention_function(torch, ops):
+    """The autograd Function over the ops (flash-attn's layering: ops, Function, public
+    function): the forward saves ``(q, k, v, out, lse)``; lse is not differentiable; the
+    backward is not differentiable either (double backward is refused with a message)."""
+
+    class FlashAttention(torch.autograd.Function):
+        # Inputs arrive deduplicated (dynamo cannot trace a Function given one tensor twice,
+        # and q is k is v, or cu_seqlens_q is cu_seqlens_k, are common): ``where`` gives, for
+        # q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, the index of each in ``tensors``
+        # (-1: None).
+        @staticmethod
+        def forward(ctx, where, options, *tensors):
+            q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k = (
+                None if i < 0 else tensors[i] for i in where)
+            out, lse = ops.fwd.default(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                                       *options)
+            ctx.save_for_backward(out, lse, *tensors)
+            ctx.where = where
+            ctx.options = options
+            ctx.mark_non_differentiable(lse)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, _dlse):
+            out, lse, *tensors = ctx.saved_tensors
+            where = ctx.where
+            q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k = (
+                None if i < 0 else tensors[i] for i in where)
+            # The kernels need a contiguous last dimension; the incoming gradient can be
+            # anything (an expanded scalar from .sum() has stride 0 everywhere).
+            if dout.shape[-1] > 1 and dout.stride(-1) != 1:
+                dout = dout.contiguous()
+            dq, dk, dv = ops.bwd.default(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q,
+                                         cu_seqlens_k, *ctx.options)
+            if torch.is_grad_enabled():      # create_graph=True: refuse when differentiated
+                dq, dk, dv = NoSecondDerivative.apply(dout, q, k, v, dq, dk, dv)
+            grads = [None] * len(tensors)
+            for i, g in zip(where[:3], (dq, dk, dv)):
+                grads[i] = g if grads[i] is None else grads[i] + g
+            return (None, None, *grads)
+
+    class NoSecondDerivative(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, dout, q, k, v, *grads):
+            # dout, q, k, v tie the gradients to the graph being built: they require grad
+            # whenever the gradients could be differentiated (a constant dout included)
+            return tuple(g.clone() for g in grads)
+
+        @staticmethod
+        def backward(ctx, *_):
+            raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
+
+    return FlashAttention
 
 
 # --------------------------------------------------------------------------------------------
@@ -533,9 +575,9 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
     """Differentiable attention on torch tensors. Returns ``(out, lse)``; lse has no gradient.
 
     The arguments are validated (flashcore.spec) and, eagerly, a backend chosen (every
-    backend's reasons before any op runs); then the forward op runs, with autograd. Under
-    ``torch.compile`` the same Python runs at trace time on fake tensors and the op enters the
-    graph.
+    backend's reasons before any op runs); then the autograd Function runs the forward op.
+    Under ``torch.compile`` the same Python runs at trace time on fake tensors: dynamo traces
+    the Function, and the ops enter the graph.
     """
     spec = forward_spec(q, k, v, varlen=varlen, causal=causal, softmax_scale=softmax_scale,
                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -546,11 +588,28 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
         # (the capability probe, CuPy import checks and device queries, is not traceable; the
         # shapes, dtypes and options were validated above either way)
         choose(spec, backend, backward=_needs_grad(q, k, v))
-    return torch_ops().fwd.default(
-        q, k, v, alibi_slopes, cu_seqlens_q if varlen else None,
-        cu_seqlens_k if varlen else None, spec.seqlen_q if varlen else 0,
-        spec.seqlen_k if varlen else 0, spec.causal, spec.softmax_scale, spec.window_left,
-        spec.window_right, spec.softcap, spec.deterministic)
+    torch_ops()
+    tensors, where = [], []
+    for t in (q, k, v, alibi_slopes, cu_seqlens_q if varlen else None,
+              cu_seqlens_k if varlen else None):
+        if t is None:
+            where.append(-1)
+            continue
+        for i, u in enumerate(tensors):
+            if u is t:
+                where.append(i)
+                break
+        else:
+            where.append(len(tensors))
+            tensors.append(t)
+    return _FUNCTION[0].apply(tuple(where), _options(spec), *tensors)
+
+
+def _options(spec) -> tuple:
+    """The scalar arguments of the ops for ``spec`` (the window folded with causal)."""
+    return (spec.seqlen_q if spec.varlen else 0, spec.seqlen_k if spec.varlen else 0,
+            spec.causal, spec.softmax_scale, spec.window_left, spec.window_right, spec.softcap,
+            spec.deterministic)
 
 
 def kvcache_attention(q, k_cache, v_cache, k, v, spec, *, cache_seqlens, block_table,
