@@ -258,8 +258,8 @@ def test_tile_overrides_and_kernel_reloads_drop_the_plans():
     assert not plans.PLANS
     _forward(c, _fwd_arrays(rng, c))
     assert plans.PLANS
-    jit.clear_memory_cache()
-    assert not plans.PLANS
+    jit.clear_memory_cache()          # the recorded plans are not replayed: launched in full
+    assert all(plans.lookup(key) is None for key in plans.PLANS)
 
 
 # ---------------- decoding (flashcore/kernels/decode.py) ----------------

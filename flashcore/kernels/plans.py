@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import jit
 from .params import as_kernel_arg, params_dtype
 
 __all__ = ["Plan", "layout_key", "set_enabled", "enabled", "clear", "PLANS"]
@@ -80,9 +81,10 @@ class Plan:
     buffers the launcher allocated per call (pointer field, shape, zero-filled?), and the
     launcher's return value."""
 
-    __slots__ = ("device_id", "launches", "template", "scratch", "result")
+    __slots__ = ("device_id", "launches", "template", "scratch", "result", "generation")
 
     def __init__(self, device_id, launches, template, scratch=(), result=None):
+        self.generation = jit.generation()      # the loaded kernels it launches
         self.device_id = device_id
         self.launches = tuple(launches)
         self.template = template.copy()
@@ -122,4 +124,7 @@ def remember(key, plan: Plan) -> None:
 def lookup(key):
     if key is None or not _STATE["enabled"]:
         return None
-    return PLANS.get(key)
+    plan = PLANS.get(key)
+    if plan is not None and plan.generation != jit.generation():
+        return None          # its kernels were unloaded: the launcher runs in full again
+    return plan
