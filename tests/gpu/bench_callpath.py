@@ -273,8 +273,16 @@ def profile(n=300):
     vc = torch.randn_like(kc)
     lens = torch.full((1,), 4096, device="cuda", dtype=torch.int32)
     qt = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
+    qg = qt.clone().requires_grad_()
+    do = torch.randn_like(qt)
+
+    def step():
+        with torch.enable_grad():
+            o = flashcore.attention(qg, qg, qg, causal=True)
+            torch.autograd.grad(o, (qg,), do)
     calls = {"decode": lambda: flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=lens),
-             "tiny_fwd": lambda: flashcore.attention(qt, qt, qt, causal=True)}
+             "tiny_fwd": lambda: flashcore.attention(qt, qt, qt, causal=True),
+             "tiny_step": step}
     for name, fn in calls.items():
         with torch.no_grad():
             for _ in range(20):
@@ -287,7 +295,9 @@ def profile(n=300):
             pr.disable()
         torch.cuda.synchronize()
         print(f"# profile {name}: {n} calls")
-        pstats.Stats(pr).sort_stats("tottime").print_stats(22)
+        st = pstats.Stats(pr)
+        st.sort_stats("tottime").print_stats(14)
+        st.sort_stats("cumulative").print_stats(14)
 
 
 def main(argv):
