@@ -209,33 +209,43 @@ _SPEC_MEMO_MAX = 4096
 
 
 def _layout_key(x):
+    # (by the class's attributes, not library_of: this runs for every array of every call; a
+    # key only ever maps to a spec that full validation produced for that same class)
     t = type(x)
     if t is np.ndarray:
         return (t, x.shape, x.strides, x.dtype)
-    lib = library_of(x)
-    if lib == "cupy":
+    if hasattr(t, "stride") and hasattr(t, "device"):          # torch
+        return (t, x.shape, x.stride(), x.dtype, x.device)
+    if library_of(x) == "cupy":
         return (t, x.shape, x.strides, x.dtype, x.device.id)
-    if lib == "torch":
-        return (t, tuple(x.shape), x.stride(), x.dtype, x.device)
     raise TypeError   # not keyable: validate in full
 
 
+_PLAIN_SCALARS = frozenset((bool, int, float, str, type(None)))
+
+
 def _scalar_key(v):
-    if v is None or isinstance(v, (bool, int, float, str, np.number)):
-        return (type(v), v)
-    if isinstance(v, (tuple, list)):
-        return (type(v),) + tuple(_scalar_key(e) for e in v)
+    t = type(v)
+    if t in _PLAIN_SCALARS or isinstance(v, np.number):
+        return (t, v)
+    if t is tuple or t is list:
+        return (t,) + tuple(_scalar_key(e) for e in v)
     raise TypeError
 
 
 def _memo_key(kind, arrays, alibi_slopes, scalars):
+    """The memo's key of a call, or None (not keyable). Runs on every call: plain loops."""
     if torch_compiling(arrays[0]):
         return None
     try:
-        key = (kind,) + tuple(_layout_key(x) for x in arrays) + tuple(
-            _scalar_key(v) for v in scalars)
+        key = [kind]
+        for x in arrays:
+            key.append(_layout_key(x))
+        for v in scalars:
+            key.append(_scalar_key(v))
         if alibi_slopes is not None:
-            key += (_layout_key(alibi_slopes),)
+            key.append(_layout_key(alibi_slopes))
+        key = tuple(key)
         hash(key)
     except TypeError:
         return None
