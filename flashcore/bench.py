@@ -221,7 +221,7 @@ def gpu_time_l2_flushed(fn, iters=30, warmup=5):
     overwrites the L2 (256 MB, outside the timed interval, as triton's do_bench does: a cache of
     a few MB would otherwise be read from L2 rather than HBM) and is bracketed by its own pair
     of CUDA events. ``fn`` must not synchronise with the host. Every implementation compared
-    is timed the same way (tests/gpu/bench_decode.py, the asv Decode benchmarks)."""
+    is timed the same way (tests/diagnostics/bench_decode.py, the asv Decode benchmarks)."""
     import numpy as np
     import torch
     if not _FLUSH:

@@ -3,8 +3,8 @@ backends, measured in the same process.
 
 The shapes of the decode-speed target: one query token, 32 query heads over 8 kv heads,
 headdim 128, bf16, a contiguous cache of 4k / 16k / 128k tokens per sequence, batch 1 / 8 /
-64 (paged caches: tests/gpu/bench_decode.py). A decoding step is shorter than its Python
-launch, so GPU time is measured the way tests/gpu/bench_decode.py does it
+64 (paged caches: tests/diagnostics/bench_decode.py). A decoding step is shorter than its Python
+launch, so GPU time is measured the way tests/diagnostics/bench_decode.py does it
 (flashcore.bench.gpu_time_l2_flushed: calls queued behind a spin kernel, L2 flushed before
 each, one pair of CUDA events each). flashcore is timed through its launcher
 (flashcore.kernels.decode.launch_decode, the split heuristic included): the public

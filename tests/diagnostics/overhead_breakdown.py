@@ -16,7 +16,7 @@ Rows, each the best of 5 x N calls on a tiny problem (1 x 128 x 2 x 64 bf16, cau
   pieces                      forward_spec, choose, _cp, _cupy_stream, torch.empty, the raw
                               stream query, a fast-path key
   summary                     torch over cupy (fwd, fwd+bwd), and over the noop Function floor
-    python tests/gpu/overhead_breakdown.py [N]
+    python tests/diagnostics/overhead_breakdown.py [N]
 """
 from __future__ import annotations
 
