@@ -11,7 +11,7 @@ import numpy as np
 
 from . import __version__, attention_backward, attention_forward, available_backends
 from .backends.base import all_backends
-from .backends.numpy_backend import naive_backward, naive_forward, round_to_dtype
+from .reference import naive_backward, naive_forward, round_to_dtype
 from .spec import forward_spec
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..reference import (  # noqa: F401  (re-exported: tests and the CuPy backend import them here)
-    _bhsd, _expand_kv, _safe, _Scores, _slopes_for, _sum_groups, apply_rotary, naive_backward,
+    _bhsd, _expand_kv, _safe, _Scores, _slopes_for, apply_rotary, naive_backward,
     naive_forward, round_to_dtype)
 from .base import Backend, register
 
