@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -155,3 +157,63 @@ def test_diagnostics_hold_no_tests():
     names = os.listdir(os.path.join(ROOT, "tests", "diagnostics"))
     assert "README.md" in names
     assert not [n for n in names if n.startswith("test_") or n.endswith("_test.py")]
+
+
+def _result_file(folder, commit, date, results):
+    """An asv (0.6) result file: results {name: [[values], [[param reprs], ...]]}."""
+    path = os.path.join(folder, "box", f"{commit[:8]}-existing-py.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"commit_hash": commit, "date": date, "version": 2,
+                   "result_columns": ["result", "params", "version"],
+                   "results": {k: [v, p, "0"] for k, (v, p) in results.items()}}, f)
+    return path
+
+
+def test_compare_flags_regressions_by_unit_direction(tmp_path, capsys):
+    """compare.py: a ratio that drops, or a time that grows, beyond 5% is a regression; a
+    figure the baseline had and this run lost is one too; improvements are reported only."""
+    sys.path.insert(0, ASV)
+    try:
+        compare = importlib.import_module("compare")
+    finally:
+        sys.path.remove(ASV)
+    d = str(tmp_path)
+    with open(os.path.join(d, "benchmarks.json"), "w") as f:
+        json.dump({"m.Ratio.track_ratio": {"unit": "ratio"}, "m.Wall.track_us": {"unit": "us"},
+                   "version": 2}, f)
+    p = [["'a'", "'b'"]]
+    old = _result_file(d, "1" * 40, 1, {"m.Ratio.track_ratio": ([1.00, 1.00], p),
+                                        "m.Wall.track_us": ([10.0, 10.0], p)})
+    older = _result_file(d, "3" * 40, 0, {"m.Ratio.track_ratio": ([9.0, 9.0], p)})
+    new = "2" * 40
+    _result_file(d, new, 2, {"m.Ratio.track_ratio": ([0.90, 1.10], p),      # a worse, b better
+                             "m.Wall.track_us": ([10.2, float("nan")], p),  # a within 5%, b lost
+                             "m.New.track_us": ([1.0, 1.0], p)})           # no baseline
+    rc = compare.main(["--results", d, "--machine", "box", "--commit", new,
+                       "--baseline-files", old, older])
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    assert "WORSE  0.90x m.Ratio.track_ratio('a')" in out, out
+    assert "better  1.10x m.Ratio.track_ratio('b')" in out, out
+    assert "LOST      m.Wall.track_us('b')" in out, out
+    assert "m.Wall.track_us('a')" not in out
+    assert "no committed baseline for m.New.track_us" in out
+    assert "2 regression(s), 1 improvement(s)" in out
+    # the newest baseline of each benchmark counts (not the older 9.0), and a clean run is 0
+    _result_file(d, new, 2, {"m.Ratio.track_ratio": ([0.99, 1.0], p)})
+    assert compare.main(["--results", d, "--machine", "box", "--commit", new,
+                         "--baseline-files", old, older]) == 0
+    assert compare.main(["--results", d, "--machine", "box", "--commit", "4" * 40,
+                         "--baseline-files", old]) == 2
+
+
+def test_compare_sh_parses_and_its_groups_name_benchmarks(suite):
+    script = os.path.join(ASV, "compare.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    line = next(l for l in open(script) if l.startswith("GROUPS_DEFAULT="))
+    groups = line.split("=", 1)[1].strip().strip("'").split(";")
+    names = [f"{m}.{c}.{meth}" for m, c, cls in _benchmark_classes(suite)
+             for meth in dir(cls) if meth.startswith(("time_", "track_"))]
+    for g in groups:
+        assert any(re.search(g, n) for n in names), (g, names)
