@@ -135,14 +135,14 @@ __device__ __forceinline__ BwdSeq bwd_seq(const FlashParams& p, int b) {
     s.sq = p.seqlen_q;
     s.sk = p.seqlen_k;
     if (p.cu_seqlens_q != nullptr) {
-        const int a = p.cu_seqlens_q[b];
-        s.q_off = a;
-        s.sq = p.cu_seqlens_q[b + 1] - a;
+        const FcSeqRange r = fc_seq_range(p.cu_seqlens_q, b, p.total_q, p.seqlen_q);
+        s.q_off = r.row0;
+        s.sq = r.len;
     }
     if (p.cu_seqlens_k != nullptr) {
-        const int a = p.cu_seqlens_k[b];
-        s.k_off = a;
-        s.sk = p.cu_seqlens_k[b + 1] - a;
+        const FcSeqRange r = fc_seq_range(p.cu_seqlens_k, b, p.total_k, p.seqlen_k);
+        s.k_off = r.row0;
+        s.sk = r.len;
     }
     return s;
 }

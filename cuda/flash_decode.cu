@@ -431,7 +431,7 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     const int split = blockIdx.z;
     const int G = params.nheads / params.nheads_k;
     const int sq = params.seqlen_q;
-    const int sk = params.cache_seqlens[b];
+    const int sk = fc_cache_len(params.cache_seqlens, b, params.seqlen_k);
     const int m0 = m_block * kBlockM;
     const int rows_valid = min(kBlockM, sq * G - m0);
     const int off = sk - sq;
@@ -571,7 +571,7 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
             int p = wp, r = wr;
             r0 = r;
             if (one_page(r)) {
-                pg[0] = bt[min(p, bt_last)];
+                pg[0] = fc_pool_block(bt[min(p, bt_last)], params.num_blocks);
             } else {
 #pragma unroll
                 for (int i = 0; i < kRPT; ++i) {
@@ -582,7 +582,7 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
                             ++p;
                         }
                     }
-                    pg[i] = bt[min(p, bt_last)];
+                    pg[i] = fc_pool_block(bt[min(p, bt_last)], params.num_blocks);
                 }
             }
             // keep the table's next lines warm in L2 (page 16: a 128-byte line is 8 blocks)
@@ -1031,6 +1031,7 @@ flash_decode_combine_kernel(const FlashParams params) {
 //        contiguous: dst + b*dst_bs + pos*dst_rs + h*dst_hs
 //        paged:      dst + block_table[b*bt_stride + pos/page_size]*dst_bs
 //                        + (pos%page_size)*dst_rs + h*dst_hs
+//        rows outside [0, capacity) and blocks outside [0, num_blocks) are skipped
 //   rotary (Has_rotary): position rot_offsets[b] + t of cos/sin (fp32, (seqlen_ro, rotary_dim/2),
 //        contiguous); non-interleaved rotates (x[i], x[i + rd/2]), interleaved (x[2i], x[2i+1]),
 //        i < rd/2: o1 = x1 cos - x2 sin, o2 = x2 cos + x1 sin. Dims >= rotary_dim are copied.
@@ -1041,7 +1042,8 @@ flash_append_kv_kernel(const fc_u16* __restrict__ src, long long src_bs, long lo
                        long long dst_hs, const int* dst_row_offsets, const int* block_table,
                        long long bt_stride, int page_size, const float* cos_t,
                        const float* sin_t, const int* rot_offsets, int rotary_dim, int seqlen_ro,
-                       int batch, int seqlen, int nheads, int headdim) {
+                       int batch, int seqlen, int nheads, int headdim, int capacity,
+                       int num_blocks) {
     const int half_d = headdim / 2;
     const long long total = (long long)batch * seqlen * nheads * half_d;
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -1076,10 +1078,15 @@ flash_append_kv_kernel(const fc_u16* __restrict__ src, long long src_bs, long lo
         o2 = Elem::from_float(x2 * c + x1 * sn);
     }
     const int pos = (dst_row_offsets != nullptr ? dst_row_offsets[b] : 0) + t;
+    // A row past the cache (a bad cache_seqlens) or in a block outside the pool (a bad
+    // block_table entry) is not written: nothing outside the cache is ever touched.
+    if (pos < 0 || pos >= capacity) return;
     fc_u16* d;
     if constexpr (Is_paged) {
-        const long long blk = block_table[(long long)b * bt_stride + pos / page_size];
-        d = dst + blk * dst_bs + (long long)(pos % page_size) * dst_rs + (long long)h * dst_hs;
+        const int blk = block_table[(long long)b * bt_stride + pos / page_size];
+        if (blk < 0 || blk >= num_blocks) return;
+        d = dst + (long long)blk * dst_bs + (long long)(pos % page_size) * dst_rs
+            + (long long)h * dst_hs;
     } else {
         d = dst + (long long)b * dst_bs + (long long)pos * dst_rs + (long long)h * dst_hs;
     }

@@ -163,12 +163,14 @@ flash_fwd_kernel(const FlashParams params) {
     long long q_row0 = 0, k_row0 = 0;   // first row of this sequence in packed (varlen) tensors
     int sq = params.seqlen_q, sk = params.seqlen_k;
     if (params.cu_seqlens_q != nullptr) {
-        q_row0 = params.cu_seqlens_q[b];
-        sq = params.cu_seqlens_q[b + 1] - params.cu_seqlens_q[b];
+        const FcSeqRange r = fc_seq_range(params.cu_seqlens_q, b, params.total_q, params.seqlen_q);
+        q_row0 = r.row0;
+        sq = r.len;
     }
     if (params.cu_seqlens_k != nullptr) {
-        k_row0 = params.cu_seqlens_k[b];
-        sk = params.cu_seqlens_k[b + 1] - params.cu_seqlens_k[b];
+        const FcSeqRange r = fc_seq_range(params.cu_seqlens_k, b, params.total_k, params.seqlen_k);
+        k_row0 = r.row0;
+        sk = r.len;
     }
     const int m0 = m_block * kBlockM;
     if (m0 >= sq) return;   // varlen: this sequence is shorter than the grid's max

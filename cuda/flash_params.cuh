@@ -89,4 +89,42 @@ struct FlashParams {
     int* split_counter;        // split-KV fused combine: int32 arrival counters, one per
                                // (batch, kv head, m-block), all 0 between launches; nullptr =
                                // the separate combine kernel merges the splits
+
+    // ---- bounds for values read from device arrays (see "Trusted values" above) ----------
+    int total_q;               // varlen: rows of the packed q (and out, lse); else 0
+    int total_k;               // varlen: rows of the packed k and v; else 0
+    int num_blocks;            // paged decoding: blocks in the cache pool; else 0
+    int _pad1;
 };
+
+// ---- trusted values, guarded addresses -------------------------------------------------------
+// cu_seqlens, cache_seqlens and block_table are read only by the kernels (a default call never
+// reads them back to the host: no sync, and CUDA graphs can capture the call). flashcore trusts
+// them as flash-attn does, but every address formed from them is clamped into its array, so a
+// bad value gives a wrong result, never an access outside the arrays. Debug mode
+// (FLASHCORE_DEBUG=1) checks them on the host with named errors instead.
+
+// Sequence b of a packed (varlen) tensor of `total` rows: its first row and its length, at most
+// `max_len` (the grid's rows per sequence).
+struct FcSeqRange {
+    long long row0;
+    int len;
+};
+__device__ __forceinline__ FcSeqRange fc_seq_range(const int* cu, int b, int total, int max_len) {
+    const int a = min(max(cu[b], 0), total);
+    const int e = min(max(cu[b + 1], a), total);
+    FcSeqRange r;
+    r.row0 = a;
+    r.len = min(e - a, max_len);
+    return r;
+}
+
+// The keys of sequence b in a KV cache of `capacity` rows per sequence (params.seqlen_k).
+__device__ __forceinline__ int fc_cache_len(const int* cache_seqlens, int b, int capacity) {
+    return min(max(cache_seqlens[b], 0), capacity);
+}
+
+// A block_table entry as a block of the pool (num_blocks of them).
+__device__ __forceinline__ int fc_pool_block(int entry, int num_blocks) {
+    return min(max(entry, 0), num_blocks - 1);
+}

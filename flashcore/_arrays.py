@@ -1,24 +1,49 @@
-"""Array-library detection without importing torch or CuPy (array-api-compat style)."""
-from __future__ import annotations
+"""Array-library detection without importing torch or CuPy (array-api-compat style).
 
-import sys
+An array's library is read from its class alone (the classes in its MRO, by module and name),
+through a constant table: no ``sys.modules`` lookup, no import, nothing that changes while a
+program runs. So the detection is safe to call while another thread is still importing CuPy or
+torch, and torch.compile (dynamo) traces it like any pure function of its argument.
+"""
+from __future__ import annotations
 
 import numpy as np
 
 NUMPY, CUPY, TORCH = "numpy", "cupy", "torch"
 
+_LIBRARY_OF_CLASS = {("numpy", "ndarray"): NUMPY, ("cupy", "ndarray"): CUPY,
+                     ("cupy._core.core", "_ndarray_base"): CUPY, ("torch", "Tensor"): TORCH}
+
+
+_PLAIN = (bool, int, float, complex, str, bytes, tuple, list, dict, np.generic)
+
 
 def library_of(x) -> str | None:
-    """'numpy', 'cupy', 'torch' or None. Never imports a library that is not already loaded."""
+    """'numpy', 'cupy', 'torch' or None. Never imports a library."""
     if isinstance(x, np.ndarray):
         return NUMPY
-    cp = sys.modules.get("cupy")
-    if cp is not None and isinstance(x, cp.ndarray):
-        return CUPY
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        return TORCH
+    if x is None or isinstance(x, _PLAIN):     # (dynamo cannot walk the MRO of these)
+        return None
+    for cls in type(x).__mro__:
+        lib = _LIBRARY_OF_CLASS.get((cls.__module__, cls.__name__))
+        if lib is not None:
+            return lib
     return None
+
+
+def is_host(x) -> bool:
+    """Whether the array's memory is host memory (reading its values costs no device sync)."""
+    lib = library_of(x)
+    return lib == NUMPY or (lib == TORCH and x.device.type == "cpu")
+
+
+def torch_compiling(x) -> bool:
+    """Whether torch.compile is tracing, asked of torch only when ``x`` is a torch tensor (so
+    torch is imported already: the import below is a lookup)."""
+    if library_of(x) != TORCH:
+        return False
+    import torch
+    return bool(torch.compiler.is_compiling())
 
 
 def dtype_name(x) -> str:

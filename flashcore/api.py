@@ -27,9 +27,9 @@ Conventions (flash-attn's; see docs/conventions):
 """
 from __future__ import annotations
 
-from ._arrays import library_of
+from ._arrays import library_of, torch_compiling
 from .backends.base import all_backends, choose, choose_kvcache
-from .spec import backward_spec, forward_spec, kvcache_spec, merge_spec
+from .spec import backward_spec, check_outputs, forward_spec, kvcache_spec, merge_spec
 
 __all__ = [
     "attention", "attention_forward", "attention_backward",
@@ -38,43 +38,59 @@ __all__ = [
 ]
 
 
-def _forward(q, k, v, backend, varlen, **kw):
+def _lse_shape(spec):
+    return (spec.nheads, spec.total_q) if spec.varlen else (spec.batch, spec.nheads, spec.seqlen_q)
+
+
+def _forward(q, k, v, backend, varlen, out=None, lse=None, **kw):
     spec = forward_spec(q, k, v, varlen=varlen, **kw)
     b = choose(spec, backend)
+    given = {} if out is None and lse is None else check_outputs(
+        spec, {"out": out, "lse": lse},
+        {"out": (q.shape, spec.dtype), "lse": (_lse_shape(spec), "float32")})
     return b.forward(spec, q, k, v, alibi_slopes=kw.get("alibi_slopes"),
-                     cu_seqlens_q=kw.get("cu_seqlens_q"), cu_seqlens_k=kw.get("cu_seqlens_k"))
+                     cu_seqlens_q=kw.get("cu_seqlens_q"), cu_seqlens_k=kw.get("cu_seqlens_k"),
+                     **given)
 
 
-def _backward(dout, q, k, v, out, lse, backend, varlen, **kw):
+def _backward(dout, q, k, v, out, lse, backend, varlen, dq=None, dk=None, dv=None, **kw):
     spec = backward_spec(dout, q, k, v, out, lse, varlen=varlen, **kw)
     b = choose(spec, backend, backward=True)
+    given = {} if dq is None and dk is None and dv is None else check_outputs(
+        spec, {"dq": dq, "dk": dk, "dv": dv},
+        {"dq": (q.shape, spec.dtype), "dk": (k.shape, spec.dtype), "dv": (v.shape, spec.dtype)})
     return b.backward(spec, dout, q, k, v, out, lse, alibi_slopes=kw.get("alibi_slopes"),
-                      cu_seqlens_q=kw.get("cu_seqlens_q"), cu_seqlens_k=kw.get("cu_seqlens_k"))
+                      cu_seqlens_q=kw.get("cu_seqlens_q"), cu_seqlens_k=kw.get("cu_seqlens_k"),
+                      **given)
 
 
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                      softcap=0.0, alibi_slopes=None, deterministic=False, backend=None):
+                      softcap=0.0, alibi_slopes=None, deterministic=False, backend=None,
+                      out=None, lse=None):
     """Forward pass. Returns ``(out, lse)``.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
     out: like q; lse: float32 (batch, nheads, seqlen_q). ``backend`` names one of
-    :func:`backends` (default: the first that takes these arrays).
+    :func:`backends` (default: the first that takes these arrays). CuPy arrays: ``out`` and
+    ``lse`` may be given, preallocated (written in place and returned), which is what a call
+    captured in a CUDA graph (``cupy.cuda.Stream.begin_capture``) needs.
     """
-    return _forward(q, k, v, backend, False, causal=causal, softmax_scale=softmax_scale,
-                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                    deterministic=deterministic)
+    return _forward(q, k, v, backend, False, out=out, lse=lse, causal=causal,
+                    softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                    alibi_slopes=alibi_slopes, deterministic=deterministic)
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
                        window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                       deterministic=False, backend=None):
+                       deterministic=False, backend=None, dq=None, dk=None, dv=None):
     """Backward pass from the forward's ``out`` and ``lse``. Returns ``(dq, dk, dv)``.
 
-    ``deterministic=True`` gives bitwise identical gradients run after run.
+    ``deterministic=True`` gives bitwise identical gradients run after run. CuPy arrays:
+    ``dq``, ``dk``, ``dv`` may be given, preallocated (see :func:`attention_forward`).
     """
-    return _backward(dout, q, k, v, out, lse, backend, False, causal=causal,
-                     softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                     alibi_slopes=alibi_slopes, deterministic=deterministic)
+    return _backward(dout, q, k, v, out, lse, backend, False, dq=dq, dk=dk, dv=dv,
+                     causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                     softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
@@ -146,7 +162,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                            block_table=None, rotary_cos=None, rotary_sin=None,
                            rotary_interleaved=False, causal=False, softmax_scale=None,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None, num_splits=0,
-                           return_lse=False, backend=None):
+                           return_lse=False, backend=None, out=None, lse=None):
     """One decoding step with a KV cache (flash-attn's ``flash_attn_with_kvcache``).
 
     **The cache is updated in place**: when ``k`` and ``v`` are given, they are written into
@@ -163,10 +179,15 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         k, v: optional new keys/values ``(batch, seqlen_new, nheads_k, headdim)``, appended.
         cache_seqlens: int, or int32 array ``(batch,)``: the number of cached keys of each
             sequence *before* appending. Every ``cache_seqlens[b] + seqlen_new`` must fit in the
-            cache (checked; for device arrays this reads the lengths back to the host).
+            cache. Checked for an int and host arrays; device arrays are not read back (no
+            sync: the call can be captured in a CUDA graph), the kernels clamp what they
+            address to the cache instead, and debug mode (``FLASHCORE_DEBUG=1``, see
+            :mod:`flashcore.config`) checks them with named errors.
         block_table: int32 ``(batch, max_blocks_per_seq)``: key position t of sequence b lives
             in row ``t % page_size`` of block ``block_table[b, t // page_size]``. Every block a
-            sequence uses must exist (checked); unused entries are ignored.
+            sequence uses must exist (checked like ``cache_seqlens``: on the host, or in debug
+            mode; the kernels never read or write outside the pool); unused entries are
+            ignored.
         rotary_cos, rotary_sin: ``(seqlen_ro, rotary_dim / 2)`` in q's dtype, rotary_dim a
             multiple of 16 and at most headdim; only with ``k``/``v``. The new keys are rotated
             at their positions ``cache_seqlens[b] + t`` before they are written; q is rotated
@@ -180,6 +201,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         num_splits: split the keys of each sequence into this many chunks merged through
             their LSE (Flash-Decoding); 0 lets the backend choose. The result is the same.
         return_lse: also return the log-sum-exp.
+        out, lse: CuPy arrays only, preallocated outputs (like q; float32 ``(batch, nheads,
+            seqlen_q)``), written in place: what a call captured in a CUDA graph needs.
 
     Returns:
         out like q (in q's dtype), or ``(out, lse)`` with lse float32 ``(batch, nheads,
@@ -192,10 +215,23 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                         rotary_interleaved=rotary_interleaved, causal=causal,
                         softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                         alibi_slopes=alibi_slopes, num_splits=num_splits)
-    b = choose_kvcache(spec, backend)
-    out, lse = b.forward_kvcache(spec, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
-                                 block_table=block_table, rotary_cos=rotary_cos,
-                                 rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
+    a = spec.attn
+    given = check_outputs(a, {"out": out, "lse": lse},
+                          {"out": (q.shape, a.dtype),
+                           "lse": ((a.batch, a.nheads, a.seqlen_q), "float32")}) \
+        if out is not None or lse is not None else {}
+    if a.library == "torch":
+        from .backends.torch_backend import kvcache_attention
+        if not torch_compiling(q):
+            choose_kvcache(spec, backend)
+        out, lse = kvcache_attention(q, k_cache, v_cache, k, v, spec, cache_seqlens=cache_seqlens,
+                                     block_table=block_table, rotary_cos=rotary_cos,
+                                     rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
+    else:
+        out, lse = choose_kvcache(spec, backend).forward_kvcache(
+            spec, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+            block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+            alibi_slopes=alibi_slopes, **given)
     return (out, lse) if return_lse else out
 
 

@@ -675,16 +675,10 @@ def _timer():
 def overhead(n=2000, out=print):
     """Host cost per call on a tiny problem (launch-bound): the CuPy backend called directly
     against the same call through torch (no grad, and forward+backward with autograd)."""
-    from .backends import torch_native
-    try:       # the torch fast path's C++ node: built now, so that the calls below use it
-        torch_native.build()
-    except RuntimeError as exc:
-        out(f"# native autograd node unavailable, the Python Function serves: {exc}")
     calls, _ = tiny_calls()
     r = {f"{name}_us": us for name, us in per_call_us_interleaved(calls, n).items()}
     out(f"# per-call host overhead, tiny problem (1x128x2x64 bf16, causal), best of 7 rounds "
-        f"of {n} calls, the four probes interleaved (torch node: "
-        f"{'C++' if torch_native.status()['status'] == 'ready' else 'Python'}):")
+        f"of {n} calls, the four probes interleaved:")
     out(f"forward:          CuPy direct {r['cupy_fwd_us']:.1f} us, through torch {r['torch_fwd_us']:.1f} us "
         f"(+{r['torch_fwd_us'] - r['cupy_fwd_us']:.1f} us)")
     out(f"forward+backward: CuPy direct {r['cupy_fwdbwd_us']:.1f} us, through torch autograd "

@@ -26,6 +26,7 @@ __all__ = [
     "device_facts",
     "get_kernel",
     "clear_memory_cache",
+    "generation",
     "compile_check",
 ]
 
@@ -136,14 +137,22 @@ def get_kernel(source_file: str, name: str, device_id: int, compute_capability: 
     return k
 
 
+_GENERATION = [0]
+
+
+def generation() -> int:
+    """How many times the loaded kernels were forgotten (launch plans made with older kernel
+    objects are not replayed: flashcore.kernels.plans compares this number)."""
+    return _GENERATION[0]
+
+
 def clear_memory_cache() -> None:
     """Forget the kernels loaded in this process (the disk cache stays): the next
-    :func:`get_kernel` compiles or loads again."""
+    :func:`get_kernel` compiles or loads again, and no launch plan recorded before is replayed."""
     with _lock:
         _kernels.clear()
         _smem_opted.clear()
-    from .kernels import plans     # launch plans hold kernel objects: drop them too
-    plans.clear()
+        _GENERATION[0] += 1
 
 
 def compile_check(source_file: str, names: list[str], arch: str,

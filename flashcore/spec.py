@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import math
 import numbers
-import sys
 from dataclasses import dataclass
 
 import numpy as np
 
-from ._arrays import device_of, dtype_name, library_of, strides_in_elements, to_host
+from . import config
+from ._arrays import (device_of, dtype_name, is_host, library_of, strides_in_elements,
+                      to_host, torch_compiling)
 
 __all__ = ["AttentionSpec", "KVCacheSpec", "forward_spec", "backward_spec", "kvcache_spec",
            "merge_spec", "FLOAT_DTYPES"]
@@ -72,9 +73,11 @@ def _describe(x) -> str:
     return f"{lib} array of shape {tuple(x.shape)} and dtype {dtype_name(x)} on {device_of(x)}"
 
 
-def _torch_compiling() -> bool:
-    torch = sys.modules.get("torch")
-    return bool(torch is not None and torch.compiler.is_compiling())
+def _reads_values(x) -> bool:
+    """Whether validation reads the values of the index array ``x`` (lengths, block tables):
+    when they are in host memory (free), or in debug mode (flashcore.config: a device sync);
+    never while torch.compile traces. Otherwise the kernels guard every address they form."""
+    return (is_host(x) or config.debug()) and not torch_compiling(x)
 
 
 def _check_array(name, x, ndim, lib=None, device=None):
@@ -127,6 +130,13 @@ def _as_int(name, v, minimum=None):
     return v
 
 
+def _as_bool(name, v):
+    """A flag: bool (or numpy.bool_) only; ``causal="no"`` must not count as causal."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise _arg_error(TypeError, name, "a bool", f"{type(v).__name__} {v!r}")
+    return bool(v)
+
+
 def _as_float(name, v):
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise _arg_error(TypeError, name, "a real number", f"{type(v).__name__} {v!r}")
@@ -139,6 +149,9 @@ def _as_float(name, v):
 def _window(window_size, causal):
     if window_size is None:
         window_size = (-1, -1)
+    if library_of(window_size) is not None and window_size.ndim == 1:
+        # flash-attn takes any pair of ints: a NumPy array or a tensor is read as host ints
+        window_size = tuple(int(x) for x in np.asarray(to_host(window_size)).tolist())
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise _arg_error(TypeError, "window_size", "a pair (left, right) of ints >= -1",
                          repr(window_size))
@@ -158,14 +171,12 @@ def _cu_seqlens(name, cu, lib, device, total, max_seqlen_name, max_seqlen):
         raise _arg_error(TypeError, name, "an int32 array of length batch+1", f"dtype {dtype_name(cu)}")
     if cu.shape[0] < 2:
         raise _arg_error(ValueError, name, "length batch+1 >= 2", f"length {cu.shape[0]}")
-    if lib == "torch" and _torch_compiling():
-        # Under torch.compile the values are not known at trace time: they cannot be read
-        # back, so the caller must state the longest sequence (as flash-attn always requires).
-        if max_seqlen is None:
-            raise _arg_error(ValueError, max_seqlen_name,
-                             "an int under torch.compile (cu_seqlens cannot be read while tracing)",
-                             "None")
-        return cu.shape[0] - 1, _as_int(max_seqlen_name, max_seqlen, 0)
+    if max_seqlen is not None:
+        max_seqlen = _as_int(max_seqlen_name, max_seqlen, 0)
+    if not _reads_values(cu):
+        # The values stay on the device (no sync; capturable in a CUDA graph): the longest
+        # sequence is at most the packed total, which sizes the grid when it is not given.
+        return cu.shape[0] - 1, total if max_seqlen is None else max_seqlen
     h = np.asarray(to_host(cu)).astype(np.int64)
     if h[0] != 0:
         raise _arg_error(ValueError, name, "cu_seqlens[0] == 0", f"{h[0]}")
@@ -180,7 +191,6 @@ def _cu_seqlens(name, cu, lib, device, total, max_seqlen_name, max_seqlen):
     longest = int(d.max()) if d.size else 0
     if max_seqlen is None:
         max_seqlen = longest
-    max_seqlen = _as_int(max_seqlen_name, max_seqlen, 0)
     if max_seqlen < longest:
         raise _arg_error(ValueError, max_seqlen_name,
                          f"at least the longest sequence in {name} ({longest})", max_seqlen)
@@ -189,11 +199,11 @@ def _cu_seqlens(name, cu, lib, device, total, max_seqlen_name, max_seqlen):
 
 # ---- memo of validated calls ------------------------------------------------------------
 # Validation is a pure function of the arrays' layouts (type, shape, strides, dtype, device)
-# and of the scalar options, except with cu_seqlens (whose values are read). It costs tens of
-# microseconds of Python per call, paid again on every training step with the same shapes:
-# a call whose layouts and options were validated before gets the same spec from the memo.
-# Anything that cannot be keyed exactly (unhashable or unknown objects, varlen, torch.compile
-# tracing) is validated in full; failures are never memoised.
+# and of the scalar options, except where it reads index values (host arrays, debug mode: see
+# _reads_values). It costs tens of microseconds of Python per call, paid again on every step
+# with the same shapes: a call whose layouts and options were validated before gets the same
+# spec from the memo. Anything that cannot be keyed exactly (unhashable or unknown objects,
+# values read, torch.compile tracing) is validated in full; failures are never memoised.
 _SPEC_MEMO: dict = {}
 _SPEC_MEMO_MAX = 4096
 
@@ -219,7 +229,7 @@ def _scalar_key(v):
 
 
 def _memo_key(kind, arrays, alibi_slopes, scalars):
-    if "torch" in sys.modules and _torch_compiling():
+    if torch_compiling(arrays[0]):
         return None
     try:
         key = (kind,) + tuple(_layout_key(x) for x in arrays) + tuple(
@@ -240,6 +250,12 @@ def _memo_put(key, spec):
     return spec
 
 
+def _varlen_keyable(cu_seqlens_q, cu_seqlens_k) -> bool:
+    """A varlen call's spec depends on layouts only when no cu_seqlens values are read."""
+    return (library_of(cu_seqlens_q) is not None and library_of(cu_seqlens_k) is not None
+            and not _reads_values(cu_seqlens_q) and not _reads_values(cu_seqlens_k))
+
+
 def forward_spec(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                  softcap=0.0, alibi_slopes=None, deterministic=False,
                  cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
@@ -250,9 +266,13 @@ def forward_spec(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, 
             and max_seqlen_q is None and max_seqlen_k is None:
         key = _memo_key("fwd", (q, k, v), alibi_slopes,
                         (causal, softmax_scale, window_size, softcap, deterministic))
-        spec = _SPEC_MEMO.get(key) if key is not None else None
-        if spec is not None:
-            return spec
+    elif varlen and _varlen_keyable(cu_seqlens_q, cu_seqlens_k):
+        key = _memo_key("fwd-varlen", (q, k, v, cu_seqlens_q, cu_seqlens_k), alibi_slopes,
+                        (causal, softmax_scale, window_size, softcap, deterministic,
+                         max_seqlen_q, max_seqlen_k))
+    spec = _SPEC_MEMO.get(key) if key is not None else None
+    if spec is not None:
+        return spec
     return _memo_put(key, _forward_spec(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
         softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
@@ -286,7 +306,9 @@ def _forward_spec(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi
     for n, x in (("q", q), ("k", k), ("v", v)):
         _check_last_contiguous(n, x)
 
-    left, right = _window(window_size, bool(causal))
+    causal = _as_bool("causal", causal)
+    deterministic = _as_bool("deterministic", deterministic)
+    left, right = _window(window_size, causal)
     softmax_scale, softcap = _scale_and_softcap(softmax_scale, softcap, headdim)
 
     if varlen:
@@ -329,13 +351,17 @@ _VARLEN_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k
 def backward_spec(dout, q, k, v, out, lse, **kw) -> AttentionSpec:
     """Validate the backward arguments: the forward's, plus dout/out like q and lse."""
     key = None
-    if not kw.get("varlen") and all(kw.get(n) is None for n in _VARLEN_OPTIONS) and \
-            set(kw) <= set(_BWD_OPTIONS) | set(_VARLEN_OPTIONS) | {"alibi_slopes", "varlen"}:
-        key = _memo_key("bwd", (dout, q, k, v, out, lse), kw.get("alibi_slopes"),
-                        tuple(kw.get(n, "<default>") for n in _BWD_OPTIONS))
-        spec = _SPEC_MEMO.get(key) if key is not None else None
-        if spec is not None:
-            return spec
+    if set(kw) <= set(_BWD_OPTIONS) | set(_VARLEN_OPTIONS) | {"alibi_slopes", "varlen"}:
+        scalars = tuple(kw.get(n, "<default>") for n in _BWD_OPTIONS)
+        if not kw.get("varlen") and all(kw.get(n) is None for n in _VARLEN_OPTIONS):
+            key = _memo_key("bwd", (dout, q, k, v, out, lse), kw.get("alibi_slopes"), scalars)
+        elif kw.get("varlen") and _varlen_keyable(kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")):
+            key = _memo_key("bwd-varlen", (dout, q, k, v, out, lse, kw["cu_seqlens_q"],
+                                           kw["cu_seqlens_k"]), kw.get("alibi_slopes"),
+                            scalars + (kw.get("max_seqlen_q"), kw.get("max_seqlen_k")))
+    spec = _SPEC_MEMO.get(key) if key is not None else None
+    if spec is not None:
+        return spec
     return _memo_put(key, _backward_spec(dout, q, k, v, out, lse, **kw))
 
 
@@ -436,10 +462,38 @@ def kvcache_spec(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_ta
     """Validate the arguments of a KV-cache decoding call and return their spec.
 
     Besides shapes and dtypes, the *values* of ``cache_seqlens`` and ``block_table`` are
-    checked (every append must fit in the cache, every block used must exist): a kernel that
-    wrote past the cache would corrupt memory. For device arrays this reads the two small
-    integer arrays back to the host (skipped while torch.compile traces).
+    checked (every append fits in the cache, every block used exists) where reading them costs
+    nothing: an int, host arrays. Device arrays are read only in debug mode (flashcore.config;
+    a device sync): by default the kernels clamp every address formed from them, so a bad value
+    gives a wrong result and never touches memory outside the cache.
     """
+    key = None
+    if (library_of(cache_seqlens) is None or not _reads_values(cache_seqlens)) and \
+            (block_table is None or not _reads_values(block_table)):
+        arrays = (q, k_cache, v_cache, k, v, block_table, rotary_cos, rotary_sin)
+        key = _memo_key("kv", tuple(a for a in arrays if a is not None), alibi_slopes,
+                        (tuple(a is None for a in arrays),
+                         cache_seqlens if library_of(cache_seqlens) is None else None,
+                         rotary_interleaved, causal, softmax_scale, window_size, softcap,
+                         num_splits))
+        if key is not None and library_of(cache_seqlens) is not None:
+            try:
+                key += (_layout_key(cache_seqlens),)
+            except TypeError:
+                key = None
+        spec = _SPEC_MEMO.get(key) if key is not None else None
+        if spec is not None:
+            return spec
+    return _memo_put(key, _kvcache_spec(
+        q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
+        rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+        causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, num_splits=num_splits))
+
+
+def _kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, rotary_cos,
+                  rotary_sin, rotary_interleaved, causal, softmax_scale, window_size, softcap,
+                  alibi_slopes, num_splits) -> KVCacheSpec:
     lib, device, dt = _check_q_and_kv(q, k_cache, v_cache, "k_cache", "v_cache", 4, 4)
     batch, sq, nheads, headdim = (int(n) for n in q.shape)
     c0, c1, nheads_k, hd_k = (int(n) for n in k_cache.shape)
@@ -559,13 +613,14 @@ def kvcache_spec(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_ta
                              f"shape {tuple(rotary_cos.shape)} (rotary_dim {rotary_dim})")
 
     # -- options -----------------------------------------------------------------------------
-    left, right = _window(window_size, bool(causal))
+    causal = _as_bool("causal", causal)
+    left, right = _window(window_size, causal)
     softmax_scale, softcap = _scale_and_softcap(softmax_scale, softcap, headdim)
     alibi = _alibi_kind(alibi_slopes, lib, device, batch, nheads)
     num_splits = _as_int("num_splits", num_splits, 0)
 
-    # -- values: every append fits, every block used exists ----------------------------------
-    if not (lib == "torch" and _torch_compiling()):
+    # -- values: every append fits, every block used exists (where they are read) ------------
+    if seqlens_int is not None or _reads_values(cache_seqlens):
         if seqlens_int is not None:
             before = np.full((batch,), seqlens_int, np.int64)
         else:
@@ -588,7 +643,7 @@ def kvcache_spec(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_ta
                              f"at least {int(after.max())} rows (positions up to "
                              f"max(cache_seqlens + seqlen_new) - 1)",
                              f"shape {tuple(rotary_cos.shape)}")
-        if paged and batch:
+        if paged and batch and _reads_values(block_table):
             bt = np.asarray(to_host(block_table)).astype(np.int64)
             used = (after + page_size - 1) // page_size       # blocks each sequence touches
             mask = np.arange(max_blocks)[None, :] < used[:, None]
@@ -610,6 +665,32 @@ def kvcache_spec(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_ta
         max_blocks=max_blocks, capacity=int(capacity), seqlen_new=seqlen_new,
         rotary_dim=rotary_dim, rotary_interleaved=bool(rotary_interleaved),
         num_splits=num_splits, cache_seqlens_int=seqlens_int)
+
+
+# --------------------------------------------------------------------------------------------
+# Caller-owned outputs (CuPy: the outputs of a call captured in a CUDA graph)
+# --------------------------------------------------------------------------------------------
+
+def check_outputs(spec: AttentionSpec, given: dict, expected: dict) -> dict:
+    """Validate preallocated outputs ``given`` {name: array or None} against ``expected``
+    {name: (shape, dtype name)}: arrays of the call's library (CuPy only), device, shape and
+    dtype, with a contiguous last dimension (lse: C-contiguous). Returns the given ones."""
+    given = {n: x for n, x in given.items() if x is not None}
+    if given and spec.library != "cupy":
+        n = next(iter(given))
+        raise _arg_error(TypeError, n, "None: preallocated outputs are for CuPy arrays (a CuPy "
+                         "graph capture needs its outputs to outlive it; torch.cuda.graph serves "
+                         "them from its own pool)", f"an array with {spec.library} inputs")
+    for n, x in given.items():
+        shape, dt = expected[n]
+        _check_array(n, x, len(shape), spec.library, spec.device)
+        if tuple(x.shape) != tuple(shape) or dtype_name(x) != dt:
+            raise _arg_error(ValueError, n, f"an array of shape {tuple(shape)} and dtype {dt}",
+                             f"shape {tuple(x.shape)} and dtype {dtype_name(x)}")
+        if n == "lse" and not x.flags.c_contiguous:
+            raise _arg_error(ValueError, n, "a C-contiguous array", f"strides {x.strides}")
+        _check_last_contiguous(n, x)
+    return given
 
 
 # --------------------------------------------------------------------------------------------

@@ -667,6 +667,6 @@ def test_cupy_against_reference(dtype, layout, case):
 def test_cupy_split_kv_with_the_combine_kernel(layout, case, monkeypatch):
     """The split cases again on the two-kernel path (FLASHCORE_DECODE_FUSED_COMBINE=0); the
     test above runs them with the default fused combine."""
-    from flashcore.kernels import decode
-    monkeypatch.setitem(decode._FUSED, "enabled", False)
-    test_cupy_against_reference("bfloat16", layout, case)
+    from flashcore import config
+    with config.override(decode_fused_combine=False):
+        test_cupy_against_reference("bfloat16", layout, case)

@@ -15,7 +15,7 @@ import pytest
 cupy = pytest.importorskip("cupy")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
-from flashcore import jit  # noqa: E402
+from flashcore import config, jit  # noqa: E402
 from flashcore.kernels import backward, forward, plans  # noqa: E402
 from flashcore.kernels.params import params_dtype  # noqa: E402
 
@@ -88,14 +88,14 @@ def no_gpu(monkeypatch):
     STREAM["ptr"] = 0x7000
     monkeypatch.setattr(decode, "_current_stream_ptr", lambda dev: STREAM["ptr"])
     monkeypatch.setattr(decode, "_COUNTERS", {})
-    monkeypatch.setitem(decode._FUSED, "enabled", True)
     # the cluster merge (sm_90) has tests of its own below; the others test the global paths
-    monkeypatch.setitem(decode._CLUSTER, "enabled", False)
+    was = config.set(decode_fused_combine=True, decode_cluster=False)
     monkeypatch.setattr(decode, "_CLUSTER_REFUSED", set())
     plans.clear()
     plans.set_enabled(True)
     LOG.clear()
     yield
+    config.set(**was._asdict())
     plans.clear()
 
 
@@ -258,8 +258,8 @@ def test_tile_overrides_and_kernel_reloads_drop_the_plans():
     assert not plans.PLANS
     _forward(c, _fwd_arrays(rng, c))
     assert plans.PLANS
-    jit.clear_memory_cache()
-    assert not plans.PLANS
+    jit.clear_memory_cache()          # the recorded plans are not replayed: launched in full
+    assert all(plans.lookup(key) is None for key in plans.PLANS)
 
 
 # ---------------- decoding (flashcore/kernels/decode.py) ----------------
@@ -462,130 +462,6 @@ def test_decode_fused_switch_from_the_environment():
         assert out == want, (val, out)
 
 
-# ---------------- direct launches (plans.Direct) and plans.capture ----------------
-
-_FWD_NAMES = ("q", "k", "v", "o", "lse", "alibi_slopes")
-_BWD_NAMES = ("q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "alibi_slopes")
-_FPTRS: dict = {}
-
-
-def _fake_func_ptr(kern, device_id):
-    return _FPTRS.setdefault(kern.name, 0x1000 + 16 * len(_FPTRS))
-
-
-def _fake_driver_launch(f, gx, gy, gz, bx, by, bz, smem, stream, argp, extra):
-    """cuLaunchKernel as the driver sees it: the struct bytes are read through the void* array."""
-    import ctypes
-    name = next(n for n, p in _FPTRS.items() if p == f)
-    struct_ptr = ctypes.c_void_p.from_address(argp).value
-    raw = ctypes.string_at(struct_ptr, params_dtype().itemsize)
-    assert extra == 0 and stream == 0x5000
-    LOG.append((name, (gx, gy, gz), (bx, by, bz), smem, raw))
-
-
-def _pad3(log):
-    def d3(t):
-        t = tuple(t)
-        return t + (1,) * (3 - len(t))
-    return [(n, d3(g), d3(b), s, raw) for n, g, b, s, raw in log]
-
-
-def _direct_fills(names, arrays_by_name, plan):
-    s = plans.slots()
-    fills = [(s[n], 0 if arrays_by_name[n] is None else arrays_by_name[n].data.ptr) for n in names]
-    scratch = []
-    for field, shape, zero in plan.scratch:
-        buf = _alloc(shape)
-        scratch.append(buf)
-        fills.append((s[field], buf.data.ptr))
-    return fills
-
-
-def _check_direct(run, make, c, rng, names, by_name):
-    with plans.capture() as seen:
-        run(c, make(rng, c))               # full run: records the plan
-    assert len(seen) == 1
-    plan = seen[0]
-    direct = plans.Direct(plan, func_ptr=_fake_func_ptr)
-    for _ in range(2):                     # twice: the buffer is reused, nothing stale stays
-        a2 = make(rng, c)
-        m = by_name(c, a2)
-        LOG.clear()
-        plan.run({n: None if m[n] is None else m[n].data.ptr for n in names})
-        replay = _pad3(LOG)
-        LOG.clear()
-        direct.run(_direct_fills(names, m, plan), 0x5000, _fake_driver_launch)
-        assert _masked(LOG) == _masked(replay), "direct launch differs from the plan's"
-        plans.set_enabled(False)
-        LOG.clear()
-        run(c, a2)                         # and from the full launcher
-        plans.set_enabled(True)
-        assert _masked(_pad3(LOG)) == _masked(replay)
-
-
-def _fwd_by_name(c, a):
-    q, k, v, out, lse = a
-    return dict(q=q, k=k, v=v, o=out, lse=lse, alibi_slopes=c["alibi"])
-
-
-def _bwd_by_name(c, a):
-    do, q, k, v, out, lse, dq, dk, dv = a
-    return dict(q=q, k=k, v=v, o=out, lse=lse, dout=do, dq=dq, dk=dk, dv=dv,
-                alibi_slopes=c["alibi"])
-
-
-@pytest.mark.parametrize("seed", range(20))
-@pytest.mark.parametrize("which", ["forward", "backward"])
-def test_direct_launch_equals_plan_run(which, seed):
-    launcher, arrays, names, by_name, base = {
-        "forward": (_forward, _fwd_arrays, _FWD_NAMES, _fwd_by_name, 5000),
-        "backward": (_backward, _bwd_arrays, _BWD_NAMES, _bwd_by_name, 6000)}[which]
-    rng = np.random.default_rng(base + seed)
-    c = _case(rng)
-    with plans.capture() as seen:
-        launcher(c, arrays(rng, c))
-    plans.clear()
-    if not seen:
-        pytest.skip("layout not recorded")
-    _check_direct(launcher, arrays, c, rng, names, by_name)
-
-
-def test_capture_lists_recorded_and_replayed_plans_only():
-    rng = np.random.default_rng(21)
-    c = _case(rng)
-    q, k, v, out, lse = _fwd_arrays(rng, c)
-    odd = fake_array(q.shape, q.dtype, align=8)        # copied by the launcher: no plan
-    with plans.capture() as seen:
-        _forward(c, (odd, k, v, out, lse))
-    assert seen == []
-    with plans.capture() as seen:
-        _forward(c, (q, k, v, out, lse))               # recorded
-        _forward(c, (q, k, v, out, lse))               # replayed
-    assert len(seen) == 2 and seen[0] is seen[1]
-    with plans.capture() as outer:
-        with plans.capture() as inner:
-            _forward(c, (q, k, v, out, lse))
-        assert len(inner) == 1
-    assert outer == []                                 # nesting restores the outer list
-    _forward(c, (q, k, v, out, lse))                   # no capture active: nothing noted
-
-
-def test_derived_entries_go_with_the_plans():
-    plans.derived_put(("torch-fwd", 1), "entry")
-    assert plans.derived_get(("torch-fwd", 1)) == "entry"
-    plans.clear()
-    assert plans.derived_get(("torch-fwd", 1)) is None
-    plans.derived_put(("torch-fwd", 1), "entry")
-    plans.set_enabled(False)
-    assert plans.derived_get(("torch-fwd", 1)) is None
-    plans.derived_put(("torch-fwd", 1), "entry")
-    assert not plans.PLANS
-    plans.set_enabled(True)
-    plans.derived_put(("torch-fwd", 1), "entry")
-    forward.set_tile_override(64, None)
-    assert plans.derived_get(("torch-fwd", 1)) is None
-
-
 # ---------------- decoding: the split merge inside a thread-block cluster (sm_90) ----------------
 
 def _accum_words():
@@ -598,7 +474,7 @@ def test_decode_cluster_merge_is_one_launch_without_scratch(paged, monkeypatch):
     from cupy.cuda import driver
     from flashcore.kernels import decode
     monkeypatch.setattr(decode, "_as_input", lambda a: a)
-    monkeypatch.setitem(decode._CLUSTER, "enabled", True)
+    config.set(decode_cluster=True)
     attrs = []
     monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: attrs.append(a))
     made = []
@@ -636,7 +512,7 @@ def test_decode_cluster_merge_only_where_it_applies(monkeypatch):
     from flashcore.kernels import decode
     monkeypatch.setattr(decode, "_as_input", lambda a: a)
     monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: None)
-    monkeypatch.setitem(decode._CLUSTER, "enabled", True)
+    config.set(decode_cluster=True)
     rng = np.random.default_rng(7)
 
     def kernel_of(**over):
@@ -665,7 +541,7 @@ def test_decode_cluster_refused_falls_back_to_the_global_merge(monkeypatch):
     from flashcore.kernels import decode
     monkeypatch.setattr(decode, "_as_input", lambda a: a)
     monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: None)
-    monkeypatch.setitem(decode._CLUSTER, "enabled", True)
+    config.set(decode_cluster=True)
 
     class DriverError(driver.CUDADriverError):
         def __init__(self, status):
@@ -705,7 +581,7 @@ def test_decode_cluster_rule_declining_means_the_global_merge(monkeypatch):
     from flashcore.kernels import decode
     monkeypatch.setattr(decode, "_as_input", lambda a: a)
     monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: None)
-    monkeypatch.setitem(decode._CLUSTER, "enabled", True)
+    config.set(decode_cluster=True)
     rng = np.random.default_rng(10)
     c = _fused_case(b=1, cap=4096, hk=1, h=8, splits=0)
     _decode(c, _decode_arrays(rng, c))
@@ -721,7 +597,7 @@ def test_decode_cluster_skipped_for_an_override_that_leaves_no_room(monkeypatch)
     from flashcore.kernels import decode
     monkeypatch.setattr(decode, "_as_input", lambda a: a)
     monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: None)
-    monkeypatch.setitem(decode._CLUSTER, "enabled", True)
+    config.set(decode_cluster=True)
     assert not decode._cluster_layout_fits(128, 1, decode.DecodeConfig(16, 1, 2))
     assert decode._cluster_layout_fits(128, 1, decode.DecodeConfig(128, 4, 3))
     assert decode._cluster_layout_fits(128, 2, decode.DecodeConfig(64, 4, 3))
@@ -767,7 +643,7 @@ def test_decode_default_split_and_tile(b, cap, hk, h, sq, want, monkeypatch):
     from flashcore.kernels import decode
     monkeypatch.setattr(decode, "_as_input", lambda a: a)
     monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: None)
-    monkeypatch.setitem(decode._CLUSTER, "enabled", True)
+    config.set(decode_cluster=True)
     rng = np.random.default_rng(9)
     c = _fused_case(b=b, cap=cap, hk=hk, h=h, sq=sq, splits=0)
     _decode(c, _decode_arrays(rng, c))

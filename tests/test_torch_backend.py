@@ -213,8 +213,10 @@ def test_validation_happens_before_any_op():
 
 
 def test_opcheck_forward_and_backward():
+    # the ops are the non-differentiable layer (autograd is the Function above them, as in
+    # flash-attn): checked with inputs that do not require grad
     ops = torch_ops()
-    q, k, v = _qkv(dtype=torch.float32)
+    q, k, v = _qkv(dtype=torch.float32, requires_grad=False)
     fwd_args = (q, k, v, None, None, None, 0, 0, True, 0.3, -1, 0, 0.0, False)
     torch.library.opcheck(ops.fwd.default, fwd_args)
     out, lse = ops.fwd(*fwd_args)
@@ -226,9 +228,9 @@ def test_opcheck_forward_and_backward():
 def test_opcheck_varlen_with_alibi_window_softcap():
     ops = torch_ops()
     cu = torch.tensor([0, 3, 7], dtype=torch.int32)
-    q = torch.randn(7, 4, 8, requires_grad=True)
-    k = torch.randn(7, 2, 8, requires_grad=True)
-    v = torch.randn(7, 2, 8, requires_grad=True)
+    q = torch.randn(7, 4, 8)
+    k = torch.randn(7, 2, 8)
+    v = torch.randn(7, 2, 8)
     torch.library.opcheck(ops.fwd.default, (q, k, v, torch.rand(4), cu, cu, 4, 4, True, 0.35,
                                             2, 0, 3.0, False))
 
@@ -277,150 +279,3 @@ print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
-
-
-# ---------------- the eager fast path's key (flashcore/backends/torch_backend.py) ----------------
-
-def _fk(q, k, v, **over):
-    from flashcore.backends import torch_backend as tb
-    kw = dict(alibi_slopes=None, backend=None, causal=True, softmax_scale=None,
-              window_size=(-1, -1), softcap=0.0, deterministic=False)
-    kw.update(over)
-    return tb._fast_key(torch, q, k, v, kw["alibi_slopes"], kw["backend"], kw["causal"],
-                        kw["softmax_scale"], kw["window_size"], kw["softcap"],
-                        kw["deterministic"])
-
-
-def test_fast_key_holds_layouts_options_and_grad_mode():
-    q, k, v = _qkv(dtype=torch.float32, requires_grad=False)
-    base = _fk(q, k, v)
-    assert base is not None and base == _fk(q.clone(), k.clone(), v.clone())  # new pointers
-    assert base[1] is False
-    with torch.no_grad():
-        assert _fk(*_qkv(dtype=torch.float32, requires_grad=True)) == base
-    assert _fk(*_qkv(dtype=torch.float32, requires_grad=True))[1] is True
-    others = [
-        _fk(q, k, v, causal=False), _fk(q, k, v, softmax_scale=0.5), _fk(q, k, v, softcap=0),
-        _fk(q, k, v, window_size=[-1, -1]), _fk(q, k, v, window_size=(3, 0)),
-        _fk(q, k, v, deterministic=True), _fk(q, k, v, backend="torch"),
-        _fk(q, k, v, alibi_slopes=torch.ones(4)),
-        _fk(q.transpose(1, 2).contiguous().transpose(1, 2), k, v),          # other strides
-        _fk(q.to(torch.float64), k, v),                                      # other dtype
-        _fk(torch.empty(q.numel() + 1)[1:].view(q.shape), k, v),             # address % 16
-        _fk(q[:, :4], k, v),                                                 # other shape
-    ]
-    assert all(o is not None for o in others)
-    assert len({base, *others}) == len(others) + 1
-
-
-def test_fast_key_refuses_what_it_cannot_key():
-    q, k, v = _qkv(dtype=torch.float32, requires_grad=False)
-
-    class Sub(torch.Tensor):
-        pass
-    assert _fk(q.as_subclass(Sub), k, v) is None
-    assert _fk(q, k, v, softmax_scale=np.float64(0.5)) is None
-    assert _fk(q, k, v, softcap=torch.tensor(1.0)) is None
-    assert _fk(q, k, v, window_size=np.array([-1, -1])) is None
-    assert _fk(q, k, v, backend=object()) is None
-
-
-def test_cpu_calls_record_no_fast_entries():
-    from flashcore.kernels import plans
-    q, k, v = _qkv(dtype=torch.float32)
-    for _ in range(2):
-        out = flashcore.attention(q, k, v, causal=True)
-        out.sum().backward()
-        with torch.no_grad():
-            flashcore.attention(q, k, v)
-    assert not any(type(key) is tuple and str(key[0]).startswith("torch-") for key in plans.PLANS)
-
-
-def test_set_fast_path_switches_and_drops_entries(monkeypatch):
-    from flashcore.backends import torch_backend as tb
-    from flashcore.kernels import plans
-    monkeypatch.setitem(tb._FAST, "enabled", True)
-    monkeypatch.setitem(tb._FAST, "direct", True)
-    plans.derived_put(("torch-fwd", "x"), "e")
-    plans.derived_put(("fwd", "x"), "p")
-    tb.set_fast_path(direct=False)
-    assert not tb._FAST["direct"] and tb.fast_path_enabled()
-    assert plans.derived_get(("torch-fwd", "x")) is None
-    assert plans.derived_get(("fwd", "x")) == "p"          # launch plans stay
-    tb.set_fast_path(False)
-    assert not tb.fast_path_enabled()
-    plans.clear()
-
-
-def test_backward_replayed_paths(monkeypatch):
-    """The fast path's backward (shared by the Python autograd Function and the C++ node's
-    misses): replays a recorded entry for these layouts, else runs in full and records one; a
-    call with no fast key, or with the fast path off, runs in full and records nothing. Stubs
-    stand in for the GPU pieces (no CUDA needed)."""
-    from flashcore.backends import torch_backend as tb
-    calls = []
-    recorded = {}
-    monkeypatch.setattr(tb, "_fast_bwd_key", lambda torch_, fk, *a: ("torch-bwd", fk))
-    monkeypatch.setattr(tb.plans, "derived_get", lambda key: recorded.get(key))
-
-    def fast(torch_, e, *a):
-        calls.append(("replay", e))
-        return None if e == "misaligned" else ("dq", "dk", "dv")
-
-    def record(torch_, bk, *a):
-        calls.append(("record", bk))
-        recorded[bk] = "entry"
-        return ("rq", "rk", "rv")
-
-    def full(spec, *a, **kw):
-        calls.append(("full", kw["cu_seqlens_q"]))
-        return ("fq", "fk", "fv")
-    monkeypatch.setattr(tb, "_fast_backward", fast)
-    monkeypatch.setattr(tb, "_backward_recording", record)
-    monkeypatch.setattr(tb._BACKEND, "backward", full)
-    args = ("spec", "fk", "dout", "q", "k", "v", "out", "lse", None)
-    assert tb._backward_replayed(torch, *args) == (("rq", "rk", "rv"),
-                                                   (("torch-bwd", "fk"), "entry"))
-    assert tb._backward_replayed(torch, *args) == (("dq", "dk", "dv"),
-                                                   (("torch-bwd", "fk"), "entry"))
-    recorded[("torch-bwd", "fk")] = "misaligned"        # fresh outputs of another alignment
-    grads, (bk, e) = tb._backward_replayed(torch, *args)
-    assert grads == ("rq", "rk", "rv") and e == "entry"
-    no_key = ("spec", None) + args[2:]
-    assert tb._backward_replayed(torch, *no_key, "cuq", "cuk") == (("fq", "fk", "fv"),
-                                                                   (None, None))
-    monkeypatch.setitem(tb._FAST, "enabled", False)
-    assert tb._backward_replayed(torch, *args)[1] == (None, None)
-    assert calls == [("record", ("torch-bwd", "fk")), ("replay", "entry"),
-                     ("replay", "misaligned"), ("record", ("torch-bwd", "fk")),
-                     ("full", "cuq"), ("full", None)]
-
-
-def test_native_backward_miss_attaches_the_record(monkeypatch):
-    """The C++ node's backward miss: the gradients of _backward_replayed, and the backward
-    record attached to the forward record with the layouts it was made for; under
-    create_graph, gradients that refuse to be differentiated and nothing attached."""
-    from flashcore.backends import torch_backend as tb
-    from flashcore.backends import torch_native
-    seen = []
-
-    class Ops:
-        def set_backward(self, fwd, bwd, tensors):
-            seen.append((fwd, bwd, len(tensors)))
-    monkeypatch.setattr(torch_native, "ops", lambda: Ops())
-    monkeypatch.setitem(tb._NATIVE_FWD, 7, ("spec", "fk"))
-    q, k, v, dout, out = (torch.randn(1, 4, 2, 8, requires_grad=i < 3) for i in range(5))
-    grads = tuple(torch.randn(1, 4, 2, 8) for _ in range(3))
-
-    class Entry:
-        native = None
-    monkeypatch.setattr(tb, "_backward_replayed", lambda *a: (grads, ("bk", Entry())))
-    monkeypatch.setattr(tb, "_native_id", lambda key, e: 3)
-    with torch.no_grad():
-        assert tb._native_bwd_miss(dout, q, k, v, out, None, None, 7) is grads
-    assert seen == [(7, 3, 7)]
-    g = tb._native_bwd_miss(dout, q, k, v, out, None, None, 7)    # grad mode on
-    assert all(torch.equal(a, b) for a, b in zip(g, grads)) and g[0].requires_grad
-    with pytest.raises(RuntimeError, match="double backward"):
-        g[0].sum().backward()
-    assert seen == [(7, 3, 7)]

@@ -125,3 +125,46 @@ def test_attention_function_handles_window_softcap_and_4d_causal_mask():
     custom[..., 3, 0] = False
     with pytest.raises(NotImplementedError, match="attention_mask"):
         fct.flashcore_attention_forward(M(), q, k, k, custom)
+
+
+_WHOLE_MODEL_COMPILE = r"""
+import sys, torch
+import flashcore.integrations.transformers as fct
+from transformers import LlamaConfig, LlamaForCausalLM
+name = fct.register()
+cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2)
+ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+res = {}
+for impl in (name, "sdpa"):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg._attn_implementation = impl
+    model = LlamaForCausalLM(cfg)
+    breaks = torch._dynamo.explain(model)(input_ids=ids, labels=ids).graph_break_count
+    torch._dynamo.reset()
+    loss = torch.compile(model)(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grad = model.model.layers[0].self_attn.q_proj.weight.grad.clone()
+    model.eval()
+    gen = model.generate(ids[:1, :8], max_new_tokens=6, do_sample=False,
+                         cache_implementation="static")[0, 8:].tolist()
+    res[impl] = (breaks, float(loss), grad, gen)
+ours, ref = res[name], res["sdpa"]
+assert ours[0] == 0, f"graph breaks: {ours[0]}"
+assert abs(ours[1] - ref[1]) < 1e-4, (ours[1], ref[1])
+assert torch.allclose(ours[2], ref[2], atol=1e-5, rtol=1e-3)
+assert ours[3] == ref[3], (ours[3], ref[3])
+print("ok")
+"""
+
+
+def test_whole_model_compile_from_a_fresh_process():
+    """torch.compile of a whole Llama from a fresh process (flashcore's first call happens inside
+    the trace): no graph break, loss and gradients as under "sdpa", and static-cache greedy
+    generation (which transformers compiles) gives sdpa's tokens."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _WHOLE_MODEL_COMPILE], capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

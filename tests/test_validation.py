@@ -136,3 +136,12 @@ def test_import_does_not_pull_torch_or_cupy():
             "bad = [m for m in ('torch', 'cupy') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_preallocated_outputs_are_for_cupy_only_and_named():
+    q = np.random.default_rng(0).standard_normal((1, 4, 2, 8)).astype(np.float32)
+    with pytest.raises(TypeError, match="argument 'out'"):
+        flashcore.attention_forward(q, q, q, out=np.empty_like(q))
+    out, lse = flashcore.attention_forward(q, q, q)
+    with pytest.raises(TypeError, match="argument 'dk'"):
+        flashcore.attention_backward(q, q, q, q, out, lse, dk=np.empty_like(q))

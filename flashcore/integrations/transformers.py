@@ -35,7 +35,7 @@ transformers is imported only by :func:`register`.
 """
 from __future__ import annotations
 
-from ..api import attention, varlen_attention
+from ..api import attention, attention_with_kvcache, varlen_attention
 
 __all__ = ["register", "flashcore_attention_forward", "DEFAULT_NAME"]
 
@@ -107,7 +107,11 @@ def flashcore_attention_forward(module, query, key, value, attention_mask, scali
     if attention_mask is not None and attention_mask.ndim == 4:
         _check_4d_mask(attention_mask, q.shape[1], k.shape[1], kw["causal"], kw["window_size"])
         attention_mask = None
-    if attention_mask is None:
+    position_ids = kwargs.get("position_ids")
+    if attention_mask is None and k.shape[1] > q.shape[1] and position_ids is not None \
+            and not (torch_grad_enabled() and query.requires_grad):
+        out = _decode_over_cache(q, k, v, position_ids, **kw)
+    elif attention_mask is None:
         out = attention(q, k, v, **kw)
     elif attention_mask.ndim == 2:
         out = _padded_via_varlen(q, k, v, attention_mask, **kw)
@@ -116,6 +120,22 @@ def flashcore_attention_forward(module, query, key, value, attention_mask, scali
                          f"(batch, kv_len) padding mask or a 4D mask, got shape "
                          f"{tuple(attention_mask.shape)}")
     return out.contiguous(), None
+
+
+def torch_grad_enabled() -> bool:
+    import torch
+    return torch.is_grad_enabled()
+
+
+def _decode_over_cache(q, k, v, position_ids, **kw):
+    """Queries against a KV cache that may hold slots not written yet (a static cache: keys
+    past the last position are garbage, and no mask says so when nothing is padded): the keys
+    of sequence b are its first ``position_ids[b, -1] + 1`` (at most the cache's length),
+    computed on the device and passed as ``cache_seqlens`` (no sync, traceable)."""
+    import torch
+    lens = (position_ids[:, -1] + 1).clamp(max=k.shape[1]).to(torch.int32)
+    lens = lens.expand(q.shape[0]).contiguous() if lens.shape[0] != q.shape[0] else lens
+    return attention_with_kvcache(q, k, v, cache_seqlens=lens, **kw)
 
 
 def _padded_via_varlen(q, k, v, attention_mask, **kw):
@@ -131,9 +151,9 @@ def _padded_via_varlen(q, k, v, attention_mask, **kw):
     zero = torch.zeros(1, dtype=torch.int32, device=q.device)
     cu_q = torch.cat([zero, lens_q.cumsum(0, dtype=torch.int32)])
     cu_k = torch.cat([zero, lens_k.cumsum(0, dtype=torch.int32)])
+    # the padded lengths bound the longest sequences: no read of lens back to the host
     out = varlen_attention(q.reshape(b * sq, h, d)[idx_q], k.reshape(b * sk, hk, d)[idx_k],
-                           v.reshape(b * sk, hk, d)[idx_k], cu_q, cu_k,
-                           int(lens_q.max()), int(lens_k.max()), **kw)
+                           v.reshape(b * sk, hk, d)[idx_k], cu_q, cu_k, sq, sk, **kw)
     full = out.new_zeros(b * sq, h, d).index_copy(0, idx_q, out)
     return full.view(b, sq, h, d)
 

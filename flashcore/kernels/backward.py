@@ -17,11 +17,11 @@ The caller (the CuPy backend) has validated shapes, dtypes and devices. CuPy is 
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 from .common import (ELEM_TAGS, _as_input, _as_output, _strides, smallest_tile,
                      tpl_bool as _b, window_arg as _window)
+from .. import config
 from . import plans
 from .params import WINDOW_NONE, as_kernel_arg, make_params
 from .plans import layout_key
@@ -175,30 +175,22 @@ def sm90_smem(headdim: int, block_m: int = 64) -> int:
 # On by default (compute capability 9.0): verified by the GPU suite on the H200. Head dim 64
 # runs 128-query steps (a warpgroup per 64 queries: 1.19-1.27x SDPA flash forward+backward on
 # the H200, against 0.91-1.03x with 64-query steps); FLASHCORE_SM90_BWD_D64_BM=64 for those.
-_SM90 = {"enabled": os.environ.get("FLASHCORE_SM90_BWD", "1") != "0",
-         "d64_block_m": int(os.environ.get("FLASHCORE_SM90_BWD_D64_BM", "128"))}
-
-
 def set_sm90(enabled: bool, d64_block_m: int | None = None) -> None:
     """Use the Hopper (wgmma) dK/dV kernel where it applies (compute capability 9.0, head dim
-    64 or 128, no softcap or ALiBi, not deterministic). On by default; FLASHCORE_SM90_BWD=0
-    turns it off at import. ``d64_block_m`` (64 or 128): queries per step at head dim 64.
-    Recorded launch plans are dropped."""
-    _SM90["enabled"] = bool(enabled)
-    if d64_block_m is not None:
-        if d64_block_m not in (64, 128):
-            raise ValueError(f"d64_block_m: expected 64 or 128, got {d64_block_m!r}")
-        _SM90["d64_block_m"] = int(d64_block_m)
-    plans.clear()
+    64 or 128, no softcap or ALiBi, not deterministic): the ``flashcore.config`` settings
+    ``sm90_bwd`` and ``sm90_bwd_d64_block_m`` (64 or 128 queries per step at head dim 64). On
+    by default; FLASHCORE_SM90_BWD=0 in the environment."""
+    config.set(sm90_bwd=bool(enabled),
+               **({} if d64_block_m is None else {"sm90_bwd_d64_block_m": d64_block_m}))
 
 
 def sm90_block_m(headdim: int) -> int:
-    return _SM90["d64_block_m"] if headdim == 64 else 64
+    return config.get().sm90_bwd_d64_block_m if headdim == 64 else 64
 
 
 def sm90_applies(cc: int, headdim: int, has_softcap: bool, has_alibi: bool,
                  deterministic: bool) -> bool:
-    return (_SM90["enabled"] and cc == 90 and headdim in SM90_HEADDIMS and not has_softcap
+    return (config.get().sm90_bwd and cc == 90 and headdim in SM90_HEADDIMS and not has_softcap
             and not has_alibi and not deterministic)
 
 
@@ -250,7 +242,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
         key = ("bwd", q.device.id, *(layout_key(a) for a in (dout, q, k, v, out, lse, dq, dk, dv,
                                                               alibi_slopes)),
                float(softmax_scale), _window(window_left), _window(window_right),
-               float(softcap or 0.0), bool(deterministic), _SM90["enabled"], _SM90["d64_block_m"])
+               float(softcap or 0.0), bool(deterministic), config.get())
         plan = plans.lookup(key)
         if plan is not None:
             plan.run({"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "o": out.data.ptr,
@@ -275,10 +267,11 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
         batch = int(cu_seqlens_q.shape[0]) - 1
         cu_seqlens_q = cupy.ascontiguousarray(cu_seqlens_q, dtype=cupy.int32)
         cu_seqlens_k = cupy.ascontiguousarray(cu_seqlens_k, dtype=cupy.int32)
+        # (no read of cu_seqlens: without the longest lengths, the packed totals bound them)
         if max_seqlen_q is None:
-            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if batch else 0
+            max_seqlen_q = int(q.shape[0])
         if max_seqlen_k is None:
-            max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if batch else 0
+            max_seqlen_k = int(k.shape[0])
         seqlen_q, seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
         total_q = int(q.shape[0])
     else:
@@ -360,6 +353,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
         alibi_batch_stride=alibi_b if has_alibi else 0,
         batch=batch, nheads=nheads, nheads_k=nheads_k, headdim=headdim,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=wl, window_right=wr,
+        total_q=int(q.shape[0]) if varlen else 0, total_k=int(k.shape[0]) if varlen else 0,
         softmax_scale=float(softmax_scale), scale_log2=float(softmax_scale) * _LOG2E,
         softcap=float(softcap) if has_softcap else 0.0,
     )
@@ -377,10 +371,9 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
             launch(pre, (m_small, nheads, batch), (_SMALL_THREADS,))
 
         if sm90_applies(cc, headdim, has_softcap, has_alibi, deterministic):
-            from .forward import SM90_DEFINES
             smem = sm90_smem(headdim, sm90_block_m(headdim))
             kern = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, headdim, is_local),
-                              device_id, cc, smem, tuple(SM90_DEFINES))
+                              device_id, cc, smem, config.get().sm90_defines)
             launch(kern, (_cdiv(seqlen_k, 128), nheads_k, batch), (256,), smem)
         else:
             t, smem = _pick(_dkdv_table(d), dkdv_smem_bytes, d, smem_limit, "dK/dV kernel")

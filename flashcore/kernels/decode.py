@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from typing import NamedTuple
 
 from .common import (_as_input, _strides, _used_strides_ok, elem_tag as _elem_tag,
                      kernel_dtype_name as _dtype_name, smallest_tile, tpl_bool as _b,
                      window_arg as _window)
+from .. import config
 from . import plans
 from .params import WINDOW_NONE, as_kernel_arg, make_params
 from .plans import layout_key
@@ -328,7 +328,6 @@ def sm90_num_splits(base_ctas: int, num_sms: int, num_n_blocks: int, headdim: in
 
 
 # ---- fused combine ---------------------------------------------------------------------------
-_FUSED = {"enabled": os.environ.get("FLASHCORE_DECODE_FUSED_COMBINE", "1").strip() != "0"}
 
 # ---- cluster merge (sm_90+) --------------------------------------------------------------------
 # With 2 to MAX_CLUSTER splits on compute capability 9.0 or newer, the splits of a group form a
@@ -338,7 +337,6 @@ _FUSED = {"enabled": os.environ.get("FLASHCORE_DECODE_FUSED_COMBINE", "1").strip
 # 8 need a non-portable cluster size; a device that refuses a size falls back to the
 # global-memory merge for it.
 MAX_CLUSTER = 16
-_CLUSTER = {"enabled": os.environ.get("FLASHCORE_DECODE_CLUSTER", "1").strip() != "0"}
 _CLUSTER_REFUSED: set = set()     # (device id, kernel name) whose cluster launch was refused
 _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 # Driver errors that mean "this cluster cannot be launched here" (invalid cluster size, out of
@@ -360,21 +358,21 @@ def set_cluster_merge(on: bool) -> None:
     the default on sm_90+) or through global memory (False: the fused or two-kernel path).
     Launch plans key on the choice. The paths merge with the same arithmetic, but the cluster
     path has its own split rule and tiles, so turning it off can change the result's rounding."""
-    _CLUSTER["enabled"] = bool(on)
+    config.set(decode_cluster=bool(on))
 
 
 def cluster_merge_enabled() -> bool:
-    return _CLUSTER["enabled"]
+    return config.get().decode_cluster
 
 
 def set_fused_combine(on: bool) -> None:
     """Merge split-KV partials in the decode kernel (True, the default) or with the separate
     combine kernel (False). Launch plans key on the choice, so no plan needs dropping."""
-    _FUSED["enabled"] = bool(on)
+    config.set(decode_fused_combine=bool(on))
 
 
 def fused_combine_enabled() -> bool:
-    return _FUSED["enabled"]
+    return config.get().decode_fused_combine
 
 
 # (device id, stream handle) -> int32 CuPy array of arrival counters, all zero between launches
@@ -432,7 +430,8 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
     """
     import cupy
 
-    fused = _FUSED["enabled"]
+    cfg_now = config.get()
+    fused = cfg_now.decode_fused_combine
     # Replay a recorded plan for this layout (see plans.py): pointers and fresh scratch only;
     # the fused combine's counters are the current stream's (persistent, not scratch).
     key = None
@@ -441,7 +440,7 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
                                                               cache_seqlens, block_table,
                                                               alibi_slopes)),
                float(softmax_scale), _window(window_left), _window(window_right),
-               float(softcap or 0.0), int(num_splits or 0), fused, _CLUSTER["enabled"])
+               float(softcap or 0.0), int(num_splits or 0), cfg_now)
         plan = plans.lookup(key)
         if plan is not None:
             ptrs = {"q": q.data.ptr, "k": k_cache.data.ptr, "v": v_cache.data.ptr,
@@ -481,7 +480,7 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
     cc = device_facts(device_id)[0]
     # Splits merge inside a thread-block cluster on sm_90 (the fused path's default there);
     # that path has its own split rule and tile configuration.
-    cluster_ok = fused and _CLUSTER["enabled"] and cc >= 90
+    cluster_ok = fused and cfg_now.decode_cluster and cc >= 90
     cluster_declined = False     # the cluster split rule handed the count to the global rule
 
     wl, wr = _window(window_left), _window(window_right)
@@ -582,6 +581,7 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
         lse_accum=lse_accum.data.ptr if lse_accum is not None else None,
         block_table_batch_stride=(block_table.strides[0] // 4) if paged else 0,
         page_size=page_size, num_splits=num_splits, split_counter=counter,
+        num_blocks=int(k_cache.shape[0]) if paged else 0,
     )
     args = (as_kernel_arg(params),)     # an opaque struct: see params.as_kernel_arg
     launches = [(kernel, (batch * nheads_k, m_blocks, num_splits), (cfg.n_warps * 32, 1, 1),
@@ -658,10 +658,12 @@ def launch_rotary_append(k_cache, v_cache, k_new, v_new, cache_seqlens_before, b
     if paged:
         block_table = _int32_contig(block_table)
         bt_p, bt_stride, page_size = block_table.data.ptr, block_table.strides[0] // 4, int(k_cache.shape[1])
+        capacity, num_blocks = int(block_table.shape[1]) * page_size, int(k_cache.shape[0])
     else:
         bt_p, bt_stride, page_size = 0, 0, 0
+        capacity, num_blocks = int(k_cache.shape[1]), 0
 
-    def run(src, dst, dst_paged, rot, row_offsets_ptr):
+    def run(src, dst, dst_paged, rot, row_offsets_ptr, cap):
         if src.size == 0:
             return
         if src.strides[-1] != src.dtype.itemsize:
@@ -677,19 +679,20 @@ def launch_rotary_append(k_cache, v_cache, k_new, v_new, cache_seqlens_before, b
                 ptr(row_offsets_ptr), ptr(bt_p if dst_paged else 0), i64(bt_stride),
                 i32(page_size), ptr(cos_p if rot else 0), ptr(sin_p if rot else 0),
                 ptr(rot_off.data.ptr), i32(rotary_dim if rot else 0), i32(seqlen_ro),
-                i32(b), i32(s), i32(nh), i32(d))
+                i32(b), i32(s), i32(nh), i32(d),
+                i32(cap), i32(num_blocks))
         kern((math.ceil(total / 256), 1, 1), (256, 1, 1), args)
 
     with cupy.cuda.Device(device_id):
         if k_new is not None:
-            run(k_new, k_cache, paged, rotary, seqlens.data.ptr)
+            run(k_new, k_cache, paged, rotary, seqlens.data.ptr, capacity)
         if v_new is not None:
-            run(v_new, v_cache, paged, False, seqlens.data.ptr)
+            run(v_new, v_cache, paged, False, seqlens.data.ptr, capacity)
         if q is not None:
             if q_out is None:
                 q_out = cupy.empty_like(q)
             if rotary:
-                run(q, q_out, False, True, 0)
+                run(q, q_out, False, True, 0, int(q.shape[1]))
             elif q_out is not q:
                 q_out[...] = q
     return q_out

@@ -7,12 +7,12 @@ and launches on the current CuPy stream. CuPy is imported lazily.
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple
 
 from .common import (_as_input, _strides, _used_strides_ok, elem_tag as _elem_tag,
                      kernel_dtype_name as _dtype_name, smallest_tile, tpl_bool as _b,
                      window_arg as _window)
+from .. import config
 from . import plans
 from .params import WINDOW_NONE, as_kernel_arg, make_params
 from .plans import layout_key
@@ -176,47 +176,34 @@ def sm90_smem(headdim: int, pipelined: bool) -> int:
 # measured at least as fast as v0 at head dims 64 and 128 (docs/performance-log.md).
 # At head dim 64 the Ampere-class kernel measured faster below 2k keys (1.04-1.07x SDPA flash
 # against 0.97-0.99x at 1k, the same from 4k up), so the Hopper one takes d64 from there.
-_SM90 = {"enabled": os.environ.get("FLASHCORE_SM90", "1") != "0",
-         "pipelined": os.environ.get("FLASHCORE_SM90_PIPE", "1") != "0",
-         "d64_min_seqlen_k": 2048}
-
-
 def set_sm90(enabled: bool, pipelined: bool | None = None) -> None:
     """Use the Hopper (wgmma) forward kernel where it applies (compute capability 9.0, head
-    dim 64, 128 or 256, no softcap or ALiBi). On by default; the environment variable
-    FLASHCORE_SM90=0 turns it off at import. ``pipelined`` picks v1 (the softmax of the next
-    key block overlapped with P V of this one; the default, FLASHCORE_SM90_PIPE=0 picks v0)
-    over v0 (head dim 256 always runs v0: the 3-stage ring does not fit). Recorded launch
-    plans are dropped."""
-    _SM90["enabled"] = bool(enabled)
-    if pipelined is not None:
-        _SM90["pipelined"] = bool(pipelined)
-    plans.clear()
-
-
-# Extra NVRTC options of the Hopper kernels (forward and backward): empty in normal use; the
-# GPU fault locator (tests/gpu/probe_sm90.py) tries alternatives such as -DFC_WGMMA_MN_SWAP.
-SM90_DEFINES: list = []
+    dim 64, 128 or 256, no softcap or ALiBi): ``flashcore.config`` settings ``sm90_fwd`` and
+    ``sm90_fwd_pipelined`` (v1: the softmax of the next key block overlapped with P V of this
+    one; head dim 256 always runs v0, the 3-stage ring does not fit). On by default;
+    FLASHCORE_SM90=0 / FLASHCORE_SM90_PIPE=0 in the environment."""
+    config.set(sm90_fwd=bool(enabled),
+               **({} if pipelined is None else {"sm90_fwd_pipelined": bool(pipelined)}))
 
 
 def set_sm90_defines(defines) -> None:
-    """Compile the Hopper kernels (forward and backward) with these extra options (a
-    diagnostic; see cuda/wgmma.cuh). Recorded launch plans are dropped."""
-    SM90_DEFINES[:] = list(defines)
-    plans.clear()
+    """Compile the Hopper kernels (forward and backward) with these extra NVRTC options (a
+    diagnostic; see cuda/wgmma.cuh): the ``sm90_defines`` setting."""
+    config.set(sm90_defines=tuple(defines))
 
 
 def sm90_applies(cc: int, headdim: int, has_softcap: bool, has_alibi: bool,
                  seqlen_k: int | None = None) -> bool:
-    if headdim == 64 and seqlen_k is not None and seqlen_k < _SM90["d64_min_seqlen_k"]:
+    cfg = config.get()
+    if headdim == 64 and seqlen_k is not None and seqlen_k < cfg.sm90_fwd_d64_min_seqlen_k:
         return False
-    return (_SM90["enabled"] and cc == 90 and headdim in SM90_HEADDIMS and not has_softcap
+    return (cfg.sm90_fwd and cc == 90 and headdim in SM90_HEADDIMS and not has_softcap
             and not has_alibi)
 
 
 def sm90_kernel_name(dtype_name: str, headdim: int, is_local: bool,
                      pipelined: bool | None = None) -> str:
-    pipe = _sm90_pipelined(headdim, _SM90["pipelined"] if pipelined is None else pipelined)
+    pipe = _sm90_pipelined(headdim, config.get().sm90_fwd_pipelined if pipelined is None else pipelined)
     return (f"flash_fwd_sm90_kernel<{_elem_tag(dtype_name)}, {headdim}, {_b(is_local)}, "
             f"{_b(pipe)}>")
 
@@ -244,7 +231,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         key = ("fwd", q.device.id, layout_key(q), layout_key(k), layout_key(v), layout_key(out),
                layout_key(lse), layout_key(alibi_slopes), float(softmax_scale),
                _window(window_left), _window(window_right), float(softcap or 0.0),
-               _SM90["enabled"], _SM90["pipelined"], _SM90["d64_min_seqlen_k"])
+               config.get())
         plan = plans.lookup(key)
         if plan is not None:
             plan.run({"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "o": out.data.ptr,
@@ -267,10 +254,11 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     qs, ks, vs, os_ = _strides(q), _strides(k), _strides(v), _strides(out)
     if varlen:
         batch = int(cu_seqlens_q.shape[0]) - 1
+        # (no read of cu_seqlens: without the longest lengths, the packed totals bound them)
         if max_seqlen_q is None:
-            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if batch else 0
+            max_seqlen_q = int(q.shape[0])
         if max_seqlen_k is None:
-            max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if batch else 0
+            max_seqlen_k = int(k.shape[0])
         seqlen_q, seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
         # (total, h, d): no batch stride, the row offset comes from cu_seqlens.
         q_b, q_r, q_h = 0, qs[0], qs[1]
@@ -305,9 +293,9 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     device_id = q.device.id
     cc = device_facts(device_id)[0]
     if sm90_applies(cc, headdim, has_softcap, has_alibi, seqlen_k):
-        smem = sm90_smem(headdim, _SM90["pipelined"])
+        smem = sm90_smem(headdim, config.get().sm90_fwd_pipelined)
         kernel = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, headdim, is_local),
-                            device_id, cc, smem, tuple(SM90_DEFINES))
+                            device_id, cc, smem, config.get().sm90_defines)
         grid_m, block = math.ceil(seqlen_q / 128), (256, 1, 1)
     else:
         d = headdim_tile(headdim)
@@ -333,6 +321,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         alibi_batch_stride=alibi_bs,
         batch=batch, nheads=nheads, nheads_k=nheads_k, headdim=headdim,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=wl, window_right=wr,
+        total_q=int(q.shape[0]) if varlen else 0, total_k=int(k.shape[0]) if varlen else 0,
         softmax_scale=float(softmax_scale),
         # With softcap the kernel works on capped scores in natural units: only log2(e) left.
         scale_log2=_LOG2E if has_softcap else float(softmax_scale) * _LOG2E,

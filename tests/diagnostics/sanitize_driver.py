@@ -33,10 +33,9 @@ CASES += [
 ]
 # The Ampere-class kernels first, everywhere (on compute capability 9.0 the Hopper family is the
 # default for head dims 64/128/256 and is checked separately below).
+from flashcore import config as _config
 from flashcore.kernels import backward as _bwd, forward as _fwd
-_fwd_was, _bwd_was = dict(_fwd._SM90), _bwd._SM90["enabled"]
-_fwd.set_sm90(False)
-_bwd.set_sm90(False)
+_was = _config.set(sm90_fwd=False, sm90_bwd=False)
 n = 0
 for c in CASES:
     d, dt = c["d"], c["dtype"]
@@ -92,8 +91,7 @@ if int(cp.cuda.Device().compute_capability) == 90:
         cp.cuda.Device().synchronize()
         n += 1
     _bwd.set_sm90(False)
-_fwd.set_sm90(_fwd_was["enabled"], pipelined=_fwd_was["pipelined"])
-_bwd.set_sm90(_bwd_was)
+_config.set(**_was._asdict())
 
 # KV-cache decoding: contiguous and paged caches, append with rotary, split-KV and not, GQA.
 # Split-KV merged inside a thread-block cluster (the default on sm_90 for 2 to 16 splits), with

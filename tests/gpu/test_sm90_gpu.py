@@ -27,19 +27,17 @@ _VARIANT = {"pipelined": False}
 def sm90_on(request):
     """The Hopper family on, and the process's kernel and plan caches emptied, so that
     _ran_sm90 sees only what this test loaded."""
-    from flashcore import jit
-    from flashcore.kernels import forward, plans
+    from flashcore import config, jit
+    from flashcore.kernels import plans
     if _cc() != 90:
         pytest.skip("the wgmma kernel needs compute capability 9.0")
-    was = dict(forward._SM90)
     jit.clear_memory_cache()
     plans.clear()
     _VARIANT["pipelined"] = request.param
-    forward.set_sm90(True, pipelined=request.param)
-    forward._SM90["d64_min_seqlen_k"] = 0      # the wgmma kernel at every length, here
-    yield
-    forward.set_sm90(was["enabled"], pipelined=was["pipelined"])
-    forward._SM90["d64_min_seqlen_k"] = was["d64_min_seqlen_k"]
+    # the wgmma kernel at every length, here
+    with config.override(sm90_fwd=True, sm90_fwd_pipelined=request.param,
+                         sm90_fwd_d64_min_seqlen_k=0):
+        yield
     plans.clear()
 
 
@@ -187,13 +185,9 @@ def _ran_sm90_bwd(dtype, local, d=128):
 def sm90_bwd(request):
     """The Hopper dK/dV kernel on, the forward on the (verified) Ampere-class kernel, so that
     a failure here is the backward's."""
-    from flashcore.kernels import backward, forward
-    was_b, was_f = dict(backward._SM90), dict(forward._SM90)
-    backward.set_sm90(True, d64_block_m=request.param)
-    forward.set_sm90(False)
-    yield
-    backward.set_sm90(was_b["enabled"], d64_block_m=was_b["d64_block_m"])
-    forward.set_sm90(was_f["enabled"], pipelined=was_f["pipelined"])
+    from flashcore import config
+    with config.override(sm90_bwd=True, sm90_bwd_d64_block_m=request.param, sm90_fwd=False):
+        yield
 
 
 BWD_SEQS = [(1, 1), (17, 113), (113, 203), (203, 17), (64, 128), (300, 300), (1023, 2049)]
@@ -206,8 +200,8 @@ BWD_SEQS = [(1, 1), (17, 113), (113, 203), (203, 17), (64, 128), (300, 300), (10
 def test_backward_matrix(sm90_bwd, dtype, causal, sq, sk, d):
     if _VARIANT["pipelined"]:
         pytest.skip("the backward does not depend on the forward variant: run once")
-    from flashcore.kernels import backward
-    if d == 128 and backward._SM90["d64_block_m"] == 64:
+    from flashcore import config
+    if d == 128 and config.get().sm90_bwd_d64_block_m == 64:
         pytest.skip("the d64 step size does not change the d128 kernel: run once")
     heads = (6, 2) if (sq + sk) % 2 else (4, 4)
     run_case(dtype, 2 if sq * sk < 1_000_000 else 1, sq, sk, heads[0], heads[1], d,

@@ -40,14 +40,6 @@ def _sdpa(q, k, v, causal, dtype=None, math=True):
     return out.transpose(1, 2)
 
 
-@pytest.fixture
-def slow_path(monkeypatch):
-    """Spying tests watch the full path (CupyBackend.forward/backward): the eager fast path
-    (torch_backend._FAST), which replays earlier calls' launches, is off for them."""
-    from flashcore.backends import torch_backend as tb
-    monkeypatch.setitem(tb._FAST, "enabled", False)
-
-
 def _spy(monkeypatch, backend, method):
     seen = []
     orig = getattr(backend, method)
@@ -61,7 +53,7 @@ def _spy(monkeypatch, backend, method):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_zero_copy_inputs_and_outputs(monkeypatch, slow_path, dtype):
+def test_zero_copy_inputs_and_outputs(monkeypatch, dtype):
     cb = get_backend("cupy")
     fwd, bwd = _spy(monkeypatch, cb, "forward"), _spy(monkeypatch, cb, "backward")
     base = torch.randn(2, 8, 128, 64, device="cuda", dtype=dtype)
@@ -82,7 +74,7 @@ def test_zero_copy_inputs_and_outputs(monkeypatch, slow_path, dtype):
         (q.grad.data_ptr(), k.grad.data_ptr(), v.grad.data_ptr())
 
 
-def test_runs_on_torchs_current_stream(monkeypatch, slow_path):
+def test_runs_on_torchs_current_stream(monkeypatch):
     fwd = _spy(monkeypatch, get_backend("cupy"), "forward")
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
@@ -97,7 +89,7 @@ def test_runs_on_torchs_current_stream(monkeypatch, slow_path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_runs_on_the_tensors_device(monkeypatch, slow_path):
+def test_runs_on_the_tensors_device(monkeypatch):
     fwd = _spy(monkeypatch, get_backend("cupy"), "forward")
     q, k, v = _qkv(device="cuda:1", requires_grad=False)
     out = flashcore.attention(q, k, v)
@@ -201,195 +193,253 @@ def test_llama_bf16_matches_sdpa():
     torch.testing.assert_close(compiled(ids).logits.float(), lr.logits.float(), atol=5e-2, rtol=5e-2)
 
 
-# ---------------- the eager fast path (torch_backend._fast_*, plans.Direct) ----------------
+# ---------------- CUDA graphs: capture, replay, bit for bit ----------------
 
-def _fast_calls(q, k, v, dout, grad, **kw):
-    if not grad:
-        with torch.no_grad():
-            return flashcore.attention(q, k, v, return_lse=True, **kw)
-    for x in (q, k, v):
-        x.grad = None
-    out, lse = flashcore.attention(q, k, v, return_lse=True, **kw)
-    out.backward(dout)
-    return out, lse, q.grad, k.grad, v.grad
-
-
-def _fast_entries():
-    from flashcore.kernels import plans
-    return [k for k in plans.PLANS if type(k) is tuple and str(k[0]).startswith("torch-")]
-
-
-FAST_CASES = [dict(causal=True), dict(causal=False), dict(window_size=(37, 5)),
-              dict(causal=True, softcap=30.0), dict(causal=True, deterministic=True)]
-
-
-def _set_launch(monkeypatch, launch):
-    """The fast path's replay: "native" (the C++ autograd node, built now), "direct" (the
-    Python Function, cuLaunchKernel from Python) or "rawkernel" (the recorded plans' RawKernels)."""
-    from flashcore.backends import torch_backend as tb
-    from flashcore.backends import torch_native
-    if launch == "native":
-        torch_native.build()
-    monkeypatch.setitem(tb._FAST, "native", launch == "native")
-    monkeypatch.setitem(tb._FAST, "direct", launch != "rawkernel")
-
-
-def _native_state(q, k, v, grad, **kw):
-    """(forward record current?, its backward record id) of the native entry for this call."""
-    from flashcore.backends import torch_backend as tb
-    from flashcore.backends import torch_native
-    from flashcore.kernels import plans
-    fk = tb._fast_key(torch, q, k, v, kw.get("alibi_slopes"), None, kw.get("causal", False), None,
-                      kw.get("window_size", (-1, -1)), kw.get("softcap", 0.0),
-                      kw.get("deterministic", False), grad)
-    e = plans.derived_get(fk)
-    assert e is not None and e.native is not None and e.native >= 0
-    st = torch_native.ops().entry_state(e.native)
-    return st[-2], st[-1]
-
-
-@pytest.mark.parametrize("launch", ["native", "direct", "rawkernel"])
-@pytest.mark.parametrize("grad", [False, True])
-@pytest.mark.parametrize("kw", FAST_CASES + ["alibi"])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_fast_path_is_bitwise_the_full_path(monkeypatch, dtype, kw, grad, launch):
-    """Same bits with the fast path (its replay: the C++ node, direct driver launches from
-    Python, or the recorded plans' RawKernels) as with the full path, on a non-default stream
-    with work queued ahead, GQA, after a layout change."""
-    from flashcore.backends import torch_backend as tb
-    from flashcore.kernels import plans
-    _set_launch(monkeypatch, launch)
-    plans.clear()
-    if kw == "alibi":     # ALiBi slopes per head (a sixth pointer, saved for the backward)
-        kw = dict(causal=True, alibi_slopes=torch.rand(8, device="cuda", dtype=torch.float32))
+def _replay_matches(step, fill, deterministic_bits=True):
+    """Capture ``step()`` (returning a tuple of tensors) in a CUDA graph after an eager warm-up
+    on a side stream, then for two fresh inputs (``fill(seed)`` writes them in place) compare
+    the replay with an eager call: bit for bit, or allclose when atomics reorder sums."""
     s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        q, k, v = _qkv(dtype=dtype, h=8, hk=2, requires_grad=grad)
-        dout = torch.randn_like(q)
-        monkeypatch.setitem(tb._FAST, "enabled", False)
-        ref = _fast_calls(q, k, v, dout, grad, **kw)
-        ref = [x.clone() for x in ref]
-        assert not _fast_entries()
-        monkeypatch.setitem(tb._FAST, "enabled", True)
-        first = _fast_calls(q, k, v, dout, grad, **kw)          # full path, records
-        assert len(_fast_entries()) == (2 if grad else 1)
-        first = [x.clone() for x in first]
-        torch.cuda._sleep(5_000_000)                            # queued work ahead on s
-        q2, k2, v2 = (x.detach().clone().requires_grad_(grad) for x in (q, k, v))
-        again = _fast_calls(q2, k2, v2, dout, grad, **kw)       # fast path, new pointers
-        again = [x.clone() for x in again]
-        torch.cuda._sleep(5_000_000)
-        # native: the first replay's backward attached its record; this one replays it in C++
-        again2 = _fast_calls(q2, k2, v2, dout, grad, **kw)
-        again2 = [x.clone() for x in again2]
-        if launch == "native":
-            current, bwd = _native_state(q2, k2, v2, grad, **kw)
-            assert current == 1 and (bwd >= 0) == grad
-        n = len(_fast_entries())
-        # a layout change: a strided q (a view of a (b, h, s, d) buffer) misses, runs in full
-        qt = q.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(grad)
-        changed = _fast_calls(qt, k2, v2, dout, grad, **kw)
-        assert len(_fast_entries()) > n
-        changed = [x.clone() for x in changed]
-        changed2 = _fast_calls(qt, k2, v2, dout, grad, **kw)    # and replays that layout
-    s.synchronize()
-    # out and lse bitwise; gradients bitwise when deterministic (otherwise dQ is accumulated
-    # with atomics, whose order may change the last bit from one run to the next)
-    for i, (a, *others) in enumerate(zip(ref, first, again, again2, changed, changed2)):
-        if i < 2 or kw.get("deterministic"):
-            for j, x in enumerate(others):
-                assert torch.equal(a, x), (i, j)
-        else:
-            for x in others:
-                torch.testing.assert_close(x, a)
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for seed in (11, 12):
+        fill(seed)
+        for t in captured:
+            t.fill_(float("nan"))   # poison: the replay must write every element
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = step()
+        for a, b in zip(captured, eager):
+            if deterministic_bits:
+                assert torch.equal(a, b), (a - b).abs().max()
+            else:
+                torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
+    return graph
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_native_node_gradient_layouts_create_graph_and_double_backward(monkeypatch, dtype):
-    """The C++ node's backward: an incoming gradient of another layout (strided, expanded)
-    misses its record and runs the Python backward, with the same values; create_graph=True
-    works until the attention backward itself is differentiated, which is refused."""
-    from flashcore.backends import torch_backend as tb
-    _set_launch(monkeypatch, "native")
-    monkeypatch.setitem(tb._FAST, "enabled", True)
-    q, k, v = _qkv(dtype=dtype, h=4, hk=4, d=64, sq=96, sk=96, seed=3)
+def _refill(*tensors):
+    def fill(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        with torch.no_grad():
+            for t in tensors:
+                t.copy_(torch.randn(t.shape, generator=g, device="cuda", dtype=torch.float32))
+    return fill
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_cuda_graph_forward_and_backward(deterministic):
+    q, k, v = _qkv(dtype=torch.bfloat16, sq=200, sk=333, h=8, hk=2, d=128)
     dout = torch.randn_like(q)
-    for _ in range(3):       # record, attach, replay
-        out = flashcore.attention(q, k, v, causal=True)
-        ref = torch.autograd.grad(out, (q, k, v), dout)
-    assert _native_state(q, k, v, True, causal=True)[1] >= 0
-    dstrided = dout.transpose(1, 2).contiguous().transpose(1, 2)      # same values, other strides
-    for _ in range(2):
-        out = flashcore.attention(q, k, v, causal=True)
-        got = torch.autograd.grad(out, (q, k, v), dstrided)
-        for a, b in zip(ref, got):
-            torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
-    out = flashcore.attention(q, k, v, causal=True)
-    (gs,) = torch.autograd.grad(out.float().sum(), (q,))               # expanded ones
-    out = flashcore.attention(q, k, v, causal=True)
-    (gd,) = torch.autograd.grad(out, (q,), torch.ones_like(out))
-    torch.testing.assert_close(gs.float(), gd.float(), atol=2e-2, rtol=2e-2)
-    out = flashcore.attention(q, k, v, causal=True)
-    g = torch.autograd.grad(out, (q, k, v), dout, create_graph=True)
-    for a, b in zip(ref, g):
-        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
-    with pytest.raises(RuntimeError, match="double backward"):
-        g[0].float().sum().backward()
+
+    def step():
+        out, lse = flashcore.attention(q, k, v, causal=True, deterministic=deterministic,
+                                       return_lse=True)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+        return out, lse, dq, dk, dv
+    _replay_matches(step, _refill(q, k, v, dout), deterministic_bits=deterministic)
 
 
-def test_fast_path_still_validates_and_misses_on_options(monkeypatch):
-    from flashcore.backends import torch_backend as tb
-    monkeypatch.setitem(tb._FAST, "enabled", True)
-    q, k, v = _qkv(requires_grad=False)
-    with torch.no_grad():
-        flashcore.attention(q, k, v, causal=True)
-        flashcore.attention(q, k, v, causal=True)
-        with pytest.raises(Exception):
-            flashcore.attention(q, k, v, causal=True, softmax_scale=-1.0)
-        with pytest.raises(Exception):
-            flashcore.attention(q, k[..., :32], v, causal=True)
-        a = flashcore.attention(q, k, v, window_size=(8, 0))     # other options: a miss
-        b = flashcore.attention(q, k, v, causal=True)
-    assert not torch.equal(a, b)
+def test_cuda_graph_varlen_forward_and_backward():
+    lens = [37, 300, 1, 128]
+    cu = torch.tensor([0] + list(__import__("itertools").accumulate(lens)), dtype=torch.int32,
+                      device="cuda")
+    total = int(sum(lens))
+    mk = lambda h: torch.randn(total, h, 64, device="cuda", dtype=torch.float16).requires_grad_()  # noqa: E731
+    q, k, v = mk(8), mk(2), mk(2)
+    dout = torch.randn_like(q)
+
+    def step():
+        out = flashcore.varlen_attention(q, k, v, cu, cu, max(lens), max(lens), causal=True,
+                                         deterministic=True)
+        return (out,) + torch.autograd.grad(out, (q, k, v), dout)
+    _replay_matches(step, _refill(q, k, v, dout))
 
 
-def test_fast_path_and_torch_compile_coexist(monkeypatch):
-    from flashcore.backends import torch_backend as tb
-    monkeypatch.setitem(tb._FAST, "enabled", True)
-    q, k, v = _qkv(requires_grad=False)
-    with torch.no_grad():
-        eager = [flashcore.attention(q, k, v, causal=True) for _ in range(3)]
-        f = torch.compile(lambda a, b, c: flashcore.attention(a, b, c, causal=True),
-                          fullgraph=True)
-        compiled = f(q, k, v)
-    assert torch.equal(eager[0], eager[2]) and torch.equal(eager[0], compiled)
+def _decode_case(paged, batch=3, cache=1000, page=256, h=32, hk=8, d=128, new=0, rotary=False,
+                 dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(5)
+    mk = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=dtype)  # noqa: E731
+    q = mk(batch, 1, h, d)
+    seqlens = torch.tensor([(cache * (i + 1)) // (batch + 1) for i in range(batch)],
+                           dtype=torch.int32, device="cuda")
+    kw = dict(cache_seqlens=seqlens, causal=True)
+    if paged:
+        blocks = -(-cache // page)
+        kc, vc = mk(batch * blocks + 3, page, hk, d), mk(batch * blocks + 3, page, hk, d)
+        perm = torch.randperm(batch * blocks + 3, generator=g, device="cuda")[:batch * blocks]
+        kw["block_table"] = perm.view(batch, blocks).to(torch.int32)
+    else:
+        kc, vc = mk(batch, cache, hk, d), mk(batch, cache, hk, d)
+    if new:
+        kw["k"], kw["v"] = mk(batch, new, hk, d), mk(batch, new, hk, d)
+        if rotary:
+            ang = torch.rand(cache + new, d // 4, generator=g, device="cuda") * 6.28
+            kw["rotary_cos"], kw["rotary_sin"] = ang.cos().to(dtype), ang.sin().to(dtype)
+    return q, kc, vc, kw
 
 
-@pytest.mark.parametrize("launch", ["native", "direct"])
-def test_fast_path_backward_with_saved_tensor_hooks(monkeypatch, launch):
-    """Saved-tensor hooks (torch.autograd.graph.save_on_cpu) hand q, k, v, out and lse back to
-    the backward in another layout than the forward's (contiguous copies of a strided q): the
-    backward must not replay a record made for the forward's layouts."""
-    import contextlib
-    from flashcore.backends import torch_backend as tb
-    _set_launch(monkeypatch, launch)
-    monkeypatch.setitem(tb._FAST, "enabled", True)
-    g = torch.Generator(device="cuda").manual_seed(11)
-    mk = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.float16)  # noqa: E731
-    q = mk(2, 8, 96, 64).transpose(1, 2).requires_grad_()       # a strided (b, s, h, d) view
-    k, v = (mk(2, 96, 8, 64).requires_grad_() for _ in range(2))
-    dout = mk(2, 96, 8, 64)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged256"])
+@pytest.mark.parametrize("splits", [1, 0, 4, 12, 40], ids=lambda n: f"splits{n}")
+@pytest.mark.parametrize("api", ["flashcore", "flash_attn"])
+def test_cuda_graph_decode(paged, splits, api):
+    """attention_with_kvcache / flash_attn_with_kvcache under torch.cuda.graph, cache_seqlens
+    a CUDA tensor: every merge path (none, the cluster merge up to 16 splits, the global merge
+    beyond), contiguous and paged."""
+    from flashcore.flash_attn import flash_attn_with_kvcache
+    q, kc, vc, kw = _decode_case(paged)
 
-    def step(hooks):
-        for x in (q, k, v):
-            x.grad = None
-        with torch.autograd.graph.save_on_cpu() if hooks else contextlib.nullcontext():
-            out = flashcore.attention(q, k, v, causal=True, deterministic=True)
-        out.backward(dout)
-        return [x.detach().clone() for x in (out, q.grad, k.grad, v.grad)]
+    def step():
+        if api == "flashcore":
+            out, lse = flashcore.attention_with_kvcache(q, kc, vc, num_splits=splits,
+                                                        return_lse=True, **kw)
+            return out, lse
+        out = flash_attn_with_kvcache(q, kc, vc, num_splits=splits, **kw)
+        return (out,)
+    _replay_matches(step, _refill(q))
 
-    ref = [step(False) for _ in range(3)][-1]        # record, attach, replay
-    for hooks in (True, True, False, True):          # the hooks' layouts: a miss, then replays
-        got = step(hooks)
-        for a, b in zip(ref, got):
-            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged256"])
+def test_cuda_graph_decode_in_place_append_with_rotary(paged):
+    q, kc, vc, kw = _decode_case(paged, new=1, rotary=True)
+    snap = (kc.clone(), vc.clone())
+
+    def step():
+        with torch.no_grad():       # the same cache state before every step
+            kc.copy_(snap[0])
+            vc.copy_(snap[1])
+        out = flashcore.attention_with_kvcache(q, kc, vc, **kw)
+        return out, kc, vc
+    _replay_matches(step, _refill(q, kw["k"], kw["v"]))
+
+
+def test_decode_with_device_lengths_never_syncs():
+    """The default call reads no device array back: under a sync-debug mode that raises on
+    synchronising operations the call still runs."""
+    q, kc, vc, kw = _decode_case(True, new=1)
+    flashcore.attention_with_kvcache(q, kc, vc, **kw)        # kernels compiled, plans recorded
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        flashcore.attention_with_kvcache(q, kc, vc, **kw)
+        out = flashcore.attention(*(_qkv(requires_grad=False)[:3]), causal=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert out.isfinite().all()
+
+
+def test_bad_index_values_are_memory_safe_and_named_in_debug_mode():
+    """Lengths past the cache, negative lengths and block indices past the pool: in default mode
+    the call runs (the kernels clamp every address: compute-sanitizer's run of this test proves
+    no access outside the arrays); in debug mode each is refused with its argument named."""
+    from flashcore import config
+    q, kc, vc, kw = _decode_case(True, batch=2, cache=512, new=1)
+    bad = [dict(cache_seqlens=torch.tensor([5000, -7], dtype=torch.int32, device="cuda")),
+           dict(block_table=torch.full_like(kw["block_table"], 10_000)),
+           dict(block_table=torch.full_like(kw["block_table"], -3))]
+    for b in bad:
+        args = dict(kw, **b)
+        out = flashcore.attention_with_kvcache(q, kc.clone(), vc.clone(), **args)
+        torch.cuda.synchronize()
+        assert out.shape == q.shape
+        with config.override(debug=True):
+            name = "cache_seqlens" if "cache_seqlens" in b else "block_table"
+            with pytest.raises(ValueError, match=f"argument '{name}'"):
+                flashcore.attention_with_kvcache(q, kc, vc, **args)
+    qv = torch.randn(50, 4, 64, device="cuda", dtype=torch.float16)
+    cu = torch.tensor([0, 30, 9999], dtype=torch.int32, device="cuda")   # past the packed rows
+    out = flashcore.varlen_attention(qv, qv, qv, cu, cu, 64, 64)
+    torch.cuda.synchronize()
+    with config.override(debug=True), pytest.raises(ValueError, match="argument 'cu_seqlens_q'"):
+        flashcore.varlen_attention(qv, qv, qv, cu, cu, 64, 64)
+
+
+def test_first_calls_from_threads_at_once():
+    """Four threads whose first flashcore calls start together in a fresh process, each on its
+    own stream: no import race, and the results equal the serial ones."""
+    import subprocess
+    import sys
+    code = r"""
+import threading, torch, flashcore
+torch.manual_seed(0)
+qs = [torch.randn(2, 300, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+res, errs = [None] * 4, []
+barrier = threading.Barrier(4)
+def work(i):
+    try:
+        s = torch.cuda.Stream()
+        barrier.wait()
+        with torch.cuda.stream(s):
+            res[i] = flashcore.attention(qs[i], qs[i], qs[i], causal=True)
+        s.synchronize()
+    except Exception as e:
+        errs.append(repr(e))
+ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+[t.start() for t in ts]; [t.join() for t in ts]
+assert not errs, errs
+for i in range(4):
+    assert torch.equal(res[i], flashcore.attention(qs[i], qs[i], qs[i], causal=True)), i
+print("ok")
+"""
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+def test_cupy_stream_capture_with_the_stream_ordered_pool():
+    """CuPy users capture with cupy.cuda.Stream.begin_capture and CuPy's stream-ordered pool
+    (MemoryAsyncPool): forward, backward and decode replay equal to eager calls."""
+    import cupy
+    pool = cupy.cuda.MemoryAsyncPool()
+    prev = cupy.cuda.get_allocator()
+    cupy.cuda.set_allocator(pool.malloc)
+    try:
+        rs = cupy.random.RandomState(3)
+        mk = lambda *s: rs.standard_normal(s, dtype=cupy.float32).astype(cupy.float16)  # noqa: E731
+        q, k, v, do = mk(2, 150, 8, 64), mk(2, 190, 2, 64), mk(2, 190, 2, 64), mk(2, 150, 8, 64)
+        kc, vc = mk(2, 700, 2, 64), mk(2, 700, 2, 64)
+        qd = mk(2, 1, 8, 64)
+        lens = cupy.array([333, 699], dtype=cupy.int32)
+
+        # the outputs outlive the graph: preallocated, written in place; the scratch of each
+        # call is allocated and freed inside the graph (stream-ordered pool)
+        outs = dict(out=cupy.empty_like(q), lse=cupy.empty((2, 8, 150), cupy.float32),
+                    dq=cupy.empty_like(q), dk=cupy.empty_like(k), dv=cupy.empty_like(v),
+                    od=cupy.empty_like(qd), lsed=cupy.empty((2, 8, 1), cupy.float32))
+
+        def step(o=outs):
+            out, lse = flashcore.attention_forward(q, k, v, causal=True, out=o["out"],
+                                                   lse=o["lse"])
+            dq, dk, dv = flashcore.attention_backward(do, q, k, v, out, lse, causal=True,
+                                                      deterministic=True, dq=o["dq"],
+                                                      dk=o["dk"], dv=o["dv"])
+            od = flashcore.attention_with_kvcache(qd, kc, vc, cache_seqlens=lens, num_splits=4,
+                                                  out=o["od"], lse=o["lsed"])
+            return out, lse, dq, dk, dv, od
+        s = cupy.cuda.Stream(non_blocking=True)
+        with s:
+            step()
+            step()
+            s.begin_capture()
+            captured = step()
+            graph = s.end_capture()
+        for seed in (1, 2):
+            rs2 = cupy.random.RandomState(seed)
+            for t in (q, k, v, do, qd):
+                t[...] = rs2.standard_normal(t.shape, dtype=cupy.float32).astype(t.dtype)
+            with s:
+                graph.launch()
+            s.synchronize()
+            captured_now = [a.copy() for a in captured]
+            eager = step({n: cupy.empty_like(a) for n, a in outs.items()})
+            for a, b in zip(captured_now, eager):
+                assert bool(cupy.array_equal(a, b, equal_nan=True))
+    finally:
+        cupy.cuda.set_allocator(prev)

@@ -1,0 +1,116 @@
+"""All of flashcore's configuration, in one place.
+
+Each setting is read once from the environment when flashcore is imported, and can be changed
+at run time with :func:`set` or, for a block, :func:`override`. The settings form one hashable
+value, :func:`get`, that is part of every launch-cache key: a launcher's decisions depend on
+the arrays' layouts, the call's options and this value only, so changing a setting never needs
+a cache to be cleared.
+
+========================================  =====================================================
+setting (environment variable)            meaning
+========================================  =====================================================
+``debug`` (FLASHCORE_DEBUG=1)             check the *values* of ``cu_seqlens``, ``cache_seqlens``
+                                          and ``block_table`` on the host, with named errors.
+                                          Off by default: a default call never reads a device
+                                          array back (no sync, CUDA-graph capturable); the
+                                          kernels clamp every address formed from such values
+                                          into its array, so a bad value gives a wrong result,
+                                          never an access outside the arrays.
+``sm90_fwd`` (FLASHCORE_SM90=0 turns off)  the Hopper (wgmma) forward where it applies
+``sm90_fwd_pipelined`` (FLASHCORE_SM90_PIPE)  its v1 pipeline (next block's softmax under P V)
+``sm90_fwd_d64_min_seqlen_k``             head dim 64 takes the Hopper forward from this many
+                                          keys (the Ampere-class kernel measured faster below)
+``sm90_bwd`` (FLASHCORE_SM90_BWD)          the Hopper dK/dV kernel where it applies
+``sm90_bwd_d64_block_m`` (FLASHCORE_SM90_BWD_D64_BM)  queries per step at head dim 64 (64/128)
+``sm90_defines``                          extra NVRTC options of the Hopper kernels (diagnostic)
+``decode_fused_combine``                  split-KV partials merged in the decode kernel
+  (FLASHCORE_DECODE_FUSED_COMBINE)        (off: a separate combine kernel)
+``decode_cluster`` (FLASHCORE_DECODE_CLUSTER)  split-KV merged inside a thread-block cluster
+                                          (sm_90)
+========================================  =====================================================
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import NamedTuple
+
+__all__ = ["Settings", "get", "set", "override", "debug"]
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    v = os.environ.get(name)
+    if v is None or not v.strip():
+        return default
+    return v.strip().lower() not in ("0", "false", "no", "off")
+
+
+class Settings(NamedTuple):
+    debug: bool
+    sm90_fwd: bool
+    sm90_fwd_pipelined: bool
+    sm90_fwd_d64_min_seqlen_k: int
+    sm90_bwd: bool
+    sm90_bwd_d64_block_m: int
+    sm90_defines: tuple
+    decode_fused_combine: bool
+    decode_cluster: bool
+
+
+def _from_environment() -> Settings:
+    bm = os.environ.get("FLASHCORE_SM90_BWD_D64_BM", "128").strip()
+    return Settings(
+        debug=_env_flag("FLASHCORE_DEBUG", False),
+        sm90_fwd=_env_flag("FLASHCORE_SM90", True),
+        sm90_fwd_pipelined=_env_flag("FLASHCORE_SM90_PIPE", True),
+        sm90_fwd_d64_min_seqlen_k=2048,
+        sm90_bwd=_env_flag("FLASHCORE_SM90_BWD", True),
+        sm90_bwd_d64_block_m=int(bm) if bm in ("64", "128") else 128,
+        sm90_defines=(),
+        decode_fused_combine=_env_flag("FLASHCORE_DECODE_FUSED_COMBINE", True),
+        decode_cluster=_env_flag("FLASHCORE_DECODE_CLUSTER", True),
+    )
+
+
+_CURRENT = [_from_environment()]
+_LOCK = threading.Lock()
+
+
+def get() -> Settings:
+    """The settings in force (a hashable NamedTuple: launch caches key on it)."""
+    return _CURRENT[0]
+
+
+def debug() -> bool:
+    return _CURRENT[0].debug
+
+
+def set(**changes) -> Settings:      # noqa: A001  (config.set reads as intended)
+    """Change settings by name (``config.set(debug=True)``). Returns the previous settings.
+    Unknown names raise TypeError; values are checked where a wrong one would mislead."""
+    unknown = sorted(n for n in changes if n not in Settings._fields)
+    if unknown:
+        raise TypeError(f"flashcore.config.set: unknown setting(s) {unknown}; "
+                        f"expected names from {list(Settings._fields)}")
+    if "sm90_bwd_d64_block_m" in changes and changes["sm90_bwd_d64_block_m"] not in (64, 128):
+        raise ValueError("argument 'sm90_bwd_d64_block_m': expected 64 or 128, got "
+                         f"{changes['sm90_bwd_d64_block_m']!r}")
+    if "sm90_defines" in changes:
+        changes["sm90_defines"] = tuple(changes["sm90_defines"])
+    with _LOCK:
+        prev = _CURRENT[0]
+        _CURRENT[0] = prev._replace(**changes)
+    return prev
+
+
+@contextlib.contextmanager
+def override(**changes):
+    """``with config.override(debug=True): ...``: the settings changed for the block, restored
+    after it (process-wide, like :func:`set`)."""
+    prev = set(**changes)
+    try:
+        yield get()
+    finally:
+        with _LOCK:
+            _CURRENT[0] = prev
