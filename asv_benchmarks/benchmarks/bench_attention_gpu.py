@@ -133,17 +133,11 @@ class TrainStepWallClock:
     params = [["flashcore"] + PEERS, ["forward", "forward_backward"]]
     param_names = ["impl", "pass"]
     unit = "us"
-    timeout = 180       # the first call may compile kernels and build the C++ autograd node
+    timeout = 180       # the first call may compile kernels
     rounds = 1          # see Throughput: the figure is already the best of several loops
 
     def setup(self, impl, which):
         require_gpu_backend("torch" if impl == "flashcore" else impl)
-        if impl == "flashcore":
-            from flashcore.backends import torch_native
-            try:        # the fast path's C++ node, built now rather than during the timing
-                torch_native.build()
-            except RuntimeError:
-                pass    # the Python autograd Function serves; the figure says what it costs
         calls, _ = tiny_calls(peers=() if impl == "flashcore" else (impl,))
         name = "torch" if impl == "flashcore" else impl
         self.step = calls[f"{name}_{'fwd' if which == 'forward' else 'fwdbwd'}"]

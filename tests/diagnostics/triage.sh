@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (under 10 minutes on the H200) that checks and measures work written since
 # the last GPU run: the GPU test suite (Hopper kernels included), a fault locator for the
-# Hopper forward, the torch per-call cost breakdown, the benchmark with and without the Hopper
+# Hopper forward, the torch per-call cost, the benchmark with and without the Hopper
 # kernels (same run, peers included), and decoding. $OUT receives two files (the device tool
 # returns at most 8): summary.txt, appended after every step (so a time limit loses only the
 # step in flight), and logs.tgz with every log at the end.
@@ -32,8 +32,8 @@ for step in $steps; do
     note "probe_sm90"; tail -16 "$out/probe_sm90.txt" >> "$sum"
     ;;
   overhead)
-    timeout 60 python3 tests/diagnostics/overhead_breakdown.py 500 > "$out/overhead.txt" 2>&1
-    note "overhead breakdown"; tail -16 "$out/overhead.txt" >> "$sum"
+    timeout 60 python3 -m flashcore.bench --overhead > "$out/overhead.txt" 2>&1
+    note "overhead"; tail -16 "$out/overhead.txt" >> "$sum"
     ;;
   bench)
     for variant in ${BENCH_FAMILIES:-ampere v0 v1}; do
