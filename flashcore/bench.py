@@ -129,7 +129,8 @@ def sdpa_pinned(peer: str | None):
 # --------------------------------------------------------------------------------------------
 
 L2_FLUSH_BYTES = 256 << 20          # > 4x the H200's 60 MB L2
-_SPIN_CYCLES = 50_000_000           # ~25 ms at H200 clocks: longer than the queueing below
+_SPIN_CYCLES = 50_000_000           # one spin kernel: ~25 ms at H200 clocks
+_SPIN_SECONDS = 0.02                # what one spin is counted as (less than it lasts)
 _SPIN_SRC = r"""
 extern "C" __global__ void flashcore_bench_spin(long long cycles) {
     const long long t0 = clock64();
@@ -210,17 +211,20 @@ def gpu_time(fn, lib: str = "torch", reps: int | None = None, warmup: int = 3,
     for _ in range(warmup):
         fn()
     cu.sync()
+    a, b = cu.event(), cu.event()
+    a.record()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        fn()
+    host = (time.perf_counter() - t0) / 3          # the host's time to issue one call
+    b.record()
+    cu.sync()
     if reps is None:
-        a, b = cu.event(), cu.event()
-        a.record()
-        for _ in range(3):
-            fn()
-        b.record()
-        cu.sync()
         estimate = max(cu.seconds(a, b) / 3, 1e-6)
         reps = int(min(max(math.ceil(target_s / estimate), min_reps), max_reps))
     events = [(cu.event(), cu.event()) for _ in range(reps)]
-    cu.spin()
+    for _ in range(1 + int(2 * reps * host / _SPIN_SECONDS)):   # outlast the queueing, twice
+        cu.spin()
     for a, b in events:
         cu.flush()
         a.record()
@@ -459,8 +463,8 @@ class DecodeProblem:
     step reads. Steps:
 
     * ``api()``: the public ``flashcore.attention_with_kvcache``, as a user calls it;
-    * ``run()``: flashcore's decode launcher (the split heuristic included, no host
-      synchronisation, so that it can be queued for :func:`gpu_time`);
+    * ``run()``: flashcore's decode launcher alone (the split heuristic included), on the
+      current CuPy stream: the asv DecodeBandwidth / DecodeRatio groups time this;
     * ``sdpa(backend)``: torch SDPA pinned to ``backend`` (an SDPBackend) on the same K/V
       (contiguous caches only; ``enable_gqa``, no cache lengths: the full cache is read).
     """
@@ -691,13 +695,14 @@ def decode(batches=DECODE_BATCHES, caches=DECODE_CACHES, page_size=DECODE_PAGE_S
     """The decode table: flashcore (contiguous and paged) against ``peer`` on the contiguous
     cache, three figures each, with ratios (peer / flashcore: > 1 means flashcore is faster):
 
-    * GPU time with the L2 flushed (:func:`gpu_time`): flashcore through its launcher (as the
-      asv DecodeRatio group; the public call may read ``cache_seqlens`` back to the host, which
-      a queued timing cannot take), the peer through SDPA;
-    * host loop (:func:`host_loop_us`): steps back to back through the public
-      ``attention_with_kvcache``, one synchronisation at the end;
-    * CUDA-graph replay (:func:`graph_replay_time`): one public-API step captured, replayed.
-      A step that cannot be captured shows n/a and the reason is printed once.
+    * GPU time with the L2 flushed (:func:`gpu_time`) of one step through the public
+      ``attention_with_kvcache`` (``cache_seqlens`` a CUDA int32 tensor);
+    * host loop (:func:`host_loop_us`): such steps back to back, one synchronisation at the
+      end;
+    * CUDA-graph replay (:func:`graph_replay_time`): one such step captured, replayed. A step
+      that cannot be captured shows n/a and the reason is printed once.
+
+    The peer (SDPA) runs on the contiguous cache, timed the same three ways.
 
     Returns the rows (microseconds; NaN where n/a)."""
     import torch
@@ -720,8 +725,7 @@ def decode(batches=DECODE_BATCHES, caches=DECODE_CACHES, page_size=DECODE_PAGE_S
                 pb = DecodeProblem(b, s, seed=b * 100003 + s,
                                    page_size=page_size if layout == "paged" else None)
                 row = {"batch": b, "cache": s, "layout": layout}
-                with pb.stream:
-                    row["flashcore_gpu_us"] = gpu_time(pb.run) * 1e6
+                row["flashcore_gpu_us"] = gpu_time(pb.api) * 1e6
                 row["flashcore_host_us"] = host_loop_us(pb.api)
                 if layout == "contiguous":
                     peer_us = {}

@@ -7,9 +7,9 @@ headdim 128, bf16, a contiguous cache of 4k / 16k / 128k tokens per sequence, ba
 launch, so GPU time is measured the way tests/diagnostics/bench_decode.py does it
 (flashcore.bench.gpu_time_l2_flushed: calls queued behind a spin kernel, L2 flushed before
 each, one pair of CUDA events each). flashcore is timed through its launcher
-(flashcore.kernels.decode.launch_decode, the split heuristic included): the public
-attention_with_kvcache validates cache_seqlens on the host, which synchronises, so it cannot be
-queued that way. SDPA is given the same K/V (enable_gqa) without cache lengths: the full cache
+(flashcore.kernels.decode.launch_decode, the split heuristic included), as in every
+result committed before the public attention_with_kvcache stopped reading cache_seqlens back to
+the host (kept so that the figures stay comparable across commits). SDPA is given the same K/V (enable_gqa) without cache lengths: the full cache
 is read by everyone.
 
 Beside these GPU-time groups, what a user's decoding loop pays, through the public API
