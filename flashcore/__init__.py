@@ -14,7 +14,7 @@ from .api import (
 from .backends.base import NotSupportedError
 from .backends.cupy_backend import DeviceMemoryError
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "attention", "attention_forward", "attention_backward",

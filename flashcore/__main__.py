@@ -11,7 +11,7 @@ import numpy as np
 
 from . import __version__, attention_backward, attention_forward, available_backends
 from .backends.base import all_backends
-from .backends.numpy_backend import naive_backward, naive_forward, round_to_dtype
+from .reference import naive_backward, naive_forward, round_to_dtype
 from .spec import forward_spec
 
 
@@ -24,8 +24,10 @@ def _parse(argv):
                    help="only this backend (repeatable; default: every available one)")
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,
                    help="element type (default: on a GPU float16 and bfloat16 in the self-check, "
-                        "bfloat16 in the benchmark; on the CPU float32, the only choice for "
-                        "torch's CPU tensors besides float64)")
+                        "bfloat16 in the benchmark; on the CPU float32). On the CPU the NumPy "
+                        "backend takes all three (bfloat16 needs ml_dtypes) and computes in "
+                        "float32; torch's CPU tensors take float16 and float32, not bfloat16. "
+                        "A backend that cannot take the type is skipped with the reason")
     p.add_argument("--batch", type=int, default=None, help="batch size (default: 16384 // seqlen on GPU, 1 on CPU)")
     p.add_argument("--seqlen", type=int, action="append",
                    help="sequence length to benchmark (repeatable; default 1024 2048 4096 on GPU, 256 512 on CPU)")
@@ -51,16 +53,21 @@ def _environment():
         print(f"  backend {name:6s} {'available' if why is None else 'unavailable: ' + why}{extra}")
 
 
+def _np_dtype(dtype):
+    """The NumPy dtype of a name; bfloat16 is ml_dtypes' (NumPy has none of its own)."""
+    if dtype == "bfloat16":
+        import ml_dtypes
+        return ml_dtypes.bfloat16
+    return np.dtype(dtype)
+
+
 def _arrays(lib, dtype, shape, rng):
     x = rng.standard_normal(shape).astype(np.float32)
     if lib == "numpy":
-        return x.astype(dtype)
+        return x.astype(_np_dtype(dtype))
     if lib == "cupy":
         import cupy
-        if dtype == "bfloat16":
-            import ml_dtypes
-            return cupy.asarray(x.astype(ml_dtypes.bfloat16))
-        return cupy.asarray(x.astype(dtype))
+        return cupy.asarray(x.astype(_np_dtype(dtype)))
     import torch
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.from_numpy(x).to(device=dev, dtype=getattr(torch, dtype))
@@ -92,16 +99,26 @@ def _on_gpu(name) -> bool:
 
 def _dtypes(name, requested, for_bench):
     """Element types to run ``name`` with: the requested one, or float32 on the CPU, float16
-    and bfloat16 on a GPU (bfloat16 alone in the benchmark). torch's CPU tensors are float32
-    or float64 only (NumPy cannot view torch's 16-bit CPU storage without a copy)."""
-    gpu = _on_gpu(name)
-    if name == "torch" and not gpu:
-        return [requested if requested == "float32" else "float32"]
+    and bfloat16 on a GPU (bfloat16 alone in the benchmark). Whether the backend can take a
+    requested type here is :func:`_why_not`'s question."""
     if requested:
         return [requested]
-    if not gpu:
+    if not _on_gpu(name):
         return ["float32"]
     return ["bfloat16"] if for_bench else ["float16", "bfloat16"]
+
+
+def _why_not(name, dtype):
+    """Why backend ``name`` cannot run ``dtype`` here (one line), or None if it can."""
+    if dtype == "bfloat16" and _lib_of(name) != "torch":
+        try:
+            import ml_dtypes  # noqa: F401
+        except ImportError:
+            return "bfloat16 NumPy/CuPy arrays need ml_dtypes (pip install ml_dtypes)"
+    if name == "torch" and dtype == "bfloat16" and not _on_gpu(name):
+        return ("torch's CPU tensors run on the NumPy backend, which cannot view torch's "
+                "bfloat16 CPU storage without a copy: use float16 or float32 on the CPU")
+    return None
 
 
 def _self_check(name, dtype, causal):
@@ -170,6 +187,10 @@ def _bench(names, args):
         lib = _lib_of(name)
         gpu = _on_gpu(name)
         dtype = _dtypes(name, args.dtype, True)[0]
+        why = _why_not(name, dtype)
+        if why:
+            print(f"  {name:8s} {dtype:9s} skipped: {why}")
+            continue
         for s in args.seqlen or ([1024, 2048, 4096] if gpu else [256, 512]):
             h = args.nheads or (2048 // args.headdim if gpu else 4)
             hk = args.nheads_k or h
@@ -199,12 +220,23 @@ def main(argv=None) -> int:
     if missing:
         print(f"error: backend(s) {missing} not available here (see above)", file=sys.stderr)
         return 2
+    runnable = [(n, dt) for n in names for dt in _dtypes(n, args.dtype, False)
+                if _why_not(n, dt) is None]
+    if not runnable:
+        reasons = "; ".join(f"{n}: {_why_not(n, dt)}" for n in names
+                            for dt in _dtypes(n, args.dtype, False))
+        print(f"error: nothing can run {args.dtype} here ({reasons})", file=sys.stderr)
+        return 2
     ok = True
     if not args.no_check:
         print("\nself-check against the float64 naive reference (flash-attn rule: error ≤ 2× "
               "that of the same computation in the low precision, 3× for gradients):")
         for name in names:
             for dt in _dtypes(name, args.dtype, False):
+                why = _why_not(name, dt)
+                if why:
+                    print(f"  {name:6s} {dt:8s} skipped: {why}")
+                    continue
                 for causal in (False, True):
                     ok &= _self_check(name, dt, causal)
     if not args.no_bench:

@@ -1,253 +1,285 @@
 """``python -m flashcore.bench``: flashcore against torch SDPA's flash and cuDNN backends,
 measured in the same run, at the flash-attn benchmark sizes (16k tokens per batch, hidden 2048).
 
-Timing: ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls, median) when Triton
-is installed, else CUDA events around each call after warm-up (median). Inputs are random,
-never zeros. FLOPs are counted as flash-attn does: forward 4·b·h·s²·d (halved for causal),
-backward 2.5× forward, forward+backward 3.5× forward. Prints a table and the ratios; writes
-JSON with ``--json``.
+Modes: the throughput table (the default), ``--decode`` (one decoding step through the public
+API against SDPA's cuDNN backend: GPU time, host loop and CUDA-graph replay) and
+``--overhead`` (the per-call host cost on a tiny problem). Needs a CUDA GPU, CuPy and PyTorch;
+without them it says what is missing in one line and exits 2.
+
+This module is also the benchmark suite's library: ``asv_benchmarks/benchmarks/`` imports its
+problem definitions and its timers, so that a figure of this command and the figure of the same
+name in the asv results are measured the same way.
+
+* Problems: :func:`shape_for` and :func:`flops` (the flash-attn sizes and FLOP count),
+  :class:`AttentionProblem` (forward, backward, forward+backward of flashcore's CuPy or torch
+  API or of a pinned SDPA backend), :class:`DecodeProblem` (one decoding step),
+  :func:`tiny_calls` (the launch-bound training step).
+* Timers: :func:`gpu_time` (CUDA events around each call, the L2 flushed before each, median;
+  the calls queued behind a spin kernel so that a call shorter than its launch is timed on the
+  GPU, not on the host), :func:`host_loop_us` (host wall-clock per step of a loop of steps
+  ended by one synchronisation), :func:`graph_replay_time` (GPU time of a CUDA-graph replay of
+  one step).
+
+Inputs are random, never zeros. FLOPs are counted as flash-attn does: forward 4·b·h·s²·d
+(halved for causal), backward 2.5× forward, forward+backward 3.5× forward.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import statistics
 import sys
+import time
+
+# --------------------------------------------------------------------------------------------
+# Sizes and FLOPs
+# --------------------------------------------------------------------------------------------
+
+TOKENS_PER_BATCH = 16384
+HIDDEN = 2048
+#: torch SDPA pinned to one kernel: the peers every figure is compared with
+PEERS = ("sdpa_flash", "sdpa_cudnn")
 
 
-def _timer():
-    import torch
+def shape_for(seqlen: int, headdim: int, tokens: int = TOKENS_PER_BATCH,
+              hidden: int = HIDDEN) -> tuple[int, int, int, int]:
+    """(batch, seqlen, nheads, headdim) with ``tokens`` per batch and hidden size ``hidden``."""
+    return max(1, tokens // seqlen), seqlen, hidden // headdim, headdim
+
+
+def flops(batch, seqlen, nheads, headdim, causal, which="forward") -> float:
+    """FLOPs counted the flash-attn way: forward 4·b·h·s²·d (halved when causal),
+    backward 2.5× that, forward+backward 3.5×."""
+    f = 4.0 * batch * nheads * seqlen * seqlen * headdim
+    if causal:
+        f /= 2
+    return f * {"forward": 1.0, "backward": 2.5, "forward_backward": 3.5}[which]
+
+
+# --------------------------------------------------------------------------------------------
+# Availability: every refusal is a NotImplementedError with the reason (asv: skipped)
+# --------------------------------------------------------------------------------------------
+
+def _torch():
     try:
-        from triton.testing import do_bench
-
-        def t(fn):
-            return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
-        return t, "triton.do_bench median"
-    except Exception:
-        def t(fn):
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(20):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) * 1e-3)
-            times.sort()
-            return times[len(times) // 2]
-        return t, "CUDA events median"
-
-
-def run(seqlens, headdims, causals, modes, dtype="bfloat16", tokens=16384, hidden=2048,
-        peers=("sdpa_flash", "sdpa_cudnn"), impls=("cupy",), out=print):
-    import cupy
-    import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    import flashcore
-    timer, how = _timer()
-    tdt = getattr(torch, dtype)
-    rows = []
-    out(f"# flashcore vs torch SDPA ({torch.__version__}), {dtype}, {how}; "
-        f"GPU {torch.cuda.get_device_name()}")
-    for d in headdims:
-        h = hidden // d
-        for causal in causals:
-            for s in seqlens:
-                b = max(1, tokens // s)
-                g = torch.Generator(device="cuda").manual_seed(s * 1000 + d)
-                mk = lambda: torch.randn(b, s, h, d, device="cuda", dtype=tdt, generator=g)
-                q, k, v, do = mk(), mk(), mk(), mk()
-                # SDPA's preferred layout is (b, h, s, d) contiguous
-                qt, kt, vt, dot = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
-                fl = 4.0 * b * h * s * s * d / (2 if causal else 1)
-                res = {"seqlen": s, "headdim": d, "causal": causal, "batch": b, "nheads": h}
-                for mode in modes:
-                    flops = fl * {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}[mode]
-                    for impl in tuple(impls) + tuple(peers):
-                        try:
-                            fn = _make(impl, mode, q, k, v, do, qt, kt, vt, dot, causal,
-                                       F, sdpa_kernel, SDPBackend, cupy, flashcore, torch)
-                            t = timer(fn)
-                            res[f"{impl}_{mode}_tflops"] = flops / t / 1e12
-                        except Exception as e:  # a peer that cannot run this shape
-                            res[f"{impl}_{mode}_tflops"] = float("nan")
-                            res[f"{impl}_{mode}_error"] = f"{type(e).__name__}: {str(e)[:120]}"
-                rows.append(res)
-                _print_row(res, modes, impls, peers, out)
-                del q, k, v, do, qt, kt, vt, dot
-                torch.cuda.empty_cache()
-    return rows
-
-
-def _make(impl, mode, q, k, v, do, qt, kt, vt, dot, causal, F, sdpa_kernel, SDPBackend,
-          cupy, flashcore, torch):
-    if impl.startswith("sdpa"):
-        be = SDPBackend.FLASH_ATTENTION if impl == "sdpa_flash" else SDPBackend.CUDNN_ATTENTION
-        if mode == "fwd":
-            def fn():
-                with sdpa_kernel(be):
-                    F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-            return fn
-        qg, kg, vg = (x.detach().requires_grad_() for x in (qt, kt, vt))
-        with sdpa_kernel(be):
-            o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
-        if mode == "bwd":
-            return lambda: torch.autograd.grad(o, (qg, kg, vg), dot, retain_graph=True)
-
-        def fn():
-            with sdpa_kernel(be):
-                o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
-            torch.autograd.grad(o, (qg, kg, vg), dot)
-        return fn
-    if impl == "cupy":
-        cq, ck, cv, cdo = (cupy.from_dlpack(x) for x in (q, k, v, do))
-        o, l = flashcore.attention_forward(cq, ck, cv, causal=causal)
-        if mode == "fwd":
-            return lambda: flashcore.attention_forward(cq, ck, cv, causal=causal)
-        if mode == "bwd":
-            return lambda: flashcore.attention_backward(cdo, cq, ck, cv, o, l, causal=causal)
-
-        def fn():
-            o, l = flashcore.attention_forward(cq, ck, cv, causal=causal)
-            flashcore.attention_backward(cdo, cq, ck, cv, o, l, causal=causal)
-        return fn
-    if impl == "torch":
-        if mode == "fwd":
-            return lambda: flashcore.attention(q, k, v, causal=causal)
-        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
-        o = flashcore.attention(qg, kg, vg, causal=causal)
-        if mode == "bwd":
-            return lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)
-
-        def fn():
-            o = flashcore.attention(qg, kg, vg, causal=causal)
-            torch.autograd.grad(o, (qg, kg, vg), do)
-        return fn
-    raise ValueError(impl)
-
-
-def _print_row(r, modes, impls, peers, out):
-    parts = [f"d{r['headdim']:<3d} {'causal' if r['causal'] else 'full  '} s{r['seqlen']:<6d}"]
-    for mode in modes:
-        for impl in tuple(impls) + tuple(peers):
-            parts.append(f"{impl}:{mode} {r.get(f'{impl}_{mode}_tflops', float('nan')):6.1f}")
-        for impl in impls:
-            for p in peers:
-                a, b = r.get(f"{impl}_{mode}_tflops"), r.get(f"{p}_{mode}_tflops")
-                if a and b and not math.isnan(a) and not math.isnan(b):
-                    parts.append(f"{impl}/{p.split('_')[1]} {a / b:5.2f}x")
-    out("  ".join(parts))
-    sys.stdout.flush()
-
-
-def per_call_us(fn, n, warmup=50, rounds=5):
-    """Host time per call of ``fn`` in microseconds: the best of ``rounds`` rounds of ``n``
-    calls back to back, each round ended by a device synchronisation."""
-    import time
-
-    import torch
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / n)
-    return best * 1e6
-
-
-class DecodeProblem:
-    """One decoding step on the shapes of the decode-speed target (a GPU tool): one query
-    token, ``nheads`` query heads over ``nheads_k`` kv heads, bf16, a full contiguous cache of
-    ``cache`` tokens per sequence. Holds the torch tensors (random, never zeros), their CuPy
-    views, torch's current stream as a CuPy stream, and the K+V bytes a step reads; ``run``
-    calls flashcore's launcher (no host synchronisation, so it can be queued for
-    gpu_time_l2_flushed), ``sdpa`` torch SDPA pinned to one backend on the same K/V."""
-
-    def __init__(self, batch, cache, nheads=32, nheads_k=8, headdim=128, seed=None):
-        import cupy as cp
         import torch
-        dev = torch.device("cuda")
-        g = None if seed is None else torch.Generator(device=dev).manual_seed(seed)
-
-        def randn(*shape):
-            return torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=g)
-        self.q = randn(batch, 1, nheads, headdim)
-        self.k_cache = randn(batch, cache, nheads_k, headdim)
-        self.v_cache = randn(batch, cache, nheads_k, headdim)
-        self.out = torch.empty_like(self.q)
-        self.lse = torch.empty(batch, nheads, 1, device=dev, dtype=torch.float32)
-        self.cache_seqlens = torch.full((batch,), cache, device=dev, dtype=torch.int32)
-        self.nbytes = 2 * batch * cache * nheads_k * headdim * 2
-        self.scale = 1.0 / math.sqrt(headdim)
-        self.cq, self.ck, self.cv, self.co, self.cl, self.cs = (cp.from_dlpack(x) for x in (
-            self.q, self.k_cache, self.v_cache, self.out, self.lse, self.cache_seqlens))
-        self.stream = cp.cuda.Stream.from_external(torch.cuda.current_stream())
-
-    def run(self, num_splits=0, paged=None):
-        """flashcore's decode launcher on the current CuPy stream; ``paged``: (k pages, v pages,
-        block table) CuPy arrays in place of the contiguous cache. Returns the split count."""
-        from flashcore.kernels.decode import launch_decode
-        k, v, table = paged if paged is not None else (self.ck, self.cv, None)
-        return launch_decode(self.cq, k, v, self.co, self.cl, cache_seqlens=self.cs,
-                             block_table=table, softmax_scale=self.scale, window_left=-1,
-                             window_right=-1, num_splits=num_splits)
-
-    def sdpa(self, backend):
-        """torch SDPA pinned to ``backend`` (a torch.nn.attention.SDPBackend), same K/V."""
-        import torch.nn.functional as F
-        from torch.nn.attention import sdpa_kernel
-        qt, kt, vt = (x.transpose(1, 2) for x in (self.q, self.k_cache, self.v_cache))
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+    except Exception as exc:   # not installed, or broken on this machine
+        raise NotImplementedError(f"PyTorch is not installed ({type(exc).__name__}: {exc})") from None
+    return torch
 
 
-_FLUSH: list = []
+def why_no_gpu() -> str | None:
+    """Why this machine cannot run the GPU benchmarks (CuPy, PyTorch and a CUDA device), or
+    None. Decided without compiling or launching anything."""
+    try:
+        torch = _torch()
+    except NotImplementedError as exc:
+        return str(exc)
+    if not torch.cuda.is_available():
+        return f"PyTorch {torch.__version__} sees no CUDA device"
+    import flashcore
+    why = flashcore.available_backends().get("cupy")
+    return f"flashcore's CuPy backend is unavailable: {why}" if why else None
 
 
-def gpu_time_l2_flushed(fn, iters=30, warmup=5):
-    """Median GPU time of ``fn()`` in seconds: the device time of the call itself, not the
-    host's (for calls shorter than their Python launch, such as decoding steps).
+def require(impl: str) -> None:
+    """Raise NotImplementedError, with the reason, unless ``impl`` ('cupy', 'torch',
+    'sdpa_flash', 'sdpa_cudnn') can run on a GPU here."""
+    if impl == "numpy":
+        raise NotImplementedError("the NumPy backend runs on the CPU: see bench_numpy")
+    if impl != "cupy":          # flashcore's CuPy API needs no torch
+        torch = _torch()
+        if not torch.cuda.is_available():
+            raise NotImplementedError("PyTorch sees no CUDA device")
+    if impl in ("cupy", "torch"):
+        import flashcore
+        why = flashcore.available_backends().get(impl, f"flashcore has no {impl!r} backend")
+        if why:
+            raise NotImplementedError(f"flashcore's {impl!r} backend is unavailable: {why}")
+    elif impl in PEERS:
+        sdpa_backend(impl)
+    else:
+        raise ValueError(f"unknown implementation {impl!r}")
 
-    A spin kernel holds the GPU while every repetition is queued behind it; each repetition
-    overwrites the L2 (256 MB, outside the timed interval, as triton's do_bench does: a cache of
-    a few MB would otherwise be read from L2 rather than HBM) and is bracketed by its own pair
-    of CUDA events. ``fn`` must not synchronise with the host. Every implementation compared
-    is timed the same way (tests/gpu/bench_decode.py, the asv Decode benchmarks)."""
-    import numpy as np
-    import torch
-    if not _FLUSH:
-        _FLUSH.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
-    flush = _FLUSH[0]
+
+def sdpa_backend(peer: str):
+    """The ``torch.nn.attention.SDPBackend`` a peer name stands for."""
+    try:
+        from torch.nn.attention import SDPBackend
+    except ImportError:
+        raise NotImplementedError("this torch has no torch.nn.attention.SDPBackend") from None
+    member = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}[peer]
+    if not hasattr(SDPBackend, member):
+        raise NotImplementedError(f"this torch has no SDPBackend.{member}")
+    return getattr(SDPBackend, member)
+
+
+def sdpa_pinned(peer: str | None):
+    """A context in which torch SDPA runs ``peer``'s kernel only (no-op for None)."""
+    if peer is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
+    return sdpa_kernel(sdpa_backend(peer))
+
+
+# --------------------------------------------------------------------------------------------
+# Timers
+# --------------------------------------------------------------------------------------------
+
+L2_FLUSH_BYTES = 256 << 20          # > 4x the H200's 60 MB L2
+_SPIN_CYCLES = 50_000_000           # one spin kernel: ~25 ms at H200 clocks
+_SPIN_SECONDS = 0.02                # what one spin is counted as (less than it lasts)
+_SPIN_SRC = r"""
+extern "C" __global__ void flashcore_bench_spin(long long cycles) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < cycles) {}
+}
+"""
+_STATE: dict = {}
+
+
+class _Cuda:
+    """Events, synchronisation, an L2 flush and a spin kernel on the current stream of one
+    library ('torch' or 'cupy'), so that the timers serve both."""
+
+    def __init__(self, lib: str):
+        self.lib = lib
+        if lib == "torch":
+            import torch
+            self.torch = torch
+            self.flush_buf = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+        else:
+            import cupy
+            self.cupy = cupy
+            self.flush_buf = cupy.empty(L2_FLUSH_BYTES, dtype=cupy.uint8)
+            self._spin = cupy.RawKernel(_SPIN_SRC, "flashcore_bench_spin")
+
+    def event(self):
+        if self.lib == "torch":
+            return self.torch.cuda.Event(enable_timing=True)
+        return self.cupy.cuda.Event()
+
+    @staticmethod
+    def record(e):
+        e.record()
+
+    def seconds(self, a, b) -> float:
+        if self.lib == "torch":
+            return a.elapsed_time(b) * 1e-3
+        return self.cupy.cuda.get_elapsed_time(a, b) * 1e-3
+
+    def sync(self):
+        if self.lib == "torch":
+            self.torch.cuda.synchronize()
+        else:
+            self.cupy.cuda.Device().synchronize()
+
+    def flush(self):
+        if self.lib == "torch":
+            self.flush_buf.zero_()
+        else:
+            self.flush_buf.fill(0)
+
+    def spin(self):
+        if self.lib == "torch":
+            self.torch.cuda._sleep(_SPIN_CYCLES)
+        else:
+            import numpy as np
+            self._spin((1,), (1,), (np.int64(_SPIN_CYCLES),))
+
+
+def _cuda(lib: str) -> _Cuda:
+    if lib not in _STATE:
+        _STATE[lib] = _Cuda(lib)
+    return _STATE[lib]
+
+
+def gpu_time(fn, lib: str = "torch", reps: int | None = None, warmup: int = 3,
+             min_reps: int = 5, max_reps: int = 50, target_s: float = 0.1) -> float:
+    """Median GPU time of ``fn()`` in seconds: the device time of the call itself.
+
+    After ``warmup`` calls, ``reps`` repetitions (default: as many as fill ``target_s``, within
+    [min_reps, max_reps]) are queued behind a spin kernel that holds the GPU while the host
+    enqueues them, so that calls shorter than their Python launch (decoding steps) are timed on
+    the device, not on the host. Before every repetition the L2 is overwritten (256 MB, outside
+    the timed interval, as triton's do_bench does: inputs of a few MB would otherwise be read
+    from L2 rather than HBM); each repetition has its own pair of CUDA events on the current
+    stream of ``lib`` ('torch' or 'cupy'). ``fn`` must not synchronise with the host."""
+    cu = _cuda(lib)
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-          for _ in range(iters)]
-    torch.cuda._sleep(50_000_000)      # ~25 ms at H200 clocks: longer than the queueing below
-    for a, b in ev:
-        flush.zero_()
+    cu.sync()
+    a, b = cu.event(), cu.event()
+    a.record()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        fn()
+    host = (time.perf_counter() - t0) / 3          # the host's time to issue one call
+    b.record()
+    cu.sync()
+    if reps is None:
+        estimate = max(cu.seconds(a, b) / 3, 1e-6)
+        reps = int(min(max(math.ceil(target_s / estimate), min_reps), max_reps))
+    events = [(cu.event(), cu.event()) for _ in range(reps)]
+    for _ in range(1 + int(2 * reps * host / _SPIN_SECONDS)):   # outlast the queueing, twice
+        cu.spin()
+    for a, b in events:
+        cu.flush()
         a.record()
         fn()
         b.record()
-    torch.cuda.synchronize()
-    return float(np.median([a.elapsed_time(b) * 1e-3 for a, b in ev]))
+    cu.sync()
+    return statistics.median(cu.seconds(a, b) for a, b in events)
+
+
+def gpu_time_l2_flushed(fn, iters=30, warmup=5):
+    """:func:`gpu_time` with a fixed number of repetitions (on torch's current stream)."""
+    return gpu_time(fn, "torch", reps=iters, warmup=warmup)
+
+
+def host_loop_us(fn, steps: int | None = None, warmup: int = 20, rounds: int = 5,
+                 target_s: float = 0.05, sync=None) -> float:
+    """Host wall-clock per step of ``fn``, in microseconds: ``steps`` calls back to back, ended
+    by one device synchronisation, the best of ``rounds`` such loops. What a loop of decoding or
+    training steps costs the host, the launches and the Python around them included (the GPU
+    work too where it is the longer of the two).
+
+    ``steps`` defaults to as many as fill ``target_s`` (10 to 2000). ``sync`` defaults to
+    ``torch.cuda.synchronize``."""
+    if sync is None:
+        import torch
+        sync = torch.cuda.synchronize
+    for _ in range(warmup):
+        fn()
+    sync()
+    if steps is None:
+        t0 = time.perf_counter()
+        for _ in range(10):
+            fn()
+        sync()
+        estimate = max((time.perf_counter() - t0) / 10, 1e-7)
+        steps = int(min(max(target_s / estimate, 10), 2000))
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - t0) / steps)
+    return best * 1e6
+
+
+def per_call_us(fn, n, warmup=50, rounds=5):
+    """:func:`host_loop_us` with a fixed number of calls per round."""
+    return host_loop_us(fn, steps=n, warmup=warmup, rounds=rounds)
 
 
 def per_call_us_interleaved(fns, n, warmup=50, rounds=7):
-    """``per_call_us`` for several callables at once: each round times ``n`` calls of every
-    callable in turn, so a host that runs faster or slower for a while affects all of them
-    alike. Returns {name: best round's microseconds per call}."""
-    import time
-
+    """:func:`host_loop_us` for several callables at once: each round times ``n`` calls of
+    every callable in turn, so that a host that runs faster or slower for a while affects all
+    of them alike. Returns {name: best round's microseconds per call}."""
     import torch
     for fn in fns.values():
         for _ in range(warmup):
@@ -264,24 +296,300 @@ def per_call_us_interleaved(fns, n, warmup=50, rounds=7):
     return {name: t * 1e6 for name, t in best.items()}
 
 
-def tiny_calls():
-    """The per-call cost probes on a tiny, launch-bound problem (1 x 128 x 2 x 64 bf16, causal):
-    argument-less callables for flashcore through CuPy and through torch, forward (no grad) and
-    forward+backward (autograd), plus the torch tensors they use."""
-    import cupy
+def capture_graph(fn, warmup: int = 3):
+    """A ``torch.cuda.CUDAGraph`` of one call of ``fn`` (warmed up on a side stream first, as
+    torch requires). Whatever the capture raises propagates: the caller reports it."""
     import torch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def graph_replay_time(graph, reps: int | None = None) -> float:
+    """GPU time of one replay of ``graph`` in seconds (:func:`gpu_time`: L2 flushed, median)."""
+    return gpu_time(graph.replay, "torch", reps=reps)
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs: random (never zeros), bfloat16, on the device
+# --------------------------------------------------------------------------------------------
+
+def _cupy_bfloat16(x32):
+    """float32 CuPy array -> bfloat16 (ml_dtypes), rounding to nearest even."""
+    import cupy
+    import ml_dtypes
+    try:
+        return x32.astype(ml_dtypes.bfloat16)
+    except Exception:   # a CuPy without bfloat16 arithmetic can still hold the bits
+        u = x32.view(cupy.uint32)
+        u = (u + (cupy.uint32(0x7FFF) + ((u >> 16) & 1))) >> 16
+        return u.astype(cupy.uint16).view(ml_dtypes.bfloat16)
+
+
+def random_arrays(lib: str, shapes, seed: int = 0, requires_grad: bool = False,
+                  dtype: str = "bfloat16"):
+    """One random array per shape ('cupy' or 'torch' on the current device)."""
+    if lib == "cupy":
+        import cupy
+        rng = cupy.random.default_rng(seed)
+        xs = [rng.standard_normal(s, dtype=cupy.float32) for s in shapes]
+        return [_cupy_bfloat16(x) if dtype == "bfloat16" else x.astype(dtype) for x in xs]
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(s, generator=g, device="cuda", dtype=getattr(torch, dtype))
+            .requires_grad_(requires_grad) for s in shapes]
+
+
+# --------------------------------------------------------------------------------------------
+# Problems
+# --------------------------------------------------------------------------------------------
+
+class AttentionProblem:
+    """The inputs of one implementation and its ``forward``, ``backward`` and
+    ``forward_backward`` as argument-less callables, plus ``lib`` for the timer.
+
+    ``impl``: 'cupy' (flashcore's CuPy API: explicit forward and backward, the kernels without
+    an autograd layer), 'torch' (``flashcore.attention`` on torch tensors, through autograd),
+    or a peer, 'sdpa_flash' / 'sdpa_cudnn' (torch SDPA pinned to that kernel, through autograd,
+    in its native layout (batch, nheads, seqlen, headdim), contiguous). flashcore's take
+    (batch, seqlen, nheads, headdim). A shape a peer cannot take raises NotImplementedError.
+    """
+
+    def __init__(self, impl, batch, seqlen, nheads, headdim, causal, seed=0, dtype="bfloat16"):
+        self.impl, self.causal, self.dtype = impl, causal, dtype
+        require(impl)
+        if impl == "cupy":
+            self.lib = "cupy"
+            self._setup_cupy((batch, seqlen, nheads, headdim), seed)
+        else:
+            self.lib = "torch"
+            if impl == "torch":
+                self._setup_flashcore_torch((batch, seqlen, nheads, headdim), seed)
+            else:
+                self._setup_sdpa((batch, nheads, seqlen, headdim), seed)
+
+    def _setup_cupy(self, shape, seed):
+        import flashcore
+        q, k, v, dout = random_arrays("cupy", [shape] * 4, seed, dtype=self.dtype)
+        c = self.causal
+        out, lse = flashcore.attention_forward(q, k, v, causal=c)
+
+        def forward():
+            return flashcore.attention_forward(q, k, v, causal=c)
+
+        def backward():
+            return flashcore.attention_backward(dout, q, k, v, out, lse, causal=c)
+
+        def forward_backward():
+            o, l_ = flashcore.attention_forward(q, k, v, causal=c)
+            return flashcore.attention_backward(dout, q, k, v, o, l_, causal=c)
+
+        self.forward, self.backward, self.forward_backward = forward, backward, forward_backward
+        backward()      # compiles (or loads) the backward kernels before any timing
+
+    def _setup_autograd(self, attn, shape, seed):
+        import torch
+        q, k, v, dout = random_arrays("torch", [shape] * 4, seed, requires_grad=True,
+                                      dtype=self.dtype)
+        dout = dout.detach()
+        out = attn(q, k, v)
+        inputs = (q, k, v)
+
+        def forward():
+            with torch.no_grad():
+                return attn(q, k, v)
+
+        def backward():
+            return torch.autograd.grad(out, inputs, dout, retain_graph=True)
+
+        def forward_backward():
+            return torch.autograd.grad(attn(q, k, v), inputs, dout)
+
+        self.forward, self.backward, self.forward_backward = forward, backward, forward_backward
+        backward()
+
+    def _setup_flashcore_torch(self, shape, seed):
+        import flashcore
+        c = self.causal
+        self._setup_autograd(lambda q, k, v: flashcore.attention(q, k, v, causal=c), shape, seed)
+
+    def _setup_sdpa(self, shape, seed):
+        from torch.nn.attention import sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention
+        pinned, c = sdpa_backend(self.impl), self.causal
+
+        def attn(q, k, v):
+            with sdpa_kernel(pinned):
+                return scaled_dot_product_attention(q, k, v, is_causal=c)
+
+        try:
+            self._setup_autograd(attn, shape, seed)
+        except RuntimeError as e:   # "No available kernel": this peer cannot take the shape
+            raise NotImplementedError(f"{self.impl} cannot run this shape here: "
+                                      f"{str(e).splitlines()[0]}") from None
+
+    def seconds(self, which: str) -> float:
+        """GPU time of one ``which`` ('forward', 'backward', 'forward_backward') call."""
+        return gpu_time(getattr(self, which), self.lib)
+
+    def tflops(self, which: str, flop_count: float) -> float:
+        return flop_count / self.seconds(which) / 1e12
+
+
+#: the decode-speed target's shapes (one query token, GQA 32/8, d128, bf16)
+DECODE_HEADS, DECODE_HEADS_K, DECODE_HEADDIM = 32, 8, 128
+DECODE_BATCHES = (1, 8, 64)
+DECODE_CACHES = (4096, 16384, 131072)
+DECODE_PAGE_SIZE = 256
+
+
+class DecodeProblem:
+    """One decoding step: one query token, ``nheads`` query heads over ``nheads_k`` kv heads,
+    bf16, a full cache of ``cache`` tokens per sequence, ``cache_seqlens`` a CUDA int32 tensor.
+
+    The cache is contiguous ``(batch, cache, nheads_k, headdim)``, or with ``page_size`` paged:
+    ``(batch * cache / page_size, page_size, nheads_k, headdim)`` pages in a random order named
+    by an int32 ``block_table``. Holds the torch tensors (random, never zeros), their CuPy views
+    and torch's current stream as a CuPy stream (where CuPy is installed), and the K+V bytes a
+    step reads. Steps:
+
+    * ``api()``: the public ``flashcore.attention_with_kvcache``, as a user calls it;
+    * ``run()``: flashcore's decode launcher alone (the split heuristic included), on the
+      current CuPy stream: the asv DecodeBandwidth / DecodeRatio groups time this;
+    * ``sdpa(backend)``: torch SDPA pinned to ``backend`` (an SDPBackend) on the same K/V
+      (contiguous caches only; ``enable_gqa``, no cache lengths: the full cache is read).
+    """
+
+    def __init__(self, batch, cache, nheads=DECODE_HEADS, nheads_k=DECODE_HEADS_K,
+                 headdim=DECODE_HEADDIM, seed=None, page_size=None):
+        import torch
+        dev = torch.device("cuda")
+        g = None if seed is None else torch.Generator(device=dev).manual_seed(seed)
+
+        def randn(*shape):
+            return torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=g)
+        self.batch, self.cache, self.page_size = batch, cache, page_size
+        self.q = randn(batch, 1, nheads, headdim)
+        if page_size is None:
+            self.k_cache = randn(batch, cache, nheads_k, headdim)
+            self.v_cache = randn(batch, cache, nheads_k, headdim)
+            self.block_table = None
+        else:
+            if cache % page_size:
+                raise ValueError(f"cache {cache} is not a multiple of page_size {page_size}")
+            blocks = batch * (cache // page_size)
+            self.k_cache = randn(blocks, page_size, nheads_k, headdim)
+            self.v_cache = randn(blocks, page_size, nheads_k, headdim)
+            order = torch.randperm(blocks, generator=torch.Generator().manual_seed(seed or 0))
+            self.block_table = order.to(dev, torch.int32).reshape(batch, cache // page_size)
+        self.out = torch.empty_like(self.q)
+        self.lse = torch.empty(batch, nheads, 1, device=dev, dtype=torch.float32)
+        self.cache_seqlens = torch.full((batch,), cache, device=dev, dtype=torch.int32)
+        self.nbytes = 2 * batch * cache * nheads_k * headdim * 2
+        self.scale = 1.0 / math.sqrt(headdim)
+        try:
+            import cupy as cp
+        except ImportError:
+            self.stream = self.cq = self.ck = self.cv = self.co = self.cl = self.cs = None
+            self.ct = None
+        else:
+            self.cq, self.ck, self.cv, self.co, self.cl, self.cs = (cp.from_dlpack(x) for x in (
+                self.q, self.k_cache, self.v_cache, self.out, self.lse, self.cache_seqlens))
+            self.ct = None if self.block_table is None else cp.from_dlpack(self.block_table)
+            self.stream = cp.cuda.Stream.from_external(torch.cuda.current_stream())
+
+    def api(self):
+        """The step through the public API (``cache_seqlens`` a CUDA int32 tensor)."""
+        import flashcore
+        return flashcore.attention_with_kvcache(self.q, self.k_cache, self.v_cache,
+                                                cache_seqlens=self.cache_seqlens,
+                                                block_table=self.block_table)
+
+    def run(self, num_splits=0, paged=None):
+        """flashcore's decode launcher on the current CuPy stream; ``paged``: (k pages, v pages,
+        block table) CuPy arrays in place of this problem's cache. Returns the split count."""
+        from flashcore.kernels.decode import launch_decode
+        k, v, table = paged if paged is not None else (self.ck, self.cv, self.ct)
+        return launch_decode(self.cq, k, v, self.co, self.cl, cache_seqlens=self.cs,
+                             block_table=table, softmax_scale=self.scale, window_left=-1,
+                             window_right=-1, num_splits=num_splits)
+
+    def sdpa(self, backend):
+        """torch SDPA pinned to ``backend`` (a torch.nn.attention.SDPBackend), same K/V."""
+        import torch.nn.functional as F
+        from torch.nn.attention import sdpa_kernel
+        if self.block_table is not None:
+            raise NotImplementedError("torch SDPA takes no paged cache")
+        qt, kt, vt = (x.transpose(1, 2) for x in (self.q, self.k_cache, self.v_cache))
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+
+    def sdpa_unpinned(self):
+        """:meth:`sdpa` without the backend context (for loops that pin it once, outside)."""
+        import torch.nn.functional as F
+        if self.block_table is not None:
+            raise NotImplementedError("torch SDPA takes no paged cache")
+        qt, kt, vt = (x.transpose(1, 2) for x in (self.q, self.k_cache, self.v_cache))
+        return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+
+
+def decode_step(impl: str, pb: DecodeProblem):
+    """The argument-less step of ``impl`` on ``pb``, with the SDPA peer pinned by the caller
+    (:func:`sdpa_pinned`): 'flashcore' / 'flashcore_paged' -> :meth:`DecodeProblem.api`,
+    a peer -> :meth:`DecodeProblem.sdpa_unpinned`."""
+    return pb.api if impl.startswith("flashcore") else pb.sdpa_unpinned
+
+
+def decode_graph(impl: str, pb: DecodeProblem):
+    """One step of ``impl`` captured in a CUDA graph; a step that cannot be captured raises
+    NotImplementedError with the reason (asv: skipped; the tables: n/a)."""
+    try:
+        with sdpa_pinned(None if impl.startswith("flashcore") else impl):
+            return capture_graph(decode_step(impl, pb))
+    except NotImplementedError:
+        raise
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise NotImplementedError(f"{impl}: the decoding step cannot be captured in a CUDA "
+                                  f"graph: {type(exc).__name__}: {first}") from None
+
+
+#: the tiny, launch-bound training step (1 x 128 x 2 x 64 bf16, causal)
+TINY_SHAPE = (1, 128, 2, 64)
+
+
+def tiny_calls(peers=()):
+    """The per-call cost probes on the tiny training step (1 x 128 x 2 x 64 bf16, causal):
+    argument-less callables for flashcore through CuPy and through torch, forward (no grad) and
+    forward+backward (autograd), and for each SDPA peer in ``peers`` (run them inside
+    :func:`sdpa_pinned`), plus the torch tensors they use."""
+    import torch
+    import torch.nn.functional as F
 
     import flashcore
-    q, k, v, do = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    cq, ck, cv, cdo = (cupy.from_dlpack(x) for x in (q, k, v, do))
+    q, k, v, do = (torch.randn(*TINY_SHAPE, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    calls = {}
+    if flashcore.available_backends().get("cupy") is None:
+        import cupy
+        cq, ck, cv, cdo = (cupy.from_dlpack(x) for x in (q, k, v, do))
 
-    def cupy_fwd():
-        flashcore.attention_forward(cq, ck, cv, causal=True)
+        def cupy_fwd():
+            flashcore.attention_forward(cq, ck, cv, causal=True)
 
-    def cupy_fwdbwd():
-        o, l_ = flashcore.attention_forward(cq, ck, cv, causal=True)
-        flashcore.attention_backward(cdo, cq, ck, cv, o, l_, causal=True)
+        def cupy_fwdbwd():
+            o, l_ = flashcore.attention_forward(cq, ck, cv, causal=True)
+            flashcore.attention_backward(cdo, cq, ck, cv, o, l_, causal=True)
+        calls.update(cupy_fwd=cupy_fwd, cupy_fwdbwd=cupy_fwdbwd)
 
     def torch_fwd():
         with torch.no_grad():
@@ -291,9 +599,81 @@ def tiny_calls():
         o = flashcore.attention(qg, kg, vg, causal=True)
         torch.autograd.grad(o, (qg, kg, vg), do)
 
-    calls = {"cupy_fwd": cupy_fwd, "torch_fwd": torch_fwd, "cupy_fwdbwd": cupy_fwdbwd,
-             "torch_fwdbwd": torch_fwdbwd}
+    calls.update(torch_fwd=torch_fwd, torch_fwdbwd=torch_fwdbwd)
+    if peers:
+        qt, kt, vt = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+        dot = do.transpose(1, 2).contiguous()
+
+        def sdpa_fwd():
+            with torch.no_grad():
+                F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+
+        def sdpa_fwdbwd():
+            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+            torch.autograd.grad(o, (qt, kt, vt), dot)
+        for p in peers:
+            calls[f"{p}_fwd"], calls[f"{p}_fwdbwd"] = sdpa_fwd, sdpa_fwdbwd
     return calls, (q, k, v, do)
+
+
+# --------------------------------------------------------------------------------------------
+# The command's modes
+# --------------------------------------------------------------------------------------------
+
+def run(seqlens, headdims, causals, modes, dtype="bfloat16", tokens=16384, hidden=2048,
+        peers=PEERS, impls=("cupy",), out=print):
+    """The throughput table: TFLOP/s of each implementation and peer (:class:`AttentionProblem`,
+    :func:`gpu_time`) and flashcore's ratio to each peer. Returns the rows."""
+    import torch
+    modes_full = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward_backward"}
+    rows = []
+    out(f"# flashcore vs torch SDPA ({torch.__version__}), {dtype}, GPU time: CUDA events, "
+        f"L2 flushed, median (flashcore.bench.gpu_time); GPU {torch.cuda.get_device_name()}")
+    for d in headdims:
+        for causal in causals:
+            for s in seqlens:
+                b, _, h, _ = shape_for(s, d, tokens, hidden)
+                res = {"seqlen": s, "headdim": d, "causal": causal, "batch": b, "nheads": h}
+                for impl in tuple(impls) + tuple(peers):
+                    try:
+                        pb = AttentionProblem(impl, b, s, h, d, causal, seed=s * 1000 + d,
+                                              dtype=dtype)
+                    except Exception as e:  # a peer that cannot run this shape
+                        for mode in modes:
+                            res[f"{impl}_{mode}_tflops"] = float("nan")
+                            res[f"{impl}_{mode}_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+                        continue
+                    for mode in modes:
+                        which = modes_full[mode]
+                        try:
+                            res[f"{impl}_{mode}_tflops"] = pb.tflops(which, flops(b, s, h, d, causal, which))
+                        except Exception as e:
+                            res[f"{impl}_{mode}_tflops"] = float("nan")
+                            res[f"{impl}_{mode}_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+                    del pb
+                    torch.cuda.empty_cache()
+                rows.append(res)
+                _print_row(res, modes, impls, peers, out)
+    return rows
+
+
+def _print_row(r, modes, impls, peers, out):
+    parts = [f"d{r['headdim']:<3d} {'causal' if r['causal'] else 'full  '} s{r['seqlen']:<6d}"]
+    for mode in modes:
+        for impl in tuple(impls) + tuple(peers):
+            parts.append(f"{impl}:{mode} {r.get(f'{impl}_{mode}_tflops', float('nan')):6.1f}")
+        for impl in impls:
+            for p in peers:
+                a, b = r.get(f"{impl}_{mode}_tflops"), r.get(f"{p}_{mode}_tflops")
+                if a and b and not math.isnan(a) and not math.isnan(b):
+                    parts.append(f"{impl}/{p.split('_')[1]} {a / b:5.2f}x")
+    out("  ".join(parts))
+    sys.stdout.flush()
+
+
+def _timer():
+    """(:func:`gpu_time` on torch's stream, its description): for the diagnostics."""
+    return (lambda fn: gpu_time(fn, "torch")), "CUDA events median, L2 flushed"
 
 
 def overhead(n=2000, out=print):
@@ -310,8 +690,89 @@ def overhead(n=2000, out=print):
     return r
 
 
+def decode(batches=DECODE_BATCHES, caches=DECODE_CACHES, page_size=DECODE_PAGE_SIZE,
+           peer="sdpa_cudnn", out=print):
+    """The decode table: flashcore (contiguous and paged) against ``peer`` on the contiguous
+    cache, three figures each, with ratios (peer / flashcore: > 1 means flashcore is faster):
+
+    * GPU time with the L2 flushed (:func:`gpu_time`) of one step through the public
+      ``attention_with_kvcache`` (``cache_seqlens`` a CUDA int32 tensor);
+    * host loop (:func:`host_loop_us`): such steps back to back, one synchronisation at the
+      end;
+    * CUDA-graph replay (:func:`graph_replay_time`): one such step captured, replayed. A step
+      that cannot be captured shows n/a and the reason is printed once.
+
+    The peer (SDPA) runs on the contiguous cache, timed the same three ways.
+
+    Returns the rows (microseconds; NaN where n/a)."""
+    import torch
+    nan = float("nan")
+    reasons: dict[str, str] = {}
+    out(f"# decode: 1 query token, {DECODE_HEADS} q heads / {DECODE_HEADS_K} kv heads, "
+        f"d{DECODE_HEADDIM}, bf16, full caches, cache_seqlens a CUDA int32 tensor; paged: pages "
+        f"of {page_size}; {peer} on the contiguous cache; GPU {torch.cuda.get_device_name()}")
+    out("# microseconds per step; ratio = peer / flashcore (> 1: flashcore faster)")
+    head = (f"{'batch':>5s} {'cache':>6s} {'layout':10s} | {'GPU time, L2 flushed':^26s} | "
+            f"{'host loop':^26s} | {'CUDA graph replay':^26s}")
+    out(head)
+    out(f"{'':>5s} {'':>6s} {'':10s} |" + f" {'flashcore':>9s} {'peer':>8s} {'ratio':>6s} |" * 3)
+    rows = []
+    for b in batches:
+        for s in caches:
+            peer_us = None
+            for layout in ("contiguous", "paged"):
+                impl = "flashcore" if layout == "contiguous" else "flashcore_paged"
+                pb = DecodeProblem(b, s, seed=b * 100003 + s,
+                                   page_size=page_size if layout == "paged" else None)
+                row = {"batch": b, "cache": s, "layout": layout}
+                row["flashcore_gpu_us"] = gpu_time(pb.api) * 1e6
+                row["flashcore_host_us"] = host_loop_us(pb.api)
+                if layout == "contiguous":
+                    peer_us = {}
+                    with sdpa_pinned(peer):
+                        peer_us["gpu"] = gpu_time(pb.sdpa_unpinned) * 1e6
+                        peer_us["host"] = host_loop_us(pb.sdpa_unpinned)
+                    try:
+                        peer_us["graph"] = graph_replay_time(decode_graph(peer, pb)) * 1e6
+                    except NotImplementedError as exc:
+                        peer_us["graph"] = nan
+                        reasons.setdefault(peer, str(exc))
+                if impl in reasons:
+                    row["flashcore_graph_us"] = nan
+                else:
+                    try:
+                        row["flashcore_graph_us"] = graph_replay_time(decode_graph(impl, pb)) * 1e6
+                    except NotImplementedError as exc:
+                        row["flashcore_graph_us"] = nan
+                        reasons[impl] = str(exc)
+                cells = []
+                for fig in ("gpu", "host", "graph"):
+                    mine, theirs = row[f"flashcore_{fig}_us"], peer_us[fig]
+                    row[f"{peer}_{fig}_us"] = theirs
+                    cells.append(f" {_us(mine):>9s} {_us(theirs):>8s} {_ratio(theirs, mine):>6s} |")
+                out(f"{b:5d} {s:6d} {layout:10s} |" + "".join(cells))
+                sys.stdout.flush()
+                rows.append(row)
+                del pb
+                torch.cuda.empty_cache()
+    for why in reasons.values():
+        out(f"# n/a: {why}")
+    return rows
+
+
+def _us(x):
+    return "n/a" if x is None or math.isnan(x) else f"{x:.1f}"
+
+
+def _ratio(theirs, mine):
+    if any(x is None or math.isnan(x) for x in (theirs, mine)) or not mine:
+        return "n/a"
+    return f"{theirs / mine:.2f}x"
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m flashcore.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m flashcore.bench",
+                                description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("--seqlen", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     p.add_argument("--headdim", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
@@ -325,19 +786,31 @@ def main(argv=None):
                         "kernels everywhere), or the Hopper forward v0 / v1 explicitly")
     p.add_argument("--overhead", action="store_true",
                    help="only measure the per-call host overhead (CuPy direct vs through torch)")
+    p.add_argument("--decode", action="store_true",
+                   help="only the decode table: flashcore.attention_with_kvcache (contiguous "
+                        "and paged) against SDPA's cuDNN backend, GPU time with the L2 flushed, "
+                        "host loop and CUDA-graph replay, with ratios")
+    p.add_argument("--batch", type=int, nargs="+", default=list(DECODE_BATCHES),
+                   help="--decode: batch sizes (default 1 8 64)")
+    p.add_argument("--cache", type=int, nargs="+", default=list(DECODE_CACHES),
+                   help="--decode: cache lengths (default 4096 16384 131072)")
     a = p.parse_args(argv)
+    why = why_no_gpu()
+    if why:
+        print(f"python -m flashcore.bench: needs a CUDA GPU with CuPy and PyTorch: {why}",
+              file=sys.stderr)
+        return 2
     if a.family != "default":
         from .kernels import backward, forward
         forward.set_sm90(a.family != "ampere", pipelined=a.family == "v1")
         backward.set_sm90(a.family != "ampere")
     if a.overhead:
-        r = overhead()
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(r, f, indent=1)
-        return 0
-    causals = {"both": [False, True], "yes": [True], "no": [False]}[a.causal]
-    rows = run(a.seqlen, a.headdim, causals, a.mode, a.dtype, impls=tuple(a.impl))
+        rows = overhead()
+    elif a.decode:
+        rows = decode(a.batch, a.cache)
+    else:
+        causals = {"both": [False, True], "yes": [True], "no": [False]}[a.causal]
+        rows = run(a.seqlen, a.headdim, causals, a.mode, a.dtype, impls=tuple(a.impl))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -474,21 +474,6 @@ def test_cupy_backend_on_numpy_arrays_is_refused_with_reasons():
         kvcall(backend="cupy")
 
 
-def test_cupy_backend_reason_when_decode_kernels_are_missing(monkeypatch):
-    """Until flashcore/kernels/decode.py exists, the CuPy backend says so instead of crashing."""
-    from flashcore.backends import cupy_backend
-    from flashcore.spec import kvcache_spec
-    if importlib.util.find_spec("flashcore.kernels.decode") is not None:
-        pytest.skip("the decode kernels' launcher exists")
-    cupy_backend._decode_kernels_reason.cache_clear()
-    monkeypatch.setattr(cupy_backend, "_probe", lambda: None)   # pretend a GPU is there
-    spec = kvcache_spec(BASE["q"], BASE["k_cache"], BASE["v_cache"],
-                        cache_seqlens=BASE["cache_seqlens"])
-    reasons = cupy_backend.CupyBackend().kvcache_not_supported_reasons(spec)
-    assert any(r.startswith("decode kernels not available: ModuleNotFoundError") for r in reasons), reasons
-    cupy_backend._decode_kernels_reason.cache_clear()
-
-
 # --------------------------------------------------------------------------------------------
 # flash-attn compatible function
 # --------------------------------------------------------------------------------------------

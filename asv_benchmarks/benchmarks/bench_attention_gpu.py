@@ -7,8 +7,8 @@ so each commit's results carry the peers of that run, and ``TimeRatio`` measures
 a peer in one process.
 """
 from .common import (
-    BACKENDS, CAUSAL, GPU_BACKENDS, HEADDIMS, PEERS, SEQLENS, Attention, CudaTimer, flops,
-    require_gpu_backend, shape_for, torch, cupy,
+    BACKENDS, CAUSAL, GPU_BACKENDS, HEADDIMS, PEERS, SEQLENS, Attention, flops, host_loop_us,
+    median_ms, require_gpu_backend, sdpa_pinned, shape_for, tiny_calls, torch, cupy,
 )
 
 
@@ -60,8 +60,8 @@ class Ratio:
         self.peer = Attention(peer, *shape, causal)
 
     def track_ratio(self, peer, which, *params):
-        fc = CudaTimer("cupy").median_ms(getattr(self.flashcore, which))
-        other = CudaTimer("torch").median_ms(getattr(self.peer, which))
+        fc = median_ms("cupy", getattr(self.flashcore, which))
+        other = median_ms("torch", getattr(self.peer, which))
         return other / fc
 
 
@@ -122,6 +122,46 @@ class PeakMemory:
         return self._peak(self.attn.backward)
 
 
+class TrainStepWallClock:
+    """Host wall-clock per step of the tiny training step (1 x 128 x 2 x 64 bf16, causal), in
+    microseconds: a loop of steps back to back ended by one synchronisation (launch-bound:
+    what the host pays per call). flashcore through ``flashcore.attention`` on torch tensors,
+    the peers through torch SDPA pinned to their kernel (pinned once, outside the loop);
+    'forward' runs under ``torch.no_grad()``, 'forward_backward' through autograd
+    (``torch.autograd.grad``). flashcore.bench.tiny_calls defines the steps."""
+
+    params = [["flashcore"] + PEERS, ["forward", "forward_backward"]]
+    param_names = ["impl", "pass"]
+    unit = "us"
+    timeout = 180       # the first call may compile kernels
+    rounds = 1          # see Throughput: the figure is already the best of several loops
+
+    def setup(self, impl, which):
+        require_gpu_backend("torch" if impl == "flashcore" else impl)
+        calls, _ = tiny_calls(peers=() if impl == "flashcore" else (impl,))
+        name = "torch" if impl == "flashcore" else impl
+        self.step = calls[f"{name}_{'fwd' if which == 'forward' else 'fwdbwd'}"]
+        self.peer = None if impl == "flashcore" else impl
+        with sdpa_pinned(self.peer):
+            _first_call(impl, self.step)
+
+    def track_step_us(self, *params):
+        with sdpa_pinned(self.peer):
+            return host_loop_us(self.step)
+
+
+def _first_call(impl, step):
+    """Call ``step`` once (compiling what it needs outside the timing); a peer that cannot take
+    the shape ("No available kernel") is skipped with the reason."""
+    try:
+        step()
+    except RuntimeError as e:
+        if impl == "flashcore":
+            raise
+        raise NotImplementedError(f"{impl} cannot run this shape here: "
+                                  f"{str(e).splitlines()[0]}") from None
+
+
 def _PeakHook():
     """A CuPy memory hook that follows the bytes allocated from the pool while it is active."""
     from cupy.cuda.memory_hook import MemoryHook
@@ -144,4 +184,4 @@ def _PeakHook():
 
 # the GPU backends listed for readers of this module; the parameters above use BACKENDS so
 # that the NumPy backend shows up as "skipped on the GPU" rather than disappearing
-__all__ = ["Throughput", "Ratio", "PeakMemory", "GPU_BACKENDS"]
+__all__ = ["Throughput", "Ratio", "PeakMemory", "TrainStepWallClock", "GPU_BACKENDS"]

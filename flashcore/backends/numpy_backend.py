@@ -10,9 +10,13 @@ Two paths compute the same function:
   instead of the probabilities, and a backward that recomputes the probabilities block by block
   from the LSE. Blocks that the causal mask or the window hide entirely are skipped.
 
-Arrays are handled in (batch, heads, seq, dim) order internally (views of the
-(batch, seq, heads, dim) inputs). float16/bfloat16/float32 inputs are computed in float32,
-float64 in float64. Varlen batches are processed one sequence at a time.
+The tiled path copies its inputs once into (batch, kv heads, group, seq, dim) order (the query
+heads that share a key head side by side: GQA without repeating K and V) and works on one
+sequence at a time with all its heads at once, in tiles of 256 x 256: each step is one batched
+NumPy operation and each product a BLAS-sized matrix multiply. float16/bfloat16/float32 inputs
+are computed in float32, float64 in float64. Varlen batches are processed one sequence at a
+time. The oracle and the helpers every backend shares (``naive_*``, ``round_to_dtype``,
+``apply_rotary``) live in :mod:`flashcore.reference` and are re-exported here.
 
 Decoding with a KV cache (``kvcache_forward``) is the same computation after two plain steps:
 the new keys and values (rotated, with rotary) are written into the cache in place, then the
@@ -23,7 +27,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..spec import AttentionSpec
+from ..reference import (  # noqa: F401  (re-exported: tests and the CuPy backend import them here)
+    _bhsd, _expand_kv, _safe, _Scores, _slopes_for, apply_rotary, naive_backward,
+    naive_forward, round_to_dtype)
 from .base import Backend, register
 
 __all__ = [
@@ -34,276 +40,121 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------------------------
-# Helpers shared by both paths: the score of a (query block, key block) pair
-# --------------------------------------------------------------------------------------------
-
-def round_to_dtype(x: np.ndarray, dtype: str | None) -> np.ndarray:
-    """Round float32 values to float16 / bfloat16 precision (returned as float32).
-
-    Used to emulate a computation carried out in the low precision (the second reference of
-    the flash-attn correctness rule). bfloat16 is rounded to nearest-even on the bit pattern.
-    """
-    if dtype is None or dtype in ("float32", "float64"):
-        return x
-    x = np.asarray(x, dtype=np.float32)
-    if dtype == "float16":
-        with np.errstate(over="ignore"):
-            return x.astype(np.float16).astype(np.float32)
-    if dtype == "bfloat16":
-        b = x.view(np.uint32).astype(np.uint64)
-        rounded = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-        out = rounded.astype(np.uint32).view(np.float32)
-        return np.where(np.isnan(x), x, out)
-    raise ValueError(f"cannot round to {dtype}")
-
-
-class _Scores:
-    """Everything needed to turn Q·Kᵀ of one sequence into the final, masked scores."""
-
-    def __init__(self, spec: AttentionSpec, sq: int, sk: int, slopes: np.ndarray | None):
-        self.scale = spec.softmax_scale
-        self.softcap = spec.softcap
-        self.wl, self.wr = spec.window_left, spec.window_right
-        self.sq, self.sk = sq, sk
-        self.offset = sk - sq                # bottom-right alignment of the mask
-        self.slopes = slopes                 # (b, h) or None
-
-    def visible(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-        """(len(rows), len(cols)) boolean: query row i may see key column j."""
-        i = rows[:, None] + self.offset
-        j = cols[None, :]
-        ok = np.ones((rows.size, cols.size), dtype=bool)
-        if self.wl >= 0:
-            ok &= j >= i - self.wl
-        if self.wr >= 0:
-            ok &= j <= i + self.wr
-        return ok
-
-    def block_visible(self, r0, r1, c0, c1) -> bool:
-        """Whether any (row, col) in [r0, r1) x [c0, c1) is visible: used to skip blocks."""
-        if r1 <= r0 or c1 <= c0:
-            return False
-        if self.wr >= 0 and c0 > (r1 - 1) + self.offset + self.wr:
-            return False
-        if self.wl >= 0 and c1 - 1 < r0 + self.offset - self.wl:
-            return False
-        return True
-
-    def __call__(self, s_raw, rows, cols):
-        """Raw Q·Kᵀ (b, h, r, c) -> (final scores with -inf where masked, tanh term or None)."""
-        s = s_raw * self.scale
-        t = None
-        if self.softcap:
-            t = np.tanh(s / self.softcap)
-            s = self.softcap * t
-        if self.slopes is not None:
-            dist = np.abs(rows[:, None] + self.offset - cols[None, :]).astype(s.dtype)
-            s = s - self.slopes[:, :, None, None].astype(s.dtype) * dist
-        s = np.where(self.visible(rows, cols), s, -np.inf)
-        return s, t
-
-
-def _bhsd(x):   # (b, s, h, d) -> (b, h, s, d) view
-    return x.transpose(0, 2, 1, 3)
-
-
-def _expand_kv(x, group):   # (b, hk, s, d) -> (b, h, s, d), query head i uses key head i // group
-    return np.repeat(x, group, axis=1) if group > 1 else x
-
-
-def _sum_groups(x, group):  # (b, h, s, d) -> (b, hk, s, d), summing the heads that share a key head
-    if group == 1:
-        return x
-    b, h, s, d = x.shape
-    return x.reshape(b, h // group, group, s, d).sum(axis=2)
-
-
-def _slopes_for(spec, alibi_slopes, batch_index=None, batch=None):
-    if alibi_slopes is None:
-        return None
-    a = np.asarray(alibi_slopes, dtype=np.float64)
-    if a.ndim == 1:
-        a = np.broadcast_to(a[None, :], (batch if batch_index is None else 1, a.shape[0]))
-    elif batch_index is not None:
-        a = a[batch_index:batch_index + 1]
-    return a
-
-
-def _safe(m):
-    """The running max as used in an exponent: a row that has seen only -inf uses 0, so that
-    exp(-inf - 0) = 0 instead of exp(-inf - (-inf)) = NaN. The stored max stays -inf."""
-    return np.where(np.isneginf(m), 0.0, m)
-
-
-# --------------------------------------------------------------------------------------------
-# The oracle: full score matrix
-# --------------------------------------------------------------------------------------------
-
-def _naive_probs(spec, q, k, v, slopes, r):
-    """The whole probability matrix of dense (b, s, h, d) inputs, in (b, h, ...) order.
-
-    Returns (qh, kh, vh, p, t, m, l): kh/vh expanded to the query heads, the tanh term of the
-    softcap (or None), the row max and the row sum of exp(s - max). A row with no visible key
-    has l = 0 and p = 0; a NaN score gives a NaN row (it is not "nothing visible")."""
-    ct = np.float64 if q.dtype == np.float64 else np.float32
-    qh = _bhsd(q).astype(ct)
-    kh = _expand_kv(_bhsd(k).astype(ct), spec.group_size)
-    vh = _expand_kv(_bhsd(v).astype(ct), spec.group_size)
-    sq, sk = qh.shape[2], kh.shape[2]
-    sc = _Scores(spec, sq, sk, slopes)
-    s, t = sc(r(qh @ kh.swapaxes(-1, -2)), np.arange(sq), np.arange(sk))
-    m = s.max(axis=-1, keepdims=True) if sk else np.full(s.shape[:-1] + (1,), -np.inf, ct)
-    p = np.exp(s - _safe(m))
-    l = p.sum(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        p = r(np.where(l != 0, p / np.where(l != 0, l, 1), 0.0))
-    return qh, kh, vh, p, t, m, l
-
-
-def _rounder(round_to):
-    return (lambda x: round_to_dtype(x, round_to)) if round_to else (lambda x: x)
-
-
-def naive_forward(spec, q, k, v, slopes=None, round_to=None):
-    """Dense (b, s, h, d) inputs of one sequence length. Returns (out (b,sq,h,d), lse (b,h,sq)).
-
-    ``round_to`` ('float16'/'bfloat16') rounds every intermediate like a low-precision
-    computation would (scores after Q·Kᵀ, probabilities, output).
-    """
-    r = _rounder(round_to)
-    _, _, vh, p, _, m, l = _naive_probs(spec, q, k, v, slopes, r)
-    out = r(p @ vh)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        lse = np.where(l != 0, m + np.log(np.where(l != 0, l, 1)), -np.inf)[..., 0]
-    return out.transpose(0, 2, 1, 3), lse
-
-
-def naive_backward(spec, dout, q, k, v, slopes=None, round_to=None):
-    """The textbook gradient, recomputed from q, k, v alone. Returns (dq, dk, dv)."""
-    r = _rounder(round_to)
-    g = spec.group_size
-    qh, kh, vh, p, t, _, _ = _naive_probs(spec, q, k, v, slopes, r)
-    doh = _bhsd(dout).astype(qh.dtype)
-    dv = p.swapaxes(-1, -2) @ doh
-    dp = r(doh @ vh.swapaxes(-1, -2))
-    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))   # softmax Jacobian
-    if t is not None:
-        ds = ds * (1.0 - t * t)                              # d softcap·tanh(x/softcap) / dx
-    ds = r(ds * spec.softmax_scale)
-    dq = ds @ kh
-    dk = ds.swapaxes(-1, -2) @ qh
-    return (dq.transpose(0, 2, 1, 3), _sum_groups(dk, g).transpose(0, 2, 1, 3),
-            _sum_groups(dv, g).transpose(0, 2, 1, 3))
-
-
-# --------------------------------------------------------------------------------------------
 # The FlashAttention algorithm, tile by tile
 # --------------------------------------------------------------------------------------------
 
-def tiled_forward(spec, q, k, v, slopes=None, block_q=64, block_k=64):
-    """FlashAttention forward on dense (b, s, h, d) inputs. Returns (out, lse)."""
-    ct = np.float64 if q.dtype == np.float64 else np.float32
-    g = spec.group_size
-    qh = _bhsd(q).astype(ct)
-    kh = _bhsd(k).astype(ct)
-    vh = _bhsd(v).astype(ct)
-    b, h, sq, d = qh.shape
-    sk = kh.shape[2]
-    sc = _Scores(spec, sq, sk, slopes)
-    out = np.zeros((b, h, sq, d), ct)
-    lse = np.full((b, h, sq), -np.inf, ct)
-    for r0 in range(0, sq, block_q):
-        r1 = min(r0 + block_q, sq)
-        rows = np.arange(r0, r1)
-        qi = qh[:, :, r0:r1]
-        m = np.full((b, h, r1 - r0, 1), -np.inf, ct)     # running max of the scores
-        l = np.zeros((b, h, r1 - r0, 1), ct)             # running sum of exp(score - m)
-        acc = np.zeros((b, h, r1 - r0, d), ct)           # running, unnormalised output
-        for c0 in range(0, sk, block_k):
-            c1 = min(c0 + block_k, sk)
-            if not sc.block_visible(r0, r1, c0, c1):
-                continue                                 # hidden by the mask: skip, don't mask
-            kj = _expand_kv(kh[:, :, c0:c1], g)
-            vj = _expand_kv(vh[:, :, c0:c1], g)
-            s, _ = sc(qi @ kj.swapaxes(-1, -2), rows, np.arange(c0, c1))
-            m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
-            p = np.exp(s - _safe(m_new))
-            alpha = np.exp(m - _safe(m_new))             # rescales what was summed so far
-            l = alpha * l + p.sum(axis=-1, keepdims=True)
-            acc = alpha * acc + p @ vj
-            m = m_new
-        seen = l != 0   # NaN scores give NaN, not "saw nothing"
-        with np.errstate(divide="ignore", invalid="ignore"):
-            out[:, :, r0:r1] = np.where(seen, acc / np.where(seen, l, 1), 0.0)
-            lse[:, :, r0:r1] = np.where(seen, m + np.log(np.where(seen, l, 1)), -np.inf)[..., 0]
-    return out.transpose(0, 2, 1, 3), lse
+#: Tile sizes of the NumPy path: large enough that each product is a BLAS-sized matrix
+#: multiply (a 64 x 64 tile spent most of its time in NumPy's per-call overhead), small enough
+#: that a tile of scores for all heads of a sequence stays a few MB.
+BLOCK_Q = BLOCK_K = 256
 
 
-def tiled_backward(spec, dout, q, k, v, out, lse, slopes=None, block_q=64, block_k=64):
-    """FlashAttention backward: P recomputed per block from the LSE. Returns (dq, dk, dv)."""
+def _grouped(x, nheads_k, ct):
+    """(b, s, h, d) -> (b, nheads_k, group, s, d), contiguous, in the compute type ``ct``.
+
+    Query head i = kv head i // group, position i % group: the heads that share a key head sit
+    side by side, so one key block serves the whole group through broadcasting (never copied
+    per query head). For k and v (h = nheads_k) the group axis has length 1."""
+    b, s, h, d = x.shape
+    heads = np.ascontiguousarray(_bhsd(x), dtype=ct)          # (b, h, s, d)
+    return heads.reshape(b, nheads_k, h // nheads_k, s, d)
+
+
+def _ungrouped(x):   # (b, hk, group, s, ...) -> (b, h, s, ...)
+    return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+
+
+def tiled_forward(spec, q, k, v, slopes=None, block_q=BLOCK_Q, block_k=BLOCK_K):
+    """FlashAttention forward on dense (b, s, h, d) inputs. Returns (out, lse).
+
+    One sequence at a time, all its heads at once: every step below is one batched operation
+    over (nheads_k, group) of (block_q, block_k) score tiles."""
     ct = np.float64 if q.dtype == np.float64 else np.float32
-    g = spec.group_size
-    qh, kh, vh = _bhsd(q).astype(ct), _bhsd(k).astype(ct), _bhsd(v).astype(ct)
-    doh, oh = _bhsd(dout).astype(ct), _bhsd(out).astype(ct)
-    lse = np.asarray(lse, ct)
-    b, h, sq, d = qh.shape
-    sk = kh.shape[2]
-    sc = _Scores(spec, sq, sk, slopes)
-    D = (doh * oh).sum(axis=-1)                          # rowsum(dO ∘ O) = rowsum(P ∘ dP)
-    lse_safe = np.where(np.isneginf(lse), np.inf, lse)   # fully masked row: P = exp(-inf) = 0
-    dq = np.zeros((b, h, sq, d), ct)
-    dk = np.zeros((b, h, sk, d), ct)
-    dv = np.zeros((b, h, sk, d), ct)
-    for c0 in range(0, sk, block_k):                     # one key block: dK_j, dV_j stay "on chip"
-        c1 = min(c0 + block_k, sk)
-        cols = np.arange(c0, c1)
-        kj = _expand_kv(kh[:, :, c0:c1], g)
-        vj = _expand_kv(vh[:, :, c0:c1], g)
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    qg = _grouped(q, hk, ct)              # (b, hk, g, sq, d)
+    kg = _grouped(k, hk, ct)              # (b, hk, 1, sk, d)
+    vg = _grouped(v, hk, ct)
+    out = np.zeros((b, hk, g, sq, d), ct)
+    lse = np.full((b, hk, g, sq), -np.inf, ct)
+    for z in range(b):
+        sc = _Scores(spec, sq, sk, None if slopes is None else slopes[z].reshape(hk, g))
         for r0 in range(0, sq, block_q):
             r1 = min(r0 + block_q, sq)
-            if not sc.block_visible(r0, r1, c0, c1):
-                continue
             rows = np.arange(r0, r1)
-            qi, doi = qh[:, :, r0:r1], doh[:, :, r0:r1]
-            s, t = sc(qi @ kj.swapaxes(-1, -2), rows, cols)
-            p = np.exp(s - lse_safe[:, :, r0:r1, None])
-            dv[:, :, c0:c1] += p.swapaxes(-1, -2) @ doi
-            dp = doi @ vj.swapaxes(-1, -2)
-            ds = p * (dp - D[:, :, r0:r1, None])
-            if t is not None:
-                ds = ds * (1.0 - t * t)
-            ds = ds * spec.softmax_scale
-            dk[:, :, c0:c1] += ds.swapaxes(-1, -2) @ qi
-            dq[:, :, r0:r1] += ds @ kj
-    return (dq.transpose(0, 2, 1, 3), _sum_groups(dk, g).transpose(0, 2, 1, 3),
-            _sum_groups(dv, g).transpose(0, 2, 1, 3))
+            qi = qg[z, :, :, r0:r1]                          # (hk, g, rows, d)
+            m = np.full((hk, g, r1 - r0, 1), -np.inf, ct)   # running max of the scores
+            l = np.zeros((hk, g, r1 - r0, 1), ct)           # running sum of exp(score - m)
+            acc = np.zeros((hk, g, r1 - r0, d), ct)         # running, unnormalised output
+            for c0 in range(0, sk, block_k):
+                c1 = min(c0 + block_k, sk)
+                if not sc.block_visible(r0, r1, c0, c1):
+                    continue                                 # hidden by the mask: skip, don't mask
+                kj, vj = kg[z, :, :, c0:c1], vg[z, :, :, c0:c1]
+                s, _ = sc(qi @ kj.swapaxes(-1, -2), rows, np.arange(c0, c1))
+                m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
+                m_safe = _safe(m_new)
+                p = np.exp(np.subtract(s, m_safe, out=s), out=s)
+                alpha = np.exp(m - m_safe)                   # rescales what was summed so far
+                l = alpha * l + p.sum(axis=-1, keepdims=True)
+                acc *= alpha
+                acc += p @ vj
+                m = m_new
+            seen = l != 0   # NaN scores give NaN, not "saw nothing"
+            with np.errstate(divide="ignore", invalid="ignore"):
+                out[z, :, :, r0:r1] = np.where(seen, acc / np.where(seen, l, 1), 0.0)
+                lse[z, :, :, r0:r1] = np.where(seen, m + np.log(np.where(seen, l, 1)),
+                                               -np.inf)[..., 0]
+    return _ungrouped(out).transpose(0, 2, 1, 3), _ungrouped(lse)
+
+
+def tiled_backward(spec, dout, q, k, v, out, lse, slopes=None, block_q=BLOCK_Q, block_k=BLOCK_K):
+    """FlashAttention backward: P recomputed per block from the LSE. Returns (dq, dk, dv).
+
+    Layout as in :func:`tiled_forward`. dK and dV of a key block sum over the query heads of
+    its group inside the matrix product: the group and row axes of P (and dS) merge into one."""
+    ct = np.float64 if q.dtype == np.float64 else np.float32
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    qg, dog, og = (_grouped(x, hk, ct) for x in (q, dout, out))       # (b, hk, g, sq, d)
+    kg, vg = _grouped(k, hk, ct), _grouped(v, hk, ct)                # (b, hk, 1, sk, d)
+    lse = np.asarray(lse, ct).reshape(b, hk, g, sq)
+    D = (dog * og).sum(axis=-1)                          # rowsum(dO ∘ O) = rowsum(P ∘ dP)
+    lse_safe = np.where(np.isneginf(lse), np.inf, lse)   # fully masked row: P = exp(-inf) = 0
+    dq = np.zeros((b, hk, g, sq, d), ct)
+    dk = np.zeros((b, hk, sk, d), ct)
+    dv = np.zeros((b, hk, sk, d), ct)
+    for z in range(b):
+        sc = _Scores(spec, sq, sk, None if slopes is None else slopes[z].reshape(hk, g))
+        for c0 in range(0, sk, block_k):                 # one key block: dK_j, dV_j stay "on chip"
+            c1 = min(c0 + block_k, sk)
+            cols = np.arange(c0, c1)
+            kj, vj = kg[z, :, :, c0:c1], vg[z, :, :, c0:c1]          # (hk, 1, cols, d)
+            for r0 in range(0, sq, block_q):
+                r1 = min(r0 + block_q, sq)
+                if not sc.block_visible(r0, r1, c0, c1):
+                    continue
+                n = g * (r1 - r0)                        # rows of the group, merged
+                qi, doi = qg[z, :, :, r0:r1], dog[z, :, :, r0:r1]    # (hk, g, rows, d)
+                s, t = sc(qi @ kj.swapaxes(-1, -2), np.arange(r0, r1), cols)
+                p = np.exp(np.subtract(s, lse_safe[z, :, :, r0:r1, None], out=s), out=s)
+                dv[z, :, c0:c1] += p.reshape(hk, n, -1).swapaxes(-1, -2) @ doi.reshape(hk, n, d)
+                dp = doi @ vj.swapaxes(-1, -2)
+                ds = p * (dp - D[z, :, :, r0:r1, None])
+                if t is not None:
+                    ds *= 1.0 - t * t
+                ds *= spec.softmax_scale
+                dk[z, :, c0:c1] += ds.reshape(hk, n, -1).swapaxes(-1, -2) @ qi.reshape(hk, n, d)
+                dq[z, :, :, r0:r1] += ds @ kj
+    return (_ungrouped(dq).transpose(0, 2, 1, 3), dk.transpose(0, 2, 1, 3),
+            dv.transpose(0, 2, 1, 3))
 
 
 # --------------------------------------------------------------------------------------------
 # Decoding with a KV cache: append (rotary) in place, gather, attend
 # --------------------------------------------------------------------------------------------
-
-def apply_rotary(x, cos, sin, positions, interleaved, xp=np):
-    """Rotary embedding of ``x`` (b, s, h, d) at integer ``positions`` (b, s).
-
-    ``cos``/``sin`` are ``(seqlen_ro, rotary_dim / 2)``; the first ``rotary_dim`` channels
-    rotate, the rest pass through. ``interleaved``: channel pairs (0, 1), (2, 3), ... (GPT-J);
-    otherwise (i, i + rotary_dim/2) (GPT-NeoX). Computed in float32 (float64 for float64) and
-    returned in x's dtype. ``xp`` is the array namespace (numpy or cupy).
-    """
-    ct = xp.float64 if x.dtype == xp.float64 else xp.float32
-    r = 2 * cos.shape[1]
-    c = cos[positions].astype(ct)[:, :, None, :]        # (b, s, 1, r/2)
-    sn = sin[positions].astype(ct)[:, :, None, :]
-    xr = x[..., :r].astype(ct)
-    if interleaved:
-        x1, x2 = xr[..., 0::2], xr[..., 1::2]
-        rot = xp.stack([x1 * c - x2 * sn, x1 * sn + x2 * c], axis=-1).reshape(xr.shape)
-    else:
-        x1, x2 = xr[..., :r // 2], xr[..., r // 2:]
-        rot = xp.concatenate([x1 * c - x2 * sn, x2 * c + x1 * sn], axis=-1)
-    return xp.concatenate([rot.astype(x.dtype), x[..., r:]], axis=-1)
-
 
 def _cache_rows(spec, block_table, b, positions):
     """Where key positions of sequence b live: an index tuple into a cache array."""
@@ -427,7 +278,7 @@ class NumpyBackend(Backend):
     dtypes = ("float16", "bfloat16", "float32", "float64")
     supports_kvcache = True
 
-    def __init__(self, path: str = "tiled", block_q: int = 64, block_k: int = 64):
+    def __init__(self, path: str = "tiled", block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
         self.path, self.block_q, self.block_k = path, block_q, block_k
 
     def info(self):

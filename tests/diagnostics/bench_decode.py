@@ -7,7 +7,7 @@ buffer of that size, or a 16-byte-load read kernel at a few grid sizes). flashco
 At batch 1 and 8 the split-KV merge is also timed both ways: fused into the decode kernel (the
 default, one launch) and with the separate combine kernel (FLASHCORE_DECODE_FUSED_COMBINE=0).
 
-    python tests/gpu/bench_decode.py
+    python tests/diagnostics/bench_decode.py
 """
 from __future__ import annotations
 

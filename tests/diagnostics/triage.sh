@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # One device call (under 10 minutes on the H200) that checks and measures work written since
 # the last GPU run: the GPU test suite (Hopper kernels included), a fault locator for the
-# Hopper forward, the torch per-call cost breakdown, the benchmark with and without the Hopper
+# Hopper forward, the torch per-call cost, the benchmark with and without the Hopper
 # kernels (same run, peers included), and decoding. $OUT receives two files (the device tool
 # returns at most 8): summary.txt, appended after every step (so a time limit loses only the
 # step in flight), and logs.tgz with every log at the end.
 # Two device calls (each under 10 minutes):
-#     STEPS="tests probe" bash tests/gpu/triage.sh       (the default)
-#     STEPS="overhead bench decode" bash tests/gpu/triage.sh
-# Other steps: sanitize (tests/gpu/sanitize.sh), profile (cProfile of the per-call host path).
+#     STEPS="tests probe" bash tests/diagnostics/triage.sh       (the default)
+#     STEPS="overhead bench decode" bash tests/diagnostics/triage.sh
+# Other steps: sanitize (tests/diagnostics/sanitize.sh), profile (cProfile of the per-call host path).
 set -uo pipefail
 final=${OUT:-triage-out}
 out=$(mktemp -d)
@@ -28,12 +28,12 @@ for step in $steps; do
     note "tests"; grep -E "SUMMARY|FAILED|ERROR" "$out/tests.txt" | tail -25 >> "$sum"
     ;;
   probe)
-    timeout 200 python3 tests/gpu/probe_sm90.py > "$out/probe_sm90.txt" 2>&1
+    timeout 200 python3 tests/diagnostics/probe_sm90.py > "$out/probe_sm90.txt" 2>&1
     note "probe_sm90"; tail -16 "$out/probe_sm90.txt" >> "$sum"
     ;;
   overhead)
-    timeout 60 python3 tests/gpu/overhead_breakdown.py 500 > "$out/overhead.txt" 2>&1
-    note "overhead breakdown"; tail -16 "$out/overhead.txt" >> "$sum"
+    timeout 60 python3 -m flashcore.bench --overhead > "$out/overhead.txt" 2>&1
+    note "overhead"; tail -16 "$out/overhead.txt" >> "$sum"
     ;;
   bench)
     for variant in ${BENCH_FAMILIES:-ampere v0 v1}; do
@@ -45,15 +45,15 @@ for step in $steps; do
     done
     ;;
   sanitize)
-    OUT="$out/sanitize" timeout ${SANITIZE_TIMEOUT:-240} bash tests/gpu/sanitize.sh > "$out/sanitize.txt" 2>&1
+    OUT="$out/sanitize" timeout ${SANITIZE_TIMEOUT:-240} bash tests/diagnostics/sanitize.sh > "$out/sanitize.txt" 2>&1
     note "sanitize (rc $?)"; tail -6 "$out/sanitize.txt" >> "$sum"
     ;;
   profile)
-    timeout 90 python3 tests/gpu/profile_overhead.py > "$out/profile.txt" 2>&1
+    timeout 90 python3 tests/diagnostics/profile_overhead.py > "$out/profile.txt" 2>&1
     note "profile_overhead"; head -70 "$out/profile.txt" >> "$sum"
     ;;
   decode)
-    timeout 90 python3 tests/gpu/bench_decode.py > "$out/decode.txt" 2>&1
+    timeout 90 python3 tests/diagnostics/bench_decode.py > "$out/decode.txt" 2>&1
     note "decode"; tail -12 "$out/decode.txt" >> "$sum"
     ;;
   esac

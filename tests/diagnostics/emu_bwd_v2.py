@@ -1,7 +1,7 @@
 """CPU model of flash_bwd_dkdv2_kernel's fragment dataflow (no GPU): swizzle, BwdLdsm lane
 addressing, ldmatrix(.trans) x4 and mma.m16n8k16 lane layouts, ported 1:1 from the CUDA source.
 P and dS are taken as S and dP (identity elementwise step) so the check is exact linear algebra:
-dV = (K Q^T) dO, dK = (V dO^T) Q, dQ = (V dO^T)^T K.   python3 tests/emu_bwd_v2.py"""
+dV = (K Q^T) dO, dK = (V dO^T) Q, dQ = (V dO^T)^T K.   python3 tests/diagnostics/emu_bwd_v2.py"""
 import itertools
 import numpy as np
 

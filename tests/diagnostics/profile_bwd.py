@@ -1,5 +1,5 @@
 """One forward + backward at the ANCHORS size for Nsight Compute (tests/gpu: profiling aid).
-    ncu --clock-control none -k regex:dkdv --launch-skip 2 --launch-count 1 python3 tests/gpu/profile_bwd.py 128 4096"""
+    ncu --clock-control none -k regex:dkdv --launch-skip 2 --launch-count 1 python3 tests/diagnostics/profile_bwd.py 128 4096"""
 import sys
 
 import cupy

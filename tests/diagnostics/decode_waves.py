@@ -4,9 +4,9 @@ counts (8 kv heads per sequence, one CTA per SM for the unsplit tile: batch 16.5
 132 SMs), flashcore unsplit and with 2 splits, cuDNN alongside; and batch 1 / 128k over split
 counts and merges. GPU time with the L2 flushed, as in bench_decode.py.
 
-    python tests/gpu/decode_waves.py            # the tables
-    python tests/gpu/decode_waves.py --configs  # unsplit tiles x batch (waves), 4k and 16k
-    python tests/gpu/decode_waves.py --ncu B S  # one flashcore step and one cuDNN step of
+    python tests/diagnostics/decode_waves.py            # the tables
+    python tests/diagnostics/decode_waves.py --configs  # unsplit tiles x batch (waves), 4k and 16k
+    python tests/diagnostics/decode_waves.py --ncu B S  # one flashcore step and one cuDNN step of
                                                 # batch B, cache S, between cudaProfilerStart/Stop
                                                 # (run under ncu --profile-from-start off)
 """

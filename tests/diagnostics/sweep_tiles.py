@@ -3,7 +3,7 @@
 For each candidate tile: compile (in parallel, filling CuPy's disk cache), check the result
 against the default tile on random data, report registers / local memory, and time it with
 triton's do_bench (median) at the ANCHORS sizes. Prints one line per variant and a best-of
-table.   python tests/gpu/sweep_tiles.py [--quick]
+table.   python tests/diagnostics/sweep_tiles.py [--quick]
 """
 import concurrent.futures as cf
 import itertools

@@ -10,9 +10,9 @@ Three parts, 32 query heads over 8 kv heads, headdim 128, bf16, one query token:
            per CTA) against the cost per block
   combine  the split merge's cost: fused, two kernels, the decode kernel alone
   --ncu    one call each of flashcore's decode and cuDNN's at batch 1, cache 4k (for
-           ``ncu --clock-control none ... python tests/gpu/decode_anatomy.py --ncu``)
+           ``ncu --clock-control none ... python tests/diagnostics/decode_anatomy.py --ncu``)
 
-    python tests/gpu/decode_anatomy.py [peers] [scaling] [--ncu]
+    python tests/diagnostics/decode_anatomy.py [peers] [scaling] [--ncu]
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ under each descriptor convention (default, and -DFC_WGMMA_MN_SWAP: LBO/SBO of th
 operands swapped, see cuda/wgmma.cuh); then the Hopper backward's gradients against the
 GPU-verified Ampere backward's on the same inputs (d128), under each convention.
 
-    python tests/gpu/probe_sm90.py
+    python tests/diagnostics/probe_sm90.py
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ Blocks wholly outside the window are skipped, so the time should follow the visi
 (about s*w keys) rather than s^2. Printed: milliseconds, the speed-up over full causal and
 over full (non-causal) attention, and the ideal speed-up by visible area.
 
-    python tests/gpu/bench_window.py
+    python tests/diagnostics/bench_window.py
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ caches 4k / 16k / 128k (32 q heads over 8 kv heads, d128, bf16, contiguous cache
 in bench_decode.py, with cuDNN's time on the same shape. Every variant's output is checked
 against the first variant's (the same math, so within bf16 rounding of it).
 
-    python tests/gpu/sweep_decode.py [--top K] [--batches 1,8,64] [--more-configs]
+    python tests/diagnostics/sweep_decode.py [--top K] [--batches 1,8,64] [--more-configs]
 """
 from __future__ import annotations
 

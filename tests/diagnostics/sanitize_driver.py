@@ -1,7 +1,7 @@
 """Runs a representative matrix of every kernel once, small sizes, for compute-sanitizer.
 
 Uses plain cudaMalloc per array (no memory pool), so an out-of-bounds access lands outside an
-allocation where memcheck sees it. Run through tests/gpu/sanitize.sh."""
+allocation where memcheck sees it. Run through tests/diagnostics/sanitize.sh."""
 
 import numpy as np
 import cupy as cp

@@ -1,0 +1,224 @@
+"""The textbook computation and the helpers every backend shares (NumPy only, no GPU).
+
+* ``naive_forward`` / ``naive_backward`` materialise the full score matrix: the oracle that
+  every other result (the tiled NumPy path, the CUDA kernels) is judged against.
+* ``round_to_dtype`` emulates a computation carried out in float16 / bfloat16 (the second
+  reference of the flash-attn correctness rule).
+* ``apply_rotary`` is the rotary embedding of the KV-cache path, written once for any array
+  namespace (``xp``: NumPy or CuPy).
+* ``_Scores`` turns a block of Q·Kᵀ into the final, masked scores: scale, softcap, ALiBi and
+  the causal / sliding-window mask, the conventions of docs/how-it-works.md in one place.
+
+The tiled FlashAttention algorithm itself is in :mod:`flashcore.backends.numpy_backend`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["naive_forward", "naive_backward", "round_to_dtype", "apply_rotary"]
+
+
+def round_to_dtype(x: np.ndarray, dtype: str | None) -> np.ndarray:
+    """Round float32 values to float16 / bfloat16 precision (returned as float32).
+
+    Used to emulate a computation carried out in the low precision (the second reference of
+    the flash-attn correctness rule). bfloat16 is rounded to nearest-even on the bit pattern.
+    """
+    if dtype is None or dtype in ("float32", "float64"):
+        return x
+    x = np.asarray(x, dtype=np.float32)
+    if dtype == "float16":
+        with np.errstate(over="ignore"):
+            return x.astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        b = x.view(np.uint32).astype(np.uint64)
+        rounded = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        out = rounded.astype(np.uint32).view(np.float32)
+        return np.where(np.isnan(x), x, out)
+    raise ValueError(f"cannot round to {dtype}")
+
+
+class _Scores:
+    """Everything needed to turn Q·Kᵀ of one sequence into the final, masked scores.
+
+    ``slopes`` (ALiBi) has the scores' leading (head) dimensions, the last two (rows, columns)
+    left out: (b, h) for scores (b, h, r, c), (b, hk, group) for grouped scores
+    (b, hk, group, r, c); None without ALiBi.
+    """
+
+    def __init__(self, spec, sq: int, sk: int, slopes: np.ndarray | None):
+        self.scale = spec.softmax_scale
+        self.softcap = spec.softcap
+        self.wl, self.wr = spec.window_left, spec.window_right
+        self.sq, self.sk = sq, sk
+        self.offset = sk - sq                # bottom-right alignment of the mask
+        self.slopes = slopes
+
+    def visible(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """(len(rows), len(cols)) boolean: query row i may see key column j."""
+        i = rows[:, None] + self.offset
+        j = cols[None, :]
+        ok = np.ones((rows.size, cols.size), dtype=bool)
+        if self.wl >= 0:
+            ok &= j >= i - self.wl
+        if self.wr >= 0:
+            ok &= j <= i + self.wr
+        return ok
+
+    def block_visible(self, r0, r1, c0, c1) -> bool:
+        """Whether any (row, col) in [r0, r1) x [c0, c1) is visible: used to skip blocks."""
+        if r1 <= r0 or c1 <= c0:
+            return False
+        if self.wr >= 0 and c0 > (r1 - 1) + self.offset + self.wr:
+            return False
+        if self.wl >= 0 and c1 - 1 < r0 + self.offset - self.wl:
+            return False
+        return True
+
+    def block_all_visible(self, r0, r1, c0, c1) -> bool:
+        """Whether every (row, col) in [r0, r1) x [c0, c1) is visible: such a block needs no
+        mask (as in the kernels, where only the blocks on the diagonal are masked)."""
+        if self.wr >= 0 and c1 - 1 > r0 + self.offset + self.wr:
+            return False
+        if self.wl >= 0 and c0 < (r1 - 1) + self.offset - self.wl:
+            return False
+        return True
+
+    def __call__(self, s_raw, rows, cols):
+        """Raw Q·Kᵀ (..., r, c) -> (final scores with -inf where masked, tanh term or None).
+
+        ``rows`` and ``cols`` are contiguous ranges of positions. ``s_raw`` is overwritten
+        (it is always a fresh product): the scores are built in place."""
+        s = s_raw
+        s *= self.scale
+        t = None
+        if self.softcap:
+            t = np.tanh(s / self.softcap)
+            s = np.multiply(t, self.softcap, out=s)
+        if self.slopes is not None:
+            dist = np.abs(rows[:, None] + self.offset - cols[None, :]).astype(s.dtype)
+            s -= self.slopes[..., None, None].astype(s.dtype) * dist
+        if rows.size and cols.size and not self.block_all_visible(
+                rows[0], rows[-1] + 1, cols[0], cols[-1] + 1):
+            np.copyto(s, -np.inf, where=~self.visible(rows, cols))
+        return s, t
+
+
+def _bhsd(x):   # (b, s, h, d) -> (b, h, s, d) view
+    return x.transpose(0, 2, 1, 3)
+
+
+def _expand_kv(x, group):   # (b, hk, s, d) -> (b, h, s, d), query head i uses key head i // group
+    return np.repeat(x, group, axis=1) if group > 1 else x
+
+
+def _sum_groups(x, group):  # (b, h, s, d) -> (b, hk, s, d), summing the heads that share a key head
+    if group == 1:
+        return x
+    b, h, s, d = x.shape
+    return x.reshape(b, h // group, group, s, d).sum(axis=2)
+
+
+def _slopes_for(spec, alibi_slopes, batch_index=None, batch=None):
+    """ALiBi slopes as (batch, nheads) float64 (one row for ``batch_index``), or None."""
+    if alibi_slopes is None:
+        return None
+    a = np.asarray(alibi_slopes, dtype=np.float64)
+    if a.ndim == 1:
+        a = np.broadcast_to(a[None, :], (batch if batch_index is None else 1, a.shape[0]))
+    elif batch_index is not None:
+        a = a[batch_index:batch_index + 1]
+    return a
+
+
+def _safe(m):
+    """The running max as used in an exponent: a row that has seen only -inf uses 0, so that
+    exp(-inf - 0) = 0 instead of exp(-inf - (-inf)) = NaN. The stored max stays -inf."""
+    return np.where(np.isneginf(m), 0.0, m)
+
+
+# --------------------------------------------------------------------------------------------
+# The oracle: full score matrix
+# --------------------------------------------------------------------------------------------
+
+def _naive_probs(spec, q, k, v, slopes, r):
+    """The whole probability matrix of dense (b, s, h, d) inputs, in (b, h, ...) order.
+
+    Returns (qh, kh, vh, p, t, m, l): kh/vh expanded to the query heads, the tanh term of the
+    softcap (or None), the row max and the row sum of exp(s - max). A row with no visible key
+    has l = 0 and p = 0; a NaN score gives a NaN row (it is not "nothing visible")."""
+    ct = np.float64 if q.dtype == np.float64 else np.float32
+    qh = _bhsd(q).astype(ct)
+    kh = _expand_kv(_bhsd(k).astype(ct), spec.group_size)
+    vh = _expand_kv(_bhsd(v).astype(ct), spec.group_size)
+    sq, sk = qh.shape[2], kh.shape[2]
+    sc = _Scores(spec, sq, sk, slopes)
+    s, t = sc(r(qh @ kh.swapaxes(-1, -2)), np.arange(sq), np.arange(sk))
+    m = s.max(axis=-1, keepdims=True) if sk else np.full(s.shape[:-1] + (1,), -np.inf, ct)
+    p = np.exp(s - _safe(m))
+    l = p.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = r(np.where(l != 0, p / np.where(l != 0, l, 1), 0.0))
+    return qh, kh, vh, p, t, m, l
+
+
+def _rounder(round_to):
+    return (lambda x: round_to_dtype(x, round_to)) if round_to else (lambda x: x)
+
+
+def naive_forward(spec, q, k, v, slopes=None, round_to=None):
+    """Dense (b, s, h, d) inputs of one sequence length. Returns (out (b,sq,h,d), lse (b,h,sq)).
+
+    ``round_to`` ('float16'/'bfloat16') rounds every intermediate like a low-precision
+    computation would (scores after Q·Kᵀ, probabilities, output).
+    """
+    r = _rounder(round_to)
+    _, _, vh, p, _, m, l = _naive_probs(spec, q, k, v, slopes, r)
+    out = r(p @ vh)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = np.where(l != 0, m + np.log(np.where(l != 0, l, 1)), -np.inf)[..., 0]
+    return out.transpose(0, 2, 1, 3), lse
+
+
+def naive_backward(spec, dout, q, k, v, slopes=None, round_to=None):
+    """The textbook gradient, recomputed from q, k, v alone. Returns (dq, dk, dv)."""
+    r = _rounder(round_to)
+    g = spec.group_size
+    qh, kh, vh, p, t, _, _ = _naive_probs(spec, q, k, v, slopes, r)
+    doh = _bhsd(dout).astype(qh.dtype)
+    dv = p.swapaxes(-1, -2) @ doh
+    dp = r(doh @ vh.swapaxes(-1, -2))
+    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))   # softmax Jacobian
+    if t is not None:
+        ds = ds * (1.0 - t * t)                              # d softcap·tanh(x/softcap) / dx
+    ds = r(ds * spec.softmax_scale)
+    dq = ds @ kh
+    dk = ds.swapaxes(-1, -2) @ qh
+    return (dq.transpose(0, 2, 1, 3), _sum_groups(dk, g).transpose(0, 2, 1, 3),
+            _sum_groups(dv, g).transpose(0, 2, 1, 3))
+
+
+# --------------------------------------------------------------------------------------------
+# Rotary embedding (the KV-cache path; NumPy or CuPy)
+# --------------------------------------------------------------------------------------------
+
+def apply_rotary(x, cos, sin, positions, interleaved, xp=np):
+    """Rotary embedding of ``x`` (b, s, h, d) at integer ``positions`` (b, s).
+
+    ``cos``/``sin`` are ``(seqlen_ro, rotary_dim / 2)``; the first ``rotary_dim`` channels
+    rotate, the rest pass through. ``interleaved``: channel pairs (0, 1), (2, 3), ... (GPT-J);
+    otherwise (i, i + rotary_dim/2) (GPT-NeoX). Computed in float32 (float64 for float64) and
+    returned in x's dtype. ``xp`` is the array namespace (numpy or cupy).
+    """
+    ct = xp.float64 if x.dtype == xp.float64 else xp.float32
+    r = 2 * cos.shape[1]
+    c = cos[positions].astype(ct)[:, :, None, :]        # (b, s, 1, r/2)
+    sn = sin[positions].astype(ct)[:, :, None, :]
+    xr = x[..., :r].astype(ct)
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = xp.stack([x1 * c - x2 * sn, x1 * sn + x2 * c], axis=-1).reshape(xr.shape)
+    else:
+        x1, x2 = xr[..., :r // 2], xr[..., r // 2:]
+        rot = xp.concatenate([x1 * c - x2 * sn, x2 * c + x1 * sn], axis=-1)
+    return xp.concatenate([rot.astype(x.dtype), x[..., r:]], axis=-1)

@@ -1,0 +1,219 @@
+"""The benchmarks on a machine without a GPU: the asv suite imports and skips its GPU
+benchmarks with a reason, ``python -m flashcore.bench`` says what is missing in one line and
+exits 2, and its help works. (Their figures come from the GPU machine: see
+asv_benchmarks/run_gpu.sh and asv_benchmarks/compare.sh.)"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from flashcore import bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ASV = os.path.join(ROOT, "asv_benchmarks")
+MODULES = ["common", "bench_attention_gpu", "bench_decode_gpu", "bench_jit", "bench_numpy"]
+
+
+def _gpu_here() -> bool:
+    return bench.why_no_gpu() is None
+
+
+@pytest.fixture(scope="module")
+def suite():
+    """The asv benchmark package, imported the way asv imports it (benchmark_dir's parent on
+    sys.path, the folder as package ``benchmarks``)."""
+    sys.path.insert(0, ASV)
+    try:
+        return {name: importlib.import_module(f"benchmarks.{name}") for name in MODULES}
+    finally:
+        sys.path.remove(ASV)
+
+
+def _benchmark_classes(suite):
+    for name, mod in suite.items():
+        for cls_name, cls in vars(mod).items():
+            if (inspect.isclass(cls) and cls.__module__ == mod.__name__ and hasattr(cls, "params")
+                    and any(m.startswith(("time_", "track_")) for m in dir(cls))):
+                yield name, cls_name, cls
+
+
+def test_the_asv_modules_import(suite):
+    assert set(suite) == set(MODULES)
+    names = {(m, c) for m, c, _ in _benchmark_classes(suite)}
+    for new in [("bench_decode_gpu", "DecodeWallClock"), ("bench_decode_gpu", "DecodeGraphReplay"),
+                ("bench_attention_gpu", "TrainStepWallClock")]:
+        assert new in names, names
+
+
+def test_the_suite_uses_flashcore_bench_definitions(suite):
+    """One problem definition and one timer: the suite's are flashcore.bench's."""
+    common = suite["common"]
+    assert common.Attention is bench.AttentionProblem
+    assert common.DecodeProblem is bench.DecodeProblem
+    assert common.gpu_time is bench.gpu_time and common.host_loop_us is bench.host_loop_us
+    assert common.flops is bench.flops and common.shape_for is bench.shape_for
+
+
+def test_parameters_are_fixed_values(suite):
+    """asv compares results across commits by parameters: they never depend on what is
+    installed (a missing backend skips, it does not disappear)."""
+    d = suite["bench_decode_gpu"]
+    assert d.DecodeWallClock.params == [["flashcore", "flashcore_paged", "sdpa_cudnn"],
+                                        [1, 8, 64], [4096, 16384, 131072]]
+    assert d.DecodeGraphReplay.params == d.DecodeWallClock.params
+    a = suite["bench_attention_gpu"]
+    assert a.TrainStepWallClock.params == [["flashcore", "sdpa_flash", "sdpa_cudnn"],
+                                           ["forward", "forward_backward"]]
+    for _, _, cls in _benchmark_classes(suite):
+        for values in cls.params if isinstance(cls.params[0], list) else [cls.params]:
+            assert all(isinstance(v, (bool, int, float, str)) for v in values), cls
+
+
+def test_gpu_benchmarks_skip_with_a_reason_without_a_gpu(suite):
+    if _gpu_here():
+        pytest.skip("a GPU is here: the benchmarks run")
+    skipped = 0
+    for mod, cls_name, cls in _benchmark_classes(suite):
+        if mod == "bench_numpy":
+            continue
+        params = [p[0] for p in cls.params]
+        with pytest.raises(NotImplementedError) as e:
+            cls().setup(*params)
+        assert str(e.value), (cls_name, params)
+        skipped += 1
+    assert skipped >= 8
+
+
+def test_host_loop_timer_counts_per_step():
+    calls = []
+    us = bench.host_loop_us(lambda: calls.append(1), steps=10, warmup=2, rounds=3,
+                            sync=lambda: None)
+    assert us > 0 and len(calls) == 2 + 3 * 10
+
+
+def test_flops_and_sizes():
+    assert bench.shape_for(4096, 128) == (4, 4096, 16, 128)
+    assert bench.flops(4, 4096, 16, 128, False) == 4.0 * 4 * 16 * 4096 * 4096 * 128
+    assert bench.flops(4, 4096, 16, 128, True, "forward_backward") == \
+        3.5 * bench.flops(4, 4096, 16, 128, True)
+
+
+# Python run first in the subprocess so that importing {name} fails as if it were not
+# installed (sys.modules[name] = None would not do for torch: flashcore's import hook then
+# takes torch for loaded).
+_HIDE = """
+import importlib.abc, importlib.machinery
+class _Hide(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == {name!r}:
+            return importlib.machinery.ModuleSpec(name, self)
+    def create_module(self, spec):
+        raise ModuleNotFoundError(f"No module named {{spec.name!r}}")
+    def exec_module(self, module):
+        pass
+sys.meta_path.insert(0, _Hide())
+"""
+
+
+def _bench(*args, prelude=""):
+    code = f"import sys\n{prelude}\nfrom flashcore.bench import main\nsys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_bench_help():
+    r = _bench("--help")
+    assert r.returncode == 0, r.stderr
+    for flag in ("--decode", "--overhead", "--seqlen", "--json"):
+        assert flag in r.stdout
+
+
+@pytest.mark.parametrize("args", [[], ["--overhead"], ["--decode"]], ids=["table", "overhead", "decode"])
+@pytest.mark.parametrize("without", ["", "cupy", "torch"])
+def test_bench_without_a_gpu_is_one_line_and_exit_2(args, without):
+    if _gpu_here():
+        pytest.skip("a GPU is here: the benchmark runs")
+    prelude = _HIDE.format(name=without) if without else ""
+    r = _bench(*args, prelude=prelude)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith("python -m flashcore.bench: needs a CUDA GPU with CuPy and "
+                               "PyTorch: "), lines
+    if without == "torch":
+        assert "PyTorch is not installed" in lines[0]
+    assert r.stdout == ""
+
+
+def test_diagnostics_hold_no_tests():
+    """tests/diagnostics/ holds scripts, not tests: pytest collects nothing from it."""
+    names = os.listdir(os.path.join(ROOT, "tests", "diagnostics"))
+    assert "README.md" in names
+    assert not [n for n in names if n.startswith("test_") or n.endswith("_test.py")]
+
+
+def _result_file(folder, commit, date, results):
+    """An asv (0.6) result file: results {name: [[values], [[param reprs], ...]]}."""
+    path = os.path.join(folder, "box", f"{commit[:8]}-existing-py.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"commit_hash": commit, "date": date, "version": 2,
+                   "result_columns": ["result", "params", "version"],
+                   "results": {k: [v, p, "0"] for k, (v, p) in results.items()}}, f)
+    return path
+
+
+def test_compare_flags_regressions_by_unit_direction(tmp_path, capsys):
+    """compare.py: a ratio that drops, or a time that grows, beyond 5% is a regression; a
+    figure the baseline had and this run lost is one too; improvements are reported only."""
+    sys.path.insert(0, ASV)
+    try:
+        compare = importlib.import_module("compare")
+    finally:
+        sys.path.remove(ASV)
+    d = str(tmp_path)
+    with open(os.path.join(d, "benchmarks.json"), "w") as f:
+        json.dump({"m.Ratio.track_ratio": {"unit": "ratio"}, "m.Wall.track_us": {"unit": "us"},
+                   "version": 2}, f)
+    p = [["'a'", "'b'"]]
+    old = _result_file(d, "1" * 40, 1, {"m.Ratio.track_ratio": ([1.00, 1.00], p),
+                                        "m.Wall.track_us": ([10.0, 10.0], p)})
+    older = _result_file(d, "3" * 40, 0, {"m.Ratio.track_ratio": ([9.0, 9.0], p)})
+    new = "2" * 40
+    _result_file(d, new, 2, {"m.Ratio.track_ratio": ([0.90, 1.10], p),      # a worse, b better
+                             "m.Wall.track_us": ([10.2, float("nan")], p),  # a within 5%, b lost
+                             "m.New.track_us": ([1.0, 1.0], p)})           # no baseline
+    rc = compare.main(["--results", d, "--machine", "box", "--commit", new,
+                       "--baseline-files", old, older])
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    assert "WORSE  0.90x m.Ratio.track_ratio('a')" in out, out
+    assert "better  1.10x m.Ratio.track_ratio('b')" in out, out
+    assert "LOST      m.Wall.track_us('b')" in out, out
+    assert "m.Wall.track_us('a')" not in out
+    assert "no committed baseline for m.New.track_us" in out
+    assert "2 regression(s), 1 improvement(s)" in out
+    # the newest baseline of each benchmark counts (not the older 9.0), and a clean run is 0
+    _result_file(d, new, 2, {"m.Ratio.track_ratio": ([0.99, 1.0], p)})
+    assert compare.main(["--results", d, "--machine", "box", "--commit", new,
+                         "--baseline-files", old, older]) == 0
+    assert compare.main(["--results", d, "--machine", "box", "--commit", "4" * 40,
+                         "--baseline-files", old]) == 2
+
+
+def test_compare_sh_parses_and_its_groups_name_benchmarks(suite):
+    script = os.path.join(ASV, "compare.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    line = next(l for l in open(script) if l.startswith("GROUPS_DEFAULT="))
+    groups = line.split("=", 1)[1].strip().strip("'").split(";")
+    names = [f"{m}.{c}.{meth}" for m, c, cls in _benchmark_classes(suite)
+             for meth in dir(cls) if meth.startswith(("time_", "track_"))]
+    for g in groups:
+        assert any(re.search(g, n) for n in names), (g, names)
