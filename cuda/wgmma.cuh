@@ -69,7 +69,7 @@ __device__ __forceinline__ fc_u64 wgmma_desc(fc_u32 smem_addr, fc_u32 lbo_bytes,
 // of 8 rows, LBO unused (1). MN-major (read with imm-trans-a/b = 1): `atoms` = the distance
 // between 64-element blocks along M/N (LBO), 1024 between groups of 8 rows along K (SBO), as
 // CUTLASS's canonical layouts have it. FC_WGMMA_MN_SWAP swaps the two, as a diagnostic for the
-// GPU fault locator (tests/gpu/probe_sm90.py): the PTX ISA's wording of these offsets for
+// GPU fault locator (tests/diagnostics/probe_sm90.py): the PTX ISA's wording of these offsets for
 // MN-major swizzled layouts can be read either way.
 __device__ __forceinline__ fc_u64 wgmma_desc_k(fc_u32 smem_addr) {
     return wgmma_desc(smem_addr, 16u, 1024u);

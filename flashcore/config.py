@@ -6,28 +6,24 @@ value, :func:`get`, that is part of every launch-cache key: a launcher's decisio
 the arrays' layouts, the call's options and this value only, so changing a setting never needs
 a cache to be cleared.
 
-========================================  =====================================================
-setting (environment variable)            meaning
-========================================  =====================================================
-``debug`` (FLASHCORE_DEBUG=1)             check the *values* of ``cu_seqlens``, ``cache_seqlens``
-                                          and ``block_table`` on the host, with named errors.
-                                          Off by default: a default call never reads a device
-                                          array back (no sync, CUDA-graph capturable); the
-                                          kernels clamp every address formed from such values
-                                          into its array, so a bad value gives a wrong result,
-                                          never an access outside the arrays.
-``sm90_fwd`` (FLASHCORE_SM90=0 turns off)  the Hopper (wgmma) forward where it applies
-``sm90_fwd_pipelined`` (FLASHCORE_SM90_PIPE)  its v1 pipeline (next block's softmax under P V)
-``sm90_fwd_d64_min_seqlen_k``             head dim 64 takes the Hopper forward from this many
-                                          keys (the Ampere-class kernel measured faster below)
-``sm90_bwd`` (FLASHCORE_SM90_BWD)          the Hopper dK/dV kernel where it applies
-``sm90_bwd_d64_block_m`` (FLASHCORE_SM90_BWD_D64_BM)  queries per step at head dim 64 (64/128)
-``sm90_defines``                          extra NVRTC options of the Hopper kernels (diagnostic)
-``decode_fused_combine``                  split-KV partials merged in the decode kernel
-  (FLASHCORE_DECODE_FUSED_COMBINE)        (off: a separate combine kernel)
-``decode_cluster`` (FLASHCORE_DECODE_CLUSTER)  split-KV merged inside a thread-block cluster
-                                          (sm_90)
-========================================  =====================================================
+The settings (environment variable in brackets):
+
+* ``debug`` (``FLASHCORE_DEBUG=1``): check the *values* of ``cu_seqlens``, ``cache_seqlens``
+  and ``block_table`` on the host, with named errors. Off by default: a default call never
+  reads a device array back (no sync, CUDA-graph capturable); the kernels clamp every address
+  formed from such values into its array, so a bad value gives a wrong result, never an access
+  outside the arrays.
+* ``sm90_fwd`` (``FLASHCORE_SM90=0`` turns it off): the Hopper (wgmma) forward where it
+  applies; ``sm90_fwd_pipelined`` (``FLASHCORE_SM90_PIPE``): its v1 pipeline (the next block's
+  softmax under P V); ``sm90_fwd_d64_min_seqlen_k``: head dim 64 takes the Hopper forward from
+  this many keys (the Ampere-class kernel measured faster below).
+* ``sm90_bwd`` (``FLASHCORE_SM90_BWD``): the Hopper dK/dV kernel where it applies;
+  ``sm90_bwd_d64_block_m`` (``FLASHCORE_SM90_BWD_D64_BM``): queries per step at head dim 64
+  (64 or 128).
+* ``sm90_defines``: extra NVRTC options of the Hopper kernels (a diagnostic).
+* ``decode_fused_combine`` (``FLASHCORE_DECODE_FUSED_COMBINE``): split-KV partials merged in
+  the decode kernel (off: a separate combine kernel); ``decode_cluster``
+  (``FLASHCORE_DECODE_CLUSTER``): merged inside a thread-block cluster (sm_90).
 """
 from __future__ import annotations
 

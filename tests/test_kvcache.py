@@ -10,7 +10,6 @@ CPU path (zero-copy, in place) and the flash-attn compatible function.
 """
 from __future__ import annotations
 
-import importlib.util
 import zlib
 
 import numpy as np

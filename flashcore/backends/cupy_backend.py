@@ -171,7 +171,7 @@ class CupyBackend(Backend):
         import cupy
         import numpy as np
         from ..kernels.decode import launch_decode, launch_rotary_append
-        from .numpy_backend import apply_rotary
+        from ..reference import apply_rotary
         a = spec.attn
         with cupy.cuda.Device(q.device.id), _translate_oom("decode"):
             if out is None:

@@ -71,7 +71,7 @@ _DKDV_TILES: dict[int, tuple[BwdTile, ...]] = {
 }
 # 6-field tiles select flash_bwd_dkdv2_kernel (2-D warp layouts per product, FA2-style; P^T and
 # dS^T through shared memory: ~25% fewer shared-memory bytes per mma at d128). Chosen on the
-# H200 (2026-11-29, tests/gpu/sweep_tiles.py, backward alone, geomean of s2k and s16k):
+# H200 (2026-11-29, tests/diagnostics/sweep_tiles.py, backward alone, geomean of s2k and s16k):
 #   d128: 263 vs 238 TFLOP/s (v1) full, 232 vs 213 causal;  d256: 201 vs 196, 186 vs 184.
 #   d64: no v2 layout beat v1 (239 vs 237 full, 214 vs 218 causal): v1 stays.
 # The v1 tiles behind them are the fallbacks for devices with less shared memory.

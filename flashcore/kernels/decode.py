@@ -61,7 +61,7 @@ _CONFIGS = {
 }
 # The split kernels that merge inside a cluster (sm_90) run few CTAs, one per SM: at d128 they
 # take 128-key stages (three stages, 192 KiB: one CTA per SM, 128 KiB of loads in flight). The
-# policy sweep on the H200 (tests/gpu/sweep_decode.py, docs/performance-log.md session 4)
+# policy sweep on the H200 (tests/diagnostics/sweep_decode.py, docs/performance-log.md session 4)
 # measured this best at batch 1 (caches 4k-128k); the other tiles keep their configuration
 # (d64 already streams 128-key stages; d256 holds one CTA per SM at 64 keys).
 _CLUSTER_CONFIGS = {
@@ -76,7 +76,7 @@ _CONFIG_OVERRIDE: dict = {}
 
 def set_config_override(headdim_tile_: int, cfg: DecodeConfig | None) -> None:
     """Use ``cfg`` (block_n, n_warps, stages) instead of the default for a head-dim tile (None:
-    back to the default); a tuning aid (tests/gpu/sweep_decode.py). block_n / n_warps must be a
+    back to the default); a tuning aid (tests/diagnostics/sweep_decode.py). block_n / n_warps must be a
     multiple of 16. Recorded launch plans are dropped."""
     if cfg is None:
         _CONFIG_OVERRIDE.pop(headdim_tile_, None)
@@ -96,7 +96,7 @@ def headdim_tile(headdim: int) -> int:
 # Unsplit launches on sm_90 (d128, one m16 slice): the tile is chosen by how the CTAs fill the
 # GPU's resident slots, from three that differ only in pipeline depth and so in CTAs per SM:
 # four 64-key stages (136 KiB: one CTA per SM), three (101 KiB: two), two (69 KiB: three). The
-# H200 sweep over batch (tests/gpu/decode_waves.py --configs, docs/performance-log.md session 5)
+# H200 sweep over batch (tests/diagnostics/decode_waves.py --configs, docs/performance-log.md session 5)
 # found the step's time set by the last, partial wave: at a 4k cache, batch 17 (136 CTAs) ran at
 # 2.55 TB/s with one CTA per SM (two waves, the second of 4 CTAs) and 3.53 with two (one wave);
 # batch 50 at 3.66 against 4.02. single_config() encodes what the sweep measured best.

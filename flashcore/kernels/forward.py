@@ -45,7 +45,7 @@ class TileConfig(NamedTuple):
 #   d96 : 128x64, 8 warps, kMT=1, Q in regs   (72 KiB)
 #   d128: 128x64, 4 warps, kMT=2, Q from smem (64 KiB; FA2's tile. O 128 + S 64 regs per
 #         thread: ptxas 13 spills 40 B (80 B causal), yet on the H200 it ran 355 TFLOP/s
-#         against 293 for 128x64 / 8 warps / Q in regs (2026-11-29 sweep, tests/gpu/sweep_tiles.py):
+#         against 293 for 128x64 / 8 warps / Q in regs (2026-11-29 sweep, tests/diagnostics/sweep_tiles.py):
 #         each K/V fragment feeds two mma, halving shared-memory reads per FLOP)
 #   d192: 128x64, 8 warps, kMT=1, Q from smem (144 KiB; Q in regs spills)
 #   d256: 128x64, 8 warps, kMT=1, Q from smem (192 KiB; O alone is 128 regs per thread)

@@ -2,6 +2,8 @@
 # The GPU check: the GPU test group, a quick benchmark against torch SDPA (flash and cuDNN
 # backends, same run), and one summary line. Run from the repository root on a GPU machine:
 #     bash tests/gpu/check.sh [quick|full|tests]      (tests: the test group only)
+# It ends with the decode table through the public API and an asv run of this commit compared
+# with the newest committed results (asv_benchmarks/compare.sh; ASV=0 skips it).
 # On compute capability 9.0 the suite runs with the default kernels (the Hopper family where it
 # applies), then the Ampere-class suite and fuzz tests again with FLASHCORE_SM90=0 and
 # FLASHCORE_SM90_BWD=0, so that both families are checked on an H100/H200.
@@ -82,5 +84,13 @@ for mode in ("fwd", "fwdbwd"):
         r = [x.get(f"cupy_{mode}_tflops", float("nan")) / x.get(f"{peer}_{mode}_tflops", float("nan")) for x in rows]
         print(f"{mode:7s} flashcore/{peer}: geomean {gm(r):.2f}x  min {min(r):.2f}x  max {max(r):.2f}x")
 PY
-echo "SUMMARY tests: ${tests_line:-none} (rc $tests_rc, $((t1 - t0)) s); bench rc $bench_rc; $(head -1 "$out/summary.txt" 2>/dev/null)"
-exit $(( tests_rc != 0 || bench_rc != 0 ))
+# what users pay per decoding step, through the public API (GPU time, host loop, graph replay)
+python3 -m flashcore.bench --decode 2>&1 | tee "$out/decode.log"
+# asv on this commit, compared with the newest committed results: regressions beyond 5% fail
+asv_rc=0
+if [ "${ASV:-1}" != 0 ]; then
+  OUT="$out" bash asv_benchmarks/compare.sh > "$out/asv_compare.txt" 2>&1; asv_rc=$?
+  tail -15 "$out/asv_compare.txt"
+fi
+echo "SUMMARY tests: ${tests_line:-none} (rc $tests_rc, $((t1 - t0)) s); bench rc $bench_rc; asv compare rc $asv_rc; $(head -1 "$out/summary.txt" 2>/dev/null)"
+exit $(( tests_rc != 0 || bench_rc != 0 || asv_rc != 0 ))

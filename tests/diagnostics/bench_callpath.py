@@ -1,20 +1,21 @@
-"""What users pay per call, through the public API, against torch SDPA in the same run.
+"""What users pay per call, end to end, against torch SDPA and "sdpa" in the same run.
 
-    python tests/gpu/bench_callpath.py [decode] [tiny] [llama] [generate] [compile] [--json F]
+    python tests/diagnostics/bench_callpath.py [decode] [tiny] [llama] [generate] [compile]
+                                               [profile] [--json F]
 
-decode    attention_with_kvcache (cache_seqlens a CUDA int32 tensor, GQA 32/8, d128, bf16),
-          contiguous and paged (256), batch 1/8/64 x cache 4k/16k/128k: GPU time with the L2
-          flushed, a host loop of 300 steps without graphs, and CUDA-graph replay; SDPA cuDNN on
-          the contiguous cache timed the same three ways.
-tiny      1x128x2x64 bf16 causal in a host loop: the first 1000 steps of this process and the
-          steady state, forward (no grad) and forward+backward through autograd, vs SDPA.
+decode    flashcore.bench.decode: attention_with_kvcache (cache_seqlens a CUDA int32 tensor,
+          GQA 32/8, d128, bf16), contiguous and paged, batch 1/8/64 x cache 4k/16k/128k: GPU
+          time, host loop, CUDA-graph replay, against SDPA cuDNN (``python -m flashcore.bench
+          --decode`` prints the same table).
+tiny      the tiny training step (flashcore.bench.tiny_calls) in a host loop: the first 1000
+          steps of this process and the steady state, against SDPA.
 llama     a transformers Llama (random init, 8 layers, hidden 2048, 16/4 heads, bf16) training
           step (forward with labels, backward), eager, flashcore vs "sdpa".
 generate  greedy generate of 128 tokens, batch 1 / prompt 512 and batch 8 / prompt 2k.
 compile   torch.compile of the llama training step (batch 4 x 4k), flashcore vs "sdpa".
+profile   cProfile of the host side of a decode step and of the tiny forward and step.
 
-Only public calls are timed (flashcore.attention, attention_with_kvcache and the transformers
-integration), with the arguments users pass. Prints a table per section; --json writes rows.
+The timers are flashcore.bench's. Prints one line per measurement; --json writes the rows.
 """
 from __future__ import annotations
 
@@ -23,11 +24,9 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashcore
-from flashcore.bench import gpu_time_l2_flushed
+from flashcore.bench import host_loop_us, per_call_us_interleaved, tiny_calls
 
 ROWS: list = []
 
@@ -38,130 +37,23 @@ def emit(**row):
           flush=True)
 
 
-def host_loop_us(fn, n):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
+def decode():
+    from flashcore.bench import decode as decode_table
+    for r in decode_table():
+        emit(section="decode", **r)
 
 
-def graph_replay_us(fn, steps=20, reps=10):
-    """fn captured ``steps`` times in one CUDA graph; GPU time per step of its replays (median
-    of ``reps``). Raises if the capture fails."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(steps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / steps)
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
-def decode(batches=(1, 8, 64), caches=(4096, 16384, 131072), h=32, hk=8, d=128, page=256):
-    dev = "cuda"
-    for b in batches:
-        for L in caches:
-            torch.cuda.empty_cache()
-            q = torch.randn(b, 1, h, d, device=dev, dtype=torch.bfloat16)
-            kc = torch.empty(b, L, hk, d, device=dev, dtype=torch.bfloat16).normal_()
-            vc = torch.empty(b, L, hk, d, device=dev, dtype=torch.bfloat16).normal_()
-            lens = torch.full((b,), L, device=dev, dtype=torch.int32)
-            nbytes = 2 * b * L * hk * d * 2
-            blocks = L // page
-            perm = torch.randperm(b * blocks, device=dev)
-            table = perm.view(b, blocks).to(torch.int32)
-            kp = torch.empty(b * blocks, page, hk, d, device=dev, dtype=torch.bfloat16)
-            vp = torch.empty_like(kp)
-            kp[perm] = kc.view(b * blocks, page, hk, d)
-            vp[perm] = vc.view(b * blocks, page, hk, d)
-            qt, kt, vt = (x.transpose(1, 2) for x in (q, kc, vc))
-
-            def fc():
-                return flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=lens)
-
-            def fc_paged():
-                return flashcore.attention_with_kvcache(q, kp, vp, cache_seqlens=lens,
-                                                        block_table=table)
-
-            def cudnn():
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
-            ref = cudnn().transpose(1, 2).float()
-            for name, fn in (("contiguous", fc), ("paged", fc_paged)):
-                err = (fn().float() - ref).abs().max().item()
-                assert err < 2e-2, (name, b, L, err)
-            n_loop = 300 if b * L <= 8 * 16384 else 60
-            t = {}
-            for name, fn in (("cudnn", cudnn), ("fc", fc), ("fc_paged", fc_paged)):
-                t[name + "_gpu_us"] = gpu_time_l2_flushed(fn) * 1e6
-                t[name + "_loop_us"] = host_loop_us(fn, n_loop)
-                try:
-                    t[name + "_graph_us"] = graph_replay_us(fn, steps=10 if b * L > 8 * 16384 else 20)
-                except Exception as e:       # reported, not hidden
-                    print(f"# graph capture failed for {name} b{b} L{L}: {type(e).__name__}: {e}")
-                    t[name + "_graph_us"] = float("nan")
-            emit(section="decode", batch=b, cache=L, **t,
-                 gpu_ratio=t["cudnn_gpu_us"] / t["fc_gpu_us"],
-                 gpu_ratio_paged=t["cudnn_gpu_us"] / t["fc_paged_gpu_us"],
-                 loop_ratio=t["cudnn_loop_us"] / t["fc_loop_us"],
-                 graph_ratio=t["cudnn_graph_us"] / t["fc_graph_us"],
-                 graph_ratio_paged=t["cudnn_graph_us"] / t["fc_paged_graph_us"],
-                 tbps_fc=nbytes / t["fc_gpu_us"] * 1e-6, tbps_cudnn=nbytes / t["cudnn_gpu_us"] * 1e-6)
-            del q, kc, vc, kp, vp, qt, kt, vt, ref
-
-
-def tiny(n_first=1000, n=2000, rounds=5):
-    """The first 1000 steps of this process (kernels compiled from the disk cache on the first
-    call), then the steady state (best of ``rounds`` rounds of ``n``), interleaved."""
-    mk = lambda: torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)  # noqa: E731
-    q, k, v, do = mk(), mk(), mk(), mk()
-    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-    qt, kt, vt, dot = (x.transpose(1, 2) for x in (q, k, v, do))
-    qtg, ktg, vtg = (x.detach().clone().requires_grad_() for x in (qt, kt, vt))
-
-    def fc_fwd():
-        with torch.no_grad():
-            flashcore.attention(q, k, v, causal=True)
-
-    def fc_step():
-        o = flashcore.attention(qg, kg, vg, causal=True)
-        torch.autograd.grad(o, (qg, kg, vg), do)
-
-    def sdpa_fwd():
-        with torch.no_grad():
-            F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
-
-    def sdpa_step():
-        o = F.scaled_dot_product_attention(qtg, ktg, vtg, is_causal=True)
-        torch.autograd.grad(o, (qtg, ktg, vtg), dot)
-    fns = {"fc_fwd": fc_fwd, "sdpa_fwd": sdpa_fwd, "fc_step": fc_step, "sdpa_step": sdpa_step}
-    first = {f"{name}_first{n_first}_us": host_loop_us(f, n_first) for name, f in fns.items()}
-    best = {f"{name}_us": float("inf") for name in fns}
-    for _ in range(rounds):
-        for name, f in fns.items():
-            best[f"{name}_us"] = min(best[f"{name}_us"], host_loop_us(f, n))
-    emit(section="tiny", **first, **best,
-         fwd_minus_sdpa_first_us=first[f"fc_fwd_first{n_first}_us"] - first[f"sdpa_fwd_first{n_first}_us"],
-         step_over_sdpa_first=first[f"fc_step_first{n_first}_us"] / first[f"sdpa_step_first{n_first}_us"],
-         fwd_minus_sdpa_us=best["fc_fwd_us"] - best["sdpa_fwd_us"],
-         step_over_sdpa=best["fc_step_us"] / best["sdpa_step_us"])
+def tiny(n_first=1000):
+    """The first ``n_first`` steps of this process (kernels loaded from the disk cache on the
+    first call), then the steady state, interleaved with SDPA's."""
+    calls, _ = tiny_calls(peers=("sdpa",))
+    calls = {k: calls[k] for k in ("torch_fwd", "sdpa_fwd", "torch_fwdbwd", "sdpa_fwdbwd")}
+    first = {f"{name}_first{n_first}_us": host_loop_us(f, steps=n_first, warmup=0, rounds=1)
+             for name, f in calls.items()}
+    steady = {f"{name}_us": us for name, us in per_call_us_interleaved(calls, 2000).items()}
+    emit(section="tiny", **first, **steady,
+         fwd_minus_sdpa_us=steady["torch_fwd_us"] - steady["sdpa_fwd_us"],
+         step_over_sdpa=steady["torch_fwdbwd_us"] / steady["sdpa_fwdbwd_us"])
 
 
 def _llama(impl, layers=8):
