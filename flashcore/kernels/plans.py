@@ -12,9 +12,10 @@ launch.
 What a plan may depend on is exactly what its key holds: shape, strides, dtype and the
 address modulo 16 of every array, the device, and the scalar options. Anything that changes a
 launcher's decisions otherwise is in the key too (the flashcore.config settings) or clears the
-plans (tile overrides, reloaded kernels). Calls that made copies (an
-unaligned or strided input the kernels cannot read directly), varlen calls (whose maximum
-lengths may be read from the device) and calls that launched nothing are never recorded.
+plans (tile overrides); plans made with kernels that were since unloaded are not replayed
+(``jit.generation()``). Calls that made copies (an unaligned or strided input the kernels cannot
+read directly), varlen calls (their keys would need the cu_seqlens layouts and lengths; not
+done yet) and calls that launched nothing are never recorded.
 ``set_enabled(False)`` turns the replay off (the launchers then run in full every time).
 """
 from __future__ import annotations

@@ -1,0 +1,80 @@
+"""Ring attention (flashcore.distributed) with 2 and 4 processes on one CPU machine (gloo, torch
+CPU tensors on the NumPy backend): forward and gradients equal to single-process attention on
+the gathered sequence."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'flashcore[torch]')")
+if not torch.distributed.is_available():
+    pytest.skip("this torch has no torch.distributed", allow_module_level=True)
+
+_WORKER = textwrap.dedent(r"""
+    import os, sys, torch, torch.distributed as dist
+    import flashcore
+    from flashcore.distributed import ring_attention, shard, unshard
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method="file://" + os.environ["INIT_FILE"],
+                            rank=rank, world_size=world)
+    fails = []
+    for layout in ("contiguous", "zigzag"):
+        for causal in (False, True):
+            for h, hk in ((4, 4), (4, 2)):
+                g = torch.Generator().manual_seed(7 + h + hk + causal)
+                s = 8 * world                       # 2W chunks of 4 for zigzag
+                q, k, v, do = (torch.randn(2, s, n, 16, generator=g, dtype=torch.float64)
+                               for n in (h, hk, hk, h))
+                qf, kf, vf = (x.clone().requires_grad_() for x in (q, k, v))
+                ref = flashcore.attention(qf, kf, vf, causal=causal)
+                ref.backward(do)
+                ql, kl, vl = (shard(x, world, rank, layout).requires_grad_() for x in (q, k, v))
+                out = ring_attention(ql, kl, vl, causal=causal, layout=layout)
+                out.backward(shard(do, world, rank, layout))
+                pairs = [("out", out, ref), ("dq", ql.grad, qf.grad), ("dk", kl.grad, kf.grad),
+                         ("dv", vl.grad, vf.grad)]
+                for name, got, want in pairs:
+                    err = (got - shard(want, world, rank, layout)).abs().max().item()
+                    if not err < 1e-10:
+                        fails.append((layout, causal, h, hk, name, err))
+    # shard / unshard round trip
+    x = torch.arange(2 * 8 * world).reshape(2, 8 * world)
+    assert torch.equal(unshard([shard(x, world, r) for r in range(world)]), x)
+    dist.destroy_process_group()
+    print("FAILS" if fails else "ok", fails)
+""")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_attention_equals_single_process(world, tmp_path):
+    env = dict(os.environ, WORLD_SIZE=str(world), INIT_FILE=str(tmp_path / "init"),
+               OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER], env=dict(env, RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=300))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r}: {err[-2000:]}"
+        assert out.strip().startswith("ok"), f"rank {r}: {out[-2000:]}"
+
+
+def test_arguments_are_checked_before_any_communication():
+    from flashcore.distributed import ring_attention, shard
+    q = torch.randn(1, 8, 2, 8)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        ring_attention(q, q, q)
+    with pytest.raises(ValueError, match="argument 'layout'"):
+        ring_attention(q, q, q, layout="ring")
+    with pytest.raises(ValueError, match="argument 'x'"):
+        shard(torch.randn(1, 6, 2, 8), 2, 0)          # 6 is not divisible into 4 chunks
