@@ -20,8 +20,12 @@ Conventions (flash-attn's; see docs/conventions):
   ``-slope_h·|i + sk - sq - j|`` (slopes ``(nheads,)`` or ``(batch, nheads)``, float32).
 * The forward returns ``out`` (like q, in q's dtype) and ``lse``: float32, natural log,
   ``(batch, nheads, seqlen_q)`` (varlen ``(nheads, total_q)``), of the final scores. A query row
-  that sees no key gets ``out = 0`` and ``lse = -inf``, never NaN. (float64 inputs, NumPy only:
-  lse is float64.)
+  that sees no key gets ``out = 0`` and ``lse = -inf``, never NaN. (float64 inputs, on the
+  NumPy backend and torch CPU tensors: lse is float64, a choice: the reference keeps full
+  precision end to end.)
+* Inputs are assumed finite. A NaN or Inf in k or v can reach rows that cannot see that key
+  when both fall in one tile (a masked weight is 0, and 0 · NaN is NaN); a NaN in q reaches
+  only its own row.
 * The backward returns ``(dq, dk, dv)`` in the input dtypes; for GQA, dk/dv are summed over the
   query heads that share a key head.
 """
