@@ -109,7 +109,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
               softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
     if library_of(q) == "torch":    # validated once, inside (this path is per-call overhead)
-        from .backends.torch_backend import autograd_attention
+        from .backends.torch_ops import autograd_attention
         out, lse = autograd_attention(q, k, v, backend=backend, **kw)
     else:
         out, lse = _forward(q, k, v, backend, False, **kw)
@@ -155,7 +155,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     if library_of(q) == "torch":
-        from .backends.torch_backend import autograd_attention
+        from .backends.torch_ops import autograd_attention
         out, lse = autograd_attention(q, k, v, backend=backend, varlen=True, **kw)
     else:
         out, lse = _forward(q, k, v, backend, True, **kw)
@@ -225,7 +225,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                            "lse": ((a.batch, a.nheads, a.seqlen_q), "float32")}) \
         if out is not None or lse is not None else {}
     if a.library == "torch":
-        from .backends.torch_backend import kvcache_attention
+        from .backends.torch_ops import kvcache_attention
         if not torch_compiling(q):
             choose_kvcache(spec, backend)
         out, lse = kvcache_attention(q, k_cache, v_cache, k, v, spec, cache_seqlens=cache_seqlens,
