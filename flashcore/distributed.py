@@ -20,12 +20,17 @@ Layouts, ``world`` = W ranks, the sequence cut into equal chunks:
 Masks: full or causal (bottom-right alignment is top-left here: the shards of q and k/v have
 the same lengths). Transport is torch.distributed's (NCCL on GPUs, gloo on CPU): no transport
 of flashcore's own.
+
+Packed documents (varlen) take Llama 3's scheme instead, :func:`varlen_attention_all_gather`:
+the K/V shards are all-gathered (its backward reduce-scatters dK/dV), and each rank attends its
+query rows, cut at the document boundaries, to the keys of their documents, with flashcore's
+varlen attention.
 """
 from __future__ import annotations
 
-from .api import attention_backward, attention_forward, merge_attention_states
+from .api import attention_backward, attention_forward, merge_attention_states, varlen_attention
 
-__all__ = ["ring_attention", "shard", "unshard"]
+__all__ = ["ring_attention", "varlen_attention_all_gather", "shard", "unshard"]
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -231,3 +236,115 @@ def ring_attention(q, k, v, group=None, *, causal: bool = False, softmax_scale=N
         softmax_scale = q.shape[-1] ** -0.5
     out, lse = _function().apply(q, k, v, group, layout, causal, float(softmax_scale))
     return (out, lse) if return_lse else out
+
+
+_GATHER: list = []
+
+
+def _all_gather_function():
+    """Differentiable all-gather along dim 0: the backward sums every rank's gradient of the
+    gathered tensor and hands each rank its own rows (reduce-scatter; all-reduce where the
+    backend has no reduce-scatter, as gloo)."""
+    if _GATHER:
+        return _GATHER[0]
+    import torch
+    import torch.distributed as dist
+
+    class AllGather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            x = x.contiguous()
+            world = dist.get_world_size(group)
+            out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
+            dist.all_gather_into_tensor(out, x, group=group)
+            ctx.group, ctx.rows = group, x.shape[0]
+            return out
+
+        @staticmethod
+        def backward(ctx, g):
+            g = g.contiguous()
+            rank, n = dist.get_rank(ctx.group), ctx.rows
+            if dist.get_backend(ctx.group) == "nccl":
+                mine = g.new_empty((n,) + tuple(g.shape[1:]))
+                dist.reduce_scatter_tensor(mine, g, group=ctx.group)
+                return mine, None
+            g = g.clone()
+            dist.all_reduce(g, group=ctx.group)
+            return g[rank * n:(rank + 1) * n].contiguous(), None
+
+    _GATHER.append(AllGather)
+    return AllGather
+
+
+def _local_documents(cu, lo, hi, causal):
+    """Cut the query rows [lo, hi) of a packed sequence (document b spans cu[b]:cu[b+1]) at the
+    document boundaries. Returns (cu_q, cu_k, key_lo, key_hi, max_q, max_k): local cu_seqlens
+    of the query segments and of their keys (the document's rows from its start up to the
+    segment's end when causal, the whole document otherwise) within the key rows
+    [key_lo, key_hi) of the packed sequence."""
+    seg_q, seg_k, first, last = [], [], None, None
+    for b in range(len(cu) - 1):
+        s, e = int(cu[b]), int(cu[b + 1])
+        a, z = max(s, lo), min(e, hi)
+        if a >= z:
+            continue
+        kz = z if causal else e
+        seg_q.append(z - a)
+        seg_k.append(kz - s)
+        first = s if first is None else first
+        last = kz
+    if first is None:
+        return [0], [0], lo, lo, 0, 0
+    cq, ck = [0], [0]
+    for n in seg_q:
+        cq.append(cq[-1] + n)
+    for n in seg_k:
+        ck.append(ck[-1] + n)
+    return cq, ck, first, last, max(seg_q), max(seg_k)
+
+
+def varlen_attention_all_gather(q, k, v, cu_seqlens, group=None, *, causal: bool = False,
+                                softmax_scale=None, window_size=(-1, -1)):
+    """Attention over packed documents whose tokens are split across the ranks of ``group``
+    (Llama 3's context parallelism): differentiable through autograd.
+
+    q: ``(tokens_local, nheads, headdim)``, k and v ``(tokens_local, nheads_k, headdim)``: rank
+    r holds rows ``[r * tokens_local, (r + 1) * tokens_local)`` of the packed sequence (every
+    rank the same count). ``cu_seqlens``: the documents of the whole packed sequence, int32
+    ``(documents + 1,)``, the same on every rank; it is read on the host (a list, a NumPy array
+    or a CPU tensor costs no sync). A document may span ranks. The K/V shards are all-gathered
+    (the backward sums dK/dV back to their ranks); each rank runs flashcore's varlen attention
+    of its query segments over their documents' keys. ``causal`` and a causal ``window_size``
+    (left, 0) align per document; a window with keys to the right needs causal=False and is
+    not supported here yet. Returns this rank's output rows (like q).
+    """
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from ._arrays import library_of, to_host
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("flashcore.distributed.varlen_attention_all_gather: torch.distributed "
+                           "is not initialised (call torch.distributed.init_process_group first)")
+    if not isinstance(causal, bool):
+        raise TypeError(f"argument 'causal': expected a bool, got {type(causal).__name__}")
+    if tuple(window_size) != (-1, -1) and not causal:
+        raise NotImplementedError("argument 'window_size': a sliding window across ranks is "
+                                  "supported with causal=True (window (left, 0)); expected "
+                                  "causal=True or window_size=(-1, -1)")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    n = q.shape[0]
+    cu = np.asarray(to_host(cu_seqlens) if library_of(cu_seqlens) else cu_seqlens, np.int64)
+    if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or cu[-1] != n * world or (np.diff(cu) < 0).any():
+        raise ValueError(f"argument 'cu_seqlens': expected non-decreasing offsets from 0 to the "
+                         f"packed length {n * world} ({world} ranks x {n} rows), got "
+                         f"{cu.tolist()[:8]}{'...' if cu.size > 8 else ''}")
+    gather = _all_gather_function()
+    k_all = gather.apply(k, group)
+    v_all = gather.apply(v, group)
+    cq, ck, klo, khi, mq, mk = _local_documents(cu, rank * n, (rank + 1) * n, causal)
+    dev = q.device
+    cu_q = torch.tensor(cq, dtype=torch.int32, device=dev)
+    cu_k = torch.tensor(ck, dtype=torch.int32, device=dev)
+    return varlen_attention(q, k_all[klo:khi], v_all[klo:khi], cu_q, cu_k, mq, mk,
+                            causal=causal, softmax_scale=softmax_scale,
+                            window_size=window_size)

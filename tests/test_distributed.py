@@ -1,6 +1,7 @@
-"""Ring attention (flashcore.distributed) with 2 and 4 processes on one CPU machine (gloo, torch
-CPU tensors on the NumPy backend): forward and gradients equal to single-process attention on
-the gathered sequence."""
+"""Context parallelism (flashcore.distributed) with 2 and 4 processes on one CPU machine (gloo,
+torch CPU tensors on the NumPy backend): ring attention (contiguous and zig-zag, causal or
+not, GQA) and packed documents over all-gathered K/V (causal, windowed, documents spanning
+ranks), forward and gradients equal to single-process attention on the gathered sequence."""
 import os
 import subprocess
 import sys
@@ -39,9 +40,34 @@ _WORKER = textwrap.dedent(r"""
                     err = (got - shard(want, world, rank, layout)).abs().max().item()
                     if not err < 1e-10:
                         fails.append((layout, causal, h, hk, name, err))
+    # packed documents, all-gathered K/V (Llama 3's scheme): documents that span ranks
+    from flashcore.distributed import varlen_attention_all_gather
+    lens = [5, 11, 3, 13, 0, 7, 25] if world == 2 else [5, 11, 3, 13, 0, 7, 25, 1, 31, 8]
+    total = sum(lens) + (-sum(lens)) % world
+    lens[-1] += total - sum(lens)
+    cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32)
+    n = total // world
+    for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (True, (6, 0))):
+        g = torch.Generator().manual_seed(11 + causal + window[0])
+        q, k, v, do = (torch.randn(total, h, 16, generator=g, dtype=torch.float64)
+                       for h in (4, 2, 2, 4))
+        qf, kf, vf = (x.clone().requires_grad_() for x in (q, k, v))
+        ref = flashcore.varlen_attention(qf, kf, vf, cu, cu, max(lens), max(lens), causal=causal,
+                                         window_size=window)
+        ref.backward(do)
+        rows = slice(rank * n, (rank + 1) * n)
+        ql, kl, vl = (x[rows].clone().requires_grad_() for x in (q, k, v))
+        out = varlen_attention_all_gather(ql, kl, vl, cu, causal=causal, window_size=window)
+        out.backward(do[rows])
+        for name, got, want in (("out", out, ref), ("dq", ql.grad, qf.grad),
+                                ("dk", kl.grad, kf.grad), ("dv", vl.grad, vf.grad)):
+            err = (got - want[rows]).abs().max().item()
+            if not err < 1e-10:
+                fails.append(("varlen", causal, window, name, err))
     # shard / unshard round trip
     x = torch.arange(2 * 8 * world).reshape(2, 8 * world)
     assert torch.equal(unshard([shard(x, world, r) for r in range(world)]), x)
+    dist.barrier()             # nobody tears gloo down while another rank still talks
     dist.destroy_process_group()
     print("FAILS" if fails else "ok", fails)
 """)
