@@ -145,3 +145,17 @@ def test_preallocated_outputs_are_for_cupy_only_and_named():
     out, lse = flashcore.attention_forward(q, q, q)
     with pytest.raises(TypeError, match="argument 'dk'"):
         flashcore.attention_backward(q, q, q, q, out, lse, dk=np.empty_like(q))
+
+
+def test_window_size_as_any_pair_of_ints():
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, 9, 2, 8)).astype(np.float32)
+    want, _ = flashcore.attention_forward(q, q, q, window_size=(3, 1))
+    for w in ([3, 1], np.array([3, 1]), (np.int64(3), np.int32(1))):
+        got, _ = flashcore.attention_forward(q, q, q, window_size=w)
+        np.testing.assert_array_equal(got, want)
+    torch = pytest.importorskip("torch")
+    got, _ = flashcore.attention_forward(q, q, q, window_size=torch.tensor([3, 1]))
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(TypeError, match="window_size"):
+        flashcore.attention_forward(q, q, q, window_size=np.array([3, 1, 2]))
