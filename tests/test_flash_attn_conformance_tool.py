@@ -1,0 +1,118 @@
+"""The flash-attn conformance runner (tests/diagnostics/flash_attn_conformance.py) on the CPU: its
+shim package imports as flash-attn's test file imports it, its helpers compute what they claim,
+and its summary counts what pytest ran. (The real run needs flash-attn's test file and a GPU.)"""
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'flashcore[torch]')")
+
+TOOL = Path(__file__).resolve().parent / "diagnostics" / "flash_attn_conformance.py"
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("flash_attn_conformance", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def shim(tool, tmp_path_factory):
+    folder = tool.write_shim(tmp_path_factory.mktemp("shim"))
+    sys.path.insert(0, str(folder))
+    for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
+        del sys.modules[name]
+    yield folder
+    sys.path.remove(str(folder))
+    for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
+        del sys.modules[name]
+
+
+def test_the_shim_provides_what_flash_attn_tests_import(shim):
+    import flash_attn
+    from flash_attn.bert_padding import pad_input, unpad_input  # noqa: F401
+    from flash_attn.flash_attn_interface import USE_TRITON_ROCM, _get_block_size_n  # noqa: F401
+    from flash_attn.layers.rotary import apply_rotary_emb  # noqa: F401
+    import flashcore.flash_attn as ours
+    for name in ("flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
+                 "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
+                 "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"):
+        assert getattr(flash_attn, name) is getattr(ours, name)
+    assert USE_TRITON_ROCM is False
+
+
+def test_unpad_and_pad_are_inverse_and_differentiable(shim):
+    from flash_attn.bert_padding import pad_input, unpad_input
+    x = torch.randn(3, 5, 2, 4, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    rows, idx, cu, longest, used = unpad_input(x, mask)
+    assert rows.shape == (8, 2, 4) and cu.tolist() == [0, 3, 8, 8] and longest == 5
+    assert used.tolist() == [3, 5, 0] and cu.dtype == torch.int32
+    back = pad_input(rows, idx, 3, 5)
+    assert torch.equal(back, x * mask[..., None, None])
+    back.sum().backward()
+    assert torch.equal(x.grad, mask[..., None, None].expand_as(x).float())
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotary_matches_the_reference(shim, interleaved):
+    from flash_attn.layers.rotary import apply_rotary_emb
+
+    from flashcore.reference import apply_rotary
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 6, 3, 32, generator=g, dtype=torch.float64)
+    ang = torch.rand(20, 8, generator=g, dtype=torch.float64) * 6.28
+    cos, sin = ang.cos(), ang.sin()
+    offsets = torch.tensor([3, 9])
+    got = apply_rotary_emb(x, cos, sin, interleaved=interleaved, seqlen_offsets=offsets)
+    pos = (np.arange(6)[None, :] + offsets.numpy()[:, None])
+    want = apply_rotary(x.numpy(), cos.numpy(), sin.numpy(), pos, interleaved)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-6)
+    # varlen: the same rows packed, positions restarting per sequence
+    cu = torch.tensor([0, 6, 12], dtype=torch.int32)
+    packed = apply_rotary_emb(x.reshape(12, 3, 32), cos, sin, interleaved=interleaved,
+                              seqlen_offsets=offsets, cu_seqlens=cu, max_seqlen=6)
+    np.testing.assert_allclose(packed.reshape(2, 6, 3, 32).numpy(), want, rtol=1e-6, atol=1e-6)
+
+
+_FAKE_SUITE = '''
+import pytest, torch
+from flash_attn import flash_attn_func
+from flash_attn.bert_padding import pad_input, unpad_input
+from flash_attn.flash_attn_interface import _get_block_size_n, USE_TRITON_ROCM
+from flash_attn.layers.rotary import apply_rotary_emb
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_runs(causal):
+    q = torch.randn(1, 7, 2, 8)
+    out = flash_attn_func(q, q, q, causal=causal)
+    assert out.shape == q.shape
+
+def test_fails_with_a_number():
+    assert 17 == 18, "mismatch of 17 elements"
+
+@pytest.mark.skip(reason="not on this machine (3 GPUs missing)")
+def test_skipped():
+    pass
+'''
+
+
+def test_the_runner_counts_and_groups_what_pytest_ran(tmp_path):
+    suite = tmp_path / "test_fake_flash_attn.py"
+    suite.write_text(_FAKE_SUITE)
+    r = subprocess.run([sys.executable, str(TOOL), str(suite), "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "SUMMARY 2 passed, 1 failed, 1 skipped (4 of 4 cases)" in r.stdout, r.stdout[-3000:]
+    assert "mismatch of N elements" in r.stdout
+    assert "not on this machine (N GPUs missing)" in r.stdout
+    assert (tmp_path / "out" / "summary.json").is_file()
+    r = subprocess.run([sys.executable, str(TOOL), str(suite), "--sample", "2", "--seed", "3"],
+                       capture_output=True, text=True, timeout=600)
+    assert "(2 of 4 cases)" in r.stdout, r.stdout[-3000:]
