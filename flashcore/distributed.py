@@ -17,8 +17,9 @@ Layouts, ``world`` = W ranks, the sequence cut into equal chunks:
 * ``"zigzag"``: the sequence is cut into 2W chunks and rank r holds chunks r and 2W - 1 - r, so
   every rank has the same causal work (:func:`shard` and :func:`unshard` convert).
 
-Masks: full or causal (bottom-right alignment is top-left here: the shards of q and k/v have
-the same lengths). Transport is torch.distributed's (NCCL on GPUs, gloo on CPU): no transport
+Masks: full, causal, or causal with a sliding window ``(left, 0)`` (hops the window cannot
+reach are skipped; bottom-right alignment is top-left here: the shards of q and k/v have the
+same lengths). Transport is torch.distributed's (NCCL on GPUs, gloo on CPU): no transport
 of flashcore's own.
 
 Packed documents (varlen) take Llama 3's scheme instead, :func:`varlen_attention_all_gather`:
@@ -89,25 +90,52 @@ def _start_rotation(dist, group, tensors, nxt, prv):
     return bufs, dist.batch_isend_irecv(ops)
 
 
-def _blocks(layout, world, rank, src, causal):
-    """For the queries of ``rank`` and the K/V shard of ``src``: the (q sub-chunk, k sub-chunk,
-    causal?) pairs to compute; a pair whose keys are all in the queries' future is left out."""
+def _blocks(layout, world, rank, src, causal, left, m):
+    """For the queries of ``rank`` and the K/V shard of ``src`` (sub-chunks of ``m`` rows):
+    the blocks to compute, as (q sub-chunk, k sub-chunk, q rows, k rows, options). A block whose
+    keys are all in its queries' future, or all left of a causal window of ``left`` keys
+    (-1: unbounded), is left out: with a window, whole hops are skipped.
+
+    With D = the distance from the key chunk's start to the query chunk's (a multiple of m), a
+    causal window keeps key j of query i iff ``i + D - left <= j <= i + D``. The diagonal block
+    (D = 0) is causal with the window; below it the right bound always holds, and the left one
+    is the window ``(left - D, -1)`` when D <= left, or, when 0 < e = D - left < m, the upper
+    triangle ``j' >= i`` of queries [0, m - e) against keys [e, m)."""
     out = []
+    full = slice(0, m)
     for i, qc in enumerate(_chunks(layout, world, rank)):
         for j, kc in enumerate(_chunks(layout, world, src)):
-            if causal and kc > qc:
+            if not causal:
+                out.append((i, j, full, full, dict(causal=False)))
                 continue
-            out.append((i, j, causal and kc == qc))
+            if kc > qc:
+                continue
+            d = (qc - kc) * m
+            if d == 0:
+                out.append((i, j, full, full, dict(causal=True, window_size=(left, 0))))
+            elif left < 0:
+                out.append((i, j, full, full, dict(causal=False)))
+            elif d <= left:
+                out.append((i, j, full, full, dict(causal=False, window_size=(left - d, -1))))
+            elif d - left < m:
+                e = d - left
+                out.append((i, j, slice(0, m - e), slice(e, m),
+                            dict(causal=False, window_size=(0, -1))))
     return out
 
 
-def _forward(q, k, v, group, layout, causal, softmax_scale):
+def _forward(q, k, v, group, layout, causal, softmax_scale, left):
     import torch
     import torch.distributed as dist
     world, rank, nxt, prv = _ring_peers(dist, group)
     per = len(_chunks(layout, world, 0))
     qs = q.chunk(per, dim=1)
-    acc = [None] * per          # (out fp32/64, lse) per q sub-chunk
+    m = qs[0].shape[1]
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    b, h = q.shape[0], q.shape[2]
+    # per q sub-chunk: the merged output (float32/64) and lse, nothing seen yet
+    acc = [(q.new_zeros(qs[0].shape, dtype=ct), q.new_full((b, h, m), float("-inf"), dtype=ct))
+           for _ in range(per)]
     cur = (k.contiguous(), v.contiguous())
     for step in range(world):
         src = (rank - step) % world
@@ -115,14 +143,14 @@ def _forward(q, k, v, group, layout, causal, softmax_scale):
         if step < world - 1:
             pending = _start_rotation(dist, group, cur, nxt, prv)
         ks, vs = cur[0].chunk(per, dim=1), cur[1].chunk(per, dim=1)
-        for i, j, diag in _blocks(layout, world, rank, src, causal):
-            o, lse = attention_forward(qs[i], ks[j], vs[j], causal=diag,
-                                       softmax_scale=softmax_scale)
-            ct = torch.float64 if o.dtype == torch.float64 else torch.float32
-            if acc[i] is None:
-                acc[i] = (o.to(ct), lse.to(ct))
-            else:
-                acc[i] = merge_attention_states([acc[i][0], o.to(ct)], [acc[i][1], lse.to(ct)])
+        for i, j, qr, kr, opts in _blocks(layout, world, rank, src, causal, left, m):
+            o, lse = attention_forward(qs[i][:, qr].contiguous(), ks[j][:, kr].contiguous(),
+                                       vs[j][:, kr].contiguous(), softmax_scale=softmax_scale,
+                                       **opts)
+            ao, al = acc[i]
+            mo, ml = merge_attention_states([ao[:, qr], o.to(ct)], [al[..., qr], lse.to(ct)])
+            ao[:, qr] = mo
+            al[..., qr] = ml
         if pending is not None:
             bufs, reqs = pending
             for r in reqs:
@@ -133,7 +161,7 @@ def _forward(q, k, v, group, layout, causal, softmax_scale):
     return torch.cat(outs, dim=1), torch.cat(lses, dim=-1)
 
 
-def _backward(dout, q, k, v, out, lse, group, layout, causal, softmax_scale):
+def _backward(dout, q, k, v, out, lse, group, layout, causal, softmax_scale, left):
     import torch
     import torch.distributed as dist
     world, rank, nxt, prv = _ring_peers(dist, group)
@@ -153,13 +181,15 @@ def _backward(dout, q, k, v, out, lse, group, layout, causal, softmax_scale):
             pending = _start_rotation(dist, group, [kc, vc], nxt, prv)
         ks, vs = kc.chunk(per, dim=1), vc.chunk(per, dim=1)
         dks, dvs = dkc.chunk(per, dim=1), dvc.chunk(per, dim=1)
-        for i, j, diag in _blocks(layout, world, rank, src, causal):
-            g = attention_backward(dos[i].contiguous(), qs[i].contiguous(), ks[j].contiguous(),
-                                   vs[j].contiguous(), os_[i].contiguous(), lses[i],
-                                   causal=diag, softmax_scale=softmax_scale)
-            dqs[i].add_(g[0])
-            dks[j].add_(g[1])
-            dvs[j].add_(g[2])
+        m = qs[0].shape[1]
+        for i, j, qr, kr, opts in _blocks(layout, world, rank, src, causal, left, m):
+            g = attention_backward(dos[i][:, qr].contiguous(), qs[i][:, qr].contiguous(),
+                                   ks[j][:, kr].contiguous(), vs[j][:, kr].contiguous(),
+                                   os_[i][:, qr].contiguous(), lses[i][..., qr].contiguous(),
+                                   softmax_scale=softmax_scale, **opts)
+            dqs[i][:, qr].add_(g[0])
+            dks[j][:, kr].add_(g[1])
+            dvs[j][:, kr].add_(g[2])
         # this shard's gradient accumulators go on with it (home after the last hop)
         gbufs, greqs = _start_rotation(dist, group, [dkc, dvc], nxt, prv)
         for r in greqs:
@@ -184,11 +214,11 @@ def _function():
 
     class RingAttention(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, group, layout, causal, softmax_scale):
-            out, lse = _forward(q, k, v, group, layout, causal, softmax_scale)
+        def forward(ctx, q, k, v, group, layout, causal, softmax_scale, left):
+            out, lse = _forward(q, k, v, group, layout, causal, softmax_scale, left)
             out = out.to(q.dtype)
             ctx.save_for_backward(q, k, v, out, lse)
-            ctx.args = (group, layout, causal, softmax_scale)
+            ctx.args = (group, layout, causal, softmax_scale, left)
             ctx.mark_non_differentiable(lse)
             return out, lse
 
@@ -196,14 +226,14 @@ def _function():
         def backward(ctx, dout, _dlse):
             q, k, v, out, lse = ctx.saved_tensors
             dq, dk, dv = _backward(dout, q, k, v, out, lse, *ctx.args)
-            return dq, dk, dv, None, None, None, None
+            return dq, dk, dv, None, None, None, None, None
 
     _FN.append(RingAttention)
     return RingAttention
 
 
 def ring_attention(q, k, v, group=None, *, causal: bool = False, softmax_scale=None,
-                   layout: str = "contiguous", return_lse: bool = False):
+                   window_size=(-1, -1), layout: str = "contiguous", return_lse: bool = False):
     """Attention of this rank's query shard over the whole sequence, whose K/V shards are held
     by the ranks of ``group`` (the default group when None); differentiable through autograd.
 
@@ -211,8 +241,10 @@ def ring_attention(q, k, v, group=None, *, causal: bool = False, softmax_scale=N
     headdim)`` (GQA as in :func:`flashcore.attention`), every rank's shard of the same length,
     laid out as ``layout`` says (``"contiguous"``: rank r holds the r-th of W equal chunks;
     ``"zigzag"``: chunks r and 2W-1-r of 2W, see :func:`shard`). ``causal`` masks every key
-    after its query in the global sequence. Returns this rank's output shard (like q), and
-    with ``return_lse`` the float32 log-sum-exp ``(batch, nheads, seqlen_local)``.
+    after its query in the global sequence; with it, a sliding window ``(left, 0)`` keeps the
+    ``left`` keys before each query too (hops the window cannot reach are skipped). Returns
+    this rank's output shard (like q), and with ``return_lse`` the float32 log-sum-exp
+    ``(batch, nheads, seqlen_local)``.
     """
     import torch
     import torch.distributed as dist
@@ -232,9 +264,13 @@ def ring_attention(q, k, v, group=None, *, causal: bool = False, softmax_scale=N
     if q.shape[1] % per:
         raise ValueError(f"argument 'q': a zigzag shard holds two equal chunks: expected an "
                          f"even local length, got {q.shape[1]}")
+    left, right = (int(w) for w in window_size)
+    if (left, right) != (-1, -1) and not (causal and right in (0, -1) and left >= -1):
+        raise NotImplementedError("argument 'window_size': across ranks, a window (left, 0) with "
+                                  f"causal=True; got {tuple(window_size)} with causal={causal}")
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
-    out, lse = _function().apply(q, k, v, group, layout, causal, float(softmax_scale))
+    out, lse = _function().apply(q, k, v, group, layout, causal, float(softmax_scale), left)
     return (out, lse) if return_lse else out
 
 

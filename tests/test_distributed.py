@@ -21,25 +21,26 @@ _WORKER = textwrap.dedent(r"""
     dist.init_process_group("gloo", init_method="file://" + os.environ["INIT_FILE"],
                             rank=rank, world_size=world)
     fails = []
+    cases = [(c, (-1, -1), h, hk) for c in (False, True) for h, hk in ((4, 4), (4, 2))]
+    cases += [(True, (w, 0), 4, 2) for w in (0, 3, 9, 20)]      # windows across chunk edges
     for layout in ("contiguous", "zigzag"):
-        for causal in (False, True):
-            for h, hk in ((4, 4), (4, 2)):
-                g = torch.Generator().manual_seed(7 + h + hk + causal)
-                s = 8 * world                       # 2W chunks of 4 for zigzag
-                q, k, v, do = (torch.randn(2, s, n, 16, generator=g, dtype=torch.float64)
-                               for n in (h, hk, hk, h))
-                qf, kf, vf = (x.clone().requires_grad_() for x in (q, k, v))
-                ref = flashcore.attention(qf, kf, vf, causal=causal)
-                ref.backward(do)
-                ql, kl, vl = (shard(x, world, rank, layout).requires_grad_() for x in (q, k, v))
-                out = ring_attention(ql, kl, vl, causal=causal, layout=layout)
-                out.backward(shard(do, world, rank, layout))
-                pairs = [("out", out, ref), ("dq", ql.grad, qf.grad), ("dk", kl.grad, kf.grad),
-                         ("dv", vl.grad, vf.grad)]
-                for name, got, want in pairs:
-                    err = (got - shard(want, world, rank, layout)).abs().max().item()
-                    if not err < 1e-10:
-                        fails.append((layout, causal, h, hk, name, err))
+        for causal, window, h, hk in cases:
+            g = torch.Generator().manual_seed(7 + h + hk + causal + window[0])
+            s = 8 * world                       # 2W chunks of 4 for zigzag
+            q, k, v, do = (torch.randn(2, s, n, 16, generator=g, dtype=torch.float64)
+                           for n in (h, hk, hk, h))
+            qf, kf, vf = (x.clone().requires_grad_() for x in (q, k, v))
+            ref = flashcore.attention(qf, kf, vf, causal=causal, window_size=window)
+            ref.backward(do)
+            ql, kl, vl = (shard(x, world, rank, layout).requires_grad_() for x in (q, k, v))
+            out = ring_attention(ql, kl, vl, causal=causal, window_size=window, layout=layout)
+            out.backward(shard(do, world, rank, layout))
+            pairs = [("out", out, ref), ("dq", ql.grad, qf.grad), ("dk", kl.grad, kf.grad),
+                     ("dv", vl.grad, vf.grad)]
+            for name, got, want in pairs:
+                err = (got - shard(want, world, rank, layout)).abs().max().item()
+                if not err < 1e-10:
+                    fails.append((layout, causal, window, h, hk, name, err))
     # packed documents, all-gathered K/V (Llama 3's scheme): documents that span ranks
     from flashcore.distributed import varlen_attention_all_gather
     lens = [5, 11, 3, 13, 0, 7, 25] if world == 2 else [5, 11, 3, 13, 0, 7, 25, 1, 31, 8]
