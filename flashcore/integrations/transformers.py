@@ -107,9 +107,10 @@ def flashcore_attention_forward(module, query, key, value, attention_mask, scali
     if attention_mask is not None and attention_mask.ndim == 4:
         _check_4d_mask(attention_mask, q.shape[1], k.shape[1], kw["causal"], kw["window_size"])
         attention_mask = None
+    import torch
     position_ids = kwargs.get("position_ids")
     if attention_mask is None and k.shape[1] > q.shape[1] and position_ids is not None \
-            and not (torch_grad_enabled() and query.requires_grad):
+            and not (torch.is_grad_enabled() and query.requires_grad):
         out = _decode_over_cache(q, k, v, position_ids, **kw)
     elif attention_mask is None:
         out = attention(q, k, v, **kw)
@@ -120,11 +121,6 @@ def flashcore_attention_forward(module, query, key, value, attention_mask, scali
                          f"(batch, kv_len) padding mask or a 4D mask, got shape "
                          f"{tuple(attention_mask.shape)}")
     return out.contiguous(), None
-
-
-def torch_grad_enabled() -> bool:
-    import torch
-    return torch.is_grad_enabled()
 
 
 def _decode_over_cache(q, k, v, position_ids, **kw):
