@@ -31,9 +31,11 @@ Conventions (flash-attn's; see docs/conventions):
 """
 from __future__ import annotations
 
-from ._arrays import library_of, torch_compiling
+from . import config
+from ._arrays import library_of
 from .backends.base import all_backends, choose, choose_kvcache
-from .spec import backward_spec, check_outputs, forward_spec, kvcache_spec, merge_spec
+from .kernels import plans
+from .spec import _scalar_key, backward_spec, check_outputs, forward_spec, kvcache_spec, merge_spec
 
 __all__ = [
     "attention", "attention_forward", "attention_backward",
@@ -46,26 +48,117 @@ def _lse_shape(spec):
     return (spec.nheads, spec.total_q) if spec.varlen else (spec.batch, spec.nheads, spec.seqlen_q)
 
 
+# CuPy calls replay the launch plan of their layout (flashcore.kernels.plans, keyed here on
+# the arguments as given); torch calls do so inside their ops (flashcore.backends.torch_ops).
+
+def _cupy_layout(a):
+    if a is None:
+        return None
+    m = a.data
+    return (a.shape, a.strides, a.dtype, m.ptr & 15, m.device_id)
+
+
+def _cupy_key(kind, arrays, scalars):
+    """The launch-plan key of a CuPy call, or None (not CuPy arrays throughout, an option that
+    cannot be keyed exactly, debug mode: then the call runs in full)."""
+    if not plans.enabled() or library_of(arrays[0]) != "cupy":
+        return None
+    cfg = config.get()
+    if cfg.debug:
+        return None
+    try:
+        key = (kind, cfg, *(_cupy_layout(a) for a in arrays), *(_scalar_key(x) for x in scalars))
+        hash(key)
+    except (AttributeError, TypeError):
+        return None
+    return key
+
+
+def _cupy_replay(plan, pointers) -> bool:
+    import cupy
+    if plans.current_context() != plan.context:
+        return False
+    stream = cupy.cuda.get_current_stream().ptr
+
+    def alloc(nbytes):
+        m = cupy.cuda.alloc(nbytes)
+        return m, m.ptr
+
+    def counters(groups):
+        from .kernels.decode import existing_split_counter
+        return existing_split_counter(plan.device_id, stream, groups)
+    return plan.run(pointers, stream, alloc, counters) is not None
+
+
+def _ptr(a) -> int:
+    return 0 if a is None else a.data.ptr
+
+
+_FWD_OPTIONS = ("causal", "softmax_scale", "window_size", "softcap", "deterministic",
+                "max_seqlen_q", "max_seqlen_k")
+
+
 def _forward(q, k, v, backend, varlen, out=None, lse=None, **kw):
+    alibi, cu_q, cu_k = kw.get("alibi_slopes"), kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")
+    key = _cupy_key("fwd", (q, k, v, out, lse, alibi, cu_q, cu_k),
+                    (backend, varlen, *(kw.get(n) for n in _FWD_OPTIONS)))
+    if key is not None:
+        plan = plans.lookup(key)
+        if plan is not None:
+            import cupy
+            o = cupy.empty(q.shape, q.dtype) if out is None else out
+            l_ = cupy.empty((q.shape[1], q.shape[0]) if varlen else
+                            (q.shape[0], q.shape[2], q.shape[1]), cupy.float32) \
+                if lse is None else lse
+            if _cupy_replay(plan, (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l_.data.ptr,
+                                   _ptr(alibi), _ptr(cu_q), _ptr(cu_k))):
+                return o, l_
     spec = forward_spec(q, k, v, varlen=varlen, **kw)
     b = choose(spec, backend)
     given = {} if out is None and lse is None else check_outputs(
         spec, {"out": out, "lse": lse},
         {"out": (q.shape, spec.dtype), "lse": (_lse_shape(spec), "float32")})
-    return b.forward(spec, q, k, v, alibi_slopes=kw.get("alibi_slopes"),
-                     cu_seqlens_q=kw.get("cu_seqlens_q"), cu_seqlens_k=kw.get("cu_seqlens_k"),
-                     **given)
+    with plans.record() as rec:
+        o, l_ = b.forward(spec, q, k, v, alibi_slopes=alibi, cu_seqlens_q=cu_q,
+                          cu_seqlens_k=cu_k, **given)
+    if key is not None:
+        plans.remember(key, rec.plan((("q", _ptr(q)), ("k", _ptr(k)), ("v", _ptr(v)),
+                                      ("o", _ptr(o)), ("lse", _ptr(l_)),
+                                      ("alibi_slopes", _ptr(alibi)), ("cu_seqlens_q", _ptr(cu_q)),
+                                      ("cu_seqlens_k", _ptr(cu_k))), q.device.id))
+    return o, l_
 
 
 def _backward(dout, q, k, v, out, lse, backend, varlen, dq=None, dk=None, dv=None, **kw):
+    alibi, cu_q, cu_k = kw.get("alibi_slopes"), kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")
+    key = _cupy_key("bwd", (q, dout, k, v, out, lse, dq, dk, dv, alibi, cu_q, cu_k),
+                    (backend, varlen, *(kw.get(n) for n in _FWD_OPTIONS)))
+    if key is not None:
+        plan = plans.lookup(key)
+        if plan is not None:
+            import cupy
+            gq = cupy.empty(q.shape, q.dtype) if dq is None else dq
+            gk = cupy.empty(k.shape, k.dtype) if dk is None else dk
+            gv = cupy.empty(v.shape, v.dtype) if dv is None else dv
+            if _cupy_replay(plan, (dout.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr,
+                                   out.data.ptr, lse.data.ptr, gq.data.ptr, gk.data.ptr,
+                                   gv.data.ptr, _ptr(alibi), _ptr(cu_q), _ptr(cu_k))):
+                return gq, gk, gv
     spec = backward_spec(dout, q, k, v, out, lse, varlen=varlen, **kw)
     b = choose(spec, backend, backward=True)
     given = {} if dq is None and dk is None and dv is None else check_outputs(
         spec, {"dq": dq, "dk": dk, "dv": dv},
         {"dq": (q.shape, spec.dtype), "dk": (k.shape, spec.dtype), "dv": (v.shape, spec.dtype)})
-    return b.backward(spec, dout, q, k, v, out, lse, alibi_slopes=kw.get("alibi_slopes"),
-                      cu_seqlens_q=kw.get("cu_seqlens_q"), cu_seqlens_k=kw.get("cu_seqlens_k"),
-                      **given)
+    with plans.record() as rec:
+        gq, gk, gv = b.backward(spec, dout, q, k, v, out, lse, alibi_slopes=alibi,
+                                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **given)
+    if key is not None:
+        plans.remember(key, rec.plan(
+            (("dout", _ptr(dout)), ("q", _ptr(q)), ("k", _ptr(k)), ("v", _ptr(v)),
+             ("o", _ptr(out)), ("lse", _ptr(lse)), ("dq", _ptr(gq)), ("dk", _ptr(gk)),
+             ("dv", _ptr(gv)), ("alibi_slopes", _ptr(alibi)), ("cu_seqlens_q", _ptr(cu_q)),
+             ("cu_seqlens_k", _ptr(cu_k))), q.device.id))
+    return gq, gk, gv
 
 
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
@@ -124,6 +217,8 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=N
 
     q: (total_q, nheads, headdim), k, v: (total_k, nheads_k, headdim); sequence b holds
     rows ``cu_seqlens[b]:cu_seqlens[b+1]`` (int32, length batch+1). lse: (nheads, total_q).
+    Rows past ``cu_seqlens[-1]`` belong to no sequence (flash-attn's rule): nothing reads them,
+    and their out, lse and gradients are unspecified.
     ``max_seqlen_*`` default to the longest sequence (computed from cu_seqlens).
     """
     return _forward(q, k, v, backend, True, causal=causal, softmax_scale=softmax_scale,
@@ -214,6 +309,29 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         lse -inf. On torch tensors there is no autograd: the call runs as under
         ``torch.no_grad()`` and the results do not require grad (inference only).
     """
+    if out is None and lse is None and library_of(q) == "torch":
+        from .backends.torch_ops import kvcache_attention
+        out, lse = kvcache_attention(
+            q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
+            rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+            causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+            alibi_slopes=alibi_slopes, num_splits=num_splits, backend=backend)
+        return (out, lse) if return_lse else out
+    key = _cupy_key("kvcache", (q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                rotary_cos, rotary_sin, alibi_slopes, out, lse),
+                    (rotary_interleaved, causal, softmax_scale, window_size, softcap, num_splits,
+                     backend))
+    if key is not None:
+        plan = plans.lookup(key)
+        if plan is not None:
+            import cupy
+            o = cupy.empty(q.shape, q.dtype) if out is None else out
+            l_ = cupy.empty((q.shape[0], q.shape[2], q.shape[1]), cupy.float32) \
+                if lse is None else lse
+            if _cupy_replay(plan, (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, o.data.ptr,
+                                   l_.data.ptr, cache_seqlens.data.ptr, _ptr(block_table),
+                                   _ptr(alibi_slopes))):
+                return (o, l_) if return_lse else o
     spec = kvcache_spec(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                         block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                         rotary_interleaved=rotary_interleaved, causal=causal,
@@ -224,18 +342,17 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                           {"out": (q.shape, a.dtype),
                            "lse": ((a.batch, a.nheads, a.seqlen_q), "float32")}) \
         if out is not None or lse is not None else {}
-    if a.library == "torch":
-        from .backends.torch_ops import kvcache_attention
-        if not torch_compiling(q):
-            choose_kvcache(spec, backend)
-        out, lse = kvcache_attention(q, k_cache, v_cache, k, v, spec, cache_seqlens=cache_seqlens,
-                                     block_table=block_table, rotary_cos=rotary_cos,
-                                     rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
-    else:
+    with plans.record() as rec:
         out, lse = choose_kvcache(spec, backend).forward_kvcache(
             spec, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
             block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
             alibi_slopes=alibi_slopes, **given)
+    if key is not None and spec.cache_seqlens_int is None:
+        plans.remember(key, rec.plan(
+            (("q", _ptr(q)), ("k", _ptr(k_cache)), ("v", _ptr(v_cache)), ("o", _ptr(out)),
+             ("lse", _ptr(lse)), ("cache_seqlens", _ptr(cache_seqlens)),
+             ("block_table", _ptr(block_table)), ("alibi_slopes", _ptr(alibi_slopes))),
+            q.device.id))
     return (out, lse) if return_lse else out
 
 

@@ -185,9 +185,9 @@ def _cu_seqlens(name, cu, lib, device, total, max_seqlen_name, max_seqlen):
         i = int(np.argmax(d < 0))
         raise _arg_error(ValueError, name, "a non-decreasing sequence",
                          f"{name}[{i + 1}] = {h[i + 1]} < {name}[{i}] = {h[i]}")
-    if h[-1] != total:
+    if h[-1] > total:      # (rows past the last entry belong to no sequence, as in flash-attn)
         raise _arg_error(ValueError, name,
-                         f"last entry equal to the number of packed tokens ({total})", f"{h[-1]}")
+                         f"last entry at most the number of packed tokens ({total})", f"{h[-1]}")
     longest = int(d.max()) if d.size else 0
     if max_seqlen is None:
         max_seqlen = longest
@@ -197,29 +197,7 @@ def _cu_seqlens(name, cu, lib, device, total, max_seqlen_name, max_seqlen):
     return cu.shape[0] - 1, max_seqlen
 
 
-# ---- memo of validated calls ------------------------------------------------------------
-# Validation is a pure function of the arrays' layouts (type, shape, strides, dtype, device)
-# and of the scalar options, except where it reads index values (host arrays, debug mode: see
-# _reads_values). It costs tens of microseconds of Python per call, paid again on every step
-# with the same shapes: a call whose layouts and options were validated before gets the same
-# spec from the memo. Anything that cannot be keyed exactly (unhashable or unknown objects,
-# values read, torch.compile tracing) is validated in full; failures are never memoised.
-_SPEC_MEMO: dict = {}
-_SPEC_MEMO_MAX = 4096
-
-
-def _layout_key(x):
-    # (by the class's attributes, not library_of: this runs for every array of every call; a
-    # key only ever maps to a spec that full validation produced for that same class)
-    t = type(x)
-    if t is np.ndarray:
-        return (t, x.shape, x.strides, x.dtype)
-    if hasattr(t, "stride") and hasattr(t, "device"):          # torch
-        return (t, x.shape, x.stride(), x.dtype, x.device)
-    if library_of(x) == "cupy":
-        return (t, x.shape, x.strides, x.dtype, x.device.id)
-    raise TypeError   # not keyable: validate in full
-
+# ---- keys of plain option values (flashcore.api keys CuPy calls' launch plans on them) ------
 
 _PLAIN_SCALARS = frozenset((bool, int, float, str, type(None)))
 
@@ -233,61 +211,16 @@ def _scalar_key(v):
     raise TypeError
 
 
-def _memo_key(kind, arrays, alibi_slopes, scalars):
-    """The memo's key of a call, or None (not keyable). Runs on every call: plain loops."""
-    if torch_compiling(arrays[0]):
-        return None
-    try:
-        key = [kind]
-        for x in arrays:
-            key.append(_layout_key(x))
-        for v in scalars:
-            key.append(_scalar_key(v))
-        if alibi_slopes is not None:
-            key.append(_layout_key(alibi_slopes))
-        key = tuple(key)
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
-def _memo_put(key, spec):
-    if key is not None:
-        if len(_SPEC_MEMO) >= _SPEC_MEMO_MAX:
-            _SPEC_MEMO.clear()
-        _SPEC_MEMO[key] = spec
-    return spec
-
-
-def _varlen_keyable(cu_seqlens_q, cu_seqlens_k) -> bool:
-    """A varlen call's spec depends on layouts only when no cu_seqlens values are read."""
-    return (library_of(cu_seqlens_q) is not None and library_of(cu_seqlens_k) is not None
-            and not _reads_values(cu_seqlens_q) and not _reads_values(cu_seqlens_k))
-
-
 def forward_spec(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                  softcap=0.0, alibi_slopes=None, deterministic=False,
                  cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                  max_seqlen_k=None, varlen=False) -> AttentionSpec:
     """Validate the forward arguments and return their spec. Raises TypeError/ValueError."""
-    key = None
-    if not varlen and cu_seqlens_q is None and cu_seqlens_k is None \
-            and max_seqlen_q is None and max_seqlen_k is None:
-        key = _memo_key("fwd", (q, k, v), alibi_slopes,
-                        (causal, softmax_scale, window_size, softcap, deterministic))
-    elif varlen and _varlen_keyable(cu_seqlens_q, cu_seqlens_k):
-        key = _memo_key("fwd-varlen", (q, k, v, cu_seqlens_q, cu_seqlens_k), alibi_slopes,
-                        (causal, softmax_scale, window_size, softcap, deterministic,
-                         max_seqlen_q, max_seqlen_k))
-    spec = _SPEC_MEMO.get(key) if key is not None else None
-    if spec is not None:
-        return spec
-    return _memo_put(key, _forward_spec(
+    return _forward_spec(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
         softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, varlen=varlen))
+        max_seqlen_k=max_seqlen_k, varlen=varlen)
 
 
 def _forward_spec(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi_slopes,
@@ -354,28 +287,8 @@ def _forward_spec(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi
     )
 
 
-_BWD_OPTIONS = ("causal", "softmax_scale", "window_size", "softcap", "deterministic")
-_VARLEN_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
-
-
 def backward_spec(dout, q, k, v, out, lse, **kw) -> AttentionSpec:
     """Validate the backward arguments: the forward's, plus dout/out like q and lse."""
-    key = None
-    if set(kw) <= set(_BWD_OPTIONS) | set(_VARLEN_OPTIONS) | {"alibi_slopes", "varlen"}:
-        scalars = tuple(kw.get(n, "<default>") for n in _BWD_OPTIONS)
-        if not kw.get("varlen") and all(kw.get(n) is None for n in _VARLEN_OPTIONS):
-            key = _memo_key("bwd", (dout, q, k, v, out, lse), kw.get("alibi_slopes"), scalars)
-        elif kw.get("varlen") and _varlen_keyable(kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")):
-            key = _memo_key("bwd-varlen", (dout, q, k, v, out, lse, kw["cu_seqlens_q"],
-                                           kw["cu_seqlens_k"]), kw.get("alibi_slopes"),
-                            scalars + (kw.get("max_seqlen_q"), kw.get("max_seqlen_k")))
-    spec = _SPEC_MEMO.get(key) if key is not None else None
-    if spec is not None:
-        return spec
-    return _memo_put(key, _backward_spec(dout, q, k, v, out, lse, **kw))
-
-
-def _backward_spec(dout, q, k, v, out, lse, **kw) -> AttentionSpec:
     spec = forward_spec(q, k, v, **kw)
     for n, x in (("dout", dout), ("out", out)):
         _check_array(n, x, q.ndim, spec.library, spec.device)
@@ -477,28 +390,11 @@ def kvcache_spec(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_ta
     a device sync): by default the kernels clamp every address formed from them, so a bad value
     gives a wrong result and never touches memory outside the cache.
     """
-    key = None
-    if (library_of(cache_seqlens) is None or not _reads_values(cache_seqlens)) and \
-            (block_table is None or not _reads_values(block_table)):
-        arrays = (q, k_cache, v_cache, k, v, block_table, rotary_cos, rotary_sin)
-        key = _memo_key("kv", tuple(a for a in arrays if a is not None), alibi_slopes,
-                        (tuple(a is None for a in arrays),
-                         cache_seqlens if library_of(cache_seqlens) is None else None,
-                         rotary_interleaved, causal, softmax_scale, window_size, softcap,
-                         num_splits))
-        if key is not None and library_of(cache_seqlens) is not None:
-            try:
-                key += (_layout_key(cache_seqlens),)
-            except TypeError:
-                key = None
-        spec = _SPEC_MEMO.get(key) if key is not None else None
-        if spec is not None:
-            return spec
-    return _memo_put(key, _kvcache_spec(
+    return _kvcache_spec(
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
         rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
         causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, num_splits=num_splits))
+        alibi_slopes=alibi_slopes, num_splits=num_splits)
 
 
 def _kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, rotary_cos,

@@ -1,12 +1,15 @@
 """Launch plans (flashcore/kernels/plans.py) replay exactly what the full launchers do.
 
 Runs without a GPU: the kernels are stand-ins that record each launch (name, grid, block,
-shared memory, the struct's bytes), the arrays are CuPy arrays over made-up addresses, and the
-device queries are answered for an H200. For random layouts and options, the launches of a
-replayed call must equal those of a full run of the launcher with the same arrays, byte for
-byte, except the addresses of the per-call scratch buffers."""
+shared memory, the struct's bytes), ``cuLaunchKernel`` is a stand-in that records the same of a
+replay, the arrays are CuPy arrays over made-up addresses, and the device queries are answered
+for an H200. The calls here play the part of the API's call sites (key a call by its layouts,
+replay its plan, else run it in full and record it). For random layouts and options, the
+launches of a replayed call must equal those of a full run of the launcher with the same
+arrays, byte for byte, except the addresses of the per-call scratch buffers."""
 from __future__ import annotations
 
+import ctypes
 import itertools
 
 import numpy as np
@@ -24,13 +27,56 @@ _NEXT = itertools.count(1)
 STREAM = {"ptr": 0x7000}     # the fake current stream's handle (decode counters are per stream)
 
 
+FUNCTIONS: dict = {}    # CUfunction stand-in -> kernel name
+
+
 class FakeKernel:
     def __init__(self, name):
         self.name = name
-        self.kernel = type("Function", (), {"ptr": 0xF000 + len(name)})()   # the CUfunction
+        self.kernel = type("Function", (), {"ptr": 0xF000 + 16 * len(FUNCTIONS)})()
+        FUNCTIONS[self.kernel.ptr] = name
 
     def __call__(self, grid, block, args, shared_mem=0):
-        LOG.append((self.name, tuple(grid), tuple(block), shared_mem, bytes(args[0].tobytes())))
+        LOG.append((self.name, plans._dim3(grid), plans._dim3(block), shared_mem,
+                    bytes(args[0].tobytes())))
+
+
+def fake_launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+    """cuLaunchKernel's stand-in: params is a void*[1] pointing at the struct's bytes."""
+    assert extra == 0 and stream == STREAM["ptr"]
+    arg = ctypes.c_void_p.from_address(params).value
+    LOG.append((FUNCTIONS[func], (gx, gy, gz), (bx, by, bz), smem,
+                ctypes.string_at(arg, params_dtype().itemsize)))
+
+
+def _layout(a):
+    return None if a is None else (a.shape, a.strides, a.dtype, a.data.ptr % 16)
+
+
+def _ptr(a):
+    return 0 if a is None else a.data.ptr
+
+
+def call(kind, run, arrays, roles, options):
+    """A call site: the plan of this layout replayed, else ``run()`` in full and recorded.
+    ``run()`` returns (result, piece); ``roles`` names ``arrays`` for the plan."""
+    key = (kind, *(_layout(a) for a in arrays), options, config.get())
+    plan = plans.lookup(key)
+    if plan is not None:
+        from flashcore.kernels import decode
+
+        def alloc(nbytes):
+            a = cupy.empty((nbytes,), np.uint8)
+            return a, a.data.ptr
+        done = plan.run(tuple(_ptr(a) for a in arrays), STREAM["ptr"], alloc,
+                        lambda g: decode.existing_split_counter(0, STREAM["ptr"], g))
+        if done is not None:
+            return plan.result
+    with plans.record() as rec:
+        result, piece = run()
+        plans.offer(piece)
+    plans.remember(key, rec.plan(tuple(zip(roles, (_ptr(a) for a in arrays))), 0, result))
+    return result
 
 
 class FakeDevice:
@@ -67,6 +113,9 @@ def no_gpu(monkeypatch):
                         lambda src, name, *a, **k: kernels.setdefault(name, FakeKernel(name)))
     monkeypatch.setattr(jit, "device_facts", lambda i: (90, 232448, 132))
     monkeypatch.setattr(cupy.cuda, "Device", FakeDevice)
+    from cupy.cuda import driver
+    monkeypatch.setattr(driver, "launchKernel", fake_launch_kernel)
+    monkeypatch.setattr(driver, "ctxGetCurrent", lambda: 0xC0)
     monkeypatch.setattr(cupy, "empty", _alloc)
     monkeypatch.setattr(cupy, "zeros", _alloc)
     monkeypatch.setattr(cupy, "empty_like", lambda a, **k: _alloc(a.shape, a.dtype))
@@ -139,17 +188,28 @@ def _case(rng):
                 deterministic=bool(rng.random() < 0.3), scale=float(rng.uniform(0.05, 0.2)))
 
 
+def _options(c, *names):
+    return tuple(c[n] for n in ("scale", "wl", "wr", "softcap") + names)
+
+
 def _forward(c, arrays):
     q, k, v, out, lse = arrays
-    forward.launch_forward(q, k, v, out, lse, softmax_scale=c["scale"], window_left=c["wl"],
-                           window_right=c["wr"], softcap=c["softcap"], alibi_slopes=c["alibi"])
+    return call("fwd", lambda: (None, forward.launch_forward(
+        q, k, v, out, lse, softmax_scale=c["scale"], window_left=c["wl"], window_right=c["wr"],
+        softcap=c["softcap"], alibi_slopes=c["alibi"])),
+        (q, k, v, out, lse, c["alibi"]), ("q", "k", "v", "o", "lse", "alibi_slopes"),
+        _options(c))
 
 
 def _backward(c, arrays):
     do, q, k, v, out, lse, dq, dk, dv = arrays
-    backward.launch_backward(do, q, k, v, out, lse, dq, dk, dv, softmax_scale=c["scale"],
-                             window_left=c["wl"], window_right=c["wr"], softcap=c["softcap"],
-                             alibi_slopes=c["alibi"], deterministic=c["deterministic"])
+    return call("bwd", lambda: (None, backward.launch_backward(
+        do, q, k, v, out, lse, dq, dk, dv, softmax_scale=c["scale"], window_left=c["wl"],
+        window_right=c["wr"], softcap=c["softcap"], alibi_slopes=c["alibi"],
+        deterministic=c["deterministic"])),
+        (do, q, k, v, out, lse, dq, dk, dv, c["alibi"]),
+        ("dout", "q", "k", "v", "o", "lse", "dq", "dk", "dv", "alibi_slopes"),
+        _options(c, "deterministic"))
 
 
 def _fwd_arrays(rng, c):
@@ -197,23 +257,19 @@ def test_backward_replay_equals_full_launch(seed):
 
 def test_scratch_is_fresh_and_never_filled(monkeypatch):
     made = []
-
-    def alloc(shape, dtype=np.float32, **kw):
-        a = _alloc(shape, dtype)
-        made.append(("zeros" if alloc.zero else "empty", tuple(a.shape)))
-        return a
-    alloc.zero = False
-    monkeypatch.setattr(cupy, "empty", lambda *a, **k: (setattr(alloc, "zero", False), alloc(*a, **k))[1])
-    monkeypatch.setattr(cupy, "zeros", lambda *a, **k: (setattr(alloc, "zero", True), alloc(*a, **k))[1])
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=np.float32, **k: (
+        made.append(("empty", shape, np.dtype(dtype))), _alloc(shape, dtype))[1])
+    monkeypatch.setattr(cupy, "zeros", lambda shape, dtype=np.float32, **k: (
+        made.append(("zeros", shape, np.dtype(dtype))), _alloc(shape, dtype))[1])
     rng = np.random.default_rng(5)
     c = dict(_case(rng), deterministic=False, sq=100, sk=90, b=2, h=4, hk=2, d=64)
     arrays = _bwd_arrays(rng, c)
     _backward(c, arrays)
     made.clear()
-    _backward(c, arrays)       # replay
-    assert ("empty", (2, 4, 100, 64)) in made        # the fp32 dQ accumulator (zeroed by
-    assert not any(kind == "zeros" for kind, _ in made)  # the preprocess kernel: no fill)
-    assert ("empty", (2, 4, 100)) in made            # D = rowsum(dO * O)
+    _backward(c, arrays)       # replay: fresh bytes for the fp32 dQ accumulator (zeroed by
+    assert ("empty", (2 * 4 * 100 * 64 * 4,), np.uint8) in made  # the preprocess kernel) and
+    assert ("empty", (2 * 4 * 100 * 4,), np.uint8) in made       # D = rowsum(dO * O), no fill
+    assert not any(kind == "zeros" for kind, *_ in made)
 
 
 def test_copies_and_unaligned_arrays_are_never_recorded():
@@ -225,8 +281,7 @@ def test_copies_and_unaligned_arrays_are_never_recorded():
     assert not plans.PLANS
     _forward(c, (q, k, v, out, lse))
     assert len(plans.PLANS) == 1
-    key = next(iter(plans.PLANS))
-    assert ("fwd", 0) == key[:2]
+    assert next(iter(plans.PLANS))[0] == "fwd"
 
 
 def test_options_are_part_of_the_key():
@@ -241,12 +296,37 @@ def test_options_are_part_of_the_key():
 
 def test_key_holds_the_address_modulo_16():
     """The backward writes dq/dk/dv in place when 4-byte aligned, else through a temporary:
-    a plan recorded for one alignment must not serve another (review finding)."""
+    a plan recorded for one alignment must not serve another (review finding). Both call
+    sites' keys (CuPy arrays in flashcore.api, tensors in the torch ops) hold it."""
+    from flashcore import api
     a8 = fake_array((2, 8, 2, 64), np.float16, align=8)
     a2 = fake_array((2, 8, 2, 64), np.float16, align=2)
     a0 = fake_array((2, 8, 2, 64), np.float16)
-    keys = {plans.layout_key(a) for a in (a8, a2, a0)}
-    assert len(keys) == 3
+    assert len({api._cupy_layout(a) for a in (a8, a2, a0)}) == 3
+
+
+def test_a_plan_refuses_an_address_it_cannot_fill_in():
+    """A struct field holding an address that is not the call's array of that name (a copy the
+    launcher made, say) makes the call unrecordable."""
+    rng = np.random.default_rng(13)
+    c = _case(rng)
+    q, k, v, out, lse = _fwd_arrays(rng, c)
+    with plans.record() as rec:
+        piece = forward.launch_forward(q, k, v, out, lse, softmax_scale=0.1, window_left=-1,
+                                       window_right=-1)
+        plans.offer(piece)
+    other = fake_array(q.shape, q.dtype)
+    assert rec.plan((("q", q.data.ptr), ("k", k.data.ptr), ("v", v.data.ptr),
+                     ("o", out.data.ptr), ("lse", lse.data.ptr)), 0) is not None
+    assert rec.plan((("q", other.data.ptr), ("k", k.data.ptr), ("v", v.data.ptr),
+                     ("o", out.data.ptr), ("lse", lse.data.ptr)), 0) is None
+    with plans.record() as rec:     # two offers in one call, or an unrecordable piece
+        plans.offer(piece)
+        plans.offer(piece)
+    assert rec.plan((), 0) is None
+    with plans.record() as rec:
+        plans.offer(piece, None)
+    assert rec.plan((), 0) is None
 
 
 def test_tile_overrides_and_kernel_reloads_drop_the_plans():
@@ -298,10 +378,12 @@ def _decode_arrays(rng, c):
 def _decode(c, arrays):
     from flashcore.kernels import decode
     q, kc, vc, out, lse, seqlens, bt = arrays
-    LOG.append(("returned", decode.launch_decode(
+    LOG.append(("returned", call("dec", lambda: decode.decode_launches(
         q, kc, vc, out, lse, cache_seqlens=seqlens, block_table=bt, softmax_scale=c["scale"],
         window_left=c["wl"], window_right=c["wr"], softcap=c["softcap"],
-        num_splits=c["splits"]), (), 0, b""))
+        num_splits=c["splits"]), (q, kc, vc, out, lse, seqlens, bt),
+        ("q", "k", "v", "o", "lse", "cache_seqlens", "block_table"),
+        _options(c, "splits")), (), 0, b""))
 
 
 def _decode_masked(log):
@@ -495,7 +577,8 @@ def test_decode_cluster_merge_is_one_launch_without_scratch(paged, monkeypatch):
         assert not made, "no scratch allocated"
         assert LOG[-1] == ("returned", splits, (), 0, b"")
         # a count above 8 is a non-portable cluster size: allowed on the function first
-        assert attrs == ([(0xF000 + len(name), 14, 1)] if want_attr else [])
+        ptr = next(f for f, n in FUNCTIONS.items() if n == name)
+        assert attrs == ([(ptr, 14, 1)] if want_attr else [])
         # the replay launches the same
         full = list(LOG)
         LOG.clear()

@@ -97,6 +97,27 @@ def test_compiled_fullgraph_runs_and_matches(name):
     assert all(p.grad is not None for p in ours.parameters() if p.requires_grad)
 
 
+def test_padded_batch_compiles_fullgraph_with_no_sync_and_matches_sdpa(name):
+    """A padded training batch: the varlen route has static shapes and no host read (a
+    fullgraph compile would fail on either), and gives sdpa's loss and gradients."""
+    torch._dynamo.reset()
+    ours, ref = _models(name)
+    ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(3, 16, dtype=torch.long)
+    mask[0, :6] = 0            # left padding
+    mask[2, 11:] = 0           # right padding
+    labels = ids.masked_fill(mask == 0, -100)
+    out = torch.compile(ours, fullgraph=True)(ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    expected = ref(ids, attention_mask=mask, labels=labels)
+    expected.loss.backward()
+    torch.testing.assert_close(out.loss, expected.loss, atol=1e-5, rtol=1e-5)
+    keep = mask.bool()
+    torch.testing.assert_close(out.logits[keep], expected.logits[keep], atol=1e-5, rtol=1e-5)
+    for (n, p), (_, pr) in zip(ours.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, pr.grad, atol=1e-5, rtol=1e-4, msg=n)
+
+
 def test_dropout_in_training_is_refused():
     q = torch.randn(1, 2, 3, 8)
 

@@ -84,7 +84,7 @@ def varlen(**over):
 @pytest.mark.parametrize("over,exc,words", [
     (dict(cu_seqlens_q=np.array([0, 3, 8], np.int64)), TypeError, ["'cu_seqlens_q'", "int32", "int64"]),
     (dict(cu_seqlens_q=np.array([0, 5, 3, 8], np.int32)), ValueError, ["'cu_seqlens_q'", "non-decreasing"]),
-    (dict(cu_seqlens_q=np.array([0, 3, 7], np.int32)), ValueError, ["'cu_seqlens_q'", "(8)", "7"]),
+    (dict(cu_seqlens_q=np.array([0, 3, 9], np.int32)), ValueError, ["'cu_seqlens_q'", "(8)", "9"]),
     (dict(cu_seqlens_q=np.array([1, 3, 8], np.int32)), ValueError, ["'cu_seqlens_q'", "== 0"]),
     (dict(cu_seqlens_q=np.array([8], np.int32)), ValueError, ["'cu_seqlens_q'", "batch+1"]),
     (dict(cu_seqlens_k=np.array([0, 9], np.int32)), ValueError, ["'cu_seqlens_k'", "length 3"]),
@@ -94,6 +94,7 @@ def varlen(**over):
     (dict(q=arr(2, 8, 4, 16)), ValueError, ["'q'", "3-dimensional"]),
 ])
 def test_varlen_rejects(over, exc, words):
+    # (a last entry below the packed rows is allowed: the rows after it belong to no sequence)
     with pytest.raises(exc) as e:
         varlen(**over)
     for w in words:
@@ -159,3 +160,15 @@ def test_window_size_as_any_pair_of_ints():
     np.testing.assert_array_equal(got, want)
     with pytest.raises(TypeError, match="window_size"):
         flashcore.attention_forward(q, q, q, window_size=np.array([3, 1, 2]))
+
+
+def test_varlen_rows_past_the_last_sequence_are_ignored():
+    """flash-attn's rule: rows past cu_seqlens[-1] belong to no sequence; the sequences'
+    rows equal those of the same call without the trailing rows."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((8, 4, 16), (9, 2, 16), (9, 2, 16)))
+    cu_q, cu_k = np.array([0, 3, 6], np.int32), np.array([0, 4, 7], np.int32)
+    o, lse = flashcore.varlen_attention_forward(q, k, v, cu_q, cu_k)
+    o2, lse2 = flashcore.varlen_attention_forward(q[:6], k[:7], v[:7], cu_q, cu_k)
+    np.testing.assert_array_equal(o[:6], o2)
+    np.testing.assert_array_equal(lse[:, :6], lse2)

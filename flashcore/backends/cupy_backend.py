@@ -11,6 +11,7 @@ import importlib.util
 import re
 
 from ..spec import AttentionSpec
+from ..kernels import plans
 from .base import Backend, register
 
 MIN_COMPUTE_CAPABILITY = 80
@@ -60,7 +61,7 @@ def _probe() -> str | None:
 def _decode_kernels_reason() -> str | None:
     """None when the decoding kernels' launcher imports, else why not (checked once)."""
     try:
-        from ..kernels.decode import launch_decode, launch_rotary_append  # noqa: F401
+        from ..kernels.decode import decode_launches, launch_rotary_append  # noqa: F401
     except Exception as e:   # the module is missing, or it failed to import
         msg = str(e).splitlines()[0] if str(e) else ""
         return f"decode kernels not available: {type(e).__name__}: {msg}"
@@ -127,8 +128,9 @@ class CupyBackend(Backend):
                     (spec.batch, spec.nheads, spec.seqlen_q)
                 lse = cupy.empty(shape, dtype=cupy.float32)
             if q.size and k.shape[0]:
-                launch_forward(q, k, v, out, lse,
-                               **self._kernel_kwargs(spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k))
+                plans.offer(launch_forward(
+                    q, k, v, out, lse,
+                    **self._kernel_kwargs(spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k)))
             else:   # no queries, or no keys at all: nothing is visible
                 out[...] = 0
                 lse[...] = -cupy.inf
@@ -143,9 +145,9 @@ class CupyBackend(Backend):
             dk = cupy.empty(k.shape, k.dtype) if dk is None else dk
             dv = cupy.empty(v.shape, v.dtype) if dv is None else dv
             if q.size and k.shape[0]:
-                launch_backward(dout, q, k, v, out, lse, dq, dk, dv,
-                                deterministic=spec.deterministic,
-                                **self._kernel_kwargs(spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k))
+                plans.offer(launch_backward(
+                    dout, q, k, v, out, lse, dq, dk, dv, deterministic=spec.deterministic,
+                    **self._kernel_kwargs(spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k)))
             else:
                 dq[...] = 0
                 dk[...] = 0
@@ -170,7 +172,7 @@ class CupyBackend(Backend):
         ``cache_seqlens + seqlen_new`` keys (computed on the device, no host round trip)."""
         import cupy
         import numpy as np
-        from ..kernels.decode import launch_decode, launch_rotary_append
+        from ..kernels.decode import decode_launches, launch_rotary_append
         from ..reference import apply_rotary
         a = spec.attn
         with cupy.cuda.Device(q.device.id), _translate_oom("decode"):
@@ -203,11 +205,13 @@ class CupyBackend(Backend):
                                          xp=cupy)
                 after = before + np.int32(spec.seqlen_new)
             if q.size:
-                launch_decode(q_att, k_cache, v_cache, out, lse, cache_seqlens=after,
-                              block_table=block_table, softmax_scale=a.softmax_scale,
-                              window_left=a.window_left, window_right=a.window_right,
-                              softcap=a.softcap, alibi_slopes=alibi_slopes,
-                              num_splits=spec.num_splits)
+                _, piece = decode_launches(
+                    q_att, k_cache, v_cache, out, lse, cache_seqlens=after,
+                    block_table=block_table, softmax_scale=a.softmax_scale,
+                    window_left=a.window_left, window_right=a.window_right, softcap=a.softcap,
+                    alibi_slopes=alibi_slopes, num_splits=spec.num_splits)
+                if after is cache_seqlens:      # the decode kernel was all of the call
+                    plans.offer(piece)
         return out, lse
 
 

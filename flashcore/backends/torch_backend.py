@@ -42,7 +42,6 @@ def _cupy_bf16_reason() -> str | None:
     return None
 
 
-_STREAMS: dict = {}
 _ALLOCATORS: dict = {}
 
 
@@ -87,23 +86,12 @@ class _OnTorch:
 
 
 def _cupy_stream(torch, device):
-    """torch's current stream on ``device`` as a CuPy stream (usable as a context).
-
-    Memoised by the stream's handle: wrapping it anew cost microseconds on every call, and
-    torch never frees a stream handle it has handed out (its streams come from fixed pools or
-    live as long as their Python object, which the memo then keeps)."""
+    """torch's current stream on ``device`` as a CuPy stream (usable as a context)."""
     import cupy
     ts = torch.cuda.current_stream(device)
-    key = (ts.cuda_stream, device.index)
-    cs = _STREAMS.get(key)
-    if cs is None:
-        if hasattr(cupy.cuda.Stream, "from_external"):     # CuPy >= 14
-            cs = cupy.cuda.Stream.from_external(ts)
-        else:
-            cs = cupy.cuda.ExternalStream(ts.cuda_stream, device.index)
-        _STREAMS[key] = (cs, ts)      # ts kept alive with its wrapper
-        return cs
-    return cs[0]
+    if hasattr(cupy.cuda.Stream, "from_external"):     # CuPy >= 14
+        return cupy.cuda.Stream.from_external(ts)
+    return cupy.cuda.ExternalStream(ts.cuda_stream, device.index)
 
 
 def _contiguous_numpy_to_torch(torch, a):
@@ -237,7 +225,6 @@ class TorchBackend(Backend):
         return out, lse
 
 
-@functools.lru_cache(maxsize=1024)
 def _kv_library(spec, library):
     return dataclasses.replace(spec, attn=dataclasses.replace(spec.attn, library=library))
 
@@ -275,18 +262,11 @@ def _delegated_reasons(attn: AttentionSpec, reasons_of) -> list[str]:
     return [f"tensors on {attn.device} are not supported (CPU and CUDA only)"]
 
 
-@functools.lru_cache(maxsize=1024)
 def _on_library(spec: AttentionSpec, library: str) -> AttentionSpec:
     """``spec`` for the backend torch delegates to (specs are frozen and hashable)."""
     return dataclasses.replace(spec, library=library)
 
 
-# CuPy views of CUDA tensors, by (pointer, shape, strides, dtype, device). A view holds no
-# reference to the tensor (UnownedMemory without an owner), so the memo never keeps memory
-# alive; it is only ever used for a tensor that has exactly that pointer and layout, i.e. the
-# very same bytes, which the caller holds for the duration of the call.
-_VIEWS: dict = {}
-_VIEWS_MAX = 1024
 _NP_DTYPES: dict = {}
 
 
@@ -307,18 +287,13 @@ def _np_dtype(torch, dt):
 def _cp(t):
     """A CuPy view of a CUDA tensor's memory (no copy), or None.
 
-    Built from the tensor's pointer, shape and strides (memoised, see ``_VIEWS``): a DLPack
-    exchange costs several microseconds per tensor and per call, which flashcore's per-call
-    budget cannot afford. Tensors with no elements or an unusual dtype go through DLPack
-    (``torch.utils.dlpack.to_dlpack``, not ``Tensor.__dlpack__``, whose stream negotiation cost
-    ~80 us per tensor on the H200 with torch 2.11).
+    Built from the tensor's pointer, shape and strides; tensors with no elements or an unusual
+    dtype go through DLPack (``torch.utils.dlpack.to_dlpack``, not ``Tensor.__dlpack__``, whose
+    stream negotiation cost ~80 us per tensor on the H200 with torch 2.11). Only the first
+    call of a layout comes here: later ones replay its launch plan from the tensors' addresses.
     """
     if t is None:
         return None
-    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device.index)
-    a = _VIEWS.get(key)
-    if a is not None:
-        return a
     import cupy
     import torch
     dt = _np_dtype(torch, t.dtype)
@@ -328,13 +303,52 @@ def _cp(t):
         return cupy.from_dlpack(to_dlpack(t.detach()))
     isz = dt.itemsize
     extent = (1 + sum((d - 1) * st for d, st in zip(t.shape, t.stride()))) * isz
-    mem = cupy.cuda.UnownedMemory(key[0], extent, None, key[4])
-    a = cupy.ndarray(tuple(t.shape), dt, cupy.cuda.MemoryPointer(mem, 0),
-                     tuple(st * isz for st in t.stride()))
-    if len(_VIEWS) >= _VIEWS_MAX:
-        _VIEWS.clear()
-    _VIEWS[key] = a
-    return a
+    mem = cupy.cuda.UnownedMemory(t.data_ptr(), extent, None, t.device.index)
+    return cupy.ndarray(tuple(t.shape), dt, cupy.cuda.MemoryPointer(mem, 0),
+                        tuple(st * isz for st in t.stride()))
+
+
+# --------------------------------------------------------------------------------------------
+# Replaying a recorded call (flashcore.kernels.plans) on torch's terms
+# --------------------------------------------------------------------------------------------
+
+def layout(t):
+    """What a launch plan may depend on of a tensor (or None): shape, strides, dtype, device
+    and the address modulo 16."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
+
+
+_RAW: list = []
+
+
+def _raw_stream(torch):
+    """``index -> handle`` of torch's current stream on that device (torch's own fast
+    accessor, the one its compiled code uses, where this torch has it)."""
+    if not _RAW:
+        f = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _RAW.append(f if f is not None else
+                    (lambda i: torch.cuda.current_stream(i).cuda_stream))
+    return _RAW[0]
+
+
+def replay(torch, plan, pointers, device) -> bool:
+    """Run ``plan`` with ``pointers`` on torch's current stream of ``device``, scratch from
+    torch's caching allocator. False (nothing launched) when this thread's current CUDA
+    context is not the plan's, or the stream has no split counters yet: run in full then."""
+    from ..kernels.plans import current_context
+    if current_context() != plan.context:
+        return False
+    index = device.index
+    stream = _raw_stream(torch)(index)
+
+    def alloc(nbytes):
+        t = torch.empty((nbytes,), dtype=torch.uint8, device=device)
+        return t, t.data_ptr()
+
+    def counters(groups):
+        from ..kernels.decode import existing_split_counter
+        return existing_split_counter(index, stream, groups)
+    return plan.run(pointers, stream, alloc, counters) is not None
 
 
 _BACKEND = register(TorchBackend())

@@ -4,29 +4,34 @@
    ``flashcore::kvcache`` (which writes the cache in place), with fake (shape-only)
    implementations: ``torch.compile(fullgraph=True)`` traces through flashcore without a
    graph break and ``torch.library.opcheck`` passes. One op serves padded and varlen calls:
-   ``cu_seqlens_q`` present means varlen. Their kernels are the torch backend's
-   (:mod:`flashcore.backends.torch_backend`).
+   ``cu_seqlens_q`` present means varlen. Their kernels replay the launch plan recorded for
+   the call's layout (flashcore.kernels.plans: the one per-layout cache, keyed on the op's
+   arguments), or validate the call in full, run it through the torch backend
+   (:mod:`flashcore.backends.torch_backend`) and record it.
 2. An autograd Function over the ops: the forward saves ``(q, k, v, out, lse)``, the backward
    calls ``flashcore::bwd``. ``lse`` is not differentiable; differentiating the backward
    (double backward) is refused.
-3. :func:`autograd_attention` (behind ``flashcore.attention``) validates (flashcore.spec,
-   memoised per layout) and applies the Function; :func:`kvcache_attention` (behind
-   ``flashcore.attention_with_kvcache``) calls the kvcache op.
+3. :func:`autograd_attention` (behind ``flashcore.attention``) turns plain option values into
+   the ops' arguments (anything else is validated by flashcore.spec first, as is every call
+   traced by torch.compile) and applies the Function; :func:`kvcache_attention` (behind
+   ``flashcore.attention_with_kvcache``) calls the kvcache op the same way.
 
 Nothing here imports torch at flashcore import time: the ops are defined when torch is
 imported (an import hook, or at once if torch is already loaded) or at the first call.
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
+import math
 import sys
 import threading
 
-from .._arrays import device_of, dtype_name, torch_compiling
-from ..spec import AttentionSpec, forward_spec
-from .base import choose
-from .torch_backend import _BACKEND
+from .. import config
+from .._arrays import library_of, torch_compiling
+from ..kernels import plans
+from ..spec import backward_spec, forward_spec
+from .base import choose, choose_kvcache
+from .torch_backend import _BACKEND, layout, replay
 
 __all__ = ["autograd_attention", "kvcache_attention", "torch_ops", "DOUBLE_BACKWARD_MESSAGE"]
 
@@ -58,37 +63,6 @@ _KV_SCHEMA = ("(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Ten
               "Tensor? alibi_slopes, int num_splits) -> (Tensor, Tensor)")
 
 
-def _op_spec(q, k, alibi_slopes, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal,
-             softmax_scale, window_left, window_right, softcap, deterministic) -> AttentionSpec:
-    """The spec of an op call, from arguments flashcore.spec validated before the op ran."""
-    varlen = cu_seqlens_q is not None
-    return _op_spec_of(
-        device_of(q), dtype_name(q), tuple(q.shape), tuple(k.shape),
-        None if alibi_slopes is None else alibi_slopes.ndim,
-        cu_seqlens_q.shape[0] - 1 if varlen else None, max_seqlen_q, max_seqlen_k, causal,
-        softmax_scale, window_left, window_right, softcap, deterministic)
-
-
-@functools.lru_cache(maxsize=1024)
-def _op_spec_of(device, dtype, q_shape, k_shape, alibi_ndim, varlen_batch, max_seqlen_q,
-                max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
-                deterministic) -> AttentionSpec:
-    varlen = varlen_batch is not None
-    if varlen:
-        batch, sq, sk = varlen_batch, max_seqlen_q, max_seqlen_k
-        total_q, total_k = q_shape[0], k_shape[0]
-    else:
-        batch, sq, sk = q_shape[0], q_shape[1], k_shape[1]
-        total_q = total_k = None
-    alibi = None if alibi_ndim is None else ("per_head" if alibi_ndim == 1 else "per_batch_head")
-    return AttentionSpec(
-        library="torch", device=device, dtype=dtype, batch=batch, seqlen_q=sq,
-        seqlen_k=sk, nheads=q_shape[-2], nheads_k=k_shape[-2], headdim=q_shape[-1],
-        causal=causal, window_left=window_left, window_right=window_right,
-        softmax_scale=softmax_scale, softcap=softcap, alibi=alibi,
-        deterministic=deterministic, varlen=varlen, total_q=total_q, total_k=total_k)
-
-
 _OPS: list = []   # [torch.ops.flashcore], filled by torch_ops() on first use
 _OPS_LOCK = threading.Lock()
 
@@ -112,26 +86,92 @@ def torch_ops():
     return _OPS[0]
 
 
+# The ops' kernels. A call whose layout ran before replays that run's launch plan
+# (flashcore.kernels.plans: the per-layout launch cache, keyed here on the op's own arguments),
+# else runs in full through the torch backend and is recorded.
+
 def _fwd_impl(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
               causal, softmax_scale, window_left, window_right, softcap, deterministic):
-    spec = _op_spec(q, k, alibi_slopes, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal,
-                    softmax_scale, window_left, window_right, softcap, deterministic)
-    return _BACKEND.forward(spec, q, k, v, alibi_slopes=alibi_slopes,
-                            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    import torch
+    key = None
+    if q.is_cuda:
+        key = ("fwd", layout(q), layout(k), layout(v), layout(alibi_slopes),
+               layout(cu_seqlens_q), layout(cu_seqlens_k), max_seqlen_q, max_seqlen_k, causal,
+               softmax_scale, window_left, window_right, softcap, deterministic, config.get())
+        plan = plans.lookup(key)
+        if plan is not None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            lse = torch.empty((q.shape[1], q.shape[0]) if cu_seqlens_q is not None else
+                              (q.shape[0], q.shape[2], q.shape[1]),
+                              dtype=torch.float32, device=q.device)
+            if replay(torch, plan, (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                    lse.data_ptr(), _ptr(alibi_slopes), _ptr(cu_seqlens_q),
+                                    _ptr(cu_seqlens_k)), q.device):
+                return out, lse
+    spec = _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                      max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
+                      deterministic)
+    with plans.record() as rec:
+        out, lse = _BACKEND.forward(spec, q, k, v, alibi_slopes=alibi_slopes,
+                                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    if key is not None:
+        plans.remember(key, rec.plan(_roles(q=q, k=k, v=v, o=out, lse=lse,
+                                            alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+                                            cu_seqlens_k=cu_seqlens_k), q.device.index))
+    return out, lse
 
 
 def _bwd_impl(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
               max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
               deterministic):
-    spec = _op_spec(q, k, alibi_slopes, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal,
-                    softmax_scale, window_left, window_right, softcap, deterministic)
-    return _BACKEND.backward(spec, dout, q, k, v, out, lse, alibi_slopes=alibi_slopes,
-                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    import torch
+    key = None
+    if q.is_cuda:
+        key = ("bwd", layout(dout), layout(q), layout(k), layout(v), layout(out), layout(lse),
+               layout(alibi_slopes), layout(cu_seqlens_q), layout(cu_seqlens_k), max_seqlen_q,
+               max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
+               deterministic, config.get())
+        plan = plans.lookup(key)
+        if plan is not None:
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            if replay(torch, plan, (dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                    out.data_ptr(), lse.data_ptr(), dq.data_ptr(),
+                                    dk.data_ptr(), dv.data_ptr(), _ptr(alibi_slopes),
+                                    _ptr(cu_seqlens_q), _ptr(cu_seqlens_k)), q.device):
+                return dq, dk, dv
+    spec = _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                      max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
+                      deterministic, (dout, out, lse))
+    with plans.record() as rec:
+        dq, dk, dv = _BACKEND.backward(spec, dout, q, k, v, out, lse, alibi_slopes=alibi_slopes,
+                                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    if key is not None:
+        plans.remember(key, rec.plan(_roles(dout=dout, q=q, k=k, v=v, o=out, lse=lse, dq=dq,
+                                            dk=dk, dv=dv, alibi_slopes=alibi_slopes,
+                                            cu_seqlens_q=cu_seqlens_q,
+                                            cu_seqlens_k=cu_seqlens_k), q.device.index))
+    return dq, dk, dv
 
 
 def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, block_table,
                   rotary_cos, rotary_sin, rotary_interleaved, causal, softmax_scale, window_left,
                   window_right, softcap, alibi_slopes, num_splits):
+    import torch
+    key = None
+    if q.is_cuda:
+        key = ("kvcache", layout(q), layout(k_cache), layout(v_cache), layout(k), layout(v),
+               layout(cache_seqlens), cache_seqlens_int, layout(block_table), layout(rotary_cos),
+               layout(rotary_sin), rotary_interleaved, causal, softmax_scale, window_left,
+               window_right, softcap, layout(alibi_slopes), num_splits, config.get())
+        plan = plans.lookup(key)
+        if plan is not None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32,
+                              device=q.device)
+            if replay(torch, plan, (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                    out.data_ptr(), lse.data_ptr(), cache_seqlens.data_ptr(),
+                                    _ptr(block_table), _ptr(alibi_slopes)), q.device):
+                return out, lse
     from ..spec import kvcache_spec
     lens = cache_seqlens_int if cache_seqlens is None else cache_seqlens
     spec = kvcache_spec(q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=block_table,
@@ -139,9 +179,45 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, b
                         rotary_interleaved=rotary_interleaved, causal=causal,
                         softmax_scale=softmax_scale, window_size=(window_left, window_right),
                         softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits)
-    return _BACKEND.forward_kvcache(spec, q, k_cache, v_cache, k, v, cache_seqlens=lens,
-                                    block_table=block_table, rotary_cos=rotary_cos,
-                                    rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
+    choose_kvcache(spec, None)
+    with plans.record() as rec:
+        out, lse = _BACKEND.forward_kvcache(spec, q, k_cache, v_cache, k, v, cache_seqlens=lens,
+                                            block_table=block_table, rotary_cos=rotary_cos,
+                                            rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
+    if key is not None and cache_seqlens is not None:
+        plans.remember(key, rec.plan(_roles(q=q, k=k_cache, v=v_cache, o=out, lse=lse,
+                                            cache_seqlens=cache_seqlens, block_table=block_table,
+                                            alibi_slopes=alibi_slopes), q.device.index))
+    return out, lse
+
+
+def _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+               causal, softmax_scale, window_left, window_right, softcap, deterministic,
+               backward=None):
+    """The full validation of an op call whose layout is new (named errors; every backend's
+    reasons), as the public function would do it: its spec."""
+    varlen = cu_seqlens_q is not None
+    kw = dict(varlen=varlen, causal=causal, softmax_scale=softmax_scale,
+              window_size=(window_left, window_right), softcap=softcap,
+              alibi_slopes=alibi_slopes, deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
+              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q if varlen else None,
+              max_seqlen_k=max_seqlen_k if varlen else None)
+    if backward is None:
+        spec = forward_spec(q, k, v, **kw)
+    else:
+        dout, out, lse = backward
+        spec = backward_spec(dout, q, k, v, out, lse, **kw)
+    choose(spec, None, backward=True)
+    return spec
+
+
+def _ptr(t) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _roles(**tensors) -> tuple:
+    """(struct field, address) of a call's tensors, in the order replays give them."""
+    return tuple((name, _ptr(t)) for name, t in tensors.items())
 
 
 _LIBRARY: list = []     # the torch.library.Library that owns the ops (kept alive)
@@ -250,24 +326,34 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
                        max_seqlen_q=None, max_seqlen_k=None):
     """Differentiable attention on torch tensors. Returns ``(out, lse)``; lse has no gradient.
 
-    The arguments are validated (flashcore.spec) and, eagerly, a backend chosen (every
-    backend's reasons before any op runs); then the autograd Function runs the forward op.
-    Under ``torch.compile`` the same Python runs at trace time on fake tensors: dynamo traces
-    the Function, and the ops enter the graph.
+    Eagerly, plain option values (bools, floats, an int pair, ``max_seqlen`` ints) become the
+    ops' arguments directly: the op's kernel keys its launch plan on them and on the tensors'
+    layouts, and validates the call in full (named errors, backend choice) whenever that key is
+    new. Anything else, a named ``backend``, and tracing under ``torch.compile`` validate here
+    first (flashcore.spec). Then the autograd Function runs the forward op (the op alone when
+    nothing requires grad).
     """
-    spec = forward_spec(q, k, v, varlen=varlen, causal=causal, softmax_scale=softmax_scale,
-                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                        deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
-                        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                        max_seqlen_k=max_seqlen_k)
-    if not torch_compiling(q):
-        # (the capability probe, CuPy import checks and device queries, is not traceable; the
-        # shapes, dtypes and options were validated above either way)
-        choose(spec, backend, backward=_needs_grad(q, k, v))
-    torch_ops()
+    opts = None
+    if backend is None and not torch_compiling(q):
+        opts = _plain_options(q, varlen, causal, softmax_scale, window_size, softcap,
+                              deterministic, max_seqlen_q, max_seqlen_k)
+    if opts is None:
+        spec = forward_spec(q, k, v, varlen=varlen, causal=causal, softmax_scale=softmax_scale,
+                            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                            deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
+                            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                            max_seqlen_k=max_seqlen_k)
+        if not torch_compiling(q):
+            # (the capability probe, CuPy import checks and device queries, is not traceable;
+            # the shapes, dtypes and options were validated above either way)
+            choose(spec, backend, backward=_needs_grad(q, k, v))
+        opts = _options(spec)
+    ops = torch_ops()
+    cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (None, None)
+    if not _needs_grad(q, k, v):     # nothing to differentiate: the op alone (what autograd
+        return ops.fwd.default(q, k, v, alibi_slopes, cu_q, cu_k, *opts)   # would run)
     tensors, where = [], []
-    for t in (q, k, v, alibi_slopes, cu_seqlens_q if varlen else None,
-              cu_seqlens_k if varlen else None):
+    for t in (q, k, v, alibi_slopes, cu_q, cu_k):
         if t is None:
             where.append(-1)
             continue
@@ -278,7 +364,7 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
         else:
             where.append(len(tensors))
             tensors.append(t)
-    return _FUNCTION[0].apply(tuple(where), _options(spec), *tensors)
+    return _FUNCTION[0].apply(tuple(where), opts, *tensors)
 
 
 def _options(spec) -> tuple:
@@ -288,20 +374,92 @@ def _options(spec) -> tuple:
             spec.deterministic)
 
 
-def kvcache_attention(q, k_cache, v_cache, k, v, spec, *, cache_seqlens, block_table,
-                      rotary_cos, rotary_sin, alibi_slopes):
-    """flashcore.attention_with_kvcache on torch tensors, through the ``flashcore::kvcache``
-    op (validated into ``spec`` already): eagerly and under torch.compile alike."""
+def _plain_scale_window(q, causal, softmax_scale, window_size, softcap):
+    """(softmax_scale, left, right, softcap) as flashcore.spec makes them, from plain Python
+    values only (else None: the caller validates in full, which names what is wrong)."""
+    if type(causal) is not bool:
+        return None
+    if softmax_scale is None:
+        d = q.shape[-1]
+        if d < 1:
+            return None
+        softmax_scale = 1.0 / math.sqrt(d)
+    elif type(softmax_scale) is not float or not 0.0 < softmax_scale < math.inf:
+        return None
+    if type(softcap) is int:
+        softcap = float(softcap)
+    if type(softcap) is not float or not 0.0 <= softcap < math.inf:
+        return None
+    if type(window_size) not in (tuple, list) or len(window_size) != 2:
+        return None
+    left, right = window_size
+    if type(left) is not int or type(right) is not int or left < -1 or right < -1:
+        return None
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return softmax_scale, left, right, softcap
+
+
+def _plain_options(q, varlen, causal, softmax_scale, window_size, softcap, deterministic,
+                   max_seqlen_q, max_seqlen_k):
+    """The fwd/bwd ops' scalar arguments from plain values, or None (see above)."""
+    if type(deterministic) is not bool:
+        return None
+    if varlen:
+        if type(max_seqlen_q) is not int or type(max_seqlen_k) is not int \
+                or max_seqlen_q < 0 or max_seqlen_k < 0:
+            return None
+    elif max_seqlen_q is not None or max_seqlen_k is not None:
+        return None
+    sw = _plain_scale_window(q, causal, softmax_scale, window_size, softcap)
+    if sw is None:
+        return None
+    scale, left, right, cap = sw
+    return (max_seqlen_q if varlen else 0, max_seqlen_k if varlen else 0, causal, scale, left,
+            right, cap, deterministic)
+
+
+def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
+                      rotary_cos=None, rotary_sin=None, rotary_interleaved=False, causal=False,
+                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                      num_splits=0, backend=None):
+    """flashcore.attention_with_kvcache on torch tensors, through the ``flashcore::kvcache`` op,
+    eagerly and under torch.compile alike. Plain option values and a tensor ``cache_seqlens``
+    go to the op as they are (validated by the op's kernel when its layout is new, see
+    :func:`autograd_attention`); otherwise the call is validated here first."""
     import torch
-    a = spec.attn
-    as_int = spec.cache_seqlens_int is not None
-    with torch.no_grad():        # inference only: the results never require grad
-        return torch_ops().kvcache.default(
-            q, k_cache, v_cache, k, v, None if as_int else cache_seqlens,
-            spec.cache_seqlens_int if as_int else 0, block_table, rotary_cos, rotary_sin,
-            spec.rotary_interleaved, a.causal, a.softmax_scale,
-            # the causal window is folded in: the op takes the window flashcore.spec made
-            a.window_left, a.window_right, a.softcap, alibi_slopes, spec.num_splits)
+    args = None
+    if backend is None and not torch_compiling(q) and library_of(cache_seqlens) == "torch" \
+            and type(rotary_interleaved) is bool and type(num_splits) is int and num_splits >= 0:
+        sw = _plain_scale_window(q, causal, softmax_scale, window_size, softcap)
+        if sw is not None:
+            args = (cache_seqlens, 0, rotary_interleaved, causal, sw[0], sw[1], sw[2], sw[3],
+                    num_splits)
+    if args is None:
+        from ..spec import kvcache_spec
+        spec = kvcache_spec(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                            block_table=block_table, rotary_cos=rotary_cos,
+                            rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+                            causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                            softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits)
+        if not torch_compiling(q):
+            choose_kvcache(spec, backend)
+        a = spec.attn
+        as_int = spec.cache_seqlens_int is not None
+        # the causal window is folded in: the op takes the window flashcore.spec made
+        args = (None if as_int else cache_seqlens, spec.cache_seqlens_int if as_int else 0,
+                spec.rotary_interleaved, a.causal, a.softmax_scale, a.window_left,
+                a.window_right, a.softcap, spec.num_splits)
+    lens, lens_int, interleaved, causal, scale, left, right, cap, splits = args
+    op = torch_ops().kvcache.default
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or
+                                    (k is not None and k.requires_grad)):
+        with torch.no_grad():        # inference only: the results never require grad
+            return op(q, k_cache, v_cache, k, v, lens, lens_int, block_table, rotary_cos,
+                      rotary_sin, interleaved, causal, scale, left, right, cap, alibi_slopes,
+                      splits)
+    return op(q, k_cache, v_cache, k, v, lens, lens_int, block_table, rotary_cos, rotary_sin,
+              interleaved, causal, scale, left, right, cap, alibi_slopes, splits)
 
 
 def _needs_grad(q, k, v) -> bool:

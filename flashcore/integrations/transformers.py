@@ -21,11 +21,13 @@ What the attention function does with what transformers passes it:
 * ``scaling`` is the softmax scale, ``softcap`` the score cap, ``sliding_window`` w keeps the
   w most recent keys (window ``(w - 1, w - 1)``, the right side folded away when causal) like
   transformers' flash-attention path.
-* Padding: :func:`register` also registers flash-attention's mask function for the name
-  (transformers >= 4.53), so the attention function receives None when nothing is padded and
-  the 2D ``(batch, kv_len)`` padding mask otherwise. A 2D mask is handled by removing the
-  padded tokens and running varlen attention (the queries are the last ``q_len`` positions of
-  the mask); padded query positions get output 0. Older transformers pass a 4D mask: it is
+* Padding: :func:`register` also registers :func:`padding_mask` as the name's mask function
+  (transformers >= 4.53), so the attention function receives None when no mask was given and
+  the 2D ``(batch, kv_len)`` padding mask otherwise (not tested for being all ones: that would
+  read it back to the host). A 2D mask is handled by varlen attention over the kept tokens,
+  packed by a stable sort to static shapes (no host sync, no graph break; the queries are the
+  last ``q_len`` positions of the mask); padded query positions get output 0. Decoding steps
+  with a mask take this route too (the decode kernel takes no padding mask yet). Older transformers pass a 4D mask: it is
   accepted when it is exactly the causal/window mask flashcore applies anyway (checked on
   the values, so not under torch.compile), anything else is refused with an explanation.
 * ``dropout`` > 0 is refused (flashcore has no attention dropout). No attention weights are
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 from ..api import attention, attention_with_kvcache, varlen_attention
 
-__all__ = ["register", "flashcore_attention_forward", "DEFAULT_NAME"]
+__all__ = ["register", "flashcore_attention_forward", "padding_mask", "DEFAULT_NAME"]
 
 
 DEFAULT_NAME = "flashcore"
@@ -73,12 +75,24 @@ def register(name: str | None = None) -> str:
                          f"another name, e.g. {FALLBACK_NAME!r}")
     AttentionInterface.register(name, flashcore_attention_forward)
     try:   # transformers >= 4.53: masks are built per implementation
-        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError:
         pass
     else:
-        AttentionMaskInterface.register(name, flash_attention_mask)
+        AttentionMaskInterface.register(name, padding_mask)
     return name
+
+
+def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                 attention_mask=None, **kwargs):
+    """The mask function registered with the attention function: the 2D padding mask as
+    given (its last ``kv_length`` columns), or None when there is none. Unlike transformers'
+    flash-attention mask function, it does not test whether the mask is all ones (a read back
+    to the host, and a graph break under torch.compile): a mask that is given takes the
+    varlen route, whatever its values."""
+    if attention_mask is None:
+        return None
+    return attention_mask[:, -kv_length:]
 
 
 def _window(sliding_window):
@@ -135,22 +149,38 @@ def _decode_over_cache(q, k, v, position_ids, **kw):
 
 
 def _padded_via_varlen(q, k, v, attention_mask, **kw):
-    """Drop the padded tokens, run varlen attention, scatter the result back (zeros at pads)."""
+    """Varlen attention over the tokens the mask keeps, with no host sync and static shapes
+    (so no graph break under torch.compile): a stable sort moves each row's kept tokens to the
+    front, in order, and the padding behind them; the packed tensors keep their full length, and
+    the padding rows, past ``cu_seqlens[-1]``, belong to no sequence. They are zeroed on the way
+    in and out (``torch.where``, whose gradient is exactly 0 there), and the result goes back to
+    the padded positions (zeros at pads)."""
     import torch
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     keep_k = attention_mask[:, -sk:].to(torch.bool)
+    if keep_k.shape[1] < sk:     # a static cache: its slots past the mask are not written yet
+        keep_k = torch.nn.functional.pad(keep_k, (0, sk - keep_k.shape[1]))
     keep_q = keep_k[:, -sq:]                 # the queries are the last sq positions
-    idx_q = keep_q.reshape(-1).nonzero().squeeze(1)
-    idx_k = keep_k.reshape(-1).nonzero().squeeze(1)
+
+    def pack(x, keep, n, heads):
+        flat = keep.reshape(-1)
+        order = torch.argsort((~flat).to(torch.int8), stable=True)
+        kept = flat[order][:, None, None]
+        rows = x.reshape(b * n, heads, d)[order]
+        return torch.where(kept, rows, torch.zeros((), dtype=x.dtype, device=x.device)), order, kept
+
+    qp, order_q, kept_q = pack(q, keep_q, sq, h)
+    kp, _, _ = pack(k, keep_k, sk, hk)
+    vp, _, _ = pack(v, keep_k, sk, hk)
     lens_q, lens_k = keep_q.sum(1, dtype=torch.int32), keep_k.sum(1, dtype=torch.int32)
     zero = torch.zeros(1, dtype=torch.int32, device=q.device)
     cu_q = torch.cat([zero, lens_q.cumsum(0, dtype=torch.int32)])
     cu_k = torch.cat([zero, lens_k.cumsum(0, dtype=torch.int32)])
     # the padded lengths bound the longest sequences: no read of lens back to the host
-    out = varlen_attention(q.reshape(b * sq, h, d)[idx_q], k.reshape(b * sk, hk, d)[idx_k],
-                           v.reshape(b * sk, hk, d)[idx_k], cu_q, cu_k, sq, sk, **kw)
-    full = out.new_zeros(b * sq, h, d).index_copy(0, idx_q, out)
+    out = varlen_attention(qp, kp, vp, cu_q, cu_k, sq, sk, **kw)
+    out = torch.where(kept_q, out, torch.zeros((), dtype=out.dtype, device=out.device))
+    full = out.new_empty(b * sq, h, d).index_copy(0, order_q, out)
     return full.view(b, sq, h, d)
 
 

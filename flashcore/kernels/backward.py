@@ -24,7 +24,6 @@ from .common import (ELEM_TAGS, _as_input, _as_output, _strides, smallest_tile,
 from .. import config
 from . import plans
 from .params import WINDOW_NONE, as_kernel_arg, make_params
-from .plans import layout_key
 
 __all__ = ["launch_backward", "instantiations", "BwdTile", "dkdv_tiles", "dq_tiles",
            "dkdv_smem_bytes", "dq_smem_bytes", "HEADDIM_TILES", "set_sm90", "sm90_applies",
@@ -230,26 +229,13 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
     int32 ``cu_seqlens_q/k`` (b + 1,). lse: float32 (b, h, sq) or, varlen, (h, total_q), as the
     forward wrote it (-inf for rows that see no key). Windows use -1 for unbounded; causal is
     (-1, 0). ``alibi_slopes``: None, float32 (h,) or (b, h). For GQA, dk/dv hold the sums over
-    the query heads that share a key head.
+    the query heads that share a key head. Returns the launches as a :class:`plans.Piece`, or
+    None when they cannot be replayed with new addresses alone (copies were made).
     """
     import cupy
 
     from ..jit import device_facts, get_kernel
 
-    # Replay a recorded plan for this layout (see plans.py): pointers and fresh scratch only.
-    key = None
-    if cu_seqlens_q is None and cu_seqlens_k is None and plans.enabled():
-        key = ("bwd", q.device.id, *(layout_key(a) for a in (dout, q, k, v, out, lse, dq, dk, dv,
-                                                              alibi_slopes)),
-               float(softmax_scale), _window(window_left), _window(window_right),
-               float(softcap or 0.0), bool(deterministic), config.get())
-        plan = plans.lookup(key)
-        if plan is not None:
-            plan.run({"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "o": out.data.ptr,
-                      "lse": lse.data.ptr, "dout": dout.data.ptr, "dq": dq.data.ptr,
-                      "dk": dk.data.ptr, "dv": dv.data.ptr,
-                      "alibi_slopes": None if alibi_slopes is None else alibi_slopes.data.ptr})
-            return
     given = (q, k, v, out, dout, lse, alibi_slopes)
 
     varlen = cu_seqlens_q is not None
@@ -281,7 +267,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
         dq[...] = 0
         dk[...] = 0
         dv[...] = 0
-        return
+        return None
 
     # Inputs the kernels read with cp.async / 16-byte loads; outputs written 4 bytes at a time.
     q, k, v, out, dout = (_as_input(a) for a in (q, k, v, out, dout))
@@ -392,13 +378,15 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
                 conv = get_kernel(SOURCE, f"flash_bwd_convert_dq_kernel<{elem}>", device_id, cc)
                 launch(conv, (m_small, nheads, batch), (_SMALL_THREADS,))
 
-    if (key is not None and dq_back is None and dk_back is None and dv_back is None
+    piece = None
+    if (dq_back is None and dk_back is None and dv_back is None
             and all(a is b for a, b in zip((q, k, v, out, dout, lse, alibi_slopes), given))):
-        scratch = [("dsoftmax_sum", tuple(dsoftmax_sum.shape), False)]
+        scratch = {"dsoftmax_sum": dsoftmax_sum.nbytes}
         if dq_accum is not None:
-            scratch.append(("dq_accum", tuple(dq_accum.shape), False))   # zeroed by preprocess
-        plans.remember(key, plans.Plan(device_id, launched, params, scratch))
+            scratch["dq_accum"] = dq_accum.nbytes     # zeroed by the preprocess kernel
+        piece = plans.Piece(launched, params, scratch)
 
     for work, dest in ((dq_w, dq_back), (dk_w, dk_back), (dv_w, dv_back)):
         if dest is not None:
             dest[...] = work
+    return piece

@@ -29,7 +29,6 @@ from .common import (_as_input, _strides, _used_strides_ok, elem_tag as _elem_ta
 from .. import config
 from . import plans
 from .params import WINDOW_NONE, as_kernel_arg, make_params
-from .plans import layout_key
 
 __all__ = ["launch_decode", "launch_rotary_append", "instantiations", "num_splits_heuristic",
            "choose_num_splits",
@@ -401,6 +400,13 @@ def split_counter(device_id: int, groups: int) -> int:
     return buf.data.ptr
 
 
+def existing_split_counter(device_id: int, stream: int, groups: int):
+    """The address of ``stream``'s counters if it has at least ``groups`` of them, else None
+    (a replayed plan then runs in full once, which makes them)."""
+    buf = _COUNTERS.get((device_id, stream))
+    return None if buf is None or buf.size < groups else buf.data.ptr
+
+
 def _sm_count(device_id: int) -> int:
     from ..jit import device_facts
     return device_facts(device_id)[2]
@@ -416,6 +422,16 @@ def _int32_contig(arr):
 def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=None,
                   softmax_scale: float, window_left: int, window_right: int,
                   softcap: float = 0.0, alibi_slopes=None, num_splits: int = 0) -> int:
+    """:func:`decode_launches` returning the number of splits used."""
+    return decode_launches(q, k_cache, v_cache, out, lse, cache_seqlens=cache_seqlens,
+                           block_table=block_table, softmax_scale=softmax_scale,
+                           window_left=window_left, window_right=window_right, softcap=softcap,
+                           alibi_slopes=alibi_slopes, num_splits=num_splits)[0]
+
+
+def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=None,
+                    softmax_scale: float, window_left: int, window_right: int,
+                    softcap: float = 0.0, alibi_slopes=None, num_splits: int = 0):
     """Attention of q against a KV cache; ``out`` and ``lse`` are written in place.
 
     q, out: (b, sq, h, d) float16/bfloat16; lse: float32 (b, h, sq) contiguous.
@@ -423,7 +439,7 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
     with int32 ``block_table`` (b, max_blocks). ``cache_seqlens`` int32 (b,): the valid keys of
     each sequence. Windows use -1 for unbounded (causal = (-1, 0)). ``num_splits`` 0 picks the
     split count (on sm_90 the cluster rule, cluster_num_splits; elsewhere flash-attn's wave rule
-    with the bounds of choose_num_splits). Returns the number of splits used. With more than one
+    with the bounds of choose_num_splits). Returns ``(splits used, plans.Piece or None)``. With more than one
     split the partials are merged inside a thread-block cluster (sm_90, up to 16 splits), else
     in the decode kernel (fused combine), unless ``set_fused_combine(False)`` /
     ``FLASHCORE_DECODE_FUSED_COMBINE=0`` (the combine kernel).
@@ -432,27 +448,6 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
 
     cfg_now = config.get()
     fused = cfg_now.decode_fused_combine
-    # Replay a recorded plan for this layout (see plans.py): pointers and fresh scratch only;
-    # the fused combine's counters are the current stream's (persistent, not scratch).
-    key = None
-    if plans.enabled():
-        key = ("dec", q.device.id, *(layout_key(a) for a in (q, k_cache, v_cache, out, lse,
-                                                              cache_seqlens, block_table,
-                                                              alibi_slopes)),
-               float(softmax_scale), _window(window_left), _window(window_right),
-               float(softcap or 0.0), int(num_splits or 0), cfg_now)
-        plan = plans.lookup(key)
-        if plan is not None:
-            ptrs = {"q": q.data.ptr, "k": k_cache.data.ptr, "v": v_cache.data.ptr,
-                    "o": out.data.ptr, "lse": lse.data.ptr,
-                    "cache_seqlens": cache_seqlens.data.ptr,
-                    "block_table": None if block_table is None else block_table.data.ptr,
-                    "alibi_slopes": None if alibi_slopes is None else alibi_slopes.data.ptr}
-            if fused and plan.result > 1 and plan.scratch:   # global merge: the counters
-                grid = plan.launches[0][1]
-                ptrs["split_counter"] = split_counter(plan.device_id, grid[0] * grid[1])
-            plan.run(ptrs)
-            return plan.result
     given = (q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes)
 
     q = _as_input(q)
@@ -464,7 +459,7 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
     batch, seqlen_q, nheads, headdim = (int(x) for x in q.shape)
     nheads_k = int(k_cache.shape[2])
     if batch == 0 or seqlen_q == 0 or nheads == 0:
-        return 1
+        return 1, None
     if not softmax_scale > 0.0:
         raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
     paged = block_table is not None
@@ -603,7 +598,7 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
                 # the global-memory merge from now on
                 _CLUSTER_REFUSED.add((device_id, cname))
                 plans.clear()
-                return launch_decode(given[0], given[1], given[2], out_final if out_final
+                return decode_launches(given[0], given[1], given[2], out_final if out_final
                                      is not None else out, lse, cache_seqlens=given[3],
                                      block_table=given[4], softmax_scale=softmax_scale,
                                      window_left=window_left, window_right=window_right,
@@ -614,13 +609,15 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
                 kern(grid, block, args, shared_mem=sm)
         if out_final is not None:
             out_final[...] = out
-    if key is not None and out_final is None and all(
+    piece = None
+    if out_final is None and all(
             a is b for a, b in zip((q, k_cache, v_cache, cache_seqlens, block_table,
                                     alibi_slopes), given)):
-        scratch = [("o_accum", tuple(o_accum.shape), False),
-                   ("lse_accum", tuple(lse_accum.shape), False)] if o_accum is not None else []
-        plans.remember(key, plans.Plan(device_id, launches, params, scratch, num_splits))
-    return num_splits
+        scratch = {} if o_accum is None else {"o_accum": o_accum.nbytes,
+                                              "lse_accum": lse_accum.nbytes}
+        piece = plans.Piece(launches, params, scratch,
+                            ("split_counter", batch * nheads_k * m_blocks) if counter else None)
+    return num_splits, piece
 
 
 def launch_rotary_append(k_cache, v_cache, k_new, v_new, cache_seqlens_before, block_table,

@@ -15,7 +15,6 @@ from .common import (_as_input, _strides, _used_strides_ok, elem_tag as _elem_ta
 from .. import config
 from . import plans
 from .params import WINDOW_NONE, as_kernel_arg, make_params
-from .plans import layout_key
 
 __all__ = ["launch_forward", "kernel_name", "instantiations", "tile_config", "smem_bytes",
            "set_tile_override", "TileConfig", "HEADDIM_TILES", "set_sm90", "sm90_applies",
@@ -222,22 +221,11 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
 
     q, k, v, out: (b, s, h, d) or, varlen, (total, h, d) with int32 ``cu_seqlens_*`` (b + 1,).
     lse: float32 (b, h, sq) or, varlen, (h, total_q), contiguous. Windows use -1 for unbounded.
+    Returns the launch as a :class:`plans.Piece`, or None when it cannot be replayed with new
+    addresses alone (an input or the output went through a copy; nothing was launched).
     """
     import cupy
 
-    # Replay a recorded plan for this layout (see plans.py): pointers only.
-    key = None
-    if cu_seqlens_q is None and cu_seqlens_k is None and plans.enabled():
-        key = ("fwd", q.device.id, layout_key(q), layout_key(k), layout_key(v), layout_key(out),
-               layout_key(lse), layout_key(alibi_slopes), float(softmax_scale),
-               _window(window_left), _window(window_right), float(softcap or 0.0),
-               config.get())
-        plan = plans.lookup(key)
-        if plan is not None:
-            plan.run({"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "o": out.data.ptr,
-                      "lse": lse.data.ptr,
-                      "alibi_slopes": None if alibi_slopes is None else alibi_slopes.data.ptr})
-            return
     given = (q, k, v)
 
     # cp.async and the 16-byte output stores move 8 elements at a time: inputs with other
@@ -275,7 +263,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         o_b, o_r, o_h = os_[0], os_[1], os_[2]
         lse_b, lse_h = lse.strides[0] // 4, lse.strides[1] // 4
     if batch == 0 or seqlen_q == 0 or nheads == 0:
-        return
+        return None
     if not softmax_scale > 0.0:
         # The kernel keeps raw scores and folds the scale into the exponent, which assumes
         # a positive scale (the row max of s is the row max of s * scale).
@@ -332,5 +320,6 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         kernel(grid, block, (as_kernel_arg(params),), shared_mem=smem)
         if out_final is not None:
             out_final[...] = out
-    if key is not None and out_final is None and all(a is b for a, b in zip((q, k, v), given)):
-        plans.remember(key, plans.Plan(device_id, [(kernel, grid, block, smem)], params))
+    if out_final is None and all(a is b for a, b in zip((q, k, v), given)):
+        return plans.Piece([(kernel, grid, block, smem)], params)
+    return None

@@ -1,38 +1,47 @@
-"""Launch plans: what a launcher decided for one layout, replayed with new pointers.
+"""Launch plans: the per-layout launch cache at the API boundary.
 
-A launcher (forward, backward) spends tens of microseconds of Python per call deciding things
-that depend only on the arrays' layouts and the options: tile, template name, grid, shared
-memory, the ``FlashParams`` struct. A training step makes the same calls with the same layouts
-every time, with new pointers. The first call of a layout runs the launcher in full and, when
-nothing in it depends on the pointers beyond their alignment, records a :class:`Plan`: the
-kernels it launched, in order, with their geometry, and the struct with its pointer fields
-noted. Later calls of that layout fill in the pointers (and any scratch the plan names) and
-launch.
+A call's first run with a given layout goes the whole way (validation, backend choice, the
+launcher's decisions: tile, template, grid, shared memory, the ``FlashParams`` struct) and is
+*recorded*: the kernels it launched, in order, with their geometry and the struct's bytes, and
+which struct fields hold which of the call's arrays. Every later call with that layout only
+allocates its outputs, writes its arrays' addresses into a copy of the struct and launches
+through ``cuLaunchKernel``: no CuPy view, no struct built, no Python decision.
 
-What a plan may depend on is exactly what its key holds: shape, strides, dtype and the
-address modulo 16 of every array, the device, and the scalar options. Anything that changes a
-launcher's decisions otherwise is in the key too (the flashcore.config settings) or clears the
-plans (tile overrides); plans made with kernels that were since unloaded are not replayed
-(``jit.generation()``). Calls that made copies (an unaligned or strided input the kernels cannot
-read directly), varlen calls (their keys would need the cu_seqlens layouts and lengths; not
-done yet) and calls that launched nothing are never recorded.
-``set_enabled(False)`` turns the replay off (the launchers then run in full every time).
+The key is made where the arrays arrive, in the library they come in (the torch ops in
+:mod:`flashcore.backends.torch_ops`, the CuPy functions in :mod:`flashcore.api`): shape,
+strides, dtype, device and the address modulo 16 of every array (the launchers' copy
+decisions depend on it), the scalar options, and the :mod:`flashcore.config` settings. So no
+switch has to clear anything: a changed setting is a different key. Kernels unloaded since a
+plan was made (``jit.generation()``) make it stale, and it is recorded again.
+
+Only what is known to be complete is recorded: a backend offers the launchers' pieces
+(:func:`offer`) from the branches where those launches are the whole of the call's device work,
+and a launcher that copied an input, or formed an address from anything but the call's arrays,
+its own scratch or its stream's split counters, offers nothing. A call that offered nothing
+(or anything unrecordable) is simply run in full every time.
 """
 from __future__ import annotations
+
+import ctypes
+import struct
+import threading
 
 import numpy as np
 
 from .. import jit
-from .params import as_kernel_arg, params_dtype
+from .params import params_dtype
 
-__all__ = ["Plan", "layout_key", "set_enabled", "enabled", "clear", "PLANS"]
+__all__ = ["Plan", "Piece", "record", "offer", "lookup", "remember", "clear", "PLANS",
+           "set_enabled", "enabled"]
 
 PLANS: dict = {}
 _MAX_PLANS = 1024
 _STATE = {"enabled": True}
+_WORD = struct.Struct("<Q")
 
 
 def set_enabled(on: bool) -> None:
+    """Record and replay plans (on by default); off runs every call in full (a diagnostic)."""
     _STATE["enabled"] = bool(on)
     if not on:
         clear()
@@ -46,86 +55,195 @@ def clear() -> None:
     PLANS.clear()
 
 
-def layout_key(a):
-    """Everything of a CuPy array a launcher may depend on, except the pointer itself: the
-    launchers decide copies on the base's alignment at 16 bytes (inputs) and at 4 (outputs),
-    so the key holds the address modulo 16."""
-    if a is None:
+def lookup(key):
+    """The plan recorded under ``key``, or None (also when its kernels were since unloaded)."""
+    plan = PLANS.get(key)
+    if plan is not None and plan.generation != jit.generation():
         return None
-    return (a.shape, a.strides, a.dtype, a.data.ptr % 16)
+    return plan
 
 
-def _ptr_slots() -> dict[str, int]:
-    """Pointer field name -> index of its 8-byte word in the struct."""
-    dt = params_dtype()
-    out = {}
-    for name in dt.names:
-        fdt, off = dt.fields[name][:2]
-        if fdt == np.uint64:   # pointers (the struct has no other 64-bit unsigned fields)
-            assert off % 8 == 0
-            out[name] = off // 8
-    return out
-
-
-_SLOTS: dict = {}
-
-
-def slots() -> dict[str, int]:
-    if not _SLOTS:
-        _SLOTS.update(_ptr_slots())
-    return _SLOTS
-
-
-class Plan:
-    """Recorded launches of one layout: ``launches`` [(kernel, grid, block, shared_mem)], the
-    struct ``template`` (a 0-d structured array), ``scratch`` [(field, shape, zero)]: float32
-    buffers the launcher allocated per call (pointer field, shape, zero-filled?), and the
-    launcher's return value."""
-
-    __slots__ = ("device_id", "launches", "template", "scratch", "result", "generation")
-
-    def __init__(self, device_id, launches, template, scratch=(), result=None):
-        self.generation = jit.generation()      # the loaded kernels it launches
-        self.device_id = device_id
-        self.launches = tuple(launches)
-        self.template = template.copy()
-        self.scratch = tuple(scratch)
-        self.result = result          # what the launcher returns (the decode's split count)
-
-    def run(self, pointers: dict) -> list:
-        """Launch with ``pointers`` (field -> address; fields not given keep the template's,
-        scratch fields get new buffers). Returns the scratch arrays (kept alive by the caller
-        until the launches are queued: CuPy's pool frees in stream order)."""
-        import cupy
-        p = self.template.copy()
-        words = p.reshape(1).view(np.uint64)
-        s = slots()
-        for name, addr in pointers.items():
-            words[s[name]] = 0 if addr is None else addr
-        keep = []
-        with cupy.cuda.Device(self.device_id):
-            for name, shape, zero in self.scratch:
-                buf = (cupy.zeros if zero else cupy.empty)(shape, dtype=cupy.float32)
-                words[s[name]] = buf.data.ptr
-                keep.append(buf)
-            args = (as_kernel_arg(p),)
-            for kern, grid, block, smem in self.launches:
-                kern(grid, block, args, shared_mem=smem)
-        return keep
-
-
-def remember(key, plan: Plan) -> None:
-    if key is None or not _STATE["enabled"]:
+def remember(key, plan) -> None:
+    if plan is None or not _STATE["enabled"]:
         return
     if len(PLANS) >= _MAX_PLANS:
         clear()
     PLANS[key] = plan
 
 
-def lookup(key):
-    if key is None or not _STATE["enabled"]:
-        return None
-    plan = PLANS.get(key)
-    if plan is not None and plan.generation != jit.generation():
-        return None          # its kernels were unloaded: the launcher runs in full again
-    return plan
+# --------------------------------------------------------------------------------------------
+# Recording
+# --------------------------------------------------------------------------------------------
+
+class Piece:
+    """What one launcher did in one call: ``launches`` [(kernel, grid, block, shared_mem)], all
+    taking the struct ``params`` (a 0-d structured array); ``scratch`` {field: nbytes}: buffers
+    the launcher allocated for this call alone (contents never read before its kernels write
+    them); ``counter`` (field, groups) or None: the stream's split counters."""
+
+    __slots__ = ("launches", "params", "scratch", "counter")
+
+    def __init__(self, launches, params, scratch=None, counter=None):
+        self.launches = [(k, _dim3(g), _dim3(b), int(s)) for k, g, b, s in launches]
+        self.params = params
+        self.scratch = dict(scratch or {})
+        self.counter = counter
+
+
+def _dim3(d) -> tuple:
+    d = (d,) if isinstance(d, int) else tuple(int(x) for x in d)
+    return d + (1,) * (3 - len(d))
+
+
+class _Recorder:
+    __slots__ = ("pieces", "spoiled")
+
+    def __init__(self):
+        self.pieces = None
+        self.spoiled = False
+
+
+_LOCAL = threading.local()
+
+
+class record:
+    """``with plans.record() as rec:`` run a call in full; afterwards ``rec.plan(roles)`` is
+    its Plan (or None), where ``roles`` names the call's arrays in the order their addresses
+    will be given to :meth:`Plan.run`: ``(("q", q_address), ("k", k_address), ...)``."""
+
+    def __enter__(self):
+        self.rec = _Recorder()
+        self.outer = getattr(_LOCAL, "rec", None)
+        _LOCAL.rec = self.rec
+        return self
+
+    def __exit__(self, *exc):
+        _LOCAL.rec = self.outer
+        return False
+
+    def plan(self, roles, device_id, result=None):
+        rec = self.rec
+        if rec.spoiled or not rec.pieces or not _STATE["enabled"]:
+            return None
+        return Plan.build(rec.pieces, roles, device_id, result)
+
+
+def offer(*pieces) -> None:
+    """Called by a backend where the pieces are the call's whole device work (a None among them
+    marks the call unrecordable). A second offer in one call spoils it too (the backend's
+    branches are not meant to add up)."""
+    rec = getattr(_LOCAL, "rec", None)
+    if rec is None:
+        return
+    if rec.pieces is not None or any(p is None for p in pieces):
+        rec.spoiled = True
+        return
+    rec.pieces = pieces
+
+
+def spoil() -> None:
+    """The current call did device work outside the offered pieces: do not record it."""
+    rec = getattr(_LOCAL, "rec", None)
+    if rec is not None:
+        rec.spoiled = True
+
+
+_POINTER_FIELDS: list = []
+
+
+def _pointer_fields():
+    """(name, byte offset) of every pointer field of the struct."""
+    if not _POINTER_FIELDS:
+        dt = params_dtype()
+        for name in dt.names:
+            fdt, off = dt.fields[name][:2]
+            if fdt == np.uint64:      # pointers (the struct has no other 64-bit unsigned field)
+                _POINTER_FIELDS.append((name, off))
+    return _POINTER_FIELDS
+
+
+class Plan:
+    """A recorded call: for each launcher piece, the struct's bytes and where its addresses go
+    (``slots`` [(byte offset, role index)], ``scratch`` [(byte offset, nbytes)], ``counter``
+    (byte offset, groups) or None), and its launches [(CUfunction, grid, block, shared_mem)]."""
+
+    __slots__ = ("generation", "device_id", "context", "groups", "result")
+
+    @classmethod
+    def build(cls, pieces, roles, device_id, result=None):
+        """The plan of ``pieces``, or None when a struct holds an address that is none of the
+        call's arrays (by the field's own name), its scratch or its counters."""
+        from cupy.cuda import driver
+        index = {name: i for i, (name, _) in enumerate(roles)}
+        given = dict(roles)
+        groups = []
+        for p in pieces:
+            words = p.params.reshape(1).view(np.uint64)
+            slots, scratch, counter = [], [], None
+            for name, off in _pointer_fields():
+                value = int(words[off // 8])
+                if name in p.scratch:
+                    scratch.append((off, int(p.scratch[name])))
+                elif p.counter is not None and name == p.counter[0]:
+                    counter = (off, int(p.counter[1]))
+                elif value == 0:
+                    continue
+                elif name in index and given[name] == value:
+                    slots.append((off, index[name]))
+                else:
+                    return None     # an address this plan could not fill in again
+            launches = tuple((int(k.kernel.ptr), g, b, s) for k, g, b, s in p.launches)
+            groups.append((p.params.tobytes(), tuple(slots), tuple(scratch), counter, launches))
+        plan = cls()
+        plan.generation = jit.generation()
+        plan.device_id = device_id
+        import cupy
+        with cupy.cuda.Device(device_id):     # the context the kernels were loaded in
+            plan.context = int(driver.ctxGetCurrent())
+        plan.groups = tuple(groups)
+        plan.result = result
+        return plan
+
+    def run(self, pointers, stream: int, alloc, counters=None):
+        """Launch on ``stream`` with the call's array addresses ``pointers`` (in role order).
+        ``alloc(nbytes)`` returns ``(owner, address)`` for a scratch buffer; ``counters(groups)``
+        the address of the stream's split counters, or None when the stream has none yet (then
+        nothing is launched and run returns None: the caller runs the call in full, which makes
+        them). Returns the scratch owners (keep them until the launches are queued: both
+        allocators free in stream order)."""
+        from cupy.cuda import driver
+        launch_kernel = driver.launchKernel
+        addrs = []
+        for g in self.groups:
+            if g[3] is not None:
+                a = counters(g[3][1])
+                if a is None:
+                    return None
+                addrs.append(a)
+            else:
+                addrs.append(0)
+        keep = []
+        pack = _WORD.pack_into
+        for (template, slots, scratch, counter, launches), caddr in zip(self.groups, addrs):
+            buf = bytearray(template)
+            for off, i in slots:
+                pack(buf, off, pointers[i])
+            for off, nbytes in scratch:
+                owner, addr = alloc(nbytes)
+                keep.append(owner)
+                pack(buf, off, addr)
+            if counter is not None:
+                pack(buf, counter[0], caddr)
+            arg = (ctypes.c_char * len(buf)).from_buffer(buf)
+            argv = (ctypes.c_void_p * 1)(ctypes.addressof(arg))
+            params = ctypes.addressof(argv)
+            for func, (gx, gy, gz), (bx, by, bz), smem in launches:
+                launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, params, 0)
+        return keep
+
+
+def current_context() -> int:
+    """The calling thread's current CUDA context (0: none): a plan runs only in the context
+    its kernels were loaded in (the device's primary context, current for that device)."""
+    from cupy.cuda import driver
+    return int(driver.ctxGetCurrent())

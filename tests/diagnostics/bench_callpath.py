@@ -1,6 +1,6 @@
 """What users pay per call, end to end, against torch SDPA and "sdpa" in the same run.
 
-    python tests/diagnostics/bench_callpath.py [decode] [tiny] [llama] [generate] [compile]
+    python tests/diagnostics/bench_callpath.py [decode] [tiny] [cupy] [llama] [generate] [compile]
                                                [profile] [--json F]
 
 decode    flashcore.bench.decode: attention_with_kvcache (cache_seqlens a CUDA int32 tensor,
@@ -9,6 +9,8 @@ decode    flashcore.bench.decode: attention_with_kvcache (cache_seqlens a CUDA i
           --decode`` prints the same table).
 tiny      the tiny training step (flashcore.bench.tiny_calls) in a host loop: the first 1000
           steps of this process and the steady state, against SDPA.
+cupy      the same calls on CuPy arrays (forward, forward then backward, a decode step at
+          batch 1 / 4k) against the torch calls, interleaved.
 llama     a transformers Llama (random init, 8 layers, hidden 2048, 16/4 heads, bf16) training
           step (forward with labels, backward), eager, flashcore vs "sdpa".
 generate  greedy generate of 128 tokens, batch 1 / prompt 512 and batch 8 / prompt 2k.
@@ -54,6 +56,36 @@ def tiny(n_first=1000):
     emit(section="tiny", **first, **steady,
          fwd_minus_sdpa_us=steady["torch_fwd_us"] - steady["sdpa_fwd_us"],
          step_over_sdpa=steady["torch_fwdbwd_us"] / steady["sdpa_fwdbwd_us"])
+
+
+def cupy_calls():
+    """CuPy users' per-call cost against the same calls on torch tensors (host loop)."""
+    import cupy
+    calls, (q, k, v, do) = tiny_calls(peers=("sdpa",))
+    qd = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    kc = torch.randn(1, 4096, 8, 128, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    lens = torch.full((1,), 4096, device="cuda", dtype=torch.int32)
+    cqd, ckc, cvc, clens = (cupy.from_dlpack(x) for x in (qd, kc, vc, lens))
+    cq, ck, cv, cdo = (cupy.from_dlpack(x) for x in (q, k, v, do))
+    o, lse = flashcore.attention_forward(q, k, v, causal=True)
+
+    def torch_bwd():
+        flashcore.attention_backward(do, q, k, v, o, lse, causal=True)
+    co, clse = flashcore.attention_forward(cq, ck, cv, causal=True)
+
+    def cupy_bwd():
+        flashcore.attention_backward(cdo, cq, ck, cv, co, clse, causal=True)
+    calls = {"torch_fwd": calls["torch_fwd"], "cupy_fwd": calls["cupy_fwd"],
+             "torch_bwd": torch_bwd, "cupy_bwd": cupy_bwd,
+             "torch_decode": lambda: flashcore.attention_with_kvcache(qd, kc, vc, cache_seqlens=lens),
+             "cupy_decode": lambda: flashcore.attention_with_kvcache(cqd, ckc, cvc,
+                                                                     cache_seqlens=clens)}
+    us = per_call_us_interleaved(calls, 2000)
+    emit(section="cupy", **{f"{n}_us": t for n, t in us.items()},
+         fwd_minus_torch_us=us["cupy_fwd"] - us["torch_fwd"],
+         bwd_minus_torch_us=us["cupy_bwd"] - us["torch_bwd"],
+         decode_minus_torch_us=us["cupy_decode"] - us["torch_decode"])
 
 
 def _llama(impl, layers=8):
@@ -202,7 +234,8 @@ def main(argv):
     print(f"# torch {torch.__version__}, {torch.cuda.get_device_name()}, sections {sections}")
     for s in sections:
         try:
-            {"decode": decode, "tiny": tiny, "llama": llama, "generate": generate,
+            {"decode": decode, "tiny": tiny, "cupy": cupy_calls, "llama": llama,
+             "generate": generate,
              "compile": compile_step, "profile": profile}[s]()
         except Exception as e:
             import traceback
