@@ -115,6 +115,7 @@ def no_gpu(monkeypatch):
     monkeypatch.setattr(cupy.cuda, "Device", FakeDevice)
     from cupy.cuda import driver
     monkeypatch.setattr(driver, "launchKernel", fake_launch_kernel)
+    monkeypatch.setattr(plans, "_LAUNCH", [])
     monkeypatch.setattr(driver, "ctxGetCurrent", lambda: 0xC0)
     monkeypatch.setattr(cupy, "empty", _alloc)
     monkeypatch.setattr(cupy, "zeros", _alloc)

@@ -335,7 +335,6 @@ def replay(torch, plan, pointers, device) -> bool:
     """Run ``plan`` with ``pointers`` on torch's current stream of ``device``, scratch from
     torch's caching allocator. False (nothing launched) when this thread's current CUDA
     context is not the plan's, or the stream has no split counters yet: run in full then."""
-    from ..kernels.plans import current_context
     if current_context() != plan.context:
         return False
     index = device.index
@@ -349,6 +348,9 @@ def replay(torch, plan, pointers, device) -> bool:
         from ..kernels.decode import existing_split_counter
         return existing_split_counter(index, stream, groups)
     return plan.run(pointers, stream, alloc, counters) is not None
+
+
+from ..kernels.plans import current_context  # noqa: E402  (no CuPy import: bound at first use)
 
 
 _BACKEND = register(TorchBackend())

@@ -100,10 +100,9 @@ def _fwd_impl(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
                softmax_scale, window_left, window_right, softcap, deterministic, config.get())
         plan = plans.lookup(key)
         if plan is not None:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            lse = torch.empty((q.shape[1], q.shape[0]) if cu_seqlens_q is not None else
-                              (q.shape[0], q.shape[2], q.shape[1]),
-                              dtype=torch.float32, device=q.device)
+            out = q.new_empty(q.shape)
+            lse = q.new_empty((q.shape[1], q.shape[0]) if cu_seqlens_q is not None else
+                              (q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
             if replay(torch, plan, (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                                     lse.data_ptr(), _ptr(alibi_slopes), _ptr(cu_seqlens_q),
                                     _ptr(cu_seqlens_k)), q.device):
@@ -165,9 +164,8 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, b
                window_right, softcap, layout(alibi_slopes), num_splits, config.get())
         plan = plans.lookup(key)
         if plan is not None:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32,
-                              device=q.device)
+            out = q.new_empty(q.shape)
+            lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
             if replay(torch, plan, (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                     out.data_ptr(), lse.data_ptr(), cache_seqlens.data_ptr(),
                                     _ptr(block_table), _ptr(alibi_slopes)), q.device):

@@ -193,7 +193,9 @@ class Plan:
                 else:
                     return None     # an address this plan could not fill in again
             launches = tuple((int(k.kernel.ptr), g, b, s) for k, g, b, s in p.launches)
-            groups.append((p.params.tobytes(), tuple(slots), tuple(scratch), counter, launches))
+            raw = p.params.tobytes()
+            groups.append((ctypes.c_char * len(raw), raw, tuple(slots), tuple(scratch), counter,
+                           launches))
         plan = cls()
         plan.generation = jit.generation()
         plan.device_id = device_id
@@ -211,12 +213,11 @@ class Plan:
         nothing is launched and run returns None: the caller runs the call in full, which makes
         them). Returns the scratch owners (keep them until the launches are queued: both
         allocators free in stream order)."""
-        from cupy.cuda import driver
-        launch_kernel = driver.launchKernel
+        launch_kernel = _launch_kernel()
         addrs = []
         for g in self.groups:
-            if g[3] is not None:
-                a = counters(g[3][1])
+            if g[4] is not None:
+                a = counters(g[4][1])
                 if a is None:
                     return None
                 addrs.append(a)
@@ -224,26 +225,39 @@ class Plan:
                 addrs.append(0)
         keep = []
         pack = _WORD.pack_into
-        for (template, slots, scratch, counter, launches), caddr in zip(self.groups, addrs):
-            buf = bytearray(template)
+        for (buftype, template, slots, scratch, counter, launches), caddr in zip(self.groups,
+                                                                                 addrs):
+            arg = buftype.from_buffer_copy(template)      # this call's struct
             for off, i in slots:
-                pack(buf, off, pointers[i])
+                pack(arg, off, pointers[i])
             for off, nbytes in scratch:
                 owner, addr = alloc(nbytes)
                 keep.append(owner)
-                pack(buf, off, addr)
+                pack(arg, off, addr)
             if counter is not None:
-                pack(buf, counter[0], caddr)
-            arg = (ctypes.c_char * len(buf)).from_buffer(buf)
-            argv = (ctypes.c_void_p * 1)(ctypes.addressof(arg))
+                pack(arg, counter[0], caddr)
+            argv = _ONE_POINTER(ctypes.addressof(arg))    # (both kept alive until launched)
             params = ctypes.addressof(argv)
             for func, (gx, gy, gz), (bx, by, bz), smem in launches:
                 launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, params, 0)
         return keep
 
 
+_ONE_POINTER = ctypes.c_void_p * 1     # cuLaunchKernel's kernelParams: one pointer, the struct's
+_LAUNCH: list = []      # [cuLaunchKernel, cuCtxGetCurrent] (CuPy's driver bindings)
+
+
+def _launch_kernel():
+    if len(_LAUNCH) < 2:
+        from cupy.cuda import driver
+        _LAUNCH[:] = [driver.launchKernel, driver.ctxGetCurrent]
+    return _LAUNCH[0]
+
+
 def current_context() -> int:
     """The calling thread's current CUDA context (0: none): a plan runs only in the context
     its kernels were loaded in (the device's primary context, current for that device)."""
-    from cupy.cuda import driver
-    return int(driver.ctxGetCurrent())
+    if len(_LAUNCH) < 2:
+        from cupy.cuda import driver
+        _LAUNCH[:] = [driver.launchKernel, driver.ctxGetCurrent]
+    return _LAUNCH[1]()

@@ -14,6 +14,8 @@ cupy      the same calls on CuPy arrays (forward, forward then backward, a decod
 llama     a transformers Llama (random init, 8 layers, hidden 2048, 16/4 heads, bf16) training
           step (forward with labels, backward), eager, flashcore vs "sdpa".
 generate  greedy generate of 128 tokens, batch 1 / prompt 512 and batch 8 / prompt 2k.
+generate_static  the same with cache_implementation="static" (compiled by transformers), 64
+          tokens after a warm-up generate.
 compile   torch.compile of the llama training step (batch 4 x 4k), flashcore vs "sdpa".
 profile   cProfile of the host side of a decode step and of the tiny forward and step.
 
@@ -188,6 +190,36 @@ def generate(shapes=((1, 512), (8, 2048)), new=128):
              logits_maxdiff=float((la - lb).abs().max()), logits_scale=float(la.abs().max()))
 
 
+def generate_static(shapes=((1, 512), (8, 2048)), new=64):
+    """Greedy generate with ``cache_implementation="static"`` (which transformers compiles):
+    tokens/s after a warm-up generate that compiles, flashcore vs "sdpa"; first tokens."""
+    for batch, prompt in shapes:
+        r, outs = {}, {}
+        for impl in ("sdpa", "flashcore"):
+            torch._dynamo.reset()
+            model = _llama(impl).eval()
+            ids = torch.randint(0, 32000, (batch, prompt), device="cuda",
+                                generator=torch.Generator(device="cuda").manual_seed(1))
+            kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                      cache_implementation="static")
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                model.generate(ids, **kw)
+                torch.cuda.synchronize()
+                r[impl + "_warm_s"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                o = model.generate(ids, **kw)
+                torch.cuda.synchronize()
+            r[impl + "_tok_s"] = batch * new / (time.perf_counter() - t0)
+            outs[impl] = o[:, prompt:]
+            del model
+            torch.cuda.empty_cache()
+        same = (outs["sdpa"] == outs["flashcore"]).int().cumprod(1).sum(1)
+        emit(section="generate_static", batch=batch, prompt=prompt, **r,
+             ratio=r["flashcore_tok_s"] / r["sdpa_tok_s"], equal_prefix_min=int(same.min()),
+             equal_prefix_mean=float(same.float().mean()))
+
+
 def profile(n=300):
     """cProfile of the host side of the decode step (batch 1, 4k) and of the tiny forward."""
     import cProfile
@@ -235,7 +267,7 @@ def main(argv):
     for s in sections:
         try:
             {"decode": decode, "tiny": tiny, "cupy": cupy_calls, "llama": llama,
-             "generate": generate,
+             "generate": generate, "generate_static": generate_static,
              "compile": compile_step, "profile": profile}[s]()
         except Exception as e:
             import traceback
