@@ -99,6 +99,9 @@ _FWD_OPTIONS = ("causal", "softmax_scale", "window_size", "softcap", "determinis
 
 
 def _forward(q, k, v, backend, varlen, out=None, lse=None, **kw):
+    if out is None and lse is None and library_of(q) == "torch":
+        from .backends import torch_ops
+        return torch_ops.forward(q, k, v, backend=backend, varlen=varlen, **kw)
     alibi, cu_q, cu_k = kw.get("alibi_slopes"), kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")
     key = _cupy_key("fwd", (q, k, v, out, lse, alibi, cu_q, cu_k),
                     (backend, varlen, *(kw.get(n) for n in _FWD_OPTIONS)))
@@ -130,6 +133,9 @@ def _forward(q, k, v, backend, varlen, out=None, lse=None, **kw):
 
 
 def _backward(dout, q, k, v, out, lse, backend, varlen, dq=None, dk=None, dv=None, **kw):
+    if dq is None and dk is None and dv is None and library_of(q) == "torch":
+        from .backends import torch_ops
+        return torch_ops.backward(dout, q, k, v, out, lse, backend=backend, varlen=varlen, **kw)
     alibi, cu_q, cu_k = kw.get("alibi_slopes"), kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")
     key = _cupy_key("bwd", (q, dout, k, v, out, lse, dq, dk, dv, alibi, cu_q, cu_k),
                     (backend, varlen, *(kw.get(n) for n in _FWD_OPTIONS)))

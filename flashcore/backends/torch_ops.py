@@ -21,6 +21,7 @@ imported (an import hook, or at once if torch is already loaded) or at the first
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import sys
@@ -62,6 +63,13 @@ _KV_SCHEMA = ("(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Ten
               "float softmax_scale, int window_left, int window_right, float softcap, "
               "Tensor? alibi_slopes, int num_splits) -> (Tensor, Tensor)")
 
+
+# The decode op without appending: nothing is written but the outputs, so the schema declares
+# no mutation (a mutable schema costs the dispatcher ~15 us a call on the H200 host).
+_KV_READ_SCHEMA = ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? cache_seqlens, "
+                   "int cache_seqlens_int, Tensor? block_table, bool causal, float softmax_scale, "
+                   "int window_left, int window_right, float softcap, Tensor? alibi_slopes, "
+                   "int num_splits) -> (Tensor, Tensor)")
 
 _OPS: list = []   # [torch.ops.flashcore], filled by torch_ops() on first use
 _OPS_LOCK = threading.Lock()
@@ -209,6 +217,14 @@ def _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     return spec
 
 
+def _kvcache_read_impl(q, k_cache, v_cache, cache_seqlens, cache_seqlens_int, block_table,
+                       causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
+                       num_splits):
+    return _kvcache_impl(q, k_cache, v_cache, None, None, cache_seqlens, cache_seqlens_int,
+                         block_table, None, None, False, causal, softmax_scale, window_left,
+                         window_right, softcap, alibi_slopes, num_splits)
+
+
 def _ptr(t) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -219,16 +235,18 @@ def _roles(**tensors) -> tuple:
 
 
 _LIBRARY: list = []     # the torch.library.Library that owns the ops (kept alive)
+_OVERLOADS: dict = {}   # name -> the op's OpOverload (looked up once)
 
 
 def _define_ops():
-    """The three ops, defined with torch.library's low-level API: a Python kernel reached
+    """The ops, defined with torch.library's low-level API: a Python kernel reached
     through the dispatcher costs ~5 us a call on the H200 host, against ~20 us for a
     ``torch.library.custom_op`` (whose wrapper adds checks and a dynamo guard per call)."""
     import torch
     lib = torch.library.Library("flashcore", "DEF")
     for name, schema, impl in (("fwd", _FWD_SCHEMA, _fwd_impl), ("bwd", _BWD_SCHEMA, _bwd_impl),
-                               ("kvcache", _KV_SCHEMA, _kvcache_impl)):
+                               ("kvcache", _KV_SCHEMA, _kvcache_impl),
+                               ("kvcache_read", _KV_READ_SCHEMA, _kvcache_read_impl)):
         lib.define(name + schema)
         for key in ("CPU", "CUDA"):
             lib.impl(name, impl, key)
@@ -248,8 +266,11 @@ def _define_ops():
     torch.library.register_fake("flashcore::fwd", fwd_fake, lib=lib)
     torch.library.register_fake("flashcore::bwd", bwd_fake, lib=lib)
     torch.library.register_fake("flashcore::kvcache", kvcache_fake, lib=lib)
+    torch.library.register_fake("flashcore::kvcache_read", kvcache_fake, lib=lib)
     _LIBRARY.append(lib)
     ops = torch.ops.flashcore
+    _OVERLOADS.update(fwd=ops.fwd.default, bwd=ops.bwd.default, kvcache=ops.kvcache.default,
+                      kvcache_read=ops.kvcache_read.default)
     _FUNCTION.append(_attention_function(torch, ops))
     return ops
 
@@ -346,10 +367,10 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
             # the shapes, dtypes and options were validated above either way)
             choose(spec, backend, backward=_needs_grad(q, k, v))
         opts = _options(spec)
-    ops = torch_ops()
+    torch_ops()
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (None, None)
     if not _needs_grad(q, k, v):     # nothing to differentiate: the op alone (what autograd
-        return ops.fwd.default(q, k, v, alibi_slopes, cu_q, cu_k, *opts)   # would run)
+        return _OVERLOADS["fwd"](q, k, v, alibi_slopes, cu_q, cu_k, *opts)   # would run)
     tensors, where = [], []
     for t in (q, k, v, alibi_slopes, cu_q, cu_k):
         if t is None:
@@ -449,15 +470,53 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, blo
                 spec.rotary_interleaved, a.causal, a.softmax_scale, a.window_left,
                 a.window_right, a.softcap, spec.num_splits)
     lens, lens_int, interleaved, causal, scale, left, right, cap, splits = args
-    op = torch_ops().kvcache.default
-    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or
-                                    (k is not None and k.requires_grad)):
-        with torch.no_grad():        # inference only: the results never require grad
-            return op(q, k_cache, v_cache, k, v, lens, lens_int, block_table, rotary_cos,
-                      rotary_sin, interleaved, causal, scale, left, right, cap, alibi_slopes,
-                      splits)
-    return op(q, k_cache, v_cache, k, v, lens, lens_int, block_table, rotary_cos, rotary_sin,
-              interleaved, causal, scale, left, right, cap, alibi_slopes, splits)
+    torch_ops()
+    grad = torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or
+                                        (k is not None and k.requires_grad))
+    with torch.no_grad() if grad else contextlib.nullcontext():
+        # (inference only: the results never require grad)
+        if k is None and v is None:
+            return _OVERLOADS["kvcache_read"](q, k_cache, v_cache, lens, lens_int, block_table,
+                                              causal, scale, left, right, cap, alibi_slopes,
+                                              splits)
+        return _OVERLOADS["kvcache"](q, k_cache, v_cache, k, v, lens, lens_int, block_table,
+                                     rotary_cos, rotary_sin, interleaved, causal, scale, left,
+                                     right, cap, alibi_slopes, splits)
+
+
+def forward(q, k, v, *, backend=None, varlen=False, **kw):
+    """flashcore.attention_forward / varlen_attention_forward on torch tensors: the forward op
+    (no autograd: the results do not require grad)."""
+    return _explicit("fwd", (q, k, v), backend, varlen, kw)
+
+
+def backward(dout, q, k, v, out, lse, *, backend=None, varlen=False, **kw):
+    """flashcore.attention_backward / varlen_attention_backward on torch tensors: the
+    backward op."""
+    return _explicit("bwd", (dout, q, k, v, out, lse), backend, varlen, kw)
+
+
+def _explicit(kind, tensors, backend, varlen, kw):
+    import torch
+    q = tensors[0] if kind == "fwd" else tensors[1]
+    opts = None
+    if backend is None and not torch_compiling(q):
+        opts = _plain_options(q, varlen, kw.get("causal", False), kw.get("softmax_scale"),
+                              kw.get("window_size", (-1, -1)), kw.get("softcap", 0.0),
+                              kw.get("deterministic", False), kw.get("max_seqlen_q"),
+                              kw.get("max_seqlen_k"))
+    args = {n: kw.get(n) for n in ("alibi_slopes", "cu_seqlens_q", "cu_seqlens_k")}
+    if opts is None:
+        spec_kw = dict(kw, varlen=varlen)
+        spec = forward_spec(*tensors, **spec_kw) if kind == "fwd" else \
+            backward_spec(*tensors, **spec_kw)
+        if not torch_compiling(q):
+            choose(spec, backend, backward=kind == "bwd")
+        opts = _options(spec)
+    torch_ops()
+    with torch.no_grad():
+        return _OVERLOADS[kind](*tensors, args["alibi_slopes"], args["cu_seqlens_q"],
+                                args["cu_seqlens_k"], *opts)
 
 
 def _needs_grad(q, k, v) -> bool:
