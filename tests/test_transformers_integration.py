@@ -118,6 +118,25 @@ def test_padded_batch_compiles_fullgraph_with_no_sync_and_matches_sdpa(name):
         torch.testing.assert_close(p.grad, pr.grad, atol=1e-5, rtol=1e-4, msg=n)
 
 
+def test_padding_mask_shorter_than_a_static_cache():
+    """A static cache holds more slots than the mask covers (the slots past it are not written
+    yet): the queries are the mask's last positions, the keys its kept ones."""
+    import flashcore
+    from flashcore.integrations.transformers import _padded_via_varlen
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 3, 2, 16, dtype=torch.float64, generator=g)
+    k = torch.randn(2, 10, 2, 16, dtype=torch.float64, generator=g)
+    v = torch.randn(2, 10, 2, 16, dtype=torch.float64, generator=g)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[0, :2] = 0
+    out = _padded_via_varlen(q, k, v, mask, causal=True, softmax_scale=None,
+                             window_size=(-1, -1), softcap=0.0)
+    for b, first in ((0, 2), (1, 0)):
+        want = flashcore.attention(q[b:b + 1], k[b:b + 1, first:7], v[b:b + 1, first:7],
+                                   causal=True)
+        torch.testing.assert_close(out[b:b + 1], want, atol=1e-12, rtol=0)
+
+
 def test_dropout_in_training_is_refused():
     q = torch.randn(1, 2, 3, 8)
 

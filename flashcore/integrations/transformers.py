@@ -158,10 +158,11 @@ def _padded_via_varlen(q, k, v, attention_mask, **kw):
     import torch
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    keep_k = attention_mask[:, -sk:].to(torch.bool)
-    if keep_k.shape[1] < sk:     # a static cache: its slots past the mask are not written yet
-        keep_k = torch.nn.functional.pad(keep_k, (0, sk - keep_k.shape[1]))
-    keep_q = keep_k[:, -sq:]                 # the queries are the last sq positions
+    mask = attention_mask[:, -sk:].to(torch.bool)
+    keep_q = mask[:, -sq:]                   # the queries are the mask's last sq positions
+    keep_k = mask
+    if mask.shape[1] < sk:       # a static cache: its slots past the mask are not written yet
+        keep_k = torch.nn.functional.pad(mask, (0, sk - mask.shape[1]))
 
     def pack(x, keep, n, heads):
         flat = keep.reshape(-1)
