@@ -6,7 +6,6 @@ the user sees each backend's reasons at once.
 """
 from __future__ import annotations
 
-import functools
 from typing import ClassVar
 
 from ..spec import AttentionSpec, KVCacheSpec
@@ -126,8 +125,8 @@ def get_backend(name: str) -> Backend:
 def choose(spec: AttentionSpec, backend: str | None, backward: bool = False) -> Backend:
     """The backend for this call: the named one, else the first that takes these arrays.
 
-    Memoised on the (frozen, hashable) spec: a training loop repeats the same few calls, and
-    the capability checks would otherwise run on every one of them.
+    Runs when a call is validated in full: for CuPy arrays and CUDA tensors, only the first
+    call of a layout (later ones replay its launch plan, flashcore.kernels.plans).
     """
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"argument 'backend': expected a backend name (str) or None, "
@@ -135,7 +134,6 @@ def choose(spec: AttentionSpec, backend: str | None, backward: bool = False) -> 
     return _choose(spec, backend, backward)
 
 
-@functools.lru_cache(maxsize=1024)
 def _choose(spec: AttentionSpec, backend: str | None, backward: bool) -> Backend:
     return _pick(backend, spec, "call", lambda b: b.not_supported_reasons(spec, backward))
 
@@ -168,13 +166,12 @@ def _pick(backend, attn, what, reasons_of) -> Backend:
 
 
 def choose_kvcache(spec: KVCacheSpec, backend: str | None) -> Backend:
-    """:func:`choose` for a KV-cache decoding call (memoised on the spec the same way)."""
+    """:func:`choose` for a KV-cache decoding call."""
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"argument 'backend': expected a backend name (str) or None, "
                         f"got {type(backend).__name__}")
     return _choose_kvcache(spec, backend)
 
 
-@functools.lru_cache(maxsize=1024)
 def _choose_kvcache(spec: KVCacheSpec, backend: str | None) -> Backend:
     return _pick(backend, spec.attn, "KV-cache call", lambda b: b.kvcache_not_supported_reasons(spec))
