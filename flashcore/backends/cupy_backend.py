@@ -72,8 +72,7 @@ class CupyBackend(Backend):
     name = "cupy"
     libraries = ("cupy",)
     dtypes = ("float16", "bfloat16")
-    max_headdim = 256
-    headdim_multiple = 8
+    max_headdim = 256        # any head dim up to 256: others than multiples of 8 are padded
     is_deterministic = False   # dQ is accumulated with atomics unless deterministic=True
     supports_kvcache = True    # when flashcore.kernels.decode imports (see the reasons)
 
@@ -128,9 +127,15 @@ class CupyBackend(Backend):
                     (spec.batch, spec.nheads, spec.seqlen_q)
                 lse = cupy.empty(shape, dtype=cupy.float32)
             if q.size and k.shape[0]:
-                plans.offer(launch_forward(
-                    q, k, v, out, lse,
-                    **self._kernel_kwargs(spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k)))
+                kw = self._kernel_kwargs(spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+                if spec.headdim % 8:
+                    # flash-attn's way: zero columns up to a multiple of 8 add nothing to the
+                    # scores (the scale is the true head dim's), and come out as zeros
+                    o8 = cupy.empty(_padded_shape(q), q.dtype)
+                    launch_forward(_pad8(q), _pad8(k), _pad8(v), o8, lse, **kw)
+                    out[...] = o8[..., :spec.headdim]
+                else:
+                    plans.offer(launch_forward(q, k, v, out, lse, **kw))
             else:   # no queries, or no keys at all: nothing is visible
                 out[...] = 0
                 lse[...] = -cupy.inf
@@ -145,9 +150,17 @@ class CupyBackend(Backend):
             dk = cupy.empty(k.shape, k.dtype) if dk is None else dk
             dv = cupy.empty(v.shape, v.dtype) if dv is None else dv
             if q.size and k.shape[0]:
-                plans.offer(launch_backward(
-                    dout, q, k, v, out, lse, dq, dk, dv, deterministic=spec.deterministic,
-                    **self._kernel_kwargs(spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k)))
+                kw = self._kernel_kwargs(spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+                if spec.headdim % 8:       # padded as in the forward (the padding's gradient
+                    d = spec.headdim       # is computed and dropped)
+                    g8 = [cupy.empty(_padded_shape(x), x.dtype) for x in (q, k, v)]
+                    launch_backward(_pad8(dout), _pad8(q), _pad8(k), _pad8(v), _pad8(out), lse,
+                                    *g8, deterministic=spec.deterministic, **kw)
+                    for dst, g in zip((dq, dk, dv), g8):
+                        dst[...] = g[..., :d]
+                else:
+                    plans.offer(launch_backward(dout, q, k, v, out, lse, dq, dk, dv,
+                                                deterministic=spec.deterministic, **kw))
             else:
                 dq[...] = 0
                 dk[...] = 0
@@ -160,6 +173,9 @@ class CupyBackend(Backend):
         r = super().kvcache_not_supported_reasons(spec)
         if r and r[0].startswith("not available"):
             return r
+        if spec.attn.headdim % 8:     # the cache is read (and written) in place: no padding
+            r.append(f"headdim {spec.attn.headdim} is not a multiple of 8 (decoding reads the "
+                     "cache in place; flash-attn's rule)")
         why = _decode_kernels_reason()
         if why:
             r.append(why)
@@ -213,6 +229,18 @@ class CupyBackend(Backend):
                 if after is cache_seqlens:      # the decode kernel was all of the call
                     plans.offer(piece)
         return out, lse
+
+
+def _padded_shape(x):
+    return (*x.shape[:-1], -(-x.shape[-1] // 8) * 8)
+
+
+def _pad8(x):
+    """``x`` with zero columns appended up to a multiple of 8 (a new array)."""
+    import cupy
+    p = cupy.zeros(_padded_shape(x), x.dtype)
+    p[..., :x.shape[-1]] = x
+    return p
 
 
 register(CupyBackend())

@@ -106,7 +106,8 @@ class TorchBackend(Backend):
 
     Capabilities depend on where the tensors live: CPU takes float16/float32/float64
     (bfloat16 has no NumPy view), CUDA takes what the CuPy kernels take (float16/bfloat16,
-    headdim a multiple of 8 up to 256). ``not_supported_reasons`` says which applies.
+    any headdim up to 256; decoding: a multiple of 8). ``not_supported_reasons`` says which
+    applies.
     """
 
     name = "torch"

@@ -258,15 +258,29 @@ def test_bad_headdim_refused_before_launch():
     import flashcore
     from flashcore.backends.base import NotSupportedError
     rng = np.random.default_rng(0)
-    q = to_dev(rng.standard_normal((1, 8, 2, 36)).astype(np.float32), "float16")
-    with pytest.raises(NotSupportedError, match="headdim 36"):
-        flashcore.attention_forward(q, q, q)
     q = to_dev(rng.standard_normal((1, 8, 2, 264)).astype(np.float32), "float16")
     with pytest.raises(NotSupportedError, match="headdim 264"):
         flashcore.attention_forward(q, q, q)
     q = _cp().asarray(rng.standard_normal((1, 8, 2, 64)).astype(np.float32))
     with pytest.raises(NotSupportedError, match="float32"):
         flashcore.attention_forward(q, q, q)
+    q = to_dev(rng.standard_normal((1, 1, 2, 36)).astype(np.float32), "float16")
+    cache = to_dev(rng.standard_normal((1, 16, 2, 36)).astype(np.float32), "float16")
+    with pytest.raises(NotSupportedError, match="headdim 36 is not a multiple of 8"):
+        flashcore.attention_with_kvcache(q, cache, cache, cache_seqlens=4)
+
+
+# Head dims that are no multiple of 8: padded with zero columns (flash-attn's way), forward
+# and backward, against the oracle with the flash-attn rule.
+ODD_HEADDIMS = [(1, (37, 29), True), (3, (64, 64), False), (17, (130, 77), True),
+                (33, (1, 200), False), (100, (257, 300), True), (250, (65, 129), False)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d,seqs,causal", ODD_HEADDIMS)
+def test_head_dims_not_multiple_of_8(dtype, d, seqs, causal):
+    run_case(dtype, 2, seqs[0], seqs[1], 4, 2, d, causal=causal, seed=d)
+    run_case(dtype, 1, seqs[0], seqs[1], 2, 1, d, causal=causal, seed=d + 1, api=True)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
