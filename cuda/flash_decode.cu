@@ -431,7 +431,11 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     const int split = blockIdx.z;
     const int G = params.nheads / params.nheads_k;
     const int sq = params.seqlen_q;
-    const int sk = fc_cache_len(params.cache_seqlens, b, params.seqlen_k);
+    // keys [start, cache_seqlens[b]) of the cache; start > 0 only with cache_leftpad
+    // (contiguous caches: the key and value bases move by start rows below)
+    const int sk_end = fc_cache_len(params.cache_seqlens, b, params.seqlen_k);
+    const int start = Is_paged ? 0 : fc_cache_start(params.cache_leftpad, b, sk_end);
+    const int sk = sk_end - start;
     const int m0 = m_block * kBlockM;
     const int rows_valid = min(kBlockM, sq * G - m0);
     const int off = sk - sq;
@@ -529,9 +533,11 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     const int lc = tid % kCPR;
     const bool col_ok = Is_even_d || lc * 8 < headdim;
     const fc_u16* gK = static_cast<const fc_u16*>(params.k) + (long long)hk * params.k_head_stride
-                       + (Is_paged ? 0ll : (long long)b * params.k_batch_stride) + lc * 8;
+                       + (Is_paged ? 0ll : (long long)b * params.k_batch_stride
+                                           + (long long)start * params.k_row_stride) + lc * 8;
     const fc_u16* gV = static_cast<const fc_u16*>(params.v) + (long long)hk * params.v_head_stride
-                       + (Is_paged ? 0ll : (long long)b * params.v_batch_stride) + lc * 8;
+                       + (Is_paged ? 0ll : (long long)b * params.v_batch_stride
+                                           + (long long)start * params.v_row_stride) + lc * 8;
     const int* bt = Is_paged ? params.block_table + (long long)b * params.block_table_batch_stride
                              : nullptr;
     const int page_size = params.page_size;

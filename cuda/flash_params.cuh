@@ -95,6 +95,8 @@ struct FlashParams {
     int total_k;               // varlen: rows of the packed k and v; else 0
     int num_blocks;            // paged decoding: blocks in the cache pool; else 0
     int _pad1;
+    const int* cache_leftpad;  // contiguous decoding: int32 (batch,), sequence b's keys are rows
+                               // cache_leftpad[b] .. cache_seqlens[b] - 1; nullptr = from row 0
 };
 
 // ---- trusted values, guarded addresses -------------------------------------------------------
@@ -122,6 +124,11 @@ __device__ __forceinline__ FcSeqRange fc_seq_range(const int* cu, int b, int tot
 // The keys of sequence b in a KV cache of `capacity` rows per sequence (params.seqlen_k).
 __device__ __forceinline__ int fc_cache_len(const int* cache_seqlens, int b, int capacity) {
     return min(max(cache_seqlens[b], 0), capacity);
+}
+
+// The first key row of sequence b (cache_leftpad, flash-attn's), within [0, len].
+__device__ __forceinline__ int fc_cache_start(const int* cache_leftpad, int b, int len) {
+    return cache_leftpad == nullptr ? 0 : min(max(cache_leftpad[b], 0), len);
 }
 
 // A block_table entry as a block of the pool (num_blocks of them).

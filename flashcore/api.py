@@ -267,7 +267,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                            block_table=None, rotary_cos=None, rotary_sin=None,
                            rotary_interleaved=False, causal=False, softmax_scale=None,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None, num_splits=0,
-                           return_lse=False, backend=None, out=None, lse=None):
+                           return_lse=False, backend=None, out=None, lse=None,
+                           cache_leftpad=None):
     """One decoding step with a KV cache (flash-attn's ``flash_attn_with_kvcache``).
 
     **The cache is updated in place**: when ``k`` and ``v`` are given, they are written into
@@ -306,6 +307,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         num_splits: split the keys of each sequence into this many chunks merged through
             their LSE (Flash-Decoding); 0 lets the backend choose. The result is the same.
         return_lse: also return the log-sum-exp.
+        cache_leftpad: int32 ``(batch,)`` or None (flash-attn's): sequence b's keys start at row
+            ``cache_leftpad[b]`` of its (contiguous) cache; rows before it are ignored (left
+            padding): masks, the causal alignment and ALiBi count from it. The new keys are
+            still written, and rotated, at rows ``cache_seqlens[b] + t``, as in flash-attn.
+            Not with ``block_table``.
         out, lse: CuPy arrays only, preallocated outputs (like q; float32 ``(batch, nheads,
             seqlen_q)``), written in place: what a call captured in a CUDA graph needs.
 
@@ -321,10 +327,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
             q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
             rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
             causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-            alibi_slopes=alibi_slopes, num_splits=num_splits, backend=backend)
+            alibi_slopes=alibi_slopes, num_splits=num_splits, backend=backend,
+            cache_leftpad=cache_leftpad)
         return (out, lse) if return_lse else out
     key = _cupy_key("kvcache", (q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                                rotary_cos, rotary_sin, alibi_slopes, out, lse),
+                                rotary_cos, rotary_sin, alibi_slopes, out, lse, cache_leftpad),
                     (rotary_interleaved, causal, softmax_scale, window_size, softcap, num_splits,
                      backend))
     if key is not None:
@@ -336,13 +343,14 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                 if lse is None else lse
             if _cupy_replay(plan, (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, o.data.ptr,
                                    l_.data.ptr, cache_seqlens.data.ptr, _ptr(block_table),
-                                   _ptr(alibi_slopes))):
+                                   _ptr(alibi_slopes), _ptr(cache_leftpad))):
                 return (o, l_) if return_lse else o
     spec = kvcache_spec(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                         block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                         rotary_interleaved=rotary_interleaved, causal=causal,
                         softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                        alibi_slopes=alibi_slopes, num_splits=num_splits)
+                        alibi_slopes=alibi_slopes, num_splits=num_splits,
+                        cache_leftpad=cache_leftpad)
     a = spec.attn
     given = check_outputs(a, {"out": out, "lse": lse},
                           {"out": (q.shape, a.dtype),
@@ -352,13 +360,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         out, lse = choose_kvcache(spec, backend).forward_kvcache(
             spec, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
             block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-            alibi_slopes=alibi_slopes, **given)
+            alibi_slopes=alibi_slopes, cache_leftpad=cache_leftpad, **given)
     if key is not None and spec.cache_seqlens_int is None:
         plans.remember(key, rec.plan(
             (("q", _ptr(q)), ("k", _ptr(k_cache)), ("v", _ptr(v_cache)), ("o", _ptr(out)),
              ("lse", _ptr(lse)), ("cache_seqlens", _ptr(cache_seqlens)),
-             ("block_table", _ptr(block_table)), ("alibi_slopes", _ptr(alibi_slopes))),
-            q.device.id))
+             ("block_table", _ptr(block_table)), ("alibi_slopes", _ptr(alibi_slopes)),
+             ("cache_leftpad", _ptr(cache_leftpad))), q.device.id))
     return (out, lse) if return_lse else out
 
 

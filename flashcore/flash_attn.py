@@ -14,8 +14,8 @@ Names, argument order, defaults, shapes and returns are flash-attn 2.x's
   materialises the attention probabilities, so the third element (flash-attn's ``S_dmask``,
   documented there as "for testing only") is always None.
 * ``block_table`` (paged KV cache in ``flash_attn_varlen_func``) must be None for now.
-* :func:`flash_attn_with_kvcache`: ``cache_batch_idx`` and ``cache_leftpad`` must be None;
-  a paged cache's page size may be any multiple of 16 (flash-attn 2: 256); the new keys must
+* :func:`flash_attn_with_kvcache`: ``cache_batch_idx`` must be None; ``cache_leftpad``
+  works with a contiguous cache (as in flash-attn, not with ``block_table``); a paged cache's page size may be any multiple of 16 (flash-attn 2: 256); the new keys must
   fit in the cache (checked).
 
 On torch tensors the results are differentiable (``flashcore.attention``'s autograd); the
@@ -211,7 +211,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             every query at position ``cache_seqlens``.
         cache_seqlens: int, or (batch_size,) int32: cached lengths before appending. None
             means the whole cache is valid (its capacity), as in flash-attn.
-        cache_batch_idx, cache_leftpad: must be None (not implemented).
+        cache_batch_idx: must be None (not implemented).
+        cache_leftpad: optional (batch_size,) int32: sequence b's keys start at row
+            ``cache_leftpad[b]`` (left padding). Contiguous caches only.
         block_table: optional (batch_size, max_num_blocks_per_seq) int32 (paged cache).
         softmax_scale: default 1 / sqrt(headdim).
         causal, window_size, softcap, alibi_slopes: as in :func:`flash_attn_func`, aligned
@@ -225,10 +227,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out: (batch_size, seqlen, nheads, headdim), or ``(out, softmax_lse)`` with
         ``return_softmax_lse=True``, softmax_lse float32 (batch_size, nheads, seqlen).
     """
-    for name, x in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
-        if x is not None:
-            raise NotImplementedError(f"argument '{name}': flashcore does not implement it yet; "
-                                      f"expected None")
+    if cache_batch_idx is not None:
+        raise NotImplementedError("argument 'cache_batch_idx': flashcore does not implement it "
+                                  "yet; expected None")
     if cache_seqlens is None and k is None and getattr(k_cache, "ndim", None) == 4:
         # flash-attn: no lengths means every cached row is valid
         cache_seqlens = (int(k_cache.shape[1]) if block_table is None or
@@ -238,5 +239,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
         rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
         causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, num_splits=num_splits, return_lse=True)
+        alibi_slopes=alibi_slopes, num_splits=num_splits, return_lse=True,
+        cache_leftpad=cache_leftpad)
     return (out, lse) if return_softmax_lse else out

@@ -330,6 +330,7 @@ class KVCacheSpec:
     rotary_interleaved: bool
     num_splits: int              # 0: heuristic
     cache_seqlens_int: int | None  # cache_seqlens given as a Python int
+    leftpad: bool = False        # cache_leftpad given: sequence b's keys start at its row
 
     @property
     def rotary_per_row(self) -> bool:
@@ -381,7 +382,7 @@ def _int32_array(name, x, ndim, lib, device, shape_desc):
 def kvcache_spec(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
                  rotary_cos=None, rotary_sin=None, rotary_interleaved=False, causal=False,
                  softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                 num_splits=0) -> KVCacheSpec:
+                 num_splits=0, cache_leftpad=None) -> KVCacheSpec:
     """Validate the arguments of a KV-cache decoding call and return their spec.
 
     Besides shapes and dtypes, the *values* of ``cache_seqlens`` and ``block_table`` are
@@ -394,12 +395,12 @@ def kvcache_spec(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_ta
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
         rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
         causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, num_splits=num_splits)
+        alibi_slopes=alibi_slopes, num_splits=num_splits, cache_leftpad=cache_leftpad)
 
 
 def _kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, rotary_cos,
                   rotary_sin, rotary_interleaved, causal, softmax_scale, window_size, softcap,
-                  alibi_slopes, num_splits) -> KVCacheSpec:
+                  alibi_slopes, num_splits, cache_leftpad) -> KVCacheSpec:
     lib, device, dt = _check_q_and_kv(q, k_cache, v_cache, "k_cache", "v_cache", 4, 4)
     batch, sq, nheads, headdim = (int(n) for n in q.shape)
     c0, c1, nheads_k, hd_k = (int(n) for n in k_cache.shape)
@@ -486,6 +487,18 @@ def _kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, rota
             raise _arg_error(ValueError, "cache_seqlens", f"shape ({batch},) (batch like 'q')",
                              f"shape {tuple(cache_seqlens.shape)}")
 
+    # -- cache_leftpad: sequence b's keys start at row cache_leftpad[b] of its cache ----------
+    if cache_leftpad is not None:
+        _int32_array("cache_leftpad", cache_leftpad, 1, lib, device, f"of shape ({batch},)")
+        if tuple(cache_leftpad.shape) != (batch,):
+            raise _arg_error(ValueError, "cache_leftpad", f"shape ({batch},) (batch like 'q')",
+                             f"shape {tuple(cache_leftpad.shape)}")
+        if paged:
+            raise _arg_error(ValueError, "cache_leftpad",
+                             "None with a paged cache (block_table given; flash-attn's rule)",
+                             "an array")
+        _check_last_contiguous("cache_leftpad", cache_leftpad)
+
     # -- rotary ------------------------------------------------------------------------------
     if not isinstance(rotary_interleaved, (bool, np.bool_)):
         raise _arg_error(TypeError, "rotary_interleaved", "a bool",
@@ -544,6 +557,14 @@ def _kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, rota
                              f"cache_seqlens + seqlen_new <= the cache capacity {capacity} "
                              f"({where})",
                              f"sequence {i}: {before[i]} cached + {seqlen_new} new = {after[i]}")
+        if cache_leftpad is not None and _reads_values(cache_leftpad) and batch:
+            lp = np.asarray(to_host(cache_leftpad)).astype(np.int64)
+            bad = (lp < 0) | (lp > before)
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise _arg_error(ValueError, "cache_leftpad",
+                                 "0 <= cache_leftpad[b] <= cache_seqlens[b]",
+                                 f"cache_leftpad[{i}] = {lp[i]} (cache_seqlens[{i}] = {before[i]})")
         if seqlen_ro is not None and batch and seqlen_ro < int(after.max()):
             raise _arg_error(ValueError, "rotary_cos",
                              f"at least {int(after.max())} rows (positions up to "
@@ -570,7 +591,7 @@ def _kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, rota
         attn=attn, paged=paged, page_size=page_size, num_blocks=num_blocks,
         max_blocks=max_blocks, capacity=int(capacity), seqlen_new=seqlen_new,
         rotary_dim=rotary_dim, rotary_interleaved=bool(rotary_interleaved),
-        num_splits=num_splits, cache_seqlens_int=seqlens_int)
+        num_splits=num_splits, cache_seqlens_int=seqlens_int, leftpad=cache_leftpad is not None)
 
 
 # --------------------------------------------------------------------------------------------

@@ -514,12 +514,91 @@ def test_flash_attn_with_kvcache_no_seqlens_means_whole_cache():
     np.testing.assert_allclose(out, ref, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", ["cache_batch_idx", "cache_leftpad"])
-def test_flash_attn_with_kvcache_unsupported_arguments(name):
-    with pytest.raises(NotImplementedError, match=f"'{name}'"):
+def test_flash_attn_with_kvcache_unsupported_arguments():
+    with pytest.raises(NotImplementedError, match="'cache_batch_idx'"):
         flash_attn_with_kvcache(BASE["q"], BASE["k_cache"], BASE["v_cache"],
                                 cache_seqlens=BASE["cache_seqlens"],
-                                **{name: np.zeros(2, np.int32)})
+                                cache_batch_idx=np.zeros(2, np.int32))
+
+
+# ---------------- cache_leftpad (flash-attn's left padding of the cache) ----------------
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (3, 0))])
+@pytest.mark.parametrize("append", [False, True])
+def test_cache_leftpad_equals_the_cache_without_its_padding(causal, window, append):
+    """Sequence b's keys start at row cache_leftpad[b]: the same as a call on the cache from
+    that row on, with cache_seqlens - cache_leftpad; appended keys still land at row
+    cache_seqlens[b] of the full cache."""
+    rng = np.random.default_rng(7)
+    b, sq, h, hk, d, cap, s_new = 3, 2, 4, 2, 32, 40, 2 if append else 0
+    q = rng.standard_normal((b, sq, h, d))
+    kc, vc = rng.standard_normal((b, cap, hk, d)), rng.standard_normal((b, cap, hk, d))
+    before = np.array([9, 4, 20], np.int32)
+    leftpad = np.array([3, 4, 0], np.int32)          # sequence 1 has no cached key left
+    kw = dict(causal=causal, window_size=window)
+    new = {}
+    if append:
+        new = dict(k=rng.standard_normal((b, s_new, hk, d)), v=rng.standard_normal((b, s_new, hk, d)))
+    k1, v1 = kc.copy(), vc.copy()
+    out, lse = flashcore.attention_with_kvcache(q, k1, v1, cache_seqlens=before,
+                                                cache_leftpad=leftpad, return_lse=True,
+                                                **new, **kw)
+    for i in range(b):
+        lp = int(leftpad[i])
+        k2, v2 = kc[i:i + 1, lp:].copy(), vc[i:i + 1, lp:].copy()
+        sub = {n: (x[i:i + 1] if n in ("k", "v") else x) for n, x in new.items()}
+        o2, l2 = flashcore.attention_with_kvcache(
+            q[i:i + 1], k2, v2, cache_seqlens=np.array([before[i] - lp], np.int32),
+            return_lse=True, **sub, **kw)
+        np.testing.assert_allclose(out[i:i + 1], o2, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(lse[i:i + 1], l2, rtol=0, atol=1e-12)
+        np.testing.assert_array_equal(k1[i, lp:], k2[0])   # written at the same rows
+        np.testing.assert_array_equal(k1[i, :lp], kc[i, :lp])   # the padding untouched
+
+
+def test_cache_leftpad_keeps_rotary_at_the_cache_rows():
+    """flash-attn's rule: with cache_leftpad the new keys and q are still rotated at positions
+    cache_seqlens[b] + t (the rows they occupy); only the keys attended move."""
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal(s) for s in ((2, 2, 4, 32), (2, 2, 2, 32), (2, 2, 2, 32)))
+    kc, vc = rng.standard_normal((2, 40, 2, 32)), rng.standard_normal((2, 40, 2, 32))
+    rot = dict(rotary_cos=rng.standard_normal((64, 8)), rotary_sin=rng.standard_normal((64, 8)))
+    before, lp = np.array([9, 20], np.int32), np.array([3, 0], np.int32)
+    k1, v1, k2, v2 = kc.copy(), vc.copy(), kc.copy(), vc.copy()
+    flashcore.attention_with_kvcache(q, k1, v1, k, v, cache_seqlens=before, cache_leftpad=lp,
+                                     causal=True, **rot)
+    flashcore.attention_with_kvcache(q, k2, v2, k, v, cache_seqlens=before, causal=True, **rot)
+    np.testing.assert_array_equal(k1, k2)
+    np.testing.assert_array_equal(v1, v2)
+
+
+@pytest.mark.parametrize("over,exc,words", [
+    (dict(cache_leftpad=np.zeros(2, np.int64)), TypeError, ["'cache_leftpad'", "int32"]),
+    (dict(cache_leftpad=np.zeros(3, np.int32)), ValueError, ["'cache_leftpad'", "shape (2,)"]),
+    (dict(cache_leftpad=np.array([0, 8], np.int32)), ValueError,
+     ["'cache_leftpad'", "cache_leftpad[1] = 8", "cache_seqlens[1] = 7"]),
+    (dict(cache_leftpad=np.array([-1, 0], np.int32)), ValueError, ["'cache_leftpad'", "[0] = -1"]),
+])
+def test_cache_leftpad_rejects(over, exc, words):
+    with pytest.raises(exc) as e:
+        kvcall(**over)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_cache_leftpad_not_with_a_paged_cache():
+    with pytest.raises(ValueError, match="'cache_leftpad'.*paged"):
+        kvcall(PAGED, cache_leftpad=np.zeros(2, np.int32))
+
+
+def test_flash_attn_with_kvcache_takes_cache_leftpad():
+    lp = np.array([1, 2], np.int32)
+    out = flash_attn_with_kvcache(BASE["q"], BASE["k_cache"].copy(), BASE["v_cache"].copy(),
+                                  cache_seqlens=BASE["cache_seqlens"], cache_leftpad=lp)
+    ref = flashcore.attention_with_kvcache(BASE["q"], BASE["k_cache"].copy(),
+                                           BASE["v_cache"].copy(),
+                                           cache_seqlens=BASE["cache_seqlens"], cache_leftpad=lp)
+    np.testing.assert_array_equal(out, ref)
 
 
 # --------------------------------------------------------------------------------------------

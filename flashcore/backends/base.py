@@ -90,7 +90,7 @@ class Backend:
 
     def forward_kvcache(self, spec: KVCacheSpec, q, k_cache, v_cache, k=None, v=None, *,
                         cache_seqlens, block_table=None, rotary_cos=None, rotary_sin=None,
-                        alibi_slopes=None):
+                        alibi_slopes=None, cache_leftpad=None):
         """Append k, v (rotated) into the cache in place, attend. Return ``(out, lse)``.
 
         ``cache_seqlens`` is an int or an int32 array: the lengths before appending.

@@ -183,7 +183,7 @@ class CupyBackend(Backend):
 
     def forward_kvcache(self, spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
                         block_table=None, rotary_cos=None, rotary_sin=None, alibi_slopes=None,
-                        out=None, lse=None):
+                        out=None, lse=None, cache_leftpad=None):
         """Append (rotary) with ``launch_rotary_append``, then ``launch_decode`` over
         ``cache_seqlens + seqlen_new`` keys (computed on the device, no host round trip)."""
         import cupy
@@ -225,7 +225,8 @@ class CupyBackend(Backend):
                     q_att, k_cache, v_cache, out, lse, cache_seqlens=after,
                     block_table=block_table, softmax_scale=a.softmax_scale,
                     window_left=a.window_left, window_right=a.window_right, softcap=a.softcap,
-                    alibi_slopes=alibi_slopes, num_splits=spec.num_splits)
+                    alibi_slopes=alibi_slopes, num_splits=spec.num_splits,
+                    cache_leftpad=cache_leftpad)
                 if after is cache_seqlens:      # the decode kernel was all of the call
                     plans.offer(piece)
         return out, lse

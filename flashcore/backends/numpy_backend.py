@@ -203,7 +203,7 @@ def partial_forward(spec, q, k, v, slopes, c0, c1):
 
 def kvcache_forward(spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
                     block_table=None, rotary_cos=None, rotary_sin=None, alibi_slopes=None,
-                    attend=None):
+                    attend=None, cache_leftpad=None):
     """The reference KV-cache decoding step on NumPy arrays. Returns ``(out, lse)``.
 
     1. With k, v: rotate k (rotary), write k, v into the cache in place at cache_seqlens.
@@ -213,6 +213,10 @@ def kvcache_forward(spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
        cut into that many chunks, attended separately and merged through their LSE (the
        split-KV scheme of the kernels); otherwise ``attend(spec, q, k, v, slopes)`` (default
        :func:`tiled_forward`) runs on the whole sequence.
+
+    ``cache_leftpad`` (flash-attn's): sequence b's keys are rows ``cache_leftpad[b]`` to
+    ``cache_seqlens[b] + seqlen_new`` of its cache (masks and ALiBi count from its first key);
+    the new keys are still written, and rotated, at rows ``cache_seqlens[b] + t``.
     """
     a = spec.attn
     attend = attend or (lambda sp, q_, k_, v_, sl: tiled_forward(sp, q_, k_, v_, sl))
@@ -221,6 +225,8 @@ def kvcache_forward(spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
         before = np.full((batch,), spec.cache_seqlens_int, np.int64)
     else:
         before = np.asarray(cache_seqlens).astype(np.int64)
+    lp = np.zeros((batch,), np.int64) if cache_leftpad is None else \
+        np.asarray(cache_leftpad).astype(np.int64)
     rotary = rotary_cos is not None
     if spec.appends:
         if rotary:
@@ -238,8 +244,10 @@ def kvcache_forward(spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
     lse = np.full((batch, a.nheads, sq), -np.inf, ct)
     for b in range(batch):
         n = int(after[b])
-        kb = kvcache_gather(spec, k_cache, b, n, block_table)[None]
-        vb = kvcache_gather(spec, v_cache, b, n, block_table)[None]
+        first = int(lp[b])
+        kb = kvcache_gather(spec, k_cache, b, n, block_table)[None, first:]
+        vb = kvcache_gather(spec, v_cache, b, n, block_table)[None, first:]
+        n -= first
         slopes = _slopes_for(a, alibi_slopes, b)
         if spec.num_splits > 1 and n:
             from ..api import merge_attention_states
@@ -323,12 +331,13 @@ class NumpyBackend(Backend):
         return dq, dk, dv
 
     def forward_kvcache(self, spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
-                        block_table=None, rotary_cos=None, rotary_sin=None, alibi_slopes=None):
+                        block_table=None, rotary_cos=None, rotary_sin=None, alibi_slopes=None,
+                        cache_leftpad=None):
         """:func:`kvcache_forward` with this backend's path; out in q's dtype."""
         out, lse = kvcache_forward(spec, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                                    block_table=block_table, rotary_cos=rotary_cos,
                                    rotary_sin=rotary_sin, alibi_slopes=alibi_slopes,
-                                   attend=self._fwd)
+                                   attend=self._fwd, cache_leftpad=cache_leftpad)
         lse_dt = np.float64 if spec.attn.dtype == "float64" else np.float32
         return out.astype(_out_dtype(spec.attn.dtype)), lse.astype(lse_dt)
 

@@ -193,7 +193,8 @@ class TorchBackend(Backend):
                 _kv_library(spec, lib)))
 
     def forward_kvcache(self, spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
-                        block_table=None, rotary_cos=None, rotary_sin=None, alibi_slopes=None):
+                        block_table=None, rotary_cos=None, rotary_sin=None, alibi_slopes=None,
+                        cache_leftpad=None):
         """Return ``(out, lse)`` as torch tensors (not requiring grad); the cache tensors are
         written in place through zero-copy views (NumPy on CPU, CuPy/DLPack on CUDA), and
         their autograd version counters are bumped."""
@@ -206,7 +207,8 @@ class TorchBackend(Backend):
                     _kv_library(spec, "numpy"), *(conv(x) for x in (q, k_cache, v_cache, k, v)),
                     cache_seqlens=cache_seqlens if as_int else conv(cache_seqlens),
                     block_table=conv(block_table), rotary_cos=conv(rotary_cos),
-                    rotary_sin=conv(rotary_sin), alibi_slopes=conv(alibi_slopes))
+                    rotary_sin=conv(rotary_sin), alibi_slopes=conv(alibi_slopes),
+                    cache_leftpad=conv(cache_leftpad))
                 out = _contiguous_numpy_to_torch(torch, out)
                 lse = _contiguous_numpy_to_torch(torch, lse)
             else:
@@ -220,6 +222,7 @@ class TorchBackend(Backend):
                         cache_seqlens=cache_seqlens if as_int else conv(cache_seqlens),
                         block_table=conv(block_table), rotary_cos=conv(rotary_cos),
                         rotary_sin=conv(rotary_sin), alibi_slopes=conv(alibi_slopes),
+                    cache_leftpad=conv(cache_leftpad),
                         out=conv(out), lse=conv(lse))
         if spec.appends:
             _bump_version(torch, k_cache, v_cache)

@@ -61,7 +61,7 @@ _KV_SCHEMA = ("(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Ten
               "Tensor? cache_seqlens, int cache_seqlens_int, Tensor? block_table, "
               "Tensor? rotary_cos, Tensor? rotary_sin, bool rotary_interleaved, bool causal, "
               "float softmax_scale, int window_left, int window_right, float softcap, "
-              "Tensor? alibi_slopes, int num_splits) -> (Tensor, Tensor)")
+              "Tensor? alibi_slopes, int num_splits, Tensor? cache_leftpad) -> (Tensor, Tensor)")
 
 
 # The decode op without appending: nothing is written but the outputs, so the schema declares
@@ -69,7 +69,7 @@ _KV_SCHEMA = ("(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Ten
 _KV_READ_SCHEMA = ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? cache_seqlens, "
                    "int cache_seqlens_int, Tensor? block_table, bool causal, float softmax_scale, "
                    "int window_left, int window_right, float softcap, Tensor? alibi_slopes, "
-                   "int num_splits) -> (Tensor, Tensor)")
+                   "int num_splits, Tensor? cache_leftpad) -> (Tensor, Tensor)")
 
 _OPS: list = []   # [torch.ops.flashcore], filled by torch_ops() on first use
 _OPS_LOCK = threading.Lock()
@@ -162,21 +162,23 @@ def _bwd_impl(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
 
 def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, block_table,
                   rotary_cos, rotary_sin, rotary_interleaved, causal, softmax_scale, window_left,
-                  window_right, softcap, alibi_slopes, num_splits):
+                  window_right, softcap, alibi_slopes, num_splits, cache_leftpad):
     import torch
     key = None
     if q.is_cuda:
         key = ("kvcache", layout(q), layout(k_cache), layout(v_cache), layout(k), layout(v),
                layout(cache_seqlens), cache_seqlens_int, layout(block_table), layout(rotary_cos),
                layout(rotary_sin), rotary_interleaved, causal, softmax_scale, window_left,
-               window_right, softcap, layout(alibi_slopes), num_splits, config.get())
+               window_right, softcap, layout(alibi_slopes), num_splits, layout(cache_leftpad),
+               config.get())
         plan = plans.lookup(key)
         if plan is not None:
             out = q.new_empty(q.shape)
             lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
             if replay(torch, plan, (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                     out.data_ptr(), lse.data_ptr(), cache_seqlens.data_ptr(),
-                                    _ptr(block_table), _ptr(alibi_slopes)), q.device):
+                                    _ptr(block_table), _ptr(alibi_slopes), _ptr(cache_leftpad)),
+                      q.device):
                 return out, lse
     from ..spec import kvcache_spec
     lens = cache_seqlens_int if cache_seqlens is None else cache_seqlens
@@ -184,16 +186,19 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, b
                         rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                         rotary_interleaved=rotary_interleaved, causal=causal,
                         softmax_scale=softmax_scale, window_size=(window_left, window_right),
-                        softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits)
+                        softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
+                        cache_leftpad=cache_leftpad)
     choose_kvcache(spec, None)
     with plans.record() as rec:
         out, lse = _BACKEND.forward_kvcache(spec, q, k_cache, v_cache, k, v, cache_seqlens=lens,
                                             block_table=block_table, rotary_cos=rotary_cos,
-                                            rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
+                                            rotary_sin=rotary_sin, alibi_slopes=alibi_slopes,
+                                            cache_leftpad=cache_leftpad)
     if key is not None and cache_seqlens is not None:
         plans.remember(key, rec.plan(_roles(q=q, k=k_cache, v=v_cache, o=out, lse=lse,
                                             cache_seqlens=cache_seqlens, block_table=block_table,
-                                            alibi_slopes=alibi_slopes), q.device.index))
+                                            alibi_slopes=alibi_slopes,
+                                            cache_leftpad=cache_leftpad), q.device.index))
     return out, lse
 
 
@@ -219,10 +224,10 @@ def _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 
 def _kvcache_read_impl(q, k_cache, v_cache, cache_seqlens, cache_seqlens_int, block_table,
                        causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                       num_splits):
+                       num_splits, cache_leftpad):
     return _kvcache_impl(q, k_cache, v_cache, None, None, cache_seqlens, cache_seqlens_int,
                          block_table, None, None, False, causal, softmax_scale, window_left,
-                         window_right, softcap, alibi_slopes, num_splits)
+                         window_right, softcap, alibi_slopes, num_splits, cache_leftpad)
 
 
 def _ptr(t) -> int:
@@ -441,7 +446,7 @@ def _plain_options(q, varlen, causal, softmax_scale, window_size, softcap, deter
 def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
                       rotary_cos=None, rotary_sin=None, rotary_interleaved=False, causal=False,
                       softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                      num_splits=0, backend=None):
+                      num_splits=0, backend=None, cache_leftpad=None):
     """flashcore.attention_with_kvcache on torch tensors, through the ``flashcore::kvcache`` op,
     eagerly and under torch.compile alike. Plain option values and a tensor ``cache_seqlens``
     go to the op as they are (validated by the op's kernel when its layout is new, see
@@ -460,7 +465,8 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, blo
                             block_table=block_table, rotary_cos=rotary_cos,
                             rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
                             causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                            softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits)
+                            softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
+                            cache_leftpad=cache_leftpad)
         if not torch_compiling(q):
             choose_kvcache(spec, backend)
         a = spec.attn
@@ -478,10 +484,10 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, blo
         if k is None and v is None:
             return _OVERLOADS["kvcache_read"](q, k_cache, v_cache, lens, lens_int, block_table,
                                               causal, scale, left, right, cap, alibi_slopes,
-                                              splits)
+                                              splits, cache_leftpad)
         return _OVERLOADS["kvcache"](q, k_cache, v_cache, k, v, lens, lens_int, block_table,
                                      rotary_cos, rotary_sin, interleaved, causal, scale, left,
-                                     right, cap, alibi_slopes, splits)
+                                     right, cap, alibi_slopes, splits, cache_leftpad)
 
 
 def forward(q, k, v, *, backend=None, varlen=False, **kw):

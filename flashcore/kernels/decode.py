@@ -421,17 +421,20 @@ def _int32_contig(arr):
 
 def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=None,
                   softmax_scale: float, window_left: int, window_right: int,
-                  softcap: float = 0.0, alibi_slopes=None, num_splits: int = 0) -> int:
+                  softcap: float = 0.0, alibi_slopes=None, num_splits: int = 0,
+                  cache_leftpad=None) -> int:
     """:func:`decode_launches` returning the number of splits used."""
     return decode_launches(q, k_cache, v_cache, out, lse, cache_seqlens=cache_seqlens,
                            block_table=block_table, softmax_scale=softmax_scale,
                            window_left=window_left, window_right=window_right, softcap=softcap,
-                           alibi_slopes=alibi_slopes, num_splits=num_splits)[0]
+                           alibi_slopes=alibi_slopes, num_splits=num_splits,
+                           cache_leftpad=cache_leftpad)[0]
 
 
 def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=None,
                     softmax_scale: float, window_left: int, window_right: int,
-                    softcap: float = 0.0, alibi_slopes=None, num_splits: int = 0):
+                    softcap: float = 0.0, alibi_slopes=None, num_splits: int = 0,
+                    cache_leftpad=None):
     """Attention of q against a KV cache; ``out`` and ``lse`` are written in place.
 
     q, out: (b, sq, h, d) float16/bfloat16; lse: float32 (b, h, sq) contiguous.
@@ -448,7 +451,7 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
 
     cfg_now = config.get()
     fused = cfg_now.decode_fused_combine
-    given = (q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes)
+    given = (q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, cache_leftpad)
 
     q = _as_input(q)
     k_cache, v_cache = _as_input(k_cache), _as_input(v_cache)
@@ -484,6 +487,8 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
     has_alibi = alibi_slopes is not None
 
     cache_seqlens = _int32_contig(cache_seqlens)
+    if cache_leftpad is not None:
+        cache_leftpad = _int32_contig(cache_leftpad)
     if paged:
         block_table = block_table if block_table.dtype == cupy.int32 else block_table.astype(cupy.int32)
         if block_table.strides[-1] != 4:
@@ -577,6 +582,7 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
         block_table_batch_stride=(block_table.strides[0] // 4) if paged else 0,
         page_size=page_size, num_splits=num_splits, split_counter=counter,
         num_blocks=int(k_cache.shape[0]) if paged else 0,
+        cache_leftpad=None if cache_leftpad is None or paged else cache_leftpad.data.ptr,
     )
     args = (as_kernel_arg(params),)     # an opaque struct: see params.as_kernel_arg
     launches = [(kernel, (batch * nheads_k, m_blocks, num_splits), (cfg.n_warps * 32, 1, 1),
@@ -603,7 +609,7 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
                                      block_table=given[4], softmax_scale=softmax_scale,
                                      window_left=window_left, window_right=window_right,
                                      softcap=softcap, alibi_slopes=given[5],
-                                     num_splits=num_splits)
+                                     num_splits=num_splits, cache_leftpad=given[6])
         else:
             for kern, grid, block, sm in launches:
                 kern(grid, block, args, shared_mem=sm)
@@ -612,7 +618,7 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
     piece = None
     if out_final is None and all(
             a is b for a, b in zip((q, k_cache, v_cache, cache_seqlens, block_table,
-                                    alibi_slopes), given)):
+                                    alibi_slopes, cache_leftpad), given)):
         scratch = {} if o_accum is None else {"o_accum": o_accum.nbytes,
                                               "lse_accum": lse_accum.nbytes}
         piece = plans.Piece(launches, params, scratch,

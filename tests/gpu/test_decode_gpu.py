@@ -550,3 +550,38 @@ def test_rotary_append(dtype, page_size, rotary):
             assert np.array_equal(gk, k_new[i])
             assert np.array_equal(got_q[i], q[i])
     assert lens_after  # the caller then decodes with cache_seqlens = before + s_new
+
+
+# ---------------- cache_leftpad: each sequence's keys start at its own row ----------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal,sq", [(False, 1), (True, 1), (True, 3)])
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+@pytest.mark.parametrize("api", [False, True])
+def test_decode_cache_leftpad(dtype, causal, sq, num_splits, api):
+    """The valid keys of sequence i sit at rows [leftpad[i], leftpad[i] + n_i) of a cache whose
+    rows before them are NaN (any read of the padding shows in the output): the result must be
+    the reference over the valid keys alone."""
+    import flashcore
+    cp = _cp()
+    lens, pads = [300, 1, 777, 0], [5, 64, 0, 33]
+    p = Problem(dtype, 4, sq, 8, 2, 128, lens, causal=causal, seed=11)
+    cap = max(n + lp for n, lp in zip(lens, pads)) + 7
+    kc = np.full((4, cap, 2, 128), np.nan, np.float32)
+    vc = np.full((4, cap, 2, 128), np.nan, np.float32)
+    for i, (n, lp) in enumerate(zip(lens, pads)):
+        kc[i, lp:lp + n], vc[i, lp:lp + n] = p.kc[i, :n], p.vc[i, :n]
+    kc_d, vc_d = to_dev(kc, dtype), to_dev(vc, dtype)
+    seqlens = cp.asarray(np.array([n + lp for n, lp in zip(lens, pads)], np.int32))
+    leftpad = cp.asarray(np.array(pads, np.int32))
+    out, lse = p.outputs()
+    if api:
+        out, lse = flashcore.attention_with_kvcache(
+            p.q_d, kc_d, vc_d, cache_seqlens=seqlens, cache_leftpad=leftpad, causal=causal,
+            num_splits=num_splits, out=out, lse=lse, return_lse=True)
+    else:
+        from flashcore.kernels.decode import launch_decode
+        launch_decode(p.q_d, kc_d, vc_d, out, lse, cache_seqlens=seqlens,
+                      cache_leftpad=leftpad, softmax_scale=1.0 / math.sqrt(128),
+                      window_left=-1, window_right=0 if causal else -1, num_splits=num_splits)
+    p.check(out, lse)
