@@ -76,8 +76,6 @@ def _cupy_key(kind, arrays, scalars):
 
 def _cupy_replay(plan, pointers) -> bool:
     import cupy
-    if plans.current_context() != plan.context:
-        return False
     stream = cupy.cuda.get_current_stream().ptr
 
     def alloc(nbytes):
@@ -107,8 +105,8 @@ def _forward(q, k, v, backend, varlen, out=None, lse=None, **kw):
                     (backend, varlen, *(kw.get(n) for n in _FWD_OPTIONS)))
     if key is not None:
         plan = plans.lookup(key)
-        if plan is not None:
-            import cupy
+        if plan is not None and plans.current_context() == plan.context:
+            import cupy     # (the current device is the plan's: outputs are allocated there)
             o = cupy.empty(q.shape, q.dtype) if out is None else out
             l_ = cupy.empty((q.shape[1], q.shape[0]) if varlen else
                             (q.shape[0], q.shape[2], q.shape[1]), cupy.float32) \
@@ -141,8 +139,8 @@ def _backward(dout, q, k, v, out, lse, backend, varlen, dq=None, dk=None, dv=Non
                     (backend, varlen, *(kw.get(n) for n in _FWD_OPTIONS)))
     if key is not None:
         plan = plans.lookup(key)
-        if plan is not None:
-            import cupy
+        if plan is not None and plans.current_context() == plan.context:
+            import cupy     # (the current device is the plan's: outputs are allocated there)
             gq = cupy.empty(q.shape, q.dtype) if dq is None else dq
             gk = cupy.empty(k.shape, k.dtype) if dk is None else dk
             gv = cupy.empty(v.shape, v.dtype) if dv is None else dv
@@ -336,8 +334,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                      backend))
     if key is not None:
         plan = plans.lookup(key)
-        if plan is not None:
-            import cupy
+        if plan is not None and plans.current_context() == plan.context:
+            import cupy     # (the current device is the plan's: outputs are allocated there)
             o = cupy.empty(q.shape, q.dtype) if out is None else out
             l_ = cupy.empty((q.shape[0], q.shape[2], q.shape[1]), cupy.float32) \
                 if lse is None else lse

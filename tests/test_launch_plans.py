@@ -741,3 +741,22 @@ def test_decode_default_split_and_tile(b, cap, hk, h, sq, want, monkeypatch):
         assert name.startswith("flash_decode_kernel<") and grid[2] == 1
     else:
         assert name.startswith("flash_decode_kernel<") and grid[2] > decode.MAX_CLUSTER
+
+
+def test_kernels_unloaded_during_a_recording_are_not_recorded_and_plans_keep_theirs():
+    rng = np.random.default_rng(14)
+    c = _case(rng)
+    q, k, v, out, lse = _fwd_arrays(rng, c)
+    roles = (("q", q.data.ptr), ("k", k.data.ptr), ("v", v.data.ptr), ("o", out.data.ptr),
+             ("lse", lse.data.ptr))
+    with plans.record() as rec:
+        plans.offer(forward.launch_forward(q, k, v, out, lse, softmax_scale=0.1,
+                                           window_left=-1, window_right=-1))
+    plan = rec.plan(roles, 0)
+    assert plan is not None and plan.kernels and all(isinstance(x, FakeKernel)
+                                                     for x in plan.kernels)
+    with plans.record() as rec:
+        plans.offer(forward.launch_forward(q, k, v, out, lse, softmax_scale=0.1,
+                                           window_left=-1, window_right=-1))
+        jit.clear_memory_cache()
+    assert rec.plan(roles, 0) is None

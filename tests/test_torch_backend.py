@@ -279,3 +279,33 @@ print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+# ---- the plain-options route names bad arguments as validation does (review findings) ----
+
+def test_plain_route_still_names_bad_arguments():
+    import flashcore
+    q = torch.randn(1, 8, 2, 16, dtype=torch.float64)
+    with pytest.raises(TypeError, match="'k'"):
+        flashcore.attention(q, q.numpy(), q)
+    with pytest.raises(TypeError, match="'alibi_slopes'"):
+        flashcore.attention(q, q, q, alibi_slopes=[0.1, 0.2])
+    with pytest.raises(ValueError, match="'cu_seqlens_q'"):
+        flashcore.varlen_attention(q[0], q[0], q[0], None, torch.tensor([0, 8], dtype=torch.int32),
+                                   8, 8)
+    with pytest.raises(TypeError, match="'k'"):
+        flashcore.attention_forward(q, q.numpy(), q)
+
+
+def test_kvcache_rotary_without_new_keys_is_refused_on_tensors():
+    import flashcore
+    q = torch.randn(2, 1, 4, 32, dtype=torch.float64)
+    kc = torch.randn(2, 16, 2, 32, dtype=torch.float64)
+    cos = torch.randn(16, 8, dtype=torch.float64)
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="'rotary_cos'"):
+        flashcore.attention_with_kvcache(q, kc, kc.clone(), cache_seqlens=lens, rotary_cos=cos,
+                                         rotary_sin=cos)
+    with pytest.raises(TypeError, match="'block_table'"):
+        flashcore.attention_with_kvcache(q, kc, kc.clone(), cache_seqlens=lens,
+                                         block_table=lens.numpy())

@@ -208,3 +208,16 @@ def test_whole_model_compile_from_a_fresh_process():
     r = subprocess.run([sys.executable, "-c", _WHOLE_MODEL_COMPILE], capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_padding_mask_takes_every_transformers_signature():
+    """transformers 4.53-5.4 pass (batch_size, cache_position, kv_length, kv_offset, ...),
+    later ones (batch_size, q_length, kv_length, q_offset, kv_offset, ...), by keyword."""
+    from flashcore.integrations.transformers import padding_mask
+    m = torch.ones(2, 6, dtype=torch.bool)
+    assert padding_mask(batch_size=2, cache_position=torch.arange(4), kv_length=4, kv_offset=0,
+                        mask_function=None, attention_mask=m).shape == (2, 4)
+    assert padding_mask(batch_size=2, q_length=4, kv_length=5, q_offset=0, kv_offset=0,
+                        attention_mask=m).shape == (2, 5)
+    assert padding_mask(2, 4, 3, attention_mask=m).shape == (2, 3)
+    assert padding_mask(batch_size=2, q_length=4, kv_length=4) is None

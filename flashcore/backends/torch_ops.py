@@ -102,7 +102,7 @@ def _fwd_impl(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
               causal, softmax_scale, window_left, window_right, softcap, deterministic):
     import torch
     key = None
-    if q.is_cuda:
+    if q.is_cuda and not config.debug():     # (debug mode validates every call)
         key = ("fwd", layout(q), layout(k), layout(v), layout(alibi_slopes),
                layout(cu_seqlens_q), layout(cu_seqlens_k), max_seqlen_q, max_seqlen_k, causal,
                softmax_scale, window_left, window_right, softcap, deterministic, config.get())
@@ -133,7 +133,7 @@ def _bwd_impl(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
               deterministic):
     import torch
     key = None
-    if q.is_cuda:
+    if q.is_cuda and not config.debug():     # (debug mode validates every call)
         key = ("bwd", layout(dout), layout(q), layout(k), layout(v), layout(out), layout(lse),
                layout(alibi_slopes), layout(cu_seqlens_q), layout(cu_seqlens_k), max_seqlen_q,
                max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
@@ -165,7 +165,7 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, b
                   window_right, softcap, alibi_slopes, num_splits, cache_leftpad):
     import torch
     key = None
-    if q.is_cuda:
+    if q.is_cuda and not config.debug():     # (debug mode validates every call)
         key = ("kvcache", layout(q), layout(k_cache), layout(v_cache), layout(k), layout(v),
                layout(cache_seqlens), cache_seqlens_int, layout(block_table), layout(rotary_cos),
                layout(rotary_sin), rotary_interleaved, causal, softmax_scale, window_left,
@@ -358,7 +358,9 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
     nothing requires grad).
     """
     opts = None
-    if backend is None and not torch_compiling(q):
+    if backend is None and not torch_compiling(q) and _tensors_or_none(
+            (k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k), varlen,
+            cu_seqlens_q, cu_seqlens_k):
         opts = _plain_options(q, varlen, causal, softmax_scale, window_size, softcap,
                               deterministic, max_seqlen_q, max_seqlen_k)
     if opts is None:
@@ -424,6 +426,16 @@ def _plain_scale_window(q, causal, softmax_scale, window_size, softcap):
     return softmax_scale, left, right, softcap
 
 
+def _tensors_or_none(arrays, varlen, cu_seqlens_q, cu_seqlens_k) -> bool:
+    """Whether the call's arrays are all torch tensors or None, and the cu_seqlens are given
+    exactly when the call is varlen (else the call is validated in full, which names what is
+    wrong)."""
+    import torch
+    if varlen != (cu_seqlens_q is not None) or varlen != (cu_seqlens_k is not None):
+        return False
+    return all(a is None or isinstance(a, torch.Tensor) for a in arrays)
+
+
 def _plain_options(q, varlen, causal, softmax_scale, window_size, softcap, deterministic,
                    max_seqlen_q, max_seqlen_k):
     """The fwd/bwd ops' scalar arguments from plain values, or None (see above)."""
@@ -454,7 +466,10 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, blo
     import torch
     args = None
     if backend is None and not torch_compiling(q) and library_of(cache_seqlens) == "torch" \
-            and type(rotary_interleaved) is bool and type(num_splits) is int and num_splits >= 0:
+            and type(rotary_interleaved) is bool and type(num_splits) is int and num_splits >= 0 \
+            and (k is not None or (rotary_cos is None and rotary_sin is None)) \
+            and _tensors_or_none((k_cache, v_cache, k, v, block_table, rotary_cos, rotary_sin,
+                                  alibi_slopes, cache_leftpad), False, None, None):
         sw = _plain_scale_window(q, causal, softmax_scale, window_size, softcap)
         if sw is not None:
             args = (cache_seqlens, 0, rotary_interleaved, causal, sw[0], sw[1], sw[2], sw[3],
@@ -506,7 +521,9 @@ def _explicit(kind, tensors, backend, varlen, kw):
     import torch
     q = tensors[0] if kind == "fwd" else tensors[1]
     opts = None
-    if backend is None and not torch_compiling(q):
+    if backend is None and not torch_compiling(q) and _tensors_or_none(
+            tensors + tuple(kw.get(n) for n in ("alibi_slopes", "cu_seqlens_q", "cu_seqlens_k")),
+            varlen, kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")):
         opts = _plain_options(q, varlen, kw.get("causal", False), kw.get("softmax_scale"),
                               kw.get("window_size", (-1, -1)), kw.get("softcap", 0.0),
                               kw.get("deterministic", False), kw.get("max_seqlen_q"),

@@ -83,16 +83,18 @@ def register(name: str | None = None) -> str:
     return name
 
 
-def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
-                 attention_mask=None, **kwargs):
+def padding_mask(*args, attention_mask=None, kv_length=None, **kwargs):
     """The mask function registered with the attention function: the 2D padding mask as
     given (its last ``kv_length`` columns), or None when there is none. Unlike transformers'
     flash-attention mask function, it does not test whether the mask is all ones (a read back
     to the host, and a graph break under torch.compile): a mask that is given takes the
-    varlen route, whatever its values."""
+    varlen route, whatever its values. (Its signature takes what every transformers version
+    passes: ``kv_length`` is the third argument, or a keyword.)"""
     if attention_mask is None:
         return None
-    return attention_mask[:, -kv_length:]
+    if kv_length is None and len(args) >= 3:
+        kv_length = args[2]
+    return attention_mask if kv_length is None else attention_mask[:, -int(kv_length):]
 
 
 def _window(sliding_window):

@@ -92,7 +92,6 @@ _OVERRIDES: dict[int, TileConfig] = {}
 
 def set_tile_override(headdim_tile_: int, cfg: TileConfig | None) -> None:
     """Force a tile configuration for one head-dim tile (for tuning sweeps); None clears it."""
-    plans.clear()      # recorded launches used the previous tiles
     if cfg is None:
         _OVERRIDES.pop(headdim_tile_, None)
     else:
@@ -101,6 +100,7 @@ def set_tile_override(headdim_tile_: int, cfg: TileConfig | None) -> None:
             raise ValueError(f"invalid tile {cfg}: block_m % (16 * n_warps) and block_n % 16 "
                              "must be 0")
         _OVERRIDES[headdim_tile_] = cfg
+    plans.clear()      # (after the change) recorded launches used the previous tiles
 
 
 def tile_config(headdim_tile_: int, is_local: bool = False, has_softcap: bool = False,

@@ -96,11 +96,12 @@ def _dim3(d) -> tuple:
 
 
 class _Recorder:
-    __slots__ = ("pieces", "spoiled")
+    __slots__ = ("pieces", "spoiled", "generation")
 
     def __init__(self):
         self.pieces = None
         self.spoiled = False
+        self.generation = jit.generation()   # before any kernel of the call is looked up
 
 
 _LOCAL = threading.local()
@@ -125,7 +126,9 @@ class record:
         rec = self.rec
         if rec.spoiled or not rec.pieces or not _STATE["enabled"]:
             return None
-        return Plan.build(rec.pieces, roles, device_id, result)
+        if rec.generation != jit.generation():   # kernels unloaded meanwhile: not recorded
+            return None
+        return Plan.build(rec.pieces, roles, device_id, result, rec.generation)
 
 
 def offer(*pieces) -> None:
@@ -155,10 +158,9 @@ def _pointer_fields():
     """(name, byte offset) of every pointer field of the struct."""
     if not _POINTER_FIELDS:
         dt = params_dtype()
-        for name in dt.names:
-            fdt, off = dt.fields[name][:2]
-            if fdt == np.uint64:      # pointers (the struct has no other 64-bit unsigned field)
-                _POINTER_FIELDS.append((name, off))
+        fields = [(name, dt.fields[name][1]) for name in dt.names
+                  if dt.fields[name][0] == np.uint64]   # pointers (no other 64-bit unsigned)
+        _POINTER_FIELDS[:] = fields                     # (one assignment: thread-safe)
     return _POINTER_FIELDS
 
 
@@ -167,10 +169,10 @@ class Plan:
     (``slots`` [(byte offset, role index)], ``scratch`` [(byte offset, nbytes)], ``counter``
     (byte offset, groups) or None), and its launches [(CUfunction, grid, block, shared_mem)]."""
 
-    __slots__ = ("generation", "device_id", "context", "groups", "result")
+    __slots__ = ("generation", "device_id", "context", "groups", "result", "kernels")
 
     @classmethod
-    def build(cls, pieces, roles, device_id, result=None):
+    def build(cls, pieces, roles, device_id, result=None, generation=None):
         """The plan of ``pieces``, or None when a struct holds an address that is none of the
         call's arrays (by the field's own name), its scratch or its counters."""
         from cupy.cuda import driver
@@ -197,7 +199,9 @@ class Plan:
             groups.append((ctypes.c_char * len(raw), raw, tuple(slots), tuple(scratch), counter,
                            launches))
         plan = cls()
-        plan.generation = jit.generation()
+        plan.generation = jit.generation() if generation is None else generation
+        # the kernel objects own their modules: kept, so the CUfunctions stay loaded
+        plan.kernels = tuple(k for p in pieces for k, *_ in p.launches)
         plan.device_id = device_id
         import cupy
         with cupy.cuda.Device(device_id):     # the context the kernels were loaded in
