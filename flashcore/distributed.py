@@ -90,41 +90,43 @@ def _start_rotation(dist, group, tensors, nxt, prv):
     return bufs, dist.batch_isend_irecv(ops)
 
 
-def _blocks(layout, world, rank, src, causal, left, m):
+def _blocks(layout, world, rank, src, window, m):
     """For the queries of ``rank`` and the K/V shard of ``src`` (sub-chunks of ``m`` rows):
-    the blocks to compute, as (q sub-chunk, k sub-chunk, q rows, k rows, options). A block whose
-    keys are all in its queries' future, or all left of a causal window of ``left`` keys
-    (-1: unbounded), is left out: with a window, whole hops are skipped.
+    the blocks to compute, as (q sub-chunk, k sub-chunk, q rows, k rows, options). ``window``
+    (left, right) is the global window (-1: unbounded; causal is right = 0). A block no query
+    of which sees a key is left out: with a window, whole hops are skipped.
 
-    With D = the distance from the key chunk's start to the query chunk's (a multiple of m), a
-    causal window keeps key j of query i iff ``i + D - left <= j <= i + D``. The diagonal block
-    (D = 0) is causal with the window; below it the right bound always holds, and the left one
-    is the window ``(left - D, -1)`` when D <= left, or, when 0 < e = D - left < m, the upper
-    triangle ``j' >= i`` of queries [0, m - e) against keys [e, m)."""
+    With D = the distance from the key chunk's start to the query chunk's (a multiple of m),
+    key j of the block is visible to query i iff ``i + D - left <= j <= i + D + right``. Kept
+    whole when ``D - left <= 0 <= D + right``: the block's own window is ``(left - D,
+    right + D)``. When the lower edge cuts it (e = D - left > 0) the last e queries see
+    nothing: queries [0, m - e) against all m keys, window ``(0, right + D - e)`` (bottom-right
+    aligned, offset e); when the upper edge does (f = -(D + right) > 0) the last f keys are
+    seen by no query: all m queries against keys [0, m - f), window ``(left - D - f, 0)``."""
+    left, right = window
     out = []
     full = slice(0, m)
     for i, qc in enumerate(_chunks(layout, world, rank)):
         for j, kc in enumerate(_chunks(layout, world, src)):
-            if not causal:
-                out.append((i, j, full, full, dict(causal=False)))
-                continue
-            if kc > qc:
-                continue
             d = (qc - kc) * m
-            if d == 0:
-                out.append((i, j, full, full, dict(causal=True, window_size=(left, 0))))
-            elif left < 0:
-                out.append((i, j, full, full, dict(causal=False)))
-            elif d <= left:
-                out.append((i, j, full, full, dict(causal=False, window_size=(left - d, -1))))
-            elif d - left < m:
-                e = d - left
-                out.append((i, j, slice(0, m - e), slice(e, m),
-                            dict(causal=False, window_size=(0, -1))))
+            lo = d - left if left >= 0 else None        # key >= query + lo
+            hi = d + right if right >= 0 else None      # key <= query + hi
+            if (lo is not None and lo > m - 1) or (hi is not None and hi < -(m - 1)):
+                continue                                # nothing visible
+            wl = -1 if lo is None else max(-lo, 0)
+            wr = -1 if hi is None else max(hi, 0)
+            if lo is not None and lo > 0:
+                out.append((i, j, slice(0, m - lo), full,
+                            dict(window_size=(0, -1 if hi is None else hi - lo))))
+            elif hi is not None and hi < 0:
+                out.append((i, j, full, slice(0, m + hi),
+                            dict(window_size=(-1 if lo is None else -lo + hi, 0))))
+            else:
+                out.append((i, j, full, full, dict(window_size=(wl, wr))))
     return out
 
 
-def _forward(q, k, v, group, layout, causal, softmax_scale, left):
+def _forward(q, k, v, group, layout, window, softmax_scale):
     import torch
     import torch.distributed as dist
     world, rank, nxt, prv = _ring_peers(dist, group)
@@ -143,7 +145,7 @@ def _forward(q, k, v, group, layout, causal, softmax_scale, left):
         if step < world - 1:
             pending = _start_rotation(dist, group, cur, nxt, prv)
         ks, vs = cur[0].chunk(per, dim=1), cur[1].chunk(per, dim=1)
-        for i, j, qr, kr, opts in _blocks(layout, world, rank, src, causal, left, m):
+        for i, j, qr, kr, opts in _blocks(layout, world, rank, src, window, m):
             o, lse = attention_forward(qs[i][:, qr].contiguous(), ks[j][:, kr].contiguous(),
                                        vs[j][:, kr].contiguous(), softmax_scale=softmax_scale,
                                        **opts)
@@ -161,7 +163,7 @@ def _forward(q, k, v, group, layout, causal, softmax_scale, left):
     return torch.cat(outs, dim=1), torch.cat(lses, dim=-1)
 
 
-def _backward(dout, q, k, v, out, lse, group, layout, causal, softmax_scale, left):
+def _backward(dout, q, k, v, out, lse, group, layout, window, softmax_scale):
     import torch
     import torch.distributed as dist
     world, rank, nxt, prv = _ring_peers(dist, group)
@@ -182,7 +184,7 @@ def _backward(dout, q, k, v, out, lse, group, layout, causal, softmax_scale, lef
         ks, vs = kc.chunk(per, dim=1), vc.chunk(per, dim=1)
         dks, dvs = dkc.chunk(per, dim=1), dvc.chunk(per, dim=1)
         m = qs[0].shape[1]
-        for i, j, qr, kr, opts in _blocks(layout, world, rank, src, causal, left, m):
+        for i, j, qr, kr, opts in _blocks(layout, world, rank, src, window, m):
             g = attention_backward(dos[i][:, qr].contiguous(), qs[i][:, qr].contiguous(),
                                    ks[j][:, kr].contiguous(), vs[j][:, kr].contiguous(),
                                    os_[i][:, qr].contiguous(), lses[i][..., qr].contiguous(),
@@ -214,11 +216,11 @@ def _function():
 
     class RingAttention(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, group, layout, causal, softmax_scale, left):
-            out, lse = _forward(q, k, v, group, layout, causal, softmax_scale, left)
+        def forward(ctx, q, k, v, group, layout, window, softmax_scale):
+            out, lse = _forward(q, k, v, group, layout, window, softmax_scale)
             out = out.to(q.dtype)
             ctx.save_for_backward(q, k, v, out, lse)
-            ctx.args = (group, layout, causal, softmax_scale, left)
+            ctx.args = (group, layout, window, softmax_scale)
             ctx.mark_non_differentiable(lse)
             return out, lse
 
@@ -226,7 +228,7 @@ def _function():
         def backward(ctx, dout, _dlse):
             q, k, v, out, lse = ctx.saved_tensors
             dq, dk, dv = _backward(dout, q, k, v, out, lse, *ctx.args)
-            return dq, dk, dv, None, None, None, None, None
+            return dq, dk, dv, None, None, None, None
 
     _FN.append(RingAttention)
     return RingAttention
@@ -241,8 +243,10 @@ def ring_attention(q, k, v, group=None, *, causal: bool = False, softmax_scale=N
     headdim)`` (GQA as in :func:`flashcore.attention`), every rank's shard of the same length,
     laid out as ``layout`` says (``"contiguous"``: rank r holds the r-th of W equal chunks;
     ``"zigzag"``: chunks r and 2W-1-r of 2W, see :func:`shard`). ``causal`` masks every key
-    after its query in the global sequence; with it, a sliding window ``(left, 0)`` keeps the
-    ``left`` keys before each query too (hops the window cannot reach are skipped). Returns
+    after its query in the global sequence; ``window_size=(left, right)`` keeps the keys from
+    ``left`` before to ``right`` after each query (-1: unbounded; with causal, right is 0),
+    global positions as in :func:`flashcore.attention` (hops the window cannot reach are
+    skipped). Returns
     this rank's output shard (like q), and with ``return_lse`` the float32 log-sum-exp
     ``(batch, nheads, seqlen_local)``.
     """
@@ -264,13 +268,19 @@ def ring_attention(q, k, v, group=None, *, causal: bool = False, softmax_scale=N
     if q.shape[1] % per:
         raise ValueError(f"argument 'q': a zigzag shard holds two equal chunks: expected an "
                          f"even local length, got {q.shape[1]}")
-    left, right = (int(w) for w in window_size)
-    if (left, right) != (-1, -1) and not (causal and right in (0, -1) and left >= -1):
-        raise NotImplementedError("argument 'window_size': across ranks, a window (left, 0) with "
-                                  f"causal=True; got {tuple(window_size)} with causal={causal}")
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise TypeError(f"argument 'window_size': expected a pair (left, right) of ints >= -1, "
+                        f"got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"argument 'window_size': expected ints >= -1 (-1: unbounded), got "
+                         f"{(left, right)}")
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
-    out, lse = _function().apply(q, k, v, group, layout, causal, float(softmax_scale), left)
+    out, lse = _function().apply(q, k, v, group, layout, (left, right), float(softmax_scale))
     return (out, lse) if return_lse else out
 
 

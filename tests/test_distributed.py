@@ -23,9 +23,12 @@ _WORKER = textwrap.dedent(r"""
     fails = []
     cases = [(c, (-1, -1), h, hk) for c in (False, True) for h, hk in ((4, 4), (4, 2))]
     cases += [(True, (w, 0), 4, 2) for w in (0, 3, 9, 20)]      # windows across chunk edges
+    cases += [(False, w, 4, 2) for w in ((3, 5), (0, 9), (20, 0), (-1, 4), (7, -1), (0, 0),
+                                         (2, 30))]              # two-sided, causal or not
+    cases += [(True, (5, 7), 4, 4)]                               # the right side folded away
     for layout in ("contiguous", "zigzag"):
         for causal, window, h, hk in cases:
-            g = torch.Generator().manual_seed(7 + h + hk + causal + window[0])
+            g = torch.Generator().manual_seed(7 + h + hk + causal + window[0] + 3 * window[1])
             s = 8 * world                       # 2W chunks of 4 for zigzag
             q, k, v, do = (torch.randn(2, s, n, 16, generator=g, dtype=torch.float64)
                            for n in (h, hk, hk, h))
