@@ -203,13 +203,16 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     Returns out (like q), or ``(out, lse)`` with ``return_lse=True``. On torch tensors the
     result is differentiable (autograd); on NumPy/CuPy arrays use :func:`attention_backward`.
     """
-    kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-              softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
     if library_of(q) == "torch":    # validated once, inside (this path is per-call overhead)
         from .backends.torch_ops import autograd_attention
-        out, lse = autograd_attention(q, k, v, backend=backend, **kw)
+        out, lse = autograd_attention(q, k, v, backend=backend, causal=causal,
+                                      softmax_scale=softmax_scale, window_size=window_size,
+                                      softcap=softcap, alibi_slopes=alibi_slopes,
+                                      deterministic=deterministic)
     else:
-        out, lse = _forward(q, k, v, backend, False, **kw)
+        out, lse = _forward(q, k, v, backend, False, causal=causal, softmax_scale=softmax_scale,
+                            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                            deterministic=deterministic)
     return (out, lse) if return_lse else out
 
 

@@ -28,7 +28,7 @@ import sys
 import threading
 
 from .. import config
-from .._arrays import library_of, torch_compiling
+from .._arrays import library_of
 from ..kernels import plans
 from ..spec import backward_spec, forward_spec
 from .base import choose, choose_kvcache
@@ -290,6 +290,8 @@ def _attention_function(torch, ops):
     function): the forward saves ``(q, k, v, out, lse)``; lse is not differentiable; the
     backward is not differentiable either (double backward is refused with a message)."""
 
+    fwd_op, bwd_op = ops.fwd.default, ops.bwd.default
+
     class FlashAttention(torch.autograd.Function):
         # Inputs arrive deduplicated (dynamo cannot trace a Function given one tensor twice,
         # and q is k is v, or cu_seqlens_q is cu_seqlens_k, are common): ``where`` gives, for
@@ -297,10 +299,13 @@ def _attention_function(torch, ops):
         # (-1: None).
         @staticmethod
         def forward(ctx, where, options, *tensors):
-            q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k = (
-                None if i < 0 else tensors[i] for i in where)
-            out, lse = ops.fwd.default(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                                       *options)
+            if where is _DISTINCT_QKV:
+                q, k, v = tensors
+                alibi_slopes = cu_seqlens_q = cu_seqlens_k = None
+            else:
+                q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k = (
+                    None if i < 0 else tensors[i] for i in where)
+            out, lse = fwd_op(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *options)
             ctx.save_for_backward(out, lse, *tensors)
             ctx.where = where
             ctx.options = options
@@ -311,16 +316,22 @@ def _attention_function(torch, ops):
         def backward(ctx, dout, _dlse):
             out, lse, *tensors = ctx.saved_tensors
             where = ctx.where
-            q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k = (
-                None if i < 0 else tensors[i] for i in where)
+            if where is _DISTINCT_QKV:
+                q, k, v = tensors
+                alibi_slopes = cu_seqlens_q = cu_seqlens_k = None
+            else:
+                q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k = (
+                    None if i < 0 else tensors[i] for i in where)
             # The kernels need a contiguous last dimension; the incoming gradient can be
             # anything (an expanded scalar from .sum() has stride 0 everywhere).
             if dout.shape[-1] > 1 and dout.stride(-1) != 1:
                 dout = dout.contiguous()
-            dq, dk, dv = ops.bwd.default(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q,
-                                         cu_seqlens_k, *ctx.options)
+            dq, dk, dv = bwd_op(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q,
+                                cu_seqlens_k, *ctx.options)
             if torch.is_grad_enabled():      # create_graph=True: refuse when differentiated
                 dq, dk, dv = NoSecondDerivative.apply(dout, q, k, v, dq, dk, dv)
+            if where is _DISTINCT_QKV:
+                return None, None, dq, dk, dv
             grads = [None] * len(tensors)
             for i, g in zip(where[:3], (dq, dk, dv)):
                 grads[i] = g if grads[i] is None else grads[i] + g
@@ -358,7 +369,7 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
     nothing requires grad).
     """
     opts = None
-    if backend is None and not torch_compiling(q) and _tensors_or_none(
+    if backend is None and not _compiling() and _tensors_or_none(
             (k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k), varlen,
             cu_seqlens_q, cu_seqlens_k):
         opts = _plain_options(q, varlen, causal, softmax_scale, window_size, softcap,
@@ -369,7 +380,7 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
                             deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
                             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                             max_seqlen_k=max_seqlen_k)
-        if not torch_compiling(q):
+        if not _compiling():
             # (the capability probe, CuPy import checks and device queries, is not traceable;
             # the shapes, dtypes and options were validated above either way)
             choose(spec, backend, backward=_needs_grad(q, k, v))
@@ -378,6 +389,8 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (None, None)
     if not _needs_grad(q, k, v):     # nothing to differentiate: the op alone (what autograd
         return _OVERLOADS["fwd"](q, k, v, alibi_slopes, cu_q, cu_k, *opts)   # would run)
+    if alibi_slopes is None and cu_q is None and k is not q and v is not q and v is not k:
+        return _FUNCTION[0].apply(_DISTINCT_QKV, opts, q, k, v)     # (the common case)
     tensors, where = [], []
     for t in (q, k, v, alibi_slopes, cu_q, cu_k):
         if t is None:
@@ -391,6 +404,9 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
             where.append(len(tensors))
             tensors.append(t)
     return _FUNCTION[0].apply(tuple(where), opts, *tensors)
+
+
+_DISTINCT_QKV = (0, 1, 2, -1, -1, -1)     # q, k, v distinct; no alibi, no cu_seqlens
 
 
 def _options(spec) -> tuple:
@@ -465,7 +481,7 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, blo
     :func:`autograd_attention`); otherwise the call is validated here first."""
     import torch
     args = None
-    if backend is None and not torch_compiling(q) and library_of(cache_seqlens) == "torch" \
+    if backend is None and not _compiling() and library_of(cache_seqlens) == "torch" \
             and type(rotary_interleaved) is bool and type(num_splits) is int and num_splits >= 0 \
             and (k is not None or (rotary_cos is None and rotary_sin is None)) \
             and _tensors_or_none((k_cache, v_cache, k, v, block_table, rotary_cos, rotary_sin,
@@ -482,7 +498,7 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, blo
                             causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                             softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
                             cache_leftpad=cache_leftpad)
-        if not torch_compiling(q):
+        if not _compiling():
             choose_kvcache(spec, backend)
         a = spec.attn
         as_int = spec.cache_seqlens_int is not None
@@ -521,7 +537,7 @@ def _explicit(kind, tensors, backend, varlen, kw):
     import torch
     q = tensors[0] if kind == "fwd" else tensors[1]
     opts = None
-    if backend is None and not torch_compiling(q) and _tensors_or_none(
+    if backend is None and not _compiling() and _tensors_or_none(
             tensors + tuple(kw.get(n) for n in ("alibi_slopes", "cu_seqlens_q", "cu_seqlens_k")),
             varlen, kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")):
         opts = _plain_options(q, varlen, kw.get("causal", False), kw.get("softmax_scale"),
@@ -533,13 +549,19 @@ def _explicit(kind, tensors, backend, varlen, kw):
         spec_kw = dict(kw, varlen=varlen)
         spec = forward_spec(*tensors, **spec_kw) if kind == "fwd" else \
             backward_spec(*tensors, **spec_kw)
-        if not torch_compiling(q):
+        if not _compiling():
             choose(spec, backend, backward=kind == "bwd")
         opts = _options(spec)
     torch_ops()
     with torch.no_grad():
         return _OVERLOADS[kind](*tensors, args["alibi_slopes"], args["cu_seqlens_q"],
                                 args["cu_seqlens_k"], *opts)
+
+
+def _compiling() -> bool:
+    """Whether torch.compile is tracing (the callers hold torch tensors: torch is loaded)."""
+    import torch
+    return torch.compiler.is_compiling()
 
 
 def _needs_grad(q, k, v) -> bool:
