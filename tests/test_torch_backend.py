@@ -309,3 +309,24 @@ def test_kvcache_rotary_without_new_keys_is_refused_on_tensors():
     with pytest.raises(TypeError, match="'block_table'"):
         flashcore.attention_with_kvcache(q, kc, kc.clone(), cache_seqlens=lens,
                                          block_table=lens.numpy())
+
+
+@pytest.mark.parametrize("alias", ["qkv", "kv", "qk"])
+def test_one_tensor_passed_as_several_arguments_gets_the_summed_gradient(alias):
+    """q is k is v (self-attention on one tensor), k is v, q is k: the Function's inputs are
+    deduplicated and each tensor receives the sum of the gradients of its roles."""
+    import flashcore
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 9, 2, 16, dtype=torch.float64, generator=g)
+    y = torch.randn(1, 9, 2, 16, dtype=torch.float64, generator=g)
+    do = torch.randn(1, 9, 2, 16, dtype=torch.float64, generator=g)
+    a, b = x.clone().requires_grad_(), y.clone().requires_grad_()
+    args = {"qkv": (a, a, a), "kv": (b, a, a), "qk": (a, a, b)}[alias]
+    flashcore.attention(*args, causal=True).backward(do)
+    ref = [t.detach().clone().requires_grad_() for t in args]
+    flashcore.attention(*ref, causal=True).backward(do)
+    want_a = sum(r.grad for r, t in zip(ref, args) if t is a)
+    torch.testing.assert_close(a.grad, want_a, atol=1e-12, rtol=0)
+    if alias != "qkv":
+        want_b = sum(r.grad for r, t in zip(ref, args) if t is b)
+        torch.testing.assert_close(b.grad, want_b, atol=1e-12, rtol=0)
