@@ -312,7 +312,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
             ``cache_leftpad[b]`` of its (contiguous) cache; rows before it are ignored (left
             padding): masks, the causal alignment and ALiBi count from it. The new keys are
             still written, and rotated, at rows ``cache_seqlens[b] + t``, as in flash-attn.
-            Not with ``block_table``.
+            Not with ``block_table``. ``0 <= cache_leftpad[b] <= cache_seqlens[b]`` is checked
+            for host arrays and in debug mode; on the device the kernel clamps it to the
+            sequence (memory-safe, but an out-of-range pad gives a meaningless result).
         out, lse: CuPy arrays only, preallocated outputs (like q; float32 ``(batch, nheads,
             seqlen_q)``), written in place: what a call captured in a CUDA graph needs.
 

@@ -17,9 +17,9 @@ Layouts, ``world`` = W ranks, the sequence cut into equal chunks:
 * ``"zigzag"``: the sequence is cut into 2W chunks and rank r holds chunks r and 2W - 1 - r, so
   every rank has the same causal work (:func:`shard` and :func:`unshard` convert).
 
-Masks: full, causal, or causal with a sliding window ``(left, 0)`` (hops the window cannot
-reach are skipped; bottom-right alignment is top-left here: the shards of q and k/v have the
-same lengths). Transport is torch.distributed's (NCCL on GPUs, gloo on CPU): no transport
+Masks: full, causal, and sliding windows ``(left, right)``, causal or not (hops the window
+cannot reach are skipped, blocks it cuts are cut to the queries and keys that see each other;
+bottom-right alignment is top-left here: the shards of q and k/v have the same lengths). Transport is torch.distributed's (NCCL on GPUs, gloo on CPU): no transport
 of flashcore's own.
 
 Packed documents (varlen) take Llama 3's scheme instead, :func:`varlen_attention_all_gather`:
@@ -99,10 +99,11 @@ def _blocks(layout, world, rank, src, window, m):
     With D = the distance from the key chunk's start to the query chunk's (a multiple of m),
     key j of the block is visible to query i iff ``i + D - left <= j <= i + D + right``. Kept
     whole when ``D - left <= 0 <= D + right``: the block's own window is ``(left - D,
-    right + D)``. When the lower edge cuts it (e = D - left > 0) the last e queries see
-    nothing: queries [0, m - e) against all m keys, window ``(0, right + D - e)`` (bottom-right
-    aligned, offset e); when the upper edge does (f = -(D + right) > 0) the last f keys are
-    seen by no query: all m queries against keys [0, m - f), window ``(left - D - f, 0)``."""
+    right + D)``. When the lower edge cuts it (e = D - left > 0), queries [0, m - e) see keys
+    [e, m) only: that square, window ``(0, left + right)``; when the upper edge does
+    (f = -(D + right) > 0), queries [f, m) see keys [0, m - f) only: window
+    ``(left + right, 0)`` (-1 where the window is unbounded). No block has a query that sees
+    none of its keys, so no sub-call computes a fully masked row."""
     left, right = window
     out = []
     full = slice(0, m)
@@ -115,12 +116,12 @@ def _blocks(layout, world, rank, src, window, m):
                 continue                                # nothing visible
             wl = -1 if lo is None else max(-lo, 0)
             wr = -1 if hi is None else max(hi, 0)
-            if lo is not None and lo > 0:
-                out.append((i, j, slice(0, m - lo), full,
+            if lo is not None and lo > 0:      # queries [0, m - lo) see keys [lo, m) only
+                out.append((i, j, slice(0, m - lo), slice(lo, m),
                             dict(window_size=(0, -1 if hi is None else hi - lo))))
-            elif hi is not None and hi < 0:
-                out.append((i, j, full, slice(0, m + hi),
-                            dict(window_size=(-1 if lo is None else -lo + hi, 0))))
+            elif hi is not None and hi < 0:    # queries [-hi, m) see keys [0, m + hi) only
+                out.append((i, j, slice(-hi, m), slice(0, m + hi),
+                            dict(window_size=(-1 if lo is None else hi - lo, 0))))
             else:
                 out.append((i, j, full, full, dict(window_size=(wl, wr))))
     return out

@@ -15,7 +15,9 @@ Names, argument order, defaults, shapes and returns are flash-attn 2.x's
   documented there as "for testing only") is always None.
 * ``block_table`` (paged KV cache in ``flash_attn_varlen_func``) must be None for now.
 * :func:`flash_attn_with_kvcache`: ``cache_batch_idx`` must be None; ``cache_leftpad``
-  works with a contiguous cache (as in flash-attn, not with ``block_table``); a paged cache's page size may be any multiple of 16 (flash-attn 2: 256); the new keys must
+  works with a contiguous cache (as in flash-attn, not with ``block_table``); a head dim
+  that is no multiple of 8 is refused (flash-attn pads and copies back the whole cache);
+  a paged cache's page size may be any multiple of 16 (flash-attn 2: 256); the new keys must
   fit in the cache (checked).
 
 On torch tensors the results are differentiable (``flashcore.attention``'s autograd); the

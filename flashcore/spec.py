@@ -330,7 +330,6 @@ class KVCacheSpec:
     rotary_interleaved: bool
     num_splits: int              # 0: heuristic
     cache_seqlens_int: int | None  # cache_seqlens given as a Python int
-    leftpad: bool = False        # cache_leftpad given: sequence b's keys start at its row
 
     @property
     def rotary_per_row(self) -> bool:
@@ -591,7 +590,7 @@ def _kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, rota
         attn=attn, paged=paged, page_size=page_size, num_blocks=num_blocks,
         max_blocks=max_blocks, capacity=int(capacity), seqlen_new=seqlen_new,
         rotary_dim=rotary_dim, rotary_interleaved=bool(rotary_interleaved),
-        num_splits=num_splits, cache_seqlens_int=seqlens_int, leftpad=cache_leftpad is not None)
+        num_splits=num_splits, cache_seqlens_int=seqlens_int)
 
 
 # --------------------------------------------------------------------------------------------

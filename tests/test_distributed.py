@@ -25,7 +25,8 @@ _WORKER = textwrap.dedent(r"""
     cases += [(True, (w, 0), 4, 2) for w in (0, 3, 9, 20)]      # windows across chunk edges
     cases += [(False, w, 4, 2) for w in ((3, 5), (0, 9), (20, 0), (-1, 4), (7, -1), (0, 0),
                                          (2, 30))]              # two-sided, causal or not
-    cases += [(True, (5, 7), 4, 4)]                               # the right side folded away
+    cases += [(True, (5, 7), 4, 4), (True, (-1, 5), 4, 2)]        # the right side folded away
+    cases += [(False, w, 4, 2) for w in ((3, 0), (0, -1), (-1, 0), (1, 1))]
     for layout in ("contiguous", "zigzag"):
         for causal, window, h, hk in cases:
             g = torch.Generator().manual_seed(7 + h + hk + causal + window[0] + 3 * window[1])

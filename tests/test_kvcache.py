@@ -748,3 +748,78 @@ def test_cupy_split_kv_with_the_combine_kernel(layout, case, monkeypatch):
     from flashcore import config
     with config.override(decode_fused_combine=False):
         test_cupy_against_reference("bfloat16", layout, case)
+
+
+def _flash_attn_leftpad_reference(q, kc, vc, after, lp, causal, window, slopes, scale, h, hk):
+    """flash-attn's own test reference for cache_leftpad (tests/test_flash_attn.py): the whole
+    cache under a key padding mask (lp <= j < after), the key columns shifted by lp for the
+    causal/local mask and ALiBi (construct_local_mask, attn_bias_from_alibi_slopes)."""
+    b_, sq = q.shape[0], q.shape[1]
+    cap = kc.shape[1]
+    outs = []
+    for b in range(b_):
+        keep = (np.arange(cap) < after[b]) & (np.arange(cap) >= lp[b])
+        sk = keep.sum()
+        col = np.where(np.arange(cap) >= lp[b], np.arange(cap) - lp[b], 2**32)
+        row = np.arange(sq)[:, None]
+        left, right = window
+        if causal:
+            right = 0
+        if left < 0 and right < 0:
+            masked = np.zeros((sq, cap), bool)
+        elif left < 0:
+            masked = col[None] > row + sk - sq + right
+        else:
+            r = right if right >= 0 else 10**9
+            masked = (col[None] > np.minimum(row + sk - sq + r, sk)) | \
+                (col[None] < row + sk - sq - left)
+        masked |= ~keep[None]
+        kk, vv = np.repeat(kc[b], h // hk, axis=1), np.repeat(vc[b], h // hk, axis=1)
+        s = np.einsum("qhd,khd->hqk", q[b], kk) * scale
+        if slopes is not None:
+            s = s - slopes[b][:, None, None] * np.abs(row + sk - sq - col[None])[None]
+        s = np.where(masked[None], -np.inf, s)
+        mx = s.max(-1, keepdims=True)
+        p = np.exp(s - np.where(np.isinf(mx), 0, mx))
+        outs.append(np.einsum("hqk,khd->qhd", p / np.maximum(p.sum(-1, keepdims=True), 1e-300),
+                              vv))
+    return np.stack(outs)
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (2, 1)),
+                                           (True, (5, -1)), (False, (-1, 2))])
+@pytest.mark.parametrize("alibi", [False, True])
+@pytest.mark.parametrize("sq,append,rotary", [(1, 0, False), (3, 2, False), (3, 2, True)])
+def test_cache_leftpad_matches_flash_attn_test_reference(causal, window, alibi, sq, append, rotary):
+    from flashcore.reference import apply_rotary
+    rng = np.random.default_rng(17)
+    b, cap, h, hk, d = 3, 24, 4, 2, 16
+    q = rng.standard_normal((b, sq, h, d))
+    kc, vc = rng.standard_normal((b, cap, hk, d)), rng.standard_normal((b, cap, hk, d))
+    before, lp = np.array([10, 5, 12], np.int32), np.array([3, 5, 0], np.int32)
+    new = {}
+    if append:
+        new = dict(k=rng.standard_normal((b, append, hk, d)), v=rng.standard_normal((b, append, hk, d)))
+    if rotary:
+        ang = rng.random((cap, 8)) * 6.28
+        new.update(rotary_cos=np.cos(ang), rotary_sin=np.sin(ang))
+    slopes = rng.random((b, h)) * 0.3 if alibi else None
+    kc0, vc0 = kc.copy(), vc.copy()
+    out = flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=before, cache_leftpad=lp,
+                                           causal=causal, window_size=window, alibi_slopes=slopes,
+                                           rotary_interleaved=False, **new)
+    after = before + append
+    qr = q
+    if append:
+        kn = new["k"]
+        if rotary:       # flash-attn's test: rotated at cache_seqlens + t (the cache rows)
+            kn = apply_rotary(kn, new["rotary_cos"], new["rotary_sin"],
+                              before[:, None] + np.arange(append)[None], False)
+            per_row = causal or window != (-1, -1)
+            pos = before[:, None] + (np.arange(sq)[None] if per_row else np.zeros((1, sq), int))
+            qr = apply_rotary(q, new["rotary_cos"], new["rotary_sin"], pos, False)
+        for i in range(b):
+            kc0[i, before[i]:after[i]], vc0[i, before[i]:after[i]] = kn[i], new["v"][i]
+    want = _flash_attn_leftpad_reference(qr, kc0, vc0, after, lp, causal, window, slopes,
+                                         d ** -0.5, h, hk)
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-9)

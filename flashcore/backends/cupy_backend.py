@@ -134,6 +134,7 @@ class CupyBackend(Backend):
                     o8 = cupy.empty(_padded_shape(q), q.dtype)
                     launch_forward(_pad8(q), _pad8(k), _pad8(v), o8, lse, **kw)
                     out[...] = o8[..., :spec.headdim]
+                    plans.spoil()      # copies around the launch: never replayed
                 else:
                     plans.offer(launch_forward(q, k, v, out, lse, **kw))
             else:   # no queries, or no keys at all: nothing is visible
@@ -158,6 +159,7 @@ class CupyBackend(Backend):
                                     *g8, deterministic=spec.deterministic, **kw)
                     for dst, g in zip((dq, dk, dv), g8):
                         dst[...] = g[..., :d]
+                    plans.spoil()
                 else:
                     plans.offer(launch_backward(dout, q, k, v, out, lse, dq, dk, dv,
                                                 deterministic=spec.deterministic, **kw))
@@ -174,8 +176,8 @@ class CupyBackend(Backend):
         if r and r[0].startswith("not available"):
             return r
         if spec.attn.headdim % 8:     # the cache is read (and written) in place: no padding
-            r.append(f"headdim {spec.attn.headdim} is not a multiple of 8 (decoding reads the "
-                     "cache in place; flash-attn's rule)")
+            r.append(f"headdim {spec.attn.headdim} is not a multiple of 8 (the decode kernels "
+                     "read the cache in place; padding it would copy the whole cache every step)")
         why = _decode_kernels_reason()
         if why:
             r.append(why)
@@ -239,8 +241,10 @@ def _padded_shape(x):
 def _pad8(x):
     """``x`` with zero columns appended up to a multiple of 8 (a new array)."""
     import cupy
-    p = cupy.zeros(_padded_shape(x), x.dtype)
-    p[..., :x.shape[-1]] = x
+    d = x.shape[-1]
+    p = cupy.empty(_padded_shape(x), x.dtype)
+    p[..., :d] = x
+    p[..., d:] = 0
     return p
 
 

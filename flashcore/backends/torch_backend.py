@@ -222,7 +222,7 @@ class TorchBackend(Backend):
                         cache_seqlens=cache_seqlens if as_int else conv(cache_seqlens),
                         block_table=conv(block_table), rotary_cos=conv(rotary_cos),
                         rotary_sin=conv(rotary_sin), alibi_slopes=conv(alibi_slopes),
-                    cache_leftpad=conv(cache_leftpad),
+                        cache_leftpad=conv(cache_leftpad),
                         out=conv(out), lse=conv(lse))
         if spec.appends:
             _bump_version(torch, k_cache, v_cache)
