@@ -35,7 +35,8 @@ from . import config
 from ._arrays import library_of
 from .backends.base import all_backends, choose, choose_kvcache
 from .kernels import plans
-from .spec import _scalar_key, backward_spec, check_outputs, forward_spec, kvcache_spec, merge_spec
+from .spec import (_scalar_key, backward_spec, check_outputs, forward_spec, kvcache_spec,
+                   lse_shape, merge_spec)
 
 __all__ = [
     "attention", "attention_forward", "attention_backward",
@@ -81,11 +82,7 @@ def _cupy_replay(plan, pointers) -> bool:
     def alloc(nbytes):
         m = cupy.cuda.alloc(nbytes)
         return m, m.ptr
-
-    def counters(groups):
-        from .kernels.decode import existing_split_counter
-        return existing_split_counter(plan.device_id, stream, groups)
-    return plan.run(pointers, stream, alloc, counters) is not None
+    return plan.run(pointers, stream, alloc) is not None
 
 
 def _ptr(a) -> int:
@@ -108,9 +105,7 @@ def _forward(q, k, v, backend, varlen, out=None, lse=None, **kw):
         if plan is not None and plans.current_context() == plan.context:
             import cupy     # (the current device is the plan's: outputs are allocated there)
             o = cupy.empty(q.shape, q.dtype) if out is None else out
-            l_ = cupy.empty((q.shape[1], q.shape[0]) if varlen else
-                            (q.shape[0], q.shape[2], q.shape[1]), cupy.float32) \
-                if lse is None else lse
+            l_ = cupy.empty(lse_shape(q.shape, varlen), cupy.float32) if lse is None else lse
             if _cupy_replay(plan, (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l_.data.ptr,
                                    _ptr(alibi), _ptr(cu_q), _ptr(cu_k))):
                 return o, l_
@@ -342,8 +337,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         if plan is not None and plans.current_context() == plan.context:
             import cupy     # (the current device is the plan's: outputs are allocated there)
             o = cupy.empty(q.shape, q.dtype) if out is None else out
-            l_ = cupy.empty((q.shape[0], q.shape[2], q.shape[1]), cupy.float32) \
-                if lse is None else lse
+            l_ = cupy.empty(lse_shape(q.shape), cupy.float32) if lse is None else lse
             if _cupy_replay(plan, (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, o.data.ptr,
                                    l_.data.ptr, cache_seqlens.data.ptr, _ptr(block_table),
                                    _ptr(alibi_slopes), _ptr(cache_leftpad))):

@@ -62,6 +62,12 @@ class AttentionSpec:
         return f / 2 if self.causal else f
 
 
+def lse_shape(q_shape, varlen: bool = False) -> tuple:
+    """The log-sum-exp's shape for a q of ``q_shape``: ``(nheads, total_q)`` packed (varlen),
+    else ``(batch, nheads, seqlen_q)``."""
+    return (q_shape[1], q_shape[0]) if varlen else (q_shape[0], q_shape[2], q_shape[1])
+
+
 def _arg_error(cls, name, expected, got):
     return cls(f"argument '{name}': expected {expected}, got {got}")
 

@@ -63,13 +63,10 @@ def call(kind, run, arrays, roles, options):
     key = (kind, *(_layout(a) for a in arrays), options, config.get())
     plan = plans.lookup(key)
     if plan is not None:
-        from flashcore.kernels import decode
-
         def alloc(nbytes):
             a = cupy.empty((nbytes,), np.uint8)
             return a, a.data.ptr
-        done = plan.run(tuple(_ptr(a) for a in arrays), STREAM["ptr"], alloc,
-                        lambda g: decode.existing_split_counter(0, STREAM["ptr"], g))
+        done = plan.run(tuple(_ptr(a) for a in arrays), STREAM["ptr"], alloc)
         if done is not None:
             return plan.result
     with plans.record() as rec:

@@ -341,17 +341,12 @@ def replay(torch, plan, pointers, device) -> bool:
     context is not the plan's, or the stream has no split counters yet: run in full then."""
     if current_context() != plan.context:
         return False
-    index = device.index
-    stream = _raw_stream(torch)(index)
+    stream = _raw_stream(torch)(device.index)
 
     def alloc(nbytes):
         t = torch.empty((nbytes,), dtype=torch.uint8, device=device)
         return t, t.data_ptr()
-
-    def counters(groups):
-        from ..kernels.decode import existing_split_counter
-        return existing_split_counter(index, stream, groups)
-    return plan.run(pointers, stream, alloc, counters) is not None
+    return plan.run(pointers, stream, alloc) is not None
 
 
 from ..kernels.plans import current_context  # noqa: E402  (no CuPy import: bound at first use)

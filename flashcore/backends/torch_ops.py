@@ -30,7 +30,7 @@ import threading
 from .. import config
 from .._arrays import library_of
 from ..kernels import plans
-from ..spec import backward_spec, forward_spec
+from ..spec import backward_spec, forward_spec, lse_shape
 from .base import choose, choose_kvcache
 from .torch_backend import _BACKEND, layout, replay
 
@@ -109,8 +109,7 @@ def _fwd_impl(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         plan = plans.lookup(key)
         if plan is not None:
             out = q.new_empty(q.shape)
-            lse = q.new_empty((q.shape[1], q.shape[0]) if cu_seqlens_q is not None else
-                              (q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+            lse = q.new_empty(lse_shape(q.shape, cu_seqlens_q is not None), dtype=torch.float32)
             if replay(torch, plan, (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                                     lse.data_ptr(), _ptr(alibi_slopes), _ptr(cu_seqlens_q),
                                     _ptr(cu_seqlens_k)), q.device):
@@ -174,7 +173,7 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, b
         plan = plans.lookup(key)
         if plan is not None:
             out = q.new_empty(q.shape)
-            lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+            lse = q.new_empty(lse_shape(q.shape), dtype=torch.float32)
             if replay(torch, plan, (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                     out.data_ptr(), lse.data_ptr(), cache_seqlens.data_ptr(),
                                     _ptr(block_table), _ptr(alibi_slopes), _ptr(cache_leftpad)),
@@ -257,17 +256,15 @@ def _define_ops():
             lib.impl(name, impl, key)
 
     def fwd_fake(q, k, v, alibi_slopes, cu_seqlens_q, *_):
-        lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else \
-            (q.shape[0], q.shape[2], q.shape[1])
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=lse_dtype)
+        return q.new_empty(q.shape), q.new_empty(lse_shape(q.shape, cu_seqlens_q is not None),
+                                                 dtype=lse_dtype)
 
     def bwd_fake(dout, q, k, v, *_):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def kvcache_fake(q, *_):
-        return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]),
-                                                 dtype=torch.float32)
+        return q.new_empty(q.shape), q.new_empty(lse_shape(q.shape), dtype=torch.float32)
     torch.library.register_fake("flashcore::fwd", fwd_fake, lib=lib)
     torch.library.register_fake("flashcore::bwd", bwd_fake, lib=lib)
     torch.library.register_fake("flashcore::kvcache", kvcache_fake, lib=lib)
@@ -299,12 +296,7 @@ def _attention_function(torch, ops):
         # (-1: None).
         @staticmethod
         def forward(ctx, where, options, *tensors):
-            if where is _DISTINCT_QKV:
-                q, k, v = tensors
-                alibi_slopes = cu_seqlens_q = cu_seqlens_k = None
-            else:
-                q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k = (
-                    None if i < 0 else tensors[i] for i in where)
+            q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k = _roles_of(where, tensors)
             out, lse = fwd_op(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *options)
             ctx.save_for_backward(out, lse, *tensors)
             ctx.where = where
@@ -316,12 +308,7 @@ def _attention_function(torch, ops):
         def backward(ctx, dout, _dlse):
             out, lse, *tensors = ctx.saved_tensors
             where = ctx.where
-            if where is _DISTINCT_QKV:
-                q, k, v = tensors
-                alibi_slopes = cu_seqlens_q = cu_seqlens_k = None
-            else:
-                q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k = (
-                    None if i < 0 else tensors[i] for i in where)
+            q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k = _roles_of(where, tensors)
             # The kernels need a contiguous last dimension; the incoming gradient can be
             # anything (an expanded scalar from .sum() has stride 0 everywhere).
             if dout.shape[-1] > 1 and dout.stride(-1) != 1:
@@ -407,6 +394,14 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
 
 
 _DISTINCT_QKV = (0, 1, 2, -1, -1, -1)     # q, k, v distinct; no alibi, no cu_seqlens
+
+
+def _roles_of(where, tensors) -> tuple:
+    """(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k) from the Function's deduplicated
+    ``tensors`` and ``where`` (the index of each in ``tensors``, -1: None)."""
+    if where is _DISTINCT_QKV:
+        return (*tensors, None, None, None)
+    return tuple(None if i < 0 else tensors[i] for i in where)
 
 
 def _options(spec) -> tuple:

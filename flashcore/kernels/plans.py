@@ -210,18 +210,18 @@ class Plan:
         plan.result = result
         return plan
 
-    def run(self, pointers, stream: int, alloc, counters=None):
+    def run(self, pointers, stream: int, alloc):
         """Launch on ``stream`` with the call's array addresses ``pointers`` (in role order).
-        ``alloc(nbytes)`` returns ``(owner, address)`` for a scratch buffer; ``counters(groups)``
-        the address of the stream's split counters, or None when the stream has none yet (then
-        nothing is launched and run returns None: the caller runs the call in full, which makes
-        them). Returns the scratch owners (keep them until the launches are queued: both
-        allocators free in stream order)."""
+        ``alloc(nbytes)`` returns ``(owner, address)`` for a scratch buffer. Returns the scratch
+        owners (keep them until the launches are queued: both allocators free in stream
+        order), or None, launching nothing, when the stream has no split counters yet (the
+        caller then runs the call in full, which makes them)."""
         launch_kernel = _launch_kernel()
         addrs = []
         for g in self.groups:
             if g[4] is not None:
-                a = counters(g[4][1])
+                from .decode import existing_split_counter
+                a = existing_split_counter(self.device_id, stream, g[4][1])
                 if a is None:
                     return None
                 addrs.append(a)
