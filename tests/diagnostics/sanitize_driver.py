@@ -129,3 +129,73 @@ for d, page, splits, sq, mode in ((128, None, 1, 1, "cluster"), (64, 16, 3, 1, "
 _dec.set_fused_combine(_fused_was)
 _dec.set_cluster_merge(_cluster_was)
 print(f"sanitize driver: {n} cases ran")
+
+# Odd head dims (padded to a multiple of 8 inside the CuPy backend), forward and backward.
+for d in (59, 111):
+    q, do = arr((2, 77, 4, d), "bfloat16"), arr((2, 77, 4, d), "bfloat16")
+    k, v = arr((2, 93, 2, d), "bfloat16"), arr((2, 93, 2, d), "bfloat16")
+    out, lse = flashcore.attention_forward(q, k, v, causal=True)
+    flashcore.attention_backward(do, q, k, v, out, lse, causal=True)
+    cp.cuda.Device().synchronize()
+    n += 1
+
+# Replays: the second call of a layout goes through its recorded launch plan (kernels/plans.py),
+# with new arrays at new addresses; forward, backward, decode.
+for _ in range(3):
+    q, do = arr((2, 77, 4, 64), "bfloat16"), arr((2, 77, 4, 64), "bfloat16")
+    k, v = arr((2, 93, 2, 64), "bfloat16"), arr((2, 93, 2, 64), "bfloat16")
+    out, lse = flashcore.attention_forward(q, k, v, causal=True)
+    flashcore.attention_backward(do, q, k, v, out, lse, causal=True)
+    kc, vc = arr((3, 512, 2, 128), "bfloat16"), arr((3, 512, 2, 128), "bfloat16")
+    flashcore.attention_with_kvcache(arr((3, 1, 8, 128), "bfloat16"), kc, vc,
+                                     cache_seqlens=cp.asarray(np.array([5, 300, 511], np.int32)),
+                                     causal=True)
+    cp.cuda.Device().synchronize()
+    n += 3
+
+# cache_leftpad: keys [leftpad, cache_seqlens + new) of each sequence, with append and rotary.
+kc, vc = arr((3, 512, 2, 128), "bfloat16"), arr((3, 512, 2, 128), "bfloat16")
+ang = rng.uniform(0, 6.3, size=(512, 32)).astype(np.float32)
+import ml_dtypes
+flashcore.attention_with_kvcache(arr((3, 2, 8, 128), "bfloat16"), kc, vc,
+                                 arr((3, 2, 2, 128), "bfloat16"), arr((3, 2, 2, 128), "bfloat16"),
+                                 cache_seqlens=cp.asarray(np.array([7, 300, 100], np.int32)),
+                                 cache_leftpad=cp.asarray(np.array([0, 250, 100], np.int32)),
+                                 rotary_cos=cp.asarray(np.cos(ang).astype(ml_dtypes.bfloat16)),
+                                 rotary_sin=cp.asarray(np.sin(ang).astype(ml_dtypes.bfloat16)),
+                                 causal=True)
+cp.cuda.Device().synchronize()
+n += 1
+
+# Bad values in default mode (not read back on the host): lengths past the cache, negative
+# lengths, block indices past the pool or negative, leftpad past the length, cu_seqlens past
+# the arrays. The calls must touch nothing out of bounds; what they return is unspecified.
+b, hk, d, cap, page = 3, 2, 128, 512, 16
+for lens, lp in (([600, -5, 512], None), ([10, 20, 30], [40, -3, 5000])):
+    kc, vc = arr((b, cap, hk, d), "bfloat16"), arr((b, cap, hk, d), "bfloat16")
+    flashcore.attention_with_kvcache(arr((b, 1, 8, d), "bfloat16"), kc, vc,
+                                     arr((b, 1, hk, d), "bfloat16"), arr((b, 1, hk, d), "bfloat16"),
+                                     cache_seqlens=cp.asarray(np.array(lens, np.int32)),
+                                     cache_leftpad=None if lp is None else cp.asarray(np.array(lp, np.int32)),
+                                     causal=True)
+    cp.cuda.Device().synchronize()
+    n += 1
+for splits in (1, 4):
+    per = cap // page
+    kc, vc = arr((b * per, page, hk, d), "bfloat16"), arr((b * per, page, hk, d), "bfloat16")
+    table = np.arange(b * per, dtype=np.int32).reshape(b, per)
+    table[0, 3], table[1, 0], table[2, -1] = 10**6, -7, b * per
+    flashcore.attention_with_kvcache(arr((b, 1, 8, d), "bfloat16"), kc, vc,
+                                     arr((b, 1, hk, d), "bfloat16"), arr((b, 1, hk, d), "bfloat16"),
+                                     cache_seqlens=cp.asarray(np.array([100, 5, 600], np.int32)),
+                                     block_table=cp.asarray(table), causal=True, num_splits=splits)
+    cp.cuda.Device().synchronize()
+    n += 1
+cu_q = cp.asarray(np.array([0, 5, 900, 141, -4], np.int32))
+cu_k = cp.asarray(np.array([0, 9, 13, 10**6, 100], np.int32))
+q, k, v = arr((141, 4, 64), "bfloat16"), arr((100, 2, 64), "bfloat16"), arr((100, 2, 64), "bfloat16")
+out, lse = flashcore.varlen_attention_forward(q, k, v, cu_q, cu_k, causal=True)
+flashcore.varlen_attention_backward(arr((141, 4, 64), "bfloat16"), q, k, v, out, lse, cu_q, cu_k, causal=True)
+cp.cuda.Device().synchronize()
+n += 1
+print(f"sanitize driver: {n} cases ran (with the bad-value cases)")
