@@ -137,6 +137,79 @@ def test_padding_mask_shorter_than_a_static_cache():
         torch.testing.assert_close(out[b:b + 1], want, atol=1e-12, rtol=0)
 
 
+def test_padding_mask_is_padded_to_a_static_cache():
+    """Shorter than kv_length (a static cache): padded with False, so the shape that a compiled
+    decoding step sees does not change from token to token."""
+    m = torch.ones(2, 5, dtype=torch.bool)
+    m[0, :2] = False
+    got = fct.padding_mask(batch_size=2, q_length=1, kv_length=9, attention_mask=m)
+    assert got.shape == (2, 9) and got.dtype == torch.bool
+    assert got[:, :5].equal(m) and not got[:, 5:].any()
+
+
+@pytest.mark.parametrize("sq", [1, 3])
+@pytest.mark.parametrize("window", [None, 4])
+def test_masked_cache_route_matches_each_row(sq, window):
+    """Queries over a cache with left padding and unwritten slots take the decode kernel over
+    [first kept, last kept] of each row; each row equals attention over its kept keys, the
+    queries bottom-right at its last kept position (a row with less kept than queries: those
+    query rows see only what precedes them, and nothing at all gives 0)."""
+    import flashcore
+    g = torch.Generator().manual_seed(7)
+    b, sk, h, hk, d = 4, 12, 4, 2, 16
+    q = torch.randn(b, h, sq, d, dtype=torch.float64, generator=g)
+    k = torch.randn(b, hk, sk, d, dtype=torch.float64, generator=g)
+    v = torch.randn(b, hk, sk, d, dtype=torch.float64, generator=g)
+    mask = torch.zeros(b, sk, dtype=torch.bool)
+    runs = [(0, 12), (3, 9), (5, 7), (0, 0)]
+    for r, (a, e) in enumerate(runs):
+        mask[r, a:e] = True
+
+    class M(torch.nn.Module):
+        is_causal = True
+    with torch.no_grad():
+        out, _ = fct.flashcore_attention_forward(M(), q, k, v, mask, sliding_window=window)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    for r, (a, e) in enumerate(runs):
+        if e == a:
+            assert not out[r].any()
+            continue
+        want = flashcore.attention_with_kvcache(
+            qt[r:r + 1], kt[r:r + 1, a:e], vt[r:r + 1, a:e], cache_seqlens=e - a, causal=True,
+            window_size=(-1, -1) if window is None else (window - 1, window - 1))
+        torch.testing.assert_close(out[r:r + 1], want, atol=1e-12, rtol=0)
+        if e - a >= sq:    # the same through the varlen route (what a gradient call takes)
+            alt = fct._padded_via_varlen(qt[r:r + 1], kt[r:r + 1], vt[r:r + 1], mask[r:r + 1],
+                                         causal=True, softmax_scale=None, softcap=0.0,
+                                         window_size=(-1, -1) if window is None
+                                         else (window - 1, window - 1))
+            torch.testing.assert_close(alt, want, atol=1e-12, rtol=0)
+
+
+def test_masked_cache_route_refuses_holes_in_debug_mode():
+    from flashcore import config
+    q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 6, 8)
+    mask = torch.tensor([[1, 1, 0, 1, 0, 0]], dtype=torch.bool)
+
+    class M(torch.nn.Module):
+        is_causal = True
+    with torch.no_grad(), config.override(debug=True):
+        with pytest.raises(ValueError, match="argument 'attention_mask'.*holes"):
+            fct.flashcore_attention_forward(M(), q, k, k, mask)
+
+
+def test_left_padded_static_cache_generate_matches_sdpa(name):
+    """Greedy generation with a static cache and a left-padded batch: the decoding steps take
+    the masked-cache route (decode kernel with cache_leftpad), the prefill the varlen route."""
+    ours, ref = _models(name)
+    ids = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, :3] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+              cache_implementation="static")
+    assert ours.generate(ids, **kw).tolist() == ref.generate(ids, **kw).tolist()
+
+
 def test_dropout_in_training_is_refused():
     q = torch.randn(1, 2, 3, 8)
 

@@ -24,10 +24,21 @@ What the attention function does with what transformers passes it:
 * Padding: :func:`register` also registers :func:`padding_mask` as the name's mask function
   (transformers >= 4.53), so the attention function receives None when no mask was given and
   the 2D ``(batch, kv_len)`` padding mask otherwise (not tested for being all ones: that would
-  read it back to the host). A 2D mask is handled by varlen attention over the kept tokens,
-  packed by a stable sort to static shapes (no host sync, no graph break; the queries are the
-  last ``q_len`` positions of the mask); padded query positions get output 0. Decoding steps
-  with a mask take this route too (the decode kernel takes no padding mask yet). Older transformers pass a 4D mask: it is
+  read it back to the host), padded with False to the cache's length when a static cache holds
+  more slots than the mask covers (so its shape stays static from step to step, and a compiled
+  decoding step is not recompiled each token). Two routes, both without host sync or graph
+  break:
+
+  - *Over a cache* (fewer queries than keys, at most 64 of them, no gradient: decoding steps
+    and speculative drafts): each row of the mask is read as left padding, then the sequence,
+    then slots not written yet; the decode kernel runs over keys ``[first kept, last kept]`` of
+    each row (``cache_leftpad`` and ``cache_seqlens``, computed on the device), the queries
+    being the last positions up to the last kept one. A row with holes inside its kept run is
+    outside this reading: debug mode (``FLASHCORE_DEBUG=1``) refuses it with a named error.
+  - *Varlen* (training, prefill, any mask pattern): varlen attention over the tokens the mask
+    keeps, packed by a stable sort to static shapes; padded query positions get output 0.
+
+  Older transformers pass a 4D mask: it is
   accepted when it is exactly the causal/window mask flashcore applies anyway (checked on
   the values, so not under torch.compile), anything else is refused with an explanation.
 * ``dropout`` > 0 is refused (flashcore has no attention dropout). No attention weights are
@@ -37,6 +48,7 @@ transformers is imported only by :func:`register`.
 """
 from __future__ import annotations
 
+from .. import config
 from ..api import attention, attention_with_kvcache, varlen_attention
 
 __all__ = ["register", "flashcore_attention_forward", "padding_mask", "DEFAULT_NAME"]
@@ -85,16 +97,35 @@ def register(name: str | None = None) -> str:
 
 def padding_mask(*args, attention_mask=None, kv_length=None, **kwargs):
     """The mask function registered with the attention function: the 2D padding mask as
-    given (its last ``kv_length`` columns), or None when there is none. Unlike transformers'
-    flash-attention mask function, it does not test whether the mask is all ones (a read back
-    to the host, and a graph break under torch.compile): a mask that is given takes the
-    varlen route, whatever its values. (Its signature takes what every transformers version
+    given (its last ``kv_length`` columns), or None when there is none. A mask shorter than
+    ``kv_length`` (a static cache, whose slots past the mask are not written yet) is padded with
+    False to that length, so that its shape does not change from one decoding step to the next.
+    Unlike transformers' flash-attention mask function, it does not test whether the mask is all
+    ones (a read back to the host, and a graph break under torch.compile): a mask that is given
+    is applied, whatever its values. (Its signature takes what every transformers version
     passes: ``kv_length`` is the third argument, or a keyword.)"""
     if attention_mask is None:
         return None
     if kv_length is None and len(args) >= 3:
         kv_length = args[2]
-    return attention_mask if kv_length is None else attention_mask[:, -int(kv_length):]
+    if kv_length is None:
+        return attention_mask
+    return _key_mask(attention_mask, int(kv_length))
+
+
+def _key_mask(attention_mask, sk):
+    """The 2D mask as a bool (batch, sk) mask of the keys: its last sk columns, padded with
+    False on the right when it is shorter (a static cache's slots not written yet)."""
+    import torch
+    mask = attention_mask[:, -sk:].to(torch.bool)
+    if mask.shape[1] < sk:
+        mask = torch.nn.functional.pad(mask, (0, sk - mask.shape[1]))
+    return mask
+
+
+# Query lengths up to this take the decode kernel over a masked cache (decoding steps,
+# speculative drafts); longer ones (prefill) the varlen route.
+CACHE_ROUTE_MAX_QUERIES = 64
 
 
 def _window(sliding_window):
@@ -131,7 +162,12 @@ def flashcore_attention_forward(module, query, key, value, attention_mask, scali
     elif attention_mask is None:
         out = attention(q, k, v, **kw)
     elif attention_mask.ndim == 2:
-        out = _padded_via_varlen(q, k, v, attention_mask, **kw)
+        mask = _key_mask(attention_mask, k.shape[1])
+        if q.shape[1] < k.shape[1] and q.shape[1] <= CACHE_ROUTE_MAX_QUERIES \
+                and not (torch.is_grad_enabled() and query.requires_grad):
+            out = _masked_over_cache(q, k, v, mask, **kw)
+        else:
+            out = _padded_via_varlen(q, k, v, mask, **kw)
     else:
         raise ValueError("flashcore attention: argument 'attention_mask': expected None, a 2D "
                          f"(batch, kv_len) padding mask or a 4D mask, got shape "
@@ -150,6 +186,33 @@ def _decode_over_cache(q, k, v, position_ids, **kw):
     return attention_with_kvcache(q, k, v, cache_seqlens=lens, **kw)
 
 
+def _kept_run(mask):
+    """Per row of a bool (batch, sk) mask: (first kept position, last kept position + 1), int32,
+    on the device; (0, 0) for a row that keeps nothing."""
+    import torch
+    sk = mask.shape[1]
+    end = (mask * torch.arange(1, sk + 1, device=mask.device, dtype=torch.int32)).amax(1)
+    first = torch.argmax(mask.to(torch.uint8), dim=1)
+    return first.to(torch.int32), end.to(torch.int32)
+
+
+def _masked_over_cache(q, k, v, mask, **kw):
+    """Queries over a cache whose key mask is, per row, left padding, the sequence, then slots
+    not written yet: the decode kernel over keys [first kept, last kept] (``cache_leftpad``,
+    ``cache_seqlens``), the queries at the last positions of that run (bottom-right causal)."""
+    import torch
+    first, end = _kept_run(mask)
+    if config.debug() and not torch.compiler.is_compiling():
+        holes = mask.sum(1, dtype=torch.int32) != end - first
+        if bool(holes.any()):
+            rows = holes.nonzero().flatten().tolist()
+            raise ValueError(
+                "flashcore attention: argument 'attention_mask': over a KV cache each row must "
+                "keep one run of positions (left padding, the sequence, unwritten slots); rows "
+                f"{rows} have holes inside their run (debug-mode check)")
+    return attention_with_kvcache(q, k, v, cache_seqlens=end, cache_leftpad=first, **kw)
+
+
 def _padded_via_varlen(q, k, v, attention_mask, **kw):
     """Varlen attention over the tokens the mask keeps, with no host sync and static shapes
     (so no graph break under torch.compile): a stable sort moves each row's kept tokens to the
@@ -160,11 +223,13 @@ def _padded_via_varlen(q, k, v, attention_mask, **kw):
     import torch
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    mask = attention_mask[:, -sk:].to(torch.bool)
-    keep_q = mask[:, -sq:]                   # the queries are the mask's last sq positions
-    keep_k = mask
-    if mask.shape[1] < sk:       # a static cache: its slots past the mask are not written yet
-        keep_k = torch.nn.functional.pad(mask, (0, sk - mask.shape[1]))
+    keep_k = _key_mask(attention_mask, sk)
+    if sq == sk:
+        keep_q = keep_k
+    else:   # over a cache: the queries are the sq positions ending at each row's last kept key
+        _, end = _kept_run(keep_k)
+        pos = end[:, None] - sq + torch.arange(sq, device=q.device, dtype=torch.int32)
+        keep_q = (pos >= 0) & keep_k.gather(1, pos.clamp(min=0).to(torch.int64))
 
     def pack(x, keep, n, heads):
         flat = keep.reshape(-1)

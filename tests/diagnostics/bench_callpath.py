@@ -207,10 +207,13 @@ def generate_static(shapes=((1, 512), (8, 2048)), new=64):
                 model.generate(ids, **kw)
                 torch.cuda.synchronize()
                 r[impl + "_warm_s"] = time.perf_counter() - t0
+                graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
                 t0 = time.perf_counter()
                 o = model.generate(ids, **kw)
                 torch.cuda.synchronize()
             r[impl + "_tok_s"] = batch * new / (time.perf_counter() - t0)
+            # graphs compiled during the timed run (recompiles): 0 when shapes stay static
+            r[impl + "_new_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
             outs[impl] = o[:, prompt:]
             del model
             torch.cuda.empty_cache()
