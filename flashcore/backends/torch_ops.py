@@ -302,12 +302,17 @@ def _attention_function(torch, ops):
             ctx.where = where
             ctx.options = options
             ctx.mark_non_differentiable(lse)
+            # lse has no gradient: not materialised as zeros (a fill kernel and an allocation
+            # per step); dout is None when out took no part in the loss
+            ctx.set_materialize_grads(False)
             return out, lse
 
         @staticmethod
         def backward(ctx, dout, _dlse):
             out, lse, *tensors = ctx.saved_tensors
             where = ctx.where
+            if dout is None:
+                return (None,) * (2 + len(tensors))
             q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k = _roles_of(where, tensors)
             # The kernels need a contiguous last dimension; the incoming gradient can be
             # anything (an expanded scalar from .sum() has stride 0 everywhere).

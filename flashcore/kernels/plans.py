@@ -166,10 +166,12 @@ def _pointer_fields():
 
 class Plan:
     """A recorded call: for each launcher piece, the struct's bytes and where its addresses go
-    (``slots`` [(byte offset, role index)], ``scratch`` [(byte offset, nbytes)], ``counter``
-    (byte offset, groups) or None), and its launches [(CUfunction, grid, block, shared_mem)]."""
+    (``slots`` [(byte offset, role index)], ``scratch`` [(byte offset, offset in the call's one
+    scratch buffer)], ``counter`` (byte offset, groups) or None), and its launches [(CUfunction,
+    grid, block, shared_mem)]; ``scratch_bytes``: that buffer's size (one allocation a call)."""
 
-    __slots__ = ("generation", "device_id", "context", "groups", "result", "kernels")
+    __slots__ = ("generation", "device_id", "context", "groups", "result", "kernels",
+                 "scratch_bytes")
 
     @classmethod
     def build(cls, pieces, roles, device_id, result=None, generation=None):
@@ -179,13 +181,15 @@ class Plan:
         index = {name: i for i, (name, _) in enumerate(roles)}
         given = dict(roles)
         groups = []
+        scratch_bytes = 0
         for p in pieces:
             words = p.params.reshape(1).view(np.uint64)
             slots, scratch, counter = [], [], None
             for name, off in _pointer_fields():
                 value = int(words[off // 8])
-                if name in p.scratch:
-                    scratch.append((off, int(p.scratch[name])))
+                if name in p.scratch:     # carved from one buffer, 256-byte aligned
+                    scratch.append((off, scratch_bytes))
+                    scratch_bytes += -(-int(p.scratch[name]) // 256) * 256
                 elif p.counter is not None and name == p.counter[0]:
                     counter = (off, int(p.counter[1]))
                 elif value == 0:
@@ -207,6 +211,7 @@ class Plan:
         with cupy.cuda.Device(device_id):     # the context the kernels were loaded in
             plan.context = int(driver.ctxGetCurrent())
         plan.groups = tuple(groups)
+        plan.scratch_bytes = scratch_bytes
         plan.result = result
         return plan
 
@@ -228,16 +233,18 @@ class Plan:
             else:
                 addrs.append(0)
         keep = []
+        base = 0
+        if self.scratch_bytes:
+            owner, base = alloc(self.scratch_bytes)
+            keep.append(owner)
         pack = _WORD.pack_into
         for (buftype, template, slots, scratch, counter, launches), caddr in zip(self.groups,
                                                                                  addrs):
             arg = buftype.from_buffer_copy(template)      # this call's struct
             for off, i in slots:
                 pack(arg, off, pointers[i])
-            for off, nbytes in scratch:
-                owner, addr = alloc(nbytes)
-                keep.append(owner)
-                pack(arg, off, addr)
+            for off, rel in scratch:
+                pack(arg, off, base + rel)
             if counter is not None:
                 pack(arg, counter[0], caddr)
             argv = _ONE_POINTER(ctypes.addressof(arg))    # (both kept alive until launched)
