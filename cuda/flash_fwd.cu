@@ -167,9 +167,13 @@ flash_fwd_kernel(const FlashParams params) {
         q_row0 = r.row0;
         sq = r.len;
     }
+    // Paged K/V (varlen over a paged cache, block_table given): sequence b's key t is row
+    // t % page_size of pool block block_table[b][t / page_size]; cu_seqlens_k gives only the
+    // lengths (its rows are not packed anywhere), so the sequence starts at row 0 of its pages.
+    const bool paged = params.block_table != nullptr;
     if (params.cu_seqlens_k != nullptr) {
         const FcSeqRange r = fc_seq_range(params.cu_seqlens_k, b, params.total_k, params.seqlen_k);
-        k_row0 = r.row0;
+        k_row0 = paged ? 0 : r.row0;
         sk = r.len;
     }
     const int m0 = m_block * kBlockM;
@@ -179,10 +183,28 @@ flash_fwd_kernel(const FlashParams params) {
     const int hk = h / (params.nheads / params.nheads_k);
     const fc_u16* gQ = static_cast<const fc_u16*>(params.q) + (long long)b * params.q_batch_stride
                        + (q_row0 + m0) * params.q_row_stride + (long long)h * params.q_head_stride;
-    const fc_u16* gK = static_cast<const fc_u16*>(params.k) + (long long)b * params.k_batch_stride
-                       + k_row0 * params.k_row_stride + (long long)hk * params.k_head_stride;
-    const fc_u16* gV = static_cast<const fc_u16*>(params.v) + (long long)b * params.v_batch_stride
-                       + k_row0 * params.v_row_stride + (long long)hk * params.v_head_stride;
+    const fc_u16* gK = static_cast<const fc_u16*>(params.k) + (long long)hk * params.k_head_stride
+                       + (paged ? 0ll : (long long)b * params.k_batch_stride
+                                        + k_row0 * params.k_row_stride);
+    const fc_u16* gV = static_cast<const fc_u16*>(params.v) + (long long)hk * params.v_head_stride
+                       + (paged ? 0ll : (long long)b * params.v_batch_stride
+                                        + k_row0 * params.v_row_stride);
+    // Element offsets of key block row n0 (a multiple of kBlockN) in K and V. Paged: the
+    // launcher requires page_size % kBlockN == 0, so a block lies inside one page; the table
+    // entry is clamped into the pool, and n0 < seqlen_k <= max_blocks * page_size keeps the
+    // table index inside its row.
+    const int* bt = paged ? params.block_table + (long long)b * params.block_table_batch_stride
+                          : nullptr;
+    auto k_block = [&](int n0) -> long long {
+        if (!paged) return (long long)n0 * params.k_row_stride;
+        const long long blk = fc_pool_block(bt[n0 / params.page_size], params.num_blocks);
+        return blk * params.k_batch_stride + (long long)(n0 % params.page_size) * params.k_row_stride;
+    };
+    auto v_block = [&](int n0) -> long long {
+        if (!paged) return (long long)n0 * params.v_row_stride;
+        const long long blk = fc_pool_block(bt[n0 / params.page_size], params.num_blocks);
+        return blk * params.v_batch_stride + (long long)(n0 % params.page_size) * params.v_row_stride;
+    };
     fc_u16* gO = static_cast<fc_u16*>(params.o) + (long long)b * params.o_batch_stride
                  + (q_row0 + m0) * params.o_row_stride + (long long)h * params.o_head_stride;
     float* gLse = params.lse + (long long)b * params.lse_batch_stride
@@ -230,10 +252,10 @@ flash_fwd_kernel(const FlashParams params) {
     {
         const int n0 = n_block * kBlockN;
         load_tile<kBlockN, kHeadDim, kW, kNThreads, Is_even_d>(
-            sK, gK + (long long)n0 * params.k_row_stride, params.k_row_stride, sk - n0, headdim, tid);
+            sK, gK + k_block(n0), params.k_row_stride, sk - n0, headdim, tid);
         cp_async_commit();
         load_tile<kBlockN, kHeadDim, kW, kNThreads, Is_even_d>(
-            sV, gV + (long long)n0 * params.v_row_stride, params.v_row_stride, sk - n0, headdim, tid);
+            sV, gV + v_block(n0), params.v_row_stride, sk - n0, headdim, tid);
         cp_async_commit();
     }
 
@@ -322,12 +344,10 @@ flash_fwd_kernel(const FlashParams params) {
             const int n1 = n0 - kBlockN;
             const fc_u32 nbuf = kKVBytes - buf;
             load_tile<kBlockN, kHeadDim, kW, kNThreads, Is_even_d>(
-                sK + nbuf, gK + (long long)n1 * params.k_row_stride, params.k_row_stride, sk - n1,
-                headdim, tid);
+                sK + nbuf, gK + k_block(n1), params.k_row_stride, sk - n1, headdim, tid);
             cp_async_commit();
             load_tile<kBlockN, kHeadDim, kW, kNThreads, Is_even_d>(
-                sV + nbuf, gV + (long long)n1 * params.v_row_stride, params.v_row_stride, sk - n1,
-                headdim, tid);
+                sV + nbuf, gV + v_block(n1), params.v_row_stride, sk - n1, headdim, tid);
             cp_async_commit();
         } else {
             cp_async_commit();

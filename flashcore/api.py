@@ -98,7 +98,8 @@ def _forward(q, k, v, backend, varlen, out=None, lse=None, **kw):
         from .backends import torch_ops
         return torch_ops.forward(q, k, v, backend=backend, varlen=varlen, **kw)
     alibi, cu_q, cu_k = kw.get("alibi_slopes"), kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")
-    key = _cupy_key("fwd", (q, k, v, out, lse, alibi, cu_q, cu_k),
+    bt = kw.get("block_table")
+    key = _cupy_key("fwd", (q, k, v, out, lse, alibi, cu_q, cu_k, bt),
                     (backend, varlen, *(kw.get(n) for n in _FWD_OPTIONS)))
     if key is not None:
         plan = plans.lookup(key)
@@ -107,7 +108,7 @@ def _forward(q, k, v, backend, varlen, out=None, lse=None, **kw):
             o = cupy.empty(q.shape, q.dtype) if out is None else out
             l_ = cupy.empty(lse_shape(q.shape, varlen), cupy.float32) if lse is None else lse
             if _cupy_replay(plan, (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l_.data.ptr,
-                                   _ptr(alibi), _ptr(cu_q), _ptr(cu_k))):
+                                   _ptr(alibi), _ptr(cu_q), _ptr(cu_k), _ptr(bt))):
                 return o, l_
     spec = forward_spec(q, k, v, varlen=varlen, **kw)
     b = choose(spec, backend)
@@ -116,12 +117,13 @@ def _forward(q, k, v, backend, varlen, out=None, lse=None, **kw):
         {"out": (q.shape, spec.dtype), "lse": (_lse_shape(spec), "float32")})
     with plans.record() as rec:
         o, l_ = b.forward(spec, q, k, v, alibi_slopes=alibi, cu_seqlens_q=cu_q,
-                          cu_seqlens_k=cu_k, **given)
+                          cu_seqlens_k=cu_k, block_table=bt, **given)
     if key is not None:
         plans.remember(key, rec.plan((("q", _ptr(q)), ("k", _ptr(k)), ("v", _ptr(v)),
                                       ("o", _ptr(o)), ("lse", _ptr(l_)),
                                       ("alibi_slopes", _ptr(alibi)), ("cu_seqlens_q", _ptr(cu_q)),
-                                      ("cu_seqlens_k", _ptr(cu_k))), q.device.id))
+                                      ("cu_seqlens_k", _ptr(cu_k)), ("block_table", _ptr(bt))),
+                                     q.device.id))
     return o, l_
 
 
@@ -214,20 +216,28 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
                              max_seqlen_k=None, *, causal=False, softmax_scale=None,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                             deterministic=False, backend=None):
+                             deterministic=False, backend=None, block_table=None):
     """Forward over packed variable-length sequences. Returns ``(out, lse)``.
 
     q: (total_q, nheads, headdim), k, v: (total_k, nheads_k, headdim); sequence b holds
     rows ``cu_seqlens[b]:cu_seqlens[b+1]`` (int32, length batch+1). lse: (nheads, total_q).
     Rows past ``cu_seqlens[-1]`` belong to no sequence (flash-attn's rule): nothing reads them,
     and their out, lse and gradients are unspecified.
-    ``max_seqlen_*`` default to the longest sequence (computed from cu_seqlens).
+    ``max_seqlen_*`` default to the longest sequence (computed from cu_seqlens; for device
+    arrays, which are not read back, to the packed totals).
+
+    Over a paged KV cache (prefill or chunked prefill into a paged cache, flash-attn's
+    ``block_table``): k, v are ``(num_blocks, page_size, nheads_k, headdim)`` with page_size a
+    multiple of 128, ``block_table`` int32 ``(batch, max_blocks_per_seq)``; key t of sequence
+    b is row ``t % page_size`` of block ``block_table[b, t // page_size]``, and
+    ``cu_seqlens_k`` gives only the key lengths (``cu_seqlens_k[b+1] - cu_seqlens_k[b]``).
+    Forward only (there is no backward over a paged cache, as in flash-attn).
     """
     return _forward(q, k, v, backend, True, causal=causal, softmax_scale=softmax_scale,
                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                     deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                    max_seqlen_k=max_seqlen_k)
+                    max_seqlen_k=max_seqlen_k, block_table=block_table)
 
 
 def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
@@ -245,12 +255,14 @@ def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
                      max_seqlen_k=None, *, causal=False, softmax_scale=None,
                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                     deterministic=False, return_lse=False, backend=None):
-    """:func:`attention` over packed variable-length sequences (differentiable on torch)."""
+                     deterministic=False, return_lse=False, backend=None, block_table=None):
+    """:func:`attention` over packed variable-length sequences (differentiable on torch;
+    with ``block_table``, over a paged KV cache, forward only: see
+    :func:`varlen_attention_forward`)."""
     kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
               softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table)
     if library_of(q) == "torch":
         from .backends.torch_ops import autograd_attention
         out, lse = autograd_attention(q, k, v, backend=backend, varlen=True, **kw)

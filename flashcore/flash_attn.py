@@ -136,7 +136,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         cu_seqlens_q, cu_seqlens_k: (batch_size + 1,) int32, cumulative sequence lengths;
             sequence b holds rows cu_seqlens[b]:cu_seqlens[b+1].
         max_seqlen_q, max_seqlen_k: int, the longest query / key sequence.
-        block_table: must be None (paged KV cache is not supported yet).
+        block_table: optional int32 (batch_size, max_blocks_per_seq): k and v are then a paged
+            KV cache (num_blocks, page_size, nheads_k, headdim), page_size a multiple of 128,
+            and cu_seqlens_k gives the key lengths; forward only (as in flash-attn).
         alibi_slopes: (nheads,) or (batch_size, nheads), float32.
 
     Other arguments as in :func:`flash_attn_func`; the masks apply per sequence.
@@ -146,14 +148,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         ``return_attn_probs=True``, softmax_lse float32 (nheads, total_q).
     """
     _check_dropout(dropout_p)
-    if block_table is not None:
-        raise NotImplementedError("argument 'block_table': flashcore does not support a paged "
-                                  "KV cache yet; expected None")
     out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 causal=causal, softmax_scale=softmax_scale,
                                 window_size=window_size, softcap=softcap,
                                 alibi_slopes=alibi_slopes, deterministic=deterministic,
-                                return_lse=True)
+                                return_lse=True, block_table=block_table)
     return _result(out, lse, return_attn_probs)
 
 

@@ -47,6 +47,12 @@ class AttentionSpec:
     varlen: bool
     total_q: int | None = None
     total_k: int | None = None
+    page_size: int = 0           # varlen over a paged cache (block_table): rows per block
+    num_blocks: int = 0          # ... and blocks in the pool
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size > 0
 
     @property
     def group_size(self) -> int:
@@ -171,7 +177,7 @@ def _window(window_size, causal):
     return left, right
 
 
-def _cu_seqlens(name, cu, lib, device, total, max_seqlen_name, max_seqlen):
+def _cu_seqlens(name, cu, lib, device, total, max_seqlen_name, max_seqlen, device_default=None):
     _check_array(name, cu, 1, lib, device)
     if dtype_name(cu) != "int32":
         raise _arg_error(TypeError, name, "an int32 array of length batch+1", f"dtype {dtype_name(cu)}")
@@ -182,7 +188,9 @@ def _cu_seqlens(name, cu, lib, device, total, max_seqlen_name, max_seqlen):
     if not _reads_values(cu):
         # The values stay on the device (no sync; capturable in a CUDA graph): the longest
         # sequence is at most the packed total, which sizes the grid when it is not given.
-        return cu.shape[0] - 1, total if max_seqlen is None else max_seqlen
+        if max_seqlen is None:
+            max_seqlen = total if device_default is None else device_default
+        return cu.shape[0] - 1, max_seqlen
     h = np.asarray(to_host(cu)).astype(np.int64)
     if h[0] != 0:
         raise _arg_error(ValueError, name, "cu_seqlens[0] == 0", f"{h[0]}")
@@ -220,20 +228,31 @@ def _scalar_key(v):
 def forward_spec(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                  softcap=0.0, alibi_slopes=None, deterministic=False,
                  cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                 max_seqlen_k=None, varlen=False) -> AttentionSpec:
+                 max_seqlen_k=None, varlen=False, block_table=None) -> AttentionSpec:
     """Validate the forward arguments and return their spec. Raises TypeError/ValueError."""
     return _forward_spec(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
         softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, varlen=varlen)
+        max_seqlen_k=max_seqlen_k, varlen=varlen, block_table=block_table)
+
+
+# Varlen over a paged cache: the forward reads a whole key tile (up to 128 rows) from one page.
+PAGED_VARLEN_PAGE_MULTIPLE = 128
 
 
 def _forward_spec(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi_slopes,
                   deterministic, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                  varlen) -> AttentionSpec:
-    lib, device, dt = _check_q_and_kv(q, k, v, "k", "v", 3 if varlen else 4)
-    layout = "(total, nheads, headdim)" if varlen else "(batch, seqlen, nheads, headdim)"
+                  varlen, block_table=None) -> AttentionSpec:
+    paged = block_table is not None
+    if paged and not varlen:
+        raise _arg_error(ValueError, "block_table",
+                         "None for padded (batch, seqlen, ...) inputs (a paged cache goes with "
+                         "the varlen functions, as in flash-attn, or attention_with_kvcache)",
+                         "an array")
+    lib, device, dt = _check_q_and_kv(q, k, v, "k", "v", 3 if varlen else 4, 4 if paged else None)
+    layout = ("(num_blocks, page_size, nheads_k, headdim) (paged, with block_table)" if paged
+              else "(total, nheads, headdim)" if varlen else "(batch, seqlen, nheads, headdim)")
     *lead_q, nheads, headdim = q.shape
     *lead_k, nheads_k, hd_k = k.shape
     if headdim < 1:
@@ -266,12 +285,28 @@ def _forward_spec(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi
                              "an int32 array of length batch+1 for varlen attention", "None")
         batch, sq = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, lib, device, q.shape[0],
                                 "max_seqlen_q", max_seqlen_q)
-        batch_k, sk = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, lib, device, k.shape[0],
-                                  "max_seqlen_k", max_seqlen_k)
+        if paged:
+            page_size, num_blocks = _paged_varlen_layout(k, block_table, lib, device, batch,
+                                                         layout)
+            capacity = int(block_table.shape[1]) * page_size
+            batch_k, sk = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, lib, device,
+                                      batch * capacity, "max_seqlen_k", max_seqlen_k,
+                                      capacity if max_seqlen_k is None else None)
+            if sk > capacity:
+                raise _arg_error(ValueError, "max_seqlen_k" if max_seqlen_k is not None else
+                                 "cu_seqlens_k", f"at most the keys block_table holds per "
+                                 f"sequence ({capacity})", sk)
+            _check_block_values(block_table, cu_seqlens_k, page_size, num_blocks)
+            total_k = batch * capacity
+        else:
+            page_size = num_blocks = 0
+            batch_k, sk = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, lib, device, k.shape[0],
+                                      "max_seqlen_k", max_seqlen_k)
+            total_k = k.shape[0]
         if batch_k != batch:
             raise _arg_error(ValueError, "cu_seqlens_k", f"length {batch + 1} like 'cu_seqlens_q'",
                              f"length {batch_k + 1}")
-        total_q, total_k = q.shape[0], k.shape[0]
+        total_q = q.shape[0]
     else:
         for n, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
             if x is not None:
@@ -280,6 +315,7 @@ def _forward_spec(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi
         batch, sq = q.shape[0], q.shape[1]
         sk = k.shape[1]
         total_q = total_k = None
+        page_size = num_blocks = 0
 
     alibi = _alibi_kind(alibi_slopes, lib, device, batch, nheads)
 
@@ -289,8 +325,43 @@ def _forward_spec(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi
         causal=bool(causal), window_left=left, window_right=right,
         softmax_scale=softmax_scale, softcap=softcap, alibi=alibi,
         deterministic=bool(deterministic), varlen=bool(varlen),
-        total_q=total_q, total_k=total_k,
+        total_q=total_q, total_k=total_k, page_size=int(page_size), num_blocks=int(num_blocks),
     )
+
+
+def _paged_varlen_layout(k, block_table, lib, device, batch, layout):
+    """(page_size, num_blocks) of a varlen call over a paged cache, its block_table checked."""
+    _int32_array("block_table", block_table, 2, lib, device, "(batch, max_blocks_per_seq)")
+    if int(block_table.shape[0]) != batch or int(block_table.shape[1]) < 1:
+        raise _arg_error(ValueError, "block_table",
+                         f"shape ({batch}, max_blocks_per_seq >= 1) (batch like 'cu_seqlens_q')",
+                         f"shape {tuple(block_table.shape)}")
+    num_blocks, page_size = int(k.shape[0]), int(k.shape[1])
+    if page_size < PAGED_VARLEN_PAGE_MULTIPLE or page_size % PAGED_VARLEN_PAGE_MULTIPLE:
+        raise _arg_error(ValueError, "k", f"{layout} with page_size a multiple of "
+                         f"{PAGED_VARLEN_PAGE_MULTIPLE} (flash-attn's paged varlen takes "
+                         f"multiples of 256)", f"shape {tuple(k.shape)}")
+    if num_blocks < 1:
+        raise _arg_error(ValueError, "k", f"{layout} with at least one block",
+                         f"shape {tuple(k.shape)}")
+    return page_size, num_blocks
+
+
+def _check_block_values(block_table, cu_seqlens_k, page_size, num_blocks):
+    """The blocks each sequence uses exist, where the values may be read (host arrays, debug
+    mode); device arrays are trusted and the kernel clamps its table reads into the pool."""
+    if not (_reads_values(block_table) and _reads_values(cu_seqlens_k)):
+        return
+    bt = np.asarray(to_host(block_table)).astype(np.int64)
+    lens = np.diff(np.asarray(to_host(cu_seqlens_k)).astype(np.int64))
+    used = (lens + page_size - 1) // page_size
+    mask = np.arange(bt.shape[1])[None, :] < used[:, None]
+    bad = mask & ((bt < 0) | (bt >= num_blocks))
+    if bad.any():
+        i, j = (int(x) for x in np.argwhere(bad)[0])
+        raise _arg_error(ValueError, "block_table",
+                         f"block indices in [0, {num_blocks}) (the blocks of 'k') for every "
+                         f"block a sequence uses", f"block_table[{i}, {j}] = {bt[i, j]}")
 
 
 def backward_spec(dout, q, k, v, out, lse, **kw) -> AttentionSpec:

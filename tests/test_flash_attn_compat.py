@@ -128,13 +128,34 @@ def test_dropout_is_refused_naming_dropout_p(call):
         call(q, k, v)
 
 
-def test_varlen_dropout_and_block_table_are_refused():
+def test_varlen_dropout_is_refused():
     cu = torch.tensor([0, 3], dtype=torch.int32)
     q = _rand(3, 2, 8)
     with pytest.raises(NotImplementedError, match="dropout_p"):
         fa.flash_attn_varlen_func(q, q, q, cu, cu, 3, 3, dropout_p=0.1)
-    with pytest.raises(NotImplementedError, match="block_table"):
-        fa.flash_attn_varlen_func(q, q, q, cu, cu, 3, 3, block_table=cu)
+
+
+def test_varlen_block_table_reads_a_paged_cache():
+    """flash_attn_varlen_func with block_table (chunked prefill over a paged cache) equals the
+    same call on the keys packed; with inputs requiring grad it is refused by name."""
+    g = torch.Generator().manual_seed(3)
+    page, lens_q, lens_k = 128, [5, 1, 9], [200, 7, 300]
+    kc = torch.randn(8, page, 2, 16, generator=g)
+    vc = torch.randn(8, page, 2, 16, generator=g)
+    table = torch.tensor([[5, 1, 0], [7, 0, 0], [2, 6, 3]], dtype=torch.int32)
+    q = torch.randn(sum(lens_q), 4, 16, generator=g)
+    cu_q = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
+    cu_k = torch.tensor([0, 200, 207, 507], dtype=torch.int32)
+    out = fa.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 9, 300, causal=True,
+                                    block_table=table)
+    rows = torch.cat([table[b, torch.arange(n) // page] * page + torch.arange(n) % page
+                      for b, n in enumerate(lens_k)])
+    kp, vp = kc.reshape(-1, 2, 16)[rows], vc.reshape(-1, 2, 16)[rows]
+    want = fa.flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, 9, 300, causal=True)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+    with pytest.raises(NotImplementedError, match="block_table.*forward only"):
+        fa.flash_attn_varlen_func(q.requires_grad_(), kc, vc, cu_q, cu_k, 9, 300,
+                                  block_table=table)
 
 
 def test_numpy_arrays_work_too():

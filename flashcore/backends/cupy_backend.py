@@ -116,7 +116,7 @@ class CupyBackend(Backend):
                     max_seqlen_k=spec.seqlen_k if spec.varlen else None)
 
     def forward(self, spec, q, k, v, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                out=None, lse=None):
+                out=None, lse=None, block_table=None):
         import cupy
         from ..kernels.forward import launch_forward
         with cupy.cuda.Device(q.device.id), _translate_oom("forward"):
@@ -128,6 +128,8 @@ class CupyBackend(Backend):
                 lse = cupy.empty(shape, dtype=cupy.float32)
             if q.size and k.shape[0]:
                 kw = self._kernel_kwargs(spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+                if block_table is not None:
+                    kw["block_table"] = block_table
                 if spec.headdim % 8:
                     # flash-attn's way: zero columns up to a multiple of 8 add nothing to the
                     # scores (the scale is the true head dim's), and come out as zeros
@@ -152,6 +154,8 @@ class CupyBackend(Backend):
             dv = cupy.empty(v.shape, v.dtype) if dv is None else dv
             if q.size and k.shape[0]:
                 kw = self._kernel_kwargs(spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+                if block_table is not None:
+                    kw["block_table"] = block_table
                 if spec.headdim % 8:       # padded as in the forward (the padding's gradient
                     d = spec.headdim       # is computed and dropped)
                     g8 = [cupy.empty(_padded_shape(x), x.dtype) for x in (q, k, v)]

@@ -25,6 +25,8 @@ table) and attended one sequence at a time.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ..reference import (  # noqa: F401  (re-exported: tests and the CuPy backend import them here)
@@ -265,6 +267,19 @@ def kvcache_forward(spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
 # The backend
 # --------------------------------------------------------------------------------------------
 
+def paged_gather(cache, block_table, cu_seqlens_k, page_size):
+    """The packed (cu_seqlens_k[-1], h_k, d) keys (or values) of a paged cache: row
+    ``cu_seqlens_k[b] + t`` is row ``t % page_size`` of block ``block_table[b, t // page_size]``."""
+    ck = np.asarray(cu_seqlens_k, np.int64)
+    bt = np.asarray(block_table, np.int64)
+    rows = []
+    for b in range(bt.shape[0]):
+        t = np.arange(ck[b + 1] - ck[b])
+        rows.append(bt[b, t // page_size] * page_size + t % page_size)
+    flat = cache.reshape(-1, *cache.shape[2:])
+    return flat[np.concatenate(rows) if rows else np.zeros(0, np.int64)]
+
+
 def _per_sequence(spec, cu_q, cu_k):
     cq, ck = np.asarray(cu_q, np.int64), np.asarray(cu_k, np.int64)
     for i in range(spec.batch):
@@ -302,7 +317,11 @@ class NumpyBackend(Backend):
             return naive_backward(spec, dout, q, k, v, slopes)
         return tiled_backward(spec, dout, q, k, v, out, lse, slopes, self.block_q, self.block_k)
 
-    def forward(self, spec, q, k, v, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None):
+    def forward(self, spec, q, k, v, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                block_table=None):
+        if block_table is not None:      # varlen over a paged cache: gather, then as packed
+            k, v = (paged_gather(x, block_table, cu_seqlens_k, spec.page_size) for x in (k, v))
+            spec = dataclasses.replace(spec, page_size=0, num_blocks=0, total_k=k.shape[0])
         odt = _out_dtype(spec.dtype)
         lse_dt = np.float64 if spec.dtype == "float64" else np.float32
         if not spec.varlen:

@@ -137,15 +137,18 @@ class TorchBackend(Backend):
 
     # -- the work (plain tensors in and out; autograd lives in the custom ops below) --------
 
-    def forward(self, spec, q, k, v, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None):
+    def forward(self, spec, q, k, v, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                block_table=None):
         """Return ``(out, lse)`` as torch tensors on q's device; out contiguous, like q."""
         import torch
+        paged = {} if block_table is None else {"block_table": block_table}
         if q.device.type == "cpu":
             nb = get_backend("numpy")
             out, lse = nb.forward(_on_library(spec, "numpy"),
                                   *(_np(x) for x in (q, k, v)),
                                   alibi_slopes=_np(alibi_slopes), cu_seqlens_q=_np(cu_seqlens_q),
-                                  cu_seqlens_k=_np(cu_seqlens_k))
+                                  cu_seqlens_k=_np(cu_seqlens_k),
+                                  **{n: _np(t) for n, t in paged.items()})
             return _contiguous_numpy_to_torch(torch, out), _contiguous_numpy_to_torch(torch, lse)
         cb = get_backend("cupy")
         lse_shape = (spec.nheads, spec.total_q) if spec.varlen else \
@@ -155,7 +158,8 @@ class TorchBackend(Backend):
             lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
             cb.forward(_on_library(spec, "cupy"), *(_cp(x) for x in (q, k, v)),
                        alibi_slopes=_cp(alibi_slopes), cu_seqlens_q=_cp(cu_seqlens_q),
-                       cu_seqlens_k=_cp(cu_seqlens_k), out=_cp(out), lse=_cp(lse))
+                       cu_seqlens_k=_cp(cu_seqlens_k), out=_cp(out), lse=_cp(lse),
+                       **{n: _cp(t) for n, t in paged.items()})
         return out, lse
 
     def backward(self, spec, dout, q, k, v, out, lse, *, alibi_slopes=None,

@@ -50,8 +50,11 @@ DOUBLE_BACKWARD_MESSAGE = (
 # the window is already folded with `causal` by flashcore.spec, -1 meaning unbounded.
 _OPTIONS = ("int max_seqlen_q, int max_seqlen_k, bool causal, float softmax_scale, "
             "int window_left, int window_right, float softcap, bool deterministic")
+# (block_table: varlen over a paged cache, forward only; last, with a default, so that the
+# autograd Function's calls leave it out)
 _FWD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? alibi_slopes, Tensor? cu_seqlens_q, "
-               f"Tensor? cu_seqlens_k, {_OPTIONS}) -> (Tensor, Tensor)")
+               f"Tensor? cu_seqlens_k, {_OPTIONS}, Tensor? block_table=None) "
+               "-> (Tensor, Tensor)")
 _BWD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
                "Tensor? alibi_slopes, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
                f"{_OPTIONS}) -> (Tensor, Tensor, Tensor)")
@@ -99,31 +102,35 @@ def torch_ops():
 # else runs in full through the torch backend and is recorded.
 
 def _fwd_impl(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-              causal, softmax_scale, window_left, window_right, softcap, deterministic):
+              causal, softmax_scale, window_left, window_right, softcap, deterministic,
+              block_table=None):
     import torch
     key = None
     if q.is_cuda and not config.debug():     # (debug mode validates every call)
         key = ("fwd", layout(q), layout(k), layout(v), layout(alibi_slopes),
                layout(cu_seqlens_q), layout(cu_seqlens_k), max_seqlen_q, max_seqlen_k, causal,
-               softmax_scale, window_left, window_right, softcap, deterministic, config.get())
+               softmax_scale, window_left, window_right, softcap, deterministic, config.get(),
+               layout(block_table))
         plan = plans.lookup(key)
         if plan is not None:
             out = q.new_empty(q.shape)
             lse = q.new_empty(lse_shape(q.shape, cu_seqlens_q is not None), dtype=torch.float32)
             if replay(torch, plan, (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                                     lse.data_ptr(), _ptr(alibi_slopes), _ptr(cu_seqlens_q),
-                                    _ptr(cu_seqlens_k)), q.device):
+                                    _ptr(cu_seqlens_k), _ptr(block_table)), q.device):
                 return out, lse
     spec = _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                       max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
-                      deterministic)
+                      deterministic, block_table=block_table)
     with plans.record() as rec:
         out, lse = _BACKEND.forward(spec, q, k, v, alibi_slopes=alibi_slopes,
-                                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+                                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                    block_table=block_table)
     if key is not None:
         plans.remember(key, rec.plan(_roles(q=q, k=k, v=v, o=out, lse=lse,
                                             alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
-                                            cu_seqlens_k=cu_seqlens_k), q.device.index))
+                                            cu_seqlens_k=cu_seqlens_k, block_table=block_table),
+                                     q.device.index))
     return out, lse
 
 
@@ -203,7 +210,7 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, b
 
 def _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                causal, softmax_scale, window_left, window_right, softcap, deterministic,
-               backward=None):
+               backward=None, block_table=None):
     """The full validation of an op call whose layout is new (named errors; every backend's
     reasons), as the public function would do it: its spec."""
     varlen = cu_seqlens_q is not None
@@ -213,7 +220,7 @@ def _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
               cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q if varlen else None,
               max_seqlen_k=max_seqlen_k if varlen else None)
     if backward is None:
-        spec = forward_spec(q, k, v, **kw)
+        spec = forward_spec(q, k, v, block_table=block_table, **kw)
     else:
         dout, out, lse = backward
         spec = backward_spec(dout, q, k, v, out, lse, **kw)
@@ -350,7 +357,7 @@ def _attention_function(torch, ops):
 def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, softmax_scale=None,
                        window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                        deterministic=False, cu_seqlens_q=None, cu_seqlens_k=None,
-                       max_seqlen_q=None, max_seqlen_k=None):
+                       max_seqlen_q=None, max_seqlen_k=None, block_table=None):
     """Differentiable attention on torch tensors. Returns ``(out, lse)``; lse has no gradient.
 
     Eagerly, plain option values (bools, floats, an int pair, ``max_seqlen`` ints) become the
@@ -360,9 +367,14 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
     first (flashcore.spec). Then the autograd Function runs the forward op (the op alone when
     nothing requires grad).
     """
+    if block_table is not None and _needs_grad(q, k, v):
+        raise NotImplementedError(
+            "flashcore: argument 'block_table': attention over a paged KV cache is forward only "
+            "(flash-attn has no backward for it either); expected inputs that do not require "
+            "grad, or a call under torch.no_grad()")
     opts = None
     if backend is None and not _compiling() and _tensors_or_none(
-            (k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k), varlen,
+            (k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table), varlen,
             cu_seqlens_q, cu_seqlens_k):
         opts = _plain_options(q, varlen, causal, softmax_scale, window_size, softcap,
                               deterministic, max_seqlen_q, max_seqlen_k)
@@ -371,7 +383,7 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
                             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                             deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
                             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                            max_seqlen_k=max_seqlen_k)
+                            max_seqlen_k=max_seqlen_k, block_table=block_table)
         if not _compiling():
             # (the capability probe, CuPy import checks and device queries, is not traceable;
             # the shapes, dtypes and options were validated above either way)
@@ -379,6 +391,8 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
         opts = _options(spec)
     torch_ops()
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (None, None)
+    if block_table is not None:      # (forward only, checked above)
+        return _OVERLOADS["fwd"](q, k, v, alibi_slopes, cu_q, cu_k, *opts, block_table)
     if not _needs_grad(q, k, v):     # nothing to differentiate: the op alone (what autograd
         return _OVERLOADS["fwd"](q, k, v, alibi_slopes, cu_q, cu_k, *opts)   # would run)
     if alibi_slopes is None and cu_q is None and k is not q and v is not q and v is not k:
@@ -538,13 +552,15 @@ def _explicit(kind, tensors, backend, varlen, kw):
     q = tensors[0] if kind == "fwd" else tensors[1]
     opts = None
     if backend is None and not _compiling() and _tensors_or_none(
-            tensors + tuple(kw.get(n) for n in ("alibi_slopes", "cu_seqlens_q", "cu_seqlens_k")),
+            tensors + tuple(kw.get(n) for n in ("alibi_slopes", "cu_seqlens_q", "cu_seqlens_k",
+                                                "block_table")),
             varlen, kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")):
         opts = _plain_options(q, varlen, kw.get("causal", False), kw.get("softmax_scale"),
                               kw.get("window_size", (-1, -1)), kw.get("softcap", 0.0),
                               kw.get("deterministic", False), kw.get("max_seqlen_q"),
                               kw.get("max_seqlen_k"))
     args = {n: kw.get(n) for n in ("alibi_slopes", "cu_seqlens_q", "cu_seqlens_k")}
+    paged = () if kw.get("block_table") is None else (kw["block_table"],)
     if opts is None:
         spec_kw = dict(kw, varlen=varlen)
         spec = forward_spec(*tensors, **spec_kw) if kind == "fwd" else \
@@ -555,7 +571,7 @@ def _explicit(kind, tensors, backend, varlen, kw):
     torch_ops()
     with torch.no_grad():
         return _OVERLOADS[kind](*tensors, args["alibi_slopes"], args["cu_seqlens_q"],
-                                args["cu_seqlens_k"], *opts)
+                                args["cu_seqlens_k"], *opts, *paged)
 
 
 def _compiling() -> bool:

@@ -216,10 +216,13 @@ def sm90_instantiations() -> list[str]:
 def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
                    window_right: int, softcap: float = 0.0, alibi_slopes=None,
                    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
-                   max_seqlen_k: int | None = None) -> None:
+                   max_seqlen_k: int | None = None, block_table=None) -> None:
     """Run the forward kernel: ``out`` and ``lse`` are written in place.
 
     q, k, v, out: (b, s, h, d) or, varlen, (total, h, d) with int32 ``cu_seqlens_*`` (b + 1,).
+    Varlen over a paged cache: k, v (num_blocks, page_size, h_k, d) with an int32
+    ``block_table`` (b, max_blocks); cu_seqlens_k then gives the key lengths only (Ampere-class
+    kernels; page_size a multiple of the key tile).
     lse: float32 (b, h, sq) or, varlen, (h, total_q), contiguous. Windows use -1 for unbounded.
     Returns the launch as a :class:`plans.Piece`, or None when it cannot be replayed with new
     addresses alone (an input or the output went through a copy; nothing was launched).
@@ -227,11 +230,18 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     import cupy
 
     given = (q, k, v)
+    given_table = block_table
 
     # cp.async and the 16-byte output stores move 8 elements at a time: inputs with other
     # strides (or unaligned bases) are copied; an output like that is written through a
     # temporary and copied back.
     q, k, v = _as_input(q), _as_input(k), _as_input(v)
+    paged = block_table is not None
+    if paged:
+        block_table = block_table if block_table.dtype == cupy.int32 else \
+            block_table.astype(cupy.int32)
+        if block_table.strides[-1] != 4:
+            block_table = cupy.ascontiguousarray(block_table)
     out_final = None
     if out.size and not _used_strides_ok(out, 8, 16):
         out_final, out = out, cupy.empty(out.shape, out.dtype)
@@ -245,13 +255,18 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         # (no read of cu_seqlens: without the longest lengths, the packed totals bound them)
         if max_seqlen_q is None:
             max_seqlen_q = int(q.shape[0])
+        capacity = int(block_table.shape[1]) * int(k.shape[1]) if paged else int(k.shape[0])
         if max_seqlen_k is None:
-            max_seqlen_k = int(k.shape[0])
-        seqlen_q, seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+            max_seqlen_k = capacity
+        seqlen_q, seqlen_k = int(max_seqlen_q), min(int(max_seqlen_k), capacity)
         # (total, h, d): no batch stride, the row offset comes from cu_seqlens.
         q_b, q_r, q_h = 0, qs[0], qs[1]
-        k_b, k_r, k_h = 0, ks[0], ks[1]
-        v_b, v_r, v_h = 0, vs[0], vs[1]
+        if paged:    # (num_blocks, page_size, h_k, d): the batch stride is the block stride
+            k_b, k_r, k_h = ks[0], ks[1], ks[2]
+            v_b, v_r, v_h = vs[0], vs[1], vs[2]
+        else:
+            k_b, k_r, k_h = 0, ks[0], ks[1]
+            v_b, v_r, v_h = 0, vs[0], vs[1]
         o_b, o_r, o_h = 0, os_[0], os_[1]
         lse_b, lse_h = 0, lse.strides[0] // 4
     else:
@@ -280,7 +295,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     from ..jit import device_facts, get_kernel
     device_id = q.device.id
     cc = device_facts(device_id)[0]
-    if sm90_applies(cc, headdim, has_softcap, has_alibi, seqlen_k):
+    if not paged and sm90_applies(cc, headdim, has_softcap, has_alibi, seqlen_k):
         smem = sm90_smem(headdim, config.get().sm90_fwd_pipelined)
         kernel = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, headdim, is_local),
                             device_id, cc, smem, config.get().sm90_defines)
@@ -292,6 +307,9 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         smem = smem_bytes(d, cfg)
         kernel = get_kernel(SOURCE, name, device_id, cc, smem)
         grid_m, block = math.ceil(seqlen_q / cfg.block_m), (cfg.n_warps * 32, 1, 1)
+        if paged and int(k.shape[1]) % cfg.block_n:
+            raise ValueError(f"page_size {int(k.shape[1])} is not a multiple of the forward's key "
+                             f"tile ({cfg.block_n} rows) for head dim {headdim}")
 
     alibi_bs = 0
     if has_alibi and alibi_slopes.ndim == 2:
@@ -309,7 +327,11 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         alibi_batch_stride=alibi_bs,
         batch=batch, nheads=nheads, nheads_k=nheads_k, headdim=headdim,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=wl, window_right=wr,
-        total_q=int(q.shape[0]) if varlen else 0, total_k=int(k.shape[0]) if varlen else 0,
+        total_q=int(q.shape[0]) if varlen else 0,
+        total_k=(batch * capacity if paged else int(k.shape[0])) if varlen else 0,
+        block_table=block_table.data.ptr if paged else None,
+        block_table_batch_stride=block_table.strides[0] // 4 if paged else 0,
+        page_size=int(k.shape[1]) if paged else 0, num_blocks=int(k.shape[0]) if paged else 0,
         softmax_scale=float(softmax_scale),
         # With softcap the kernel works on capped scores in natural units: only log2(e) left.
         scale_log2=_LOG2E if has_softcap else float(softmax_scale) * _LOG2E,
@@ -320,6 +342,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         kernel(grid, block, (as_kernel_arg(params),), shared_mem=smem)
         if out_final is not None:
             out_final[...] = out
-    if out_final is None and all(a is b for a, b in zip((q, k, v), given)):
+    if out_final is None and all(a is b for a, b in zip((q, k, v), given)) \
+            and (not paged or block_table is given_table):
         return plans.Piece([(kernel, grid, block, smem)], params)
     return None

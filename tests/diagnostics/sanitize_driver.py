@@ -198,4 +198,19 @@ out, lse = flashcore.varlen_attention_forward(q, k, v, cu_q, cu_k, causal=True)
 flashcore.varlen_attention_backward(arr((141, 4, 64), "bfloat16"), q, k, v, out, lse, cu_q, cu_k, causal=True)
 cp.cuda.Device().synchronize()
 n += 1
+# Varlen over a paged cache (the Ampere-class forward's page walk), with good values and with
+# table entries past the pool, negative ones and cu_seqlens_k past the table's capacity.
+for bad in (False, True):
+    page, hk, d = 128, 2, 128
+    kc, vc = arr((9, page, hk, d), "bfloat16"), arr((9, page, hk, d), "bfloat16")
+    table = np.array([[3, 1, 0], [8, 2, 4], [5, 6, 7]], np.int32)
+    cu_k = np.array([0, 300, 301, 650], np.int32)
+    if bad:
+        table[0, 1], table[2, 2] = 10**6, -3
+        cu_k = np.array([0, 300, 10**6, 50], np.int32)
+    q = arr((40, 8, d), "bfloat16")
+    flashcore.varlen_attention_forward(q, kc, vc, cp.asarray(np.array([0, 20, 21, 40], np.int32)),
+                                       cp.asarray(cu_k), causal=True, block_table=cp.asarray(table))
+    cp.cuda.Device().synchronize()
+    n += 1
 print(f"sanitize driver: {n} cases ran (with the bad-value cases)")

@@ -377,3 +377,65 @@ def test_dq_accumulator_is_zeroed_by_preprocess(d, causal):
 def test_dq_accumulator_is_zeroed_by_preprocess_varlen():
     _poison_pool()
     test_varlen_with_empty_sequences("float16")
+
+
+@pytest.mark.parametrize("d, page, kw", [
+    (128, 128, dict(causal=True)), (64, 256, dict()), (96, 128, dict(window_size=(100, 7))),
+    (128, 256, dict(softcap=4.0, causal=True)), (256, 128, dict(causal=True)),
+    (40, 128, dict(causal=True)),
+])
+@pytest.mark.parametrize("api", ["cupy", "torch"])
+def test_varlen_over_a_paged_cache(d, page, kw, api):
+    """Chunked prefill over a paged cache (block_table, pages in a random order of a larger
+    pool, an empty sequence, lengths not multiples of anything) against the float64 oracle on
+    the keys gathered into packed rows, with the flash-attn rule; the second call (a launch
+    plan's replay) equals the first bit for bit. (The outputs are new arrays: nothing to
+    poison; a row left unwritten would not be finite or would miss the rule.)"""
+    cp = _cp()
+    import flashcore
+    rng = np.random.default_rng(d + page)
+    dtype = "bfloat16"
+    lens_q, lens_k = [37, 0, 1, 200], [301, 0, 129, 700]
+    h, hk, b = 8, 2, len(lens_q)
+    per = max(-(-n // page) for n in lens_k)
+    pool = b * per + 5
+    kc32 = quantize(rng.standard_normal((pool, page, hk, d)).astype(np.float32), dtype)
+    vc32 = quantize(rng.standard_normal((pool, page, hk, d)).astype(np.float32), dtype)
+    q32 = quantize(rng.standard_normal((sum(lens_q), h, d)).astype(np.float32), dtype)
+    table = rng.permutation(pool)[: b * per].reshape(b, per).astype(np.int32)
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    rows = np.concatenate([table[i, np.arange(n) // page] * page + np.arange(n) % page
+                           for i, n in enumerate(lens_k)])
+    kp32, vp32 = kc32.reshape(-1, hk, d)[rows], vc32.reshape(-1, hk, d)[rows]
+    q, kc, vc = (to_dev(x, dtype) for x in (q32, kc32, vc32))
+    args = (cp.asarray(cu_q), cp.asarray(cu_k))
+    if api == "torch":
+        torch = pytest.importorskip("torch")
+        q, kc, vc, t_table = (torch.from_dlpack(x) for x in (q, kc, vc, cp.asarray(table)))
+        args = tuple(torch.from_dlpack(x) for x in args)
+        out = flashcore.varlen_attention(q, kc, vc, *args, max(lens_q), max(lens_k),
+                                         block_table=t_table, **kw)
+        out2 = flashcore.varlen_attention(q, kc, vc, *args, max(lens_q), max(lens_k),
+                                          block_table=t_table, **kw)   # (the replay)
+        got = out.float().cpu().numpy().astype(np.float64)
+        assert torch.equal(out, out2)
+    else:
+        out, lse = flashcore.varlen_attention_forward(q, kc, vc, *args,
+                                                      block_table=cp.asarray(table), **kw)
+        out2, _ = flashcore.varlen_attention_forward(q, kc, vc, *args,
+                                                     block_table=cp.asarray(table), **kw)
+        got = to_host64(out)
+        assert bool((out == out2).all())
+    ro = np.zeros(got.shape)
+    lo = np.zeros(got.shape)
+    for i in range(b):      # per sequence: float64, and the same computation in bf16
+        sq_, sk_ = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        if lens_q[i] == 0 or lens_k[i] == 0:
+            continue
+        x = (q32[None, sq_], kp32[None, sk_], vp32[None, sk_])
+        spec = forward_spec(*(a.astype(np.float64) for a in x), **kw)
+        ro[sq_] = naive_forward(spec, *(a.astype(np.float64) for a in x))[0][0]
+        lo[sq_] = naive_forward(forward_spec(*x, **kw), *x, round_to=dtype)[0][0]
+    assert np.isfinite(got).all()
+    assert_flash_rule("out", got, ro, lo, 2)
