@@ -207,6 +207,9 @@ flash_fwd_kernel(const FlashParams params) {
     };
     fc_u16* gO = static_cast<fc_u16*>(params.o) + (long long)b * params.o_batch_stride
                  + (q_row0 + m0) * params.o_row_stride + (long long)h * params.o_head_stride;
+    // (o_fp32: the same element offsets in a float32 output)
+    float* gOf = static_cast<float*>(params.o) + (long long)b * params.o_batch_stride
+                 + (q_row0 + m0) * params.o_row_stride + (long long)h * params.o_head_stride;
     float* gLse = params.lse + (long long)b * params.lse_batch_stride
                   + (long long)h * params.lse_head_stride + q_row0 + m0;
     const int rows_q = min(kBlockM, sq - m0);   // valid rows of this tile
@@ -236,8 +239,15 @@ flash_fwd_kernel(const FlashParams params) {
         const fc_u32 zero[4] = {0u, 0u, 0u, 0u};
         for (int idx = tid; idx < kBlockM * kCPR; idx += kNThreads) {
             const int r = idx / kCPR, c = idx % kCPR;
-            if (r < rows_q && (Is_even_d || c * 8 < params.headdim))
-                stg128(gO + (long long)r * params.o_row_stride + c * 8, zero);
+            if (r < rows_q && (Is_even_d || c * 8 < params.headdim)) {
+                if (params.o_fp32) {   // 8 floats: two 16-byte chunks
+                    float* d = gOf + (long long)r * params.o_row_stride + c * 8;
+                    stg128(reinterpret_cast<fc_u16*>(d), zero);
+                    stg128(reinterpret_cast<fc_u16*>(d + 4), zero);
+                } else {
+                    stg128(gO + (long long)r * params.o_row_stride + c * 8, zero);
+                }
+            }
         }
         for (int r = tid; r < rows_q; r += kNThreads) gLse[r] = -INFINITY;
         return;
@@ -537,6 +547,25 @@ flash_fwd_kernel(const FlashParams params) {
             if (t == 0 && row < rows_q)
                 gLse[row] = l == 0.f ? -INFINITY : row_max[mt][r] * lse_scale + logf(l);
         }
+
+    if (params.o_fp32) {
+        // Unrounded float32 output: each lane's two adjacent columns straight from the
+        // accumulators, 8 bytes a store (the launcher requires an 8-byte aligned o).
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = warp_row0 + mt * 16 + g + 8 * r;
+                if (row >= rows_q) continue;
+                float* orow = gOf + (long long)row * params.o_row_stride;
+#pragma unroll
+                for (int j = 0; j < kDT; ++j)
+                    if (Is_even_d || j * 8 < headdim)
+                        *reinterpret_cast<float2*>(orow + j * 8 + 2 * t) =
+                            make_float2(acc_o[mt][j][2 * r], acc_o[mt][j][2 * r + 1]);
+            }
+        return;
+    }
 
     // Stage O through this warp's own rows of the Q tile (no other warp reads them, and Q is
     // no longer needed), then write 16-byte chunks, coalesced along each row.

@@ -111,8 +111,10 @@ flash_fwd_sm90_kernel(const FlashParams params) {
                        + k_row0 * params.k_row_stride + (long long)hk * params.k_head_stride;
     const fc_u16* gV = static_cast<const fc_u16*>(params.v) + (long long)b * params.v_batch_stride
                        + k_row0 * params.v_row_stride + (long long)hk * params.v_head_stride;
-    fc_u16* gO = static_cast<fc_u16*>(params.o) + (long long)b * params.o_batch_stride
-                 + (q_row0 + m0) * params.o_row_stride + (long long)h * params.o_head_stride;
+    // element offset of this tile's first output row (16-bit, or float32 with o_fp32)
+    const long long o_off = (long long)b * params.o_batch_stride
+                            + (q_row0 + m0) * params.o_row_stride + (long long)h * params.o_head_stride;
+    fc_u16* gO = static_cast<fc_u16*>(params.o) + o_off;
     float* gLse = params.lse + (long long)b * params.lse_batch_stride
                   + (long long)h * params.lse_head_stride + q_row0 + m0;
     const int rows_q = min(kBlockM, sq - m0);
@@ -133,7 +135,14 @@ flash_fwd_sm90_kernel(const FlashParams params) {
     if (n_block_max <= n_block_min) {   // no row of this tile sees a key: O = 0, lse = -inf
         for (int idx = tid; idx < kBlockM * (kD / 2); idx += kNThreads) {
             const int r = idx / (kD / 2), c = idx % (kD / 2);
-            if (r < rows_q) stg32(gO + (long long)r * params.o_row_stride + 2 * c, 0u);
+            if (r < rows_q) {
+                if (params.o_fp32)
+                    *reinterpret_cast<float2*>(static_cast<float*>(params.o) + o_off
+                                               + (long long)r * params.o_row_stride + 2 * c) =
+                        make_float2(0.f, 0.f);
+                else
+                    stg32(gO + (long long)r * params.o_row_stride + 2 * c, 0u);
+            }
         }
         for (int r = tid; r < rows_q; r += kNThreads) gLse[r] = -INFINITY;
         return;
@@ -366,11 +375,20 @@ flash_fwd_sm90_kernel(const FlashParams params) {
         const float inv = l == 0.f ? 0.f : 1.f / l;
         const int row = warp_row0 + g + 8 * r;
         if (row < rows_q) {
-            fc_u16* orow = gO + (long long)row * params.o_row_stride;
+            if (params.o_fp32) {      // unrounded float32 output, 8 bytes a store
+                float* orow = static_cast<float*>(params.o) + o_off
+                              + (long long)row * params.o_row_stride;
 #pragma unroll
-            for (int j = 0; j < kDT; ++j)
-                stg32(orow + 8 * j + 2 * t,
-                      Elem::pack2(acc_o[4 * j + 2 * r] * inv, acc_o[4 * j + 2 * r + 1] * inv));
+                for (int j = 0; j < kDT; ++j)
+                    *reinterpret_cast<float2*>(orow + 8 * j + 2 * t) =
+                        make_float2(acc_o[4 * j + 2 * r] * inv, acc_o[4 * j + 2 * r + 1] * inv);
+            } else {
+                fc_u16* orow = gO + (long long)row * params.o_row_stride;
+#pragma unroll
+                for (int j = 0; j < kDT; ++j)
+                    stg32(orow + 8 * j + 2 * t,
+                          Elem::pack2(acc_o[4 * j + 2 * r] * inv, acc_o[4 * j + 2 * r + 1] * inv));
+            }
             if (t == 0)
                 gLse[row] = l == 0.f ? -INFINITY : row_max[r] * params.softmax_scale + logf(l);
         }

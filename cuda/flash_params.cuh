@@ -97,6 +97,9 @@ struct FlashParams {
     int _pad1;
     const int* cache_leftpad;  // contiguous decoding: int32 (batch,), sequence b's keys are rows
                                // cache_leftpad[b] .. cache_seqlens[b] - 1; nullptr = from row 0
+    int o_fp32;                // forward: o is float32 (partial outputs kept unrounded, e.g. for
+                               // merging through the lse); its strides in float elements
+    int _pad2;
 };
 
 // ---- trusted values, guarded addresses -------------------------------------------------------

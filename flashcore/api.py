@@ -36,7 +36,7 @@ from ._arrays import library_of
 from .backends.base import all_backends, choose, choose_kvcache
 from .kernels import plans
 from .spec import (_scalar_key, backward_spec, check_outputs, forward_spec, kvcache_spec,
-                   lse_shape, merge_spec)
+                   lse_shape, merge_spec, out_fp32)
 
 __all__ = [
     "attention", "attention_forward", "attention_backward",
@@ -93,37 +93,40 @@ _FWD_OPTIONS = ("causal", "softmax_scale", "window_size", "softcap", "determinis
                 "max_seqlen_q", "max_seqlen_k")
 
 
-def _forward(q, k, v, backend, varlen, out=None, lse=None, **kw):
+def _forward(q, k, v, backend, varlen, out=None, lse=None, out_dtype=None, **kw):
     if out is None and lse is None and library_of(q) == "torch":
         from .backends import torch_ops
-        return torch_ops.forward(q, k, v, backend=backend, varlen=varlen, **kw)
+        return torch_ops.forward(q, k, v, backend=backend, varlen=varlen, out_dtype=out_dtype,
+                                 **kw)
     alibi, cu_q, cu_k = kw.get("alibi_slopes"), kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")
     bt = kw.get("block_table")
     key = _cupy_key("fwd", (q, k, v, out, lse, alibi, cu_q, cu_k, bt),
-                    (backend, varlen, *(kw.get(n) for n in _FWD_OPTIONS)))
+                    (backend, varlen, out_dtype, *(kw.get(n) for n in _FWD_OPTIONS)))
     if key is not None:
         plan = plans.lookup(key)
         if plan is not None and plans.current_context() == plan.context:
             import cupy     # (the current device is the plan's: outputs are allocated there)
-            o = cupy.empty(q.shape, q.dtype) if out is None else out
+            o = cupy.empty(q.shape, plan.result if plan.result is not None else q.dtype) \
+                if out is None else out
             l_ = cupy.empty(lse_shape(q.shape, varlen), cupy.float32) if lse is None else lse
             if _cupy_replay(plan, (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l_.data.ptr,
                                    _ptr(alibi), _ptr(cu_q), _ptr(cu_k), _ptr(bt))):
                 return o, l_
     spec = forward_spec(q, k, v, varlen=varlen, **kw)
+    fp32 = out_fp32(out_dtype, spec.dtype)
     b = choose(spec, backend)
     given = {} if out is None and lse is None else check_outputs(
         spec, {"out": out, "lse": lse},
         {"out": (q.shape, spec.dtype), "lse": (_lse_shape(spec), "float32")})
     with plans.record() as rec:
         o, l_ = b.forward(spec, q, k, v, alibi_slopes=alibi, cu_seqlens_q=cu_q,
-                          cu_seqlens_k=cu_k, block_table=bt, **given)
+                          cu_seqlens_k=cu_k, block_table=bt, out_fp32=fp32, **given)
     if key is not None:
         plans.remember(key, rec.plan((("q", _ptr(q)), ("k", _ptr(k)), ("v", _ptr(v)),
                                       ("o", _ptr(o)), ("lse", _ptr(l_)),
                                       ("alibi_slopes", _ptr(alibi)), ("cu_seqlens_q", _ptr(cu_q)),
                                       ("cu_seqlens_k", _ptr(cu_k)), ("block_table", _ptr(bt))),
-                                     q.device.id))
+                                     q.device.id, result=o.dtype))
     return o, l_
 
 
@@ -164,7 +167,7 @@ def _backward(dout, q, k, v, out, lse, backend, varlen, dq=None, dk=None, dv=Non
 
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                       softcap=0.0, alibi_slopes=None, deterministic=False, backend=None,
-                      out=None, lse=None):
+                      out=None, lse=None, out_dtype=None):
     """Forward pass. Returns ``(out, lse)``.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
@@ -172,8 +175,11 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=
     :func:`backends` (default: the first that takes these arrays). CuPy arrays: ``out`` and
     ``lse`` may be given, preallocated (written in place and returned), which is what a call
     captured in a CUDA graph (``cupy.cuda.Stream.begin_capture``) needs.
+    ``out_dtype=float32`` (or a float32 ``out``) with 16-bit inputs: the output unrounded, in
+    float32, for partial results merged through their lse (:func:`merge_attention_states`,
+    ring attention), so that nothing is rounded to 16 bits before the merge.
     """
-    return _forward(q, k, v, backend, False, out=out, lse=lse, causal=causal,
+    return _forward(q, k, v, backend, False, out=out, lse=lse, out_dtype=out_dtype, causal=causal,
                     softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                     alibi_slopes=alibi_slopes, deterministic=deterministic)
 
@@ -216,7 +222,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
                              max_seqlen_k=None, *, causal=False, softmax_scale=None,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                             deterministic=False, backend=None, block_table=None):
+                             deterministic=False, backend=None, block_table=None,
+                             out_dtype=None):
     """Forward over packed variable-length sequences. Returns ``(out, lse)``.
 
     q: (total_q, nheads, headdim), k, v: (total_k, nheads_k, headdim); sequence b holds
@@ -232,8 +239,10 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=N
     b is row ``t % page_size`` of block ``block_table[b, t // page_size]``, and
     ``cu_seqlens_k`` gives only the key lengths (``cu_seqlens_k[b+1] - cu_seqlens_k[b]``).
     Forward only (there is no backward over a paged cache, as in flash-attn).
+    ``out_dtype``: as in :func:`attention_forward`.
     """
-    return _forward(q, k, v, backend, True, causal=causal, softmax_scale=softmax_scale,
+    return _forward(q, k, v, backend, True, out_dtype=out_dtype, causal=causal,
+                    softmax_scale=softmax_scale,
                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                     deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,

@@ -145,15 +145,8 @@ def _forward(q, k, v, group, layout, window, softmax_scale):
         pending = None
         if step < world - 1:
             pending = _start_rotation(dist, group, cur, nxt, prv)
-        ks, vs = cur[0].chunk(per, dim=1), cur[1].chunk(per, dim=1)
-        for i, j, qr, kr, opts in _blocks(layout, world, rank, src, window, m):
-            o, lse = attention_forward(qs[i][:, qr].contiguous(), ks[j][:, kr].contiguous(),
-                                       vs[j][:, kr].contiguous(), softmax_scale=softmax_scale,
-                                       **opts)
-            ao, al = acc[i]
-            mo, ml = merge_attention_states([ao[:, qr], o.to(ct)], [al[..., qr], lse.to(ct)])
-            ao[:, qr] = mo
-            al[..., qr] = ml
+        hop_forward(acc, qs, cur[0].chunk(per, dim=1), cur[1].chunk(per, dim=1),
+                    _blocks(layout, world, rank, src, window, m), softmax_scale)
         if pending is not None:
             bufs, reqs = pending
             for r in reqs:
@@ -162,6 +155,25 @@ def _forward(q, k, v, group, layout, window, softmax_scale):
     outs = [a[0] for a in acc]
     lses = [a[1] for a in acc]
     return torch.cat(outs, dim=1), torch.cat(lses, dim=-1)
+
+
+def hop_forward(acc, qs, ks, vs, blocks, softmax_scale):
+    """One hop's local work: each block (i, j, query rows, key rows, mask options) of
+    ``blocks`` attends q chunk i to K/V chunk j and merges the result into ``acc[i]`` (output,
+    lse) through the lse, in float32 (float64 for float64 inputs): the forward writes its
+    partial output in float32, so nothing is rounded to 16 bits before the merge. (The
+    single-GPU benchmark of the chunked schedule runs exactly this.)"""
+    import torch
+    ct = acc[0][0].dtype
+    for i, j, qr, kr, opts in blocks:
+        o, lse = attention_forward(qs[i][:, qr].contiguous(), ks[j][:, kr].contiguous(),
+                                   vs[j][:, kr].contiguous(), softmax_scale=softmax_scale,
+                                   out_dtype=None if ct is torch.float64 else torch.float32,
+                                   **opts)
+        ao, al = acc[i]
+        mo, ml = merge_attention_states([ao[:, qr], o.to(ct)], [al[..., qr], lse.to(ct)])
+        ao[:, qr] = mo
+        al[..., qr] = ml
 
 
 def _backward(dout, q, k, v, out, lse, group, layout, window, softmax_scale):

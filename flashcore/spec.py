@@ -674,6 +674,29 @@ def _kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, rota
 # Caller-owned outputs (CuPy: the outputs of a call captured in a CUDA graph)
 # --------------------------------------------------------------------------------------------
 
+def out_fp32(out_dtype, dtype: str) -> bool:
+    """Whether a forward with ``out_dtype`` writes its output in float32 over ``dtype`` inputs:
+    ``out_dtype`` None (the inputs' dtype) or float32 (any spelling: "float32", numpy's,
+    torch's), which keeps 16-bit inputs' outputs unrounded (partial results that are merged
+    through their lse, as ring attention does)."""
+    if out_dtype is None:
+        return False
+    name = str(out_dtype)
+    if name.startswith("torch."):          # torch.float32 (no torch import here)
+        name = name[len("torch."):]
+    else:
+        try:
+            name = np.dtype(out_dtype).name
+        except TypeError:
+            name = None
+    if name != "float32":
+        raise _arg_error(TypeError, "out_dtype", "None or float32", repr(out_dtype))
+    if dtype == "float64":
+        raise _arg_error(ValueError, "out_dtype", "None for float64 inputs (float32 would round "
+                         "them)", repr(out_dtype))
+    return dtype in ("float16", "bfloat16")
+
+
 def check_outputs(spec: AttentionSpec, given: dict, expected: dict) -> dict:
     """Validate preallocated outputs ``given`` {name: array or None} against ``expected``
     {name: (shape, dtype name)}: arrays of the call's library (CuPy only), device, shape and
@@ -687,6 +710,8 @@ def check_outputs(spec: AttentionSpec, given: dict, expected: dict) -> dict:
     for n, x in given.items():
         shape, dt = expected[n]
         _check_array(n, x, len(shape), spec.library, spec.device)
+        if n == "out" and dt in ("float16", "bfloat16") and dtype_name(x) == "float32":
+            dt = "float32"        # (an unrounded float32 output, see out_fp32)
         if tuple(x.shape) != tuple(shape) or dtype_name(x) != dt:
             raise _arg_error(ValueError, n, f"an array of shape {tuple(shape)} and dtype {dt}",
                              f"shape {tuple(x.shape)} and dtype {dtype_name(x)}")

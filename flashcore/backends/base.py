@@ -70,9 +70,10 @@ class Backend:
 
     # -- the work -------------------------------------------------------------------------
     def forward(self, spec, q, k, v, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                block_table=None):
-        """Return ``(out, lse)``; out like q in q's dtype, lse float32 (b, h, sq) / (h, total_q).
-        ``block_table`` (varlen, ``spec.paged``): k, v are a paged cache (see flashcore.spec)."""
+                block_table=None, out_fp32=False):
+        """Return ``(out, lse)``; out like q in q's dtype (float32 with ``out_fp32``), lse
+        float32 (b, h, sq) / (h, total_q). ``block_table`` (varlen, ``spec.paged``): k, v are a
+        paged cache (see flashcore.spec)."""
         raise NotImplementedError
 
     def backward(self, spec, dout, q, k, v, out, lse, *, alibi_slopes=None,

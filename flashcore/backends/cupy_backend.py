@@ -116,12 +116,12 @@ class CupyBackend(Backend):
                     max_seqlen_k=spec.seqlen_k if spec.varlen else None)
 
     def forward(self, spec, q, k, v, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                out=None, lse=None, block_table=None):
+                out=None, lse=None, block_table=None, out_fp32=False):
         import cupy
         from ..kernels.forward import launch_forward
         with cupy.cuda.Device(q.device.id), _translate_oom("forward"):
             if out is None:
-                out = cupy.empty(q.shape, dtype=q.dtype)
+                out = cupy.empty(q.shape, dtype=cupy.float32 if out_fp32 else q.dtype)
             if lse is None:
                 shape = (spec.nheads, spec.total_q) if spec.varlen else \
                     (spec.batch, spec.nheads, spec.seqlen_q)
@@ -133,7 +133,7 @@ class CupyBackend(Backend):
                 if spec.headdim % 8:
                     # flash-attn's way: zero columns up to a multiple of 8 add nothing to the
                     # scores (the scale is the true head dim's), and come out as zeros
-                    o8 = cupy.empty(_padded_shape(q), q.dtype)
+                    o8 = cupy.empty(_padded_shape(q), out.dtype)
                     launch_forward(_pad8(q), _pad8(k), _pad8(v), o8, lse, **kw)
                     out[...] = o8[..., :spec.headdim]
                     plans.spoil()      # copies around the launch: never replayed

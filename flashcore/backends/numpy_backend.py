@@ -318,11 +318,11 @@ class NumpyBackend(Backend):
         return tiled_backward(spec, dout, q, k, v, out, lse, slopes, self.block_q, self.block_k)
 
     def forward(self, spec, q, k, v, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                block_table=None):
+                block_table=None, out_fp32=False):
         if block_table is not None:      # varlen over a paged cache: gather, then as packed
             k, v = (paged_gather(x, block_table, cu_seqlens_k, spec.page_size) for x in (k, v))
             spec = dataclasses.replace(spec, page_size=0, num_blocks=0, total_k=k.shape[0])
-        odt = _out_dtype(spec.dtype)
+        odt = np.dtype(np.float32) if out_fp32 else _out_dtype(spec.dtype)
         lse_dt = np.float64 if spec.dtype == "float64" else np.float32
         if not spec.varlen:
             out, lse = self._fwd(spec, q, k, v, _slopes_for(spec, alibi_slopes, batch=spec.batch))

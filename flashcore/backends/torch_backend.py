@@ -138,7 +138,7 @@ class TorchBackend(Backend):
     # -- the work (plain tensors in and out; autograd lives in the custom ops below) --------
 
     def forward(self, spec, q, k, v, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                block_table=None):
+                block_table=None, out_fp32=False):
         """Return ``(out, lse)`` as torch tensors on q's device; out contiguous, like q."""
         import torch
         paged = {} if block_table is None else {"block_table": block_table}
@@ -147,14 +147,15 @@ class TorchBackend(Backend):
             out, lse = nb.forward(_on_library(spec, "numpy"),
                                   *(_np(x) for x in (q, k, v)),
                                   alibi_slopes=_np(alibi_slopes), cu_seqlens_q=_np(cu_seqlens_q),
-                                  cu_seqlens_k=_np(cu_seqlens_k),
+                                  cu_seqlens_k=_np(cu_seqlens_k), out_fp32=out_fp32,
                                   **{n: _np(t) for n, t in paged.items()})
             return _contiguous_numpy_to_torch(torch, out), _contiguous_numpy_to_torch(torch, lse)
         cb = get_backend("cupy")
         lse_shape = (spec.nheads, spec.total_q) if spec.varlen else \
             (spec.batch, spec.nheads, spec.seqlen_q)
         with _OnTorch(torch, q.device.index):
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            out = torch.empty(q.shape, dtype=torch.float32 if out_fp32 else q.dtype,
+                              device=q.device)
             lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
             cb.forward(_on_library(spec, "cupy"), *(_cp(x) for x in (q, k, v)),
                        alibi_slopes=_cp(alibi_slopes), cu_seqlens_q=_cp(cu_seqlens_q),

@@ -28,9 +28,9 @@ import sys
 import threading
 
 from .. import config
-from .._arrays import library_of
+from .._arrays import dtype_name, library_of
 from ..kernels import plans
-from ..spec import backward_spec, forward_spec, lse_shape
+from ..spec import backward_spec, forward_spec, lse_shape, out_fp32
 from .base import choose, choose_kvcache
 from .torch_backend import _BACKEND, layout, replay
 
@@ -50,11 +50,12 @@ DOUBLE_BACKWARD_MESSAGE = (
 # the window is already folded with `causal` by flashcore.spec, -1 meaning unbounded.
 _OPTIONS = ("int max_seqlen_q, int max_seqlen_k, bool causal, float softmax_scale, "
             "int window_left, int window_right, float softcap, bool deterministic")
-# (block_table: varlen over a paged cache, forward only; last, with a default, so that the
-# autograd Function's calls leave it out)
+# (block_table: varlen over a paged cache, forward only; out_fp32: the output in float32 for
+# 16-bit inputs, for partial results; last, with defaults, so that the autograd Function's
+# calls leave them out)
 _FWD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? alibi_slopes, Tensor? cu_seqlens_q, "
-               f"Tensor? cu_seqlens_k, {_OPTIONS}, Tensor? block_table=None) "
-               "-> (Tensor, Tensor)")
+               f"Tensor? cu_seqlens_k, {_OPTIONS}, Tensor? block_table=None, "
+               "bool out_fp32=False) -> (Tensor, Tensor)")
 _BWD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
                "Tensor? alibi_slopes, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
                f"{_OPTIONS}) -> (Tensor, Tensor, Tensor)")
@@ -103,17 +104,17 @@ def torch_ops():
 
 def _fwd_impl(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
               causal, softmax_scale, window_left, window_right, softcap, deterministic,
-              block_table=None):
+              block_table=None, out_fp32=False):
     import torch
     key = None
     if q.is_cuda and not config.debug():     # (debug mode validates every call)
         key = ("fwd", layout(q), layout(k), layout(v), layout(alibi_slopes),
                layout(cu_seqlens_q), layout(cu_seqlens_k), max_seqlen_q, max_seqlen_k, causal,
                softmax_scale, window_left, window_right, softcap, deterministic, config.get(),
-               layout(block_table))
+               layout(block_table), out_fp32)
         plan = plans.lookup(key)
         if plan is not None:
-            out = q.new_empty(q.shape)
+            out = q.new_empty(q.shape, dtype=torch.float32) if out_fp32 else q.new_empty(q.shape)
             lse = q.new_empty(lse_shape(q.shape, cu_seqlens_q is not None), dtype=torch.float32)
             if replay(torch, plan, (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                                     lse.data_ptr(), _ptr(alibi_slopes), _ptr(cu_seqlens_q),
@@ -125,7 +126,8 @@ def _fwd_impl(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     with plans.record() as rec:
         out, lse = _BACKEND.forward(spec, q, k, v, alibi_slopes=alibi_slopes,
                                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                    block_table=block_table)
+                                    block_table=block_table,
+                                    out_fp32=out_fp32 and spec.dtype in ("float16", "bfloat16"))
     if key is not None:
         plans.remember(key, rec.plan(_roles(q=q, k=k, v=v, o=out, lse=lse,
                                             alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
@@ -262,10 +264,13 @@ def _define_ops():
         for key in ("CPU", "CUDA"):
             lib.impl(name, impl, key)
 
-    def fwd_fake(q, k, v, alibi_slopes, cu_seqlens_q, *_):
+    def fwd_fake(q, k, v, alibi_slopes, cu_seqlens_q, *args, block_table=None, out_fp32=False):
+        if len(args) > 10:     # (given positionally)
+            out_fp32 = args[10]
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        return q.new_empty(q.shape), q.new_empty(lse_shape(q.shape, cu_seqlens_q is not None),
-                                                 dtype=lse_dtype)
+        fp32 = out_fp32 and q.dtype in (torch.float16, torch.bfloat16)
+        return (q.new_empty(q.shape, dtype=torch.float32) if fp32 else q.new_empty(q.shape),
+                q.new_empty(lse_shape(q.shape, cu_seqlens_q is not None), dtype=lse_dtype))
 
     def bwd_fake(dout, q, k, v, *_):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -560,7 +565,14 @@ def _explicit(kind, tensors, backend, varlen, kw):
                               kw.get("deterministic", False), kw.get("max_seqlen_q"),
                               kw.get("max_seqlen_k"))
     args = {n: kw.get(n) for n in ("alibi_slopes", "cu_seqlens_q", "cu_seqlens_k")}
-    paged = () if kw.get("block_table") is None else (kw["block_table"],)
+    fp32 = False
+    if kind == "fwd":
+        kw = dict(kw)
+        fp32 = out_fp32(kw.pop("out_dtype", None), dtype_name(q))
+    # the forward op's defaulted tail: (block_table, out_fp32), given only as far as needed
+    tail = (kw.get("block_table"),) if kw.get("block_table") is not None or fp32 else ()
+    if fp32:
+        tail = tail + (True,)
     if opts is None:
         spec_kw = dict(kw, varlen=varlen)
         spec = forward_spec(*tensors, **spec_kw) if kind == "fwd" else \
@@ -571,7 +583,7 @@ def _explicit(kind, tensors, backend, varlen, kw):
     torch_ops()
     with torch.no_grad():
         return _OVERLOADS[kind](*tensors, args["alibi_slopes"], args["cu_seqlens_q"],
-                                args["cu_seqlens_k"], *opts, *paged)
+                                args["cu_seqlens_k"], *opts, *tail)
 
 
 def _compiling() -> bool:

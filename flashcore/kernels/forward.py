@@ -224,6 +224,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     ``block_table`` (b, max_blocks); cu_seqlens_k then gives the key lengths only (Ampere-class
     kernels; page_size a multiple of the key tile).
     lse: float32 (b, h, sq) or, varlen, (h, total_q), contiguous. Windows use -1 for unbounded.
+    ``out`` may be float32 (16-bit inputs): the output is then written unrounded.
     Returns the launch as a :class:`plans.Piece`, or None when it cannot be replayed with new
     addresses alone (an input or the output went through a copy; nothing was launched).
     """
@@ -332,6 +333,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         block_table=block_table.data.ptr if paged else None,
         block_table_batch_stride=block_table.strides[0] // 4 if paged else 0,
         page_size=int(k.shape[1]) if paged else 0, num_blocks=int(k.shape[0]) if paged else 0,
+        o_fp32=int(out.dtype == cupy.float32),
         softmax_scale=float(softmax_scale),
         # With softcap the kernel works on capped scores in natural units: only log2(e) left.
         scale_log2=_LOG2E if has_softcap else float(softmax_scale) * _LOG2E,

@@ -439,3 +439,48 @@ def test_varlen_over_a_paged_cache(d, page, kw, api):
         lo[sq_] = naive_forward(forward_spec(*x, **kw), *x, round_to=dtype)[0][0]
     assert np.isfinite(got).all()
     assert_flash_rule("out", got, ro, lo, 2)
+
+
+@pytest.mark.parametrize("d, kw", [(128, dict(causal=True)), (96, dict()), (64, dict(causal=True)),
+                                   (256, dict(window_size=(50, 0))), (128, dict(softcap=5.0))])
+@pytest.mark.parametrize("api", ["cupy", "torch", "varlen"])
+def test_float32_output_is_the_16_bit_one_unrounded(d, kw, api):
+    """out_dtype=float32 (both kernel families; rows with no visible key included): the output
+    rounded to bf16 is the 16-bit call's output bit for bit, the lse is the same, and its error
+    against the float64 oracle is below the 16-bit output's."""
+    cp = _cp()
+    import flashcore
+    rng = np.random.default_rng(d)
+    b, sq, sk, h, hk = 2, 131, 97, 4, 2                # sq > sk, causal: rows see nothing
+    q32, k32, v32 = (quantize(rng.standard_normal(s).astype(np.float32), "bfloat16")
+                     for s in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d)))
+    q, k, v = (to_dev(x, "bfloat16") for x in (q32, k32, v32))
+    if api == "torch":
+        torch = pytest.importorskip("torch")
+        q, k, v = (torch.from_dlpack(x) for x in (q, k, v))
+        o32, l32 = flashcore.attention_forward(q, k, v, out_dtype=torch.float32, **kw)
+        o16, l16 = flashcore.attention_forward(q, k, v, **kw)
+        assert o32.dtype == torch.float32
+        o32, l32, o16, l16 = (cp.from_dlpack(x) for x in (o32, l32, o16, l16))
+    elif api == "varlen":
+        cu_q = cp.asarray(np.array([0, sq, 2 * sq], np.int32))
+        cu_k = cp.asarray(np.array([0, sk, 2 * sk], np.int32))
+        flat = [x.reshape(-1, *x.shape[2:]) for x in (q, k, v)]
+        o32, l32 = flashcore.varlen_attention_forward(*flat, cu_q, cu_k, sq, sk,
+                                                      out_dtype="float32", **kw)
+        o16, l16 = flashcore.varlen_attention_forward(*flat, cu_q, cu_k, sq, sk, **kw)
+        o32, o16 = o32.reshape(b, sq, h, d), o16.reshape(b, sq, h, d)
+        l32 = l32.reshape(h, b, sq).transpose(1, 0, 2)
+        l16 = l16.reshape(h, b, sq).transpose(1, 0, 2)
+    else:
+        o32 = cp.full(q.shape, cp.nan, dtype=cp.float32)     # poison, preallocated float32
+        o32, l32 = flashcore.attention_forward(q, k, v, out=o32, **kw)
+        o16, l16 = flashcore.attention_forward(q, k, v, **kw)
+    assert o32.dtype == cp.float32
+    g32 = o32.get()
+    assert np.isfinite(g32).all()
+    np.testing.assert_array_equal(round_to_dtype(g32, "bfloat16"), to_host64(o16))
+    np.testing.assert_array_equal(l32.get(), l16.get())
+    spec = forward_spec(*(x.astype(np.float64) for x in (q32, k32, v32)), **kw)
+    ro, _ = naive_forward(spec, *(x.astype(np.float64) for x in (q32, k32, v32)))
+    assert np.abs(g32 - ro).max() <= np.abs(to_host64(o16) - ro).max()

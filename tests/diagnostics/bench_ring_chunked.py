@@ -1,0 +1,86 @@
+"""The ring's chunked schedule on one GPU (context parallelism, issue #18's single-GPU
+measure): every rank's local work -- its query shard against each K/V shard the ring brings,
+merged through the lse in float32 (flashcore.distributed.hop_forward, the code the ring runs)
+-- executed back to back on one GPU, against one unchunked call over the whole sequence. The
+ratio (unchunked time / chunked time) is what the ring's compute costs over a single call; the
+communication (overlapped by the ring on a separate stream) is not in it. Forward only.
+
+    python tests/diagnostics/bench_ring_chunked.py [--seqlens 131072,262144] [--worlds 4,8]
+"""
+from __future__ import annotations
+
+import sys
+
+
+def main(seqlens=(131072, 262144), worlds=(4, 8), heads=16, heads_k=4, headdim=128):
+    import torch
+    import flashcore
+    from flashcore.distributed import _blocks, _chunks, hop_forward, shard
+
+    def timed(fn, reps=3):
+        fn()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        best = float("inf")
+        for _ in range(reps):
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            best = min(best, a.elapsed_time(b) / 1e3)
+        return best
+
+    print("seqlen world layout causal | unchunked ms  TF/s | chunked ms  TF/s | ratio | max|diff|")
+    for n in seqlens:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(1, n, heads, headdim, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(1, n, heads_k, headdim, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(1, n, heads_k, headdim, device="cuda", dtype=torch.bfloat16, generator=g)
+        for causal in (True, False):
+            flops = 4 * n * n * heads * headdim / (2 if causal else 1)
+            with torch.no_grad():
+                ref = flashcore.attention_forward(q, k, v, causal=causal)[0]
+                t_one = timed(lambda: flashcore.attention_forward(q, k, v, causal=causal))
+                for world in worlds:
+                    for layout in (("zigzag", "contiguous") if causal else ("contiguous",)):
+                        qs_ = [shard(q, world, r, layout) for r in range(world)]
+                        ks_ = [shard(k, world, r, layout) for r in range(world)]
+                        vs_ = [shard(v, world, r, layout) for r in range(world)]
+                        per = len(_chunks(layout, world, 0))
+                        window = (-1, 0) if causal else (-1, -1)
+                        outs = []
+
+                        def schedule():
+                            outs.clear()
+                            for rank in range(world):
+                                qc = qs_[rank].chunk(per, dim=1)
+                                m = qc[0].shape[1]
+                                acc = [(torch.zeros(qc[0].shape, device="cuda"),
+                                        torch.full((1, heads, m), float("-inf"), device="cuda"))
+                                       for _ in range(per)]
+                                for step in range(world):
+                                    src = (rank - step) % world
+                                    hop_forward(acc, qc, ks_[src].chunk(per, dim=1),
+                                                vs_[src].chunk(per, dim=1),
+                                                _blocks(layout, world, rank, src, window, m), None)
+                                outs.append(torch.cat([a[0] for a in acc], dim=1))
+                        t_ch = timed(schedule)
+                        got = flashcore.distributed.unshard(outs, layout)
+                        diff = float((got - ref.float()).abs().max())
+                        print(f"RING {n:7d} {world:5d} {layout:10s} {str(causal):5s} | "
+                              f"{t_one * 1e3:8.1f} {flops / t_one / 1e12:5.0f} | "
+                              f"{t_ch * 1e3:8.1f} {flops / t_ch / 1e12:5.0f} | "
+                              f"{t_one / t_ch:5.3f} | {diff:.1e}")
+                        del qs_, ks_, vs_, outs
+        del q, k, v, ref
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    a = sys.argv
+    kw = {}
+    if "--seqlens" in a:
+        kw["seqlens"] = tuple(int(x) for x in a[a.index("--seqlens") + 1].split(","))
+    if "--worlds" in a:
+        kw["worlds"] = tuple(int(x) for x in a[a.index("--worlds") + 1].split(","))
+    main(**kw)
