@@ -42,6 +42,7 @@
 // below); every writer (cp.async, st.shared of dS/P) and every reader (ldmatrix) goes through
 // the same function, so the swizzle is consistent by construction.
 #include "flash_params.cuh"
+#include "flash_dropout.cuh"
 #include "ptx.cuh"
 
 #define FC_BWD_LOG2E 1.4426950408889634f
@@ -314,8 +315,13 @@ struct BwdScoreMath {
     int off;            // sk - sq
     int wl, wr;         // window (FC_WINDOW_NONE = unbounded)
     int sk;
+    int bh;             // batch * nheads + head (dropout's stream)
+    FcDropout drop;     // dropout (threshold 0: none)
 
-    template <bool Has_softcap, bool Has_alibi, bool Is_local>
+    // With dropout (factor Z of element (i, j): 0, or 1 / keep probability, regenerated from
+    // the forward's stream): O = (P∘Z) V, so s_to_p becomes P∘Z (for dV) and
+    // dS = P∘(dP∘Z - D) with D = rowsum(dO∘O) as without.
+    template <bool Has_softcap, bool Has_alibi, bool Is_local, bool Is_dropout = false>
     __device__ __forceinline__ void apply(float& s_to_p, float& dp_to_ds, int i, int j,
                                           float neg_lse2, float dsum, bool need_mask) const {
         float x, dtanh = 1.f;
@@ -336,9 +342,11 @@ struct BwdScoreMath {
             if constexpr (Is_local) vis = vis && rel >= -wl && rel <= wr;
             pr = vis ? pr : 0.f;
         }
-        float ds = pr * (dp_to_ds - dsum);
+        float zf = 1.f;
+        if constexpr (Is_dropout) zf = fc_dropout_factor(drop, bh, i, j);
+        float ds = pr * (Is_dropout ? fmaf(dp_to_ds, zf, -dsum) : dp_to_ds - dsum);
         if constexpr (Has_softcap) ds *= dtanh;
-        s_to_p = pr;
+        s_to_p = Is_dropout ? pr * zf : pr;
         dp_to_ds = ds;
     }
 };
@@ -354,6 +362,10 @@ __device__ __forceinline__ BwdScoreMath bwd_score_math(const FlashParams& p, int
     m.wl = p.window_left;
     m.wr = p.window_right;
     m.sk = seq.sk;
+    m.bh = b * p.nheads + h;
+    m.drop = FcDropout{};
+    if (p.dropout_rng != nullptr)
+        m.drop = fc_dropout_setup(p.dropout_rng, p.dropout_threshold, p.dropout_scale);
     return m;
 }
 
@@ -393,7 +405,7 @@ __device__ __forceinline__ void bwd_row_stats(const FlashParams& p, int b, int h
 // Two barriers per iteration: the one at the top also guarantees that every warp has finished
 // reading the buffers that this iteration's prefetch overwrites, and the sdS/sP written below.
 template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool Is_local,
-          bool Has_softcap, bool Has_alibi, bool Is_even_d, bool Atomic_dq>
+          bool Has_softcap, bool Has_alibi, bool Is_even_d, bool Atomic_dq, bool Is_dropout>
 __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_kernel(const FlashParams p) {
     constexpr int kNT = kNWarps * 32;
     constexpr int kWarpsN = kBlockN / 16;
@@ -559,7 +571,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_kernel(const F
                 const float2 dd = *reinterpret_cast<const float2*>(sDb + qc);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    sm.template apply<Has_softcap, Has_alibi, Is_local>(
+                    sm.template apply<Has_softcap, Has_alibi, Is_local, Is_dropout>(
                         acc_s[nt][e], acc_dp[nt][e], m0 + qc + (e & 1), n0 + kn0 + g + (e >> 1) * 8,
                         (e & 1) ? nl.y : nl.x, (e & 1) ? dd.y : dd.x, need_mask);
                 }
@@ -734,7 +746,8 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_kernel(const F
 // everyone is done with the previous iteration's sP / sdS and the other Q / dO buffer) and one
 // after the P^T / dS^T stores.
 template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kSWn, int kKWn,
-          int kQWm, bool Is_local, bool Has_softcap, bool Has_alibi, bool Is_even_d, bool Atomic_dq>
+          int kQWm, bool Is_local, bool Has_softcap, bool Has_alibi, bool Is_even_d, bool Atomic_dq,
+          bool Is_dropout>
 __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv2_kernel(const FlashParams p) {
     constexpr int kNT = kNWarps * 32;
     static_assert(kNWarps % kSWn == 0 && kNWarps % kKWn == 0 && kNWarps % kQWm == 0, "bad warp grid");
@@ -918,7 +931,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv2_kernel(const 
                 for (int mi = 0; mi < kSMi; ++mi) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        sm.template apply<Has_softcap, Has_alibi, Is_local>(
+                        sm.template apply<Has_softcap, Has_alibi, Is_local, Is_dropout>(
                             acc_s[mi][nt][e], acc_dp[mi][nt][e], m0 + qc + (e & 1),
                             n0 + sk0 + 16 * mi + g + (e >> 1) * 8, (e & 1) ? nl.y : nl.x,
                             (e & 1) ? dd.y : dd.x, need_mask);
@@ -1086,7 +1099,7 @@ __global__ void __launch_bounds__(256) flash_bwd_convert_dq_kernel(const FlashPa
 // hence bitwise reproducible. Shared: sQ, sdO (kBlockM x kHeadDim), sK, sV (2 x kBlockN x
 // kHeadDim, double-buffered over the key blocks). The row statistics live in registers.
 template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool Is_local,
-          bool Has_softcap, bool Has_alibi, bool Is_even_d>
+          bool Has_softcap, bool Has_alibi, bool Is_even_d, bool Is_dropout>
 __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dq_kernel(const FlashParams p) {
     constexpr int kNT = kNWarps * 32;
     static_assert(kBlockM == 16 * kNWarps, "one warp per 16 query rows");
@@ -1214,7 +1227,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dq_kernel(const Fla
         for (int nt = 0; nt < kNtS; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                sm.template apply<Has_softcap, Has_alibi, Is_local>(
+                sm.template apply<Has_softcap, Has_alibi, Is_local, Is_dropout>(
                     acc_s[nt][e], acc_dp[nt][e], i0 + (e >> 1) * 8, n0 + nt * 8 + 2 * t + (e & 1),
                     nl[e >> 1], dd[e >> 1], need_mask);
 

@@ -32,6 +32,7 @@
 // consecutive threads. Column blocks make head dims 96 and 192 (not a multiple of 64) swizzle
 // without leaving the row.
 #include "flash_params.cuh"
+#include "flash_dropout.cuh"
 #include "ptx.cuh"
 
 #ifndef INFINITY
@@ -122,7 +123,7 @@ __device__ __forceinline__ void load_tile(fc_u32 sdst, const fc_u16* gsrc, long 
 //   Has_alibi   s -> s - slope * |i + sk - sq - j|
 //   Is_even_d   real headdim == kHeadDim (no column predicates)
 template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kQInRegs,
-          bool Is_local, bool Has_softcap, bool Has_alibi, bool Is_even_d>
+          bool Is_local, bool Has_softcap, bool Has_alibi, bool Is_even_d, bool Is_dropout>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 flash_fwd_kernel(const FlashParams params) {
     using namespace fc_fwd;
@@ -335,6 +336,10 @@ flash_fwd_kernel(const FlashParams params) {
     if constexpr (Has_alibi)
         alibi_slope = params.alibi_slopes[(long long)b * params.alibi_batch_stride + h];
     const float mult = kNatural ? kLog2e : params.scale_log2;
+    FcDropout drop{};
+    const int drop_bh = b * params.nheads + h;
+    if constexpr (Is_dropout)
+        drop = fc_dropout_setup(params.dropout_rng, params.dropout_threshold, params.dropout_scale);
     const float cap_in = Has_softcap ? params.softmax_scale / params.softcap : 0.f;
 
     // A block needs the element mask iff it is not fully visible to every row of the tile
@@ -491,6 +496,31 @@ flash_fwd_kernel(const FlashParams params) {
                     acc_o[mt][j][2 * r + 1] *= corr;
                 }
             }
+
+        // Dropout: P (not the row sums: the lse stays the undropped one's) times 0 or
+        // 1 / keep-probability. One Philox call per (row, 32 keys): the 8 probabilities of
+        // this lane (columns 2t, 2t+1 of four adjacent n8 tiles; flash_dropout.cuh).
+        if constexpr (Is_dropout) {
+            static_assert(kNT % 4 == 0, "dropout: whole 32-key groups per block");
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = m0 + warp_row0 + mt * 16 + g + 8 * r;
+#pragma unroll
+                    for (int n4 = 0; n4 < kNT; n4 += 4) {
+                        const FcPhilox4 w = fc_dropout_words(drop, drop_bh, row, n0 + n4 * 8 + 2 * t);
+                        const unsigned int words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+                        for (int u = 0; u < 4; ++u)
+#pragma unroll
+                            for (int e = 0; e < 2; ++e)
+                                s[mt][n4 + u][2 * r + e] *=
+                                    ((words[u] >> (16 * e)) & 0xFFFFu) >= drop.threshold
+                                        ? drop.scale : 0.f;
+                    }
+                }
+        }
 
         cp_async_wait<2>();   // V[it] landed (K[it+1], V[it+1] may still be in flight)
         __syncthreads();

@@ -100,6 +100,10 @@ struct FlashParams {
     int o_fp32;                // forward: o is float32 (partial outputs kept unrounded, e.g. for
                                // merging through the lse); its strides in float elements
     int _pad2;
+    const void* dropout_rng;   // attention dropout: int64 (seed, offset) on the device (see
+                               // flash_dropout.cuh); nullptr without dropout
+    int dropout_threshold;     // r16 < threshold drops (flashcore.dropout)
+    float dropout_scale;       // 65536 / (65536 - threshold)
 };
 
 // ---- trusted values, guarded addresses -------------------------------------------------------

@@ -90,7 +90,34 @@ def _ptr(a) -> int:
 
 
 _FWD_OPTIONS = ("causal", "softmax_scale", "window_size", "softcap", "deterministic",
-                "max_seqlen_q", "max_seqlen_k")
+                "max_seqlen_q", "max_seqlen_k", "dropout_p")
+
+
+def _dropout_kw(dropout_p, rng_state, q=None) -> dict:
+    """The dropout arguments of a call ({} without dropout, the common case: nothing added to
+    the fast paths); with ``q`` (the autograd-style functions) a missing ``rng_state`` is drawn
+    from the array library's generator."""
+    if type(dropout_p) is float and dropout_p == 0.0 or dropout_p == 0:
+        if rng_state is None:
+            return {}
+    if rng_state is None and q is not None and not isinstance(dropout_p, bool):
+        rng_state = draw_rng_state(q)
+    return {"dropout_p": dropout_p, "rng_state": rng_state}
+
+
+def draw_rng_state(like):
+    """A fresh dropout random state (int64 (seed, offset)) for arrays like ``like``: torch's
+    generator of its device (on that device: no sync, and a CUDA graph replays fresh draws),
+    ``cupy.random`` or ``numpy.random``."""
+    lib = library_of(like)
+    if lib == "torch":
+        import torch
+        return torch.empty(2, dtype=torch.int64, device=like.device).random_()
+    if lib == "cupy":
+        import cupy
+        return cupy.random.randint(0, 2**63 - 1, size=2, dtype=cupy.int64)
+    import numpy as np
+    return np.random.randint(0, 2**63 - 1, size=2, dtype=np.int64)
 
 
 def _forward(q, k, v, backend, varlen, out=None, lse=None, out_dtype=None, **kw):
@@ -99,8 +126,8 @@ def _forward(q, k, v, backend, varlen, out=None, lse=None, out_dtype=None, **kw)
         return torch_ops.forward(q, k, v, backend=backend, varlen=varlen, out_dtype=out_dtype,
                                  **kw)
     alibi, cu_q, cu_k = kw.get("alibi_slopes"), kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")
-    bt = kw.get("block_table")
-    key = _cupy_key("fwd", (q, k, v, out, lse, alibi, cu_q, cu_k, bt),
+    bt, rng = kw.get("block_table"), kw.get("rng_state")
+    key = _cupy_key("fwd", (q, k, v, out, lse, alibi, cu_q, cu_k, bt, rng),
                     (backend, varlen, out_dtype, *(kw.get(n) for n in _FWD_OPTIONS)))
     if key is not None:
         plan = plans.lookup(key)
@@ -110,7 +137,7 @@ def _forward(q, k, v, backend, varlen, out=None, lse=None, out_dtype=None, **kw)
                 if out is None else out
             l_ = cupy.empty(lse_shape(q.shape, varlen), cupy.float32) if lse is None else lse
             if _cupy_replay(plan, (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l_.data.ptr,
-                                   _ptr(alibi), _ptr(cu_q), _ptr(cu_k), _ptr(bt))):
+                                   _ptr(alibi), _ptr(cu_q), _ptr(cu_k), _ptr(bt), _ptr(rng))):
                 return o, l_
     spec = forward_spec(q, k, v, varlen=varlen, **kw)
     fp32 = out_fp32(out_dtype, spec.dtype)
@@ -120,12 +147,14 @@ def _forward(q, k, v, backend, varlen, out=None, lse=None, out_dtype=None, **kw)
         {"out": (q.shape, spec.dtype), "lse": (_lse_shape(spec), "float32")})
     with plans.record() as rec:
         o, l_ = b.forward(spec, q, k, v, alibi_slopes=alibi, cu_seqlens_q=cu_q,
-                          cu_seqlens_k=cu_k, block_table=bt, out_fp32=fp32, **given)
+                          cu_seqlens_k=cu_k, block_table=bt, out_fp32=fp32,
+                          rng_state=rng if spec.dropout_p else None, **given)
     if key is not None:
         plans.remember(key, rec.plan((("q", _ptr(q)), ("k", _ptr(k)), ("v", _ptr(v)),
                                       ("o", _ptr(o)), ("lse", _ptr(l_)),
                                       ("alibi_slopes", _ptr(alibi)), ("cu_seqlens_q", _ptr(cu_q)),
-                                      ("cu_seqlens_k", _ptr(cu_k)), ("block_table", _ptr(bt))),
+                                      ("cu_seqlens_k", _ptr(cu_k)), ("block_table", _ptr(bt)),
+                                      ("dropout_rng", _ptr(rng))),
                                      q.device.id, result=o.dtype))
     return o, l_
 
@@ -135,7 +164,8 @@ def _backward(dout, q, k, v, out, lse, backend, varlen, dq=None, dk=None, dv=Non
         from .backends import torch_ops
         return torch_ops.backward(dout, q, k, v, out, lse, backend=backend, varlen=varlen, **kw)
     alibi, cu_q, cu_k = kw.get("alibi_slopes"), kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")
-    key = _cupy_key("bwd", (q, dout, k, v, out, lse, dq, dk, dv, alibi, cu_q, cu_k),
+    rng = kw.get("rng_state")
+    key = _cupy_key("bwd", (q, dout, k, v, out, lse, dq, dk, dv, alibi, cu_q, cu_k, rng),
                     (backend, varlen, *(kw.get(n) for n in _FWD_OPTIONS)))
     if key is not None:
         plan = plans.lookup(key)
@@ -146,7 +176,8 @@ def _backward(dout, q, k, v, out, lse, backend, varlen, dq=None, dk=None, dv=Non
             gv = cupy.empty(v.shape, v.dtype) if dv is None else dv
             if _cupy_replay(plan, (dout.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr,
                                    out.data.ptr, lse.data.ptr, gq.data.ptr, gk.data.ptr,
-                                   gv.data.ptr, _ptr(alibi), _ptr(cu_q), _ptr(cu_k))):
+                                   gv.data.ptr, _ptr(alibi), _ptr(cu_q), _ptr(cu_k),
+                                   _ptr(rng))):
                 return gq, gk, gv
     spec = backward_spec(dout, q, k, v, out, lse, varlen=varlen, **kw)
     b = choose(spec, backend, backward=True)
@@ -155,19 +186,20 @@ def _backward(dout, q, k, v, out, lse, backend, varlen, dq=None, dk=None, dv=Non
         {"dq": (q.shape, spec.dtype), "dk": (k.shape, spec.dtype), "dv": (v.shape, spec.dtype)})
     with plans.record() as rec:
         gq, gk, gv = b.backward(spec, dout, q, k, v, out, lse, alibi_slopes=alibi,
-                                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **given)
+                                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                rng_state=rng if spec.dropout_p else None, **given)
     if key is not None:
         plans.remember(key, rec.plan(
             (("dout", _ptr(dout)), ("q", _ptr(q)), ("k", _ptr(k)), ("v", _ptr(v)),
              ("o", _ptr(out)), ("lse", _ptr(lse)), ("dq", _ptr(gq)), ("dk", _ptr(gk)),
              ("dv", _ptr(gv)), ("alibi_slopes", _ptr(alibi)), ("cu_seqlens_q", _ptr(cu_q)),
-             ("cu_seqlens_k", _ptr(cu_k))), q.device.id))
+             ("cu_seqlens_k", _ptr(cu_k)), ("dropout_rng", _ptr(rng))), q.device.id))
     return gq, gk, gv
 
 
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                       softcap=0.0, alibi_slopes=None, deterministic=False, backend=None,
-                      out=None, lse=None, out_dtype=None):
+                      out=None, lse=None, out_dtype=None, dropout_p=0.0, rng_state=None):
     """Forward pass. Returns ``(out, lse)``.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
@@ -178,44 +210,56 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=
     ``out_dtype=float32`` (or a float32 ``out``) with 16-bit inputs: the output unrounded, in
     float32, for partial results merged through their lse (:func:`merge_attention_states`,
     ring attention), so that nothing is rounded to 16 bits before the merge.
+    ``dropout_p`` > 0: attention dropout with the random state ``rng_state`` (an int64 array
+    (seed, offset) of q's library and device; see :mod:`flashcore.dropout`); pass the same
+    ``dropout_p`` and ``rng_state`` to :func:`attention_backward`.
     """
     return _forward(q, k, v, backend, False, out=out, lse=lse, out_dtype=out_dtype, causal=causal,
                     softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                    alibi_slopes=alibi_slopes, deterministic=deterministic)
+                    alibi_slopes=alibi_slopes, deterministic=deterministic,
+                    **_dropout_kw(dropout_p, rng_state))
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
                        window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                       deterministic=False, backend=None, dq=None, dk=None, dv=None):
+                       deterministic=False, backend=None, dq=None, dk=None, dv=None,
+                       dropout_p=0.0, rng_state=None):
     """Backward pass from the forward's ``out`` and ``lse``. Returns ``(dq, dk, dv)``.
 
     ``deterministic=True`` gives bitwise identical gradients run after run. CuPy arrays:
     ``dq``, ``dk``, ``dv`` may be given, preallocated (see :func:`attention_forward`).
+    Dropout: the forward's ``dropout_p`` and ``rng_state`` (the mask is regenerated).
     """
     return _backward(dout, q, k, v, out, lse, backend, False, dq=dq, dk=dk, dv=dv,
                      causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                     softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
+                     softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+                     **_dropout_kw(dropout_p, rng_state))
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
               softcap=0.0, alibi_slopes=None, deterministic=False, return_lse=False,
-              backend=None):
+              backend=None, dropout_p=0.0, rng_state=None):
     """softmax(q·kᵀ·scale + mask)·v, exactly, the FlashAttention way.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
     Returns out (like q), or ``(out, lse)`` with ``return_lse=True``. On torch tensors the
     result is differentiable (autograd); on NumPy/CuPy arrays use :func:`attention_backward`.
+    ``dropout_p`` > 0: attention dropout (training), its random state drawn from the array
+    library's generator unless ``rng_state`` is given (torch: from torch's generator of q's
+    device, on the device, so ``torch.manual_seed`` reproduces a run; NumPy: ``numpy.random``;
+    CuPy: ``cupy.random``); see :mod:`flashcore.dropout`.
     """
+    drop = _dropout_kw(dropout_p, rng_state, q)
     if library_of(q) == "torch":    # validated once, inside (this path is per-call overhead)
         from .backends.torch_ops import autograd_attention
         out, lse = autograd_attention(q, k, v, backend=backend, causal=causal,
                                       softmax_scale=softmax_scale, window_size=window_size,
                                       softcap=softcap, alibi_slopes=alibi_slopes,
-                                      deterministic=deterministic)
+                                      deterministic=deterministic, **drop)
     else:
         out, lse = _forward(q, k, v, backend, False, causal=causal, softmax_scale=softmax_scale,
                             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                            deterministic=deterministic)
+                            deterministic=deterministic, **drop)
     return (out, lse) if return_lse else out
 
 
@@ -223,7 +267,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=N
                              max_seqlen_k=None, *, causal=False, softmax_scale=None,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                              deterministic=False, backend=None, block_table=None,
-                             out_dtype=None):
+                             out_dtype=None, dropout_p=0.0, rng_state=None):
     """Forward over packed variable-length sequences. Returns ``(out, lse)``.
 
     q: (total_q, nheads, headdim), k, v: (total_k, nheads_k, headdim); sequence b holds
@@ -239,39 +283,44 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=N
     b is row ``t % page_size`` of block ``block_table[b, t // page_size]``, and
     ``cu_seqlens_k`` gives only the key lengths (``cu_seqlens_k[b+1] - cu_seqlens_k[b]``).
     Forward only (there is no backward over a paged cache, as in flash-attn).
-    ``out_dtype``: as in :func:`attention_forward`.
+    ``out_dtype``, ``dropout_p``, ``rng_state``: as in :func:`attention_forward`.
     """
     return _forward(q, k, v, backend, True, out_dtype=out_dtype, causal=causal,
                     softmax_scale=softmax_scale,
                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                     deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                    max_seqlen_k=max_seqlen_k, block_table=block_table)
+                    max_seqlen_k=max_seqlen_k, block_table=block_table,
+                    **_dropout_kw(dropout_p, rng_state))
 
 
 def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                               max_seqlen_q=None, max_seqlen_k=None, *, causal=False,
                               softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                              alibi_slopes=None, deterministic=False, backend=None):
+                              alibi_slopes=None, deterministic=False, backend=None,
+                              dropout_p=0.0, rng_state=None):
     """Backward over packed variable-length sequences. Returns ``(dq, dk, dv)``."""
     return _backward(dout, q, k, v, out, lse, backend, True, causal=causal,
                      softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                      alibi_slopes=alibi_slopes, deterministic=deterministic,
                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                     **_dropout_kw(dropout_p, rng_state))
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
                      max_seqlen_k=None, *, causal=False, softmax_scale=None,
                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                     deterministic=False, return_lse=False, backend=None, block_table=None):
+                     deterministic=False, return_lse=False, backend=None, block_table=None,
+                     dropout_p=0.0, rng_state=None):
     """:func:`attention` over packed variable-length sequences (differentiable on torch;
     with ``block_table``, over a paged KV cache, forward only: see
     :func:`varlen_attention_forward`)."""
     kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
               softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table)
+              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
+              **_dropout_kw(dropout_p, rng_state, q))
     if library_of(q) == "torch":
         from .backends.torch_ops import autograd_attention
         out, lse = autograd_attention(q, k, v, backend=backend, varlen=True, **kw)

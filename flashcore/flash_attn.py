@@ -8,8 +8,11 @@
 Names, argument order, defaults, shapes and returns are flash-attn 2.x's
 (``flash_attn/flash_attn_interface.py``). Differences, each refused or documented:
 
-* ``dropout_p`` > 0 raises :class:`NotImplementedError` (flashcore has no attention dropout
-  yet); with flash-attn too, dropout is only meant for training.
+* ``dropout_p`` > 0 drops attention probabilities (training; flash-attn says the same: 0.0
+  for evaluation) with flashcore's counter-based stream (:mod:`flashcore.dropout`), its state
+  drawn from torch's generator of the tensors' device, so ``torch.manual_seed`` reproduces a
+  run. ``return_attn_probs=True`` returns None as its third element, with or without dropout
+  (flash-attn returns the dropout-encoded probabilities there, for its tests).
 * ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: flashcore never
   materialises the attention probabilities, so the third element (flash-attn's ``S_dmask``,
   documented there as "for testing only") is always None.
@@ -54,13 +57,6 @@ __all__ = [
 ]
 
 
-def _check_dropout(dropout_p):
-    if dropout_p:
-        raise NotImplementedError(
-            f"argument 'dropout_p': flashcore does not implement attention dropout yet; "
-            f"expected 0.0, got {dropout_p!r}")
-
-
 def _result(out, lse, return_attn_probs):
     return (out, lse, None) if return_attn_probs else out
 
@@ -74,7 +70,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         q: (batch_size, seqlen_q, nheads, headdim)
         k, v: (batch_size, seqlen_k, nheads_k, headdim), nheads % nheads_k == 0; query head i
             uses key head i // (nheads // nheads_k).
-        dropout_p: must be 0.0 (dropout is not implemented).
+        dropout_p: the probability of dropping an attention probability (training only).
         softmax_scale: scaling of q·kᵀ before the softmax; default 1 / sqrt(headdim).
         causal: bottom-right aligned causal mask (see the module docstring).
         window_size: (left, right) sliding window, -1 = unbounded.
@@ -90,10 +86,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         (batch_size, nheads, seqlen_q), the natural-log log-sum-exp of each row of the final
         scores; the third element is always None (probabilities are never materialised).
     """
-    _check_dropout(dropout_p)
     out, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                         deterministic=deterministic, return_lse=True)
+                         deterministic=deterministic, return_lse=True, dropout_p=dropout_p)
     return _result(out, lse, return_attn_probs)
 
 
@@ -147,12 +142,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out: (total_q, nheads, headdim), or ``(out, softmax_lse, None)`` with
         ``return_attn_probs=True``, softmax_lse float32 (nheads, total_q).
     """
-    _check_dropout(dropout_p)
     out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 causal=causal, softmax_scale=softmax_scale,
                                 window_size=window_size, softcap=softcap,
                                 alibi_slopes=alibi_slopes, deterministic=deterministic,
-                                return_lse=True, block_table=block_table)
+                                return_lse=True, block_table=block_table, dropout_p=dropout_p)
     return _result(out, lse, return_attn_probs)
 
 

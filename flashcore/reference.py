@@ -166,29 +166,49 @@ def _rounder(round_to):
     return (lambda x: round_to_dtype(x, round_to)) if round_to else (lambda x: x)
 
 
-def naive_forward(spec, q, k, v, slopes=None, round_to=None):
+def dropout_factors(spec, rng_state, batch, sq, sk, batch_offset=0, ct=np.float64):
+    """(batch, nheads, sq, sk) factors of attention dropout (flashcore.dropout's stream): 0 for
+    a dropped probability, 1 / keep probability for a kept one; None without dropout. Batch
+    entry z is sequence ``batch_offset + z`` of the call."""
+    if not spec.dropout_p:
+        return None
+    from .dropout import keep_mask, keep_scale
+    bh = (batch_offset + np.arange(batch))[:, None] * spec.nheads + np.arange(spec.nheads)
+    keep = keep_mask(rng_state, spec.dropout_p, bh, np.arange(sq), np.arange(sk))
+    return np.where(keep, ct(keep_scale(spec.dropout_p)), ct(0.0))
+
+
+def naive_forward(spec, q, k, v, slopes=None, round_to=None, rng_state=None, batch_offset=0):
     """Dense (b, s, h, d) inputs of one sequence length. Returns (out (b,sq,h,d), lse (b,h,sq)).
 
     ``round_to`` ('float16'/'bfloat16') rounds every intermediate like a low-precision
-    computation would (scores after Q·Kᵀ, probabilities, output).
+    computation would (scores after Q·Kᵀ, probabilities, output). With ``spec.dropout_p``,
+    the probabilities are dropped by ``rng_state``'s stream (:func:`dropout_factors`; the
+    lse is the undropped one's).
     """
     r = _rounder(round_to)
     _, _, vh, p, _, m, l = _naive_probs(spec, q, k, v, slopes, r)
-    out = r(p @ vh)
+    z = dropout_factors(spec, rng_state, p.shape[0], p.shape[2], p.shape[3], batch_offset, p.dtype.type)
+    out = r((p if z is None else r(p * z)) @ vh)
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = np.where(l != 0, m + np.log(np.where(l != 0, l, 1)), -np.inf)[..., 0]
     return out.transpose(0, 2, 1, 3), lse
 
 
-def naive_backward(spec, dout, q, k, v, slopes=None, round_to=None):
-    """The textbook gradient, recomputed from q, k, v alone. Returns (dq, dk, dv)."""
+def naive_backward(spec, dout, q, k, v, slopes=None, round_to=None, rng_state=None,
+                   batch_offset=0):
+    """The textbook gradient, recomputed from q, k, v alone. Returns (dq, dk, dv).
+    With dropout (factors Z): O = (P∘Z)V, so dV = (P∘Z)ᵀdO and dS = P∘(dP∘Z - rowsum(dO∘O))."""
     r = _rounder(round_to)
     g = spec.group_size
     qh, kh, vh, p, t, _, _ = _naive_probs(spec, q, k, v, slopes, r)
+    z = dropout_factors(spec, rng_state, p.shape[0], p.shape[2], p.shape[3], batch_offset, p.dtype.type)
     doh = _bhsd(dout).astype(qh.dtype)
-    dv = p.swapaxes(-1, -2) @ doh
+    pz = p if z is None else r(p * z)
+    dv = pz.swapaxes(-1, -2) @ doh
     dp = r(doh @ vh.swapaxes(-1, -2))
-    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))   # softmax Jacobian
+    dpz = dp if z is None else dp * z
+    ds = p * (dpz - (pz * dp).sum(axis=-1, keepdims=True))   # softmax Jacobian
     if t is not None:
         ds = ds * (1.0 - t * t)                              # d softcap·tanh(x/softcap) / dx
     ds = r(ds * spec.softmax_scale)

@@ -5,6 +5,7 @@ names the argument, what was expected and what was given.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ class AttentionSpec:
     total_k: int | None = None
     page_size: int = 0           # varlen over a paged cache (block_table): rows per block
     num_blocks: int = 0          # ... and blocks in the pool
+    dropout_p: float = 0.0       # attention dropout (flashcore.dropout's stream), 0 <= p < 1
 
     @property
     def paged(self) -> bool:
@@ -228,13 +230,43 @@ def _scalar_key(v):
 def forward_spec(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                  softcap=0.0, alibi_slopes=None, deterministic=False,
                  cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                 max_seqlen_k=None, varlen=False, block_table=None) -> AttentionSpec:
+                 max_seqlen_k=None, varlen=False, block_table=None, dropout_p=0.0,
+                 rng_state=None) -> AttentionSpec:
     """Validate the forward arguments and return their spec. Raises TypeError/ValueError."""
-    return _forward_spec(
+    spec = _forward_spec(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
         softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, varlen=varlen, block_table=block_table)
+    p = _dropout(dropout_p, rng_state, spec)
+    return spec if p == 0.0 else dataclasses.replace(spec, dropout_p=p)
+
+
+def _dropout(dropout_p, rng_state, spec) -> float:
+    """The validated drop probability; with p > 0, ``rng_state`` must be the call's random
+    state: an int64 array of 2 elements (seed, offset) of q's library and device."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (numbers.Real,)):
+        raise _arg_error(TypeError, "dropout_p", "a float in [0, 1)", repr(dropout_p))
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise _arg_error(ValueError, "dropout_p", "a float in [0, 1)", p)
+    if p == 0.0:
+        return p
+    if spec.paged:
+        raise _arg_error(ValueError, "dropout_p", "0.0 over a paged cache (forward-only "
+                         "inference; flash-attn's rule too)", p)
+    if rng_state is None:
+        raise _arg_error(ValueError, "rng_state", "the call's random state with dropout_p > 0: "
+                         "an int64 array (seed, offset), the same in the forward and the "
+                         "backward", "None")
+    _check_array("rng_state", rng_state, 1, spec.library, spec.device)
+    if dtype_name(rng_state) != "int64" or int(rng_state.shape[0]) != 2:
+        raise _arg_error(TypeError, "rng_state", "an int64 array of 2 elements (seed, offset)",
+                         f"dtype {dtype_name(rng_state)} and shape {tuple(rng_state.shape)}")
+    if not rng_state.flags.c_contiguous if hasattr(rng_state, "flags") else \
+            not rng_state.is_contiguous():
+        raise _arg_error(ValueError, "rng_state", "a contiguous array", "a strided one")
+    return p
 
 
 # Varlen over a paged cache: the forward reads a whole key tile (up to 128 rows) from one page.

@@ -121,18 +121,24 @@ def test_varlen_packed_variants_equal_unpacked():
     lambda q, k, v: fa.flash_attn_func(q, k, v, dropout_p=0.5),
     lambda q, k, v: fa.flash_attn_qkvpacked_func(torch.stack((q, k, v), 2), dropout_p=0.1),
     lambda q, k, v: fa.flash_attn_kvpacked_func(q, torch.stack((k, v), 2), dropout_p=0.1),
+    lambda q, k, v: fa.flash_attn_varlen_func(q[0], k[0], v[0], torch.tensor([0, 9], dtype=torch.int32),
+                                              torch.tensor([0, 9], dtype=torch.int32), 9, 9,
+                                              dropout_p=0.3)[None],
 ])
-def test_dropout_is_refused_naming_dropout_p(call):
-    q, k, v = _rand(1, 3, 2, 8), _rand(1, 3, 2, 8), _rand(1, 3, 2, 8)
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        call(q, k, v)
-
-
-def test_varlen_dropout_is_refused():
-    cu = torch.tensor([0, 3], dtype=torch.int32)
-    q = _rand(3, 2, 8)
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        fa.flash_attn_varlen_func(q, q, q, cu, cu, 3, 3, dropout_p=0.1)
+def test_dropout_drops_reproducibly_under_manual_seed(call):
+    """dropout_p > 0: probabilities dropped (the output differs from dropout_p=0, and from a
+    second draw), the same under the same torch.manual_seed, and differentiable."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 9, 2, 8, generator=g, dtype=torch.float64).requires_grad_()
+               for _ in range(3))
+    torch.manual_seed(7)
+    a = call(q, k, v)
+    torch.manual_seed(7)
+    b = call(q, k, v)
+    c = call(q, k, v)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    a.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
 def test_varlen_block_table_reads_a_paged_cache():

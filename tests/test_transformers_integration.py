@@ -210,13 +210,31 @@ def test_left_padded_static_cache_generate_matches_sdpa(name):
     assert ours.generate(ids, **kw).tolist() == ref.generate(ids, **kw).tolist()
 
 
-def test_dropout_in_training_is_refused():
-    q = torch.randn(1, 2, 3, 8)
-
-    class M(torch.nn.Module):
-        is_causal = True
-    with pytest.raises(NotImplementedError, match="dropout"):
-        fct.flashcore_attention_forward(M(), q, q, q, None, dropout=0.1)
+def test_dropout_in_training_drops_reproducibly(name):
+    """A model in training mode with attention_dropout: the attention function drops
+    probabilities (loss differs from eval mode), reproducibly under torch.manual_seed, and the
+    gradients flow; a padded batch takes the varlen route with dropout too."""
+    cfg_kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                  attention_dropout=0.3)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg_kw))
+    model.set_attn_implementation(name)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, :4] = 0
+    for am in (None, mask):
+        model.train()
+        torch.manual_seed(5)
+        a = model(ids, attention_mask=am, labels=ids).loss
+        torch.manual_seed(5)
+        b = model(ids, attention_mask=am, labels=ids).loss
+        model.eval()
+        c = model(ids, attention_mask=am, labels=ids).loss
+        assert torch.equal(a, b) and not torch.equal(a, c)
+        a.backward()
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+        model.zero_grad()
 
 
 def test_attention_function_handles_window_softcap_and_4d_causal_mask():

@@ -70,14 +70,15 @@ class Backend:
 
     # -- the work -------------------------------------------------------------------------
     def forward(self, spec, q, k, v, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                block_table=None, out_fp32=False):
+                block_table=None, out_fp32=False, rng_state=None):
         """Return ``(out, lse)``; out like q in q's dtype (float32 with ``out_fp32``), lse
         float32 (b, h, sq) / (h, total_q). ``block_table`` (varlen, ``spec.paged``): k, v are a
-        paged cache (see flashcore.spec)."""
+        paged cache (see flashcore.spec). ``rng_state``: dropout's (seed, offset) when
+        ``spec.dropout_p`` > 0 (flashcore.dropout)."""
         raise NotImplementedError
 
     def backward(self, spec, dout, q, k, v, out, lse, *, alibi_slopes=None,
-                 cu_seqlens_q=None, cu_seqlens_k=None):
+                 cu_seqlens_q=None, cu_seqlens_k=None, rng_state=None):
         """Return ``(dq, dk, dv)`` in the input dtypes; dk/dv summed over GQA groups."""
         raise NotImplementedError
 

@@ -107,16 +107,19 @@ class CupyBackend(Backend):
         return r
 
     @staticmethod
-    def _kernel_kwargs(spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k):
-        return dict(softmax_scale=spec.softmax_scale, window_left=spec.window_left,
-                    window_right=spec.window_right, softcap=spec.softcap,
-                    alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
-                    cu_seqlens_k=cu_seqlens_k,
-                    max_seqlen_q=spec.seqlen_q if spec.varlen else None,
-                    max_seqlen_k=spec.seqlen_k if spec.varlen else None)
+    def _kernel_kwargs(spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state=None):
+        kw = dict(softmax_scale=spec.softmax_scale, window_left=spec.window_left,
+                  window_right=spec.window_right, softcap=spec.softcap,
+                  alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+                  cu_seqlens_k=cu_seqlens_k,
+                  max_seqlen_q=spec.seqlen_q if spec.varlen else None,
+                  max_seqlen_k=spec.seqlen_k if spec.varlen else None)
+        if spec.dropout_p:
+            kw.update(dropout_p=spec.dropout_p, rng_state=rng_state)
+        return kw
 
     def forward(self, spec, q, k, v, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                out=None, lse=None, block_table=None, out_fp32=False):
+                out=None, lse=None, block_table=None, out_fp32=False, rng_state=None):
         import cupy
         from ..kernels.forward import launch_forward
         with cupy.cuda.Device(q.device.id), _translate_oom("forward"):
@@ -127,7 +130,8 @@ class CupyBackend(Backend):
                     (spec.batch, spec.nheads, spec.seqlen_q)
                 lse = cupy.empty(shape, dtype=cupy.float32)
             if q.size and k.shape[0]:
-                kw = self._kernel_kwargs(spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+                kw = self._kernel_kwargs(spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                                         rng_state)
                 if block_table is not None:
                     kw["block_table"] = block_table
                 if spec.headdim % 8:
@@ -145,7 +149,8 @@ class CupyBackend(Backend):
         return out, lse
 
     def backward(self, spec, dout, q, k, v, out, lse, *, alibi_slopes=None,
-                 cu_seqlens_q=None, cu_seqlens_k=None, dq=None, dk=None, dv=None):
+                 cu_seqlens_q=None, cu_seqlens_k=None, dq=None, dk=None, dv=None,
+                 rng_state=None):
         import cupy
         from ..kernels.backward import launch_backward
         with cupy.cuda.Device(q.device.id), _translate_oom("backward"):
@@ -153,9 +158,8 @@ class CupyBackend(Backend):
             dk = cupy.empty(k.shape, k.dtype) if dk is None else dk
             dv = cupy.empty(v.shape, v.dtype) if dv is None else dv
             if q.size and k.shape[0]:
-                kw = self._kernel_kwargs(spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
-                if block_table is not None:
-                    kw["block_table"] = block_table
+                kw = self._kernel_kwargs(spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                                         rng_state)
                 if spec.headdim % 8:       # padded as in the forward (the padding's gradient
                     d = spec.headdim       # is computed and dropped)
                     g8 = [cupy.empty(_padded_shape(x), x.dtype) for x in (q, k, v)]

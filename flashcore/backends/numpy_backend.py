@@ -66,11 +66,23 @@ def _ungrouped(x):   # (b, hk, group, s, ...) -> (b, h, s, ...)
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
 
-def tiled_forward(spec, q, k, v, slopes=None, block_q=BLOCK_Q, block_k=BLOCK_K):
+def _tile_dropout(spec, rng_state, z, hk, g, rows, cols, ct):
+    """Dropout factors of one (hk, g, rows, cols) tile of sequence z (None without dropout)."""
+    if not spec.dropout_p:
+        return None
+    from ..dropout import keep_mask, keep_scale
+    bh = z * spec.nheads + np.arange(hk * g).reshape(hk, g)
+    return np.where(keep_mask(rng_state, spec.dropout_p, bh, rows, cols),
+                    ct(keep_scale(spec.dropout_p)), ct(0.0))
+
+
+def tiled_forward(spec, q, k, v, slopes=None, block_q=BLOCK_Q, block_k=BLOCK_K, rng_state=None,
+                  batch_offset=0):
     """FlashAttention forward on dense (b, s, h, d) inputs. Returns (out, lse).
 
     One sequence at a time, all its heads at once: every step below is one batched operation
-    over (nheads_k, group) of (block_q, block_k) score tiles."""
+    over (nheads_k, group) of (block_q, block_k) score tiles. Dropout (``spec.dropout_p``)
+    scales the probabilities that multiply V, not the row sums: the lse is the undropped one."""
     ct = np.float64 if q.dtype == np.float64 else np.float32
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -101,7 +113,9 @@ def tiled_forward(spec, q, k, v, slopes=None, block_q=BLOCK_Q, block_k=BLOCK_K):
                 alpha = np.exp(m - m_safe)                   # rescales what was summed so far
                 l = alpha * l + p.sum(axis=-1, keepdims=True)
                 acc *= alpha
-                acc += p @ vj
+                zf = _tile_dropout(spec, rng_state, batch_offset + z, hk, g, rows,
+                                   np.arange(c0, c1), ct)
+                acc += (p if zf is None else p * zf) @ vj
                 m = m_new
             seen = l != 0   # NaN scores give NaN, not "saw nothing"
             with np.errstate(divide="ignore", invalid="ignore"):
@@ -111,7 +125,8 @@ def tiled_forward(spec, q, k, v, slopes=None, block_q=BLOCK_Q, block_k=BLOCK_K):
     return _ungrouped(out).transpose(0, 2, 1, 3), _ungrouped(lse)
 
 
-def tiled_backward(spec, dout, q, k, v, out, lse, slopes=None, block_q=BLOCK_Q, block_k=BLOCK_K):
+def tiled_backward(spec, dout, q, k, v, out, lse, slopes=None, block_q=BLOCK_Q, block_k=BLOCK_K,
+                   rng_state=None, batch_offset=0):
     """FlashAttention backward: P recomputed per block from the LSE. Returns (dq, dk, dv).
 
     Layout as in :func:`tiled_forward`. dK and dV of a key block sum over the query heads of
@@ -142,8 +157,13 @@ def tiled_backward(spec, dout, q, k, v, out, lse, slopes=None, block_q=BLOCK_Q, 
                 qi, doi = qg[z, :, :, r0:r1], dog[z, :, :, r0:r1]    # (hk, g, rows, d)
                 s, t = sc(qi @ kj.swapaxes(-1, -2), np.arange(r0, r1), cols)
                 p = np.exp(np.subtract(s, lse_safe[z, :, :, r0:r1, None], out=s), out=s)
-                dv[z, :, c0:c1] += p.reshape(hk, n, -1).swapaxes(-1, -2) @ doi.reshape(hk, n, d)
+                zf = _tile_dropout(spec, rng_state, batch_offset + z, hk, g,
+                                   np.arange(r0, r1), cols, ct)
+                pz = p if zf is None else p * zf
+                dv[z, :, c0:c1] += pz.reshape(hk, n, -1).swapaxes(-1, -2) @ doi.reshape(hk, n, d)
                 dp = doi @ vj.swapaxes(-1, -2)
+                if zf is not None:
+                    dp *= zf
                 ds = p * (dp - D[z, :, :, r0:r1, None])
                 if t is not None:
                     ds *= 1.0 - t * t
@@ -307,45 +327,51 @@ class NumpyBackend(Backend):
     def info(self):
         return {"numpy": np.__version__}
 
-    def _fwd(self, spec, q, k, v, slopes):
+    def _fwd(self, spec, q, k, v, slopes, rng_state=None, batch_offset=0):
         if self.path == "naive":
-            return naive_forward(spec, q, k, v, slopes)
-        return tiled_forward(spec, q, k, v, slopes, self.block_q, self.block_k)
+            return naive_forward(spec, q, k, v, slopes, rng_state=rng_state,
+                                 batch_offset=batch_offset)
+        return tiled_forward(spec, q, k, v, slopes, self.block_q, self.block_k, rng_state,
+                             batch_offset)
 
-    def _bwd(self, spec, dout, q, k, v, out, lse, slopes):
+    def _bwd(self, spec, dout, q, k, v, out, lse, slopes, rng_state=None, batch_offset=0):
         if self.path == "naive":
-            return naive_backward(spec, dout, q, k, v, slopes)
-        return tiled_backward(spec, dout, q, k, v, out, lse, slopes, self.block_q, self.block_k)
+            return naive_backward(spec, dout, q, k, v, slopes, rng_state=rng_state,
+                                  batch_offset=batch_offset)
+        return tiled_backward(spec, dout, q, k, v, out, lse, slopes, self.block_q, self.block_k,
+                              rng_state, batch_offset)
 
     def forward(self, spec, q, k, v, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                block_table=None, out_fp32=False):
+                block_table=None, out_fp32=False, rng_state=None):
         if block_table is not None:      # varlen over a paged cache: gather, then as packed
             k, v = (paged_gather(x, block_table, cu_seqlens_k, spec.page_size) for x in (k, v))
             spec = dataclasses.replace(spec, page_size=0, num_blocks=0, total_k=k.shape[0])
         odt = np.dtype(np.float32) if out_fp32 else _out_dtype(spec.dtype)
         lse_dt = np.float64 if spec.dtype == "float64" else np.float32
         if not spec.varlen:
-            out, lse = self._fwd(spec, q, k, v, _slopes_for(spec, alibi_slopes, batch=spec.batch))
+            out, lse = self._fwd(spec, q, k, v, _slopes_for(spec, alibi_slopes, batch=spec.batch),
+                                 rng_state)
             return out.astype(odt), lse.astype(lse_dt)
         out = np.zeros(q.shape, odt)
         lse = np.full((spec.nheads, q.shape[0]), -np.inf, lse_dt)
         for i, sq_, sk_ in _per_sequence(spec, cu_seqlens_q, cu_seqlens_k):
             o, l = self._fwd(spec, q[None, sq_], k[None, sk_], v[None, sk_],
-                             _slopes_for(spec, alibi_slopes, i))
+                             _slopes_for(spec, alibi_slopes, i), rng_state, i)
             out[sq_] = o[0]
             lse[:, sq_] = l[0]
         return out, lse
 
     def backward(self, spec, dout, q, k, v, out, lse, *, alibi_slopes=None,
-                 cu_seqlens_q=None, cu_seqlens_k=None):
+                 cu_seqlens_q=None, cu_seqlens_k=None, rng_state=None):
         if not spec.varlen:
             dq, dk, dv = self._bwd(spec, dout, q, k, v, out, lse,
-                                   _slopes_for(spec, alibi_slopes, batch=spec.batch))
+                                   _slopes_for(spec, alibi_slopes, batch=spec.batch), rng_state)
             return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
         dq, dk, dv = (np.zeros(x.shape, x.dtype) for x in (q, k, v))
         for i, sq_, sk_ in _per_sequence(spec, cu_seqlens_q, cu_seqlens_k):
             g = self._bwd(spec, dout[None, sq_], q[None, sq_], k[None, sk_], v[None, sk_],
-                          out[None, sq_], lse[None, :, sq_], _slopes_for(spec, alibi_slopes, i))
+                          out[None, sq_], lse[None, :, sq_], _slopes_for(spec, alibi_slopes, i),
+                          rng_state, i)
             dq[sq_], dk[sk_], dv[sk_] = g[0][0], g[1][0], g[2][0]
         return dq, dk, dv
 

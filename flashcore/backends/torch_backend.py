@@ -138,10 +138,12 @@ class TorchBackend(Backend):
     # -- the work (plain tensors in and out; autograd lives in the custom ops below) --------
 
     def forward(self, spec, q, k, v, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                block_table=None, out_fp32=False):
+                block_table=None, out_fp32=False, rng_state=None):
         """Return ``(out, lse)`` as torch tensors on q's device; out contiguous, like q."""
         import torch
         paged = {} if block_table is None else {"block_table": block_table}
+        if rng_state is not None:
+            paged["rng_state"] = rng_state
         if q.device.type == "cpu":
             nb = get_backend("numpy")
             out, lse = nb.forward(_on_library(spec, "numpy"),
@@ -164,7 +166,7 @@ class TorchBackend(Backend):
         return out, lse
 
     def backward(self, spec, dout, q, k, v, out, lse, *, alibi_slopes=None,
-                 cu_seqlens_q=None, cu_seqlens_k=None):
+                 cu_seqlens_q=None, cu_seqlens_k=None, rng_state=None):
         """Return ``(dq, dk, dv)`` as contiguous torch tensors like q, k, v."""
         import torch
         if q.device.type == "cpu":
@@ -172,7 +174,7 @@ class TorchBackend(Backend):
             grads = nb.backward(_on_library(spec, "numpy"),
                                 *(_np(x) for x in (dout, q, k, v, out, lse)),
                                 alibi_slopes=_np(alibi_slopes), cu_seqlens_q=_np(cu_seqlens_q),
-                                cu_seqlens_k=_np(cu_seqlens_k))
+                                cu_seqlens_k=_np(cu_seqlens_k), rng_state=_np(rng_state))
             # In the inputs' layout, like the CUDA path and the fake implementation.
             return tuple(torch.empty_like(x).copy_(torch.from_numpy(g))
                          for x, g in zip((q, k, v), grads))
@@ -184,7 +186,8 @@ class TorchBackend(Backend):
             cb.backward(_on_library(spec, "cupy"),
                         *(_cp(x) for x in (dout, q, k, v, out, lse)),
                         alibi_slopes=_cp(alibi_slopes), cu_seqlens_q=_cp(cu_seqlens_q),
-                        cu_seqlens_k=_cp(cu_seqlens_k), dq=_cp(dq), dk=_cp(dk), dv=_cp(dv))
+                        cu_seqlens_k=_cp(cu_seqlens_k), dq=_cp(dq), dk=_cp(dk), dv=_cp(dv),
+                        rng_state=_cp(rng_state))
         return dq, dk, dv
 
     # -- decoding with a KV cache (inference: no autograd) ---------------------------------

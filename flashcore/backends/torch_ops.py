@@ -55,10 +55,12 @@ _OPTIONS = ("int max_seqlen_q, int max_seqlen_k, bool causal, float softmax_scal
 # calls leave them out)
 _FWD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? alibi_slopes, Tensor? cu_seqlens_q, "
                f"Tensor? cu_seqlens_k, {_OPTIONS}, Tensor? block_table=None, "
-               "bool out_fp32=False) -> (Tensor, Tensor)")
+               "bool out_fp32=False, float dropout_p=0.0, Tensor? rng_state=None) "
+               "-> (Tensor, Tensor)")
 _BWD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
                "Tensor? alibi_slopes, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
-               f"{_OPTIONS}) -> (Tensor, Tensor, Tensor)")
+               f"{_OPTIONS}, float dropout_p=0.0, Tensor? rng_state=None) "
+               "-> (Tensor, Tensor, Tensor)")
 
 
 _KV_SCHEMA = ("(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
@@ -104,67 +106,73 @@ def torch_ops():
 
 def _fwd_impl(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
               causal, softmax_scale, window_left, window_right, softcap, deterministic,
-              block_table=None, out_fp32=False):
+              block_table=None, out_fp32=False, dropout_p=0.0, rng_state=None):
     import torch
     key = None
     if q.is_cuda and not config.debug():     # (debug mode validates every call)
         key = ("fwd", layout(q), layout(k), layout(v), layout(alibi_slopes),
                layout(cu_seqlens_q), layout(cu_seqlens_k), max_seqlen_q, max_seqlen_k, causal,
                softmax_scale, window_left, window_right, softcap, deterministic, config.get(),
-               layout(block_table), out_fp32)
+               layout(block_table), out_fp32, dropout_p, layout(rng_state))
         plan = plans.lookup(key)
         if plan is not None:
             out = q.new_empty(q.shape, dtype=torch.float32) if out_fp32 else q.new_empty(q.shape)
             lse = q.new_empty(lse_shape(q.shape, cu_seqlens_q is not None), dtype=torch.float32)
             if replay(torch, plan, (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                                     lse.data_ptr(), _ptr(alibi_slopes), _ptr(cu_seqlens_q),
-                                    _ptr(cu_seqlens_k), _ptr(block_table)), q.device):
+                                    _ptr(cu_seqlens_k), _ptr(block_table), _ptr(rng_state)),
+                      q.device):
                 return out, lse
     spec = _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                       max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
-                      deterministic, block_table=block_table)
+                      deterministic, block_table=block_table, dropout_p=dropout_p,
+                      rng_state=rng_state)
     with plans.record() as rec:
         out, lse = _BACKEND.forward(spec, q, k, v, alibi_slopes=alibi_slopes,
                                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                     block_table=block_table,
-                                    out_fp32=out_fp32 and spec.dtype in ("float16", "bfloat16"))
+                                    out_fp32=out_fp32 and spec.dtype in ("float16", "bfloat16"),
+                                    rng_state=rng_state if spec.dropout_p else None)
     if key is not None:
         plans.remember(key, rec.plan(_roles(q=q, k=k, v=v, o=out, lse=lse,
                                             alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
-                                            cu_seqlens_k=cu_seqlens_k, block_table=block_table),
-                                     q.device.index))
+                                            cu_seqlens_k=cu_seqlens_k, block_table=block_table,
+                                            dropout_rng=rng_state), q.device.index))
     return out, lse
 
 
 def _bwd_impl(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
               max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
-              deterministic):
+              deterministic, dropout_p=0.0, rng_state=None):
     import torch
     key = None
     if q.is_cuda and not config.debug():     # (debug mode validates every call)
         key = ("bwd", layout(dout), layout(q), layout(k), layout(v), layout(out), layout(lse),
                layout(alibi_slopes), layout(cu_seqlens_q), layout(cu_seqlens_k), max_seqlen_q,
                max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
-               deterministic, config.get())
+               deterministic, config.get(), dropout_p, layout(rng_state))
         plan = plans.lookup(key)
         if plan is not None:
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
             if replay(torch, plan, (dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                     out.data_ptr(), lse.data_ptr(), dq.data_ptr(),
                                     dk.data_ptr(), dv.data_ptr(), _ptr(alibi_slopes),
-                                    _ptr(cu_seqlens_q), _ptr(cu_seqlens_k)), q.device):
+                                    _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(rng_state)),
+                      q.device):
                 return dq, dk, dv
     spec = _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                       max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
-                      deterministic, (dout, out, lse))
+                      deterministic, (dout, out, lse), dropout_p=dropout_p, rng_state=rng_state)
     with plans.record() as rec:
         dq, dk, dv = _BACKEND.backward(spec, dout, q, k, v, out, lse, alibi_slopes=alibi_slopes,
-                                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+                                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                       rng_state=rng_state if spec.dropout_p else None)
     if key is not None:
         plans.remember(key, rec.plan(_roles(dout=dout, q=q, k=k, v=v, o=out, lse=lse, dq=dq,
                                             dk=dk, dv=dv, alibi_slopes=alibi_slopes,
                                             cu_seqlens_q=cu_seqlens_q,
-                                            cu_seqlens_k=cu_seqlens_k), q.device.index))
+                                            cu_seqlens_k=cu_seqlens_k,
+                                            dropout_rng=rng_state), q.device.index))
     return dq, dk, dv
 
 
@@ -212,7 +220,7 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, b
 
 def _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                causal, softmax_scale, window_left, window_right, softcap, deterministic,
-               backward=None, block_table=None):
+               backward=None, block_table=None, dropout_p=0.0, rng_state=None):
     """The full validation of an op call whose layout is new (named errors; every backend's
     reasons), as the public function would do it: its spec."""
     varlen = cu_seqlens_q is not None
@@ -220,7 +228,8 @@ def _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
               window_size=(window_left, window_right), softcap=softcap,
               alibi_slopes=alibi_slopes, deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
               cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q if varlen else None,
-              max_seqlen_k=max_seqlen_k if varlen else None)
+              max_seqlen_k=max_seqlen_k if varlen else None, dropout_p=dropout_p,
+              rng_state=rng_state)
     if backward is None:
         spec = forward_spec(q, k, v, block_table=block_table, **kw)
     else:
@@ -264,7 +273,8 @@ def _define_ops():
         for key in ("CPU", "CUDA"):
             lib.impl(name, impl, key)
 
-    def fwd_fake(q, k, v, alibi_slopes, cu_seqlens_q, *args, block_table=None, out_fp32=False):
+    def fwd_fake(q, k, v, alibi_slopes, cu_seqlens_q, *args, block_table=None, out_fp32=False,
+                 **_):
         if len(args) > 10:     # (given positionally)
             out_fp32 = args[10]
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -307,12 +317,15 @@ def _attention_function(torch, ops):
         # q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, the index of each in ``tensors``
         # (-1: None).
         @staticmethod
-        def forward(ctx, where, options, *tensors):
-            q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k = _roles_of(where, tensors)
-            out, lse = fwd_op(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *options)
+        def forward(ctx, where, options, dropout_p, *tensors):
+            q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng = _roles_of(where, tensors)
+            drop = (dropout_p, rng) if dropout_p else ()
+            out, lse = fwd_op(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *options,
+                              *((None, False) + drop if drop else ()))
             ctx.save_for_backward(out, lse, *tensors)
             ctx.where = where
             ctx.options = options
+            ctx.dropout_p = dropout_p
             ctx.mark_non_differentiable(lse)
             # lse has no gradient: not materialised as zeros (a fill kernel and an allocation
             # per step); dout is None when out took no part in the loss
@@ -324,22 +337,23 @@ def _attention_function(torch, ops):
             out, lse, *tensors = ctx.saved_tensors
             where = ctx.where
             if dout is None:
-                return (None,) * (2 + len(tensors))
-            q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k = _roles_of(where, tensors)
+                return (None,) * (3 + len(tensors))
+            q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng = _roles_of(where, tensors)
             # The kernels need a contiguous last dimension; the incoming gradient can be
             # anything (an expanded scalar from .sum() has stride 0 everywhere).
             if dout.shape[-1] > 1 and dout.stride(-1) != 1:
                 dout = dout.contiguous()
             dq, dk, dv = bwd_op(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q,
-                                cu_seqlens_k, *ctx.options)
+                                cu_seqlens_k, *ctx.options,
+                                *((ctx.dropout_p, rng) if ctx.dropout_p else ()))
             if torch.is_grad_enabled():      # create_graph=True: refuse when differentiated
                 dq, dk, dv = NoSecondDerivative.apply(dout, q, k, v, dq, dk, dv)
             if where is _DISTINCT_QKV:
-                return None, None, dq, dk, dv
+                return None, None, None, dq, dk, dv
             grads = [None] * len(tensors)
             for i, g in zip(where[:3], (dq, dk, dv)):
                 grads[i] = g if grads[i] is None else grads[i] + g
-            return (None, None, *grads)
+            return (None, None, None, *grads)
 
     class NoSecondDerivative(torch.autograd.Function):
         @staticmethod
@@ -362,7 +376,8 @@ def _attention_function(torch, ops):
 def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, softmax_scale=None,
                        window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                        deterministic=False, cu_seqlens_q=None, cu_seqlens_k=None,
-                       max_seqlen_q=None, max_seqlen_k=None, block_table=None):
+                       max_seqlen_q=None, max_seqlen_k=None, block_table=None, dropout_p=0.0,
+                       rng_state=None):
     """Differentiable attention on torch tensors. Returns ``(out, lse)``; lse has no gradient.
 
     Eagerly, plain option values (bools, floats, an int pair, ``max_seqlen`` ints) become the
@@ -378,7 +393,8 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
             "(flash-attn has no backward for it either); expected inputs that do not require "
             "grad, or a call under torch.no_grad()")
     opts = None
-    if backend is None and not _compiling() and _tensors_or_none(
+    dropout = not (type(dropout_p) is float and dropout_p == 0.0)
+    if backend is None and not dropout and not _compiling() and _tensors_or_none(
             (k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table), varlen,
             cu_seqlens_q, cu_seqlens_k):
         opts = _plain_options(q, varlen, causal, softmax_scale, window_size, softcap,
@@ -388,7 +404,9 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
                             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                             deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
                             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                            max_seqlen_k=max_seqlen_k, block_table=block_table)
+                            max_seqlen_k=max_seqlen_k, block_table=block_table,
+                            **({"dropout_p": dropout_p, "rng_state": rng_state} if dropout else {}))
+        dropout_p = spec.dropout_p
         if not _compiling():
             # (the capability probe, CuPy import checks and device queries, is not traceable;
             # the shapes, dtypes and options were validated above either way)
@@ -398,12 +416,15 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (None, None)
     if block_table is not None:      # (forward only, checked above)
         return _OVERLOADS["fwd"](q, k, v, alibi_slopes, cu_q, cu_k, *opts, block_table)
+    rng = rng_state if dropout_p else None
     if not _needs_grad(q, k, v):     # nothing to differentiate: the op alone (what autograd
-        return _OVERLOADS["fwd"](q, k, v, alibi_slopes, cu_q, cu_k, *opts)   # would run)
-    if alibi_slopes is None and cu_q is None and k is not q and v is not q and v is not k:
-        return _FUNCTION[0].apply(_DISTINCT_QKV, opts, q, k, v)     # (the common case)
+        return _OVERLOADS["fwd"](q, k, v, alibi_slopes, cu_q, cu_k, *opts,   # would run)
+                                 *((None, False, dropout_p, rng) if dropout_p else ()))
+    if alibi_slopes is None and cu_q is None and rng is None and k is not q and v is not q \
+            and v is not k:
+        return _FUNCTION[0].apply(_DISTINCT_QKV, opts, 0.0, q, k, v)     # (the common case)
     tensors, where = [], []
-    for t in (q, k, v, alibi_slopes, cu_q, cu_k):
+    for t in (q, k, v, alibi_slopes, cu_q, cu_k, rng):
         if t is None:
             where.append(-1)
             continue
@@ -414,17 +435,17 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
         else:
             where.append(len(tensors))
             tensors.append(t)
-    return _FUNCTION[0].apply(tuple(where), opts, *tensors)
+    return _FUNCTION[0].apply(tuple(where), opts, dropout_p, *tensors)
 
 
-_DISTINCT_QKV = (0, 1, 2, -1, -1, -1)     # q, k, v distinct; no alibi, no cu_seqlens
+_DISTINCT_QKV = (0, 1, 2, -1, -1, -1, -1)  # q, k, v distinct; no alibi, cu_seqlens, rng_state
 
 
 def _roles_of(where, tensors) -> tuple:
-    """(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k) from the Function's deduplicated
-    ``tensors`` and ``where`` (the index of each in ``tensors``, -1: None)."""
+    """(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state) from the Function's
+    deduplicated ``tensors`` and ``where`` (the index of each in ``tensors``, -1: None)."""
     if where is _DISTINCT_QKV:
-        return (*tensors, None, None, None)
+        return (*tensors, None, None, None, None)
     return tuple(None if i < 0 else tensors[i] for i in where)
 
 
@@ -556,7 +577,7 @@ def _explicit(kind, tensors, backend, varlen, kw):
     import torch
     q = tensors[0] if kind == "fwd" else tensors[1]
     opts = None
-    if backend is None and not _compiling() and _tensors_or_none(
+    if backend is None and "dropout_p" not in kw and not _compiling() and _tensors_or_none(
             tensors + tuple(kw.get(n) for n in ("alibi_slopes", "cu_seqlens_q", "cu_seqlens_k",
                                                 "block_table")),
             varlen, kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")):
@@ -569,10 +590,7 @@ def _explicit(kind, tensors, backend, varlen, kw):
     if kind == "fwd":
         kw = dict(kw)
         fp32 = out_fp32(kw.pop("out_dtype", None), dtype_name(q))
-    # the forward op's defaulted tail: (block_table, out_fp32), given only as far as needed
-    tail = (kw.get("block_table"),) if kw.get("block_table") is not None or fp32 else ()
-    if fp32:
-        tail = tail + (True,)
+    dropout_p = 0.0
     if opts is None:
         spec_kw = dict(kw, varlen=varlen)
         spec = forward_spec(*tensors, **spec_kw) if kind == "fwd" else \
@@ -580,6 +598,16 @@ def _explicit(kind, tensors, backend, varlen, kw):
         if not _compiling():
             choose(spec, backend, backward=kind == "bwd")
         opts = _options(spec)
+        dropout_p = spec.dropout_p
+    drop = (dropout_p, kw.get("rng_state")) if dropout_p else ()
+    # the ops' defaulted tails, given only as far as needed: fwd (block_table, out_fp32,
+    # dropout_p, rng_state), bwd (dropout_p, rng_state)
+    if kind == "fwd":
+        tail = (kw.get("block_table"), fp32) + drop
+        while tail and (tail[-1] is None or tail[-1] is False) and len(tail) <= 2:
+            tail = tail[:-1]
+    else:
+        tail = drop
     torch_ops()
     with torch.no_grad():
         return _OVERLOADS[kind](*tensors, args["alibi_slopes"], args["cu_seqlens_q"],

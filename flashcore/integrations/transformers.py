@@ -41,8 +41,10 @@ What the attention function does with what transformers passes it:
   Older transformers pass a 4D mask: it is
   accepted when it is exactly the causal/window mask flashcore applies anyway (checked on
   the values, so not under torch.compile), anything else is refused with an explanation.
-* ``dropout`` > 0 is refused (flashcore has no attention dropout). No attention weights are
-  returned (None), as with every fused implementation.
+* ``dropout`` > 0 (a model in training mode with ``attention_dropout``) drops attention
+  probabilities (:mod:`flashcore.dropout`; its state from torch's generator, so
+  ``torch.manual_seed`` reproduces a run); the cache routes above are taken only without it.
+  No attention weights are returned (None), as with every fused implementation.
 
 transformers is imported only by :func:`register`.
 """
@@ -141,33 +143,30 @@ def flashcore_attention_forward(module, query, key, value, attention_mask, scali
 
     Returns ``(attn_output, None)``: attn_output (batch, seq_q, heads, headdim) contiguous.
     """
-    if dropout:
-        raise NotImplementedError(
-            f"flashcore attention: argument 'dropout': attention dropout is not implemented; "
-            f"expected 0.0, got {dropout!r} (set the model's attention_dropout to 0.0 or call "
-            "model.eval())")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))   # (b, s, h, d) views
     kw = dict(causal=bool(is_causal), softmax_scale=scaling, window_size=_window(sliding_window),
               softcap=0.0 if softcap is None else softcap)
+    drop = {"dropout_p": float(dropout)} if dropout else {}
     if attention_mask is not None and attention_mask.ndim == 4:
         _check_4d_mask(attention_mask, q.shape[1], k.shape[1], kw["causal"], kw["window_size"])
         attention_mask = None
     import torch
     position_ids = kwargs.get("position_ids")
+    no_grad = not (torch.is_grad_enabled() and query.requires_grad)
     if attention_mask is None and k.shape[1] > q.shape[1] and position_ids is not None \
-            and not (torch.is_grad_enabled() and query.requires_grad):
+            and no_grad and not drop:
         out = _decode_over_cache(q, k, v, position_ids, **kw)
     elif attention_mask is None:
-        out = attention(q, k, v, **kw)
+        out = attention(q, k, v, **kw, **drop)
     elif attention_mask.ndim == 2:
         mask = _key_mask(attention_mask, k.shape[1])
-        if q.shape[1] < k.shape[1] and q.shape[1] <= CACHE_ROUTE_MAX_QUERIES \
-                and not (torch.is_grad_enabled() and query.requires_grad):
+        if q.shape[1] < k.shape[1] and q.shape[1] <= CACHE_ROUTE_MAX_QUERIES and no_grad \
+                and not drop:
             out = _masked_over_cache(q, k, v, mask, **kw)
         else:
-            out = _padded_via_varlen(q, k, v, mask, **kw)
+            out = _padded_via_varlen(q, k, v, mask, **kw, **drop)
     else:
         raise ValueError("flashcore attention: argument 'attention_mask': expected None, a 2D "
                          f"(batch, kv_len) padding mask or a 4D mask, got shape "

@@ -19,9 +19,10 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-from .common import (ELEM_TAGS, _as_input, _as_output, _strides, smallest_tile,
+from .common import (ELEM_TAGS, _as_input, _as_output, _int64_pair, _strides, smallest_tile,
                      tpl_bool as _b, window_arg as _window)
 from .. import config
+from .. import dropout as _dropout
 from . import plans
 from .params import WINDOW_NONE, as_kernel_arg, make_params
 
@@ -126,19 +127,21 @@ _ELEM = ELEM_TAGS
 
 
 def _dkdv_name(elem: str, d: int, t: BwdTile, is_local: bool, has_softcap: bool, has_alibi: bool,
-               even_d: bool, atomic_dq: bool) -> str:
+               even_d: bool, atomic_dq: bool, dropout: bool = False) -> str:
     if t.v2:
         return (f"flash_bwd_dkdv2_kernel<{elem}, {d}, {t.block_m}, {t.block_n}, {t.n_warps}, "
                 f"{t.s_wn}, {t.k_wn}, {t.q_wm}, "
-                f"{_b(is_local)}, {_b(has_softcap)}, {_b(has_alibi)}, {_b(even_d)}, {_b(atomic_dq)}>")
+                f"{_b(is_local)}, {_b(has_softcap)}, {_b(has_alibi)}, {_b(even_d)}, {_b(atomic_dq)}, "
+                f"{_b(dropout)}>")
     return (f"flash_bwd_dkdv_kernel<{elem}, {d}, {t.block_m}, {t.block_n}, {t.n_warps}, "
-            f"{_b(is_local)}, {_b(has_softcap)}, {_b(has_alibi)}, {_b(even_d)}, {_b(atomic_dq)}>")
+            f"{_b(is_local)}, {_b(has_softcap)}, {_b(has_alibi)}, {_b(even_d)}, {_b(atomic_dq)}, "
+            f"{_b(dropout)}>")
 
 
 def _dq_name(elem: str, d: int, t: BwdTile, is_local: bool, has_softcap: bool, has_alibi: bool,
-             even_d: bool) -> str:
+             even_d: bool, dropout: bool = False) -> str:
     return (f"flash_bwd_dq_kernel<{elem}, {d}, {t.block_m}, {t.block_n}, {t.n_warps}, "
-            f"{_b(is_local)}, {_b(has_softcap)}, {_b(has_alibi)}, {_b(even_d)}>")
+            f"{_b(is_local)}, {_b(has_softcap)}, {_b(has_alibi)}, {_b(even_d)}, {_b(dropout)}>")
 
 
 def instantiations() -> list[str]:
@@ -153,9 +156,12 @@ def instantiations() -> list[str]:
             for loc, cap, ali, even in flags:
                 for t in _DKDV_TILES[d] + _EXTRA_V2_CANDIDATES.get(d, ()):
                     for atomic in (True, False):
-                        names.append(_dkdv_name(elem, d, t, loc, cap, ali, even, atomic))
+                        for drop in (False, True):
+                            names.append(_dkdv_name(elem, d, t, loc, cap, ali, even, atomic,
+                                                    drop))
                 for t in _DQ_TILES[d]:
-                    names.append(_dq_name(elem, d, t, loc, cap, ali, even))
+                    for drop in (False, True):
+                        names.append(_dq_name(elem, d, t, loc, cap, ali, even, drop))
     return names
 
 
@@ -222,8 +228,11 @@ def _cdiv(a: int, b: int) -> int:
 def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, window_left: int,
                     window_right: int, softcap: float = 0.0, alibi_slopes=None,
                     deterministic: bool = False, cu_seqlens_q=None, cu_seqlens_k=None,
-                    max_seqlen_q=None, max_seqlen_k=None) -> None:
+                    max_seqlen_q=None, max_seqlen_k=None, dropout_p: float = 0.0,
+                    rng_state=None) -> None:
     """Compute dq, dk, dv (written in place) for attention with the forward's settings.
+    Dropout (``dropout_p`` > 0): ``rng_state`` the forward's int64 (seed, offset) on the
+    device; the mask is regenerated (Ampere-class kernels).
 
     q, out, dout, dq: (b, sq, h, d); k, v, dk, dv: (b, sk, hk, d); or, varlen, (total, h, d) with
     int32 ``cu_seqlens_q/k`` (b + 1,). lse: float32 (b, h, sq) or, varlen, (h, total_q), as the
@@ -299,6 +308,10 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
 
     wl, wr = _window(window_left), _window(window_right)
     is_local = not (wl == WINDOW_NONE and wr == WINDOW_NONE)
+    dropout = bool(dropout_p) and dropout_p > 0.0
+    if dropout:
+        given = given + (rng_state,)
+        rng_state = _int64_pair(rng_state)
     has_softcap = softcap is not None and softcap > 0.0
     has_alibi = alibi_slopes is not None
 
@@ -342,6 +355,9 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
         total_q=int(q.shape[0]) if varlen else 0, total_k=int(k.shape[0]) if varlen else 0,
         softmax_scale=float(softmax_scale), scale_log2=float(softmax_scale) * _LOG2E,
         softcap=float(softcap) if has_softcap else 0.0,
+        dropout_rng=ptr(rng_state) if dropout else None,
+        dropout_threshold=_dropout.threshold(dropout_p) if dropout else 0,
+        dropout_scale=_dropout.keep_scale(dropout_p) if dropout else 0.0,
     )
     args = (as_kernel_arg(params),)
     launched = []   # (kernel, grid, block, shared memory), in order: the plan of this layout
@@ -356,7 +372,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
             pre = get_kernel(SOURCE, f"flash_bwd_preprocess_kernel<{elem}>", device_id, cc)
             launch(pre, (m_small, nheads, batch), (_SMALL_THREADS,))
 
-        if sm90_applies(cc, headdim, has_softcap, has_alibi, deterministic):
+        if not dropout and sm90_applies(cc, headdim, has_softcap, has_alibi, deterministic):
             smem = sm90_smem(headdim, sm90_block_m(headdim))
             kern = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, headdim, is_local),
                               device_id, cc, smem, config.get().sm90_defines)
@@ -364,14 +380,14 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
         else:
             t, smem = _pick(_dkdv_table(d), dkdv_smem_bytes, d, smem_limit, "dK/dV kernel")
             name = _dkdv_name(elem, d, t, is_local, has_softcap, has_alibi, even_d,
-                              not deterministic)
+                              not deterministic, dropout)
             kern = get_kernel(SOURCE, name, device_id, cc, smem)
             launch(kern, (_cdiv(seqlen_k, t.block_n), nheads_k, batch), (32 * t.n_warps,), smem)
 
         if m_small > 0:
             if deterministic:
                 t, smem = _pick(_DQ_TILES[d], dq_smem_bytes, d, smem_limit, "dQ kernel")
-                name = _dq_name(elem, d, t, is_local, has_softcap, has_alibi, even_d)
+                name = _dq_name(elem, d, t, is_local, has_softcap, has_alibi, even_d, dropout)
                 kern = get_kernel(SOURCE, name, device_id, cc, smem)
                 launch(kern, (_cdiv(seqlen_q, t.block_m), nheads, batch), (32 * t.n_warps,), smem)
             else:
@@ -380,7 +396,8 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
 
     piece = None
     if (dq_back is None and dk_back is None and dv_back is None
-            and all(a is b for a, b in zip((q, k, v, out, dout, lse, alibi_slopes), given))):
+            and all(a is b for a, b in zip((q, k, v, out, dout, lse, alibi_slopes)
+                                           + ((rng_state,) if dropout else ()), given))):
         scratch = {"dsoftmax_sum": dsoftmax_sum.nbytes}
         if dq_accum is not None:
             scratch["dq_accum"] = dq_accum.nbytes     # zeroed by the preprocess kernel

@@ -71,3 +71,12 @@ def _as_output(arr):
     if arr.size == 0 or _used_strides_ok(arr, 2, 4):
         return arr, None
     return cupy.empty(arr.shape, arr.dtype), arr
+
+
+def _int64_pair(arr):
+    """Dropout's rng_state (int64 (seed, offset), validated by flashcore.spec) as the kernels
+    read it: a contiguous CuPy array."""
+    import cupy
+    if arr.dtype != cupy.int64 or not arr.flags.c_contiguous:
+        arr = cupy.ascontiguousarray(arr, dtype=cupy.int64)
+    return arr

@@ -9,10 +9,11 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from .common import (_as_input, _strides, _used_strides_ok, elem_tag as _elem_tag,
+from .common import (_as_input, _int64_pair, _strides, _used_strides_ok, elem_tag as _elem_tag,
                      kernel_dtype_name as _dtype_name, smallest_tile, tpl_bool as _b,
                      window_arg as _window)
 from .. import config
+from .. import dropout as _dropout
 from . import plans
 from .params import WINDOW_NONE, as_kernel_arg, make_params
 
@@ -124,17 +125,17 @@ def smem_bytes(d: int, cfg: TileConfig) -> int:
 
 
 def kernel_name(dtype_name: str, headdim: int, is_local: bool, has_softcap: bool,
-                has_alibi: bool) -> str:
+                has_alibi: bool, dropout: bool = False) -> str:
     """The NVRTC name expression of the kernel for these settings.
 
     ``headdim`` is the real head dim; the tile is the next size up and ``Is_even_d`` says
     whether they are equal.
     """
     d = headdim_tile(headdim)
-    cfg = tile_config(d, is_local, has_softcap, has_alibi, headdim == d)
+    cfg = tile_config(d, is_local, has_softcap or dropout, has_alibi, headdim == d)
     return (f"flash_fwd_kernel<{_elem_tag(dtype_name)}, {d}, {cfg.block_m}, {cfg.block_n}, "
             f"{cfg.n_warps}, {_b(cfg.q_in_regs)}, {_b(is_local)}, {_b(has_softcap)}, "
-            f"{_b(has_alibi)}, {_b(headdim == d)}>")
+            f"{_b(has_alibi)}, {_b(headdim == d)}, {_b(dropout)}>")
 
 
 def instantiations() -> list[str]:
@@ -147,7 +148,8 @@ def instantiations() -> list[str]:
                 for loc in (False, True):
                     for cap in (False, True):
                         for ali in (False, True):
-                            names.append(kernel_name(dt, hd, loc, cap, ali))
+                            for drop in (False, True):
+                                names.append(kernel_name(dt, hd, loc, cap, ali, drop))
     return names
 
 
@@ -216,13 +218,15 @@ def sm90_instantiations() -> list[str]:
 def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
                    window_right: int, softcap: float = 0.0, alibi_slopes=None,
                    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
-                   max_seqlen_k: int | None = None, block_table=None) -> None:
+                   max_seqlen_k: int | None = None, block_table=None, dropout_p: float = 0.0,
+                   rng_state=None) -> None:
     """Run the forward kernel: ``out`` and ``lse`` are written in place.
 
     q, k, v, out: (b, s, h, d) or, varlen, (total, h, d) with int32 ``cu_seqlens_*`` (b + 1,).
     Varlen over a paged cache: k, v (num_blocks, page_size, h_k, d) with an int32
     ``block_table`` (b, max_blocks); cu_seqlens_k then gives the key lengths only (Ampere-class
-    kernels; page_size a multiple of the key tile).
+    kernels; page_size a multiple of the key tile). Dropout (``dropout_p`` > 0): ``rng_state``
+    an int64 (seed, offset) CuPy array, the stream of flashcore.dropout (Ampere-class kernels).
     lse: float32 (b, h, sq) or, varlen, (h, total_q), contiguous. Windows use -1 for unbounded.
     ``out`` may be float32 (16-bit inputs): the output is then written unrounded.
     Returns the launch as a :class:`plans.Piece`, or None when it cannot be replayed with new
@@ -232,6 +236,10 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
 
     given = (q, k, v)
     given_table = block_table
+    dropout = bool(dropout_p) and dropout_p > 0.0
+    given_rng = rng_state
+    if dropout:
+        rng_state = _int64_pair(rng_state)
 
     # cp.async and the 16-byte output stores move 8 elements at a time: inputs with other
     # strides (or unaligned bases) are copied; an output like that is written through a
@@ -296,15 +304,15 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     from ..jit import device_facts, get_kernel
     device_id = q.device.id
     cc = device_facts(device_id)[0]
-    if not paged and sm90_applies(cc, headdim, has_softcap, has_alibi, seqlen_k):
+    if not paged and not dropout and sm90_applies(cc, headdim, has_softcap, has_alibi, seqlen_k):
         smem = sm90_smem(headdim, config.get().sm90_fwd_pipelined)
         kernel = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, headdim, is_local),
                             device_id, cc, smem, config.get().sm90_defines)
         grid_m, block = math.ceil(seqlen_q / 128), (256, 1, 1)
     else:
         d = headdim_tile(headdim)
-        cfg = tile_config(d, is_local, has_softcap, has_alibi, headdim == d)
-        name = kernel_name(dtype_name, headdim, is_local, has_softcap, has_alibi)
+        cfg = tile_config(d, is_local, has_softcap or dropout, has_alibi, headdim == d)
+        name = kernel_name(dtype_name, headdim, is_local, has_softcap, has_alibi, dropout)
         smem = smem_bytes(d, cfg)
         kernel = get_kernel(SOURCE, name, device_id, cc, smem)
         grid_m, block = math.ceil(seqlen_q / cfg.block_m), (cfg.n_warps * 32, 1, 1)
@@ -334,6 +342,9 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         block_table_batch_stride=block_table.strides[0] // 4 if paged else 0,
         page_size=int(k.shape[1]) if paged else 0, num_blocks=int(k.shape[0]) if paged else 0,
         o_fp32=int(out.dtype == cupy.float32),
+        dropout_rng=rng_state.data.ptr if dropout else None,
+        dropout_threshold=_dropout.threshold(dropout_p) if dropout else 0,
+        dropout_scale=_dropout.keep_scale(dropout_p) if dropout else 0.0,
         softmax_scale=float(softmax_scale),
         # With softcap the kernel works on capped scores in natural units: only log2(e) left.
         scale_log2=_LOG2E if has_softcap else float(softmax_scale) * _LOG2E,
@@ -345,6 +356,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         if out_final is not None:
             out_final[...] = out
     if out_final is None and all(a is b for a, b in zip((q, k, v), given)) \
-            and (not paged or block_table is given_table):
+            and (not paged or block_table is given_table) \
+            and (not dropout or rng_state is given_rng):
         return plans.Piece([(kernel, grid, block, smem)], params)
     return None

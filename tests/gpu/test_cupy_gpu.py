@@ -484,3 +484,89 @@ def test_float32_output_is_the_16_bit_one_unrounded(d, kw, api):
     spec = forward_spec(*(x.astype(np.float64) for x in (q32, k32, v32)), **kw)
     ro, _ = naive_forward(spec, *(x.astype(np.float64) for x in (q32, k32, v32)))
     assert np.abs(g32 - ro).max() <= np.abs(to_host64(o16) - ro).max()
+
+
+@pytest.mark.parametrize("d, sq, sk, kw", [
+    (64, 113, 203, dict(causal=True)), (128, 203, 117, dict()), (256, 77, 130, dict(causal=True)),
+    (96, 130, 130, dict(window_size=(40, 5))), (128, 300, 300, dict(causal=True, deterministic=True)),
+    (64, 190, 257, dict(softcap=5.0)), (40, 70, 90, dict()),
+])
+@pytest.mark.parametrize("p", [0.17, 0.5])
+def test_dropout_against_the_reference(d, sq, sk, kw, p):
+    """Dropout forward and backward (CuPy, through the public functions: the second call of a
+    layout replays its plan with a new rng_state) against the float64 oracle drawing the same
+    stream, with the flash-attn rule against the same computation in bf16 (2x out, 3x grads);
+    poisoned outputs; a different rng_state gives a different output."""
+    cp = _cp()
+    import flashcore
+    rng = np.random.default_rng(d * 1000 + sq)
+    dtype, b, h, hk = "bfloat16", 2, 6, 2
+    q32, k32, v32, do32 = (quantize(rng.standard_normal(s).astype(np.float32), dtype)
+                           for s in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d), (b, sq, h, d)))
+    q, k, v, do = (to_dev(x, dtype) for x in (q32, k32, v32, do32))
+    kw = dict(kw)
+    det = kw.pop("deterministic", False)
+    for seed in (11, 12):          # the second: a replay with another state
+        st = np.array([seed, 3 * seed], np.int64)
+        o = cp.full(q.shape, cp.nan, q.dtype)
+        lse = cp.full((b, h, sq), cp.nan, cp.float32)
+        out, lse = flashcore.attention_forward(q, k, v, out=o, lse=lse, dropout_p=p,
+                                               rng_state=cp.asarray(st), **kw)
+        dq, dk, dv = (cp.full(x.shape, cp.nan, x.dtype) for x in (q, k, v))
+        dq, dk, dv = flashcore.attention_backward(do, q, k, v, out, lse, dq=dq, dk=dk, dv=dv,
+                                                  dropout_p=p, rng_state=cp.asarray(st),
+                                                  deterministic=det, **kw)
+        x64 = [x.astype(np.float64) for x in (q32, k32, v32)]
+        hi = forward_spec(*x64, dropout_p=p, rng_state=st, **kw)
+        lo = forward_spec(q32, k32, v32, dropout_p=p, rng_state=st, **kw)
+        ro, rl = naive_forward(hi, *x64, rng_state=st)
+        lo_o, _ = naive_forward(lo, q32, k32, v32, rng_state=st, round_to=dtype)
+        assert_flash_rule("out", to_host64(out), ro, lo_o, 2)
+        fin = np.isfinite(rl)
+        assert np.abs(lse.get()[fin] - rl[fin]).max() < 1e-3 * max(1.0, np.abs(rl[fin]).max())
+        rg = naive_backward(hi, do32.astype(np.float64), *x64, rng_state=st)
+        lg = naive_backward(lo, do32, q32, k32, v32, rng_state=st, round_to=dtype)
+        for name, got, r, l in zip(("dq", "dk", "dv"), (dq, dk, dv), rg, lg):
+            g = to_host64(got)
+            assert np.isfinite(g).all(), name
+            assert_flash_rule(name, g, r, round_to_dtype(l.astype(np.float32), dtype), 3)
+        if seed == 11:
+            first = to_host64(out)
+    assert not np.array_equal(first, to_host64(out))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_dropout_varlen_and_torch_autograd(d):
+    """Varlen dropout draws per sequence (equal to the padded call); on CUDA tensors the state
+    comes from torch's generator on the device: torch.manual_seed reproduces a step bit for bit,
+    and autograd's gradients equal the explicit backward's with that state."""
+    cp = _cp()
+    torch = pytest.importorskip("torch")
+    import flashcore
+    g = torch.Generator(device="cuda").manual_seed(d)
+    q = torch.randn(2, 150, 4, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(2, 150, 2, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn_like(k)
+    st = torch.tensor([5, 6], device="cuda", dtype=torch.int64)
+    dense, _ = flashcore.attention_forward(q, k, v, causal=True, dropout_p=0.3, rng_state=st)
+    cu = torch.tensor([0, 150, 300], device="cuda", dtype=torch.int32)
+    flat, _ = flashcore.varlen_attention_forward(q.reshape(300, 4, d), k.reshape(300, 2, d),
+                                                 v.reshape(300, 2, d), cu, cu, 150, 150,
+                                                 causal=True, dropout_p=0.3, rng_state=st)
+    assert torch.equal(flat, dense.reshape(300, 4, d))
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    torch.manual_seed(9)
+    o1 = flashcore.attention(qg, kg, vg, causal=True, dropout_p=0.3, deterministic=True)
+    torch.manual_seed(9)
+    o2 = flashcore.attention(qg, kg, vg, causal=True, dropout_p=0.3, deterministic=True)
+    assert torch.equal(o1, o2)
+    do = torch.randn_like(o1)
+    grads = torch.autograd.grad(o1, (qg, kg, vg), do)
+    torch.manual_seed(9)
+    state = torch.empty(2, dtype=torch.int64, device="cuda").random_()
+    o3, lse = flashcore.attention_forward(q, k, v, causal=True, dropout_p=0.3, rng_state=state)
+    assert torch.equal(o3, o1)
+    want = flashcore.attention_backward(do, q, k, v, o3, lse, causal=True, dropout_p=0.3,
+                                        rng_state=state, deterministic=True)
+    for a, b in zip(grads, want):
+        assert torch.equal(a, b)

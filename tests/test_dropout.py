@@ -1,0 +1,152 @@
+"""Attention dropout: the stream (flashcore.dropout, Philox4x32-10), the reference, the tiled
+NumPy backend, autograd on torch CPU tensors, and what is refused."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashcore
+from flashcore import dropout as D
+from flashcore.backends.numpy_backend import naive_backward, naive_forward
+from flashcore.spec import forward_spec
+
+
+def test_philox_known_answers():
+    """Random123's known-answer vectors for Philox4x32-10."""
+    assert [int(x) for x in D.philox4x32(0, 0, 0, 0, 0, 0)] == \
+        [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    m = 0xFFFFFFFF
+    assert [int(x) for x in D.philox4x32(m, m, m, m, m, m)] == \
+        [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
+    assert [int(x) for x in D.philox4x32(0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344,
+                                         0xA4093822, 0x299F31D0)] == \
+        [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
+
+
+def test_keep_rate_and_scale():
+    st = np.array([7, 11], np.int64)
+    for p in (0.1, 0.5, 0.9):
+        m = D.keep_mask(st, p, np.arange(8), np.arange(128), np.arange(256))
+        n = m.size
+        keep = 1 - D.threshold(p) / 65536
+        assert abs(m.mean() - keep) < 4 * np.sqrt(keep * (1 - keep) / n)
+        assert D.keep_scale(p) == pytest.approx(1 / keep, rel=1e-12)
+    assert D.keep_mask(st, 0.0, np.arange(2), np.arange(3), np.arange(4)).all()
+
+
+def test_masks_depend_on_every_coordinate_and_the_state():
+    st = np.array([7, 11], np.int64)
+    base = D.keep_mask(st, 0.5, np.arange(4), np.arange(64), np.arange(64))
+    assert not np.array_equal(base[0], base[1])                       # heads
+    assert not np.array_equal(base[:, :32], base[:, 32:])             # rows
+    assert not np.array_equal(base[..., :32], base[..., 32:])         # columns
+    for other in ([8, 11], [7, 12], [7, 11 + (1 << 32)]):
+        assert not np.array_equal(
+            base, D.keep_mask(np.array(other, np.int64), 0.5, np.arange(4), np.arange(64),
+                              np.arange(64)))
+    # a sub-block is the same stream (what a tile of a kernel regenerates)
+    sub = D.keep_mask(st, 0.5, np.array([2]), np.arange(40, 50), np.arange(17, 33))
+    assert np.array_equal(sub[0], base[2, 40:50, 17:33])
+
+
+def _inputs(rng, b=2, sq=37, sk=45, h=4, hk=2, d=16):
+    return (rng.standard_normal((b, sq, h, d)), rng.standard_normal((b, sk, hk, d)),
+            rng.standard_normal((b, sk, hk, d)), rng.standard_normal((b, sq, h, d)))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window_size=(9, 3)),
+                                dict(softcap=2.0, causal=True)])
+def test_tiled_backend_equals_the_reference_and_gradients_are_exact(kw):
+    rng = np.random.default_rng(0)
+    q, k, v, do = _inputs(rng)
+    st = np.array([123, 456], np.int64)
+    out, lse = flashcore.attention_forward(q, k, v, dropout_p=0.3, rng_state=st, **kw)
+    spec = forward_spec(q, k, v, dropout_p=0.3, rng_state=st, **kw)
+    ro, rl = naive_forward(spec, q, k, v, rng_state=st)
+    np.testing.assert_allclose(out, ro, atol=1e-12, rtol=0)
+    np.testing.assert_allclose(lse, rl, atol=1e-12, rtol=0)
+    # the lse is the undropped one's
+    np.testing.assert_allclose(lse, flashcore.attention_forward(q, k, v, **kw)[1], atol=1e-12)
+    grads = flashcore.attention_backward(do, q, k, v, out, lse, dropout_p=0.3, rng_state=st, **kw)
+    for g, r in zip(grads, naive_backward(spec, do, q, k, v, rng_state=st)):
+        np.testing.assert_allclose(g, r, atol=1e-11, rtol=0)
+    # central differences of <out, do> in a few coordinates (the mask is fixed by rng_state)
+    eps = 1e-6
+    for which, idx in ((0, (1, 5, 3, 2)), (1, (0, 7, 1, 4)), (2, (1, 44, 0, 9))):
+        args = [q, k, v]
+        plus, minus = (a.copy() for a in (args[which], args[which]))
+        plus[idx] += eps
+        minus[idx] -= eps
+
+        def f(x):
+            a = list(args)
+            a[which] = x
+            return (flashcore.attention_forward(*a, dropout_p=0.3, rng_state=st, **kw)[0]
+                    * do).sum()
+        fd = (f(plus) - f(minus)) / (2 * eps)
+        assert fd == pytest.approx(grads[which][idx], rel=1e-5, abs=1e-8)
+
+
+def test_expectation_is_the_undropped_attention():
+    rng = np.random.default_rng(1)
+    q, k, v, _ = _inputs(rng, b=1, sq=8, sk=16, h=2, hk=2, d=8)
+    want = flashcore.attention(q, k, v)
+    mean = np.mean([flashcore.attention_forward(q, k, v, dropout_p=0.5,
+                                                rng_state=np.array([s, 0], np.int64))[0]
+                    for s in range(400)], axis=0)
+    assert np.abs(mean - want).max() < 0.15
+
+
+def test_varlen_uses_sequence_positions():
+    """Sequence b of a varlen call draws as batch entry b of a padded call of its length."""
+    rng = np.random.default_rng(2)
+    st = np.array([5, 9], np.int64)
+    q, k, v, _ = _inputs(rng, b=2, sq=10, sk=12)
+    cu_q, cu_k = np.array([0, 10, 20], np.int32), np.array([0, 12, 24], np.int32)
+    out, _ = flashcore.varlen_attention_forward(q.reshape(20, 4, 16), k.reshape(24, 2, 16),
+                                                v.reshape(24, 2, 16), cu_q, cu_k, causal=True,
+                                                dropout_p=0.4, rng_state=st)
+    dense, _ = flashcore.attention_forward(q, k, v, causal=True, dropout_p=0.4, rng_state=st)
+    np.testing.assert_allclose(out, dense.reshape(20, 4, 16), atol=1e-12)
+
+
+def test_autograd_on_torch_cpu_tensors_and_reproducibility():
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 9, 4, 16, generator=g, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    torch.manual_seed(3)
+    o1 = flashcore.attention(q, k, v, causal=True, dropout_p=0.2)
+    torch.manual_seed(3)
+    o2 = flashcore.attention(q, k, v, causal=True, dropout_p=0.2)
+    o3 = flashcore.attention(q, k, v, causal=True, dropout_p=0.2)
+    assert torch.equal(o1, o2) and not torch.equal(o1, o3)
+    st = torch.tensor([11, 12], dtype=torch.int64)
+    o = flashcore.attention(q, k, v, causal=True, dropout_p=0.2, rng_state=st)
+    do = torch.randn_like(o)
+    gq, gk, gv = torch.autograd.grad(o, (q, k, v), do)
+    spec = forward_spec(*(x.detach().numpy() for x in (q, k, v)), causal=True, dropout_p=0.2,
+                        rng_state=st.numpy())
+    want = naive_backward(spec, do.numpy(), *(x.detach().numpy() for x in (q, k, v)),
+                          rng_state=st.numpy())
+    for a, b in zip((gq, gk, gv), want):
+        np.testing.assert_allclose(a.numpy(), b, atol=1e-11)
+    # q is k is v (deduplicated inputs) with dropout
+    x = q.detach().clone().requires_grad_()
+    y = flashcore.attention(x, x, x, dropout_p=0.2, rng_state=st)
+    y.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("kw, exc, words", [
+    (dict(dropout_p=1.0), ValueError, "'dropout_p'.*\\[0, 1\\)"),
+    (dict(dropout_p=-0.1), ValueError, "'dropout_p'"),
+    (dict(dropout_p="0.1"), TypeError, "'dropout_p'"),
+    (dict(dropout_p=0.1), ValueError, "'rng_state'.*None"),
+    (dict(dropout_p=0.1, rng_state=np.array([1, 2], np.int32)), TypeError, "'rng_state'.*int64"),
+    (dict(dropout_p=0.1, rng_state=np.array([1, 2, 3], np.int64)), TypeError, "'rng_state'"),
+])
+def test_refusals_name_the_argument(kw, exc, words):
+    q = np.ones((1, 3, 2, 8))
+    with pytest.raises(exc, match=words):
+        flashcore.attention_forward(q, q, q, **kw)
