@@ -150,3 +150,36 @@ def test_refusals_name_the_argument(kw, exc, words):
     q = np.ones((1, 3, 2, 8))
     with pytest.raises(exc, match=words):
         flashcore.attention_forward(q, q, q, **kw)
+
+
+def test_the_cuda_header_draws_the_same_stream(tmp_path):
+    """cuda/flash_dropout.cuh (compiled for the host here) against flashcore.dropout."""
+    import shutil
+    import subprocess
+    from flashcore.jit import cuda_dir
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler on this machine")
+    src = tmp_path / "t.cpp"
+    src.write_text(f'''#include <cstdio>
+#include <cstdlib>
+#include "{cuda_dir() / "flash_dropout.cuh"}"
+int main(int, char** argv) {{
+    long long st[2] = {{atoll(argv[1]), atoll(argv[2])}};
+    FcDropout d = fc_dropout_setup(st, atoi(argv[3]), 1.f);
+    for (int bh = 0; bh < 3; ++bh)
+        for (int i = 0; i < 5; ++i) {{
+            for (int j = 0; j < 70; ++j)
+                std::printf("%d", fc_dropout_bits(fc_dropout_words(d, bh, 7 * i, j), j) >= d.threshold);
+            std::printf("\\n");
+        }}
+}}
+''')
+    exe = tmp_path / "t"
+    subprocess.run([cxx, "-O1", "-o", str(exe), str(src)], check=True, capture_output=True)
+    seed, offset, p = -1234567890123, (3 << 32) + 987654321, 0.3
+    got = subprocess.run([str(exe), str(seed), str(offset), str(D.threshold(p))], check=True,
+                         capture_output=True, text=True).stdout.split()
+    m = D.keep_mask(np.array([seed, offset], np.int64), p, np.arange(3), 7 * np.arange(5),
+                    np.arange(70)).reshape(15, 70)
+    assert got == ["".join("1" if x else "0" for x in row) for row in m]
