@@ -213,4 +213,14 @@ for bad in (False, True):
                                        cp.asarray(cu_k), causal=True, block_table=cp.asarray(table))
     cp.cuda.Device().synchronize()
     n += 1
+# Dropout forward and backward (the Ampere-class kernels: dK/dV, dK/dV at d256, the dQ kernel).
+for d, det in ((64, False), (256, False), (128, True)):
+    q, do = arr((2, 77, 4, d), "bfloat16"), arr((2, 77, 4, d), "bfloat16")
+    k, v = arr((2, 93, 2, d), "bfloat16"), arr((2, 93, 2, d), "bfloat16")
+    st = cp.asarray(np.array([3, 4], np.int64))
+    out, lse = flashcore.attention_forward(q, k, v, causal=True, dropout_p=0.2, rng_state=st)
+    flashcore.attention_backward(do, q, k, v, out, lse, causal=True, dropout_p=0.2,
+                                 rng_state=st, deterministic=det)
+    cp.cuda.Device().synchronize()
+    n += 1
 print(f"sanitize driver: {n} cases ran (with the bad-value cases)")
