@@ -364,8 +364,9 @@ class AttentionProblem:
     (batch, seqlen, nheads, headdim). A shape a peer cannot take raises NotImplementedError.
     """
 
-    def __init__(self, impl, batch, seqlen, nheads, headdim, causal, seed=0, dtype="bfloat16"):
-        self.impl, self.causal, self.dtype = impl, causal, dtype
+    def __init__(self, impl, batch, seqlen, nheads, headdim, causal, seed=0, dtype="bfloat16",
+                 dropout_p=0.0):
+        self.impl, self.causal, self.dtype, self.dropout_p = impl, causal, dtype, dropout_p
         require(impl)
         if impl == "cupy":
             self.lib = "cupy"
@@ -379,19 +380,23 @@ class AttentionProblem:
 
     def _setup_cupy(self, shape, seed):
         import flashcore
+        import cupy
         q, k, v, dout = random_arrays("cupy", [shape] * 4, seed, dtype=self.dtype)
         c = self.causal
-        out, lse = flashcore.attention_forward(q, k, v, causal=c)
+        # dropout: one fixed random state (a user's loop would draw one per step)
+        drop = {} if not self.dropout_p else {
+            "dropout_p": self.dropout_p, "rng_state": cupy.asarray([seed + 1, 0], cupy.int64)}
+        out, lse = flashcore.attention_forward(q, k, v, causal=c, **drop)
 
         def forward():
-            return flashcore.attention_forward(q, k, v, causal=c)
+            return flashcore.attention_forward(q, k, v, causal=c, **drop)
 
         def backward():
-            return flashcore.attention_backward(dout, q, k, v, out, lse, causal=c)
+            return flashcore.attention_backward(dout, q, k, v, out, lse, causal=c, **drop)
 
         def forward_backward():
-            o, l_ = flashcore.attention_forward(q, k, v, causal=c)
-            return flashcore.attention_backward(dout, q, k, v, o, l_, causal=c)
+            o, l_ = flashcore.attention_forward(q, k, v, causal=c, **drop)
+            return flashcore.attention_backward(dout, q, k, v, o, l_, causal=c, **drop)
 
         self.forward, self.backward, self.forward_backward = forward, backward, forward_backward
         backward()      # compiles (or loads) the backward kernels before any timing
@@ -419,17 +424,18 @@ class AttentionProblem:
 
     def _setup_flashcore_torch(self, shape, seed):
         import flashcore
-        c = self.causal
-        self._setup_autograd(lambda q, k, v: flashcore.attention(q, k, v, causal=c), shape, seed)
+        c, p = self.causal, self.dropout_p
+        self._setup_autograd(lambda q, k, v: flashcore.attention(q, k, v, causal=c, dropout_p=p),
+                             shape, seed)
 
     def _setup_sdpa(self, shape, seed):
         from torch.nn.attention import sdpa_kernel
         from torch.nn.functional import scaled_dot_product_attention
-        pinned, c = sdpa_backend(self.impl), self.causal
+        pinned, c, p = sdpa_backend(self.impl), self.causal, self.dropout_p
 
         def attn(q, k, v):
             with sdpa_kernel(pinned):
-                return scaled_dot_product_attention(q, k, v, is_causal=c)
+                return scaled_dot_product_attention(q, k, v, is_causal=c, dropout_p=p)
 
         try:
             self._setup_autograd(attn, shape, seed)

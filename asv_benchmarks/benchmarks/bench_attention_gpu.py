@@ -65,6 +65,57 @@ class Ratio:
         return other / fc
 
 
+class DropoutRatio:
+    """Attention dropout (p = 0.1), forward+backward through autograd on torch tensors (the
+    random state drawn per call, as a training step does), 16k tokens per batch, hidden 2048:
+    a peer's time divided by flashcore's (> 1: faster), both in this process. Peers: SDPA's
+    flash and cuDNN kernels with the same dropout, and flashcore itself without dropout
+    ('flashcore_p0': what dropout costs)."""
+
+    params = [PEERS + ["flashcore_p0"], [4096, 16384], [64, 128], CAUSAL]
+    param_names = ["peer", "seqlen", "headdim", "causal"]
+    unit = "ratio"
+    timeout = 180
+    rounds = 1          # see Throughput
+
+    def setup(self, peer, seqlen, headdim, causal):
+        shape = shape_for(seqlen, headdim)
+        self.flashcore = Attention("torch", *shape, causal, dropout_p=0.1)
+        self.peer = Attention("torch" if peer == "flashcore_p0" else peer, *shape, causal,
+                              dropout_p=0.0 if peer == "flashcore_p0" else 0.1)
+
+    def track_ratio(self, peer, *params):
+        fc = median_ms("torch", self.flashcore.forward_backward)
+        other = median_ms("torch", self.peer.forward_backward)
+        return other / fc
+
+
+class OddHeadDimRatio:
+    """Head dims that are no multiple of 8 (59, 111: flashcore pads them to 64 / 112 inside
+    the call), forward+backward, 16k tokens per batch: the time of the call a user would make
+    at the padded head dim -- flashcore itself ('flashcore_padded') or SDPA's kernels, which
+    take only multiples of 8 -- divided by flashcore's at the odd one (> 1: faster)."""
+
+    params = [PEERS + ["flashcore_padded"], [4096], [59, 111], CAUSAL]
+    param_names = ["peer", "seqlen", "headdim", "causal"]
+    unit = "ratio"
+    timeout = 180
+    rounds = 1
+
+    def setup(self, peer, seqlen, headdim, causal):
+        b, s, h, _ = shape_for(seqlen, headdim)
+        padded = -(-headdim // 8) * 8          # the same heads, each padded
+        self.flashcore = Attention("cupy", b, s, h, headdim, causal)
+        self.peer = Attention("cupy" if peer == "flashcore_padded" else peer, b, s, h, padded,
+                              causal)
+
+    def track_ratio(self, peer, *params):
+        fc = median_ms("cupy", self.flashcore.forward_backward)
+        other = median_ms("cupy" if peer == "flashcore_padded" else "torch",
+                          self.peer.forward_backward)
+        return other / fc
+
+
 class PeakMemory:
     """Device memory a call allocates at its peak, beyond what existed before it (bytes).
 
