@@ -17,7 +17,9 @@ BREAKS = {
     "window_right": "window_size[1]", "window_pair": "window_size", "softcap_neg": "softcap",
     "softcap_nan": "softcap", "scale_nan": "softmax_scale", "scale_str": "softmax_scale",
     "alibi_shape": "alibi_slopes", "alibi_dtype": "alibi_slopes", "lastdim_q": "q",
-    "lastdim_v": "v", "list_q": "q",
+    "lastdim_v": "v", "list_q": "q", "dropout_range": "dropout_p", "dropout_type": "dropout_p",
+    "rng_missing": "rng_state", "rng_dtype": "rng_state", "rng_shape": "rng_state",
+    "out_dtype": "out_dtype",
 }
 
 
@@ -70,6 +72,22 @@ def attention_args(draw):
         kw["alibi_slopes"] = np.ones((h + draw(st.integers(1, 3)),), np.float32)
     elif brk == "alibi_dtype":
         kw["alibi_slopes"] = np.ones((h,), draw(st.sampled_from([np.int32, np.float16])))
+    elif brk == "dropout_range":
+        kw["dropout_p"] = draw(st.sampled_from([1.0, 1.5, -0.1, float("nan")]))
+        kw["rng_state"] = np.array([1, 2], np.int64)
+    elif brk == "dropout_type":
+        kw["dropout_p"] = draw(st.sampled_from(["0.1", [0.1], True]))
+        kw["rng_state"] = np.array([1, 2], np.int64)
+    elif brk == "rng_missing":
+        kw["dropout_p"] = draw(st.floats(1e-3, 0.9))
+    elif brk == "rng_dtype":
+        kw["dropout_p"] = draw(st.floats(1e-3, 0.9))
+        kw["rng_state"] = np.array([1, 2], draw(st.sampled_from([np.int32, np.float64])))
+    elif brk == "rng_shape":
+        kw["dropout_p"] = draw(st.floats(1e-3, 0.9))
+        kw["rng_state"] = np.arange(draw(st.sampled_from([1, 3, 4])), dtype=np.int64)
+    elif brk == "out_dtype":
+        kw["out_dtype"] = draw(st.sampled_from(["float16", "int8", np.float64, "bogus"]))
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
     arrays = {n: (rng.standard_normal(s) * 3).astype(dtypes[n]) for n, s in shapes.items()}
     if brk in ("lastdim_q", "lastdim_v"):
@@ -82,6 +100,9 @@ def attention_args(draw):
         kw["window_size"] = (draw(st.integers(-1, 6)), draw(st.integers(-1, 6)))
         kw["softcap"] = draw(st.sampled_from([0.0, 0.5, 30.0]))
         kw["alibi_slopes"] = rng.uniform(0, 1, size=(h,)).astype(np.float32)
+        if draw(st.booleans()):
+            kw["dropout_p"] = draw(st.floats(0.0, 0.95))
+            kw["rng_state"] = rng.integers(-2**62, 2**62, size=2).astype(np.int64)
     return brk, arrays, kw
 
 
