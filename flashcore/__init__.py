@@ -6,6 +6,7 @@ from .api import (
     attention_forward,
     attention_with_kvcache,
     available_backends,
+    draw_rng_state,
     merge_attention_states,
     varlen_attention,
     varlen_attention_backward,
@@ -19,6 +20,6 @@ from ._version import __version__
 __all__ = [
     "attention", "attention_forward", "attention_backward",
     "varlen_attention", "varlen_attention_forward", "varlen_attention_backward",
-    "attention_with_kvcache", "merge_attention_states",
+    "attention_with_kvcache", "merge_attention_states", "draw_rng_state",
     "available_backends", "NotSupportedError", "DeviceMemoryError", "__version__",
 ]

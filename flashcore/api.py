@@ -41,7 +41,7 @@ from .spec import (_scalar_key, backward_spec, check_outputs, forward_spec, kvca
 __all__ = [
     "attention", "attention_forward", "attention_backward",
     "varlen_attention", "varlen_attention_forward", "varlen_attention_backward",
-    "attention_with_kvcache", "merge_attention_states", "available_backends",
+    "attention_with_kvcache", "merge_attention_states", "available_backends", "draw_rng_state",
 ]
 
 
@@ -97,18 +97,19 @@ def _dropout_kw(dropout_p, rng_state, q=None) -> dict:
     """The dropout arguments of a call ({} without dropout, the common case: nothing added to
     the fast paths); with ``q`` (the autograd-style functions) a missing ``rng_state`` is drawn
     from the array library's generator."""
-    if type(dropout_p) is float and dropout_p == 0.0 or dropout_p == 0:
-        if rng_state is None:
-            return {}
-    if rng_state is None and q is not None and not isinstance(dropout_p, bool):
-        rng_state = draw_rng_state(q)
+    if type(dropout_p) in (float, int) and dropout_p == 0 and rng_state is None:
+        return {}
+    if rng_state is None and q is not None and library_of(q) == "torch" \
+            and type(dropout_p) in (float, int) and 0 < dropout_p < 1:
+        rng_state = draw_rng_state(q)    # (autograd saves it for the backward)
     return {"dropout_p": dropout_p, "rng_state": rng_state}
 
 
 def draw_rng_state(like):
-    """A fresh dropout random state (int64 (seed, offset)) for arrays like ``like``: torch's
-    generator of its device (on that device: no sync, and a CUDA graph replays fresh draws),
-    ``cupy.random`` or ``numpy.random``."""
+    """A fresh dropout random state, an int64 array (seed, offset), for arrays like ``like``
+    (of their library and device): drawn by torch's generator of the device (on the device: no
+    sync, and a CUDA graph replays fresh draws), ``cupy.random`` or ``numpy.random``. Pass it
+    as ``rng_state`` to the forward and the backward of one step."""
     lib = library_of(like)
     if lib == "torch":
         import torch
@@ -144,7 +145,8 @@ def _forward(q, k, v, backend, varlen, out=None, lse=None, out_dtype=None, **kw)
     b = choose(spec, backend)
     given = {} if out is None and lse is None else check_outputs(
         spec, {"out": out, "lse": lse},
-        {"out": (q.shape, spec.dtype), "lse": (_lse_shape(spec), "float32")})
+        {"out": (q.shape, "float32" if fp32 else spec.dtype), "lse": (_lse_shape(spec), "float32")},
+        fp32_out=out_dtype is None)
     with plans.record() as rec:
         o, l_ = b.forward(spec, q, k, v, alibi_slopes=alibi, cu_seqlens_q=cu_q,
                           cu_seqlens_k=cu_k, block_table=bt, out_fp32=fp32,
@@ -244,10 +246,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
     Returns out (like q), or ``(out, lse)`` with ``return_lse=True``. On torch tensors the
     result is differentiable (autograd); on NumPy/CuPy arrays use :func:`attention_backward`.
-    ``dropout_p`` > 0: attention dropout (training), its random state drawn from the array
-    library's generator unless ``rng_state`` is given (torch: from torch's generator of q's
-    device, on the device, so ``torch.manual_seed`` reproduces a run; NumPy: ``numpy.random``;
-    CuPy: ``cupy.random``); see :mod:`flashcore.dropout`.
+    ``dropout_p`` > 0: attention dropout (training). On torch tensors its random state is
+    drawn from torch's generator of q's device, on the device (``torch.manual_seed`` reproduces
+    a run), unless ``rng_state`` is given; on NumPy/CuPy arrays ``rng_state`` must be given
+    (the same pair then goes to :func:`attention_backward`; :func:`draw_rng_state` makes one).
+    See :mod:`flashcore.dropout`.
     """
     drop = _dropout_kw(dropout_p, rng_state, q)
     if library_of(q) == "torch":    # validated once, inside (this path is per-call overhead)

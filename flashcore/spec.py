@@ -729,7 +729,8 @@ def out_fp32(out_dtype, dtype: str) -> bool:
     return dtype in ("float16", "bfloat16")
 
 
-def check_outputs(spec: AttentionSpec, given: dict, expected: dict) -> dict:
+def check_outputs(spec: AttentionSpec, given: dict, expected: dict,
+                  fp32_out: bool = False) -> dict:
     """Validate preallocated outputs ``given`` {name: array or None} against ``expected``
     {name: (shape, dtype name)}: arrays of the call's library (CuPy only), device, shape and
     dtype, with a contiguous last dimension (lse: C-contiguous). Returns the given ones."""
@@ -742,8 +743,9 @@ def check_outputs(spec: AttentionSpec, given: dict, expected: dict) -> dict:
     for n, x in given.items():
         shape, dt = expected[n]
         _check_array(n, x, len(shape), spec.library, spec.device)
-        if n == "out" and dt in ("float16", "bfloat16") and dtype_name(x) == "float32":
-            dt = "float32"        # (an unrounded float32 output, see out_fp32)
+        if fp32_out and n == "out" and dt in ("float16", "bfloat16") \
+                and dtype_name(x) == "float32":
+            dt = "float32"        # (the forward's unrounded float32 output, see out_fp32)
         if tuple(x.shape) != tuple(shape) or dtype_name(x) != dt:
             raise _arg_error(ValueError, n, f"an array of shape {tuple(shape)} and dtype {dt}",
                              f"shape {tuple(x.shape)} and dtype {dtype_name(x)}")

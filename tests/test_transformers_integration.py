@@ -129,7 +129,8 @@ def test_padding_mask_shorter_than_a_static_cache():
     v = torch.randn(2, 10, 2, 16, dtype=torch.float64, generator=g)
     mask = torch.ones(2, 7, dtype=torch.long)
     mask[0, :2] = 0
-    out = _padded_via_varlen(q, k, v, mask, causal=True, softmax_scale=None,
+    keep = fct.padding_mask(attention_mask=mask, kv_length=10)
+    out = _padded_via_varlen(q, k, v, keep, causal=True, softmax_scale=None,
                              window_size=(-1, -1), softcap=0.0)
     for b, first in ((0, 2), (1, 0)):
         want = flashcore.attention(q[b:b + 1], k[b:b + 1, first:7], v[b:b + 1, first:7],
@@ -138,76 +139,139 @@ def test_padding_mask_shorter_than_a_static_cache():
 
 
 def test_padding_mask_is_padded_to_a_static_cache():
-    """Shorter than kv_length (a static cache): padded with False, so the shape that a compiled
-    decoding step sees does not change from token to token."""
+    """Shorter than kv_length (a static cache): padded with False (slots not written yet), so
+    the shape that a compiled decoding step sees does not change from token to token; passing
+    the result through again (transformers does) changes nothing."""
     m = torch.ones(2, 5, dtype=torch.bool)
     m[0, :2] = False
     got = fct.padding_mask(batch_size=2, q_length=1, kv_length=9, attention_mask=m)
     assert got.shape == (2, 9) and got.dtype == torch.bool
     assert got[:, :5].equal(m) and not got[:, 5:].any()
+    assert fct.padding_mask(batch_size=2, q_length=1, kv_length=9, attention_mask=got).equal(got)
+
+
+def _row_reference(q, k, v, mask_row, sq, window):
+    """One row: the kept keys packed, the queries the mask's last sq positions (those at
+    masked positions give 0), bottom-right causal over the packed keys (flash-attn's varlen;
+    a sliding window counts kept keys, which is the positional window wherever a row has no
+    holes)."""
+    import flashcore
+    kept = mask_row.nonzero().flatten()
+    n = mask_row.shape[0]
+    out = torch.zeros_like(q)
+    qpos = torch.arange(n - sq, n)
+    for i, p in enumerate(qpos.tolist()):
+        if p < 0 or not mask_row[p]:
+            continue
+        ks = kept[kept <= p]          # causal: the kept keys up to the query's position
+        if window is not None:        # the window counts kept keys (flash-attn's varlen, as
+            ks = ks[-window:]         # in transformers' flash-attention path)
+        out[:, i:i + 1] = flashcore.attention(q[:, i:i + 1], k[:, ks], v[:, ks], causal=True)
+    return out
 
 
 @pytest.mark.parametrize("sq", [1, 3])
 @pytest.mark.parametrize("window", [None, 4])
-def test_masked_cache_route_matches_each_row(sq, window):
-    """Queries over a cache with left padding and unwritten slots take the decode kernel over
-    [first kept, last kept] of each row; each row equals attention over its kept keys, the
-    queries bottom-right at its last kept position (a row with less kept than queries: those
-    query rows see only what precedes them, and nothing at all gives 0)."""
-    import flashcore
+@pytest.mark.parametrize("left_padding", [False, True])
+def test_masks_over_a_cache_match_each_row(sq, window, left_padding):
+    """Queries over a static cache (the mask shorter than the cache, extended by padding_mask):
+    left-padded rows through both routes (the decode kernel with left_padding=True), and, on
+    the default varlen route, right-padded rows and rows with holes, each equal to attention
+    over its kept keys with the queries at the mask's last positions."""
     g = torch.Generator().manual_seed(7)
-    b, sk, h, hk, d = 4, 12, 4, 2, 16
+    b, L, sk, h, hk, d = 5, 10, 14, 4, 2, 16
     q = torch.randn(b, h, sq, d, dtype=torch.float64, generator=g)
     k = torch.randn(b, hk, sk, d, dtype=torch.float64, generator=g)
     v = torch.randn(b, hk, sk, d, dtype=torch.float64, generator=g)
-    mask = torch.zeros(b, sk, dtype=torch.bool)
-    runs = [(0, 12), (3, 9), (5, 7), (0, 0)]
-    for r, (a, e) in enumerate(runs):
-        mask[r, a:e] = True
+    given = torch.ones(b, L, dtype=torch.long)
+    given[1, :3] = 0                  # left padding
+    given[2, :9] = 0                  # left padding: one kept key
+    if not left_padding:
+        given[3, 6:8] = 0             # holes (a right-padded prompt, then new tokens)
+        given[4, 7:] = 0              # right padding: the queries sit on pad positions
+    mask = fct.padding_mask(attention_mask=given, kv_length=sk)
 
     class M(torch.nn.Module):
         is_causal = True
-    with torch.no_grad():
-        out, _ = fct.flashcore_attention_forward(M(), q, k, v, mask, sliding_window=window)
+    was = fct._SETTINGS["left_padding"]
+    fct._SETTINGS["left_padding"] = left_padding
+    try:
+        with torch.no_grad():
+            out, _ = fct.flashcore_attention_forward(M(), q, k, v, mask, sliding_window=window)
+    finally:
+        fct._SETTINGS["left_padding"] = was
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    for r, (a, e) in enumerate(runs):
-        if e == a:
-            assert not out[r].any()
-            continue
-        want = flashcore.attention_with_kvcache(
-            qt[r:r + 1], kt[r:r + 1, a:e], vt[r:r + 1, a:e], cache_seqlens=e - a, causal=True,
-            window_size=(-1, -1) if window is None else (window - 1, window - 1))
-        torch.testing.assert_close(out[r:r + 1], want, atol=1e-12, rtol=0)
-        if e - a >= sq:    # the same through the varlen route (what a gradient call takes)
-            alt = fct._padded_via_varlen(qt[r:r + 1], kt[r:r + 1], vt[r:r + 1], mask[r:r + 1],
-                                         causal=True, softmax_scale=None, softcap=0.0,
-                                         window_size=(-1, -1) if window is None
-                                         else (window - 1, window - 1))
-            torch.testing.assert_close(alt, want, atol=1e-12, rtol=0)
+    for r in range(b):
+        hkv = torch.repeat_interleave(torch.arange(hk), h // hk)
+        want = _row_reference(qt[r:r + 1], kt[r:r + 1, :L][:, :, hkv], vt[r:r + 1, :L][:, :, hkv],
+                              given[r].bool(), sq, window)
+        torch.testing.assert_close(out[r:r + 1], want, atol=1e-12, rtol=0, msg=f"row {r}")
 
 
 def test_masked_cache_route_refuses_holes_in_debug_mode():
     from flashcore import config
     q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 6, 8)
-    mask = torch.tensor([[1, 1, 0, 1, 0, 0]], dtype=torch.bool)
+    mask = fct.padding_mask(attention_mask=torch.tensor([[1, 1, 0, 1]]), kv_length=6)
 
     class M(torch.nn.Module):
         is_causal = True
-    with torch.no_grad(), config.override(debug=True):
-        with pytest.raises(ValueError, match="argument 'attention_mask'.*holes"):
-            fct.flashcore_attention_forward(M(), q, k, k, mask)
+    was = fct._SETTINGS["left_padding"]
+    fct._SETTINGS["left_padding"] = True
+    try:
+        with torch.no_grad(), config.override(debug=True):
+            with pytest.raises(ValueError, match="argument 'attention_mask'.*holes"):
+                fct.flashcore_attention_forward(M(), q, k, k, mask)
+    finally:
+        fct._SETTINGS["left_padding"] = was
 
 
-def test_left_padded_static_cache_generate_matches_sdpa(name):
+def test_register_takes_left_padding_as_a_bool():
+    with pytest.raises(TypeError, match="'left_padding'"):
+        fct.register(left_padding="yes")
+
+
+def test_decoding_after_a_right_padded_prompt_matches_sdpa(name):
+    """A right-padded prompt, then decoding steps (masks with holes: the new tokens come after
+    pad keys): every kept position's logits, prefill and steps, equal sdpa's. (Positions
+    that are padding are not compared: what a pad query computes differs between
+    implementations, and transformers warns against generating from them.)"""
+    ours, ref = _models(name)
+    ids = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(9))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 4:] = 0
+    outs = {}
+    for tag, model in (("ours", ours), ("ref", ref)):
+        cache = transformers.DynamicCache()
+        r = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        logits = [r.logits[mask.bool()]]
+        m, tok = mask, torch.tensor([[5], [6]])
+        for _ in range(3):
+            m = torch.cat([m, torch.ones(2, 1, dtype=torch.long)], dim=1)
+            r = model(tok, attention_mask=m, past_key_values=r.past_key_values, use_cache=True)
+            logits.append(r.logits[:, -1])
+            tok = tok + 1
+        outs[tag] = logits
+    for a, b in zip(outs["ours"], outs["ref"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("left_padding", [False, True])
+def test_left_padded_static_cache_generate_matches_sdpa(name, left_padding):
     """Greedy generation with a static cache and a left-padded batch: the decoding steps take
-    the masked-cache route (decode kernel with cache_leftpad), the prefill the varlen route."""
+    the varlen route, or with left_padding=True the decode kernel (cache_leftpad); the same
+    tokens as sdpa either way."""
     ours, ref = _models(name)
     ids = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(8))
     mask = torch.ones(2, 7, dtype=torch.long)
     mask[1, :3] = 0
     kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
               cache_implementation="static")
-    assert ours.generate(ids, **kw).tolist() == ref.generate(ids, **kw).tolist()
+    was = fct._SETTINGS["left_padding"]
+    fct._SETTINGS["left_padding"] = left_padding
+    try:
+        assert ours.generate(ids, **kw).tolist() == ref.generate(ids, **kw).tolist()
+    finally:
+        fct._SETTINGS["left_padding"] = was
 
 
 def test_dropout_in_training_drops_reproducibly(name):

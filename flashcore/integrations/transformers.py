@@ -29,14 +29,19 @@ What the attention function does with what transformers passes it:
   decoding step is not recompiled each token). Two routes, both without host sync or graph
   break:
 
-  - *Over a cache* (fewer queries than keys, at most 64 of them, no gradient: decoding steps
-    and speculative drafts): each row of the mask is read as left padding, then the sequence,
-    then slots not written yet; the decode kernel runs over keys ``[first kept, last kept]`` of
-    each row (``cache_leftpad`` and ``cache_seqlens``, computed on the device), the queries
-    being the last positions up to the last kept one. A row with holes inside its kept run is
-    outside this reading: debug mode (``FLASHCORE_DEBUG=1``) refuses it with a named error.
-  - *Varlen* (training, prefill, any mask pattern): varlen attention over the tokens the mask
-    keeps, packed by a stable sort to static shapes; padded query positions get output 0.
+  - *Varlen* (the default; any mask pattern): varlen attention over the tokens the mask keeps,
+    packed by a stable sort to static shapes. The queries are the last cache slots written
+    (see :func:`_query_positions`); a query at a padded position gets output 0 (it is not
+    attended from; transformers warns against generating from right-padded prompts). A sliding
+    window counts kept keys, as in transformers' flash-attention path (the same as positions
+    wherever a row has no holes).
+  - *Over a cache*, with ``register(left_padding=True)`` (fewer queries than keys, at most 64
+    of them, no gradient, no dropout: decoding steps and speculative drafts): each row of the
+    mask is read as left padding, then the sequence, then slots not written yet, and the decode
+    kernel runs over keys ``[first kept, last kept]`` of each row (``cache_leftpad`` and
+    ``cache_seqlens``, computed on the device). A row with holes inside its kept run (right
+    padding followed by new tokens) is outside this reading: debug mode
+    (``FLASHCORE_DEBUG=1``) refuses it with a named error.
 
   Older transformers pass a 4D mask: it is
   accepted when it is exactly the causal/window mask flashcore applies anyway (checked on
@@ -69,13 +74,21 @@ def _taken_for_flash_attn(name: str) -> bool:
     return bool(is_flash_attention_requested(requested_attention_implementation=name))
 
 
-def register(name: str | None = None) -> str:
+def register(name: str | None = None, *, left_padding: bool = False) -> str:
     """Register flashcore in transformers' ``AttentionInterface`` (and mask interface).
 
     ``name`` defaults to "flashcore", or "fcore" on transformers versions that take any name
     containing "flash" for a flash-attention kernel (see the module docstring). Afterwards
     ``attn_implementation=<name>`` selects flashcore. Returns the name.
+
+    ``left_padding=True`` declares that every padding mask is left padding (each row keeps one
+    run of positions up to its end: prompts padded on the left, as generation wants them, or
+    not padded at all); decoding steps with a mask then run the decode kernel instead of the
+    varlen route (see the module docstring). Debug mode (``FLASHCORE_DEBUG=1``) checks it.
     """
+    if type(left_padding) is not bool:
+        raise TypeError(f"argument 'left_padding': expected a bool, got {left_padding!r}")
+    _SETTINGS["left_padding"] = left_padding
     try:
         from transformers import AttentionInterface
     except ImportError as e:
@@ -97,11 +110,15 @@ def register(name: str | None = None) -> str:
     return name
 
 
+_SETTINGS = {"left_padding": False}
+
+
 def padding_mask(*args, attention_mask=None, kv_length=None, **kwargs):
     """The mask function registered with the attention function: the 2D padding mask as
     given (its last ``kv_length`` columns), or None when there is none. A mask shorter than
     ``kv_length`` (a static cache, whose slots past the mask are not written yet) is padded with
-    False to that length, so that its shape does not change from one decoding step to the next.
+    False to that length, so that its shape does not change from one decoding step to the next
+    (transformers passes the result through this function a second time, as a bool mask).
     Unlike transformers' flash-attention mask function, it does not test whether the mask is all
     ones (a read back to the host, and a graph break under torch.compile): a mask that is given
     is applied, whatever its values. (Its signature takes what every transformers version
@@ -123,6 +140,23 @@ def _key_mask(attention_mask, sk):
     if mask.shape[1] < sk:
         mask = torch.nn.functional.pad(mask, (0, sk - mask.shape[1]))
     return mask
+
+
+def _query_positions(keep, sq):
+    """The bool (batch, sq) mask of the queries kept. The queries are the last ``sq`` cache
+    slots written, L - sq .. L - 1, the same for every row: L is where the mask ends, which a
+    static cache's padded mask no longer says, so it is taken as the last kept key + 1 over the
+    batch, at least sq -- exact whenever a row's last query is kept (decoding: the new token
+    is) or the cache held nothing before the queries (a prefill, right padding included). A
+    query at a masked position is not kept (its output is 0)."""
+    import torch
+    b, sk = keep.shape
+    if sq == sk:
+        return keep
+    _, end = _kept_run(keep)
+    length = torch.clamp(end.amax(), min=sq)
+    pos = length - sq + torch.arange(sq, device=keep.device, dtype=torch.int32)
+    return keep.gather(1, pos.expand(b, sq).to(torch.int64))
 
 
 # Query lengths up to this take the decode kernel over a masked cache (decoding steps,
@@ -161,12 +195,12 @@ def flashcore_attention_forward(module, query, key, value, attention_mask, scali
     elif attention_mask is None:
         out = attention(q, k, v, **kw, **drop)
     elif attention_mask.ndim == 2:
-        mask = _key_mask(attention_mask, k.shape[1])
-        if q.shape[1] < k.shape[1] and q.shape[1] <= CACHE_ROUTE_MAX_QUERIES and no_grad \
-                and not drop:
-            out = _masked_over_cache(q, k, v, mask, **kw)
+        keep = _key_mask(attention_mask, k.shape[1])
+        if _SETTINGS["left_padding"] and q.shape[1] < k.shape[1] \
+                and q.shape[1] <= CACHE_ROUTE_MAX_QUERIES and no_grad and not drop:
+            out = _masked_over_cache(q, k, v, keep, **kw)
         else:
-            out = _padded_via_varlen(q, k, v, mask, **kw, **drop)
+            out = _padded_via_varlen(q, k, v, keep, **kw, **drop)
     else:
         raise ValueError("flashcore attention: argument 'attention_mask': expected None, a 2D "
                          f"(batch, kv_len) padding mask or a 4D mask, got shape "
@@ -197,8 +231,9 @@ def _kept_run(mask):
 
 def _masked_over_cache(q, k, v, mask, **kw):
     """Queries over a cache whose key mask is, per row, left padding, the sequence, then slots
-    not written yet: the decode kernel over keys [first kept, last kept] (``cache_leftpad``,
-    ``cache_seqlens``), the queries at the last positions of that run (bottom-right causal)."""
+    not written yet (``register(left_padding=True)`` declares it): the decode kernel over keys
+    [first kept, last kept] (``cache_leftpad``, ``cache_seqlens``), the queries at the last
+    positions of that run (bottom-right causal)."""
     import torch
     first, end = _kept_run(mask)
     if config.debug() and not torch.compiler.is_compiling():
@@ -206,13 +241,14 @@ def _masked_over_cache(q, k, v, mask, **kw):
         if bool(holes.any()):
             rows = holes.nonzero().flatten().tolist()
             raise ValueError(
-                "flashcore attention: argument 'attention_mask': over a KV cache each row must "
-                "keep one run of positions (left padding, the sequence, unwritten slots); rows "
-                f"{rows} have holes inside their run (debug-mode check)")
+                "flashcore attention: argument 'attention_mask': with left_padding=True each row "
+                "must keep one run of positions (left padding, the sequence, unwritten slots); "
+                f"rows {rows} have holes inside their run (debug-mode check; register without "
+                "left_padding to attend with any mask)")
     return attention_with_kvcache(q, k, v, cache_seqlens=end, cache_leftpad=first, **kw)
 
 
-def _padded_via_varlen(q, k, v, attention_mask, **kw):
+def _padded_via_varlen(q, k, v, keep_k, **kw):
     """Varlen attention over the tokens the mask keeps, with no host sync and static shapes
     (so no graph break under torch.compile): a stable sort moves each row's kept tokens to the
     front, in order, and the padding behind them; the packed tensors keep their full length, and
@@ -222,13 +258,7 @@ def _padded_via_varlen(q, k, v, attention_mask, **kw):
     import torch
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    keep_k = _key_mask(attention_mask, sk)
-    if sq == sk:
-        keep_q = keep_k
-    else:   # over a cache: the queries are the sq positions ending at each row's last kept key
-        _, end = _kept_run(keep_k)
-        pos = end[:, None] - sq + torch.arange(sq, device=q.device, dtype=torch.int32)
-        keep_q = (pos >= 0) & keep_k.gather(1, pos.clamp(min=0).to(torch.int64))
+    keep_q = _query_positions(keep_k, sq)
 
     def pack(x, keep, n, heads):
         flat = keep.reshape(-1)

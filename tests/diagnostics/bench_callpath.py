@@ -93,7 +93,9 @@ def cupy_calls():
 def _llama(impl, layers=8):
     from transformers import LlamaConfig, LlamaForCausalLM
     import flashcore.integrations.transformers as fct
-    name = fct.register() if impl == "flashcore" else impl
+    # "flashcore_lp": register(left_padding=True), masked decoding steps on the decode kernel
+    name = fct.register(left_padding=impl == "flashcore_lp") if impl.startswith("flashcore") \
+        else impl
     cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                       num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
                       max_position_embeddings=32768, attn_implementation=name)
@@ -164,7 +166,7 @@ def generate(shapes=((1, 512), (8, 2048)), new=128):
     for batch, prompt in shapes:
         r = {}
         outs = {}
-        for impl in ("sdpa", "flashcore"):
+        for impl in ("sdpa", "flashcore", "flashcore_lp"):
             model = _llama(impl).eval()
             ids = torch.randint(0, 32000, (batch, prompt), device="cuda",
                                 generator=torch.Generator(device="cuda").manual_seed(1))
@@ -184,8 +186,10 @@ def generate(shapes=((1, 512), (8, 2048)), new=128):
             torch.cuda.empty_cache()
         same = (outs["sdpa"] == outs["flashcore"]).int().cumprod(1).sum(1)
         la, lb = r.pop("sdpa_logits"), r.pop("flashcore_logits")
+        r.pop("flashcore_lp_logits", None)
         emit(section="generate", batch=batch, prompt=prompt, **r,
              ratio=r["flashcore_tok_s"] / r["sdpa_tok_s"],
+             ratio_left_padding=r["flashcore_lp_tok_s"] / r["sdpa_tok_s"],
              equal_prefix_min=int(same.min()), equal_prefix_mean=float(same.float().mean()),
              logits_maxdiff=float((la - lb).abs().max()), logits_scale=float(la.abs().max()))
 
@@ -195,7 +199,7 @@ def generate_static(shapes=((1, 512), (8, 2048)), new=64):
     tokens/s after a warm-up generate that compiles, flashcore vs "sdpa"; first tokens."""
     for batch, prompt in shapes:
         r, outs = {}, {}
-        for impl in ("sdpa", "flashcore"):
+        for impl in ("sdpa", "flashcore", "flashcore_lp"):
             torch._dynamo.reset()
             model = _llama(impl).eval()
             ids = torch.randint(0, 32000, (batch, prompt), device="cuda",
@@ -219,7 +223,9 @@ def generate_static(shapes=((1, 512), (8, 2048)), new=64):
             torch.cuda.empty_cache()
         same = (outs["sdpa"] == outs["flashcore"]).int().cumprod(1).sum(1)
         emit(section="generate_static", batch=batch, prompt=prompt, **r,
-             ratio=r["flashcore_tok_s"] / r["sdpa_tok_s"], equal_prefix_min=int(same.min()),
+             ratio=r["flashcore_tok_s"] / r["sdpa_tok_s"],
+             ratio_left_padding=r["flashcore_lp_tok_s"] / r["sdpa_tok_s"],
+             equal_prefix_min=int(same.min()),
              equal_prefix_mean=float(same.float().mean()))
 
 

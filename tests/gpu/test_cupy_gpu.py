@@ -570,3 +570,20 @@ def test_dropout_varlen_and_torch_autograd(d):
                                         rng_state=state, deterministic=True)
     for a, b in zip(grads, want):
         assert torch.equal(a, b)
+
+
+def test_float32_out_only_where_a_kernel_writes_it():
+    """A float32 ``out`` for 16-bit inputs is the forward's unrounded output; the decode
+    kernels write 16-bit only, so there it is refused by name, as is an ``out`` whose dtype
+    contradicts ``out_dtype``."""
+    cp = _cp()
+    import flashcore
+    rng = np.random.default_rng(3)
+    q = to_dev(rng.standard_normal((1, 1, 4, 64)).astype(np.float32), "bfloat16")
+    kc = to_dev(rng.standard_normal((1, 32, 2, 64)).astype(np.float32), "bfloat16")
+    with pytest.raises(ValueError, match="argument 'out'"):
+        flashcore.attention_with_kvcache(q, kc, kc, cache_seqlens=cp.asarray([5], cp.int32),
+                                         out=cp.empty(q.shape, cp.float32))
+    with pytest.raises(ValueError, match="argument 'out'"):
+        flashcore.attention_forward(q, kc, kc, out_dtype="float32",
+                                    out=cp.empty(q.shape, q.dtype))
