@@ -11,12 +11,13 @@ Names, argument order, defaults, shapes and returns are flash-attn 2.x's
 * ``dropout_p`` > 0 drops attention probabilities (training; flash-attn says the same: 0.0
   for evaluation) with flashcore's counter-based stream (:mod:`flashcore.dropout`), its state
   drawn from torch's generator of the tensors' device, so ``torch.manual_seed`` reproduces a
-  run. ``return_attn_probs=True`` returns None as its third element, with or without dropout
-  (flash-attn returns the dropout-encoded probabilities there, for its tests).
-* ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: flashcore never
-  materialises the attention probabilities, so the third element (flash-attn's ``S_dmask``,
-  documented there as "for testing only") is always None.
-* ``block_table`` (paged KV cache in ``flash_attn_varlen_func``) must be None for now.
+  run. With dropout, ``return_attn_probs=True`` returns as its third element the probabilities
+  with the dropout pattern in their signs, in flash-attn's convention (for tests: computed on
+  the host, see :func:`flashcore.reference.attn_probs_dmask`); without dropout, None.
+* ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)``; the kernels never
+  materialise the probabilities, so ``S_dmask`` (flash-attn's "for testing only") is None
+  without dropout and, with it, the encoding above, recomputed on the host.
+* ``block_table`` in ``flash_attn_varlen_func``: a paged KV cache (forward only).
 * :func:`flash_attn_with_kvcache`: ``cache_batch_idx`` must be None; ``cache_leftpad``
   works with a contiguous cache (as in flash-attn, not with ``block_table``); a head dim
   that is no multiple of 8 is refused (flash-attn pads and copies back the whole cache);
@@ -48,7 +49,8 @@ lse = -inf)::
 """
 from __future__ import annotations
 
-from .api import attention, attention_with_kvcache, varlen_attention
+from ._arrays import library_of
+from .api import attention, attention_with_kvcache, draw_rng_state, varlen_attention
 
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
@@ -57,8 +59,31 @@ __all__ = [
 ]
 
 
-def _result(out, lse, return_attn_probs):
-    return (out, lse, None) if return_attn_probs else out
+def _result(out, lse, return_attn_probs, probs=None):
+    return (out, lse, probs) if return_attn_probs else out
+
+
+def _dmask(q, k, dropout_p, rng_state, **kw):
+    """The third output of ``return_attn_probs=True`` when there is dropout: the probabilities
+    with the dropout pattern in their signs, as flash-attn returns them for its tests
+    (:func:`flashcore.reference.attn_probs_dmask`; computed on the host, a test aid); None
+    without dropout (flash-attn's tests read it only then)."""
+    if not dropout_p:
+        return None
+    import numpy as np
+    import torch
+    from .reference import attn_probs_dmask
+    from .spec import forward_spec
+    qh, kh = (x.detach().to(torch.float64).cpu().numpy() for x in (q, k))
+    st = rng_state.cpu().numpy()
+    slopes = kw.pop("alibi_slopes", None)
+    if slopes is not None:
+        slopes = slopes.detach().cpu().numpy().astype(np.float64)
+        if slopes.ndim == 1:
+            slopes = np.broadcast_to(slopes[None], (qh.shape[0], slopes.shape[0]))
+    spec = forward_spec(qh, kh, kh, dropout_p=dropout_p, rng_state=st, **kw)
+    probs = attn_probs_dmask(spec, qh, kh, slopes=slopes, rng_state=st)
+    return torch.from_numpy(probs).to(device=q.device, dtype=q.dtype)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -82,14 +107,20 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 
     Returns:
         out: (batch_size, seqlen_q, nheads, headdim), q's dtype. With
-        ``return_attn_probs=True``: ``(out, softmax_lse, None)``, softmax_lse float32
+        ``return_attn_probs=True``: ``(out, softmax_lse, S_dmask)``, softmax_lse float32
         (batch_size, nheads, seqlen_q), the natural-log log-sum-exp of each row of the final
-        scores; the third element is always None (probabilities are never materialised).
+        scores; S_dmask None without dropout, else the probabilities with the dropout
+        pattern in their signs (see the module docstring).
     """
+    rng = draw_rng_state(q) if dropout_p and library_of(q) == "torch" else None
     out, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                         deterministic=deterministic, return_lse=True, dropout_p=dropout_p)
-    return _result(out, lse, return_attn_probs)
+                         deterministic=deterministic, return_lse=True, dropout_p=dropout_p,
+                         rng_state=rng)
+    probs = _dmask(q, k, dropout_p, rng, causal=causal, softmax_scale=softmax_scale,
+                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes) \
+        if return_attn_probs else None
+    return _result(out, lse, return_attn_probs, probs)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -119,6 +150,32 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                            window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
+def _dmask_varlen(q, k, cu_q, cu_k, max_q, max_k, dropout_p, rng_state, **kw):
+    """:func:`_dmask` of a varlen call: (batch, nheads, max_seqlen_q, max_seqlen_k), sequence b
+    in its top-left corner, zeros elsewhere (flash-attn's layout)."""
+    if not dropout_p:
+        return None
+    import numpy as np
+    import torch
+    from .reference import attn_probs_dmask
+    from .spec import forward_spec
+    cq, ck = (x.detach().cpu().numpy().astype(np.int64) for x in (cu_q, cu_k))
+    qh, kh = (x.detach().to(torch.float64).cpu().numpy() for x in (q, k))
+    st = rng_state.cpu().numpy()
+    slopes = kw.pop("alibi_slopes", None)
+    if slopes is not None:
+        slopes = slopes.detach().cpu().numpy().astype(np.float64)
+    out = np.zeros((len(cq) - 1, q.shape[1], max_q, max_k))
+    for i in range(len(cq) - 1):
+        a = qh[None, cq[i]:cq[i + 1]]
+        b = kh[None, ck[i]:ck[i + 1]]
+        sl = None if slopes is None else (slopes[None] if slopes.ndim == 1 else slopes[i:i + 1])
+        spec = forward_spec(a, b, b, dropout_p=dropout_p, rng_state=st, **kw)
+        p = attn_probs_dmask(spec, a, b, slopes=sl, rng_state=st, batch_offset=i)
+        out[i, :, :p.shape[2], :p.shape[3]] = p[0]
+    return torch.from_numpy(out).to(device=q.device, dtype=q.dtype)
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
@@ -142,12 +199,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out: (total_q, nheads, headdim), or ``(out, softmax_lse, None)`` with
         ``return_attn_probs=True``, softmax_lse float32 (nheads, total_q).
     """
+    rng = draw_rng_state(q) if dropout_p and library_of(q) == "torch" else None
     out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 causal=causal, softmax_scale=softmax_scale,
                                 window_size=window_size, softcap=softcap,
                                 alibi_slopes=alibi_slopes, deterministic=deterministic,
-                                return_lse=True, block_table=block_table, dropout_p=dropout_p)
-    return _result(out, lse, return_attn_probs)
+                                return_lse=True, block_table=block_table, dropout_p=dropout_p,
+                                rng_state=rng)
+    probs = _dmask_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          dropout_p, rng, causal=causal, softmax_scale=softmax_scale,
+                          window_size=window_size, softcap=softcap,
+                          alibi_slopes=alibi_slopes) if return_attn_probs else None
+    return _result(out, lse, return_attn_probs, probs)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,

@@ -242,3 +242,41 @@ def apply_rotary(x, cos, sin, positions, interleaved, xp=np):
         x1, x2 = xr[..., :r // 2], xr[..., r // 2:]
         rot = xp.concatenate([x1 * c - x2 * sn, x2 * c + x1 * sn], axis=-1)
     return xp.concatenate([rot.astype(x.dtype), x[..., r:]], axis=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# flash-attn's "S_dmask" (return_attn_probs=True): the probabilities, dropout encoded in signs
+# --------------------------------------------------------------------------------------------
+
+S_DMASK_BLOCK = 128   # key-block width of the encoding (the conformance shim's _get_block_size_n)
+
+
+def attn_probs_dmask(spec, q, k, slopes=None, rng_state=None, batch_offset=0,
+                     block=S_DMASK_BLOCK):
+    """flash-attn's third output of ``return_attn_probs=True`` for dense (b, s, h, d) inputs:
+    (b, h, sq, sk) float64 with entry ``exp(s_ij - m_iJ)``, where J is key j's block of
+    ``block`` keys and m_iJ the row's running max over blocks J..last (flash-attn's kernels walk
+    the key blocks from the last to the first, so that is the max they had subtracted when they
+    wrote block J); negative where dropout dropped the probability (-0.0 for a masked one).
+    flash-attn's tests normalise it with exactly that convention; it is a test aid, computed
+    here on the host."""
+    ct = np.float64
+    qh = _bhsd(q).astype(ct)
+    kh = _expand_kv(_bhsd(k).astype(ct), spec.group_size)
+    b, h, sq, sk = qh.shape[0], qh.shape[1], qh.shape[2], kh.shape[2]
+    sc = _Scores(spec, sq, sk, slopes)
+    s, _ = sc(qh @ kh.swapaxes(-1, -2), np.arange(sq), np.arange(sk))
+    nb = -(-sk // block) if sk else 0
+    out = np.zeros(s.shape, ct)
+    if nb:
+        pad = nb * block - sk
+        sp = np.pad(s, [(0, 0)] * 3 + [(0, pad)], constant_values=-np.inf)
+        bmax = sp.reshape(b, h, sq, nb, block).max(axis=-1)                 # (b, h, sq, nb)
+        run = np.maximum.accumulate(bmax[..., ::-1], axis=-1)[..., ::-1]    # max over J..last
+        m = np.repeat(run, block, axis=-1)[..., :sk]
+        with np.errstate(invalid="ignore"):
+            out = np.where(np.isneginf(s), 0.0, np.exp(s - _safe(m)))
+    z = dropout_factors(spec, rng_state, b, sq, sk, batch_offset)
+    if z is not None:
+        out = np.where(z > 0, out, -out)
+    return out

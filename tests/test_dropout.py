@@ -183,3 +183,39 @@ int main(int, char** argv) {{
     m = D.keep_mask(np.array([seed, offset], np.int64), p, np.arange(3), 7 * np.arange(5),
                     np.arange(70)).reshape(15, 70)
     assert got == ["".join("1" if x else "0" for x in row) for row in m]
+
+
+def test_return_attn_probs_encodes_the_dropout_the_way_flash_attn_tests_read_it():
+    """flash_attn_func(..., return_attn_probs=True) with dropout: the signs are the mask the
+    call used (rebuilding the output from them gives the output), and flash-attn's own test
+    normalisation (running max per 128-key block, blocks walked from the last) turns the
+    magnitudes into the probabilities."""
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    from flashcore import flash_attn as fa
+    g = torch.Generator().manual_seed(0)
+    b, sq, sk, h, d = 2, 70, 300, 2, 16
+    q = torch.randn(b, sq, h, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, sk, h, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, sk, h, d, generator=g, dtype=torch.float64)
+    for causal in (False, True):
+        torch.manual_seed(1)
+        out, lse, s = fa.flash_attn_func(q, k, v, 0.3, causal=causal, return_attn_probs=True)
+        assert s.shape == (b, h, sq, sk)
+        keep = s >= 0
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / d ** 0.5
+        if causal:
+            i = torch.arange(sq)[:, None] + sk - sq
+            scores = scores.masked_fill(torch.arange(sk)[None, :] > i, float("-inf"))
+        p = torch.softmax(scores, -1)
+        blocks = scores.split(128, dim=-1)
+        bmax = torch.stack([x.amax(-1) for x in blocks], -1)
+        run = torch.cummax(bmax.flip(-1), -1).values.flip(-1)
+        norm = torch.cat([a * torch.exp(m - lse)[..., None]
+                          for a, m in zip(s.abs().split(128, dim=-1), run.unbind(-1))], -1)
+        torch.testing.assert_close(norm, p, atol=1e-12, rtol=1e-10)
+        scale = D.keep_scale(0.3)
+        want = torch.einsum("bhqk,bkhd->bqhd", p * keep * scale, v)
+        torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    torch.manual_seed(1)
+    _, _, none = fa.flash_attn_func(q, k, v, 0.0, return_attn_probs=True)
+    assert none is None
