@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["threshold", "keep_scale", "keep_mask", "philox4x32"]
+__all__ = ["threshold", "keep_scale", "keep_mask", "factors", "philox4x32"]
 
 _M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
 _W0, _W1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)
@@ -77,3 +77,10 @@ def keep_mask(rng_state, p: float, bh, rows, cols) -> np.ndarray:
     sel = w[..., where, (cols >> 3) & 3]               # (..., rows, cols)
     r16 = (sel >> (16 * (cols & 1)).astype(np.uint64)) & np.uint64(0xFFFF)
     return r16 >= np.uint64(thr)
+
+
+def factors(rng_state, p: float, bh, rows, cols, dtype=np.float64) -> np.ndarray:
+    """The factors of :func:`keep_mask`'s probabilities: 0 where dropped, :func:`keep_scale`
+    where kept (same shape)."""
+    dt = np.dtype(dtype).type
+    return np.where(keep_mask(rng_state, p, bh, rows, cols), dt(keep_scale(p)), dt(0.0))

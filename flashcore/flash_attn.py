@@ -63,11 +63,13 @@ def _result(out, lse, return_attn_probs, probs=None):
     return (out, lse, probs) if return_attn_probs else out
 
 
-def _dmask(q, k, dropout_p, rng_state, **kw):
+def _dmask(q, k, dropout_p, rng_state, cu_seqlens=None, max_seqlens=None, **kw):
     """The third output of ``return_attn_probs=True`` when there is dropout: the probabilities
     with the dropout pattern in their signs, as flash-attn returns them for its tests
     (:func:`flashcore.reference.attn_probs_dmask`; computed on the host, a test aid); None
-    without dropout (flash-attn's tests read it only then)."""
+    without dropout (flash-attn's tests read it only then). Varlen (``cu_seqlens`` (q, k),
+    ``max_seqlens``): (batch, nheads, max_seqlen_q, max_seqlen_k), sequence b in its top-left
+    corner, zeros elsewhere (flash-attn's layout)."""
     if not dropout_p:
         return None
     import numpy as np
@@ -79,11 +81,23 @@ def _dmask(q, k, dropout_p, rng_state, **kw):
     slopes = kw.pop("alibi_slopes", None)
     if slopes is not None:
         slopes = slopes.detach().cpu().numpy().astype(np.float64)
-        if slopes.ndim == 1:
-            slopes = np.broadcast_to(slopes[None], (qh.shape[0], slopes.shape[0]))
-    spec = forward_spec(qh, kh, kh, dropout_p=dropout_p, rng_state=st, **kw)
-    probs = attn_probs_dmask(spec, qh, kh, slopes=slopes, rng_state=st)
-    return torch.from_numpy(probs).to(device=q.device, dtype=q.dtype)
+
+    def encoded(a, b, sl, batch_offset=0):
+        if sl is not None and sl.ndim == 1:
+            sl = np.broadcast_to(sl[None], (a.shape[0], sl.shape[0]))
+        spec = forward_spec(a, b, b, dropout_p=dropout_p, rng_state=st, **kw)
+        return attn_probs_dmask(spec, a, b, slopes=sl, rng_state=st, batch_offset=batch_offset)
+
+    if cu_seqlens is None:
+        out = encoded(qh, kh, slopes)
+    else:
+        cq, ck = (x.detach().cpu().numpy().astype(np.int64) for x in cu_seqlens)
+        out = np.zeros((len(cq) - 1, q.shape[1], *max_seqlens))
+        for i in range(len(cq) - 1):
+            sl = None if slopes is None else (slopes if slopes.ndim == 1 else slopes[i:i + 1])
+            p = encoded(qh[None, cq[i]:cq[i + 1]], kh[None, ck[i]:ck[i + 1]], sl, i)
+            out[i, :, :p.shape[2], :p.shape[3]] = p[0]
+    return torch.from_numpy(out).to(device=q.device, dtype=q.dtype)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -150,32 +164,6 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                            window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
-def _dmask_varlen(q, k, cu_q, cu_k, max_q, max_k, dropout_p, rng_state, **kw):
-    """:func:`_dmask` of a varlen call: (batch, nheads, max_seqlen_q, max_seqlen_k), sequence b
-    in its top-left corner, zeros elsewhere (flash-attn's layout)."""
-    if not dropout_p:
-        return None
-    import numpy as np
-    import torch
-    from .reference import attn_probs_dmask
-    from .spec import forward_spec
-    cq, ck = (x.detach().cpu().numpy().astype(np.int64) for x in (cu_q, cu_k))
-    qh, kh = (x.detach().to(torch.float64).cpu().numpy() for x in (q, k))
-    st = rng_state.cpu().numpy()
-    slopes = kw.pop("alibi_slopes", None)
-    if slopes is not None:
-        slopes = slopes.detach().cpu().numpy().astype(np.float64)
-    out = np.zeros((len(cq) - 1, q.shape[1], max_q, max_k))
-    for i in range(len(cq) - 1):
-        a = qh[None, cq[i]:cq[i + 1]]
-        b = kh[None, ck[i]:ck[i + 1]]
-        sl = None if slopes is None else (slopes[None] if slopes.ndim == 1 else slopes[i:i + 1])
-        spec = forward_spec(a, b, b, dropout_p=dropout_p, rng_state=st, **kw)
-        p = attn_probs_dmask(spec, a, b, slopes=sl, rng_state=st, batch_offset=i)
-        out[i, :, :p.shape[2], :p.shape[3]] = p[0]
-    return torch.from_numpy(out).to(device=q.device, dtype=q.dtype)
-
-
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
@@ -206,10 +194,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                 alibi_slopes=alibi_slopes, deterministic=deterministic,
                                 return_lse=True, block_table=block_table, dropout_p=dropout_p,
                                 rng_state=rng)
-    probs = _dmask_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          dropout_p, rng, causal=causal, softmax_scale=softmax_scale,
-                          window_size=window_size, softcap=softcap,
-                          alibi_slopes=alibi_slopes) if return_attn_probs else None
+    probs = _dmask(q, k, dropout_p, rng, (cu_seqlens_q, cu_seqlens_k),
+                   (max_seqlen_q, max_seqlen_k), causal=causal, softmax_scale=softmax_scale,
+                   window_size=window_size, softcap=softcap,
+                   alibi_slopes=alibi_slopes) if return_attn_probs else None
     return _result(out, lse, return_attn_probs, probs)
 
 

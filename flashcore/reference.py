@@ -172,10 +172,9 @@ def dropout_factors(spec, rng_state, batch, sq, sk, batch_offset=0, ct=np.float6
     entry z is sequence ``batch_offset + z`` of the call."""
     if not spec.dropout_p:
         return None
-    from .dropout import keep_mask, keep_scale
+    from .dropout import factors
     bh = (batch_offset + np.arange(batch))[:, None] * spec.nheads + np.arange(spec.nheads)
-    keep = keep_mask(rng_state, spec.dropout_p, bh, np.arange(sq), np.arange(sk))
-    return np.where(keep, ct(keep_scale(spec.dropout_p)), ct(0.0))
+    return factors(rng_state, spec.dropout_p, bh, np.arange(sq), np.arange(sk), ct)
 
 
 def naive_forward(spec, q, k, v, slopes=None, round_to=None, rng_state=None, batch_offset=0):

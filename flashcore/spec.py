@@ -263,8 +263,7 @@ def _dropout(dropout_p, rng_state, spec) -> float:
     if dtype_name(rng_state) != "int64" or int(rng_state.shape[0]) != 2:
         raise _arg_error(TypeError, "rng_state", "an int64 array of 2 elements (seed, offset)",
                          f"dtype {dtype_name(rng_state)} and shape {tuple(rng_state.shape)}")
-    if not rng_state.flags.c_contiguous if hasattr(rng_state, "flags") else \
-            not rng_state.is_contiguous():
+    if strides_in_elements(rng_state) != (1,):
         raise _arg_error(ValueError, "rng_state", "a contiguous array", "a strided one")
     return p
 

@@ -70,10 +70,9 @@ def _tile_dropout(spec, rng_state, z, hk, g, rows, cols, ct):
     """Dropout factors of one (hk, g, rows, cols) tile of sequence z (None without dropout)."""
     if not spec.dropout_p:
         return None
-    from ..dropout import keep_mask, keep_scale
-    bh = z * spec.nheads + np.arange(hk * g).reshape(hk, g)
-    return np.where(keep_mask(rng_state, spec.dropout_p, bh, rows, cols),
-                    ct(keep_scale(spec.dropout_p)), ct(0.0))
+    from ..dropout import factors
+    return factors(rng_state, spec.dropout_p, z * spec.nheads + np.arange(hk * g).reshape(hk, g),
+                   rows, cols, ct)
 
 
 def tiled_forward(spec, q, k, v, slopes=None, block_q=BLOCK_Q, block_k=BLOCK_K, rng_state=None,

@@ -141,16 +141,15 @@ class TorchBackend(Backend):
                 block_table=None, out_fp32=False, rng_state=None):
         """Return ``(out, lse)`` as torch tensors on q's device; out contiguous, like q."""
         import torch
-        paged = {} if block_table is None else {"block_table": block_table}
-        if rng_state is not None:
-            paged["rng_state"] = rng_state
+        extra = {n: t for n, t in (("block_table", block_table), ("rng_state", rng_state))
+                 if t is not None}
         if q.device.type == "cpu":
             nb = get_backend("numpy")
             out, lse = nb.forward(_on_library(spec, "numpy"),
                                   *(_np(x) for x in (q, k, v)),
                                   alibi_slopes=_np(alibi_slopes), cu_seqlens_q=_np(cu_seqlens_q),
                                   cu_seqlens_k=_np(cu_seqlens_k), out_fp32=out_fp32,
-                                  **{n: _np(t) for n, t in paged.items()})
+                                  **{n: _np(t) for n, t in extra.items()})
             return _contiguous_numpy_to_torch(torch, out), _contiguous_numpy_to_torch(torch, lse)
         cb = get_backend("cupy")
         lse_shape = (spec.nheads, spec.total_q) if spec.varlen else \
@@ -162,7 +161,7 @@ class TorchBackend(Backend):
             cb.forward(_on_library(spec, "cupy"), *(_cp(x) for x in (q, k, v)),
                        alibi_slopes=_cp(alibi_slopes), cu_seqlens_q=_cp(cu_seqlens_q),
                        cu_seqlens_k=_cp(cu_seqlens_k), out=_cp(out), lse=_cp(lse),
-                       **{n: _cp(t) for n, t in paged.items()})
+                       **{n: _cp(t) for n, t in extra.items()})
         return out, lse
 
     def backward(self, spec, dout, q, k, v, out, lse, *, alibi_slopes=None,

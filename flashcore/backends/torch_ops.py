@@ -602,12 +602,7 @@ def _explicit(kind, tensors, backend, varlen, kw):
     drop = (dropout_p, kw.get("rng_state")) if dropout_p else ()
     # the ops' defaulted tails, given only as far as needed: fwd (block_table, out_fp32,
     # dropout_p, rng_state), bwd (dropout_p, rng_state)
-    if kind == "fwd":
-        tail = (kw.get("block_table"), fp32) + drop
-        while tail and (tail[-1] is None or tail[-1] is False) and len(tail) <= 2:
-            tail = tail[:-1]
-    else:
-        tail = drop
+    tail = ((kw.get("block_table"), fp32) + drop) if kind == "fwd" else drop
     torch_ops()
     with torch.no_grad():
         return _OVERLOADS[kind](*tensors, args["alibi_slopes"], args["cu_seqlens_q"],
