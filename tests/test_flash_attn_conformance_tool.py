@@ -116,3 +116,39 @@ def test_the_runner_counts_and_groups_what_pytest_ran(tmp_path):
     r = subprocess.run([sys.executable, str(TOOL), str(suite), "--sample", "2", "--seed", "3"],
                        capture_output=True, text=True, timeout=600)
     assert "(2 of 4 cases)" in r.stdout, r.stdout[-3000:]
+
+
+_NEEDS_A_GPU_AT_IMPORT = '''
+import pytest, torch
+CAP = torch.cuda.get_device_capability("cuda")
+
+@pytest.mark.parametrize("n", range(6))
+def test_case(n):
+    assert CAP == (9, 0) and n != 4, "case four fails"
+'''
+
+
+def test_a_sample_written_on_a_machine_without_a_gpu_runs_as_written(tmp_path):
+    suite = tmp_path / "test_fake_flash_attn.py"
+    suite.write_text(_NEEDS_A_GPU_AT_IMPORT)
+    cases = tmp_path / "cases.txt"
+    base = [sys.executable, str(TOOL), str(suite)]
+    # collection imports the file: without a GPU it needs the capability answered
+    r = subprocess.run(base + ["--sample", "4", "--seed", "1", "--write-cases", str(cases),
+                               "--assume-capability", "9.0"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    lines = cases.read_text().splitlines()
+    assert lines[0].startswith("# 4 of 6 cases (seed 1)") and len(lines) == 5
+    assert all(line.startswith("test_case[") for line in lines[1:])
+    # the run answers nothing for the device: here (no GPU) every chosen case errors at import
+    r = subprocess.run(base + ["--cases", str(cases)], capture_output=True, text=True, timeout=600)
+    assert "(4 of 6 cases)" in r.stdout, r.stdout[-3000:]
+    if not torch.cuda.is_available():
+        assert "SUMMARY 0 passed" in r.stdout, r.stdout[-3000:]
+    for bad, named in ((["--cases", str(cases), "--sample", "2"], "'--cases'"),
+                       (["--write-cases", str(cases), "--assume-capability", "nine"],
+                        "'--assume-capability'"),
+                       (["--assume-capability", "9.0"], "'--assume-capability'")):
+        r = subprocess.run(base + bad, capture_output=True, text=True, timeout=600)
+        assert r.returncode != 0 and named in r.stderr, r.stderr[-2000:]

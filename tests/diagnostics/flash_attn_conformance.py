@@ -1,7 +1,8 @@
 """flash-attn's own test suite, run unchanged against ``flashcore.flash_attn``.
 
     python tests/diagnostics/flash_attn_conformance.py PATH/TO/test_flash_attn.py
-        [--sample N] [--seed S] [--out DIR] [--timeout SECONDS] [-k EXPR] [--pytest-args ...]
+        [--sample N] [--seed S] [--out DIR] [--timeout SECONDS] [-k EXPR]
+        [--write-cases FILE [--assume-capability 9.0] | --cases FILE] [--pytest-args ...]
 
 PATH is flash-attn 2's ``tests/test_flash_attn.py`` (public; it is not copied into this
 repository and nothing is fetched here: give the path of a copy you have). The script builds,
@@ -13,6 +14,12 @@ plus the test helpers the file imports, written here against their documented be
 of ``--sample`` of them with pytest (the file needs a CUDA GPU), and prints passed / failed /
 skipped, with the failures and skips grouped by reason (the first line of each message, its
 numbers replaced by N). ``--out`` keeps the junit XML and the summary as JSON.
+
+Collecting the whole file (about half a million cases) takes minutes of CPU. To spend none of
+a GPU machine's time on it, collect and sample elsewhere: ``--write-cases FILE`` writes the
+chosen case names and stops; ``--assume-capability 9.0`` makes that collection work on a
+machine without a GPU (the file asks for the device's compute capability when it is imported;
+the shim answers instead); ``--cases FILE`` then runs exactly those cases, collecting nothing.
 """
 from __future__ import annotations
 
@@ -121,8 +128,21 @@ _SHIM = {
 }
 
 
-def write_shim(folder: Path) -> Path:
-    for rel, text in _SHIM.items():
+_ASSUME_CAPABILITY = '''
+    """Answers torch.cuda.get_device_capability for collection on a machine without a GPU
+    (written only with --assume-capability; collection imports the file, nothing runs)."""
+    import torch
+
+    torch.cuda.get_device_capability = lambda *args, **kwargs: ({major}, {minor})
+    '''
+
+
+def write_shim(folder: Path, capability: str | None = None) -> Path:
+    texts = dict(_SHIM)
+    if capability:
+        major, minor = (int(x) for x in capability.split("."))
+        texts["sitecustomize.py"] = _ASSUME_CAPABILITY.format(major=major, minor=minor)
+    for rel, text in texts.items():
         path = folder / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(textwrap.dedent(text).lstrip())
@@ -134,6 +154,20 @@ def _env(shim: Path) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(shim), str(ROOT)] +
                                         ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
+
+
+def read_cases(path: Path) -> tuple[list[str], int | None, int | None]:
+    """The case names in a --write-cases file, and the collected count and seed of its header."""
+    names, collected, seed = [], None, None
+    for line in path.read_text().splitlines():
+        head = re.match(r"#\s*(\d+) of (\d+) cases \(seed (-?\d+)\)", line)
+        if head:
+            collected, seed = int(head.group(2)), int(head.group(3))
+        elif line.strip() and not line.startswith("#"):
+            names.append(line.strip())
+    if not names:
+        raise SystemExit(f"argument '--cases': no case names in {path}")
+    return names, collected, seed
 
 
 def collect(test_file: Path, shim: Path, keyword: str | None) -> list[str]:
@@ -180,27 +214,52 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, help="keep junit.xml and summary.json here")
     p.add_argument("--timeout", type=int, default=3600, help="seconds for the pytest run")
     p.add_argument("-k", dest="keyword", help="pytest -k expression applied at collection")
+    p.add_argument("--write-cases", type=Path, metavar="FILE",
+                   help="collect and sample, write the chosen case names to FILE, run nothing")
+    p.add_argument("--cases", type=Path, metavar="FILE",
+                   help="run the cases named in FILE (from --write-cases), collecting nothing")
+    p.add_argument("--assume-capability", metavar="MAJOR.MINOR",
+                   help="collect on a machine without a GPU, as if its capability were this")
     p.add_argument("--pytest-args", nargs=argparse.REMAINDER, default=[],
                    help="extra pytest arguments (e.g. -n 8 with pytest-xdist)")
     a = p.parse_args(argv)
     if not a.test_file.is_file():
         raise SystemExit(f"argument 'test_file': no such file {a.test_file}")
+    if a.cases and (a.write_cases or a.sample or a.keyword):
+        raise SystemExit("argument '--cases': runs a written sample; --write-cases, --sample "
+                         "and -k belong to the run that wrote it")
+    if a.assume_capability and not re.fullmatch(r"\d+\.\d+", a.assume_capability):
+        raise SystemExit(f"argument '--assume-capability': expected MAJOR.MINOR such as 9.0, "
+                         f"got {a.assume_capability!r}")
+    if a.assume_capability and not a.write_cases:
+        raise SystemExit("argument '--assume-capability': only for collection (--write-cases); "
+                         "the cases themselves need the GPU")
     with tempfile.TemporaryDirectory(prefix="flash_attn_conformance_") as tmp:
         tmp = Path(tmp)
-        shim = write_shim(tmp / "shim")
         work = tmp / "tests"
         work.mkdir()
         test_file = work / a.test_file.name
         shutil.copyfile(a.test_file, test_file)
-        ids = collect(test_file, shim, a.keyword)
-        chosen = ids if not a.sample or a.sample >= len(ids) else \
-            sorted(random.Random(a.seed).sample(ids, a.sample), key=ids.index)
-        listing = tmp / "cases.txt"
-        listing.write_text("\n".join(chosen) + "\n")
+        if a.cases:
+            names, collected, seed = read_cases(a.cases)
+            chosen = [f"{test_file.name}::{n}" for n in names]
+            ids_count, a.seed = collected or len(chosen), seed if seed is not None else a.seed
+        else:
+            ids = collect(test_file, write_shim(tmp / "collect", a.assume_capability), a.keyword)
+            chosen = ids if not a.sample or a.sample >= len(ids) else \
+                sorted(random.Random(a.seed).sample(ids, a.sample), key=ids.index)
+            ids_count = len(ids)
+        if a.write_cases:
+            a.write_cases.write_text(f"# {len(chosen)} of {ids_count} cases (seed {a.seed}) from "
+                                     f"{a.test_file.name}\n" +
+                                     "\n".join(c.split("::", 1)[1] for c in chosen) + "\n")
+            print(f"# wrote {len(chosen)} of {ids_count} case names to {a.write_cases}")
+            return 0
+        shim = write_shim(tmp / "shim")
         junit = tmp / "junit.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
                "-o", "junit_family=xunit1", *a.pytest_args, *chosen]
-        print(f"# {len(chosen)} of {len(ids)} cases (seed {a.seed}) from {a.test_file}", flush=True)
+        print(f"# {len(chosen)} of {ids_count} cases (seed {a.seed}) from {a.test_file}", flush=True)
         try:
             subprocess.run(cmd, env=_env(shim), cwd=work, timeout=a.timeout)
         except subprocess.TimeoutExpired:
@@ -208,7 +267,7 @@ def main(argv=None) -> int:
         if not junit.is_file():
             raise SystemExit("pytest wrote no junit report")
         summary = summarise(junit)
-        summary.update(collected=len(ids), run=len(chosen), seed=a.seed)
+        summary.update(collected=ids_count, run=len(chosen), seed=a.seed)
         if a.out:
             a.out.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(junit, a.out / "junit.xml")
