@@ -318,12 +318,14 @@ struct BwdScoreMath {
     int bh;             // batch * nheads + head (dropout's stream)
     FcDropout drop;     // dropout (threshold 0: none)
 
-    // With dropout (factor Z of element (i, j): 0, or 1 / keep probability, regenerated from
-    // the forward's stream): O = (P∘Z) V, so s_to_p becomes P∘Z (for dV) and
-    // dS = P∘(dP∘Z - D) with D = rowsum(dO∘O) as without.
+    // With dropout (factor zf of element (i, j): 0, or 1 / keep probability, regenerated from
+    // the forward's stream by the caller, a fragment at a time: dropout_keep_s / _st): O =
+    // (P∘Z) V, so s_to_p becomes P∘Z (for dV) and dS = P∘(dP∘Z - D) with D = rowsum(dO∘O) as
+    // without.
     template <bool Has_softcap, bool Has_alibi, bool Is_local, bool Is_dropout = false>
     __device__ __forceinline__ void apply(float& s_to_p, float& dp_to_ds, int i, int j,
-                                          float neg_lse2, float dsum, bool need_mask) const {
+                                          float neg_lse2, float dsum, bool need_mask,
+                                          float zf = 1.f) const {
         float x, dtanh = 1.f;
         if constexpr (Has_softcap) {
             const float tt = bwd_tanh(s_to_p * cap_in);
@@ -342,12 +344,23 @@ struct BwdScoreMath {
             if constexpr (Is_local) vis = vis && rel >= -wl && rel <= wr;
             pr = vis ? pr : 0.f;
         }
-        float zf = 1.f;
-        if constexpr (Is_dropout) zf = fc_dropout_factor(drop, bh, i, j);
         float ds = pr * (Is_dropout ? fmaf(dp_to_ds, zf, -dsum) : dp_to_ds - dsum);
         if constexpr (Has_softcap) ds *= dtanh;
         s_to_p = Is_dropout ? pr * zf : pr;
         dp_to_ds = ds;
+    }
+
+    // The factor of bit `bit` of a keep mask (fc_dropout_keep_s / fc_dropout_keep_st).
+    __device__ __forceinline__ float keep_factor(unsigned int keep, int bit) const {
+        return (keep >> bit) & 1u ? drop.scale : 0.f;
+    }
+    // Keep masks of the 16 x 16 tile at (query q0, key k0): a thread's S^T fragment (rows =
+    // keys; warp-synchronous) or S fragment (rows = queries). Bit layouts: flash_dropout.cuh.
+    __device__ __forceinline__ unsigned int keep_st(int q0, int k0, int g, int t) const {
+        return fc_dropout_keep_st(drop, bh, q0, k0, g, t);
+    }
+    __device__ __forceinline__ unsigned int keep_s(int q0, int k0, int g, int t) const {
+        return fc_dropout_keep_s(drop, bh, q0, k0, g, t);
     }
 };
 
@@ -564,16 +577,20 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_kernel(const F
             }
 
             // ---- P and dS. (nt, e): key kn0 + g + 8*(e>>1), query qs0 + nt*8 + 2t + (e&1) ----
+            unsigned int keep = 0;   // dropout: n-tiles nt, nt + 1 (one 16 x 16 tile)
 #pragma unroll
             for (int nt = 0; nt < kNtA; ++nt) {
                 const int qc = qs0 + nt * 8 + 2 * t;
                 const float2 nl = *reinterpret_cast<const float2*>(sLb + qc);
                 const float2 dd = *reinterpret_cast<const float2*>(sDb + qc);
+                if constexpr (Is_dropout)
+                    if ((nt & 1) == 0) keep = sm.keep_st(m0 + qs0 + nt * 8, n0 + kn0, g, t);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     sm.template apply<Has_softcap, Has_alibi, Is_local, Is_dropout>(
                         acc_s[nt][e], acc_dp[nt][e], m0 + qc + (e & 1), n0 + kn0 + g + (e >> 1) * 8,
-                        (e & 1) ? nl.y : nl.x, (e & 1) ? dd.y : dd.x, need_mask);
+                        (e & 1) ? nl.y : nl.x, (e & 1) ? dd.y : dd.x, need_mask,
+                        Is_dropout ? sm.keep_factor(keep, 4 * (nt & 1) + (e & 2) + (e & 1)) : 1.f);
                 }
             }
 
@@ -922,6 +939,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv2_kernel(const 
 
             // ---- P, dS; (mi, nt, e): key sk0 + 16 mi + g + 8 (e>>1), query sq0 + nt*8 + 2t + (e&1)
             // Stored as 16-bit P^T / dS^T [key][query]: two adjacent queries are one 32-bit word.
+            unsigned int keep[kSMi];   // dropout: n-tiles nt, nt + 1 of each key tile mi
 #pragma unroll
             for (int nt = 0; nt < kSNt; ++nt) {
                 const int qc = sq0 + nt * 8 + 2 * t;
@@ -929,12 +947,17 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv2_kernel(const 
                 const float2 dd = *reinterpret_cast<const float2*>(sDb + qc);
 #pragma unroll
                 for (int mi = 0; mi < kSMi; ++mi) {
+                    if constexpr (Is_dropout)
+                        if ((nt & 1) == 0)
+                            keep[mi] = sm.keep_st(m0 + sq0 + nt * 8, n0 + sk0 + 16 * mi, g, t);
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         sm.template apply<Has_softcap, Has_alibi, Is_local, Is_dropout>(
                             acc_s[mi][nt][e], acc_dp[mi][nt][e], m0 + qc + (e & 1),
                             n0 + sk0 + 16 * mi + g + (e >> 1) * 8, (e & 1) ? nl.y : nl.x,
-                            (e & 1) ? dd.y : dd.x, need_mask);
+                            (e & 1) ? dd.y : dd.x, need_mask,
+                            Is_dropout ? sm.keep_factor(keep[mi], 4 * (nt & 1) + (e & 2) + (e & 1))
+                                       : 1.f);
                     }
                     const int kr = sk0 + 16 * mi + g;
                     *reinterpret_cast<fc_u32*>(sP + bwd_swz<kBlockM>(kr, qc)) =
@@ -1105,6 +1128,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dq_kernel(const Fla
     static_assert(kBlockM == 16 * kNWarps, "one warp per 16 query rows");
     static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "bad tile");
     constexpr int kNtS = kBlockN / 8;
+    static_assert(kNtS % 2 == 0, "whole 16-key tiles (dropout draws per 16 x 16 tile)");
     constexpr int kNtD = kHeadDim / 8;
 
     extern __shared__ __align__(128) unsigned char bwd_smem_raw[];
@@ -1223,13 +1247,18 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dq_kernel(const Fla
             need_mask = need_mask || rel_min < -p.window_left || rel_max > p.window_right;
         }
         // Accumulator (nt, e): query row i0 + 8*(e>>1), key col n0 + nt*8 + 2t + (e&1).
+        unsigned int keep = 0;   // dropout: n-tiles nt, nt + 1 (one 16 x 16 tile)
 #pragma unroll
-        for (int nt = 0; nt < kNtS; ++nt)
+        for (int nt = 0; nt < kNtS; ++nt) {
+            if constexpr (Is_dropout)
+                if ((nt & 1) == 0) keep = sm.keep_s(i0 - g, n0 + nt * 8, g, t);
 #pragma unroll
             for (int e = 0; e < 4; ++e)
                 sm.template apply<Has_softcap, Has_alibi, Is_local, Is_dropout>(
                     acc_s[nt][e], acc_dp[nt][e], i0 + (e >> 1) * 8, n0 + nt * 8 + 2 * t + (e & 1),
-                    nl[e >> 1], dd[e >> 1], need_mask);
+                    nl[e >> 1], dd[e >> 1], need_mask,
+                    Is_dropout ? sm.keep_factor(keep, 2 * (e & 2) + 2 * (nt & 1) + (e & 1)) : 1.f);
+        }
 
         // dQ += dS K: the dS accumulators of n-tiles 2ks, 2ks+1 form the A fragment of k-step ks;
         // B = K [key][d] = [k][n] row-major: ldmatrix.trans.

@@ -3,7 +3,7 @@
 // preprocess (D = rowsum(dO * O)) and the dQ conversion are flash_bwd.cu's kernels, whose
 // helpers (sequence geometry, score math, masks, red.add) this file reuses by including it.
 //
-// Head dims 64 and 128, fp16/bf16, causal/windows/varlen/GQA, dQ through fp32 atomics; softcap,
+// Head dims 64 and 128, fp16/bf16, causal/windows/varlen/GQA, dropout, dQ through fp32 atomics; softcap,
 // ALiBi, other head dims and deterministic mode stay on flash_bwd.cu. The default on compute
 // capability 9.0 (FLASHCORE_SM90_BWD=0 turns it off).
 //
@@ -44,7 +44,7 @@ using fc_sm90::sts32;
 
 }  // namespace fc_hb
 
-template <typename Elem, int kD, int kBlockM, bool Is_local>
+template <typename Elem, int kD, int kBlockM, bool Is_local, bool Is_dropout>
 __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const FlashParams p) {
     using namespace fc_hb;
     static_assert(kD == 64 || kD == 128, "the Hopper dK/dV kernel covers head dims 64 and 128");
@@ -178,9 +178,13 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
         // ---- P^T, dS^T. Element e of n8 tile j: key key0 + 8 (e >> 1), query 8 j + 2 t + (e & 1)
         // 16-bit A operands (k = queries): k-step kk takes n8 tiles 2kk and 2kk+1, packed as
         // soon as they are computed (fewer fp32 values live at once).
+        // Dropout: the keep mask of each 16 x 16 tile (queries 16 kk.., keys key0 - g..), one
+        // Philox call per lane shared with lane ^ 4 (BwdScoreMath::keep_st).
         fc_u32 pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
 #pragma unroll
         for (int kk = 0; kk < kBlockM / 16; ++kk) {
+            unsigned int keep = 0;
+            if constexpr (Is_dropout) keep = sm.keep_st(m0 + 16 * kk, n0 + key0 - g, g, t);
 #pragma unroll
             for (int j = 2 * kk; j < 2 * kk + 2; ++j) {
                 const int qc = 8 * j + 2 * t;
@@ -188,10 +192,11 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
                 const float2 dd = *reinterpret_cast<const float2*>(sDb + qc);
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    sm.template apply<false, false, Is_local>(
+                    sm.template apply<false, false, Is_local, Is_dropout>(
                         acc_s[4 * j + e], acc_dp[4 * j + e], m0 + qc + (e & 1),
                         n0 + key0 + 8 * (e >> 1), (e & 1) ? nl.y : nl.x, (e & 1) ? dd.y : dd.x,
-                        need_mask);
+                        need_mask,
+                        Is_dropout ? sm.keep_factor(keep, 4 * (j & 1) + (e & 2) + (e & 1)) : 1.f);
             }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {

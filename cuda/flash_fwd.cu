@@ -498,27 +498,20 @@ flash_fwd_kernel(const FlashParams params) {
             }
 
         // Dropout: P (not the row sums: the lse stays the undropped one's) times 0 or
-        // 1 / keep-probability. One Philox call per (row, 32 keys): the 8 probabilities of
-        // this lane (columns 2t, 2t+1 of four adjacent n8 tiles; flash_dropout.cuh).
+        // 1 / keep-probability. One Philox call per 16 x 16 tile: the 8 probabilities of this
+        // lane (rows g, g + 8; columns 2t, 2t + 1 of two adjacent n8 tiles; flash_dropout.cuh).
         if constexpr (Is_dropout) {
-            static_assert(kNT % 4 == 0, "dropout: whole 32-key groups per block");
+            static_assert(kNT % 2 == 0, "dropout: whole 16-key tiles per block");
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int row = m0 + warp_row0 + mt * 16 + g + 8 * r;
+                for (int n2 = 0; n2 < kNT; n2 += 2) {
+                    const unsigned int keep = fc_dropout_keep_s(
+                        drop, drop_bh, m0 + warp_row0 + mt * 16, n0 + n2 * 8, g, t);
 #pragma unroll
-                    for (int n4 = 0; n4 < kNT; n4 += 4) {
-                        const FcPhilox4 w = fc_dropout_words(drop, drop_bh, row, n0 + n4 * 8 + 2 * t);
-                        const unsigned int words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-                        for (int u = 0; u < 4; ++u)
-#pragma unroll
-                            for (int e = 0; e < 2; ++e)
-                                s[mt][n4 + u][2 * r + e] *=
-                                    ((words[u] >> (16 * e)) & 0xFFFFu) >= drop.threshold
-                                        ? drop.scale : 0.f;
-                    }
+                    for (int bit = 0; bit < 8; ++bit)   // row g + 8 r, tile n2 + u, column e
+                        s[mt][n2 + ((bit >> 1) & 1)][2 * (bit >> 2) + (bit & 1)] *=
+                            (keep >> bit) & 1u ? drop.scale : 0.f;
                 }
         }
 

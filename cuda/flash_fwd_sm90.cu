@@ -27,8 +27,10 @@
 //
 // Masking, alignment and outputs are those of flash_fwd.cu (bottom-right causal, windows with
 // block skipping, varlen, GQA; rows that see no key get O = 0 and lse = -inf; NaN propagates).
-// Not in this version (the launcher routes them to flash_fwd.cu): other head dims, softcap,
-// ALiBi.
+// Dropout as flash_fwd.cu draws it (one Philox call per 16 x 16 tile of P, after the row sums:
+// the lse is the undropped one's). Not in this version (the launcher routes them to
+// flash_fwd.cu): other head dims, softcap, ALiBi, paged K/V.
+#include "flash_dropout.cuh"
 #include "flash_params.cuh"
 #include "ptx.cuh"
 #include "wgmma.cuh"
@@ -56,8 +58,9 @@ using fc_sm90::stg32;
 // Template parameters: Elem (fc_bf16 / fc_fp16); kD: head dim (64 or 128, exact);
 // Is_local: a window side is bounded (causal
 // included), giving block skipping and boundary masks; kPipe: v1 (softmax of the next block
-// overlapped with P V of this one) instead of v0.
-template <typename Elem, int kD, bool Is_local, bool kPipe>
+// overlapped with P V of this one) instead of v0; Is_dropout: attention dropout
+// (flash_dropout.cuh).
+template <typename Elem, int kD, bool Is_local, bool kPipe, bool Is_dropout>
 __global__ void __launch_bounds__(256, 1)
 flash_fwd_sm90_kernel(const FlashParams params) {
     using namespace fc_h;
@@ -260,20 +263,37 @@ flash_fwd_sm90_kernel(const FlashParams params) {
             row_sum[r] = row_sum[r] * corr[r] + sum;
         }
     };
+    // Dropout (flash_dropout.cuh), applied as P is packed (after the row sums).
+    FcDropout drop{};
+    if constexpr (Is_dropout)
+        drop = fc_dropout_setup(params.dropout_rng, params.dropout_threshold, params.dropout_scale);
+    const int drop_bh = b * params.nheads + h;
     auto rescale_o = [&](const float (&corr)[2]) {
 #pragma unroll
         for (int j = 0; j < kDT; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[4 * j + e] *= corr[e >> 1];
     };
-    // P (16-bit) as the A operand of k-step kk (keys 16 kk .. 16 kk + 15): tiles 2kk, 2kk+1.
-    auto pack_p = [&](const float (&s)[kNT * 4], fc_u32 (&pa)[kBlockN / 16][4]) {
+    // P (16-bit) as the A operand of k-step kk (keys n0 + 16 kk ..): tiles 2kk, 2kk+1. With
+    // dropout, times the factors of that 16 x 16 tile (one Philox call: fc_dropout_keep_s, bit
+    // 4 r + 2 u + e = row half r, tile 2kk + u, column e).
+    auto pack_p = [&](const float (&s)[kNT * 4], fc_u32 (&pa)[kBlockN / 16][4], int n0) {
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
-            pa[kk][0] = Elem::pack2(s[8 * kk + 0], s[8 * kk + 1]);
-            pa[kk][1] = Elem::pack2(s[8 * kk + 2], s[8 * kk + 3]);
-            pa[kk][2] = Elem::pack2(s[8 * kk + 4], s[8 * kk + 5]);
-            pa[kk][3] = Elem::pack2(s[8 * kk + 6], s[8 * kk + 7]);
+            if constexpr (Is_dropout) {
+                const unsigned int keep =
+                    fc_dropout_keep_s(drop, drop_bh, m0 + warp_row0, n0 + 16 * kk, g, t);
+                auto f = [&](int bit) { return (keep >> bit) & 1u ? drop.scale : 0.f; };
+                pa[kk][0] = Elem::pack2(s[8 * kk + 0] * f(0), s[8 * kk + 1] * f(1));
+                pa[kk][1] = Elem::pack2(s[8 * kk + 2] * f(4), s[8 * kk + 3] * f(5));
+                pa[kk][2] = Elem::pack2(s[8 * kk + 4] * f(2), s[8 * kk + 5] * f(3));
+                pa[kk][3] = Elem::pack2(s[8 * kk + 6] * f(6), s[8 * kk + 7] * f(7));
+            } else {
+                pa[kk][0] = Elem::pack2(s[8 * kk + 0], s[8 * kk + 1]);
+                pa[kk][1] = Elem::pack2(s[8 * kk + 2], s[8 * kk + 3]);
+                pa[kk][2] = Elem::pack2(s[8 * kk + 4], s[8 * kk + 5]);
+                pa[kk][3] = Elem::pack2(s[8 * kk + 6], s[8 * kk + 7]);
+            }
         }
     };
     auto load_kv = [&](int nb, fc_u32 buf) {
@@ -311,7 +331,7 @@ flash_fwd_sm90_kernel(const FlashParams params) {
             mask_s(s, n0);
             softmax(s, corr);
             rescale_o(corr);
-            pack_p(s, pa);
+            pack_p(s, pa, n0);
             issue_pv(pa, buf);
             wgmma_wait<0>();
             settle_pv(pa);
@@ -343,7 +363,7 @@ flash_fwd_sm90_kernel(const FlashParams params) {
         settle_s(s);
         mask_s(s, nb * kBlockN);
         softmax(s, corr);                       // O is 0: no rescale
-        pack_p(s, pa);
+        pack_p(s, pa, nb * kBlockN);
         int it = 0;
         for (; nb - 1 >= n_block_min; ++it, --nb) {   // every block but the last
             cp_async_wait<1>();                 // block i+1 landed
@@ -358,7 +378,7 @@ flash_fwd_sm90_kernel(const FlashParams params) {
             wgmma_wait<0>();
             settle_pv(pa);
             rescale_o(corr);
-            pack_p(s, pa);
+            pack_p(s, pa, (nb - 1) * kBlockN);
             __syncthreads();                    // both warpgroups are done with stage(it)
             if (nb - 3 >= n_block_min) load_kv(nb - 3, stage(it));
             cp_async_commit();

@@ -11,11 +11,16 @@ heads -- rows and columns counted from the start of the sequence (varlen: b is t
 index, i and j positions inside it) -- is kept iff ``r16 >= threshold``, where
 
 * key     = (seed mod 2^32, (seed >> 32) xor (offset >> 32)),
-* counter = (i, 4 * (j >> 5) + ((j >> 1) & 3), b * nheads + h, offset mod 2^32),
-* r16     = bits 16 * (j & 1) .. + 15 of output word ``(j >> 3) & 3`` of Philox(counter, key).
+* counter = (8 * (i >> 4) + (i & 7), 4 * (j >> 4) + ((j >> 1) & 3), b * nheads + h,
+  offset mod 2^32),
+* r16     = bits 16 * (j & 1) .. + 15 of output word ``2 * ((i >> 3) & 1) + ((j >> 3) & 1)`` of
+  Philox(counter, key).
 
-(That layout gives one Philox call exactly the 8 probabilities a GPU thread holds for one row
-in the forward kernel's mma fragments: columns 2t, 2t+1 of four adjacent 8-column tiles.)
+(One Philox call thus covers a 2 x 4 group of a 16 x 16 tile: rows r, r + 8 and columns c,
+c + 1, c + 8, c + 9. A GPU thread holds exactly such a group of the scores in the forward's
+mma fragments (rows g, g + 8; columns 2t, 2t + 1 of two adjacent 8-column tiles), and half of
+one in the backward's transposed fragments, the other half held by its neighbour lane; so
+both passes draw one call per 8 probabilities.)
 ``threshold = min(round(p * 65536), 65535)``, so the drop probability is ``threshold / 65536``
 (``p`` to within 2^-17), and a kept probability is scaled by ``65536 / (65536 - threshold)``,
 the exact inverse of the keep probability: the expectation is the undropped attention.
@@ -70,11 +75,14 @@ def keep_mask(rng_state, p: float, bh, rows, cols) -> np.ndarray:
     cols = np.asarray(cols, np.int64)
     if thr == 0:
         return np.ones(bh.shape + (rows.size, cols.size), bool)
-    ctr1 = 4 * (cols >> 5) + ((cols >> 1) & 3)
-    uniq, where = np.unique(ctr1, return_inverse=True)
-    words = philox4x32(rows[:, None], uniq[None, :], bh[..., None, None], off, k0, k1)
-    w = np.stack(words, axis=-1)                       # (..., rows, uniq, 4)
-    sel = w[..., where, (cols >> 3) & 3]               # (..., rows, cols)
+    ctr0 = 8 * (rows >> 4) + (rows & 7)
+    ctr1 = 4 * (cols >> 4) + ((cols >> 1) & 3)
+    u0, where0 = np.unique(ctr0, return_inverse=True)
+    u1, where1 = np.unique(ctr1, return_inverse=True)
+    words = philox4x32(u0[:, None], u1[None, :], bh[..., None, None], off, k0, k1)
+    w = np.stack(words, axis=-1)                       # (..., u0, u1, 4)
+    wi = 2 * ((rows[:, None] >> 3) & 1) + ((cols[None, :] >> 3) & 1)
+    sel = w[..., where0[:, None], where1[None, :], wi]  # (..., rows, cols)
     r16 = (sel >> (16 * (cols & 1)).astype(np.uint64)) & np.uint64(0xFFFF)
     return r16 >= np.uint64(thr)
 

@@ -170,19 +170,52 @@ int main(int, char** argv) {{
     for (int bh = 0; bh < 3; ++bh)
         for (int i = 0; i < 5; ++i) {{
             for (int j = 0; j < 70; ++j)
-                std::printf("%d", fc_dropout_bits(fc_dropout_words(d, bh, 7 * i, j), j) >= d.threshold);
+                std::printf("%d", fc_dropout_bits(fc_dropout_words(d, bh, 7 * i, j), 7 * i, j) >= d.threshold);
             std::printf("\\n");
         }}
+    // the fragment helpers: a 32 x 32 block at (16, 32) of head 1, as the 32 lanes of a warp
+    // hold it in S (rows = queries) and in S^T (rows = keys; the lane ^ 4 exchange emulated)
+    int s[32][32] = {{}}, sT[32][32] = {{}};
+    for (int i0 = 16; i0 < 48; i0 += 16)
+        for (int j0 = 32; j0 < 64; j0 += 16) {{
+            unsigned int mine[32], theirs[32];
+            for (int lane = 0; lane < 32; ++lane) {{
+                const int g = lane >> 2, t = lane & 3;
+                const unsigned int k = fc_dropout_keep_s(d, 1, i0, j0, g, t);
+                for (int bit = 0; bit < 8; ++bit)   // row i0 + g + 8 r, col j0 + 8 u + 2 t + e
+                    s[i0 - 16 + g + 8 * (bit >> 2)][j0 - 32 + 8 * ((bit >> 1) & 1) + 2 * t + (bit & 1)] += 1 + ((k >> bit) & 1);
+                fc_dropout_keep_st_lane(d, 1, i0, j0, g, t, mine[lane], theirs[lane]);
+            }}
+            for (int lane = 0; lane < 32; ++lane) {{   // query i0 + 8 u + 2 t + e, key j0 + g + 8 r
+                const int g = lane >> 2, t = lane & 3;
+                const unsigned int k = mine[lane] | theirs[lane ^ 4];
+                for (int bit = 0; bit < 8; ++bit)
+                    sT[i0 - 16 + 8 * (bit >> 2) + 2 * t + (bit & 1)][j0 - 32 + g + 8 * ((bit >> 1) & 1)] += 1 + ((k >> bit) & 1);
+            }}
+        }}
+    for (int i = 0; i < 32; ++i) {{
+        for (int j = 0; j < 32; ++j) std::printf("%d", s[i][j] - 1);
+        std::printf(" ");
+        for (int j = 0; j < 32; ++j) std::printf("%d", sT[i][j] - 1);
+        std::printf("\\n");
+    }}
 }}
 ''')
     exe = tmp_path / "t"
-    subprocess.run([cxx, "-O1", "-o", str(exe), str(src)], check=True, capture_output=True)
+    r = subprocess.run([cxx, "-O1", "-o", str(exe), str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
     seed, offset, p = -1234567890123, (3 << 32) + 987654321, 0.3
     got = subprocess.run([str(exe), str(seed), str(offset), str(D.threshold(p))], check=True,
                          capture_output=True, text=True).stdout.split()
-    m = D.keep_mask(np.array([seed, offset], np.int64), p, np.arange(3), 7 * np.arange(5),
-                    np.arange(70)).reshape(15, 70)
-    assert got == ["".join("1" if x else "0" for x in row) for row in m]
+    st = np.array([seed, offset], np.int64)
+    m = D.keep_mask(st, p, np.arange(3), 7 * np.arange(5), np.arange(70)).reshape(15, 70)
+    assert got[:15] == ["".join("1" if x else "0" for x in row) for row in m]
+    # every element of the block written exactly once by the fragment helpers (a count of 1 or
+    # 2 printed as 0 or 1), both orientations equal to the stream
+    block = D.keep_mask(st, p, np.array([1]), np.arange(16, 48), np.arange(32, 64))[0]
+    want = "".join("1" if x else "0" for x in np.asarray(block).ravel())
+    assert [len(x) for x in got[15:]] == [32] * 64 and "".join(got[15::2]) == want
+    assert "".join(got[16::2]) == want
 
 
 def test_return_attn_probs_encodes_the_dropout_the_way_flash_attn_tests_read_it():

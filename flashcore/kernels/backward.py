@@ -200,14 +200,16 @@ def sm90_applies(cc: int, headdim: int, has_softcap: bool, has_alibi: bool,
 
 
 def sm90_kernel_name(dtype_name: str, headdim: int, is_local: bool,
-                     block_m: int | None = None) -> str:
+                     block_m: int | None = None, dropout: bool = False) -> str:
     bm = sm90_block_m(headdim) if block_m is None else block_m
-    return f"flash_bwd_dkdv_sm90_kernel<{_ELEM[dtype_name]}, {headdim}, {bm}, {_b(is_local)}>"
+    return (f"flash_bwd_dkdv_sm90_kernel<{_ELEM[dtype_name]}, {headdim}, {bm}, {_b(is_local)}, "
+            f"{_b(dropout)}>")
 
 
 def sm90_instantiations() -> list[str]:
-    return [sm90_kernel_name(dt, d, loc, bm) for dt in ("float16", "bfloat16")
-            for d, bm in ((64, 64), (64, 128), (128, 64)) for loc in (False, True)]
+    return [sm90_kernel_name(dt, d, loc, bm, drop) for dt in ("float16", "bfloat16")
+            for d, bm in ((64, 64), (64, 128), (128, 64)) for loc in (False, True)
+            for drop in (False, True)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -232,7 +234,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
                     rng_state=None) -> None:
     """Compute dq, dk, dv (written in place) for attention with the forward's settings.
     Dropout (``dropout_p`` > 0): ``rng_state`` the forward's int64 (seed, offset) on the
-    device; the mask is regenerated (Ampere-class kernels).
+    device; the mask is regenerated (both families).
 
     q, out, dout, dq: (b, sq, h, d); k, v, dk, dv: (b, sk, hk, d); or, varlen, (total, h, d) with
     int32 ``cu_seqlens_q/k`` (b + 1,). lse: float32 (b, h, sq) or, varlen, (h, total_q), as the
@@ -372,9 +374,10 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
             pre = get_kernel(SOURCE, f"flash_bwd_preprocess_kernel<{elem}>", device_id, cc)
             launch(pre, (m_small, nheads, batch), (_SMALL_THREADS,))
 
-        if not dropout and sm90_applies(cc, headdim, has_softcap, has_alibi, deterministic):
+        if sm90_applies(cc, headdim, has_softcap, has_alibi, deterministic):
             smem = sm90_smem(headdim, sm90_block_m(headdim))
-            kern = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, headdim, is_local),
+            kern = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, headdim, is_local,
+                                                            dropout=dropout),
                               device_id, cc, smem, config.get().sm90_defines)
             launch(kern, (_cdiv(seqlen_k, 128), nheads_k, batch), (256,), smem)
         else:

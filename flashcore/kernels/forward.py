@@ -203,16 +203,17 @@ def sm90_applies(cc: int, headdim: int, has_softcap: bool, has_alibi: bool,
 
 
 def sm90_kernel_name(dtype_name: str, headdim: int, is_local: bool,
-                     pipelined: bool | None = None) -> str:
+                     pipelined: bool | None = None, dropout: bool = False) -> str:
     pipe = _sm90_pipelined(headdim, config.get().sm90_fwd_pipelined if pipelined is None else pipelined)
     return (f"flash_fwd_sm90_kernel<{_elem_tag(dtype_name)}, {headdim}, {_b(is_local)}, "
-            f"{_b(pipe)}>")
+            f"{_b(pipe)}, {_b(dropout)}>")
 
 
 def sm90_instantiations() -> list[str]:
     """Every template name of the Hopper forward (compiled for sm_90a only)."""
-    return sorted({sm90_kernel_name(dt, d, loc, pipe) for dt in ("float16", "bfloat16")
-                   for d in SM90_HEADDIMS for loc in (False, True) for pipe in (False, True)})
+    return sorted({sm90_kernel_name(dt, d, loc, pipe, drop) for dt in ("float16", "bfloat16")
+                   for d in SM90_HEADDIMS for loc in (False, True) for pipe in (False, True)
+                   for drop in (False, True)})
 
 
 def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
@@ -226,7 +227,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     Varlen over a paged cache: k, v (num_blocks, page_size, h_k, d) with an int32
     ``block_table`` (b, max_blocks); cu_seqlens_k then gives the key lengths only (Ampere-class
     kernels; page_size a multiple of the key tile). Dropout (``dropout_p`` > 0): ``rng_state``
-    an int64 (seed, offset) CuPy array, the stream of flashcore.dropout (Ampere-class kernels).
+    an int64 (seed, offset) CuPy array, the stream of flashcore.dropout (both families).
     lse: float32 (b, h, sq) or, varlen, (h, total_q), contiguous. Windows use -1 for unbounded.
     ``out`` may be float32 (16-bit inputs): the output is then written unrounded.
     Returns the launch as a :class:`plans.Piece`, or None when it cannot be replayed with new
@@ -304,9 +305,10 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     from ..jit import device_facts, get_kernel
     device_id = q.device.id
     cc = device_facts(device_id)[0]
-    if not paged and not dropout and sm90_applies(cc, headdim, has_softcap, has_alibi, seqlen_k):
+    if not paged and sm90_applies(cc, headdim, has_softcap, has_alibi, seqlen_k):
         smem = sm90_smem(headdim, config.get().sm90_fwd_pipelined)
-        kernel = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, headdim, is_local),
+        kernel = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, headdim, is_local,
+                                                          dropout=dropout),
                             device_id, cc, smem, config.get().sm90_defines)
         grid_m, block = math.ceil(seqlen_q / 128), (256, 1, 1)
     else:

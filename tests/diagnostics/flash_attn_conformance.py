@@ -30,6 +30,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -192,6 +193,8 @@ def summarise(junit: Path) -> dict:
     counts = collections.Counter()
     reasons = {"failed": collections.Counter(), "skipped": collections.Counter()}
     for case in ET.parse(junit).getroot().iter("testcase"):
+        if not case.get("name"):      # the placeholder an interrupted run leaves
+            continue
         kinds = {child.tag: child for child in case}
         if "failure" in kinds or "error" in kinds:
             el = kinds.get("failure", kinds.get("error"))
@@ -260,10 +263,19 @@ def main(argv=None) -> int:
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
                "-o", "junit_family=xunit1", *a.pytest_args, *chosen]
         print(f"# {len(chosen)} of {ids_count} cases (seed {a.seed}) from {a.test_file}", flush=True)
+        proc = subprocess.Popen(cmd, env=_env(shim), cwd=work)
         try:
-            subprocess.run(cmd, env=_env(shim), cwd=work, timeout=a.timeout)
+            proc.wait(timeout=a.timeout)
         except subprocess.TimeoutExpired:
-            print(f"# the pytest run passed its {a.timeout} s limit: summarising what finished")
+            # An interrupted pytest still writes its junit report of the cases that finished.
+            print(f"# the pytest run passed its {a.timeout} s limit: interrupted, summarising "
+                  f"what finished", flush=True)
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         if not junit.is_file():
             raise SystemExit("pytest wrote no junit report")
         summary = summarise(junit)
