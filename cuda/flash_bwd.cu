@@ -350,9 +350,8 @@ struct BwdScoreMath {
         dp_to_ds = ds;
     }
 
-    // The factor of bit `bit` of a keep mask (fc_dropout_keep_s / fc_dropout_keep_st).
     __device__ __forceinline__ float keep_factor(unsigned int keep, int bit) const {
-        return (keep >> bit) & 1u ? drop.scale : 0.f;
+        return fc_dropout_keep_factor(drop, keep, bit);
     }
     // Keep masks of the 16 x 16 tile at (query q0, key k0): a thread's S^T fragment (rows =
     // keys; warp-synchronous) or S fragment (rows = queries). Bit layouts: flash_dropout.cuh.
@@ -590,7 +589,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_kernel(const F
                     sm.template apply<Has_softcap, Has_alibi, Is_local, Is_dropout>(
                         acc_s[nt][e], acc_dp[nt][e], m0 + qc + (e & 1), n0 + kn0 + g + (e >> 1) * 8,
                         (e & 1) ? nl.y : nl.x, (e & 1) ? dd.y : dd.x, need_mask,
-                        Is_dropout ? sm.keep_factor(keep, 4 * (nt & 1) + (e & 2) + (e & 1)) : 1.f);
+                        Is_dropout ? sm.keep_factor(keep, 4 * (nt & 1) + e) : 1.f);
                 }
             }
 
@@ -956,7 +955,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv2_kernel(const 
                             acc_s[mi][nt][e], acc_dp[mi][nt][e], m0 + qc + (e & 1),
                             n0 + sk0 + 16 * mi + g + (e >> 1) * 8, (e & 1) ? nl.y : nl.x,
                             (e & 1) ? dd.y : dd.x, need_mask,
-                            Is_dropout ? sm.keep_factor(keep[mi], 4 * (nt & 1) + (e & 2) + (e & 1))
+                            Is_dropout ? sm.keep_factor(keep[mi], 4 * (nt & 1) + e)
                                        : 1.f);
                     }
                     const int kr = sk0 + 16 * mi + g;

@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
                         acc_s[4 * j + e], acc_dp[4 * j + e], m0 + qc + (e & 1),
                         n0 + key0 + 8 * (e >> 1), (e & 1) ? nl.y : nl.x, (e & 1) ? dd.y : dd.x,
                         need_mask,
-                        Is_dropout ? sm.keep_factor(keep, 4 * (j & 1) + (e & 2) + (e & 1)) : 1.f);
+                        Is_dropout ? sm.keep_factor(keep, 4 * (j & 1) + e) : 1.f);
             }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {

@@ -89,10 +89,10 @@ FC_HD unsigned int fc_dropout_bits(const FcPhilox4& w, int row, int col) {
     return (word >> (16 * (col & 1))) & 0xFFFFu;
 }
 
-// The factor of probability (row, col): 0 when dropped, scale when kept.
-FC_HD float fc_dropout_factor(const FcDropout& d, int bh, int row, int col) {
-    return fc_dropout_bits(fc_dropout_words(d, bh, row, col), row, col) >= d.threshold ? d.scale
-                                                                                      : 0.f;
+// The factor of bit `bit` of a keep mask (fc_dropout_keep_s / fc_dropout_keep_st): 0 when
+// dropped, scale when kept.
+FC_HD float fc_dropout_keep_factor(const FcDropout& d, unsigned int keep, int bit) {
+    return (keep >> bit) & 1u ? d.scale : 0.f;
 }
 
 // Keep bits of a thread's S fragment (rows = queries) in the 16 x 16 tile at (i0, j0), both

@@ -511,7 +511,7 @@ flash_fwd_kernel(const FlashParams params) {
 #pragma unroll
                     for (int bit = 0; bit < 8; ++bit)   // row g + 8 r, tile n2 + u, column e
                         s[mt][n2 + ((bit >> 1) & 1)][2 * (bit >> 2) + (bit & 1)] *=
-                            (keep >> bit) & 1u ? drop.scale : 0.f;
+                            fc_dropout_keep_factor(drop, keep, bit);
                 }
         }
 

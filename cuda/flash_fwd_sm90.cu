@@ -283,7 +283,7 @@ flash_fwd_sm90_kernel(const FlashParams params) {
             if constexpr (Is_dropout) {
                 const unsigned int keep =
                     fc_dropout_keep_s(drop, drop_bh, m0 + warp_row0, n0 + 16 * kk, g, t);
-                auto f = [&](int bit) { return (keep >> bit) & 1u ? drop.scale : 0.f; };
+                auto f = [&](int bit) { return fc_dropout_keep_factor(drop, keep, bit); };
                 pa[kk][0] = Elem::pack2(s[8 * kk + 0] * f(0), s[8 * kk + 1] * f(1));
                 pa[kk][1] = Elem::pack2(s[8 * kk + 2] * f(4), s[8 * kk + 3] * f(5));
                 pa[kk][2] = Elem::pack2(s[8 * kk + 4] * f(2), s[8 * kk + 5] * f(3));
