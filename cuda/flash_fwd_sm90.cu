@@ -1,38 +1,43 @@
-// flashcore: forward kernel for Hopper (sm_90a): warpgroup MMA (wgmma) with operands read
+// flashcore: forward kernels for Hopper (sm_90a): warpgroup MMA (wgmma) with operands read
 // straight from shared memory. Launcher: flashcore/kernels/forward.py (the sm90 family; the
 // Ampere-class flash_fwd.cu serves every other configuration and device).
 //
-// Status: first version, opt-in (FLASHCORE_SM90=1) until the GPU suite has verified it.
+// Two kernels share every piece of arithmetic below (FwdBlock: the CTA's sequence geometry;
+// FwdRows: masking, the online softmax, P's packing with dropout, the epilogue; issue_s /
+// issue_pv: the two products):
 //
-// One CTA = 2 warpgroups (256 threads) computes a 128-row x headdim output tile (head dim 64,
-// 128 or 256; key blocks of 128, or 64 at 256 where O alone takes 128 registers) for one
-// (batch, head). Warpgroup wg owns tile rows [64 wg, 64 wg + 64): per key block
-//   S  = Q K^T        wgmma m64n128k16, A = Q and B = K from shared memory (both K-major)
-//   online softmax on S in registers (exp2, scale folded in; FA2's per-row state)
-//   O += P V          wgmma m64n128k16, A = P from registers (S packed to 16 bits: the
+//  * flash_fwd_sm90_ws_kernel (the default): warp-specialised. Warpgroup 0 is the producer:
+//    one thread issues TMA loads (tensor maps from flashcore/kernels/tma.py) of Q and of K
+//    and V into a ring of mbarrier-guarded stages (sm90_pipeline.cuh), and the warpgroup
+//    gives its registers to the two consumer warpgroups (setmaxnreg 24 / 240). Each consumer
+//    owns 64 rows of the 128-row Q tile and, per key block, issues S_{i+1} = Q K_{i+1}^T and
+//    O += P_i V_i together, then runs the softmax of S_{i+1} while P_i V_i is on the tensor
+//    cores (intra-warpgroup overlap). With ping-pong, two named barriers make the consumers
+//    issue their products in turn, so that one's softmax runs under the other's products.
+//    Loads need 16-byte-aligned bases and row/head/batch strides (TMA); varlen and paged
+//    calls and other strides take flash_fwd_sm90_kernel.
+//  * flash_fwd_sm90_kernel (v0 / v1): the two warpgroups load their own tiles with cp.async
+//    and meet at __syncthreads between key blocks; v1 keeps a 3-stage ring and overlaps
+//    the softmax of block i+1 with P_i V_i as above.
+//
+// The products:
+//   S  = Q K^T        wgmma m64nNk16, A = Q and B = K from shared memory (both K-major)
+//   O += P V          wgmma m64nDk16, A = P from registers (S packed to 16 bits: the
 //                     accumulator layout is the A-register layout), B = V from shared memory
-//                     read N-major (imm-trans-b), so V is used in its natural [key][d] layout
-// The tensor cores read shared memory directly: no ldmatrix, no per-warp operand traffic
-// through registers (what bounds the mma.sync kernel at about half of the Hopper peak).
+//                     read N-major (imm-trans-b), so V is used in its natural [key][d] layout.
 //
-// Pipeline: Q once; v0 double-buffers K and V (the next block's cp.async issued before the
-// current block's MMAs), v1 keeps a 3-stage ring loaded two steps ahead (see its loop).
-// cp.async writes through the generic proxy and wgmma reads through the async proxy: every
-// thread fences (fence.proxy.async) after its copies land, then the CTA synchronises, before
-// any wgmma reads the tile.
-//
-// Shared memory (1024-byte aligned; each [128 rows][64 cols] block 16 KiB, 128-byte swizzle,
-// the same physical layout as flash_fwd.cu's tiles): Q 32 KiB, then K and V rings of 32 KiB
-// tiles, 2 stages (v0: 161 KiB in all) or 3 (v1: 225 KiB).
+// Shared memory: tiles stored as [d / 64][rows][64] 16-bit elements, 128-byte swizzled (the
+// layout TMA's SWIZZLE_128B writes, and the one load_tile writes), each block 1024-aligned.
 //
 // Masking, alignment and outputs are those of flash_fwd.cu (bottom-right causal, windows with
 // block skipping, varlen, GQA; rows that see no key get O = 0 and lse = -inf; NaN propagates).
 // Dropout as flash_fwd.cu draws it (one Philox call per 16 x 16 tile of P, after the row sums:
-// the lse is the undropped one's). Not in this version (the launcher routes them to
-// flash_fwd.cu): other head dims, softcap, ALiBi, paged K/V.
+// the lse is the undropped one's). Not here (the launcher routes them to flash_fwd.cu): other
+// head dims, softcap, ALiBi, paged K/V.
 #include "flash_dropout.cuh"
 #include "flash_params.cuh"
 #include "ptx.cuh"
+#include "sm90_pipeline.cuh"
 #include "wgmma.cuh"
 
 #ifndef INFINITY
@@ -41,188 +46,134 @@
 
 namespace fc_h {
 
-constexpr int kBlockM = 128;     // query rows per CTA (2 warpgroups x 64)
+constexpr int kBlockM = 128;     // query rows per CTA (2 consumer warpgroups x 64)
 // Keys per block: 128 (head dims 64, 128) or 64 (head dim 256, whose O needs 128 registers).
 template <int kD>
 struct BlockN {
     static constexpr int value = kD == 256 ? 64 : 128;
 };
-constexpr int kNThreads = 256;
 constexpr fc_u32 kColBlock = 128u * 128u;        // bytes of one [128 rows][64 cols] block
 
-using fc_sm90::load_tile;     // (256 threads: kNThreads)
+using fc_sm90::load_tile;     // (256 threads)
 using fc_sm90::stg32;
 
-}  // namespace fc_h
+// The (batch, head, query block) of a CTA: where its rows and keys are, and which key blocks
+// [n_block_min, n_block_max) hold a key that one of its rows sees.
+template <int kBlockN, bool Is_local>
+struct FwdBlock {
+    long long q_row0, k_row0;   // first row of the sequence in q / k (varlen), else 0
+    int sq, sk, off, m0, rows_q, h, hk, b;
+    int n_block_min, n_block_max;
+    bool left_bounded, right_bounded;
 
-// Template parameters: Elem (fc_bf16 / fc_fp16); kD: head dim (64 or 128, exact);
-// Is_local: a window side is bounded (causal
-// included), giving block skipping and boundary masks; kPipe: v1 (softmax of the next block
-// overlapped with P V of this one) instead of v0; Is_dropout: attention dropout
-// (flash_dropout.cuh).
-template <typename Elem, int kD, bool Is_local, bool kPipe, bool Is_dropout>
-__global__ void __launch_bounds__(256, 1)
-flash_fwd_sm90_kernel(const FlashParams params) {
-    using namespace fc_h;
-    static_assert(kD == 64 || kD == 128 || kD == 256, "head dims 64, 128 and 256");
-    constexpr int kBlockN = BlockN<kD>::value;
-    static_assert(!(kPipe && kD == 256), "v1's 3-stage ring does not fit at head dim 256");
-    constexpr fc_u32 kQTile = (fc_u32)(kD / 64) * kColBlock;           // 128 x kD
-    constexpr fc_u32 kKVBlock = (fc_u32)kBlockN * 128u;                // [kBlockN][64] block
-    constexpr fc_u32 kTile = (fc_u32)(kD / 64) * kKVBlock;             // one K or V tile
-    constexpr int kNT = kBlockN / 8;    // n8 tiles of S per thread row pair
-    constexpr int kDT = kD / 8;         // n8 tiles of O (16)
-
-    extern __shared__ unsigned char smem_raw[];
-    const fc_u32 sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;
-    constexpr fc_u32 kStages = kPipe ? 3u : 2u;
-    const fc_u32 sK = sQ + kQTile;             // kStages K buffers
-    const fc_u32 sV = sK + kStages * kTile;    // kStages V buffers
-
-    const int tid = threadIdx.x;
-    const int lane = tid & 31;
-    const int warp = tid >> 5;
-    const int wg = warp >> 2;          // warpgroup: tile rows [64 wg, 64 wg + 64)
-    const int g = lane >> 2;
-    const int t = lane & 3;
-
-    const int m_block = Is_local ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
-    const int h = blockIdx.y;
-    const int b = blockIdx.z;
-
-    // ---- sequence geometry (as flash_fwd.cu) ----------------------------------------------
-    long long q_row0 = 0, k_row0 = 0;
-    int sq = params.seqlen_q, sk = params.seqlen_k;
-    if (params.cu_seqlens_q != nullptr) {
-        const FcSeqRange r = fc_seq_range(params.cu_seqlens_q, b, params.total_q, params.seqlen_q);
-        q_row0 = r.row0;
-        sq = r.len;
+    __device__ __forceinline__ FwdBlock(const FlashParams& p, int m_block, int h_, int b_) {
+        h = h_;
+        b = b_;
+        q_row0 = 0;
+        k_row0 = 0;
+        sq = p.seqlen_q;
+        sk = p.seqlen_k;
+        if (p.cu_seqlens_q != nullptr) {
+            const FcSeqRange r = fc_seq_range(p.cu_seqlens_q, b, p.total_q, p.seqlen_q);
+            q_row0 = r.row0;
+            sq = r.len;
+        }
+        if (p.cu_seqlens_k != nullptr) {
+            const FcSeqRange r = fc_seq_range(p.cu_seqlens_k, b, p.total_k, p.seqlen_k);
+            k_row0 = r.row0;
+            sk = r.len;
+        }
+        m0 = m_block * kBlockM;
+        off = sk - sq;
+        rows_q = min(kBlockM, sq - m0);
+        hk = h / (p.nheads / p.nheads_k);
+        left_bounded = Is_local && p.window_left < FC_WINDOW_NONE;
+        right_bounded = Is_local && p.window_right < FC_WINDOW_NONE;
+        n_block_max = (sk + kBlockN - 1) / kBlockN;
+        n_block_min = 0;
+        if (right_bounded) {
+            const long long hi = (long long)(m0 + rows_q - 1) + off + p.window_right + 1;
+            const int nb = hi <= 0 ? 0 : (int)min((hi + kBlockN - 1) / kBlockN, (long long)n_block_max);
+            n_block_max = min(n_block_max, nb);
+        }
+        if (left_bounded) {
+            const long long lo = (long long)m0 + off - p.window_left;
+            if (lo > 0) n_block_min = (int)min(lo / kBlockN, (long long)n_block_max);
+        }
     }
-    if (params.cu_seqlens_k != nullptr) {
-        const FcSeqRange r = fc_seq_range(params.cu_seqlens_k, b, params.total_k, params.seqlen_k);
-        k_row0 = r.row0;
-        sk = r.len;
+    __device__ __forceinline__ bool empty_rows() const { return m0 >= sq; }
+    __device__ __forceinline__ bool no_keys() const { return n_block_max <= n_block_min; }
+    // element offset of the tile's first output row (16-bit, or float32 with o_fp32)
+    __device__ __forceinline__ long long o_off(const FlashParams& p) const {
+        return (long long)b * p.o_batch_stride + (q_row0 + m0) * p.o_row_stride
+               + (long long)h * p.o_head_stride;
     }
-    const int m0 = m_block * kBlockM;
-    if (m0 >= sq) return;
-    const int off = sk - sq;
-
-    const int hk = h / (params.nheads / params.nheads_k);
-    const fc_u16* gQ = static_cast<const fc_u16*>(params.q) + (long long)b * params.q_batch_stride
-                       + (q_row0 + m0) * params.q_row_stride + (long long)h * params.q_head_stride;
-    const fc_u16* gK = static_cast<const fc_u16*>(params.k) + (long long)b * params.k_batch_stride
-                       + k_row0 * params.k_row_stride + (long long)hk * params.k_head_stride;
-    const fc_u16* gV = static_cast<const fc_u16*>(params.v) + (long long)b * params.v_batch_stride
-                       + k_row0 * params.v_row_stride + (long long)hk * params.v_head_stride;
-    // element offset of this tile's first output row (16-bit, or float32 with o_fp32)
-    const long long o_off = (long long)b * params.o_batch_stride
-                            + (q_row0 + m0) * params.o_row_stride + (long long)h * params.o_head_stride;
-    fc_u16* gO = static_cast<fc_u16*>(params.o) + o_off;
-    float* gLse = params.lse + (long long)b * params.lse_batch_stride
-                  + (long long)h * params.lse_head_stride + q_row0 + m0;
-    const int rows_q = min(kBlockM, sq - m0);
-
-    const bool left_bounded = Is_local && params.window_left < FC_WINDOW_NONE;
-    const bool right_bounded = Is_local && params.window_right < FC_WINDOW_NONE;
-    int n_block_max = (sk + kBlockN - 1) / kBlockN;
-    int n_block_min = 0;
-    if (right_bounded) {
-        const long long hi = (long long)(m0 + rows_q - 1) + off + params.window_right + 1;
-        const int nb = hi <= 0 ? 0 : (int)min((hi + kBlockN - 1) / kBlockN, (long long)n_block_max);
-        n_block_max = min(n_block_max, nb);
+    __device__ __forceinline__ float* lse_ptr(const FlashParams& p) const {
+        return p.lse + (long long)b * p.lse_batch_stride + (long long)h * p.lse_head_stride
+               + q_row0 + m0;
     }
-    if (left_bounded) {
-        const long long lo = (long long)m0 + off - params.window_left;
-        if (lo > 0) n_block_min = (int)min(lo / kBlockN, (long long)n_block_max);
-    }
-    if (n_block_max <= n_block_min) {   // no row of this tile sees a key: O = 0, lse = -inf
-        for (int idx = tid; idx < kBlockM * (kD / 2); idx += kNThreads) {
+    // A tile none of whose rows sees a key: O = 0, lse = -inf (threads [0, n) of the CTA).
+    __device__ __forceinline__ void store_empty(const FlashParams& p, int kD, int tid, int n) const {
+        const long long oo = o_off(p);
+        for (int idx = tid; idx < kBlockM * (kD / 2); idx += n) {
             const int r = idx / (kD / 2), c = idx % (kD / 2);
             if (r < rows_q) {
-                if (params.o_fp32)
-                    *reinterpret_cast<float2*>(static_cast<float*>(params.o) + o_off
-                                               + (long long)r * params.o_row_stride + 2 * c) =
+                if (p.o_fp32)
+                    *reinterpret_cast<float2*>(static_cast<float*>(p.o) + oo
+                                               + (long long)r * p.o_row_stride + 2 * c) =
                         make_float2(0.f, 0.f);
                 else
-                    stg32(gO + (long long)r * params.o_row_stride + 2 * c, 0u);
+                    stg32(static_cast<fc_u16*>(p.o) + oo + (long long)r * p.o_row_stride + 2 * c, 0u);
             }
         }
-        for (int r = tid; r < rows_q; r += kNThreads) gLse[r] = -INFINITY;
-        return;
+        float* lse = lse_ptr(p);
+        for (int r = tid; r < rows_q; r += n) lse[r] = -INFINITY;
     }
+};
 
-    // ---- prologue: Q (v0 also the first K and V, one group each; v1 loads its own) ---------
-    int n_block = n_block_max - 1;
-    load_tile<kBlockM, kD>(sQ, gQ, params.q_row_stride, rows_q, tid);
-    if constexpr (!kPipe) {
-        cp_async_commit();
-        const int n0 = n_block * kBlockN;
-        load_tile<kBlockN, kD>(sK, gK + (long long)n0 * params.k_row_stride, params.k_row_stride, sk - n0, tid);
-        load_tile<kBlockN, kD>(sV, gV + (long long)n0 * params.v_row_stride, params.v_row_stride, sk - n0, tid);
-        cp_async_commit();
-    }
-
-    // ---- per-thread row state: rows 64 wg + 16 (warp % 4) + g + 8 r --------------------------
+// One consumer thread's rows (64 wg + 16 (warp % 4) + g + 8 r, r = 0, 1 of the tile, ct its
+// index among the 256 consumer threads) and their state: O's accumulators, the running row
+// max and sum; and the steps of one key block on them.
+template <typename Elem, int kD, int kBlockN, bool Is_local, bool Is_dropout>
+struct FwdRows {
+    static constexpr int kNT = kBlockN / 8;    // n8 tiles of S
+    static constexpr int kDT = kD / 8;         // n8 tiles of O
     float acc_o[kDT * 4];
-#pragma unroll
-    for (int i = 0; i < kDT * 4; ++i) acc_o[i] = 0.f;
-    float row_max[2] = {-INFINITY, -INFINITY};
-    float row_sum[2] = {0.f, 0.f};
-    const int warp_row0 = 64 * wg + 16 * (warp & 3);
-    const int row_pos0 = m0 + warp_row0 + g + off;   // i + off of this thread's row half 0
-    const int win_r = right_bounded ? min(params.window_right, sq) : 0;
-    const int win_l = left_bounded ? min(params.window_left, sk) : 0;
-    const float mult = params.scale_log2;
-    const int blk_hi = right_bounded ? min(sk, m0 + off + win_r + 1) : sk;
-    const int blk_lo = left_bounded ? m0 + kBlockM - 1 + off - win_l : 0;
+    float row_max[2], row_sum[2];
+    int warp_row0, g, t, row_pos0, win_r, win_l, blk_hi, blk_lo, sk, m0, drop_bh;
+    bool left_bounded, right_bounded;
+    float mult;
+    FcDropout drop;
 
-    // Q descriptors of this warpgroup's 64 rows: k-step kk reads columns 16 kk .. 16 kk + 15,
-    // i.e. column block kk / 4 at byte offset 32 (kk % 4) inside the 128-byte rows.
-    const fc_u32 sQwg = sQ + (fc_u32)wg * 64u * 128u;
+    __device__ __forceinline__ FwdRows(const FlashParams& p, const FwdBlock<kBlockN, Is_local>& blk,
+                                       int ct) {
+        const int lane = ct & 31, warp = ct >> 5;
+        g = lane >> 2;
+        t = lane & 3;
+#pragma unroll
+        for (int i = 0; i < kDT * 4; ++i) acc_o[i] = 0.f;
+        row_max[0] = row_max[1] = -INFINITY;
+        row_sum[0] = row_sum[1] = 0.f;
+        warp_row0 = 64 * (warp >> 2) + 16 * (warp & 3);
+        m0 = blk.m0;
+        sk = blk.sk;
+        row_pos0 = m0 + warp_row0 + g + blk.off;   // i + off of row half 0
+        left_bounded = blk.left_bounded;
+        right_bounded = blk.right_bounded;
+        win_r = right_bounded ? min(p.window_right, blk.sq) : 0;
+        win_l = left_bounded ? min(p.window_left, blk.sk) : 0;
+        mult = p.scale_log2;
+        blk_hi = right_bounded ? min(blk.sk, m0 + blk.off + win_r + 1) : blk.sk;
+        blk_lo = left_bounded ? m0 + kBlockM - 1 + blk.off - win_l : 0;
+        drop_bh = blk.b * p.nheads + blk.h;
+        drop = FcDropout{};
+        if constexpr (Is_dropout)
+            drop = fc_dropout_setup(p.dropout_rng, p.dropout_threshold, p.dropout_scale);
+    }
 
-    // ---- the steps of one key block ------------------------------------------------------
-    // Pin the registers an MMA reads or writes in program order (fence_operand): before its
-    // issue (no write to them moves below it) and after its wait (no read moves above it).
-    auto settle_s = [&](float (&s)[kNT * 4]) {
-#pragma unroll
-        for (int i = 0; i < kNT * 4; ++i) fence_operand(s[i]);
-    };
-    auto settle_pv = [&](fc_u32 (&pa)[kBlockN / 16][4]) {
-#pragma unroll
-        for (int i = 0; i < kDT * 4; ++i) fence_operand(acc_o[i]);
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) fence_operand(pa[kk][e]);
-    };
-    // S = Q K^T into s (asynchronous: committed as one wgmma group, not waited for).
-    auto issue_s = [&](float (&s)[kNT * 4], fc_u32 buf) {
-        settle_s(s);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kD / 16; ++kk) {
-            const fc_u32 qoff = (fc_u32)(kk >> 2) * kColBlock + (fc_u32)(kk & 3) * 32u;
-            const fc_u32 koff = (fc_u32)(kk >> 2) * kKVBlock + (fc_u32)(kk & 3) * 32u;
-            Wgmma<Elem>::ss(s, wgmma_desc_k(sQwg + qoff),
-                            wgmma_desc_k(sK + buf + koff), kk > 0 ? 1 : 0);
-        }
-        wgmma_commit();
-    };
-    // O += P V (asynchronous, one group). B = V (keys x d), N-major: 64-column blocks of d are
-    // kKVBlock apart (LBO), groups of 8 keys 1024 bytes apart (SBO); k-step kk starts at key
-    // 16 kk.
-    auto issue_pv = [&](fc_u32 (&pa)[kBlockN / 16][4], fc_u32 buf) {
-        settle_pv(pa);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk)
-            Wgmma<Elem>::rs_tb(acc_o, pa[kk],
-                               wgmma_desc_mn(sV + buf + (fc_u32)kk * 16u * 128u, kKVBlock), 1);
-        wgmma_commit();
-    };
     // Mask the scores of the block at key n0 (boundary blocks only). Element e of n8 tile j:
     // row half r = e / 2, key n0 + 8 j + 2 t + (e & 1).
-    auto mask_s = [&](float (&s)[kNT * 4], int n0) {
+    __device__ __forceinline__ void mask(float (&s)[kNT * 4], int n0) const {
         if (!(n0 + kBlockN > blk_hi || n0 < blk_lo)) return;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -238,10 +189,10 @@ flash_fwd_sm90_kernel(const FlashParams params) {
                     if (jr >= hi || jr < lo) s[4 * j + e] = -INFINITY;
                 }
         }
-    };
+    }
     // Online softmax (as flash_fwd.cu): s -> P (fp32), row max and sum updated; corr is the
     // factor the O of the earlier blocks must be multiplied by.
-    auto softmax = [&](float (&s)[kNT * 4], float (&corr)[2]) {
+    __device__ __forceinline__ void softmax(float (&s)[kNT * 4], float (&corr)[2]) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float mx = row_max[r];
@@ -256,28 +207,24 @@ flash_fwd_sm90_kernel(const FlashParams params) {
             for (int j = 0; j < kNT; ++j)
 #pragma unroll
                 for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                    const float p = fc_exp2(fmaf(s[4 * j + e], mult, -m_scaled));
-                    s[4 * j + e] = p;
-                    sum += p;
+                    const float pr = fc_exp2(fmaf(s[4 * j + e], mult, -m_scaled));
+                    s[4 * j + e] = pr;
+                    sum += pr;
                 }
             row_sum[r] = row_sum[r] * corr[r] + sum;
         }
-    };
-    // Dropout (flash_dropout.cuh), applied as P is packed (after the row sums).
-    FcDropout drop{};
-    if constexpr (Is_dropout)
-        drop = fc_dropout_setup(params.dropout_rng, params.dropout_threshold, params.dropout_scale);
-    const int drop_bh = b * params.nheads + h;
-    auto rescale_o = [&](const float (&corr)[2]) {
+    }
+    __device__ __forceinline__ void rescale(const float (&corr)[2]) {
 #pragma unroll
         for (int j = 0; j < kDT; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[4 * j + e] *= corr[e >> 1];
-    };
+    }
     // P (16-bit) as the A operand of k-step kk (keys n0 + 16 kk ..): tiles 2kk, 2kk+1. With
     // dropout, times the factors of that 16 x 16 tile (one Philox call: fc_dropout_keep_s, bit
     // 4 r + 2 u + e = row half r, tile 2kk + u, column e).
-    auto pack_p = [&](const float (&s)[kNT * 4], fc_u32 (&pa)[kBlockN / 16][4], int n0) {
+    __device__ __forceinline__ void pack(const float (&s)[kNT * 4], fc_u32 (&pa)[kBlockN / 16][4],
+                                         int n0) const {
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
             if constexpr (Is_dropout) {
@@ -295,7 +242,128 @@ flash_fwd_sm90_kernel(const FlashParams params) {
                 pa[kk][3] = Elem::pack2(s[8 * kk + 6], s[8 * kk + 7]);
             }
         }
-    };
+    }
+    // Epilogue: O / l (NaN propagates: l == 0 only for rows that saw no key), lse.
+    __device__ __forceinline__ void store(const FlashParams& p,
+                                          const FwdBlock<kBlockN, Is_local>& blk) const {
+        const long long oo = blk.o_off(p);
+        float* lse = blk.lse_ptr(p);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float l = quad_sum(row_sum[r]);
+            const float inv = l == 0.f ? 0.f : 1.f / l;
+            const int row = warp_row0 + g + 8 * r;
+            if (row < blk.rows_q) {
+                if (p.o_fp32) {      // unrounded float32 output, 8 bytes a store
+                    float* orow = static_cast<float*>(p.o) + oo + (long long)row * p.o_row_stride;
+#pragma unroll
+                    for (int j = 0; j < kDT; ++j)
+                        *reinterpret_cast<float2*>(orow + 8 * j + 2 * t) =
+                            make_float2(acc_o[4 * j + 2 * r] * inv, acc_o[4 * j + 2 * r + 1] * inv);
+                } else {
+                    fc_u16* orow = static_cast<fc_u16*>(p.o) + oo + (long long)row * p.o_row_stride;
+#pragma unroll
+                    for (int j = 0; j < kDT; ++j)
+                        stg32(orow + 8 * j + 2 * t,
+                              Elem::pack2(acc_o[4 * j + 2 * r] * inv, acc_o[4 * j + 2 * r + 1] * inv));
+                }
+                if (t == 0)
+                    lse[row] = l == 0.f ? -INFINITY : row_max[r] * p.softmax_scale + logf(l);
+            }
+        }
+    }
+};
+
+// Pin the registers an MMA reads or writes in program order (fence_operand): before its issue
+// (no write to them moves below it) and after its wait (no read moves above it).
+template <int N>
+__device__ __forceinline__ void settle(float (&x)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) fence_operand(x[i]);
+}
+template <int N>
+__device__ __forceinline__ void settle(fc_u32 (&x)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) fence_operand(x[i][e]);
+}
+
+// S = Q K^T into s (asynchronous: committed as one wgmma group, not waited for). sQwg: this
+// warpgroup's 64 rows of Q; sKb: the K tile. k-step kk reads columns 16 kk .. 16 kk + 15, i.e.
+// column block kk / 4 at byte offset 32 (kk % 4) inside the 128-byte rows.
+template <typename Elem, int kD, int kBlockN, int kNS>
+__device__ __forceinline__ void issue_s(float (&s)[kNS], fc_u32 sQwg, fc_u32 sKb) {
+    constexpr fc_u32 kKVBlock = (fc_u32)kBlockN * 128u;
+    settle(s);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+        const fc_u32 qoff = (fc_u32)(kk >> 2) * kColBlock + (fc_u32)(kk & 3) * 32u;
+        const fc_u32 koff = (fc_u32)(kk >> 2) * kKVBlock + (fc_u32)(kk & 3) * 32u;
+        Wgmma<Elem>::ss(s, wgmma_desc_k(sQwg + qoff), wgmma_desc_k(sKb + koff), kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+}
+// O += P V (asynchronous, one group). B = V (keys x d), N-major: 64-column blocks of d are
+// kKVBlock apart (LBO), groups of 8 keys 1024 bytes apart (SBO); k-step kk starts at key 16 kk.
+template <typename Elem, int kBlockN, int kNO>
+__device__ __forceinline__ void issue_pv(float (&acc_o)[kNO], fc_u32 (&pa)[kBlockN / 16][4],
+                                         fc_u32 sVb) {
+    constexpr fc_u32 kKVBlock = (fc_u32)kBlockN * 128u;
+    settle(acc_o);
+    settle(pa);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+        Wgmma<Elem>::rs_tb(acc_o, pa[kk], wgmma_desc_mn(sVb + (fc_u32)kk * 16u * 128u, kKVBlock), 1);
+    wgmma_commit();
+}
+
+}  // namespace fc_h
+
+// Template parameters: Elem (fc_bf16 / fc_fp16); kD: head dim (64, 128 or 256, exact);
+// Is_local: a window side is bounded (causal included), giving block skipping and boundary
+// masks; kPipe: v1 (softmax of the next block overlapped with P V of this one) instead of v0;
+// Is_dropout: attention dropout (flash_dropout.cuh).
+template <typename Elem, int kD, bool Is_local, bool kPipe, bool Is_dropout>
+__global__ void __launch_bounds__(256, 1)
+flash_fwd_sm90_kernel(const FlashParams params) {
+    using namespace fc_h;
+    static_assert(kD == 64 || kD == 128 || kD == 256, "head dims 64, 128 and 256");
+    constexpr int kBlockN = BlockN<kD>::value;
+    static_assert(!(kPipe && kD == 256), "v1's 3-stage ring does not fit at head dim 256");
+    constexpr fc_u32 kQTile = (fc_u32)(kD / 64) * kColBlock;           // 128 x kD
+    constexpr fc_u32 kTile = (fc_u32)(kD / 64) * (fc_u32)kBlockN * 128u;  // one K or V tile
+    constexpr int kNT = kBlockN / 8;
+
+    extern __shared__ unsigned char smem_raw[];
+    const fc_u32 sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    constexpr fc_u32 kStages = kPipe ? 3u : 2u;
+    const fc_u32 sK = sQ + kQTile;             // kStages K buffers
+    const fc_u32 sV = sK + kStages * kTile;    // kStages V buffers
+
+    const int tid = threadIdx.x;
+    const int wg = tid >> 7;           // warpgroup: tile rows [64 wg, 64 wg + 64)
+    const int m_block = Is_local ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+    const FwdBlock<kBlockN, Is_local> blk(params, m_block, blockIdx.y, blockIdx.z);
+    if (blk.empty_rows()) return;
+    if (blk.no_keys()) {
+        blk.store_empty(params, kD, tid, 256);
+        return;
+    }
+    const fc_u16* gQ = static_cast<const fc_u16*>(params.q) + (long long)blk.b * params.q_batch_stride
+                       + (blk.q_row0 + blk.m0) * params.q_row_stride + (long long)blk.h * params.q_head_stride;
+    const fc_u16* gK = static_cast<const fc_u16*>(params.k) + (long long)blk.b * params.k_batch_stride
+                       + blk.k_row0 * params.k_row_stride + (long long)blk.hk * params.k_head_stride;
+    const fc_u16* gV = static_cast<const fc_u16*>(params.v) + (long long)blk.b * params.v_batch_stride
+                       + blk.k_row0 * params.v_row_stride + (long long)blk.hk * params.v_head_stride;
+    const int sk = blk.sk;
+    const int n_block_min = blk.n_block_min;
+
+    // ---- prologue: Q (v0 also the first K and V, one group each; v1 loads its own) ---------
+    int n_block = blk.n_block_max - 1;
+    load_tile<kBlockM, kD>(sQ, gQ, params.q_row_stride, blk.rows_q, tid);
     auto load_kv = [&](int nb, fc_u32 buf) {
         const int n1 = nb * kBlockN;
         load_tile<kBlockN, kD>(sK + buf, gK + (long long)n1 * params.k_row_stride, params.k_row_stride,
@@ -303,7 +371,14 @@ flash_fwd_sm90_kernel(const FlashParams params) {
         load_tile<kBlockN, kD>(sV + buf, gV + (long long)n1 * params.v_row_stride, params.v_row_stride,
                   sk - n1, tid);
     };
+    if constexpr (!kPipe) {
+        cp_async_commit();
+        load_kv(n_block, 0);
+        cp_async_commit();
+    }
 
+    FwdRows<Elem, kD, kBlockN, Is_local, Is_dropout> rows(params, blk, tid);
+    const fc_u32 sQwg = sQ + (fc_u32)wg * 64u * 128u;
     float s[kNT * 4];
 #pragma unroll
     for (int i = 0; i < kNT * 4; ++i) s[i] = 0.f;
@@ -325,16 +400,17 @@ flash_fwd_sm90_kernel(const FlashParams params) {
             fence_proxy_async();     // ... and are visible to the async proxy
             __syncthreads();         // ... for every thread
 
-            issue_s(s, buf);
+            issue_s<Elem, kD, kBlockN>(s, sQwg, sK + buf);
             wgmma_wait<0>();
-            settle_s(s);
-            mask_s(s, n0);
-            softmax(s, corr);
-            rescale_o(corr);
-            pack_p(s, pa, n0);
-            issue_pv(pa, buf);
+            settle(s);
+            rows.mask(s, n0);
+            rows.softmax(s, corr);
+            rows.rescale(corr);
+            rows.pack(s, pa, n0);
+            issue_pv<Elem, kBlockN>(rows.acc_o, pa, sV + buf);
             wgmma_wait<0>();
-            settle_pv(pa);
+            settle(rows.acc_o);
+            settle(pa);
             __syncthreads();         // every warpgroup is done with this block's buffers
         }
     } else {
@@ -358,59 +434,183 @@ flash_fwd_sm90_kernel(const FlashParams params) {
         cp_async_wait<2>();                     // Q and the first block landed
         fence_proxy_async();
         __syncthreads();
-        issue_s(s, stage(0));
+        issue_s<Elem, kD, kBlockN>(s, sQwg, sK + stage(0));
         wgmma_wait<0>();
-        settle_s(s);
-        mask_s(s, nb * kBlockN);
-        softmax(s, corr);                       // O is 0: no rescale
-        pack_p(s, pa, nb * kBlockN);
+        settle(s);
+        rows.mask(s, nb * kBlockN);
+        rows.softmax(s, corr);                  // O is 0: no rescale
+        rows.pack(s, pa, nb * kBlockN);
         int it = 0;
         for (; nb - 1 >= n_block_min; ++it, --nb) {   // every block but the last
             cp_async_wait<1>();                 // block i+1 landed
             fence_proxy_async();
             __syncthreads();
-            issue_s(s, stage(it + 1));          // S_{i+1}
-            issue_pv(pa, stage(it));            // O += P_i V_i
+            issue_s<Elem, kD, kBlockN>(s, sQwg, sK + stage(it + 1));   // S_{i+1}
+            issue_pv<Elem, kBlockN>(rows.acc_o, pa, sV + stage(it));    // O += P_i V_i
             wgmma_wait<1>();                    // S_{i+1} done (P_i V_i may still run)
-            settle_s(s);
-            mask_s(s, (nb - 1) * kBlockN);
-            softmax(s, corr);
+            settle(s);
+            rows.mask(s, (nb - 1) * kBlockN);
+            rows.softmax(s, corr);
             wgmma_wait<0>();
-            settle_pv(pa);
-            rescale_o(corr);
-            pack_p(s, pa, (nb - 1) * kBlockN);
+            settle(rows.acc_o);
+            settle(pa);
+            rows.rescale(corr);
+            rows.pack(s, pa, (nb - 1) * kBlockN);
             __syncthreads();                    // both warpgroups are done with stage(it)
             if (nb - 3 >= n_block_min) load_kv(nb - 3, stage(it));
             cp_async_commit();
         }
-        issue_pv(pa, stage(it));                // the last block
+        issue_pv<Elem, kBlockN>(rows.acc_o, pa, sV + stage(it));   // the last block
         wgmma_wait<0>();
-        settle_pv(pa);
+        settle(rows.acc_o);
+        settle(pa);
+    }
+    rows.store(params, blk);
+}
+
+// The tensor maps of the warp-specialised kernel (flashcore/kernels/tma.py encodes them):
+// q (d, seqlen_q, nheads, batch) with boxes of 64 x 128, k and v (d, seqlen_k, nheads_k,
+// batch) with boxes of 64 x kBlockN; 16-bit elements, 128-byte swizzle, zero fill.
+struct alignas(64) FcFwdMaps {
+    FcTensorMap q, k, v;
+};
+
+// Warp-specialised forward (see the top of the file). 384 threads: warpgroup 0 produces,
+// 1 and 2 consume. kStages: K/V ring depth; kPingPong: the consumers issue their products in
+// turn (named barriers 1 and 2).
+template <typename Elem, int kD, bool Is_local, bool Is_dropout, int kStages, bool kPingPong>
+__global__ void __launch_bounds__(384, 1)
+flash_fwd_sm90_ws_kernel(const FlashParams params, const __grid_constant__ FcFwdMaps maps) {
+    using namespace fc_h;
+    using namespace fc_pipe;
+    static_assert(kD == 64 || kD == 128 || kD == 256, "head dims 64, 128 and 256");
+    constexpr int kBlockN = BlockN<kD>::value;
+    constexpr fc_u32 kQTile = (fc_u32)(kD / 64) * kColBlock;           // 128 x kD
+    constexpr fc_u32 kKVBlock = (fc_u32)kBlockN * 128u;                // [kBlockN][64] block
+    constexpr fc_u32 kTile = (fc_u32)(kD / 64) * kKVBlock;             // one K or V tile
+    constexpr int kNT = kBlockN / 8;
+
+    extern __shared__ unsigned char smem_raw[];
+    const fc_u32 sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const fc_u32 sK = sQ + kQTile;
+    const fc_u32 sV = sK + (fc_u32)kStages * kTile;
+    // mbarriers after the tiles: Q, then full K, full V, empty K, empty V (one per stage each)
+    const fc_u32 bars = sV + (fc_u32)kStages * kTile;
+    const fc_u32 bar_q = bars;
+    auto full_k = [&](int st) { return bars + 8u * (fc_u32)(1 + st); };
+    auto full_v = [&](int st) { return bars + 8u * (fc_u32)(1 + kStages + st); };
+    auto empty_k = [&](int st) { return bars + 8u * (fc_u32)(1 + 2 * kStages + st); };
+    auto empty_v = [&](int st) { return bars + 8u * (fc_u32)(1 + 3 * kStages + st); };
+
+    const int tid = threadIdx.x;
+    const int wg = tid >> 7;
+    const int m_block = Is_local ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+    const FwdBlock<kBlockN, Is_local> blk(params, m_block, blockIdx.y, blockIdx.z);
+    if (blk.empty_rows()) return;
+    if (blk.no_keys()) {
+        blk.store_empty(params, kD, tid, 384);
+        return;
+    }
+    const int n_iter = blk.n_block_max - blk.n_block_min;   // >= 1
+
+    if (tid == 0) {
+        tma_prefetch_map(maps.q);
+        tma_prefetch_map(maps.k);
+        tma_prefetch_map(maps.v);
+        mbar_init(bar_q, 1);
+        for (int st = 0; st < kStages; ++st) {
+            mbar_init(full_k(st), 1);
+            mbar_init(full_v(st), 1);
+            mbar_init(empty_k(st), 256);
+            mbar_init(empty_v(st), 256);
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        // ---- producer: one thread issues every load ------------------------------------
+        setmaxnreg_dec<24>();
+        if (tid == 0) {
+            mbar_expect_tx(bar_q, kQTile);
+#pragma unroll
+            for (int c = 0; c < kD / 64; ++c)
+                tma_load_4d(sQ + (fc_u32)c * kColBlock, maps.q, bar_q, 64 * c, blk.m0, blk.h, blk.b);
+            for (int it = 0; it < n_iter; ++it) {
+                const int st = it % kStages;
+                const fc_u32 ph = (fc_u32)(it / kStages) & 1u;
+                const int n0 = (blk.n_block_max - 1 - it) * kBlockN;
+                if (it >= kStages) mbar_wait(empty_k(st), ph ^ 1u);
+                mbar_expect_tx(full_k(st), kTile);
+#pragma unroll
+                for (int c = 0; c < kD / 64; ++c)
+                    tma_load_4d(sK + (fc_u32)st * kTile + (fc_u32)c * kKVBlock, maps.k, full_k(st),
+                                64 * c, n0, blk.hk, blk.b);
+                if (it >= kStages) mbar_wait(empty_v(st), ph ^ 1u);
+                mbar_expect_tx(full_v(st), kTile);
+#pragma unroll
+                for (int c = 0; c < kD / 64; ++c)
+                    tma_load_4d(sV + (fc_u32)st * kTile + (fc_u32)c * kKVBlock, maps.v, full_v(st),
+                                64 * c, n0, blk.hk, blk.b);
+            }
+        }
+        return;
     }
 
-    // ---- epilogue: O / l (NaN propagates: l == 0 only for rows that saw no key), lse ----------
+    // ---- consumers -------------------------------------------------------------------------
+    setmaxnreg_inc<240>();
+    const int cw = wg - 1;                     // consumer warpgroup: tile rows [64 cw, 64 cw + 64)
+    FwdRows<Elem, kD, kBlockN, Is_local, Is_dropout> rows(params, blk, tid - 128);
+    const fc_u32 sQwg = sQ + (fc_u32)cw * 64u * 128u;
+    float s[kNT * 4];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const float l = quad_sum(row_sum[r]);
-        const float inv = l == 0.f ? 0.f : 1.f / l;
-        const int row = warp_row0 + g + 8 * r;
-        if (row < rows_q) {
-            if (params.o_fp32) {      // unrounded float32 output, 8 bytes a store
-                float* orow = static_cast<float*>(params.o) + o_off
-                              + (long long)row * params.o_row_stride;
-#pragma unroll
-                for (int j = 0; j < kDT; ++j)
-                    *reinterpret_cast<float2*>(orow + 8 * j + 2 * t) =
-                        make_float2(acc_o[4 * j + 2 * r] * inv, acc_o[4 * j + 2 * r + 1] * inv);
-            } else {
-                fc_u16* orow = gO + (long long)row * params.o_row_stride;
-#pragma unroll
-                for (int j = 0; j < kDT; ++j)
-                    stg32(orow + 8 * j + 2 * t,
-                          Elem::pack2(acc_o[4 * j + 2 * r] * inv, acc_o[4 * j + 2 * r + 1] * inv));
-            }
-            if (t == 0)
-                gLse[row] = l == 0.f ? -INFINITY : row_max[r] * params.softmax_scale + logf(l);
-        }
+    for (int i = 0; i < kNT * 4; ++i) s[i] = 0.f;
+    fc_u32 pa[kBlockN / 16][4];
+    float corr[2];
+    auto stage_of = [](int it) { return it % kStages; };
+    auto parity_of = [](int it) { return (fc_u32)(it / kStages) & 1u; };
+
+    int nb = blk.n_block_max - 1;
+    mbar_wait(bar_q, 0);
+    mbar_wait(full_k(0), 0);
+    issue_s<Elem, kD, kBlockN>(s, sQwg, sK);
+    wgmma_wait<0>();
+    settle(s);
+    mbar_arrive(empty_k(0));
+    rows.mask(s, nb * kBlockN);
+    rows.softmax(s, corr);                     // O is 0: no rescale
+    rows.pack(s, pa, nb * kBlockN);
+    // Ping-pong: consumer cw issues its products after named barrier 1 + cw, then lets the
+    // other one go. Consumer 1 opens the first turn for consumer 0 and skips its last
+    // hand-over, so that every barrier sees as many arrivals as waits.
+    if (kPingPong && cw == 1 && n_iter > 1) named_arrive(1, 256);
+    for (int it = 0; it < n_iter - 1; ++it, --nb) {   // every block but the last
+        const int st0 = stage_of(it), st1 = stage_of(it + 1);
+        mbar_wait(full_k(st1), parity_of(it + 1));
+        mbar_wait(full_v(st0), parity_of(it));
+        if (kPingPong) named_sync(1 + cw, 256);
+        issue_s<Elem, kD, kBlockN>(s, sQwg, sK + (fc_u32)st1 * kTile);      // S_{i+1}
+        issue_pv<Elem, kBlockN>(rows.acc_o, pa, sV + (fc_u32)st0 * kTile);  // O += P_i V_i
+        if (kPingPong && !(cw == 1 && it == n_iter - 2)) named_arrive(2 - cw, 256);
+        wgmma_wait<1>();                       // S_{i+1} done (P_i V_i may still run)
+        settle(s);
+        mbar_arrive(empty_k(st1));
+        rows.mask(s, (nb - 1) * kBlockN);
+        rows.softmax(s, corr);
+        wgmma_wait<0>();
+        settle(rows.acc_o);
+        settle(pa);
+        mbar_arrive(empty_v(st0));
+        rows.rescale(corr);
+        rows.pack(s, pa, (nb - 1) * kBlockN);
     }
+    {
+        const int last = n_iter - 1;
+        mbar_wait(full_v(stage_of(last)), parity_of(last));
+        issue_pv<Elem, kBlockN>(rows.acc_o, pa, sV + (fc_u32)stage_of(last) * kTile);
+        wgmma_wait<0>();
+        settle(rows.acc_o);
+        settle(pa);
+    }
+    rows.store(params, blk);
 }

@@ -786,10 +786,11 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--impl", nargs="+", default=["cupy"], choices=["cupy", "torch"])
     p.add_argument("--json", help="write the rows to this JSON file")
-    p.add_argument("--family", choices=["default", "ampere", "v0", "v1"], default="default",
+    p.add_argument("--family", choices=["default", "ampere", "v0", "v1", "ws"], default="default",
                    help="kernel family on compute capability 9.0: the default (the Hopper "
-                        "wgmma kernels where they apply, forward v1), 'ampere' (the mma.sync "
-                        "kernels everywhere), or the Hopper forward v0 / v1 explicitly")
+                        "wgmma kernels where they apply, the warp-specialised forward for dense "
+                        "calls), 'ampere' (the mma.sync kernels everywhere), or one Hopper "
+                        "forward explicitly: the cp.async v0 / v1, or ws")
     p.add_argument("--overhead", action="store_true",
                    help="only measure the per-call host overhead (CuPy direct vs through torch)")
     p.add_argument("--decode", action="store_true",
@@ -808,7 +809,7 @@ def main(argv=None):
         return 2
     if a.family != "default":
         from .kernels import backward, forward
-        forward.set_sm90(a.family != "ampere", pipelined=a.family == "v1")
+        forward.set_sm90(a.family != "ampere", pipelined=a.family == "v1", ws=a.family == "ws")
         backward.set_sm90(a.family != "ampere")
     if a.overhead:
         rows = overhead()

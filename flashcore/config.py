@@ -15,7 +15,11 @@ The settings (environment variable in brackets):
   outside the arrays.
 * ``sm90_fwd`` (``FLASHCORE_SM90=0`` turns it off): the Hopper (wgmma) forward where it
   applies; ``sm90_fwd_pipelined`` (``FLASHCORE_SM90_PIPE``): its v1 pipeline (the next block's
-  softmax under P V); ``sm90_fwd_d64_min_seqlen_k``: head dim 64 takes the Hopper forward from
+  softmax under P V) where the warp-specialised kernel does not apply; ``sm90_fwd_ws``
+  (``FLASHCORE_SM90_WS``): the warp-specialised Hopper forward (TMA producer, two consumer
+  warpgroups) for dense calls whose arrays TMA can read; ``sm90_fwd_pingpong``
+  (``FLASHCORE_SM90_PINGPONG``): its consumers issue their products in turn;
+  ``sm90_fwd_d64_min_seqlen_k``: head dim 64 takes the Hopper forward from
   this many keys (the Ampere-class kernel measured faster below).
 * ``sm90_bwd`` (``FLASHCORE_SM90_BWD``): the Hopper dK/dV kernel where it applies;
   ``sm90_bwd_d64_block_m`` (``FLASHCORE_SM90_BWD_D64_BM``): queries per step at head dim 64
@@ -46,6 +50,8 @@ class Settings(NamedTuple):
     debug: bool
     sm90_fwd: bool
     sm90_fwd_pipelined: bool
+    sm90_fwd_ws: bool
+    sm90_fwd_pingpong: bool
     sm90_fwd_d64_min_seqlen_k: int
     sm90_bwd: bool
     sm90_bwd_d64_block_m: int
@@ -60,6 +66,8 @@ def _from_environment() -> Settings:
         debug=_env_flag("FLASHCORE_DEBUG", False),
         sm90_fwd=_env_flag("FLASHCORE_SM90", True),
         sm90_fwd_pipelined=_env_flag("FLASHCORE_SM90_PIPE", True),
+        sm90_fwd_ws=_env_flag("FLASHCORE_SM90_WS", True),
+        sm90_fwd_pingpong=_env_flag("FLASHCORE_SM90_PINGPONG", True),
         sm90_fwd_d64_min_seqlen_k=2048,
         sm90_bwd=_env_flag("FLASHCORE_SM90_BWD", True),
         sm90_bwd_d64_block_m=int(bm) if bm in ("64", "128") else 128,

@@ -19,7 +19,7 @@ from .params import WINDOW_NONE, as_kernel_arg, make_params
 
 __all__ = ["launch_forward", "kernel_name", "instantiations", "tile_config", "smem_bytes",
            "set_tile_override", "TileConfig", "HEADDIM_TILES", "set_sm90", "sm90_applies",
-           "sm90_kernel_name", "sm90_instantiations", "SM90_SOURCE"]
+           "sm90_kernel_name", "sm90_ws_kernel_name", "sm90_instantiations", "SM90_SOURCE"]
 
 SOURCE = "flash_fwd.cu"
 HEADDIM_TILES = (32, 64, 96, 128, 192, 256)
@@ -177,14 +177,20 @@ def sm90_smem(headdim: int, pipelined: bool) -> int:
 # measured at least as fast as v0 at head dims 64 and 128 (docs/performance-log.md).
 # At head dim 64 the Ampere-class kernel measured faster below 2k keys (1.04-1.07x SDPA flash
 # against 0.97-0.99x at 1k, the same from 4k up), so the Hopper one takes d64 from there.
-def set_sm90(enabled: bool, pipelined: bool | None = None) -> None:
-    """Use the Hopper (wgmma) forward kernel where it applies (compute capability 9.0, head
-    dim 64, 128 or 256, no softcap or ALiBi): ``flashcore.config`` settings ``sm90_fwd`` and
-    ``sm90_fwd_pipelined`` (v1: the softmax of the next key block overlapped with P V of this
-    one; head dim 256 always runs v0, the 3-stage ring does not fit). On by default;
-    FLASHCORE_SM90=0 / FLASHCORE_SM90_PIPE=0 in the environment."""
-    config.set(sm90_fwd=bool(enabled),
-               **({} if pipelined is None else {"sm90_fwd_pipelined": bool(pipelined)}))
+def set_sm90(enabled: bool, pipelined: bool | None = None, ws: bool | None = None) -> None:
+    """Use the Hopper (wgmma) forward kernels where they apply (compute capability 9.0, head
+    dim 64, 128 or 256, no softcap or ALiBi): ``flashcore.config`` settings ``sm90_fwd``,
+    ``sm90_fwd_ws`` (the warp-specialised TMA kernel for dense calls) and
+    ``sm90_fwd_pipelined`` (the cp.async kernel's v1: the softmax of the next key block
+    overlapped with P V of this one; head dim 256 always runs v0, the 3-stage ring does not
+    fit). On by default; FLASHCORE_SM90=0 / FLASHCORE_SM90_WS=0 / FLASHCORE_SM90_PIPE=0 in the
+    environment."""
+    changes = {"sm90_fwd": bool(enabled)}
+    if pipelined is not None:
+        changes["sm90_fwd_pipelined"] = bool(pipelined)
+    if ws is not None:
+        changes["sm90_fwd_ws"] = bool(ws)
+    config.set(**changes)
 
 
 def set_sm90_defines(defines) -> None:
@@ -209,11 +215,47 @@ def sm90_kernel_name(dtype_name: str, headdim: int, is_local: bool,
             f"{_b(pipe)}, {_b(dropout)}>")
 
 
+# The warp-specialised kernel (TMA producer, two consumer warpgroups): K/V ring depth per
+# head dim, as shared memory allows (Q 128 x d + stages x 2 tiles of block_n x d, 16-bit).
+_WS_STAGES = {64: 3, 128: 2, 256: 2}
+
+
+def sm90_ws_smem(headdim: int) -> int:
+    """Q + the K/V ring + the mbarriers (8 bytes each: Q, and 4 per stage) + alignment slack."""
+    stages = _WS_STAGES[headdim]
+    return (2 * 128 * headdim + stages * 2 * (2 * _sm90_block_n(headdim) * headdim)
+            + 8 * (1 + 4 * stages) + 1024)
+
+
+def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool, dropout: bool = False,
+                        pingpong: bool | None = None) -> str:
+    pp = config.get().sm90_fwd_pingpong if pingpong is None else pingpong
+    return (f"flash_fwd_sm90_ws_kernel<{_elem_tag(dtype_name)}, {headdim}, {_b(is_local)}, "
+            f"{_b(dropout)}, {_WS_STAGES[headdim]}, {_b(pp)}>")
+
+
 def sm90_instantiations() -> list[str]:
     """Every template name of the Hopper forward (compiled for sm_90a only)."""
+    flags = (False, True)
     return sorted({sm90_kernel_name(dt, d, loc, pipe, drop) for dt in ("float16", "bfloat16")
-                   for d in SM90_HEADDIMS for loc in (False, True) for pipe in (False, True)
-                   for drop in (False, True)})
+                   for d in SM90_HEADDIMS for loc in flags for pipe in flags for drop in flags}
+                  | {sm90_ws_kernel_name(dt, d, loc, drop, pp) for dt in ("float16", "bfloat16")
+                     for d in SM90_HEADDIMS for loc in flags for drop in flags for pp in flags})
+
+
+def _sm90_ws_maps(q, k, v, headdim: int):
+    """The tensor maps of the warp-specialised kernel for these arrays, with their specs, or
+    None when TMA cannot read one of them (the cp.async kernel runs instead)."""
+    from . import tma
+    specs = (tma.map_spec(q, 128), tma.map_spec(k, _sm90_block_n(headdim)),
+             tma.map_spec(v, _sm90_block_n(headdim)))
+    if any(sp is None for sp in specs):
+        return None
+    maps = tma.Maps(3)
+    for i, (sp, a) in enumerate(zip(specs, (q, k, v))):
+        if not maps.encode(i, sp, a.data.ptr):
+            return None
+    return maps, specs
 
 
 def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
@@ -305,12 +347,23 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     from ..jit import device_facts, get_kernel
     device_id = q.device.id
     cc = device_facts(device_id)[0]
+    ws = None     # (tensor maps, their specs): the warp-specialised Hopper kernel
     if not paged and sm90_applies(cc, headdim, has_softcap, has_alibi, seqlen_k):
-        smem = sm90_smem(headdim, config.get().sm90_fwd_pipelined)
-        kernel = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, headdim, is_local,
-                                                          dropout=dropout),
-                            device_id, cc, smem, config.get().sm90_defines)
-        grid_m, block = math.ceil(seqlen_q / 128), (256, 1, 1)
+        if not varlen and config.get().sm90_fwd_ws:
+            ws = _sm90_ws_maps(q, k, v, headdim)
+        if ws is not None:
+            smem = sm90_ws_smem(headdim)
+            kernel = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, is_local,
+                                                                 dropout),
+                                device_id, cc, smem, config.get().sm90_defines)
+            block = (384, 1, 1)
+        else:
+            smem = sm90_smem(headdim, config.get().sm90_fwd_pipelined)
+            kernel = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, headdim, is_local,
+                                                              dropout=dropout),
+                                device_id, cc, smem, config.get().sm90_defines)
+            block = (256, 1, 1)
+        grid_m = math.ceil(seqlen_q / 128)
     else:
         d = headdim_tile(headdim)
         cfg = tile_config(d, is_local, has_softcap or dropout, has_alibi, headdim == d)
@@ -353,12 +406,14 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         softcap=float(softcap) if has_softcap else 0.0,
     )
     grid = (grid_m, nheads, batch)
+    args = (as_kernel_arg(params),) if ws is None else (as_kernel_arg(params), ws[0].arg())
     with cupy.cuda.Device(device_id):
-        kernel(grid, block, (as_kernel_arg(params),), shared_mem=smem)
+        kernel(grid, block, args, shared_mem=smem)
         if out_final is not None:
             out_final[...] = out
     if out_final is None and all(a is b for a, b in zip((q, k, v), given)) \
             and (not paged or block_table is given_table) \
             and (not dropout or rng_state is given_rng):
-        return plans.Piece([(kernel, grid, block, smem)], params)
+        maps = None if ws is None else list(zip(("q", "k", "v"), ws[1]))
+        return plans.Piece([(kernel, grid, block, smem)], params, maps=maps)
     return None

@@ -79,15 +79,18 @@ class Piece:
     """What one launcher did in one call: ``launches`` [(kernel, grid, block, shared_mem)], all
     taking the struct ``params`` (a 0-d structured array); ``scratch`` {field: nbytes}: buffers
     the launcher allocated for this call alone (contents never read before its kernels write
-    them); ``counter`` (field, groups) or None: the stream's split counters."""
+    them); ``counter`` (field, groups) or None: the stream's split counters; ``maps``
+    [(field, tma.MapSpec)] or None: the launches take a second parameter, tensor maps of the
+    arrays whose addresses those struct fields hold (encoded again for every call)."""
 
-    __slots__ = ("launches", "params", "scratch", "counter")
+    __slots__ = ("launches", "params", "scratch", "counter", "maps")
 
-    def __init__(self, launches, params, scratch=None, counter=None):
+    def __init__(self, launches, params, scratch=None, counter=None, maps=None):
         self.launches = [(k, _dim3(g), _dim3(b), int(s)) for k, g, b, s in launches]
         self.params = params
         self.scratch = dict(scratch or {})
         self.counter = counter
+        self.maps = tuple(maps) if maps else None
 
 
 def _dim3(d) -> tuple:
@@ -167,8 +170,9 @@ def _pointer_fields():
 class Plan:
     """A recorded call: for each launcher piece, the struct's bytes and where its addresses go
     (``slots`` [(byte offset, role index)], ``scratch`` [(byte offset, offset in the call's one
-    scratch buffer)], ``counter`` (byte offset, groups) or None), and its launches [(CUfunction,
-    grid, block, shared_mem)]; ``scratch_bytes``: that buffer's size (one allocation a call)."""
+    scratch buffer)], ``counter`` (byte offset, groups) or None, ``maps`` [(role index,
+    MapSpec)] or None), and its launches [(CUfunction, grid, block, shared_mem)];
+    ``scratch_bytes``: that buffer's size (one allocation a call)."""
 
     __slots__ = ("generation", "device_id", "context", "groups", "result", "kernels",
                  "scratch_bytes")
@@ -198,10 +202,20 @@ class Plan:
                     slots.append((off, index[name]))
                 else:
                     return None     # an address this plan could not fill in again
+            maps = None
+            if p.maps is not None:
+                by_field = dict(_pointer_fields())
+                maps = []
+                for name, spec in p.maps:
+                    value = int(words[by_field[name] // 8])
+                    if name not in index or given[name] != value:
+                        return None
+                    maps.append((index[name], spec))
+                maps = tuple(maps)
             launches = tuple((int(k.kernel.ptr), g, b, s) for k, g, b, s in p.launches)
             raw = p.params.tobytes()
             groups.append((ctypes.c_char * len(raw), raw, tuple(slots), tuple(scratch), counter,
-                           launches))
+                           launches, maps))
         plan = cls()
         plan.generation = jit.generation() if generation is None else generation
         # the kernel objects own their modules: kept, so the CUfunctions stay loaded
@@ -238,8 +252,8 @@ class Plan:
             owner, base = alloc(self.scratch_bytes)
             keep.append(owner)
         pack = _WORD.pack_into
-        for (buftype, template, slots, scratch, counter, launches), caddr in zip(self.groups,
-                                                                                 addrs):
+        for (buftype, template, slots, scratch, counter, launches, maps), caddr in zip(
+                self.groups, addrs):
             arg = buftype.from_buffer_copy(template)      # this call's struct
             for off, i in slots:
                 pack(arg, off, pointers[i])
@@ -247,7 +261,16 @@ class Plan:
                 pack(arg, off, base + rel)
             if counter is not None:
                 pack(arg, counter[0], caddr)
-            argv = _ONE_POINTER(ctypes.addressof(arg))    # (both kept alive until launched)
+            if maps is None:
+                argv = _ONE_POINTER(ctypes.addressof(arg))    # (kept alive until launched)
+            else:
+                from .tma import Maps
+                m = Maps(len(maps))
+                for j, (i, spec) in enumerate(maps):
+                    if not m.encode(j, spec, pointers[i]):
+                        raise RuntimeError("flashcore: the driver refused a tensor map that it "
+                                           "encoded for the same layout before")
+                argv = _TWO_POINTERS(ctypes.addressof(arg), m.address)   # (m kept alive too)
             params = ctypes.addressof(argv)
             for func, (gx, gy, gz), (bx, by, bz), smem in launches:
                 launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, params, 0)
@@ -255,6 +278,7 @@ class Plan:
 
 
 _ONE_POINTER = ctypes.c_void_p * 1     # cuLaunchKernel's kernelParams: one pointer, the struct's
+_TWO_POINTERS = ctypes.c_void_p * 2    # ... the struct's and the tensor maps'
 _LAUNCH: list = []      # [cuLaunchKernel, cuCtxGetCurrent] (CuPy's driver bindings)
 
 

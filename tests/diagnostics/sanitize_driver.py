@@ -60,8 +60,8 @@ for c in CASES:
 # The Hopper forward (wgmma), where the device has it: full, causal with fully masked rows,
 # a window, varlen -- forward only (its backward is the one above).
 if int(cp.cuda.Device().compute_capability) == 90:
-    for pipelined in (False, True):       # v0 and v1
-        _fwd.set_sm90(True, pipelined=pipelined)
+    for pipelined, ws in ((False, False), (True, False), (True, True)):   # v0, v1, ws
+        _fwd.set_sm90(True, pipelined=pipelined, ws=ws)
         for dt, sq, sk, hd, kw in (("bfloat16", 77, 93, 128, {}),
                                    ("float16", 300, 130, 128, {"causal": True}),
                                    ("bfloat16", 200, 700, 128, {"window_size": (40, 7)}),
@@ -77,7 +77,7 @@ if int(cp.cuda.Device().compute_capability) == 90:
         flashcore.varlen_attention_forward(q, k, v, cu_q, cu_k, causal=True)
         cp.cuda.Device().synchronize()
         n += 1
-    _fwd.set_sm90(False, pipelined=False)
+    _fwd.set_sm90(False, pipelined=False, ws=False)
     _bwd.set_sm90(True)                                # the Hopper dK/dV kernel
     for dt, sq, sk, hd, kw in (("bfloat16", 77, 93, 128, {}),
                                ("float16", 300, 130, 128, {"causal": True}),

@@ -20,31 +20,38 @@ def _cc():
     return int(cupy.cuda.Device().compute_capability)
 
 
-_VARIANT = {"pipelined": False}
+_VARIANT = {"name": "v0"}
 
 
-@pytest.fixture(autouse=True, params=[False, True], ids=["v0", "v1-pipelined"])
+@pytest.fixture(autouse=True, params=["v0", "v1", "ws", "ws-no-pingpong"])
 def sm90_on(request):
-    """The Hopper family on, and the process's kernel and plan caches emptied, so that
-    _ran_sm90 sees only what this test loaded."""
+    """The Hopper family on, in one of its forward variants (v0 and v1: cp.async; ws: the
+    warp-specialised TMA kernel, with or without ping-pong), and the process's kernel and
+    plan caches emptied, so that _ran_sm90 sees only what this test loaded."""
     from flashcore import config, jit
     from flashcore.kernels import plans
     if _cc() != 90:
         pytest.skip("the wgmma kernel needs compute capability 9.0")
     jit.clear_memory_cache()
     plans.clear()
-    _VARIANT["pipelined"] = request.param
+    _VARIANT["name"] = request.param
+    ws = request.param.startswith("ws")
     # the wgmma kernel at every length, here
-    with config.override(sm90_fwd=True, sm90_fwd_pipelined=request.param,
+    with config.override(sm90_fwd=True, sm90_fwd_pipelined=request.param != "v0",
+                         sm90_fwd_ws=ws, sm90_fwd_pingpong=request.param == "ws",
                          sm90_fwd_d64_min_seqlen_k=0):
         yield
     plans.clear()
 
 
-def _ran_sm90(dtype, local, d=128):
+def _ran_sm90(dtype, local, d=128, varlen=False):
+    """The variant under test ran (varlen calls take v1 where the ws kernel is chosen)."""
     from flashcore import jit
     from flashcore.kernels import forward
-    name = forward.sm90_kernel_name(dtype, d, local, _VARIANT["pipelined"])
+    if _VARIANT["name"].startswith("ws") and not varlen:
+        name = forward.sm90_ws_kernel_name(dtype, d, local)
+    else:
+        name = forward.sm90_kernel_name(dtype, d, local, _VARIANT["name"] != "v0")
     return any(k[2] == forward.SM90_SOURCE and k[3] == name for k in jit._kernels)
 
 
@@ -155,7 +162,7 @@ def test_varlen_with_empty_sequences():
         lo, _ = naive_forward(forward_spec(*lo_args, causal=True), *lo_args, round_to="bfloat16")
         ro = np.nan_to_num(ro)[0]
         assert_flash_rule(f"seq{i}", got[qs], ro, np.nan_to_num(lo)[0], 2)
-    assert _ran_sm90("bfloat16", True)
+    assert _ran_sm90("bfloat16", True, varlen=True)
 
 
 def test_forward_is_bitwise_repeatable():
@@ -198,7 +205,7 @@ BWD_SEQS = [(1, 1), (17, 113), (113, 203), (203, 17), (64, 128), (300, 300), (10
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", BWD_SEQS, ids=[f"{a}x{b}" for a, b in BWD_SEQS])
 def test_backward_matrix(sm90_bwd, dtype, causal, sq, sk, d):
-    if _VARIANT["pipelined"]:
+    if _VARIANT["name"] != "v0":
         pytest.skip("the backward does not depend on the forward variant: run once")
     from flashcore import config
     if d == 128 and config.get().sm90_bwd_d64_block_m == 64:
@@ -213,7 +220,7 @@ def test_backward_varlen_no_worse_than_the_ampere_kernel(sm90_bwd):
     """Packed sequences (one empty, one with no keys): each gradient's error against the
     float64 oracle is at most twice that of the GPU-verified Ampere-class kernel on the same
     inputs, plus a rounding allowance."""
-    if _VARIANT["pipelined"]:
+    if _VARIANT["name"] != "v0":
         pytest.skip("the backward does not depend on the forward variant: run once")
     import cupy as cp
     import flashcore
@@ -256,7 +263,7 @@ def test_backward_varlen_no_worse_than_the_ampere_kernel(sm90_bwd):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [(5, 3), (127, 0), (-1, 77)])
 def test_backward_windows_gqa(sm90_bwd, dtype, window):
-    if _VARIANT["pipelined"]:
+    if _VARIANT["name"] != "v0":
         pytest.skip("the backward does not depend on the forward variant: run once")
     run_case(dtype, 2, 517, 611, 6, 3, 128, window=window, seed=17)
     run_case(dtype, 2, 333, 257, 8, 1, 128, causal=True, seed=18, strided=True)
@@ -266,7 +273,7 @@ def test_backward_windows_gqa(sm90_bwd, dtype, window):
 
 
 def test_backward_fully_masked_rows_and_deterministic_fallback(sm90_bwd):
-    if _VARIANT["pipelined"]:
+    if _VARIANT["name"] != "v0":
         pytest.skip("the backward does not depend on the forward variant: run once")
     run_case("bfloat16", 2, 300, 100, 4, 2, 128, causal=True, seed=19)
     run_case("bfloat16", 2, 300, 100, 4, 2, 64, causal=True, seed=29)
@@ -278,12 +285,12 @@ def test_backward_fully_masked_rows_and_deterministic_fallback(sm90_bwd):
 
 
 def test_hopper_family_is_the_default_on_cc90():
-    """With nothing set in the environment, a plain call on an H100/H200 runs the wgmma
-    forward (v1) and the wgmma dK/dV kernel."""
+    """With nothing set in the environment, a plain call on an H100/H200 runs the
+    warp-specialised wgmma forward and the wgmma dK/dV kernel."""
     import os
     import subprocess
     import sys
-    if _VARIANT["pipelined"]:
+    if _VARIANT["name"] != "v0":
         pytest.skip("independent of the fixture's variant: run once")
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHCORE_SM90")}
     code = """
@@ -295,7 +302,7 @@ q, k, v, do = (cp.asarray(rng.standard_normal((1, 300, 4, 128)).astype(np.float1
 out, lse = flashcore.attention_forward(q, k, v, causal=True)
 flashcore.attention_backward(do, q, k, v, out, lse, causal=True)
 names = {k[3] for k in jit._kernels}
-assert forward.sm90_kernel_name("float16", 128, True, True) in names, names
+assert forward.sm90_ws_kernel_name("float16", 128, True) in names, names
 assert backward.sm90_kernel_name("float16", 128, True) in names, names
 print("ok")
 """

@@ -1,0 +1,86 @@
+// flashcore: the Hopper (sm_90a) pipeline pieces: tensor-memory-accelerator (TMA) loads that
+// complete on shared-memory mbarriers, the barriers themselves, named barriers between
+// warpgroups, and register reallocation between warpgroups (setmaxnreg).
+//
+// A producer/consumer pipeline of S stages uses two mbarriers per stage:
+//   full[s]  count 1: the producer's arrive.expect_tx(bytes); the TMA copies complete the
+//            transaction bytes, and the phase flips when all of them have landed.
+//   empty[s] count = consumer threads: every consumer thread arrives once it no longer reads
+//            the stage (its wgmma reading it has retired).
+// Use u of stage s (u = iteration / S) waits on full[s] with parity u & 1; the producer's
+// refill for use u >= 1 waits on empty[s] with parity (u - 1) & 1.
+//
+// TMA copies write shared memory through the async proxy, which wgmma also reads through: no
+// proxy fence is needed between them (unlike cp.async or st.shared, see wgmma.cuh).
+#pragma once
+#include "ptx.cuh"
+
+// A CUDA driver tensor map (CUtensorMap: 128 opaque bytes, 64-byte aligned), encoded on the
+// host by flashcore/kernels/tma.py and passed to the kernel as a __grid_constant__ parameter.
+struct alignas(64) FcTensorMap {
+    fc_u64 opaque[16];
+};
+
+namespace fc_pipe {
+
+__device__ __forceinline__ void mbar_init(fc_u32 bar, fc_u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+// Makes the initialised barriers visible to the async proxy (the TMA unit) and other threads.
+__device__ __forceinline__ void fence_barrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(fc_u32 bar, fc_u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+                 :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(fc_u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(fc_u32 bar, fc_u32 parity) {
+    fc_u32 done;
+    do {
+        asm volatile("{\n.reg .pred p;\n"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+
+// One box of a rank-4 tensor map (coordinates innermost first, in elements; boxes reaching
+// past the tensor's extent are zero-filled, and still count their full bytes) into shared
+// memory at `dst`, completing on `bar`.
+__device__ __forceinline__ void tma_load_4d(fc_u32 dst, const FcTensorMap& map, fc_u32 bar,
+                                            int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
+        :: "r"(dst), "l"(reinterpret_cast<fc_u64>(&map)), "r"(bar),
+           "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_map(const FcTensorMap& map) {
+    asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<fc_u64>(&map)) : "memory");
+}
+
+// Register reallocation: the producer warpgroup gives registers back, the consumers take them.
+// Effective only with a register cap at entry (__launch_bounds__(threads, 1)).
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(N));
+}
+
+// Named barriers (ids 1..15; 0 is __syncthreads): `threads` counts the arriving and the
+// waiting threads together.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+
+}  // namespace fc_pipe

@@ -1,0 +1,99 @@
+"""The Hopper forward's variants against torch SDPA (flash and cuDNN backends), in one process.
+
+    python tests/diagnostics/bench_fwd_variants.py [--seqlen 1024 4096 16384] [--headdim 64 128 256]
+        [--causal both|yes|no] [--variants ws ws-nopp v1] [--mode fwd fwdbwd] [--json FILE]
+
+Every figure goes through the public API (``flashcore.attention`` on torch CUDA tensors, forward
+under ``torch.no_grad``, forward+backward through autograd) at the ANCHORS.md sizes (16k tokens
+per batch, hidden 2048), timed by ``flashcore.bench.gpu_time`` (CUDA events, L2 flushed,
+median). Variants: ``ws`` the warp-specialised TMA kernel with ping-pong (the default),
+``ws-nopp`` without ping-pong, ``v1`` / ``v0`` the cp.async kernels, ``ampere`` the mma.sync
+kernel. Each variant's output is compared with the first variant's (max abs difference), a
+cross-check only: the GPU tests hold the correctness checks against the float64 oracle.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+VARIANTS = {
+    "ws": dict(sm90_fwd=True, sm90_fwd_ws=True, sm90_fwd_pingpong=True),
+    "ws-nopp": dict(sm90_fwd=True, sm90_fwd_ws=True, sm90_fwd_pingpong=False),
+    "v1": dict(sm90_fwd=True, sm90_fwd_ws=False, sm90_fwd_pipelined=True),
+    "v0": dict(sm90_fwd=True, sm90_fwd_ws=False, sm90_fwd_pipelined=False),
+    "ampere": dict(sm90_fwd=False),
+}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seqlen", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--headdim", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    p.add_argument("--variants", nargs="+", default=["ws", "ws-nopp", "v1"], choices=list(VARIANTS))
+    p.add_argument("--mode", nargs="+", default=["fwd"], choices=["fwd", "fwdbwd"])
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+
+    import torch
+    from flashcore import config
+    from flashcore.bench import AttentionProblem, flops, shape_for
+
+    which = {"fwd": "forward", "fwdbwd": "forward_backward"}
+    rows = []
+    print(f"# torch {torch.__version__}, {torch.cuda.get_device_name()}, bf16, TFLOP/s "
+          f"(ratio to SDPA cuDNN)")
+    for d in a.headdim:
+        for causal in {"both": [False, True], "yes": [True], "no": [False]}[a.causal]:
+            for s in a.seqlen:
+                b, _, h, _ = shape_for(s, d)
+                row = {"headdim": d, "causal": causal, "seqlen": s, "batch": b, "nheads": h}
+                for peer in ("sdpa_flash", "sdpa_cudnn"):
+                    try:
+                        pb = AttentionProblem(peer, b, s, h, d, causal, seed=s + d)
+                        for m in a.mode:
+                            row[f"{peer}_{m}"] = pb.tflops(which[m], flops(b, s, h, d, causal, which[m]))
+                    except Exception as e:   # a peer that cannot take the shape
+                        row[f"{peer}_error"] = str(e)[:100]
+                    del pb
+                first = None
+                for var in a.variants:
+                    with config.override(sm90_fwd_d64_min_seqlen_k=0, **VARIANTS[var]):
+                        pb = AttentionProblem("torch", b, s, h, d, causal, seed=s + d)
+                        for m in a.mode:
+                            row[f"{var}_{m}"] = pb.tflops(which[m], flops(b, s, h, d, causal, which[m]))
+                        out = pb.forward().float()
+                        if first is None:
+                            first = out
+                        else:
+                            row[f"{var}_maxdiff"] = float((out - first).abs().max())
+                        del pb, out
+                torch.cuda.empty_cache()
+                rows.append(row)
+                cells = []
+                for m in a.mode:
+                    ref = row.get(f"sdpa_cudnn_{m}", float("nan"))
+                    cells.append(f"{m}: flash {row.get(f'sdpa_flash_{m}', float('nan')):5.0f} "
+                                 f"cudnn {ref:5.0f} | " + " ".join(
+                                     f"{v} {row[f'{v}_{m}']:5.0f} ({row[f'{v}_{m}'] / ref:4.2f})"
+                                     for v in a.variants))
+                diffs = " ".join(f"{v}:{row[f'{v}_maxdiff']:.1e}" for v in a.variants[1:])
+                print(f"d{d:<3} {'causal' if causal else 'full  '} {s:>6} | " + " || ".join(cells)
+                      + f" | maxdiff {diffs}", flush=True)
+    for m in a.mode:
+        for v in a.variants:
+            r = [row[f"{v}_{m}"] / row[f"sdpa_cudnn_{m}"] for row in rows
+                 if row.get(f"sdpa_cudnn_{m}")]
+            if r:
+                gm = math.exp(sum(map(math.log, r)) / len(r))
+                print(f"SUMMARY {m} {v}/cudnn: geomean {gm:.3f} min {min(r):.3f} max {max(r):.3f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
