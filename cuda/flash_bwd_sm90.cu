@@ -26,7 +26,18 @@
 // Shared memory (1024-byte aligned, every tile [rows][64 columns] blocks with the 128-byte
 // swizzle of the forward): K, V kD / 4 KiB each; Q, dO 2 stages x kD / 8 KiB each; dS^T 16 KiB;
 // lse and D 2 x 2 x 64 floats.
+//
+// Two kernels run these steps (DkdvWarpgroup holds one warpgroup's share of a step):
+//  * flash_bwd_dkdv_sm90_ws_kernel (the default for dense calls): warp-specialised, as the
+//    forward's. Warpgroup 0 produces: one thread loads K and V once and Q and dO per step with
+//    TMA into a 2-stage ring of mbarrier-guarded stages, the warp's lanes write the step's
+//    lse and D beside them; the two consumer warpgroups never load, and meet only at one
+//    named barrier per step (dS^T written, before the dQ product reads it; dS^T is
+//    double-buffered, so that barrier also frees the other buffer).
+//  * flash_bwd_dkdv_sm90_kernel: both warpgroups load with cp.async and meet at __syncthreads
+//    (varlen calls, and arrays TMA cannot read).
 #include "flash_bwd.cu"
+#include "sm90_pipeline.cuh"
 #include "wgmma.cuh"
 
 namespace fc_hb {
@@ -44,107 +55,56 @@ using fc_sm90::sts32;
 
 }  // namespace fc_hb
 
+
+namespace fc_hb {
+
+// One consumer warpgroup's share of the key block (keys [64 wg, 64 wg + 64) of the CTA's 128;
+// ct: the thread's index among the 256 consumer threads): dK and dV in fp32 registers, and the
+// two halves of a step over one query block (m0, head h).
 template <typename Elem, int kD, int kBlockM, bool Is_local, bool Is_dropout>
-__global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const FlashParams p) {
-    using namespace fc_hb;
-    static_assert(kD == 64 || kD == 128, "the Hopper dK/dV kernel covers head dims 64 and 128");
-    static_assert(kBlockM == 64 || (kBlockM == 128 && kD == 64), "query blocks: 64, or 128 at d64");
-    constexpr fc_u32 kQBlock = (fc_u32)kBlockM * 128u;   // one [kBlockM rows][64 cols] block
-    constexpr fc_u32 kKT = kKTile<kD>, kQT = kQTile<kD, kBlockM>;
-    extern __shared__ unsigned char smem_raw[];
-    const fc_u32 sK = (smem_u32(smem_raw) + 1023u) & ~1023u;
-    const fc_u32 sV = sK + kKT;
-    const fc_u32 sQ = sV + kKT;                  // 2 stages
-    const fc_u32 sdO = sQ + 2u * kQT;            // 2 stages
-    const fc_u32 sdS = sdO + 2u * kQT;           // [kBlockM / 64][128 keys][64 queries]
-    float* sLse = reinterpret_cast<float*>(smem_raw + (sdS + (fc_u32)(kBlockM / 64) * kKBlock
-                                                       - smem_u32(smem_raw)));
-    float* sDsum = sLse + 2 * kBlockM;
-
-    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wg = warp >> 2, wl = warp & 3;
-    const int g = lane >> 2, t = lane & 3;
-    const BwdSeq seq = bwd_seq(p, b);
-    const int n0 = n_block * kBlockN;
-    if (n0 >= seq.sk) return;
-    const BwdKeyWalk kw = bwd_key_walk<Is_local, kBlockM, kBlockN>(p, seq, b, hk, n0);
-    const int off = kw.off, ratio = kw.ratio, h0 = kw.h0, m_begin = kw.m_begin, m_end = kw.m_end;
-    const int n_iter = kw.n_iter, rows_k = kw.rows_k;
-    const fc_u16* gq = kw.gq;
-    const fc_u16* gdo = kw.gdo;
-
-    constexpr int kAcc = kD / 2;                 // dK, dV of 64 keys x kD per warpgroup
+struct DkdvWarpgroup {
+    static constexpr int kAcc = kD / 2;          // dK, dV of 64 keys x kD per warpgroup
+    static constexpr int kSAcc = kBlockM / 2;    // S^T, dP^T: 64 keys x kBlockM queries
+    static constexpr fc_u32 kQBlock = (fc_u32)kBlockM * 128u;   // one [kBlockM rows][64 cols] block
     float acc_dk[kAcc], acc_dv[kAcc];
-#pragma unroll
-    for (int i = 0; i < kAcc; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+    fc_u32 pa[kBlockM / 16][4], dsa[kBlockM / 16][4];   // P^T, dS^T as A operands of dV, dK
+    int wg, wl, g, t, key0;
+    fc_u32 kw_off;                                        // the slice's rows inside K / V blocks
 
-    if (n_iter > 0) {
-        load_tile<kBlockN, kD>(sK, static_cast<const fc_u16*>(p.k) + b * p.k_batch_stride
-                               + (seq.k_off + n0) * p.k_row_stride + hk * p.k_head_stride,
-                           p.k_row_stride, rows_k, tid);
-        load_tile<kBlockN, kD>(sV, static_cast<const fc_u16*>(p.v) + b * p.v_batch_stride
-                               + (seq.k_off + n0) * p.v_row_stride + hk * p.v_head_stride,
-                           p.v_row_stride, rows_k, tid);
-        const int mm = m_begin * kBlockM;
-        load_tile<kBlockM, kD>(sQ, gq + static_cast<long long>(mm) * p.q_row_stride + h0 * p.q_head_stride,
-                           p.q_row_stride, seq.sq - mm, tid);
-        load_tile<kBlockM, kD>(sdO, gdo + static_cast<long long>(mm) * p.do_row_stride + h0 * p.do_head_stride,
-                           p.do_row_stride, seq.sq - mm, tid);
-        cp_async_commit();
-        if (tid < kBlockM) bwd_row_stats(p, b, h0, seq, mm + tid, sLse[tid], sDsum[tid]);
+    __device__ __forceinline__ explicit DkdvWarpgroup(int ct) {
+        const int lane = ct & 31, warp = ct >> 5;
+        wg = warp >> 2;
+        wl = warp & 3;
+        g = lane >> 2;
+        t = lane & 3;
+        key0 = 64 * wg + 16 * wl + g;                     // + 8 r
+        kw_off = (fc_u32)wg * 64u * 128u;
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) acc_dk[i] = acc_dv[i] = 0.f;
     }
 
-    // This thread's accumulator rows (keys, within the block) and the warpgroup's key slice.
-    const int key0 = 64 * wg + 16 * wl + g;            // + 8 r
-    const fc_u32 kw_off = (fc_u32)wg * 64u * 128u;     // the slice's rows inside K / V blocks
-
-    auto pin32 = [&](float (&x)[32]) {
+    template <int N>
+    __device__ __forceinline__ static void pin(float (&x)[N]) {
 #pragma unroll
-        for (int i = 0; i < 32; ++i) fence_operand(x[i]);
-    };
-    auto pin_s = [&](float (&x)[kBlockM / 2]) {
-#pragma unroll
-        for (int i = 0; i < kBlockM / 2; ++i) fence_operand(x[i]);
-    };
-    auto pin_acc = [&](float (&x)[kAcc]) {
-#pragma unroll
-        for (int i = 0; i < kAcc; ++i) fence_operand(x[i]);
-    };
-    auto pin_a = [&](fc_u32 (&a)[kBlockM / 16][4]) {
+        for (int i = 0; i < N; ++i) fence_operand(x[i]);
+    }
+    __device__ __forceinline__ static void pin(fc_u32 (&a)[kBlockM / 16][4]) {
 #pragma unroll
         for (int kk = 0; kk < kBlockM / 16; ++kk)
 #pragma unroll
             for (int e = 0; e < 4; ++e) fence_operand(a[kk][e]);
-    };
+    }
 
-    int h = h0, m_block = m_begin;
-    for (int it = 0; it < n_iter; ++it) {
-        const fc_u32 buf = (fc_u32)(it & 1);
-        cp_async_wait<0>();
-        fence_proxy_async();
-        __syncthreads();
-
-        int h_next, m_next;
-        bwd_walk_next(h, m_block, m_begin, m_end, h_next, m_next);
-        const bool has_next = it + 1 < n_iter;
-        float nl_next = 0.f, ds_next = 0.f;
-        if (has_next) {
-            const int mm = m_next * kBlockM;
-            load_tile<kBlockM, kD>(sQ + (buf ^ 1u) * kQT,
-                               gq + static_cast<long long>(mm) * p.q_row_stride + h_next * p.q_head_stride,
-                               p.q_row_stride, seq.sq - mm, tid);
-            load_tile<kBlockM, kD>(sdO + (buf ^ 1u) * kQT,
-                               gdo + static_cast<long long>(mm) * p.do_row_stride + h_next * p.do_head_stride,
-                               p.do_row_stride, seq.sq - mm, tid);
-            cp_async_commit();
-            if (tid < kBlockM) bwd_row_stats(p, b, h_next, seq, mm + tid, nl_next, ds_next);
-        }
-
-        const fc_u32 sQb = sQ + buf * kQT, sdOb = sdO + buf * kQT;
-        const float* sLb = sLse + buf * kBlockM;
-        const float* sDb = sDsum + buf * kBlockM;
-        const int m0 = m_block * kBlockM;
+    // First half: S^T = K_w Q^T and dP^T = V_w dO^T, then P^T and dS^T from the query rows'
+    // lse and D (sLb, sDb: -lse in log2 units and D of rows m0 ..), dS^T stored to sdSb
+    // ([key][query], 16-bit, swizzled), and dV_w += P^T dO, dK_w += dS^T Q issued (not waited).
+    // The caller fences the dS^T stores for the async proxy and synchronises the consumers
+    // before the second half.
+    __device__ __forceinline__ void grads(const FlashParams& p, const BwdSeq& seq, int b, int h,
+                                          int m0, int n0, int off, fc_u32 sK, fc_u32 sV,
+                                          fc_u32 sQb, fc_u32 sdOb, const float* sLb,
+                                          const float* sDb, fc_u32 sdSb) {
+        constexpr int kBlockN = 128;
         const BwdScoreMath sm = bwd_score_math(p, b, h, seq, false);
         bool need_mask = n0 + kBlockN > seq.sk;
         if constexpr (Is_local) {
@@ -153,34 +113,29 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
             need_mask = need_mask || rel_min < -p.window_left || rel_max > p.window_right;
         }
 
-        // ---- S^T = K_w Q^T and dP^T = V_w dO^T (64 keys x 64 queries each) ----------------
-        constexpr int kSAcc = kBlockM / 2;       // 64 keys x kBlockM queries per warpgroup
         float acc_s[kSAcc], acc_dp[kSAcc];
 #pragma unroll
         for (int i = 0; i < kSAcc; ++i) acc_s[i] = acc_dp[i] = 0.f;
-        pin_s(acc_s);
-        pin_s(acc_dp);
+        pin(acc_s);
+        pin(acc_dp);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kD / 16; ++kk) {
             const fc_u32 ko = (fc_u32)(kk >> 2) * kKBlock + kw_off + (fc_u32)(kk & 3) * 32u;
             const fc_u32 qo = (fc_u32)(kk >> 2) * kQBlock + (fc_u32)(kk & 3) * 32u;
-            Wgmma<Elem>::ss(acc_s, wgmma_desc_k(sK + ko), wgmma_desc_k(sQb + qo),
-                            kk > 0 ? 1 : 0);
-            Wgmma<Elem>::ss(acc_dp, wgmma_desc_k(sV + ko), wgmma_desc_k(sdOb + qo),
-                            kk > 0 ? 1 : 0);
+            Wgmma<Elem>::ss(acc_s, wgmma_desc_k(sK + ko), wgmma_desc_k(sQb + qo), kk > 0 ? 1 : 0);
+            Wgmma<Elem>::ss(acc_dp, wgmma_desc_k(sV + ko), wgmma_desc_k(sdOb + qo), kk > 0 ? 1 : 0);
         }
         wgmma_commit();
         wgmma_wait<0>();
-        pin_s(acc_s);
-        pin_s(acc_dp);
+        pin(acc_s);
+        pin(acc_dp);
 
-        // ---- P^T, dS^T. Element e of n8 tile j: key key0 + 8 (e >> 1), query 8 j + 2 t + (e & 1)
+        // P^T, dS^T. Element e of n8 tile j: key key0 + 8 (e >> 1), query 8 j + 2 t + (e & 1).
         // 16-bit A operands (k = queries): k-step kk takes n8 tiles 2kk and 2kk+1, packed as
-        // soon as they are computed (fewer fp32 values live at once).
-        // Dropout: the keep mask of each 16 x 16 tile (queries 16 kk.., keys key0 - g..), one
-        // Philox call per lane shared with lane ^ 4 (BwdScoreMath::keep_st).
-        fc_u32 pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
+        // soon as they are computed (fewer fp32 values live at once). Dropout: the keep mask of
+        // each 16 x 16 tile (queries 16 kk.., keys key0 - g..), one Philox call per lane shared
+        // with lane ^ 4 (BwdScoreMath::keep_st).
 #pragma unroll
         for (int kk = 0; kk < kBlockM / 16; ++kk) {
             unsigned int keep = 0;
@@ -205,22 +160,22 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
             }
         }
 
-        // ---- dS^T to shared memory (16-bit, [key][query], swizzled), before the MMAs that
-        // read dsa are issued (an in-flight wgmma's A registers may not be accessed) ----------
+        // dS^T to shared memory, before the MMAs that read dsa are issued (an in-flight
+        // wgmma's A registers may not be accessed)
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int key = key0 + 8 * r, q = 8 * j + 2 * t;
-                sts32(sdS + (fc_u32)(q >> 6) * kKBlock + 2u * (fc_u32)swz<64>(key, q & 63),
-                      dsa[j >> 1][(j & 1) * 2 + r]);
+                fc_sm90::sts32(sdSb + (fc_u32)(q >> 6) * kKBlock + 2u * (fc_u32)swz<64>(key, q & 63),
+                               dsa[j >> 1][(j & 1) * 2 + r]);
             }
 
-        // ---- dV_w += P^T dO, dK_w += dS^T Q: B read N-major (d blocks kQBlock apart) -------
-        pin_acc(acc_dv);
-        pin_acc(acc_dk);
-        pin_a(pa);
-        pin_a(dsa);
+        // dV_w += P^T dO, dK_w += dS^T Q: B read N-major (d blocks kQBlock apart)
+        pin(acc_dv);
+        pin(acc_dk);
+        pin(pa);
+        pin(dsa);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBlockM / 16; ++kk) {
@@ -229,13 +184,16 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
             Wgmma<Elem>::rs_tb(acc_dk, dsa[kk], wgmma_desc_mn(sQb + ro, kQBlock), 1);
         }
         wgmma_commit();
-        fence_proxy_async();      // the dS^T stores, for the dQ product's async-proxy reads
-        __syncthreads();          // the whole dS^T tile is written
+    }
 
-        // ---- dQ = dS K: A = dS^T read M-major, B = K read N-major. d128: columns
-        // [64 wg, 64 wg + 64) over all keys; d64 with 64-query blocks: all columns over the
-        // warpgroup's keys (both warpgroups add); d64 with 128-query blocks: queries
-        // [64 wg, 64 wg + 64) over all keys ------------------------------------------------------
+    // Second half, once the whole dS^T tile is in sdSb: dQ = dS K (A = dS^T read M-major,
+    // B = K read N-major). d128: columns [64 wg, 64 wg + 64) over all keys; d64 with 64-query
+    // blocks: all columns over the warpgroup's keys (both warpgroups add); d64 with 128-query
+    // blocks: queries [64 wg, 64 wg + 64) over all keys. Waits for every product of the step
+    // (after it, this warpgroup reads none of the step's tiles), then adds dQ to dq_accum.
+    __device__ __forceinline__ void dq(const FlashParams& p, const BwdSeq& seq, int b, int h,
+                                       int m0, fc_u32 sK, fc_u32 sdSb) {
+        constexpr int kBlockN = 128;
         constexpr bool kSplitKeys = kD == 64 && kBlockM == 64;
         constexpr int kDqSteps = kSplitKeys ? 64 / 16 : kBlockN / 16;
         const int kk0 = kSplitKeys ? 4 * wg : 0;
@@ -244,37 +202,134 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
         float acc_dq[32];
 #pragma unroll
         for (int i = 0; i < 32; ++i) acc_dq[i] = 0.f;
-        pin32(acc_dq);
+        pin(acc_dq);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kDqSteps; ++kk) {
             const fc_u32 ro = (fc_u32)(kk0 + kk) * 16u * 128u;   // keys 16 (kk0 + kk) ..
-            Wgmma<Elem>::ss_tt(acc_dq, wgmma_desc_mn(sdS + qblk + ro, kKBlock),
+            Wgmma<Elem>::ss_tt(acc_dq, wgmma_desc_mn(sdSb + qblk + ro, kKBlock),
                                wgmma_desc_mn(sK + kcol + ro, kKBlock), kk > 0 ? 1 : 0);
         }
         wgmma_commit();
         wgmma_wait<0>();          // dV, dK and dQ products done
-        pin32(acc_dq);
-        pin_acc(acc_dv);
-        pin_acc(acc_dk);
-        pin_a(pa);
-        pin_a(dsa);
+        pin(acc_dq);
+        pin(acc_dv);
+        pin(acc_dk);
+        pin(pa);
+        pin(dsa);
 
         // dQ rows (queries) 16 wl + g + 8 r, columns 64 wg + 8 j + 2 t.
-        {
-            const int i0 = m0 + (kBlockM == 128 ? 64 * wg : 0) + 16 * wl + g;
-            float* dqa = p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride
-                         + (seq.q_off + i0) * p.dq_accum_row_stride + (kD == 128 ? 64 * wg : 0)
-                         + 2 * t;
+        const int i0 = m0 + (kBlockM == 128 ? 64 * wg : 0) + 16 * wl + g;
+        float* dqa = p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride
+                     + (seq.q_off + i0) * p.dq_accum_row_stride + (kD == 128 ? 64 * wg : 0) + 2 * t;
 #pragma unroll
-            for (int r = 0; r < 2; ++r)
-                if (i0 + 8 * r < seq.sq) {
-                    float* row = dqa + (8 * r) * p.dq_accum_row_stride;
+        for (int r = 0; r < 2; ++r)
+            if (i0 + 8 * r < seq.sq) {
+                float* row = dqa + (8 * r) * p.dq_accum_row_stride;
 #pragma unroll
-                    for (int j = 0; j < 8; ++j)
-                        bwd_red_add2(row + 8 * j, acc_dq[4 * j + 2 * r], acc_dq[4 * j + 2 * r + 1]);
+                for (int j = 0; j < 8; ++j)
+                    bwd_red_add2(row + 8 * j, acc_dq[4 * j + 2 * r], acc_dq[4 * j + 2 * r + 1]);
+            }
+    }
+
+    // Epilogue: dK * softmax_scale and dV as 16-bit; rows are keys.
+    __device__ __forceinline__ void store(const FlashParams& p, const BwdSeq& seq, int b, int hk,
+                                          int n0) const {
+        const float scale = p.softmax_scale;
+        fc_u16* gdk = static_cast<fc_u16*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
+        fc_u16* gdv = static_cast<fc_u16*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int key = n0 + key0 + 8 * r;
+            if (key < seq.sk) {
+                fc_u16* dkr = gdk + (seq.k_off + key) * p.dk_row_stride;
+                fc_u16* dvr = gdv + (seq.k_off + key) * p.dv_row_stride;
+#pragma unroll
+                for (int j = 0; j < kD / 8; ++j) {
+                    fc_sm90::stg32(dkr + 8 * j + 2 * t, Elem::pack2(acc_dk[4 * j + 2 * r] * scale,
+                                                                    acc_dk[4 * j + 2 * r + 1] * scale));
+                    fc_sm90::stg32(dvr + 8 * j + 2 * t,
+                                   Elem::pack2(acc_dv[4 * j + 2 * r], acc_dv[4 * j + 2 * r + 1]));
                 }
+            }
         }
+    }
+};
+
+}  // namespace fc_hb
+
+template <typename Elem, int kD, int kBlockM, bool Is_local, bool Is_dropout>
+__global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const FlashParams p) {
+    using namespace fc_hb;
+    static_assert(kD == 64 || kD == 128, "the Hopper dK/dV kernel covers head dims 64 and 128");
+    static_assert(kBlockM == 64 || (kBlockM == 128 && kD == 64), "query blocks: 64, or 128 at d64");
+    constexpr fc_u32 kKT = kKTile<kD>, kQT = kQTile<kD, kBlockM>;
+    extern __shared__ unsigned char smem_raw[];
+    const fc_u32 sK = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const fc_u32 sV = sK + kKT;
+    const fc_u32 sQ = sV + kKT;                  // 2 stages
+    const fc_u32 sdO = sQ + 2u * kQT;            // 2 stages
+    const fc_u32 sdS = sdO + 2u * kQT;           // [kBlockM / 64][128 keys][64 queries]
+    float* sLse = reinterpret_cast<float*>(smem_raw + (sdS + (fc_u32)(kBlockM / 64) * kKBlock
+                                                       - smem_u32(smem_raw)));
+    float* sDsum = sLse + 2 * kBlockM;
+
+    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int tid = threadIdx.x;
+    const BwdSeq seq = bwd_seq(p, b);
+    const int n0 = n_block * kBlockN;
+    if (n0 >= seq.sk) return;
+    const BwdKeyWalk kw = bwd_key_walk<Is_local, kBlockM, kBlockN>(p, seq, b, hk, n0);
+    const int n_iter = kw.n_iter;
+    const fc_u16* gq = kw.gq;
+    const fc_u16* gdo = kw.gdo;
+
+    if (n_iter > 0) {
+        load_tile<kBlockN, kD>(sK, static_cast<const fc_u16*>(p.k) + b * p.k_batch_stride
+                               + (seq.k_off + n0) * p.k_row_stride + hk * p.k_head_stride,
+                           p.k_row_stride, kw.rows_k, tid);
+        load_tile<kBlockN, kD>(sV, static_cast<const fc_u16*>(p.v) + b * p.v_batch_stride
+                               + (seq.k_off + n0) * p.v_row_stride + hk * p.v_head_stride,
+                           p.v_row_stride, kw.rows_k, tid);
+        const int mm = kw.m_begin * kBlockM;
+        load_tile<kBlockM, kD>(sQ, gq + static_cast<long long>(mm) * p.q_row_stride + kw.h0 * p.q_head_stride,
+                           p.q_row_stride, seq.sq - mm, tid);
+        load_tile<kBlockM, kD>(sdO, gdo + static_cast<long long>(mm) * p.do_row_stride + kw.h0 * p.do_head_stride,
+                           p.do_row_stride, seq.sq - mm, tid);
+        cp_async_commit();
+        if (tid < kBlockM) bwd_row_stats(p, b, kw.h0, seq, mm + tid, sLse[tid], sDsum[tid]);
+    }
+
+    DkdvWarpgroup<Elem, kD, kBlockM, Is_local, Is_dropout> w(tid);
+    int h = kw.h0, m_block = kw.m_begin;
+    for (int it = 0; it < n_iter; ++it) {
+        const fc_u32 buf = (fc_u32)(it & 1);
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();
+
+        int h_next, m_next;
+        bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h_next, m_next);
+        const bool has_next = it + 1 < n_iter;
+        float nl_next = 0.f, ds_next = 0.f;
+        if (has_next) {
+            const int mm = m_next * kBlockM;
+            load_tile<kBlockM, kD>(sQ + (buf ^ 1u) * kQT,
+                               gq + static_cast<long long>(mm) * p.q_row_stride + h_next * p.q_head_stride,
+                               p.q_row_stride, seq.sq - mm, tid);
+            load_tile<kBlockM, kD>(sdO + (buf ^ 1u) * kQT,
+                               gdo + static_cast<long long>(mm) * p.do_row_stride + h_next * p.do_head_stride,
+                               p.do_row_stride, seq.sq - mm, tid);
+            cp_async_commit();
+            if (tid < kBlockM) bwd_row_stats(p, b, h_next, seq, mm + tid, nl_next, ds_next);
+        }
+
+        const int m0 = m_block * kBlockM;
+        w.grads(p, seq, b, h, m0, n0, kw.off, sK, sV, sQ + buf * kQT, sdO + buf * kQT,
+                sLse + buf * kBlockM, sDsum + buf * kBlockM, sdS);
+        fence_proxy_async();      // the dS^T stores, for the dQ product's async-proxy reads
+        __syncthreads();          // the whole dS^T tile is written
+        w.dq(p, seq, b, h, m0, sK, sdS);
 
         __syncthreads();          // dS^T, this stage's Q / dO and lse / D are free
         if (has_next && tid < kBlockM) {
@@ -284,23 +339,126 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
         h = h_next;
         m_block = m_next;
     }
+    w.store(p, seq, b, hk, n0);
+}
 
-    // ---- epilogue: dK * softmax_scale and dV as 16-bit; rows are keys --------------------------
-    const float scale = p.softmax_scale;
-    fc_u16* gdk = static_cast<fc_u16*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
-    fc_u16* gdv = static_cast<fc_u16*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride;
+// The tensor maps of the warp-specialised dK/dV kernel (flashcore/kernels/tma.py): k, v with
+// boxes of 64 x 128 (the key block), q and dout with boxes of 64 x kBlockM.
+struct alignas(64) FcBwdMaps {
+    FcTensorMap q, k, v, dout;
+};
+
+// Warp-specialised dK/dV kernel (see the top of the file): 384 threads, warpgroup 0 produces,
+// 1 and 2 consume. Dense calls only (TMA boxes address rows of one sequence).
+template <typename Elem, int kD, int kBlockM, bool Is_local, bool Is_dropout>
+__global__ void __launch_bounds__(384, 1)
+flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwdMaps maps) {
+    using namespace fc_hb;
+    using namespace fc_pipe;
+    static_assert(kD == 64 || kD == 128, "the Hopper dK/dV kernel covers head dims 64 and 128");
+    static_assert(kBlockM == 64 || (kBlockM == 128 && kD == 64), "query blocks: 64, or 128 at d64");
+    constexpr int kStages = 2;
+    constexpr fc_u32 kKT = kKTile<kD>, kQT = kQTile<kD, kBlockM>;
+    constexpr fc_u32 kQBlock = (fc_u32)kBlockM * 128u;
+    constexpr fc_u32 kSdS = (fc_u32)(kBlockM / 64) * kKBlock;   // one dS^T buffer
+    extern __shared__ unsigned char smem_raw[];
+    const fc_u32 base = smem_u32(smem_raw);
+    const fc_u32 sK = (base + 1023u) & ~1023u;
+    const fc_u32 sV = sK + kKT;
+    const fc_u32 sQ = sV + kKT;                        // kStages
+    const fc_u32 sdO = sQ + kStages * kQT;             // kStages
+    const fc_u32 sdS = sdO + kStages * kQT;            // 2 buffers
+    const fc_u32 sStats = sdS + 2u * kSdS;             // lse, D: kStages x 2 x kBlockM floats
+    float* sLse = reinterpret_cast<float*>(smem_raw + (sStats - base));
+    float* sDsum = sLse + kStages * kBlockM;
+    const fc_u32 bars = sStats + (fc_u32)(2 * kStages * kBlockM) * 4u;
+    const fc_u32 bar_kv = bars;
+    auto full = [&](int st) { return bars + 8u * (fc_u32)(1 + st); };
+    auto empty = [&](int st) { return bars + 8u * (fc_u32)(1 + kStages + st); };
+
+    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int wg = tid >> 7;
+    const BwdSeq seq = bwd_seq(p, b);
+    const int n0 = n_block * kBlockN;
+    if (n0 >= seq.sk) return;
+    const BwdKeyWalk kw = bwd_key_walk<Is_local, kBlockM, kBlockN>(p, seq, b, hk, n0);
+    const int n_iter = kw.n_iter;
+    if (n_iter == 0) {            // no query sees these keys: dK = dV = 0
+        if (wg > 0) DkdvWarpgroup<Elem, kD, kBlockM, Is_local, Is_dropout>(tid - 128).store(p, seq, b, hk, n0);
+        return;
+    }
+
+    if (tid == 0) {
+        tma_prefetch_map(maps.q);
+        tma_prefetch_map(maps.k);
+        tma_prefetch_map(maps.v);
+        tma_prefetch_map(maps.dout);
+        mbar_init(bar_kv, 1);
+        for (int st = 0; st < kStages; ++st) {
+            mbar_init(full(st), 1 + 32);      // the TMA's expect_tx + the warp's lse / D stores
+            mbar_init(empty(st), 256);
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        // ---- producer: warp 0 (lane 0 issues the copies; every lane writes lse / D) ---------
+        setmaxnreg_dec<24>();
+        if (tid < 32) {
+            if (lane == 0) {
+                mbar_expect_tx(bar_kv, 2u * kKT);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int key = n0 + key0 + 8 * r;
-        if (key < seq.sk) {
-            fc_u16* dkr = gdk + (seq.k_off + key) * p.dk_row_stride;
-            fc_u16* dvr = gdv + (seq.k_off + key) * p.dv_row_stride;
+                for (int c = 0; c < kD / 64; ++c) {
+                    tma_load_4d(sK + (fc_u32)c * kKBlock, maps.k, bar_kv, 64 * c, n0, hk, b);
+                    tma_load_4d(sV + (fc_u32)c * kKBlock, maps.v, bar_kv, 64 * c, n0, hk, b);
+                }
+            }
+            int h = kw.h0, m_block = kw.m_begin;
+            for (int it = 0; it < n_iter; ++it) {
+                const int st = it % kStages;
+                const fc_u32 ph = (fc_u32)(it / kStages) & 1u;
+                const int mm = m_block * kBlockM;
+                if (it >= kStages) mbar_wait(empty(st), ph ^ 1u);
+                if (lane == 0) {
+                    mbar_expect_tx(full(st), 2u * kQT);
 #pragma unroll
-            for (int j = 0; j < kD / 8; ++j) {
-                stg32(dkr + 8 * j + 2 * t, Elem::pack2(acc_dk[4 * j + 2 * r] * scale,
-                                                       acc_dk[4 * j + 2 * r + 1] * scale));
-                stg32(dvr + 8 * j + 2 * t, Elem::pack2(acc_dv[4 * j + 2 * r], acc_dv[4 * j + 2 * r + 1]));
+                    for (int c = 0; c < kD / 64; ++c) {
+                        tma_load_4d(sQ + (fc_u32)st * kQT + (fc_u32)c * kQBlock, maps.q, full(st),
+                                    64 * c, mm, h, b);
+                        tma_load_4d(sdO + (fc_u32)st * kQT + (fc_u32)c * kQBlock, maps.dout, full(st),
+                                    64 * c, mm, h, b);
+                    }
+                }
+                for (int r = lane; r < kBlockM; r += 32)
+                    bwd_row_stats(p, b, h, seq, mm + r, sLse[st * kBlockM + r], sDsum[st * kBlockM + r]);
+                mbar_arrive(full(st));            // (release: the stores above are seen)
+                bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
             }
         }
+        return;
     }
+
+    // ---- consumers -------------------------------------------------------------------------
+    setmaxnreg_inc<240>();
+    DkdvWarpgroup<Elem, kD, kBlockM, Is_local, Is_dropout> w(tid - 128);
+    mbar_wait(bar_kv, 0);
+    int h = kw.h0, m_block = kw.m_begin;
+    for (int it = 0; it < n_iter; ++it) {
+        const int st = it % kStages;
+        const fc_u32 sdSb = sdS + (fc_u32)(it & 1) * kSdS;
+        mbar_wait(full(st), (fc_u32)(it / kStages) & 1u);
+        const int m0 = m_block * kBlockM;
+        w.grads(p, seq, b, h, m0, n0, kw.off, sK, sV, sQ + (fc_u32)st * kQT, sdO + (fc_u32)st * kQT,
+                sLse + st * kBlockM, sDsum + st * kBlockM, sdSb);
+        fence_proxy_async();      // the dS^T stores, for the dQ product's async-proxy reads
+        // The whole dS^T tile is written; and (dS^T double-buffered) every consumer is past the
+        // previous step, whose dQ product read the buffer the next step writes.
+        named_sync(1, 256);
+        w.dq(p, seq, b, h, m0, sK, sdSb);
+        mbar_arrive(empty(st));   // this stage's Q, dO, lse and D are no longer read
+        bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
+    }
+    w.store(p, seq, b, hk, n0);
 }

@@ -476,15 +476,18 @@ struct alignas(64) FcFwdMaps {
 };
 
 // Warp-specialised forward (see the top of the file). 384 threads: warpgroup 0 produces,
-// 1 and 2 consume. kStages: K/V ring depth; kPingPong: the consumers issue their products in
-// turn (named barriers 1 and 2).
-template <typename Elem, int kD, bool Is_local, bool Is_dropout, int kStages, bool kPingPong>
+// 1 and 2 consume. kBlockN: keys per block (64, 128, or 176 as FA3 takes at head dim 128);
+// kStages: K/V ring depth; kPingPong: the consumers issue their products in turn (named
+// barriers 1 and 2).
+template <typename Elem, int kD, int kBlockN, bool Is_local, bool Is_dropout, int kStages,
+          bool kPingPong>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_sm90_ws_kernel(const FlashParams params, const __grid_constant__ FcFwdMaps maps) {
     using namespace fc_h;
     using namespace fc_pipe;
     static_assert(kD == 64 || kD == 128 || kD == 256, "head dims 64, 128 and 256");
-    constexpr int kBlockN = BlockN<kD>::value;
+    static_assert((kBlockN == 64 || kBlockN == 128 || kBlockN == 176) && (kD != 256 || kBlockN == 64),
+                  "key blocks of 64, 128 or 176 (the S wgmma's N); 64 at head dim 256");
     constexpr fc_u32 kQTile = (fc_u32)(kD / 64) * kColBlock;           // 128 x kD
     constexpr fc_u32 kKVBlock = (fc_u32)kBlockN * 128u;                // [kBlockN][64] block
     constexpr fc_u32 kTile = (fc_u32)(kD / 64) * kKVBlock;             // one K or V tile

@@ -104,7 +104,8 @@ __device__ __forceinline__ void fence_operand(fc_u32& x) { asm volatile("" : "+r
 
 template <typename Elem> struct Wgmma;
 
-// D (64 x 128, fp32) (+)= A (64 x 16, shared, K-major) * B (16 x 128, shared, K-major): ss
+// D (64 x N, fp32) (+)= A (64 x 16, shared, K-major) * B (16 x N, shared, K-major): ss, N = 128 or
+// 176 (chosen by the accumulator array's size)
 // D (64 x N, fp32) (+)= A (64 x 16, registers) * B (16 x N, shared, N-major): rs_tb, N = 256,
 // 128 or 64 (chosen by the accumulator array's size)
 // D (64 x 64, fp32) (+)= A (64 x 16, shared) * B (16 x 64, shared): ss (both K-major) and
@@ -144,6 +145,19 @@ template <typename Elem> struct Wgmma;
       "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
       "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
       "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+
+#define FC_WGMMA_ACC88 \
+      "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+      "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+      "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+      "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+      "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+      "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+      "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+      "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+      "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+      "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])
 
 #define FC_WGMMA_SPECIALISE(ELEM, T)                                                          \
 template <> struct Wgmma<ELEM> {                                                             \
@@ -186,6 +200,16 @@ template <> struct Wgmma<ELEM> {                                                
             : FC_WGMMA_ACC32                                                                 \
             : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));                     \
     }                                                                                        \
+    static __device__ __forceinline__ void ss(float (&d)[88], fc_u64 desc_a, fc_u64 desc_b,  \
+                                              int scale_d) {                                 \
+        asm volatile(                                                                        \
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n"                                    \
+            "wgmma.mma_async.sync.aligned.m64n176k16.f32." #T "." #T " "                     \
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}, "                                                                      \
+            "%88, %89, p, 1, 1, 0, 0;\n}\n"                                                 \
+            : FC_WGMMA_ACC88                                                                 \
+            : "l"(desc_a), "l"(desc_b), "r"(scale_d));                                       \
+    }                                                                                        \
     static __device__ __forceinline__ void rs_tb(float (&d)[128], const fc_u32 (&a)[4],      \
                                                  fc_u64 desc_b, int scale_d) {               \
         asm volatile(                                                                        \
@@ -214,3 +238,4 @@ FC_WGMMA_SPECIALISE(fc_fp16, f16)
 #undef FC_WGMMA_ACC64
 #undef FC_WGMMA_ACC32
 #undef FC_WGMMA_ACC128
+#undef FC_WGMMA_ACC88

@@ -18,10 +18,13 @@ The settings (environment variable in brackets):
   softmax under P V) where the warp-specialised kernel does not apply; ``sm90_fwd_ws``
   (``FLASHCORE_SM90_WS``): the warp-specialised Hopper forward (TMA producer, two consumer
   warpgroups) for dense calls whose arrays TMA can read; ``sm90_fwd_pingpong``
-  (``FLASHCORE_SM90_PINGPONG``): its consumers issue their products in turn;
+  (``FLASHCORE_SM90_PINGPONG``): its consumers issue their products in turn (None, the
+  default: chosen per call by ``flashcore.kernels.forward.sm90_ws_pingpong``);
   ``sm90_fwd_d64_min_seqlen_k``: head dim 64 takes the Hopper forward from
   this many keys (the Ampere-class kernel measured faster below).
 * ``sm90_bwd`` (``FLASHCORE_SM90_BWD``): the Hopper dK/dV kernel where it applies;
+  ``sm90_bwd_ws`` (``FLASHCORE_SM90_BWD_WS``): its warp-specialised TMA version for dense calls
+  whose arrays TMA can read;
   ``sm90_bwd_d64_block_m`` (``FLASHCORE_SM90_BWD_D64_BM``): queries per step at head dim 64
   (64 or 128).
 * ``sm90_defines``: extra NVRTC options of the Hopper kernels (a diagnostic).
@@ -51,9 +54,10 @@ class Settings(NamedTuple):
     sm90_fwd: bool
     sm90_fwd_pipelined: bool
     sm90_fwd_ws: bool
-    sm90_fwd_pingpong: bool
+    sm90_fwd_pingpong: bool | None
     sm90_fwd_d64_min_seqlen_k: int
     sm90_bwd: bool
+    sm90_bwd_ws: bool
     sm90_bwd_d64_block_m: int
     sm90_defines: tuple
     decode_fused_combine: bool
@@ -67,9 +71,11 @@ def _from_environment() -> Settings:
         sm90_fwd=_env_flag("FLASHCORE_SM90", True),
         sm90_fwd_pipelined=_env_flag("FLASHCORE_SM90_PIPE", True),
         sm90_fwd_ws=_env_flag("FLASHCORE_SM90_WS", True),
-        sm90_fwd_pingpong=_env_flag("FLASHCORE_SM90_PINGPONG", True),
+        sm90_fwd_pingpong=(_env_flag("FLASHCORE_SM90_PINGPONG", True)
+                           if os.environ.get("FLASHCORE_SM90_PINGPONG", "").strip() else None),
         sm90_fwd_d64_min_seqlen_k=2048,
         sm90_bwd=_env_flag("FLASHCORE_SM90_BWD", True),
+        sm90_bwd_ws=_env_flag("FLASHCORE_SM90_BWD_WS", True),
         sm90_bwd_d64_block_m=int(bm) if bm in ("64", "128") else 128,
         sm90_defines=(),
         decode_fused_combine=_env_flag("FLASHCORE_DECODE_FUSED_COMBINE", True),

@@ -90,18 +90,31 @@ def test_hopper_kernels_compile(source):
     assert names, f"{source}: no instantiations listed"
     cubin, log = jit.compile_check(source, names, "sm_90a", want_log=True)
     assert len(cubin) > 0
-    # No spills; the dropout variants (a Philox call's registers on top of a 255-register
-    # kernel) at most a few words: the one seen is 8 bytes, at head dim 128 pipelined.
+    # No spills, but a few words for the dropout variants (a Philox call's registers on top of
+    # a full kernel): 8 bytes seen in the forward; the warp-specialised dK/dV kernel, whose
+    # consumer threads have 240 registers where the cp.async one takes 244, 36-44 bytes under
+    # NVRTC 12 (none under 13).
     spills = _spills_by_kernel(log)
     assert len(spills) == len(names), log
     for mangled, stores in spills.items():
-        dropout = re.search(r"Lb1EEv\d+FlashParams$", mangled) is not None   # last argument true
-        assert stores <= (16 if dropout else 0), f"{source}: spills in {mangled}\n{log}"
+        assert stores <= _spill_allowance(mangled), f"{source}: spills in {mangled}\n{log}"
     # ptxas serialises wgmma (a large slowdown) when it cannot prove the pipeline safe: say so
     assert "serializ" not in log.lower(), f"{source}: wgmma serialised\n{log}"
     # the fault locator's alternative descriptor convention compiles too
     cubin, _ = jit.compile_check(source, names[:1], "sm_90a", ("-DFC_WGMMA_MN_SWAP",))
     assert len(cubin) > 0
+
+
+def _spill_allowance(mangled: str) -> int:
+    """Spill bytes allowed for a Hopper kernel, from its mangled template arguments."""
+    bools = re.findall(r"Lb([01])E", mangled)
+    if mangled.startswith("_Z24flash_fwd_sm90_ws_kernel"):
+        dropout = bools[1] == "1"            # <Elem, d, block_n, local, dropout, stages, pp>
+    else:
+        dropout = bools[-1] == "1"           # the last template argument
+    if not dropout:
+        return 0
+    return 64 if mangled.startswith("_Z29flash_bwd_dkdv_sm90_ws_kernel") else 16
 
 
 def _spills_by_kernel(log: str) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import struct
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ cupy = pytest.importorskip("cupy")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 from flashcore import config, jit  # noqa: E402
-from flashcore.kernels import backward, forward, plans  # noqa: E402
+from flashcore.kernels import backward, forward, plans, tma  # noqa: E402
 from flashcore.kernels.params import params_dtype  # noqa: E402
 
 LOG: list = []
@@ -37,16 +38,37 @@ class FakeKernel:
         FUNCTIONS[self.kernel.ptr] = name
 
     def __call__(self, grid, block, args, shared_mem=0):
+        assert len(args) == (2 if _n_maps(self.name) else 1)     # the struct (and the maps)
         LOG.append((self.name, plans._dim3(grid), plans._dim3(block), shared_mem,
-                    bytes(args[0].tobytes())))
+                    b"".join(bytes(a.tobytes()) for a in args)))
+
+
+def _n_maps(name):
+    """Tensor maps a kernel takes after the struct (the warp-specialised Hopper kernels)."""
+    return (4 if "bwd" in name else 3) if "_ws_kernel" in name else 0
 
 
 def fake_launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
-    """cuLaunchKernel's stand-in: params is a void*[1] pointing at the struct's bytes."""
+    """cuLaunchKernel's stand-in: params is a void*[] pointing at the struct's bytes (and, for
+    a kernel that takes them, the tensor maps')."""
     assert extra == 0 and stream == STREAM["ptr"]
+    name = FUNCTIONS[func]
     arg = ctypes.c_void_p.from_address(params).value
-    LOG.append((FUNCTIONS[func], (gx, gy, gz), (bx, by, bz), smem,
-                ctypes.string_at(arg, params_dtype().itemsize)))
+    raw = ctypes.string_at(arg, params_dtype().itemsize)
+    if _n_maps(name):
+        maps = ctypes.c_void_p.from_address(params + 8).value
+        raw += ctypes.string_at(maps, _n_maps(name) * tma.MAP_BYTES)
+    LOG.append((name, (gx, gy, gz), (bx, by, bz), smem, raw))
+
+
+def fake_encode(out, dtype_code, rank, pointer, dims, strides, box, elem_strides, interleave,
+                swizzle, l2, oob):
+    """cuTensorMapEncodeTiled's stand-in: the map's bytes are its arguments."""
+    vals = ([pointer, dtype_code, rank] + list((ctypes.c_uint64 * 4).from_address(dims))
+            + list((ctypes.c_uint64 * 3).from_address(strides))
+            + list((ctypes.c_uint32 * 4).from_address(box)) + [swizzle, oob])
+    ctypes.memmove(out, struct.pack("<16Q", *vals), tma.MAP_BYTES)
+    return 0
 
 
 def _layout(a):
@@ -112,6 +134,7 @@ def no_gpu(monkeypatch):
     monkeypatch.setattr(cupy.cuda, "Device", FakeDevice)
     from cupy.cuda import driver
     monkeypatch.setattr(driver, "launchKernel", fake_launch_kernel)
+    monkeypatch.setattr(tma, "_ENCODE", [fake_encode])
     monkeypatch.setattr(plans, "_LAUNCH", [])
     monkeypatch.setattr(driver, "ctxGetCurrent", lambda: 0xC0)
     monkeypatch.setattr(cupy, "empty", _alloc)
@@ -759,3 +782,25 @@ def test_kernels_unloaded_during_a_recording_are_not_recorded_and_plans_keep_the
                                            window_left=-1, window_right=-1))
         jit.clear_memory_cache()
     assert rec.plan(roles, 0) is None
+
+
+@pytest.mark.parametrize("which", ["forward", "backward"])
+def test_tensor_maps_follow_the_arrays(which):
+    """The warp-specialised Hopper kernels take tensor maps that hold the arrays' addresses:
+    a replay with other arrays encodes them again (the fake encoder writes the address first)."""
+    rng = np.random.default_rng(5)
+    c = dict(dtype="float16", b=2, sq=300, sk=333, h=4, hk=2, d=128, wl=-1, wr=0, softcap=0.0,
+             alibi=None, strided=False, deterministic=False, scale=0.1)
+    run, make = (_forward, _fwd_arrays) if which == "forward" else (_backward, _bwd_arrays)
+    n_args = params_dtype().itemsize
+    for _ in range(2):                  # recorded, then replayed with new arrays
+        arrays = make(rng, c)
+        LOG.clear()
+        run(c, arrays)
+        ws = [raw for name, *_, raw in LOG if "_ws_kernel" in name]
+        assert len(ws) == 1, [name for name, *_ in LOG]
+        q, k, v = arrays[:3] if which == "forward" else arrays[1:4]
+        order = (q, k, v) if which == "forward" else (q, k, v, arrays[0])
+        for i, a in enumerate(order):
+            off = n_args + i * tma.MAP_BYTES
+            assert struct.unpack_from("<Q", ws[0], off)[0] == a.data.ptr

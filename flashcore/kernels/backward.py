@@ -28,7 +28,7 @@ from .params import WINDOW_NONE, as_kernel_arg, make_params
 
 __all__ = ["launch_backward", "instantiations", "BwdTile", "dkdv_tiles", "dq_tiles",
            "dkdv_smem_bytes", "dq_smem_bytes", "HEADDIM_TILES", "set_sm90", "sm90_applies",
-           "sm90_kernel_name", "sm90_instantiations", "SM90_SOURCE"]
+           "sm90_kernel_name", "sm90_ws_kernel_name", "sm90_instantiations", "SM90_SOURCE"]
 
 SOURCE = "flash_bwd.cu"
 HEADDIM_TILES = (32, 64, 96, 128, 192, 256)
@@ -206,10 +206,47 @@ def sm90_kernel_name(dtype_name: str, headdim: int, is_local: bool,
             f"{_b(dropout)}>")
 
 
+# The warp-specialised dK/dV kernel steps over 64 queries at both head dims: its consumers
+# have 240 registers, and 128-query steps at head dim 64 spill there (20-290 bytes).
+SM90_WS_BLOCK_M = 64
+
+
+def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool,
+                        block_m: int = SM90_WS_BLOCK_M, dropout: bool = False) -> str:
+    """The warp-specialised dK/dV kernel (TMA producer, two consumer warpgroups)."""
+    bm = block_m
+    return (f"flash_bwd_dkdv_sm90_ws_kernel<{_ELEM[dtype_name]}, {headdim}, {bm}, "
+            f"{_b(is_local)}, {_b(dropout)}>")
+
+
+def sm90_ws_smem(headdim: int, block_m: int) -> int:
+    """K, V (128 x d), Q and dO (2 stages of block_m x d), dS^T (2 buffers of 128 x block_m),
+    lse and D (2 stages of block_m each), 5 mbarriers, + alignment."""
+    return (2 * (2 * 128 * headdim) + 2 * 2 * (2 * block_m * headdim) + 2 * 2 * 128 * block_m
+            + 2 * 2 * block_m * 4 + 8 * 5 + 1024)
+
+
 def sm90_instantiations() -> list[str]:
-    return [sm90_kernel_name(dt, d, loc, bm, drop) for dt in ("float16", "bfloat16")
-            for d, bm in ((64, 64), (64, 128), (128, 64)) for loc in (False, True)
-            for drop in (False, True)]
+    flags = (False, True)
+    return ([sm90_kernel_name(dt, d, loc, bm, drop) for dt in ("float16", "bfloat16")
+             for d, bm in ((64, 64), (64, 128), (128, 64)) for loc in flags for drop in flags]
+            + [sm90_ws_kernel_name(dt, d, loc, SM90_WS_BLOCK_M, drop) for dt in ("float16", "bfloat16")
+               for d in (64, 128) for loc in flags for drop in flags])
+
+
+def _sm90_ws_maps(q, k, v, dout, block_m: int):
+    """Tensor maps of q, k, v, dout for the warp-specialised kernel (boxes of 64 x block_m
+    for q and dout, 64 x 128 for k and v) with their specs, or None when TMA cannot read one."""
+    from . import tma
+    specs = (tma.map_spec(q, block_m), tma.map_spec(k, 128), tma.map_spec(v, 128),
+             tma.map_spec(dout, block_m))
+    if any(sp is None for sp in specs):
+        return None
+    maps = tma.Maps(4)
+    for i, (sp, a) in enumerate(zip(specs, (q, k, v, dout))):
+        if not maps.encode(i, sp, a.data.ptr):
+            return None
+    return maps, specs
 
 
 @functools.lru_cache(maxsize=None)
@@ -363,9 +400,10 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
     )
     args = (as_kernel_arg(params),)
     launched = []   # (kernel, grid, block, shared memory), in order: the plan of this layout
+    ws = None       # (tensor maps, specs) of the warp-specialised dK/dV kernel
 
-    def launch(kern, grid, block, smem=0):
-        kern(grid, block, args, shared_mem=smem)
+    def launch(kern, grid, block, smem=0, extra=()):
+        kern(grid, block, args + extra, shared_mem=smem)
         launched.append((kern, grid, block, smem))
 
     with cupy.cuda.Device(device_id):
@@ -375,11 +413,25 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
             launch(pre, (m_small, nheads, batch), (_SMALL_THREADS,))
 
         if sm90_applies(cc, headdim, has_softcap, has_alibi, deterministic):
-            smem = sm90_smem(headdim, sm90_block_m(headdim))
-            kern = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, headdim, is_local,
-                                                            dropout=dropout),
-                              device_id, cc, smem, config.get().sm90_defines)
-            launch(kern, (_cdiv(seqlen_k, 128), nheads_k, batch), (256,), smem)
+            bm = sm90_block_m(headdim)
+            if not varlen and config.get().sm90_bwd_ws:
+                bm = SM90_WS_BLOCK_M
+                ws = _sm90_ws_maps(q, k, v, dout, bm)
+            grid = (_cdiv(seqlen_k, 128), nheads_k, batch)
+            if ws is not None:
+                smem = sm90_ws_smem(headdim, bm)
+                kern = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, is_local,
+                                                                   bm, dropout),
+                                  device_id, cc, smem, config.get().sm90_defines)
+                # (the other launches take the struct alone: cuLaunchKernel reads as many
+                # parameters as a kernel declares, so a plan may pass the maps to all)
+                launch(kern, grid, (384,), smem, (ws[0].arg(),))
+            else:
+                smem = sm90_smem(headdim, bm)
+                kern = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, headdim, is_local,
+                                                                dropout=dropout),
+                                  device_id, cc, smem, config.get().sm90_defines)
+                launch(kern, grid, (256,), smem)
         else:
             t, smem = _pick(_dkdv_table(d), dkdv_smem_bytes, d, smem_limit, "dK/dV kernel")
             name = _dkdv_name(elem, d, t, is_local, has_softcap, has_alibi, even_d,
@@ -404,7 +456,8 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
         scratch = {"dsoftmax_sum": dsoftmax_sum.nbytes}
         if dq_accum is not None:
             scratch["dq_accum"] = dq_accum.nbytes     # zeroed by the preprocess kernel
-        piece = plans.Piece(launched, params, scratch)
+        maps = None if ws is None else list(zip(("q", "k", "v", "dout"), ws[1]))
+        piece = plans.Piece(launched, params, scratch, maps=maps)
 
     for work, dest in ((dq_w, dq_back), (dk_w, dk_back), (dv_w, dv_back)):
         if dest is not None:

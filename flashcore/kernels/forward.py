@@ -215,23 +215,39 @@ def sm90_kernel_name(dtype_name: str, headdim: int, is_local: bool,
             f"{_b(pipe)}, {_b(dropout)}>")
 
 
-# The warp-specialised kernel (TMA producer, two consumer warpgroups): K/V ring depth per
-# head dim, as shared memory allows (Q 128 x d + stages x 2 tiles of block_n x d, 16-bit).
-_WS_STAGES = {64: 3, 128: 2, 256: 2}
+# The warp-specialised kernel (TMA producer, two consumer warpgroups): (keys per block, K/V
+# ring depth) per (head dim, local). FA3's 176-key blocks at head dim 128 when no window bounds
+# the keys (its causal tile is 128 too); the ring as deep as shared memory allows.
+_WS_TILES = {(64, False): (128, 3), (64, True): (128, 3), (128, False): (176, 2),
+             (128, True): (128, 2), (256, False): (64, 2), (256, True): (64, 2)}
 
 
-def sm90_ws_smem(headdim: int) -> int:
+def sm90_ws_tile(headdim: int, is_local: bool) -> tuple[int, int]:
+    """(block_n, stages) of the warp-specialised kernel."""
+    return _WS_TILES[(headdim, bool(is_local))]
+
+
+def sm90_ws_smem(headdim: int, is_local: bool) -> int:
     """Q + the K/V ring + the mbarriers (8 bytes each: Q, and 4 per stage) + alignment slack."""
-    stages = _WS_STAGES[headdim]
-    return (2 * 128 * headdim + stages * 2 * (2 * _sm90_block_n(headdim) * headdim)
-            + 8 * (1 + 4 * stages) + 1024)
+    block_n, stages = sm90_ws_tile(headdim, is_local)
+    return 2 * 128 * headdim + stages * 2 * (2 * block_n * headdim) + 8 * (1 + 4 * stages) + 1024
+
+
+def sm90_ws_pingpong(headdim: int, seqlen_k: int) -> bool:
+    """Whether the consumers take turns (the ``sm90_fwd_pingpong`` setting; by default, as
+    measured on the H200: at head dim 64, and below 8k keys at 128 and 256)."""
+    pp = config.get().sm90_fwd_pingpong
+    if pp is not None:
+        return pp
+    return headdim == 64 or seqlen_k < 8192
 
 
 def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool, dropout: bool = False,
-                        pingpong: bool | None = None) -> str:
-    pp = config.get().sm90_fwd_pingpong if pingpong is None else pingpong
-    return (f"flash_fwd_sm90_ws_kernel<{_elem_tag(dtype_name)}, {headdim}, {_b(is_local)}, "
-            f"{_b(dropout)}, {_WS_STAGES[headdim]}, {_b(pp)}>")
+                        seqlen_k: int = 0, pingpong: bool | None = None) -> str:
+    block_n, stages = sm90_ws_tile(headdim, is_local)
+    pp = sm90_ws_pingpong(headdim, seqlen_k) if pingpong is None else pingpong
+    return (f"flash_fwd_sm90_ws_kernel<{_elem_tag(dtype_name)}, {headdim}, {block_n}, "
+            f"{_b(is_local)}, {_b(dropout)}, {stages}, {_b(pp)}>")
 
 
 def sm90_instantiations() -> list[str]:
@@ -239,16 +255,16 @@ def sm90_instantiations() -> list[str]:
     flags = (False, True)
     return sorted({sm90_kernel_name(dt, d, loc, pipe, drop) for dt in ("float16", "bfloat16")
                    for d in SM90_HEADDIMS for loc in flags for pipe in flags for drop in flags}
-                  | {sm90_ws_kernel_name(dt, d, loc, drop, pp) for dt in ("float16", "bfloat16")
-                     for d in SM90_HEADDIMS for loc in flags for drop in flags for pp in flags})
+                  | {sm90_ws_kernel_name(dt, d, loc, drop, pingpong=pp)
+                     for dt in ("float16", "bfloat16") for d in SM90_HEADDIMS for loc in flags
+                     for drop in flags for pp in flags})
 
 
-def _sm90_ws_maps(q, k, v, headdim: int):
+def _sm90_ws_maps(q, k, v, block_n: int):
     """The tensor maps of the warp-specialised kernel for these arrays, with their specs, or
     None when TMA cannot read one of them (the cp.async kernel runs instead)."""
     from . import tma
-    specs = (tma.map_spec(q, 128), tma.map_spec(k, _sm90_block_n(headdim)),
-             tma.map_spec(v, _sm90_block_n(headdim)))
+    specs = (tma.map_spec(q, 128), tma.map_spec(k, block_n), tma.map_spec(v, block_n))
     if any(sp is None for sp in specs):
         return None
     maps = tma.Maps(3)
@@ -350,11 +366,11 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     ws = None     # (tensor maps, their specs): the warp-specialised Hopper kernel
     if not paged and sm90_applies(cc, headdim, has_softcap, has_alibi, seqlen_k):
         if not varlen and config.get().sm90_fwd_ws:
-            ws = _sm90_ws_maps(q, k, v, headdim)
+            ws = _sm90_ws_maps(q, k, v, sm90_ws_tile(headdim, is_local)[0])
         if ws is not None:
-            smem = sm90_ws_smem(headdim)
+            smem = sm90_ws_smem(headdim, is_local)
             kernel = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, is_local,
-                                                                 dropout),
+                                                                 dropout, seqlen_k),
                                 device_id, cc, smem, config.get().sm90_defines)
             block = (384, 1, 1)
         else:

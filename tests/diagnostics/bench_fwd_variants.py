@@ -6,25 +6,53 @@
 Every figure goes through the public API (``flashcore.attention`` on torch CUDA tensors, forward
 under ``torch.no_grad``, forward+backward through autograd) at the ANCHORS.md sizes (16k tokens
 per batch, hidden 2048), timed by ``flashcore.bench.gpu_time`` (CUDA events, L2 flushed,
-median). Variants: ``ws`` the warp-specialised TMA kernel with ping-pong (the default),
-``ws-nopp`` without ping-pong, ``v1`` / ``v0`` the cp.async kernels, ``ampere`` the mma.sync
-kernel. Each variant's output is compared with the first variant's (max abs difference), a
+median). Variants: ``ws`` the warp-specialised TMA kernel as the defaults choose it,
+``ws-pp`` / ``ws-nopp`` with / without ping-pong, ``ws-bn128`` / ``ws-bn176`` with 128 / 176
+keys per block at head dim 128 (both pingpong settings as the defaults choose), ``ws-s3`` with a
+3-stage ring at head dim 128 (128-key blocks), ``v1`` / ``v0`` the cp.async kernels,
+``ampere`` the mma.sync kernel. Each variant's output is compared with the first variant's (max abs difference), a
 cross-check only: the GPU tests hold the correctness checks against the float64 oracle.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
 
+_WS = dict(sm90_fwd=True, sm90_fwd_ws=True)
+# variant: (settings, tile table entries of the warp-specialised kernel to use instead)
 VARIANTS = {
-    "ws": dict(sm90_fwd=True, sm90_fwd_ws=True, sm90_fwd_pingpong=True),
-    "ws-nopp": dict(sm90_fwd=True, sm90_fwd_ws=True, sm90_fwd_pingpong=False),
-    "v1": dict(sm90_fwd=True, sm90_fwd_ws=False, sm90_fwd_pipelined=True),
-    "v0": dict(sm90_fwd=True, sm90_fwd_ws=False, sm90_fwd_pipelined=False),
-    "ampere": dict(sm90_fwd=False),
+    "ws": (_WS, {}),
+    "ws-pp": (dict(_WS, sm90_fwd_pingpong=True), {}),
+    "ws-nopp": (dict(_WS, sm90_fwd_pingpong=False), {}),
+    "ws-bn128": (_WS, {(128, False): (128, 2)}),
+    "ws-bn176": (_WS, {(128, False): (176, 2)}),
+    "ws-s3": (_WS, {(128, False): (128, 3), (128, True): (128, 3)}),
+    "v1": (dict(sm90_fwd=True, sm90_fwd_ws=False, sm90_fwd_pipelined=True), {}),
+    "v0": (dict(sm90_fwd=True, sm90_fwd_ws=False, sm90_fwd_pipelined=False), {}),
+    "ampere": (dict(sm90_fwd=False), {}),
 }
+
+
+@contextlib.contextmanager
+def variant(name):
+    """The variant's settings and tiles for the block (launch plans dropped around it: a tile
+    table change is no setting, so the plans' keys do not see it)."""
+    from flashcore import config
+    from flashcore.kernels import forward, plans
+    settings, tiles = VARIANTS[name]
+    saved = dict(forward._WS_TILES)
+    forward._WS_TILES.update(tiles)
+    plans.clear()
+    try:
+        with config.override(sm90_fwd_d64_min_seqlen_k=0, **settings):
+            yield
+    finally:
+        forward._WS_TILES.clear()
+        forward._WS_TILES.update(saved)
+        plans.clear()
 
 
 def main(argv=None):
@@ -38,7 +66,6 @@ def main(argv=None):
     a = p.parse_args(argv)
 
     import torch
-    from flashcore import config
     from flashcore.bench import AttentionProblem, flops, shape_for
 
     which = {"fwd": "forward", "fwdbwd": "forward_backward"}
@@ -60,7 +87,7 @@ def main(argv=None):
                     del pb
                 first = None
                 for var in a.variants:
-                    with config.override(sm90_fwd_d64_min_seqlen_k=0, **VARIANTS[var]):
+                    with variant(var):
                         pb = AttentionProblem("torch", b, s, h, d, causal, seed=s + d)
                         for m in a.mode:
                             row[f"{var}_{m}"] = pb.tflops(which[m], flops(b, s, h, d, causal, which[m]))

@@ -48,7 +48,7 @@ def _ran_sm90(dtype, local, d=128, varlen=False):
     """The variant under test ran (varlen calls take v1 where the ws kernel is chosen)."""
     from flashcore import jit
     from flashcore.kernels import forward
-    if _VARIANT["name"].startswith("ws") and not varlen:
+    if _VARIANT["name"].startswith("ws") and not varlen and d in forward.SM90_HEADDIMS:
         name = forward.sm90_ws_kernel_name(dtype, d, local)
     else:
         name = forward.sm90_kernel_name(dtype, d, local, _VARIANT["name"] != "v0")
@@ -181,19 +181,23 @@ def test_forward_is_bitwise_repeatable():
 
 # ---------------- the Hopper dK/dV kernel (flash_bwd_sm90.cu) ----------------
 
-def _ran_sm90_bwd(dtype, local, d=128):
-    from flashcore import jit
+def _ran_sm90_bwd(dtype, local, d=128, varlen=False):
+    """The dK/dV kernel of the fixture's variant ran (varlen calls take the cp.async one)."""
+    from flashcore import config, jit
     from flashcore.kernels import backward
-    name = backward.sm90_kernel_name(dtype, d, local)
+    ws = config.get().sm90_bwd_ws and not varlen
+    name = (backward.sm90_ws_kernel_name if ws else backward.sm90_kernel_name)(dtype, d, local)
     return any(k[2] == backward.SM90_SOURCE and k[3] == name for k in jit._kernels)
 
 
-@pytest.fixture(params=[128, 64], ids=["d64-bm128", "d64-bm64"])
+@pytest.fixture(params=[(True, 128), (True, 64), (False, 128), (False, 64)],
+                ids=["ws-d64-bm128", "ws-d64-bm64", "cpasync-d64-bm128", "cpasync-d64-bm64"])
 def sm90_bwd(request):
-    """The Hopper dK/dV kernel on, the forward on the (verified) Ampere-class kernel, so that
-    a failure here is the backward's."""
+    """The Hopper dK/dV kernel on (warp-specialised or cp.async), the forward on the
+    (verified) Ampere-class kernel, so that a failure here is the backward's."""
     from flashcore import config
-    with config.override(sm90_bwd=True, sm90_bwd_d64_block_m=request.param, sm90_fwd=False):
+    ws, bm = request.param
+    with config.override(sm90_bwd=True, sm90_bwd_ws=ws, sm90_bwd_d64_block_m=bm, sm90_fwd=False):
         yield
 
 
@@ -244,7 +248,7 @@ def test_backward_varlen_no_worse_than_the_ampere_kernel(sm90_bwd):
         jit.clear_memory_cache()
         g = flashcore.varlen_attention_backward(do, q, k, v, out, lse, cqd, ckd, causal=True)
         grads[hopper] = [x.get().astype(np.float64) for x in g]
-        assert _ran_sm90_bwd("bfloat16", True) == hopper
+        assert _ran_sm90_bwd("bfloat16", True, varlen=True) == hopper
     backward.set_sm90(True)
     ref = [np.zeros(x.shape) for x in (host[0], host[1], host[2])]
     for i in range(4):
@@ -286,7 +290,7 @@ def test_backward_fully_masked_rows_and_deterministic_fallback(sm90_bwd):
 
 def test_hopper_family_is_the_default_on_cc90():
     """With nothing set in the environment, a plain call on an H100/H200 runs the
-    warp-specialised wgmma forward and the wgmma dK/dV kernel."""
+    warp-specialised wgmma forward and dK/dV kernels."""
     import os
     import subprocess
     import sys
@@ -303,7 +307,7 @@ out, lse = flashcore.attention_forward(q, k, v, causal=True)
 flashcore.attention_backward(do, q, k, v, out, lse, causal=True)
 names = {k[3] for k in jit._kernels}
 assert forward.sm90_ws_kernel_name("float16", 128, True) in names, names
-assert backward.sm90_kernel_name("float16", 128, True) in names, names
+assert backward.sm90_ws_kernel_name("float16", 128, True) in names, names
 print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
