@@ -1,4 +1,4 @@
-"""The Hopper forward's variants against torch SDPA (flash and cuDNN backends), in one process.
+"""The Hopper kernels' variants against torch SDPA (flash and cuDNN backends), in one process.
 
     python tests/diagnostics/bench_fwd_variants.py [--seqlen 1024 4096 16384] [--headdim 64 128 256]
         [--causal both|yes|no] [--variants ws ws-nopp v1] [--mode fwd fwdbwd] [--json FILE]
@@ -9,7 +9,8 @@ per batch, hidden 2048), timed by ``flashcore.bench.gpu_time`` (CUDA events, L2 
 median). Variants: ``ws`` the warp-specialised TMA kernel as the defaults choose it,
 ``ws-pp`` / ``ws-nopp`` with / without ping-pong, ``ws-bn128`` / ``ws-bn176`` with 128 / 176
 keys per block at head dim 128 (both pingpong settings as the defaults choose), ``ws-s3`` with a
-3-stage ring at head dim 128 (128-key blocks), ``v1`` / ``v0`` the cp.async kernels,
+3-stage ring at head dim 128 (128-key blocks), ``ws-bcp`` the defaults with the cp.async
+dK/dV kernel instead of the warp-specialised one, ``v1`` / ``v0`` the cp.async kernels,
 ``ampere`` the mma.sync kernel. Each variant's output is compared with the first variant's (max abs difference), a
 cross-check only: the GPU tests hold the correctness checks against the float64 oracle.
 """
@@ -30,6 +31,7 @@ VARIANTS = {
     "ws-bn128": (_WS, {(128, False): (128, 2)}),
     "ws-bn176": (_WS, {(128, False): (176, 2)}),
     "ws-s3": (_WS, {(128, False): (128, 3), (128, True): (128, 3)}),
+    "ws-bcp": (dict(_WS, sm90_bwd_ws=False), {}),
     "v1": (dict(sm90_fwd=True, sm90_fwd_ws=False, sm90_fwd_pipelined=True), {}),
     "v0": (dict(sm90_fwd=True, sm90_fwd_ws=False, sm90_fwd_pipelined=False), {}),
     "ampere": (dict(sm90_fwd=False), {}),
