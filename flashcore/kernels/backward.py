@@ -206,8 +206,11 @@ def sm90_kernel_name(dtype_name: str, headdim: int, is_local: bool,
             f"{_b(dropout)}>")
 
 
-# The warp-specialised dK/dV kernel steps over 64 queries at both head dims: its consumers
-# have 240 registers, and 128-query steps at head dim 64 spill there (20-290 bytes).
+# The warp-specialised dK/dV kernel: head dim 128 (measured on the H200, forward+backward
+# against cuDNN: 0.76-0.85x against the cp.async kernel's 0.67-0.79x). Its consumers have 240
+# registers, so it steps over 64 queries; at head dim 64 the cp.async kernel's 128-query steps
+# (which would spill there, 20-290 bytes) measured faster (0.77-0.85x against 0.66-0.70x).
+SM90_WS_HEADDIMS = (128,)
 SM90_WS_BLOCK_M = 64
 
 
@@ -231,7 +234,7 @@ def sm90_instantiations() -> list[str]:
     return ([sm90_kernel_name(dt, d, loc, bm, drop) for dt in ("float16", "bfloat16")
              for d, bm in ((64, 64), (64, 128), (128, 64)) for loc in flags for drop in flags]
             + [sm90_ws_kernel_name(dt, d, loc, SM90_WS_BLOCK_M, drop) for dt in ("float16", "bfloat16")
-               for d in (64, 128) for loc in flags for drop in flags])
+               for d in SM90_WS_HEADDIMS for loc in flags for drop in flags])
 
 
 def _sm90_ws_maps(q, k, v, dout, block_m: int):
@@ -414,7 +417,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
 
         if sm90_applies(cc, headdim, has_softcap, has_alibi, deterministic):
             bm = sm90_block_m(headdim)
-            if not varlen and config.get().sm90_bwd_ws:
+            if not varlen and config.get().sm90_bwd_ws and headdim in SM90_WS_HEADDIMS:
                 bm = SM90_WS_BLOCK_M
                 ws = _sm90_ws_maps(q, k, v, dout, bm)
             grid = (_cdiv(seqlen_k, 128), nheads_k, batch)
