@@ -305,21 +305,25 @@ def _run_pytest(cmd: list[str], env: dict, cwd: Path, log: Path, timeout: float)
 
     previous = signal.signal(signal.SIGTERM, stop)
     with open(log, "w") as out:
+        # A shell starts background commands with SIGINT ignored, and children inherit that:
+        # give pytest the default back, or interrupting it would do nothing.
         proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             try:
                 return proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 why = f"passed its {timeout:g} s limit"
-            except _Stop:
-                why = "was told to stop (SIGTERM)"
+            except (_Stop, KeyboardInterrupt):
+                # (Ctrl-C reaches this script alone: pytest has a session of its own.)
+                why = "was told to stop"
             print(f"# the pytest run {why}: interrupting it, then summarising what finished",
                   flush=True)
             proc.send_signal(signal.SIGINT)
             try:
                 return proc.wait(timeout=_GRACE_S)
-            except (subprocess.TimeoutExpired, _Stop):
+            except (subprocess.TimeoutExpired, _Stop, KeyboardInterrupt):
                 return None
         finally:
             signal.signal(signal.SIGTERM, previous)
@@ -411,7 +415,7 @@ def main(argv=None) -> int:
             print(f"# wrote {len(chosen)} of {ids_count} case names to {a.write_cases}")
             return 0
         shim = write_shim(tmp / "shim")
-        keep = a.out if a.out else tmp
+        keep = a.out.resolve() if a.out else tmp    # pytest runs in another folder
         keep.mkdir(parents=True, exist_ok=True)
         junit, events, log = keep / "junit.xml", keep / "events.jsonl", keep / "pytest.log"
         for old in (junit, events, log):
