@@ -2,6 +2,7 @@
 shim package imports as flash-attn's test file imports it, its helpers compute what they claim,
 and its summary counts what pytest ran. (The real run needs flash-attn's test file and a GPU.)"""
 import importlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -152,3 +153,101 @@ def test_a_sample_written_on_a_machine_without_a_gpu_runs_as_written(tmp_path):
                        (["--assume-capability", "9.0"], "'--assume-capability'")):
         r = subprocess.run(base + bad, capture_output=True, text=True, timeout=600)
         assert r.returncode != 0 and named in r.stderr, r.stderr[-2000:]
+
+
+# Four parametrize decorators of 12 values: 20,736 cases, of which a handful are chosen. An id
+# with a "-" of its own ("y-z") and a value that is a prefix of another ("1", "11") are the
+# cases a prefix match could get wrong.
+_WIDE_SUITE = '''
+import pytest
+
+V = [str(i) for i in range(11)] + ["y-z"]
+
+@pytest.mark.parametrize("d", V)
+@pytest.mark.parametrize("c", V)
+@pytest.mark.parametrize("b", V)
+@pytest.mark.parametrize("a", V)
+def test_wide(a, b, c, d):
+    assert (a, d) != ("3", "y-z"), "chosen to fail"
+
+@pytest.mark.parametrize("n", range(1000))
+def test_none_chosen(n):
+    pass
+'''
+
+_WIDE_CHOSEN = ["test_wide[1-1-10-y-z]", "test_wide[10-1-1-1]", "test_wide[y-z-0-y-z-5]",
+                "test_wide[3-2-1-y-z]", "test_wide[1-1-1-1]"]
+
+
+def test_only_the_chosen_cases_are_ever_generated(tool, tmp_path):
+    suite = tmp_path / "test_fake_flash_attn.py"
+    suite.write_text(_WIDE_SUITE)
+    cases = tmp_path / "cases.txt"
+    cases.write_text("# 6 of 21736 cases (seed 0) from test_fake_flash_attn.py\n" +
+                     "\n".join(_WIDE_CHOSEN + ["test_wide[1-1-1-11]"]) + "\n")
+    base = [sys.executable, str(TOOL), str(suite), "--cases", str(cases)]
+    r = subprocess.run(base + ["--out", str(tmp_path / "out")], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "SUMMARY 4 passed, 1 failed, 0 skipped, 1 not run (6 of 21736 cases)" in r.stdout, \
+        r.stdout[-3000:]
+    assert "chosen to fail" in r.stdout and "not collected" in r.stdout
+    log = (tmp_path / "out" / "pytest.log").read_text()
+    # Nothing left over to deselect: the other 20,731 cases and test_none_chosen were never
+    # made into items ...
+    assert "deselected" not in log and "4 passed" in log, log[-2000:]
+    # ... nor built as cases: after each decorator only partial cases that begin a chosen id
+    # survive (at most 5 of them) to be multiplied by the next decorator's 12 values.
+    events = tool.read_events(tmp_path / "out" / "events.jsonl")
+    generated = {e["function"]: e for e in events if e["event"] == "generated"}
+    assert set(generated) == {"test_wide"}
+    assert generated["test_wide"]["kept"] == 5
+    assert generated["test_wide"]["built"] <= 12 + 3 * 5 * 12, generated
+    # --check-cases collects the same way and names what the file lacks
+    r = subprocess.run(base + ["--check-cases"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1 and "collected 5 of the 6 cases" in r.stdout, r.stdout[-2000:]
+    assert "not in the test file: test_wide[1-1-1-11]" in r.stdout
+
+
+_BAD_SUITE = '''
+import os, time, pytest
+
+@pytest.mark.parametrize("n", range(6))
+def test_ok(n):
+    assert n != 2, "two fails"
+
+def test_hangs():
+    time.sleep(600)
+
+def test_crashes():
+    os._exit(7)
+'''
+
+
+@pytest.mark.parametrize("xdist", [False, True], ids=["one process", "xdist"])
+def test_a_hang_or_a_crash_still_leaves_a_summary(tmp_path, xdist):
+    if xdist:
+        pytest.importorskip("xdist", reason="pytest-xdist is not installed")
+    suite = tmp_path / "test_fake_flash_attn.py"
+    suite.write_text(_BAD_SUITE)
+    cases = tmp_path / "cases.txt"
+    cases.write_text("\n".join(["test_hangs", "test_crashes"] +
+                               [f"test_ok[{n}]" for n in range(6)]) + "\n")
+    r = subprocess.run([sys.executable, str(TOOL), str(suite), "--cases", str(cases),
+                        "--case-timeout", "3", "--timeout", "300", "--out", str(tmp_path / "out"),
+                        "--pytest-args", *(["-n", "2"] if xdist else [])],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "ran past the case timeout (N s): its process was ended" in r.stdout, r.stdout[-3000:]
+    if xdist:
+        # each ended worker is replaced: every other case still runs
+        assert "SUMMARY 5 passed, 3 failed, 0 skipped (8 of 8 cases)" in r.stdout, r.stdout
+        assert "worker 'gwN' crashed while running 'CASE'" in r.stdout
+    else:
+        # the run (in the file's order) ends with the hung case; what finished before it is
+        # still summarised, and the case after it is not run
+        assert "SUMMARY 5 passed, 2 failed, 0 skipped, 1 not run (8 of 8 cases)" in r.stdout, \
+            r.stdout
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["counts"]["failed"] == (3 if xdist else 2)
+    assert (tmp_path / "out" / "events.jsonl.stacks.txt").read_text().count("ran past 3 s") == 1
