@@ -116,7 +116,7 @@ def _fwd_impl(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
                layout(block_table), out_fp32, dropout_p, layout(rng_state))
         plan = plans.lookup(key)
         if plan is not None:
-            out = q.new_empty(q.shape, dtype=torch.float32) if out_fp32 else q.new_empty(q.shape)
+            out = _new_like(torch, q, torch.float32 if out_fp32 else None)
             lse = q.new_empty(lse_shape(q.shape, cu_seqlens_q is not None), dtype=torch.float32)
             if replay(torch, plan, (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                                     lse.data_ptr(), _ptr(alibi_slopes), _ptr(cu_seqlens_q),
@@ -189,7 +189,7 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, b
                config.get())
         plan = plans.lookup(key)
         if plan is not None:
-            out = q.new_empty(q.shape)
+            out = _new_like(torch, q)
             lse = q.new_empty(lse_shape(q.shape), dtype=torch.float32)
             if replay(torch, plan, (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                     out.data_ptr(), lse.data_ptr(), cache_seqlens.data_ptr(),
@@ -249,6 +249,15 @@ def _kvcache_read_impl(q, k_cache, v_cache, cache_seqlens, cache_seqlens_int, bl
 
 def _ptr(t) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+def _new_like(torch, q, dtype=None):
+    """An uninitialised contiguous tensor of q's shape (and dtype, unless given), as
+    ``q.new_empty(q.shape)`` makes it, in fewer steps (``new_empty`` parses the shape: 1.8
+    against 0.9 us a call on the CPU machine)."""
+    if dtype is None:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    return torch.empty_like(q, dtype=dtype, memory_format=torch.contiguous_format)
 
 
 def _roles(**tensors) -> tuple:
