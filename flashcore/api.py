@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from . import config
 from ._arrays import library_of
+from .backends import torch_ops   # (imports no torch: the torch route, bound once)
 from .backends.base import all_backends, choose, choose_kvcache
 from .kernels import plans
 from .spec import (_scalar_key, backward_spec, check_outputs, forward_spec, kvcache_spec,
@@ -123,7 +124,6 @@ def draw_rng_state(like):
 
 def _forward(q, k, v, backend, varlen, out=None, lse=None, out_dtype=None, **kw):
     if out is None and lse is None and library_of(q) == "torch":
-        from .backends import torch_ops
         return torch_ops.forward(q, k, v, backend=backend, varlen=varlen, out_dtype=out_dtype,
                                  **kw)
     alibi, cu_q, cu_k = kw.get("alibi_slopes"), kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")
@@ -163,7 +163,6 @@ def _forward(q, k, v, backend, varlen, out=None, lse=None, out_dtype=None, **kw)
 
 def _backward(dout, q, k, v, out, lse, backend, varlen, dq=None, dk=None, dv=None, **kw):
     if dq is None and dk is None and dv is None and library_of(q) == "torch":
-        from .backends import torch_ops
         return torch_ops.backward(dout, q, k, v, out, lse, backend=backend, varlen=varlen, **kw)
     alibi, cu_q, cu_k = kw.get("alibi_slopes"), kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")
     rng = kw.get("rng_state")
@@ -254,11 +253,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     """
     drop = _dropout_kw(dropout_p, rng_state, q)
     if library_of(q) == "torch":    # validated once, inside (this path is per-call overhead)
-        from .backends.torch_ops import autograd_attention
-        out, lse = autograd_attention(q, k, v, backend=backend, causal=causal,
-                                      softmax_scale=softmax_scale, window_size=window_size,
-                                      softcap=softcap, alibi_slopes=alibi_slopes,
-                                      deterministic=deterministic, **drop)
+        out, lse = torch_ops.autograd_attention(
+            q, k, v, backend=backend, causal=causal, softmax_scale=softmax_scale,
+            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+            deterministic=deterministic, **drop)
     else:
         out, lse = _forward(q, k, v, backend, False, causal=causal, softmax_scale=softmax_scale,
                             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -325,8 +323,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
               **_dropout_kw(dropout_p, rng_state, q))
     if library_of(q) == "torch":
-        from .backends.torch_ops import autograd_attention
-        out, lse = autograd_attention(q, k, v, backend=backend, varlen=True, **kw)
+        out, lse = torch_ops.autograd_attention(q, k, v, backend=backend, varlen=True, **kw)
     else:
         out, lse = _forward(q, k, v, backend, True, **kw)
     return (out, lse) if return_lse else out
@@ -393,8 +390,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         ``torch.no_grad()`` and the results do not require grad (inference only).
     """
     if out is None and lse is None and library_of(q) == "torch":
-        from .backends.torch_ops import kvcache_attention
-        out, lse = kvcache_attention(
+        out, lse = torch_ops.kvcache_attention(
             q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
             rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
             causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,

@@ -1,0 +1,337 @@
+"""What the torch route costs the host per call, with or without the device (issue #14).
+
+    python tests/diagnostics/probe_route.py [--real] [--no-launch] [--calls N] [--rounds R]
+                                            [--profile CASE]
+
+The tiny training step (1 x 128 x 2 x 64 bf16, causal, q, k, v distinct) through the public
+API -- ``flashcore.attention`` -> the autograd Function -> the ``flashcore::fwd`` /
+``flashcore::bwd`` ops -> their kernels' launch-plan replay -- timed in a host loop, µs per
+call, the best of R interleaved rounds of N calls, beside:
+
+* ``nothing_*``: a do-nothing ``torch.autograd.Function`` (its forward allocates the output,
+  its backward returns the incoming gradient three times): the floor of any Function route;
+* ``sdpa_*``: ``torch.nn.functional.scaled_dot_product_attention`` on the same tensors
+  (default mode: CPU tensors, so its figure includes a CPU kernel's arithmetic);
+* ``op_fwd`` / ``op_bwd``: the two ops called directly, and the pieces of a replay (the
+  launch-plan key, its lookup, the output allocations, ``Plan.run``).
+
+Default (stubbed; runs on a machine without a GPU): the tensors are CPU tensors and only the
+device is stubbed, at the lowest level: ``Tensor.is_cuda`` reads True, the plans' CUDA context
+and ``cuLaunchKernel`` are no-ops (``flashcore.kernels.plans._LAUNCH``), torch's raw stream is
+0. The plans themselves are recorded through the real ``plans.record``/``Plan.build`` from a
+stand-in backend that offers what the CUDA launchers offer for this call (the forward: one
+launch; the backward: preprocess, dK/dV, dQ convert, and two scratch buffers). Everything above
+the launch -- public function, option handling, the Function, dispatch, key, lookup,
+allocations, struct copy and packing -- runs for real.
+
+``--real``: CUDA tensors, nothing stubbed (each round ends in a synchronisation);
+``--real --no-launch``: CUDA tensors and torch's allocator, ``cuLaunchKernel`` a no-op (the
+host cost with the driver's launch left out). ``--profile CASE`` prints cProfile's top
+entries for one case (e.g. ``fc_step``).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import sys
+import time
+import types
+
+import torch
+
+import flashcore
+from flashcore.backends import torch_backend, torch_ops
+from flashcore.kernels import plans
+from flashcore.kernels.params import make_params
+
+SHAPE = (1, 128, 2, 64)
+
+
+# --------------------------------------------------------------------------------------------
+# The device stub
+# --------------------------------------------------------------------------------------------
+
+_CONTEXT = 0x5EED      # the stand-in CUDA context: what plans and the replay compare
+_FAKE_KERNEL = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=0xC0DE))
+
+
+def _no_launch(*_):
+    return None
+
+
+def stub_device():
+    """Tensors read as CUDA tensors, the driver calls and the stream lookup as no-ops."""
+    torch.Tensor.is_cuda = property(lambda self: True)
+    plans._LAUNCH[:] = [_no_launch, lambda: _CONTEXT]
+    torch_backend._RAW[:] = [lambda index: 0]
+
+
+class _StandInBackend:
+    """Allocates what the torch backend allocates and offers the launches the CUDA launchers
+    would offer for a dense, causal, non-deterministic call (flashcore.kernels.forward /
+    backward), with the struct holding the call's addresses."""
+
+    @staticmethod
+    def forward(spec, q, k, v, **_):
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty((spec.batch, spec.nheads, spec.seqlen_q), dtype=torch.float32,
+                          device=q.device)
+        params = make_params(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=out.data_ptr(),
+                             lse=lse.data_ptr(), batch=spec.batch, nheads=spec.nheads,
+                             headdim=spec.headdim, seqlen_q=spec.seqlen_q,
+                             seqlen_k=spec.seqlen_k, softmax_scale=spec.softmax_scale)
+        plans.offer(plans.Piece([(_FAKE_KERNEL, (1, spec.nheads, spec.batch), (128,), 0)],
+                                params))
+        return out, lse
+
+    @staticmethod
+    def backward(spec, dout, q, k, v, out, lse, **_):
+        dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+        rows = spec.batch * spec.nheads * spec.seqlen_q
+        params = make_params(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), o=out.data_ptr(),
+                             lse=lse.data_ptr(), dout=dout.data_ptr(), dq=dq.data_ptr(),
+                             dk=dk.data_ptr(), dv=dv.data_ptr(), dq_accum=1, dsoftmax_sum=2,
+                             batch=spec.batch, nheads=spec.nheads, headdim=spec.headdim)
+        grid = (1, spec.nheads, spec.batch)
+        plans.offer(plans.Piece([(_FAKE_KERNEL, grid, (128,), 0),      # preprocess
+                                 (_FAKE_KERNEL, grid, (256,), 100000),  # dK/dV
+                                 (_FAKE_KERNEL, grid, (128,), 0)],      # dQ convert
+                                params, {"dsoftmax_sum": rows * 4,
+                                         "dq_accum": rows * spec.headdim * 4}))
+        return dq, dk, dv
+
+
+@contextlib.contextmanager
+def recording_stand_in():
+    """The first call of a layout records its plan from the stand-in backend (the real
+    backend would compute on the CPU and offer nothing); Plan.build's CuPy calls stubbed."""
+    cupy = types.ModuleType("cupy")
+    cuda = types.ModuleType("cupy.cuda")
+    driver = types.ModuleType("cupy.cuda.driver")
+    driver.ctxGetCurrent = lambda: _CONTEXT
+    cuda.driver = driver
+    cuda.Device = lambda index=None: contextlib.nullcontext()
+    cupy.cuda = cuda
+    saved = {n: sys.modules.get(n) for n in ("cupy", "cupy.cuda", "cupy.cuda.driver")}
+    backend, choose = torch_ops._BACKEND, torch_ops.choose
+    sys.modules.update({"cupy": cupy, "cupy.cuda": cuda, "cupy.cuda.driver": driver})
+    torch_ops._BACKEND, torch_ops.choose = _StandInBackend(), (lambda *a, **k: None)
+    try:
+        yield
+    finally:
+        torch_ops._BACKEND, torch_ops.choose = backend, choose
+        for n, m in saved.items():
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m
+
+
+# --------------------------------------------------------------------------------------------
+# The cases
+# --------------------------------------------------------------------------------------------
+
+class _Nothing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.save_for_backward(q, k, v)
+        return q.new_empty(q.shape)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return dout, dout, dout
+
+
+def cases(device):
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(*SHAPE, device=device, dtype=torch.bfloat16) for _ in range(4))
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    qt, kt, vt = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+    dot = do.transpose(1, 2).contiguous()
+    F = torch.nn.functional
+    ops = torch_ops.torch_ops()
+    scale = 1 / math.sqrt(SHAPE[-1])
+    opts = (0, 0, True, scale, -1, 0, 0.0, False)
+    with torch.no_grad():
+        o, lse = ops.fwd.default(q, k, v, None, None, None, *opts)
+
+    def fc_fwd():
+        with torch.no_grad():
+            flashcore.attention(q, k, v, causal=True)
+
+    def fc_fwd_grad():
+        flashcore.attention(qg, kg, vg, causal=True)
+
+    def fc_step():
+        out = flashcore.attention(qg, kg, vg, causal=True)
+        torch.autograd.grad(out, (qg, kg, vg), do)
+
+    def nothing_fwd_grad():
+        _Nothing.apply(qg, kg, vg)
+
+    def nothing_step():
+        out = _Nothing.apply(qg, kg, vg)
+        torch.autograd.grad(out, (qg, kg, vg), do)
+
+    def sdpa_fwd():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+
+    def sdpa_step():
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+        torch.autograd.grad(out, (qt, kt, vt), dot)
+
+    # one query and one key: SDPA's dispatch and autograd with next to no arithmetic (what
+    # sdpa_* costs on CPU tensors is mostly a CPU kernel's)
+    q1, k1, v1 = (x[:, :, :1].detach().clone().requires_grad_() for x in (qt, kt, vt))
+    do1 = dot[:, :, :1].contiguous()
+
+    def sdpa1_fwd():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q1, k1, v1, is_causal=True)
+
+    def sdpa1_step():
+        out = F.scaled_dot_product_attention(q1, k1, v1, is_causal=True)
+        torch.autograd.grad(out, (q1, k1, v1), do1)
+
+    fwd_op, bwd_op = ops.fwd.default, ops.bwd.default
+
+    def op_fwd():
+        with torch.no_grad():
+            fwd_op(q, k, v, None, None, None, *opts)
+
+    def op_bwd():
+        with torch.no_grad():
+            bwd_op(do, q, k, v, o, lse, None, None, None, *opts)
+
+    return {"fc_fwd": fc_fwd, "sdpa_fwd": sdpa_fwd, "sdpa1_fwd": sdpa1_fwd,
+            "fc_fwd_grad": fc_fwd_grad, "nothing_fwd_grad": nothing_fwd_grad,
+            "fc_step": fc_step, "nothing_step": nothing_step, "sdpa_step": sdpa_step,
+            "sdpa1_step": sdpa1_step, "op_fwd": op_fwd, "op_bwd": op_bwd}, \
+        (q, k, v, do, o, lse)
+
+
+def pieces(tensors):
+    """The parts of a forward replay, each alone."""
+    q, k, v, do, o, lse = tensors
+    layout = torch_backend.layout
+    key = ("fwd", layout(q), layout(k), layout(v), None, None, None, 0, 0, True,
+           1 / math.sqrt(SHAPE[-1]), -1, 0, 0.0, False, flashcore.config.get(), None, False, 0.0,
+           None)
+    fwd_plan = next((p for kk, p in plans.PLANS.items() if kk[0] == "fwd"), None)
+    bwd_plan = next((p for kk, p in plans.PLANS.items() if kk[0] == "bwd"), None)
+    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), 0, 0, 0, 0, 0)
+    bptrs = (do.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
+             lse.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), 0, 0, 0, 0)
+    dev = q.device
+
+    def alloc(nbytes):
+        t = torch.empty((nbytes,), dtype=torch.uint8, device=dev)
+        return t, t.data_ptr()
+    return {
+        "layout(q)": lambda: layout(q),
+        "key_fwd": lambda: ("fwd", layout(q), layout(k), layout(v), layout(None), layout(None),
+                            layout(None), 0, 0, True, 0.125, -1, 0, 0.0, False,
+                            flashcore.config.get(), layout(None), False, 0.0, layout(None)),
+        "lookup": lambda: plans.lookup(key),
+        "new_empty_x2": lambda: (q.new_empty(q.shape),
+                                 q.new_empty((1, 2, 128), dtype=torch.float32)),
+        "empty_like_x3": lambda: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)),
+        "run_fwd_plan": lambda: fwd_plan.run(ptrs, 0, alloc),
+        "run_bwd_plan": lambda: bwd_plan.run(bptrs, 0, alloc),
+    }
+
+
+def per_call_us(fns, n, rounds, sync, clock=time.perf_counter, round_s=0.05):
+    """Best of ``rounds`` interleaved rounds: each times up to ``n`` calls of every callable
+    in turn (fewer for a slow one: about ``round_s`` seconds), then synchronises."""
+    counts = {}
+    for name, fn in fns.items():
+        t0 = clock()
+        for _ in range(20):
+            fn()
+        sync()
+        counts[name] = int(min(n, max(10, round_s * 20 / max(clock() - t0, 1e-6))))
+    best = {name: math.inf for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = clock()
+            for _ in range(counts[name]):
+                fn()
+            sync()
+            best[name] = min(best[name], (clock() - t0) / counts[name])
+    return {name: t * 1e6 for name, t in best.items()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--real", action="store_true", help="CUDA tensors, nothing stubbed")
+    ap.add_argument("--no-launch", action="store_true",
+                    help="with --real: cuLaunchKernel a no-op (the driver's launch left out)")
+    ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=25)
+    ap.add_argument("--cases", help="comma-separated case names to time (default: all)")
+    ap.add_argument("--profile", metavar="CASE", help="cProfile of CASE instead of the table")
+    args = ap.parse_args(argv)
+
+    if args.real:
+        device, sync, clock = "cuda", torch.cuda.synchronize, time.perf_counter
+        fns, tensors = cases(device)
+        for fn in fns.values():     # record the plans (and load the kernels)
+            fn()
+        sync()
+        if args.no_launch:
+            plans._launch_kernel()
+            plans._LAUNCH[0] = _no_launch
+    else:
+        # the process's CPU time: on a shared machine, time spent descheduled is not counted
+        device, sync, clock = "cpu", (lambda: None), time.process_time
+        stub_device()
+        with recording_stand_in():
+            fns, tensors = cases(device)
+            for name, fn in fns.items():
+                if not name.startswith("sdpa"):
+                    fn()
+    if not all(k[0] in ("fwd", "bwd") for k in plans.PLANS) or len(plans.PLANS) != 2:
+        print(f"warning: {len(plans.PLANS)} plans recorded (expected fwd and bwd): the calls "
+              "may not be replaying", file=sys.stderr)
+
+    mode = "real" if args.real else "stubbed (CPU tensors, no device)"
+    if args.real and args.no_launch:
+        mode = "real tensors, cuLaunchKernel stubbed"
+    print(f"# probe_route: {mode}; torch {torch.__version__}; shape {SHAPE} bf16 causal; "
+          f"best of {args.rounds} x {args.calls} calls, us per call")
+
+    if args.profile:
+        import cProfile
+        import pstats
+        fn = fns[args.profile]
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(args.calls):
+            fn()
+        sync()
+        pr.disable()
+        pstats.Stats(pr, stream=sys.stdout).sort_stats("tottime").print_stats(25)
+        return
+
+    if args.cases:
+        fns = {n: fns[n] for n in args.cases.split(",") if n in fns}
+    us = per_call_us(fns, args.calls, args.rounds, sync, clock)
+    for name, t in us.items():
+        print(f"{name:18s} {t:8.2f}")
+    for name, a, b, op in (("fwd - sdpa", "fc_fwd", "sdpa_fwd", "-"),
+                           ("step / sdpa", "fc_step", "sdpa_step", "/"),
+                           ("step - nothing", "fc_step", "nothing_step", "-")):
+        if a in us and b in us:
+            print(f"{name:18s} {us[a] - us[b] if op == '-' else us[a] / us[b]:8.3g}")
+    if not args.cases:
+        print("# pieces of a replay")
+        for name, t in per_call_us(pieces(tensors), args.calls, args.rounds, sync,
+                                   clock).items():
+            print(f"{name:18s} {t:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
