@@ -144,9 +144,13 @@ def _as_int(name, v, minimum=None):
     return v
 
 
-def _as_bool(name, v):
-    """A flag: bool (or numpy.bool_) only; ``causal="no"`` must not count as causal."""
-    if not isinstance(v, (bool, np.bool_)):
+def as_flag(name, v) -> bool:
+    """A flag: bool (or numpy.bool_) only; ``causal="no"`` must not count as causal. Every
+    flag of the public functions (``causal``, ``deterministic``, ``return_lse``, ...) is read
+    through this, before anything runs."""
+    if v is True or v is False:
+        return v
+    if not isinstance(v, np.bool_):
         raise _arg_error(TypeError, name, "a bool", f"{type(v).__name__} {v!r}")
     return bool(v)
 
@@ -305,8 +309,8 @@ def _forward_spec(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi
     for n, x in (("q", q), ("k", k), ("v", v)):
         _check_last_contiguous(n, x)
 
-    causal = _as_bool("causal", causal)
-    deterministic = _as_bool("deterministic", deterministic)
+    causal = as_flag("causal", causal)
+    deterministic = as_flag("deterministic", deterministic)
     left, right = _window(window_size, causal)
     softmax_scale, softcap = _scale_and_softcap(softmax_scale, softcap, headdim)
 
@@ -607,9 +611,7 @@ def _kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, rota
         _check_last_contiguous("cache_leftpad", cache_leftpad)
 
     # -- rotary ------------------------------------------------------------------------------
-    if not isinstance(rotary_interleaved, (bool, np.bool_)):
-        raise _arg_error(TypeError, "rotary_interleaved", "a bool",
-                         f"{type(rotary_interleaved).__name__} {rotary_interleaved!r}")
+    rotary_interleaved = as_flag("rotary_interleaved", rotary_interleaved)
     rotary_dim = 0
     if (rotary_cos is None) != (rotary_sin is None):
         missing, given = (("rotary_sin", "rotary_cos") if rotary_sin is None
@@ -639,7 +641,7 @@ def _kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, rota
                              f"shape {tuple(rotary_cos.shape)} (rotary_dim {rotary_dim})")
 
     # -- options -----------------------------------------------------------------------------
-    causal = _as_bool("causal", causal)
+    causal = as_flag("causal", causal)
     left, right = _window(window_size, causal)
     softmax_scale, softcap = _scale_and_softcap(softmax_scale, softcap, headdim)
     alibi = _alibi_kind(alibi_slopes, lib, device, batch, nheads)
