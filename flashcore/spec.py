@@ -94,17 +94,19 @@ def _reads_values(x) -> bool:
     return (is_host(x) or config.debug()) and not torch_compiling(x)
 
 
-def _check_array(name, x, ndim, lib=None, device=None):
+def _check_array(name, x, ndim, lib=None, device=None, like="q"):
+    """x is an array of ``ndim`` dimensions (an int or a tuple of them) and, when given, of
+    library ``lib`` on ``device``, those of the argument named ``like``."""
     xlib = library_of(x)
     if xlib is None:
         raise _arg_error(TypeError, name, "a numpy.ndarray, cupy.ndarray or torch.Tensor",
                          type(x).__name__)
     if lib is not None and xlib != lib:
         raise _arg_error(TypeError, name,
-                         f"a {lib} array like 'q' (arrays of different libraries cannot be mixed)",
-                         f"a {xlib} array")
+                         f"a {lib} array like '{like}' (arrays of different libraries cannot "
+                         "be mixed)", f"a {xlib} array")
     if device is not None and device_of(x) != device:
-        raise _arg_error(ValueError, name, f"an array on {device} like 'q'",
+        raise _arg_error(ValueError, name, f"an array on {device} like '{like}'",
                          f"an array on {device_of(x)}")
     if ndim is not None and x.ndim not in (ndim if isinstance(ndim, tuple) else (ndim,)):
         raise _arg_error(ValueError, name, f"{ndim}-dimensional array", f"shape {tuple(x.shape)}")
@@ -791,14 +793,14 @@ def merge_spec(outs, lses):
         raise _arg_error(TypeError, "outs[0]", f"a floating dtype in {FLOAT_DTYPES}", f"dtype {dt}")
     want = shape[:-3] + (shape[-2], shape[-3])
     for i, (o, l) in enumerate(zip(outs, lses)):
-        _check_array(f"outs[{i}]", o, len(shape), lib, device)
+        _check_array(f"outs[{i}]", o, len(shape), lib, device, like="outs[0]")
         if tuple(o.shape) != shape:
             raise _arg_error(ValueError, f"outs[{i}]", f"shape {shape} like 'outs[0]'",
                              f"shape {tuple(o.shape)}")
         if dtype_name(o) != dt:
             raise _arg_error(TypeError, f"outs[{i}]", f"dtype {dt} like 'outs[0]'",
                              f"dtype {dtype_name(o)}")
-        _check_array(f"lses[{i}]", l, len(want), lib, device)
+        _check_array(f"lses[{i}]", l, len(want), lib, device, like="outs[0]")
         if tuple(l.shape) != want:
             raise _arg_error(ValueError, f"lses[{i}]",
                              f"shape {want} (nheads before seqlen, like the forward's lse)",
