@@ -36,8 +36,8 @@ from ._arrays import library_of
 from .backends import torch_ops   # (imports no torch: the torch route, bound once)
 from .backends.base import all_backends, choose, choose_kvcache
 from .kernels import plans
-from .spec import (_scalar_key, backward_spec, check_outputs, forward_spec, kvcache_spec,
-                   lse_shape, merge_spec, out_fp32)
+from .spec import (_scalar_key, as_flag, backward_spec, check_outputs, forward_spec,
+                   kvcache_spec, lse_shape, merge_spec, out_fp32)
 
 __all__ = [
     "attention", "attention_forward", "attention_backward",
@@ -251,6 +251,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     (the same pair then goes to :func:`attention_backward`; :func:`draw_rng_state` makes one).
     See :mod:`flashcore.dropout`.
     """
+    return_lse = as_flag("return_lse", return_lse)
     drop = _dropout_kw(dropout_p, rng_state, q)
     if library_of(q) == "torch":    # validated once, inside (this path is per-call overhead)
         out, lse = torch_ops.autograd_attention(
@@ -317,6 +318,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
     """:func:`attention` over packed variable-length sequences (differentiable on torch;
     with ``block_table``, over a paged KV cache, forward only: see
     :func:`varlen_attention_forward`)."""
+    return_lse = as_flag("return_lse", return_lse)
     kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
               softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -389,6 +391,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         lse -inf. On torch tensors there is no autograd: the call runs as under
         ``torch.no_grad()`` and the results do not require grad (inference only).
     """
+    return_lse = as_flag("return_lse", return_lse)
     if out is None and lse is None and library_of(q) == "torch":
         out, lse = torch_ops.kvcache_attention(
             q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,

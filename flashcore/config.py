@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import typing
 from typing import NamedTuple
 
 __all__ = ["Settings", "get", "set", "override", "debug"]
@@ -83,6 +84,9 @@ def _from_environment() -> Settings:
     )
 
 
+#: the settings that are flags (annotated bool)
+_FLAGS = {n: t is bool for n, t in typing.get_type_hints(Settings).items()}
+
 _CURRENT = [_from_environment()]
 _LOCK = threading.Lock()
 
@@ -103,6 +107,9 @@ def set(**changes) -> Settings:      # noqa: A001  (config.set reads as intended
     if unknown:
         raise TypeError(f"flashcore.config.set: unknown setting(s) {unknown}; "
                         f"expected names from {list(Settings._fields)}")
+    for name, v in changes.items():      # a flag is a bool: debug="no" must not turn it on
+        if _FLAGS.get(name) and not isinstance(v, bool):
+            raise TypeError(f"argument '{name}': expected a bool, got {type(v).__name__} {v!r}")
     if "sm90_bwd_d64_block_m" in changes and changes["sm90_bwd_d64_block_m"] not in (64, 128):
         raise ValueError("argument 'sm90_bwd_d64_block_m': expected 64 or 128, got "
                          f"{changes['sm90_bwd_d64_block_m']!r}")

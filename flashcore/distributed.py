@@ -30,6 +30,7 @@ varlen attention.
 from __future__ import annotations
 
 from .api import attention_backward, attention_forward, merge_attention_states, varlen_attention
+from .spec import as_flag
 
 __all__ = ["ring_attention", "varlen_attention_all_gather", "shard", "unshard"]
 
@@ -269,11 +270,11 @@ def ring_attention(q, k, v, group=None, *, causal: bool = False, softmax_scale=N
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(x).__name__}")
+    causal = as_flag("causal", causal)
+    return_lse = as_flag("return_lse", return_lse)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("flashcore.distributed.ring_attention: torch.distributed is not "
                            "initialised (call torch.distributed.init_process_group first)")
-    if not isinstance(causal, bool):
-        raise TypeError(f"argument 'causal': expected a bool, got {type(causal).__name__}")
     if k.shape[1] != q.shape[1] or v.shape != k.shape:
         raise ValueError(f"argument 'k': expected shards of q's length {q.shape[1]} (and v like "
                          f"k), got k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -381,11 +382,10 @@ def varlen_attention_all_gather(q, k, v, cu_seqlens, group=None, *, causal: bool
     import torch
     import torch.distributed as dist
     from ._arrays import library_of, to_host
+    causal = as_flag("causal", causal)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("flashcore.distributed.varlen_attention_all_gather: torch.distributed "
                            "is not initialised (call torch.distributed.init_process_group first)")
-    if not isinstance(causal, bool):
-        raise TypeError(f"argument 'causal': expected a bool, got {type(causal).__name__}")
     if tuple(window_size) != (-1, -1) and not causal:
         raise NotImplementedError("argument 'window_size': a sliding window across ranks is "
                                   "supported with causal=True (window (left, 0)); expected "

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from ._arrays import library_of
 from .api import attention, attention_with_kvcache, draw_rng_state, varlen_attention
+from .spec import as_flag
 
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
@@ -126,6 +127,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         scores; S_dmask None without dropout, else the probabilities with the dropout
         pattern in their signs (see the module docstring).
     """
+    return_attn_probs = as_flag("return_attn_probs", return_attn_probs)
     rng = draw_rng_state(q) if dropout_p and library_of(q) == "torch" else None
     out, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -187,6 +189,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out: (total_q, nheads, headdim), or ``(out, softmax_lse, None)`` with
         ``return_attn_probs=True``, softmax_lse float32 (nheads, total_q).
     """
+    return_attn_probs = as_flag("return_attn_probs", return_attn_probs)
     rng = draw_rng_state(q) if dropout_p and library_of(q) == "torch" else None
     out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 causal=causal, softmax_scale=softmax_scale,
@@ -273,6 +276,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out: (batch_size, seqlen, nheads, headdim), or ``(out, softmax_lse)`` with
         ``return_softmax_lse=True``, softmax_lse float32 (batch_size, nheads, seqlen).
     """
+    return_softmax_lse = as_flag("return_softmax_lse", return_softmax_lse)
     if cache_batch_idx is not None:
         raise NotImplementedError("argument 'cache_batch_idx': flashcore does not implement it "
                                   "yet; expected None")

@@ -94,17 +94,19 @@ def _reads_values(x) -> bool:
     return (is_host(x) or config.debug()) and not torch_compiling(x)
 
 
-def _check_array(name, x, ndim, lib=None, device=None):
+def _check_array(name, x, ndim, lib=None, device=None, like="q"):
+    """x is an array of ``ndim`` dimensions (an int or a tuple of them) and, when given, of
+    library ``lib`` on ``device``, those of the argument named ``like``."""
     xlib = library_of(x)
     if xlib is None:
         raise _arg_error(TypeError, name, "a numpy.ndarray, cupy.ndarray or torch.Tensor",
                          type(x).__name__)
     if lib is not None and xlib != lib:
         raise _arg_error(TypeError, name,
-                         f"a {lib} array like 'q' (arrays of different libraries cannot be mixed)",
-                         f"a {xlib} array")
+                         f"a {lib} array like '{like}' (arrays of different libraries cannot "
+                         "be mixed)", f"a {xlib} array")
     if device is not None and device_of(x) != device:
-        raise _arg_error(ValueError, name, f"an array on {device} like 'q'",
+        raise _arg_error(ValueError, name, f"an array on {device} like '{like}'",
                          f"an array on {device_of(x)}")
     if ndim is not None and x.ndim not in (ndim if isinstance(ndim, tuple) else (ndim,)):
         raise _arg_error(ValueError, name, f"{ndim}-dimensional array", f"shape {tuple(x.shape)}")
@@ -144,9 +146,13 @@ def _as_int(name, v, minimum=None):
     return v
 
 
-def _as_bool(name, v):
-    """A flag: bool (or numpy.bool_) only; ``causal="no"`` must not count as causal."""
-    if not isinstance(v, (bool, np.bool_)):
+def as_flag(name, v) -> bool:
+    """A flag: bool (or numpy.bool_) only; ``causal="no"`` must not count as causal. Every
+    flag of the public functions (``causal``, ``deterministic``, ``return_lse``, ...) is read
+    through this, before anything runs."""
+    if v is True or v is False:
+        return v
+    if not isinstance(v, np.bool_):
         raise _arg_error(TypeError, name, "a bool", f"{type(v).__name__} {v!r}")
     return bool(v)
 
@@ -305,8 +311,8 @@ def _forward_spec(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi
     for n, x in (("q", q), ("k", k), ("v", v)):
         _check_last_contiguous(n, x)
 
-    causal = _as_bool("causal", causal)
-    deterministic = _as_bool("deterministic", deterministic)
+    causal = as_flag("causal", causal)
+    deterministic = as_flag("deterministic", deterministic)
     left, right = _window(window_size, causal)
     softmax_scale, softcap = _scale_and_softcap(softmax_scale, softcap, headdim)
 
@@ -607,9 +613,7 @@ def _kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, rota
         _check_last_contiguous("cache_leftpad", cache_leftpad)
 
     # -- rotary ------------------------------------------------------------------------------
-    if not isinstance(rotary_interleaved, (bool, np.bool_)):
-        raise _arg_error(TypeError, "rotary_interleaved", "a bool",
-                         f"{type(rotary_interleaved).__name__} {rotary_interleaved!r}")
+    rotary_interleaved = as_flag("rotary_interleaved", rotary_interleaved)
     rotary_dim = 0
     if (rotary_cos is None) != (rotary_sin is None):
         missing, given = (("rotary_sin", "rotary_cos") if rotary_sin is None
@@ -639,7 +643,7 @@ def _kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, rota
                              f"shape {tuple(rotary_cos.shape)} (rotary_dim {rotary_dim})")
 
     # -- options -----------------------------------------------------------------------------
-    causal = _as_bool("causal", causal)
+    causal = as_flag("causal", causal)
     left, right = _window(window_size, causal)
     softmax_scale, softcap = _scale_and_softcap(softmax_scale, softcap, headdim)
     alibi = _alibi_kind(alibi_slopes, lib, device, batch, nheads)
@@ -789,14 +793,14 @@ def merge_spec(outs, lses):
         raise _arg_error(TypeError, "outs[0]", f"a floating dtype in {FLOAT_DTYPES}", f"dtype {dt}")
     want = shape[:-3] + (shape[-2], shape[-3])
     for i, (o, l) in enumerate(zip(outs, lses)):
-        _check_array(f"outs[{i}]", o, len(shape), lib, device)
+        _check_array(f"outs[{i}]", o, len(shape), lib, device, like="outs[0]")
         if tuple(o.shape) != shape:
             raise _arg_error(ValueError, f"outs[{i}]", f"shape {shape} like 'outs[0]'",
                              f"shape {tuple(o.shape)}")
         if dtype_name(o) != dt:
             raise _arg_error(TypeError, f"outs[{i}]", f"dtype {dt} like 'outs[0]'",
                              f"dtype {dtype_name(o)}")
-        _check_array(f"lses[{i}]", l, len(want), lib, device)
+        _check_array(f"lses[{i}]", l, len(want), lib, device, like="outs[0]")
         if tuple(l.shape) != want:
             raise _arg_error(ValueError, f"lses[{i}]",
                              f"shape {want} (nheads before seqlen, like the forward's lse)",

@@ -162,3 +162,15 @@ def test_rejects(outs, lses, exc, words):
         flashcore.merge_attention_states(outs, lses)
     for w in words:
         assert w in str(e.value), (w, str(e.value))
+
+
+def test_mixed_libraries_are_named_against_the_first_partial():
+    """There is no 'q' in a merge: a part of another library is named against 'outs[0]'."""
+    torch = pytest.importorskip("torch")
+    o, l = np.zeros((1, 3, 2, 4)), np.zeros((1, 2, 3))
+    for outs, lses, name in (([o, torch.zeros(1, 3, 2, 4, dtype=torch.float64)], [l, l], "outs[1]"),
+                             ([o, o], [l, torch.zeros(1, 2, 3, dtype=torch.float64)], "lses[1]")):
+        with pytest.raises(TypeError) as e:
+            flashcore.merge_attention_states(outs, lses)
+        msg = str(e.value)
+        assert f"argument '{name}'" in msg and "like 'outs[0]'" in msg and "'q'" not in msg, msg
