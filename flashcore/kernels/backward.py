@@ -237,21 +237,6 @@ def sm90_instantiations() -> list[str]:
                for d in SM90_WS_HEADDIMS for loc in flags for drop in flags])
 
 
-def _sm90_ws_maps(q, k, v, dout, block_m: int):
-    """Tensor maps of q, k, v, dout for the warp-specialised kernel (boxes of 64 x block_m
-    for q and dout, 64 x 128 for k and v) with their specs, or None when TMA cannot read one."""
-    from . import tma
-    specs = (tma.map_spec(q, block_m), tma.map_spec(k, 128), tma.map_spec(v, 128),
-             tma.map_spec(dout, block_m))
-    if any(sp is None for sp in specs):
-        return None
-    maps = tma.Maps(4)
-    for i, (sp, a) in enumerate(zip(specs, (q, k, v, dout))):
-        if not maps.encode(i, sp, a.data.ptr):
-            return None
-    return maps, specs
-
-
 @functools.lru_cache(maxsize=None)
 def _pick(tiles, smem_fn, d: int, limit: int, what: str) -> tuple[BwdTile, int]:
     for t in tiles:
@@ -418,8 +403,9 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
         if sm90_applies(cc, headdim, has_softcap, has_alibi, deterministic):
             bm = sm90_block_m(headdim)
             if not varlen and config.get().sm90_bwd_ws and headdim in SM90_WS_HEADDIMS:
-                bm = SM90_WS_BLOCK_M
-                ws = _sm90_ws_maps(q, k, v, dout, bm)
+                from .tma import maps_for
+                bm = SM90_WS_BLOCK_M     # boxes: 64 x bm of q and dout, 64 x 128 of k and v
+                ws = maps_for((q, bm), (k, 128), (v, 128), (dout, bm))
             grid = (_cdiv(seqlen_k, 128), nheads_k, batch)
             if ws is not None:
                 smem = sm90_ws_smem(headdim, bm)

@@ -260,20 +260,6 @@ def sm90_instantiations() -> list[str]:
                      for drop in flags for pp in flags})
 
 
-def _sm90_ws_maps(q, k, v, block_n: int):
-    """The tensor maps of the warp-specialised kernel for these arrays, with their specs, or
-    None when TMA cannot read one of them (the cp.async kernel runs instead)."""
-    from . import tma
-    specs = (tma.map_spec(q, 128), tma.map_spec(k, block_n), tma.map_spec(v, block_n))
-    if any(sp is None for sp in specs):
-        return None
-    maps = tma.Maps(3)
-    for i, (sp, a) in enumerate(zip(specs, (q, k, v))):
-        if not maps.encode(i, sp, a.data.ptr):
-            return None
-    return maps, specs
-
-
 def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
                    window_right: int, softcap: float = 0.0, alibi_slopes=None,
                    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
@@ -366,7 +352,9 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     ws = None     # (tensor maps, their specs): the warp-specialised Hopper kernel
     if not paged and sm90_applies(cc, headdim, has_softcap, has_alibi, seqlen_k):
         if not varlen and config.get().sm90_fwd_ws:
-            ws = _sm90_ws_maps(q, k, v, sm90_ws_tile(headdim, is_local)[0])
+            from .tma import maps_for
+            block_n = sm90_ws_tile(headdim, is_local)[0]
+            ws = maps_for((q, 128), (k, block_n), (v, block_n))
         if ws is not None:
             smem = sm90_ws_smem(headdim, is_local)
             kernel = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, is_local,

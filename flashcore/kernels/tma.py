@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 from typing import NamedTuple
 
-__all__ = ["MapSpec", "map_spec", "Maps"]
+__all__ = ["MapSpec", "map_spec", "Maps", "maps_for"]
 
 MAP_BYTES = 128
 _DTYPE_CODE = {"float16": 6, "bfloat16": 9}   # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
@@ -99,3 +99,17 @@ class Maps:
         import numpy as np
         raw = ctypes.string_at(self.address, self.n * MAP_BYTES)
         return np.frombuffer(raw, dtype=np.dtype((np.void, len(raw)))).reshape(())
+
+
+def maps_for(*arrays_rows):
+    """The tensor maps of ``(array, box_rows)`` pairs, in order, with their specs: ``(Maps,
+    specs)``, or None when TMA cannot read one of the arrays (the caller then launches a
+    kernel that loads with cp.async)."""
+    specs = tuple(map_spec(a, rows) for a, rows in arrays_rows)
+    if any(sp is None for sp in specs):
+        return None
+    maps = Maps(len(specs))
+    for i, (sp, (a, _)) in enumerate(zip(specs, arrays_rows)):
+        if not maps.encode(i, sp, a.data.ptr):
+            return None
+    return maps, specs
