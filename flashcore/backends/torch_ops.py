@@ -304,13 +304,16 @@ def _define_ops():
     ops = torch.ops.flashcore
     _OVERLOADS.update(fwd=ops.fwd.default, bwd=ops.bwd.default, kvcache=ops.kvcache.default,
                       kvcache_read=ops.kvcache_read.default)
-    _FUNCTION.append(_attention_function(torch, ops))
+    _FUNCTION.extend(_attention_function(torch, ops))
     return ops
 
 
 # -- Layer 3: autograd ------------------------------------------------------------------------
 
-_FUNCTION: list = []
+_FUNCTION: list = []     # [FlashAttention, ForwardOnly]
+PAGED_BACKWARD_MESSAGE = (
+    "flashcore: argument 'block_table': attention over a paged KV cache is forward only (as in "
+    "flash-attn); its backward cannot run: expected the gradient of a call without block_table")
 
 
 def _attention_function(torch, ops):
@@ -373,7 +376,19 @@ def _attention_function(torch, ops):
         def backward(ctx, *_):
             raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
 
-    return FlashAttention
+    class ForwardOnly(torch.autograd.Function):
+        """A forward with no backward (varlen over a paged cache, as in flash-attn): the output
+        joins the graph of q, k, v, so the call works wherever inputs require grad, and a
+        backward through it raises, naming the argument, instead of giving no gradient."""
+        @staticmethod
+        def forward(ctx, out, q, k, v):
+            return out.view_as(out)
+
+        @staticmethod
+        def backward(ctx, *_):
+            raise NotImplementedError(PAGED_BACKWARD_MESSAGE)
+
+    return FlashAttention, ForwardOnly
 
 
 # --------------------------------------------------------------------------------------------
@@ -394,11 +409,6 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
     first (flashcore.spec). Then the autograd Function runs the forward op (the op alone when
     nothing requires grad).
     """
-    if block_table is not None and _needs_grad(q, k, v):
-        raise NotImplementedError(
-            "flashcore: argument 'block_table': attention over a paged KV cache is forward only "
-            "(flash-attn has no backward for it either); expected inputs that do not require "
-            "grad, or a call under torch.no_grad()")
     opts = None
     dropout = not (type(dropout_p) is float and dropout_p == 0.0)
     if backend is None and not dropout and not _compiling() and _tensors_or_none(
@@ -421,8 +431,11 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
         opts = _options(spec)
     torch_ops()
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (None, None)
-    if block_table is not None:      # (forward only, checked above)
-        return _OVERLOADS["fwd"](q, k, v, alibi_slopes, cu_q, cu_k, *opts, block_table)
+    if block_table is not None:      # forward only: a backward through it raises
+        out, lse = _OVERLOADS["fwd"](q, k, v, alibi_slopes, cu_q, cu_k, *opts, block_table)
+        if _needs_grad(q, k, v):
+            out = _FUNCTION[1].apply(out, q, k, v)
+        return out, lse
     rng = rng_state if dropout_p else None
     if not _needs_grad(q, k, v):     # nothing to differentiate: the op alone (what autograd
         return _OVERLOADS["fwd"](q, k, v, alibi_slopes, cu_q, cu_k, *opts,   # would run)
