@@ -20,7 +20,8 @@ Names, argument order, defaults, shapes and returns are flash-attn 2.x's
 * ``block_table`` in ``flash_attn_varlen_func``: a paged KV cache (forward only).
 * :func:`flash_attn_with_kvcache`: ``cache_batch_idx`` must be None; ``cache_leftpad``
   works with a contiguous cache (as in flash-attn, not with ``block_table``); a head dim
-  that is no multiple of 8 is refused (flash-attn pads and copies back the whole cache);
+  that is no multiple of 8 is padded with zero columns, the caches included, and appended
+  rows are copied back (what flash-attn does: a copy of the whole cache per call);
   a paged cache's page size may be any multiple of 16 (flash-attn 2: 256); the new keys must
   fit in the cache (checked).
 

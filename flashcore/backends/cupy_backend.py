@@ -183,9 +183,6 @@ class CupyBackend(Backend):
         r = super().kvcache_not_supported_reasons(spec)
         if r and r[0].startswith("not available"):
             return r
-        if spec.attn.headdim % 8:     # the cache is read (and written) in place: no padding
-            r.append(f"headdim {spec.attn.headdim} is not a multiple of 8 (the decode kernels "
-                     "read the cache in place; padding it would copy the whole cache every step)")
         why = _decode_kernels_reason()
         if why:
             r.append(why)
@@ -195,11 +192,12 @@ class CupyBackend(Backend):
                         block_table=None, rotary_cos=None, rotary_sin=None, alibi_slopes=None,
                         out=None, lse=None, cache_leftpad=None):
         """Append (rotary) with ``launch_rotary_append``, then ``launch_decode`` over
-        ``cache_seqlens + seqlen_new`` keys (computed on the device, no host round trip)."""
+        ``cache_seqlens + seqlen_new`` keys (computed on the device, no host round trip).
+
+        A head dim that is no multiple of 8 is padded with zero columns, the caches included,
+        and appended rows are copied back: flash-attn's way (it copies the whole cache every
+        call too), since the kernels read and write 16 bytes at a time."""
         import cupy
-        import numpy as np
-        from ..kernels.decode import decode_launches, launch_rotary_append
-        from ..reference import apply_rotary
         a = spec.attn
         with cupy.cuda.Device(q.device.id), _translate_oom("decode"):
             if out is None:
@@ -208,37 +206,64 @@ class CupyBackend(Backend):
                 lse = cupy.empty((a.batch, a.nheads, a.seqlen_q), dtype=cupy.float32)
             if a.batch == 0:
                 return out, lse
-            if spec.cache_seqlens_int is not None:
-                before = cupy.full((a.batch,), spec.cache_seqlens_int, dtype=cupy.int32)
-            else:
-                before = cupy.ascontiguousarray(cache_seqlens)
-            q_att, after = q, before
-            if spec.appends:
-                rotary = rotary_cos is not None
-                # q rotated by the append kernel where its positions are cache_seqlens + i;
-                # flash-attn's other case (all rows at cache_seqlens) with array operations
-                fused_q = rotary and spec.rotary_per_row and q.size > 0
-                q_out = cupy.empty(q.shape, dtype=q.dtype) if fused_q else None
-                launch_rotary_append(k_cache, v_cache, k, v, before, block_table, rotary_cos,
-                                     rotary_sin, spec.rotary_interleaved,
-                                     q=q if fused_q else None, q_out=q_out)
-                if fused_q:
-                    q_att = q_out
-                elif rotary and q.size:
-                    pos = cupy.broadcast_to(before[:, None].astype(cupy.int64),
-                                            (a.batch, a.seqlen_q))
-                    q_att = apply_rotary(q, rotary_cos, rotary_sin, pos, spec.rotary_interleaved,
-                                         xp=cupy)
-                after = before + np.int32(spec.seqlen_new)
-            if q.size:
-                _, piece = decode_launches(
-                    q_att, k_cache, v_cache, out, lse, cache_seqlens=after,
-                    block_table=block_table, softmax_scale=a.softmax_scale,
-                    window_left=a.window_left, window_right=a.window_right, softcap=a.softcap,
-                    alibi_slopes=alibi_slopes, num_splits=spec.num_splits,
-                    cache_leftpad=cache_leftpad)
-                if after is cache_seqlens:      # the decode kernel was all of the call
-                    plans.offer(piece)
+            if a.headdim % 8:
+                pad = [None if x is None else _pad8(x) for x in (q, k_cache, v_cache, k, v)]
+                out8 = cupy.empty(pad[0].shape, dtype=q.dtype)
+                self._forward_kvcache(spec, *pad, cache_seqlens=cache_seqlens,
+                                      block_table=block_table, rotary_cos=rotary_cos,
+                                      rotary_sin=rotary_sin, alibi_slopes=alibi_slopes,
+                                      out=out8, lse=lse, cache_leftpad=cache_leftpad)
+                out[...] = out8[..., :a.headdim]
+                if spec.appends:
+                    k_cache[...] = pad[1][..., :a.headdim]
+                    v_cache[...] = pad[2][..., :a.headdim]
+                plans.spoil()
+                return out, lse
+            return self._forward_kvcache(spec, q, k_cache, v_cache, k, v,
+                                         cache_seqlens=cache_seqlens, block_table=block_table,
+                                         rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                                         alibi_slopes=alibi_slopes, out=out, lse=lse,
+                                         cache_leftpad=cache_leftpad)
+
+    def _forward_kvcache(self, spec, q, k_cache, v_cache, k, v, *, cache_seqlens, block_table,
+                         rotary_cos, rotary_sin, alibi_slopes, out, lse, cache_leftpad):
+        import cupy
+        import numpy as np
+        from ..kernels.decode import decode_launches, launch_rotary_append
+        from ..reference import apply_rotary
+        a = spec.attn
+        # (the caller holds the device and the OOM translation)
+        if spec.cache_seqlens_int is not None:
+            before = cupy.full((a.batch,), spec.cache_seqlens_int, dtype=cupy.int32)
+        else:
+            before = cupy.ascontiguousarray(cache_seqlens)
+        q_att, after = q, before
+        if spec.appends:
+            rotary = rotary_cos is not None
+            # q rotated by the append kernel where its positions are cache_seqlens + i;
+            # flash-attn's other case (all rows at cache_seqlens) with array operations
+            fused_q = rotary and spec.rotary_per_row and q.size > 0
+            q_out = cupy.empty(q.shape, dtype=q.dtype) if fused_q else None
+            launch_rotary_append(k_cache, v_cache, k, v, before, block_table, rotary_cos,
+                                 rotary_sin, spec.rotary_interleaved,
+                                 q=q if fused_q else None, q_out=q_out)
+            if fused_q:
+                q_att = q_out
+            elif rotary and q.size:
+                pos = cupy.broadcast_to(before[:, None].astype(cupy.int64),
+                                        (a.batch, a.seqlen_q))
+                q_att = apply_rotary(q, rotary_cos, rotary_sin, pos, spec.rotary_interleaved,
+                                     xp=cupy)
+            after = before + np.int32(spec.seqlen_new)
+        if q.size:
+            _, piece = decode_launches(
+                q_att, k_cache, v_cache, out, lse, cache_seqlens=after,
+                block_table=block_table, softmax_scale=a.softmax_scale,
+                window_left=a.window_left, window_right=a.window_right, softcap=a.softcap,
+                alibi_slopes=alibi_slopes, num_splits=spec.num_splits,
+                cache_leftpad=cache_leftpad)
+            if after is cache_seqlens:      # the decode kernel was all of the call
+                plans.offer(piece)
         return out, lse
 
 

@@ -585,3 +585,74 @@ def test_decode_cache_leftpad(dtype, causal, sq, num_splits, api):
                       cache_leftpad=leftpad, softmax_scale=1.0 / math.sqrt(128),
                       window_left=-1, window_right=0 if causal else -1, num_splits=num_splits)
     p.check(out, lse)
+
+
+# ---------------- head dims that are no multiple of 8: padded as flash-attn pads them ----------
+
+@pytest.mark.parametrize("d", [59, 111])
+@pytest.mark.parametrize("page_size", [None, 256])
+@pytest.mark.parametrize("torch_api", [False, True])
+def test_decode_odd_headdims_pad_like_flash_attn(d, page_size, torch_api):
+    """An odd head dim decodes (q, the caches and the new keys padded with zero columns, the
+    appended rows copied back, as flash-attn does): the output and the caches equal those of
+    the same call made on explicitly zero-padded arrays (the kernels' own path, bit for bit),
+    and the output is the float64 oracle's within the flash-attn rule; the caches' padding
+    never reaches the caller's arrays."""
+    import flashcore
+    cp = _cp()
+    dtype = "bfloat16"
+    rng = np.random.default_rng(d + (page_size or 0))
+    b, hk, h, s_new, rd = 3, 2, 4, 2, 32
+    before = [10, 0, 300]
+    lens_after = [n + s_new for n in before]
+    kc, vc, bt, gather = make_cache(rng, dtype, b, lens_after, hk, d, page_size, 320)
+    kc, vc = np.nan_to_num(kc), np.nan_to_num(vc)
+    q = quantize(rng.standard_normal((b, s_new, h, d)).astype(np.float32), dtype)
+    k_new = quantize(rng.standard_normal((b, s_new, hk, d)).astype(np.float32), dtype)
+    v_new = quantize(rng.standard_normal((b, s_new, hk, d)).astype(np.float32), dtype)
+    ang = rng.uniform(0, 2 * np.pi, size=(400, rd // 2))
+    cos, sin = cp.asarray(np.cos(ang).astype(np.float32)), cp.asarray(np.sin(ang).astype(np.float32))
+    lens = cp.asarray(np.asarray(before, np.int32))
+    table = None if bt is None else cp.asarray(bt)
+    d8 = -(-d // 8) * 8
+
+    def pad(x):
+        p = np.zeros((*x.shape[:-1], d8), np.float32)
+        p[..., :d] = x
+        return p
+
+    def call(q_, kc_, vc_, k_, v_, scale):
+        args = [to_dev(x, dtype) for x in (q_, kc_, vc_, k_, v_)]
+        kw = dict(cache_seqlens=lens, block_table=table, rotary_cos=cos, rotary_sin=sin,
+                  causal=True, softmax_scale=scale)
+        if torch_api:
+            import torch
+            t = [torch.from_dlpack(x) for x in args]
+            out = flashcore.attention_with_kvcache(*t, **{n: (torch.from_dlpack(a) if a is not None
+                                                              and not isinstance(a, (bool, float))
+                                                              else a) for n, a in kw.items()})
+            out = cp.from_dlpack(out)
+        else:
+            out = flashcore.attention_with_kvcache(*args, **kw)
+        return out.get().astype(np.float32), args[1].get().astype(np.float32), \
+            args[2].get().astype(np.float32)
+
+    scale = 1.0 / math.sqrt(d)
+    got, got_kc, got_vc = call(q, kc, vc, k_new, v_new, scale)
+    want, want_kc, want_vc = call(pad(q), pad(kc), pad(vc), pad(k_new), pad(v_new), scale)
+    assert got.shape == q.shape and got_kc.shape == kc.shape
+    assert np.array_equal(got, want[..., :d])
+    assert np.array_equal(got_kc, want_kc[..., :d]) and np.array_equal(got_vc, want_vc[..., :d])
+    # the oracle: the updated cache (as the kernels stored it) and the rotated query, float64
+    from flashcore.reference import apply_rotary
+    qr = apply_rotary(
+        q.astype(np.float64), cos.get().astype(np.float64), sin.get().astype(np.float64),
+        np.asarray(before)[:, None] + np.arange(s_new), False)
+    for i in range(b):
+        n = lens_after[i]
+        ks, vs = gather(got_kc, i)[:n].astype(np.float64), gather(got_vc, i)[:n].astype(np.float64)
+        args = [x[None] for x in (qr[i], ks, vs)]
+        ro, _ = naive_forward(forward_spec(*args, causal=True), *args)
+        lo_args = [quantize(x.astype(np.float32), dtype)[None] for x in (qr[i], ks, vs)]
+        lo, _ = naive_forward(forward_spec(*lo_args, causal=True), *lo_args, round_to=dtype)
+        assert_flash_rule(f"seq{i}", got[i][None].astype(np.float64), ro, lo, 2)
