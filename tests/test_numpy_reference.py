@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import flashcore
-from flashcore.backends.numpy_backend import (
-    NumpyBackend, naive_backward, naive_forward, round_to_dtype, tiled_backward, tiled_forward)
+from flashcore.backends.numpy_backend import NumpyBackend, tiled_backward, tiled_forward
+from flashcore.reference import naive_backward, naive_forward, round_to_dtype
 from flashcore.spec import forward_spec
 from refutils import make_problem, max_err, slopes_array
 

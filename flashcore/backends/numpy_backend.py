@@ -16,7 +16,7 @@ sequence at a time with all its heads at once, in tiles of 256 x 256: each step 
 NumPy operation and each product a BLAS-sized matrix multiply. float16/bfloat16/float32 inputs
 are computed in float32, float64 in float64. Varlen batches are processed one sequence at a
 time. The oracle and the helpers every backend shares (``naive_*``, ``round_to_dtype``,
-``apply_rotary``) live in :mod:`flashcore.reference` and are re-exported here.
+``apply_rotary``) live in :mod:`flashcore.reference`: import them from there.
 
 Decoding with a KV cache (``kvcache_forward``) is the same computation after two plain steps:
 the new keys and values (rotated, with rotary) are written into the cache in place, then the
@@ -29,15 +29,13 @@ import dataclasses
 
 import numpy as np
 
-from ..reference import (  # noqa: F401  (re-exported: tests and the CuPy backend import them here)
-    _bhsd, _expand_kv, _safe, _Scores, _slopes_for, apply_rotary, naive_backward,
-    naive_forward, round_to_dtype)
+from ..reference import (_bhsd, _expand_kv, _safe, _Scores, _slopes_for, apply_rotary,
+                         merge_states, naive_backward, naive_forward)
 from .base import Backend, register
 
 __all__ = [
-    "NumpyBackend", "naive_forward", "naive_backward", "tiled_forward", "tiled_backward",
-    "round_to_dtype", "apply_rotary", "kvcache_append", "kvcache_gather", "kvcache_forward",
-    "partial_forward",
+    "NumpyBackend", "tiled_forward", "tiled_backward", "kvcache_append", "kvcache_gather",
+    "kvcache_forward", "partial_forward", "paged_gather",
 ]
 
 
@@ -271,11 +269,10 @@ def kvcache_forward(spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
         n -= first
         slopes = _slopes_for(a, alibi_slopes, b)
         if spec.num_splits > 1 and n:
-            from ..api import merge_attention_states
             step = -(-n // spec.num_splits)
             parts = [partial_forward(a, q[b:b + 1], kb, vb, slopes, c0, min(c0 + step, n))
                      for c0 in range(0, n, step)]
-            o, l = merge_attention_states([p[0] for p in parts], [p[1] for p in parts])
+            o, l = merge_states([p[0] for p in parts], [p[1] for p in parts])
         else:
             o, l = attend(a, q[b:b + 1], kb, vb, slopes)
         out[b], lse[b] = o[0], l[0]
