@@ -13,9 +13,11 @@ Two paths compute the same function:
 The tiled path copies its inputs once into (batch, kv heads, group, seq, dim) order (the query
 heads that share a key head side by side: GQA without repeating K and V) and works on one
 sequence at a time with all its heads at once, in tiles of 256 x 256: each step is one batched
-NumPy operation and each product a BLAS-sized matrix multiply. float16/bfloat16/float32 inputs
-are computed in float32, float64 in float64. Varlen batches are processed one sequence at a
-time. The oracle and the helpers every backend shares (``naive_*``, ``round_to_dtype``,
+NumPy operation and each product a BLAS-sized matrix multiply. A large call spreads its
+(sequence, key head) units over the CPU's cores instead, as the CUDA grid spreads its blocks
+over the SMs, with BLAS on one thread (threadpoolctl): the tiles of each unit are the same, in
+the same order, so the result is too. float16/bfloat16/float32 inputs are computed in float32,
+float64 in float64. Varlen batches are processed one sequence at a time. The oracle and the helpers every backend shares (``naive_*``, ``round_to_dtype``,
 ``apply_rotary``) live in :mod:`flashcore.reference`: import them from there.
 
 Decoding with a KV cache (``kvcache_forward``) is the same computation after two plain steps:
@@ -25,7 +27,11 @@ table) and attended one sequence at a time.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import importlib.util
+import os
+import threading
 
 import numpy as np
 
@@ -40,7 +46,7 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------------------------
-# The FlashAttention algorithm, tile by tile
+# Tiles and their pieces
 # --------------------------------------------------------------------------------------------
 
 #: Tile sizes of the NumPy path: large enough that each product is a BLAS-sized matrix
@@ -64,22 +70,112 @@ def _ungrouped(x):   # (b, hk, group, s, ...) -> (b, h, s, ...)
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
 
-def _tile_dropout(spec, rng_state, z, hk, g, rows, cols, ct):
-    """Dropout factors of one (hk, g, rows, cols) tile of sequence z (None without dropout)."""
+def _tile_dropout(spec, rng_state, z, heads, g, rows, cols, ct):
+    """Dropout factors of one (key heads, g, rows, cols) tile of sequence z, ``heads`` a slice
+    of the key heads (None without dropout)."""
     if not spec.dropout_p:
         return None
     from ..dropout import factors
-    return factors(rng_state, spec.dropout_p, z * spec.nheads + np.arange(hk * g).reshape(hk, g),
-                   rows, cols, ct)
+    bh = z * spec.nheads + np.arange(heads.start * g, heads.stop * g).reshape(-1, g)
+    return factors(rng_state, spec.dropout_p, bh, rows, cols, ct)
 
+
+def _group_slopes(slopes, z, hk, g, heads):
+    """ALiBi slopes of sequence z's key heads ``heads``, (key heads, g), or None."""
+    return None if slopes is None else np.asarray(slopes[z]).reshape(hk, g)[heads]
+
+
+# --------------------------------------------------------------------------------------------
+# Over the CPU's cores: (sequence, key head) units, like the CUDA grid's blocks
+# --------------------------------------------------------------------------------------------
+
+#: Below this many floating-point operations (4·b·h·s_q·s_k·d) a call runs on the calling
+#: thread, all heads at once: a pool costs more than it saves.
+PARALLEL_MIN_FLOPS = 1e9
+
+
+class _OneBlasThread:
+    """BLAS on one thread while a pool of units runs (process-wide, through threadpoolctl;
+    concurrent and nested users share one limit, the last one out restores the original).
+
+    The units themselves are the parallelism: NumPy releases the GIL in its matrix products
+    and element-wise loops. BLAS threading inside each tile's small product (256 x 256 x d)
+    instead synchronises its threads once per product: thousands of times a call, and on a
+    machine whose cores are busy each synchronisation waits for a descheduled thread (measured
+    5-9x slower than one thread on a loaded 2-core machine)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._users = 0
+        self._controller = None
+        self._limited = None
+
+    @staticmethod
+    def available() -> bool:
+        return importlib.util.find_spec("threadpoolctl") is not None
+
+    def __enter__(self):
+        with self._lock:
+            if self._users == 0:
+                if self._controller is None:
+                    from threadpoolctl import ThreadpoolController
+                    self._controller = ThreadpoolController()
+                self._limited = self._controller.limit(limits=1, user_api="blas")
+            self._users += 1
+        return self
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                self._limited.restore_original_limits()
+                self._limited = None
+
+
+_ONE_BLAS_THREAD = _OneBlasThread()
+
+
+def _workers() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _for_each_unit(fn, batch, nheads_k, flops):
+    """Run ``fn(z, heads)`` over every sequence z, ``heads`` a slice of the key heads (their
+    query heads come with them). The units write disjoint parts of the outputs and each runs
+    its tiles in order: however the pool schedules them, a call gives the same bits run after
+    run (``deterministic`` holds), the bits of the same tiles run one after another with BLAS
+    on one thread. Large calls spread one key head per unit over a thread pool with BLAS on
+    one thread; small ones, or where there are fewer units than cores (or no threadpoolctl),
+    run every head of a sequence at once on the calling thread."""
+    workers = _workers()
+    units = batch * nheads_k
+    if flops < PARALLEL_MIN_FLOPS or workers == 1 or units < workers \
+            or not _ONE_BLAS_THREAD.available():
+        for z in range(batch):
+            fn(z, slice(0, nheads_k))
+        return
+    with _ONE_BLAS_THREAD, concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        running = [pool.submit(fn, z, slice(j, j + 1))
+                   for z in range(batch) for j in range(nheads_k)]
+        for r in running:
+            r.result()              # re-raises a unit's exception
+
+
+# --------------------------------------------------------------------------------------------
+# The FlashAttention algorithm, tile by tile
+# --------------------------------------------------------------------------------------------
 
 def tiled_forward(spec, q, k, v, slopes=None, block_q=BLOCK_Q, block_k=BLOCK_K, rng_state=None,
                   batch_offset=0):
     """FlashAttention forward on dense (b, s, h, d) inputs. Returns (out, lse).
 
-    One sequence at a time, all its heads at once: every step below is one batched operation
-    over (nheads_k, group) of (block_q, block_k) score tiles. Dropout (``spec.dropout_p``)
-    scales the probabilities that multiply V, not the row sums: the lse is the undropped one."""
+    Per sequence and key heads (with the query heads of their groups): every step below is one
+    batched operation over (key heads, group) of (block_q, block_k) score tiles. Dropout
+    (``spec.dropout_p``) scales the probabilities that multiply V, not the row sums: the lse
+    is the undropped one."""
     ct = np.float64 if q.dtype == np.float64 else np.float32
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -89,20 +185,23 @@ def tiled_forward(spec, q, k, v, slopes=None, block_q=BLOCK_Q, block_k=BLOCK_K, 
     vg = _grouped(v, hk, ct)
     out = np.zeros((b, hk, g, sq, d), ct)
     lse = np.full((b, hk, g, sq), -np.inf, ct)
-    for z in range(b):
-        sc = _Scores(spec, sq, sk, None if slopes is None else slopes[z].reshape(hk, g))
+
+    def attend(z, heads):                 # sequence z, key heads `heads`
+        sc = _Scores(spec, sq, sk, _group_slopes(slopes, z, hk, g, heads))
+        qz, kz, vz = qg[z, heads], kg[z, heads], vg[z, heads]
+        n = qz.shape[0]
         for r0 in range(0, sq, block_q):
             r1 = min(r0 + block_q, sq)
             rows = np.arange(r0, r1)
-            qi = qg[z, :, :, r0:r1]                          # (hk, g, rows, d)
-            m = np.full((hk, g, r1 - r0, 1), -np.inf, ct)   # running max of the scores
-            l = np.zeros((hk, g, r1 - r0, 1), ct)           # running sum of exp(score - m)
-            acc = np.zeros((hk, g, r1 - r0, d), ct)         # running, unnormalised output
+            qi = qz[:, :, r0:r1]                            # (n, g, rows, d)
+            m = np.full((n, g, r1 - r0, 1), -np.inf, ct)   # running max of the scores
+            l = np.zeros((n, g, r1 - r0, 1), ct)           # running sum of exp(score - m)
+            acc = np.zeros((n, g, r1 - r0, d), ct)         # running, unnormalised output
             for c0 in range(0, sk, block_k):
                 c1 = min(c0 + block_k, sk)
                 if not sc.block_visible(r0, r1, c0, c1):
                     continue                                 # hidden by the mask: skip, don't mask
-                kj, vj = kg[z, :, :, c0:c1], vg[z, :, :, c0:c1]
+                kj, vj = kz[:, :, c0:c1], vz[:, :, c0:c1]
                 s, _ = sc(qi @ kj.swapaxes(-1, -2), rows, np.arange(c0, c1))
                 m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
                 m_safe = _safe(m_new)
@@ -110,15 +209,17 @@ def tiled_forward(spec, q, k, v, slopes=None, block_q=BLOCK_Q, block_k=BLOCK_K, 
                 alpha = np.exp(m - m_safe)                   # rescales what was summed so far
                 l = alpha * l + p.sum(axis=-1, keepdims=True)
                 acc *= alpha
-                zf = _tile_dropout(spec, rng_state, batch_offset + z, hk, g, rows,
+                zf = _tile_dropout(spec, rng_state, batch_offset + z, heads, g, rows,
                                    np.arange(c0, c1), ct)
                 acc += (p if zf is None else p * zf) @ vj
                 m = m_new
             seen = l != 0   # NaN scores give NaN, not "saw nothing"
             with np.errstate(divide="ignore", invalid="ignore"):
-                out[z, :, :, r0:r1] = np.where(seen, acc / np.where(seen, l, 1), 0.0)
-                lse[z, :, :, r0:r1] = np.where(seen, m + np.log(np.where(seen, l, 1)),
-                                               -np.inf)[..., 0]
+                out[z, heads, :, r0:r1] = np.where(seen, acc / np.where(seen, l, 1), 0.0)
+                lse[z, heads, :, r0:r1] = np.where(seen, m + np.log(np.where(seen, l, 1)),
+                                                   -np.inf)[..., 0]
+
+    _for_each_unit(attend, b, hk, 4.0 * b * h * sq * sk * d)
     return _ungrouped(out).transpose(0, 2, 1, 3), _ungrouped(lse)
 
 
@@ -140,33 +241,40 @@ def tiled_backward(spec, dout, q, k, v, out, lse, slopes=None, block_q=BLOCK_Q, 
     dq = np.zeros((b, hk, g, sq, d), ct)
     dk = np.zeros((b, hk, sk, d), ct)
     dv = np.zeros((b, hk, sk, d), ct)
-    for z in range(b):
-        sc = _Scores(spec, sq, sk, None if slopes is None else slopes[z].reshape(hk, g))
+
+    def grads(z, heads):                  # sequence z, key heads `heads`
+        sc = _Scores(spec, sq, sk, _group_slopes(slopes, z, hk, g, heads))
+        qz, doz, kz, vz = qg[z, heads], dog[z, heads], kg[z, heads], vg[z, heads]
+        lz, Dz = lse_safe[z, heads], D[z, heads]
+        dqz, dkz, dvz = dq[z, heads], dk[z, heads], dv[z, heads]     # views: written in place
+        nk = qz.shape[0]
         for c0 in range(0, sk, block_k):                 # one key block: dK_j, dV_j stay "on chip"
             c1 = min(c0 + block_k, sk)
             cols = np.arange(c0, c1)
-            kj, vj = kg[z, :, :, c0:c1], vg[z, :, :, c0:c1]          # (hk, 1, cols, d)
+            kj, vj = kz[:, :, c0:c1], vz[:, :, c0:c1]               # (nk, 1, cols, d)
             for r0 in range(0, sq, block_q):
                 r1 = min(r0 + block_q, sq)
                 if not sc.block_visible(r0, r1, c0, c1):
                     continue
                 n = g * (r1 - r0)                        # rows of the group, merged
-                qi, doi = qg[z, :, :, r0:r1], dog[z, :, :, r0:r1]    # (hk, g, rows, d)
+                qi, doi = qz[:, :, r0:r1], doz[:, :, r0:r1]          # (nk, g, rows, d)
                 s, t = sc(qi @ kj.swapaxes(-1, -2), np.arange(r0, r1), cols)
-                p = np.exp(np.subtract(s, lse_safe[z, :, :, r0:r1, None], out=s), out=s)
-                zf = _tile_dropout(spec, rng_state, batch_offset + z, hk, g,
+                p = np.exp(np.subtract(s, lz[:, :, r0:r1, None], out=s), out=s)
+                zf = _tile_dropout(spec, rng_state, batch_offset + z, heads, g,
                                    np.arange(r0, r1), cols, ct)
                 pz = p if zf is None else p * zf
-                dv[z, :, c0:c1] += pz.reshape(hk, n, -1).swapaxes(-1, -2) @ doi.reshape(hk, n, d)
+                dvz[:, c0:c1] += pz.reshape(nk, n, -1).swapaxes(-1, -2) @ doi.reshape(nk, n, d)
                 dp = doi @ vj.swapaxes(-1, -2)
                 if zf is not None:
                     dp *= zf
-                ds = p * (dp - D[z, :, :, r0:r1, None])
+                ds = p * (dp - Dz[:, :, r0:r1, None])
                 if t is not None:
                     ds *= 1.0 - t * t
                 ds *= spec.softmax_scale
-                dk[z, :, c0:c1] += ds.reshape(hk, n, -1).swapaxes(-1, -2) @ qi.reshape(hk, n, d)
-                dq[z, :, :, r0:r1] += ds @ kj
+                dkz[:, c0:c1] += ds.reshape(nk, n, -1).swapaxes(-1, -2) @ qi.reshape(nk, n, d)
+                dqz[:, :, r0:r1] += ds @ kj
+
+    _for_each_unit(grads, b, hk, 10.0 * b * h * sq * sk * d)
     return (_ungrouped(dq).transpose(0, 2, 1, 3), dk.transpose(0, 2, 1, 3),
             dv.transpose(0, 2, 1, 3))
 
