@@ -256,3 +256,18 @@ def test_compare_names_the_holes_in_the_published_history(tmp_path):
     assert found == [hole2, hole1], (found, first)
     assert compare.holes(str(repo / "asv"), head, []) == []
     assert compare.holes(str(tmp_path), head, [measured]) == []   # not a repository: no answer
+
+
+def test_the_gpu_check_ends_with_the_asv_compare_and_shows_its_verdict():
+    """tests/gpu/check.sh runs asv_benchmarks/compare.sh on the commit under test, prints the
+    comparison's report (the changes beyond 5%, not the tail of asv's own table) and fails
+    when it fails."""
+    script = os.path.join(ROOT, "tests", "gpu", "check.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    text = open(script).read()
+    run = text.index("bash asv_benchmarks/compare.sh")
+    assert 'cat "$out/asv/compare.txt"' in text[run:]
+    assert "asv_rc=$?" in text[run:] and "asv_rc != 0" in text.splitlines()[-1]
+    # compare.sh writes that report where check.sh reads it
+    sh = open(os.path.join(ASV, "compare.sh")).read()
+    assert 'report="$OUT/asv/compare.txt"' in sh
