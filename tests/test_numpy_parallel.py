@@ -141,9 +141,15 @@ def test_without_threadpoolctl_the_units_run_on_the_calling_thread(monkeypatch):
 
 
 def test_small_calls_and_few_units_stay_on_the_calling_thread(monkeypatch):
+    """A small call: all heads at once on the calling thread, BLAS on one thread (its small
+    products only lose by BLAS's threads). A large one with fewer units than cores: the
+    calling thread too, BLAS's threads as they were (the only parallelism left)."""
     monkeypatch.setattr(nb, "_workers", lambda: 4)
+    before = blas_threads()
     ran = []
-    record = (lambda z, heads: ran.append((threading.get_ident(), heads)))
+    record = (lambda z, heads: ran.append((threading.get_ident(), heads, blas_threads())))
     nb._for_each_unit(record, 1, 8, nb.PARALLEL_MIN_FLOPS / 2)      # small
     nb._for_each_unit(record, 1, 2, nb.PARALLEL_MIN_FLOPS * 2)      # 2 units < 4 cores
-    assert ran == [(threading.get_ident(), slice(0, 8)), (threading.get_ident(), slice(0, 2))]
+    me = threading.get_ident()
+    assert ran == [(me, slice(0, 8), [1] * len(before)), (me, slice(0, 2), before)]
+    assert blas_threads() == before

@@ -13,12 +13,13 @@ Two paths compute the same function:
 The tiled path copies its inputs once into (batch, kv heads, group, seq, dim) order (the query
 heads that share a key head side by side: GQA without repeating K and V) and works on one
 sequence at a time with all its heads at once, in tiles of 256 x 256: each step is one batched
-NumPy operation and each product a BLAS-sized matrix multiply. A large call spreads its
-(sequence, key head) units over the CPU's cores instead, as the CUDA grid spreads its blocks
-over the SMs, with BLAS on one thread (threadpoolctl): the tiles of each unit are the same, in
-the same order, so the result is too. float16/bfloat16/float32 inputs are computed in float32,
-float64 in float64. Varlen batches are processed one sequence at a time. The oracle and the helpers every backend shares (``naive_*``, ``round_to_dtype``,
-``apply_rotary``) live in :mod:`flashcore.reference`: import them from there.
+NumPy operation and each product a BLAS-sized matrix multiply, with BLAS on one thread
+(threadpoolctl). A large call spreads its (sequence, key head) units over the CPU's cores, as
+the CUDA grid spreads its blocks over the SMs: the tiles of each unit are the same, in the
+same order, so the result is too. float16/bfloat16/float32 inputs are computed in float32,
+float64 in float64. Varlen batches are processed one sequence at a time. The oracle and the
+helpers every backend shares (``naive_*``, ``round_to_dtype``, ``apply_rotary``) live in
+:mod:`flashcore.reference`: import them from there.
 
 Decoding with a KV cache (``kvcache_forward``) is the same computation after two plain steps:
 the new keys and values (rotated, with rotary) are written into the cache in place, then the
@@ -89,17 +90,17 @@ def _group_slopes(slopes, z, hk, g, heads):
 # Over the CPU's cores: (sequence, key head) units, like the CUDA grid's blocks
 # --------------------------------------------------------------------------------------------
 
-#: Below this many floating-point operations (4·b·h·s_q·s_k·d) a call runs on the calling
-#: thread, all heads at once: a pool costs more than it saves.
-PARALLEL_MIN_FLOPS = 1e9
+#: From this many floating-point operations (4·b·h·s_q·s_k·d, a few ms of work) a call's units
+#: are spread over a thread pool; below it they run on the calling thread.
+PARALLEL_MIN_FLOPS = 1e8
 
 
 class _OneBlasThread:
-    """BLAS on one thread while a pool of units runs (process-wide, through threadpoolctl;
+    """BLAS on one thread while a call's tiles run (process-wide, through threadpoolctl;
     concurrent and nested users share one limit, the last one out restores the original).
 
-    The units themselves are the parallelism: NumPy releases the GIL in its matrix products
-    and element-wise loops. BLAS threading inside each tile's small product (256 x 256 x d)
+    The units are the parallelism: NumPy releases the GIL in its matrix products and
+    element-wise loops. BLAS threading inside each tile's small product (256 x 256 x d)
     instead synchronises its threads once per product: thousands of times a call, and on a
     machine whose cores are busy each synchronisation waits for a descheduled thread (measured
     5-9x slower than one thread on a loaded 2-core machine)."""
@@ -145,23 +146,33 @@ def _workers() -> int:
 def _for_each_unit(fn, batch, nheads_k, flops):
     """Run ``fn(z, heads)`` over every sequence z, ``heads`` a slice of the key heads (their
     query heads come with them). The units write disjoint parts of the outputs and each runs
-    its tiles in order: however the pool schedules them, a call gives the same bits run after
-    run (``deterministic`` holds), the bits of the same tiles run one after another with BLAS
-    on one thread. Large calls spread one key head per unit over a thread pool with BLAS on
-    one thread; small ones, or where there are fewer units than cores (or no threadpoolctl),
-    run every head of a sequence at once on the calling thread."""
+    its tiles in order: however they are scheduled, a call gives the same bits run after run
+    (``deterministic`` holds).
+
+    * A large call with at least one unit per core: one key head per unit, over a thread pool
+      of one worker per core, BLAS on one thread.
+    * A small call: every head of a sequence at once on the calling thread, BLAS on one thread
+      (its small products gain nothing from BLAS's threads and lose much on a busy machine).
+    * A large call with fewer units than cores (or no threadpoolctl): every head of a sequence
+      at once on the calling thread, with BLAS's threads as they are: the products' own
+      threads are then the only parallelism there is."""
     workers = _workers()
     units = batch * nheads_k
-    if flops < PARALLEL_MIN_FLOPS or workers == 1 or units < workers \
-            or not _ONE_BLAS_THREAD.available():
+    large = flops >= PARALLEL_MIN_FLOPS and workers > 1
+    if not _ONE_BLAS_THREAD.available() or (large and units < workers):
         for z in range(batch):
             fn(z, slice(0, nheads_k))
         return
-    with _ONE_BLAS_THREAD, concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        running = [pool.submit(fn, z, slice(j, j + 1))
-                   for z in range(batch) for j in range(nheads_k)]
-        for r in running:
-            r.result()              # re-raises a unit's exception
+    with _ONE_BLAS_THREAD:
+        if not large:
+            for z in range(batch):
+                fn(z, slice(0, nheads_k))
+            return
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            running = [pool.submit(fn, z, slice(j, j + 1))
+                       for z in range(batch) for j in range(nheads_k)]
+            for r in running:
+                r.result()              # re-raises a unit's exception
 
 
 # --------------------------------------------------------------------------------------------
