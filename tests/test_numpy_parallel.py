@@ -108,14 +108,47 @@ def test_blas_threads_restored_after_overlapping_calls(spread):
         except Exception as e:       # pragma: no cover (reported below)
             errors.append(e)
 
-    threads = [threading.Thread(target=call) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    for _ in range(20):              # the last one out differs from round to round
+        threads = [threading.Thread(target=call) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert blas_threads() == before
     assert spread["blas"] == {1}
-    assert blas_threads() == before
+
+
+def test_the_limit_is_restored_by_a_thread_other_than_the_one_that_set_it():
+    """One thread sets the limit and is still alive when another leaves last: the other's
+    restore must take effect (threadpoolctl 3.8 ignores a pthreads OpenBLAS's changes from any
+    thread but the one in control)."""
+    limit = nb._OneBlasThread()
+    before = blas_threads()
+    entered, leave, left, done = (threading.Event() for _ in range(4))
+
+    def first():
+        with limit:
+            entered.set()
+            leave.wait(10)
+        left.set()
+        done.wait(10)                 # alive while the main thread restores
+
+    t = threading.Thread(target=first)
+    t.start()
+    try:
+        assert entered.wait(10)
+        limit.__enter__()
+        assert blas_threads() == [1] * len(before)
+        leave.set()
+        assert left.wait(10)
+        limit.__exit__(None, None, None)          # the last one out, not the one that set it
+        assert t.is_alive()
+        assert blas_threads() == before
+    finally:
+        leave.set()
+        done.set()
+        t.join()
 
 
 def test_an_error_in_a_unit_reaches_the_caller_and_restores_blas(spread, monkeypatch):

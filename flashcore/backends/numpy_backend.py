@@ -121,7 +121,8 @@ class _OneBlasThread:
                 if self._controller is None:
                     from threadpoolctl import ThreadpoolController
                     self._controller = ThreadpoolController()
-                self._limited = self._controller.limit(limits=1, user_api="blas")
+                self._limited = self._in_control(
+                    lambda: self._controller.limit(limits=1, user_api="blas"))
             self._users += 1
         return self
 
@@ -129,8 +130,24 @@ class _OneBlasThread:
         with self._lock:
             self._users -= 1
             if self._users == 0:
-                self._limited.restore_original_limits()
+                self._in_control(self._limited.restore_original_limits)
                 self._limited = None
+
+    def _in_control(self, action):
+        """action() as the thread in control of the BLAS libraries' thread counts. threadpoolctl
+        (3.8) lets one thread at a time change a pthreads OpenBLAS's count and silently ignores
+        the others: a limit set by one caller would then never be restored by the last one out
+        (another thread). The changes are serialised by our lock; control is taken for the
+        change and given up after it."""
+        clears = [c.clear_controlling_thread for c in self._controller.lib_controllers
+                  if hasattr(c, "clear_controlling_thread")]
+        for clear in clears:
+            clear(force=True)
+        try:
+            return action()
+        finally:
+            for clear in clears:
+                clear()
 
 
 _ONE_BLAS_THREAD = _OneBlasThread()
