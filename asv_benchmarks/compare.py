@@ -8,6 +8,9 @@ every parameter combination in it, the baseline is the value in the newest resul
 date) that git tracks, other than the commit's own, and that has that benchmark. Changes beyond
 ``factor`` are printed; a change for the worse is a regression, and so is a figure that the
 baseline had and this run lost (failed or skipped). Exits 1 on any regression, else 0.
+It also names the holes in the published history: the commits since the oldest committed
+result that change the kernels or backends (``CODE_PATHS``) and have no committed results
+(information, not a failure: a past commit cannot be measured with today's tree).
 
 Which way is worse comes from the benchmark's unit (results/benchmarks.json): ratio, TFLOP/s
 and TB/s are better higher; times, microseconds and bytes are better lower. (``asv compare``
@@ -28,6 +31,9 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HIGHER_IS_BETTER = {"ratio", "TFLOP/s", "TB/s", "GB/s", "GFLOP/s"}
+#: where a change can move the figures: a commit that touches these and has no committed
+#: results is a hole in the published history
+CODE_PATHS = ("cuda", "flashcore/kernels", "flashcore/backends")
 
 
 def load(path):
@@ -113,6 +119,25 @@ def compare(new, baselines, unit_of, factor, bench=None):
     return regressions, improvements, missing
 
 
+def holes(repo, commit, result_commits, paths=CODE_PATHS):
+    """Commits up to ``commit``, after the oldest of ``result_commits`` in its history, that
+    change ``paths`` and have no results (newest first; ``commit`` itself left out: its results
+    are this run's). [] when git cannot tell (a copied checkout without history)."""
+    def git(*args):
+        return subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True,
+                              check=True).stdout.split()
+    try:
+        history = git("rev-list", commit)               # newest first
+        measured = {c for c in history if any(c.startswith(r) for r in result_commits)}
+        if not measured:
+            return []
+        oldest = [c for c in history if c in measured][-1]
+        changed = git("rev-list", f"{oldest}..{commit}", "--", *(f":(top){p}" for p in paths))
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return [c for c in changed if c not in measured and c != history[0]]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--machine", default=os.environ.get("ASV_MACHINE", "nvidia-h200"))
@@ -154,6 +179,11 @@ def main(argv=None):
     compared = sum(1 for n in new if n not in missing and (not a.bench or re.search(a.bench, n)))
     print(f"compare: {len(regressions)} regression(s), {len(improvements)} improvement(s) "
           f"beyond {a.factor:g}x over {compared} benchmark(s) with a baseline")
+    gaps = holes(HERE, commit, [b[2] for b in baselines if b[2]])
+    if gaps:
+        print(f"compare: {len(gaps)} commit(s) since the oldest committed result change "
+              f"{', '.join(CODE_PATHS)} and have no committed results (holes in the published "
+              f"history): {' '.join(c[:8] for c in gaps[:20])}{' ...' if len(gaps) > 20 else ''}")
     return 1 if regressions else 0
 
 

@@ -10,9 +10,9 @@
 # goes to "$out/asv_compare.txt" and into the summary):
 #
 #     OUT="$out" bash asv_benchmarks/compare.sh > "$out/asv_compare.txt" 2>&1; asv_rc=$?
-#     tail -15 "$out/asv_compare.txt"
+#     cat "$out/asv/compare.txt"          # the verdict (the log ends with asv's own table)
 #
-# and count asv_rc != 0 as a failure in its exit status. Run from anywhere in the checkout:
+# and count asv_rc != 0 as a failure in its exit status (check.sh does both). Run from anywhere in the checkout:
 #
 #     bash asv_benchmarks/compare.sh                       # the default groups
 #     ASV_COMPARE_GROUPS='DecodeWallClock' bash asv_benchmarks/compare.sh

@@ -36,6 +36,7 @@ from ._arrays import library_of
 from .backends import torch_ops   # (imports no torch: the torch route, bound once)
 from .backends.base import all_backends, choose, choose_kvcache
 from .kernels import plans
+from .reference import merge_states
 from .spec import (_scalar_key, as_flag, backward_spec, check_outputs, forward_spec,
                    kvcache_spec, lse_shape, merge_spec, out_fp32)
 
@@ -478,18 +479,7 @@ def merge_attention_states(outs, lses):
         import cupy as xp
     else:
         import numpy as xp
-    ct = xp.float64 if xp.float64 in (outs[0].dtype, lses[0].dtype) else xp.float32
-    L = xp.stack([xp.asarray(x).astype(ct) for x in lses])             # (n, ..., h, s)
-    m = L.max(axis=0)
-    m = xp.where(xp.isneginf(m), 0, m).astype(ct)
-    ssum = xp.exp(L - m).sum(axis=0)
-    lse = xp.where(ssum > 0, m + xp.log(xp.where(ssum > 0, ssum, 1)), -xp.inf).astype(ct)
-    w = xp.exp(L - xp.where(xp.isneginf(lse), 0, lse))
-    # a part with weight 0 contributes nothing, even if its out holds NaN/garbage
-    out = sum(xp.where(xp.swapaxes(wi > 0, -1, -2)[..., None],
-                       xp.swapaxes(wi, -1, -2)[..., None] * o.astype(ct), 0)
-              for wi, o in zip(w, outs))
-    return out.astype(outs[0].dtype), lse
+    return merge_states(outs, lses, xp)
 
 
 def available_backends() -> dict[str, str | None]:

@@ -4,8 +4,9 @@
   every other result (the tiled NumPy path, the CUDA kernels) is judged against.
 * ``round_to_dtype`` emulates a computation carried out in float16 / bfloat16 (the second
   reference of the flash-attn correctness rule).
-* ``apply_rotary`` is the rotary embedding of the KV-cache path, written once for any array
-  namespace (``xp``: NumPy or CuPy).
+* ``apply_rotary`` is the rotary embedding of the KV-cache path, and ``merge_states`` the
+  merge of partial results through their log-sum-exp (split-KV's combine step), each written
+  once for any array namespace (``xp``: NumPy or CuPy).
 * ``_Scores`` turns a block of Q·Kᵀ into the final, masked scores: scale, softcap, ALiBi and
   the causal / sliding-window mask, the conventions of docs/how-it-works.md in one place.
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["naive_forward", "naive_backward", "round_to_dtype", "apply_rotary"]
+__all__ = ["naive_forward", "naive_backward", "round_to_dtype", "apply_rotary", "merge_states"]
 
 
 def round_to_dtype(x: np.ndarray, dtype: str | None) -> np.ndarray:
@@ -248,6 +249,25 @@ def apply_rotary(x, cos, sin, positions, interleaved, xp=np):
 # --------------------------------------------------------------------------------------------
 
 S_DMASK_BLOCK = 128   # key-block width of the encoding (the conformance shim's _get_block_size_n)
+
+
+def merge_states(outs, lses, xp=np):
+    """``(out, lse)`` of the attention over the union of the key sets of the partial results
+    ``outs[i]`` (..., s, h, d) and ``lses[i]`` (..., h, s), validated beforehand (see
+    :func:`flashcore.merge_attention_states`, which documents the rule). Computed in float32
+    (float64 when an input is float64); out in the dtype of ``outs``. ``xp``: NumPy or CuPy."""
+    ct = xp.float64 if xp.float64 in (outs[0].dtype, lses[0].dtype) else xp.float32
+    L = xp.stack([xp.asarray(x).astype(ct) for x in lses])             # (n, ..., h, s)
+    m = L.max(axis=0)
+    m = xp.where(xp.isneginf(m), 0, m).astype(ct)
+    ssum = xp.exp(L - m).sum(axis=0)
+    lse = xp.where(ssum > 0, m + xp.log(xp.where(ssum > 0, ssum, 1)), -xp.inf).astype(ct)
+    w = xp.exp(L - xp.where(xp.isneginf(lse), 0, lse))
+    # a part with weight 0 contributes nothing, even if its out holds NaN/garbage
+    out = sum(xp.where(xp.swapaxes(wi > 0, -1, -2)[..., None],
+                       xp.swapaxes(wi, -1, -2)[..., None] * o.astype(ct), 0)
+              for wi, o in zip(w, outs))
+    return out.astype(outs[0].dtype), lse
 
 
 def attn_probs_dmask(spec, q, k, slopes=None, rng_state=None, batch_offset=0,

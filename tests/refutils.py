@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashcore.backends.numpy_backend import naive_backward, naive_forward
+from flashcore.reference import naive_backward, naive_forward
 from flashcore.spec import forward_spec
 
 
@@ -70,7 +70,7 @@ def to_dev(x32, dtype):
 
 def quantize(x32, dtype):
     """The values a ``dtype`` array holds, as float32 on the host."""
-    from flashcore.backends.numpy_backend import round_to_dtype
+    from flashcore.reference import round_to_dtype
     return round_to_dtype(x32, dtype).astype(np.float32)
 
 

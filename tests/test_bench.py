@@ -217,3 +217,57 @@ def test_compare_sh_parses_and_its_groups_name_benchmarks(suite):
              for meth in dir(cls) if meth.startswith(("time_", "track_"))]
     for g in groups:
         assert any(re.search(g, n) for n in names), (g, names)
+
+
+def test_compare_names_the_holes_in_the_published_history(tmp_path):
+    """compare.holes: the commits after the oldest one with results that change the kernels or
+    backends and have no results; docs-only commits and commits with results are no holes."""
+    sys.path.insert(0, ASV)
+    try:
+        compare = importlib.import_module("compare")
+    finally:
+        sys.path.remove(ASV)
+    repo = tmp_path / "repo"
+    (repo / "asv").mkdir(parents=True)
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+               GIT_COMMITTER_EMAIL="t@t")
+
+    def git(*a):
+        return subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True,
+                              text=True, env=env).stdout.strip()
+
+    def commit(path, text):
+        f = repo / path
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+        git("add", "-A")
+        git("commit", "-q", "-m", path)
+        return git("rev-parse", "HEAD")
+
+    git("init", "-q")
+    first = commit("cuda/a.cu", "1")                          # before any result: no hole
+    measured = commit("flashcore/kernels/k.py", "1")          # has results
+    hole1 = commit("flashcore/backends/b.py", "1")
+    commit("docs/x.md", "1")                                  # docs only: no hole
+    measured2 = commit("cuda/a.cu", "2")                      # has results
+    hole2 = commit("cuda/a.cu", "3")
+    head = commit("flashcore/kernels/k.py", "2")              # the commit under test
+    found = compare.holes(str(repo / "asv"), head, [measured, measured2[:8]])
+    assert found == [hole2, hole1], (found, first)
+    assert compare.holes(str(repo / "asv"), head, []) == []
+    assert compare.holes(str(tmp_path), head, [measured]) == []   # not a repository: no answer
+
+
+def test_the_gpu_check_ends_with_the_asv_compare_and_shows_its_verdict():
+    """tests/gpu/check.sh runs asv_benchmarks/compare.sh on the commit under test, prints the
+    comparison's report (the changes beyond 5%, not the tail of asv's own table) and fails
+    when it fails."""
+    script = os.path.join(ROOT, "tests", "gpu", "check.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    text = open(script).read()
+    run = text.index("bash asv_benchmarks/compare.sh")
+    assert 'cat "$out/asv/compare.txt"' in text[run:]
+    assert "asv_rc=$?" in text[run:] and "asv_rc != 0" in text.splitlines()[-1]
+    # compare.sh writes that report where check.sh reads it
+    sh = open(os.path.join(ASV, "compare.sh")).read()
+    assert 'report="$OUT/asv/compare.txt"' in sh

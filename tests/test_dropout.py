@@ -7,7 +7,7 @@ import pytest
 
 import flashcore
 from flashcore import dropout as D
-from flashcore.backends.numpy_backend import naive_backward, naive_forward
+from flashcore.reference import naive_backward, naive_forward
 from flashcore.spec import forward_spec
 
 

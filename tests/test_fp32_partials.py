@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import flashcore
-from flashcore.backends.numpy_backend import round_to_dtype
+from flashcore.reference import round_to_dtype
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is not installed")
 

@@ -683,7 +683,7 @@ def test_torch_inference_mode():
                                   "causal_more_queries_than_keys"])
 def test_cupy_against_reference(dtype, layout, case):
     import cupy
-    from flashcore.backends.numpy_backend import round_to_dtype
+    from flashcore.reference import round_to_dtype
     c = dict(CASES[case])
     kw = dict(c.pop("kw", {}))
     alibi = c.pop("alibi", None)

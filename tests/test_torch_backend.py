@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip insta
 
 import flashcore  # noqa: E402
 from flashcore.backends import get_backend  # noqa: E402
-from flashcore.backends.numpy_backend import naive_backward, naive_forward  # noqa: E402
+from flashcore.reference import naive_backward, naive_forward  # noqa: E402
 from flashcore.backends.torch_ops import DOUBLE_BACKWARD_MESSAGE, torch_ops  # noqa: E402
 from flashcore.spec import forward_spec  # noqa: E402
 

@@ -1,5 +1,6 @@
 """flashcore as a transformers attention implementation: a tiny random Llama, no downloads."""
 import copy
+import inspect
 
 import pytest
 
@@ -241,13 +242,16 @@ def test_decoding_after_a_right_padded_prompt_matches_sdpa(name):
     mask[1, 4:] = 0
     outs = {}
     for tag, model in (("ours", ours), ("ref", ref)):
-        cache = transformers.DynamicCache()
-        r = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        # the cache's argument and output: "cache" since transformers renamed
+        # "past_key_values" (the old name warns that it goes away)
+        kw = ("cache" if "cache" in inspect.signature(model.forward).parameters
+              else "past_key_values")
+        r = model(ids, attention_mask=mask, use_cache=True, **{kw: transformers.DynamicCache()})
         logits = [r.logits[mask.bool()]]
         m, tok = mask, torch.tensor([[5], [6]])
         for _ in range(3):
             m = torch.cat([m, torch.ones(2, 1, dtype=torch.long)], dim=1)
-            r = model(tok, attention_mask=m, past_key_values=r.past_key_values, use_cache=True)
+            r = model(tok, attention_mask=m, use_cache=True, **{kw: getattr(r, kw)})
             logits.append(r.logits[:, -1])
             tok = tok + 1
         outs[tag] = logits

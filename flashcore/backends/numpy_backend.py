@@ -13,10 +13,13 @@ Two paths compute the same function:
 The tiled path copies its inputs once into (batch, kv heads, group, seq, dim) order (the query
 heads that share a key head side by side: GQA without repeating K and V) and works on one
 sequence at a time with all its heads at once, in tiles of 256 x 256: each step is one batched
-NumPy operation and each product a BLAS-sized matrix multiply. float16/bfloat16/float32 inputs
-are computed in float32, float64 in float64. Varlen batches are processed one sequence at a
-time. The oracle and the helpers every backend shares (``naive_*``, ``round_to_dtype``,
-``apply_rotary``) live in :mod:`flashcore.reference` and are re-exported here.
+NumPy operation and each product a BLAS-sized matrix multiply, with BLAS on one thread
+(threadpoolctl). A large call spreads its (sequence, key head) units over the CPU's cores, as
+the CUDA grid spreads its blocks over the SMs: the tiles of each unit are the same, in the
+same order, so the result is too. float16/bfloat16/float32 inputs are computed in float32,
+float64 in float64. Varlen batches are processed one sequence at a time. The oracle and the
+helpers every backend shares (``naive_*``, ``round_to_dtype``, ``apply_rotary``) live in
+:mod:`flashcore.reference`: import them from there.
 
 Decoding with a KV cache (``kvcache_forward``) is the same computation after two plain steps:
 the new keys and values (rotated, with rotary) are written into the cache in place, then the
@@ -25,24 +28,26 @@ table) and attended one sequence at a time.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import importlib.util
+import os
+import threading
 
 import numpy as np
 
-from ..reference import (  # noqa: F401  (re-exported: tests and the CuPy backend import them here)
-    _bhsd, _expand_kv, _safe, _Scores, _slopes_for, apply_rotary, naive_backward,
-    naive_forward, round_to_dtype)
+from ..reference import (_bhsd, _expand_kv, _safe, _Scores, _slopes_for, apply_rotary,
+                         merge_states, naive_backward, naive_forward)
 from .base import Backend, register
 
 __all__ = [
-    "NumpyBackend", "naive_forward", "naive_backward", "tiled_forward", "tiled_backward",
-    "round_to_dtype", "apply_rotary", "kvcache_append", "kvcache_gather", "kvcache_forward",
-    "partial_forward",
+    "NumpyBackend", "tiled_forward", "tiled_backward", "kvcache_append", "kvcache_gather",
+    "kvcache_forward", "partial_forward", "paged_gather",
 ]
 
 
 # --------------------------------------------------------------------------------------------
-# The FlashAttention algorithm, tile by tile
+# Tiles and their pieces
 # --------------------------------------------------------------------------------------------
 
 #: Tile sizes of the NumPy path: large enough that each product is a BLAS-sized matrix
@@ -66,22 +71,139 @@ def _ungrouped(x):   # (b, hk, group, s, ...) -> (b, h, s, ...)
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
 
-def _tile_dropout(spec, rng_state, z, hk, g, rows, cols, ct):
-    """Dropout factors of one (hk, g, rows, cols) tile of sequence z (None without dropout)."""
+def _tile_dropout(spec, rng_state, z, heads, g, rows, cols, ct):
+    """Dropout factors of one (key heads, g, rows, cols) tile of sequence z, ``heads`` a slice
+    of the key heads (None without dropout)."""
     if not spec.dropout_p:
         return None
     from ..dropout import factors
-    return factors(rng_state, spec.dropout_p, z * spec.nheads + np.arange(hk * g).reshape(hk, g),
-                   rows, cols, ct)
+    bh = z * spec.nheads + np.arange(heads.start * g, heads.stop * g).reshape(-1, g)
+    return factors(rng_state, spec.dropout_p, bh, rows, cols, ct)
 
+
+def _group_slopes(slopes, z, hk, g, heads):
+    """ALiBi slopes of sequence z's key heads ``heads``, (key heads, g), or None."""
+    return None if slopes is None else np.asarray(slopes[z]).reshape(hk, g)[heads]
+
+
+# --------------------------------------------------------------------------------------------
+# Over the CPU's cores: (sequence, key head) units, like the CUDA grid's blocks
+# --------------------------------------------------------------------------------------------
+
+#: From this many floating-point operations (4·b·h·s_q·s_k·d, a few ms of work) a call's units
+#: are spread over a thread pool; below it they run on the calling thread.
+PARALLEL_MIN_FLOPS = 1e8
+
+
+class _OneBlasThread:
+    """BLAS on one thread while a call's tiles run (process-wide, through threadpoolctl;
+    concurrent and nested users share one limit, the last one out restores the original).
+
+    The units are the parallelism: NumPy releases the GIL in its matrix products and
+    element-wise loops. BLAS threading inside each tile's small product (256 x 256 x d)
+    instead synchronises its threads once per product: thousands of times a call, and on a
+    machine whose cores are busy each synchronisation waits for a descheduled thread (measured
+    5-9x slower than one thread on a loaded 2-core machine)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._users = 0
+        self._controller = None
+        self._limited = None
+
+    @staticmethod
+    def available() -> bool:
+        return importlib.util.find_spec("threadpoolctl") is not None
+
+    def __enter__(self):
+        with self._lock:
+            if self._users == 0:
+                if self._controller is None:
+                    from threadpoolctl import ThreadpoolController
+                    self._controller = ThreadpoolController()
+                self._limited = self._in_control(
+                    lambda: self._controller.limit(limits=1, user_api="blas"))
+            self._users += 1
+        return self
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                self._in_control(self._limited.restore_original_limits)
+                self._limited = None
+
+    def _in_control(self, action):
+        """action() as the thread in control of the BLAS libraries' thread counts. threadpoolctl
+        (3.8) lets one thread at a time change a pthreads OpenBLAS's count and silently ignores
+        the others: a limit set by one caller would then never be restored by the last one out
+        (another thread). The changes are serialised by our lock; control is taken for the
+        change and given up after it."""
+        clears = [c.clear_controlling_thread for c in self._controller.lib_controllers
+                  if hasattr(c, "clear_controlling_thread")]
+        for clear in clears:
+            clear(force=True)
+        try:
+            return action()
+        finally:
+            for clear in clears:
+                clear()
+
+
+_ONE_BLAS_THREAD = _OneBlasThread()
+
+
+def _workers() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _for_each_unit(fn, batch, nheads_k, flops):
+    """Run ``fn(z, heads)`` over every sequence z, ``heads`` a slice of the key heads (their
+    query heads come with them). The units write disjoint parts of the outputs and each runs
+    its tiles in order: however they are scheduled, a call gives the same bits run after run
+    (``deterministic`` holds).
+
+    * A large call with at least one unit per core: one key head per unit, over a thread pool
+      of one worker per core, BLAS on one thread.
+    * A small call: every head of a sequence at once on the calling thread, BLAS on one thread
+      (its small products gain nothing from BLAS's threads and lose much on a busy machine).
+    * A large call with fewer units than cores (or no threadpoolctl): every head of a sequence
+      at once on the calling thread, with BLAS's threads as they are: the products' own
+      threads are then the only parallelism there is."""
+    workers = _workers()
+    units = batch * nheads_k
+    large = flops >= PARALLEL_MIN_FLOPS and workers > 1
+    if not _ONE_BLAS_THREAD.available() or (large and units < workers):
+        for z in range(batch):
+            fn(z, slice(0, nheads_k))
+        return
+    with _ONE_BLAS_THREAD:
+        if not large:
+            for z in range(batch):
+                fn(z, slice(0, nheads_k))
+            return
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            running = [pool.submit(fn, z, slice(j, j + 1))
+                       for z in range(batch) for j in range(nheads_k)]
+            for r in running:
+                r.result()              # re-raises a unit's exception
+
+
+# --------------------------------------------------------------------------------------------
+# The FlashAttention algorithm, tile by tile
+# --------------------------------------------------------------------------------------------
 
 def tiled_forward(spec, q, k, v, slopes=None, block_q=BLOCK_Q, block_k=BLOCK_K, rng_state=None,
                   batch_offset=0):
     """FlashAttention forward on dense (b, s, h, d) inputs. Returns (out, lse).
 
-    One sequence at a time, all its heads at once: every step below is one batched operation
-    over (nheads_k, group) of (block_q, block_k) score tiles. Dropout (``spec.dropout_p``)
-    scales the probabilities that multiply V, not the row sums: the lse is the undropped one."""
+    Per sequence and key heads (with the query heads of their groups): every step below is one
+    batched operation over (key heads, group) of (block_q, block_k) score tiles. Dropout
+    (``spec.dropout_p``) scales the probabilities that multiply V, not the row sums: the lse
+    is the undropped one."""
     ct = np.float64 if q.dtype == np.float64 else np.float32
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -91,20 +213,23 @@ def tiled_forward(spec, q, k, v, slopes=None, block_q=BLOCK_Q, block_k=BLOCK_K, 
     vg = _grouped(v, hk, ct)
     out = np.zeros((b, hk, g, sq, d), ct)
     lse = np.full((b, hk, g, sq), -np.inf, ct)
-    for z in range(b):
-        sc = _Scores(spec, sq, sk, None if slopes is None else slopes[z].reshape(hk, g))
+
+    def attend(z, heads):                 # sequence z, key heads `heads`
+        sc = _Scores(spec, sq, sk, _group_slopes(slopes, z, hk, g, heads))
+        qz, kz, vz = qg[z, heads], kg[z, heads], vg[z, heads]
+        n = qz.shape[0]
         for r0 in range(0, sq, block_q):
             r1 = min(r0 + block_q, sq)
             rows = np.arange(r0, r1)
-            qi = qg[z, :, :, r0:r1]                          # (hk, g, rows, d)
-            m = np.full((hk, g, r1 - r0, 1), -np.inf, ct)   # running max of the scores
-            l = np.zeros((hk, g, r1 - r0, 1), ct)           # running sum of exp(score - m)
-            acc = np.zeros((hk, g, r1 - r0, d), ct)         # running, unnormalised output
+            qi = qz[:, :, r0:r1]                            # (n, g, rows, d)
+            m = np.full((n, g, r1 - r0, 1), -np.inf, ct)   # running max of the scores
+            l = np.zeros((n, g, r1 - r0, 1), ct)           # running sum of exp(score - m)
+            acc = np.zeros((n, g, r1 - r0, d), ct)         # running, unnormalised output
             for c0 in range(0, sk, block_k):
                 c1 = min(c0 + block_k, sk)
                 if not sc.block_visible(r0, r1, c0, c1):
                     continue                                 # hidden by the mask: skip, don't mask
-                kj, vj = kg[z, :, :, c0:c1], vg[z, :, :, c0:c1]
+                kj, vj = kz[:, :, c0:c1], vz[:, :, c0:c1]
                 s, _ = sc(qi @ kj.swapaxes(-1, -2), rows, np.arange(c0, c1))
                 m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
                 m_safe = _safe(m_new)
@@ -112,15 +237,17 @@ def tiled_forward(spec, q, k, v, slopes=None, block_q=BLOCK_Q, block_k=BLOCK_K, 
                 alpha = np.exp(m - m_safe)                   # rescales what was summed so far
                 l = alpha * l + p.sum(axis=-1, keepdims=True)
                 acc *= alpha
-                zf = _tile_dropout(spec, rng_state, batch_offset + z, hk, g, rows,
+                zf = _tile_dropout(spec, rng_state, batch_offset + z, heads, g, rows,
                                    np.arange(c0, c1), ct)
                 acc += (p if zf is None else p * zf) @ vj
                 m = m_new
             seen = l != 0   # NaN scores give NaN, not "saw nothing"
             with np.errstate(divide="ignore", invalid="ignore"):
-                out[z, :, :, r0:r1] = np.where(seen, acc / np.where(seen, l, 1), 0.0)
-                lse[z, :, :, r0:r1] = np.where(seen, m + np.log(np.where(seen, l, 1)),
-                                               -np.inf)[..., 0]
+                out[z, heads, :, r0:r1] = np.where(seen, acc / np.where(seen, l, 1), 0.0)
+                lse[z, heads, :, r0:r1] = np.where(seen, m + np.log(np.where(seen, l, 1)),
+                                                   -np.inf)[..., 0]
+
+    _for_each_unit(attend, b, hk, 4.0 * b * h * sq * sk * d)
     return _ungrouped(out).transpose(0, 2, 1, 3), _ungrouped(lse)
 
 
@@ -142,33 +269,40 @@ def tiled_backward(spec, dout, q, k, v, out, lse, slopes=None, block_q=BLOCK_Q, 
     dq = np.zeros((b, hk, g, sq, d), ct)
     dk = np.zeros((b, hk, sk, d), ct)
     dv = np.zeros((b, hk, sk, d), ct)
-    for z in range(b):
-        sc = _Scores(spec, sq, sk, None if slopes is None else slopes[z].reshape(hk, g))
+
+    def grads(z, heads):                  # sequence z, key heads `heads`
+        sc = _Scores(spec, sq, sk, _group_slopes(slopes, z, hk, g, heads))
+        qz, doz, kz, vz = qg[z, heads], dog[z, heads], kg[z, heads], vg[z, heads]
+        lz, Dz = lse_safe[z, heads], D[z, heads]
+        dqz, dkz, dvz = dq[z, heads], dk[z, heads], dv[z, heads]     # views: written in place
+        nk = qz.shape[0]
         for c0 in range(0, sk, block_k):                 # one key block: dK_j, dV_j stay "on chip"
             c1 = min(c0 + block_k, sk)
             cols = np.arange(c0, c1)
-            kj, vj = kg[z, :, :, c0:c1], vg[z, :, :, c0:c1]          # (hk, 1, cols, d)
+            kj, vj = kz[:, :, c0:c1], vz[:, :, c0:c1]               # (nk, 1, cols, d)
             for r0 in range(0, sq, block_q):
                 r1 = min(r0 + block_q, sq)
                 if not sc.block_visible(r0, r1, c0, c1):
                     continue
                 n = g * (r1 - r0)                        # rows of the group, merged
-                qi, doi = qg[z, :, :, r0:r1], dog[z, :, :, r0:r1]    # (hk, g, rows, d)
+                qi, doi = qz[:, :, r0:r1], doz[:, :, r0:r1]          # (nk, g, rows, d)
                 s, t = sc(qi @ kj.swapaxes(-1, -2), np.arange(r0, r1), cols)
-                p = np.exp(np.subtract(s, lse_safe[z, :, :, r0:r1, None], out=s), out=s)
-                zf = _tile_dropout(spec, rng_state, batch_offset + z, hk, g,
+                p = np.exp(np.subtract(s, lz[:, :, r0:r1, None], out=s), out=s)
+                zf = _tile_dropout(spec, rng_state, batch_offset + z, heads, g,
                                    np.arange(r0, r1), cols, ct)
                 pz = p if zf is None else p * zf
-                dv[z, :, c0:c1] += pz.reshape(hk, n, -1).swapaxes(-1, -2) @ doi.reshape(hk, n, d)
+                dvz[:, c0:c1] += pz.reshape(nk, n, -1).swapaxes(-1, -2) @ doi.reshape(nk, n, d)
                 dp = doi @ vj.swapaxes(-1, -2)
                 if zf is not None:
                     dp *= zf
-                ds = p * (dp - D[z, :, :, r0:r1, None])
+                ds = p * (dp - Dz[:, :, r0:r1, None])
                 if t is not None:
                     ds *= 1.0 - t * t
                 ds *= spec.softmax_scale
-                dk[z, :, c0:c1] += ds.reshape(hk, n, -1).swapaxes(-1, -2) @ qi.reshape(hk, n, d)
-                dq[z, :, :, r0:r1] += ds @ kj
+                dkz[:, c0:c1] += ds.reshape(nk, n, -1).swapaxes(-1, -2) @ qi.reshape(nk, n, d)
+                dqz[:, :, r0:r1] += ds @ kj
+
+    _for_each_unit(grads, b, hk, 10.0 * b * h * sq * sk * d)
     return (_ungrouped(dq).transpose(0, 2, 1, 3), dk.transpose(0, 2, 1, 3),
             dv.transpose(0, 2, 1, 3))
 
@@ -271,11 +405,10 @@ def kvcache_forward(spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
         n -= first
         slopes = _slopes_for(a, alibi_slopes, b)
         if spec.num_splits > 1 and n:
-            from ..api import merge_attention_states
             step = -(-n // spec.num_splits)
             parts = [partial_forward(a, q[b:b + 1], kb, vb, slopes, c0, min(c0 + step, n))
                      for c0 in range(0, n, step)]
-            o, l = merge_attention_states([p[0] for p in parts], [p[1] for p in parts])
+            o, l = merge_states([p[0] for p in parts], [p[1] for p in parts])
         else:
             o, l = attend(a, q[b:b + 1], kb, vb, slopes)
         out[b], lse[b] = o[0], l[0]

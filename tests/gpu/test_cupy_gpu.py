@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from refutils import assert_flash_rule, quantize, to_dev
-from flashcore.backends.numpy_backend import naive_backward, naive_forward, round_to_dtype
+from flashcore.reference import naive_backward, naive_forward, round_to_dtype
 from flashcore.spec import forward_spec
 
 pytestmark = pytest.mark.gpu

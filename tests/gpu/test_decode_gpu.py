@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from refutils import assert_flash_rule, quantize, to_dev
-from flashcore.backends.numpy_backend import naive_forward
+from flashcore.reference import naive_forward
 from flashcore.spec import forward_spec
 
 pytestmark = pytest.mark.gpu

@@ -128,7 +128,7 @@ def test_nan_stays_in_its_row_batch_and_head(where):
 
 def test_varlen_with_empty_sequences():
     import cupy as cp
-    from flashcore.backends.numpy_backend import naive_forward
+    from flashcore.reference import naive_forward
     from flashcore.spec import forward_spec
     from refutils import assert_flash_rule, quantize, to_dev
     rng = np.random.default_rng(21)
@@ -232,7 +232,7 @@ def test_backward_varlen_no_worse_than_the_ampere_kernel(sm90_bwd):
     import cupy as cp
     import flashcore
     from flashcore import jit
-    from flashcore.backends.numpy_backend import naive_backward
+    from flashcore.reference import naive_backward
     from flashcore.kernels import backward
     from flashcore.spec import forward_spec
     from refutils import quantize, to_dev
