@@ -611,7 +611,7 @@ def test_decode_odd_headdims_pad_like_flash_attn(d, page_size, torch_api):
     k_new = quantize(rng.standard_normal((b, s_new, hk, d)).astype(np.float32), dtype)
     v_new = quantize(rng.standard_normal((b, s_new, hk, d)).astype(np.float32), dtype)
     ang = rng.uniform(0, 2 * np.pi, size=(400, rd // 2))
-    cos, sin = cp.asarray(np.cos(ang).astype(np.float32)), cp.asarray(np.sin(ang).astype(np.float32))
+    cos, sin = (to_dev(f(ang).astype(np.float32), dtype) for f in (np.cos, np.sin))   # q's dtype
     lens = cp.asarray(np.asarray(before, np.int32))
     table = None if bt is None else cp.asarray(bt)
     d8 = -(-d // 8) * 8
