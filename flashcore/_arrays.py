@@ -20,11 +20,15 @@ _PLAIN = (bool, int, float, complex, str, bytes, tuple, list, dict, np.generic)
 
 def library_of(x) -> str | None:
     """'numpy', 'cupy', 'torch' or None. Never imports a library."""
+    t = type(x)
+    lib = _LIBRARY_OF_CLASS.get((t.__module__, t.__name__))    # (the classes themselves: the
+    if lib is not None:                                         # common case, one lookup)
+        return lib
     if isinstance(x, np.ndarray):
         return NUMPY
     if x is None or isinstance(x, _PLAIN):     # (dynamo cannot walk the MRO of these)
         return None
-    for cls in type(x).__mro__:
+    for cls in t.__mro__:
         lib = _LIBRARY_OF_CLASS.get((cls.__module__, cls.__name__))
         if lib is not None:
             return lib
