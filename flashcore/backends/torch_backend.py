@@ -350,8 +350,8 @@ def replay(torch, plan, pointers, device) -> bool:
         return False
     stream = _raw_stream(torch)(device.index)
 
-    def alloc(nbytes):
-        t = torch.empty((nbytes,), dtype=torch.uint8, device=device)
+    def alloc(nbytes):     # (sizes as ints, not tuples: torch's argument parser is faster)
+        t = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return t, t.data_ptr()
     return plan.run(pointers, stream, alloc) is not None
 

@@ -117,7 +117,7 @@ def _fwd_impl(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         plan = plans.lookup(key)
         if plan is not None:
             out = _new_like(torch, q, torch.float32 if out_fp32 else None)
-            lse = q.new_empty(lse_shape(q.shape, cu_seqlens_q is not None), dtype=torch.float32)
+            lse = q.new_empty(*lse_shape(q.shape, cu_seqlens_q is not None), dtype=torch.float32)
             if replay(torch, plan, (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                                     lse.data_ptr(), _ptr(alibi_slopes), _ptr(cu_seqlens_q),
                                     _ptr(cu_seqlens_k), _ptr(block_table), _ptr(rng_state)),
@@ -190,7 +190,7 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, b
         plan = plans.lookup(key)
         if plan is not None:
             out = _new_like(torch, q)
-            lse = q.new_empty(lse_shape(q.shape), dtype=torch.float32)
+            lse = q.new_empty(*lse_shape(q.shape), dtype=torch.float32)
             if replay(torch, plan, (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                     out.data_ptr(), lse.data_ptr(), cache_seqlens.data_ptr(),
                                     _ptr(block_table), _ptr(alibi_slopes), _ptr(cache_leftpad)),
