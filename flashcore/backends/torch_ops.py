@@ -109,10 +109,11 @@ def _fwd_impl(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
               block_table=None, out_fp32=False, dropout_p=0.0, rng_state=None):
     import torch
     key = None
-    if q.is_cuda and not config.debug():     # (debug mode validates every call)
+    cfg = config.get()
+    if q.is_cuda and not cfg.debug:     # (debug mode validates every call)
         key = ("fwd", layout(q), layout(k), layout(v), layout(alibi_slopes),
                layout(cu_seqlens_q), layout(cu_seqlens_k), max_seqlen_q, max_seqlen_k, causal,
-               softmax_scale, window_left, window_right, softcap, deterministic, config.get(),
+               softmax_scale, window_left, window_right, softcap, deterministic, cfg,
                layout(block_table), out_fp32, dropout_p, layout(rng_state))
         plan = plans.lookup(key)
         if plan is not None:
@@ -146,11 +147,12 @@ def _bwd_impl(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
               deterministic, dropout_p=0.0, rng_state=None):
     import torch
     key = None
-    if q.is_cuda and not config.debug():     # (debug mode validates every call)
+    cfg = config.get()
+    if q.is_cuda and not cfg.debug:     # (debug mode validates every call)
         key = ("bwd", layout(dout), layout(q), layout(k), layout(v), layout(out), layout(lse),
                layout(alibi_slopes), layout(cu_seqlens_q), layout(cu_seqlens_k), max_seqlen_q,
                max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
-               deterministic, config.get(), dropout_p, layout(rng_state))
+               deterministic, cfg, dropout_p, layout(rng_state))
         plan = plans.lookup(key)
         if plan is not None:
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -181,12 +183,13 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, b
                   window_right, softcap, alibi_slopes, num_splits, cache_leftpad):
     import torch
     key = None
-    if q.is_cuda and not config.debug():     # (debug mode validates every call)
+    cfg = config.get()
+    if q.is_cuda and not cfg.debug:     # (debug mode validates every call)
         key = ("kvcache", layout(q), layout(k_cache), layout(v_cache), layout(k), layout(v),
                layout(cache_seqlens), cache_seqlens_int, layout(block_table), layout(rotary_cos),
                layout(rotary_sin), rotary_interleaved, causal, softmax_scale, window_left,
                window_right, softcap, layout(alibi_slopes), num_splits, layout(cache_leftpad),
-               config.get())
+               cfg)
         plan = plans.lookup(key)
         if plan is not None:
             out = _new_like(torch, q)
@@ -409,10 +412,12 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
     first (flashcore.spec). Then the autograd Function runs the forward op (the op alone when
     nothing requires grad).
     """
+    import torch
     opts = None
     dropout = not (type(dropout_p) is float and dropout_p == 0.0)
-    if backend is None and not dropout and not _compiling() and _tensors_or_none(
-            (k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table), varlen,
+    compiling = torch.compiler.is_compiling()
+    if backend is None and not dropout and not compiling and _tensors_or_none(
+            torch, (k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table), varlen,
             cu_seqlens_q, cu_seqlens_k):
         opts = _plain_options(q, varlen, causal, softmax_scale, window_size, softcap,
                               deterministic, max_seqlen_q, max_seqlen_k)
@@ -424,7 +429,7 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
                             max_seqlen_k=max_seqlen_k, block_table=block_table,
                             **({"dropout_p": dropout_p, "rng_state": rng_state} if dropout else {}))
         dropout_p = spec.dropout_p
-        if not _compiling():
+        if not compiling:
             # (the capability probe, CuPy import checks and device queries, is not traceable;
             # the shapes, dtypes and options were validated above either way)
             choose(spec, backend, backward=_needs_grad(q, k, v))
@@ -437,8 +442,9 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
             out = _FUNCTION[1].apply(out, q, k, v)
         return out, lse
     rng = rng_state if dropout_p else None
-    if not _needs_grad(q, k, v):     # nothing to differentiate: the op alone (what autograd
-        return _OVERLOADS["fwd"](q, k, v, alibi_slopes, cu_q, cu_k, *opts,   # would run)
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        # nothing to differentiate: the op alone (what autograd would run)
+        return _OVERLOADS["fwd"](q, k, v, alibi_slopes, cu_q, cu_k, *opts,
                                  *((None, False, dropout_p, rng) if dropout_p else ()))
     if alibi_slopes is None and cu_q is None and rng is None and k is not q and v is not q \
             and v is not k:
@@ -502,11 +508,10 @@ def _plain_scale_window(q, causal, softmax_scale, window_size, softcap):
     return softmax_scale, left, right, softcap
 
 
-def _tensors_or_none(arrays, varlen, cu_seqlens_q, cu_seqlens_k) -> bool:
+def _tensors_or_none(torch, arrays, varlen, cu_seqlens_q, cu_seqlens_k) -> bool:
     """Whether the call's arrays are all torch tensors or None, and the cu_seqlens are given
     exactly when the call is varlen (else the call is validated in full, which names what is
     wrong)."""
-    import torch
     if varlen != (cu_seqlens_q is not None) or varlen != (cu_seqlens_k is not None):
         return False
     for a in arrays:      # (a loop: a generator costs more than the checks, per call)
@@ -547,8 +552,9 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, blo
     if backend is None and not _compiling() and library_of(cache_seqlens) == "torch" \
             and type(rotary_interleaved) is bool and type(num_splits) is int and num_splits >= 0 \
             and (k is not None or (rotary_cos is None and rotary_sin is None)) \
-            and _tensors_or_none((k_cache, v_cache, k, v, block_table, rotary_cos, rotary_sin,
-                                  alibi_slopes, cache_leftpad), False, None, None):
+            and _tensors_or_none(torch, (k_cache, v_cache, k, v, block_table, rotary_cos,
+                                         rotary_sin, alibi_slopes, cache_leftpad),
+                                 False, None, None):
         sw = _plain_scale_window(q, causal, softmax_scale, window_size, softcap)
         if sw is not None:
             args = (cache_seqlens, 0, rotary_interleaved, causal, sw[0], sw[1], sw[2], sw[3],
@@ -601,8 +607,8 @@ def _explicit(kind, tensors, backend, varlen, kw):
     q = tensors[0] if kind == "fwd" else tensors[1]
     opts = None
     if backend is None and "dropout_p" not in kw and not _compiling() and _tensors_or_none(
-            tensors + tuple(kw.get(n) for n in ("alibi_slopes", "cu_seqlens_q", "cu_seqlens_k",
-                                                "block_table")),
+            torch, tensors + tuple(kw.get(n) for n in ("alibi_slopes", "cu_seqlens_q",
+                                                       "cu_seqlens_k", "block_table")),
             varlen, kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")):
         opts = _plain_options(q, varlen, kw.get("causal", False), kw.get("softmax_scale"),
                               kw.get("window_size", (-1, -1)), kw.get("softcap", 0.0),
