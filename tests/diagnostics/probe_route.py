@@ -1,19 +1,21 @@
 """What the torch route costs the host per call, with or without the device (issue #14).
 
-    python tests/diagnostics/probe_route.py [--real] [--no-launch] [--calls N] [--rounds R]
-                                            [--profile CASE]
+    python tests/diagnostics/probe_route.py [--real [--no-launch]] [--calls N] [--rounds R]
+                                            [--cases A,B,...] [--profile CASE]
 
 The tiny training step (1 x 128 x 2 x 64 bf16, causal, q, k, v distinct) through the public
 API -- ``flashcore.attention`` -> the autograd Function -> the ``flashcore::fwd`` /
 ``flashcore::bwd`` ops -> their kernels' launch-plan replay -- timed in a host loop, µs per
-call, the best of R interleaved rounds of N calls, beside:
+call, the best of R interleaved rounds of up to N calls each, beside:
 
 * ``nothing_*``: a do-nothing ``torch.autograd.Function`` (its forward allocates the output,
   its backward returns the incoming gradient three times): the floor of any Function route;
-* ``sdpa_*``: ``torch.nn.functional.scaled_dot_product_attention`` on the same tensors
-  (default mode: CPU tensors, so its figure includes a CPU kernel's arithmetic);
+* ``sdpa_*``: ``torch.nn.functional.scaled_dot_product_attention`` on the same tensors, torch
+  choosing its backend (stubbed: CPU tensors, so the figure includes a CPU kernel's
+  arithmetic); ``sdpa1_*``: one query and one key, SDPA's dispatch and autograd with next to
+  no arithmetic;
 * ``op_fwd`` / ``op_bwd``: the two ops called directly, and the pieces of a replay (the
-  launch-plan key, its lookup, the output allocations, ``Plan.run``).
+  launch-plan key and lookup, the allocations, ``Plan.run``).
 
 Default (stubbed; runs on a machine without a GPU): the tensors are CPU tensors and only the
 device is stubbed, at the lowest level: ``Tensor.is_cuda`` reads True, the plans' CUDA context
@@ -22,12 +24,14 @@ and ``cuLaunchKernel`` are no-ops (``flashcore.kernels.plans._LAUNCH``), torch's
 stand-in backend that offers what the CUDA launchers offer for this call (the forward: one
 launch; the backward: preprocess, dK/dV, dQ convert, and two scratch buffers). Everything above
 the launch -- public function, option handling, the Function, dispatch, key, lookup,
-allocations, struct copy and packing -- runs for real.
+allocations, struct copy and packing -- runs for real. The clock is the process's CPU time
+(time spent descheduled on a shared machine is not counted); the backward runs on the calling
+thread (CPU tensors), so the autograd engine's hand-off to a device thread is not in it.
 
-``--real``: CUDA tensors, nothing stubbed (each round ends in a synchronisation);
-``--real --no-launch``: CUDA tensors and torch's allocator, ``cuLaunchKernel`` a no-op (the
-host cost with the driver's launch left out). ``--profile CASE`` prints cProfile's top
-entries for one case (e.g. ``fc_step``).
+``--real``: CUDA tensors, nothing stubbed, wall-clock time, each round ending in a
+synchronisation; ``--real --no-launch``: CUDA tensors and torch's allocator, ``cuLaunchKernel``
+a no-op (the host cost with the driver's launch left out). ``--cases`` times only the cases
+named; ``--profile CASE`` prints cProfile's top entries for one case (e.g. ``fc_step``).
 """
 from __future__ import annotations
 
@@ -213,34 +217,48 @@ def cases(device):
 
 
 def pieces(tensors):
-    """The parts of a forward replay, each alone."""
+    """The parts of a replay, each alone, as the ops' kernels do them."""
     q, k, v, do, o, lse = tensors
     layout = torch_backend.layout
-    key = ("fwd", layout(q), layout(k), layout(v), None, None, None, 0, 0, True,
-           1 / math.sqrt(SHAPE[-1]), -1, 0, 0.0, False, flashcore.config.get(), None, False, 0.0,
-           None)
-    fwd_plan = next((p for kk, p in plans.PLANS.items() if kk[0] == "fwd"), None)
-    bwd_plan = next((p for kk, p in plans.PLANS.items() if kk[0] == "bwd"), None)
+    cfg = flashcore.config.get()
+    scale = 1 / math.sqrt(SHAPE[-1])
+
+    def key_fwd():
+        return ("fwd", layout(q), layout(k), layout(v), layout(None), layout(None),
+                layout(None), 0, 0, True, scale, -1, 0, 0.0, False, cfg, layout(None), False,
+                0.0, layout(None))
+
+    def key_bwd():
+        return ("bwd", layout(do), layout(q), layout(k), layout(v), layout(o), layout(lse),
+                layout(None), layout(None), layout(None), 0, 0, True, scale, -1, 0, 0.0, False,
+                cfg, 0.0, layout(None))
+    fwd_plan = plans.lookup(key_fwd())
+    bwd_plan = plans.lookup(key_bwd())
+    if fwd_plan is None or bwd_plan is None:
+        print("warning: the pieces' keys find no plan (the ops' keys changed?)", file=sys.stderr)
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), 0, 0, 0, 0, 0)
     bptrs = (do.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
              lse.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), 0, 0, 0, 0)
     dev = q.device
+    f32, cf = torch.float32, torch.contiguous_format
 
     def alloc(nbytes):
-        t = torch.empty((nbytes,), dtype=torch.uint8, device=dev)
+        t = torch.empty(nbytes, dtype=torch.uint8, device=dev)
         return t, t.data_ptr()
-    return {
+    out = {
         "layout(q)": lambda: layout(q),
-        "key_fwd": lambda: ("fwd", layout(q), layout(k), layout(v), layout(None), layout(None),
-                            layout(None), 0, 0, True, 0.125, -1, 0, 0.0, False,
-                            flashcore.config.get(), layout(None), False, 0.0, layout(None)),
-        "lookup": lambda: plans.lookup(key),
-        "new_empty_x2": lambda: (q.new_empty(q.shape),
-                                 q.new_empty((1, 2, 128), dtype=torch.float32)),
-        "empty_like_x3": lambda: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)),
-        "run_fwd_plan": lambda: fwd_plan.run(ptrs, 0, alloc),
-        "run_bwd_plan": lambda: bwd_plan.run(bptrs, 0, alloc),
+        "key_fwd": key_fwd,
+        "key+lookup_fwd": lambda: plans.lookup(key_fwd()),
+        "key+lookup_bwd": lambda: plans.lookup(key_bwd()),
+        "allocs_fwd": lambda: (torch.empty_like(q, memory_format=cf),
+                               q.new_empty(*SHAPE[:1], SHAPE[2], SHAPE[1], dtype=f32)),
+        "allocs_bwd": lambda: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)),
+        "alloc_scratch": lambda: alloc(SHAPE[0] * SHAPE[2] * SHAPE[1] * (SHAPE[3] + 1) * 4),
     }
+    if fwd_plan is not None and bwd_plan is not None:
+        out["run_fwd_plan"] = lambda: fwd_plan.run(ptrs, 0, alloc)
+        out["run_bwd_plan"] = lambda: bwd_plan.run(bptrs, 0, alloc)
+    return out
 
 
 def per_call_us(fns, n, rounds, sync, clock=time.perf_counter, round_s=0.05):
