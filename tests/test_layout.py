@@ -11,12 +11,7 @@ PACKAGE = ROOT / "flashcore"
 
 #: Cycles known and left on purpose, with the reason. (A cycle that goes away is no failure;
 #: strike it from here then.)
-KNOWN_CYCLES = {
-    # plans.Plan.run looks decode's split counters up at call time (a deferred import), and
-    # decode records its launches through plans: to go when plans takes the lookup from its
-    # caller or decode registers it with plans (plans.py is another session's to change).
-    frozenset({"flashcore.kernels.plans", "flashcore.kernels.decode"}),
-}
+KNOWN_CYCLES: set = set()
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -112,8 +107,8 @@ def test_the_graph_sees_imports():
     assert "flashcore.spec" in top["flashcore.api"]
     assert "flashcore.backends" in top["flashcore.api"]            # via flashcore.backends.base
     assert "flashcore.backends.torch_ops" in top["flashcore.api"]     # bound once, no torch
-    assert "flashcore.kernels.decode" not in top["flashcore.kernels.plans"]
-    assert "flashcore.kernels.decode" in every["flashcore.kernels.plans"]   # at call time
+    assert "flashcore.kernels.tma" not in top["flashcore.kernels.plans"]
+    assert "flashcore.kernels.tma" in every["flashcore.kernels.plans"]   # at call time
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {frozenset("abc")}
 
 

@@ -636,7 +636,8 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
         scratch = {} if o_accum is None else {"o_accum": o_accum.nbytes,
                                               "lse_accum": lse_accum.nbytes}
         piece = plans.Piece(launches, params, scratch,
-                            ("split_counter", batch * nheads_k * m_blocks) if counter else None)
+                            ("split_counter", batch * nheads_k * m_blocks, existing_split_counter)
+                            if counter else None)
     return num_splits, piece
 
 

@@ -79,8 +79,10 @@ class Piece:
     """What one launcher did in one call: ``launches`` [(kernel, grid, block, shared_mem)], all
     taking the struct ``params`` (a 0-d structured array); ``scratch`` {field: nbytes}: buffers
     the launcher allocated for this call alone (contents never read before its kernels write
-    them); ``counter`` (field, groups) or None: the stream's split counters; ``maps``
-    [(field, tma.MapSpec)] or None: the launches take a second parameter, tensor maps of the
+    them); ``counter`` (field, groups, lookup) or None: the stream's split counters, whose
+    address ``lookup(device_id, stream, groups)`` gives, or None (decode's
+    ``existing_split_counter``: the recording launcher names it, so plans imports no
+    launcher); ``maps`` [(field, tma.MapSpec)] or None: the launches take a second parameter, tensor maps of the
     arrays whose addresses those struct fields hold (encoded again for every call)."""
 
     __slots__ = ("launches", "params", "scratch", "counter", "maps")
@@ -170,7 +172,7 @@ def _pointer_fields():
 class Plan:
     """A recorded call: for each launcher piece, the struct's bytes and where its addresses go
     (``slots`` [(byte offset, role index)], ``scratch`` [(byte offset, offset in the call's one
-    scratch buffer)], ``counter`` (byte offset, groups) or None, ``maps`` [(role index,
+    scratch buffer)], ``counter`` (byte offset, groups, lookup) or None, ``maps`` [(role index,
     MapSpec)] or None), and its launches [(CUfunction, grid, block, shared_mem)];
     ``scratch_bytes``: that buffer's size (one allocation a call)."""
 
@@ -195,7 +197,7 @@ class Plan:
                     scratch.append((off, scratch_bytes))
                     scratch_bytes += -(-int(p.scratch[name]) // 256) * 256
                 elif p.counter is not None and name == p.counter[0]:
-                    counter = (off, int(p.counter[1]))
+                    counter = (off, int(p.counter[1]), p.counter[2])
                 elif value == 0:
                     continue
                 elif name in index and given[name] == value:
@@ -239,8 +241,7 @@ class Plan:
         addrs = []
         for g in self.groups:
             if g[4] is not None:
-                from .decode import existing_split_counter
-                a = existing_split_counter(self.device_id, stream, g[4][1])
+                a = g[4][2](self.device_id, stream, g[4][1])
                 if a is None:
                     return None
                 addrs.append(a)
