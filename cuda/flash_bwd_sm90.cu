@@ -43,13 +43,12 @@
 namespace fc_hb {
 
 constexpr int kBlockN = 128;        // keys per CTA
-constexpr int kNThreads = 256;
 constexpr fc_u32 kKBlock = 128u * 128u;   // one [128 rows][64 cols] block (K, V, dS^T)
 template <int kD> constexpr fc_u32 kKTile = (fc_u32)(kD / 64) * kKBlock;   // K or V: 128 x kD
 // Q or dO: kBM x kD, in [kD / 64][kBM rows][64 cols] blocks of kBM * 128 bytes
 template <int kD, int kBM> constexpr fc_u32 kQTile = (fc_u32)(kD / 64) * (fc_u32)(kBM * 128);
 
-using fc_sm90::load_tile;     // (256 threads: kNThreads)
+using fc_sm90::load_tile;     // (256 threads)
 using fc_sm90::stg32;
 using fc_sm90::sts32;
 
@@ -167,7 +166,7 @@ struct DkdvWarpgroup {
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int key = key0 + 8 * r, q = 8 * j + 2 * t;
-                fc_sm90::sts32(sdSb + (fc_u32)(q >> 6) * kKBlock + 2u * (fc_u32)swz<64>(key, q & 63),
+                sts32(sdSb + (fc_u32)(q >> 6) * kKBlock + 2u * (fc_u32)swz<64>(key, q & 63),
                                dsa[j >> 1][(j & 1) * 2 + r]);
             }
 
@@ -246,9 +245,9 @@ struct DkdvWarpgroup {
                 fc_u16* dvr = gdv + (seq.k_off + key) * p.dv_row_stride;
 #pragma unroll
                 for (int j = 0; j < kD / 8; ++j) {
-                    fc_sm90::stg32(dkr + 8 * j + 2 * t, Elem::pack2(acc_dk[4 * j + 2 * r] * scale,
+                    stg32(dkr + 8 * j + 2 * t, Elem::pack2(acc_dk[4 * j + 2 * r] * scale,
                                                                     acc_dk[4 * j + 2 * r + 1] * scale));
-                    fc_sm90::stg32(dvr + 8 * j + 2 * t,
+                    stg32(dvr + 8 * j + 2 * t,
                                    Elem::pack2(acc_dv[4 * j + 2 * r], acc_dv[4 * j + 2 * r + 1]));
                 }
             }

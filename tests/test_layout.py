@@ -107,8 +107,8 @@ def test_the_graph_sees_imports():
     assert "flashcore.spec" in top["flashcore.api"]
     assert "flashcore.backends" in top["flashcore.api"]            # via flashcore.backends.base
     assert "flashcore.backends.torch_ops" in top["flashcore.api"]     # bound once, no torch
-    assert "flashcore.kernels.tma" not in top["flashcore.kernels.plans"]
-    assert "flashcore.kernels.tma" in every["flashcore.kernels.plans"]   # at call time
+    assert "flashcore.jit" not in top["flashcore.kernels.forward"]
+    assert "flashcore.jit" in every["flashcore.kernels.forward"]   # at call time
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {frozenset("abc")}
 
 

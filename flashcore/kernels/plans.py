@@ -30,6 +30,7 @@ import numpy as np
 
 from .. import jit
 from .params import params_dtype
+from .tma import Maps
 
 __all__ = ["Plan", "Piece", "record", "offer", "lookup", "remember", "clear", "PLANS",
            "set_enabled", "enabled"]
@@ -265,7 +266,6 @@ class Plan:
             if maps is None:
                 argv = _ONE_POINTER(ctypes.addressof(arg))    # (kept alive until launched)
             else:
-                from .tma import Maps
                 m = Maps(len(maps))
                 for j, (i, spec) in enumerate(maps):
                     if not m.encode(j, spec, pointers[i]):
