@@ -353,13 +353,16 @@ struct BwdScoreMath {
     __device__ __forceinline__ float keep_factor(unsigned int keep, int bit) const {
         return fc_dropout_keep_factor(drop, keep, bit);
     }
-    // Keep masks of the 16 x 16 tile at (query q0, key k0): a thread's S^T fragment (rows =
-    // keys; warp-synchronous) or S fragment (rows = queries). Bit layouts: flash_dropout.cuh.
-    __device__ __forceinline__ unsigned int keep_st(int q0, int k0, int g, int t) const {
-        return fc_dropout_keep_st(drop, bh, q0, k0, g, t);
+    // Keep masks of the 16 x 16 tiles A at (query qa, key ka) and B (qb, kb; may be A): a
+    // thread's S^T fragments (rows = keys) or S fragments (rows = queries); one Philox call per
+    // lane, warp-synchronous. Bit layouts: flash_dropout.cuh.
+    __device__ __forceinline__ void keep2_st(int qa, int ka, int qb, int kb, int g, int t,
+                                             unsigned int& keep_a, unsigned int& keep_b) const {
+        fc_dropout_keep2(drop, bh, qa, ka, qb, kb, g, t, true, keep_a, keep_b);
     }
-    __device__ __forceinline__ unsigned int keep_s(int q0, int k0, int g, int t) const {
-        return fc_dropout_keep_s(drop, bh, q0, k0, g, t);
+    __device__ __forceinline__ void keep2_s(int qa, int ka, int qb, int kb, int g, int t,
+                                            unsigned int& keep_a, unsigned int& keep_b) const {
+        fc_dropout_keep2(drop, bh, qa, ka, qb, kb, g, t, false, keep_a, keep_b);
     }
 };
 
@@ -576,20 +579,27 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_kernel(const F
             }
 
             // ---- P and dS. (nt, e): key kn0 + g + 8*(e>>1), query qs0 + nt*8 + 2t + (e&1) ----
-            unsigned int keep = 0;   // dropout: n-tiles nt, nt + 1 (one 16 x 16 tile)
+            // dropout: keep[0] holds n-tiles nt, nt + 1 (one 16 x 16 tile), keep[1] the next
+            // tile's (drawn together: one Philox call per lane per two tiles)
+            unsigned int keep[2] = {0u, 0u};
 #pragma unroll
             for (int nt = 0; nt < kNtA; ++nt) {
                 const int qc = qs0 + nt * 8 + 2 * t;
                 const float2 nl = *reinterpret_cast<const float2*>(sLb + qc);
                 const float2 dd = *reinterpret_cast<const float2*>(sDb + qc);
-                if constexpr (Is_dropout)
-                    if ((nt & 1) == 0) keep = sm.keep_st(m0 + qs0 + nt * 8, n0 + kn0, g, t);
+                if constexpr (Is_dropout) {
+                    if ((nt & 3) == 0) {
+                        const int qa = m0 + qs0 + nt * 8, qb = nt + 2 < kNtA ? qa + 16 : qa;
+                        sm.keep2_st(qa, n0 + kn0, qb, n0 + kn0, g, t, keep[0], keep[1]);
+                    }
+                }
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     sm.template apply<Has_softcap, Has_alibi, Is_local, Is_dropout>(
                         acc_s[nt][e], acc_dp[nt][e], m0 + qc + (e & 1), n0 + kn0 + g + (e >> 1) * 8,
                         (e & 1) ? nl.y : nl.x, (e & 1) ? dd.y : dd.x, need_mask,
-                        Is_dropout ? sm.keep_factor(keep, 4 * (nt & 1) + e) : 1.f);
+                        Is_dropout ? sm.keep_factor(keep[(nt >> 1) & 1], 4 * (nt & 1) + e)
+                                   : 1.f);
                 }
             }
 
@@ -946,9 +956,15 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv2_kernel(const 
                 const float2 dd = *reinterpret_cast<const float2*>(sDb + qc);
 #pragma unroll
                 for (int mi = 0; mi < kSMi; ++mi) {
-                    if constexpr (Is_dropout)
-                        if ((nt & 1) == 0)
-                            keep[mi] = sm.keep_st(m0 + sq0 + nt * 8, n0 + sk0 + 16 * mi, g, t);
+                    if constexpr (Is_dropout) {
+                        if ((nt & 1) == 0 && (mi & 1) == 0) {   // key tiles mi, mi + 1 at once
+                            unsigned int next;
+                            const int ka = n0 + sk0 + 16 * mi;
+                            sm.keep2_st(m0 + sq0 + nt * 8, ka, m0 + sq0 + nt * 8,
+                                        mi + 1 < kSMi ? ka + 16 : ka, g, t, keep[mi], next);
+                            if (mi + 1 < kSMi) keep[mi + 1] = next;
+                        }
+                    }
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         sm.template apply<Has_softcap, Has_alibi, Is_local, Is_dropout>(
@@ -1246,17 +1262,23 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dq_kernel(const Fla
             need_mask = need_mask || rel_min < -p.window_left || rel_max > p.window_right;
         }
         // Accumulator (nt, e): query row i0 + 8*(e>>1), key col n0 + nt*8 + 2t + (e&1).
-        unsigned int keep = 0;   // dropout: n-tiles nt, nt + 1 (one 16 x 16 tile)
+        // dropout: keep[0] holds n-tiles nt, nt + 1 (one 16 x 16 tile), keep[1] the next tile's
+        unsigned int keep[2] = {0u, 0u};
 #pragma unroll
         for (int nt = 0; nt < kNtS; ++nt) {
-            if constexpr (Is_dropout)
-                if ((nt & 1) == 0) keep = sm.keep_s(i0 - g, n0 + nt * 8, g, t);
+            if constexpr (Is_dropout) {
+                if ((nt & 3) == 0)
+                    sm.keep2_s(i0 - g, n0 + nt * 8, i0 - g, n0 + (nt + 2 < kNtS ? nt + 2 : nt) * 8,
+                               g, t, keep[0], keep[1]);
+            }
 #pragma unroll
             for (int e = 0; e < 4; ++e)
                 sm.template apply<Has_softcap, Has_alibi, Is_local, Is_dropout>(
                     acc_s[nt][e], acc_dp[nt][e], i0 + (e >> 1) * 8, n0 + nt * 8 + 2 * t + (e & 1),
                     nl[e >> 1], dd[e >> 1], need_mask,
-                    Is_dropout ? sm.keep_factor(keep, 2 * (e & 2) + 2 * (nt & 1) + (e & 1)) : 1.f);
+                    Is_dropout ? sm.keep_factor(keep[(nt >> 1) & 1],
+                                                2 * (e & 2) + 2 * (nt & 1) + (e & 1))
+                               : 1.f);
         }
 
         // dQ += dS K: the dS accumulators of n-tiles 2ks, 2ks+1 form the A fragment of k-step ks;

@@ -132,13 +132,19 @@ struct DkdvWarpgroup {
 
         // P^T, dS^T. Element e of n8 tile j: key key0 + 8 (e >> 1), query 8 j + 2 t + (e & 1).
         // 16-bit A operands (k = queries): k-step kk takes n8 tiles 2kk and 2kk+1, packed as
-        // soon as they are computed (fewer fp32 values live at once). Dropout: the keep mask of
-        // each 16 x 16 tile (queries 16 kk.., keys key0 - g..), one Philox call per lane shared
-        // with lane ^ 4 (BwdScoreMath::keep_st).
+        // soon as they are computed (fewer fp32 values live at once). Dropout: the keep masks of
+        // two 16 x 16 tiles (queries 16 kk.., keys key0 - g..) at a time, one Philox call per
+        // lane shared with lane ^ 4 (BwdScoreMath::keep2_st).
+        unsigned int keep2[2] = {0u, 0u};   // tiles kk (even) and kk + 1: one call per lane
 #pragma unroll
         for (int kk = 0; kk < kBlockM / 16; ++kk) {
-            unsigned int keep = 0;
-            if constexpr (Is_dropout) keep = sm.keep_st(m0 + 16 * kk, n0 + key0 - g, g, t);
+            if constexpr (Is_dropout) {
+                if ((kk & 1) == 0)
+                    sm.keep2_st(m0 + 16 * kk, n0 + key0 - g,
+                                m0 + 16 * (kk + 1 < kBlockM / 16 ? kk + 1 : kk), n0 + key0 - g,
+                                g, t, keep2[0], keep2[1]);
+            }
+            const unsigned int keep = keep2[kk & 1];
 #pragma unroll
             for (int j = 2 * kk; j < 2 * kk + 2; ++j) {
                 const int qc = 8 * j + 2 * t;

@@ -1,8 +1,10 @@
 // flashcore: attention dropout's random stream (flashcore/dropout.py defines it; this is the
-// same function). Philox4x32-10 keyed by the call's rng_state (seed, offset), counter
-// (query row with bit 3 squeezed out, key column with bits 0 and 3 squeezed out, batch * nheads
-// + head, offset mod 2^32): one call gives the 8 probabilities (16 bits each) of a 2 x 4 group
-// of a 16 x 16 tile (fc_dropout_words), one per 8 elements in the forward and the backward.
+// same function). Philox4x32-7 keyed by the call's rng_state (seed, offset); one call gives the
+// 16 probabilities (8 random bits each) of a 4 x 4 group of a 16 x 16 tile: queries with bits 0
+// and 3 free, keys likewise. A GPU thread holds 8 of a group's 16 in either orientation (S:
+// rows = queries; S^T: rows = keys), its neighbour lane ^ 4 the other 8; so a lane draws one call
+// for one of two tiles, its neighbour the call of the other tile, and they swap halves: one call
+// per 16 probabilities in every pass (fc_dropout_keep2).
 #pragma once
 
 #ifndef FC_HD
@@ -12,6 +14,8 @@
 #define FC_HD inline
 #endif
 #endif
+
+#define FC_PHILOX_ROUNDS 7
 
 struct FcPhilox4 {
     unsigned int x, y, z, w;
@@ -28,7 +32,7 @@ FC_HD unsigned int fc_mulhi(unsigned int a, unsigned int b) {
 FC_HD FcPhilox4 fc_philox(unsigned int c0, unsigned int c1, unsigned int c2, unsigned int c3,
                           unsigned int k0, unsigned int k1) {
 #pragma unroll
-    for (int r = 0; r < 10; ++r) {
+    for (int r = 0; r < FC_PHILOX_ROUNDS; ++r) {
         if (r) {
             k0 += 0x9E3779B9u;
             k1 += 0xBB67AE85u;
@@ -52,8 +56,9 @@ FC_HD FcPhilox4 fc_philox(unsigned int c0, unsigned int c1, unsigned int c2, uns
 // The per-call constants of the stream.
 struct FcDropout {
     unsigned int k0, k1, off;   // key and counter word 3 (see flashcore/dropout.py)
-    unsigned int threshold;     // r16 < threshold drops (0: no dropout)
-    float scale;                // 65536 / (65536 - threshold)
+    unsigned int threshold;     // r8 < threshold drops (0: no dropout)
+    unsigned int add2;          // (256 - threshold) in both 16-bit halves (fc_dropout_keep2)
+    float scale;                // 256 / (256 - threshold)
 };
 
 // From the device pair rng_state = (seed, offset) (int64), the threshold and scale.
@@ -65,74 +70,88 @@ FC_HD FcDropout fc_dropout_setup(const void* rng_state, int threshold, float sca
     d.k1 = (unsigned int)(seed >> 32) ^ (unsigned int)(offset >> 32);
     d.off = (unsigned int)offset;
     d.threshold = (unsigned int)threshold;
+    d.add2 = (256u - (unsigned int)threshold) * 0x00010001u;
     d.scale = scale;
     return d;
 }
 
-// The 4 words of the Philox call that holds (row, col) for head index bh. One call covers the
-// 8 probabilities of a 2 x 4 group: rows {r, r + 8} and columns {c, c + 1, c + 8, c + 9} with
-// r and c the row and column with bit 3 (and for the column bit 0) cleared -- inside one
-// 16 x 16 tile. That is what one thread holds of an mma/wgmma accumulator in either
-// orientation: rows g, g + 8 and columns 2t, 2t + 1 of two adjacent n8 tiles in S (queries x
-// keys), and, in S^T (keys x queries), half of a group that the neighbour lane (lane ^ 4,
-// whose key differs in bit 0) completes.
-FC_HD FcPhilox4 fc_dropout_words(const FcDropout& d, int bh, int row, int col) {
-    const unsigned int r = (unsigned int)row, c = (unsigned int)col;
-    return fc_philox(((r >> 4) << 3) | (r & 7u), ((c >> 4) << 2) | ((c >> 1) & 3u),
+// The 4 words of the Philox call of the group that holds (query, key) for head index bh: the
+// 16 probabilities of queries {i, i + 1, i + 8, i + 9} x keys {j, j + 1, j + 8, j + 9}, i and
+// j the query and key with bits 0 and 3 cleared, inside one 16 x 16 tile.
+FC_HD FcPhilox4 fc_dropout_words(const FcDropout& d, int bh, int query, int key) {
+    const unsigned int i = (unsigned int)query, j = (unsigned int)key;
+    return fc_philox(((i >> 4) << 2) | ((i >> 1) & 3u), ((j >> 4) << 2) | ((j >> 1) & 3u),
                      (unsigned int)bh, d.off, d.k0, d.k1);
 }
 
-// The 16 random bits of (row, col) out of its call's words.
-FC_HD unsigned int fc_dropout_bits(const FcPhilox4& w, int row, int col) {
-    const int wi = 2 * ((row >> 3) & 1) + ((col >> 3) & 1);
+// The 8 random bits of (query, key) out of its call's words: byte 2 (query & 1) + (key & 1) of
+// word 2 ((query >> 3) & 1) + ((key >> 3) & 1).
+FC_HD unsigned int fc_dropout_bits(const FcPhilox4& w, int query, int key) {
+    const int wi = 2 * ((query >> 3) & 1) + ((key >> 3) & 1);
     const unsigned int word = wi == 0 ? w.x : wi == 1 ? w.y : wi == 2 ? w.z : w.w;
-    return (word >> (16 * (col & 1))) & 0xFFFFu;
+    return (word >> (8 * (2 * (query & 1) + (key & 1)))) & 0xFFu;
 }
 
-// The factor of bit `bit` of a keep mask (fc_dropout_keep_s / fc_dropout_keep_st): 0 when
-// dropped, scale when kept.
-FC_HD float fc_dropout_keep_factor(const FcDropout& d, unsigned int keep, int bit) {
-    return (keep >> bit) & 1u ? d.scale : 0.f;
+// Keep masks of a thread's fragment of one 16 x 16 tile: 8 probabilities, each named by its
+// fragment bit k = 4 hi + 2 mid + e,
+//   S   (rows = queries; lane (g, t)): query row0 + g + 8 hi, key col0 + 8 mid + 2 t + e,
+//   S^T (rows = keys):                 query col0 + 8 hi + 2 t + e, key row0 + g + 8 mid,
+// stored at bit 16 e + (k >> 1) of the mask (fc_dropout_keep_factor reads it).
+FC_HD float fc_dropout_keep_factor(const FcDropout& d, unsigned int keep, int k) {
+    return (keep >> (16 * (k & 1) + (k >> 1))) & 1u ? d.scale : 0.f;
 }
 
-// Keep bits of a thread's S fragment (rows = queries) in the 16 x 16 tile at (i0, j0), both
-// multiples of 16, lane (g, t): bit 4 r + 2 u + e is row i0 + g + 8 r, column j0 + 8 u + 2 t + e.
-// One Philox call.
-FC_HD unsigned int fc_dropout_keep_s(const FcDropout& d, int bh, int i0, int j0, int g, int t) {
-    const FcPhilox4 w = fc_dropout_words(d, bh, i0 + g, j0 + 2 * t);
+// What one lane draws: the call of the tile at (query q0, key k0) (multiples of 16) that holds
+// its half of the group (lane g, t; g & 1 = b), as two masks in the layout above: `mine`, its own
+// 8 probabilities of that tile, and `theirs`, those of lane ^ 4 (whose g differs in bit 0).
+// The lane's bytes of each word: S: 2 b + e (query bit 0 = b, key bit 0 = e); S^T: 2 e + b.
+// Each byte pair is spread into the two 16-bit halves and compared by one add: bit 8 of a half
+// is set iff its byte + 256 - threshold >= 256, i.e. iff the probability is kept.
+FC_HD void fc_dropout_lane(const FcDropout& d, int bh, int q0, int k0, int g, int t,
+                           bool transposed, unsigned int& mine, unsigned int& theirs) {
+    const unsigned int b = (unsigned int)g & 1u;
+    const FcPhilox4 w = transposed ? fc_dropout_words(d, bh, q0 + 2 * t, k0 + g)
+                                   : fc_dropout_words(d, bh, q0 + g, k0 + 2 * t);
     const unsigned int words[4] = {w.x, w.y, w.z, w.w};
-    unsigned int keep = 0;
-#pragma unroll
-    for (int k = 0; k < 8; ++k)   // k = 4 r + 2 u + e: word 2 r + u, half e
-        keep |= (((words[k >> 1] >> (16 * (k & 1))) & 0xFFFFu) >= d.threshold ? 1u : 0u) << k;
-    return keep;
-}
-
-// The S^T fragment (rows = keys) of the tile at (query q0, key k0), multiples of 16, lane
-// (g, t): bit 4 u + 2 r + e is query q0 + 8 u + 2 t + e, key k0 + g + 8 r. The lane's own call
-// is the group of query q0 + 2 t + (g & 1), keys k0 + (g & ~1) + {0, 1, 8, 9}: its half for
-// key bit 0 = g & 1 is `mine`; the other half, `theirs`, belongs to lane ^ 4 -- placed at the
-// bits that lane reads (fc_dropout_keep_st exchanges them).
-FC_HD void fc_dropout_keep_st_lane(const FcDropout& d, int bh, int q0, int k0, int g, int t,
-                                   unsigned int& mine, unsigned int& theirs) {
-    const int b = g & 1;
-    const FcPhilox4 w = fc_dropout_words(d, bh, q0 + 2 * t + b, k0 + (g & ~1));
-    const unsigned int words[4] = {w.x, w.y, w.z, w.w};
+    // byte selectors (nibble 4: a zero byte): bytes (e = 0, e = 1) into bits 0-7 and 16-23
+    const unsigned int e1 = transposed ? 2u : 1u, bb = transposed ? 1u : 2u;
+    const unsigned int sel_mine = (b * bb) | 0x40u | ((b * bb + e1) << 8) | 0x4000u;
+    const unsigned int sel_theirs = ((1u - b) * bb) | 0x40u | (((1u - b) * bb + e1) << 8) | 0x4000u;
     mine = theirs = 0;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {   // k = 2 u + r: word 2 u + r (query bit 3 u, key bit 3 r)
-        const unsigned int pos = 1u << (2 * k + b);   // 4 u + 2 r + e with e = b
-        mine |= ((words[k] >> (16 * b)) & 0xFFFFu) >= d.threshold ? pos : 0u;
-        theirs |= ((words[k] >> (16 * (1 - b))) & 0xFFFFu) >= d.threshold ? pos : 0u;
+    for (int wi = 0; wi < 4; ++wi) {     // word wi = fragment bits 2 wi (e = 0), 2 wi + 1 (e = 1)
+#ifdef __CUDA_ARCH__
+        const unsigned int m = __byte_perm(words[wi], 0u, sel_mine) + d.add2;
+        const unsigned int o = __byte_perm(words[wi], 0u, sel_theirs) + d.add2;
+#else
+        auto perm = [](unsigned int x, unsigned int sel) {
+            unsigned int r = 0;
+            for (int k = 0; k < 4; ++k) {
+                const unsigned int s = (sel >> (4 * k)) & 7u;
+                r |= (s < 4 ? (x >> (8 * s)) & 0xFFu : 0u) << (8 * k);
+            }
+            return r;
+        };
+        const unsigned int m = perm(words[wi], sel_mine) + d.add2;
+        const unsigned int o = perm(words[wi], sel_theirs) + d.add2;
+#endif
+        mine |= ((m >> 8) & 0x00010001u) << wi;
+        theirs |= ((o >> 8) & 0x00010001u) << wi;
     }
 }
 
 #ifdef __CUDACC__
-// Warp-synchronous (every lane of the warp calls it together).
-__device__ __forceinline__ unsigned int fc_dropout_keep_st(const FcDropout& d, int bh, int q0,
-                                                           int k0, int g, int t) {
+// The keep masks of two 16 x 16 tiles, A at (qa, ka) and B at (qb, kb) (B may be A), for this
+// lane's fragment (S or S^T), one Philox call per lane: lanes with even g draw A's group, odd g
+// B's, and each pair of lanes (lane, lane ^ 4) swaps halves. Warp-synchronous.
+__device__ __forceinline__ void fc_dropout_keep2(const FcDropout& d, int bh, int qa, int ka,
+                                                 int qb, int kb, int g, int t, bool transposed,
+                                                 unsigned int& keep_a, unsigned int& keep_b) {
+    const bool odd = (g & 1) != 0;
     unsigned int mine, theirs;
-    fc_dropout_keep_st_lane(d, bh, q0, k0, g, t, mine, theirs);
-    return mine | __shfl_xor_sync(0xFFFFFFFFu, theirs, 4);
+    fc_dropout_lane(d, bh, odd ? qb : qa, odd ? kb : ka, g, t, transposed, mine, theirs);
+    const unsigned int other = __shfl_xor_sync(0xFFFFFFFFu, theirs, 4);
+    keep_a = odd ? other : mine;
+    keep_b = odd ? mine : other;
 }
 #endif

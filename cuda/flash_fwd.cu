@@ -498,20 +498,29 @@ flash_fwd_kernel(const FlashParams params) {
             }
 
         // Dropout: P (not the row sums: the lse stays the undropped one's) times 0 or
-        // 1 / keep-probability. One Philox call per 16 x 16 tile: the 8 probabilities of this
-        // lane (rows g, g + 8; columns 2t, 2t + 1 of two adjacent n8 tiles; flash_dropout.cuh).
+        // 1 / keep-probability. The 8 probabilities of this lane in a 16 x 16 tile (rows g,
+        // g + 8; columns 2t, 2t + 1 of two adjacent n8 tiles); two tiles per Philox call, shared
+        // with lane ^ 4 (flash_dropout.cuh).
         if constexpr (Is_dropout) {
             static_assert(kNT % 2 == 0, "dropout: whole 16-key tiles per block");
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-                for (int n2 = 0; n2 < kNT; n2 += 2) {
-                    const unsigned int keep = fc_dropout_keep_s(
-                        drop, drop_bh, m0 + warp_row0 + mt * 16, n0 + n2 * 8, g, t);
+                for (int n4 = 0; n4 < kNT; n4 += 4) {
+                    const int row0 = m0 + warp_row0 + mt * 16;
+                    const int nb = n4 + 2 < kNT ? n4 + 2 : n4;
+                    unsigned int keep[2];
+                    fc_dropout_keep2(drop, drop_bh, row0, n0 + n4 * 8, row0, n0 + nb * 8, g, t,
+                                     false, keep[0], keep[1]);
 #pragma unroll
-                    for (int bit = 0; bit < 8; ++bit)   // row g + 8 r, tile n2 + u, column e
-                        s[mt][n2 + ((bit >> 1) & 1)][2 * (bit >> 2) + (bit & 1)] *=
-                            fc_dropout_keep_factor(drop, keep, bit);
+                    for (int x = 0; x < 2; ++x) {
+                        if (x == 1 && nb == n4) break;
+                        const int n2 = x ? nb : n4;
+#pragma unroll
+                        for (int bit = 0; bit < 8; ++bit)   // row g + 8 r, tile n2 + u, column e
+                            s[mt][n2 + ((bit >> 1) & 1)][2 * (bit >> 2) + (bit & 1)] *=
+                                fc_dropout_keep_factor(drop, keep[x], bit);
+                    }
                 }
         }
 

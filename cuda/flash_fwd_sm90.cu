@@ -221,15 +221,21 @@ struct FwdRows {
             for (int e = 0; e < 4; ++e) acc_o[4 * j + e] *= corr[e >> 1];
     }
     // P (16-bit) as the A operand of k-step kk (keys n0 + 16 kk ..): tiles 2kk, 2kk+1. With
-    // dropout, times the factors of that 16 x 16 tile (one Philox call: fc_dropout_keep_s, bit
-    // 4 r + 2 u + e = row half r, tile 2kk + u, column e).
+    // dropout, times the factors of that 16 x 16 tile (bit 4 r + 2 u + e = row half r, tile
+    // 2kk + u, column e), drawn for two tiles at a time (fc_dropout_keep2: one Philox call per
+    // lane, shared with lane ^ 4).
     __device__ __forceinline__ void pack(const float (&s)[kNT * 4], fc_u32 (&pa)[kBlockN / 16][4],
                                          int n0) const {
+        unsigned int keep2[2] = {0u, 0u};
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
             if constexpr (Is_dropout) {
-                const unsigned int keep =
-                    fc_dropout_keep_s(drop, drop_bh, m0 + warp_row0, n0 + 16 * kk, g, t);
+                if ((kk & 1) == 0) {
+                    const int kb = kk + 1 < kBlockN / 16 ? kk + 1 : kk;
+                    fc_dropout_keep2(drop, drop_bh, m0 + warp_row0, n0 + 16 * kk, m0 + warp_row0,
+                                     n0 + 16 * kb, g, t, false, keep2[0], keep2[1]);
+                }
+                const unsigned int keep = keep2[kk & 1];
                 auto f = [&](int bit) { return fc_dropout_keep_factor(drop, keep, bit); };
                 pa[kk][0] = Elem::pack2(s[8 * kk + 0] * f(0), s[8 * kk + 1] * f(1));
                 pa[kk][1] = Elem::pack2(s[8 * kk + 2] * f(4), s[8 * kk + 3] * f(5));

@@ -102,8 +102,8 @@ struct FlashParams {
     int _pad2;
     const void* dropout_rng;   // attention dropout: int64 (seed, offset) on the device (see
                                // flash_dropout.cuh); nullptr without dropout
-    int dropout_threshold;     // r16 < threshold drops (flashcore.dropout)
-    float dropout_scale;       // 65536 / (65536 - threshold)
+    int dropout_threshold;     // r8 < threshold drops (flashcore.dropout)
+    float dropout_scale;       // 256 / (256 - threshold)
 };
 
 // ---- trusted values, guarded addresses -------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Attention dropout: the stream (flashcore.dropout, Philox4x32-10), the reference, the tiled
+"""Attention dropout: the stream (flashcore.dropout, Philox4x32-7), the reference, the tiled
 NumPy backend, autograd on torch CPU tensors, and what is refused."""
 from __future__ import annotations
 
@@ -12,15 +12,18 @@ from flashcore.spec import forward_spec
 
 
 def test_philox_known_answers():
-    """Random123's known-answer vectors for Philox4x32-10."""
-    assert [int(x) for x in D.philox4x32(0, 0, 0, 0, 0, 0)] == \
+    """Random123's known-answer vectors for Philox4x32-10 (the round function the stream's 7
+    rounds repeat)."""
+    assert [int(x) for x in D.philox4x32(0, 0, 0, 0, 0, 0, rounds=10)] == \
         [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
     m = 0xFFFFFFFF
-    assert [int(x) for x in D.philox4x32(m, m, m, m, m, m)] == \
+    assert [int(x) for x in D.philox4x32(m, m, m, m, m, m, rounds=10)] == \
         [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
     assert [int(x) for x in D.philox4x32(0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344,
-                                         0xA4093822, 0x299F31D0)] == \
+                                         0xA4093822, 0x299F31D0, rounds=10)] == \
         [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
+    assert D.ROUNDS == 7 and [int(x) for x in D.philox4x32(1, 2, 3, 4, 5, 6)] == \
+        [int(x) for x in D.philox4x32(1, 2, 3, 4, 5, 6, rounds=7)]
 
 
 def test_keep_rate_and_scale():
@@ -28,10 +31,21 @@ def test_keep_rate_and_scale():
     for p in (0.1, 0.5, 0.9):
         m = D.keep_mask(st, p, np.arange(8), np.arange(128), np.arange(256))
         n = m.size
-        keep = 1 - D.threshold(p) / 65536
+        keep = 1 - D.threshold(p) / 256
         assert abs(m.mean() - keep) < 4 * np.sqrt(keep * (1 - keep) / n)
         assert D.keep_scale(p) == pytest.approx(1 / keep, rel=1e-12)
     assert D.keep_mask(st, 0.0, np.arange(2), np.arange(3), np.arange(4)).all()
+
+
+def test_p_is_rounded_to_a_multiple_of_1_256():
+    """8 random bits per probability (flash-attn's precision): p rounds to k / 256, at least
+    1 / 256 when p > 0, and the rescale is exact for the rounded p."""
+    assert D.effective_p(0.1) == 26 / 256 and D.effective_p(0.5) == 0.5
+    assert D.effective_p(0.001) == 1 / 256 and D.effective_p(0.0) == 0.0
+    assert D.effective_p(0.999) == 255 / 256
+    for p in (0.01, 0.1, 0.3, 0.9):
+        assert abs(D.effective_p(p) - p) <= 1 / 512
+        assert D.keep_scale(p) == 1 / (1 - D.effective_p(p))
 
 
 def test_masks_depend_on_every_coordinate_and_the_state():
@@ -174,29 +188,41 @@ int main(int, char** argv) {{
             std::printf("\\n");
         }}
     // the fragment helpers: a 32 x 32 block at (16, 32) of head 1, as the 32 lanes of a warp
-    // hold it in S (rows = queries) and in S^T (rows = keys; the lane ^ 4 exchange emulated)
-    int s[32][32] = {{}}, sT[32][32] = {{}};
-    for (int i0 = 16; i0 < 48; i0 += 16)
-        for (int j0 = 32; j0 < 64; j0 += 16) {{
+    // hold it in S (rows = queries) and in S^T (rows = keys), drawn by fc_dropout_keep2 with
+    // its lane ^ 4 exchange emulated: tiles paired (A, B) and alone (A = B)
+    int cnt[2][32][32] = {{}};
+    const int pairs[3][4] = {{{{16, 32, 16, 48}}, {{32, 32, 32, 32}}, {{32, 48, 32, 48}}}};
+    for (int tr = 0; tr < 2; ++tr)
+        for (int pi = 0; pi < 3; ++pi) {{
+            const int* pr = pairs[pi];
             unsigned int mine[32], theirs[32];
             for (int lane = 0; lane < 32; ++lane) {{
-                const int g = lane >> 2, t = lane & 3;
-                const unsigned int k = fc_dropout_keep_s(d, 1, i0, j0, g, t);
-                for (int bit = 0; bit < 8; ++bit)   // row i0 + g + 8 r, col j0 + 8 u + 2 t + e
-                    s[i0 - 16 + g + 8 * (bit >> 2)][j0 - 32 + 8 * ((bit >> 1) & 1) + 2 * t + (bit & 1)] += 1 + ((k >> bit) & 1);
-                fc_dropout_keep_st_lane(d, 1, i0, j0, g, t, mine[lane], theirs[lane]);
+                const int g = lane >> 2, t = lane & 3, odd = g & 1;
+                fc_dropout_lane(d, 1, odd ? pr[2] : pr[0], odd ? pr[3] : pr[1], g, t, tr != 0,
+                                mine[lane], theirs[lane]);
             }}
-            for (int lane = 0; lane < 32; ++lane) {{   // query i0 + 8 u + 2 t + e, key j0 + g + 8 r
-                const int g = lane >> 2, t = lane & 3;
-                const unsigned int k = mine[lane] | theirs[lane ^ 4];
-                for (int bit = 0; bit < 8; ++bit)
-                    sT[i0 - 16 + 8 * (bit >> 2) + 2 * t + (bit & 1)][j0 - 32 + g + 8 * ((bit >> 1) & 1)] += 1 + ((k >> bit) & 1);
+            for (int lane = 0; lane < 32; ++lane) {{
+                const int g = lane >> 2, t = lane & 3, odd = g & 1;
+                const unsigned int keep[2] = {{odd ? theirs[lane ^ 4] : mine[lane],
+                                               odd ? mine[lane] : theirs[lane ^ 4]}};
+                for (int x = 0; x < (pr[0] == pr[2] && pr[1] == pr[3] ? 1 : 2); ++x) {{
+                    const int q0 = pr[2 * x], k0 = pr[2 * x + 1];
+                    for (int k = 0; k < 8; ++k) {{
+                        const int hi = k >> 2, mid = (k >> 1) & 1, e = k & 1;
+                        const int qq = tr ? q0 + 8 * hi + 2 * t + e : q0 + g + 8 * hi;
+                        const int kk = tr ? k0 + g + 8 * mid : k0 + 8 * mid + 2 * t + e;
+                        const int bit = (keep[x] >> (16 * e + (k >> 1))) & 1;
+                        cnt[tr][qq - 16][kk - 32] += 1 + bit;
+                        // the factor helper reads the same bit
+                        if ((fc_dropout_keep_factor(d, keep[x], k) != 0.f) != (bit != 0)) return 3;
+                    }}
+                }}
             }}
         }}
     for (int i = 0; i < 32; ++i) {{
-        for (int j = 0; j < 32; ++j) std::printf("%d", s[i][j] - 1);
+        for (int j = 0; j < 32; ++j) std::printf("%d", cnt[0][i][j] - 1);
         std::printf(" ");
-        for (int j = 0; j < 32; ++j) std::printf("%d", sT[i][j] - 1);
+        for (int j = 0; j < 32; ++j) std::printf("%d", cnt[1][i][j] - 1);
         std::printf("\\n");
     }}
 }}
