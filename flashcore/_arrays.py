@@ -21,12 +21,18 @@ _PLAIN = (bool, int, float, complex, str, bytes, tuple, list, dict, np.generic)
 def library_of(x) -> str | None:
     """'numpy', 'cupy', 'torch' or None. Never imports a library."""
     t = type(x)
+    # The plain values that calls pass (None, a window pair, lengths, scales) by identity
+    # first: dynamo cannot trace the ``__module__`` of a builtin type as a dictionary key
+    # (torch 2.11 refuses it, torch 2.13 traces it), and identity checks cost less than the
+    # isinstance walk below.
+    if x is None or t is tuple or t is int or t is float or t is bool or t is list:
+        return None
     lib = _LIBRARY_OF_CLASS.get((t.__module__, t.__name__))    # (the classes themselves: the
     if lib is not None:                                         # common case, one lookup)
         return lib
     if isinstance(x, np.ndarray):
         return NUMPY
-    if x is None or isinstance(x, _PLAIN):     # (dynamo cannot walk the MRO of these)
+    if isinstance(x, _PLAIN):                  # (dynamo cannot walk the MRO of these)
         return None
     for cls in t.__mro__:
         lib = _LIBRARY_OF_CLASS.get((cls.__module__, cls.__name__))
