@@ -58,7 +58,7 @@ struct FcDropout {
     unsigned int k0, k1, off;   // key and counter word 3 (see flashcore/dropout.py)
     unsigned int threshold;     // r8 < threshold drops (0: no dropout)
     unsigned int add2;          // (256 - threshold) in both 16-bit halves (fc_dropout_keep2)
-    float scale;                // 256 / (256 - threshold)
+    float scale;                // 1 / (1 - p)
 };
 
 // From the device pair rng_state = (seed, offset) (int64), the threshold and scale.

@@ -103,7 +103,7 @@ struct FlashParams {
     const void* dropout_rng;   // attention dropout: int64 (seed, offset) on the device (see
                                // flash_dropout.cuh); nullptr without dropout
     int dropout_threshold;     // r8 < threshold drops (flashcore.dropout)
-    float dropout_scale;       // 256 / (256 - threshold)
+    float dropout_scale;       // 1 / (1 - p)
 };
 
 // ---- trusted values, guarded addresses -------------------------------------------------------

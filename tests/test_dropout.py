@@ -33,19 +33,19 @@ def test_keep_rate_and_scale():
         n = m.size
         keep = 1 - D.threshold(p) / 256
         assert abs(m.mean() - keep) < 4 * np.sqrt(keep * (1 - keep) / n)
-        assert D.keep_scale(p) == pytest.approx(1 / keep, rel=1e-12)
+        assert D.keep_scale(p) == pytest.approx(1 / (1 - p), rel=1e-12)
     assert D.keep_mask(st, 0.0, np.arange(2), np.arange(3), np.arange(4)).all()
 
 
 def test_p_is_rounded_to_a_multiple_of_1_256():
     """8 random bits per probability (flash-attn's precision): p rounds to k / 256, at least
-    1 / 256 when p > 0, and the rescale is exact for the rounded p."""
+    1 / 256 when p > 0; kept values are scaled by 1 / (1 - p) as flash-attn scales them."""
     assert D.effective_p(0.1) == 26 / 256 and D.effective_p(0.5) == 0.5
     assert D.effective_p(0.001) == 1 / 256 and D.effective_p(0.0) == 0.0
     assert D.effective_p(0.999) == 255 / 256
     for p in (0.01, 0.1, 0.3, 0.9):
         assert abs(D.effective_p(p) - p) <= 1 / 512
-        assert D.keep_scale(p) == 1 / (1 - D.effective_p(p))
+        assert D.keep_scale(p) == 1 / (1 - p)
 
 
 def test_masks_depend_on_every_coordinate_and_the_state():
