@@ -13,8 +13,10 @@ Nothing here imports CuPy at module import time.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import os
 import threading
 from pathlib import Path
 
@@ -118,7 +120,8 @@ def get_kernel(source_file: str, name: str, device_id: int, compute_capability: 
         with _lock:
             k = _kernels.get(key)
             if k is None:
-                with cupy.cuda.Device(device_id):
+                with cupy.cuda.Device(device_id), _compile_lock(
+                        f"{arch}|{source_fingerprint()}|{source_file}|{name}|{extra_options}"):
                     mod = cupy.RawModule(
                         code=_code_for(source_file),
                         options=compile_options(arch, tuple(extra_options)),
@@ -135,6 +138,32 @@ def get_kernel(source_file: str, name: str, device_id: int, compute_capability: 
                 k.max_dynamic_shared_size_bytes = dynamic_smem
             _smem_opted[key] = (k, dynamic_smem)
     return k
+
+
+@contextlib.contextmanager
+def _compile_lock(what: str):
+    """Held while this process compiles (or loads) kernel ``what``: processes that need the same
+    kernel at once (the ranks of a multi-GPU job on one node, test workers) compile it once;
+    the others wait, then load it from CuPy's disk cache, which CuPy writes before the compile
+    returns. An exclusive ``flock`` on a file per kernel in the cache folder (``CUPY_CACHE_DIR``
+    or ``~/.cupy/kernel_cache``); where there is none to take (no ``fcntl``, a read-only
+    folder, a file system without locks) every process compiles for itself, as before."""
+    try:
+        import fcntl
+        folder = os.path.join(os.environ.get("CUPY_CACHE_DIR")
+                              or os.path.expanduser("~/.cupy/kernel_cache"), "flashcore-locks")
+        os.makedirs(folder, exist_ok=True)
+        f = open(os.path.join(folder, hashlib.sha256(what.encode()).hexdigest()[:32] + ".lock"),
+                 "a")
+    except (ImportError, OSError):
+        yield
+        return
+    with f:                      # (closing the file releases the lock)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
 
 
 _GENERATION = [0]
