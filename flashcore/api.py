@@ -37,8 +37,8 @@ from .backends import torch_ops   # (imports no torch: the torch route, bound on
 from .backends.base import all_backends, choose, choose_kvcache
 from .kernels import plans
 from .reference import merge_states
-from .spec import (_scalar_key, as_flag, backward_spec, check_outputs, forward_spec,
-                   kvcache_spec, lse_shape, merge_spec, out_fp32)
+from .spec import (FP8_DTYPES, _scalar_key, as_flag, backward_spec, check_outputs,
+                   forward_spec, fp8_out_dtype, kvcache_spec, lse_shape, merge_spec, out_fp32)
 
 __all__ = [
     "attention", "attention_forward", "attention_backward",
@@ -123,7 +123,16 @@ def draw_rng_state(like):
     return np.random.randint(0, 2**63 - 1, size=2, dtype=np.int64)
 
 
+def _descale_kw(q_descale, k_descale, v_descale) -> dict:
+    """The FP8 descales of a call ({} when none is given, the common case)."""
+    if q_descale is None and k_descale is None and v_descale is None:
+        return {}
+    return {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+
+
 def _forward(q, k, v, backend, varlen, out=None, lse=None, out_dtype=None, **kw):
+    if "q_descale" in kw and library_of(q) != "numpy":
+        forward_spec(q, k, v, varlen=varlen, **kw)   # raises: FP8 runs on NumPy arrays for now
     if out is None and lse is None and library_of(q) == "torch":
         return torch_ops.forward(q, k, v, backend=backend, varlen=varlen, out_dtype=out_dtype,
                                  **kw)
@@ -142,6 +151,8 @@ def _forward(q, k, v, backend, varlen, out=None, lse=None, out_dtype=None, **kw)
                                    _ptr(alibi), _ptr(cu_q), _ptr(cu_k), _ptr(bt), _ptr(rng))):
                 return o, l_
     spec = forward_spec(q, k, v, varlen=varlen, **kw)
+    if spec.dtype in FP8_DTYPES:
+        return _forward_fp8(spec, q, k, v, backend, out, lse, out_dtype, kw)
     fp32 = out_fp32(out_dtype, spec.dtype)
     b = choose(spec, backend)
     given = {} if out is None and lse is None else check_outputs(
@@ -160,6 +171,22 @@ def _forward(q, k, v, backend, varlen, out=None, lse=None, out_dtype=None, **kw)
                                       ("dropout_rng", _ptr(rng))),
                                      q.device.id, result=o.dtype))
     return o, l_
+
+
+def _forward_fp8(spec, q, k, v, backend, out, lse, out_dtype, kw):
+    """A float8_e4m3fn forward (validated by ``spec``): output in bfloat16 unless ``out_dtype``
+    says float16 or float32."""
+    from .spec import _arg_error
+    if out is not None or lse is not None:
+        raise _arg_error(ValueError, "out" if out is not None else "lse", "None with "
+                         "float8_e4m3fn inputs (the outputs are allocated by the call)", "an array")
+    odt = fp8_out_dtype(out_dtype)
+    b = choose(spec, backend)
+    return b.forward(spec, q, k, v, alibi_slopes=kw.get("alibi_slopes"),
+                     cu_seqlens_q=kw.get("cu_seqlens_q"), cu_seqlens_k=kw.get("cu_seqlens_k"),
+                     block_table=kw.get("block_table"),
+                     descales=tuple(kw.get(n) for n in ("q_descale", "k_descale", "v_descale")),
+                     fp8_out=odt)
 
 
 def _backward(dout, q, k, v, out, lse, backend, varlen, dq=None, dk=None, dv=None, **kw):
@@ -201,7 +228,8 @@ def _backward(dout, q, k, v, out, lse, backend, varlen, dq=None, dk=None, dv=Non
 
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                       softcap=0.0, alibi_slopes=None, deterministic=False, backend=None,
-                      out=None, lse=None, out_dtype=None, dropout_p=0.0, rng_state=None):
+                      out=None, lse=None, out_dtype=None, dropout_p=0.0, rng_state=None,
+                      q_descale=None, k_descale=None, v_descale=None):
     """Forward pass. Returns ``(out, lse)``.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
@@ -215,11 +243,19 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=
     ``dropout_p`` > 0: attention dropout with the random state ``rng_state`` (an int64 array
     (seed, offset) of q's library and device; see :mod:`flashcore.dropout`); pass the same
     ``dropout_p`` and ``rng_state`` to :func:`attention_backward`.
+    FP8 (FlashAttention-3's e4m3 forward; forward only): q, k, v float8_e4m3fn (NumPy arrays of
+    ml_dtypes for now; the Hopper kernel for CuPy and torch is not written yet), with
+    ``q_descale``, ``k_descale``, ``v_descale`` float32 arrays broadcastable to
+    ``(batch, nheads_k)`` (None: 1): the inputs' values are ``x * descale[b, key head]``. The
+    output is bfloat16 (``out_dtype`` float16 or float32 on request), lse float32; the
+    probabilities are rounded to e4m3 for the product with V, as the FP8 GEMM takes them
+    (:func:`flashcore.reference.fp8_forward` is the computation).
     """
     return _forward(q, k, v, backend, False, out=out, lse=lse, out_dtype=out_dtype, causal=causal,
                     softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                     alibi_slopes=alibi_slopes, deterministic=deterministic,
-                    **_dropout_kw(dropout_p, rng_state))
+                    **_dropout_kw(dropout_p, rng_state),
+                    **_descale_kw(q_descale, k_descale, v_descale))
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
@@ -240,7 +276,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
               softcap=0.0, alibi_slopes=None, deterministic=False, return_lse=False,
-              backend=None, dropout_p=0.0, rng_state=None):
+              backend=None, dropout_p=0.0, rng_state=None, q_descale=None, k_descale=None,
+              v_descale=None):
     """softmax(q·kᵀ·scale + mask)·v, exactly, the FlashAttention way.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
@@ -250,10 +287,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     drawn from torch's generator of q's device, on the device (``torch.manual_seed`` reproduces
     a run), unless ``rng_state`` is given; on NumPy/CuPy arrays ``rng_state`` must be given
     (the same pair then goes to :func:`attention_backward`; :func:`draw_rng_state` makes one).
-    See :mod:`flashcore.dropout`.
+    See :mod:`flashcore.dropout`. FP8 inputs and their descales: see :func:`attention_forward`.
     """
     return_lse = as_flag("return_lse", return_lse)
     drop = _dropout_kw(dropout_p, rng_state, q)
+    fp8 = _descale_kw(q_descale, k_descale, v_descale)
+    if fp8 and library_of(q) != "numpy":
+        forward_spec(q, k, v, **fp8)     # raises: FP8 runs on NumPy arrays for now
     if library_of(q) == "torch":    # validated once, inside (this path is per-call overhead)
         # (dropout's arguments named, not **drop: an empty ** costs a call about 0.3 us)
         out, lse = torch_ops.autograd_attention(
@@ -264,7 +304,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     else:
         out, lse = _forward(q, k, v, backend, False, causal=causal, softmax_scale=softmax_scale,
                             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                            deterministic=deterministic, **drop)
+                            deterministic=deterministic, **drop, **fp8)
     return (out, lse) if return_lse else out
 
 
@@ -272,7 +312,8 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=N
                              max_seqlen_k=None, *, causal=False, softmax_scale=None,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                              deterministic=False, backend=None, block_table=None,
-                             out_dtype=None, dropout_p=0.0, rng_state=None):
+                             out_dtype=None, dropout_p=0.0, rng_state=None, q_descale=None,
+                             k_descale=None, v_descale=None):
     """Forward over packed variable-length sequences. Returns ``(out, lse)``.
 
     q: (total_q, nheads, headdim), k, v: (total_k, nheads_k, headdim); sequence b holds
@@ -288,7 +329,8 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=N
     b is row ``t % page_size`` of block ``block_table[b, t // page_size]``, and
     ``cu_seqlens_k`` gives only the key lengths (``cu_seqlens_k[b+1] - cu_seqlens_k[b]``).
     Forward only (there is no backward over a paged cache, as in flash-attn).
-    ``out_dtype``, ``dropout_p``, ``rng_state``: as in :func:`attention_forward`.
+    ``out_dtype``, ``dropout_p``, ``rng_state`` and FP8 (``q_descale``, ``k_descale``,
+    ``v_descale``, row b for sequence b): as in :func:`attention_forward`.
     """
     return _forward(q, k, v, backend, True, out_dtype=out_dtype, causal=causal,
                     softmax_scale=softmax_scale,
@@ -296,7 +338,8 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=N
                     deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                     max_seqlen_k=max_seqlen_k, block_table=block_table,
-                    **_dropout_kw(dropout_p, rng_state))
+                    **_dropout_kw(dropout_p, rng_state),
+                    **_descale_kw(q_descale, k_descale, v_descale))
 
 
 def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
@@ -317,16 +360,21 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
                      max_seqlen_k=None, *, causal=False, softmax_scale=None,
                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                      deterministic=False, return_lse=False, backend=None, block_table=None,
-                     dropout_p=0.0, rng_state=None):
+                     dropout_p=0.0, rng_state=None, q_descale=None, k_descale=None,
+                     v_descale=None):
     """:func:`attention` over packed variable-length sequences (differentiable on torch;
     with ``block_table``, over a paged KV cache, forward only: see
-    :func:`varlen_attention_forward`)."""
+    :func:`varlen_attention_forward`, which also says how FP8 inputs are taken)."""
     return_lse = as_flag("return_lse", return_lse)
     kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
               softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
               **_dropout_kw(dropout_p, rng_state, q))
+    fp8 = _descale_kw(q_descale, k_descale, v_descale)
+    if fp8 and library_of(q) != "numpy":
+        forward_spec(q, k, v, varlen=True, **kw, **fp8)   # raises: FP8 on NumPy arrays for now
+    kw.update(fp8)
     if library_of(q) == "torch":
         out, lse = torch_ops.autograd_attention(q, k, v, backend=backend, varlen=True, **kw)
     else:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["naive_forward", "naive_backward", "round_to_dtype", "apply_rotary", "merge_states"]
+__all__ = ["naive_forward", "naive_backward", "round_to_dtype", "apply_rotary", "merge_states",
+           "round_e4m3", "fp8_dequantize", "fp8_forward"]
 
 
 def round_to_dtype(x: np.ndarray, dtype: str | None) -> np.ndarray:
@@ -193,6 +194,39 @@ def naive_forward(spec, q, k, v, slopes=None, round_to=None, rng_state=None, bat
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = np.where(l != 0, m + np.log(np.where(l != 0, l, 1)), -np.inf)[..., 0]
     return out.transpose(0, 2, 1, 3), lse
+
+
+def round_e4m3(x):
+    """``x`` rounded to float8_e4m3fn (round to nearest even; ml_dtypes), in x's dtype."""
+    import ml_dtypes
+    return x.astype(ml_dtypes.float8_e4m3fn).astype(x.dtype)
+
+
+def fp8_dequantize(x, descale, nheads_k):
+    """float8_e4m3fn ``x`` (b, s, h, d) as float32 values ``x * descale[b, h // (h / nheads_k)]``:
+    FlashAttention-3's descales, float32 broadcastable to (batch, nheads_k) (None: 1), per key
+    head; a query head takes the descale of the key head it attends with."""
+    x32 = x.astype(np.float32)
+    if descale is None:
+        return x32
+    b, _, h, _ = x.shape
+    d = np.broadcast_to(np.asarray(descale, np.float32), (b, nheads_k))
+    return x32 * np.repeat(d, h // nheads_k, axis=1)[:, None, :, None]
+
+
+def fp8_forward(spec, q, k, v, descales=(None, None, None), slopes=None):
+    """The FP8 forward emulated (FlashAttention-3's computation): q, k, v float8_e4m3fn (b, s,
+    h, d), dequantised by ``descales`` (q, k, v; :func:`fp8_dequantize`); the scores in
+    float32, P = exp(s - rowmax) rounded to e4m3 for the product with V (what an FP8 ``wgmma``
+    takes), the row sums from the unrounded P. Returns (out float32 (b, sq, h, d), lse)."""
+    qd, kd, vd = (fp8_dequantize(x, d, spec.nheads_k) for x, d in zip((q, k, v), descales))
+    _, _, vh, p, _, m, l = _naive_probs(spec, qd, kd, vd, slopes, lambda x: x)
+    with np.errstate(invalid="ignore"):
+        pt = p * l                                          # exp(s - rowmax), max 1
+    out = (round_e4m3(pt) @ vh) / np.where(l != 0, l, 1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = np.where(l != 0, m + np.log(np.where(l != 0, l, 1)), -np.inf)[..., 0]
+    return np.where(l != 0, out, 0.0).transpose(0, 2, 1, 3), lse
 
 
 def naive_backward(spec, dout, q, k, v, slopes=None, round_to=None, rng_state=None,

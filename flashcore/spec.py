@@ -17,9 +17,12 @@ from ._arrays import (device_of, dtype_name, is_host, library_of, strides_in_ele
                       to_host, torch_compiling)
 
 __all__ = ["AttentionSpec", "KVCacheSpec", "forward_spec", "backward_spec", "kvcache_spec",
-           "merge_spec", "FLOAT_DTYPES"]
+           "merge_spec", "FLOAT_DTYPES", "FP8_DTYPES", "fp8_out_dtype"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+# FP8 inputs (FlashAttention-3's e4m3 forward): forward only, with per-(batch, key head)
+# descale factors; on NumPy arrays (ml_dtypes) for now, the reference of the Hopper kernel to come
+FP8_DTYPES = ("float8_e4m3fn",)
 
 
 @dataclass(frozen=True)
@@ -112,16 +115,20 @@ def _check_array(name, x, ndim, lib=None, device=None, like="q"):
         raise _arg_error(ValueError, name, f"{ndim}-dimensional array", f"shape {tuple(x.shape)}")
 
 
-def _check_q_and_kv(q, k, v, k_name, v_name, q_ndim, kv_ndim=None):
-    """q a floating array of q_ndim dimensions; k and v arrays of kv_ndim (default: q's)
-    dimensions and of q's library, device and dtype. Returns (library, device, dtype name)."""
+def _check_q_and_kv(q, k, v, k_name, v_name, q_ndim, kv_ndim=None, fp8=False):
+    """q a floating array of q_ndim dimensions (``fp8``: or float8_e4m3fn); k and v arrays of
+    kv_ndim (default: q's) dimensions and of q's library, device and dtype. Returns (library,
+    device, dtype name)."""
     _check_array("q", q, q_ndim)
     kv_ndim = q.ndim if kv_ndim is None else kv_ndim
     lib, device = library_of(q), device_of(q)
     _check_array(k_name, k, kv_ndim, lib, device)
     _check_array(v_name, v, kv_ndim, lib, device)
     dt = dtype_name(q)
-    if dt not in FLOAT_DTYPES:
+    if dt in FP8_DTYPES and not fp8:
+        raise _arg_error(TypeError, "q", f"a floating dtype in {FLOAT_DTYPES} (float8_e4m3fn "
+                         "inputs are taken by the forward functions only)", f"dtype {dt}")
+    if dt not in FLOAT_DTYPES + (FP8_DTYPES if fp8 else ()):
         raise _arg_error(TypeError, "q", f"a floating dtype in {FLOAT_DTYPES}", f"dtype {dt}")
     for n, x in ((k_name, k), (v_name, v)):
         if dtype_name(x) != dt:
@@ -237,7 +244,8 @@ def forward_spec(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, 
                  softcap=0.0, alibi_slopes=None, deterministic=False,
                  cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                  max_seqlen_k=None, varlen=False, block_table=None, dropout_p=0.0,
-                 rng_state=None) -> AttentionSpec:
+                 rng_state=None, q_descale=None, k_descale=None,
+                 v_descale=None) -> AttentionSpec:
     """Validate the forward arguments and return their spec. Raises TypeError/ValueError."""
     spec = _forward_spec(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
@@ -245,7 +253,62 @@ def forward_spec(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, 
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, varlen=varlen, block_table=block_table)
     p = _dropout(dropout_p, rng_state, spec)
+    _fp8(spec, p, (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)))
     return spec if p == 0.0 else dataclasses.replace(spec, dropout_p=p)
+
+
+def _fp8(spec, dropout_p, descales) -> None:
+    """FP8 inputs: NumPy arrays (for now), no dropout, each descale None (1.0) or a float32 array
+    of q's library broadcastable to (batch, nheads_k), as FlashAttention-3 defines them; other
+    inputs take no descale."""
+    if spec.dtype not in FP8_DTYPES:
+        for name, d in descales:
+            if d is not None:
+                raise _arg_error(ValueError, name, "None unless q, k and v are float8_e4m3fn",
+                                 _describe(d))
+        return
+    if spec.library != "numpy":
+        raise _arg_error(TypeError, "q", "float8_e4m3fn inputs as NumPy arrays (ml_dtypes): "
+                         "the FP8 forward runs on the NumPy reference backend for now; the Hopper "
+                         "FP8 kernel for CuPy and torch arrays is not written yet",
+                         f"a {spec.library} array of dtype {spec.dtype} on {spec.device}")
+    if dropout_p:
+        raise _arg_error(ValueError, "dropout_p", "0.0 with float8_e4m3fn inputs (FP8 attention "
+                         "is forward only, for inference)", dropout_p)
+    for name, d in descales:
+        if d is None:
+            continue
+        _check_array(name, d, None, spec.library, spec.device)
+        if dtype_name(d) != "float32":
+            raise _arg_error(TypeError, name, "a float32 array broadcastable to (batch, nheads_k)",
+                             f"dtype {dtype_name(d)}")
+        try:
+            np.broadcast_shapes(tuple(d.shape), (spec.batch, spec.nheads_k))
+            ok = len(d.shape) <= 2
+        except ValueError:
+            ok = False
+        if not ok:
+            raise _arg_error(ValueError, name, "a float32 array broadcastable to (batch, nheads_k) "
+                             f"= ({spec.batch}, {spec.nheads_k})", f"shape {tuple(d.shape)}")
+
+
+def fp8_out_dtype(out_dtype) -> str:
+    """The output dtype of a float8_e4m3fn forward: bfloat16 (None), or float16 / float32 on
+    request (any spelling)."""
+    if out_dtype is None:
+        return "bfloat16"
+    name = str(out_dtype)
+    if name.startswith("torch."):
+        name = name[len("torch."):]
+    elif name != "bfloat16":
+        try:
+            name = np.dtype(out_dtype).name
+        except TypeError:
+            name = None
+    if name not in ("bfloat16", "float16", "float32"):
+        raise _arg_error(TypeError, "out_dtype", "None (bfloat16), bfloat16, float16 or float32 "
+                         "for float8_e4m3fn inputs", repr(out_dtype))
+    return name
 
 
 def _dropout(dropout_p, rng_state, spec) -> float:
@@ -287,7 +350,8 @@ def _forward_spec(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi
                          "None for padded (batch, seqlen, ...) inputs (a paged cache goes with "
                          "the varlen functions, as in flash-attn, or attention_with_kvcache)",
                          "an array")
-    lib, device, dt = _check_q_and_kv(q, k, v, "k", "v", 3 if varlen else 4, 4 if paged else None)
+    lib, device, dt = _check_q_and_kv(q, k, v, "k", "v", 3 if varlen else 4, 4 if paged else None,
+                                      fp8=True)
     layout = ("(num_blocks, page_size, nheads_k, headdim) (paged, with block_table)" if paged
               else "(total, nheads, headdim)" if varlen else "(batch, seqlen, nheads, headdim)")
     *lead_q, nheads, headdim = q.shape
@@ -404,6 +468,9 @@ def _check_block_values(block_table, cu_seqlens_k, page_size, num_blocks):
 def backward_spec(dout, q, k, v, out, lse, **kw) -> AttentionSpec:
     """Validate the backward arguments: the forward's, plus dout/out like q and lse."""
     spec = forward_spec(q, k, v, **kw)
+    if spec.dtype in FP8_DTYPES:
+        raise _arg_error(TypeError, "q", "a floating dtype in " f"{FLOAT_DTYPES}: float8_e4m3fn "
+                         "attention is forward only (as in FlashAttention-3)", f"dtype {spec.dtype}")
     for n, x in (("dout", dout), ("out", out)):
         _check_array(n, x, q.ndim, spec.library, spec.device)
         if tuple(x.shape) != tuple(q.shape):

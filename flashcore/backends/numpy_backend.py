@@ -37,7 +37,8 @@ import threading
 import numpy as np
 
 from ..reference import (_bhsd, _expand_kv, _safe, _Scores, _slopes_for, apply_rotary,
-                         merge_states, naive_backward, naive_forward)
+                         fp8_dequantize, fp8_forward, merge_states, naive_backward,
+                         naive_forward, round_e4m3)
 from .base import Backend, register
 
 __all__ = [
@@ -197,13 +198,14 @@ def _for_each_unit(fn, batch, nheads_k, flops):
 # --------------------------------------------------------------------------------------------
 
 def tiled_forward(spec, q, k, v, slopes=None, block_q=BLOCK_Q, block_k=BLOCK_K, rng_state=None,
-                  batch_offset=0):
+                  batch_offset=0, p_e4m3=False):
     """FlashAttention forward on dense (b, s, h, d) inputs. Returns (out, lse).
 
     Per sequence and key heads (with the query heads of their groups): every step below is one
     batched operation over (key heads, group) of (block_q, block_k) score tiles. Dropout
     (``spec.dropout_p``) scales the probabilities that multiply V, not the row sums: the lse
-    is the undropped one."""
+    is the undropped one. ``p_e4m3`` (the FP8 forward): the probabilities that multiply V are
+    rounded to float8_e4m3fn, as an FP8 ``wgmma`` takes them; the row sums are not."""
     ct = np.float64 if q.dtype == np.float64 else np.float32
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -239,6 +241,8 @@ def tiled_forward(spec, q, k, v, slopes=None, block_q=BLOCK_Q, block_k=BLOCK_K, 
                 acc *= alpha
                 zf = _tile_dropout(spec, rng_state, batch_offset + z, heads, g, rows,
                                    np.arange(c0, c1), ct)
+                if p_e4m3:
+                    p = round_e4m3(p)
                 acc += (p if zf is None else p * zf) @ vj
                 m = m_new
             seen = l != 0   # NaN scores give NaN, not "saw nothing"
@@ -450,7 +454,7 @@ class NumpyBackend(Backend):
 
     name = "numpy"
     libraries = ("numpy",)
-    dtypes = ("float16", "bfloat16", "float32", "float64")
+    dtypes = ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn")
     supports_kvcache = True
 
     def __init__(self, path: str = "tiled", block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
@@ -459,7 +463,13 @@ class NumpyBackend(Backend):
     def info(self):
         return {"numpy": np.__version__}
 
-    def _fwd(self, spec, q, k, v, slopes, rng_state=None, batch_offset=0):
+    def _fwd(self, spec, q, k, v, slopes, rng_state=None, batch_offset=0, descales=None):
+        if descales is not None:     # float8_e4m3fn inputs: dequantised, P rounded to e4m3
+            if self.path == "naive":
+                return fp8_forward(spec, q, k, v, descales, slopes)
+            q, k, v = (fp8_dequantize(x, d, spec.nheads_k) for x, d in zip((q, k, v), descales))
+            return tiled_forward(spec, q, k, v, slopes, self.block_q, self.block_k,
+                                 batch_offset=batch_offset, p_e4m3=True)
         if self.path == "naive":
             return naive_forward(spec, q, k, v, slopes, rng_state=rng_state,
                                  batch_offset=batch_offset)
@@ -474,21 +484,32 @@ class NumpyBackend(Backend):
                               rng_state, batch_offset)
 
     def forward(self, spec, q, k, v, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                block_table=None, out_fp32=False, rng_state=None):
+                block_table=None, out_fp32=False, rng_state=None, descales=None,
+                fp8_out="bfloat16"):
+        """``descales`` (q, k, v; each None or float32 broadcastable to (batch, nheads_k)) with
+        float8_e4m3fn inputs, whose output is ``fp8_out``."""
         if block_table is not None:      # varlen over a paged cache: gather, then as packed
             k, v = (paged_gather(x, block_table, cu_seqlens_k, spec.page_size) for x in (k, v))
             spec = dataclasses.replace(spec, page_size=0, num_blocks=0, total_k=k.shape[0])
-        odt = np.dtype(np.float32) if out_fp32 else _out_dtype(spec.dtype)
+        fp8 = spec.dtype == "float8_e4m3fn"
+        if fp8 and descales is None:
+            descales = (None, None, None)
+        odt = _out_dtype(fp8_out) if fp8 else \
+            np.dtype(np.float32) if out_fp32 else _out_dtype(spec.dtype)
         lse_dt = np.float64 if spec.dtype == "float64" else np.float32
         if not spec.varlen:
             out, lse = self._fwd(spec, q, k, v, _slopes_for(spec, alibi_slopes, batch=spec.batch),
-                                 rng_state)
+                                 rng_state, descales=descales if fp8 else None)
             return out.astype(odt), lse.astype(lse_dt)
         out = np.zeros(q.shape, odt)
         lse = np.full((spec.nheads, q.shape[0]), -np.inf, lse_dt)
         for i, sq_, sk_ in _per_sequence(spec, cu_seqlens_q, cu_seqlens_k):
+            # (FP8: sequence i takes row i of each descale)
+            ds = None if not fp8 else tuple(
+                None if d is None else np.broadcast_to(d, (spec.batch, spec.nheads_k))[i:i + 1]
+                for d in descales)
             o, l = self._fwd(spec, q[None, sq_], k[None, sk_], v[None, sk_],
-                             _slopes_for(spec, alibi_slopes, i), rng_state, i)
+                             _slopes_for(spec, alibi_slopes, i), rng_state, i, descales=ds)
             out[sq_] = o[0]
             lse[:, sq_] = l[0]
         return out, lse
