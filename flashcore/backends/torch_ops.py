@@ -46,10 +46,12 @@ DOUBLE_BACKWARD_MESSAGE = (
 # Layer 2: torch.library custom ops with fake implementations
 # --------------------------------------------------------------------------------------------
 
-# The call's options cross the op boundary as plain scalars (a schema cannot take a spec);
-# the window is already folded with `causal` by flashcore.spec, -1 meaning unbounded.
-_OPTIONS = ("int max_seqlen_q, int max_seqlen_k, bool causal, float softmax_scale, "
-            "int window_left, int window_right, float softcap, bool deterministic")
+# The call's scalar options cross the op boundary as one float list (a schema cannot take a
+# spec; one list argument costs the dispatcher ~1 us a call less than eight scalars):
+# [max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
+#  deterministic], ints and bools as floats (exact), the window already folded with `causal`
+# by flashcore.spec, -1 meaning unbounded. _unpacked() reads it back.
+_OPTIONS = "float[] options"
 # (block_table: varlen over a paged cache, forward only; out_fp32: the output in float32 for
 # 16-bit inputs, for partial results; last, with defaults, so that the autograd Function's
 # calls leave them out)
@@ -104,16 +106,21 @@ def torch_ops():
 # (flashcore.kernels.plans: the per-layout launch cache, keyed here on the op's own arguments),
 # else runs in full through the torch backend and is recorded.
 
-def _fwd_impl(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-              causal, softmax_scale, window_left, window_right, softcap, deterministic,
-              block_table=None, out_fp32=False, dropout_p=0.0, rng_state=None):
+def _unpacked(options) -> tuple:
+    """(max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
+    deterministic) from the ops' float list."""
+    ms_q, ms_k, causal, scale, left, right, cap, det = options
+    return int(ms_q), int(ms_k), bool(causal), scale, int(left), int(right), cap, bool(det)
+
+
+def _fwd_impl(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, options, block_table=None,
+              out_fp32=False, dropout_p=0.0, rng_state=None):
     import torch
     key = None
     cfg = config.get()
     if q.is_cuda and not cfg.debug:     # (debug mode validates every call)
         key = ("fwd", layout(q), layout(k), layout(v), layout(alibi_slopes),
-               layout(cu_seqlens_q), layout(cu_seqlens_k), max_seqlen_q, max_seqlen_k, causal,
-               softmax_scale, window_left, window_right, softcap, deterministic, cfg,
+               layout(cu_seqlens_q), layout(cu_seqlens_k), tuple(options), cfg,
                layout(block_table), out_fp32, dropout_p, layout(rng_state))
         plan = plans.lookup(key)
         if plan is not None:
@@ -124,10 +131,8 @@ def _fwd_impl(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
                                     _ptr(cu_seqlens_k), _ptr(block_table), _ptr(rng_state)),
                       q.device):
                 return out, lse
-    spec = _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                      max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
-                      deterministic, block_table=block_table, dropout_p=dropout_p,
-                      rng_state=rng_state)
+    spec = _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *_unpacked(options),
+                      block_table=block_table, dropout_p=dropout_p, rng_state=rng_state)
     with plans.record() as rec:
         out, lse = _BACKEND.forward(spec, q, k, v, alibi_slopes=alibi_slopes,
                                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -142,17 +147,15 @@ def _fwd_impl(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     return out, lse
 
 
-def _bwd_impl(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-              max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
-              deterministic, dropout_p=0.0, rng_state=None):
+def _bwd_impl(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, options,
+              dropout_p=0.0, rng_state=None):
     import torch
     key = None
     cfg = config.get()
     if q.is_cuda and not cfg.debug:     # (debug mode validates every call)
         key = ("bwd", layout(dout), layout(q), layout(k), layout(v), layout(out), layout(lse),
-               layout(alibi_slopes), layout(cu_seqlens_q), layout(cu_seqlens_k), max_seqlen_q,
-               max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
-               deterministic, cfg, dropout_p, layout(rng_state))
+               layout(alibi_slopes), layout(cu_seqlens_q), layout(cu_seqlens_k),
+               tuple(options), cfg, dropout_p, layout(rng_state))
         plan = plans.lookup(key)
         if plan is not None:
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -162,9 +165,8 @@ def _bwd_impl(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                                     _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(rng_state)),
                       q.device):
                 return dq, dk, dv
-    spec = _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                      max_seqlen_k, causal, softmax_scale, window_left, window_right, softcap,
-                      deterministic, (dout, out, lse), dropout_p=dropout_p, rng_state=rng_state)
+    spec = _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *_unpacked(options),
+                      (dout, out, lse), dropout_p=dropout_p, rng_state=rng_state)
     with plans.record() as rec:
         dq, dk, dv = _BACKEND.backward(spec, dout, q, k, v, out, lse, alibi_slopes=alibi_slopes,
                                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -287,8 +289,8 @@ def _define_ops():
 
     def fwd_fake(q, k, v, alibi_slopes, cu_seqlens_q, *args, block_table=None, out_fp32=False,
                  **_):
-        if len(args) > 10:     # (given positionally)
-            out_fp32 = args[10]
+        if len(args) > 3:      # (given positionally: cu_seqlens_k, options, block_table, out_fp32)
+            out_fp32 = args[3]
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         fp32 = out_fp32 and q.dtype in (torch.float16, torch.bfloat16)
         return (q.new_empty(q.shape, dtype=torch.float32) if fp32 else q.new_empty(q.shape),
@@ -336,7 +338,7 @@ def _attention_function(torch, ops):
         def forward(ctx, call, *tensors):
             where, options, dropout_p = call
             q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng = _roles_of(where, tensors)
-            out, lse = fwd_op(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *options,
+            out, lse = fwd_op(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, options,
                               *((None, False, dropout_p, rng) if dropout_p else ()))
             ctx.save_for_backward(out, lse, *tensors)
             ctx.call = call
@@ -358,7 +360,7 @@ def _attention_function(torch, ops):
             if dout.stride(-1) != 1 and dout.shape[-1] > 1:
                 dout = dout.contiguous()
             dq, dk, dv = bwd_op(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q,
-                                cu_seqlens_k, *options, *((dropout_p, rng) if dropout_p else ()))
+                                cu_seqlens_k, options, *((dropout_p, rng) if dropout_p else ()))
             if torch.is_grad_enabled():      # create_graph=True: refuse when differentiated
                 dq, dk, dv = NoSecondDerivative.apply(dout, q, k, v, dq, dk, dv)
             if where is _DISTINCT_QKV:
@@ -437,14 +439,14 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
     torch_ops()
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (None, None)
     if block_table is not None:      # forward only: a backward through it raises
-        out, lse = _OVERLOADS["fwd"](q, k, v, alibi_slopes, cu_q, cu_k, *opts, block_table)
+        out, lse = _OVERLOADS["fwd"](q, k, v, alibi_slopes, cu_q, cu_k, opts, block_table)
         if _needs_grad(q, k, v):
             out = _FUNCTION[1].apply(out, q, k, v)
         return out, lse
     rng = rng_state if dropout_p else None
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         # nothing to differentiate: the op alone (what autograd would run)
-        return _OVERLOADS["fwd"](q, k, v, alibi_slopes, cu_q, cu_k, *opts,
+        return _OVERLOADS["fwd"](q, k, v, alibi_slopes, cu_q, cu_k, opts,
                                  *((None, False, dropout_p, rng) if dropout_p else ()))
     if alibi_slopes is None and cu_q is None and rng is None and k is not q and v is not q \
             and v is not k:
@@ -635,7 +637,7 @@ def _explicit(kind, tensors, backend, varlen, kw):
     torch_ops()
     with torch.no_grad():
         return _OVERLOADS[kind](*tensors, args["alibi_slopes"], args["cu_seqlens_q"],
-                                args["cu_seqlens_k"], *opts, *tail)
+                                args["cu_seqlens_k"], opts, *tail)
 
 
 def _compiling() -> bool:

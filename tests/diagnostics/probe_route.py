@@ -158,7 +158,7 @@ def cases(device):
     scale = 1 / math.sqrt(SHAPE[-1])
     opts = (0, 0, True, scale, -1, 0, 0.0, False)
     with torch.no_grad():
-        o, lse = ops.fwd.default(q, k, v, None, None, None, *opts)
+        o, lse = ops.fwd.default(q, k, v, None, None, None, opts)
 
     def fc_fwd():
         with torch.no_grad():
@@ -203,11 +203,11 @@ def cases(device):
 
     def op_fwd():
         with torch.no_grad():
-            fwd_op(q, k, v, None, None, None, *opts)
+            fwd_op(q, k, v, None, None, None, opts)
 
     def op_bwd():
         with torch.no_grad():
-            bwd_op(do, q, k, v, o, lse, None, None, None, *opts)
+            bwd_op(do, q, k, v, o, lse, None, None, None, opts)
 
     return {"fc_fwd": fc_fwd, "sdpa_fwd": sdpa_fwd, "sdpa1_fwd": sdpa1_fwd,
             "fc_fwd_grad": fc_fwd_grad, "nothing_fwd_grad": nothing_fwd_grad,
@@ -222,16 +222,15 @@ def pieces(tensors):
     layout = torch_backend.layout
     cfg = flashcore.config.get()
     scale = 1 / math.sqrt(SHAPE[-1])
+    fopts = [0.0, 0.0, 1.0, scale, -1.0, 0.0, 0.0, 0.0]    # the options as the ops receive them
 
     def key_fwd():
         return ("fwd", layout(q), layout(k), layout(v), layout(None), layout(None),
-                layout(None), 0, 0, True, scale, -1, 0, 0.0, False, cfg, layout(None), False,
-                0.0, layout(None))
+                layout(None), tuple(fopts), cfg, layout(None), False, 0.0, layout(None))
 
     def key_bwd():
         return ("bwd", layout(do), layout(q), layout(k), layout(v), layout(o), layout(lse),
-                layout(None), layout(None), layout(None), 0, 0, True, scale, -1, 0, 0.0, False,
-                cfg, 0.0, layout(None))
+                layout(None), layout(None), layout(None), tuple(fopts), cfg, 0.0, layout(None))
     fwd_plan = plans.lookup(key_fwd())
     bwd_plan = plans.lookup(key_bwd())
     if fwd_plan is None or bwd_plan is None:
