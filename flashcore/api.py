@@ -37,7 +37,7 @@ from .backends import torch_ops   # (imports no torch: the torch route, bound on
 from .backends.base import all_backends, choose, choose_kvcache
 from .kernels import plans
 from .reference import merge_states
-from .spec import (FP8_DTYPES, _scalar_key, as_flag, backward_spec, check_outputs,
+from .spec import (FP8_DTYPES, _arg_error, _scalar_key, as_flag, backward_spec, check_outputs,
                    forward_spec, fp8_out_dtype, kvcache_spec, lse_shape, merge_spec, out_fp32)
 
 __all__ = [
@@ -123,16 +123,19 @@ def draw_rng_state(like):
     return np.random.randint(0, 2**63 - 1, size=2, dtype=np.int64)
 
 
-def _descale_kw(q_descale, k_descale, v_descale) -> dict:
-    """The FP8 descales of a call ({} when none is given, the common case)."""
+def _descale_kw(q, k, v, q_descale, k_descale, v_descale, **call) -> dict:
+    """The FP8 descales of a call ({} when none is given, the common case). With arrays other
+    than NumPy's, which no route takes descales for yet, the call is validated here (``call``:
+    its other arguments), which refuses it and names why."""
     if q_descale is None and k_descale is None and v_descale is None:
         return {}
-    return {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    d = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    if library_of(q) != "numpy":
+        forward_spec(q, k, v, **call, **d)
+    return d
 
 
 def _forward(q, k, v, backend, varlen, out=None, lse=None, out_dtype=None, **kw):
-    if "q_descale" in kw and library_of(q) != "numpy":
-        forward_spec(q, k, v, varlen=varlen, **kw)   # raises: FP8 runs on NumPy arrays for now
     if out is None and lse is None and library_of(q) == "torch":
         return torch_ops.forward(q, k, v, backend=backend, varlen=varlen, out_dtype=out_dtype,
                                  **kw)
@@ -176,7 +179,6 @@ def _forward(q, k, v, backend, varlen, out=None, lse=None, out_dtype=None, **kw)
 def _forward_fp8(spec, q, k, v, backend, out, lse, out_dtype, kw):
     """A float8_e4m3fn forward (validated by ``spec``): output in bfloat16 unless ``out_dtype``
     says float16 or float32."""
-    from .spec import _arg_error
     if out is not None or lse is not None:
         raise _arg_error(ValueError, "out" if out is not None else "lse", "None with "
                          "float8_e4m3fn inputs (the outputs are allocated by the call)", "an array")
@@ -255,7 +257,7 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=
                     softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                     alibi_slopes=alibi_slopes, deterministic=deterministic,
                     **_dropout_kw(dropout_p, rng_state),
-                    **_descale_kw(q_descale, k_descale, v_descale))
+                    **_descale_kw(q, k, v, q_descale, k_descale, v_descale))
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
@@ -291,9 +293,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     """
     return_lse = as_flag("return_lse", return_lse)
     drop = _dropout_kw(dropout_p, rng_state, q)
-    fp8 = _descale_kw(q_descale, k_descale, v_descale)
-    if fp8 and library_of(q) != "numpy":
-        forward_spec(q, k, v, **fp8)     # raises: FP8 runs on NumPy arrays for now
+    fp8 = _descale_kw(q, k, v, q_descale, k_descale, v_descale)
     if library_of(q) == "torch":    # validated once, inside (this path is per-call overhead)
         # (dropout's arguments named, not **drop: an empty ** costs a call about 0.3 us)
         out, lse = torch_ops.autograd_attention(
@@ -339,7 +339,8 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=N
                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                     max_seqlen_k=max_seqlen_k, block_table=block_table,
                     **_dropout_kw(dropout_p, rng_state),
-                    **_descale_kw(q_descale, k_descale, v_descale))
+                    **_descale_kw(q, k, v, q_descale, k_descale, v_descale, varlen=True,
+                                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k))
 
 
 def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
@@ -371,10 +372,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, block_table=block_table,
               **_dropout_kw(dropout_p, rng_state, q))
-    fp8 = _descale_kw(q_descale, k_descale, v_descale)
-    if fp8 and library_of(q) != "numpy":
-        forward_spec(q, k, v, varlen=True, **kw, **fp8)   # raises: FP8 on NumPy arrays for now
-    kw.update(fp8)
+    kw.update(_descale_kw(q, k, v, q_descale, k_descale, v_descale, varlen=True,
+                          cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k))
     if library_of(q) == "torch":
         out, lse = torch_ops.autograd_attention(q, k, v, backend=backend, varlen=True, **kw)
     else:
