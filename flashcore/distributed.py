@@ -128,7 +128,7 @@ def _blocks(layout, world, rank, src, window, m):
     return out
 
 
-def _forward(q, k, v, group, layout, window, softmax_scale):
+def _forward(q, k, v, group, layout, window, softmax_scale, softcap=0.0):
     import torch
     import torch.distributed as dist
     world, rank, nxt, prv = _ring_peers(dist, group)
@@ -147,7 +147,7 @@ def _forward(q, k, v, group, layout, window, softmax_scale):
         if step < world - 1:
             pending = _start_rotation(dist, group, cur, nxt, prv)
         hop_forward(acc, qs, cur[0].chunk(per, dim=1), cur[1].chunk(per, dim=1),
-                    _blocks(layout, world, rank, src, window, m), softmax_scale)
+                    _blocks(layout, world, rank, src, window, m), softmax_scale, softcap)
         if pending is not None:
             bufs, reqs = pending
             for r in reqs:
@@ -158,17 +158,19 @@ def _forward(q, k, v, group, layout, window, softmax_scale):
     return torch.cat(outs, dim=1), torch.cat(lses, dim=-1)
 
 
-def hop_forward(acc, qs, ks, vs, blocks, softmax_scale):
+def hop_forward(acc, qs, ks, vs, blocks, softmax_scale, softcap=0.0):
     """One hop's local work: each block (i, j, query rows, key rows, mask options) of
     ``blocks`` attends q chunk i to K/V chunk j and merges the result into ``acc[i]`` (output,
     lse) through the lse, in float32 (float64 for float64 inputs): the forward writes its
     partial output in float32, so nothing is rounded to 16 bits before the merge. (The
-    single-GPU benchmark of the chunked schedule runs exactly this.)"""
+    single-GPU benchmark of the chunked schedule runs exactly this.) ``softcap`` acts on each
+    score alone, so a block applies it as the whole call would."""
     import torch
     ct = acc[0][0].dtype
     for i, j, qr, kr, opts in blocks:
         o, lse = attention_forward(qs[i][:, qr].contiguous(), ks[j][:, kr].contiguous(),
                                    vs[j][:, kr].contiguous(), softmax_scale=softmax_scale,
+                                   softcap=softcap,
                                    out_dtype=None if ct is torch.float64 else torch.float32,
                                    **opts)
         ao, al = acc[i]
@@ -177,7 +179,7 @@ def hop_forward(acc, qs, ks, vs, blocks, softmax_scale):
         al[..., qr] = ml
 
 
-def _backward(dout, q, k, v, out, lse, group, layout, window, softmax_scale):
+def _backward(dout, q, k, v, out, lse, group, layout, window, softmax_scale, softcap=0.0):
     import torch
     import torch.distributed as dist
     world, rank, nxt, prv = _ring_peers(dist, group)
@@ -202,7 +204,7 @@ def _backward(dout, q, k, v, out, lse, group, layout, window, softmax_scale):
             g = attention_backward(dos[i][:, qr].contiguous(), qs[i][:, qr].contiguous(),
                                    ks[j][:, kr].contiguous(), vs[j][:, kr].contiguous(),
                                    os_[i][:, qr].contiguous(), lses[i][..., qr].contiguous(),
-                                   softmax_scale=softmax_scale, **opts)
+                                   softmax_scale=softmax_scale, softcap=softcap, **opts)
             dqs[i][:, qr].add_(g[0])
             dks[j][:, kr].add_(g[1])
             dvs[j][:, kr].add_(g[2])
@@ -230,11 +232,11 @@ def _function():
 
     class RingAttention(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, group, layout, window, softmax_scale):
-            out, lse = _forward(q, k, v, group, layout, window, softmax_scale)
+        def forward(ctx, q, k, v, group, layout, window, softmax_scale, softcap):
+            out, lse = _forward(q, k, v, group, layout, window, softmax_scale, softcap)
             out = out.to(q.dtype)
             ctx.save_for_backward(q, k, v, out, lse)
-            ctx.args = (group, layout, window, softmax_scale)
+            ctx.args = (group, layout, window, softmax_scale, softcap)
             ctx.mark_non_differentiable(lse)
             return out, lse
 
@@ -242,14 +244,15 @@ def _function():
         def backward(ctx, dout, _dlse):
             q, k, v, out, lse = ctx.saved_tensors
             dq, dk, dv = _backward(dout, q, k, v, out, lse, *ctx.args)
-            return dq, dk, dv, None, None, None, None
+            return dq, dk, dv, None, None, None, None, None
 
     _FN.append(RingAttention)
     return RingAttention
 
 
 def ring_attention(q, k, v, group=None, *, causal: bool = False, softmax_scale=None,
-                   window_size=(-1, -1), layout: str = "contiguous", return_lse: bool = False):
+                   window_size=(-1, -1), softcap: float = 0.0, layout: str = "contiguous",
+                   return_lse: bool = False):
     """Attention of this rank's query shard over the whole sequence, whose K/V shards are held
     by the ranks of ``group`` (the default group when None); differentiable through autograd.
 
@@ -260,9 +263,10 @@ def ring_attention(q, k, v, group=None, *, causal: bool = False, softmax_scale=N
     after its query in the global sequence; ``window_size=(left, right)`` keeps the keys from
     ``left`` before to ``right`` after each query (-1: unbounded; with causal, right is 0),
     global positions as in :func:`flashcore.attention` (hops the window cannot reach are
-    skipped). Returns
-    this rank's output shard (like q), and with ``return_lse`` the float32 log-sum-exp
-    ``(batch, nheads, seqlen_local)``.
+    skipped). ``softcap`` as in :func:`flashcore.attention`. (ALiBi needs each block's
+    distance in its bias, which the kernels' calls do not take: not supported here; the
+    all-gather variant takes it.) Returns this rank's output shard (like q), and with
+    ``return_lse`` the float32 log-sum-exp ``(batch, nheads, seqlen_local)``.
     """
     import torch
     import torch.distributed as dist
@@ -272,6 +276,7 @@ def ring_attention(q, k, v, group=None, *, causal: bool = False, softmax_scale=N
             raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(x).__name__}")
     causal = as_flag("causal", causal)
     return_lse = as_flag("return_lse", return_lse)
+    softcap = _softcap(softcap)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("flashcore.distributed.ring_attention: torch.distributed is not "
                            "initialised (call torch.distributed.init_process_group first)")
@@ -294,8 +299,18 @@ def ring_attention(q, k, v, group=None, *, causal: bool = False, softmax_scale=N
         right = 0 if right < 0 else min(right, 0)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
-    out, lse = _function().apply(q, k, v, group, layout, (left, right), float(softmax_scale))
+    out, lse = _function().apply(q, k, v, group, layout, (left, right), float(softmax_scale),
+                                 softcap)
     return (out, lse) if return_lse else out
+
+
+def _softcap(softcap) -> float:
+    """The validated softcap (checked before any communication, as every argument)."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) \
+            or not 0.0 <= float(softcap) < float("inf"):
+        raise ValueError(f"argument 'softcap': expected a finite float >= 0 (0: none), got "
+                         f"{softcap!r}")
+    return float(softcap)
 
 
 _GATHER: list = []
@@ -364,7 +379,8 @@ def _local_documents(cu, lo, hi, causal):
 
 
 def varlen_attention_all_gather(q, k, v, cu_seqlens, group=None, *, causal: bool = False,
-                                softmax_scale=None, window_size=(-1, -1)):
+                                softmax_scale=None, window_size=(-1, -1), softcap: float = 0.0,
+                                alibi_slopes=None):
     """Attention over packed documents whose tokens are split across the ranks of ``group``
     (Llama 3's context parallelism): differentiable through autograd.
 
@@ -376,20 +392,34 @@ def varlen_attention_all_gather(q, k, v, cu_seqlens, group=None, *, causal: bool
     (the backward sums dK/dV back to their ranks); each rank runs flashcore's varlen attention
     of its query segments over their documents' keys. ``causal`` and a causal ``window_size``
     (left, 0) align per document; a window with keys to the right needs causal=False and is
-    not supported here yet. Returns this rank's output rows (like q).
+    not supported here yet. ``softcap`` as in :func:`flashcore.attention`; ``alibi_slopes``
+    (float32 ``(nheads,)``) with ``causal=True``, where each segment's call sees its keys up to
+    its last query, so the bias's distances are the document's (without causal a segment
+    that ends before its document does would see them shifted: refused). Returns this rank's
+    output rows (like q).
     """
     import numpy as np
     import torch
     import torch.distributed as dist
     from ._arrays import library_of, to_host
     causal = as_flag("causal", causal)
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("flashcore.distributed.varlen_attention_all_gather: torch.distributed "
-                           "is not initialised (call torch.distributed.init_process_group first)")
     if tuple(window_size) != (-1, -1) and not causal:
         raise NotImplementedError("argument 'window_size': a sliding window across ranks is "
                                   "supported with causal=True (window (left, 0)); expected "
                                   "causal=True or window_size=(-1, -1)")
+    softcap = _softcap(softcap)
+    if alibi_slopes is not None:
+        if not causal:
+            raise NotImplementedError("argument 'alibi_slopes': across ranks with causal=True "
+                                      "only (a segment's distances to its document's later keys "
+                                      "are not the call's); expected causal=True or None")
+        if getattr(alibi_slopes, "ndim", None) != 1 or alibi_slopes.shape[0] != q.shape[1]:
+            raise ValueError(f"argument 'alibi_slopes': expected a float32 array of shape "
+                             f"({q.shape[1]},) (one slope per query head), got "
+                             f"{getattr(alibi_slopes, 'shape', type(alibi_slopes).__name__)}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("flashcore.distributed.varlen_attention_all_gather: torch.distributed "
+                           "is not initialised (call torch.distributed.init_process_group first)")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     n = q.shape[0]
     cu = np.asarray(to_host(cu_seqlens) if library_of(cu_seqlens) else cu_seqlens, np.int64)
@@ -406,4 +436,4 @@ def varlen_attention_all_gather(q, k, v, cu_seqlens, group=None, *, causal: bool
     cu_k = torch.tensor(ck, dtype=torch.int32, device=dev)
     return varlen_attention(q, k_all[klo:khi], v_all[klo:khi], cu_q, cu_k, mq, mk,
                             causal=causal, softmax_scale=softmax_scale,
-                            window_size=window_size)
+                            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
