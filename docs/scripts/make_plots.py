@@ -1,8 +1,10 @@
 """Turn the committed asv results into the benchmark page's plots and tables.
 
 Reads ``asv_benchmarks/results/<machine>/<commit>-<env>.json`` (asv's own result files) and
-picks ONE run (one machine, commit and environment): the newest commit with GPU results (by
-asv's commit date; with none, the newest with any results), or the commit named by
+picks ONE run (one machine, commit and environment): the newest commit whose run measured the
+``Ratio`` group, the page's core (by asv's commit date; a run of a group or two, as a session
+short of device time commits, does not displace a complete one; with none, the newest with GPU
+results, then the newest with any), or the commit named by
 ``--commit`` (a hash prefix; ``--machine`` narrows it to one machine). The environment
 variables ``FLASHCORE_BENCH_COMMIT`` and ``FLASHCORE_BENCH_MACHINE`` do the same for the
 documentation build, which calls :func:`generate` from ``docs/conf.py``. Every figure of the
@@ -116,7 +118,8 @@ def _newest(runs: list[Run]) -> Run | None:
 def select_run(runs: list[Run], commit: str | None = None,
                machine: str | None = None) -> Run | None:
     """The one run the page is drawn from: the run of ``commit`` (a hash prefix), or by default
-    the newest commit with GPU results (the newest with any results when none has GPU ones).
+    the newest commit whose run measured ``Ratio`` (then the newest with GPU results, then the
+    newest with any).
     ``machine`` restricts the choice to one machine's folder. A commit that matches no run,
     or runs on several machines or environments, is an error (a ValueError that lists them)."""
     runs = [r for r in runs if r.values]
@@ -139,7 +142,8 @@ def select_run(runs: list[Run], commit: str | None = None,
                              + ", ".join(f"{r.commit[:8]} on {r.machine} ({r.env})" for r in hits)
                              + "; give a longer hash or --machine")
         return hits[0]
-    return _newest([r for r in runs if r.n_gpu()]) or _newest(runs)
+    return (_newest([r for r in runs if "Ratio" in r.groups()])
+            or _newest([r for r in runs if r.n_gpu()]) or _newest(runs))
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,6 +263,25 @@ def ratio_table(run: Run) -> list[str]:
     return lines
 
 
+def peer_ratio_table(run: Run, group: str, key_names: tuple[str, ...]) -> list[str]:
+    """A ``track_ratio`` group whose first parameter is the peer: one row per remaining
+    parameter combination, one column per peer."""
+    data = run.get(f"{GPU_MODULE}{group}.track_ratio")
+    if not data:
+        return []
+    peers = sorted({k[0] for k in data})
+    rows = sorted({k[1:] for k in data})
+    lines = ["| " + " | ".join(key_names) + " | " + " | ".join(peers) + " |",
+             "| --- " * (len(key_names) + len(peers)) + "|"]
+    for r in rows:
+        cells = [data.get((peer,) + r) for peer in peers]
+        shown = [_k(x) if isinstance(x, int) and not isinstance(x, bool) and x >= 1024 else
+                 ("causal" if x is True else "none" if x is False else str(x)) for x in r]
+        lines.append("| " + " | ".join(shown) + " | "
+                     + " | ".join(_cell(c, "{:.2f}") for c in cells) + " |")
+    return lines
+
+
 def _flashcore_first(impls) -> list[str]:
     return sorted(impls, key=lambda i: (not i.startswith("flashcore"), i != "flashcore", i))
 
@@ -366,6 +389,8 @@ def numpy_table(run: Run) -> list[str]:
 GROUPS = [
     ("Throughput", "TFLOP/s plots"),
     ("Ratio", "time ratios to the SDPA peers"),
+    ("DropoutRatio", "attention dropout against the peers and against no dropout"),
+    ("OddHeadDimRatio", "head dims 59 and 111 against the padded call"),
     ("TrainStepWallClock", "wall-clock of the tiny training step"),
     ("DecodeRatio", "decode GPU-time ratios"),
     ("DecodeBandwidth", "decode TB/s"),
@@ -434,6 +459,21 @@ def generate(results_dir: Path, out: Path, commit: str | None = None,
                "(`Ratio`): above 1, flashcore is faster. flashcore through its CuPy API, the "
                "peers through torch autograd; 16k tokens per batch, hidden 2048, bf16.", ""]
         md += t + [""]
+    t = peer_ratio_table(run, "DropoutRatio", ("seqlen", "headdim", "mask"))
+    if t:
+        md += ["### Attention dropout", "",
+               "Forward + backward through autograd with dropout p = 0.1 (`DropoutRatio`), 16k "
+               "tokens per batch, hidden 2048, bf16: each peer's time divided by flashcore's "
+               "with dropout (above 1, flashcore is faster). The peers are SDPA's kernels with "
+               "the same dropout and flashcore itself without dropout (`flashcore_p0`: what "
+               "dropout costs).", ""] + t + [""]
+    t = peer_ratio_table(run, "OddHeadDimRatio", ("seqlen", "headdim", "mask"))
+    if t:
+        md += ["### Head dims that are no multiple of 8", "",
+               "Forward + backward (`OddHeadDimRatio`), 16k tokens per batch: the time of the "
+               "call at the head dim padded to a multiple of 8 (flashcore itself, or SDPA's "
+               "kernels, which take only multiples of 8) divided by flashcore's at the odd "
+               "one.", ""] + t + [""]
     t = train_step_table(run)
     if t:
         md += ["### Tiny training step, wall-clock", "",
