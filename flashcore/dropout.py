@@ -30,7 +30,8 @@ is ``threshold / 256`` -- ``p`` rounded to a multiple of 1/256, as flash-attn ro
 bits per probability; :func:`effective_p` gives it) -- and a kept probability is scaled by
 ``1 / (1 - p)``, as flash-attn scales it (its own tests rebuild the output that way from the
 returned mask). So the output's expectation is the undropped attention times
-``(1 - effective_p(p)) / (1 - p)``: within 1/512 of 1 divided by ``1 - p`` (0.2% at p = 0.1).
+``(1 - effective_p(p)) / (1 - p)``, which differs from 1 by at most ``d / (1 - p)`` with
+``d = |effective_p(p) - p|`` <= 1/512 (1/256 for p below 1/512): 0.2% at p = 0.1.
 """
 from __future__ import annotations
 
