@@ -29,7 +29,7 @@ varlen attention.
 """
 from __future__ import annotations
 
-from .api import attention_backward, attention_forward, merge_attention_states, varlen_attention
+from .api import attention_backward, attention_forward, varlen_attention
 from .spec import as_flag
 
 __all__ = ["ring_attention", "varlen_attention_all_gather", "shard", "unshard"]
@@ -174,9 +174,20 @@ def hop_forward(acc, qs, ks, vs, blocks, softmax_scale, softcap=0.0):
                                    out_dtype=None if ct is torch.float64 else torch.float32,
                                    **opts)
         ao, al = acc[i]
-        mo, ml = merge_attention_states([ao[:, qr], o.to(ct)], [al[..., qr], lse.to(ct)])
-        ao[:, qr] = mo
-        al[..., qr] = ml
+        _merge_into(ao[:, qr], al[..., qr], o.to(ct), lse.to(ct))
+
+
+def _merge_into(ao, al, o, lse):
+    """Merge the partial result (o, lse) into the running one (ao, al) in place (views of the
+    accumulators): lse' = log(exp(al) + exp(lse)), ao' = ao + w (o - ao) with w = exp(lse -
+    lse'), the weight of the new part. One pass over the outputs (``lerp_``) where the general
+    :func:`flashcore.merge_attention_states` makes several; the weights are computed on the
+    small lse tensors. A row that neither part saw keeps out 0 and lse -inf (w = 0)."""
+    import torch
+    new = torch.logaddexp(al, lse)
+    w = torch.where(torch.isneginf(new), torch.zeros_like(new), torch.exp(lse - new))
+    ao.lerp_(o, w.transpose(1, 2).unsqueeze(-1))
+    al.copy_(new)
 
 
 def _backward(dout, q, k, v, out, lse, group, layout, window, softmax_scale, softcap=0.0):
