@@ -128,52 +128,82 @@ def _blocks(layout, world, rank, src, window, m):
     return out
 
 
+def _hop_blocks(layout, world, rank, src, window, m):
+    """:func:`_blocks` in this rank's local rows: (q rows, k rows, options), slices over the
+    rank's ``per * m`` query rows and over the ``per * m`` rows of the K/V shard of ``src``.
+    A block whose every query sees every key is unmasked (window (-1, -1)), and unmasked
+    blocks side by side -- the same rows of one side, adjacent rows of the other, which are
+    adjacent in memory too -- become one call: with the zig-zag layout every hop but the
+    diagonal one is then a single call (one query chunk against the whole shard, or the whole
+    shard's queries against one key chunk) instead of two."""
+    left, right = window
+    qch, kch = _chunks(layout, world, rank), _chunks(layout, world, src)
+    blocks = []
+    for i, j, qr, kr, opts in _blocks(layout, world, rank, src, window, m):
+        qa, qb = qch[i] * m + qr.start, qch[i] * m + qr.stop        # global rows [qa, qb)
+        ka, kb = kch[j] * m + kr.start, kch[j] * m + kr.stop
+        full = (left < 0 or ka >= qb - 1 - left) and (right < 0 or kb - 1 <= qa + right)
+        blocks.append([slice(i * m + qr.start, i * m + qr.stop),
+                       slice(j * m + kr.start, j * m + kr.stop),
+                       dict(window_size=(-1, -1)) if full else opts, full])
+    joined = True
+    while joined:
+        joined = False
+        for a, b in ((a, b) for a in blocks for b in blocks if a is not b and a[3] and b[3]):
+            if a[0] == b[0] and a[1].stop == b[1].start:
+                a[1] = slice(a[1].start, b[1].stop)
+            elif a[1] == b[1] and a[0].stop == b[0].start:
+                a[0] = slice(a[0].start, b[0].stop)
+            else:
+                continue
+            blocks.remove(b)
+            joined = True
+            break
+    return [(qr, kr, opts) for qr, kr, opts, _ in blocks]
+
+
 def _forward(q, k, v, group, layout, window, softmax_scale, softcap=0.0):
     import torch
     import torch.distributed as dist
     world, rank, nxt, prv = _ring_peers(dist, group)
-    per = len(_chunks(layout, world, 0))
-    qs = q.chunk(per, dim=1)
-    m = qs[0].shape[1]
+    m = q.shape[1] // len(_chunks(layout, world, 0))
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-    b, h = q.shape[0], q.shape[2]
-    # per q sub-chunk: the merged output (float32/64) and lse, nothing seen yet
-    acc = [(q.new_zeros(qs[0].shape, dtype=ct), q.new_full((b, h, m), float("-inf"), dtype=ct))
-           for _ in range(per)]
+    # the merged output (float32/64) and lse of the local queries, nothing seen yet
+    acc = (q.new_zeros(q.shape, dtype=ct),
+           q.new_full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=ct))
     cur = (k.contiguous(), v.contiguous())
     for step in range(world):
         src = (rank - step) % world
         pending = None
         if step < world - 1:
             pending = _start_rotation(dist, group, cur, nxt, prv)
-        hop_forward(acc, qs, cur[0].chunk(per, dim=1), cur[1].chunk(per, dim=1),
-                    _blocks(layout, world, rank, src, window, m), softmax_scale, softcap)
+        hop_forward(acc, q, cur[0], cur[1], _hop_blocks(layout, world, rank, src, window, m),
+                    softmax_scale, softcap)
         if pending is not None:
             bufs, reqs = pending
             for r in reqs:
                 r.wait()
             cur = tuple(bufs)
-    outs = [a[0] for a in acc]
-    lses = [a[1] for a in acc]
-    return torch.cat(outs, dim=1), torch.cat(lses, dim=-1)
+    return acc
 
 
-def hop_forward(acc, qs, ks, vs, blocks, softmax_scale, softcap=0.0):
-    """One hop's local work: each block (i, j, query rows, key rows, mask options) of
-    ``blocks`` attends q chunk i to K/V chunk j and merges the result into ``acc[i]`` (output,
-    lse) through the lse, in float32 (float64 for float64 inputs): the forward writes its
-    partial output in float32, so nothing is rounded to 16 bits before the merge. (The
-    single-GPU benchmark of the chunked schedule runs exactly this.) ``softcap`` acts on each
-    score alone, so a block applies it as the whole call would."""
+def hop_forward(acc, q, k, v, blocks, softmax_scale, softcap=0.0):
+    """One hop's local work: each block (query rows, key rows, mask options) of ``blocks``
+    (:func:`_hop_blocks`) attends those rows of the local q to those of the held K/V shard and
+    merges the result into ``acc`` (output, lse of the local queries) through the lse, in
+    float32 (float64 for float64 inputs): the forward writes its partial output in float32, so
+    nothing is rounded to 16 bits before the merge. (The single-GPU benchmark of the chunked
+    schedule runs exactly this.) ``softcap`` acts on each score alone, so a block applies it
+    as the whole call would."""
     import torch
-    ct = acc[0][0].dtype
-    for i, j, qr, kr, opts in blocks:
-        o, lse = attention_forward(qs[i][:, qr].contiguous(), ks[j][:, kr].contiguous(),
-                                   vs[j][:, kr].contiguous(), softmax_scale=softmax_scale,
+    ao, al = acc
+    ct = ao.dtype
+    for qr, kr, opts in blocks:
+        o, lse = attention_forward(q[:, qr].contiguous(), k[:, kr].contiguous(),
+                                   v[:, kr].contiguous(), softmax_scale=softmax_scale,
                                    softcap=softcap,
                                    out_dtype=None if ct is torch.float64 else torch.float32,
                                    **opts)
-        ao, al = acc[i]
         _merge_into(ao[:, qr], al[..., qr], o.to(ct), lse.to(ct))
 
 
@@ -194,12 +224,9 @@ def _backward(dout, q, k, v, out, lse, group, layout, window, softmax_scale, sof
     import torch
     import torch.distributed as dist
     world, rank, nxt, prv = _ring_peers(dist, group)
-    per = len(_chunks(layout, world, 0))
-    qs, dos = q.chunk(per, dim=1), dout.contiguous().chunk(per, dim=1)
-    os_ = out.chunk(per, dim=1)
-    lses = [x.contiguous() for x in lse.chunk(per, dim=-1)]
+    m = q.shape[1] // len(_chunks(layout, world, 0))
+    dout = dout.contiguous()
     dq = torch.zeros_like(q, dtype=lse.dtype)
-    dqs = dq.chunk(per, dim=1)
     cur = [k.contiguous(), v.contiguous(), torch.zeros_like(k, dtype=lse.dtype),
            torch.zeros_like(v, dtype=lse.dtype)]
     for step in range(world):
@@ -208,17 +235,14 @@ def _backward(dout, q, k, v, out, lse, group, layout, window, softmax_scale, sof
         pending = None
         if step < world - 1:       # the next shard's k, v come while this one is worked on
             pending = _start_rotation(dist, group, [kc, vc], nxt, prv)
-        ks, vs = kc.chunk(per, dim=1), vc.chunk(per, dim=1)
-        dks, dvs = dkc.chunk(per, dim=1), dvc.chunk(per, dim=1)
-        m = qs[0].shape[1]
-        for i, j, qr, kr, opts in _blocks(layout, world, rank, src, window, m):
-            g = attention_backward(dos[i][:, qr].contiguous(), qs[i][:, qr].contiguous(),
-                                   ks[j][:, kr].contiguous(), vs[j][:, kr].contiguous(),
-                                   os_[i][:, qr].contiguous(), lses[i][..., qr].contiguous(),
+        for qr, kr, opts in _hop_blocks(layout, world, rank, src, window, m):
+            g = attention_backward(dout[:, qr].contiguous(), q[:, qr].contiguous(),
+                                   kc[:, kr].contiguous(), vc[:, kr].contiguous(),
+                                   out[:, qr].contiguous(), lse[..., qr].contiguous(),
                                    softmax_scale=softmax_scale, softcap=softcap, **opts)
-            dqs[i][:, qr].add_(g[0])
-            dks[j][:, kr].add_(g[1])
-            dvs[j][:, kr].add_(g[2])
+            dq[:, qr].add_(g[0])
+            dkc[:, kr].add_(g[1])
+            dvc[:, kr].add_(g[2])
         # this shard's gradient accumulators go on with it (home after the last hop)
         gbufs, greqs = _start_rotation(dist, group, [dkc, dvc], nxt, prv)
         for r in greqs:

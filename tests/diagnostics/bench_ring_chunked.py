@@ -15,7 +15,7 @@ import sys
 def main(seqlens=(131072, 262144), worlds=(4, 8), heads=16, heads_k=4, headdim=128):
     import torch
     import flashcore
-    from flashcore.distributed import _blocks, _chunks, hop_forward, shard
+    from flashcore.distributed import _chunks, _hop_blocks, hop_forward, shard
 
     def timed(fn, reps=3):
         fn()
@@ -53,17 +53,17 @@ def main(seqlens=(131072, 262144), worlds=(4, 8), heads=16, heads_k=4, headdim=1
                         def schedule():
                             outs.clear()
                             for rank in range(world):
-                                qc = qs_[rank].chunk(per, dim=1)
-                                m = qc[0].shape[1]
-                                acc = [(torch.zeros(qc[0].shape, device="cuda"),
-                                        torch.full((1, heads, m), float("-inf"), device="cuda"))
-                                       for _ in range(per)]
+                                ql = qs_[rank]
+                                m = ql.shape[1] // per
+                                acc = (torch.zeros(ql.shape, device="cuda"),
+                                       torch.full((1, heads, ql.shape[1]), float("-inf"),
+                                                  device="cuda"))
                                 for step in range(world):
                                     src = (rank - step) % world
-                                    hop_forward(acc, qc, ks_[src].chunk(per, dim=1),
-                                                vs_[src].chunk(per, dim=1),
-                                                _blocks(layout, world, rank, src, window, m), None)
-                                outs.append(torch.cat([a[0] for a in acc], dim=1))
+                                    hop_forward(acc, ql, ks_[src], vs_[src],
+                                                _hop_blocks(layout, world, rank, src, window, m),
+                                                None)
+                                outs.append(acc[0])
                         t_ch = timed(schedule)
                         got = flashcore.distributed.unshard(outs, layout)
                         diff = float((got - ref.float()).abs().max())
