@@ -443,3 +443,32 @@ def test_cupy_stream_capture_with_the_stream_ordered_pool():
                 assert bool(cupy.array_equal(a, b, equal_nan=True))
     finally:
         cupy.cuda.set_allocator(prev)
+
+
+@pytest.mark.parametrize("layout, world, causal", [("zigzag", 4, True), ("contiguous", 4, True),
+                                                   ("zigzag", 2, False)])
+def test_ring_chunked_schedule_on_one_gpu(layout, world, causal):
+    """Ring attention's local work (flashcore.distributed.hop_forward over every rank's blocks,
+    the code the ring runs, its in-place float32 merges and joined blocks) on one GPU, bf16:
+    within the flash-attn rule of one call over the whole sequence, against float64."""
+    from flashcore.distributed import _chunks, _hop_blocks, hop_forward, shard, unshard
+    q, k, v = _qkv(b=1, sq=1024, sk=1024, h=4, hk=2, d=64, dtype=torch.bfloat16,
+                   requires_grad=False)
+    want = _sdpa(q, k, v, causal, dtype=torch.float64)
+    one = flashcore.attention(q, k, v, causal=causal)
+    per = len(_chunks(layout, world, 0))
+    window = (-1, 0) if causal else (-1, -1)
+    outs = []
+    for rank in range(world):
+        ql = shard(q, world, rank, layout).contiguous()
+        acc = (torch.zeros(ql.shape, device="cuda"),
+               torch.full((1, 4, ql.shape[1]), float("-inf"), device="cuda"))
+        for step in range(world):
+            src = (rank - step) % world
+            hop_forward(acc, ql, shard(k, world, src, layout).contiguous(),
+                        shard(v, world, src, layout).contiguous(),
+                        _hop_blocks(layout, world, rank, src, window, ql.shape[1] // per), None)
+        outs.append(acc[0])
+    got = unshard(outs, layout).to(torch.bfloat16)
+    err_one = (one.double() - want).abs().max().item()
+    assert (got.double() - want).abs().max().item() <= 2 * err_one + 1e-6
