@@ -297,14 +297,7 @@ def fp8_out_dtype(out_dtype) -> str:
     request (any spelling)."""
     if out_dtype is None:
         return "bfloat16"
-    name = str(out_dtype)
-    if name.startswith("torch."):
-        name = name[len("torch."):]
-    elif name != "bfloat16":
-        try:
-            name = np.dtype(out_dtype).name
-        except TypeError:
-            name = None
+    name = _dtype_spelled(out_dtype)
     if name not in ("bfloat16", "float16", "float32"):
         raise _arg_error(TypeError, "out_dtype", "None (bfloat16), bfloat16, float16 or float32 "
                          "for float8_e4m3fn inputs", repr(out_dtype))
@@ -776,6 +769,20 @@ def _kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, rota
 # Caller-owned outputs (CuPy: the outputs of a call captured in a CUDA graph)
 # --------------------------------------------------------------------------------------------
 
+def _dtype_spelled(out_dtype) -> str | None:
+    """The name of a dtype however it is spelled ("float32", numpy's, torch's: no torch import
+    here; "bfloat16" without ml_dtypes), or None."""
+    name = str(out_dtype)
+    if name.startswith("torch."):
+        return name[len("torch."):]
+    if name == "bfloat16":
+        return name
+    try:
+        return np.dtype(out_dtype).name
+    except TypeError:
+        return None
+
+
 def out_fp32(out_dtype, dtype: str) -> bool:
     """Whether a forward with ``out_dtype`` writes its output in float32 over ``dtype`` inputs:
     ``out_dtype`` None (the inputs' dtype) or float32 (any spelling: "float32", numpy's,
@@ -783,15 +790,7 @@ def out_fp32(out_dtype, dtype: str) -> bool:
     through their lse, as ring attention does)."""
     if out_dtype is None:
         return False
-    name = str(out_dtype)
-    if name.startswith("torch."):          # torch.float32 (no torch import here)
-        name = name[len("torch."):]
-    else:
-        try:
-            name = np.dtype(out_dtype).name
-        except TypeError:
-            name = None
-    if name != "float32":
+    if _dtype_spelled(out_dtype) != "float32":
         raise _arg_error(TypeError, "out_dtype", "None or float32", repr(out_dtype))
     if dtype == "float64":
         raise _arg_error(ValueError, "out_dtype", "None for float64 inputs (float32 would round "

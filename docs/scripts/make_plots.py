@@ -282,6 +282,20 @@ def peer_ratio_table(run: Run, group: str, key_names: tuple[str, ...]) -> list[s
     return lines
 
 
+#: the ratio groups whose first parameter is the peer: (asv class, section title, text)
+PEER_RATIO_SECTIONS = [
+    ("DropoutRatio", "Attention dropout",
+     "Forward + backward through autograd with dropout p = 0.1 (`DropoutRatio`), 16k tokens per "
+     "batch, hidden 2048, bf16: each peer's time divided by flashcore's with dropout (above 1, "
+     "flashcore is faster). The peers are SDPA's kernels with the same dropout and flashcore "
+     "itself without dropout (`flashcore_p0`: what dropout costs)."),
+    ("OddHeadDimRatio", "Head dims that are no multiple of 8",
+     "Forward + backward (`OddHeadDimRatio`), 16k tokens per batch: the time of the call at the "
+     "head dim padded to a multiple of 8 (flashcore itself, or SDPA's kernels, which take only "
+     "multiples of 8) divided by flashcore's at the odd one."),
+]
+
+
 def _flashcore_first(impls) -> list[str]:
     return sorted(impls, key=lambda i: (not i.startswith("flashcore"), i != "flashcore", i))
 
@@ -459,21 +473,10 @@ def generate(results_dir: Path, out: Path, commit: str | None = None,
                "(`Ratio`): above 1, flashcore is faster. flashcore through its CuPy API, the "
                "peers through torch autograd; 16k tokens per batch, hidden 2048, bf16.", ""]
         md += t + [""]
-    t = peer_ratio_table(run, "DropoutRatio", ("seqlen", "headdim", "mask"))
-    if t:
-        md += ["### Attention dropout", "",
-               "Forward + backward through autograd with dropout p = 0.1 (`DropoutRatio`), 16k "
-               "tokens per batch, hidden 2048, bf16: each peer's time divided by flashcore's "
-               "with dropout (above 1, flashcore is faster). The peers are SDPA's kernels with "
-               "the same dropout and flashcore itself without dropout (`flashcore_p0`: what "
-               "dropout costs).", ""] + t + [""]
-    t = peer_ratio_table(run, "OddHeadDimRatio", ("seqlen", "headdim", "mask"))
-    if t:
-        md += ["### Head dims that are no multiple of 8", "",
-               "Forward + backward (`OddHeadDimRatio`), 16k tokens per batch: the time of the "
-               "call at the head dim padded to a multiple of 8 (flashcore itself, or SDPA's "
-               "kernels, which take only multiples of 8) divided by flashcore's at the odd "
-               "one.", ""] + t + [""]
+    for group, title, text in PEER_RATIO_SECTIONS:
+        t = peer_ratio_table(run, group, ("seqlen", "headdim", "mask"))
+        if t:
+            md += [f"### {title}", "", text, ""] + t + [""]
     t = train_step_table(run)
     if t:
         md += ["### Tiny training step, wall-clock", "",

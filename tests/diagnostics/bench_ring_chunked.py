@@ -17,18 +17,10 @@ def main(seqlens=(131072, 262144), worlds=(4, 8), heads=16, heads_k=4, headdim=1
     import flashcore
     from flashcore.distributed import _chunks, _hop_blocks, hop_forward, shard
 
-    def timed(fn, reps=3):
-        fn()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        best = float("inf")
-        for _ in range(reps):
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            best = min(best, a.elapsed_time(b) / 1e3)
-        return best
+    from bench_ring_multi import _timed     # (this folder is on sys.path when run as a script)
+
+    def timed(fn):
+        return _timed(torch, fn, cpu=False)
 
     print("seqlen world layout causal | unchunked ms  TF/s | chunked ms  TF/s | ratio | max|diff|")
     for n in seqlens:
