@@ -43,6 +43,15 @@
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
+template <typename E, bool Fp8> struct fc_mma_elem {
+    using type = E;
+    static constexpr bool kConvertQ = false;
+};
+template <> struct fc_mma_elem<fc_bf16, true> {
+    using type = fc_fp16;
+    static constexpr bool kConvertQ = true;   // q's bf16 tile becomes fp16 (flash_decode_body)
+};
+
 namespace fc_dec {
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -370,10 +379,14 @@ __device__ __forceinline__ void cluster_merge(const FlashParams& params, int b, 
 //               scratch
 template <typename Elem, int kHeadDim, int kBlockN, int kNWarps, int kStages, int kMT,
           bool Is_paged, bool Is_local, bool Has_softcap, bool Has_alibi, bool Is_even_d,
-          bool Is_split, int kCluster>
+          bool Is_split, int kCluster, bool Is_fp8>
 __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     using namespace fc_dec;
+    // The products' element type: q's, or with an FP8 cache fp16 (one conversion instruction
+    // per two cache values; q is converted once, see the Q tile below)
+    using EM = typename fc_mma_elem<Elem, Is_fp8>::type;
     static_assert(kCluster == 0 || Is_split, "a cluster merge merges splits");
+    static_assert(!Is_fp8 || (Is_even_d && kHeadDim >= 128), "FP8 caches: head dims 128, 256");
     constexpr int kNThreads = kNWarps * 32;
     constexpr int kBlockM = 16 * kMT;
     constexpr int kWN = kBlockN / kNWarps;          // keys per warp per block
@@ -384,25 +397,33 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     constexpr int kJW = kW / 16;
     constexpr bool kNatural = Has_softcap || Has_alibi;
     constexpr bool kQInRegs = kMT * kHeadDim <= 128;
-    constexpr int kCPR = kHeadDim / 8;              // 16-byte chunks per row
-    constexpr int kRS = kNThreads / kCPR;           // rows covered by one pass of the CTA
+    constexpr int kCPR = kHeadDim / 8;              // 16-byte chunks per row of q / out
+    // K/V rows as the loads see them, in 16-bit units: an FP8 row is kHeadDim / 2 of them
+    constexpr int kLD = Is_fp8 ? kHeadDim / 2 : kHeadDim;
+    constexpr int kLCPR = kLD / 8;                  // 16-byte chunks per K/V row
+    constexpr int kRS = kNThreads / kLCPR;          // rows covered by one pass of the CTA
     constexpr int kRPT = kBlockN / kRS;             // rows copied per thread per K (or V) tile
-    constexpr fc_u32 kTileBytes = 2u * kBlockN * kHeadDim;
+    constexpr fc_u32 kTileBytes = 2u * kBlockN * kLD;
     constexpr fc_u32 kStageBytes = 2u * kTileBytes;   // K then V
+    // FP8: each warp converts its own rows of a landed stage to 16-bit K and V tiles here,
+    // which the mma loop reads as it reads a 16-bit stage
+    constexpr fc_u32 kConvBytes = Is_fp8 ? 4u * kBlockN * kHeadDim : 0u;
+    constexpr fc_u32 kRingBytes = kStages * kStageBytes + kConvBytes;
     constexpr fc_u32 kQBytes = 2u * kBlockM * kHeadDim;
     constexpr int kRedStride = kHeadDim + 8;        // floats per row of a reduction slab
     static_assert(kWN % 16 == 0, "each warp needs whole k16 steps of keys");
     static_assert(kHeadDim % kW == 0, "head-dim tile must be a multiple of 64");
-    static_assert(kNThreads % kCPR == 0 && kBlockN % kRS == 0, "load split");
+    static_assert(kNThreads % kLCPR == 0 && kBlockN % kRS == 0, "load split");
+    static_assert(!Is_fp8 || (kWN * kLCPR) % 32 == 0, "FP8: whole passes of a warp's rows");
     static_assert(kStages >= 2, "at least double buffering");
-    static_assert((fc_u32)kNWarps * kBlockM * kRedStride * 4 <= kStages * kStageBytes,
+    static_assert((fc_u32)kNWarps * kBlockM * kRedStride * 4 <= kRingBytes,
                   "reduction slabs must fit in the K/V ring");
-    static_assert((fc_u32)kNWarps * kMaxSplits * 4 <= kStages * kStageBytes && kQBytes >= 4,
+    static_assert((fc_u32)kNWarps * kMaxSplits * 4 <= kRingBytes && kQBytes >= 4,
                   "fused combine: weight tables in the ring, the flag in the Q tile");
     static_assert(kRS <= 16, "page walk: a thread's rows advance by less than a page (>= 16)");
     constexpr fc_u32 kRedBytes = (fc_u32)kNWarps * kBlockM * kRedStride * 4;
     static_assert(kCluster == 0
-                  || kRedBytes + 4u * kBlockM * kHeadDim + 4u * kBlockM <= kStages * kStageBytes,
+                  || kRedBytes + 4u * kBlockM * kHeadDim + 4u * kBlockM <= kRingBytes,
                   "cluster merge: the partial O and lse after the reduction slabs, in the ring");
 
     // Shared memory: Q | ring of kStages x (K, V) | stats (max, sum per warp and row; 1/L).
@@ -411,7 +432,8 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     const fc_u32 sQ = smem_u32(smem_raw);
     const fc_u32 sKV = sQ + kQBytes;
     const fc_u32 sRed = sKV;
-    float* sMax = reinterpret_cast<float*>(smem_raw + kQBytes + kStages * kStageBytes);
+    const fc_u32 sConv = sKV + kStages * kStageBytes;   // FP8: the 16-bit K and V tiles
+    float* sMax = reinterpret_cast<float*>(smem_raw + kQBytes + kRingBytes);
     float* sSum = sMax + kNWarps * kBlockM;
     float* sInv = sSum + kNWarps * kBlockM;
     // Cluster merge: this CTA's partial O (fp32 [kBlockM][kHeadDim]) and lse, in the ring after
@@ -529,8 +551,8 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     // ---- K/V block loads ---------------------------------------------------------------------
     // Thread owns 16-byte column chunk lc of rows lr0 + i * kRS (i < kRPT): 16 (d128) threads
     // cover one row, so each warp reads whole contiguous rows.
-    const int lr0 = tid / kCPR;
-    const int lc = tid % kCPR;
+    const int lr0 = tid / kLCPR;
+    const int lc = tid % kLCPR;
     const bool col_ok = Is_even_d || lc * 8 < headdim;
     const fc_u16* gK = static_cast<const fc_u16*>(params.k) + (long long)hk * params.k_head_stride
                        + (Is_paged ? 0ll : (long long)b * params.k_batch_stride
@@ -607,7 +629,7 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
         auto issue = [&](int i, long long ko, long long vo) {
             const int row = lr0 + i * kRS;
             const bool pred = col_ok && nb * kBlockN + row < sk;
-            const fc_u32 so = 2u * (fc_u32)tile_off<kW, kBlockN>(row, lc * 8);
+            const fc_u32 so = 2u * (fc_u32)tile_off<kW, kBlockN>(row, lc * 8);   // (kLD columns)
             cp_async_16(sK + so, pred ? gK + ko : gK, pred);
             cp_async_16(sV + so, pred ? gV + vo : gV, pred);
         };
@@ -656,6 +678,43 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
             load_kv(nb_begin + s, s, pgs[s & 1], pr0[s & 1]);
         }
         cp_async_commit();
+    }
+
+    // ---- FP8 cache with a bfloat16 q: the Q tile to fp16 in place, times 2^-qs where qs >= 0
+    // keeps the tile's largest |q| below 2^15 (exact; fp16 holds every bf16 value in range to
+    // at least bf16's precision), and 2^qs moves into the keys' descale.
+    float q_unscale = 1.f;
+    if constexpr (fc_mma_elem<Elem, Is_fp8>::kConvertQ) {
+        cp_async_wait<kStages - 1>();   // the Q group (the oldest) landed
+        __syncthreads();
+        constexpr int kQChunks = kBlockM * kCPR;
+        int* sQmax = reinterpret_cast<int*>(sMax);   // (free until the merge)
+        if (tid == 0) *sQmax = 0;
+        int e_max = 0;
+        for (int idx = tid; idx < kQChunks; idx += kNThreads) {
+            fc_u32 w[4];
+            lds128(w, sQ + 2u * (fc_u32)tile_off<kW, kBlockM>(idx / kCPR, (idx % kCPR) * 8));
+#pragma unroll
+            for (int e = 0; e < 4; ++e)   // the largest exponent field of a finite value
+                e_max = max(e_max, (int)max((w[e] >> 7) & 0xFFu, (w[e] >> 23) & 0xFFu) % 255);
+        }
+        __syncthreads();
+        atomicMax(sQmax, e_max);
+        __syncthreads();
+        const int qs = max(*sQmax - 127 - 14, 0);   // |q| < 2^(e - 126) <= 2^15 after scaling
+        const float f = __int_as_float((127 - qs) << 23);   // 2^-qs (qs <= 113)
+        q_unscale = __int_as_float((127 + qs) << 23);
+        for (int idx = tid; idx < kQChunks; idx += kNThreads) {
+            const fc_u32 a = sQ + 2u * (fc_u32)tile_off<kW, kBlockM>(idx / kCPR, (idx % kCPR) * 8);
+            fc_u32 w[4];
+            lds128(w, a);
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                w[e] = EM::pack2(Elem::to_float((fc_u16)(w[e] & 0xFFFFu)) * f,
+                                 Elem::to_float((fc_u16)(w[e] >> 16)) * f);
+            sts128(a, w[0], w[1], w[2], w[3]);
+        }
+        __syncthreads();
     }
 
     // ---- per-lane ldmatrix offsets (see flash_fwd.cu for the fragment layouts) --------------
@@ -718,6 +777,11 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     const int blk_hi = right_bounded ? min(sk, qi_first + off + win_r + 1) : sk;
     const int blk_lo = left_bounded ? (m0 + kBlockM - 1) / G + off - win_l : 0;
     const int wn0 = warp * kWN;   // this warp's first key row inside a block
+    // FP8 caches: the (batch, kv head)'s descales (nullptr: 1)
+    const float k_scale = (Is_fp8 && params.k_descale != nullptr
+                           ? params.k_descale[(long long)b * params.nheads_k + hk] : 1.f) * q_unscale;
+    const float v_scale = Is_fp8 && params.v_descale != nullptr
+                          ? params.v_descale[(long long)b * params.nheads_k + hk] : 1.f;
 
     // ---- main loop ------------------------------------------------------------------------
     int stage = 0;
@@ -733,10 +797,37 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
         cp_async_commit();   // possibly empty: keeps the group count uniform
         load_stage = (load_stage + 1 == kStages) ? 0 : load_stage + 1;
 
-        const fc_u32 sKb = sKV + (fc_u32)stage * kStageBytes;
-        const fc_u32 sVb = sKb + kTileBytes;
+        fc_u32 sKb = sKV + (fc_u32)stage * kStageBytes;
+        fc_u32 sVb = sKb + kTileBytes;
         stage = (stage + 1 == kStages) ? 0 : stage + 1;
         const int n0 = nb * kBlockN;
+        if constexpr (Is_fp8) {
+            // This warp's rows [wn0, wn0 + kWN) of K and V, e4m3 -> Elem, into the 16-bit tiles
+            // (the same swizzled layout; only this warp reads these rows, so no CTA barrier).
+            // A 16-byte chunk c of an FP8 row (columns 8c.. of kLD) holds head-dim columns
+            // 16c .. 16c + 15.
+#pragma unroll
+            for (int it = 0; it < kWN * kLCPR / 32; ++it) {
+                const int idx = lane + 32 * it;
+                const int row = wn0 + idx / kLCPR, c = idx % kLCPR;
+                const fc_u32 so = 2u * (fc_u32)tile_off<kW, kBlockN>(row, c * 8);
+                const fc_u32 d0 = 2u * (fc_u32)tile_off<kW, kBlockN>(row, 16 * c);
+                const fc_u32 d1 = 2u * (fc_u32)tile_off<kW, kBlockN>(row, 16 * c + 8);
+#pragma unroll
+                for (int kv = 0; kv < 2; ++kv) {
+                    fc_u32 w[4], o[8];
+                    lds128(w, (kv ? sVb : sKb) + so);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) EM::from_e4m3x4(w[e], o[2 * e], o[2 * e + 1]);
+                    const fc_u32 dst = sConv + (kv ? 2u * kBlockN * kHeadDim : 0u);
+                    sts128(dst + d0, o[0], o[1], o[2], o[3]);
+                    sts128(dst + d1, o[4], o[5], o[6], o[7]);
+                }
+            }
+            __syncwarp();
+            sKb = sConv;
+            sVb = sConv + 2u * kBlockN * kHeadDim;
+        }
 
         // S = Q K^T over this warp's kWN keys
         float s[kMT][kNT][4];
@@ -767,10 +858,19 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
                 const fc_u32 b1[2] = {kb[2], kb[3]};
 #pragma unroll
                 for (int mt = 0; mt < kMT; ++mt) {
-                    Elem::mma(s[mt][2 * np], qa[mt], b0);
-                    Elem::mma(s[mt][2 * np + 1], qa[mt], b1);
+                    EM::mma(s[mt][2 * np], qa[mt], b0);
+                    EM::mma(s[mt][2 * np + 1], qa[mt], b1);
                 }
             }
+        }
+
+        if constexpr (Is_fp8) {   // the keys' descale (the scores of K's stored values)
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[mt][nt][e] *= k_scale;
         }
 
         // scale, softcap, ALiBi, mask (DESIGN.md order). Element e of tile nt: row half
@@ -860,10 +960,10 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
             fc_u32 pa[kMT][4];
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt) {
-                pa[mt][0] = Elem::pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                pa[mt][1] = Elem::pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                pa[mt][2] = Elem::pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                pa[mt][3] = Elem::pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                pa[mt][0] = EM::pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][1] = EM::pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][2] = EM::pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][3] = EM::pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
             }
 #pragma unroll
             for (int dp = 0; dp < kHeadDim / 16; ++dp) {
@@ -874,13 +974,21 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
                 const fc_u32 b1[2] = {vb[2], vb[3]};
 #pragma unroll
                 for (int mt = 0; mt < kMT; ++mt) {
-                    Elem::mma(acc_o[mt][2 * dp], pa[mt], b0);
-                    Elem::mma(acc_o[mt][2 * dp + 1], pa[mt], b1);
+                    EM::mma(acc_o[mt][2 * dp], pa[mt], b0);
+                    EM::mma(acc_o[mt][2 * dp + 1], pa[mt], b1);
                 }
             }
         }
     }
     cp_async_wait<0>();   // only empty groups can be pending; the ring is about to be reused
+    if constexpr (Is_fp8) {   // the values' descale
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int j = 0; j < kDT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_o[mt][j][e] *= v_scale;
+    }
 
     // ---- merge the warps' partial softmax states ---------------------------------------------
 #pragma unroll
@@ -986,13 +1094,14 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     }
 }
 
+// Is_fp8: the cache is float8_e4m3fn (Elem is q's type), with params.k_descale / v_descale.
 template <typename Elem, int kHeadDim, int kBlockN, int kNWarps, int kStages, int kMT,
           bool Is_paged, bool Is_local, bool Has_softcap, bool Has_alibi, bool Is_even_d,
-          bool Is_split>
+          bool Is_split, bool Is_fp8>
 __global__ void __launch_bounds__(kNWarps * 32, 2)
 flash_decode_kernel(const FlashParams params) {
     flash_decode_body<Elem, kHeadDim, kBlockN, kNWarps, kStages, kMT, Is_paged, Is_local,
-                      Has_softcap, Has_alibi, Is_even_d, Is_split, 0>(params);
+                      Has_softcap, Has_alibi, Is_even_d, Is_split, 0, Is_fp8>(params);
 }
 
 // Split-KV with the merge inside a cluster (sm_90+): grid (batch * nheads_k, m-blocks,
@@ -1002,11 +1111,11 @@ flash_decode_kernel(const FlashParams params) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 template <typename Elem, int kHeadDim, int kBlockN, int kNWarps, int kStages, int kMT,
           bool Is_paged, bool Is_local, bool Has_softcap, bool Has_alibi, bool Is_even_d,
-          int kCluster>
+          int kCluster, bool Is_fp8>
 __global__ void __cluster_dims__(1, 1, kCluster) __launch_bounds__(kNWarps * 32, 2)
 flash_decode_cluster_kernel(const FlashParams params) {
     flash_decode_body<Elem, kHeadDim, kBlockN, kNWarps, kStages, kMT, Is_paged, Is_local,
-                      Has_softcap, Has_alibi, Is_even_d, true, kCluster>(params);
+                      Has_softcap, Has_alibi, Is_even_d, true, kCluster, Is_fp8>(params);
 }
 #endif
 

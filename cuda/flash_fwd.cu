@@ -43,11 +43,7 @@ namespace fc_fwd {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-// 16-byte shared load / global store (no vector-type headers needed).
-__device__ __forceinline__ void lds128(fc_u32 (&r)[4], fc_u32 addr) {
-    asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
+// 16-byte global store (no vector-type headers needed; lds128 is ptx.cuh's).
 __device__ __forceinline__ void stg128(void* p, const fc_u32 (&r)[4]) {
     asm volatile("st.global.v4.b32 [%0], {%1,%2,%3,%4};\n"
                  :: "l"(p), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");

@@ -104,6 +104,8 @@ struct FlashParams {
                                // flash_dropout.cuh); nullptr without dropout
     int dropout_threshold;     // r8 < threshold drops (flashcore.dropout)
     float dropout_scale;       // 1 / (1 - p)
+    const float* k_descale;    // decoding over an FP8 (e4m3) cache: float32 (batch, nheads_k),
+    const float* v_descale;    // the cache's values times these; nullptr = 1
 };
 
 // ---- trusted values, guarded addresses -------------------------------------------------------

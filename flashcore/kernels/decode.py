@@ -39,6 +39,7 @@ __all__ = ["launch_decode", "launch_rotary_append", "instantiations", "num_split
 
 SOURCE = "flash_decode.cu"
 HEADDIM_TILES = (64, 128, 256)
+FP8_HEADDIMS = (128, 256)     # head dims of the FP8-cache kernels (a 16-byte chunk: 16 columns)
 MAX_SPLITS = 256          # the combine's shared weight table (fc_dec::kMaxSplits)
 _SPLIT_CAP = 128          # the heuristic never goes beyond this
 _LOG2E = 1.4426950408889634
@@ -183,32 +184,41 @@ def _m_tiles(headdim: int, packed_rows: int) -> int:
     return 2 if packed_rows > 16 and headdim_tile(headdim) <= 128 else 1
 
 
+def _ring_bytes(d: int, cfg: DecodeConfig, fp8: bool = False) -> int:
+    """The K/V ring: 16-bit stages, or FP8 stages plus the 16-bit tiles they are converted to."""
+    if fp8:
+        return cfg.stages * 2 * cfg.block_n * d + 4 * cfg.block_n * d
+    return cfg.stages * 4 * cfg.block_n * d
+
+
 def smem_bytes(headdim: int, m_tiles: int, cluster: bool = False,
-               cfg: DecodeConfig | None = None) -> int:
+               cfg: DecodeConfig | None = None, fp8: bool = False) -> int:
     d = headdim_tile(headdim)
     cfg = cfg or decode_config(headdim, cluster, m_tiles)
     block_m = 16 * m_tiles
-    return 2 * block_m * d + cfg.stages * 4 * cfg.block_n * d + (2 * cfg.n_warps + 1) * block_m * 4
+    return 2 * block_m * d + _ring_bytes(d, cfg, fp8) + (2 * cfg.n_warps + 1) * block_m * 4
 
 
 def kernel_name(dtype_name: str, headdim: int, m_tiles: int, paged: bool, is_local: bool,
                 has_softcap: bool, has_alibi: bool, is_split: bool,
-                cfg: DecodeConfig | None = None) -> str:
+                cfg: DecodeConfig | None = None, fp8: bool = False) -> str:
+    """``fp8``: the cache is float8_e4m3fn (``dtype_name`` is q's)."""
     d = headdim_tile(headdim)
     cfg = cfg or decode_config(headdim)
     return (f"flash_decode_kernel<{_elem_tag(dtype_name)}, {d}, {cfg.block_n}, {cfg.n_warps}, "
             f"{cfg.stages}, {m_tiles}, {_b(paged)}, {_b(is_local)}, {_b(has_softcap)}, "
-            f"{_b(has_alibi)}, {_b(headdim == d)}, {_b(is_split)}>")
+            f"{_b(has_alibi)}, {_b(headdim == d)}, {_b(is_split)}, {_b(fp8)}>")
 
 
 def cluster_kernel_name(dtype_name: str, headdim: int, m_tiles: int, paged: bool,
-                        is_local: bool, has_softcap: bool, has_alibi: bool, splits: int) -> str:
+                        is_local: bool, has_softcap: bool, has_alibi: bool, splits: int,
+                        fp8: bool = False) -> str:
     """The split kernel whose ``splits`` CTAs per group merge inside their cluster (sm_90+)."""
     d = headdim_tile(headdim)
     cfg = decode_config(headdim, True, m_tiles)
     return (f"flash_decode_cluster_kernel<{_elem_tag(dtype_name)}, {d}, {cfg.block_n}, "
             f"{cfg.n_warps}, {cfg.stages}, {m_tiles}, {_b(paged)}, {_b(is_local)}, "
-            f"{_b(has_softcap)}, {_b(has_alibi)}, {_b(headdim == d)}, {splits}>")
+            f"{_b(has_softcap)}, {_b(has_alibi)}, {_b(headdim == d)}, {splits}, {_b(fp8)}>")
 
 
 def combine_name(dtype_name: str) -> str:
@@ -253,8 +263,13 @@ def instantiations() -> list[str]:
 
 def sm90_instantiations() -> list[str]:
     """The cluster-merge kernels (sm_90+ only): every flag combination for each head-dim tile
-    and dtype, split counts 2 to MAX_CLUSTER (CI compiles a stratified sample)."""
-    return [cluster_kernel_name(*v, c) for v in _variants() for c in range(2, MAX_CLUSTER + 1)]
+    and dtype, split counts 2 to MAX_CLUSTER; and the FP8-cache kernels (sm_89+), head dims
+    128 and 256 (CI compiles a stratified sample)."""
+    fp8 = [v for v in _variants() if v[1] in FP8_HEADDIMS]
+    return ([cluster_kernel_name(*v, c) for v in _variants() for c in range(2, MAX_CLUSTER + 1)]
+            + [kernel_name(*v, spl, fp8=True) for v in fp8 for spl in (False, True)]
+            + [cluster_kernel_name(*v, c, fp8=True) for v in fp8
+               for c in range(2, MAX_CLUSTER + 1)])
 
 
 def num_splits_heuristic(batch_nheads_mblocks: int, num_sms: int, num_n_blocks: int,
@@ -356,13 +371,13 @@ _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 _CLUSTER_REFUSALS = (912, 701, 801)
 
 
-def _cluster_layout_fits(headdim: int, m_tiles: int, cfg: DecodeConfig) -> bool:
+def _cluster_layout_fits(headdim: int, m_tiles: int, cfg: DecodeConfig, fp8: bool = False) -> bool:
     """The cluster kernel keeps its partial O and lse in the K/V ring after the reduction
     slabs (the kernel's static_assert): whether ``cfg`` leaves room (a tile override may not)."""
     d = headdim_tile(headdim)
     rows = 16 * m_tiles
     red = cfg.n_warps * rows * (d + 8) * 4
-    return red + 4 * rows * d + 4 * rows <= cfg.stages * 4 * cfg.block_n * d
+    return red + 4 * rows * d + 4 * rows <= _ring_bytes(d, cfg, fp8)
 
 
 def set_cluster_merge(on: bool) -> None:
@@ -425,6 +440,17 @@ def _sm_count(device_id: int) -> int:
     return device_facts(device_id)[2]
 
 
+def _as_bytes_input(arr):
+    """An FP8 (uint8) cache as the kernel's 16-byte copies read it: base 16-byte aligned, row
+    strides multiples of 16 bytes; else a copy."""
+    import cupy
+    if arr.size == 0 or _used_strides_ok(arr, 16, 16):
+        return arr
+    out = cupy.empty(arr.shape, arr.dtype)
+    out[...] = arr
+    return out
+
+
 def _int32_contig(arr):
     import cupy
     if arr.dtype != cupy.int32:
@@ -435,19 +461,20 @@ def _int32_contig(arr):
 def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=None,
                   softmax_scale: float, window_left: int, window_right: int,
                   softcap: float = 0.0, alibi_slopes=None, num_splits: int = 0,
-                  cache_leftpad=None) -> int:
+                  cache_leftpad=None, k_descale=None, v_descale=None) -> int:
     """:func:`decode_launches` returning the number of splits used."""
     return decode_launches(q, k_cache, v_cache, out, lse, cache_seqlens=cache_seqlens,
                            block_table=block_table, softmax_scale=softmax_scale,
                            window_left=window_left, window_right=window_right, softcap=softcap,
                            alibi_slopes=alibi_slopes, num_splits=num_splits,
-                           cache_leftpad=cache_leftpad)[0]
+                           cache_leftpad=cache_leftpad, k_descale=k_descale,
+                           v_descale=v_descale)[0]
 
 
 def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=None,
                     softmax_scale: float, window_left: int, window_right: int,
                     softcap: float = 0.0, alibi_slopes=None, num_splits: int = 0,
-                    cache_leftpad=None):
+                    cache_leftpad=None, k_descale=None, v_descale=None):
     """Attention of q against a KV cache; ``out`` and ``lse`` are written in place.
 
     q, out: (b, sq, h, d) float16/bfloat16; lse: float32 (b, h, sq) contiguous.
@@ -455,7 +482,10 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
     with int32 ``block_table`` (b, max_blocks). ``cache_seqlens`` int32 (b,): the valid keys of
     each sequence. Windows use -1 for unbounded (causal = (-1, 0)). ``num_splits`` 0 picks the
     split count (on sm_90 the cluster rule, cluster_num_splits; elsewhere flash-attn's wave rule
-    with the bounds of choose_num_splits). Returns ``(splits used, plans.Piece or None)``. With more than one
+    with the bounds of choose_num_splits). FP8 caches: uint8 arrays holding float8_e4m3fn
+    values (head dims 128 and 256, compute capability 8.9 and newer), read as
+    ``cache * descale[b, hk]`` with ``k_descale`` / ``v_descale`` float32 (b, hk) contiguous,
+    or None for 1. Returns ``(splits used, plans.Piece or None)``. With more than one
     split the partials are merged inside a thread-block cluster (sm_90, up to 16 splits), else
     in the decode kernel (fused combine), unless ``set_fused_combine(False)`` /
     ``FLASHCORE_DECODE_FUSED_COMBINE=0`` (the combine kernel).
@@ -464,10 +494,15 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
 
     cfg_now = config.get()
     fused = cfg_now.decode_fused_combine
-    given = (q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, cache_leftpad)
+    given = (q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, cache_leftpad,
+             k_descale, v_descale)
 
+    fp8 = k_cache.dtype == cupy.uint8
     q = _as_input(q)
-    k_cache, v_cache = _as_input(k_cache), _as_input(v_cache)
+    if fp8:      # 16-byte rows of bytes: strides multiples of 16
+        k_cache, v_cache = _as_bytes_input(k_cache), _as_bytes_input(v_cache)
+    else:
+        k_cache, v_cache = _as_input(k_cache), _as_input(v_cache)
     out_final = None
     if out.size and not _used_strides_ok(out, 8, 16):
         out_final, out = out, cupy.empty(out.shape, out.dtype)
@@ -489,6 +524,11 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
     device_id = q.device.id
     from ..jit import device_facts, get_kernel
     cc = device_facts(device_id)[0]
+    if fp8 and (cc < 89 or headdim not in FP8_HEADDIMS):
+        raise ValueError(
+            "argument 'k_cache': a float8_e4m3fn cache is decoded on compute capability 8.9 or "
+            f"newer with head dim 128 or 256; got compute capability {cc / 10:.1f}, head dim "
+            f"{headdim}")
     # Splits merge inside a thread-block cluster on sm_90 (the fused path's default there);
     # that path has its own split rule and tile configuration.
     cluster_ok = fused and cfg_now.decode_cluster and cc >= 90
@@ -537,7 +577,7 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
             cluster_declined = num_splits == 0
         if not cluster_ok or cluster_declined:
             num_splits = choose_num_splits(base_ctas, _sm_count(device_id),
-                                           ctas_per_sm(smem_bytes(headdim, m_tiles)),
+                                           ctas_per_sm(smem_bytes(headdim, m_tiles, fp8=fp8)),
                                            key_blocks(decode_config(headdim)))
     num_splits = int(max(1, min(int(num_splits), MAX_SPLITS)))
     is_split = num_splits > 1
@@ -546,19 +586,19 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
     cname = None
     if cluster:
         cname = cluster_kernel_name(dtype_name, headdim, m_tiles, paged, is_local, has_softcap,
-                                    has_alibi, num_splits)
+                                    has_alibi, num_splits, fp8)
         cluster = ((device_id, cname) not in _CLUSTER_REFUSED
                    and _cluster_layout_fits(headdim, m_tiles,
-                                            decode_config(headdim, True, m_tiles)))
+                                            decode_config(headdim, True, m_tiles), fp8))
     cfg = decode_config(headdim, cluster, m_tiles,
                         single_ctas=0 if is_split or not hopper else batch * nheads_k * m_blocks,
                         num_sms=_sm_count(device_id), keys=span_keys)
-    smem = smem_bytes(headdim, m_tiles, cfg=cfg)
+    smem = smem_bytes(headdim, m_tiles, cfg=cfg, fp8=fp8)
     if cluster:
         kernel = get_kernel(SOURCE, cname, device_id, cc, smem)
     else:
         kernel = get_kernel(SOURCE, kernel_name(dtype_name, headdim, m_tiles, paged, is_local,
-                                                has_softcap, has_alibi, is_split, cfg),
+                                                has_softcap, has_alibi, is_split, cfg, fp8),
                             device_id, cc, smem)
 
     o_accum = lse_accum = None
@@ -570,6 +610,11 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
             counter = split_counter(device_id, batch * nheads_k * m_blocks)
 
     qs, ks, vs, os_ = _strides(q), _strides(k_cache), _strides(v_cache), _strides(out)
+    if fp8:      # the kernel addresses a byte cache in 16-bit units (strides multiples of 16)
+        ks, vs = tuple(x // 2 for x in ks), tuple(x // 2 for x in vs)
+        k_descale, v_descale = (None if x is None else
+                                cupy.ascontiguousarray(x, dtype=cupy.float32)
+                                for x in (k_descale, v_descale))
     alibi_bs = 0
     if has_alibi:
         alibi_slopes = cupy.ascontiguousarray(alibi_slopes, dtype=cupy.float32)
@@ -597,6 +642,8 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
         page_size=page_size, num_splits=num_splits, split_counter=counter,
         num_blocks=int(k_cache.shape[0]) if paged else 0,
         cache_leftpad=None if cache_leftpad is None or paged else cache_leftpad.data.ptr,
+        k_descale=None if k_descale is None else k_descale.data.ptr,
+        v_descale=None if v_descale is None else v_descale.data.ptr,
     )
     args = (as_kernel_arg(params),)     # an opaque struct: see params.as_kernel_arg
     launches = [(kernel, (batch * nheads_k, m_blocks, num_splits), (cfg.n_warps * 32, 1, 1),
@@ -623,7 +670,8 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
                                      block_table=given[4], softmax_scale=softmax_scale,
                                      window_left=window_left, window_right=window_right,
                                      softcap=softcap, alibi_slopes=given[5],
-                                     num_splits=num_splits, cache_leftpad=given[6])
+                                     num_splits=num_splits, cache_leftpad=given[6],
+                                     k_descale=given[7], v_descale=given[8])
         else:
             for kern, grid, block, sm in launches:
                 kern(grid, block, args, shared_mem=sm)
@@ -632,7 +680,7 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
     piece = None
     if out_final is None and all(
             a is b for a, b in zip((q, k_cache, v_cache, cache_seqlens, block_table,
-                                    alibi_slopes, cache_leftpad), given)):
+                                    alibi_slopes, cache_leftpad, k_descale, v_descale), given)):
         scratch = {} if o_accum is None else {"o_accum": o_accum.nbytes,
                                               "lse_accum": lse_accum.nbytes}
         piece = plans.Piece(launches, params, scratch,
