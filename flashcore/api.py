@@ -38,7 +38,8 @@ from .backends.base import all_backends, choose, choose_kvcache
 from .kernels import plans
 from .reference import merge_states
 from .spec import (FP8_DTYPES, _arg_error, _scalar_key, as_flag, backward_spec, check_outputs,
-                   forward_spec, fp8_out_dtype, kvcache_spec, lse_shape, merge_spec, out_fp32)
+                   exact_descale, forward_spec, fp8_out_dtype, kvcache_spec, lse_shape,
+                   merge_spec, out_fp32)
 
 __all__ = [
     "attention", "attention_forward", "attention_backward",
@@ -386,7 +387,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                            rotary_interleaved=False, causal=False, softmax_scale=None,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None, num_splits=0,
                            return_lse=False, backend=None, out=None, lse=None,
-                           cache_leftpad=None):
+                           cache_leftpad=None, k_descale=None, v_descale=None):
     """One decoding step with a KV cache (flash-attn's ``flash_attn_with_kvcache``).
 
     **The cache is updated in place**: when ``k`` and ``v`` are given, they are written into
@@ -434,6 +435,18 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
             sequence (memory-safe, but an out-of-range pad gives a meaningless result).
         out, lse: CuPy arrays only, preallocated outputs (like q; float32 ``(batch, nheads,
             seqlen_q)``), written in place: what a call captured in a CUDA graph needs.
+        k_descale, v_descale: with an FP8 cache (FlashAttention-3's names), None (1.0) or
+            float32 arrays of q's library and device broadcastable to ``(batch, nheads_k)``:
+            the cache stands for the values ``k_cache[b, t, hk, :] * k_descale[b, hk]`` (v
+            likewise). Given with a 16-bit cache: refused.
+
+    FP8 caches: ``k_cache`` and ``v_cache`` both float8_e4m3fn (NumPy: ``ml_dtypes``
+    arrays; torch: ``torch.float8_e4m3fn`` tensors; CuPy, which has no float8 dtype: uint8
+    arrays, read as float8_e4m3fn bits), q float16 or bfloat16; out in q's dtype, lse float32.
+    Read only: appending ``k``/``v`` to an FP8 cache is refused (quantise new tokens and write
+    them yourself), and so is an FP8 q. Paged caches, ``cache_leftpad``, masks, softcap, ALiBi,
+    GQA and ``num_splits`` work as with 16-bit caches. The CUDA kernels take head dims 64, 128
+    and 256 with FP8 caches.
 
     Returns:
         out like q (in q's dtype), or ``(out, lse)`` with lse float32 ``(batch, nheads,
@@ -448,10 +461,16 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
             rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
             causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
             alibi_slopes=alibi_slopes, num_splits=num_splits, backend=backend,
-            cache_leftpad=cache_leftpad)
+            cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale)
         return (out, lse) if return_lse else out
+    if k_descale is not None or v_descale is not None:
+        # (what the backends take: contiguous float32 (batch, nheads_k); validated below)
+        kd_shape = _kv_shape(q, k_cache)
+        if kd_shape is not None:
+            k_descale, v_descale = (exact_descale(d, *kd_shape) for d in (k_descale, v_descale))
     key = _cupy_key("kvcache", (q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                                rotary_cos, rotary_sin, alibi_slopes, out, lse, cache_leftpad),
+                                rotary_cos, rotary_sin, alibi_slopes, out, lse, cache_leftpad,
+                                k_descale, v_descale),
                     (rotary_interleaved, causal, softmax_scale, window_size, softcap, num_splits,
                      backend))
     if key is not None:
@@ -462,14 +481,15 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
             l_ = cupy.empty(lse_shape(q.shape), cupy.float32) if lse is None else lse
             if _cupy_replay(plan, (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, o.data.ptr,
                                    l_.data.ptr, cache_seqlens.data.ptr, _ptr(block_table),
-                                   _ptr(alibi_slopes), _ptr(cache_leftpad))):
+                                   _ptr(alibi_slopes), _ptr(cache_leftpad), _ptr(k_descale),
+                                   _ptr(v_descale))):
                 return (o, l_) if return_lse else o
     spec = kvcache_spec(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                         block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                         rotary_interleaved=rotary_interleaved, causal=causal,
                         softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                         alibi_slopes=alibi_slopes, num_splits=num_splits,
-                        cache_leftpad=cache_leftpad)
+                        cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale)
     a = spec.attn
     given = check_outputs(a, {"out": out, "lse": lse},
                           {"out": (q.shape, a.dtype),
@@ -479,14 +499,27 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         out, lse = choose_kvcache(spec, backend).forward_kvcache(
             spec, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
             block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-            alibi_slopes=alibi_slopes, cache_leftpad=cache_leftpad, **given)
+            alibi_slopes=alibi_slopes, cache_leftpad=cache_leftpad, k_descale=k_descale,
+            v_descale=v_descale, **given)
     if key is not None and spec.cache_seqlens_int is None:
         plans.remember(key, rec.plan(
             (("q", _ptr(q)), ("k", _ptr(k_cache)), ("v", _ptr(v_cache)), ("o", _ptr(out)),
              ("lse", _ptr(lse)), ("cache_seqlens", _ptr(cache_seqlens)),
              ("block_table", _ptr(block_table)), ("alibi_slopes", _ptr(alibi_slopes)),
-             ("cache_leftpad", _ptr(cache_leftpad))), q.device.id))
+             ("cache_leftpad", _ptr(cache_leftpad)), ("k_descale", _ptr(k_descale)),
+             ("v_descale", _ptr(v_descale))), q.device.id))
     return (out, lse) if return_lse else out
+
+
+def _kv_shape(q, k_cache):
+    """(batch, nheads_k) read from q and k_cache's shapes, or None when they are not arrays of
+    4 dimensions (the validation then names what is wrong)."""
+    try:
+        if len(q.shape) == 4 and len(k_cache.shape) == 4:
+            return int(q.shape[0]), int(k_cache.shape[2])
+    except (AttributeError, TypeError):
+        pass
+    return None
 
 
 def merge_attention_states(outs, lses):

@@ -23,7 +23,8 @@ Names, argument order, defaults, shapes and returns are flash-attn 2.x's
   that is no multiple of 8 is padded with zero columns, the caches included, and appended
   rows are copied back (what flash-attn does: a copy of the whole cache per call);
   a paged cache's page size may be any multiple of 16 (flash-attn 2: 256); the new keys must
-  fit in the cache (checked).
+  fit in the cache (checked); ``k_descale``/``v_descale`` (keyword only, FlashAttention-3's)
+  with an FP8 (float8_e4m3fn) cache, read only.
 
 On torch tensors the results are differentiable (``flashcore.attention``'s autograd); the
 functions also take NumPy and CuPy arrays (then without autograd).
@@ -241,7 +242,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False):
+                            return_softmax_lse=False, *, k_descale=None, v_descale=None):
     """Incremental decoding with a KV cache; ``k_cache``/``v_cache`` are updated **in place**.
 
     If k and v are given they are written into the cache at positions ``cache_seqlens[b]``,
@@ -272,6 +273,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             i + rotary_dim / 2) (GPT-NeoX).
         num_splits: key-range splits (Flash-Decoding); 0 = heuristic, 1 = no split.
         return_softmax_lse: also return the log-sum-exp.
+        k_descale, v_descale: FlashAttention-3's FP8 KV cache (keyword only): with
+            float8_e4m3fn ``k_cache``/``v_cache`` (CuPy: uint8 arrays of float8_e4m3fn bits)
+            and a float16/bfloat16 q, None (1.0) or float32 broadcastable to (batch_size,
+            nheads_k); the cache's values are ``k_cache[b, t, h] * k_descale[b, h]``. Read
+            only: k, v (appending) are refused with an FP8 cache. See
+            :func:`flashcore.attention_with_kvcache`.
 
     Returns:
         out: (batch_size, seqlen, nheads, headdim), or ``(out, softmax_lse)`` with
@@ -291,5 +298,5 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
         causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, num_splits=num_splits, return_lse=True,
-        cache_leftpad=cache_leftpad)
+        cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale)
     return (out, lse) if return_softmax_lse else out

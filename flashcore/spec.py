@@ -17,11 +17,14 @@ from ._arrays import (device_of, dtype_name, is_host, library_of, strides_in_ele
                       to_host, torch_compiling)
 
 __all__ = ["AttentionSpec", "KVCacheSpec", "forward_spec", "backward_spec", "kvcache_spec",
-           "merge_spec", "FLOAT_DTYPES", "FP8_DTYPES", "fp8_out_dtype"]
+           "merge_spec", "FLOAT_DTYPES", "FP8_DTYPES", "FP8_CACHE_Q_DTYPES", "fp8_out_dtype",
+           "exact_descale", "cache_dtype_of"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 # FP8 inputs (FlashAttention-3's e4m3 forward): forward only, with per-(batch, key head)
-# descale factors; on NumPy arrays (ml_dtypes) for now, the reference of the Hopper kernel to come
+# descale factors; on NumPy arrays (ml_dtypes) for now, the reference of the Hopper kernel to come.
+# Decoding (attention_with_kvcache) takes FP8 caches with 16-bit queries, on every library (a
+# CuPy cache as uint8 bits: see cache_dtype_of)
 FP8_DTYPES = ("float8_e4m3fn",)
 
 
@@ -276,20 +279,53 @@ def _fp8(spec, dropout_p, descales) -> None:
         raise _arg_error(ValueError, "dropout_p", "0.0 with float8_e4m3fn inputs (FP8 attention "
                          "is forward only, for inference)", dropout_p)
     for name, d in descales:
-        if d is None:
-            continue
-        _check_array(name, d, None, spec.library, spec.device)
-        if dtype_name(d) != "float32":
-            raise _arg_error(TypeError, name, "a float32 array broadcastable to (batch, nheads_k)",
-                             f"dtype {dtype_name(d)}")
-        try:
-            np.broadcast_shapes(tuple(d.shape), (spec.batch, spec.nheads_k))
-            ok = len(d.shape) <= 2
-        except ValueError:
-            ok = False
-        if not ok:
-            raise _arg_error(ValueError, name, "a float32 array broadcastable to (batch, nheads_k) "
-                             f"= ({spec.batch}, {spec.nheads_k})", f"shape {tuple(d.shape)}")
+        _check_descale(name, d, spec.library, spec.device, spec.batch, spec.nheads_k)
+
+
+def _check_descale(name, d, lib, device, batch, nheads_k) -> None:
+    """An FP8 descale: None (1.0), or a float32 array of library ``lib`` on ``device``
+    (q's) broadcastable to (batch, nheads_k) (at most 2 dimensions)."""
+    if d is None:
+        return
+    _check_array(name, d, None, lib, device)
+    if dtype_name(d) != "float32":
+        raise _arg_error(TypeError, name, "a float32 array broadcastable to (batch, nheads_k)",
+                         f"dtype {dtype_name(d)}")
+    if not _broadcastable(d, batch, nheads_k):
+        raise _arg_error(ValueError, name, "a float32 array broadcastable to (batch, nheads_k) "
+                         f"= ({batch}, {nheads_k})", f"shape {tuple(d.shape)}")
+
+
+def _broadcastable(d, batch, nheads_k) -> bool:
+    try:
+        np.broadcast_shapes(tuple(d.shape), (batch, nheads_k))
+    except ValueError:
+        return False
+    return len(d.shape) <= 2
+
+
+def exact_descale(d, batch, nheads_k):
+    """A descale as the backends take it: a contiguous float32 array of shape exactly
+    ``(batch, nheads_k)`` in ``d``'s own library (``d`` itself when it is one already; None
+    stays None). Anything else (a wrong dtype, shape or library) comes back unchanged, for the
+    validation to name what is wrong."""
+    if d is None:
+        return None
+    lib = library_of(d)
+    if lib is None or dtype_name(d) != "float32" or not _broadcastable(d, batch, nheads_k):
+        return d
+    shape = (batch, nheads_k)
+    if lib == "torch":
+        if tuple(d.shape) == shape and d.is_contiguous():
+            return d
+        return d.expand(shape).contiguous()
+    if tuple(d.shape) == shape and d.flags.c_contiguous:
+        return d
+    if lib == "cupy":
+        import cupy as xp
+    else:
+        xp = np
+    return xp.ascontiguousarray(xp.broadcast_to(d, shape))
 
 
 def fp8_out_dtype(out_dtype) -> str:
@@ -504,6 +540,13 @@ class KVCacheSpec:
     rotary_interleaved: bool
     num_splits: int              # 0: heuristic
     cache_seqlens_int: int | None  # cache_seqlens given as a Python int
+    cache_dtype: str | None = None  # 'float8_e4m3fn' for an FP8 cache, else None (q's dtype)
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the cache is float8_e4m3fn (q is then float16 or bfloat16), its values
+        ``k_cache * k_descale[b, key head]`` (and v likewise)."""
+        return self.cache_dtype is not None
 
     @property
     def rotary_per_row(self) -> bool:
@@ -555,7 +598,8 @@ def _int32_array(name, x, ndim, lib, device, shape_desc):
 def kvcache_spec(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
                  rotary_cos=None, rotary_sin=None, rotary_interleaved=False, causal=False,
                  softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                 num_splits=0, cache_leftpad=None) -> KVCacheSpec:
+                 num_splits=0, cache_leftpad=None, k_descale=None,
+                 v_descale=None) -> KVCacheSpec:
     """Validate the arguments of a KV-cache decoding call and return their spec.
 
     Besides shapes and dtypes, the *values* of ``cache_seqlens`` and ``block_table`` are
@@ -563,18 +607,69 @@ def kvcache_spec(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_ta
     nothing: an int, host arrays. Device arrays are read only in debug mode (flashcore.config;
     a device sync): by default the kernels clamp every address formed from them, so a bad value
     gives a wrong result and never touches memory outside the cache.
+
+    FP8 caches (:data:`FP8_DTYPES`; on CuPy, which has no float8 dtype, uint8 arrays holding
+    float8_e4m3fn bits) with float16 / bfloat16 q: read-only (no ``k``/``v`` appended), with
+    ``k_descale``/``v_descale`` None or float32 broadcastable to (batch, nheads_k).
     """
     return _kvcache_spec(
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
         rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
         causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, num_splits=num_splits, cache_leftpad=cache_leftpad)
+        alibi_slopes=alibi_slopes, num_splits=num_splits, cache_leftpad=cache_leftpad,
+        k_descale=k_descale, v_descale=v_descale)
+
+
+#: The query dtypes that decoding over an FP8 cache takes (FlashAttention-3's FP8 KV cache
+#: with 16-bit queries: the cache's values are dequantised, q is not quantised).
+FP8_CACHE_Q_DTYPES = ("float16", "bfloat16")
+
+
+def cache_dtype_of(x) -> str:
+    """The dtype a KV cache array stands for: its own, except a CuPy uint8 array, which holds
+    float8_e4m3fn bits (CuPy has no float8 dtype)."""
+    dt = dtype_name(x)
+    if dt == "uint8" and library_of(x) == "cupy":
+        return "float8_e4m3fn"
+    return dt
+
+
+def _check_q_and_cache(q, k_cache, v_cache):
+    """q a 4-dimensional floating array; k_cache and v_cache 4-dimensional arrays of q's
+    library and device, either both of q's dtype or both FP8 (with a 16-bit q). Returns
+    (library, device, q's dtype name, the cache's FP8 dtype name or None)."""
+    _check_array("q", q, 4)
+    lib, device = library_of(q), device_of(q)
+    _check_array("k_cache", k_cache, 4, lib, device)
+    _check_array("v_cache", v_cache, 4, lib, device)
+    dt = dtype_name(q)
+    kdt, vdt = cache_dtype_of(k_cache), cache_dtype_of(v_cache)
+    if dt in FP8_DTYPES:
+        raise _arg_error(TypeError, "q", f"a floating dtype in {FLOAT_DTYPES} (decoding takes "
+                         "float8_e4m3fn caches with a float16 or bfloat16 q, never an FP8 q)",
+                         f"dtype {dt}")
+    if dt not in FLOAT_DTYPES:
+        raise _arg_error(TypeError, "q", f"a floating dtype in {FLOAT_DTYPES}", f"dtype {dt}")
+    if kdt not in FP8_DTYPES and vdt not in FP8_DTYPES:
+        for n, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if dtype_name(x) != dt:
+                raise _arg_error(TypeError, n, f"dtype {dt} like 'q'", f"dtype {dtype_name(x)}")
+        return lib, device, dt, None
+    if kdt != vdt:      # one FP8 cache, the other not
+        raise _arg_error(TypeError, "v_cache", f"dtype {dtype_name(k_cache)} like 'k_cache' "
+                         f"(k_cache and v_cache are both float8_e4m3fn, or both q's dtype {dt})",
+                         f"dtype {dtype_name(v_cache)}")
+    if dt not in FP8_CACHE_Q_DTYPES:
+        raise _arg_error(TypeError, "q", "float16 or bfloat16 with float8_e4m3fn caches",
+                         f"dtype {dt}")
+    return lib, device, dt, kdt
 
 
 def _kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, rotary_cos,
                   rotary_sin, rotary_interleaved, causal, softmax_scale, window_size, softcap,
-                  alibi_slopes, num_splits, cache_leftpad) -> KVCacheSpec:
-    lib, device, dt = _check_q_and_kv(q, k_cache, v_cache, "k_cache", "v_cache", 4, 4)
+                  alibi_slopes, num_splits, cache_leftpad, k_descale=None,
+                  v_descale=None) -> KVCacheSpec:
+    lib, device, dt, cache_dt = _check_q_and_cache(q, k_cache, v_cache)
     batch, sq, nheads, headdim = (int(n) for n in q.shape)
     c0, c1, nheads_k, hd_k = (int(n) for n in k_cache.shape)
     paged = block_table is not None
@@ -624,11 +719,24 @@ def _kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, rota
         num_blocks = page_size = max_blocks = None
         capacity = c1
 
+    # -- FP8 caches: their descales (16-bit caches take none) --------------------------------
+    for name, d in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if cache_dt is None:
+            if d is not None:
+                raise _arg_error(ValueError, name, "None unless k_cache and v_cache are "
+                                 "float8_e4m3fn (the descales of an FP8 cache)", _describe(d))
+        else:
+            _check_descale(name, d, lib, device, batch, nheads_k)
+
     # -- new keys and values -----------------------------------------------------------------
     if (k is None) != (v is None):
         missing, given = ("v", "k") if v is None else ("k", "v")
         raise _arg_error(ValueError, missing, f"an array when '{given}' is given (both or neither)",
                          "None")
+    if cache_dt is not None and k is not None:
+        raise _arg_error(ValueError, "k", "None with float8_e4m3fn caches (nothing is appended "
+                         "to an FP8 cache: quantise the new keys and values and write them into "
+                         "the cache yourself, then advance cache_seqlens)", _describe(k))
     seqlen_new = 0
     if k is not None:
         _check_array("k", k, 4, lib, device)
@@ -762,7 +870,7 @@ def _kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, rota
         attn=attn, paged=paged, page_size=page_size, num_blocks=num_blocks,
         max_blocks=max_blocks, capacity=int(capacity), seqlen_new=seqlen_new,
         rotary_dim=rotary_dim, rotary_interleaved=bool(rotary_interleaved),
-        num_splits=num_splits, cache_seqlens_int=seqlens_int)
+        num_splits=num_splits, cache_seqlens_int=seqlens_int, cache_dtype=cache_dt)
 
 
 # --------------------------------------------------------------------------------------------

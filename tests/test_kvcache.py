@@ -489,8 +489,12 @@ def test_flash_attn_with_kvcache_signature_and_defaults():
         "q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
         "cache_batch_idx", "cache_leftpad", "block_table", "softmax_scale", "causal",
         "window_size", "softcap", "rotary_interleaved", "alibi_slopes", "num_splits",
-        "return_softmax_lse"]
+        "return_softmax_lse", "k_descale", "v_descale"]
+    # (FlashAttention-3's FP8 cache descales: keyword only, after flash-attn 2's arguments)
+    assert [n for n, p in sig.parameters.items() if p.kind is p.KEYWORD_ONLY] == [
+        "k_descale", "v_descale"]
     d = {n: p.default for n, p in sig.parameters.items()}
+    assert d["k_descale"] is None and d["v_descale"] is None
     assert d["rotary_interleaved"] is True and d["causal"] is False
     assert d["window_size"] == (-1, -1) and d["softcap"] == 0.0 and d["num_splits"] == 0
     assert d["return_softmax_lse"] is False and d["cache_seqlens"] is None

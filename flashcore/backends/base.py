@@ -32,6 +32,7 @@ class Backend:
     supports_backward: ClassVar[bool] = True
     is_deterministic: ClassVar[bool] = True   # deterministic without being asked
     supports_kvcache: ClassVar[bool] = False   # attention_with_kvcache (decoding)
+    supports_fp8_kvcache: ClassVar[bool] = False   # ... over a float8_e4m3fn cache
 
     # -- availability --------------------------------------------------------------------
     def unavailable_reason(self) -> str | None:
@@ -90,14 +91,20 @@ class Backend:
             return r
         if not self.supports_kvcache:
             r.append("KV-cache decoding is not supported")
+        elif spec.fp8 and not self.supports_fp8_kvcache:
+            r.append(f"{spec.cache_dtype} (FP8) caches are not supported")
         return r
 
     def forward_kvcache(self, spec: KVCacheSpec, q, k_cache, v_cache, k=None, v=None, *,
                         cache_seqlens, block_table=None, rotary_cos=None, rotary_sin=None,
-                        alibi_slopes=None, cache_leftpad=None):
+                        alibi_slopes=None, cache_leftpad=None, k_descale=None, v_descale=None):
         """Append k, v (rotated) into the cache in place, attend. Return ``(out, lse)``.
 
-        ``cache_seqlens`` is an int or an int32 array: the lengths before appending.
+        ``cache_seqlens`` is an int or an int32 array: the lengths before appending. An FP8
+        cache (``spec.fp8``; nothing is appended then) stands for the values
+        ``k_cache[..., hk, :] * k_descale[b, hk]`` (v likewise): ``k_descale``/``v_descale``
+        None (1.0) or contiguous float32 arrays of shape exactly (batch, nheads_k) in the
+        call's library (flashcore.api makes them so).
         """
         raise NotImplementedError(f"backend {self.name!r} has no KV-cache decoding")
 

@@ -68,6 +68,31 @@ def _decode_kernels_reason() -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _decode_fp8_reason() -> str | None:
+    """None when the decoding kernels' launcher takes FP8 caches (its ``k_descale`` and
+    ``v_descale`` arguments), else why not (checked once)."""
+    import inspect
+    from ..kernels.decode import decode_launches
+    params = inspect.signature(decode_launches).parameters
+    if "k_descale" not in params or "v_descale" not in params:
+        return ("float8_e4m3fn (FP8) caches are not supported by these decode kernels "
+                "(flashcore.kernels.decode.decode_launches takes no k_descale/v_descale)")
+    return None
+
+
+#: The head dims the decode kernels take over an FP8 cache (no zero-padding to a multiple of 8
+#: there: a padded copy of an FP8 cache would cost more than the 16-bit one it replaces).
+FP8_KVCACHE_HEADDIMS = (64, 128, 256)
+
+
+def _fp8_headdim_reason(spec) -> str | None:
+    if spec.fp8 and spec.attn.headdim not in FP8_KVCACHE_HEADDIMS:
+        return (f"argument 'k_cache': float8_e4m3fn caches take headdim 64, 128 or 256 on the "
+                f"CUDA kernels, got headdim {spec.attn.headdim}")
+    return None
+
+
 class CupyBackend(Backend):
     name = "cupy"
     libraries = ("cupy",)
@@ -75,6 +100,9 @@ class CupyBackend(Backend):
     max_headdim = 256        # any head dim up to 256: others than multiples of 8 are padded
     is_deterministic = False   # dQ is accumulated with atomics unless deterministic=True
     supports_kvcache = True    # when flashcore.kernels.decode imports (see the reasons)
+    # FP8 caches: uint8 arrays holding float8_e4m3fn bits (CuPy has no float8 dtype), head dims
+    # FP8_KVCACHE_HEADDIMS
+    supports_fp8_kvcache = True
 
     def unavailable_reason(self):
         return _probe()
@@ -186,19 +214,33 @@ class CupyBackend(Backend):
         why = _decode_kernels_reason()
         if why:
             r.append(why)
+        elif spec.fp8:
+            why = _decode_fp8_reason()
+            if why:
+                r.append(why)
+        why = _fp8_headdim_reason(spec)
+        if why:
+            r.append(why)
         return r
 
     def forward_kvcache(self, spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
                         block_table=None, rotary_cos=None, rotary_sin=None, alibi_slopes=None,
-                        out=None, lse=None, cache_leftpad=None):
+                        out=None, lse=None, cache_leftpad=None, k_descale=None, v_descale=None):
         """Append (rotary) with ``launch_rotary_append``, then ``launch_decode`` over
         ``cache_seqlens + seqlen_new`` keys (computed on the device, no host round trip).
 
         A head dim that is no multiple of 8 is padded with zero columns, the caches included,
         and appended rows are copied back: flash-attn's way (it copies the whole cache every
-        call too), since the kernels read and write 16 bytes at a time."""
+        call too), since the kernels read and write 16 bytes at a time.
+
+        FP8 caches (``spec.fp8``): uint8 arrays of float8_e4m3fn bits, read only, passed to
+        the kernels as they are with ``k_descale``/``v_descale`` (None, or contiguous float32
+        (batch, nheads_k)); head dims 64, 128 and 256 only (never padded)."""
         import cupy
         a = spec.attn
+        why = _fp8_headdim_reason(spec)
+        if why:
+            raise ValueError(why)
         with cupy.cuda.Device(q.device.id), _translate_oom("decode"):
             if out is None:
                 out = cupy.empty(q.shape, dtype=q.dtype)
@@ -212,7 +254,8 @@ class CupyBackend(Backend):
                 self._forward_kvcache(spec, *pad, cache_seqlens=cache_seqlens,
                                       block_table=block_table, rotary_cos=rotary_cos,
                                       rotary_sin=rotary_sin, alibi_slopes=alibi_slopes,
-                                      out=out8, lse=lse, cache_leftpad=cache_leftpad)
+                                      out=out8, lse=lse, cache_leftpad=cache_leftpad,
+                                      k_descale=None, v_descale=None)
                 out[...] = out8[..., :a.headdim]
                 if spec.appends:
                     k_cache[...] = pad[1][..., :a.headdim]
@@ -223,10 +266,12 @@ class CupyBackend(Backend):
                                          cache_seqlens=cache_seqlens, block_table=block_table,
                                          rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                                          alibi_slopes=alibi_slopes, out=out, lse=lse,
-                                         cache_leftpad=cache_leftpad)
+                                         cache_leftpad=cache_leftpad, k_descale=k_descale,
+                                         v_descale=v_descale)
 
     def _forward_kvcache(self, spec, q, k_cache, v_cache, k, v, *, cache_seqlens, block_table,
-                         rotary_cos, rotary_sin, alibi_slopes, out, lse, cache_leftpad):
+                         rotary_cos, rotary_sin, alibi_slopes, out, lse, cache_leftpad,
+                         k_descale, v_descale):
         import cupy
         import numpy as np
         from ..kernels.decode import decode_launches, launch_rotary_append
@@ -261,7 +306,9 @@ class CupyBackend(Backend):
                 block_table=block_table, softmax_scale=a.softmax_scale,
                 window_left=a.window_left, window_right=a.window_right, softcap=a.softcap,
                 alibi_slopes=alibi_slopes, num_splits=spec.num_splits,
-                cache_leftpad=cache_leftpad)
+                cache_leftpad=cache_leftpad,
+                # (FP8 caches only: 16-bit calls stay as they were)
+                **({"k_descale": k_descale, "v_descale": v_descale} if spec.fp8 else {}))
             if after is cache_seqlens:      # the decode kernel was all of the call
                 plans.offer(piece)
         return out, lse

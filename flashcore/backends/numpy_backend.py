@@ -362,7 +362,7 @@ def partial_forward(spec, q, k, v, slopes, c0, c1):
 
 def kvcache_forward(spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
                     block_table=None, rotary_cos=None, rotary_sin=None, alibi_slopes=None,
-                    attend=None, cache_leftpad=None):
+                    attend=None, cache_leftpad=None, k_descale=None, v_descale=None):
     """The reference KV-cache decoding step on NumPy arrays. Returns ``(out, lse)``.
 
     1. With k, v: rotate k (rotary), write k, v into the cache in place at cache_seqlens.
@@ -376,6 +376,11 @@ def kvcache_forward(spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
     ``cache_leftpad`` (flash-attn's): sequence b's keys are rows ``cache_leftpad[b]`` to
     ``cache_seqlens[b] + seqlen_new`` of its cache (masks and ALiBi count from its first key);
     the new keys are still written, and rotated, at rows ``cache_seqlens[b] + t``.
+
+    An FP8 cache (``spec.fp8``: float8_e4m3fn, read only): each sequence's gathered keys and
+    values are dequantised to float32, ``x * descale[b, key head]`` (``k_descale``/``v_descale``
+    None or broadcastable to (batch, nheads_k); :func:`flashcore.reference.fp8_dequantize`),
+    then attended as above.
     """
     a = spec.attn
     attend = attend or (lambda sp, q_, k_, v_, sl: tiled_forward(sp, q_, k_, v_, sl))
@@ -406,6 +411,9 @@ def kvcache_forward(spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
         first = int(lp[b])
         kb = kvcache_gather(spec, k_cache, b, n, block_table)[None, first:]
         vb = kvcache_gather(spec, v_cache, b, n, block_table)[None, first:]
+        if spec.fp8:          # (float32 values: the descales of sequence b's key heads)
+            kb, vb = (fp8_dequantize(x, None if d is None else _descale_row(d, a, b), a.nheads_k)
+                      for x, d in ((kb, k_descale), (vb, v_descale)))
         n -= first
         slopes = _slopes_for(a, alibi_slopes, b)
         if spec.num_splits > 1 and n:
@@ -417,6 +425,11 @@ def kvcache_forward(spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
             o, l = attend(a, q[b:b + 1], kb, vb, slopes)
         out[b], lse[b] = o[0], l[0]
     return out, lse
+
+
+def _descale_row(d, a, b):
+    """Row b of a descale broadcastable to (batch, nheads_k): (1, nheads_k)."""
+    return np.broadcast_to(np.asarray(d, np.float32), (a.batch, a.nheads_k))[b:b + 1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -456,6 +469,7 @@ class NumpyBackend(Backend):
     libraries = ("numpy",)
     dtypes = ("float16", "bfloat16", "float32", "float64", "float8_e4m3fn")
     supports_kvcache = True
+    supports_fp8_kvcache = True
 
     def __init__(self, path: str = "tiled", block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
         self.path, self.block_q, self.block_k = path, block_q, block_k
@@ -530,12 +544,14 @@ class NumpyBackend(Backend):
 
     def forward_kvcache(self, spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
                         block_table=None, rotary_cos=None, rotary_sin=None, alibi_slopes=None,
-                        cache_leftpad=None):
-        """:func:`kvcache_forward` with this backend's path; out in q's dtype."""
+                        cache_leftpad=None, k_descale=None, v_descale=None):
+        """:func:`kvcache_forward` with this backend's path; out in q's dtype. FP8 caches:
+        float8_e4m3fn (ml_dtypes) arrays, dequantised by ``k_descale``/``v_descale``."""
         out, lse = kvcache_forward(spec, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                                    block_table=block_table, rotary_cos=rotary_cos,
                                    rotary_sin=rotary_sin, alibi_slopes=alibi_slopes,
-                                   attend=self._fwd, cache_leftpad=cache_leftpad)
+                                   attend=self._fwd, cache_leftpad=cache_leftpad,
+                                   k_descale=k_descale, v_descale=v_descale)
         lse_dt = np.float64 if spec.attn.dtype == "float64" else np.float32
         return out.astype(_out_dtype(spec.attn.dtype)), lse.astype(lse_dt)
 

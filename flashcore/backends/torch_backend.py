@@ -114,6 +114,7 @@ class TorchBackend(Backend):
     libraries = ("torch",)
     dtypes = FLOAT_DTYPES
     supports_kvcache = True
+    supports_fp8_kvcache = True   # torch.float8_e4m3fn caches (as the backend delegated to)
 
     def unavailable_reason(self):
         return _torch_unavailable_reason()
@@ -201,21 +202,30 @@ class TorchBackend(Backend):
 
     def forward_kvcache(self, spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
                         block_table=None, rotary_cos=None, rotary_sin=None, alibi_slopes=None,
-                        cache_leftpad=None):
+                        cache_leftpad=None, k_descale=None, v_descale=None):
         """Return ``(out, lse)`` as torch tensors (not requiring grad); the cache tensors are
         written in place through zero-copy views (NumPy on CPU, CuPy/DLPack on CUDA), and
-        their autograd version counters are bumped."""
+        their autograd version counters are bumped. torch.float8_e4m3fn caches (read only)
+        cross as their bytes: ml_dtypes float8_e4m3fn views on CPU, uint8 CuPy views (the
+        CuPy backend's FP8 caches) on CUDA."""
         import torch
         conv = _np if q.device.type == "cpu" else _cp
         as_int = spec.cache_seqlens_int is not None
+        if spec.fp8:
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         with torch.no_grad():
             if q.device.type == "cpu":
+                kc, vc = conv(k_cache), conv(v_cache)
+                if spec.fp8:
+                    import ml_dtypes
+                    kc, vc = kc.view(ml_dtypes.float8_e4m3fn), vc.view(ml_dtypes.float8_e4m3fn)
                 out, lse = get_backend("numpy").forward_kvcache(
-                    _kv_library(spec, "numpy"), *(conv(x) for x in (q, k_cache, v_cache, k, v)),
+                    _kv_library(spec, "numpy"), conv(q), kc, vc, conv(k), conv(v),
                     cache_seqlens=cache_seqlens if as_int else conv(cache_seqlens),
                     block_table=conv(block_table), rotary_cos=conv(rotary_cos),
                     rotary_sin=conv(rotary_sin), alibi_slopes=conv(alibi_slopes),
-                    cache_leftpad=conv(cache_leftpad))
+                    cache_leftpad=conv(cache_leftpad), k_descale=conv(k_descale),
+                    v_descale=conv(v_descale))
                 out = _contiguous_numpy_to_torch(torch, out)
                 lse = _contiguous_numpy_to_torch(torch, lse)
             else:
@@ -229,8 +239,8 @@ class TorchBackend(Backend):
                         cache_seqlens=cache_seqlens if as_int else conv(cache_seqlens),
                         block_table=conv(block_table), rotary_cos=conv(rotary_cos),
                         rotary_sin=conv(rotary_sin), alibi_slopes=conv(alibi_slopes),
-                        cache_leftpad=conv(cache_leftpad),
-                        out=conv(out), lse=conv(lse))
+                        cache_leftpad=conv(cache_leftpad), k_descale=conv(k_descale),
+                        v_descale=conv(v_descale), out=conv(out), lse=conv(lse))
         if spec.appends:
             _bump_version(torch, k_cache, v_cache)
         return out, lse
@@ -286,7 +296,8 @@ def _np_dtype(torch, dt):
         import numpy as np
         _NP_DTYPES.update({torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.float32),
                            torch.float64: np.dtype(np.float64), torch.int32: np.dtype(np.int32),
-                           torch.int64: np.dtype(np.int64)})
+                           torch.int64: np.dtype(np.int64),
+                           torch.uint8: np.dtype(np.uint8)})   # (FP8 caches' bytes)
         try:
             import ml_dtypes
             _NP_DTYPES[torch.bfloat16] = np.dtype(ml_dtypes.bfloat16)

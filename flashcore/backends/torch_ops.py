@@ -73,11 +73,14 @@ _KV_SCHEMA = ("(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Ten
 
 
 # The decode op without appending: nothing is written but the outputs, so the schema declares
-# no mutation (a mutable schema costs the dispatcher ~15 us a call on the H200 host).
+# no mutation (a mutable schema costs the dispatcher ~15 us a call on the H200 host). An FP8
+# cache (torch.float8_e4m3fn, read only: only this op takes one) comes with its descales,
+# last, with defaults (16-bit calls leave them out): float32 (batch, nheads_k), contiguous.
 _KV_READ_SCHEMA = ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? cache_seqlens, "
                    "int cache_seqlens_int, Tensor? block_table, bool causal, float softmax_scale, "
                    "int window_left, int window_right, float softcap, Tensor? alibi_slopes, "
-                   "int num_splits, Tensor? cache_leftpad) -> (Tensor, Tensor)")
+                   "int num_splits, Tensor? cache_leftpad, Tensor? k_descale=None, "
+                   "Tensor? v_descale=None) -> (Tensor, Tensor)")
 
 _OPS: list = []   # [torch.ops.flashcore], filled by torch_ops() on first use
 _OPS_LOCK = threading.Lock()
@@ -182,7 +185,8 @@ def _bwd_impl(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
 
 def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, block_table,
                   rotary_cos, rotary_sin, rotary_interleaved, causal, softmax_scale, window_left,
-                  window_right, softcap, alibi_slopes, num_splits, cache_leftpad):
+                  window_right, softcap, alibi_slopes, num_splits, cache_leftpad, k_descale=None,
+                  v_descale=None):
     import torch
     key = None
     cfg = config.get()
@@ -191,35 +195,42 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, b
                layout(cache_seqlens), cache_seqlens_int, layout(block_table), layout(rotary_cos),
                layout(rotary_sin), rotary_interleaved, causal, softmax_scale, window_left,
                window_right, softcap, layout(alibi_slopes), num_splits, layout(cache_leftpad),
-               cfg)
+               cfg, layout(k_descale), layout(v_descale))
         plan = plans.lookup(key)
         if plan is not None:
             out = _new_like(torch, q)
             lse = q.new_empty(*lse_shape(q.shape), dtype=torch.float32)
             if replay(torch, plan, (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                     out.data_ptr(), lse.data_ptr(), cache_seqlens.data_ptr(),
-                                    _ptr(block_table), _ptr(alibi_slopes), _ptr(cache_leftpad)),
+                                    _ptr(block_table), _ptr(alibi_slopes), _ptr(cache_leftpad),
+                                    _ptr(k_descale), _ptr(v_descale)),
                       q.device):
                 return out, lse
-    from ..spec import kvcache_spec
+    from ..spec import exact_descale, kvcache_spec
     lens = cache_seqlens_int if cache_seqlens is None else cache_seqlens
     spec = kvcache_spec(q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=block_table,
                         rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                         rotary_interleaved=rotary_interleaved, causal=causal,
                         softmax_scale=softmax_scale, window_size=(window_left, window_right),
                         softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
-                        cache_leftpad=cache_leftpad)
+                        cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale)
     choose_kvcache(spec, None)
+    # (the descales as the backends take them: the op's own when they are so already, as
+    # kvcache_attention makes them; a copy is no role of a plan, so such a call is not recorded)
+    kd, vd = (exact_descale(d, spec.attn.batch, spec.attn.nheads_k)
+              for d in (k_descale, v_descale))
     with plans.record() as rec:
         out, lse = _BACKEND.forward_kvcache(spec, q, k_cache, v_cache, k, v, cache_seqlens=lens,
                                             block_table=block_table, rotary_cos=rotary_cos,
                                             rotary_sin=rotary_sin, alibi_slopes=alibi_slopes,
-                                            cache_leftpad=cache_leftpad)
+                                            cache_leftpad=cache_leftpad, k_descale=kd,
+                                            v_descale=vd)
     if key is not None and cache_seqlens is not None:
         plans.remember(key, rec.plan(_roles(q=q, k=k_cache, v=v_cache, o=out, lse=lse,
                                             cache_seqlens=cache_seqlens, block_table=block_table,
                                             alibi_slopes=alibi_slopes,
-                                            cache_leftpad=cache_leftpad), q.device.index))
+                                            cache_leftpad=cache_leftpad, k_descale=k_descale,
+                                            v_descale=v_descale), q.device.index))
     return out, lse
 
 
@@ -246,10 +257,11 @@ def _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 
 def _kvcache_read_impl(q, k_cache, v_cache, cache_seqlens, cache_seqlens_int, block_table,
                        causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                       num_splits, cache_leftpad):
+                       num_splits, cache_leftpad, k_descale=None, v_descale=None):
     return _kvcache_impl(q, k_cache, v_cache, None, None, cache_seqlens, cache_seqlens_int,
                          block_table, None, None, False, causal, softmax_scale, window_left,
-                         window_right, softcap, alibi_slopes, num_splits, cache_leftpad)
+                         window_right, softcap, alibi_slopes, num_splits, cache_leftpad,
+                         k_descale, v_descale)
 
 
 def _ptr(t) -> int:
@@ -299,7 +311,7 @@ def _define_ops():
     def bwd_fake(dout, q, k, v, *_):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
-    def kvcache_fake(q, *_):
+    def kvcache_fake(q, *_, **__):      # (kvcache_read: k_descale, v_descale too)
         return q.new_empty(q.shape), q.new_empty(lse_shape(q.shape), dtype=torch.float32)
     torch.library.register_fake("flashcore::fwd", fwd_fake, lib=lib)
     torch.library.register_fake("flashcore::bwd", bwd_fake, lib=lib)
@@ -544,18 +556,28 @@ def _plain_options(q, varlen, causal, softmax_scale, window_size, softcap, deter
 def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
                       rotary_cos=None, rotary_sin=None, rotary_interleaved=False, causal=False,
                       softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                      num_splits=0, backend=None, cache_leftpad=None):
+                      num_splits=0, backend=None, cache_leftpad=None, k_descale=None,
+                      v_descale=None):
     """flashcore.attention_with_kvcache on torch tensors, through the ``flashcore::kvcache`` op,
     eagerly and under torch.compile alike. Plain option values and a tensor ``cache_seqlens``
     go to the op as they are (validated by the op's kernel when its layout is new, see
-    :func:`autograd_attention`); otherwise the call is validated here first."""
+    :func:`autograd_attention`); otherwise the call is validated here first. FP8 caches'
+    descales go to ``flashcore::kvcache_read`` (nothing is appended to an FP8 cache) as
+    contiguous float32 (batch, nheads_k) tensors."""
     import torch
     args = None
+    descaled = k_descale is not None or v_descale is not None
+    if descaled and isinstance(k_cache, torch.Tensor) and q.ndim == 4 and k_cache.ndim == 4:
+        from ..spec import exact_descale
+        k_descale, v_descale = (exact_descale(d, q.shape[0], k_cache.shape[2])
+                                for d in (k_descale, v_descale))
     if backend is None and not _compiling() and library_of(cache_seqlens) == "torch" \
             and type(rotary_interleaved) is bool and type(num_splits) is int and num_splits >= 0 \
             and (k is not None or (rotary_cos is None and rotary_sin is None)) \
+            and (k is None or not descaled) \
             and _tensors_or_none(torch, (k_cache, v_cache, k, v, block_table, rotary_cos,
-                                         rotary_sin, alibi_slopes, cache_leftpad),
+                                         rotary_sin, alibi_slopes, cache_leftpad, k_descale,
+                                         v_descale),
                                  False, None, None):
         sw = _plain_scale_window(q, causal, softmax_scale, window_size, softcap)
         if sw is not None:
@@ -568,7 +590,8 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, blo
                             rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
                             causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                             softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
-                            cache_leftpad=cache_leftpad)
+                            cache_leftpad=cache_leftpad, k_descale=k_descale,
+                            v_descale=v_descale)
         if not _compiling():
             choose_kvcache(spec, backend)
         a = spec.attn
@@ -586,7 +609,8 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, blo
         if k is None and v is None:
             return _OVERLOADS["kvcache_read"](q, k_cache, v_cache, lens, lens_int, block_table,
                                               causal, scale, left, right, cap, alibi_slopes,
-                                              splits, cache_leftpad)
+                                              splits, cache_leftpad,
+                                              *((k_descale, v_descale) if descaled else ()))
         return _OVERLOADS["kvcache"](q, k_cache, v_cache, k, v, lens, lens_int, block_table,
                                      rotary_cos, rotary_sin, interleaved, causal, scale, left,
                                      right, cap, alibi_slopes, splits, cache_leftpad)
