@@ -477,7 +477,7 @@ def test_decode_fused_combine_is_one_launch(paged, monkeypatch):
     arrays = _decode_arrays(rng, c)
     _decode(c, arrays)
     (name, grid, block, smem, raw), = _kernel_launches()
-    assert name.startswith("flash_decode_kernel<") and name.endswith("true>")   # Is_split
+    assert name.startswith("flash_decode_kernel<") and name.endswith("true, false>")   # Is_split, not FP8
     assert grid == (8, 1, 3)
     buf = decode._COUNTERS[(0, STREAM["ptr"])]
     assert buf.dtype == np.int32 and buf.size >= 8
@@ -496,7 +496,7 @@ def test_decode_fused_combine_is_one_launch(paged, monkeypatch):
         LOG.clear()
         _decode(dict(c, splits=1), arrays)
         (n, g, _, _, r), = _kernel_launches()
-        assert g == (8, 1, 1) and n.endswith("false>") and _word(r, _counter_word()) == 0
+        assert g == (8, 1, 1) and n.endswith("false, false>") and _word(r, _counter_word()) == 0
 
 
 def test_decode_counters_are_per_stream_and_replayed(monkeypatch):
@@ -593,7 +593,7 @@ def test_decode_cluster_merge_is_one_launch_without_scratch(paged, monkeypatch):
         LOG.clear()
         _decode(c, arrays)
         (name, grid, block, smem, raw), = _kernel_launches()
-        assert name.startswith("flash_decode_cluster_kernel<") and name.endswith(f", {splits}>")
+        assert name.startswith("flash_decode_cluster_kernel<") and name.endswith(f", {splits}, false>")
         assert grid == (8, 1, splits)
         assert _word(raw, _counter_word()) == 0, "no arrival counter"
         assert all(_word(raw, w) == 0 for w in _accum_words()), "no global partials"
@@ -672,7 +672,7 @@ def test_decode_cluster_refused_falls_back_to_the_global_merge(monkeypatch):
         assert _word(raw, _counter_word()) != 0, "the fused global merge, with its counters"
         assert LOG[-1][1] == 12
     refused = {n for dev, n in decode._CLUSTER_REFUSED if dev == 0}
-    assert len(refused) == 1 and next(iter(refused)).endswith(", 12>")
+    assert len(refused) == 1 and next(iter(refused)).endswith(", 12, false>")
     # another kernel (here: 8 splits) is not affected by that refusal ...
     status["code"] = 700      # ... and an error that is no refusal (an earlier fault) is raised
     with pytest.raises(driver.CUDADriverError):

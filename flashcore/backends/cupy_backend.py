@@ -68,27 +68,21 @@ def _decode_kernels_reason() -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
 def _decode_fp8_reason() -> str | None:
-    """None when the decoding kernels' launcher takes FP8 caches (its ``k_descale`` and
-    ``v_descale`` arguments), else why not (checked once)."""
-    import inspect
-    from ..kernels.decode import decode_launches
-    params = inspect.signature(decode_launches).parameters
-    if "k_descale" not in params or "v_descale" not in params:
-        return ("float8_e4m3fn (FP8) caches are not supported by these decode kernels "
-                "(flashcore.kernels.decode.decode_launches takes no k_descale/v_descale)")
+    """None when the current device's decode kernels take FP8 caches (compute capability 8.9
+    and newer convert e4m3 in hardware), else why not."""
+    import cupy
+    cc = int(cupy.cuda.Device().compute_capability)
+    if cc < 89:
+        return ("argument 'k_cache': float8_e4m3fn (FP8) caches are decoded on compute "
+                f"capability 8.9 or newer; this device has {cc / 10:.1f}")
     return None
 
 
-#: The head dims the decode kernels take over an FP8 cache (no zero-padding to a multiple of 8
-#: there: a padded copy of an FP8 cache would cost more than the 16-bit one it replaces).
-FP8_KVCACHE_HEADDIMS = (64, 128, 256)
-
-
 def _fp8_headdim_reason(spec) -> str | None:
-    if spec.fp8 and spec.attn.headdim not in FP8_KVCACHE_HEADDIMS:
-        return (f"argument 'k_cache': float8_e4m3fn caches take headdim 64, 128 or 256 on the "
+    from ..kernels.decode import FP8_HEADDIMS
+    if spec.fp8 and spec.attn.headdim not in FP8_HEADDIMS:
+        return (f"argument 'k_cache': float8_e4m3fn caches take headdim 128 or 256 on the "
                 f"CUDA kernels, got headdim {spec.attn.headdim}")
     return None
 
@@ -101,7 +95,7 @@ class CupyBackend(Backend):
     is_deterministic = False   # dQ is accumulated with atomics unless deterministic=True
     supports_kvcache = True    # when flashcore.kernels.decode imports (see the reasons)
     # FP8 caches: uint8 arrays holding float8_e4m3fn bits (CuPy has no float8 dtype), head dims
-    # FP8_KVCACHE_HEADDIMS
+    # flashcore.kernels.decode.FP8_HEADDIMS
     supports_fp8_kvcache = True
 
     def unavailable_reason(self):
@@ -235,7 +229,7 @@ class CupyBackend(Backend):
 
         FP8 caches (``spec.fp8``): uint8 arrays of float8_e4m3fn bits, read only, passed to
         the kernels as they are with ``k_descale``/``v_descale`` (None, or contiguous float32
-        (batch, nheads_k)); head dims 64, 128 and 256 only (never padded)."""
+        (batch, nheads_k)); head dims 128 and 256 only (never padded)."""
         import cupy
         a = spec.attn
         why = _fp8_headdim_reason(spec)

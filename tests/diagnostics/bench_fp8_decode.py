@@ -1,0 +1,61 @@
+"""Decoding over an FP8 (float8_e4m3fn) KV cache against the same call over a bfloat16 cache
+(issue #17: the goal is close to twice the tokens per second at one cache length).
+
+    python tests/diagnostics/bench_fp8_decode.py [--cells 1x4096,8x16384,...] [--splits 0,16,32]
+
+Through the public API, as a user calls it: ``flashcore.attention_with_kvcache`` on torch CUDA
+tensors (q bf16, one query token, GQA 32/8, head dim 128, full caches, ``cache_seqlens`` a CUDA
+int32 tensor, per-(batch, kv head) descales for the FP8 cache), timed by
+``flashcore.bench.gpu_time`` (CUDA events, L2 flushed, median). ``--splits``: the FP8 call also
+with these ``num_splits`` (0: flashcore's choice). Prints GPU time, the ratio bf16 / fp8 (the
+tokens/s ratio) and the FP8 cache's bytes per second.
+"""
+from __future__ import annotations
+
+import sys
+
+CELLS = ((1, 4096), (1, 16384), (1, 131072), (8, 4096), (8, 16384), (8, 131072),
+         (64, 4096), (64, 16384))
+
+
+def main(argv):
+    import torch
+    import flashcore
+    from flashcore.bench import gpu_time
+
+    cells = CELLS
+    splits = (0,)
+    if "--cells" in argv:
+        cells = tuple(tuple(int(x) for x in c.split("x"))
+                      for c in argv[argv.index("--cells") + 1].split(","))
+    if "--splits" in argv:
+        splits = tuple(int(x) for x in argv[argv.index("--splits") + 1].split(","))
+    h, hk, d = 32, 8, 128
+    print(f"# torch {torch.__version__}, {torch.cuda.get_device_name()}; GQA {h}/{hk}, d{d}, "
+          "q bf16; us per step (GPU time, L2 flushed)")
+    print("batch  cache | bf16 cache | " + " | ".join(f"fp8 splits={s or 'auto'} (ratio, TB/s)"
+                                                      for s in splits))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for b, sk in cells:
+        k16 = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        v16 = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        kd = torch.rand(b, hk, device="cuda", generator=g) + 0.5
+        vd = torch.rand(b, hk, device="cuda", generator=g) + 0.5
+        k8 = (k16 / kd[:, None, :, None]).to(torch.float8_e4m3fn)
+        v8 = (v16 / vd[:, None, :, None]).to(torch.float8_e4m3fn)
+        q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        lens = torch.full((b,), sk, device="cuda", dtype=torch.int32)
+        t16 = gpu_time(lambda: flashcore.attention_with_kvcache(q, k16, v16, cache_seqlens=lens))
+        cells_out = []
+        for s in splits:
+            t8 = gpu_time(lambda: flashcore.attention_with_kvcache(
+                q, k8, v8, cache_seqlens=lens, k_descale=kd, v_descale=vd, num_splits=s))
+            cells_out.append(f"{t8 * 1e6:8.1f} ({t16 / t8:4.2f}, {2 * b * sk * hk * d / t8 / 1e12:4.2f})")
+        print(f"{b:5d} {sk:6d} | {t16 * 1e6:10.1f} | " + " | ".join(cells_out), flush=True)
+        del k16, v16, k8, v8
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
