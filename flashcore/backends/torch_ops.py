@@ -119,17 +119,32 @@ def _fwd_impl(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, options, block_
     key = None
     cfg = config.get()
     if q.is_cuda and not cfg.debug:     # (debug mode validates every call)
-        key = ("fwd", layout(q), layout(k), layout(v), layout(alibi_slopes),
-               layout(cu_seqlens_q), layout(cu_seqlens_k), tuple(options), cfg,
-               layout(block_table), out_fp32, dropout_p, layout(rng_state))
+        # the key holds layout() of every tensor, q's, k's and v's written out: their addresses
+        # and q's shape and device are read once, for the key and the replay
+        pq, pk, pv, shape, device = q.data_ptr(), k.data_ptr(), v.data_ptr(), q.shape, q.device
+        key = ("fwd", (shape, q.stride(), q.dtype, device, pq & 15),
+               (k.shape, k.stride(), k.dtype, k.device, pk & 15),
+               (v.shape, v.stride(), v.dtype, v.device, pv & 15),
+               None if alibi_slopes is None else layout(alibi_slopes),
+               None if cu_seqlens_q is None else layout(cu_seqlens_q),
+               None if cu_seqlens_k is None else layout(cu_seqlens_k), tuple(options), cfg,
+               None if block_table is None else layout(block_table), out_fp32, dropout_p,
+               None if rng_state is None else layout(rng_state))
         plan = plans.lookup(key)
         if plan is not None:
-            out = _new_like(torch, q, torch.float32 if out_fp32 else None)
-            lse = q.new_empty(*lse_shape(q.shape, cu_seqlens_q is not None), dtype=torch.float32)
-            if replay(torch, plan, (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                                    lse.data_ptr(), _ptr(alibi_slopes), _ptr(cu_seqlens_q),
-                                    _ptr(cu_seqlens_k), _ptr(block_table), _ptr(rng_state)),
-                      q.device):
+            out = torch.empty_like(q, memory_format=torch.contiguous_format) if not out_fp32 \
+                else torch.empty_like(q, dtype=torch.float32,
+                                      memory_format=torch.contiguous_format)
+            # lse_shape(shape, varlen), its ints given one by one (the parser's fast case)
+            lse = q.new_empty(shape[0], shape[2], shape[1], dtype=torch.float32) \
+                if cu_seqlens_q is None else q.new_empty(shape[1], shape[0], dtype=torch.float32)
+            if replay(torch, plan, (
+                    pq, pk, pv, out.data_ptr(), lse.data_ptr(),
+                    0 if alibi_slopes is None else alibi_slopes.data_ptr(),
+                    0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
+                    0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
+                    0 if block_table is None else block_table.data_ptr(),
+                    0 if rng_state is None else rng_state.data_ptr()), device):
                 return out, lse
     spec = _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *_unpacked(options),
                       block_table=block_table, dropout_p=dropout_p, rng_state=rng_state)
@@ -153,17 +168,29 @@ def _bwd_impl(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
     key = None
     cfg = config.get()
     if q.is_cuda and not cfg.debug:     # (debug mode validates every call)
-        key = ("bwd", layout(dout), layout(q), layout(k), layout(v), layout(out), layout(lse),
-               layout(alibi_slopes), layout(cu_seqlens_q), layout(cu_seqlens_k),
-               tuple(options), cfg, dropout_p, layout(rng_state))
+        # layout() of every tensor, the six always given written out (as in _fwd_impl)
+        pdo, pq, pk, pv, po, pl = (dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                   out.data_ptr(), lse.data_ptr())
+        device = q.device
+        key = ("bwd", (dout.shape, dout.stride(), dout.dtype, dout.device, pdo & 15),
+               (q.shape, q.stride(), q.dtype, device, pq & 15),
+               (k.shape, k.stride(), k.dtype, k.device, pk & 15),
+               (v.shape, v.stride(), v.dtype, v.device, pv & 15),
+               (out.shape, out.stride(), out.dtype, out.device, po & 15),
+               (lse.shape, lse.stride(), lse.dtype, lse.device, pl & 15),
+               None if alibi_slopes is None else layout(alibi_slopes),
+               None if cu_seqlens_q is None else layout(cu_seqlens_q),
+               None if cu_seqlens_k is None else layout(cu_seqlens_k),
+               tuple(options), cfg, dropout_p, None if rng_state is None else layout(rng_state))
         plan = plans.lookup(key)
         if plan is not None:
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-            if replay(torch, plan, (dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                                    out.data_ptr(), lse.data_ptr(), dq.data_ptr(),
-                                    dk.data_ptr(), dv.data_ptr(), _ptr(alibi_slopes),
-                                    _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(rng_state)),
-                      q.device):
+            if replay(torch, plan, (
+                    pdo, pq, pk, pv, po, pl, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                    0 if alibi_slopes is None else alibi_slopes.data_ptr(),
+                    0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
+                    0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
+                    0 if rng_state is None else rng_state.data_ptr()), device):
                 return dq, dk, dv
     spec = _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *_unpacked(options),
                       (dout, out, lse), dropout_p=dropout_p, rng_state=rng_state)
