@@ -364,7 +364,11 @@ def _attention_function(torch, ops):
         @staticmethod
         def forward(ctx, call, *tensors):
             where, options, dropout_p = call
-            q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng = _roles_of(where, tensors)
+            if where is _DISTINCT_QKV:    # (the common case: _roles_of's answer, without it)
+                q, k, v = tensors
+                alibi_slopes = cu_seqlens_q = cu_seqlens_k = rng = None
+            else:
+                q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng = _roles_of(where, tensors)
             out, lse = fwd_op(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, options,
                               *((None, False, dropout_p, rng) if dropout_p else ()))
             ctx.save_for_backward(out, lse, *tensors)
@@ -445,11 +449,20 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
     opts = None
     dropout = not (type(dropout_p) is float and dropout_p == 0.0)
     compiling = torch.compiler.is_compiling()
-    if backend is None and not dropout and not compiling and _tensors_or_none(
-            torch, (k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table), varlen,
-            cu_seqlens_q, cu_seqlens_k):
-        opts = _plain_options(q, varlen, causal, softmax_scale, window_size, softcap,
-                              deterministic, max_seqlen_q, max_seqlen_k)
+    if backend is None and not dropout and not compiling:
+        if varlen is False and alibi_slopes is None and cu_seqlens_q is None \
+                and cu_seqlens_k is None and block_table is None \
+                and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
+            # (the common case, what _tensors_or_none and _plain_options answer, without
+            # their calls)
+            if type(deterministic) is bool and max_seqlen_q is None and max_seqlen_k is None:
+                sw = _plain_scale_window(q, causal, softmax_scale, window_size, softcap)
+                if sw is not None:
+                    opts = (0, 0, causal, *sw, deterministic)
+        elif _tensors_or_none(torch, (k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                                      block_table), varlen, cu_seqlens_q, cu_seqlens_k):
+            opts = _plain_options(q, varlen, causal, softmax_scale, window_size, softcap,
+                                  deterministic, max_seqlen_q, max_seqlen_k)
     if opts is None:
         spec = forward_spec(q, k, v, varlen=varlen, causal=causal, softmax_scale=softmax_scale,
                             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
