@@ -52,16 +52,19 @@ DOUBLE_BACKWARD_MESSAGE = (
 #  deterministic], ints and bools as floats (exact), the window already folded with `causal`
 # by flashcore.spec, -1 meaning unbounded. _unpacked() reads it back.
 _OPTIONS = "float[] options"
-# (block_table: varlen over a paged cache, forward only; out_fp32: the output in float32 for
-# 16-bit inputs, for partial results; last, with defaults, so that the autograd Function's
-# calls leave them out)
-_FWD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? alibi_slopes, Tensor? cu_seqlens_q, "
-               f"Tensor? cu_seqlens_k, {_OPTIONS}, Tensor? block_table=None, "
+# The options come right after the tensors every call has; every other argument follows, with
+# a default, and a call leaves out those it does not use (the dense call: fwd(q, k, v,
+# options), bwd(dout, q, k, v, out, lse, options)): each argument given costs the dispatcher,
+# None too (stubbed: ~0.3 us a call for the three optional tensors). (block_table: varlen over
+# a paged cache, forward only; out_fp32: the output in float32 for 16-bit inputs, for partial
+# results.)
+_FWD_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, {_OPTIONS}, Tensor? alibi_slopes=None, "
+               "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, Tensor? block_table=None, "
                "bool out_fp32=False, float dropout_p=0.0, Tensor? rng_state=None) "
                "-> (Tensor, Tensor)")
 _BWD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-               "Tensor? alibi_slopes, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
-               f"{_OPTIONS}, float dropout_p=0.0, Tensor? rng_state=None) "
+               f"{_OPTIONS}, Tensor? alibi_slopes=None, Tensor? cu_seqlens_q=None, "
+               "Tensor? cu_seqlens_k=None, float dropout_p=0.0, Tensor? rng_state=None) "
                "-> (Tensor, Tensor, Tensor)")
 
 
@@ -113,8 +116,8 @@ def _unpacked(options) -> tuple:
     return int(ms_q), int(ms_k), bool(causal), scale, int(left), int(right), cap, bool(det)
 
 
-def _fwd_impl(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, options, block_table=None,
-              out_fp32=False, dropout_p=0.0, rng_state=None):
+def _fwd_impl(q, k, v, options, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              block_table=None, out_fp32=False, dropout_p=0.0, rng_state=None):
     import torch
     key = None
     cfg = config.get()
@@ -162,8 +165,8 @@ def _fwd_impl(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, options, block_
     return out, lse
 
 
-def _bwd_impl(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, options,
-              dropout_p=0.0, rng_state=None):
+def _bwd_impl(dout, q, k, v, out, lse, options, alibi_slopes=None, cu_seqlens_q=None,
+              cu_seqlens_k=None, dropout_p=0.0, rng_state=None):
     import torch
     key = None
     cfg = config.get()
@@ -314,10 +317,8 @@ def _define_ops():
         for key in ("CPU", "CUDA"):
             lib.impl(name, impl, key)
 
-    def fwd_fake(q, k, v, alibi_slopes, cu_seqlens_q, *args, block_table=None, out_fp32=False,
-                 **_):
-        if len(args) > 3:      # (given positionally: cu_seqlens_k, options, block_table, out_fp32)
-            out_fp32 = args[3]
+    def fwd_fake(q, k, v, options, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                 block_table=None, out_fp32=False, dropout_p=0.0, rng_state=None):
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         fp32 = out_fp32 and q.dtype in (torch.float16, torch.bfloat16)
         return (q.new_empty(q.shape, dtype=torch.float32) if fp32 else q.new_empty(q.shape),
@@ -364,13 +365,13 @@ def _attention_function(torch, ops):
         @staticmethod
         def forward(ctx, call, *tensors):
             where, options, dropout_p = call
-            if where is _DISTINCT_QKV:    # (the common case: _roles_of's answer, without it)
-                q, k, v = tensors
-                alibi_slopes = cu_seqlens_q = cu_seqlens_k = rng = None
+            if where is _DISTINCT_QKV:    # (the common case: _roles_of's answer, without it;
+                q, k, v = tensors         # no optional tensor, no dropout)
+                out, lse = fwd_op(q, k, v, options)
             else:
                 q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng = _roles_of(where, tensors)
-            out, lse = fwd_op(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, options,
-                              *((None, False, dropout_p, rng) if dropout_p else ()))
+                out, lse = fwd_op(q, k, v, options, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                                  *((None, False, dropout_p, rng) if dropout_p else ()))
             ctx.save_for_backward(out, lse, *tensors)
             ctx.call = call
             ctx.mark_non_differentiable(lse)
@@ -390,8 +391,13 @@ def _attention_function(torch, ops):
             # anything (an expanded scalar from .sum() has stride 0 everywhere).
             if dout.stride(-1) != 1 and dout.shape[-1] > 1:
                 dout = dout.contiguous()
-            dq, dk, dv = bwd_op(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q,
-                                cu_seqlens_k, options, *((dropout_p, rng) if dropout_p else ()))
+            if dropout_p or alibi_slopes is not None or cu_seqlens_q is not None \
+                    or cu_seqlens_k is not None:
+                dq, dk, dv = bwd_op(dout, q, k, v, out, lse, options, alibi_slopes,
+                                    cu_seqlens_q, cu_seqlens_k,
+                                    *((dropout_p, rng) if dropout_p else ()))
+            else:       # (the dense call: the defaults left out)
+                dq, dk, dv = bwd_op(dout, q, k, v, out, lse, options)
             if torch.is_grad_enabled():      # create_graph=True: refuse when differentiated
                 dq, dk, dv = NoSecondDerivative.apply(dout, q, k, v, dq, dk, dv)
             if where is _DISTINCT_QKV:
@@ -479,15 +485,17 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
     torch_ops()
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (None, None)
     if block_table is not None:      # forward only: a backward through it raises
-        out, lse = _OVERLOADS["fwd"](q, k, v, alibi_slopes, cu_q, cu_k, opts, block_table)
+        out, lse = _OVERLOADS["fwd"](q, k, v, opts, alibi_slopes, cu_q, cu_k, block_table)
         if _needs_grad(q, k, v):
             out = _FUNCTION[1].apply(out, q, k, v)
         return out, lse
     rng = rng_state if dropout_p else None
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         # nothing to differentiate: the op alone (what autograd would run)
-        return _OVERLOADS["fwd"](q, k, v, alibi_slopes, cu_q, cu_k, opts,
-                                 *((None, False, dropout_p, rng) if dropout_p else ()))
+        if dropout_p or alibi_slopes is not None or cu_q is not None or cu_k is not None:
+            return _OVERLOADS["fwd"](q, k, v, opts, alibi_slopes, cu_q, cu_k,
+                                     *((None, False, dropout_p, rng) if dropout_p else ()))
+        return _OVERLOADS["fwd"](q, k, v, opts)     # (the dense call: the defaults left out)
     if alibi_slopes is None and cu_q is None and rng is None and k is not q and v is not q \
             and v is not k:
         return _FUNCTION[0].apply((_DISTINCT_QKV, opts, 0.0), q, k, v)   # (the common case)
@@ -676,8 +684,8 @@ def _explicit(kind, tensors, backend, varlen, kw):
     tail = ((kw.get("block_table"), fp32) + drop) if kind == "fwd" else drop
     torch_ops()
     with torch.no_grad():
-        return _OVERLOADS[kind](*tensors, args["alibi_slopes"], args["cu_seqlens_q"],
-                                args["cu_seqlens_k"], opts, *tail)
+        return _OVERLOADS[kind](*tensors, opts, args["alibi_slopes"], args["cu_seqlens_q"],
+                                args["cu_seqlens_k"], *tail)
 
 
 def _compiling() -> bool:
