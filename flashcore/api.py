@@ -293,15 +293,19 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     See :mod:`flashcore.dropout`. FP8 inputs and their descales: see :func:`attention_forward`.
     """
     return_lse = as_flag("return_lse", return_lse)
-    drop = _dropout_kw(dropout_p, rng_state, q)
-    fp8 = _descale_kw(q, k, v, q_descale, k_descale, v_descale)
+    # (no dropout, no descales, the common case: _dropout_kw's and _descale_kw's {} without
+    # their calls)
+    drop = {} if type(dropout_p) is float and dropout_p == 0 and rng_state is None else \
+        _dropout_kw(dropout_p, rng_state, q)
+    fp8 = {} if q_descale is None and k_descale is None and v_descale is None else \
+        _descale_kw(q, k, v, q_descale, k_descale, v_descale)
     if library_of(q) == "torch":    # validated once, inside (this path is per-call overhead)
         # (dropout's arguments named, not **drop: an empty ** costs a call about 0.3 us)
         out, lse = torch_ops.autograd_attention(
             q, k, v, backend=backend, causal=causal, softmax_scale=softmax_scale,
             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-            deterministic=deterministic, dropout_p=drop.get("dropout_p", 0.0),
-            rng_state=drop.get("rng_state"))
+            deterministic=deterministic, dropout_p=drop["dropout_p"] if drop else 0.0,
+            rng_state=drop["rng_state"] if drop else None)
     else:
         out, lse = _forward(q, k, v, backend, False, causal=causal, softmax_scale=softmax_scale,
                             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,

@@ -217,11 +217,11 @@ def test_opcheck_forward_and_backward():
     # flash-attn): checked with inputs that do not require grad
     ops = torch_ops()
     q, k, v = _qkv(dtype=torch.float32, requires_grad=False)
-    fwd_args = (q, k, v, None, None, None, [0, 0, True, 0.3, -1, 0, 0.0, False])
+    fwd_args = (q, k, v, [0, 0, True, 0.3, -1, 0, 0.0, False])
     torch.library.opcheck(ops.fwd.default, fwd_args)
     out, lse = ops.fwd(*fwd_args)
     bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse,
-                None, None, None, [0, 0, True, 0.3, -1, 0, 0.0, False])
+                [0, 0, True, 0.3, -1, 0, 0.0, False])
     torch.library.opcheck(ops.bwd.default, bwd_args)
 
 
@@ -231,8 +231,8 @@ def test_opcheck_varlen_with_alibi_window_softcap():
     q = torch.randn(7, 4, 8)
     k = torch.randn(7, 2, 8)
     v = torch.randn(7, 2, 8)
-    torch.library.opcheck(ops.fwd.default, (q, k, v, torch.rand(4), cu, cu,
-                                            [4, 4, True, 0.35, 2, 0, 3.0, False]))
+    torch.library.opcheck(ops.fwd.default, (q, k, v, [4, 4, True, 0.35, 2, 0, 3.0, False],
+                                            torch.rand(4), cu, cu))
 
 
 def test_torch_compile_fullgraph_matches_eager():

@@ -359,7 +359,9 @@ def replay(torch, plan, pointers, device) -> bool:
     context is not the plan's, or the stream has no split counters yet: run in full then."""
     if current_context() != plan.context:
         return False
-    stream = _raw_stream(torch)(device.index)
+    stream = (_RAW[0] if _RAW else _raw_stream(torch))(device.index)
+    if not plan.scratch_bytes:      # (no allocator to make)
+        return plan.run(pointers, stream, None) is not None
 
     def alloc(nbytes):     # (sizes as ints, not tuples: torch's argument parser is faster)
         t = torch.empty(nbytes, dtype=torch.uint8, device=device)

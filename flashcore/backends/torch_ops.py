@@ -52,16 +52,19 @@ DOUBLE_BACKWARD_MESSAGE = (
 #  deterministic], ints and bools as floats (exact), the window already folded with `causal`
 # by flashcore.spec, -1 meaning unbounded. _unpacked() reads it back.
 _OPTIONS = "float[] options"
-# (block_table: varlen over a paged cache, forward only; out_fp32: the output in float32 for
-# 16-bit inputs, for partial results; last, with defaults, so that the autograd Function's
-# calls leave them out)
-_FWD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? alibi_slopes, Tensor? cu_seqlens_q, "
-               f"Tensor? cu_seqlens_k, {_OPTIONS}, Tensor? block_table=None, "
+# The options come right after the tensors every call has; every other argument follows, with
+# a default, and a call leaves out those it does not use (the dense call: fwd(q, k, v,
+# options), bwd(dout, q, k, v, out, lse, options)): each argument given costs the dispatcher,
+# None too (stubbed: ~0.3 us a call for the three optional tensors). (block_table: varlen over
+# a paged cache, forward only; out_fp32: the output in float32 for 16-bit inputs, for partial
+# results.)
+_FWD_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, {_OPTIONS}, Tensor? alibi_slopes=None, "
+               "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, Tensor? block_table=None, "
                "bool out_fp32=False, float dropout_p=0.0, Tensor? rng_state=None) "
                "-> (Tensor, Tensor)")
 _BWD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-               "Tensor? alibi_slopes, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
-               f"{_OPTIONS}, float dropout_p=0.0, Tensor? rng_state=None) "
+               f"{_OPTIONS}, Tensor? alibi_slopes=None, Tensor? cu_seqlens_q=None, "
+               "Tensor? cu_seqlens_k=None, float dropout_p=0.0, Tensor? rng_state=None) "
                "-> (Tensor, Tensor, Tensor)")
 
 
@@ -116,23 +119,38 @@ def _unpacked(options) -> tuple:
     return int(ms_q), int(ms_k), bool(causal), scale, int(left), int(right), cap, bool(det)
 
 
-def _fwd_impl(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, options, block_table=None,
-              out_fp32=False, dropout_p=0.0, rng_state=None):
+def _fwd_impl(q, k, v, options, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              block_table=None, out_fp32=False, dropout_p=0.0, rng_state=None):
     import torch
     key = None
     cfg = config.get()
     if q.is_cuda and not cfg.debug:     # (debug mode validates every call)
-        key = ("fwd", layout(q), layout(k), layout(v), layout(alibi_slopes),
-               layout(cu_seqlens_q), layout(cu_seqlens_k), tuple(options), cfg,
-               layout(block_table), out_fp32, dropout_p, layout(rng_state))
+        # the key holds layout() of every tensor, q's, k's and v's written out: their addresses
+        # and q's shape and device are read once, for the key and the replay
+        pq, pk, pv, shape, device = q.data_ptr(), k.data_ptr(), v.data_ptr(), q.shape, q.device
+        key = ("fwd", (shape, q.stride(), q.dtype, device, pq & 15),
+               (k.shape, k.stride(), k.dtype, k.device, pk & 15),
+               (v.shape, v.stride(), v.dtype, v.device, pv & 15),
+               None if alibi_slopes is None else layout(alibi_slopes),
+               None if cu_seqlens_q is None else layout(cu_seqlens_q),
+               None if cu_seqlens_k is None else layout(cu_seqlens_k), tuple(options), cfg,
+               None if block_table is None else layout(block_table), out_fp32, dropout_p,
+               None if rng_state is None else layout(rng_state))
         plan = plans.lookup(key)
         if plan is not None:
-            out = _new_like(torch, q, torch.float32 if out_fp32 else None)
-            lse = q.new_empty(*lse_shape(q.shape, cu_seqlens_q is not None), dtype=torch.float32)
-            if replay(torch, plan, (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                                    lse.data_ptr(), _ptr(alibi_slopes), _ptr(cu_seqlens_q),
-                                    _ptr(cu_seqlens_k), _ptr(block_table), _ptr(rng_state)),
-                      q.device):
+            out = torch.empty_like(q, memory_format=torch.contiguous_format) if not out_fp32 \
+                else torch.empty_like(q, dtype=torch.float32,
+                                      memory_format=torch.contiguous_format)
+            # lse_shape(shape, varlen), its ints given one by one (the parser's fast case)
+            lse = q.new_empty(shape[0], shape[2], shape[1], dtype=torch.float32) \
+                if cu_seqlens_q is None else q.new_empty(shape[1], shape[0], dtype=torch.float32)
+            if replay(torch, plan, (
+                    pq, pk, pv, out.data_ptr(), lse.data_ptr(),
+                    0 if alibi_slopes is None else alibi_slopes.data_ptr(),
+                    0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
+                    0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
+                    0 if block_table is None else block_table.data_ptr(),
+                    0 if rng_state is None else rng_state.data_ptr()), device):
                 return out, lse
     spec = _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *_unpacked(options),
                       block_table=block_table, dropout_p=dropout_p, rng_state=rng_state)
@@ -150,23 +168,35 @@ def _fwd_impl(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, options, block_
     return out, lse
 
 
-def _bwd_impl(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, options,
-              dropout_p=0.0, rng_state=None):
+def _bwd_impl(dout, q, k, v, out, lse, options, alibi_slopes=None, cu_seqlens_q=None,
+              cu_seqlens_k=None, dropout_p=0.0, rng_state=None):
     import torch
     key = None
     cfg = config.get()
     if q.is_cuda and not cfg.debug:     # (debug mode validates every call)
-        key = ("bwd", layout(dout), layout(q), layout(k), layout(v), layout(out), layout(lse),
-               layout(alibi_slopes), layout(cu_seqlens_q), layout(cu_seqlens_k),
-               tuple(options), cfg, dropout_p, layout(rng_state))
+        # layout() of every tensor, the six always given written out (as in _fwd_impl)
+        pdo, pq, pk, pv, po, pl = (dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                   out.data_ptr(), lse.data_ptr())
+        device = q.device
+        key = ("bwd", (dout.shape, dout.stride(), dout.dtype, dout.device, pdo & 15),
+               (q.shape, q.stride(), q.dtype, device, pq & 15),
+               (k.shape, k.stride(), k.dtype, k.device, pk & 15),
+               (v.shape, v.stride(), v.dtype, v.device, pv & 15),
+               (out.shape, out.stride(), out.dtype, out.device, po & 15),
+               (lse.shape, lse.stride(), lse.dtype, lse.device, pl & 15),
+               None if alibi_slopes is None else layout(alibi_slopes),
+               None if cu_seqlens_q is None else layout(cu_seqlens_q),
+               None if cu_seqlens_k is None else layout(cu_seqlens_k),
+               tuple(options), cfg, dropout_p, None if rng_state is None else layout(rng_state))
         plan = plans.lookup(key)
         if plan is not None:
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-            if replay(torch, plan, (dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                                    out.data_ptr(), lse.data_ptr(), dq.data_ptr(),
-                                    dk.data_ptr(), dv.data_ptr(), _ptr(alibi_slopes),
-                                    _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(rng_state)),
-                      q.device):
+            if replay(torch, plan, (
+                    pdo, pq, pk, pv, po, pl, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                    0 if alibi_slopes is None else alibi_slopes.data_ptr(),
+                    0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
+                    0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
+                    0 if rng_state is None else rng_state.data_ptr()), device):
                 return dq, dk, dv
     spec = _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *_unpacked(options),
                       (dout, out, lse), dropout_p=dropout_p, rng_state=rng_state)
@@ -299,10 +329,8 @@ def _define_ops():
         for key in ("CPU", "CUDA"):
             lib.impl(name, impl, key)
 
-    def fwd_fake(q, k, v, alibi_slopes, cu_seqlens_q, *args, block_table=None, out_fp32=False,
-                 **_):
-        if len(args) > 3:      # (given positionally: cu_seqlens_k, options, block_table, out_fp32)
-            out_fp32 = args[3]
+    def fwd_fake(q, k, v, options, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                 block_table=None, out_fp32=False, dropout_p=0.0, rng_state=None):
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         fp32 = out_fp32 and q.dtype in (torch.float16, torch.bfloat16)
         return (q.new_empty(q.shape, dtype=torch.float32) if fp32 else q.new_empty(q.shape),
@@ -349,9 +377,13 @@ def _attention_function(torch, ops):
         @staticmethod
         def forward(ctx, call, *tensors):
             where, options, dropout_p = call
-            q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng = _roles_of(where, tensors)
-            out, lse = fwd_op(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, options,
-                              *((None, False, dropout_p, rng) if dropout_p else ()))
+            if where is _DISTINCT_QKV:    # (the common case: _roles_of's answer, without it;
+                q, k, v = tensors         # no optional tensor, no dropout)
+                out, lse = fwd_op(q, k, v, options)
+            else:
+                q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng = _roles_of(where, tensors)
+                out, lse = fwd_op(q, k, v, options, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                                  *((None, False, dropout_p, rng) if dropout_p else ()))
             ctx.save_for_backward(out, lse, *tensors)
             ctx.call = call
             ctx.mark_non_differentiable(lse)
@@ -371,8 +403,13 @@ def _attention_function(torch, ops):
             # anything (an expanded scalar from .sum() has stride 0 everywhere).
             if dout.stride(-1) != 1 and dout.shape[-1] > 1:
                 dout = dout.contiguous()
-            dq, dk, dv = bwd_op(dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q,
-                                cu_seqlens_k, options, *((dropout_p, rng) if dropout_p else ()))
+            if dropout_p or alibi_slopes is not None or cu_seqlens_q is not None \
+                    or cu_seqlens_k is not None:
+                dq, dk, dv = bwd_op(dout, q, k, v, out, lse, options, alibi_slopes,
+                                    cu_seqlens_q, cu_seqlens_k,
+                                    *((dropout_p, rng) if dropout_p else ()))
+            else:       # (the dense call: the defaults left out)
+                dq, dk, dv = bwd_op(dout, q, k, v, out, lse, options)
             if torch.is_grad_enabled():      # create_graph=True: refuse when differentiated
                 dq, dk, dv = NoSecondDerivative.apply(dout, q, k, v, dq, dk, dv)
             if where is _DISTINCT_QKV:
@@ -430,11 +467,20 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
     opts = None
     dropout = not (type(dropout_p) is float and dropout_p == 0.0)
     compiling = torch.compiler.is_compiling()
-    if backend is None and not dropout and not compiling and _tensors_or_none(
-            torch, (k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table), varlen,
-            cu_seqlens_q, cu_seqlens_k):
-        opts = _plain_options(q, varlen, causal, softmax_scale, window_size, softcap,
-                              deterministic, max_seqlen_q, max_seqlen_k)
+    if backend is None and not dropout and not compiling:
+        if varlen is False and alibi_slopes is None and cu_seqlens_q is None \
+                and cu_seqlens_k is None and block_table is None \
+                and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
+            # (the common case, what _tensors_or_none and _plain_options answer, without
+            # their calls)
+            if type(deterministic) is bool and max_seqlen_q is None and max_seqlen_k is None:
+                sw = _plain_scale_window(q, causal, softmax_scale, window_size, softcap)
+                if sw is not None:
+                    opts = (0, 0, causal, *sw, deterministic)
+        elif _tensors_or_none(torch, (k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                                      block_table), varlen, cu_seqlens_q, cu_seqlens_k):
+            opts = _plain_options(q, varlen, causal, softmax_scale, window_size, softcap,
+                                  deterministic, max_seqlen_q, max_seqlen_k)
     if opts is None:
         spec = forward_spec(q, k, v, varlen=varlen, causal=causal, softmax_scale=softmax_scale,
                             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -451,15 +497,17 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
     torch_ops()
     cu_q, cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (None, None)
     if block_table is not None:      # forward only: a backward through it raises
-        out, lse = _OVERLOADS["fwd"](q, k, v, alibi_slopes, cu_q, cu_k, opts, block_table)
+        out, lse = _OVERLOADS["fwd"](q, k, v, opts, alibi_slopes, cu_q, cu_k, block_table)
         if _needs_grad(q, k, v):
             out = _FUNCTION[1].apply(out, q, k, v)
         return out, lse
     rng = rng_state if dropout_p else None
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         # nothing to differentiate: the op alone (what autograd would run)
-        return _OVERLOADS["fwd"](q, k, v, alibi_slopes, cu_q, cu_k, opts,
-                                 *((None, False, dropout_p, rng) if dropout_p else ()))
+        if dropout_p or alibi_slopes is not None or cu_q is not None or cu_k is not None:
+            return _OVERLOADS["fwd"](q, k, v, opts, alibi_slopes, cu_q, cu_k,
+                                     *((None, False, dropout_p, rng) if dropout_p else ()))
+        return _OVERLOADS["fwd"](q, k, v, opts)     # (the dense call: the defaults left out)
     if alibi_slopes is None and cu_q is None and rng is None and k is not q and v is not q \
             and v is not k:
         return _FUNCTION[0].apply((_DISTINCT_QKV, opts, 0.0), q, k, v)   # (the common case)
@@ -660,8 +708,8 @@ def _explicit(kind, tensors, backend, varlen, kw):
     tail = ((kw.get("block_table"), fp32) + drop) if kind == "fwd" else drop
     torch_ops()
     with torch.no_grad():
-        return _OVERLOADS[kind](*tensors, args["alibi_slopes"], args["cu_seqlens_q"],
-                                args["cu_seqlens_k"], opts, *tail)
+        return _OVERLOADS[kind](*tensors, opts, args["alibi_slopes"], args["cu_seqlens_q"],
+                                args["cu_seqlens_k"], *tail)
 
 
 def _compiling() -> bool:

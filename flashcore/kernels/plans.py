@@ -23,6 +23,7 @@ its own scratch or its stream's split counters, offers nothing. A call that offe
 from __future__ import annotations
 
 import ctypes
+import operator
 import struct
 import threading
 
@@ -59,7 +60,7 @@ def clear() -> None:
 def lookup(key):
     """The plan recorded under ``key``, or None (also when its kernels were since unloaded)."""
     plan = PLANS.get(key)
-    if plan is not None and plan.generation != jit.generation():
+    if plan is not None and plan.generation != jit._GENERATION[0]:    # (jit.generation())
         return None
     return plan
 
@@ -171,14 +172,16 @@ def _pointer_fields():
 
 
 class Plan:
-    """A recorded call: for each launcher piece, the struct's bytes and where its addresses go
-    (``slots`` [(byte offset, role index)], ``scratch`` [(byte offset, offset in the call's one
-    scratch buffer)], ``counter`` (byte offset, groups, lookup) or None, ``maps`` [(role index,
-    MapSpec)] or None), and its launches [(CUfunction, grid, block, shared_mem)];
-    ``scratch_bytes``: that buffer's size (one allocation a call)."""
+    """A recorded call: for each launcher piece, the bytes of its ``cuLaunchKernel``
+    kernelParams (one word, the struct's address, or two with the tensor maps') followed by the
+    struct's, and where its addresses go (the pointer slots as :func:`_runs` packs them,
+    ``scratch`` [(byte offset, offset in the call's one scratch buffer)], ``counter`` (byte
+    offset, groups, lookup) or None, ``maps`` [(role index, MapSpec)] or None), and its launches
+    [(CUfunction, gx, gy, gz, bx, by, bz, shared_mem)]; ``scratch_bytes``: that buffer's size
+    (one allocation a call); ``counters``: whether any piece takes split counters."""
 
     __slots__ = ("generation", "device_id", "context", "groups", "result", "kernels",
-                 "scratch_bytes")
+                 "scratch_bytes", "counters")
 
     @classmethod
     def build(cls, pieces, roles, device_id, result=None, generation=None):
@@ -215,10 +218,15 @@ class Plan:
                         return None
                     maps.append((index[name], spec))
                 maps = tuple(maps)
-            launches = tuple((int(k.kernel.ptr), g, b, s) for k, g, b, s in p.launches)
-            raw = p.params.tobytes()
-            groups.append((ctypes.c_char * len(raw), raw, tuple(slots), tuple(scratch), counter,
-                           launches, maps))
+            launches = tuple((int(k.kernel.ptr), *g, *b, s) for k, g, b, s in p.launches)
+            head = 8 if maps is None else 16      # kernelParams before the struct (see run)
+            raw = bytes(head) + p.params.tobytes()
+            if counter is not None:
+                counter = (head + counter[0], *counter[1:])
+            (first, get), *more = _runs(raw, head, slots)
+            groups.append((ctypes.c_char * len(raw), raw, first, get, tuple(more),
+                           tuple((head + off, rel) for off, rel in scratch), counter, launches,
+                           maps))
         plan = cls()
         plan.generation = jit.generation() if generation is None else generation
         # the kernel objects own their modules: kept, so the CUfunctions stay loaded
@@ -228,6 +236,7 @@ class Plan:
         with cupy.cuda.Device(device_id):     # the context the kernels were loaded in
             plan.context = int(driver.ctxGetCurrent())
         plan.groups = tuple(groups)
+        plan.counters = any(g[6] is not None for g in groups)
         plan.scratch_bytes = scratch_bytes
         plan.result = result
         return plan
@@ -238,48 +247,83 @@ class Plan:
         owners (keep them until the launches are queued: both allocators free in stream
         order), or None, launching nothing, when the stream has no split counters yet (the
         caller then runs the call in full, which makes them)."""
-        launch_kernel = _launch_kernel()
-        addrs = []
-        for g in self.groups:
-            if g[4] is not None:
-                a = g[4][2](self.device_id, stream, g[4][1])
-                if a is None:
-                    return None
-                addrs.append(a)
-            else:
-                addrs.append(0)
+        launch_kernel = _LAUNCH[0] if len(_LAUNCH) > 1 else _launch_kernel()
+        addrs = None
+        if self.counters:       # (all looked up before anything is launched)
+            addrs = []
+            for g in self.groups:
+                if g[6] is not None:
+                    a = g[6][2](self.device_id, stream, g[6][1])
+                    if a is None:
+                        return None
+                    addrs.append(a)
         keep = []
         base = 0
         if self.scratch_bytes:
             owner, base = alloc(self.scratch_bytes)
             keep.append(owner)
         pack = _WORD.pack_into
-        for (buftype, template, slots, scratch, counter, launches, maps), caddr in zip(
-                self.groups, addrs):
-            arg = buftype.from_buffer_copy(template)      # this call's struct
-            for off, i in slots:
-                pack(arg, off, pointers[i])
-            for off, rel in scratch:
-                pack(arg, off, base + rel)
-            if counter is not None:
-                pack(arg, counter[0], caddr)
-            if maps is None:
-                argv = _ONE_POINTER(ctypes.addressof(arg))    # (kept alive until launched)
-            else:
+        for buftype, template, first, get, more, scratch, counter, launches, maps in self.groups:
+            arg = buftype.from_buffer_copy(template)      # this call's kernelParams and struct
+            params = ctypes.addressof(arg)
+            if maps is None:        # kernelParams [the struct's address], then the struct
+                first.pack_into(arg, 0, params + 8, *get(pointers))
+            else:                   # ... [the struct's, the tensor maps'] (m kept alive too)
                 m = Maps(len(maps))
                 for j, (i, spec) in enumerate(maps):
                     if not m.encode(j, spec, pointers[i]):
                         raise RuntimeError("flashcore: the driver refused a tensor map that it "
                                            "encoded for the same layout before")
-                argv = _TWO_POINTERS(ctypes.addressof(arg), m.address)   # (m kept alive too)
-            params = ctypes.addressof(argv)
-            for func, (gx, gy, gz), (bx, by, bz), smem in launches:
-                launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, params, 0)
+                first.pack_into(arg, 0, params + 16, m.address, *get(pointers))
+            for st, off, get in more:
+                st.pack_into(arg, off, *get(pointers))
+            for off, rel in scratch:
+                pack(arg, off, base + rel)
+            if counter is not None:
+                pack(arg, counter[0], addrs.pop(0))
+            for launch in launches:
+                launch_kernel(*launch, stream, params, 0)
         return keep
 
 
-_ONE_POINTER = ctypes.c_void_p * 1     # cuLaunchKernel's kernelParams: one pointer, the struct's
-_TWO_POINTERS = ctypes.c_void_p * 2    # ... the struct's and the tensor maps'
+def _runs(raw: bytes, head: int, slots) -> tuple:
+    """How :meth:`Plan.run` writes a call's addresses into a copy of ``raw`` (the kernelParams
+    words, ``head`` bytes, then the struct): runs of 8-byte words, each one ``struct.Struct``
+    (what lies between two words of a run is zero in ``raw``: padding keeps it so) and a getter
+    of its addresses from the call's pointers. The first run starts at byte 0 with the
+    kernelParams words (given apart: run's own addresses), then the pointer slots that follow
+    them; ``((Struct, getter), (Struct, offset, getter), ...)``."""
+    slots = sorted((head + off, i) for off, i in slots)
+    groups = [[0, head, []]]          # [start, end, role indices]
+    for off, i in slots:
+        g = groups[-1]
+        if off >= g[1] and not any(raw[g[1]:off]):
+            g[2].append((off - g[1], i))
+            g[1] = off + 8
+        else:
+            groups.append([off, off + 8, [(0, i)]])
+    runs = []
+    for start, _end, members in groups:
+        fmt = "<" + "Q" * ((head // 8) if start == 0 else 0)
+        for gap, _i in members:
+            fmt += f"{gap}xQ" if gap else "Q"
+        st = struct.Struct(fmt)
+        idx = tuple(i for _gap, i in members)
+        get = _getter(idx)
+        runs.append((st, get) if start == 0 else (st, start, get))
+    return tuple(runs)
+
+
+def _getter(idx):
+    """``pointers -> tuple(pointers[i] for i in idx)`` in one C call where it can be."""
+    if len(idx) > 1:
+        return operator.itemgetter(*idx)
+    if idx:
+        i = idx[0]
+        return lambda pointers: (pointers[i],)
+    return lambda pointers: ()
+
+
 _LAUNCH: list = []      # [cuLaunchKernel, cuCtxGetCurrent] (CuPy's driver bindings)
 
 

@@ -158,7 +158,7 @@ def cases(device):
     scale = 1 / math.sqrt(SHAPE[-1])
     opts = (0, 0, True, scale, -1, 0, 0.0, False)
     with torch.no_grad():
-        o, lse = ops.fwd.default(q, k, v, None, None, None, opts)
+        o, lse = ops.fwd.default(q, k, v, opts)
 
     def fc_fwd():
         with torch.no_grad():
@@ -203,11 +203,11 @@ def cases(device):
 
     def op_fwd():
         with torch.no_grad():
-            fwd_op(q, k, v, None, None, None, opts)
+            fwd_op(q, k, v, opts)
 
     def op_bwd():
         with torch.no_grad():
-            bwd_op(do, q, k, v, o, lse, None, None, None, opts)
+            bwd_op(do, q, k, v, o, lse, opts)
 
     return {"fc_fwd": fc_fwd, "sdpa_fwd": sdpa_fwd, "sdpa1_fwd": sdpa1_fwd,
             "fc_fwd_grad": fc_fwd_grad, "nothing_fwd_grad": nothing_fwd_grad,
