@@ -2,13 +2,15 @@
 (issue #17: the goal is close to twice the tokens per second at one cache length).
 
     python tests/diagnostics/bench_fp8_decode.py [--cells 1x4096,8x16384,...] [--splits 0,16,32]
+                                                 [--paged PAGE_SIZE]
 
 Through the public API, as a user calls it: ``flashcore.attention_with_kvcache`` on torch CUDA
 tensors (q bf16, one query token, GQA 32/8, head dim 128, full caches, ``cache_seqlens`` a CUDA
 int32 tensor, per-(batch, kv head) descales for the FP8 cache), timed by
 ``flashcore.bench.gpu_time`` (CUDA events, L2 flushed, median). ``--splits``: the FP8 call also
 with these ``num_splits`` (0: flashcore's choice). Prints GPU time, the ratio bf16 / fp8 (the
-tokens/s ratio) and the FP8 cache's bytes per second.
+tokens/s ratio) and the FP8 cache's bytes per second. ``--paged``: both caches paged (pages of
+PAGE_SIZE tokens in a shuffled order named by an int32 ``block_table``).
 """
 from __future__ import annotations
 
@@ -28,11 +30,13 @@ def main(argv):
     if "--cells" in argv:
         cells = tuple(tuple(int(x) for x in c.split("x"))
                       for c in argv[argv.index("--cells") + 1].split(","))
+    page = int(argv[argv.index("--paged") + 1]) if "--paged" in argv else 0
     if "--splits" in argv:
         splits = tuple(int(x) for x in argv[argv.index("--splits") + 1].split(","))
     h, hk, d = 32, 8, 128
     print(f"# torch {torch.__version__}, {torch.cuda.get_device_name()}; GQA {h}/{hk}, d{d}, "
-          "q bf16; us per step (GPU time, L2 flushed)")
+          f"q bf16, {'paged (%d)' % page if page else 'contiguous'} caches; us per step (GPU "
+          "time, L2 flushed)")
     print("batch  cache | bf16 cache | " + " | ".join(f"fp8 splits={s or 'auto'} (ratio, TB/s)"
                                                       for s in splits))
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -45,11 +49,23 @@ def main(argv):
         v8 = (v16 / vd[:, None, :, None]).to(torch.float8_e4m3fn)
         q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
         lens = torch.full((b,), sk, device="cuda", dtype=torch.int32)
-        t16 = gpu_time(lambda: flashcore.attention_with_kvcache(q, k16, v16, cache_seqlens=lens))
+        pg = {}
+        if page:
+            perm = torch.randperm(b * sk // page, device="cuda", generator=g)
+            pg["block_table"] = perm.view(b, sk // page).to(torch.int32)
+
+            def paged(x):
+                p = x.reshape(b * sk // page, page, hk, d)
+                out = torch.empty_like(p)
+                out[perm] = p
+                return out
+            k16, v16, k8, v8 = paged(k16), paged(v16), paged(k8), paged(v8)
+        t16 = gpu_time(lambda: flashcore.attention_with_kvcache(q, k16, v16, cache_seqlens=lens,
+                                                                **pg))
         cells_out = []
         for s in splits:
             t8 = gpu_time(lambda: flashcore.attention_with_kvcache(
-                q, k8, v8, cache_seqlens=lens, k_descale=kd, v_descale=vd, num_splits=s))
+                q, k8, v8, cache_seqlens=lens, k_descale=kd, v_descale=vd, num_splits=s, **pg))
             cells_out.append(f"{t8 * 1e6:8.1f} ({t16 / t8:4.2f}, {2 * b * sk * hk * d / t8 / 1e12:4.2f})")
         print(f"{b:5d} {sk:6d} | {t16 * 1e6:10.1f} | " + " | ".join(cells_out), flush=True)
         del k16, v16, k8, v8
