@@ -449,8 +449,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     arrays, read as float8_e4m3fn bits), q float16 or bfloat16; out in q's dtype, lse float32.
     Read only: appending ``k``/``v`` to an FP8 cache is refused (quantise new tokens and write
     them yourself), and so is an FP8 q. Paged caches, ``cache_leftpad``, masks, softcap, ALiBi,
-    GQA and ``num_splits`` work as with 16-bit caches. The CUDA kernels take head dims 64, 128
-    and 256 with FP8 caches.
+    GQA and ``num_splits`` work as with 16-bit caches. The CUDA kernels take head dims 128
+    and 256 with FP8 caches, on compute capability 8.9 and newer.
 
     Returns:
         out like q (in q's dtype), or ``(out, lse)`` with lse float32 ``(batch, nheads,
