@@ -426,7 +426,7 @@ def _decode_masked(log):
 @pytest.mark.parametrize("seed", range(30))
 def test_decode_replay_equals_full_launch(seed, monkeypatch):
     from flashcore.kernels import decode
-    monkeypatch.setattr(decode, "_as_input", lambda a: a)
+    monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
     rng = np.random.default_rng(2000 + seed)
     c = _decode_case(rng)
     a1 = _decode_arrays(rng, c)
@@ -471,7 +471,7 @@ def _fused_case(**over):
 @pytest.mark.parametrize("paged", [False, True])
 def test_decode_fused_combine_is_one_launch(paged, monkeypatch):
     from flashcore.kernels import decode
-    monkeypatch.setattr(decode, "_as_input", lambda a: a)
+    monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
     rng = np.random.default_rng(3)
     c = _fused_case(paged=paged)
     arrays = _decode_arrays(rng, c)
@@ -501,7 +501,7 @@ def test_decode_fused_combine_is_one_launch(paged, monkeypatch):
 
 def test_decode_counters_are_per_stream_and_replayed(monkeypatch):
     from flashcore.kernels import decode
-    monkeypatch.setattr(decode, "_as_input", lambda a: a)
+    monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
     rng = np.random.default_rng(4)
     c = _fused_case()
     arrays = _decode_arrays(rng, c)
@@ -520,7 +520,7 @@ def test_decode_counters_are_per_stream_and_replayed(monkeypatch):
 
 def test_decode_counters_grow_zero_filled(monkeypatch):
     from flashcore.kernels import decode
-    monkeypatch.setattr(decode, "_as_input", lambda a: a)
+    monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
     made = []
 
     def zeros(shape, dtype=np.float32, **kw):
@@ -578,7 +578,7 @@ def _accum_words():
 def test_decode_cluster_merge_is_one_launch_without_scratch(paged, monkeypatch):
     from cupy.cuda import driver
     from flashcore.kernels import decode
-    monkeypatch.setattr(decode, "_as_input", lambda a: a)
+    monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
     config.set(decode_cluster=True)
     attrs = []
     monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: attrs.append(a))
@@ -616,7 +616,7 @@ def test_decode_cluster_merge_only_where_it_applies(monkeypatch):
     from cupy.cuda import driver
     from flashcore import jit
     from flashcore.kernels import decode
-    monkeypatch.setattr(decode, "_as_input", lambda a: a)
+    monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
     monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: None)
     config.set(decode_cluster=True)
     rng = np.random.default_rng(7)
@@ -645,7 +645,7 @@ def test_decode_cluster_refused_falls_back_to_the_global_merge(monkeypatch):
     global-memory merge for that split count, on that call and the later ones."""
     from cupy.cuda import driver
     from flashcore.kernels import decode
-    monkeypatch.setattr(decode, "_as_input", lambda a: a)
+    monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
     monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: None)
     config.set(decode_cluster=True)
 
@@ -685,7 +685,7 @@ def test_decode_cluster_rule_declining_means_the_global_merge(monkeypatch):
     global rule, whose count (even one of 16 or fewer) then merges through global memory."""
     from cupy.cuda import driver
     from flashcore.kernels import decode
-    monkeypatch.setattr(decode, "_as_input", lambda a: a)
+    monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
     monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: None)
     config.set(decode_cluster=True)
     rng = np.random.default_rng(10)
@@ -701,7 +701,7 @@ def test_decode_cluster_skipped_for_an_override_that_leaves_no_room(monkeypatch)
     global merge instead of failing to compile."""
     from cupy.cuda import driver
     from flashcore.kernels import decode
-    monkeypatch.setattr(decode, "_as_input", lambda a: a)
+    monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
     monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: None)
     config.set(decode_cluster=True)
     assert not decode._cluster_layout_fits(128, 1, decode.DecodeConfig(16, 1, 2))
@@ -747,7 +747,7 @@ def test_decode_default_split_and_tile(b, cap, hk, h, sq, want, monkeypatch):
     the global rule where the cluster rule would leave the GPU idle."""
     from cupy.cuda import driver
     from flashcore.kernels import decode
-    monkeypatch.setattr(decode, "_as_input", lambda a: a)
+    monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
     monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: None)
     config.set(decode_cluster=True)
     rng = np.random.default_rng(9)

@@ -53,12 +53,13 @@ def _used_strides_ok(arr, multiple: int, align: int) -> bool:
             all(s % multiple == 0 for s, n in zip(st[:-1], arr.shape[:-1]) if n > 1))
 
 
-def _as_input(arr):
-    """cp.async moves 16 bytes: base 16-byte aligned, strides multiples of 8 elements; else a
-    copy into a fresh (aligned, contiguous) array. Not ``ascontiguousarray``: it returns a
-    contiguous array as it is, however its base is aligned."""
+def _as_input(arr, multiple: int = 8):
+    """cp.async moves 16 bytes: base 16-byte aligned, strides multiples of ``multiple``
+    elements (8 for 16-bit elements, 16 for the bytes of an FP8 cache); else a copy into a
+    fresh (aligned, contiguous) array. Not ``ascontiguousarray``: it returns a contiguous array
+    as it is, however its base is aligned."""
     import cupy
-    if arr.size == 0 or _used_strides_ok(arr, 8, 16):
+    if arr.size == 0 or _used_strides_ok(arr, multiple, 16):
         return arr
     out = cupy.empty(arr.shape, arr.dtype)
     out[...] = arr

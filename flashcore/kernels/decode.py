@@ -446,17 +446,6 @@ def _sm_count(device_id: int) -> int:
     return device_facts(device_id)[2]
 
 
-def _as_bytes_input(arr):
-    """An FP8 (uint8) cache as the kernel's 16-byte copies read it: base 16-byte aligned, row
-    strides multiples of 16 bytes; else a copy."""
-    import cupy
-    if arr.size == 0 or _used_strides_ok(arr, 16, 16):
-        return arr
-    out = cupy.empty(arr.shape, arr.dtype)
-    out[...] = arr
-    return out
-
-
 def _int32_contig(arr):
     import cupy
     if arr.dtype != cupy.int32:
@@ -505,10 +494,8 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
 
     fp8 = k_cache.dtype == cupy.uint8
     q = _as_input(q)
-    if fp8:      # 16-byte rows of bytes: strides multiples of 16
-        k_cache, v_cache = _as_bytes_input(k_cache), _as_bytes_input(v_cache)
-    else:
-        k_cache, v_cache = _as_input(k_cache), _as_input(v_cache)
+    # (FP8: uint8 caches, copied 16 bytes at a time: strides multiples of 16 elements)
+    k_cache, v_cache = _as_input(k_cache, 16 if fp8 else 8), _as_input(v_cache, 16 if fp8 else 8)
     out_final = None
     if out.size and not _used_strides_ok(out, 8, 16):
         out_final, out = out, cupy.empty(out.shape, out.dtype)
