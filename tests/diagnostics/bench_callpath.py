@@ -7,8 +7,8 @@ decode    flashcore.bench.decode: attention_with_kvcache (cache_seqlens a CUDA i
           GQA 32/8, d128, bf16), contiguous and paged, batch 1/8/64 x cache 4k/16k/128k: GPU
           time, host loop, CUDA-graph replay, against SDPA cuDNN (``python -m flashcore.bench
           --decode`` prints the same table).
-tiny      the tiny training step (flashcore.bench.tiny_calls) in a host loop: the first 1000
-          steps of this process and the steady state, against SDPA.
+tiny      the tiny training step (flashcore.bench.tiny_calls) in a host loop: the steady state,
+          and the first 1000 steps of a fresh process per call, against SDPA.
 cupy      the same calls on CuPy arrays (forward, forward then backward, a decode step at
           batch 1 / 4k) against the torch calls, interleaved.
 llama     a transformers Llama (random init, 8 layers, hidden 2048, 16/4 heads, bf16) training
@@ -48,16 +48,54 @@ def decode():
 
 
 def tiny(n_first=1000):
-    """The first ``n_first`` steps of this process (kernels loaded from the disk cache on the
-    first call), then the steady state, interleaved with SDPA's."""
+    """The steady state, interleaved with SDPA's; then the first ``n_first`` steps of a fresh
+    process for each call, one process per call (kernels from the disk cache, which the steady
+    part filled): a call measured after another in one process would find torch's lazy imports
+    done (``torch.autograd.grad`` with a gradient tensor imports sympy, ~2 s, at its first use)
+    and the CUDA libraries loaded."""
+    import subprocess
     calls, _ = tiny_calls(peers=("sdpa",))
     calls = {k: calls[k] for k in ("torch_fwd", "sdpa_fwd", "torch_fwdbwd", "sdpa_fwdbwd")}
-    first = {f"{name}_first{n_first}_us": host_loop_us(f, steps=n_first, warmup=0, rounds=1)
-             for name, f in calls.items()}
     steady = {f"{name}_us": us for name, us in per_call_us_interleaved(calls, 2000).items()}
+    first = {}
+    for name in calls:
+        r = subprocess.run([sys.executable, __file__, "--first", name, str(n_first)],
+                           capture_output=True, text=True, timeout=300)
+        if r.returncode:
+            raise RuntimeError(f"the fresh process for {name} failed:\n{r.stderr[-2000:]}")
+        first[f"{name}_first{n_first}_us"] = float(r.stdout.split()[-1])
     emit(section="tiny", **first, **steady,
          fwd_minus_sdpa_us=steady["torch_fwd_us"] - steady["sdpa_fwd_us"],
-         step_over_sdpa=steady["torch_fwdbwd_us"] / steady["sdpa_fwdbwd_us"])
+         step_over_sdpa=steady["torch_fwdbwd_us"] / steady["sdpa_fwdbwd_us"],
+         first_fwd_minus_sdpa_us=(first[f"torch_fwd_first{n_first}_us"]
+                                  - first[f"sdpa_fwd_first{n_first}_us"]),
+         first_step_over_sdpa=(first[f"torch_fwdbwd_first{n_first}_us"]
+                               / first[f"sdpa_fwdbwd_first{n_first}_us"]))
+
+
+def _first_steps(name, n):
+    """The first ``n`` calls of ``name`` in this (fresh) process, µs a call: the tensors made
+    first (the CUDA context), nothing of flashcore or SDPA called before the timed loop."""
+    import torch.nn.functional as F
+    shape = (1, 128, 2, 64)
+    q, k, v, do = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    if name.startswith("sdpa"):
+        q, k, v, do = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    torch.cuda.synchronize()
+    fn = {"torch_fwd": lambda: flashcore.attention(q, k, v, causal=True),
+          "sdpa_fwd": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}.get(name)
+    if fn is not None:
+        def call():
+            with torch.no_grad():
+                fn()
+    else:
+        att = (lambda: flashcore.attention(qg, kg, vg, causal=True)) if name == "torch_fwdbwd" \
+            else (lambda: F.scaled_dot_product_attention(qg, kg, vg, is_causal=True))
+
+        def call():
+            torch.autograd.grad(att(), (qg, kg, vg), do)
+    return host_loop_us(call, steps=n, warmup=0, rounds=1)
 
 
 def cupy_calls():
@@ -266,6 +304,9 @@ def profile(n=300):
 
 
 def main(argv):
+    if argv[:1] == ["--first"]:      # (a fresh process of tiny())
+        print(_first_steps(argv[1], int(argv[2])))
+        return 0
     jpath = None
     if "--json" in argv:
         i = argv.index("--json")
