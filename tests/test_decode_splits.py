@@ -85,7 +85,10 @@ def test_two_splits_only_for_ragged_waves_of_long_caches():
     assert sm90_num_splits(400, 132, blocks(4096), 128, 1, 4096) == 1
     # full waves stay unsplit at any length; the cluster rule's own counts are untouched
     assert sm90_num_splits(512, 132, blocks(131072), 128, 1, 131072) == 1
-    assert sm90_num_splits(8, 132, blocks(131072), 128, 1, 131072) == 8
+    assert sm90_num_splits(8, 132, blocks(16384), 128, 1, 16384) == 8
+    # batch 1 at 128k: 8 cluster splits would walk 128 blocks each over half the SMs -> the
+    # global rule (0)
+    assert sm90_num_splits(8, 132, blocks(131072), 128, 1, 131072) == 0
     assert sm90_num_splits(64, 132, blocks(16384), 128, 1, 16384) == 2
     # two m16 slices, or a head dim without candidates: the cluster rule alone
     assert sm90_num_splits(400, 132, blocks(16384), 128, 2, 16384) == 1

@@ -334,24 +334,24 @@ def cluster_num_splits(base_ctas: int, num_sms: int, num_n_blocks: int) -> int:
     return s
 
 
-# Paged caches: where the cluster rule would leave at least half the SMs idle and each of its
-# splits would walk this many key blocks or more, the global-merge rule's larger split count
-# pays (H200, batch 1, 8 kv heads, d128, pages of 256: at 128k keys 16 splits merged through
-# global memory took 140 us against 149 for the cluster rule's 8; at 16k the cluster's 8 stayed
-# best, 30.8 against 33.6; docs/performance-log.md, session 8). The page walk's table reads
-# want more CTAs in flight than a contiguous cache's streaming loads.
-_PAGED_GLOBAL_MIN_BLOCKS_PER_SPLIT = 128
+# Where the cluster rule would leave at least half the SMs idle and each of its splits would
+# walk this many key blocks or more, the global-merge rule's larger split count pays (H200,
+# batch 1, 8 kv heads, d128, 128k keys: paged (256) 16 splits merged through global memory took
+# 140 us against 149 for the cluster rule's 8, docs/performance-log.md session 8; contiguous,
+# 3.86 TB/s against 3.79, session 13). At 16k the cluster's 8 stayed best (paged 30.8 us
+# against 33.6; contiguous 2.30 against 2.10 TB/s).
+_GLOBAL_MIN_BLOCKS_PER_SPLIT = 128
 
 
 def sm90_num_splits(base_ctas: int, num_sms: int, num_n_blocks: int, headdim: int,
-                    m_tiles: int, max_seqlen_k: int, paged: bool = False) -> int:
+                    m_tiles: int, max_seqlen_k: int) -> int:
     """The split count for ``num_splits=0`` on sm_90 (cluster merge available): the cluster rule
     (cluster_num_splits; 0 hands over to the global rule), and two splits where the rule says
     one but the best unsplit tile leaves a ragged last wave of long CTAs (_SPLIT2_MIN_KEYS).
-    Paged caches hand long walks over half-idle SMs to the global rule (see above)."""
+    Long walks over half-idle SMs go to the global rule (see above)."""
     s = cluster_num_splits(base_ctas, num_sms, num_n_blocks)
-    if (paged and s > 1 and 2 * base_ctas * s <= num_sms
-            and num_n_blocks // s >= _PAGED_GLOBAL_MIN_BLOCKS_PER_SPLIT):
+    if (s > 1 and 2 * base_ctas * s <= num_sms
+            and num_n_blocks // s >= _GLOBAL_MIN_BLOCKS_PER_SPLIT):
         return 0
     if (s == 1 and m_tiles == 1 and max_seqlen_k >= _SPLIT2_MIN_KEYS and num_n_blocks >= 4
             and headdim_tile(headdim) in _SINGLE_CANDIDATES
@@ -565,8 +565,7 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
         if cluster_ok:
             num_splits = sm90_num_splits(base_ctas, _sm_count(device_id),
                                          key_blocks(decode_config(headdim, True, m_tiles)),
-                                         headdim, m_tiles, span_keys if hopper else 0,
-                                         paged)
+                                         headdim, m_tiles, span_keys if hopper else 0)
             cluster_declined = num_splits == 0
         if not cluster_ok or cluster_declined:
             num_splits = choose_num_splits(base_ctas, _sm_count(device_id),
