@@ -39,10 +39,6 @@
 #include "flash_params.cuh"
 #include "ptx.cuh"
 
-#ifndef FC_FP8_INT_CONVERT
-#define FC_FP8_INT_CONVERT 0
-#endif
-
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
 #endif
@@ -782,15 +778,10 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     const int blk_lo = left_bounded ? (m0 + kBlockM - 1) / G + off - win_l : 0;
     const int wn0 = warp * kWN;   // this warp's first key row inside a block
     // FP8 caches: the (batch, kv head)'s descales (nullptr: 1)
-    // FC_FP8_INT_CONVERT (a diagnostic define): bit 0, K converted by integer operations
-    // (fc_e4m3x4_to_f16x2_lo8, times 2^-8, undone here); bit 1, V.
-    constexpr bool kIntK = (FC_FP8_INT_CONVERT & 1) != 0, kIntV = (FC_FP8_INT_CONVERT & 2) != 0;
     const float k_scale = (Is_fp8 && params.k_descale != nullptr
-                           ? params.k_descale[(long long)b * params.nheads_k + hk] : 1.f) * q_unscale
-                          * (kIntK ? 256.f : 1.f);
-    const float v_scale = (Is_fp8 && params.v_descale != nullptr
-                           ? params.v_descale[(long long)b * params.nheads_k + hk] : 1.f)
-                          * (kIntV ? 256.f : 1.f);
+                           ? params.k_descale[(long long)b * params.nheads_k + hk] : 1.f) * q_unscale;
+    const float v_scale = Is_fp8 && params.v_descale != nullptr
+                          ? params.v_descale[(long long)b * params.nheads_k + hk] : 1.f;
 
     // ---- main loop ------------------------------------------------------------------------
     int stage = 0;
@@ -826,14 +817,8 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
                 for (int kv = 0; kv < 2; ++kv) {
                     fc_u32 w[4], o[8];
                     lds128(w, (kv ? sVb : sKb) + so);
-                    if ((kv ? kIntV : kIntK)) {
 #pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            fc_e4m3x4_to_f16x2_lo8(w[e], o[2 * e], o[2 * e + 1]);
-                    } else {
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) EM::from_e4m3x4(w[e], o[2 * e], o[2 * e + 1]);
-                    }
+                    for (int e = 0; e < 4; ++e) EM::from_e4m3x4(w[e], o[2 * e], o[2 * e + 1]);
                     const fc_u32 dst = sConv + (kv ? 2u * kBlockN * kHeadDim : 0u);
                     sts128(dst + d0, o[0], o[1], o[2], o[3]);
                     sts128(dst + d1, o[4], o[5], o[6], o[7]);

@@ -25,19 +25,6 @@ __device__ __forceinline__ fc_u32 fc_e4m3x2_to_f16x2(fc_u32 x) {
     return r;
 }
 
-// The same two pairs from integer operations alone, times 2^-8: each byte moved to the top
-// byte of a 16-bit half (prmt), then shifted right by one under its sign, which turns e4m3's
-// 4-bit exponent and 3-bit mantissa into an fp16 exponent 8 below and the top of its mantissa.
-// Exact for every finite e4m3 value, subnormals included (e4m3 NaN comes out as 480 x 2^-8);
-// the caller multiplies by 2^8 where it scales anyway. The integer pipe, not the conversion one.
-__device__ __forceinline__ void fc_e4m3x4_to_f16x2_lo8(fc_u32 w, fc_u32& p0, fc_u32& p1) {
-    fc_u32 h0, h1;
-    asm("prmt.b32 %0, %1, 0, 0x1404;" : "=r"(h0) : "r"(w));
-    asm("prmt.b32 %0, %1, 0, 0x3424;" : "=r"(h1) : "r"(w));
-    p0 = ((h0 >> 1) & 0x3F803F80u) | (h0 & 0x80008000u);
-    p1 = ((h1 >> 1) & 0x3F803F80u) | (h1 & 0x80008000u);
-}
-
 // ---- element types -----------------------------------------------------------------------
 // Each tag says how to convert to and from float and which mma.sync variant to issue.
 struct fc_bf16 {
