@@ -186,6 +186,16 @@ def _quantised(rng, b, sq, sk, h, hk, d, per_head=True):
     return q8s, scales, exact
 
 
+def _poisoned(shape, dtype):
+    """A CuPy array of ``dtype`` filled with NaN (through its bits: no arithmetic on bf16)."""
+    import cupy
+    a = cupy.empty(shape, dtype)
+    nan_bits = {2: (cupy.uint16, 0x7FC0 if dtype.name == "bfloat16" else 0x7E00),
+                4: (cupy.uint32, 0x7FC00000)}[dtype.itemsize]
+    a.view(nan_bits[0]).fill(nan_bits[1])
+    return a
+
+
 def _require_hopper():
     import cupy
     if int(cupy.cuda.Device().compute_capability) != 90:
@@ -230,8 +240,8 @@ def test_cupy_fp8_matches_the_flash_attn_rule_in_fp8(case, d):
     assert spec.dtype == "float8_e4m3fn"
     for odt in ("bfloat16", "float16", "float32"):
         npdt = np.dtype(ml_dtypes.bfloat16) if odt == "bfloat16" else np.dtype(odt)
-        out = cupy.full(q8.shape, np.nan, npdt)            # poisoned outputs
-        lse = cupy.full((b, h, sq), np.nan, np.float32)
+        out = _poisoned(q8.shape, npdt)                     # NaN-filled outputs
+        lse = _poisoned((b, h, sq), np.dtype(np.float32))
         get_backend("cupy").forward(spec, gq, gk, gv, out=out, lse=lse, descales=tuple(gds),
                                     fp8_out=odt)
         o = cupy.asnumpy(out).astype(np.float64)
@@ -251,7 +261,7 @@ def test_cupy_fp8_matches_the_flash_attn_rule_in_fp8(case, d):
 
 
 @pytest.mark.gpu
-def test_no_descale_means_one_and_strided_inputs_are_copied():
+def test_no_descale_means_one_and_strided_views_read_in_place():
     import cupy
     _require_hopper()
     rng = np.random.default_rng()
@@ -263,7 +273,8 @@ def test_no_descale_means_one_and_strided_inputs_are_copied():
                                              v_descale=ones, out_dtype="float32", causal=True)
     cupy.testing.assert_array_equal(base, same)
     cupy.testing.assert_array_equal(lse, lse1)
-    # a strided view (every other head of a wider array) gives the contiguous call's result
+    # a strided view (every other head of a wider array: TMA reads it in place) gives the
+    # contiguous call's result
     wide = cupy.zeros((2, 300, 8, 128), cupy.uint8)
     wide[:, :, ::2] = gq
     view, _ = flashcore.attention_forward(wide[:, :, ::2], gk, gv, out_dtype="float32",
