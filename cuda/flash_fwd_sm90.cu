@@ -29,6 +29,19 @@
 // Shared memory: tiles stored as [d / 64][rows][64] 16-bit elements, 128-byte swizzled (the
 // layout TMA's SWIZZLE_128B writes, and the one load_tile writes), each block 1024-aligned.
 //
+// flash_fwd_sm90_fp8_kernel: the warp-specialised kernel on float8_e4m3fn q, k, v
+// (FlashAttention-3's FP8 forward), the same body (ws_forward) with k32 e4m3 products:
+//   S  = Q K^T        wgmma m64nNk32 e4m3, both from shared memory, K-major (128 e4m3 per
+//                     128-byte row: one swizzled column block at head dim 128, two at 256)
+//   O += P V          wgmma m64nDk32 e4m3, A = P from registers (pack_e4m3), B = V^T from
+//                     shared memory, K-major: FP8 wgmma takes no transposed operand, so the
+//                     producer warpgroup transposes each V tile in shared memory after its TMA
+//                     load (transpose_v), storing the keys in the order in which P's
+//                     accumulator registers already hold them (no shuffle of P).
+// The descales fold into the scores' scale (q_descale * k_descale) and into the epilogue's
+// 1 / l (v_descale). Head dims 128 and 256, 128-key blocks; no dropout, softcap, ALiBi or
+// varlen (the launcher refuses them by name).
+//
 // Masking, alignment and outputs are those of flash_fwd.cu (bottom-right causal, windows with
 // block skipping, varlen, GQA; rows that see no key get O = 0 and lse = -inf; NaN propagates).
 // Dropout as flash_fwd.cu draws it (one Philox call per 16 x 16 tile of P, after the row sums:
@@ -249,15 +262,36 @@ struct FwdRows {
             }
         }
     }
-    // Epilogue: O / l (NaN propagates: l == 0 only for rows that saw no key), lse.
+    // P (fp32, in [0, 1]) as the e4m3 A operand of the FP8 P V product, k-step kk (keys
+    // n0 + 32 kk ..: the n8 tiles 4kk .. 4kk + 3, in s[16 kk ..]). The FP8 A fragment wants
+    // columns 4t .. 4t + 3 (and 16 + 4t ..) of each k32 step where this thread holds columns
+    // 2t, 2t + 1 of each n8 tile: no data moves between threads, the thread's own eight values
+    // per row half fill its four A bytes in this order:
+    //   A column 4t + i  <-  key 2t + (i & 1) + 8 (i >> 1)   (+16 for the upper half),
+    // and the producer stores V^T's keys in the same order (transpose_v), so that the sum over
+    // keys pairs every P with its own V row.
+    __device__ __forceinline__ void pack_e4m3(const float (&s)[kNT * 4],
+                                              fc_u32 (&pa)[kBlockN / 32][4]) const {
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 32; ++kk) {
+            const float* x = s + 16 * kk;   // x[4 j + 2 r + e]: tile 4 kk + j, row half r
+            pa[kk][0] = fc_f32x4_to_e4m3x4(x[0], x[1], x[4], x[5]);
+            pa[kk][1] = fc_f32x4_to_e4m3x4(x[2], x[3], x[6], x[7]);
+            pa[kk][2] = fc_f32x4_to_e4m3x4(x[8], x[9], x[12], x[13]);
+            pa[kk][3] = fc_f32x4_to_e4m3x4(x[10], x[11], x[14], x[15]);
+        }
+    }
+    // Epilogue: O * o_scale / l (NaN propagates: l == 0 only for rows that saw no key), lse
+    // of the scores times s_scale (the FP8 kernel's descales; 1 otherwise).
     __device__ __forceinline__ void store(const FlashParams& p,
-                                          const FwdBlock<kBlockN, Is_local>& blk) const {
+                                          const FwdBlock<kBlockN, Is_local>& blk,
+                                          float o_scale = 1.f, float s_scale = 1.f) const {
         const long long oo = blk.o_off(p);
         float* lse = blk.lse_ptr(p);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const float l = quad_sum(row_sum[r]);
-            const float inv = l == 0.f ? 0.f : 1.f / l;
+            const float inv = l == 0.f ? 0.f : o_scale / l;
             const int row = warp_row0 + g + 8 * r;
             if (row < blk.rows_q) {
                 if (p.o_fp32) {      // unrounded float32 output, 8 bytes a store
@@ -274,7 +308,7 @@ struct FwdRows {
                               Elem::pack2(acc_o[4 * j + 2 * r] * inv, acc_o[4 * j + 2 * r + 1] * inv));
                 }
                 if (t == 0)
-                    lse[row] = l == 0.f ? -INFINITY : row_max[r] * p.softmax_scale + logf(l);
+                    lse[row] = l == 0.f ? -INFINITY : row_max[r] * (p.softmax_scale * s_scale) + logf(l);
             }
         }
     }
@@ -296,15 +330,16 @@ __device__ __forceinline__ void settle(fc_u32 (&x)[N][4]) {
 }
 
 // S = Q K^T into s (asynchronous: committed as one wgmma group, not waited for). sQwg: this
-// warpgroup's 64 rows of Q; sKb: the K tile. k-step kk reads columns 16 kk .. 16 kk + 15, i.e.
-// column block kk / 4 at byte offset 32 (kk % 4) inside the 128-byte rows.
+// warpgroup's 64 rows of Q; sKb: the K tile. Each k-step reads 32 bytes of the rows (16
+// 16-bit elements, or 32 e4m3 ones: Elem = fc_e4m3, wgmma k32): k-step kk is column block
+// kk / 4 at byte offset 32 (kk % 4) inside the 128-byte rows.
 template <typename Elem, int kD, int kBlockN, int kNS>
 __device__ __forceinline__ void issue_s(float (&s)[kNS], fc_u32 sQwg, fc_u32 sKb) {
     constexpr fc_u32 kKVBlock = (fc_u32)kBlockN * 128u;
     settle(s);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
+    for (int kk = 0; kk < kD * Elem::kBytes / 32; ++kk) {
         const fc_u32 qoff = (fc_u32)(kk >> 2) * kColBlock + (fc_u32)(kk & 3) * 32u;
         const fc_u32 koff = (fc_u32)(kk >> 2) * kKVBlock + (fc_u32)(kk & 3) * 32u;
         Wgmma<Elem>::ss(s, wgmma_desc_k(sQwg + qoff), wgmma_desc_k(sKb + koff), kk > 0 ? 1 : 0);
@@ -324,6 +359,59 @@ __device__ __forceinline__ void issue_pv(float (&acc_o)[kNO], fc_u32 (&pa)[kBloc
     for (int kk = 0; kk < kBlockN / 16; ++kk)
         Wgmma<Elem>::rs_tb(acc_o, pa[kk], wgmma_desc_mn(sVb + (fc_u32)kk * 16u * 128u, kKVBlock), 1);
     wgmma_commit();
+}
+
+// FP8: O += P V with P (e4m3, pack_e4m3's order) from registers and B = V^T from shared
+// memory, K-major (FP8 wgmma has no transposed B): sVt holds [kBlockN / 128][kD][128] bytes,
+// row n = head-dim column n, its 128 bytes the keys of one 128-key block in transpose_v's
+// order; k-step kk (32 keys) is block kk / 4 at byte offset 32 (kk % 4); N = kD.
+template <int kD, int kBlockN, int kNO>
+__device__ __forceinline__ void issue_pv_e4m3(float (&acc_o)[kNO], fc_u32 (&pa)[kBlockN / 32][4],
+                                              fc_u32 sVt) {
+    static_assert(kNO == kD / 2, "O is 64 x kD per warpgroup");
+    settle(acc_o);
+    settle(pa);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 32; ++kk) {
+        const fc_u32 voff = (fc_u32)(kk >> 2) * (fc_u32)(kD * 128) + (fc_u32)(kk & 3) * 32u;
+        Wgmma<fc_e4m3>::rs(acc_o, pa[kk], wgmma_desc_k(sVt + voff), 1);
+    }
+    wgmma_commit();
+}
+
+// FP8: V (as TMA wrote it: [kD / 128][kBlockN][128] bytes, 128-byte swizzled rows of head-dim
+// columns, one per key) transposed into V^T (issue_pv_e4m3's layout) by the 4 warps of the
+// producer warpgroup (ptid: 0..127), in shared memory. A warp's unit is 32 keys (k0..) x 16
+// head-dim columns (d0..): one ldmatrix.x4.trans reads the four 8-key x 16-byte matrices (as
+// b16: lane (r, c) gets, of matrix m, keys k0 + 8m + 2c, +1 at columns d0 + 2r, +1), two byte
+// permutes per pair of matrices regroup them by head-dim column, and one stmatrix.x4 writes
+// them as rows d0 + 2i + e of V^T (matrix 2 h + e: the 16 keys k0 + 16 h ..), lane (r, c)'s
+// word at bytes 4c .. 4c + 3: keys 2c, 2c + 1, 8 + 2c, 9 + 2c of those 16, which is the order
+// pack_e4m3 gives P's columns. (The stores meet 2-way bank conflicts: rows 2i + e of a matrix
+// repeat every 4 in the swizzle; the loads have none.)
+template <int kD, int kBlockN>
+__device__ __forceinline__ void transpose_v(fc_u32 sVt, fc_u32 sV, int ptid) {
+    static_assert(kBlockN == 128, "warp w takes keys 32 w ..: one 128-key block");
+    const int lane = ptid & 31, warp = ptid >> 5;
+    const int mi = lane >> 3, i = lane & 7;       // the matrix and row this lane addresses
+    const int e = mi & 1, h = mi >> 1;
+    // unit j of warp w: keys k0 = 32 w, head-dim columns d0 = 16 j
+    const fc_u32 src0 = sV + (fc_u32)(32 * warp + 8 * mi + i) * 128u;
+    const int row = 2 * i + e;                    // V^T row d0 + row
+    const fc_u32 dst0 = sVt + (fc_u32)row * 128u + ((fc_u32)((2 * warp + h) ^ (row & 7)) << 4);
+    // (unrolled by 4: fully unrolled, the loads of every unit are hoisted and the producer's
+    // 32 registers spill)
+#pragma unroll 4
+    for (int j = 0; j < kD / 16; ++j) {
+        const fc_u32 src = src0 + (fc_u32)(j >> 3) * (fc_u32)(kBlockN * 128)
+                           + ((fc_u32)((j & 7) ^ i) << 4);
+        fc_u32 w[4];
+        ldmatrix_x4_trans(w, src);
+        stmatrix_x4(dst0 + (fc_u32)j * 2048u, fc_prmt(w[0], w[1], 0x6420u),
+                    fc_prmt(w[0], w[1], 0x7531u), fc_prmt(w[2], w[3], 0x6420u),
+                    fc_prmt(w[2], w[3], 0x7531u));
+    }
 }
 
 }  // namespace fc_h
@@ -474,42 +562,54 @@ flash_fwd_sm90_kernel(const FlashParams params) {
     rows.store(params, blk);
 }
 
-// The tensor maps of the warp-specialised kernel (flashcore/kernels/tma.py encodes them):
-// q (d, seqlen_q, nheads, batch) with boxes of 64 x 128, k and v (d, seqlen_k, nheads_k,
-// batch) with boxes of 64 x kBlockN; 16-bit elements, 128-byte swizzle, zero fill.
+// The tensor maps of the warp-specialised kernels (flashcore/kernels/tma.py encodes them):
+// q (d, seqlen_q, nheads, batch) with boxes of 128 bytes x 128 rows, k and v (d, seqlen_k,
+// nheads_k, batch) with boxes of 128 bytes x kBlockN rows (64 16-bit elements, or 128 e4m3
+// ones, per row); 128-byte swizzle, zero fill.
 struct alignas(64) FcFwdMaps {
     FcTensorMap q, k, v;
 };
 
-// Warp-specialised forward (see the top of the file). 384 threads: warpgroup 0 produces,
-// 1 and 2 consume. kBlockN: keys per block (64, 128, or 176 as FA3 takes at head dim 128);
-// kStages: K/V ring depth; kPingPong: the consumers issue their products in turn (named
-// barriers 1 and 2).
-template <typename Elem, int kD, int kBlockN, bool Is_local, bool Is_dropout, int kStages,
-          bool kPingPong>
-__global__ void __launch_bounds__(384, 1)
-flash_fwd_sm90_ws_kernel(const FlashParams params, const __grid_constant__ FcFwdMaps maps) {
-    using namespace fc_h;
+namespace fc_h {
+
+// The body of both warp-specialised kernels (see the top of the file). 384 threads:
+// warpgroup 0 produces, 1 and 2 consume. Elem: the output's 16-bit type; In: the inputs'
+// (Elem, or fc_e4m3: the FP8 forward). kBlockN: keys per block; kStages: K/V ring depth;
+// kPingPong: the consumers issue their products in turn (named barriers 1 and 2).
+//
+// FP8 differs in three places. The producer warpgroup loads V by TMA into a two-deep ring of
+// its own (raw) and transposes each block into the V^T stage the consumers read
+// (transpose_v: all four warps; thread 0 issues the loads between blocks), so full_v counts
+// the 128 producer threads instead of TMA bytes, and the producer keeps 32 registers. The
+// products are k32 e4m3 ones with P packed by pack_e4m3. The scores' scale takes
+// q_descale * k_descale and the output's v_descale (per batch and key head; none = 1).
+template <typename Elem, typename In, int kD, int kBlockN, bool Is_local, bool Is_dropout,
+          int kStages, bool kPingPong>
+__device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFwdMaps& maps) {
     using namespace fc_pipe;
-    static_assert(kD == 64 || kD == 128 || kD == 256, "head dims 64, 128 and 256");
-    static_assert((kBlockN == 64 || kBlockN == 128 || kBlockN == 176) && (kD != 256 || kBlockN == 64),
-                  "key blocks of 64, 128 or 176 (the S wgmma's N); 64 at head dim 256");
-    constexpr fc_u32 kQTile = (fc_u32)(kD / 64) * kColBlock;           // 128 x kD
-    constexpr fc_u32 kKVBlock = (fc_u32)kBlockN * 128u;                // [kBlockN][64] block
-    constexpr fc_u32 kTile = (fc_u32)(kD / 64) * kKVBlock;             // one K or V tile
+    constexpr bool Is_fp8 = In::kBytes == 1;
+    constexpr int kRowElems = 128 / In::kBytes;                          // per 128-byte row
+    constexpr fc_u32 kQTile = (fc_u32)(kD / kRowElems) * kColBlock;     // 128 x kD
+    constexpr fc_u32 kKVBlock = (fc_u32)kBlockN * 128u;                 // [kBlockN][128 B] block
+    constexpr fc_u32 kTile = (fc_u32)(kD / kRowElems) * kKVBlock;       // one K or V tile
     constexpr int kNT = kBlockN / 8;
+    constexpr int kRaw = Is_fp8 ? 2 : 0;                                // FP8: V as loaded
+    static_assert(!(Is_fp8 && Is_dropout), "FP8 attention is forward only, without dropout");
 
     extern __shared__ unsigned char smem_raw[];
     const fc_u32 sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const fc_u32 sK = sQ + kQTile;
-    const fc_u32 sV = sK + (fc_u32)kStages * kTile;
-    // mbarriers after the tiles: Q, then full K, full V, empty K, empty V (one per stage each)
-    const fc_u32 bars = sV + (fc_u32)kStages * kTile;
+    const fc_u32 sV = sK + (fc_u32)kStages * kTile;       // (FP8: V^T)
+    const fc_u32 sVraw = sV + (fc_u32)kStages * kTile;    // (FP8 only)
+    // mbarriers after the tiles: Q, then full K, full V, empty K, empty V (one per stage each),
+    // then (FP8) the raw V ring's full barriers
+    const fc_u32 bars = sVraw + (fc_u32)kRaw * kTile;
     const fc_u32 bar_q = bars;
     auto full_k = [&](int st) { return bars + 8u * (fc_u32)(1 + st); };
     auto full_v = [&](int st) { return bars + 8u * (fc_u32)(1 + kStages + st); };
     auto empty_k = [&](int st) { return bars + 8u * (fc_u32)(1 + 2 * kStages + st); };
     auto empty_v = [&](int st) { return bars + 8u * (fc_u32)(1 + 3 * kStages + st); };
+    auto raw_full = [&](int r) { return bars + 8u * (fc_u32)(1 + 4 * kStages + r); };
 
     const int tid = threadIdx.x;
     const int wg = tid >> 7;
@@ -529,38 +629,79 @@ flash_fwd_sm90_ws_kernel(const FlashParams params, const __grid_constant__ FcFwd
         mbar_init(bar_q, 1);
         for (int st = 0; st < kStages; ++st) {
             mbar_init(full_k(st), 1);
-            mbar_init(full_v(st), 1);
+            mbar_init(full_v(st), Is_fp8 ? 128 : 1);
             mbar_init(empty_k(st), 256);
             mbar_init(empty_v(st), 256);
         }
+        for (int r = 0; r < kRaw; ++r) mbar_init(raw_full(r), 1);
         fence_barrier_init();
     }
     __syncthreads();
 
     if (wg == 0) {
-        // ---- producer: one thread issues every load ------------------------------------
-        setmaxnreg_dec<24>();
-        if (tid == 0) {
+        // ---- producer ----------------------------------------------------------------
+        auto n0_of = [&](int it) { return (blk.n_block_max - 1 - it) * kBlockN; };
+        auto load_q = [&]() {
             mbar_expect_tx(bar_q, kQTile);
 #pragma unroll
-            for (int c = 0; c < kD / 64; ++c)
-                tma_load_4d(sQ + (fc_u32)c * kColBlock, maps.q, bar_q, 64 * c, blk.m0, blk.h, blk.b);
+            for (int c = 0; c < kD / kRowElems; ++c)
+                tma_load_4d(sQ + (fc_u32)c * kColBlock, maps.q, bar_q, kRowElems * c, blk.m0,
+                            blk.h, blk.b);
+        };
+        auto load_k = [&](int it) {
+            const int st = it % kStages;
+            if (it >= kStages) mbar_wait(empty_k(st), ((fc_u32)(it / kStages) & 1u) ^ 1u);
+            mbar_expect_tx(full_k(st), kTile);
+#pragma unroll
+            for (int c = 0; c < kD / kRowElems; ++c)
+                tma_load_4d(sK + (fc_u32)st * kTile + (fc_u32)c * kKVBlock, maps.k, full_k(st),
+                            kRowElems * c, n0_of(it), blk.hk, blk.b);
+        };
+        // V of block it into `dst`, completing on `bar`
+        auto load_v = [&](int it, fc_u32 dst, fc_u32 bar) {
+            mbar_expect_tx(bar, kTile);
+#pragma unroll
+            for (int c = 0; c < kD / kRowElems; ++c)
+                tma_load_4d(dst + (fc_u32)c * kKVBlock, maps.v, bar, kRowElems * c, n0_of(it),
+                            blk.hk, blk.b);
+        };
+        if constexpr (!Is_fp8) {
+            // one thread issues every load
+            setmaxnreg_dec<24>();
+            if (tid == 0) {
+                load_q();
+                for (int it = 0; it < n_iter; ++it) {
+                    const int st = it % kStages;
+                    load_k(it);
+                    if (it >= kStages) mbar_wait(empty_v(st), ((fc_u32)(it / kStages) & 1u) ^ 1u);
+                    load_v(it, sV + (fc_u32)st * kTile, full_v(st));
+                }
+            }
+        } else {
+            // thread 0 issues the loads one block ahead (K into the ring, V into the raw
+            // ring), then the warpgroup transposes V of this block into its V^T stage; named
+            // barrier 3 ends a block: the raw buffer it read is free for the load of block
+            // it + 2 (issued at the top of step it + 1).
+            setmaxnreg_dec<32>();
+            if (tid == 0) {
+                load_q();
+                load_k(0);
+                load_v(0, sVraw, raw_full(0));
+            }
             for (int it = 0; it < n_iter; ++it) {
                 const int st = it % kStages;
-                const fc_u32 ph = (fc_u32)(it / kStages) & 1u;
-                const int n0 = (blk.n_block_max - 1 - it) * kBlockN;
-                if (it >= kStages) mbar_wait(empty_k(st), ph ^ 1u);
-                mbar_expect_tx(full_k(st), kTile);
-#pragma unroll
-                for (int c = 0; c < kD / 64; ++c)
-                    tma_load_4d(sK + (fc_u32)st * kTile + (fc_u32)c * kKVBlock, maps.k, full_k(st),
-                                64 * c, n0, blk.hk, blk.b);
-                if (it >= kStages) mbar_wait(empty_v(st), ph ^ 1u);
-                mbar_expect_tx(full_v(st), kTile);
-#pragma unroll
-                for (int c = 0; c < kD / 64; ++c)
-                    tma_load_4d(sV + (fc_u32)st * kTile + (fc_u32)c * kKVBlock, maps.v, full_v(st),
-                                64 * c, n0, blk.hk, blk.b);
+                if (tid == 0 && it + 1 < n_iter) {
+                    load_k(it + 1);
+                    load_v(it + 1, sVraw + (fc_u32)((it + 1) & 1) * kTile, raw_full((it + 1) & 1));
+                }
+                mbar_wait(raw_full(it & 1), (fc_u32)(it >> 1) & 1u);
+                if (it >= kStages) mbar_wait(empty_v(st), ((fc_u32)(it / kStages) & 1u) ^ 1u);
+                __syncwarp();
+                transpose_v<kD, kBlockN>(sV + (fc_u32)st * kTile, sVraw + (fc_u32)(it & 1) * kTile,
+                                         tid);
+                fence_proxy_async();    // the stores, visible to the consumers' wgmma
+                mbar_arrive(full_v(st));
+                named_sync(3, 128);
             }
         }
         return;
@@ -570,25 +711,44 @@ flash_fwd_sm90_ws_kernel(const FlashParams params, const __grid_constant__ FcFwd
     setmaxnreg_inc<240>();
     const int cw = wg - 1;                     // consumer warpgroup: tile rows [64 cw, 64 cw + 64)
     FwdRows<Elem, kD, kBlockN, Is_local, Is_dropout> rows(params, blk, tid - 128);
+    float s_scale = 1.f;                       // FP8: q_descale * k_descale
+    if constexpr (Is_fp8) {
+        const long long di = (long long)blk.b * params.nheads_k + blk.hk;
+        if (params.q_descale != nullptr) s_scale *= params.q_descale[di];
+        if (params.k_descale != nullptr) s_scale *= params.k_descale[di];
+        rows.mult *= s_scale;
+    }
     const fc_u32 sQwg = sQ + (fc_u32)cw * 64u * 128u;
     float s[kNT * 4];
 #pragma unroll
     for (int i = 0; i < kNT * 4; ++i) s[i] = 0.f;
-    fc_u32 pa[kBlockN / 16][4];
+    fc_u32 pa[Is_fp8 ? kBlockN / 32 : kBlockN / 16][4];
     float corr[2];
     auto stage_of = [](int it) { return it % kStages; };
     auto parity_of = [](int it) { return (fc_u32)(it / kStages) & 1u; };
+    auto pack = [&](int n0) {
+        if constexpr (Is_fp8)
+            rows.pack_e4m3(s, pa);
+        else
+            rows.pack(s, pa, n0);
+    };
+    auto issue_pv_ = [&](fc_u32 sVb) {
+        if constexpr (Is_fp8)
+            issue_pv_e4m3<kD, kBlockN>(rows.acc_o, pa, sVb);
+        else
+            issue_pv<Elem, kBlockN>(rows.acc_o, pa, sVb);
+    };
 
     int nb = blk.n_block_max - 1;
     mbar_wait(bar_q, 0);
     mbar_wait(full_k(0), 0);
-    issue_s<Elem, kD, kBlockN>(s, sQwg, sK);
+    issue_s<In, kD, kBlockN>(s, sQwg, sK);
     wgmma_wait<0>();
     settle(s);
     mbar_arrive(empty_k(0));
     rows.mask(s, nb * kBlockN);
     rows.softmax(s, corr);                     // O is 0: no rescale
-    rows.pack(s, pa, nb * kBlockN);
+    pack(nb * kBlockN);
     // Ping-pong: consumer cw issues its products after named barrier 1 + cw, then lets the
     // other one go. Consumer 1 opens the first turn for consumer 0 and skips its last
     // hand-over, so that every barrier sees as many arrivals as waits.
@@ -598,8 +758,8 @@ flash_fwd_sm90_ws_kernel(const FlashParams params, const __grid_constant__ FcFwd
         mbar_wait(full_k(st1), parity_of(it + 1));
         mbar_wait(full_v(st0), parity_of(it));
         if (kPingPong) named_sync(1 + cw, 256);
-        issue_s<Elem, kD, kBlockN>(s, sQwg, sK + (fc_u32)st1 * kTile);      // S_{i+1}
-        issue_pv<Elem, kBlockN>(rows.acc_o, pa, sV + (fc_u32)st0 * kTile);  // O += P_i V_i
+        issue_s<In, kD, kBlockN>(s, sQwg, sK + (fc_u32)st1 * kTile);   // S_{i+1}
+        issue_pv_(sV + (fc_u32)st0 * kTile);                           // O += P_i V_i
         if (kPingPong && !(cw == 1 && it == n_iter - 2)) named_arrive(2 - cw, 256);
         wgmma_wait<1>();                       // S_{i+1} done (P_i V_i may still run)
         settle(s);
@@ -611,15 +771,48 @@ flash_fwd_sm90_ws_kernel(const FlashParams params, const __grid_constant__ FcFwd
         settle(pa);
         mbar_arrive(empty_v(st0));
         rows.rescale(corr);
-        rows.pack(s, pa, (nb - 1) * kBlockN);
+        pack((nb - 1) * kBlockN);
     }
     {
         const int last = n_iter - 1;
         mbar_wait(full_v(stage_of(last)), parity_of(last));
-        issue_pv<Elem, kBlockN>(rows.acc_o, pa, sV + (fc_u32)stage_of(last) * kTile);
+        issue_pv_(sV + (fc_u32)stage_of(last) * kTile);
         wgmma_wait<0>();
         settle(rows.acc_o);
         settle(pa);
     }
-    rows.store(params, blk);
+    if constexpr (Is_fp8) {
+        const float v_scale = params.v_descale != nullptr
+            ? params.v_descale[(long long)blk.b * params.nheads_k + blk.hk] : 1.f;
+        rows.store(params, blk, v_scale, s_scale);
+    } else {
+        rows.store(params, blk);
+    }
+}
+
+}  // namespace fc_h
+
+// Warp-specialised forward, 16-bit inputs (see the top of the file and ws_forward). kBlockN:
+// keys per block (64, 128, or 176 as FA3 takes at head dim 128); kStages: K/V ring depth;
+// kPingPong: the consumers issue their products in turn.
+template <typename Elem, int kD, int kBlockN, bool Is_local, bool Is_dropout, int kStages,
+          bool kPingPong>
+__global__ void __launch_bounds__(384, 1)
+flash_fwd_sm90_ws_kernel(const FlashParams params, const __grid_constant__ FcFwdMaps maps) {
+    static_assert(kD == 64 || kD == 128 || kD == 256, "head dims 64, 128 and 256");
+    static_assert((kBlockN == 64 || kBlockN == 128 || kBlockN == 176) && (kD != 256 || kBlockN == 64),
+                  "key blocks of 64, 128 or 176 (the S wgmma's N); 64 at head dim 256");
+    fc_h::ws_forward<Elem, Elem, kD, kBlockN, Is_local, Is_dropout, kStages, kPingPong>(params, maps);
+}
+
+// Warp-specialised forward of float8_e4m3fn q, k, v (FlashAttention-3's FP8 forward; the
+// tensor maps read them as bytes): out in Elem (fc_bf16 / fc_fp16, or float32 with
+// params.o_fp32), lse float32. Head dims 128 and 256 (128-byte rows: one or two column
+// blocks); kBlockN = 128 keys (one 128-byte V^T row).
+template <typename Elem, int kD, int kBlockN, bool Is_local, int kStages, bool kPingPong>
+__global__ void __launch_bounds__(384, 1)
+flash_fwd_sm90_fp8_kernel(const FlashParams params, const __grid_constant__ FcFwdMaps maps) {
+    static_assert(kD == 128 || kD == 256, "FP8: head dims 128 and 256");
+    static_assert(kBlockN == 128, "FP8: key blocks of 128 (one 128-byte row of V^T)");
+    fc_h::ws_forward<Elem, fc_e4m3, kD, kBlockN, Is_local, false, kStages, kPingPong>(params, maps);
 }

@@ -106,6 +106,8 @@ struct FlashParams {
     float dropout_scale;       // 1 / (1 - p)
     const float* k_descale;    // decoding over an FP8 (e4m3) cache: float32 (batch, nheads_k),
     const float* v_descale;    // the cache's values times these; nullptr = 1
+                               // (the FP8 forward, flash_fwd_sm90.cu: q, k, v of float8_e4m3fn,
+    const float* q_descale;    // their values times q/k/v_descale[b * nheads_k + key head])
 };
 
 // ---- trusted values, guarded addresses -------------------------------------------------------

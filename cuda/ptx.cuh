@@ -28,6 +28,7 @@ __device__ __forceinline__ fc_u32 fc_e4m3x2_to_f16x2(fc_u32 x) {
 // ---- element types -----------------------------------------------------------------------
 // Each tag says how to convert to and from float and which mma.sync variant to issue.
 struct fc_bf16 {
+    static constexpr int kBytes = 2;   // bytes per element
     static __device__ __forceinline__ float to_float(fc_u16 x) {
         return __uint_as_float(static_cast<fc_u32>(x) << 16);
     }
@@ -52,6 +53,7 @@ struct fc_bf16 {
 };
 
 struct fc_fp16 {
+    static constexpr int kBytes = 2;
     static __device__ __forceinline__ float to_float(fc_u16 x) {
         float f;
         asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));

@@ -235,6 +235,88 @@ template <> struct Wgmma<ELEM> {                                                
 FC_WGMMA_SPECIALISE(fc_bf16, bf16)
 FC_WGMMA_SPECIALISE(fc_fp16, f16)
 #undef FC_WGMMA_SPECIALISE
+
+// ---- float8_e4m3fn operands (the FP8 forward) -----------------------------------------------
+// The tag of e4m3 inputs (one byte each); CuPy holds them as uint8 arrays of the bits.
+struct fc_e4m3 {
+    static constexpr int kBytes = 1;
+};
+
+// Four floats as four e4m3 bytes (a in the low byte), round to nearest even, saturating to
+// +-448 (NaN stays NaN). cvt packs its first source into the high half.
+__device__ __forceinline__ fc_u32 fc_f32x4_to_e4m3x4(float a, float b, float c, float d) {
+    fc_u32 r;
+    asm("{\n.reg .b16 lo, hi;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+        "mov.b32 %0, {lo, hi};\n}\n"
+        : "=r"(r) : "f"(a), "f"(b), "f"(c), "f"(d));
+    return r;
+}
+
+// Byte permute: byte i of the result is byte sel[4i+3:4i] of {b, a} (a = bytes 0-3).
+__device__ __forceinline__ fc_u32 fc_prmt(fc_u32 a, fc_u32 b, fc_u32 sel) {
+    fc_u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
+// stmatrix (sm_90): four 8 x 8 b16 matrices from registers, lane l giving the address of row
+// l % 8 of matrix l / 8; lane (r = l / 4, c = l % 4)'s register m lands in row r of matrix m,
+// bytes 4c .. 4c + 3 (the ldmatrix fragment, stored).
+__device__ __forceinline__ void stmatrix_x4(fc_u32 addr, fc_u32 r0, fc_u32 r1, fc_u32 r2,
+                                            fc_u32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+
+// D (64 x N, fp32) (+)= A (64 x 32 e4m3) * B (32 x N e4m3), k32. FP8 wgmma takes both shared
+// operands K-major only (no transpose flags). ss: A and B from shared memory; rs: A from
+// registers, four b32 of four bytes each: register 2h + v of lane (g, t) of warp w holds row
+// 16w + g + 8v, columns 16h + 4t .. 16h + 4t + 3 (low byte first), as CUTLASS's ALayout_64x32
+// and the PTX ISA's k32 A-fragment figure have it. N = 128 or 256 (the accumulator's size).
+template <> struct Wgmma<fc_e4m3> {
+    static __device__ __forceinline__ void ss(float (&d)[64], fc_u64 desc_a, fc_u64 desc_b,
+                                              int scale_d) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+            "%64, %65, p, 1, 1;\n}\n"
+            : FC_WGMMA_ACC64
+            : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    }
+    static __device__ __forceinline__ void ss(float (&d)[128], fc_u64 desc_a, fc_u64 desc_b,
+                                              int scale_d) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+            "%128, %129, p, 1, 1;\n}\n"
+            : FC_WGMMA_ACC128
+            : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    }
+    static __device__ __forceinline__ void rs(float (&d)[64], const fc_u32 (&a)[4],
+                                              fc_u64 desc_b, int scale_d) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+            "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+            : FC_WGMMA_ACC64
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+    }
+    static __device__ __forceinline__ void rs(float (&d)[128], const fc_u32 (&a)[4],
+                                              fc_u64 desc_b, int scale_d) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+            "{%128, %129, %130, %131}, %132, p, 1, 1;\n}\n"
+            : FC_WGMMA_ACC128
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+    }
+};
 #undef FC_WGMMA_ACC64
 #undef FC_WGMMA_ACC32
 #undef FC_WGMMA_ACC128

@@ -126,8 +126,8 @@ def draw_rng_state(like):
 
 def _descale_kw(q, k, v, q_descale, k_descale, v_descale, **call) -> dict:
     """The FP8 descales of a call ({} when none is given, the common case). With arrays other
-    than NumPy's, which no route takes descales for yet, the call is validated here (``call``:
-    its other arguments), which refuses it and names why."""
+    than NumPy's the call is validated here (``call``: its other arguments): the torch ops of
+    16-bit calls take no descales, so a descale given with them is refused here, by name."""
     if q_descale is None and k_descale is None and v_descale is None:
         return {}
     d = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
@@ -136,8 +136,23 @@ def _descale_kw(q, k, v, q_descale, k_descale, v_descale, **call) -> dict:
     return d
 
 
+def _torch_fp8(q) -> bool:
+    """Whether q is a float8_e4m3fn torch tensor (the FP8 forward: forward only, run through
+    the torch backend directly, not the autograd ops)."""
+    return library_of(q) == "torch" and str(q.dtype) == "torch.float8_e4m3fn"
+
+
+def _no_grad_fp8(q, k, v) -> None:
+    import torch
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)
+                                       if isinstance(x, torch.Tensor)):
+        raise _arg_error(TypeError, "q", "float8_e4m3fn tensors that do not require grad "
+                         "(FP8 attention is forward only: no backward, as in FlashAttention-3)",
+                         "a tensor that requires grad")
+
+
 def _forward(q, k, v, backend, varlen, out=None, lse=None, out_dtype=None, **kw):
-    if out is None and lse is None and library_of(q) == "torch":
+    if out is None and lse is None and library_of(q) == "torch" and not _torch_fp8(q):
         return torch_ops.forward(q, k, v, backend=backend, varlen=varlen, out_dtype=out_dtype,
                                  **kw)
     alibi, cu_q, cu_k = kw.get("alibi_slopes"), kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")
@@ -246,8 +261,11 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=
     ``dropout_p`` > 0: attention dropout with the random state ``rng_state`` (an int64 array
     (seed, offset) of q's library and device; see :mod:`flashcore.dropout`); pass the same
     ``dropout_p`` and ``rng_state`` to :func:`attention_backward`.
-    FP8 (FlashAttention-3's e4m3 forward; forward only): q, k, v float8_e4m3fn (NumPy arrays of
-    ml_dtypes for now; the Hopper kernel for CuPy and torch is not written yet), with
+    FP8 (FlashAttention-3's e4m3 forward; forward only): q, k, v float8_e4m3fn: NumPy arrays of
+    ml_dtypes and torch CPU tensors (the NumPy reference), torch.float8_e4m3fn CUDA tensors and
+    CuPy uint8 arrays holding the e4m3 bits (CuPy has no float8 dtype; ``x.view(cupy.uint8)``
+    of another library's FP8 memory) on the Hopper kernel: compute capability 9.0, head dim
+    128 or 256, dense calls (no varlen), no softcap or ALiBi. With
     ``q_descale``, ``k_descale``, ``v_descale`` float32 arrays broadcastable to
     ``(batch, nheads_k)`` (None: 1): the inputs' values are ``x * descale[b, key head]``. The
     output is bfloat16 (``out_dtype`` float16 or float32 on request), lse float32; the
@@ -299,7 +317,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         _dropout_kw(dropout_p, rng_state, q)
     fp8 = {} if q_descale is None and k_descale is None and v_descale is None else \
         _descale_kw(q, k, v, q_descale, k_descale, v_descale)
-    if library_of(q) == "torch":    # validated once, inside (this path is per-call overhead)
+    if library_of(q) == "torch" and not _torch_fp8(q):
+        # validated once, inside (this path is per-call overhead)
         # (dropout's arguments named, not **drop: an empty ** costs a call about 0.3 us)
         out, lse = torch_ops.autograd_attention(
             q, k, v, backend=backend, causal=causal, softmax_scale=softmax_scale,
@@ -307,6 +326,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
             deterministic=deterministic, dropout_p=drop["dropout_p"] if drop else 0.0,
             rng_state=drop["rng_state"] if drop else None)
     else:
+        if _torch_fp8(q):       # forward only: inputs that require grad are refused by name
+            _no_grad_fp8(q, k, v)
         out, lse = _forward(q, k, v, backend, False, causal=causal, softmax_scale=softmax_scale,
                             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                             deterministic=deterministic, **drop, **fp8)
@@ -379,9 +400,11 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
               **_dropout_kw(dropout_p, rng_state, q))
     kw.update(_descale_kw(q, k, v, q_descale, k_descale, v_descale, varlen=True,
                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k))
-    if library_of(q) == "torch":
+    if library_of(q) == "torch" and not _torch_fp8(q):
         out, lse = torch_ops.autograd_attention(q, k, v, backend=backend, varlen=True, **kw)
     else:
+        if _torch_fp8(q):
+            _no_grad_fp8(q, k, v)
         out, lse = _forward(q, k, v, backend, True, **kw)
     return (out, lse) if return_lse else out
 

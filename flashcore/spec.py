@@ -22,9 +22,10 @@ __all__ = ["AttentionSpec", "KVCacheSpec", "forward_spec", "backward_spec", "kvc
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 # FP8 inputs (FlashAttention-3's e4m3 forward): forward only, with per-(batch, key head)
-# descale factors; on NumPy arrays (ml_dtypes) for now, the reference of the Hopper kernel to come.
-# Decoding (attention_with_kvcache) takes FP8 caches with 16-bit queries, on every library (a
-# CuPy cache as uint8 bits: see cache_dtype_of)
+# descale factors; NumPy arrays (ml_dtypes) and torch CPU tensors on the NumPy reference, CuPy
+# arrays (uint8 holding the bits: see cache_dtype_of) and CUDA tensors on the Hopper kernel
+# (the CuPy backend says by name what it refuses: other devices, head dims, varlen, ...).
+# Decoding (attention_with_kvcache) takes FP8 caches with 16-bit queries, on every library.
 FP8_DTYPES = ("float8_e4m3fn",)
 
 
@@ -128,14 +129,17 @@ def _check_q_and_kv(q, k, v, k_name, v_name, q_ndim, kv_ndim=None, fp8=False):
     _check_array(k_name, k, kv_ndim, lib, device)
     _check_array(v_name, v, kv_ndim, lib, device)
     dt = dtype_name(q)
+    if fp8:      # (a CuPy uint8 array holds float8_e4m3fn bits: CuPy has no float8 dtype)
+        dt = cache_dtype_of(q)
     if dt in FP8_DTYPES and not fp8:
         raise _arg_error(TypeError, "q", f"a floating dtype in {FLOAT_DTYPES} (float8_e4m3fn "
                          "inputs are taken by the forward functions only)", f"dtype {dt}")
     if dt not in FLOAT_DTYPES + (FP8_DTYPES if fp8 else ()):
         raise _arg_error(TypeError, "q", f"a floating dtype in {FLOAT_DTYPES}", f"dtype {dt}")
     for n, x in ((k_name, k), (v_name, v)):
-        if dtype_name(x) != dt:
-            raise _arg_error(TypeError, n, f"dtype {dt} like 'q'", f"dtype {dtype_name(x)}")
+        xdt = cache_dtype_of(x) if fp8 else dtype_name(x)
+        if xdt != dt:
+            raise _arg_error(TypeError, n, f"dtype {dt} like 'q'", f"dtype {xdt}")
     return lib, device, dt
 
 
@@ -261,20 +265,15 @@ def forward_spec(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, 
 
 
 def _fp8(spec, dropout_p, descales) -> None:
-    """FP8 inputs: NumPy arrays (for now), no dropout, each descale None (1.0) or a float32 array
-    of q's library broadcastable to (batch, nheads_k), as FlashAttention-3 defines them; other
-    inputs take no descale."""
+    """FP8 inputs: no dropout, each descale None (1.0) or a float32 array of q's library and
+    device broadcastable to (batch, nheads_k), as FlashAttention-3 defines them; other inputs
+    take no descale. (Which devices and options the kernels take is the backends' to say.)"""
     if spec.dtype not in FP8_DTYPES:
         for name, d in descales:
             if d is not None:
                 raise _arg_error(ValueError, name, "None unless q, k and v are float8_e4m3fn",
                                  _describe(d))
         return
-    if spec.library != "numpy":
-        raise _arg_error(TypeError, "q", "float8_e4m3fn inputs as NumPy arrays (ml_dtypes): "
-                         "the FP8 forward runs on the NumPy reference backend for now; the Hopper "
-                         "FP8 kernel for CuPy and torch arrays is not written yet",
-                         f"a {spec.library} array of dtype {spec.dtype} on {spec.device}")
     if dropout_p:
         raise _arg_error(ValueError, "dropout_p", "0.0 with float8_e4m3fn inputs (FP8 attention "
                          "is forward only, for inference)", dropout_p)

@@ -108,6 +108,8 @@ def test_hopper_kernels_compile(source):
 def _spill_allowance(mangled: str) -> int:
     """Spill bytes allowed for a Hopper kernel, from its mangled template arguments."""
     bools = re.findall(r"Lb([01])E", mangled)
+    if mangled.startswith("_Z25flash_fwd_sm90_fp8_kernel"):
+        return 0                             # (no dropout; its last flag is ping-pong)
     if mangled.startswith("_Z24flash_fwd_sm90_ws_kernel"):
         dropout = bools[1] == "1"            # <Elem, d, block_n, local, dropout, stages, pp>
     else:
@@ -128,6 +130,15 @@ def _spills_by_kernel(log: str) -> dict:
         if m and cur is not None:
             out[cur] = int(m.group(2))
     return out
+
+
+def test_fp8_forward_kernels_are_listed_for_the_hopper_compile():
+    """The FP8 forward (flash_fwd_sm90_fp8_kernel) is compiled for sm_90a with the rest of the
+    Hopper forward, every instantiation, with no spills (test_hopper_kernels_compile)."""
+    from flashcore.kernels import forward
+    names = forward.fp8_instantiations()
+    assert len(names) == 16 and set(names) <= set(forward.sm90_instantiations())
+    assert {n.split("<")[1].split(",")[1].strip() for n in names} == {"128", "256"}
 
 
 def test_decode_cluster_kernels_compile():

@@ -122,12 +122,31 @@ def test_refusals_name_the_argument():
              cache_seqlens=np.array([8, 8], np.int32))
 
 
-def test_torch_fp8_tensors_are_refused_by_name():
+def test_torch_cpu_fp8_tensors_run_on_the_numpy_reference():
+    """torch.float8_e4m3fn CPU tensors: the NumPy backend's result (bfloat16 rounded by torch,
+    the same rounding), forward only: inputs that require grad and the backward are refused
+    by name; descales with 16-bit tensors too."""
     torch = pytest.importorskip("torch", reason="PyTorch is not installed")
-    q = torch.zeros(1, 8, 2, 64).to(torch.float8_e4m3fn)
-    for fn in (flashcore.attention, flashcore.attention_forward):
-        with pytest.raises(TypeError, match="'q'.*NumPy arrays"):
-            fn(q, q, q)
+    rng = np.random.default_rng(4)
+    (q8, k8, v8), ds, _ = _quantised(rng, sq=24, sk=40)
+    want, want_lse = flashcore.attention_forward(q8, k8, v8, causal=True, q_descale=ds[0],
+                                                 k_descale=ds[1], v_descale=ds[2])
+    tq, tk, tv = (torch.from_numpy(x.view(np.uint8)).view(torch.float8_e4m3fn)
+                  for x in (q8, k8, v8))
+    td = [torch.from_numpy(d) for d in ds]
+    out, lse = flashcore.attention_forward(tq, tk, tv, causal=True, q_descale=td[0],
+                                           k_descale=td[1], v_descale=td[2])
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    np.testing.assert_array_equal(out.float().numpy(), want.astype(np.float32))
+    np.testing.assert_array_equal(lse.numpy(), want_lse)
+    o2 = flashcore.attention(tq, tk, tv, causal=True, q_descale=td[0], k_descale=td[1],
+                             v_descale=td[2])
+    np.testing.assert_array_equal(o2.float().numpy(), want.astype(np.float32))
+    assert flashcore.attention_forward(tq, tk, tv, out_dtype="float16")[0].dtype == torch.float16
+    with pytest.raises(TypeError, match="'q'.*forward only"):
+        flashcore.attention(tq.clone().requires_grad_(True), tk, tv)
+    with pytest.raises(TypeError, match="'q'.*forward only"):
+        flashcore.attention_backward(tq, tq, tk, tv, tq, torch.zeros(2, 4, 24))
     with pytest.raises(ValueError, match="'q_descale'"):
         flashcore.attention(torch.zeros(1, 8, 2, 64), torch.zeros(1, 8, 2, 64),
                             torch.zeros(1, 8, 2, 64), q_descale=torch.ones(1, 2))

@@ -44,3 +44,15 @@ def test_refusals():
     # a padded head stride that stays a multiple of 16 bytes is fine (a strided view)
     assert tma.map_spec(_arr((2, 30, 4, 128), strides=(30 * 4 * 136 * 2, 4 * 136 * 2, 136 * 2, 2)),
                         128) is not None
+
+
+def test_fp8_bytes_take_boxes_of_128_elements():
+    """The FP8 forward's uint8 arrays (float8_e4m3fn bits): 128 one-byte elements per
+    128-byte swizzled row; head dims that are not a multiple of 128 are refused."""
+    shape = (2, 300, 8, 256)
+    strides = tuple(int(s) for s in np.cumprod((1,) + shape[::-1])[:-1][::-1])
+    sp = tma.map_spec(_arr(shape, "uint8", strides), 128)
+    assert sp.dtype_code == 0
+    assert list(sp.dims) == [256, 300, 8, 2] and list(sp.box) == [128, 128, 1, 1]
+    assert list(sp.strides) == [8 * 256, 256, 300 * 8 * 256]
+    assert tma.map_spec(_arr((2, 30, 4, 64), "uint8", (30 * 4 * 64, 4 * 64, 64, 1)), 128) is None

@@ -87,10 +87,23 @@ def _fp8_headdim_reason(spec) -> str | None:
     return None
 
 
+def _fp8_reasons(spec, backward) -> list[str]:
+    """Why the FP8 forward kernel cannot take this float8_e4m3fn call (named), or []."""
+    import cupy
+    from ..kernels.forward import fp8_reasons
+    cc = int(cupy.cuda.Device(int(spec.device.split(":")[1])).compute_capability)
+    r = fp8_reasons(cc, spec.headdim, varlen=spec.varlen, softcap=spec.softcap,
+                    alibi=spec.alibi is not None, paged=spec.paged, dropout=bool(spec.dropout_p))
+    if backward:
+        r.append("argument 'q': float8_e4m3fn attention is forward only (no backward)")
+    return r
+
+
 class CupyBackend(Backend):
     name = "cupy"
     libraries = ("cupy",)
-    dtypes = ("float16", "bfloat16")
+    # float8_e4m3fn: the FP8 forward (uint8 CuPy arrays of the bits; see _fp8_reasons)
+    dtypes = ("float16", "bfloat16", "float8_e4m3fn")
     max_headdim = 256        # any head dim up to 256: others than multiples of 8 are padded
     is_deterministic = False   # dQ is accumulated with atomics unless deterministic=True
     supports_kvcache = True    # when flashcore.kernels.decode imports (see the reasons)
@@ -126,6 +139,8 @@ class CupyBackend(Backend):
             cc = int(cupy.cuda.Device(int(spec.device.split(":")[1])).compute_capability)
             if cc < MIN_COMPUTE_CAPABILITY:
                 r.append(f"device {spec.device} has compute capability {cc / 10:.1f} < 8.0")
+        if spec.dtype == "float8_e4m3fn":
+            r.extend(_fp8_reasons(spec, backward))
         return r
 
     @staticmethod
@@ -141,9 +156,14 @@ class CupyBackend(Backend):
         return kw
 
     def forward(self, spec, q, k, v, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                out=None, lse=None, block_table=None, out_fp32=False, rng_state=None):
+                out=None, lse=None, block_table=None, out_fp32=False, rng_state=None,
+                descales=None, fp8_out="bfloat16"):
+        """FP8 (``spec.dtype`` float8_e4m3fn): q, k, v uint8 arrays of the bits, ``descales``
+        (q, k, v; None or float32 broadcastable to (batch, nheads_k)), out in ``fp8_out``."""
         import cupy
         from ..kernels.forward import launch_forward
+        if spec.dtype == "float8_e4m3fn":
+            return self._forward_fp8(spec, q, k, v, out, lse, descales, fp8_out)
         with cupy.cuda.Device(q.device.id), _translate_oom("forward"):
             if out is None:
                 out = cupy.empty(q.shape, dtype=cupy.float32 if out_fp32 else q.dtype)
@@ -165,6 +185,32 @@ class CupyBackend(Backend):
                     plans.spoil()      # copies around the launch: never replayed
                 else:
                     plans.offer(launch_forward(q, k, v, out, lse, **kw))
+            else:   # no queries, or no keys at all: nothing is visible
+                out[...] = 0
+                lse[...] = -cupy.inf
+        return out, lse
+
+    def _forward_fp8(self, spec, q, k, v, out, lse, descales, fp8_out):
+        import cupy
+        from ..kernels.forward import fp8_reasons, launch_forward_fp8
+        from ..spec import exact_descale
+        why = fp8_reasons(int(cupy.cuda.Device(q.device.id).compute_capability), spec.headdim,
+                          varlen=spec.varlen, softcap=spec.softcap,
+                          alibi=spec.alibi is not None, paged=spec.paged)
+        if why:
+            raise ValueError("; ".join(why))
+        qd, kd, vd = (exact_descale(d, spec.batch, spec.nheads_k)
+                      for d in (descales or (None, None, None)))
+        with cupy.cuda.Device(q.device.id), _translate_oom("forward"):
+            if out is None:
+                out = cupy.empty(q.shape, dtype=_np_dtype(fp8_out))
+            if lse is None:
+                lse = cupy.empty((spec.batch, spec.nheads, spec.seqlen_q), dtype=cupy.float32)
+            if q.size and k.shape[1]:
+                plans.offer(launch_forward_fp8(
+                    q.view(cupy.uint8), k.view(cupy.uint8), v.view(cupy.uint8), out, lse,
+                    softmax_scale=spec.softmax_scale, window_left=spec.window_left,
+                    window_right=spec.window_right, q_descale=qd, k_descale=kd, v_descale=vd))
             else:   # no queries, or no keys at all: nothing is visible
                 out[...] = 0
                 lse[...] = -cupy.inf
@@ -306,6 +352,15 @@ class CupyBackend(Backend):
             if after is cache_seqlens:      # the decode kernel was all of the call
                 plans.offer(piece)
         return out, lse
+
+
+def _np_dtype(name):
+    """The NumPy dtype of an output dtype name (bfloat16 through ml_dtypes)."""
+    import numpy as np
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
 
 
 def _padded_shape(x):

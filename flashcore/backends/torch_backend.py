@@ -112,7 +112,7 @@ class TorchBackend(Backend):
 
     name = "torch"
     libraries = ("torch",)
-    dtypes = FLOAT_DTYPES
+    dtypes = FLOAT_DTYPES + ("float8_e4m3fn",)   # (FP8: forward only, see _forward_fp8)
     supports_kvcache = True
     supports_fp8_kvcache = True   # torch.float8_e4m3fn caches (as the backend delegated to)
 
@@ -139,9 +139,15 @@ class TorchBackend(Backend):
     # -- the work (plain tensors in and out; autograd lives in the custom ops below) --------
 
     def forward(self, spec, q, k, v, *, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                block_table=None, out_fp32=False, rng_state=None):
-        """Return ``(out, lse)`` as torch tensors on q's device; out contiguous, like q."""
+                block_table=None, out_fp32=False, rng_state=None, descales=None,
+                fp8_out="bfloat16"):
+        """Return ``(out, lse)`` as torch tensors on q's device; out contiguous, like q.
+        torch.float8_e4m3fn q, k, v (``spec.dtype``; forward only, no autograd): ``descales``
+        (q, k, v), out in ``fp8_out``; see :meth:`_forward_fp8`."""
         import torch
+        if spec.dtype == "float8_e4m3fn":
+            return self._forward_fp8(torch, spec, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                     descales, fp8_out)
         extra = {n: t for n, t in (("block_table", block_table), ("rng_state", rng_state))
                  if t is not None}
         if q.device.type == "cpu":
@@ -163,6 +169,37 @@ class TorchBackend(Backend):
                        alibi_slopes=_cp(alibi_slopes), cu_seqlens_q=_cp(cu_seqlens_q),
                        cu_seqlens_k=_cp(cu_seqlens_k), out=_cp(out), lse=_cp(lse),
                        **{n: _cp(t) for n, t in extra.items()})
+        return out, lse
+
+    def _forward_fp8(self, torch, spec, q, k, v, cu_seqlens_q, cu_seqlens_k, descales,
+                     fp8_out):
+        """FP8 tensors cross as their bytes: ml_dtypes float8_e4m3fn views on CPU (the NumPy
+        reference), uint8 CuPy views on CUDA (the Hopper kernel); the descales as given on
+        CPU, as contiguous float32 (batch, nheads_k) tensors on CUDA."""
+        from ..spec import exact_descale
+        descales = descales or (None, None, None)
+        q8, k8, v8 = (x.detach().view(torch.uint8) for x in (q, k, v))
+        if q.device.type == "cpu":
+            import ml_dtypes
+            # (bfloat16 has no torch view of NumPy's: float32, rounded by torch the same way)
+            bf16 = fp8_out == "bfloat16"
+            out, lse = get_backend("numpy").forward(
+                _on_library(spec, "numpy"),
+                *(_np(x).view(ml_dtypes.float8_e4m3fn) for x in (q8, k8, v8)),
+                cu_seqlens_q=_np(cu_seqlens_q), cu_seqlens_k=_np(cu_seqlens_k),
+                descales=tuple(_np(d) for d in descales),
+                fp8_out="float32" if bf16 else fp8_out)
+            out = _contiguous_numpy_to_torch(torch, out)
+            return (out.to(torch.bfloat16) if bf16 else out), _contiguous_numpy_to_torch(torch, lse)
+        descales = tuple(exact_descale(d, spec.batch, spec.nheads_k) for d in descales)
+        with _OnTorch(torch, q.device.index):
+            out = torch.empty(q.shape, dtype=getattr(torch, fp8_out), device=q.device)
+            lse = torch.empty((spec.batch, spec.nheads, spec.seqlen_q), dtype=torch.float32,
+                              device=q.device)
+            get_backend("cupy").forward(_on_library(spec, "cupy"), *(_cp(x) for x in (q8, k8, v8)),
+                                        out=_cp(out), lse=_cp(lse),
+                                        descales=tuple(_cp(d) for d in descales),
+                                        fp8_out=fp8_out)
         return out, lse
 
     def backward(self, spec, dout, q, k, v, out, lse, *, alibi_slopes=None,

@@ -19,7 +19,9 @@ from .params import WINDOW_NONE, as_kernel_arg, make_params
 
 __all__ = ["launch_forward", "kernel_name", "instantiations", "tile_config", "smem_bytes",
            "set_tile_override", "TileConfig", "HEADDIM_TILES", "set_sm90", "sm90_applies",
-           "sm90_kernel_name", "sm90_ws_kernel_name", "sm90_instantiations", "SM90_SOURCE"]
+           "sm90_kernel_name", "sm90_ws_kernel_name", "sm90_instantiations", "SM90_SOURCE",
+           "launch_forward_fp8", "fp8_kernel_name", "fp8_instantiations", "fp8_reasons",
+           "FP8_HEADDIMS"]
 
 SOURCE = "flash_fwd.cu"
 HEADDIM_TILES = (32, 64, 96, 128, 192, 256)
@@ -251,13 +253,164 @@ def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool, dropout: 
 
 
 def sm90_instantiations() -> list[str]:
-    """Every template name of the Hopper forward (compiled for sm_90a only)."""
+    """Every template name of the Hopper forward (compiled for sm_90a only), the FP8 kernel's
+    included."""
     flags = (False, True)
     return sorted({sm90_kernel_name(dt, d, loc, pipe, drop) for dt in ("float16", "bfloat16")
                    for d in SM90_HEADDIMS for loc in flags for pipe in flags for drop in flags}
                   | {sm90_ws_kernel_name(dt, d, loc, drop, pingpong=pp)
                      for dt in ("float16", "bfloat16") for d in SM90_HEADDIMS for loc in flags
-                     for drop in flags for pp in flags})
+                     for drop in flags for pp in flags}
+                  | set(fp8_instantiations()))
+
+
+# ---- the FP8 forward (cuda/flash_fwd_sm90.cu: flash_fwd_sm90_fp8_kernel) ---------------------
+# float8_e4m3fn q, k, v (CuPy uint8 arrays of the bits), compute capability 9.0, dense calls
+# whose arrays TMA can read (others are copied into contiguous ones first).
+FP8_HEADDIMS = (128, 256)
+FP8_MIN_COMPUTE_CAPABILITY = FP8_MAX_COMPUTE_CAPABILITY = 90
+FP8_OUT_DTYPES = ("bfloat16", "float16", "float32")
+# (keys per block, K / V^T ring depth) per head dim: 128-key blocks (one 128-byte V^T row); the
+# ring as deep as shared memory allows next to the producer's two raw V buffers (d256: Q 32 KiB
+# + 2 x (K 32 + V^T 32) + raw 2 x 32 = 224 KiB).
+_FP8_TILES = {128: (128, 3), 256: (128, 2)}
+
+
+def fp8_tile(headdim: int) -> tuple[int, int]:
+    """(block_n, stages) of the FP8 kernel."""
+    return _FP8_TILES[headdim]
+
+
+def fp8_smem(headdim: int) -> int:
+    """Q + the K and V^T rings + the raw V ring (2) + the mbarriers (Q, 4 per stage, 2 raw) +
+    alignment slack, 1-byte elements."""
+    block_n, stages = fp8_tile(headdim)
+    return 128 * headdim + (2 * stages + 2) * block_n * headdim + 8 * (3 + 4 * stages) + 1024
+
+
+def fp8_pingpong() -> bool:
+    """Whether the FP8 kernel's consumers take turns (the ``sm90_fwd_pingpong`` setting; by
+    default on: with products at twice the 16-bit rate the softmax is the longer pipe, and
+    ping-pong runs one warpgroup's under the other's products. Not yet measured)."""
+    pp = config.get().sm90_fwd_pingpong
+    return True if pp is None else pp
+
+
+def fp8_kernel_name(out_dtype: str, headdim: int, is_local: bool,
+                    pingpong: bool | None = None) -> str:
+    """``out_dtype``: bfloat16 or float16 (the kernel's Elem), or float32 (Elem unused: the
+    bfloat16 instantiation writes float32 with ``o_fp32``)."""
+    block_n, stages = fp8_tile(headdim)
+    elem = _elem_tag("bfloat16" if out_dtype == "float32" else out_dtype)
+    pp = fp8_pingpong() if pingpong is None else pingpong
+    return (f"flash_fwd_sm90_fp8_kernel<{elem}, {headdim}, {block_n}, {_b(is_local)}, "
+            f"{stages}, {_b(pp)}>")
+
+
+def fp8_instantiations() -> list[str]:
+    """Every template name of the FP8 forward."""
+    return sorted({fp8_kernel_name(dt, d, loc, pp) for dt in ("float16", "bfloat16")
+                   for d in FP8_HEADDIMS for loc in (False, True) for pp in (False, True)})
+
+
+def fp8_reasons(cc: int, headdim: int, *, varlen=False, softcap=0.0, alibi=False,
+                paged=False, dropout=False) -> list[str]:
+    """Why the FP8 kernel cannot run a call (each reason names its argument), or []."""
+    r = []
+    if not FP8_MIN_COMPUTE_CAPABILITY <= cc <= FP8_MAX_COMPUTE_CAPABILITY:
+        r.append(f"argument 'q': float8_e4m3fn inputs run on compute capability 9.0 (Hopper: "
+                 f"FP8 wgmma), this device has {cc / 10:.1f}")
+    if headdim not in FP8_HEADDIMS:
+        r.append(f"argument 'q': float8_e4m3fn inputs take headdim 128 or 256 on the GPU, got "
+                 f"headdim {headdim}")
+    if varlen or paged:
+        r.append("argument 'cu_seqlens_q': float8_e4m3fn inputs are not supported in varlen "
+                 "(packed) calls on the GPU (the warp-specialised TMA kernel reads dense "
+                 "(batch, seqlen, heads, headdim) arrays only)")
+    if softcap:
+        r.append("argument 'softcap': 0.0 with float8_e4m3fn inputs on the GPU (the Hopper "
+                 "kernels have no softcap)")
+    if alibi:
+        r.append("argument 'alibi_slopes': None with float8_e4m3fn inputs on the GPU")
+    if dropout:
+        r.append("argument 'dropout_p': 0.0 with float8_e4m3fn inputs")
+    return r
+
+
+def _fp8_bytes(arr):
+    """An FP8 input as the tensor maps read it: uint8, base and used strides multiples of 16
+    bytes (else a contiguous copy)."""
+    return _as_input(arr, 16)
+
+
+def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
+                       window_right: int, q_descale=None, k_descale=None, v_descale=None):
+    """Run the FP8 forward: ``out`` and ``lse`` written in place.
+
+    q (b, sq, h, d), k and v (b, sk, h_k, d): uint8 CuPy arrays of float8_e4m3fn bits, d 128 or
+    256; out like q in bfloat16, float16 or float32; lse float32 (b, h, sq), contiguous;
+    descales None (1) or contiguous float32 (b, h_k) CuPy arrays. Windows use -1 for
+    unbounded. The caller has checked the device (compute capability 9.0). Returns the launch
+    as a :class:`plans.Piece`, or None (a copy was involved, or nothing was launched).
+    """
+    import cupy
+    from ..jit import device_facts, get_kernel
+    from .tma import maps_for
+
+    given = (q, k, v)
+    q, k, v = _fp8_bytes(q), _fp8_bytes(k), _fp8_bytes(v)
+    out_final = None
+    if out.size and not _used_strides_ok(out, 8 if out.dtype.itemsize == 2 else 4, 16):
+        out_final, out = out, cupy.empty(out.shape, out.dtype)
+    batch, seqlen_q, nheads, headdim = (int(x) for x in q.shape)
+    seqlen_k, nheads_k = int(k.shape[1]), int(k.shape[2])
+    if batch == 0 or seqlen_q == 0 or nheads == 0:
+        return None
+    if not softmax_scale > 0.0:
+        raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
+    if nheads > 65535 or batch > 65535:
+        raise ValueError(f"the forward grid allows at most 65535 heads and 65535 sequences "
+                         f"(got nheads={nheads}, batch={batch})")
+    device_id = q.device.id
+    cc = device_facts(device_id)[0]
+    why = fp8_reasons(cc, headdim)
+    if why:
+        raise ValueError("; ".join(why))
+    wl, wr = _window(window_left), _window(window_right)
+    is_local = wl != WINDOW_NONE or wr != WINDOW_NONE
+    block_n = fp8_tile(headdim)[0]
+    ws = maps_for((q, 128), (k, block_n), (v, block_n))
+    if ws is None:       # (cannot happen for the arrays _fp8_bytes makes)
+        raise ValueError("the FP8 forward's tensor maps could not be encoded for these arrays")
+    out_dtype = out.dtype.name
+    smem = fp8_smem(headdim)
+    kernel = get_kernel(SM90_SOURCE, fp8_kernel_name(out_dtype, headdim, is_local), device_id,
+                        cc, smem, config.get().sm90_defines)
+    qs, ks, vs, os_ = _strides(q), _strides(k), _strides(v), _strides(out)
+    params = make_params(
+        q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
+        q_batch_stride=qs[0], q_row_stride=qs[1], q_head_stride=qs[2],
+        k_batch_stride=ks[0], k_row_stride=ks[1], k_head_stride=ks[2],
+        v_batch_stride=vs[0], v_row_stride=vs[1], v_head_stride=vs[2],
+        o_batch_stride=os_[0], o_row_stride=os_[1], o_head_stride=os_[2],
+        lse_batch_stride=lse.strides[0] // 4, lse_head_stride=lse.strides[1] // 4,
+        batch=batch, nheads=nheads, nheads_k=nheads_k, headdim=headdim,
+        seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=wl, window_right=wr,
+        o_fp32=int(out.dtype == cupy.float32),
+        softmax_scale=float(softmax_scale), scale_log2=float(softmax_scale) * _LOG2E,
+        q_descale=None if q_descale is None else q_descale.data.ptr,
+        k_descale=None if k_descale is None else k_descale.data.ptr,
+        v_descale=None if v_descale is None else v_descale.data.ptr,
+    )
+    grid, block = (math.ceil(seqlen_q / 128), nheads, batch), (384, 1, 1)
+    with cupy.cuda.Device(device_id):
+        kernel(grid, block, (as_kernel_arg(params), ws[0].arg()), shared_mem=smem)
+        if out_final is not None:
+            out_final[...] = out
+    if out_final is None and all(a is b for a, b in zip((q, k, v), given)):
+        return plans.Piece([(kernel, grid, block, smem)], params,
+                           maps=list(zip(("q", "k", "v"), ws[1])))
+    return None
 
 
 def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,

@@ -7,8 +7,9 @@ microsecond, no device work); the kernel receives it as a ``__grid_constant__`` 
 (``FcTensorMap`` in ``cuda/sm90_pipeline.cuh``).
 
 A (batch, seqlen, heads, headdim) array is described innermost first as the rank-4 tensor
-(headdim, seqlen, heads, batch), boxes of 64 x ``rows`` x 1 x 1 (64 16-bit elements = one
-128-byte swizzled row), rows past ``seqlen`` zero-filled by the hardware. The driver is reached
+(headdim, seqlen, heads, batch), boxes of 128 bytes x ``rows`` x 1 x 1 (64 16-bit elements, or
+128 bytes of an FP8 array held as uint8: one 128-byte swizzled row), rows past ``seqlen``
+zero-filled by the hardware. The driver is reached
 through ctypes (``libcuda.so.1``): no CUDA Python package is needed.
 """
 from __future__ import annotations
@@ -19,7 +20,9 @@ from typing import NamedTuple
 __all__ = ["MapSpec", "map_spec", "Maps", "maps_for"]
 
 MAP_BYTES = 128
-_DTYPE_CODE = {"float16": 6, "bfloat16": 9}   # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
+# CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16 / _UINT8 (float8_e4m3fn bits: the FP8 forward)
+_DTYPE_CODE = {"float16": 6, "bfloat16": 9, "uint8": 0}
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "uint8": 1}
 _INTERLEAVE_NONE = 0
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
@@ -53,14 +56,16 @@ class MapSpec(NamedTuple):
 
 
 def map_spec(arr, box_rows: int) -> MapSpec | None:
-    """The map of a (batch, seqlen, heads, headdim) CuPy array with boxes of 64 x box_rows, or
-    None when TMA cannot read it (base or a used stride not a multiple of 16 bytes, headdim
-    not a multiple of 64, an extent past the driver's limits)."""
+    """The map of a (batch, seqlen, heads, headdim) CuPy array with boxes of 128 bytes x
+    box_rows, or None when TMA cannot read it (base or a used stride not a multiple of 16
+    bytes, a row not a multiple of 128 bytes, an extent past the driver's limits)."""
     code = _DTYPE_CODE.get(arr.dtype.name)
     if code is None or arr.ndim != 4 or arr.data.ptr % 16:
         return None
     b, s, h, d = (int(x) for x in arr.shape)
-    if d % 64 or arr.strides[3] != 2 or min(b, s, h) < 1:
+    isz = _ITEMSIZE[arr.dtype.name]
+    box_inner = 128 // isz
+    if d % box_inner or arr.strides[3] != isz or min(b, s, h) < 1:
         return None
     strides = []
     for n, st in zip((s, h, b), (arr.strides[1], arr.strides[2], arr.strides[0])):
@@ -71,7 +76,7 @@ def map_spec(arr, box_rows: int) -> MapSpec | None:
         strides.append(st)
     if max(b, s, h, d) >= 1 << 31:
         return None
-    return MapSpec(code, _U64x4(d, s, h, b), _U64x3(*strides), _U32x4(64, box_rows, 1, 1))
+    return MapSpec(code, _U64x4(d, s, h, b), _U64x3(*strides), _U32x4(box_inner, box_rows, 1, 1))
 
 
 class Maps:

@@ -1,0 +1,117 @@
+"""The Hopper FP8 forward (issue #17: >= 1.0 PFLOP/s at head dims 128 and 256 from 4k keys,
+non-causal) against flashcore's bfloat16 forward and torch SDPA's cuDNN bfloat16 kernel, in
+the same process.
+
+    python tests/diagnostics/bench_fp8_forward.py [--seqlens 4096,8192,16384] [--headdims 128,256]
+                                                 [--pingpong both|on|off] [--no-check]
+
+First a correctness check on a few small cases (against the float64 attention of the
+dequantised inputs, with the flash-attn rule in FP8: error at most twice that of the NumPy
+emulation, flashcore.reference.fp8_forward, plus the bfloat16 output's rounding). Then, through
+the public API on torch CUDA tensors (torch.float8_e4m3fn q, k, v with per-(batch, key head)
+descales; bf16 q, k, v for the peers), GPU time by ``flashcore.bench.gpu_time`` (CUDA events
+after warm-up, L2 flushed, median) at flash-attn's sizes: 16k tokens per batch, hidden 2048
+(nheads = 2048 / d), non-causal and causal. TFLOP/s with flash-attn's count 4·b·h·s²·d (halved
+for causal), the same count for all three. ``--pingpong``: the FP8 kernel with the consumers'
+ping-pong on, off, or both (two columns).
+"""
+from __future__ import annotations
+
+import sys
+
+
+def _arg(argv, name, default):
+    return argv[argv.index(name) + 1] if name in argv else default
+
+
+def check(torch, flashcore):
+    """A few cases against the rule; prints one line each, returns whether all passed."""
+    import numpy as np
+    from flashcore.reference import fp8_dequantize, fp8_forward, naive_forward
+    from flashcore.spec import forward_spec
+    import ml_dtypes
+    ok = True
+    rng = np.random.default_rng(0)
+    for b, sq, sk, h, hk, d, kw in ((2, 255, 1000, 4, 2, 128, {}),
+                                    (1, 1000, 1000, 4, 1, 256, {"causal": True}),
+                                    (2, 17, 600, 2, 2, 128, {"window_size": (128, 16)}),
+                                    (1, 512, 512, 8, 2, 256, {})):
+        q8s, ds = [], []
+        for n, heads in ((sq, h), (sk, hk), (sk, hk)):
+            x = rng.standard_normal((b, n, heads, d)) * 2.0
+            amax = np.abs(x).reshape(b, n, hk, heads // hk, d).max(axis=(1, 3, 4))
+            s = (amax / 448.0).astype(np.float32)
+            q8s.append((x / np.repeat(s, heads // hk, 1)[:, None, :, None])
+                       .astype(ml_dtypes.float8_e4m3fn))
+            ds.append(s)
+        exact = [fp8_dequantize(x, s, hk).astype(np.float64) for x, s in zip(q8s, ds)]
+        want, _ = naive_forward(forward_spec(*exact, **kw), *exact)
+        emul, _ = fp8_forward(forward_spec(*q8s, **kw), *q8s, tuple(ds))
+        emul_err = np.abs(emul - want).max()
+        t = [torch.from_numpy(x.view(np.uint8)).cuda().view(torch.float8_e4m3fn) for x in q8s]
+        td = [torch.from_numpy(s).cuda() for s in ds]
+        out, _ = flashcore.attention_forward(*t, q_descale=td[0], k_descale=td[1],
+                                             v_descale=td[2], **kw)
+        err = np.abs(out.float().cpu().numpy() - want).max()
+        bound = 2 * emul_err + np.abs(want).max() * 2.0 ** -8
+        good = bool(np.isfinite(err) and err <= bound)
+        ok &= good
+        print(f"# check b{b} sq{sq} sk{sk} h{h}/{hk} d{d} {kw or ''}: error {err:.4f}, "
+              f"emulated {emul_err:.4f}, bound {bound:.4f}: {'ok' if good else 'FAILED'}")
+    return ok
+
+
+def main(argv):
+    import torch
+    import torch.nn.functional as F
+    import flashcore
+    from flashcore import config
+    from flashcore.bench import flops, gpu_time, sdpa_pinned, shape_for
+
+    seqlens = [int(x) for x in _arg(argv, "--seqlens", "4096,8192,16384").split(",")]
+    headdims = [int(x) for x in _arg(argv, "--headdims", "128,256").split(",")]
+    pp_modes = {"both": (True, False), "on": (True,), "off": (False,)}[
+        _arg(argv, "--pingpong", "both")]
+    print(f"# torch {torch.__version__}, {torch.cuda.get_device_name()}; 16k tokens, hidden "
+          "2048; TFLOP/s (flash-attn's count), GPU time through the public API")
+    if "--no-check" not in argv and not check(torch, flashcore):
+        print("# correctness check FAILED: the timings below are of a wrong kernel")
+    cols = [f"fp8 pp={'on' if p else 'off'}" for p in pp_modes] + ["bf16 flashcore",
+                                                                  "bf16 cuDNN", "fp8/cuDNN"]
+    print(f"{'d':>4} {'seqlen':>6} {'causal':>6} | " + " | ".join(f"{c:>14}" for c in cols))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for d in headdims:
+        for s in seqlens:
+            b, _, h, _ = shape_for(s, d)
+            x16 = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                   for _ in range(3)]
+            desc = [(x.float().abs().amax(dim=(1, 3)) / 448.0).clamp_min(1e-6) for x in x16]
+            x8 = [(x.float() / ds[:, None, :, None]).to(torch.float8_e4m3fn)
+                  for x, ds in zip(x16, desc)]
+            xt = [x.transpose(1, 2) for x in x16]      # SDPA's (b, h, s, d)
+            for causal in (False, True):
+                f = flops(b, s, h, d, causal)
+                row = []
+                for pp in pp_modes:
+                    with config.override(sm90_fwd_pingpong=pp):
+                        t = gpu_time(lambda: flashcore.attention_forward(
+                            *x8, causal=causal, q_descale=desc[0], k_descale=desc[1],
+                            v_descale=desc[2]))
+                    row.append(f / t / 1e12)
+                t = gpu_time(lambda: flashcore.attention_forward(*x16, causal=causal))
+                row.append(f / t / 1e12)
+                try:
+                    with sdpa_pinned("sdpa_cudnn"):
+                        t = gpu_time(lambda: F.scaled_dot_product_attention(*xt,
+                                                                            is_causal=causal))
+                    row.append(f / t / 1e12)
+                except Exception as e:   # no cuDNN attention in this torch / for this shape
+                    print(f"# cuDNN: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+                    row.append(float("nan"))
+                row.append(max(row[:len(pp_modes)]) / row[-1])
+                print(f"{d:>4} {s:>6} {str(causal):>6} | "
+                      + " | ".join(f"{v:>14.1f}" for v in row[:-1]) + f" | {row[-1]:>14.2f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
