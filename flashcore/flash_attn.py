@@ -25,6 +25,9 @@ Names, argument order, defaults, shapes and returns are flash-attn 2.x's
   a paged cache's page size may be any multiple of 16 (flash-attn 2: 256); the new keys must
   fit in the cache (checked); ``k_descale``/``v_descale`` (keyword only, FlashAttention-3's)
   with an FP8 (float8_e4m3fn) cache, read only.
+* FlashAttention-3's FP8 forward: :func:`flash_attn_func` and :func:`flash_attn_varlen_func`
+  take float8_e4m3fn q, k, v with keyword-only ``q_descale``, ``k_descale``, ``v_descale``
+  (forward only; output bfloat16).
 
 On torch tensors the results are differentiable (``flashcore.attention``'s autograd); the
 functions also take NumPy and CuPy arrays (then without autograd).
@@ -105,7 +108,7 @@ def _dmask(q, k, dropout_p, rng_state, cu_seqlens=None, max_seqlens=None, **kw):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False):
+                    return_attn_probs=False, *, q_descale=None, k_descale=None, v_descale=None):
     """Attention over padded batches; MQA/GQA when k, v have fewer heads than q.
 
     Arguments:
@@ -121,9 +124,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             ``-slope·|i + seqlen_k - seqlen_q - j|`` to the score of query i and key j.
         deterministic: bitwise reproducible backward.
         return_attn_probs: also return the log-sum-exp (and None, see below).
+        q_descale, k_descale, v_descale: FlashAttention-3's FP8 forward (keyword only): with
+            float8_e4m3fn q, k, v, float32 (batch_size, nheads_k) factors (None: 1; a
+            per-tensor factor broadcasts), the inputs' values being ``x * descale``; forward
+            only, output bfloat16 (see :func:`flashcore.attention_forward`).
 
     Returns:
-        out: (batch_size, seqlen_q, nheads, headdim), q's dtype. With
+        out: (batch_size, seqlen_q, nheads, headdim), q's dtype (bfloat16 for FP8 inputs). With
         ``return_attn_probs=True``: ``(out, softmax_lse, S_dmask)``, softmax_lse float32
         (batch_size, nheads, seqlen_q), the natural-log log-sum-exp of each row of the final
         scores; S_dmask None without dropout, else the probabilities with the dropout
@@ -134,7 +141,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     out, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                          deterministic=deterministic, return_lse=True, dropout_p=dropout_p,
-                         rng_state=rng)
+                         rng_state=rng, q_descale=q_descale, k_descale=k_descale,
+                         v_descale=v_descale)
     probs = _dmask(q, k, dropout_p, rng, causal=causal, softmax_scale=softmax_scale,
                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes) \
         if return_attn_probs else None
@@ -171,7 +179,8 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, block_table=None):
+                           return_attn_probs=False, block_table=None, *, q_descale=None,
+                           k_descale=None, v_descale=None):
     """Attention over packed variable-length sequences (no padding).
 
     Arguments:
@@ -185,7 +194,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             and cu_seqlens_k gives the key lengths; forward only (as in flash-attn).
         alibi_slopes: (nheads,) or (batch_size, nheads), float32.
 
-    Other arguments as in :func:`flash_attn_func`; the masks apply per sequence.
+    Other arguments as in :func:`flash_attn_func` (FP8 inputs with their descales: on the
+    NumPy reference; the Hopper FP8 kernel takes dense calls only); the masks apply per
+    sequence.
 
     Returns:
         out: (total_q, nheads, headdim), or ``(out, softmax_lse, None)`` with
@@ -198,7 +209,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                 window_size=window_size, softcap=softcap,
                                 alibi_slopes=alibi_slopes, deterministic=deterministic,
                                 return_lse=True, block_table=block_table, dropout_p=dropout_p,
-                                rng_state=rng)
+                                rng_state=rng, q_descale=q_descale, k_descale=k_descale,
+                                v_descale=v_descale)
     probs = _dmask(q, k, dropout_p, rng, (cu_seqlens_q, cu_seqlens_k),
                    (max_seqlen_q, max_seqlen_k), causal=causal, softmax_scale=softmax_scale,
                    window_size=window_size, softcap=softcap,

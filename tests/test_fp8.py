@@ -150,3 +150,24 @@ def test_torch_cpu_fp8_tensors_run_on_the_numpy_reference():
     with pytest.raises(ValueError, match="'q_descale'"):
         flashcore.attention(torch.zeros(1, 8, 2, 64), torch.zeros(1, 8, 2, 64),
                             torch.zeros(1, 8, 2, 64), q_descale=torch.ones(1, 2))
+
+
+def test_flash_attn_drop_in_takes_fa3_descales():
+    """FlashAttention-3's FP8 forward through the flash-attn drop-in: keyword-only q_descale,
+    k_descale, v_descale; the same result as attention_forward, dense and varlen."""
+    from flashcore.flash_attn import flash_attn_func, flash_attn_varlen_func
+    rng = np.random.default_rng(3)
+    (q8, k8, v8), ds, _ = _quantised(rng, b=1, sq=40, sk=50)
+    want, want_lse = flashcore.attention_forward(q8, k8, v8, q_descale=ds[0], k_descale=ds[1],
+                                                 v_descale=ds[2], causal=True)
+    out, lse, probs = flash_attn_func(q8, k8, v8, causal=True, return_attn_probs=True,
+                                      q_descale=ds[0], k_descale=ds[1], v_descale=ds[2])
+    assert out.dtype == want.dtype and probs is None
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(lse, want_lse)
+    cu_q, cu_k = np.array([0, 40], np.int32), np.array([0, 50], np.int32)
+    out_v = flash_attn_varlen_func(q8[0], k8[0], v8[0], cu_q, cu_k, 40, 50, causal=True,
+                                   q_descale=ds[0], k_descale=ds[1], v_descale=ds[2])
+    np.testing.assert_array_equal(out_v, want[0])
+    with pytest.raises(ValueError, match="'q_descale'"):
+        flash_attn_func(*(x.astype(np.float32) for x in (q8, k8, v8)), q_descale=ds[0])

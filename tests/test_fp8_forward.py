@@ -300,6 +300,10 @@ def test_torch_fp8_tensors_run_the_kernel():
     assert out.dtype == torch.bfloat16 and out.is_cuda
     err = np.abs(out.float().cpu().numpy() - want).max()
     assert err <= 2 * np.abs(emul - want).max() + np.abs(want).max() * 2.0 ** -8
+    from flashcore.flash_attn import flash_attn_func     # FlashAttention-3's keywords
+    again = flash_attn_func(tq, tk, tv, causal=True, q_descale=td[0], k_descale=td[1],
+                            v_descale=td[2])
+    assert torch.equal(again, out)
     with pytest.raises(TypeError, match="'q'.*forward only"):
         flashcore.attention(tq.clone().requires_grad_(True), tk, tv)
 
