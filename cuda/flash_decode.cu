@@ -67,6 +67,10 @@ __device__ __forceinline__ void stg128f(float* p, float a, float b, float c, flo
 __device__ __forceinline__ void sts64f(fc_u32 addr, float a, float b) {
     asm volatile("st.shared.v2.f32 [%0], {%1,%2};\n" :: "r"(addr), "f"(a), "f"(b) : "memory");
 }
+__device__ __forceinline__ void sts128f(fc_u32 addr, float a, float b, float c, float d) {
+    asm volatile("st.shared.v4.f32 [%0], {%1,%2,%3,%4};\n"
+                 :: "r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
 __device__ __forceinline__ void lds128f(float (&r)[4], fc_u32 addr) {
     asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n"
                  : "=f"(r[0]), "=f"(r[1]), "=f"(r[2]), "=f"(r[3]) : "r"(addr));
@@ -383,7 +387,8 @@ template <typename Elem, int kHeadDim, int kBlockN, int kNWarps, int kStages, in
 __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     using namespace fc_dec;
     // The products' element type: q's, or with an FP8 cache fp16 (one conversion instruction
-    // per two cache values; q is converted once, see the Q tile below)
+    // per two cache values, from the bytes in registers: no 16-bit copy of the cache in shared
+    // memory; q is converted once, see the Q tile below)
     using EM = typename fc_mma_elem<Elem, Is_fp8>::type;
     static_assert(kCluster == 0 || Is_split, "a cluster merge merges splits");
     static_assert(!Is_fp8 || (Is_even_d && kHeadDim >= 128), "FP8 caches: head dims 128, 256");
@@ -405,23 +410,23 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     constexpr int kRPT = kBlockN / kRS;             // rows copied per thread per K (or V) tile
     constexpr fc_u32 kTileBytes = 2u * kBlockN * kLD;
     constexpr fc_u32 kStageBytes = 2u * kTileBytes;   // K then V
-    // FP8: each warp converts its own rows of a landed stage to 16-bit K and V tiles here,
-    // which the mma loop reads as it reads a 16-bit stage
-    constexpr fc_u32 kConvBytes = Is_fp8 ? 4u * kBlockN * kHeadDim : 0u;
-    constexpr fc_u32 kRingBytes = kStages * kStageBytes + kConvBytes;
     constexpr fc_u32 kQBytes = 2u * kBlockM * kHeadDim;
     constexpr int kRedStride = kHeadDim + 8;        // floats per row of a reduction slab
+    constexpr fc_u32 kRedBytes = (fc_u32)kNWarps * kBlockM * kRedStride * 4;
+    // The ring region: the K/V stages, reused after the main loop for the reduction slabs (and
+    // the cluster merge's partial). FP8 stages hold half the bytes: there the region is the
+    // larger of the two (decode.py _ring_bytes mirrors this).
+    constexpr fc_u32 kPostBytes = kRedBytes + 4u * kBlockM * kHeadDim + 4u * kBlockM;
+    constexpr fc_u32 kRingBytes = Is_fp8 && kPostBytes > kStages * kStageBytes
+                                  ? kPostBytes : kStages * kStageBytes;
     static_assert(kWN % 16 == 0, "each warp needs whole k16 steps of keys");
     static_assert(kHeadDim % kW == 0, "head-dim tile must be a multiple of 64");
     static_assert(kNThreads % kLCPR == 0 && kBlockN % kRS == 0, "load split");
-    static_assert(!Is_fp8 || (kWN * kLCPR) % 32 == 0, "FP8: whole passes of a warp's rows");
     static_assert(kStages >= 2, "at least double buffering");
-    static_assert((fc_u32)kNWarps * kBlockM * kRedStride * 4 <= kRingBytes,
-                  "reduction slabs must fit in the K/V ring");
+    static_assert(kRedBytes <= kRingBytes, "reduction slabs must fit in the K/V ring");
     static_assert((fc_u32)kNWarps * kMaxSplits * 4 <= kRingBytes && kQBytes >= 4,
                   "fused combine: weight tables in the ring, the flag in the Q tile");
     static_assert(kRS <= 16, "page walk: a thread's rows advance by less than a page (>= 16)");
-    constexpr fc_u32 kRedBytes = (fc_u32)kNWarps * kBlockM * kRedStride * 4;
     static_assert(kCluster == 0
                   || kRedBytes + 4u * kBlockM * kHeadDim + 4u * kBlockM <= kRingBytes,
                   "cluster merge: the partial O and lse after the reduction slabs, in the ring");
@@ -432,7 +437,6 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     const fc_u32 sQ = smem_u32(smem_raw);
     const fc_u32 sKV = sQ + kQBytes;
     const fc_u32 sRed = sKV;
-    const fc_u32 sConv = sKV + kStages * kStageBytes;   // FP8: the 16-bit K and V tiles
     float* sMax = reinterpret_cast<float*>(smem_raw + kQBytes + kRingBytes);
     float* sSum = sMax + kNWarps * kBlockM;
     float* sInv = sSum + kNWarps * kBlockM;
@@ -680,39 +684,58 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
         cp_async_commit();
     }
 
-    // ---- FP8 cache with a bfloat16 q: the Q tile to fp16 in place, times 2^-qs where qs >= 0
-    // keeps the tile's largest |q| below 2^15 (exact; fp16 holds every bf16 value in range to
-    // at least bf16's precision), and 2^qs moves into the keys' descale.
+    // ---- FP8 cache: the Q tile rewritten in place for the products with byte fragments.
+    // With a bfloat16 q it becomes fp16, times 2^-qs where qs >= 0 keeps the tile's largest |q|
+    // below 2^15 (exact; fp16 holds every bf16 value in range to at least bf16's precision),
+    // and 2^qs moves into the keys' descale. Either way the head dim is permuted inside each
+    // 16-column chunk: stored column m holds dim pi(m), pi(2t + j) = 4t + j,
+    // pi(8 + 2t + j) = 4t + 2 + j (t < 4, j < 2), i.e. the chunk's first 8 columns are its
+    // 32-bit words 0, 2, 4, 6 and the last 8 its words 1, 3, 5, 7. An ldmatrix of 8 keys x 16
+    // bytes of K gives lane 4g + t the bytes of dims 4t .. 4t + 3 of key g, whose two halves,
+    // converted, are the B registers of k positions 2t, 2t + 1 and 2t + 8, 2t + 9 (main loop).
     float q_unscale = 1.f;
-    if constexpr (fc_mma_elem<Elem, Is_fp8>::kConvertQ) {
+    if constexpr (Is_fp8) {
         cp_async_wait<kStages - 1>();   // the Q group (the oldest) landed
         __syncthreads();
-        constexpr int kQChunks = kBlockM * kCPR;
-        int* sQmax = reinterpret_cast<int*>(sMax);   // (free until the merge)
-        if (tid == 0) *sQmax = 0;
-        int e_max = 0;
-        for (int idx = tid; idx < kQChunks; idx += kNThreads) {
-            fc_u32 w[4];
-            lds128(w, sQ + 2u * (fc_u32)tile_off<kW, kBlockM>(idx / kCPR, (idx % kCPR) * 8));
+        [[maybe_unused]] float f = 1.f;
+        if constexpr (fc_mma_elem<Elem, Is_fp8>::kConvertQ) {
+            constexpr int kQChunks = kBlockM * kCPR;
+            int* sQmax = reinterpret_cast<int*>(sMax);   // (free until the merge)
+            if (tid == 0) *sQmax = 0;
+            int e_max = 0;
+            for (int idx = tid; idx < kQChunks; idx += kNThreads) {
+                fc_u32 w[4];
+                lds128(w, sQ + 2u * (fc_u32)tile_off<kW, kBlockM>(idx / kCPR, (idx % kCPR) * 8));
 #pragma unroll
-            for (int e = 0; e < 4; ++e)   // the largest exponent field of a finite value
-                e_max = max(e_max, (int)max((w[e] >> 7) & 0xFFu, (w[e] >> 23) & 0xFFu) % 255);
+                for (int e = 0; e < 4; ++e)   // the largest exponent field of a finite value
+                    e_max = max(e_max, (int)max((w[e] >> 7) & 0xFFu, (w[e] >> 23) & 0xFFu) % 255);
+            }
+            __syncthreads();
+            atomicMax(sQmax, e_max);
+            __syncthreads();
+            const int qs = max(*sQmax - 127 - 14, 0);   // |q| < 2^(e - 126) <= 2^15 after scaling
+            f = __int_as_float((127 - qs) << 23);       // 2^-qs (qs <= 113)
+            q_unscale = __int_as_float((127 + qs) << 23);
         }
-        __syncthreads();
-        atomicMax(sQmax, e_max);
-        __syncthreads();
-        const int qs = max(*sQmax - 127 - 14, 0);   // |q| < 2^(e - 126) <= 2^15 after scaling
-        const float f = __int_as_float((127 - qs) << 23);   // 2^-qs (qs <= 113)
-        q_unscale = __int_as_float((127 + qs) << 23);
-        for (int idx = tid; idx < kQChunks; idx += kNThreads) {
-            const fc_u32 a = sQ + 2u * (fc_u32)tile_off<kW, kBlockM>(idx / kCPR, (idx % kCPR) * 8);
-            fc_u32 w[4];
-            lds128(w, a);
+        constexpr int kC16 = kHeadDim / 16;   // 16-column chunks per row
+        for (int idx = tid; idx < kBlockM * kC16; idx += kNThreads) {
+            const int r = idx / kC16, c = idx % kC16;
+            const fc_u32 a0 = sQ + 2u * (fc_u32)tile_off<kW, kBlockM>(r, 16 * c);
+            const fc_u32 a1 = sQ + 2u * (fc_u32)tile_off<kW, kBlockM>(r, 16 * c + 8);
+            fc_u32 w[4], x[4];   // the chunk's words 0-3 and 4-7
+            lds128(w, a0);
+            lds128(x, a1);
+            if constexpr (fc_mma_elem<Elem, Is_fp8>::kConvertQ) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                w[e] = EM::pack2(Elem::to_float((fc_u16)(w[e] & 0xFFFFu)) * f,
-                                 Elem::to_float((fc_u16)(w[e] >> 16)) * f);
-            sts128(a, w[0], w[1], w[2], w[3]);
+                for (int e = 0; e < 4; ++e) {
+                    w[e] = EM::pack2(Elem::to_float((fc_u16)(w[e] & 0xFFFFu)) * f,
+                                     Elem::to_float((fc_u16)(w[e] >> 16)) * f);
+                    x[e] = EM::pack2(Elem::to_float((fc_u16)(x[e] & 0xFFFFu)) * f,
+                                     Elem::to_float((fc_u16)(x[e] >> 16)) * f);
+                }
+            }
+            sts128(a0, w[0], w[2], x[0], x[2]);
+            sts128(a1, w[1], w[3], x[1], x[3]);
         }
         __syncthreads();
     }
@@ -797,37 +820,10 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
         cp_async_commit();   // possibly empty: keeps the group count uniform
         load_stage = (load_stage + 1 == kStages) ? 0 : load_stage + 1;
 
-        fc_u32 sKb = sKV + (fc_u32)stage * kStageBytes;
-        fc_u32 sVb = sKb + kTileBytes;
+        const fc_u32 sKb = sKV + (fc_u32)stage * kStageBytes;
+        const fc_u32 sVb = sKb + kTileBytes;
         stage = (stage + 1 == kStages) ? 0 : stage + 1;
         const int n0 = nb * kBlockN;
-        if constexpr (Is_fp8) {
-            // This warp's rows [wn0, wn0 + kWN) of K and V, e4m3 -> Elem, into the 16-bit tiles
-            // (the same swizzled layout; only this warp reads these rows, so no CTA barrier).
-            // A 16-byte chunk c of an FP8 row (columns 8c.. of kLD) holds head-dim columns
-            // 16c .. 16c + 15.
-#pragma unroll
-            for (int it = 0; it < kWN * kLCPR / 32; ++it) {
-                const int idx = lane + 32 * it;
-                const int row = wn0 + idx / kLCPR, c = idx % kLCPR;
-                const fc_u32 so = 2u * (fc_u32)tile_off<kW, kBlockN>(row, c * 8);
-                const fc_u32 d0 = 2u * (fc_u32)tile_off<kW, kBlockN>(row, 16 * c);
-                const fc_u32 d1 = 2u * (fc_u32)tile_off<kW, kBlockN>(row, 16 * c + 8);
-#pragma unroll
-                for (int kv = 0; kv < 2; ++kv) {
-                    fc_u32 w[4], o[8];
-                    lds128(w, (kv ? sVb : sKb) + so);
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) EM::from_e4m3x4(w[e], o[2 * e], o[2 * e + 1]);
-                    const fc_u32 dst = sConv + (kv ? 2u * kBlockN * kHeadDim : 0u);
-                    sts128(dst + d0, o[0], o[1], o[2], o[3]);
-                    sts128(dst + d1, o[4], o[5], o[6], o[7]);
-                }
-            }
-            __syncwarp();
-            sKb = sConv;
-            sVb = sConv + 2u * kBlockN * kHeadDim;
-        }
 
         // S = Q K^T over this warp's kWN keys
         float s[kMT][kNT][4];
@@ -837,29 +833,71 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
             for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+        if constexpr (Is_fp8) {
+            // The FP8 tile: a key row is kHeadDim bytes (kLD 16-bit units in the swizzled
+            // layout); its 16-byte chunk c holds dims 16c .. 16c + 15. One x4 ldmatrix per pair
+            // of chunks (2kp, 2kp + 1) and pair of key octets (k_off's lane order): kb[2q + h]
+            // is octet q's 8 x 16-byte matrix of chunk 2kp + h, lane 4g + t holding the bytes of
+            // dims 4t .. 4t + 3 of key g: converted, the two B registers of the k16 step 2kp + h
+            // against Q's permuted chunk (see the Q tile).
 #pragma unroll
-        for (int kk = 0; kk < kKD; ++kk) {
-            fc_u32 qa[kMT][4];
+            for (int kp = 0; kp < kKD / 2; ++kp) {
+                fc_u32 qa[2][kMT][4];
 #pragma unroll
-            for (int mt = 0; mt < kMT; ++mt) {
-                if constexpr (kQInRegs) {
+                for (int h = 0; h < 2; ++h)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) qa[mt][e] = qf[kQInRegs ? mt : 0][kQInRegs ? kk : 0][e];
-                } else {
-                    ldmatrix_x4(qa[mt], q_addr(mt, kk));
+                    for (int mt = 0; mt < kMT; ++mt) {
+                        if constexpr (kQInRegs) {
+#pragma unroll
+                            for (int e = 0; e < 4; ++e)
+                                qa[h][mt][e] = qf[kQInRegs ? mt : 0][kQInRegs ? 2 * kp + h : 0][e];
+                        } else {
+                            ldmatrix_x4(qa[h][mt], q_addr(mt, 2 * kp + h));
+                        }
+                    }
+#pragma unroll
+                for (int np = 0; np < kNT / 2; ++np) {
+                    fc_u32 kb[4];
+                    ldmatrix_x4(kb, sKb + 2u * ((kp / kJW) * (kBlockN * kW) + (wn0 + np * 16) * kW
+                                                + k_off[kp % kJW]));
+#pragma unroll
+                    for (int q = 0; q < 2; ++q)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const fc_u32 bb[2] = {fc_e4m3x2_to_f16x2(kb[2 * q + h]),
+                                                  fc_e4m3x2_hi_to_f16x2(kb[2 * q + h])};
+#pragma unroll
+                            for (int mt = 0; mt < kMT; ++mt)
+                                EM::mma(s[mt][2 * np + q], qa[h][mt], bb);
+                        }
                 }
             }
+        } else {
 #pragma unroll
-            for (int np = 0; np < kNT / 2; ++np) {
-                fc_u32 kb[4];
-                ldmatrix_x4(kb, sKb + 2u * ((kk / kJW) * (kBlockN * kW) + (wn0 + np * 16) * kW
-                                            + k_off[kk % kJW]));
-                const fc_u32 b0[2] = {kb[0], kb[1]};
-                const fc_u32 b1[2] = {kb[2], kb[3]};
+            for (int kk = 0; kk < kKD; ++kk) {
+                fc_u32 qa[kMT][4];
 #pragma unroll
                 for (int mt = 0; mt < kMT; ++mt) {
-                    EM::mma(s[mt][2 * np], qa[mt], b0);
-                    EM::mma(s[mt][2 * np + 1], qa[mt], b1);
+                    if constexpr (kQInRegs) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            qa[mt][e] = qf[kQInRegs ? mt : 0][kQInRegs ? kk : 0][e];
+                    } else {
+                        ldmatrix_x4(qa[mt], q_addr(mt, kk));
+                    }
+                }
+#pragma unroll
+                for (int np = 0; np < kNT / 2; ++np) {
+                    fc_u32 kb[4];
+                    ldmatrix_x4(kb, sKb + 2u * ((kk / kJW) * (kBlockN * kW) + (wn0 + np * 16) * kW
+                                                + k_off[kk % kJW]));
+                    const fc_u32 b0[2] = {kb[0], kb[1]};
+                    const fc_u32 b1[2] = {kb[2], kb[3]};
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt) {
+                        EM::mma(s[mt][2 * np], qa[mt], b0);
+                        EM::mma(s[mt][2 * np + 1], qa[mt], b1);
+                    }
                 }
             }
         }
@@ -965,17 +1003,48 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
                 pa[mt][2] = EM::pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
                 pa[mt][3] = EM::pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
             }
+            if constexpr (Is_fp8) {
+                // One x4 ldmatrix.trans per pair of 16-byte chunks (2cp, 2cp + 1) of the warp's
+                // 16 keys (a_off's lane order): vb[2h] keys 0-7 and vb[2h + 1] keys 8-15 of chunk
+                // c = 2cp + h. Lane 4g + t gets the 16-bit units (key 2t, unit g) and (key 2t + 1,
+                // unit g), i.e. bytes [V(2t, 2g), V(2t, 2g + 1), V(2t + 1, 2g), V(2t + 1, 2g + 1)]
+                // (dims relative to 16c). prmt 0x3120 makes the low half bytes {0, 2} (dim 2g,
+                // keys 2t, 2t + 1) and the high half bytes {1, 3} (dim 2g + 1): converted, the B
+                // registers of two n8 tiles, acc_o[2c] ("even": column g is dim 16c + 2g) and
+                // acc_o[2c + 1] ("odd": dim 16c + 2g + 1). The merge below maps them back.
 #pragma unroll
-            for (int dp = 0; dp < kHeadDim / 16; ++dp) {
-                fc_u32 vb[4];
-                ldmatrix_x4_trans(vb, sVb + 2u * ((dp / kJW) * (kBlockN * kW)
-                                                  + (wn0 + kk * 16) * kW + a_off[dp % kJW]));
-                const fc_u32 b0[2] = {vb[0], vb[1]};
-                const fc_u32 b1[2] = {vb[2], vb[3]};
+                for (int cp = 0; cp < kHeadDim / 32; ++cp) {
+                    fc_u32 vb[4];
+                    ldmatrix_x4_trans(vb, sVb + 2u * ((cp / kJW) * (kBlockN * kW)
+                                                      + (wn0 + kk * 16) * kW + a_off[cp % kJW]));
 #pragma unroll
-                for (int mt = 0; mt < kMT; ++mt) {
-                    EM::mma(acc_o[mt][2 * dp], pa[mt], b0);
-                    EM::mma(acc_o[mt][2 * dp + 1], pa[mt], b1);
+                    for (int h = 0; h < 2; ++h) {
+                        const fc_u32 x0 = fc_prmt(vb[2 * h], 0x3120u);
+                        const fc_u32 x1 = fc_prmt(vb[2 * h + 1], 0x3120u);
+                        const fc_u32 be[2] = {fc_e4m3x2_to_f16x2(x0), fc_e4m3x2_to_f16x2(x1)};
+                        const fc_u32 bo[2] = {fc_e4m3x2_hi_to_f16x2(x0),
+                                              fc_e4m3x2_hi_to_f16x2(x1)};
+                        const int c = 2 * cp + h;
+#pragma unroll
+                        for (int mt = 0; mt < kMT; ++mt) {
+                            EM::mma(acc_o[mt][2 * c], pa[mt], be);
+                            EM::mma(acc_o[mt][2 * c + 1], pa[mt], bo);
+                        }
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+                    fc_u32 vb[4];
+                    ldmatrix_x4_trans(vb, sVb + 2u * ((dp / kJW) * (kBlockN * kW)
+                                                      + (wn0 + kk * 16) * kW + a_off[dp % kJW]));
+                    const fc_u32 b0[2] = {vb[0], vb[1]};
+                    const fc_u32 b1[2] = {vb[2], vb[3]};
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt) {
+                        EM::mma(acc_o[mt][2 * dp], pa[mt], b0);
+                        EM::mma(acc_o[mt][2 * dp + 1], pa[mt], b1);
+                    }
                 }
             }
         }
@@ -1031,10 +1100,20 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
                 }
             }
             const fc_u32 slab = sRed + 4u * (fc_u32)((warp * kBlockM + rr) * kRedStride);
+            if constexpr (Is_fp8) {
+                // tile 2c + p, element 2r + i holds dim 16c + 4t + 2i + p (see the P V product):
+                // dims 16c + 4t .. 16c + 4t + 3 of the row, in one store
 #pragma unroll
-            for (int j = 0; j < kDT; ++j)
-                sts64f(slab + 4u * (j * 8 + 2 * t), acc_o[mt][j][2 * r] * f,
-                       acc_o[mt][j][2 * r + 1] * f);
+                for (int c = 0; c < kDT / 2; ++c)
+                    sts128f(slab + 4u * (c * 16 + 4 * t), acc_o[mt][2 * c][2 * r] * f,
+                            acc_o[mt][2 * c + 1][2 * r] * f, acc_o[mt][2 * c][2 * r + 1] * f,
+                            acc_o[mt][2 * c + 1][2 * r + 1] * f);
+            } else {
+#pragma unroll
+                for (int j = 0; j < kDT; ++j)
+                    sts64f(slab + 4u * (j * 8 + 2 * t), acc_o[mt][j][2 * r] * f,
+                           acc_o[mt][j][2 * r + 1] * f);
+            }
         }
     __syncthreads();
 

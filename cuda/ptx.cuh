@@ -24,6 +24,24 @@ __device__ __forceinline__ fc_u32 fc_e4m3x2_to_f16x2(fc_u32 x) {
 #endif
     return r;
 }
+// The same for the high 16 bits of x (bytes 2, 3: byte 2 in the low half).
+__device__ __forceinline__ fc_u32 fc_e4m3x2_hi_to_f16x2(fc_u32 x) {
+    fc_u32 r = 0u;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}"
+        : "=r"(r) : "r"(x));
+#else
+    (void)x;
+    asm volatile("trap;");
+#endif
+    return r;
+}
+// Bytes of x picked by the selector's nibbles (prmt: nibble i names the source byte of byte i).
+__device__ __forceinline__ fc_u32 fc_prmt(fc_u32 x, fc_u32 sel) {
+    fc_u32 r;
+    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(x), "r"(sel));
+    return r;
+}
 
 // ---- element types -----------------------------------------------------------------------
 // Each tag says how to convert to and from float and which mma.sync variant to issue.

@@ -619,3 +619,92 @@ def test_torch_cuda_float8_caches_against_reference(layout):
             softcap=4.0, k_descale=T(p.k_descale), v_descale=T(p.v_descale), return_lse=True)
         check_against_reference(out.float().cpu().numpy().astype(ml_dtypes.bfloat16),
                                 lse.cpu().numpy(), ref_out, ref_lse, "bfloat16")
+
+
+def _cupy_call(p, cupy, **kw):
+    C = lambda x: None if x is None else cupy.asarray(x)  # noqa: E731
+    out, lse = flashcore.attention_with_kvcache(
+        C(p.q), C(p.k_cache.view(np.uint8)), C(p.v_cache.view(np.uint8)),
+        cache_seqlens=C(p.before), block_table=C(p.block_table), k_descale=C(p.k_descale),
+        v_descale=C(p.v_descale), return_lse=True,
+        **{x: C(y) if isinstance(y, np.ndarray) else y for x, y in kw.items()})
+    return cupy.asnumpy(out), cupy.asnumpy(lse)
+
+
+# The decode tiles a sweep may set for the FP8 kernels (set_config_override, head dim 128):
+# every merge path and the features the tile touches, against the reference.
+FP8_TILES = [(64, 4, 2), (64, 4, 4), (64, 4, 6), (128, 4, 3), (128, 4, 4)]
+FP8_TILE_CASES = {
+    "plain": dict(layout="contiguous", kw=dict()),
+    "paged_split4": dict(layout="paged16", kw=dict(num_splits=4, causal=True)),
+    "paged_split3_global_merge": dict(layout="paged64", cluster=False,
+                                      kw=dict(num_splits=3, softcap=3.0)),
+    "alibi_leftpad_causal_sq2": dict(layout="contiguous", sq=2, alibi=True, leftpad=True,
+                                     kw=dict(causal=True)),
+    "two_m_slices_sq5_gqa4": dict(layout="contiguous", sq=5, h=8, hk=2,
+                                  kw=dict(causal=True, window_size=(40, 0))),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [None] + FP8_TILES)
+@pytest.mark.parametrize("case", list(FP8_TILE_CASES))
+def test_cupy_fp8_decode_tiles_against_reference(tile, case):
+    import cupy
+    from flashcore.kernels import decode
+    _skip_without_fp8_decode()
+    c = dict(FP8_TILE_CASES[case])
+    layout, kw = c.pop("layout"), dict(c.pop("kw"))
+    cluster, alibi = c.pop("cluster", True), c.pop("alibi", False)
+    leftpad = c.pop("leftpad", False)
+    q_dtype = "bfloat16" if zlib.crc32(f"{tile}/{case}".encode()) & 1 else "float16"
+    rng = np.random.default_rng(zlib.crc32(f"tiles/{tile}/{case}".encode()))
+    p = FP8Problem(rng, **LAYOUTS[layout], q_dtype=q_dtype, d=128, **c)
+    ref_kw = {x: kw[x] for x in ("causal", "window_size", "softcap") if x in kw}
+    if alibi:
+        kw["alibi_slopes"] = ref_kw["alibi_slopes"] = \
+            rng.uniform(0.05, 0.5, (p.b, p.h)).astype(np.float32)
+    if leftpad:
+        kw["cache_leftpad"] = np.array([2, 0, 30], np.int32)
+        ref_kw["cache_leftpad"] = kw["cache_leftpad"]
+    ref_out, ref_lse = p.reference(**ref_kw)
+    was = decode.cluster_merge_enabled()
+    decode.set_config_override(128, tile)
+    decode.set_cluster_merge(cluster and was)
+    try:
+        out, lse = _cupy_call(p, cupy, **kw)
+    finally:
+        decode.set_config_override(128, None)
+        decode.set_cluster_merge(was)
+    check_against_reference(out, lse, ref_out, ref_lse, q_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [128, 256])
+def test_cupy_fp8_nan_bytes_reach_exactly_the_rows_that_see_them(d):
+    """A NaN byte (0x7f) in K at one key of one (sequence, kv head) makes NaN exactly the rows
+    whose causal window holds that key (other rows, heads and sequences: the reference of the
+    cache without it); a NaN byte in V, at a key every row sees, makes NaN that (sequence, kv
+    head)'s rows only."""
+    import cupy
+    _skip_without_fp8_decode()
+    rng = np.random.default_rng(41 + d)
+    p = FP8Problem(rng, b=3, sq=4, h=4, hk=2, d=d, before=(40, 70, 37), capacity=80)
+    ref_out, ref_lse = p.reference(causal=True)
+    sk = 70                                              # sequence 1, kv head 1
+    p.k_cache.view(np.uint8)[1, sk - 2, 1, 37] = 0x7F    # seen by query rows 2, 3 (causal)
+    out, lse = _cupy_call(p, cupy, causal=True)
+    nan = np.zeros(out.shape, bool)
+    nan[1, 2:, 2:4, :] = True                            # query heads 2, 3 share kv head 1
+    np.testing.assert_array_equal(np.isnan(out), nan)
+    np.testing.assert_array_equal(np.isnan(lse), nan[..., 0].transpose(0, 2, 1))
+    check_against_reference(np.where(nan, 0, out).astype(out.dtype), np.where(
+        nan[..., 0].transpose(0, 2, 1), 0, lse), np.where(nan, 0, ref_out),
+        np.where(nan[..., 0].transpose(0, 2, 1), 0, ref_lse), "float16")
+    p.k_cache.view(np.uint8)[1, sk - 2, 1, 37] = p.K8.view(np.uint8)[1, sk - 2, 1, 37]
+    p.v_cache.view(np.uint8)[0, 3, 0, d - 1] = 0x7F     # key 3 of sequence 0: every row sees it
+    out, lse = _cupy_call(p, cupy, causal=True)
+    nan = np.zeros(out.shape, bool)
+    nan[0, :, 0:2, d - 1] = True                          # only that column (P V is per column)
+    np.testing.assert_array_equal(np.isnan(out), nan)
+    assert not np.isnan(lse).any()

@@ -190,10 +190,14 @@ def _m_tiles(headdim: int, packed_rows: int) -> int:
     return 2 if packed_rows > 16 and headdim_tile(headdim) <= 128 else 1
 
 
-def _ring_bytes(d: int, cfg: DecodeConfig, fp8: bool = False) -> int:
-    """The K/V ring: 16-bit stages, or FP8 stages plus the 16-bit tiles they are converted to."""
+def _ring_bytes(d: int, cfg: DecodeConfig, fp8: bool = False, m_tiles: int = 1) -> int:
+    """The K/V ring region: 16-bit stages; FP8 stages (half the bytes) take at least what the
+    region holds after the main loop, the reduction slabs and the cluster merge's partial O and
+    lse (the kernel's kRingBytes)."""
     if fp8:
-        return cfg.stages * 2 * cfg.block_n * d + 4 * cfg.block_n * d
+        rows = 16 * m_tiles
+        post = cfg.n_warps * rows * (d + 8) * 4 + 4 * rows * d + 4 * rows
+        return max(cfg.stages * 2 * cfg.block_n * d, post)
     return cfg.stages * 4 * cfg.block_n * d
 
 
@@ -202,7 +206,8 @@ def smem_bytes(headdim: int, m_tiles: int, cluster: bool = False,
     d = headdim_tile(headdim)
     cfg = cfg or decode_config(headdim, cluster, m_tiles)
     block_m = 16 * m_tiles
-    return 2 * block_m * d + _ring_bytes(d, cfg, fp8) + (2 * cfg.n_warps + 1) * block_m * 4
+    return (2 * block_m * d + _ring_bytes(d, cfg, fp8, m_tiles)
+            + (2 * cfg.n_warps + 1) * block_m * 4)
 
 
 def kernel_name(dtype_name: str, headdim: int, m_tiles: int, paged: bool, is_local: bool,
@@ -383,7 +388,7 @@ def _cluster_layout_fits(headdim: int, m_tiles: int, cfg: DecodeConfig, fp8: boo
     d = headdim_tile(headdim)
     rows = 16 * m_tiles
     red = cfg.n_warps * rows * (d + 8) * 4
-    return red + 4 * rows * d + 4 * rows <= _ring_bytes(d, cfg, fp8)
+    return red + 4 * rows * d + 4 * rows <= _ring_bytes(d, cfg, fp8, m_tiles)
 
 
 def set_cluster_merge(on: bool) -> None:
@@ -573,8 +578,10 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
                                            key_blocks(decode_config(headdim)))
         if (fp8 and base_ctas <= _FP8_MANY_SPLITS_MAX_GROUPS
                 and span_keys >= _FP8_MANY_SPLITS_MIN_KEYS):
-            # An FP8 cache's CTA is bound by its conversion, not its copies: long caches of
-            # few groups take splits of 4k keys (at most 32, merged through global memory)
+            # An FP8 cache's CTA was bound by its conversion, not its copies (session 12, with
+            # the conversion through shared memory; to re-measure with the register fragments):
+            # long caches of few groups take splits of 4k keys (at most 32, merged through
+            # global memory)
             num_splits = max(int(num_splits), min(32, span_keys // 4096))
     num_splits = int(max(1, min(int(num_splits), MAX_SPLITS)))
     is_split = num_splits > 1

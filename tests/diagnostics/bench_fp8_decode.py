@@ -3,6 +3,7 @@
 
     python tests/diagnostics/bench_fp8_decode.py [--cells 1x4096,8x16384,...] [--splits 0,16,32]
                                                  [--paged PAGE_SIZE]
+                                                 [--fp8-cfg 64,4,3/64,4,4/128,4,3]
 
 Through the public API, as a user calls it: ``flashcore.attention_with_kvcache`` on torch CUDA
 tensors (q bf16, one query token, GQA 32/8, head dim 128, full caches, ``cache_seqlens`` a CUDA
@@ -10,7 +11,10 @@ int32 tensor, per-(batch, kv head) descales for the FP8 cache), timed by
 ``flashcore.bench.gpu_time`` (CUDA events, L2 flushed, median). ``--splits``: the FP8 call also
 with these ``num_splits`` (0: flashcore's choice). Prints GPU time, the ratio bf16 / fp8 (the
 tokens/s ratio) and the FP8 cache's bytes per second. ``--paged``: both caches paged (pages of
-PAGE_SIZE tokens in a shuffled order named by an int32 ``block_table``).
+PAGE_SIZE tokens in a shuffled order named by an int32 ``block_table``). ``--fp8-cfg``: the
+FP8 calls also with these decode tiles (block_n, n_warps, stages; ``decode.set_config_override``
+for head dim 128 around the FP8 calls only; the bf16 call keeps the default tiles), one column
+each after the default's.
 """
 from __future__ import annotations
 
@@ -33,12 +37,19 @@ def main(argv):
     page = int(argv[argv.index("--paged") + 1]) if "--paged" in argv else 0
     if "--splits" in argv:
         splits = tuple(int(x) for x in argv[argv.index("--splits") + 1].split(","))
+    from flashcore.kernels import decode as dm
+    cfgs = (None,)
+    if "--fp8-cfg" in argv:
+        cfgs += tuple(dm.DecodeConfig(*(int(x) for x in c.split(",")))
+                      for c in argv[argv.index("--fp8-cfg") + 1].split("/"))
+    runs = [(s, c) for c in cfgs for s in splits]
     h, hk, d = 32, 8, 128
     print(f"# torch {torch.__version__}, {torch.cuda.get_device_name()}; GQA {h}/{hk}, d{d}, "
           f"q bf16, {'paged (%d)' % page if page else 'contiguous'} caches; us per step (GPU "
           "time, L2 flushed)")
-    print("batch  cache | bf16 cache | " + " | ".join(f"fp8 splits={s or 'auto'} (ratio, TB/s)"
-                                                      for s in splits))
+    print("batch  cache | bf16 cache | " + " | ".join(
+        f"fp8 splits={s or 'auto'}{'' if c is None else ' cfg=%d,%d,%d' % c} (ratio, TB/s)"
+        for s, c in runs))
     g = torch.Generator(device="cuda").manual_seed(0)
     for b, sk in cells:
         k16 = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -60,12 +71,18 @@ def main(argv):
                 out[perm] = p
                 return out
             k16, v16, k8, v8 = paged(k16), paged(v16), paged(k8), paged(v8)
+        dm.set_config_override(d, None)
         t16 = gpu_time(lambda: flashcore.attention_with_kvcache(q, k16, v16, cache_seqlens=lens,
                                                                 **pg))
         cells_out = []
-        for s in splits:
-            t8 = gpu_time(lambda: flashcore.attention_with_kvcache(
-                q, k8, v8, cache_seqlens=lens, k_descale=kd, v_descale=vd, num_splits=s, **pg))
+        for s, c in runs:
+            dm.set_config_override(d, c)
+            try:
+                t8 = gpu_time(lambda: flashcore.attention_with_kvcache(
+                    q, k8, v8, cache_seqlens=lens, k_descale=kd, v_descale=vd, num_splits=s,
+                    **pg))
+            finally:
+                dm.set_config_override(d, None)
             cells_out.append(f"{t8 * 1e6:8.1f} ({t16 / t8:4.2f}, {2 * b * sk * hk * d / t8 / 1e12:4.2f})")
         print(f"{b:5d} {sk:6d} | {t16 * 1e6:10.1f} | " + " | ".join(cells_out), flush=True)
         del k16, v16, k8, v8
