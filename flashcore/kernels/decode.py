@@ -166,8 +166,17 @@ def single_config(headdim: int, ctas: int, num_sms: int, keys: int = 0) -> tuple
     return cands[i], eff[i]
 
 
+# FP8 caches (one m16 slice) at d128: 128-key stages, three deep, for every launch kind. The
+# H200 sweep with the fragments built in registers (session 13, bench_fp8_decode.py --fp8-cfg;
+# tokens/s against the bf16 cache at batch 1 / 16k, 1 / 128k, 8 / 16k, 8 / 128k, 64 / 16k):
+# 1.31 / 1.59 / 1.71 / 1.80 / 1.91, against 1.30 / 1.61 / 1.71 / 1.72 / 1.59 with the 16-bit
+# tiles' choices and 1.09-1.89 with 64-key stages six deep.
+_FP8_CONFIGS = {128: DecodeConfig(128, 4, 3)}
+
+
 def decode_config(headdim: int, cluster: bool = False, m_tiles: int = 1,
-                  single_ctas: int = 0, num_sms: int = 0, keys: int = 0) -> DecodeConfig:
+                  single_ctas: int = 0, num_sms: int = 0, keys: int = 0,
+                  fp8: bool = False) -> DecodeConfig:
     """The tile configuration of the decode kernel for ``headdim`` (an override set by
     set_config_override wins): for the split kernels that merge inside a cluster
     (``cluster``), for an unsplit launch of ``single_ctas`` CTAs on ``num_sms`` SMs over
@@ -177,6 +186,8 @@ def decode_config(headdim: int, cluster: bool = False, m_tiles: int = 1,
     over = _CONFIG_OVERRIDE.get(d)
     if over:
         return over
+    if fp8 and m_tiles == 1 and d in _FP8_CONFIGS:
+        return _FP8_CONFIGS[d]
     if m_tiles == 1:
         if cluster:
             return _CLUSTER_CONFIGS[d]
@@ -204,7 +215,7 @@ def _ring_bytes(d: int, cfg: DecodeConfig, fp8: bool = False, m_tiles: int = 1) 
 def smem_bytes(headdim: int, m_tiles: int, cluster: bool = False,
                cfg: DecodeConfig | None = None, fp8: bool = False) -> int:
     d = headdim_tile(headdim)
-    cfg = cfg or decode_config(headdim, cluster, m_tiles)
+    cfg = cfg or decode_config(headdim, cluster, m_tiles, fp8=fp8)
     block_m = 16 * m_tiles
     return (2 * block_m * d + _ring_bytes(d, cfg, fp8, m_tiles)
             + (2 * cfg.n_warps + 1) * block_m * 4)
@@ -215,7 +226,7 @@ def kernel_name(dtype_name: str, headdim: int, m_tiles: int, paged: bool, is_loc
                 cfg: DecodeConfig | None = None, fp8: bool = False) -> str:
     """``fp8``: the cache is float8_e4m3fn (``dtype_name`` is q's)."""
     d = headdim_tile(headdim)
-    cfg = cfg or decode_config(headdim)
+    cfg = cfg or decode_config(headdim, fp8=fp8)
     return (f"flash_decode_kernel<{_elem_tag(dtype_name)}, {d}, {cfg.block_n}, {cfg.n_warps}, "
             f"{cfg.stages}, {m_tiles}, {_b(paged)}, {_b(is_local)}, {_b(has_softcap)}, "
             f"{_b(has_alibi)}, {_b(headdim == d)}, {_b(is_split)}, {_b(fp8)}>")
@@ -226,7 +237,7 @@ def cluster_kernel_name(dtype_name: str, headdim: int, m_tiles: int, paged: bool
                         fp8: bool = False) -> str:
     """The split kernel whose ``splits`` CTAs per group merge inside their cluster (sm_90+)."""
     d = headdim_tile(headdim)
-    cfg = decode_config(headdim, True, m_tiles)
+    cfg = decode_config(headdim, True, m_tiles, fp8=fp8)
     return (f"flash_decode_cluster_kernel<{_elem_tag(dtype_name)}, {d}, {cfg.block_n}, "
             f"{cfg.n_warps}, {cfg.stages}, {m_tiles}, {_b(paged)}, {_b(is_local)}, "
             f"{_b(has_softcap)}, {_b(has_alibi)}, {_b(headdim == d)}, {splits}, {_b(fp8)}>")
@@ -568,14 +579,14 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
     if num_splits is None or num_splits <= 0:
         base_ctas = batch * nheads_k * m_blocks
         if cluster_ok:
-            num_splits = sm90_num_splits(base_ctas, _sm_count(device_id),
-                                         key_blocks(decode_config(headdim, True, m_tiles)),
+            cl_cfg = decode_config(headdim, True, m_tiles, fp8=fp8)
+            num_splits = sm90_num_splits(base_ctas, _sm_count(device_id), key_blocks(cl_cfg),
                                          headdim, m_tiles, span_keys if hopper else 0)
             cluster_declined = num_splits == 0
         if not cluster_ok or cluster_declined:
             num_splits = choose_num_splits(base_ctas, _sm_count(device_id),
                                            ctas_per_sm(smem_bytes(headdim, m_tiles, fp8=fp8)),
-                                           key_blocks(decode_config(headdim)))
+                                           key_blocks(decode_config(headdim, fp8=fp8)))
         if (fp8 and base_ctas <= _FP8_MANY_SPLITS_MAX_GROUPS
                 and span_keys >= _FP8_MANY_SPLITS_MIN_KEYS):
             # An FP8 cache's CTA was bound by its conversion, not its copies (session 12, with
@@ -593,10 +604,10 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
                                     has_alibi, num_splits, fp8)
         cluster = ((device_id, cname) not in _CLUSTER_REFUSED
                    and _cluster_layout_fits(headdim, m_tiles,
-                                            decode_config(headdim, True, m_tiles), fp8))
+                                            decode_config(headdim, True, m_tiles, fp8=fp8), fp8))
     cfg = decode_config(headdim, cluster, m_tiles,
                         single_ctas=0 if is_split or not hopper else batch * nheads_k * m_blocks,
-                        num_sms=_sm_count(device_id), keys=span_keys)
+                        num_sms=_sm_count(device_id), keys=span_keys, fp8=fp8)
     smem = smem_bytes(headdim, m_tiles, cfg=cfg, fp8=fp8)
     if cluster:
         kernel = get_kernel(SOURCE, cname, device_id, cc, smem)
