@@ -34,8 +34,12 @@ SIGNATURES = {
 def test_signature_is_flash_attn_2s(name):
     fn = getattr(fa, name)
     params = list(inspect.signature(fn).parameters.values())
-    assert [(p.name, p.default) for p in params] == SIGNATURES[name]
-    assert all(p.kind == p.POSITIONAL_OR_KEYWORD for p in params)
+    positional = [p for p in params if p.kind != p.KEYWORD_ONLY]
+    assert [(p.name, p.default) for p in positional] == SIGNATURES[name]
+    assert all(p.kind == p.POSITIONAL_OR_KEYWORD for p in positional)
+    # beyond flash-attn 2's: only FlashAttention-3's FP8 descales, keyword only, default None
+    extra = [(p.name, p.default) for p in params if p.kind == p.KEYWORD_ONLY]
+    assert extra in ([], [("q_descale", None), ("k_descale", None), ("v_descale", None)])
     assert "(batch_size" in fn.__doc__ or "(total" in fn.__doc__    # shapes documented
     assert name in fa.__all__
 
