@@ -313,6 +313,17 @@ def fp8_instantiations() -> list[str]:
                    for d in FP8_HEADDIMS for loc in (False, True) for pp in (False, True)})
 
 
+def _check_grid(batch: int, nheads: int, softmax_scale: float) -> None:
+    """What every forward launch needs of its arguments beyond the spec's checks."""
+    if not softmax_scale > 0.0:
+        # The kernels keep raw scores and fold the scale into the exponent, which assumes
+        # a positive scale (the row max of s is the row max of s * scale).
+        raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
+    if nheads > 65535 or batch > 65535:
+        raise ValueError(f"the forward grid allows at most 65535 heads and 65535 sequences "
+                         f"(got nheads={nheads}, batch={batch})")
+
+
 def fp8_reasons(cc: int, headdim: int, *, varlen=False, softcap=0.0, alibi=False,
                 paged=False, dropout=False) -> list[str]:
     """Why the FP8 kernel cannot run a call (each reason names its argument), or []."""
@@ -371,11 +382,7 @@ def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: 
     seqlen_k, nheads_k = int(k.shape[1]), int(k.shape[2])
     if batch == 0 or seqlen_q == 0 or nheads == 0:
         return None
-    if not softmax_scale > 0.0:
-        raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
-    if nheads > 65535 or batch > 65535:
-        raise ValueError(f"the forward grid allows at most 65535 heads and 65535 sequences "
-                         f"(got nheads={nheads}, batch={batch})")
+    _check_grid(batch, nheads, softmax_scale)
     device_id = q.device.id
     cc = device_facts(device_id)[0]
     why = fp8_reasons(cc, headdim)
@@ -491,13 +498,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         lse_b, lse_h = lse.strides[0] // 4, lse.strides[1] // 4
     if batch == 0 or seqlen_q == 0 or nheads == 0:
         return None
-    if not softmax_scale > 0.0:
-        # The kernel keeps raw scores and folds the scale into the exponent, which assumes
-        # a positive scale (the row max of s is the row max of s * scale).
-        raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
-    if nheads > 65535 or batch > 65535:
-        raise ValueError(f"the forward grid allows at most 65535 heads and 65535 sequences "
-                         f"(got nheads={nheads}, batch={batch})")
+    _check_grid(batch, nheads, softmax_scale)
 
     wl, wr = _window(window_left), _window(window_right)
     is_local = wl != WINDOW_NONE or wr != WINDOW_NONE
