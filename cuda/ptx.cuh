@@ -85,12 +85,6 @@ struct fc_fp16 {
     static __device__ __forceinline__ fc_u16 from_float(float x) {
         return static_cast<fc_u16>(pack2(x, 0.f) & 0xffffu);
     }
-    // Four float8_e4m3fn values (bytes 0..3 of w) as two pairs: bytes 0, 1 in p0 (byte 0 in
-    // the low half), bytes 2, 3 in p1.
-    static __device__ __forceinline__ void from_e4m3x4(fc_u32 w, fc_u32& p0, fc_u32& p1) {
-        p0 = fc_e4m3x2_to_f16x2(w & 0xffffu);
-        p1 = fc_e4m3x2_to_f16x2(w >> 16);
-    }
     static __device__ __forceinline__ void mma(float (&d)[4], const fc_u32 (&a)[4],
                                                const fc_u32 (&b)[2]) {
         asm volatile(
