@@ -401,7 +401,7 @@ __device__ __forceinline__ void transpose_v(fc_u32 sVt, fc_u32 sV, int ptid) {
     const int row = 2 * i + e;                    // V^T row d0 + row
     const fc_u32 dst0 = sVt + (fc_u32)row * 128u + ((fc_u32)((2 * warp + h) ^ (row & 7)) << 4);
     // (unrolled by 4: fully unrolled, the loads of every unit are hoisted and the producer's
-    // 32 registers spill)
+    // registers spill)
 #pragma unroll 4
     for (int j = 0; j < kD / 16; ++j) {
         const fc_u32 src = src0 + (fc_u32)(j >> 3) * (fc_u32)(kBlockN * 128)
@@ -580,7 +580,7 @@ namespace fc_h {
 // FP8 differs in three places. The producer warpgroup loads V by TMA into a two-deep ring of
 // its own (raw) and transposes each block into the V^T stage the consumers read
 // (transpose_v: all four warps; thread 0 issues the loads between blocks), so full_v counts
-// the 128 producer threads instead of TMA bytes, and the producer keeps 32 registers. The
+// the 128 producer threads instead of TMA bytes, and the producer keeps 24 registers. The
 // products are k32 e4m3 ones with P packed by pack_e4m3. The scores' scale takes
 // q_descale * k_descale and the output's v_descale (per batch and key head; none = 1).
 template <typename Elem, typename In, int kD, int kBlockN, bool Is_local, bool Is_dropout,
@@ -595,6 +595,13 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     constexpr int kNT = kBlockN / 8;
     constexpr int kRaw = Is_fp8 ? 2 : 0;                                // FP8: V as loaded
     static_assert(!(Is_fp8 && Is_dropout), "FP8 attention is forward only, without dropout");
+    // Registers after reallocation. __launch_bounds__(384, 1) starts every thread at 168, so
+    // the block holds 384 x 168 = 64512 and the split must not exceed it (a consumer's
+    // setmaxnreg.inc waits until the pool has the registers: an overdrawn split hangs, as the
+    // FP8 kernel's first 32 / 240 did). FP8's producer transposes V within the same 24.
+    constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+    static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 384 * 168,
+                  "the register split overdraws the block's 384 x 168");
 
     extern __shared__ unsigned char smem_raw[];
     const fc_u32 sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -667,7 +674,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         };
         if constexpr (!Is_fp8) {
             // one thread issues every load
-            setmaxnreg_dec<24>();
+            setmaxnreg_dec<kProducerRegs>();
             if (tid == 0) {
                 load_q();
                 for (int it = 0; it < n_iter; ++it) {
@@ -682,7 +689,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             // ring), then the warpgroup transposes V of this block into its V^T stage; named
             // barrier 3 ends a block: the raw buffer it read is free for the load of block
             // it + 2 (issued at the top of step it + 1).
-            setmaxnreg_dec<32>();
+            setmaxnreg_dec<kProducerRegs>();
             if (tid == 0) {
                 load_q();
                 load_k(0);
@@ -708,7 +715,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     }
 
     // ---- consumers -------------------------------------------------------------------------
-    setmaxnreg_inc<240>();
+    setmaxnreg_inc<kConsumerRegs>();
     const int cw = wg - 1;                     // consumer warpgroup: tile rows [64 cw, 64 cw + 64)
     FwdRows<Elem, kD, kBlockN, Is_local, Is_dropout> rows(params, blk, tid - 128);
     float s_scale = 1.f;                       // FP8: q_descale * k_descale
