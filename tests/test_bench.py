@@ -18,7 +18,7 @@ from flashcore import bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASV = os.path.join(ROOT, "asv_benchmarks")
-MODULES = ["common", "bench_attention_gpu", "bench_decode_gpu", "bench_jit", "bench_numpy"]
+MODULES = ["common", "bench_attention_gpu", "bench_decode_gpu", "bench_fp8_gpu", "bench_jit", "bench_numpy"]
 
 
 def _gpu_here() -> bool:
