@@ -292,8 +292,13 @@ def test_no_descale_means_one_and_strided_views_read_in_place():
     view, _ = flashcore.attention_forward(wide[:, :, ::2], gk, gv, out_dtype="float32",
                                           causal=True)
     cupy.testing.assert_array_equal(base, view)
-    want, _ = fp8_forward(forward_spec(q8, k8, v8, causal=True), q8, k8, v8)
-    assert np.abs(cupy.asnumpy(base) - want).max() < 0.1
+    # and the flash-attn rule in FP8 (descales 1: the e4m3 values are the inputs; outputs of
+    # magnitude ~100, so no fixed tolerance)
+    exact = [x.astype(np.float64) for x in (q8, k8, v8)]
+    want, _ = naive_forward(forward_spec(*exact, causal=True), *exact)
+    emul, _ = fp8_forward(forward_spec(q8, k8, v8, causal=True), q8, k8, v8)
+    err = np.abs(cupy.asnumpy(base) - want).max()
+    assert err <= 2 * np.abs(emul - want).max() + np.abs(want).max() * 2.0 ** -11, err
 
 
 @pytest.mark.gpu
