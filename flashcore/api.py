@@ -265,8 +265,7 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=
     ml_dtypes and torch CPU tensors (the NumPy reference), torch.float8_e4m3fn CUDA tensors and
     CuPy uint8 arrays holding the e4m3 bits (CuPy has no float8 dtype; ``x.view(cupy.uint8)``
     of another library's FP8 memory) on the Hopper kernel: compute capability 9.0, head dim
-    128 or 256, dense calls (no varlen), no softcap or ALiBi; that kernel is off by default
-    until it passes its GPU tests (``FLASHCORE_SM90_FP8_FWD=1`` turns it on). With
+    128 or 256, dense calls (no varlen), no softcap or ALiBi. With
     ``q_descale``, ``k_descale``, ``v_descale`` float32 arrays broadcastable to
     ``(batch, nheads_k)`` (None: 1): the inputs' values are ``x * descale[b, key head]``. The
     output is bfloat16 (``out_dtype`` float16 or float32 on request), lse float32; the

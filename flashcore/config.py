@@ -27,11 +27,9 @@ The settings (environment variable in brackets):
   whose arrays TMA can read;
   ``sm90_bwd_d64_block_m`` (``FLASHCORE_SM90_BWD_D64_BM``): queries per step at head dim 64
   (64 or 128).
-* ``sm90_fp8_fwd`` (``FLASHCORE_SM90_FP8_FWD=1``): the Hopper FP8 forward kernel for
-  float8_e4m3fn CuPy and torch CUDA inputs. Off by default: the kernel compiles but has not
-  passed its GPU tests yet (on the H200 in session 13 its first calls did not return within
-  two minutes, a hang or a compile that long, not yet told apart); off, such calls are refused
-  by name (NumPy arrays and torch CPU tensors take the NumPy reference either way).
+* ``sm90_fp8_fwd`` (``FLASHCORE_SM90_FP8_FWD``): the Hopper FP8 forward kernel for
+  float8_e4m3fn CuPy and torch CUDA inputs (on by default); off, such calls are refused by
+  name (NumPy arrays and torch CPU tensors take the NumPy reference either way).
 * ``sm90_defines``: extra NVRTC options of the Hopper kernels (a diagnostic).
 * ``decode_fused_combine`` (``FLASHCORE_DECODE_FUSED_COMBINE``): split-KV partials merged in
   the decode kernel (off: a separate combine kernel); ``decode_cluster``
@@ -84,7 +82,7 @@ def _from_environment() -> Settings:
         sm90_bwd=_env_flag("FLASHCORE_SM90_BWD", True),
         sm90_bwd_ws=_env_flag("FLASHCORE_SM90_BWD_WS", True),
         sm90_bwd_d64_block_m=int(bm) if bm in ("64", "128") else 128,
-        sm90_fp8_fwd=_env_flag("FLASHCORE_SM90_FP8_FWD", False),
+        sm90_fp8_fwd=_env_flag("FLASHCORE_SM90_FP8_FWD", True),
         sm90_defines=(),
         decode_fused_combine=_env_flag("FLASHCORE_DECODE_FUSED_COMBINE", True),
         decode_cluster=_env_flag("FLASHCORE_DECODE_CLUSTER", True),

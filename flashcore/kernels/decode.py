@@ -40,12 +40,13 @@ __all__ = ["launch_decode", "launch_rotary_append", "instantiations", "num_split
 SOURCE = "flash_decode.cu"
 HEADDIM_TILES = (64, 128, 256)
 FP8_HEADDIMS = (128, 256)     # head dims of the FP8-cache kernels (a 16-byte chunk: 16 columns)
-# FP8 caches, measured on the H200 (session 12, GQA 32/8, d128, bf16 q): 32 splits of 4k keys
-# ran batch 1 / 128k in 115.8 us (the default rule's 8 splits: 253.4; the bf16 cache 140.7)
-# and batch 8 / 128k in 802.3 (928.9; bf16 954.4); at 16k and at batch 64 the default rule was
-# faster. Hence: from 64k keys, at most 64 (batch, kv head, m-block) groups.
+# FP8 caches, measured on the H200 (GQA 32/8, d128, bf16 q): session 12, 32 splits of 4k keys
+# ran batch 1 / 128k in 115.8 us (the default rule's 8 splits: 253.4; the bf16 cache 140.7).
+# With the fragments built in registers (session 14), batch 8 / 128k (64 groups) ran best on
+# the default rule's 2 splits: 492.8 us against 532.1 for 32 (bf16 953.9). Hence: from 64k
+# keys, at most 32 (batch, kv head, m-block) groups.
 _FP8_MANY_SPLITS_MIN_KEYS = 65536
-_FP8_MANY_SPLITS_MAX_GROUPS = 64
+_FP8_MANY_SPLITS_MAX_GROUPS = 32
 MAX_SPLITS = 256          # the combine's shared weight table (fc_dec::kMaxSplits)
 _SPLIT_CAP = 128          # the heuristic never goes beyond this
 _LOG2E = 1.4426950408889634
@@ -589,10 +590,8 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
                                            key_blocks(decode_config(headdim, fp8=fp8)))
         if (fp8 and base_ctas <= _FP8_MANY_SPLITS_MAX_GROUPS
                 and span_keys >= _FP8_MANY_SPLITS_MIN_KEYS):
-            # An FP8 cache's CTA was bound by its conversion, not its copies (session 12, with
-            # the conversion through shared memory; to re-measure with the register fragments):
             # long caches of few groups take splits of 4k keys (at most 32, merged through
-            # global memory)
+            # global memory): see _FP8_MANY_SPLITS_MIN_KEYS
             num_splits = max(int(num_splits), min(32, span_keys // 4096))
     num_splits = int(max(1, min(int(num_splits), MAX_SPLITS)))
     is_split = num_splits > 1

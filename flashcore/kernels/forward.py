@@ -330,9 +330,9 @@ def fp8_reasons(cc: int, headdim: int, *, varlen=False, softcap=0.0, alibi=False
     r = []
     if not config.get().sm90_fp8_fwd:
         r.append("argument 'q': float8_e4m3fn inputs on the GPU need the Hopper FP8 forward "
-                 "kernel, which has not passed its GPU tests yet and is off by default; "
-                 "FLASHCORE_SM90_FP8_FWD=1 or flashcore.config.set(sm90_fp8_fwd=True) turns it "
-                 "on (NumPy arrays and torch CPU tensors run on the NumPy reference)")
+                 "kernel, which is turned off (FLASHCORE_SM90_FP8_FWD=0 or "
+                 "flashcore.config.set(sm90_fp8_fwd=False)); NumPy arrays and torch CPU tensors "
+                 "run on the NumPy reference")
     if not FP8_MIN_COMPUTE_CAPABILITY <= cc <= FP8_MAX_COMPUTE_CAPABILITY:
         r.append(f"argument 'q': float8_e4m3fn inputs run on compute capability 9.0 (Hopper: "
                  f"FP8 wgmma), this device has {cc / 10:.1f}")

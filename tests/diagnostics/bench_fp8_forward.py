@@ -72,7 +72,6 @@ def main(argv):
     headdims = [int(x) for x in _arg(argv, "--headdims", "128,256").split(",")]
     pp_modes = {"both": (True, False), "on": (True,), "off": (False,)}[
         _arg(argv, "--pingpong", "both")]
-    config.set(sm90_fp8_fwd=True)     # (off by default until it passes its GPU tests)
     print(f"# torch {torch.__version__}, {torch.cuda.get_device_name()}; 16k tokens, hidden "
           "2048; TFLOP/s (flash-attn's count), GPU time through the public API")
     if "--no-check" not in argv and not check(torch, flashcore):
