@@ -704,8 +704,10 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                 mbar_wait(raw_full(it & 1), (fc_u32)(it >> 1) & 1u);
                 if (it >= kStages) mbar_wait(empty_v(st), ((fc_u32)(it / kStages) & 1u) ^ 1u);
                 __syncwarp();
+#ifndef FC_DIAG_FP8_NO_TRANSPOSE     // (timing only: V^T left as it is, wrong results)
                 transpose_v<kD, kBlockN>(sV + (fc_u32)st * kTile, sVraw + (fc_u32)(it & 1) * kTile,
                                          tid);
+#endif
                 fence_proxy_async();    // the stores, visible to the consumers' wgmma
                 mbar_arrive(full_v(st));
                 named_sync(3, 128);
@@ -734,8 +736,13 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     auto stage_of = [](int it) { return it % kStages; };
     auto parity_of = [](int it) { return (fc_u32)(it / kStages) & 1u; };
     auto pack = [&](int n0) {
-        if constexpr (Is_fp8)
+        if constexpr (Is_fp8) {
+#ifndef FC_DIAG_FP8_NO_PACK           // (timing only: P's registers as they were, wrong results)
             rows.pack_e4m3(s, pa);
+#else
+            if (n0 == (blk.n_block_max - 1) * kBlockN) rows.pack_e4m3(s, pa);
+#endif
+        }
         else
             rows.pack(s, pa, n0);
     };

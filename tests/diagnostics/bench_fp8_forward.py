@@ -4,6 +4,7 @@ the same process.
 
     python tests/diagnostics/bench_fp8_forward.py [--seqlens 4096,8192,16384] [--headdims 128,256]
                                                  [--pingpong both|on|off] [--no-check]
+                                                 [--defines FC_DIAG_FP8_NO_TRANSPOSE,...]
 
 First a correctness check on a few small cases (against the float64 attention of the
 dequantised inputs, with the flash-attn rule in FP8: error at most twice that of the NumPy
@@ -13,7 +14,10 @@ descales; bf16 q, k, v for the peers), GPU time by ``flashcore.bench.gpu_time`` 
 after warm-up, L2 flushed, median) at flash-attn's sizes: 16k tokens per batch, hidden 2048
 (nheads = 2048 / d), non-causal and causal. TFLOP/s with flash-attn's count 4·b·h·s²·d (halved
 for causal), the same count for all three. ``--pingpong``: the FP8 kernel with the consumers'
-ping-pong on, off, or both (two columns).
+ping-pong on, off, or both (two columns). ``--defines``: the FP8 call again with each of these
+NVRTC defines (the ``sm90_defines`` setting; cuda/flash_fwd_sm90.cu's FC_DIAG_FP8_NO_TRANSPOSE
+and FC_DIAG_FP8_NO_PACK leave a piece out: timing only, wrong results; A+B: both), one
+column each.
 """
 from __future__ import annotations
 
@@ -76,7 +80,9 @@ def main(argv):
           "2048; TFLOP/s (flash-attn's count), GPU time through the public API")
     if "--no-check" not in argv and not check(torch, flashcore):
         print("# correctness check FAILED: the timings below are of a wrong kernel")
-    cols = [f"fp8 pp={'on' if p else 'off'}" for p in pp_modes] + ["bf16 flashcore",
+    defines = [x for x in _arg(argv, "--defines", "").split(",") if x]
+    cols = [f"fp8 pp={'on' if p else 'off'}" for p in pp_modes] + [
+        d_.replace("FC_DIAG_FP8_", "-") for d_ in defines] + ["bf16 flashcore",
                                                                   "bf16 cuDNN", "fp8/cuDNN"]
     print(f"{'d':>4} {'seqlen':>6} {'causal':>6} | " + " | ".join(f"{c:>14}" for c in cols))
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -94,6 +100,12 @@ def main(argv):
                 row = []
                 for pp in pp_modes:
                     with config.override(sm90_fwd_pingpong=pp):
+                        t = gpu_time(lambda: flashcore.attention_forward(
+                            *x8, causal=causal, q_descale=desc[0], k_descale=desc[1],
+                            v_descale=desc[2]))
+                    row.append(f / t / 1e12)
+                for d_ in defines:
+                    with config.override(sm90_defines=tuple(f"-D{x}" for x in d_.split("+"))):
                         t = gpu_time(lambda: flashcore.attention_forward(
                             *x8, causal=causal, q_descale=desc[0], k_descale=desc[1],
                             v_descale=desc[2]))
