@@ -75,7 +75,7 @@ hand_back() {
        results/"$MACHINE"/"${COMMIT:0:8}"-*.json "$OUT/asv/" 2>/dev/null || true
   fi
 }
-# asv saves results when a run ends: run the suite in groups (ASV_GROUPS, '|'-separated regexes
+# asv saves results when a run ends: run the suite in groups (ASV_GROUPS, ';'-separated regexes
 # run one after another), so that a time limit loses at most the group in flight.
 if [ -n "${ASV_GROUPS:-}" ]; then
   IFS=';' read -ra groups <<<"$ASV_GROUPS"
