@@ -647,6 +647,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 
     if (wg == 0) {
         // ---- producer ----------------------------------------------------------------
+        setmaxnreg_dec<kProducerRegs>();
         auto n0_of = [&](int it) { return (blk.n_block_max - 1 - it) * kBlockN; };
         auto load_q = [&]() {
             mbar_expect_tx(bar_q, kQTile);
@@ -674,7 +675,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         };
         if constexpr (!Is_fp8) {
             // one thread issues every load
-            setmaxnreg_dec<kProducerRegs>();
             if (tid == 0) {
                 load_q();
                 for (int it = 0; it < n_iter; ++it) {
@@ -689,7 +689,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             // ring), then the warpgroup transposes V of this block into its V^T stage; named
             // barrier 3 ends a block: the raw buffer it read is free for the load of block
             // it + 2 (issued at the top of step it + 1).
-            setmaxnreg_dec<kProducerRegs>();
             if (tid == 0) {
                 load_q();
                 load_k(0);

@@ -570,6 +570,15 @@ def decode_graph(impl: str, pb: DecodeProblem):
 
 
 #: the tiny, launch-bound training step (1 x 128 x 2 x 64 bf16, causal)
+def fp8_quantise(x):
+    """A torch tensor ``x`` (batch, seqlen, heads, headdim) -> (float8_e4m3fn values, float32
+    descales (batch, heads)), each (batch, head)'s largest magnitude at e4m3's 448: the FP8
+    inputs of the FP8 benchmarks (asv and tests/diagnostics), ``values * descale`` ~ ``x``."""
+    import torch
+    ds = (x.float().abs().amax(dim=(1, 3)) / 448.0).clamp_min(1e-6)
+    return (x.float() / ds[:, None, :, None]).to(torch.float8_e4m3fn), ds
+
+
 TINY_SHAPE = (1, 128, 2, 64)
 
 

@@ -11,13 +11,8 @@
 GPU time by flashcore.bench.gpu_time (CUDA events after warm-up, L2 flushed, median), as
 ``tests/diagnostics/bench_fp8_forward.py`` and ``bench_fp8_decode.py`` measure it.
 """
-from .common import flops, gpu_time, require_gpu_backend, sdpa_pinned, shape_for, torch
-
-
-def _fp8(x16, torch):
-    """x16 (b, s, h, d) bf16 -> (e4m3 values, float32 descales (b, h)) with amax at 448."""
-    ds = (x16.float().abs().amax(dim=(1, 3)) / 448.0).clamp_min(1e-6)
-    return (x16.float() / ds[:, None, :, None]).to(torch.float8_e4m3fn), ds
+from .common import (flops, fp8_quantise, gpu_time, require_gpu_backend, sdpa_pinned, shape_for,
+                     torch)
 
 
 def _require_sm90():
@@ -42,7 +37,7 @@ class Fp8Forward:
         g = torch.Generator(device="cuda").manual_seed(seqlen + headdim)
         x16 = [torch.randn(*self.shape, device="cuda", dtype=torch.bfloat16, generator=g)
                for _ in range(3)]
-        (q8, qd), (k8, kd), (v8, vd) = (_fp8(x, torch) for x in x16)
+        (q8, qd), (k8, kd), (v8, vd) = (fp8_quantise(x) for x in x16)
         self.fp8 = lambda: flashcore.attention_forward(q8, k8, v8, causal=causal, q_descale=qd,
                                                        k_descale=kd, v_descale=vd)
         self.bf16 = lambda: flashcore.attention_forward(*x16, causal=causal)
@@ -80,7 +75,7 @@ class Fp8DecodeRatio:
         g = torch.Generator(device="cuda").manual_seed(batch * 7 + cache)
         k16, v16 = (torch.randn(batch, cache, hk, d, device="cuda", dtype=torch.bfloat16,
                                 generator=g) for _ in range(2))
-        (k8, kd), (v8, vd) = _fp8(k16, torch), _fp8(v16, torch)
+        (k8, kd), (v8, vd) = fp8_quantise(k16), fp8_quantise(v16)
         q = torch.randn(batch, 1, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
         lens = torch.full((batch,), cache, device="cuda", dtype=torch.int32)
         self.bf16 = lambda: flashcore.attention_with_kvcache(q, k16, v16, cache_seqlens=lens)

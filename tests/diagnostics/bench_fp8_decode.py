@@ -27,7 +27,7 @@ CELLS = ((1, 4096), (1, 16384), (1, 131072), (8, 4096), (8, 16384), (8, 131072),
 def main(argv):
     import torch
     import flashcore
-    from flashcore.bench import gpu_time
+    from flashcore.bench import fp8_quantise, gpu_time
 
     cells = CELLS
     splits = (0,)
@@ -54,10 +54,7 @@ def main(argv):
     for b, sk in cells:
         k16 = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
         v16 = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        kd = torch.rand(b, hk, device="cuda", generator=g) + 0.5
-        vd = torch.rand(b, hk, device="cuda", generator=g) + 0.5
-        k8 = (k16 / kd[:, None, :, None]).to(torch.float8_e4m3fn)
-        v8 = (v16 / vd[:, None, :, None]).to(torch.float8_e4m3fn)
+        (k8, kd), (v8, vd) = fp8_quantise(k16), fp8_quantise(v16)
         q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
         lens = torch.full((b,), sk, device="cuda", dtype=torch.int32)
         pg = {}

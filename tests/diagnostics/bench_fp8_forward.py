@@ -70,7 +70,7 @@ def main(argv):
     import torch.nn.functional as F
     import flashcore
     from flashcore import config
-    from flashcore.bench import flops, gpu_time, sdpa_pinned, shape_for
+    from flashcore.bench import flops, fp8_quantise, gpu_time, sdpa_pinned, shape_for
 
     seqlens = [int(x) for x in _arg(argv, "--seqlens", "4096,8192,16384").split(",")]
     headdims = [int(x) for x in _arg(argv, "--headdims", "128,256").split(",")]
@@ -91,9 +91,7 @@ def main(argv):
             b, _, h, _ = shape_for(s, d)
             x16 = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
                    for _ in range(3)]
-            desc = [(x.float().abs().amax(dim=(1, 3)) / 448.0).clamp_min(1e-6) for x in x16]
-            x8 = [(x.float() / ds[:, None, :, None]).to(torch.float8_e4m3fn)
-                  for x, ds in zip(x16, desc)]
+            x8, desc = zip(*(fp8_quantise(x) for x in x16))
             xt = [x.transpose(1, 2) for x in x16]      # SDPA's (b, h, s, d)
             for causal in (False, True):
                 f = flops(b, s, h, d, causal)
