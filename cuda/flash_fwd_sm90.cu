@@ -584,7 +584,7 @@ namespace fc_h {
 // products are k32 e4m3 ones with P packed by pack_e4m3. The scores' scale takes
 // q_descale * k_descale and the output's v_descale (per batch and key head; none = 1).
 template <typename Elem, typename In, int kD, int kBlockN, bool Is_local, bool Is_dropout,
-          int kStages, bool kPingPong>
+          int kStages, bool kPingPong, bool kPersistent>
 __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFwdMaps& maps) {
     using namespace fc_pipe;
     constexpr bool Is_fp8 = In::kBytes == 1;
@@ -598,8 +598,9 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     // Registers after reallocation. __launch_bounds__(384, 1) starts every thread at 168, so
     // the block holds 384 x 168 = 64512 and the split must not exceed it (a consumer's
     // setmaxnreg.inc waits until the pool has the registers: an overdrawn split hangs, as the
-    // FP8 kernel's first 32 / 240 did). FP8's producer transposes V within the same 24.
-    constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+    // FP8 kernel's first 32 / 240 did). FP8's producer transposes V within the same 24. The
+    // persistent producer's tile loop needs more than 24 (ptxas spills it): 40 / 232 there.
+    constexpr int kProducerRegs = kPersistent ? 40 : 24, kConsumerRegs = kPersistent ? 232 : 240;
     static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 384 * 168,
                   "the register split overdraws the block's 384 x 168");
 
@@ -608,32 +609,52 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     const fc_u32 sK = sQ + kQTile;
     const fc_u32 sV = sK + (fc_u32)kStages * kTile;       // (FP8: V^T)
     const fc_u32 sVraw = sV + (fc_u32)kStages * kTile;    // (FP8 only)
-    // mbarriers after the tiles: Q, then full K, full V, empty K, empty V (one per stage each),
-    // then (FP8) the raw V ring's full barriers
+    // mbarriers after the tiles: full Q, empty Q, then full K, full V, empty K, empty V (one
+    // per stage each), then (FP8) the raw V ring's full barriers
     const fc_u32 bars = sVraw + (fc_u32)kRaw * kTile;
-    const fc_u32 bar_q = bars;
-    auto full_k = [&](int st) { return bars + 8u * (fc_u32)(1 + st); };
-    auto full_v = [&](int st) { return bars + 8u * (fc_u32)(1 + kStages + st); };
-    auto empty_k = [&](int st) { return bars + 8u * (fc_u32)(1 + 2 * kStages + st); };
-    auto empty_v = [&](int st) { return bars + 8u * (fc_u32)(1 + 3 * kStages + st); };
-    auto raw_full = [&](int r) { return bars + 8u * (fc_u32)(1 + 4 * kStages + r); };
+    const fc_u32 bar_q = bars, empty_q = bars + 8u;
+    auto full_k = [&](int st) { return bars + 8u * (fc_u32)(2 + st); };
+    auto full_v = [&](int st) { return bars + 8u * (fc_u32)(2 + kStages + st); };
+    auto empty_k = [&](int st) { return bars + 8u * (fc_u32)(2 + 2 * kStages + st); };
+    auto empty_v = [&](int st) { return bars + 8u * (fc_u32)(2 + 3 * kStages + st); };
+    auto raw_full = [&](int r) { return bars + 8u * (fc_u32)(2 + 4 * kStages + r); };
+
+    // The CTA's tiles. One per CTA (the grid is (query blocks, heads, batch)), or, persistent,
+    // tiles blockIdx.x, + gridDim.x, ... of (batch, head, query block) order with the query
+    // block fastest, so that the CTAs at work at one time share a head's K and V in L2; with a
+    // window (causal) the query blocks of a head run last to first: the longest first.
+    const int num_m = kPersistent ? (params.seqlen_q + kBlockM - 1) / kBlockM : (int)gridDim.x;
+    const int n_tiles = kPersistent ? num_m * params.nheads * params.batch : 1;
+    const int tile0 = kPersistent ? (int)blockIdx.x : 0, tile_step = kPersistent ? (int)gridDim.x : 1;
+    auto tile_block = [&](int tile) {
+        int m = (int)blockIdx.x, h = (int)blockIdx.y, b = (int)blockIdx.z;
+        if constexpr (kPersistent) {
+            m = tile % num_m;
+            const int bh = tile / num_m;
+            h = bh % params.nheads;
+            b = bh / params.nheads;
+        }
+        return FwdBlock<kBlockN, Is_local>(params, Is_local ? num_m - 1 - m : m, h, b);
+    };
+    auto runs = [](const FwdBlock<kBlockN, Is_local>& blk) { return !blk.empty_rows() && !blk.no_keys(); };
 
     const int tid = threadIdx.x;
     const int wg = tid >> 7;
-    const int m_block = Is_local ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
-    const FwdBlock<kBlockN, Is_local> blk(params, m_block, blockIdx.y, blockIdx.z);
-    if (blk.empty_rows()) return;
-    if (blk.no_keys()) {
-        blk.store_empty(params, kD, tid, 384);
-        return;
+    if constexpr (!kPersistent) {
+        const FwdBlock<kBlockN, Is_local> blk = tile_block(0);
+        if (blk.empty_rows()) return;
+        if (blk.no_keys()) {
+            blk.store_empty(params, kD, tid, 384);
+            return;
+        }
     }
-    const int n_iter = blk.n_block_max - blk.n_block_min;   // >= 1
 
     if (tid == 0) {
         tma_prefetch_map(maps.q);
         tma_prefetch_map(maps.k);
         tma_prefetch_map(maps.v);
         mbar_init(bar_q, 1);
+        mbar_init(empty_q, 256);
         for (int st = 0; st < kStages; ++st) {
             mbar_init(full_k(st), 1);
             mbar_init(full_v(st), Is_fp8 ? 128 : 1);
@@ -645,72 +666,85 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     }
     __syncthreads();
 
+    // Pipeline positions carried from tile to tile: kv = key blocks through the K/V ring so
+    // far (block it of a tile is use (kv + it) / kStages of stage (kv + it) % kStages), nq = Q
+    // tiles so far (Q's barriers flip once per tile).
+    int kv = 0, nq = 0;
     if (wg == 0) {
         // ---- producer ----------------------------------------------------------------
         setmaxnreg_dec<kProducerRegs>();
-        auto n0_of = [&](int it) { return (blk.n_block_max - 1 - it) * kBlockN; };
-        auto load_q = [&]() {
-            mbar_expect_tx(bar_q, kQTile);
+        for (int tile = tile0; tile < n_tiles; tile += tile_step) {
+            const FwdBlock<kBlockN, Is_local> blk = tile_block(tile);
+            if (!runs(blk)) continue;
+            const int n_iter = blk.n_block_max - blk.n_block_min;   // >= 1
+            auto n0_of = [&](int it) { return (blk.n_block_max - 1 - it) * kBlockN; };
+            auto load_q = [&]() {
+                if (nq > 0) mbar_wait(empty_q, (fc_u32)(nq - 1) & 1u);   // the last tile's S done
+                mbar_expect_tx(bar_q, kQTile);
 #pragma unroll
-            for (int c = 0; c < kD / kRowElems; ++c)
-                tma_load_4d(sQ + (fc_u32)c * kColBlock, maps.q, bar_q, kRowElems * c, blk.m0,
-                            blk.h, blk.b);
-        };
-        auto load_k = [&](int it) {
-            const int st = it % kStages;
-            if (it >= kStages) mbar_wait(empty_k(st), ((fc_u32)(it / kStages) & 1u) ^ 1u);
-            mbar_expect_tx(full_k(st), kTile);
+                for (int c = 0; c < kD / kRowElems; ++c)
+                    tma_load_4d(sQ + (fc_u32)c * kColBlock, maps.q, bar_q, kRowElems * c, blk.m0,
+                                blk.h, blk.b);
+            };
+            auto load_k = [&](int it) {
+                const int u = kv + it, st = u % kStages;
+                if (u >= kStages) mbar_wait(empty_k(st), ((fc_u32)(u / kStages) & 1u) ^ 1u);
+                mbar_expect_tx(full_k(st), kTile);
 #pragma unroll
-            for (int c = 0; c < kD / kRowElems; ++c)
-                tma_load_4d(sK + (fc_u32)st * kTile + (fc_u32)c * kKVBlock, maps.k, full_k(st),
-                            kRowElems * c, n0_of(it), blk.hk, blk.b);
-        };
-        // V of block it into `dst`, completing on `bar`
-        auto load_v = [&](int it, fc_u32 dst, fc_u32 bar) {
-            mbar_expect_tx(bar, kTile);
+                for (int c = 0; c < kD / kRowElems; ++c)
+                    tma_load_4d(sK + (fc_u32)st * kTile + (fc_u32)c * kKVBlock, maps.k, full_k(st),
+                                kRowElems * c, n0_of(it), blk.hk, blk.b);
+            };
+            // V of block it into `dst`, completing on `bar`
+            auto load_v = [&](int it, fc_u32 dst, fc_u32 bar) {
+                mbar_expect_tx(bar, kTile);
 #pragma unroll
-            for (int c = 0; c < kD / kRowElems; ++c)
-                tma_load_4d(dst + (fc_u32)c * kKVBlock, maps.v, bar, kRowElems * c, n0_of(it),
-                            blk.hk, blk.b);
-        };
-        if constexpr (!Is_fp8) {
-            // one thread issues every load
-            if (tid == 0) {
-                load_q();
+                for (int c = 0; c < kD / kRowElems; ++c)
+                    tma_load_4d(dst + (fc_u32)c * kKVBlock, maps.v, bar, kRowElems * c, n0_of(it),
+                                blk.hk, blk.b);
+            };
+            if constexpr (!Is_fp8) {
+                // one thread issues every load
+                if (tid == 0) {
+                    load_q();
+                    for (int it = 0; it < n_iter; ++it) {
+                        const int u = kv + it, st = u % kStages;
+                        load_k(it);
+                        if (u >= kStages) mbar_wait(empty_v(st), ((fc_u32)(u / kStages) & 1u) ^ 1u);
+                        load_v(it, sV + (fc_u32)st * kTile, full_v(st));
+                    }
+                }
+            } else {
+                // thread 0 issues the loads one block ahead (K into the ring, V into the raw
+                // ring), then the warpgroup transposes V of this block into its V^T stage;
+                // named barrier 3 ends a block: the raw buffer it read is free for the load of
+                // block it + 2 (issued at the top of step it + 1). The raw ring's position is
+                // kv + it too.
+                if (tid == 0) {
+                    load_q();
+                    load_k(0);
+                    load_v(0, sVraw + (fc_u32)(kv & 1) * kTile, raw_full(kv & 1));
+                }
                 for (int it = 0; it < n_iter; ++it) {
-                    const int st = it % kStages;
-                    load_k(it);
-                    if (it >= kStages) mbar_wait(empty_v(st), ((fc_u32)(it / kStages) & 1u) ^ 1u);
-                    load_v(it, sV + (fc_u32)st * kTile, full_v(st));
-                }
-            }
-        } else {
-            // thread 0 issues the loads one block ahead (K into the ring, V into the raw
-            // ring), then the warpgroup transposes V of this block into its V^T stage; named
-            // barrier 3 ends a block: the raw buffer it read is free for the load of block
-            // it + 2 (issued at the top of step it + 1).
-            if (tid == 0) {
-                load_q();
-                load_k(0);
-                load_v(0, sVraw, raw_full(0));
-            }
-            for (int it = 0; it < n_iter; ++it) {
-                const int st = it % kStages;
-                if (tid == 0 && it + 1 < n_iter) {
-                    load_k(it + 1);
-                    load_v(it + 1, sVraw + (fc_u32)((it + 1) & 1) * kTile, raw_full((it + 1) & 1));
-                }
-                mbar_wait(raw_full(it & 1), (fc_u32)(it >> 1) & 1u);
-                if (it >= kStages) mbar_wait(empty_v(st), ((fc_u32)(it / kStages) & 1u) ^ 1u);
-                __syncwarp();
+                    const int u = kv + it, st = u % kStages;
+                    if (tid == 0 && it + 1 < n_iter) {
+                        load_k(it + 1);
+                        load_v(it + 1, sVraw + (fc_u32)((u + 1) & 1) * kTile, raw_full((u + 1) & 1));
+                    }
+                    mbar_wait(raw_full(u & 1), (fc_u32)(u >> 1) & 1u);
+                    if (u >= kStages) mbar_wait(empty_v(st), ((fc_u32)(u / kStages) & 1u) ^ 1u);
+                    __syncwarp();
 #ifndef FC_DIAG_FP8_NO_TRANSPOSE     // (timing only: V^T left as it is, wrong results)
-                transpose_v<kD, kBlockN>(sV + (fc_u32)st * kTile, sVraw + (fc_u32)(it & 1) * kTile,
-                                         tid);
+                    transpose_v<kD, kBlockN>(sV + (fc_u32)st * kTile, sVraw + (fc_u32)(u & 1) * kTile,
+                                             tid);
 #endif
-                fence_proxy_async();    // the stores, visible to the consumers' wgmma
-                mbar_arrive(full_v(st));
-                named_sync(3, 128);
+                    fence_proxy_async();    // the stores, visible to the consumers' wgmma
+                    mbar_arrive(full_v(st));
+                    named_sync(3, 128);
+                }
             }
+            kv += n_iter;
+            ++nq;
         }
         return;
     }
@@ -718,88 +752,101 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     // ---- consumers -------------------------------------------------------------------------
     setmaxnreg_inc<kConsumerRegs>();
     const int cw = wg - 1;                     // consumer warpgroup: tile rows [64 cw, 64 cw + 64)
-    FwdRows<Elem, kD, kBlockN, Is_local, Is_dropout> rows(params, blk, tid - 128);
-    float s_scale = 1.f;                       // FP8: q_descale * k_descale
-    if constexpr (Is_fp8) {
-        const long long di = (long long)blk.b * params.nheads_k + blk.hk;
-        if (params.q_descale != nullptr) s_scale *= params.q_descale[di];
-        if (params.k_descale != nullptr) s_scale *= params.k_descale[di];
-        rows.mult *= s_scale;
-    }
     const fc_u32 sQwg = sQ + (fc_u32)cw * 64u * 128u;
-    float s[kNT * 4];
-#pragma unroll
-    for (int i = 0; i < kNT * 4; ++i) s[i] = 0.f;
-    fc_u32 pa[Is_fp8 ? kBlockN / 32 : kBlockN / 16][4];
-    float corr[2];
-    auto stage_of = [](int it) { return it % kStages; };
-    auto parity_of = [](int it) { return (fc_u32)(it / kStages) & 1u; };
-    auto pack = [&](int n0) {
-        if constexpr (Is_fp8) {
-#ifndef FC_DIAG_FP8_NO_PACK           // (timing only: P's registers as they were, wrong results)
-            rows.pack_e4m3(s, pa);
-#else
-            if (n0 == (blk.n_block_max - 1) * kBlockN) rows.pack_e4m3(s, pa);
-#endif
+    for (int tile = tile0; tile < n_tiles; tile += tile_step) {
+        const FwdBlock<kBlockN, Is_local> blk = tile_block(tile);
+        if (blk.empty_rows()) continue;
+        if (blk.no_keys()) {            // (persistent only: the one-tile CTA returned above)
+            blk.store_empty(params, kD, tid - 128, 256);
+            continue;
         }
-        else
-            rows.pack(s, pa, n0);
-    };
-    auto issue_pv_ = [&](fc_u32 sVb) {
-        if constexpr (Is_fp8)
-            issue_pv_e4m3<kD, kBlockN>(rows.acc_o, pa, sVb);
-        else
-            issue_pv<Elem, kBlockN>(rows.acc_o, pa, sVb);
-    };
+        const int n_iter = blk.n_block_max - blk.n_block_min;   // >= 1
+        FwdRows<Elem, kD, kBlockN, Is_local, Is_dropout> rows(params, blk, tid - 128);
+        float s_scale = 1.f;                       // FP8: q_descale * k_descale
+        if constexpr (Is_fp8) {
+            const long long di = (long long)blk.b * params.nheads_k + blk.hk;
+            if (params.q_descale != nullptr) s_scale *= params.q_descale[di];
+            if (params.k_descale != nullptr) s_scale *= params.k_descale[di];
+            rows.mult *= s_scale;
+        }
+        float s[kNT * 4];
+#pragma unroll
+        for (int i = 0; i < kNT * 4; ++i) s[i] = 0.f;
+        fc_u32 pa[Is_fp8 ? kBlockN / 32 : kBlockN / 16][4];
+        float corr[2];
+        auto stage_of = [&](int it) { return (kv + it) % kStages; };
+        auto parity_of = [&](int it) { return (fc_u32)((kv + it) / kStages) & 1u; };
+        auto pack = [&](int n0) {
+            if constexpr (Is_fp8) {
+#ifndef FC_DIAG_FP8_NO_PACK           // (timing only: P's registers as they were, wrong results)
+                rows.pack_e4m3(s, pa);
+#else
+                if (n0 == (blk.n_block_max - 1) * kBlockN) rows.pack_e4m3(s, pa);
+#endif
+            }
+            else
+                rows.pack(s, pa, n0);
+        };
+        auto issue_pv_ = [&](fc_u32 sVb) {
+            if constexpr (Is_fp8)
+                issue_pv_e4m3<kD, kBlockN>(rows.acc_o, pa, sVb);
+            else
+                issue_pv<Elem, kBlockN>(rows.acc_o, pa, sVb);
+        };
 
-    int nb = blk.n_block_max - 1;
-    mbar_wait(bar_q, 0);
-    mbar_wait(full_k(0), 0);
-    issue_s<In, kD, kBlockN>(s, sQwg, sK);
-    wgmma_wait<0>();
-    settle(s);
-    mbar_arrive(empty_k(0));
-    rows.mask(s, nb * kBlockN);
-    rows.softmax(s, corr);                     // O is 0: no rescale
-    pack(nb * kBlockN);
-    // Ping-pong: consumer cw issues its products after named barrier 1 + cw, then lets the
-    // other one go. Consumer 1 opens the first turn for consumer 0 and skips its last
-    // hand-over, so that every barrier sees as many arrivals as waits.
-    if (kPingPong && cw == 1 && n_iter > 1) named_arrive(1, 256);
-    for (int it = 0; it < n_iter - 1; ++it, --nb) {   // every block but the last
-        const int st0 = stage_of(it), st1 = stage_of(it + 1);
-        mbar_wait(full_k(st1), parity_of(it + 1));
-        mbar_wait(full_v(st0), parity_of(it));
-        if (kPingPong) named_sync(1 + cw, 256);
-        issue_s<In, kD, kBlockN>(s, sQwg, sK + (fc_u32)st1 * kTile);   // S_{i+1}
-        issue_pv_(sV + (fc_u32)st0 * kTile);                           // O += P_i V_i
-        if (kPingPong && !(cw == 1 && it == n_iter - 2)) named_arrive(2 - cw, 256);
-        wgmma_wait<1>();                       // S_{i+1} done (P_i V_i may still run)
+        int nb = blk.n_block_max - 1;
+        mbar_wait(bar_q, (fc_u32)nq & 1u);
+        mbar_wait(full_k(stage_of(0)), parity_of(0));
+        issue_s<In, kD, kBlockN>(s, sQwg, sK + (fc_u32)stage_of(0) * kTile);
+        wgmma_wait<0>();
         settle(s);
-        mbar_arrive(empty_k(st1));
-        rows.mask(s, (nb - 1) * kBlockN);
-        rows.softmax(s, corr);
-        wgmma_wait<0>();
-        settle(rows.acc_o);
-        settle(pa);
-        mbar_arrive(empty_v(st0));
-        rows.rescale(corr);
-        pack((nb - 1) * kBlockN);
-    }
-    {
-        const int last = n_iter - 1;
-        mbar_wait(full_v(stage_of(last)), parity_of(last));
-        issue_pv_(sV + (fc_u32)stage_of(last) * kTile);
-        wgmma_wait<0>();
-        settle(rows.acc_o);
-        settle(pa);
-    }
-    if constexpr (Is_fp8) {
-        const float v_scale = params.v_descale != nullptr
-            ? params.v_descale[(long long)blk.b * params.nheads_k + blk.hk] : 1.f;
-        rows.store(params, blk, v_scale, s_scale);
-    } else {
-        rows.store(params, blk);
+        mbar_arrive(empty_k(stage_of(0)));
+        rows.mask(s, nb * kBlockN);
+        rows.softmax(s, corr);                     // O is 0: no rescale
+        pack(nb * kBlockN);
+        // Ping-pong: consumer cw issues its products after named barrier 1 + cw, then lets the
+        // other one go. Consumer 1 opens the first turn for consumer 0 and skips its last
+        // hand-over, so that every barrier sees as many arrivals as waits within a tile.
+        if (kPingPong && cw == 1 && n_iter > 1) named_arrive(1, 256);
+        for (int it = 0; it < n_iter - 1; ++it, --nb) {   // every block but the last
+            const int st0 = stage_of(it), st1 = stage_of(it + 1);
+            mbar_wait(full_k(st1), parity_of(it + 1));
+            mbar_wait(full_v(st0), parity_of(it));
+            if (kPingPong) named_sync(1 + cw, 256);
+            issue_s<In, kD, kBlockN>(s, sQwg, sK + (fc_u32)st1 * kTile);   // S_{i+1}
+            issue_pv_(sV + (fc_u32)st0 * kTile);                           // O += P_i V_i
+            if (kPingPong && !(cw == 1 && it == n_iter - 2)) named_arrive(2 - cw, 256);
+            wgmma_wait<1>();                       // S_{i+1} done (P_i V_i may still run)
+            settle(s);
+            mbar_arrive(empty_k(st1));
+            rows.mask(s, (nb - 1) * kBlockN);
+            rows.softmax(s, corr);
+            wgmma_wait<0>();
+            settle(rows.acc_o);
+            settle(pa);
+            mbar_arrive(empty_v(st0));
+            rows.rescale(corr);
+            pack((nb - 1) * kBlockN);
+        }
+        mbar_arrive(empty_q);                      // every S of the tile is done: Q is free
+        {
+            const int last = n_iter - 1;
+            mbar_wait(full_v(stage_of(last)), parity_of(last));
+            issue_pv_(sV + (fc_u32)stage_of(last) * kTile);
+            wgmma_wait<0>();
+            settle(rows.acc_o);
+            settle(pa);
+            mbar_arrive(empty_v(stage_of(last)));
+        }
+        if constexpr (Is_fp8) {
+            const float v_scale = params.v_descale != nullptr
+                ? params.v_descale[(long long)blk.b * params.nheads_k + blk.hk] : 1.f;
+            rows.store(params, blk, v_scale, s_scale);
+        } else {
+            rows.store(params, blk);
+        }
+        kv += n_iter;
+        ++nq;
     }
 }
 
@@ -807,25 +854,29 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 
 // Warp-specialised forward, 16-bit inputs (see the top of the file and ws_forward). kBlockN:
 // keys per block (64, 128, or 176 as FA3 takes at head dim 128); kStages: K/V ring depth;
-// kPingPong: the consumers issue their products in turn.
+// kPingPong: the consumers issue their products in turn; kPersistent: a grid of at most one
+// CTA per SM, each looping over tiles (grid (query blocks, heads, batch) otherwise).
 template <typename Elem, int kD, int kBlockN, bool Is_local, bool Is_dropout, int kStages,
-          bool kPingPong>
+          bool kPingPong, bool kPersistent>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_sm90_ws_kernel(const FlashParams params, const __grid_constant__ FcFwdMaps maps) {
     static_assert(kD == 64 || kD == 128 || kD == 256, "head dims 64, 128 and 256");
     static_assert((kBlockN == 64 || kBlockN == 128 || kBlockN == 176) && (kD != 256 || kBlockN == 64),
                   "key blocks of 64, 128 or 176 (the S wgmma's N); 64 at head dim 256");
-    fc_h::ws_forward<Elem, Elem, kD, kBlockN, Is_local, Is_dropout, kStages, kPingPong>(params, maps);
+    fc_h::ws_forward<Elem, Elem, kD, kBlockN, Is_local, Is_dropout, kStages, kPingPong,
+                     kPersistent>(params, maps);
 }
 
 // Warp-specialised forward of float8_e4m3fn q, k, v (FlashAttention-3's FP8 forward; the
 // tensor maps read them as bytes): out in Elem (fc_bf16 / fc_fp16, or float32 with
 // params.o_fp32), lse float32. Head dims 128 and 256 (128-byte rows: one or two column
 // blocks); kBlockN = 128 keys (one 128-byte V^T row).
-template <typename Elem, int kD, int kBlockN, bool Is_local, int kStages, bool kPingPong>
+template <typename Elem, int kD, int kBlockN, bool Is_local, int kStages, bool kPingPong,
+          bool kPersistent>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_sm90_fp8_kernel(const FlashParams params, const __grid_constant__ FcFwdMaps maps) {
     static_assert(kD == 128 || kD == 256, "FP8: head dims 128 and 256");
     static_assert(kBlockN == 128, "FP8: key blocks of 128 (one 128-byte row of V^T)");
-    fc_h::ws_forward<Elem, fc_e4m3, kD, kBlockN, Is_local, false, kStages, kPingPong>(params, maps);
+    fc_h::ws_forward<Elem, fc_e4m3, kD, kBlockN, Is_local, false, kStages, kPingPong,
+                     kPersistent>(params, maps);
 }

@@ -132,14 +132,17 @@ def test_the_v_transpose_reads_only_its_own_keys_and_columns():
 
 def test_instantiations_and_shared_memory_budget():
     names = forward.fp8_instantiations()
-    assert len(names) == 16
+    assert len(names) == 24     # 16 one tile per CTA, 8 persistent (head dim 128)
     assert all(n.startswith("flash_fwd_sm90_fp8_kernel<fc_") for n in names)
     for d in forward.FP8_HEADDIMS:
         assert forward.fp8_smem(d) <= SMEM_LIMIT
     assert forward.fp8_kernel_name("float32", 128, False, True) == \
-        "flash_fwd_sm90_fp8_kernel<fc_bf16, 128, 128, false, 3, true>"
+        "flash_fwd_sm90_fp8_kernel<fc_bf16, 128, 128, false, 3, true, true>"
     assert forward.fp8_kernel_name("float16", 256, True, False) == \
-        "flash_fwd_sm90_fp8_kernel<fc_fp16, 256, 128, true, 2, false>"
+        "flash_fwd_sm90_fp8_kernel<fc_fp16, 256, 128, true, 2, false, false>"
+    # no persistent kernel at head dim 256 (its consumers would spill in 232 registers)
+    assert forward.fp8_kernel_name("float16", 256, False, False) == \
+        "flash_fwd_sm90_fp8_kernel<fc_fp16, 256, 128, false, 2, false, false>"
 
 
 def test_refusals_name_the_argument():

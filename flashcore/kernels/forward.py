@@ -230,9 +230,10 @@ def sm90_ws_tile(headdim: int, is_local: bool) -> tuple[int, int]:
 
 
 def sm90_ws_smem(headdim: int, is_local: bool) -> int:
-    """Q + the K/V ring + the mbarriers (8 bytes each: Q, and 4 per stage) + alignment slack."""
+    """Q + the K/V ring + the mbarriers (8 bytes each: Q full and empty, and 4 per stage) +
+    alignment slack."""
     block_n, stages = sm90_ws_tile(headdim, is_local)
-    return 2 * 128 * headdim + stages * 2 * (2 * block_n * headdim) + 8 * (1 + 4 * stages) + 1024
+    return 2 * 128 * headdim + stages * 2 * (2 * block_n * headdim) + 8 * (2 + 4 * stages) + 1024
 
 
 def sm90_ws_pingpong(headdim: int, seqlen_k: int) -> bool:
@@ -244,12 +245,40 @@ def sm90_ws_pingpong(headdim: int, seqlen_k: int) -> bool:
     return headdim == 64 or seqlen_k < 8192
 
 
+def ws_persistent_exists(headdim: int, is_local: bool = False, dropout: bool = False,
+                         fp8: bool = False) -> bool:
+    """Whether a persistent warp-specialised kernel exists for a call: its producer takes 40
+    registers and the consumers 232, in which the dropout kernels, the FP8 one at head dim 256
+    and the windowed one at head dim 256 spill (ptxas), so those run one tile per CTA."""
+    return not dropout and not (headdim == 256 and (fp8 or is_local))
+
+
+def sm90_ws_persistent(headdim: int, is_local: bool, dropout: bool = False,
+                       fp8: bool = False) -> bool:
+    """Whether the warp-specialised kernels run persistent CTAs (the ``sm90_fwd_persistent``
+    setting; by default: without a window), where such a kernel exists."""
+    if not ws_persistent_exists(headdim, is_local, dropout, fp8):
+        return False
+    p = config.get().sm90_fwd_persistent
+    return (not is_local) if p is None else p
+
+
+def ws_grid(persistent: bool, grid_m: int, nheads: int, batch: int, num_sms: int) -> tuple:
+    """The warp-specialised kernels' grid: (query blocks, heads, batch), or, persistent, one
+    CTA per SM (at most one per tile)."""
+    if not persistent:
+        return (grid_m, nheads, batch)
+    return (max(1, min(grid_m * nheads * batch, num_sms)), 1, 1)
+
+
 def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool, dropout: bool = False,
-                        seqlen_k: int = 0, pingpong: bool | None = None) -> str:
+                        seqlen_k: int = 0, pingpong: bool | None = None,
+                        persistent: bool | None = None) -> str:
     block_n, stages = sm90_ws_tile(headdim, is_local)
     pp = sm90_ws_pingpong(headdim, seqlen_k) if pingpong is None else pingpong
+    pers = sm90_ws_persistent(headdim, is_local, dropout) if persistent is None else persistent
     return (f"flash_fwd_sm90_ws_kernel<{_elem_tag(dtype_name)}, {headdim}, {block_n}, "
-            f"{_b(is_local)}, {_b(dropout)}, {stages}, {_b(pp)}>")
+            f"{_b(is_local)}, {_b(dropout)}, {stages}, {_b(pp)}, {_b(pers)}>")
 
 
 def sm90_instantiations() -> list[str]:
@@ -258,9 +287,10 @@ def sm90_instantiations() -> list[str]:
     flags = (False, True)
     return sorted({sm90_kernel_name(dt, d, loc, pipe, drop) for dt in ("float16", "bfloat16")
                    for d in SM90_HEADDIMS for loc in flags for pipe in flags for drop in flags}
-                  | {sm90_ws_kernel_name(dt, d, loc, drop, pingpong=pp)
+                  | {sm90_ws_kernel_name(dt, d, loc, drop, pingpong=pp, persistent=pers)
                      for dt in ("float16", "bfloat16") for d in SM90_HEADDIMS for loc in flags
-                     for drop in flags for pp in flags}
+                     for drop in flags for pp in flags for pers in flags
+                     if ws_persistent_exists(d, loc, drop) or not pers}
                   | set(fp8_instantiations()))
 
 
@@ -282,10 +312,10 @@ def fp8_tile(headdim: int) -> tuple[int, int]:
 
 
 def fp8_smem(headdim: int) -> int:
-    """Q + the K and V^T rings + the raw V ring (2) + the mbarriers (Q, 4 per stage, 2 raw) +
+    """Q + the K and V^T rings + the raw V ring (2) + the mbarriers (2 Q, 4 per stage, 2 raw) +
     alignment slack, 1-byte elements."""
     block_n, stages = fp8_tile(headdim)
-    return 128 * headdim + (2 * stages + 2) * block_n * headdim + 8 * (3 + 4 * stages) + 1024
+    return 128 * headdim + (2 * stages + 2) * block_n * headdim + 8 * (4 + 4 * stages) + 1024
 
 
 def fp8_pingpong() -> bool:
@@ -297,20 +327,23 @@ def fp8_pingpong() -> bool:
 
 
 def fp8_kernel_name(out_dtype: str, headdim: int, is_local: bool,
-                    pingpong: bool | None = None) -> str:
+                    pingpong: bool | None = None, persistent: bool | None = None) -> str:
     """``out_dtype``: bfloat16 or float16 (the kernel's Elem), or float32 (Elem unused: the
     bfloat16 instantiation writes float32 with ``o_fp32``)."""
     block_n, stages = fp8_tile(headdim)
     elem = _elem_tag("bfloat16" if out_dtype == "float32" else out_dtype)
     pp = fp8_pingpong() if pingpong is None else pingpong
+    pers = sm90_ws_persistent(headdim, is_local, fp8=True) if persistent is None else persistent
     return (f"flash_fwd_sm90_fp8_kernel<{elem}, {headdim}, {block_n}, {_b(is_local)}, "
-            f"{stages}, {_b(pp)}>")
+            f"{stages}, {_b(pp)}, {_b(pers)}>")
 
 
 def fp8_instantiations() -> list[str]:
     """Every template name of the FP8 forward."""
-    return sorted({fp8_kernel_name(dt, d, loc, pp) for dt in ("float16", "bfloat16")
-                   for d in FP8_HEADDIMS for loc in (False, True) for pp in (False, True)})
+    flags = (False, True)
+    return sorted({fp8_kernel_name(dt, d, loc, pp, pers) for dt in ("float16", "bfloat16")
+                   for d in FP8_HEADDIMS for loc in flags for pp in flags for pers in flags
+                   if ws_persistent_exists(d, loc, fp8=True) or not pers})
 
 
 def _check_grid(batch: int, nheads: int, softmax_scale: float) -> None:
@@ -396,8 +429,12 @@ def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: 
         raise ValueError("the FP8 forward's tensor maps could not be encoded for these arrays")
     out_dtype = out.dtype.name
     smem = fp8_smem(headdim)
-    kernel = get_kernel(SM90_SOURCE, fp8_kernel_name(out_dtype, headdim, is_local), device_id,
-                        cc, smem, config.get().sm90_defines)
+    grid_m = math.ceil(seqlen_q / 128)
+    persistent = sm90_ws_persistent(headdim, is_local, fp8=True) \
+        and grid_m * nheads * batch < 2 ** 31
+    kernel = get_kernel(SM90_SOURCE, fp8_kernel_name(out_dtype, headdim, is_local,
+                                                     persistent=persistent),
+                        device_id, cc, smem, config.get().sm90_defines)
     qs, ks, vs, os_ = _strides(q), _strides(k), _strides(v), _strides(out)
     params = make_params(
         q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
@@ -414,7 +451,8 @@ def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: 
         k_descale=None if k_descale is None else k_descale.data.ptr,
         v_descale=None if v_descale is None else v_descale.data.ptr,
     )
-    grid, block = (math.ceil(seqlen_q / 128), nheads, batch), (384, 1, 1)
+    grid = ws_grid(persistent, grid_m, nheads, batch, device_facts(device_id)[2])
+    block = (384, 1, 1)
     with cupy.cuda.Device(device_id):
         kernel(grid, block, (as_kernel_arg(params), ws[0].arg()), shared_mem=smem)
         if out_final is not None:
@@ -509,15 +547,20 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     device_id = q.device.id
     cc = device_facts(device_id)[0]
     ws = None     # (tensor maps, their specs): the warp-specialised Hopper kernel
+    persistent = False
     if not paged and sm90_applies(cc, headdim, has_softcap, has_alibi, seqlen_k):
         if not varlen and config.get().sm90_fwd_ws:
             from .tma import maps_for
             block_n = sm90_ws_tile(headdim, is_local)[0]
             ws = maps_for((q, 128), (k, block_n), (v, block_n))
+        grid_m = math.ceil(seqlen_q / 128)
         if ws is not None:
             smem = sm90_ws_smem(headdim, is_local)
+            persistent = sm90_ws_persistent(headdim, is_local, dropout) \
+                and grid_m * nheads * batch < 2 ** 31
             kernel = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, is_local,
-                                                                 dropout, seqlen_k),
+                                                                 dropout, seqlen_k,
+                                                                 persistent=persistent),
                                 device_id, cc, smem, config.get().sm90_defines)
             block = (384, 1, 1)
         else:
@@ -526,7 +569,6 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
                                                               dropout=dropout),
                                 device_id, cc, smem, config.get().sm90_defines)
             block = (256, 1, 1)
-        grid_m = math.ceil(seqlen_q / 128)
     else:
         d = headdim_tile(headdim)
         cfg = tile_config(d, is_local, has_softcap or dropout, has_alibi, headdim == d)
@@ -568,7 +610,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         scale_log2=_LOG2E if has_softcap else float(softmax_scale) * _LOG2E,
         softcap=float(softcap) if has_softcap else 0.0,
     )
-    grid = (grid_m, nheads, batch)
+    grid = ws_grid(persistent, grid_m, nheads, batch, device_facts(device_id)[2])
     args = (as_kernel_arg(params),) if ws is None else (as_kernel_arg(params), ws[0].arg())
     with cupy.cuda.Device(device_id):
         kernel(grid, block, args, shared_mem=smem)

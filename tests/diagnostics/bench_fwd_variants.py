@@ -11,7 +11,8 @@ median). Variants: ``ws`` the warp-specialised TMA kernel as the defaults choose
 keys per block at head dim 128 (both pingpong settings as the defaults choose), ``ws-s3`` with a
 3-stage ring at head dim 128 (128-key blocks), ``ws-bcp`` the defaults with the cp.async
 dK/dV kernel instead of the warp-specialised one, ``v1`` / ``v0`` the cp.async kernels,
-``ampere`` the mma.sync kernel. Each variant's output is compared with the first variant's (max abs difference), a
+``ampere`` the mma.sync kernel, ``ws-1t`` one tile per CTA, ``ws-pers`` persistent CTAs
+wherever such a kernel exists (``-pp`` / ``-nopp``: with / without ping-pong). Each variant's output is compared with the first variant's (max abs difference), a
 cross-check only: the GPU tests hold the correctness checks against the float64 oracle.
 """
 from __future__ import annotations
@@ -32,6 +33,10 @@ VARIANTS = {
     "ws-bn176": (_WS, {(128, False): (176, 2)}),
     "ws-s3": (_WS, {(128, False): (128, 3), (128, True): (128, 3)}),
     "ws-bcp": (dict(_WS, sm90_bwd_ws=False), {}),
+    "ws-1t": (dict(_WS, sm90_fwd_persistent=False), {}),
+    "ws-pers": (dict(_WS, sm90_fwd_persistent=True), {}),
+    "ws-pers-nopp": (dict(_WS, sm90_fwd_persistent=True, sm90_fwd_pingpong=False), {}),
+    "ws-pers-pp": (dict(_WS, sm90_fwd_persistent=True, sm90_fwd_pingpong=True), {}),
     "v1": (dict(sm90_fwd=True, sm90_fwd_ws=False, sm90_fwd_pipelined=True), {}),
     "v0": (dict(sm90_fwd=True, sm90_fwd_ws=False, sm90_fwd_pipelined=False), {}),
     "ampere": (dict(sm90_fwd=False), {}),

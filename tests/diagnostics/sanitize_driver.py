@@ -60,14 +60,21 @@ for c in CASES:
 # The Hopper forward (wgmma), where the device has it: full, causal with fully masked rows,
 # a window, varlen -- forward only (its backward is the one above).
 if int(cp.cuda.Device().compute_capability) == 90:
-    for pipelined, ws in ((False, False), (True, False), (True, True)):   # v0, v1, ws
+    # v0, v1, ws one tile per CTA, ws persistent (where such a kernel exists); the last case
+    # has 2 x 140 tiles, so that persistent CTAs take two or three each
+    for pipelined, ws, pers in ((False, False, None), (True, False, None), (True, True, False),
+                                (True, True, True)):
         _fwd.set_sm90(True, pipelined=pipelined, ws=ws)
-        for dt, sq, sk, hd, kw in (("bfloat16", 77, 93, 128, {}),
-                                   ("float16", 300, 130, 128, {"causal": True}),
-                                   ("bfloat16", 200, 700, 128, {"window_size": (40, 7)}),
-                                   ("float16", 333, 401, 64, {"causal": True}),
-                                   ("bfloat16", 150, 333, 256, {"causal": True})):
-            q, k, v = arr((2, sq, 4, hd), dt), arr((2, sk, 2, hd), dt), arr((2, sk, 2, hd), dt)
+        _config.set(sm90_fwd_persistent=pers)
+        for dt, sq, sk, hd, h, kw in (("bfloat16", 77, 93, 128, 4, {}),
+                                      ("float16", 300, 130, 128, 4, {"causal": True}),
+                                      ("bfloat16", 200, 700, 128, 4, {"window_size": (40, 7)}),
+                                      ("float16", 333, 401, 64, 4, {"causal": True}),
+                                      ("bfloat16", 150, 333, 256, 4, {"causal": True}),
+                                      ("bfloat16", 150, 333, 256, 4, {}),
+                                      ("bfloat16", 130, 300, 128, 140, {}),
+                                      ("float16", 130, 300, 64, 140, {"causal": True})):
+            q, k, v = arr((1, sq, h, hd), dt), arr((1, sk, 2, hd), dt), arr((1, sk, 2, hd), dt)
             flashcore.attention_forward(q, k, v, **kw)
             cp.cuda.Device().synchronize()
             n += 1
@@ -78,6 +85,7 @@ if int(cp.cuda.Device().compute_capability) == 90:
         cp.cuda.Device().synchronize()
         n += 1
     _fwd.set_sm90(False, pipelined=False, ws=False)
+    _config.set(sm90_fwd_persistent=None)
     _bwd.set_sm90(True)                                # the Hopper dK/dV kernel
     for dt, sq, sk, hd, kw in (("bfloat16", 77, 93, 128, {}),
                                ("float16", 300, 130, 128, {"causal": True}),

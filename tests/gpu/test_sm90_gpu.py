@@ -23,11 +23,13 @@ def _cc():
 _VARIANT = {"name": "v0"}
 
 
-@pytest.fixture(autouse=True, params=["v0", "v1", "ws", "ws-no-pingpong"])
+@pytest.fixture(autouse=True, params=["v0", "v1", "ws", "ws-no-pingpong", "ws-one-tile"])
 def sm90_on(request):
     """The Hopper family on, in one of its forward variants (v0 and v1: cp.async; ws: the
-    warp-specialised TMA kernel, with or without ping-pong), and the process's kernel and
-    plan caches emptied, so that _ran_sm90 sees only what this test loaded."""
+    warp-specialised TMA kernel with ping-pong, persistent as by default; ws-no-pingpong:
+    without ping-pong, persistent wherever such a kernel exists (windows included);
+    ws-one-tile: one tile per CTA), and the process's kernel and plan caches emptied, so that
+    _ran_sm90 sees only what this test loaded."""
     from flashcore import config, jit
     from flashcore.kernels import plans
     if _cc() != 90:
@@ -37,9 +39,10 @@ def sm90_on(request):
     _VARIANT["name"] = request.param
     ws = request.param.startswith("ws")
     # the wgmma kernel at every length, here
+    persistent = {"ws-no-pingpong": True, "ws-one-tile": False}.get(request.param)
     with config.override(sm90_fwd=True, sm90_fwd_pipelined=request.param != "v0",
-                         sm90_fwd_ws=ws, sm90_fwd_pingpong=request.param == "ws",
-                         sm90_fwd_d64_min_seqlen_k=0):
+                         sm90_fwd_ws=ws, sm90_fwd_pingpong=request.param != "ws-no-pingpong",
+                         sm90_fwd_persistent=persistent, sm90_fwd_d64_min_seqlen_k=0):
         yield
     plans.clear()
 
@@ -69,6 +72,15 @@ def test_matrix(dtype, causal, sq, sk, d):
     run_case(dtype, b, sq, sk, heads[0], heads[1], d, causal=causal,
              seed=(sq * 31 + sk) % 1000, backward=sq * sk < 5_000_000)
     assert _ran_sm90(dtype, causal, d)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_many_tiles_per_cta(causal, d):
+    # 2 x 20 heads x 8 query blocks = 320 tiles: persistent CTAs (one per SM at most) take two
+    # or three each, of different lengths when causal; the K/V ring and Q's barriers carry over
+    run_case("bfloat16", 2, 900, 1000, 20, 4, d, causal=causal, seed=11 + d, backward=False)
+    assert _ran_sm90("bfloat16", causal, d)
 
 
 @pytest.mark.parametrize("d", [40, 72, 96, 192])
