@@ -610,7 +610,8 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     const fc_u32 sV = sK + (fc_u32)kStages * kTile;       // (FP8: V^T)
     const fc_u32 sVraw = sV + (fc_u32)kStages * kTile;    // (FP8 only)
     // mbarriers after the tiles: full Q, empty Q, then full K, full V, empty K, empty V (one
-    // per stage each), then (FP8) the raw V ring's full barriers
+    // per stage each), then (FP8) the raw V ring's full barriers, then the tile scheduler's
+    // two slots (full, empty each) and the slots themselves (two int32)
     const fc_u32 bars = sVraw + (fc_u32)kRaw * kTile;
     const fc_u32 bar_q = bars, empty_q = bars + 8u;
     auto full_k = [&](int st) { return bars + 8u * (fc_u32)(2 + st); };
@@ -618,14 +619,41 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     auto empty_k = [&](int st) { return bars + 8u * (fc_u32)(2 + 2 * kStages + st); };
     auto empty_v = [&](int st) { return bars + 8u * (fc_u32)(2 + 3 * kStages + st); };
     auto raw_full = [&](int r) { return bars + 8u * (fc_u32)(2 + 4 * kStages + r); };
+    const fc_u32 sched = bars + 8u * (fc_u32)(2 + 4 * kStages + kRaw);
+    auto slot_full = [&](int j) { return sched + 8u * (fc_u32)j; };
+    auto slot_empty = [&](int j) { return sched + 16u + 8u * (fc_u32)j; };
+    auto slot = [&](int j) { return sched + 32u + 4u * (fc_u32)j; };
+    // the threads that read the slots: the consumers, and the FP8 producer's other 127
+    constexpr fc_u32 kSlotReaders = Is_fp8 ? 383u : 256u;
 
     // The CTA's tiles. One per CTA (the grid is (query blocks, heads, batch)), or, persistent,
-    // tiles blockIdx.x, + gridDim.x, ... of (batch, head, query block) order with the query
-    // block fastest, so that the CTAs at work at one time share a head's K and V in L2; with a
-    // window (causal) the query blocks of a head run last to first: the longest first.
+    // a dynamic schedule: the first tile is blockIdx.x, then producer thread 0 takes the next
+    // from a global counter (params.split_counter: zero before the launch; the CTA that takes
+    // its last value puts it back to zero) and hands it to the CTA's other threads through a
+    // two-deep ring of shared-memory slots. Tiles are numbered in (batch, head, query block)
+    // order, the query block fastest, so that the CTAs at work at one time share a head's K
+    // and V in L2; with a window (causal) a head's query blocks go last to first: longest first.
     const int num_m = kPersistent ? (params.seqlen_q + kBlockM - 1) / kBlockM : (int)gridDim.x;
     const int n_tiles = kPersistent ? num_m * params.nheads * params.batch : 1;
-    const int tile0 = kPersistent ? (int)blockIdx.x : 0, tile_step = kPersistent ? (int)gridDim.x : 1;
+    auto next_tile = [&]() {      // (producer thread 0)
+        const int c = atomicAdd(params.split_counter, 1);
+        if (c == n_tiles - 1) atomicExch(params.split_counter, 0);   // the last of n_tiles takes
+        return c + (int)gridDim.x;
+    };
+    auto publish = [&](int u, int tile) {   // (producer thread 0) tile number u of this CTA
+        const int j = u & 1;
+        if (u >= 2) mbar_wait(slot_empty(j), (fc_u32)((u >> 1) - 1) & 1u);
+        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(slot(j)), "r"(tile) : "memory");
+        mbar_arrive(slot_full(j));
+    };
+    auto receive = [&](int u) {
+        const int j = u & 1;
+        mbar_wait(slot_full(j), (fc_u32)(u >> 1) & 1u);
+        int tile;
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(tile) : "r"(slot(j)) : "memory");
+        mbar_arrive(slot_empty(j));
+        return tile;
+    };
     auto tile_block = [&](int tile) {
         int m = (int)blockIdx.x, h = (int)blockIdx.y, b = (int)blockIdx.z;
         if constexpr (kPersistent) {
@@ -662,6 +690,10 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             mbar_init(empty_v(st), 256);
         }
         for (int r = 0; r < kRaw; ++r) mbar_init(raw_full(r), 1);
+        for (int j = 0; j < 2; ++j) {
+            mbar_init(slot_full(j), 1);
+            mbar_init(slot_empty(j), kSlotReaders);
+        }
         fence_barrier_init();
     }
     __syncthreads();
@@ -673,8 +705,21 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     if (wg == 0) {
         // ---- producer ----------------------------------------------------------------
         setmaxnreg_dec<kProducerRegs>();
-        for (int tile = tile0; tile < n_tiles; tile += tile_step) {
+        if (!Is_fp8 && tid != 0) return;    // (16-bit: thread 0 issues every load)
+        int tile = kPersistent ? (int)blockIdx.x : 0;
+        for (int u = 0;; ++u) {
+            int next = n_tiles;
+            if constexpr (kPersistent) {
+                if (tid == 0) {
+                    publish(u, tile);
+                    if (tile < n_tiles) next = next_tile();   // (its latency hides under the loads)
+                } else {
+                    tile = receive(u);
+                }
+            }
+            if (tile >= n_tiles) break;
             const FwdBlock<kBlockN, Is_local> blk = tile_block(tile);
+            tile = next;
             if (!runs(blk)) continue;
             const int n_iter = blk.n_block_max - blk.n_block_min;   // >= 1
             auto n0_of = [&](int it) { return (blk.n_block_max - 1 - it) * kBlockN; };
@@ -704,15 +749,12 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                                 blk.hk, blk.b);
             };
             if constexpr (!Is_fp8) {
-                // one thread issues every load
-                if (tid == 0) {
-                    load_q();
-                    for (int it = 0; it < n_iter; ++it) {
-                        const int u = kv + it, st = u % kStages;
-                        load_k(it);
-                        if (u >= kStages) mbar_wait(empty_v(st), ((fc_u32)(u / kStages) & 1u) ^ 1u);
-                        load_v(it, sV + (fc_u32)st * kTile, full_v(st));
-                    }
+                load_q();
+                for (int it = 0; it < n_iter; ++it) {
+                    const int u = kv + it, st = u % kStages;
+                    load_k(it);
+                    if (u >= kStages) mbar_wait(empty_v(st), ((fc_u32)(u / kStages) & 1u) ^ 1u);
+                    load_v(it, sV + (fc_u32)st * kTile, full_v(st));
                 }
             } else {
                 // thread 0 issues the loads one block ahead (K into the ring, V into the raw
@@ -753,7 +795,9 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     setmaxnreg_inc<kConsumerRegs>();
     const int cw = wg - 1;                     // consumer warpgroup: tile rows [64 cw, 64 cw + 64)
     const fc_u32 sQwg = sQ + (fc_u32)cw * 64u * 128u;
-    for (int tile = tile0; tile < n_tiles; tile += tile_step) {
+    for (int u = 0;; ++u) {
+        const int tile = kPersistent ? receive(u) : u;
+        if (tile >= n_tiles) break;
         const FwdBlock<kBlockN, Is_local> blk = tile_block(tile);
         if (blk.empty_rows()) continue;
         if (blk.no_keys()) {            // (persistent only: the one-tile CTA returned above)

@@ -230,10 +230,10 @@ def sm90_ws_tile(headdim: int, is_local: bool) -> tuple[int, int]:
 
 
 def sm90_ws_smem(headdim: int, is_local: bool) -> int:
-    """Q + the K/V ring + the mbarriers (8 bytes each: Q full and empty, and 4 per stage) +
-    alignment slack."""
+    """Q + the K/V ring + the mbarriers (8 bytes each: Q full and empty, 4 per stage, 4 of the
+    tile scheduler) and its two int32 slots + alignment slack."""
     block_n, stages = sm90_ws_tile(headdim, is_local)
-    return 2 * 128 * headdim + stages * 2 * (2 * block_n * headdim) + 8 * (2 + 4 * stages) + 1024
+    return 2 * 128 * headdim + stages * 2 * (2 * block_n * headdim) + 8 * (7 + 4 * stages) + 1024
 
 
 def sm90_ws_pingpong(headdim: int, seqlen_k: int) -> bool:
@@ -263,12 +263,26 @@ def sm90_ws_persistent(headdim: int, is_local: bool, dropout: bool = False,
     return (not is_local) if p is None else p
 
 
-def ws_grid(persistent: bool, grid_m: int, nheads: int, batch: int, num_sms: int) -> tuple:
-    """The warp-specialised kernels' grid: (query blocks, heads, batch), or, persistent, one
-    CTA per SM (at most one per tile)."""
+def ws_grid(persistent: bool, grid_m: int, nheads: int, batch: int, device_id: int) -> tuple:
+    """The warp-specialised kernels' grid and tile counter: ((query blocks, heads, batch),
+    None), or, persistent, (one CTA per SM (at most one per tile), the address of the current
+    stream's zeroed int32 counter, from which the CTAs take tiles and which the kernel leaves
+    at zero: decode's split counters)."""
     if not persistent:
-        return (grid_m, nheads, batch)
-    return (max(1, min(grid_m * nheads * batch, num_sms)), 1, 1)
+        return (grid_m, nheads, batch), None
+    from ..jit import device_facts
+    from .decode import split_counter
+    return ((max(1, min(grid_m * nheads * batch, device_facts(device_id)[2])), 1, 1),
+            split_counter(device_id, 1))
+
+
+def _ws_piece(launch, params, ws, counter):
+    """The launch plan of a warp-specialised launch (its tensor maps re-encoded per call; the
+    tile counter, persistent, looked up per stream)."""
+    from .decode import existing_split_counter
+    return plans.Piece([launch], params, maps=list(zip(("q", "k", "v"), ws[1])),
+                       counter=None if counter is None
+                       else ("split_counter", 1, existing_split_counter))
 
 
 def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool, dropout: bool = False,
@@ -312,10 +326,11 @@ def fp8_tile(headdim: int) -> tuple[int, int]:
 
 
 def fp8_smem(headdim: int) -> int:
-    """Q + the K and V^T rings + the raw V ring (2) + the mbarriers (2 Q, 4 per stage, 2 raw) +
+    """Q + the K and V^T rings + the raw V ring (2) + the mbarriers (2 Q, 4 per stage, 2 raw, 4
+    of the tile scheduler) and its two int32 slots +
     alignment slack, 1-byte elements."""
     block_n, stages = fp8_tile(headdim)
-    return 128 * headdim + (2 * stages + 2) * block_n * headdim + 8 * (4 + 4 * stages) + 1024
+    return 128 * headdim + (2 * stages + 2) * block_n * headdim + 8 * (9 + 4 * stages) + 1024
 
 
 def fp8_pingpong() -> bool:
@@ -451,15 +466,16 @@ def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: 
         k_descale=None if k_descale is None else k_descale.data.ptr,
         v_descale=None if v_descale is None else v_descale.data.ptr,
     )
-    grid = ws_grid(persistent, grid_m, nheads, batch, device_facts(device_id)[2])
+    grid, counter = ws_grid(persistent, grid_m, nheads, batch, device_id)
+    if counter is not None:
+        params["split_counter"] = counter
     block = (384, 1, 1)
     with cupy.cuda.Device(device_id):
         kernel(grid, block, (as_kernel_arg(params), ws[0].arg()), shared_mem=smem)
         if out_final is not None:
             out_final[...] = out
     if out_final is None and all(a is b for a, b in zip((q, k, v), given)):
-        return plans.Piece([(kernel, grid, block, smem)], params,
-                           maps=list(zip(("q", "k", "v"), ws[1])))
+        return _ws_piece((kernel, grid, block, smem), params, ws, counter)
     return None
 
 
@@ -610,7 +626,9 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         scale_log2=_LOG2E if has_softcap else float(softmax_scale) * _LOG2E,
         softcap=float(softcap) if has_softcap else 0.0,
     )
-    grid = ws_grid(persistent, grid_m, nheads, batch, device_facts(device_id)[2])
+    grid, counter = ws_grid(persistent, grid_m, nheads, batch, device_id)
+    if counter is not None:
+        params["split_counter"] = counter
     args = (as_kernel_arg(params),) if ws is None else (as_kernel_arg(params), ws[0].arg())
     with cupy.cuda.Device(device_id):
         kernel(grid, block, args, shared_mem=smem)
@@ -619,6 +637,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     if out_final is None and all(a is b for a, b in zip((q, k, v), given)) \
             and (not paged or block_table is given_table) \
             and (not dropout or rng_state is given_rng):
-        maps = None if ws is None else list(zip(("q", "k", "v"), ws[1]))
-        return plans.Piece([(kernel, grid, block, smem)], params, maps=maps)
+        if ws is None:
+            return plans.Piece([(kernel, grid, block, smem)], params)
+        return _ws_piece((kernel, grid, block, smem), params, ws, counter)
     return None
