@@ -749,10 +749,12 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                                 blk.hk, blk.b);
             };
             if constexpr (!Is_fp8) {
-                load_q();
+                // K of the first block before Q: its stage frees while the last tile's S
+                // products run, Q's only once the last of them is done
                 for (int it = 0; it < n_iter; ++it) {
                     const int u = kv + it, st = u % kStages;
                     load_k(it);
+                    if (it == 0) load_q();
                     if (u >= kStages) mbar_wait(empty_v(st), ((fc_u32)(u / kStages) & 1u) ^ 1u);
                     load_v(it, sV + (fc_u32)st * kTile, full_v(st));
                 }
@@ -763,9 +765,9 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                 // block it + 2 (issued at the top of step it + 1). The raw ring's position is
                 // kv + it too.
                 if (tid == 0) {
-                    load_q();
                     load_k(0);
                     load_v(0, sVraw + (fc_u32)(kv & 1) * kTile, raw_full(kv & 1));
+                    load_q();
                 }
                 for (int it = 0; it < n_iter; ++it) {
                     const int u = kv + it, st = u % kStages;
