@@ -38,7 +38,7 @@ def tables():
     print("batch 1, 128k: splits / merge | TB/s   (cuDNN below)")
     pb = DecodeProblem(1, 131072)
     with pb.stream:
-        for ns in (8, 12, 16, 24, 32):
+        for ns in (8, 12, 16, 24, 32, 33, 48, 64, 66):
             for cl in ((True, False) if ns <= dm.MAX_CLUSTER else (False,)):
                 dm.set_cluster_merge(cl)
                 try:
