@@ -9,8 +9,11 @@
 //  * flash_fwd_sm90_ws_kernel (the default): warp-specialised. Warpgroup 0 is the producer:
 //    one thread issues TMA loads (tensor maps from flashcore/kernels/tma.py) of Q and of K
 //    and V into a ring of mbarrier-guarded stages (sm90_pipeline.cuh), and the warpgroup
-//    gives its registers to the two consumer warpgroups (setmaxnreg 24 / 240). Each consumer
-//    owns 64 rows of the 128-row Q tile and, per key block, issues S_{i+1} = Q K_{i+1}^T and
+//    gives its registers to the consumer warpgroups (setmaxnreg 24 / 240 for two; three at
+//    head dim 64, 24 / 160, as FA3's 192-row tiles there). Persistent (the default without a
+//    window): one CTA per SM takes tiles from a dynamic scheduler, the K/V ring running on
+//    from one tile into the next. Each consumer
+//    owns 64 rows of the Q tile and, per key block, issues S_{i+1} = Q K_{i+1}^T and
 //    O += P_i V_i together, then runs the softmax of S_{i+1} while P_i V_i is on the tensor
 //    cores (intra-warpgroup overlap). With ping-pong, two named barriers make the consumers
 //    issue their products in turn, so that one's softmax runs under the other's products.
@@ -59,7 +62,8 @@
 
 namespace fc_h {
 
-constexpr int kBlockM = 128;     // query rows per CTA (2 consumer warpgroups x 64)
+constexpr int kBlockM = 128;     // query rows per CTA (2 consumer warpgroups x 64; the ws
+                                 // kernels take kBM = 64 x their consumer warpgroups)
 // Keys per block: 128 (head dims 64, 128) or 64 (head dim 256, whose O needs 128 registers).
 template <int kD>
 struct BlockN {
@@ -72,7 +76,7 @@ using fc_sm90::stg32;
 
 // The (batch, head, query block) of a CTA: where its rows and keys are, and which key blocks
 // [n_block_min, n_block_max) hold a key that one of its rows sees.
-template <int kBlockN, bool Is_local>
+template <int kBlockN, bool Is_local, int kBM = kBlockM>
 struct FwdBlock {
     long long q_row0, k_row0;   // first row of the sequence in q / k (varlen), else 0
     int sq, sk, off, m0, rows_q, h, hk, b;
@@ -96,9 +100,9 @@ struct FwdBlock {
             k_row0 = r.row0;
             sk = r.len;
         }
-        m0 = m_block * kBlockM;
+        m0 = m_block * kBM;
         off = sk - sq;
-        rows_q = min(kBlockM, sq - m0);
+        rows_q = min(kBM, sq - m0);
         hk = h / (p.nheads / p.nheads_k);
         left_bounded = Is_local && p.window_left < FC_WINDOW_NONE;
         right_bounded = Is_local && p.window_right < FC_WINDOW_NONE;
@@ -128,7 +132,7 @@ struct FwdBlock {
     // A tile none of whose rows sees a key: O = 0, lse = -inf (threads [0, n) of the CTA).
     __device__ __forceinline__ void store_empty(const FlashParams& p, int kD, int tid, int n) const {
         const long long oo = o_off(p);
-        for (int idx = tid; idx < kBlockM * (kD / 2); idx += n) {
+        for (int idx = tid; idx < kBM * (kD / 2); idx += n) {
             const int r = idx / (kD / 2), c = idx % (kD / 2);
             if (r < rows_q) {
                 if (p.o_fp32)
@@ -147,7 +151,7 @@ struct FwdBlock {
 // One consumer thread's rows (64 wg + 16 (warp % 4) + g + 8 r, r = 0, 1 of the tile, ct its
 // index among the 256 consumer threads) and their state: O's accumulators, the running row
 // max and sum; and the steps of one key block on them.
-template <typename Elem, int kD, int kBlockN, bool Is_local, bool Is_dropout>
+template <typename Elem, int kD, int kBlockN, bool Is_local, bool Is_dropout, int kBM = kBlockM>
 struct FwdRows {
     static constexpr int kNT = kBlockN / 8;    // n8 tiles of S
     static constexpr int kDT = kD / 8;         // n8 tiles of O
@@ -158,8 +162,8 @@ struct FwdRows {
     float mult;
     FcDropout drop;
 
-    __device__ __forceinline__ FwdRows(const FlashParams& p, const FwdBlock<kBlockN, Is_local>& blk,
-                                       int ct) {
+    __device__ __forceinline__ FwdRows(const FlashParams& p,
+                                       const FwdBlock<kBlockN, Is_local, kBM>& blk, int ct) {
         const int lane = ct & 31, warp = ct >> 5;
         g = lane >> 2;
         t = lane & 3;
@@ -177,7 +181,7 @@ struct FwdRows {
         win_l = left_bounded ? min(p.window_left, blk.sk) : 0;
         mult = p.scale_log2;
         blk_hi = right_bounded ? min(blk.sk, m0 + blk.off + win_r + 1) : blk.sk;
-        blk_lo = left_bounded ? m0 + kBlockM - 1 + blk.off - win_l : 0;
+        blk_lo = left_bounded ? m0 + kBM - 1 + blk.off - win_l : 0;
         drop_bh = blk.b * p.nheads + blk.h;
         drop = FcDropout{};
         if constexpr (Is_dropout)
@@ -284,7 +288,7 @@ struct FwdRows {
     // Epilogue: O * o_scale / l (NaN propagates: l == 0 only for rows that saw no key), lse
     // of the scores times s_scale (the FP8 kernel's descales; 1 otherwise).
     __device__ __forceinline__ void store(const FlashParams& p,
-                                          const FwdBlock<kBlockN, Is_local>& blk,
+                                          const FwdBlock<kBlockN, Is_local, kBM>& blk,
                                           float o_scale = 1.f, float s_scale = 1.f) const {
         const long long oo = blk.o_off(p);
         float* lse = blk.lse_ptr(p);
@@ -333,14 +337,15 @@ __device__ __forceinline__ void settle(fc_u32 (&x)[N][4]) {
 // warpgroup's 64 rows of Q; sKb: the K tile. Each k-step reads 32 bytes of the rows (16
 // 16-bit elements, or 32 e4m3 ones: Elem = fc_e4m3, wgmma k32): k-step kk is column block
 // kk / 4 at byte offset 32 (kk % 4) inside the 128-byte rows.
-template <typename Elem, int kD, int kBlockN, int kNS>
+template <typename Elem, int kD, int kBlockN, int kBM = kBlockM, int kNS>
 __device__ __forceinline__ void issue_s(float (&s)[kNS], fc_u32 sQwg, fc_u32 sKb) {
     constexpr fc_u32 kKVBlock = (fc_u32)kBlockN * 128u;
+    constexpr fc_u32 kQColBlock = (fc_u32)kBM * 128u;      // one [kBM rows][128 B] block of Q
     settle(s);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kD * Elem::kBytes / 32; ++kk) {
-        const fc_u32 qoff = (fc_u32)(kk >> 2) * kColBlock + (fc_u32)(kk & 3) * 32u;
+        const fc_u32 qoff = (fc_u32)(kk >> 2) * kQColBlock + (fc_u32)(kk & 3) * 32u;
         const fc_u32 koff = (fc_u32)(kk >> 2) * kKVBlock + (fc_u32)(kk & 3) * 32u;
         Wgmma<Elem>::ss(s, wgmma_desc_k(sQwg + qoff), wgmma_desc_k(sKb + koff), kk > 0 ? 1 : 0);
     }
@@ -583,26 +588,34 @@ namespace fc_h {
 // the 128 producer threads instead of TMA bytes, and the producer keeps 24 registers. The
 // products are k32 e4m3 ones with P packed by pack_e4m3. The scores' scale takes
 // q_descale * k_descale and the output's v_descale (per batch and key head; none = 1).
-template <typename Elem, typename In, int kD, int kBlockN, bool Is_local, bool Is_dropout,
-          int kStages, bool kPingPong, bool kPersistent>
+template <typename Elem, typename In, int kD, int kBM, int kBlockN, bool Is_local,
+          bool Is_dropout, int kStages, bool kPingPong, bool kPersistent>
 __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFwdMaps& maps) {
     using namespace fc_pipe;
     constexpr bool Is_fp8 = In::kBytes == 1;
+    constexpr int kCons = kBM / 64;                                     // consumer warpgroups
+    constexpr int kThreads = 128 * (kCons + 1);
+    constexpr fc_u32 kConsumers = 128u * (fc_u32)kCons;                 // consumer threads
+    static_assert(kCons == 2 || (kCons == 3 && !Is_fp8), "2 consumer warpgroups, or 3 (16-bit)");
     constexpr int kRowElems = 128 / In::kBytes;                          // per 128-byte row
-    constexpr fc_u32 kQTile = (fc_u32)(kD / kRowElems) * kColBlock;     // 128 x kD
+    constexpr fc_u32 kQColBlock = (fc_u32)kBM * 128u;                   // [kBM rows][128 B]
+    constexpr fc_u32 kQTile = (fc_u32)(kD / kRowElems) * kQColBlock;    // kBM x kD
     constexpr fc_u32 kKVBlock = (fc_u32)kBlockN * 128u;                 // [kBlockN][128 B] block
     constexpr fc_u32 kTile = (fc_u32)(kD / kRowElems) * kKVBlock;       // one K or V tile
     constexpr int kNT = kBlockN / 8;
     constexpr int kRaw = Is_fp8 ? 2 : 0;                                // FP8: V as loaded
     static_assert(!(Is_fp8 && Is_dropout), "FP8 attention is forward only, without dropout");
-    // Registers after reallocation. __launch_bounds__(384, 1) starts every thread at 168, so
-    // the block holds 384 x 168 = 64512 and the split must not exceed it (a consumer's
-    // setmaxnreg.inc waits until the pool has the registers: an overdrawn split hangs, as the
-    // FP8 kernel's first 32 / 240 did). FP8's producer transposes V within the same 24. The
-    // persistent producer's tile loop needs more than 24 (ptxas spills it): 40 / 232 there.
-    constexpr int kProducerRegs = kPersistent ? 40 : 24, kConsumerRegs = kPersistent ? 232 : 240;
-    static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 384 * 168,
-                  "the register split overdraws the block's 384 x 168");
+    // Registers after reallocation. __launch_bounds__(kThreads, 1) starts every thread at
+    // 65536 / kThreads rounded down to 8 (384: 168; 512: 128), and the split must not exceed
+    // what the block holds (a consumer's setmaxnreg.inc waits until the pool has the
+    // registers: an overdrawn split hangs, as the FP8 kernel's first 32 / 240 did). FP8's
+    // producer transposes V within the same 24. The persistent producer's tile loop needs
+    // more than 24 (ptxas spills it): 40 / 232 there, and 32 / 160 with 3 consumers.
+    constexpr int kEntryRegs = (65536 / kThreads) / 8 * 8;
+    constexpr int kProducerRegs = kPersistent ? (kCons == 3 ? 32 : 40) : 24;
+    constexpr int kConsumerRegs = kCons == 3 ? 160 : (kPersistent ? 232 : 240);
+    static_assert(128 * kProducerRegs + (int)kConsumers * kConsumerRegs <= kThreads * kEntryRegs,
+                  "the register split overdraws the block's registers");
 
     extern __shared__ unsigned char smem_raw[];
     const fc_u32 sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -624,7 +637,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     auto slot_empty = [&](int j) { return sched + 16u + 8u * (fc_u32)j; };
     auto slot = [&](int j) { return sched + 32u + 4u * (fc_u32)j; };
     // the threads that read the slots: the consumers, and the FP8 producer's other 127
-    constexpr fc_u32 kSlotReaders = Is_fp8 ? 383u : 256u;
+    constexpr fc_u32 kSlotReaders = Is_fp8 ? kConsumers + 127u : kConsumers;
 
     // The CTA's tiles. One per CTA (the grid is (query blocks, heads, batch)), or, persistent,
     // a dynamic schedule: the first tile is blockIdx.x, then producer thread 0 takes the next
@@ -633,7 +646,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     // two-deep ring of shared-memory slots. Tiles are numbered in (batch, head, query block)
     // order, the query block fastest, so that the CTAs at work at one time share a head's K
     // and V in L2; with a window (causal) a head's query blocks go last to first: longest first.
-    const int num_m = kPersistent ? (params.seqlen_q + kBlockM - 1) / kBlockM : (int)gridDim.x;
+    const int num_m = kPersistent ? (params.seqlen_q + kBM - 1) / kBM : (int)gridDim.x;
     const int n_tiles = kPersistent ? num_m * params.nheads * params.batch : 1;
     auto next_tile = [&]() {      // (producer thread 0)
         const int c = atomicAdd(params.split_counter, 1);
@@ -662,17 +675,17 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             h = bh % params.nheads;
             b = bh / params.nheads;
         }
-        return FwdBlock<kBlockN, Is_local>(params, Is_local ? num_m - 1 - m : m, h, b);
+        return FwdBlock<kBlockN, Is_local, kBM>(params, Is_local ? num_m - 1 - m : m, h, b);
     };
-    auto runs = [](const FwdBlock<kBlockN, Is_local>& blk) { return !blk.empty_rows() && !blk.no_keys(); };
+    auto runs = [](const FwdBlock<kBlockN, Is_local, kBM>& blk) { return !blk.empty_rows() && !blk.no_keys(); };
 
     const int tid = threadIdx.x;
     const int wg = tid >> 7;
     if constexpr (!kPersistent) {
-        const FwdBlock<kBlockN, Is_local> blk = tile_block(0);
+        const FwdBlock<kBlockN, Is_local, kBM> blk = tile_block(0);
         if (blk.empty_rows()) return;
         if (blk.no_keys()) {
-            blk.store_empty(params, kD, tid, 384);
+            blk.store_empty(params, kD, tid, kThreads);
             return;
         }
     }
@@ -682,12 +695,12 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         tma_prefetch_map(maps.k);
         tma_prefetch_map(maps.v);
         mbar_init(bar_q, 1);
-        mbar_init(empty_q, 256);
+        mbar_init(empty_q, kConsumers);
         for (int st = 0; st < kStages; ++st) {
             mbar_init(full_k(st), 1);
             mbar_init(full_v(st), Is_fp8 ? 128 : 1);
-            mbar_init(empty_k(st), 256);
-            mbar_init(empty_v(st), 256);
+            mbar_init(empty_k(st), kConsumers);
+            mbar_init(empty_v(st), kConsumers);
         }
         for (int r = 0; r < kRaw; ++r) mbar_init(raw_full(r), 1);
         for (int j = 0; j < 2; ++j) {
@@ -718,7 +731,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                 }
             }
             if (tile >= n_tiles) break;
-            const FwdBlock<kBlockN, Is_local> blk = tile_block(tile);
+            const FwdBlock<kBlockN, Is_local, kBM> blk = tile_block(tile);
             tile = next;
             if (!runs(blk)) continue;
             const int n_iter = blk.n_block_max - blk.n_block_min;   // >= 1
@@ -728,7 +741,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                 mbar_expect_tx(bar_q, kQTile);
 #pragma unroll
                 for (int c = 0; c < kD / kRowElems; ++c)
-                    tma_load_4d(sQ + (fc_u32)c * kColBlock, maps.q, bar_q, kRowElems * c, blk.m0,
+                    tma_load_4d(sQ + (fc_u32)c * kQColBlock, maps.q, bar_q, kRowElems * c, blk.m0,
                                 blk.h, blk.b);
             };
             auto load_k = [&](int it) {
@@ -800,14 +813,14 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     for (int u = 0;; ++u) {
         const int tile = kPersistent ? receive(u) : u;
         if (tile >= n_tiles) break;
-        const FwdBlock<kBlockN, Is_local> blk = tile_block(tile);
+        const FwdBlock<kBlockN, Is_local, kBM> blk = tile_block(tile);
         if (blk.empty_rows()) continue;
         if (blk.no_keys()) {            // (persistent only: the one-tile CTA returned above)
-            blk.store_empty(params, kD, tid - 128, 256);
+            blk.store_empty(params, kD, tid - 128, (int)kConsumers);
             continue;
         }
         const int n_iter = blk.n_block_max - blk.n_block_min;   // >= 1
-        FwdRows<Elem, kD, kBlockN, Is_local, Is_dropout> rows(params, blk, tid - 128);
+        FwdRows<Elem, kD, kBlockN, Is_local, Is_dropout, kBM> rows(params, blk, tid - 128);
         float s_scale = 1.f;                       // FP8: q_descale * k_descale
         if constexpr (Is_fp8) {
             const long long di = (long long)blk.b * params.nheads_k + blk.hk;
@@ -843,25 +856,27 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         int nb = blk.n_block_max - 1;
         mbar_wait(bar_q, (fc_u32)nq & 1u);
         mbar_wait(full_k(stage_of(0)), parity_of(0));
-        issue_s<In, kD, kBlockN>(s, sQwg, sK + (fc_u32)stage_of(0) * kTile);
+        issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)stage_of(0) * kTile);
         wgmma_wait<0>();
         settle(s);
         mbar_arrive(empty_k(stage_of(0)));
         rows.mask(s, nb * kBlockN);
         rows.softmax(s, corr);                     // O is 0: no rescale
         pack(nb * kBlockN);
-        // Ping-pong: consumer cw issues its products after named barrier 1 + cw, then lets the
-        // other one go. Consumer 1 opens the first turn for consumer 0 and skips its last
-        // hand-over, so that every barrier sees as many arrivals as waits within a tile.
-        if (kPingPong && cw == 1 && n_iter > 1) named_arrive(1, 256);
+        // Ping-pong: consumer cw issues its products after named barrier 1 + cw, then hands
+        // the turn to the next (cw + 1, the last to consumer 0). The last consumer opens the
+        // first turn for consumer 0 and skips its last hand-over, so that every barrier sees
+        // as many arrivals as waits within a tile.
+        if (kPingPong && cw == kCons - 1 && n_iter > 1) named_arrive(1, 256);
         for (int it = 0; it < n_iter - 1; ++it, --nb) {   // every block but the last
             const int st0 = stage_of(it), st1 = stage_of(it + 1);
             mbar_wait(full_k(st1), parity_of(it + 1));
             mbar_wait(full_v(st0), parity_of(it));
             if (kPingPong) named_sync(1 + cw, 256);
-            issue_s<In, kD, kBlockN>(s, sQwg, sK + (fc_u32)st1 * kTile);   // S_{i+1}
+            issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)st1 * kTile);   // S_{i+1}
             issue_pv_(sV + (fc_u32)st0 * kTile);                           // O += P_i V_i
-            if (kPingPong && !(cw == 1 && it == n_iter - 2)) named_arrive(2 - cw, 256);
+            if (kPingPong && !(cw == kCons - 1 && it == n_iter - 2))
+                named_arrive(1 + (cw + 1) % kCons, 256);
             wgmma_wait<1>();                       // S_{i+1} done (P_i V_i may still run)
             settle(s);
             mbar_arrive(empty_k(st1));
@@ -898,31 +913,33 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 
 }  // namespace fc_h
 
-// Warp-specialised forward, 16-bit inputs (see the top of the file and ws_forward). kBlockN:
-// keys per block (64, 128, or 176 as FA3 takes at head dim 128); kStages: K/V ring depth;
-// kPingPong: the consumers issue their products in turn; kPersistent: a grid of at most one
-// CTA per SM, each looping over tiles (grid (query blocks, heads, batch) otherwise).
-template <typename Elem, int kD, int kBlockN, bool Is_local, bool Is_dropout, int kStages,
-          bool kPingPong, bool kPersistent>
-__global__ void __launch_bounds__(384, 1)
+// Warp-specialised forward, 16-bit inputs (see the top of the file and ws_forward). kBM: query
+// rows per tile (64 per consumer warpgroup: 128, or 192 at head dim 64); kBlockN: keys per
+// block (64, 128, or 176 as FA3 takes at head dim 128); kStages: K/V ring depth; kPingPong: the
+// consumers issue their products in turn; kPersistent: a grid of at most one CTA per SM, each
+// taking tiles from the dynamic scheduler (grid (query blocks, heads, batch) otherwise).
+template <typename Elem, int kD, int kBM, int kBlockN, bool Is_local, bool Is_dropout,
+          int kStages, bool kPingPong, bool kPersistent>
+__global__ void __launch_bounds__(2 * kBM + 128, 1)   // kBM / 64 consumer warpgroups + 1
 flash_fwd_sm90_ws_kernel(const FlashParams params, const __grid_constant__ FcFwdMaps maps) {
     static_assert(kD == 64 || kD == 128 || kD == 256, "head dims 64, 128 and 256");
     static_assert((kBlockN == 64 || kBlockN == 128 || kBlockN == 176) && (kD != 256 || kBlockN == 64),
                   "key blocks of 64, 128 or 176 (the S wgmma's N); 64 at head dim 256");
-    fc_h::ws_forward<Elem, Elem, kD, kBlockN, Is_local, Is_dropout, kStages, kPingPong,
+    static_assert(kBM == 128 || (kBM == 192 && kD == 64), "128-row tiles, or 192 at head dim 64");
+    fc_h::ws_forward<Elem, Elem, kD, kBM, kBlockN, Is_local, Is_dropout, kStages, kPingPong,
                      kPersistent>(params, maps);
 }
 
 // Warp-specialised forward of float8_e4m3fn q, k, v (FlashAttention-3's FP8 forward; the
 // tensor maps read them as bytes): out in Elem (fc_bf16 / fc_fp16, or float32 with
 // params.o_fp32), lse float32. Head dims 128 and 256 (128-byte rows: one or two column
-// blocks); kBlockN = 128 keys (one 128-byte V^T row).
+// blocks); kBlockN = 128 keys (one 128-byte V^T row); 128-row tiles.
 template <typename Elem, int kD, int kBlockN, bool Is_local, int kStages, bool kPingPong,
           bool kPersistent>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_sm90_fp8_kernel(const FlashParams params, const __grid_constant__ FcFwdMaps maps) {
     static_assert(kD == 128 || kD == 256, "FP8: head dims 128 and 256");
     static_assert(kBlockN == 128, "FP8: key blocks of 128 (one 128-byte row of V^T)");
-    fc_h::ws_forward<Elem, fc_e4m3, kD, kBlockN, Is_local, false, kStages, kPingPong,
+    fc_h::ws_forward<Elem, fc_e4m3, kD, 128, kBlockN, Is_local, false, kStages, kPingPong,
                      kPersistent>(params, maps);
 }

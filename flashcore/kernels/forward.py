@@ -217,23 +217,27 @@ def sm90_kernel_name(dtype_name: str, headdim: int, is_local: bool,
             f"{_b(pipe)}, {_b(dropout)}>")
 
 
-# The warp-specialised kernel (TMA producer, two consumer warpgroups): (keys per block, K/V
-# ring depth) per (head dim, local). FA3's 176-key blocks at head dim 128 when no window bounds
-# the keys (its causal tile is 128 too); the ring as deep as shared memory allows.
-_WS_TILES = {(64, False): (128, 3), (64, True): (128, 3), (128, False): (176, 2),
-             (128, True): (128, 2), (256, False): (64, 2), (256, True): (64, 2)}
+# The warp-specialised kernel (TMA producer, block_m / 64 consumer warpgroups): (query rows per
+# tile, keys per block, K/V ring depth) per (head dim, local). FA3's tiles: 192 x 128 at head
+# dim 64 (three consumer warpgroups), 176-key blocks at head dim 128 when no window bounds the
+# keys (its causal tile is 128 too); the ring as deep as shared memory allows.
+_WS_TILES = {(64, False): (192, 128, 3), (64, True): (192, 128, 3), (128, False): (128, 176, 2),
+             (128, True): (128, 128, 2), (256, False): (128, 64, 2), (256, True): (128, 64, 2)}
 
 
-def sm90_ws_tile(headdim: int, is_local: bool) -> tuple[int, int]:
-    """(block_n, stages) of the warp-specialised kernel."""
-    return _WS_TILES[(headdim, bool(is_local))]
+def sm90_ws_tile(headdim: int, is_local: bool, dropout: bool = False) -> tuple[int, int, int]:
+    """(block_m, block_n, stages) of the warp-specialised kernel; with dropout, 128 query rows
+    (two consumer warpgroups: Philox's registers do not fit three warpgroups' 160)."""
+    block_m, block_n, stages = _WS_TILES[(headdim, bool(is_local))]
+    return (128 if dropout else block_m), block_n, stages
 
 
-def sm90_ws_smem(headdim: int, is_local: bool) -> int:
+def sm90_ws_smem(headdim: int, is_local: bool, dropout: bool = False) -> int:
     """Q + the K/V ring + the mbarriers (8 bytes each: Q full and empty, 4 per stage, 4 of the
     tile scheduler) and its two int32 slots + alignment slack."""
-    block_n, stages = sm90_ws_tile(headdim, is_local)
-    return 2 * 128 * headdim + stages * 2 * (2 * block_n * headdim) + 8 * (7 + 4 * stages) + 1024
+    block_m, block_n, stages = sm90_ws_tile(headdim, is_local, dropout)
+    return (2 * block_m * headdim + stages * 2 * (2 * block_n * headdim) + 8 * (7 + 4 * stages)
+            + 1024)
 
 
 def sm90_ws_pingpong(headdim: int, seqlen_k: int) -> bool:
@@ -288,10 +292,10 @@ def _ws_piece(launch, params, ws, counter):
 def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool, dropout: bool = False,
                         seqlen_k: int = 0, pingpong: bool | None = None,
                         persistent: bool | None = None) -> str:
-    block_n, stages = sm90_ws_tile(headdim, is_local)
+    block_m, block_n, stages = sm90_ws_tile(headdim, is_local, dropout)
     pp = sm90_ws_pingpong(headdim, seqlen_k) if pingpong is None else pingpong
     pers = sm90_ws_persistent(headdim, is_local, dropout) if persistent is None else persistent
-    return (f"flash_fwd_sm90_ws_kernel<{_elem_tag(dtype_name)}, {headdim}, {block_n}, "
+    return (f"flash_fwd_sm90_ws_kernel<{_elem_tag(dtype_name)}, {headdim}, {block_m}, {block_n}, "
             f"{_b(is_local)}, {_b(dropout)}, {stages}, {_b(pp)}, {_b(pers)}>")
 
 
@@ -567,18 +571,19 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     if not paged and sm90_applies(cc, headdim, has_softcap, has_alibi, seqlen_k):
         if not varlen and config.get().sm90_fwd_ws:
             from .tma import maps_for
-            block_n = sm90_ws_tile(headdim, is_local)[0]
-            ws = maps_for((q, 128), (k, block_n), (v, block_n))
+            block_m, block_n, _ = sm90_ws_tile(headdim, is_local, dropout)
+            ws = maps_for((q, block_m), (k, block_n), (v, block_n))
         grid_m = math.ceil(seqlen_q / 128)
         if ws is not None:
-            smem = sm90_ws_smem(headdim, is_local)
+            grid_m = math.ceil(seqlen_q / block_m)
+            smem = sm90_ws_smem(headdim, is_local, dropout)
             persistent = sm90_ws_persistent(headdim, is_local, dropout) \
                 and grid_m * nheads * batch < 2 ** 31
             kernel = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, is_local,
                                                                  dropout, seqlen_k,
                                                                  persistent=persistent),
                                 device_id, cc, smem, config.get().sm90_defines)
-            block = (384, 1, 1)
+            block = (128 + 2 * block_m, 1, 1)
         else:
             smem = sm90_smem(headdim, config.get().sm90_fwd_pipelined)
             kernel = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, headdim, is_local,

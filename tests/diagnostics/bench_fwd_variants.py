@@ -12,7 +12,8 @@ keys per block at head dim 128 (both pingpong settings as the defaults choose), 
 3-stage ring at head dim 128 (128-key blocks), ``ws-bcp`` the defaults with the cp.async
 dK/dV kernel instead of the warp-specialised one, ``v1`` / ``v0`` the cp.async kernels,
 ``ampere`` the mma.sync kernel, ``ws-1t`` one tile per CTA, ``ws-pers`` persistent CTAs
-wherever such a kernel exists (``-pp`` / ``-nopp``: with / without ping-pong). Each variant's output is compared with the first variant's (max abs difference), a
+wherever such a kernel exists (``-pp`` / ``-nopp``: with / without ping-pong), ``ws-bm128``
+128-row tiles (two consumer warpgroups) at head dim 64 (``-1t``: one tile per CTA). Each variant's output is compared with the first variant's (max abs difference), a
 cross-check only: the GPU tests hold the correctness checks against the float64 oracle.
 """
 from __future__ import annotations
@@ -29,9 +30,12 @@ VARIANTS = {
     "ws": (_WS, {}),
     "ws-pp": (dict(_WS, sm90_fwd_pingpong=True), {}),
     "ws-nopp": (dict(_WS, sm90_fwd_pingpong=False), {}),
-    "ws-bn128": (_WS, {(128, False): (128, 2)}),
-    "ws-bn176": (_WS, {(128, False): (176, 2)}),
-    "ws-s3": (_WS, {(128, False): (128, 3), (128, True): (128, 3)}),
+    "ws-bn128": (_WS, {(128, False): (128, 128, 2)}),
+    "ws-bn176": (_WS, {(128, False): (128, 176, 2)}),
+    "ws-s3": (_WS, {(128, False): (128, 128, 3), (128, True): (128, 128, 3)}),
+    "ws-bm128": (_WS, {(64, False): (128, 128, 3), (64, True): (128, 128, 3)}),
+    "ws-bm128-1t": (dict(_WS, sm90_fwd_persistent=False),
+                    {(64, False): (128, 128, 3), (64, True): (128, 128, 3)}),
     "ws-bcp": (dict(_WS, sm90_bwd_ws=False), {}),
     "ws-1t": (dict(_WS, sm90_fwd_persistent=False), {}),
     "ws-pers": (dict(_WS, sm90_fwd_persistent=True), {}),
