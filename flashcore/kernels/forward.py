@@ -259,12 +259,11 @@ def ws_persistent_exists(headdim: int, is_local: bool = False, dropout: bool = F
 
 def sm90_ws_persistent(headdim: int, is_local: bool, dropout: bool = False,
                        fp8: bool = False) -> bool:
-    """Whether the warp-specialised kernels run persistent CTAs (the ``sm90_fwd_persistent``
-    setting; by default: without a window), where such a kernel exists."""
-    if not ws_persistent_exists(headdim, is_local, dropout, fp8):
-        return False
-    p = config.get().sm90_fwd_persistent
-    return (not is_local) if p is None else p
+    """Whether the warp-specialised kernels run persistent CTAs: the ``sm90_fwd_persistent``
+    setting (on by default: measured on the H200, session 15 of the performance log), where
+    such a kernel exists."""
+    return config.get().sm90_fwd_persistent and ws_persistent_exists(headdim, is_local,
+                                                                      dropout, fp8)
 
 
 def ws_grid(persistent: bool, grid_m: int, nheads: int, batch: int, device_id: int) -> tuple:

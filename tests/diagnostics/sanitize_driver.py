@@ -62,7 +62,7 @@ for c in CASES:
 if int(cp.cuda.Device().compute_capability) == 90:
     # v0, v1, ws one tile per CTA, ws persistent (where such a kernel exists); the last case
     # has 2 x 140 tiles, so that persistent CTAs take two or three each
-    for pipelined, ws, pers in ((False, False, None), (True, False, None), (True, True, False),
+    for pipelined, ws, pers in ((False, False, True), (True, False, True), (True, True, False),
                                 (True, True, True)):
         _fwd.set_sm90(True, pipelined=pipelined, ws=ws)
         _config.set(sm90_fwd_persistent=pers)
@@ -85,7 +85,7 @@ if int(cp.cuda.Device().compute_capability) == 90:
         cp.cuda.Device().synchronize()
         n += 1
     _fwd.set_sm90(False, pipelined=False, ws=False)
-    _config.set(sm90_fwd_persistent=None)
+    _config.set(sm90_fwd_persistent=True)
     _bwd.set_sm90(True)                                # the Hopper dK/dV kernel
     for dt, sq, sk, hd, kw in (("bfloat16", 77, 93, 128, {}),
                                ("float16", 300, 130, 128, {"causal": True}),

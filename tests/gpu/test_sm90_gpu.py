@@ -26,9 +26,9 @@ _VARIANT = {"name": "v0"}
 @pytest.fixture(autouse=True, params=["v0", "v1", "ws", "ws-no-pingpong", "ws-one-tile"])
 def sm90_on(request):
     """The Hopper family on, in one of its forward variants (v0 and v1: cp.async; ws: the
-    warp-specialised TMA kernel with ping-pong, persistent as by default; ws-no-pingpong:
-    without ping-pong, persistent wherever such a kernel exists (windows included);
-    ws-one-tile: one tile per CTA), and the process's kernel and plan caches emptied, so that
+    warp-specialised TMA kernel with ping-pong, persistent wherever such a kernel exists, as
+    by default; ws-no-pingpong: the same without ping-pong; ws-one-tile: one tile per CTA),
+    and the process's kernel and plan caches emptied, so that
     _ran_sm90 sees only what this test loaded."""
     from flashcore import config, jit
     from flashcore.kernels import plans
@@ -39,7 +39,7 @@ def sm90_on(request):
     _VARIANT["name"] = request.param
     ws = request.param.startswith("ws")
     # the wgmma kernel at every length, here
-    persistent = {"ws-no-pingpong": True, "ws-one-tile": False}.get(request.param)
+    persistent = request.param != "ws-one-tile"
     with config.override(sm90_fwd=True, sm90_fwd_pipelined=request.param != "v0",
                          sm90_fwd_ws=ws, sm90_fwd_pingpong=request.param != "ws-no-pingpong",
                          sm90_fwd_persistent=persistent, sm90_fwd_d64_min_seqlen_k=0):
