@@ -258,12 +258,12 @@ def ws_persistent_exists(headdim: int, is_local: bool = False, dropout: bool = F
 
 
 def sm90_ws_persistent(headdim: int, is_local: bool, dropout: bool = False,
-                       fp8: bool = False) -> bool:
+                       fp8: bool = False, tiles: int = 0) -> bool:
     """Whether the warp-specialised kernels run persistent CTAs: the ``sm90_fwd_persistent``
     setting (on by default: measured on the H200, session 15 of the performance log), where
-    such a kernel exists."""
-    return config.get().sm90_fwd_persistent and ws_persistent_exists(headdim, is_local,
-                                                                      dropout, fp8)
+    such a kernel exists and the call's ``tiles`` fit the kernel's int32 tile numbers."""
+    return (config.get().sm90_fwd_persistent and tiles < 2 ** 31
+            and ws_persistent_exists(headdim, is_local, dropout, fp8))
 
 
 def ws_grid(persistent: bool, grid_m: int, nheads: int, batch: int, device_id: int) -> tuple:
@@ -448,8 +448,7 @@ def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: 
     out_dtype = out.dtype.name
     smem = fp8_smem(headdim)
     grid_m = math.ceil(seqlen_q / 128)
-    persistent = sm90_ws_persistent(headdim, is_local, fp8=True) \
-        and grid_m * nheads * batch < 2 ** 31
+    persistent = sm90_ws_persistent(headdim, is_local, fp8=True, tiles=grid_m * nheads * batch)
     kernel = get_kernel(SM90_SOURCE, fp8_kernel_name(out_dtype, headdim, is_local,
                                                      persistent=persistent),
                         device_id, cc, smem, config.get().sm90_defines)
@@ -576,8 +575,8 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         if ws is not None:
             grid_m = math.ceil(seqlen_q / block_m)
             smem = sm90_ws_smem(headdim, is_local, dropout)
-            persistent = sm90_ws_persistent(headdim, is_local, dropout) \
-                and grid_m * nheads * batch < 2 ** 31
+            persistent = sm90_ws_persistent(headdim, is_local, dropout,
+                                            tiles=grid_m * nheads * batch)
             kernel = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, is_local,
                                                                  dropout, seqlen_k,
                                                                  persistent=persistent),
