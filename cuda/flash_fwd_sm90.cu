@@ -577,10 +577,11 @@ struct alignas(64) FcFwdMaps {
 
 namespace fc_h {
 
-// The body of both warp-specialised kernels (see the top of the file). 384 threads:
-// warpgroup 0 produces, 1 and 2 consume. Elem: the output's 16-bit type; In: the inputs'
-// (Elem, or fc_e4m3: the FP8 forward). kBlockN: keys per block; kStages: K/V ring depth;
-// kPingPong: the consumers issue their products in turn (named barriers 1 and 2).
+// The body of both warp-specialised kernels (see the top of the file). 128 + 2 kBM threads:
+// warpgroup 0 produces, 1 .. kBM / 64 consume (64 query rows each). Elem: the output's 16-bit
+// type; In: the inputs' (Elem, or fc_e4m3: the FP8 forward). kBlockN: keys per block;
+// kStages: K/V ring depth; kPingPong: the consumers issue their products in turn (named
+// barriers 1 .. kBM / 64); kPersistent: one CTA per SM takes tiles from the dynamic scheduler.
 //
 // FP8 differs in three places. The producer warpgroup loads V by TMA into a two-deep ring of
 // its own (raw) and transposes each block into the V^T stage the consumers read
