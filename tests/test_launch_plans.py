@@ -804,3 +804,50 @@ def test_tensor_maps_follow_the_arrays(which):
         for i, a in enumerate(order):
             off = n_args + i * tma.MAP_BYTES
             assert struct.unpack_from("<Q", ws[0], off)[0] == a.data.ptr
+
+
+@pytest.mark.parametrize("d,causal,dropout,sq,h,want_block,want_grid",
+                         [(128, False, False, 300, 4, 384, (24, 1, 1)),      # 3 x 4 x 2 tiles
+                          (128, True, False, 5000, 40, 384, (132, 1, 1)),    # one CTA per SM
+                          (64, False, False, 1000, 4, 512, (48, 1, 1)),      # 192-row tiles
+                          (64, True, True, 1000, 4, 384, (8, 4, 2)),         # dropout: one tile
+                          (256, True, False, 300, 4, 384, (3, 4, 2)),        # d256 windowed
+                          (256, False, False, 300, 4, 384, (24, 1, 1))])
+def test_warp_specialised_forward_grid(d, causal, dropout, sq, h, want_block, want_grid):
+    """The Hopper forward's launch: persistent CTAs (one per SM at most, one per tile at
+    least) taking tiles from the stream's counter, except where no persistent kernel exists
+    (dropout, head dim 256 with a window); 192 query rows (three consumer warpgroups) at head
+    dim 64 without dropout; the shared memory within the H200's opt-in limit."""
+    q, k, v = _qkv(None, "float16", 2, sq, 2048, h, 2, d, False)
+    out = fake_array(q.shape, "float16")
+    lse = fake_array((2, h, sq), np.float32)
+    rng = fake_array((2,), np.int64) if dropout else None
+    with config.override(sm90_fwd_d64_min_seqlen_k=0):
+        forward.launch_forward(q, k, v, out, lse, softmax_scale=0.1, window_left=-1,
+                               window_right=0 if causal else -1,
+                               dropout_p=0.1 if dropout else 0.0, rng_state=rng)
+    (name, grid, block, smem, raw), = LOG
+    assert "_ws_kernel" in name and block == (want_block, 1, 1) and grid == want_grid
+    assert smem <= 232448
+    persistent = grid[1:] == (1, 1) and name.endswith("true>")
+    assert persistent == forward.ws_persistent_exists(d, causal, dropout)
+    counter = np.frombuffer(raw, np.uint64)[params_dtype().fields["split_counter"][1] // 8]
+    from flashcore.kernels import decode
+    if persistent:     # the decode kernels' per-stream counter, zero between launches
+        assert counter == decode.existing_split_counter(0, STREAM["ptr"], 1) != 0
+    else:
+        assert counter == 0
+    with config.override(sm90_fwd_persistent=False, sm90_fwd_d64_min_seqlen_k=0):
+        LOG.clear()
+        forward.launch_forward(q, k, v, out, lse, softmax_scale=0.1, window_left=-1,
+                               window_right=0 if causal else -1,
+                               dropout_p=0.1 if dropout else 0.0, rng_state=rng)
+        (name, grid, *_), = LOG
+        bm = 192 if (d == 64 and not dropout) else 128
+        assert name.endswith("false>") and grid == (-(-sq // bm), h, 2)
+
+
+def test_warp_specialised_tiles_fit_shared_memory():
+    for (d, local) in forward._WS_TILES:
+        for dropout in (False, True):
+            assert forward.sm90_ws_smem(d, local, dropout) <= 232448, (d, local, dropout)
