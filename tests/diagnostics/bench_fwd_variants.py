@@ -1,7 +1,8 @@
 """The Hopper kernels' variants against torch SDPA (flash and cuDNN backends), in one process.
 
     python tests/diagnostics/bench_fwd_variants.py [--seqlen 1024 4096 16384] [--headdim 64 128 256]
-        [--causal both|yes|no] [--variants ws ws-nopp v1] [--mode fwd fwdbwd] [--json FILE]
+        [--causal both|yes|no] [--variants ws ws-nopp v1] [--mode fwd fwdbwd] [--rounds N]
+        [--json FILE]
 
 Every figure goes through the public API (``flashcore.attention`` on torch CUDA tensors, forward
 under ``torch.no_grad``, forward+backward through autograd) at the ANCHORS.md sizes (16k tokens
@@ -20,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
+import statistics
 import sys
 
 _WS = dict(sm90_fwd=True, sm90_fwd_ws=True)
@@ -73,6 +76,9 @@ def main(argv=None):
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     p.add_argument("--variants", nargs="+", default=["ws", "ws-nopp", "v1"], choices=list(VARIANTS))
     p.add_argument("--mode", nargs="+", default=["fwd"], choices=["fwd", "fwdbwd"])
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every implementation of a cell this many times, in turn, and "
+                        "report the median (3 or more when variants differ by a few percent)")
     p.add_argument("--json")
     a = p.parse_args(argv)
 
@@ -88,26 +94,45 @@ def main(argv=None):
             for s in a.seqlen:
                 b, _, h, _ = shape_for(s, d)
                 row = {"headdim": d, "causal": causal, "seqlen": s, "batch": b, "nheads": h}
+                # every implementation's problem first, then the timings in rounds that visit
+                # them in turn (the median of the rounds): a drift of the GPU's clocks during
+                # the cell then reaches every implementation alike
+                impls = []
                 for peer in ("sdpa_flash", "sdpa_cudnn"):
                     try:
-                        pb = AttentionProblem(peer, b, s, h, d, causal, seed=s + d)
-                        for m in a.mode:
-                            row[f"{peer}_{m}"] = pb.tflops(which[m], flops(b, s, h, d, causal, which[m]))
+                        impls.append((peer, contextlib.nullcontext,
+                                      AttentionProblem(peer, b, s, h, d, causal, seed=s + d)))
                     except Exception as e:   # a peer that cannot take the shape
                         row[f"{peer}_error"] = str(e)[:100]
-                    del pb
-                first = None
                 for var in a.variants:
-                    with variant(var):
-                        pb = AttentionProblem("torch", b, s, h, d, causal, seed=s + d)
-                        for m in a.mode:
-                            row[f"{var}_{m}"] = pb.tflops(which[m], flops(b, s, h, d, causal, which[m]))
+                    impls.append((var, functools.partial(variant, var),
+                                  AttentionProblem("torch", b, s, h, d, causal, seed=s + d)))
+                times = {(name, m): [] for name, _, _ in impls for m in a.mode}
+                for _ in range(a.rounds):
+                    for name, ctx, pb in list(impls):
+                        try:
+                            with ctx():
+                                for m in a.mode:
+                                    times[(name, m)].append(pb.seconds(which[m]))
+                        except Exception as e:
+                            if name not in ("sdpa_flash", "sdpa_cudnn"):
+                                raise
+                            row[f"{name}_error"] = str(e)[:100]   # a peer that cannot run it
+                            impls.remove((name, ctx, pb))
+                for (name, m), ts in times.items():
+                    if f"{name}_error" not in row:
+                        row[f"{name}_{m}"] = (flops(b, s, h, d, causal, which[m])
+                                              / statistics.median(ts) / 1e12)
+                first = None
+                for name, ctx, pb in impls[len(impls) - len(a.variants):]:
+                    with ctx():
                         out = pb.forward().float()
-                        if first is None:
-                            first = out
-                        else:
-                            row[f"{var}_maxdiff"] = float((out - first).abs().max())
-                        del pb, out
+                    if first is None:
+                        first = out
+                    else:
+                        row[f"{name}_maxdiff"] = float((out - first).abs().max())
+                    del out
+                del impls, first
                 torch.cuda.empty_cache()
                 rows.append(row)
                 cells = []
