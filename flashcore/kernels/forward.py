@@ -261,8 +261,9 @@ def sm90_ws_persistent(headdim: int, is_local: bool, dropout: bool = False,
                        fp8: bool = False, tiles: int = 0) -> bool:
     """Whether the warp-specialised kernels run persistent CTAs: the ``sm90_fwd_persistent``
     setting (on by default: measured on the H200, session 15 of the performance log), where
-    such a kernel exists and the call's ``tiles`` fit the kernel's int32 tile numbers."""
-    return (config.get().sm90_fwd_persistent and tiles < 2 ** 31
+    such a kernel exists and the call's ``tiles`` fit the kernel's int32 tile numbers (with room
+    for the scheduler's last fetches past the end)."""
+    return (config.get().sm90_fwd_persistent and tiles < 2 ** 30
             and ws_persistent_exists(headdim, is_local, dropout, fp8))
 
 
