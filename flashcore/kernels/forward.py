@@ -572,9 +572,8 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
             from .tma import maps_for
             block_m, block_n, _ = sm90_ws_tile(headdim, is_local, dropout)
             ws = maps_for((q, block_m), (k, block_n), (v, block_n))
-        grid_m = math.ceil(seqlen_q / 128)
+        grid_m = math.ceil(seqlen_q / (block_m if ws is not None else 128))
         if ws is not None:
-            grid_m = math.ceil(seqlen_q / block_m)
             smem = sm90_ws_smem(headdim, is_local, dropout)
             persistent = sm90_ws_persistent(headdim, is_local, dropout,
                                             tiles=grid_m * nheads * batch)

@@ -29,24 +29,38 @@ def arr(shape, dtype):
     return cp.asarray(x.astype(dtype))
 
 
+# The Hopper forward's cases (dtype, sq, sk, head dim, heads, options): full, causal with fully
+# masked rows, a window, head dims 64 / 128 / 256; the 140-head ones have 2 x 140 tiles or more,
+# so that persistent CTAs take two or three each.
+HOPPER_FWD_CASES = (("bfloat16", 77, 93, 128, 4, {}),
+                    ("float16", 300, 130, 128, 4, {"causal": True}),
+                    ("bfloat16", 200, 700, 128, 4, {"window_size": (40, 7)}),
+                    ("float16", 333, 401, 64, 4, {"causal": True}),
+                    ("bfloat16", 150, 333, 256, 4, {"causal": True}),
+                    ("bfloat16", 150, 333, 256, 4, {}),
+                    ("bfloat16", 130, 300, 128, 140, {}),
+                    ("float16", 130, 300, 64, 140, {"causal": True}),
+                    ("bfloat16", 130, 200, 256, 140, {}))
+FP8_FWD_CASES = (("e4m3", 130, 300, 128, 140, {}),
+                 ("e4m3", 300, 333, 128, 40, {"causal": True}))
+
+
+def run_forward_cases(cases):
+    """Each case's forward once (k and v with 2 heads); returns how many ran."""
+    for dt, sq, sk, hd, h, kw in cases:
+        q, k, v = arr((1, sq, h, hd), dt), arr((1, sk, 2, hd), dt), arr((1, sk, 2, hd), dt)
+        flashcore.attention_forward(q, k, v, **kw)
+        cp.cuda.Device().synchronize()
+    return len(cases)
+
+
 if "--persistent" in sys.argv:
     from flashcore import config
     n = 0
     for pp in (True, False):
         with config.override(sm90_fwd_persistent=True, sm90_fwd_pingpong=pp,
                              sm90_fwd_d64_min_seqlen_k=0):
-            for dt, sq, sk, hd, h, kw in (("bfloat16", 77, 93, 128, 4, {}),
-                                          ("float16", 300, 130, 128, 4, {"causal": True}),
-                                          ("bfloat16", 200, 700, 128, 4, {"window_size": (40, 7)}),
-                                          ("bfloat16", 130, 300, 128, 140, {}),
-                                          ("float16", 130, 300, 64, 140, {"causal": True}),
-                                          ("bfloat16", 130, 200, 256, 140, {}),
-                                          ("e4m3", 130, 300, 128, 140, {}),
-                                          ("e4m3", 300, 333, 128, 40, {"causal": True})):
-                q, k, v = arr((1, sq, h, hd), dt), arr((1, sk, 2, hd), dt), arr((1, sk, 2, hd), dt)
-                flashcore.attention_forward(q, k, v, **kw)
-                cp.cuda.Device().synchronize()
-                n += 1
+            n += run_forward_cases(HOPPER_FWD_CASES + FP8_FWD_CASES)
     print(f"sanitize driver --persistent: {n} cases ran")
     sys.exit(0)
 
@@ -91,24 +105,12 @@ for c in CASES:
 # The Hopper forward (wgmma), where the device has it: full, causal with fully masked rows,
 # a window, varlen -- forward only (its backward is the one above).
 if int(cp.cuda.Device().compute_capability) == 90:
-    # v0, v1, ws one tile per CTA, ws persistent (where such a kernel exists); the last case
-    # has 2 x 140 tiles, so that persistent CTAs take two or three each
+    # v0, v1, ws one tile per CTA, ws persistent (where such a kernel exists)
     for pipelined, ws, pers in ((False, False, True), (True, False, True), (True, True, False),
                                 (True, True, True)):
         _fwd.set_sm90(True, pipelined=pipelined, ws=ws)
         _config.set(sm90_fwd_persistent=pers)
-        for dt, sq, sk, hd, h, kw in (("bfloat16", 77, 93, 128, 4, {}),
-                                      ("float16", 300, 130, 128, 4, {"causal": True}),
-                                      ("bfloat16", 200, 700, 128, 4, {"window_size": (40, 7)}),
-                                      ("float16", 333, 401, 64, 4, {"causal": True}),
-                                      ("bfloat16", 150, 333, 256, 4, {"causal": True}),
-                                      ("bfloat16", 150, 333, 256, 4, {}),
-                                      ("bfloat16", 130, 300, 128, 140, {}),
-                                      ("float16", 130, 300, 64, 140, {"causal": True})):
-            q, k, v = arr((1, sq, h, hd), dt), arr((1, sk, 2, hd), dt), arr((1, sk, 2, hd), dt)
-            flashcore.attention_forward(q, k, v, **kw)
-            cp.cuda.Device().synchronize()
-            n += 1
+        n += run_forward_cases(HOPPER_FWD_CASES)
         cu_q = cp.asarray(np.array([0, 5, 5, 140, 141], np.int32))
         cu_k = cp.asarray(np.array([0, 9, 13, 500, 500], np.int32))
         q, k, v = arr((141, 4, 128), "bfloat16"), arr((500, 2, 128), "bfloat16"), arr((500, 2, 128), "bfloat16")
