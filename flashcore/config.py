@@ -37,6 +37,9 @@ The settings (environment variable in brackets):
 * ``decode_fused_combine`` (``FLASHCORE_DECODE_FUSED_COMBINE``): split-KV partials merged in
   the decode kernel (off: a separate combine kernel); ``decode_cluster``
   (``FLASHCORE_DECODE_CLUSTER``): merged inside a thread-block cluster (sm_90).
+* ``cache_dir`` (``FLASHCORE_CACHE_DIR``; default ``$XDG_CACHE_HOME/flashcore/kernels`` or
+  ``~/.cache/flashcore/kernels``): where compiled kernels are kept between processes
+  (:mod:`flashcore.jit`).
 """
 from __future__ import annotations
 
@@ -71,6 +74,13 @@ class Settings(NamedTuple):
     sm90_defines: tuple
     decode_fused_combine: bool
     decode_cluster: bool
+    cache_dir: str
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(
+        os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "flashcore", "kernels")
 
 
 def _from_environment() -> Settings:
@@ -91,6 +101,7 @@ def _from_environment() -> Settings:
         sm90_defines=(),
         decode_fused_combine=_env_flag("FLASHCORE_DECODE_FUSED_COMBINE", True),
         decode_cluster=_env_flag("FLASHCORE_DECODE_CLUSTER", True),
+        cache_dir=os.environ.get("FLASHCORE_CACHE_DIR", "").strip() or _default_cache_dir(),
     )
 
 

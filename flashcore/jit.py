@@ -1,24 +1,28 @@
 """Kernel sources, compilation and caching.
 
 Sources live in the top-level ``cuda/`` folder of the repository; a wheel ships them as
-``flashcore/cuda``. They are compiled at first use by NVRTC through ``cupy.RawModule``, one
-module per template instantiation (``name_expressions``), so only configurations that are
-actually called get compiled.
+``flashcore/cuda``. They are compiled at first use by NVRTC, one module per template
+instantiation (a name expression), so only configurations that are actually called get
+compiled; the cubins are kept in a disk cache of flashcore's own (``flashcore.config``'s
+``cache_dir``) and loaded with the CUDA driver (``cuModuleLoadData``). NVRTC and the driver
+are reached through CuPy's low-level bindings (``cupy_backends``), never through ``cupy``
+itself, so torch's calls do not import CuPy.
 
-CuPy's disk cache keys on the ``code`` string, not on files pulled in by ``#include``. The
-code string we hand it therefore carries a fingerprint of every file in ``cuda/``: editing a
-header invalidates every cached kernel that could include it.
-
-Nothing here imports CuPy at module import time.
+A cache key covers the code string, the name, the options, the target and NVRTC's version.
+The code string carries a fingerprint of every file in ``cuda/``: editing a header
+invalidates every cached kernel that could include it.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import hashlib
 import os
 import threading
 from pathlib import Path
+
+import numpy as np
 
 __all__ = [
     "cuda_dir",
@@ -27,6 +31,8 @@ __all__ = [
     "arch_for",
     "device_facts",
     "get_kernel",
+    "Kernel",
+    "cache_dir",
     "clear_memory_cache",
     "generation",
     "compile_check",
@@ -59,17 +65,20 @@ def source_fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
+_CC_MAJOR, _CC_MINOR = 75, 76    # cudaDevAttrComputeCapabilityMajor / Minor
+
+
 @functools.lru_cache(maxsize=None)
 def device_facts(device_id: int) -> tuple[int, int, int]:
     """(compute capability as an int, e.g. 90; opt-in shared memory per block in bytes;
-    multiprocessor count) of a device, queried once: ``Device.attributes`` asks the driver
-    for every attribute, far too slow for each launch."""
-    import cupy
-    from cupy.cuda import runtime
-    dev = cupy.cuda.Device(device_id)
-    smem = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id)
-    sms = runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id)
-    return int(dev.compute_capability), int(smem), int(sms)
+    multiprocessor count) of a device, queried once from the runtime."""
+    from .kernels.device import runtime
+    rt = runtime()
+    major = rt.deviceGetAttribute(_CC_MAJOR, device_id)
+    minor = rt.deviceGetAttribute(_CC_MINOR, device_id)
+    smem = rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id)
+    sms = rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, device_id)
+    return int(major) * 10 + int(minor), int(smem), int(sms)
 
 
 def arch_for(compute_capability: int | str) -> str:
@@ -91,28 +100,146 @@ def compile_options(arch: str, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
 
 
 def _code_for(source_file: str) -> str:
-    # The fingerprint in the code string is what makes CuPy's disk cache safe (see module doc).
+    # The fingerprint in the code string makes a changed header a different cache key.
     return (
         f"// flashcore kernel module, sources {source_fingerprint()}\n"
         f'#include "{source_file}"\n'
     )
 
 
+def _nvrtc_options(arch: str, extra_options: tuple = ()) -> list[str]:
+    return ["-ftz=true", *compile_options(arch, tuple(extra_options))]
+
+
+def _compile(source_file: str, names: list[str], arch: str, extra_options: tuple = (),
+             want_log: bool = False):
+    """NVRTC: ``(cubin, lowered names of names, log)``; RuntimeError with the log on failure."""
+    from cupy_backends.cuda.libs import nvrtc
+    opts = _nvrtc_options(arch, extra_options)
+    if want_log:
+        opts.append("--ptxas-options=-v")
+    prog = nvrtc.createProgram(_code_for(source_file), "flashcore_kernel.cu", [], [])
+    try:
+        for n in names:
+            nvrtc.addNameExpression(prog, n)
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except Exception as e:  # nvrtc.NVRTCError
+            raise RuntimeError(
+                f"NVRTC failed to compile {names} from {source_file} for {arch}:\n"
+                + nvrtc.getProgramLog(prog)
+            ) from e
+        return (nvrtc.getCUBIN(prog), [nvrtc.getLoweredName(prog, n) for n in names],
+                nvrtc.getProgramLog(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def cache_dir() -> str:
+    """The folder of compiled kernels (``flashcore.config``'s ``cache_dir``)."""
+    from . import config
+    return config.get().cache_dir
+
+
+def _cache_key(source_file: str, name: str, arch: str, extra_options: tuple) -> str:
+    from cupy_backends.cuda.libs import nvrtc
+    what = "\0".join([_code_for(source_file), name, arch, *_nvrtc_options(arch, extra_options),
+                      ".".join(map(str, nvrtc.getVersion()))])
+    return hashlib.sha256(what.encode()).hexdigest()[:40]
+
+
+_MAGIC = b"flashcore-cubin-1\n"
+
+
+def _cubin(source_file: str, name: str, arch: str, extra_options: tuple):
+    """``(cubin, lowered name)`` of one instantiation: from the disk cache, else compiled (and
+    written there: a file per kernel, written whole and renamed into place, so a reader never
+    sees half of one)."""
+    path = os.path.join(cache_dir(), _cache_key(source_file, name, arch, extra_options) + ".cubin")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+        if raw.startswith(_MAGIC):
+            lowered, _, cubin = raw[len(_MAGIC):].partition(b"\n")
+            if cubin:
+                return cubin, lowered.decode()
+    except OSError:
+        pass
+    cubin, (lowered,), _log = _compile(source_file, [name], arch, extra_options)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(_MAGIC + lowered.encode() + b"\n" + cubin)
+        os.replace(tmp, path)
+    except OSError:      # a read-only or full disk: the kernel still runs, compiled each process
+        pass
+    return cubin, lowered
+
+
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+class Kernel:
+    """One loaded kernel: ``ptr`` (its CUfunction); called as ``kernel(grid, block, args,
+    shared_mem=0, stream=0)`` it launches through ``cuLaunchKernel``, every argument (NumPy
+    scalars and 0-d arrays: the params struct as ``params.as_kernel_arg`` makes it, tensor
+    maps) passed by value as its bytes."""
+
+    __slots__ = ("ptr", "module", "name", "smem_limit")
+
+    def __init__(self, module: int, ptr: int, name: str):
+        self.module, self.ptr, self.name = module, ptr, name
+        self.smem_limit = 48 * 1024
+
+    def set_attribute(self, attribute: int, value: int) -> None:
+        from .kernels.device import driver
+        driver().funcSetAttribute(self.ptr, attribute, int(value))
+
+    def attribute(self, attribute: int) -> int:
+        from .kernels.device import driver
+        return int(driver().funcGetAttribute(attribute, self.ptr))
+
+    num_regs = property(lambda self: self.attribute(4))            # CU_FUNC_ATTRIBUTE_NUM_REGS
+    local_size_bytes = property(lambda self: self.attribute(3))    # ..._LOCAL_SIZE_BYTES
+
+    def allow_shared_memory(self, nbytes: int) -> None:
+        """Raise the kernel's opt-in limit of dynamic shared memory to ``nbytes``."""
+        if nbytes > self.smem_limit:
+            self.set_attribute(_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
+            self.smem_limit = nbytes
+
+    def __call__(self, grid, block, args, shared_mem: int = 0, stream: int = 0):
+        from .kernels.device import driver
+        g = (grid,) if isinstance(grid, int) else tuple(grid)
+        b = (block,) if isinstance(block, int) else tuple(block)
+        g, b = g + (1,) * (3 - len(g)), b + (1,) * (3 - len(b))
+        raw = [np.asarray(a).tobytes() for a in args]
+        offs, n = [], 0
+        for r in raw:            # each argument 64-byte aligned (tensor maps ask for 64)
+            offs.append(n)
+            n += -(-len(r) // 64) * 64
+        buf = ctypes.create_string_buffer(n + 64)
+        base = -(-ctypes.addressof(buf) // 64) * 64
+        for off, r in zip(offs, raw):
+            ctypes.memmove(base + off, r, len(r))
+        ptrs = (ctypes.c_void_p * max(len(raw), 1))(*(base + off for off in offs))
+        driver().launchKernel(self.ptr, *g, *b, int(shared_mem), int(stream),
+                              ctypes.addressof(ptrs), 0)
+
+
 _lock = threading.Lock()
 _kernels: dict = {}
-_smem_opted: dict = {}   # key -> (kernel, the largest dynamic shared memory allowed)
 
 
 def get_kernel(source_file: str, name: str, device_id: int, compute_capability: int,
-               dynamic_smem: int = 0, extra_options: tuple[str, ...] = ()):
-    """Return the ``cupy.RawKernel`` for template instantiation ``name`` of ``source_file``.
+               dynamic_smem: int = 0, extra_options: tuple[str, ...] = ()) -> Kernel:
+    """The :class:`Kernel` of template instantiation ``name`` of ``source_file`` on a device.
 
-    Compiled once per (device, arch, file, name, options) and memoised; later processes load
-    the cubin from CuPy's disk cache. ``dynamic_smem`` raises the kernel's opt-in limit for
-    dynamic shared memory (needed above 48 KiB).
+    Compiled by NVRTC once per (arch, file, name, options, NVRTC version) and kept in the disk
+    cache (:func:`cache_dir`), loaded once per device and process. ``dynamic_smem`` raises the
+    kernel's opt-in limit for dynamic shared memory (needed above 48 KiB).
     """
-    import cupy
-
     arch = arch_for(compute_capability)
     key = (device_id, arch, source_file, name, tuple(extra_options))
     k = _kernels.get(key)
@@ -120,23 +247,17 @@ def get_kernel(source_file: str, name: str, device_id: int, compute_capability: 
         with _lock:
             k = _kernels.get(key)
             if k is None:
-                with cupy.cuda.Device(device_id), _compile_lock(
-                        f"{arch}|{source_fingerprint()}|{source_file}|{name}|{extra_options}"):
-                    mod = cupy.RawModule(
-                        code=_code_for(source_file),
-                        options=compile_options(arch, tuple(extra_options)),
-                        name_expressions=[name],
-                    )
-                    k = mod.get_function(name)
+                from .kernels.device import driver, scope
+                with _compile_lock(f"{arch}|{source_fingerprint()}|{source_file}|{name}|"
+                                   f"{extra_options}"):
+                    cubin, lowered = _cubin(source_file, name, arch, tuple(extra_options))
+                with scope(device_id):      # (the device's primary context)
+                    module = driver().moduleLoadData(cubin)
+                    k = Kernel(module, driver().moduleGetFunction(module, lowered), name)
                 _kernels[key] = k
-    # The opt-in limit is a driver attribute: read it (a driver call) only when a larger
-    # request than any seen for this kernel comes.
-    if dynamic_smem > 48 * 1024:
-        seen = _smem_opted.get(key)
-        if seen is None or seen[0] is not k or seen[1] < dynamic_smem:
-            if k.max_dynamic_shared_size_bytes < dynamic_smem:
-                k.max_dynamic_shared_size_bytes = dynamic_smem
-            _smem_opted[key] = (k, dynamic_smem)
+    if dynamic_smem > k.smem_limit:
+        with _lock:
+            k.allow_shared_memory(dynamic_smem)
     return k
 
 
@@ -144,14 +265,13 @@ def get_kernel(source_file: str, name: str, device_id: int, compute_capability: 
 def _compile_lock(what: str):
     """Held while this process compiles (or loads) kernel ``what``: processes that need the same
     kernel at once (the ranks of a multi-GPU job on one node, test workers) compile it once;
-    the others wait, then load it from CuPy's disk cache, which CuPy writes before the compile
-    returns. An exclusive ``flock`` on a file per kernel in the cache folder (``CUPY_CACHE_DIR``
-    or ``~/.cupy/kernel_cache``); where there is none to take (no ``fcntl``, a read-only
-    folder, a file system without locks) every process compiles for itself, as before."""
+    the others wait, then load it from the disk cache, written before the lock is released.
+    An exclusive ``flock`` on a file per kernel in the cache folder; where there is none to
+    take (no ``fcntl``, a read-only folder, a file system without locks) every process
+    compiles for itself."""
     try:
         import fcntl
-        folder = os.path.join(os.environ.get("CUPY_CACHE_DIR")
-                              or os.path.expanduser("~/.cupy/kernel_cache"), "flashcore-locks")
+        folder = os.path.join(cache_dir(), "locks")
         os.makedirs(folder, exist_ok=True)
         f = open(os.path.join(folder, hashlib.sha256(what.encode()).hexdigest()[:32] + ".lock"),
                  "a")
@@ -177,40 +297,17 @@ def generation() -> int:
 
 def clear_memory_cache() -> None:
     """Forget the kernels loaded in this process (the disk cache stays): the next
-    :func:`get_kernel` compiles or loads again, and no launch plan recorded before is replayed."""
+    :func:`get_kernel` loads again, and no launch plan recorded before is replayed. (The
+    modules stay loaded: a plan or a kernel object held elsewhere may still launch them.)"""
     with _lock:
         _kernels.clear()
-        _smem_opted.clear()
         _GENERATION[0] += 1
 
 
 def compile_check(source_file: str, names: list[str], arch: str,
                   extra_options: tuple[str, ...] = (), want_log: bool = False):
-    """Compile ``names`` from ``source_file`` for ``arch`` with NVRTC alone (no GPU needed).
-
-    Uses the same code string and options as :func:`get_kernel` (plus CuPy's own include
-    flags, as ``cupy.RawModule`` adds them). Returns ``(cubin_bytes, log)``; raises
-    ``RuntimeError`` with the compiler log on failure.
-    """
-    from cupy_backends.cuda.libs import nvrtc
-    from cupy._core import core
-
-    opts = core.assemble_cupy_compiler_options(
-        ("-ftz=true",) + compile_options(arch, tuple(extra_options))
-    )
-    if want_log:
-        opts = opts + ("--ptxas-options=-v",)
-    prog = nvrtc.createProgram(_code_for(source_file), "flashcore_kernel.cu", [], [])
-    try:
-        for n in names:
-            nvrtc.addNameExpression(prog, n)
-        try:
-            nvrtc.compileProgram(prog, list(opts))
-        except Exception as e:  # nvrtc.NVRTCError
-            raise RuntimeError(
-                f"NVRTC failed to compile {names} from {source_file} for {arch}:\n"
-                + nvrtc.getProgramLog(prog)
-            ) from e
-        return nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
+    """Compile ``names`` from ``source_file`` for ``arch`` with NVRTC alone (no GPU needed),
+    with the code string and options of :func:`get_kernel`. Returns ``(cubin_bytes, log)``;
+    raises ``RuntimeError`` with the compiler log on failure."""
+    cubin, _lowered, log = _compile(source_file, names, arch, extra_options, want_log)
+    return cubin, log

@@ -1,5 +1,6 @@
 """flashcore.jit on the host: the cross-process compile lock (one process compiles a kernel that
-several need at once; the others wait for it and load the disk cache)."""
+several need at once; the others wait for it and load the disk cache), and the disk cache of
+compiled kernels itself (NVRTC runs without a GPU)."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -9,11 +10,11 @@ import time
 
 import pytest
 
-from flashcore import jit
+from flashcore import config, jit
 
 
 def _hold(what, cache_dir, seconds, out):
-    os.environ["CUPY_CACHE_DIR"] = cache_dir
+    config.set(cache_dir=cache_dir)
     with jit._compile_lock(what):
         t0 = time.monotonic()
         time.sleep(seconds)
@@ -36,12 +37,57 @@ def test_one_process_at_a_time_per_kernel(tmp_path):
     same = sorted((t0, t1) for w, t0, t1 in got if w.endswith("|a|()"))
     assert same[0][1] <= same[1][0] + 1e-3          # the second waited for the first
     # another kernel's lock is another file
-    assert len(os.listdir(tmp_path / "flashcore-locks")) == 2
+    assert len(os.listdir(tmp_path / "locks")) == 2
 
 
 def test_no_lock_folder_means_no_lock(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    monkeypatch.setenv("CUPY_CACHE_DIR", str(blocker))    # a file, not a folder: no locks there
-    with jit._compile_lock("x"):
-        pass
+    with config.override(cache_dir=str(blocker)):    # a file, not a folder: no locks there
+        with jit._compile_lock("x"):
+            pass
+
+
+_NAME = "flash_bwd_convert_dq_kernel<fc_fp16>"      # a small kernel: a quick compile
+
+
+def test_disk_cache_compiles_once_and_reads_back(tmp_path, monkeypatch):
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    with config.override(cache_dir=str(tmp_path)):
+        cubin, lowered = jit._cubin("flash_bwd.cu", _NAME, "sm_80", ())
+        assert cubin[:4] == b"\x7fELF" and lowered.startswith("_Z")
+        files = [f for f in os.listdir(tmp_path) if f.endswith(".cubin")]
+        assert len(files) == 1
+
+        def no_compile(*a, **k):
+            raise AssertionError("compiled again although the cache holds the kernel")
+        monkeypatch.setattr(jit, "_compile", no_compile)
+        assert jit._cubin("flash_bwd.cu", _NAME, "sm_80", ()) == (cubin, lowered)
+        # other options or another target: another key, another file
+        assert jit._cache_key("flash_bwd.cu", _NAME, "sm_80", ()) != \
+            jit._cache_key("flash_bwd.cu", _NAME, "sm_90a", ())
+        assert jit._cache_key("flash_bwd.cu", _NAME, "sm_80", ()) != \
+            jit._cache_key("flash_bwd.cu", _NAME, "sm_80", ("-DX=1",))
+
+
+def test_disk_cache_ignores_a_damaged_file(tmp_path):
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    with config.override(cache_dir=str(tmp_path)):
+        path = tmp_path / (jit._cache_key("flash_bwd.cu", _NAME, "sm_80", ()) + ".cubin")
+        path.write_bytes(b"not a cubin")
+        cubin, lowered = jit._cubin("flash_bwd.cu", _NAME, "sm_80", ())
+        assert cubin[:4] == b"\x7fELF"
+        assert path.read_bytes().endswith(cubin)        # rewritten whole
+
+
+def test_kernels_import_without_cupy():
+    """The launchers, the plans and the torch backend import neither CuPy nor torch (a torch
+    process must never pay CuPy's import: flashcore.kernels.device)."""
+    import subprocess
+    code = ("import sys; import flashcore.backends.torch_backend, flashcore.backends.cupy_backend, "
+            "flashcore.kernels.forward, flashcore.kernels.backward, flashcore.kernels.decode, "
+            "flashcore.kernels.plans, flashcore.jit; "
+            "print(sorted(m for m in ('cupy', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[]"

@@ -20,7 +20,7 @@ cupy = pytest.importorskip("cupy")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 from flashcore import config, jit  # noqa: E402
-from flashcore.kernels import backward, forward, plans, tma  # noqa: E402
+from flashcore.kernels import backward, device, forward, plans, tma  # noqa: E402
 from flashcore.kernels.params import params_dtype  # noqa: E402
 
 LOG: list = []
@@ -34,10 +34,15 @@ FUNCTIONS: dict = {}    # CUfunction stand-in -> kernel name
 class FakeKernel:
     def __init__(self, name):
         self.name = name
-        self.kernel = type("Function", (), {"ptr": 0xF000 + 16 * len(FUNCTIONS)})()
-        FUNCTIONS[self.kernel.ptr] = name
+        self.ptr = 0xF000 + 16 * len(FUNCTIONS)
+        FUNCTIONS[self.ptr] = name
 
-    def __call__(self, grid, block, args, shared_mem=0):
+    def set_attribute(self, attribute, value):
+        from cupy.cuda import driver
+        driver.funcSetAttribute(self.ptr, attribute, value)
+
+    def __call__(self, grid, block, args, shared_mem=0, stream=0):
+        assert stream == STREAM["ptr"]
         assert len(args) == (2 if _n_maps(self.name) else 1)     # the struct (and the maps)
         LOG.append((self.name, plans._dim3(grid), plans._dim3(block), shared_mem,
                     b"".join(bytes(a.tobytes()) for a in args)))
@@ -131,7 +136,7 @@ def no_gpu(monkeypatch):
     monkeypatch.setattr(jit, "get_kernel",
                         lambda src, name, *a, **k: kernels.setdefault(name, FakeKernel(name)))
     monkeypatch.setattr(jit, "device_facts", lambda i: (90, 232448, 132))
-    monkeypatch.setattr(cupy.cuda, "Device", FakeDevice)
+    monkeypatch.setattr(device, "scope", FakeDevice)
     from cupy.cuda import driver
     monkeypatch.setattr(driver, "launchKernel", fake_launch_kernel)
     monkeypatch.setattr(tma, "_ENCODE", [fake_encode])
@@ -156,7 +161,7 @@ def no_gpu(monkeypatch):
     # counter array; fresh counters per test, the real ones restored after it
     from flashcore.kernels import decode
     STREAM["ptr"] = 0x7000
-    monkeypatch.setattr(decode, "_current_stream_ptr", lambda dev: STREAM["ptr"])
+    monkeypatch.setattr(device, "current_stream", lambda xp, dev: STREAM["ptr"])
     monkeypatch.setattr(decode, "_COUNTERS", {})
     # the cluster merge (sm_90) has tests of its own below; the others test the global paths
     was = config.set(decode_fused_combine=True, decode_cluster=False)
@@ -656,7 +661,7 @@ def test_decode_cluster_refused_falls_back_to_the_global_merge(monkeypatch):
 
     status = {"code": 912}    # CUDA_ERROR_INVALID_CLUSTER_SIZE
 
-    def call(self, grid, block, args, shared_mem=0):
+    def call(self, grid, block, args, shared_mem=0, stream=0):
         if self.name.startswith("flash_decode_cluster_kernel"):
             raise DriverError(status["code"])
         LOG.append((self.name, tuple(grid), tuple(block), shared_mem, bytes(args[0].tobytes())))

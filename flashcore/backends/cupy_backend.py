@@ -1,7 +1,10 @@
 """The CuPy backend: the CUDA kernels in ``cuda/``, JIT-compiled by NVRTC.
 
-Kernels run on CuPy's current stream and on the device that holds the inputs. Availability is
-probed lazily: importing flashcore never imports CuPy.
+Kernels run on the device that holds the inputs, on CuPy's current stream. The torch backend
+hands its CUDA tensors to the same methods as :class:`flashcore.kernels.device.TorchArray`
+(allocations then come from torch, kernels run on torch's current stream, and CuPy is never
+imported: :mod:`flashcore.kernels.device`). Availability is probed lazily: importing flashcore
+never imports CuPy.
 """
 from __future__ import annotations
 
@@ -10,8 +13,11 @@ import functools
 import importlib.util
 import re
 
+import numpy as np
+
 from ..spec import AttentionSpec
 from ..kernels import plans
+from ..kernels.device import lib_of, scope
 from .base import Backend, register
 
 MIN_COMPUTE_CAPABILITY = 80
@@ -27,10 +33,11 @@ class DeviceMemoryError(MemoryError):
 
 @contextlib.contextmanager
 def _translate_oom(what):
-    import cupy
     try:
         yield
-    except cupy.cuda.memory.OutOfMemoryError as e:
+    except Exception as e:     # CuPy's and torch's out-of-memory errors share the class name
+        if type(e).__name__ != "OutOfMemoryError":
+            raise
         m = re.search(r"allocating ([\d,]+) bytes", str(e))
         nbytes = int(m.group(1).replace(",", "")) if m else None
         raise DeviceMemoryError(
@@ -41,16 +48,19 @@ def _translate_oom(what):
 
 @functools.lru_cache(maxsize=None)
 def _probe() -> str | None:
+    """Why the kernels cannot run here, or None (asked of the CUDA runtime through CuPy's
+    low-level bindings: no ``import cupy``)."""
     if importlib.util.find_spec("cupy") is None:
         return "CuPy is not installed (pip install 'flashcore[cuda12]' or 'flashcore[cuda13]')"
     try:
-        import cupy
-        n = cupy.cuda.runtime.getDeviceCount()
+        from ..jit import device_facts
+        from ..kernels.device import runtime
+        n = runtime().getDeviceCount()
     except Exception as e:  # no driver, no device
         return f"no CUDA device ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     if n == 0:
         return "no CUDA device"
-    ccs = [int(cupy.cuda.Device(i).compute_capability) for i in range(n)]
+    ccs = [device_facts(i)[0] for i in range(n)]
     if max(ccs) < MIN_COMPUTE_CAPABILITY:
         return (f"compute capability {max(ccs) / 10:.1f} is below the "
                 f"{MIN_COMPUTE_CAPABILITY / 10:.1f} the kernels need (mma.sync bf16, cp.async)")
@@ -71,8 +81,9 @@ def _decode_kernels_reason() -> str | None:
 def _decode_fp8_reason() -> str | None:
     """None when the current device's decode kernels take FP8 caches (compute capability 8.9
     and newer convert e4m3 in hardware), else why not."""
-    import cupy
-    cc = int(cupy.cuda.Device().compute_capability)
+    from ..jit import device_facts
+    from ..kernels.device import current_device
+    cc = device_facts(current_device())[0]
     if cc < 89:
         return ("argument 'k_cache': float8_e4m3fn (FP8) caches are decoded on compute "
                 f"capability 8.9 or newer; this device has {cc / 10:.1f}")
@@ -89,9 +100,9 @@ def _fp8_headdim_reason(spec) -> str | None:
 
 def _fp8_reasons(spec, backward) -> list[str]:
     """Why the FP8 forward kernel cannot take this float8_e4m3fn call (named), or []."""
-    import cupy
+    from ..jit import device_facts
     from ..kernels.forward import fp8_reasons
-    cc = int(cupy.cuda.Device(int(spec.device.split(":")[1])).compute_capability)
+    cc = device_facts(int(spec.device.split(":")[1]))[0]
     r = fp8_reasons(cc, spec.headdim, varlen=spec.varlen, softcap=spec.softcap,
                     alibi=spec.alibi is not None, paged=spec.paged, dropout=bool(spec.dropout_p))
     if backward:
@@ -135,8 +146,8 @@ class CupyBackend(Backend):
             r.append(f"at most 65535 heads and 65535 sequences per call (the CUDA grid), got "
                      f"nheads={spec.nheads}, batch={spec.batch}")
         if spec.library == "cupy":
-            import cupy
-            cc = int(cupy.cuda.Device(int(spec.device.split(":")[1])).compute_capability)
+            from ..jit import device_facts
+            cc = device_facts(int(spec.device.split(":")[1]))[0]
             if cc < MIN_COMPUTE_CAPABILITY:
                 r.append(f"device {spec.device} has compute capability {cc / 10:.1f} < 8.0")
         if spec.dtype == "float8_e4m3fn":
@@ -160,17 +171,17 @@ class CupyBackend(Backend):
                 descales=None, fp8_out="bfloat16"):
         """FP8 (``spec.dtype`` float8_e4m3fn): q, k, v uint8 arrays of the bits, ``descales``
         (q, k, v; None or float32 broadcastable to (batch, nheads_k)), out in ``fp8_out``."""
-        import cupy
         from ..kernels.forward import launch_forward
         if spec.dtype == "float8_e4m3fn":
             return self._forward_fp8(spec, q, k, v, out, lse, descales, fp8_out)
-        with cupy.cuda.Device(q.device.id), _translate_oom("forward"):
+        xp = lib_of(q)
+        with scope(q.device.id), _translate_oom("forward"):
             if out is None:
-                out = cupy.empty(q.shape, dtype=cupy.float32 if out_fp32 else q.dtype)
+                out = xp.empty(q.shape, dtype=np.float32 if out_fp32 else q.dtype)
             if lse is None:
                 shape = (spec.nheads, spec.total_q) if spec.varlen else \
                     (spec.batch, spec.nheads, spec.seqlen_q)
-                lse = cupy.empty(shape, dtype=cupy.float32)
+                lse = xp.empty(shape, dtype=np.float32)
             if q.size and k.shape[0]:
                 kw = self._kernel_kwargs(spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                                          rng_state)
@@ -179,7 +190,7 @@ class CupyBackend(Backend):
                 if spec.headdim % 8:
                     # flash-attn's way: zero columns up to a multiple of 8 add nothing to the
                     # scores (the scale is the true head dim's), and come out as zeros
-                    o8 = cupy.empty(_padded_shape(q), out.dtype)
+                    o8 = xp.empty(_padded_shape(q), out.dtype)
                     launch_forward(_pad8(q), _pad8(k), _pad8(v), o8, lse, **kw)
                     out[...] = o8[..., :spec.headdim]
                     plans.spoil()      # copies around the launch: never replayed
@@ -187,50 +198,51 @@ class CupyBackend(Backend):
                     plans.offer(launch_forward(q, k, v, out, lse, **kw))
             else:   # no queries, or no keys at all: nothing is visible
                 out[...] = 0
-                lse[...] = -cupy.inf
+                lse[...] = -np.inf
         return out, lse
 
     def _forward_fp8(self, spec, q, k, v, out, lse, descales, fp8_out):
-        import cupy
+        from ..jit import device_facts
         from ..kernels.forward import fp8_reasons, launch_forward_fp8
         from ..spec import exact_descale
-        why = fp8_reasons(int(cupy.cuda.Device(q.device.id).compute_capability), spec.headdim,
+        why = fp8_reasons(device_facts(q.device.id)[0], spec.headdim,
                           varlen=spec.varlen, softcap=spec.softcap,
                           alibi=spec.alibi is not None, paged=spec.paged)
         if why:
             raise ValueError("; ".join(why))
         qd, kd, vd = (exact_descale(d, spec.batch, spec.nheads_k)
                       for d in (descales or (None, None, None)))
-        with cupy.cuda.Device(q.device.id), _translate_oom("forward"):
+        xp = lib_of(q)
+        with scope(q.device.id), _translate_oom("forward"):
             if out is None:
-                out = cupy.empty(q.shape, dtype=_np_dtype(fp8_out))
+                out = xp.empty(q.shape, dtype=_np_dtype(fp8_out))
             if lse is None:
-                lse = cupy.empty((spec.batch, spec.nheads, spec.seqlen_q), dtype=cupy.float32)
+                lse = xp.empty((spec.batch, spec.nheads, spec.seqlen_q), dtype=np.float32)
             if q.size and k.shape[1]:
                 plans.offer(launch_forward_fp8(
-                    q.view(cupy.uint8), k.view(cupy.uint8), v.view(cupy.uint8), out, lse,
+                    q.view(np.uint8), k.view(np.uint8), v.view(np.uint8), out, lse,
                     softmax_scale=spec.softmax_scale, window_left=spec.window_left,
                     window_right=spec.window_right, q_descale=qd, k_descale=kd, v_descale=vd))
             else:   # no queries, or no keys at all: nothing is visible
                 out[...] = 0
-                lse[...] = -cupy.inf
+                lse[...] = -np.inf
         return out, lse
 
     def backward(self, spec, dout, q, k, v, out, lse, *, alibi_slopes=None,
                  cu_seqlens_q=None, cu_seqlens_k=None, dq=None, dk=None, dv=None,
                  rng_state=None):
-        import cupy
         from ..kernels.backward import launch_backward
-        with cupy.cuda.Device(q.device.id), _translate_oom("backward"):
-            dq = cupy.empty(q.shape, q.dtype) if dq is None else dq
-            dk = cupy.empty(k.shape, k.dtype) if dk is None else dk
-            dv = cupy.empty(v.shape, v.dtype) if dv is None else dv
+        xp = lib_of(q)
+        with scope(q.device.id), _translate_oom("backward"):
+            dq = xp.empty(q.shape, q.dtype) if dq is None else dq
+            dk = xp.empty(k.shape, k.dtype) if dk is None else dk
+            dv = xp.empty(v.shape, v.dtype) if dv is None else dv
             if q.size and k.shape[0]:
                 kw = self._kernel_kwargs(spec, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                                          rng_state)
                 if spec.headdim % 8:       # padded as in the forward (the padding's gradient
                     d = spec.headdim       # is computed and dropped)
-                    g8 = [cupy.empty(_padded_shape(x), x.dtype) for x in (q, k, v)]
+                    g8 = [xp.empty(_padded_shape(x), x.dtype) for x in (q, k, v)]
                     launch_backward(_pad8(dout), _pad8(q), _pad8(k), _pad8(v), _pad8(out), lse,
                                     *g8, deterministic=spec.deterministic, **kw)
                     for dst, g in zip((dq, dk, dv), g8):
@@ -276,21 +288,21 @@ class CupyBackend(Backend):
         FP8 caches (``spec.fp8``): uint8 arrays of float8_e4m3fn bits, read only, passed to
         the kernels as they are with ``k_descale``/``v_descale`` (None, or contiguous float32
         (batch, nheads_k)); head dims 128 and 256 only (never padded)."""
-        import cupy
         a = spec.attn
         why = _fp8_headdim_reason(spec)
         if why:
             raise ValueError(why)
-        with cupy.cuda.Device(q.device.id), _translate_oom("decode"):
+        xp = lib_of(q)
+        with scope(q.device.id), _translate_oom("decode"):
             if out is None:
-                out = cupy.empty(q.shape, dtype=q.dtype)
+                out = xp.empty(q.shape, dtype=q.dtype)
             if lse is None:
-                lse = cupy.empty((a.batch, a.nheads, a.seqlen_q), dtype=cupy.float32)
+                lse = xp.empty((a.batch, a.nheads, a.seqlen_q), dtype=np.float32)
             if a.batch == 0:
                 return out, lse
             if a.headdim % 8:
                 pad = [None if x is None else _pad8(x) for x in (q, k_cache, v_cache, k, v)]
-                out8 = cupy.empty(pad[0].shape, dtype=q.dtype)
+                out8 = xp.empty(pad[0].shape, dtype=q.dtype)
                 self._forward_kvcache(spec, *pad, cache_seqlens=cache_seqlens,
                                       block_table=block_table, rotary_cos=rotary_cos,
                                       rotary_sin=rotary_sin, alibi_slopes=alibi_slopes,
@@ -312,33 +324,32 @@ class CupyBackend(Backend):
     def _forward_kvcache(self, spec, q, k_cache, v_cache, k, v, *, cache_seqlens, block_table,
                          rotary_cos, rotary_sin, alibi_slopes, out, lse, cache_leftpad,
                          k_descale, v_descale):
-        import cupy
-        import numpy as np
         from ..kernels.decode import decode_launches, launch_rotary_append
         from ..reference import apply_rotary
         a = spec.attn
+        xp = lib_of(q)
         # (the caller holds the device and the OOM translation)
         if spec.cache_seqlens_int is not None:
-            before = cupy.full((a.batch,), spec.cache_seqlens_int, dtype=cupy.int32)
+            before = xp.full((a.batch,), spec.cache_seqlens_int, dtype=np.int32)
         else:
-            before = cupy.ascontiguousarray(cache_seqlens)
+            before = xp.ascontiguousarray(cache_seqlens)
         q_att, after = q, before
         if spec.appends:
             rotary = rotary_cos is not None
             # q rotated by the append kernel where its positions are cache_seqlens + i;
             # flash-attn's other case (all rows at cache_seqlens) with array operations
             fused_q = rotary and spec.rotary_per_row and q.size > 0
-            q_out = cupy.empty(q.shape, dtype=q.dtype) if fused_q else None
+            q_out = xp.empty(q.shape, dtype=q.dtype) if fused_q else None
             launch_rotary_append(k_cache, v_cache, k, v, before, block_table, rotary_cos,
                                  rotary_sin, spec.rotary_interleaved,
                                  q=q if fused_q else None, q_out=q_out)
             if fused_q:
                 q_att = q_out
             elif rotary and q.size:
-                pos = cupy.broadcast_to(before[:, None].astype(cupy.int64),
-                                        (a.batch, a.seqlen_q))
+                pos = xp.broadcast_to(before[:, None].astype(np.int64),
+                                      (a.batch, a.seqlen_q))
                 q_att = apply_rotary(q, rotary_cos, rotary_sin, pos, spec.rotary_interleaved,
-                                     xp=cupy)
+                                     xp=xp)
             after = before + np.int32(spec.seqlen_new)
         if q.size:
             _, piece = decode_launches(
@@ -369,9 +380,8 @@ def _padded_shape(x):
 
 def _pad8(x):
     """``x`` with zero columns appended up to a multiple of 8 (a new array)."""
-    import cupy
     d = x.shape[-1]
-    p = cupy.empty(_padded_shape(x), x.dtype)
+    p = lib_of(x).empty(_padded_shape(x), x.dtype)
     p[..., :d] = x
     p[..., d:] = 0
     return p

@@ -1,11 +1,13 @@
 """The torch backend: torch tensors in, torch tensors out, no copies on the way.
 
 :class:`TorchBackend` moves tensors to the backend that does the work and back, zero-copy: CPU
-tensors become NumPy views (``t.detach().numpy()``) for the NumPy backend; CUDA tensors become
-CuPy views for the CuPy kernels, which run on torch's current stream and device, with the
-outputs allocated by torch and every scratch buffer the launchers need (split-KV partials, dQ
-accumulators, copies) taken from torch's caching allocator: so a call can be captured in a CUDA
-graph (``torch.cuda.graph``) and replays bit for bit.
+tensors become NumPy views (``t.detach().numpy()``) for the NumPy backend; CUDA tensors go to
+the CUDA kernels' launchers (the CuPy backend's methods) wrapped as
+:class:`flashcore.kernels.device.TorchArray`, so the kernels run on torch's current stream and
+device with the outputs allocated by torch and every scratch buffer the launchers need
+(split-KV partials, dQ accumulators, copies) taken from torch's caching allocator: a call can
+be captured in a CUDA graph (``torch.cuda.graph``) and replays bit for bit. CuPy itself is
+never imported on this route.
 
 The torch route above it (the ops, autograd, the entry points) is :mod:`flashcore.backends.torch_ops`.
 Nothing here imports torch at flashcore import time.
@@ -31,67 +33,11 @@ def _torch_unavailable_reason() -> str | None:
         "PyTorch is not installed (pip install 'flashcore[torch]')"
 
 
-def _cupy_bf16_reason() -> str | None:
-    """Why bfloat16 cannot cross DLPack into CuPy here, or None."""
-    import cupy
-    if int(cupy.__version__.split(".")[0]) < 14:
-        return (f"bfloat16 CUDA tensors need CuPy >= 14 to cross DLPack (found CuPy "
-                f"{cupy.__version__})")
+def _bf16_reason() -> str | None:
+    """Why the kernels cannot take bfloat16 CUDA tensors here, or None."""
     if importlib.util.find_spec("ml_dtypes") is None:
         return "bfloat16 CUDA tensors need the ml_dtypes package (pip install ml_dtypes)"
     return None
-
-
-_ALLOCATORS: dict = {}
-
-
-def _torch_allocator(torch, index):
-    """A CuPy allocator (``size -> MemoryPointer``) drawing from torch's caching allocator on
-    device ``index``: what the CuPy launchers allocate while they serve torch comes from the
-    memory torch manages (stream-ordered, and the graph's private pool under
-    ``torch.cuda.graph``). The tensor owns the memory and lives as long as CuPy's pointer."""
-    alloc = _ALLOCATORS.get(index)
-    if alloc is None:
-        import cupy
-        device = torch.device("cuda", index)
-
-        def alloc(nbytes):
-            t = torch.empty((max(int(nbytes), 1),), dtype=torch.uint8, device=device)
-            return cupy.cuda.MemoryPointer(
-                cupy.cuda.UnownedMemory(t.data_ptr(), t.numel(), t, index), 0)
-        _ALLOCATORS[index] = alloc
-    return alloc
-
-
-class _OnTorch:
-    """``with _OnTorch(torch, index):`` the CuPy work of a call on torch's terms: device
-    ``index``, torch's current stream, torch's allocator."""
-
-    __slots__ = ("ctx",)
-
-    def __init__(self, torch, index):
-        import cupy
-        self.ctx = (cupy.cuda.Device(index), _cupy_stream(torch, torch.device("cuda", index)),
-                    cupy.cuda.using_allocator(_torch_allocator(torch, index)))
-
-    def __enter__(self):
-        for c in self.ctx:
-            c.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        for c in reversed(self.ctx):
-            c.__exit__(*exc)
-        return False
-
-
-def _cupy_stream(torch, device):
-    """torch's current stream on ``device`` as a CuPy stream (usable as a context)."""
-    import cupy
-    ts = torch.cuda.current_stream(device)
-    if hasattr(cupy.cuda.Stream, "from_external"):     # CuPy >= 14
-        return cupy.cuda.Stream.from_external(ts)
-    return cupy.cuda.ExternalStream(ts.cuda_stream, device.index)
 
 
 def _contiguous_numpy_to_torch(torch, a):
@@ -161,20 +107,18 @@ class TorchBackend(Backend):
         cb = get_backend("cupy")
         lse_shape = (spec.nheads, spec.total_q) if spec.varlen else \
             (spec.batch, spec.nheads, spec.seqlen_q)
-        with _OnTorch(torch, q.device.index):
-            out = torch.empty(q.shape, dtype=torch.float32 if out_fp32 else q.dtype,
-                              device=q.device)
-            lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-            cb.forward(_on_library(spec, "cupy"), *(_cp(x) for x in (q, k, v)),
-                       alibi_slopes=_cp(alibi_slopes), cu_seqlens_q=_cp(cu_seqlens_q),
-                       cu_seqlens_k=_cp(cu_seqlens_k), out=_cp(out), lse=_cp(lse),
-                       **{n: _cp(t) for n, t in extra.items()})
+        out = torch.empty(q.shape, dtype=torch.float32 if out_fp32 else q.dtype, device=q.device)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        cb.forward(_on_library(spec, "cupy"), *(_cp(x) for x in (q, k, v)),
+                   alibi_slopes=_cp(alibi_slopes), cu_seqlens_q=_cp(cu_seqlens_q),
+                   cu_seqlens_k=_cp(cu_seqlens_k), out=_cp(out), lse=_cp(lse),
+                   **{n: _cp(t) for n, t in extra.items()})
         return out, lse
 
     def _forward_fp8(self, torch, spec, q, k, v, cu_seqlens_q, cu_seqlens_k, descales,
                      fp8_out):
         """FP8 tensors cross as their bytes: ml_dtypes float8_e4m3fn views on CPU (the NumPy
-        reference), uint8 CuPy views on CUDA (the Hopper kernel); the descales as given on
+        reference), uint8 tensors on CUDA (the Hopper kernel); the descales as given on
         CPU, as contiguous float32 (batch, nheads_k) tensors on CUDA."""
         from ..spec import exact_descale
         descales = descales or (None, None, None)
@@ -192,14 +136,13 @@ class TorchBackend(Backend):
             out = _contiguous_numpy_to_torch(torch, out)
             return (out.to(torch.bfloat16) if bf16 else out), _contiguous_numpy_to_torch(torch, lse)
         descales = tuple(exact_descale(d, spec.batch, spec.nheads_k) for d in descales)
-        with _OnTorch(torch, q.device.index):
-            out = torch.empty(q.shape, dtype=getattr(torch, fp8_out), device=q.device)
-            lse = torch.empty((spec.batch, spec.nheads, spec.seqlen_q), dtype=torch.float32,
-                              device=q.device)
-            get_backend("cupy").forward(_on_library(spec, "cupy"), *(_cp(x) for x in (q8, k8, v8)),
-                                        out=_cp(out), lse=_cp(lse),
-                                        descales=tuple(_cp(d) for d in descales),
-                                        fp8_out=fp8_out)
+        out = torch.empty(q.shape, dtype=getattr(torch, fp8_out), device=q.device)
+        lse = torch.empty((spec.batch, spec.nheads, spec.seqlen_q), dtype=torch.float32,
+                          device=q.device)
+        get_backend("cupy").forward(_on_library(spec, "cupy"), *(_cp(x) for x in (q8, k8, v8)),
+                                    out=_cp(out), lse=_cp(lse),
+                                    descales=tuple(_cp(d) for d in descales),
+                                    fp8_out=fp8_out)
         return out, lse
 
     def backward(self, spec, dout, q, k, v, out, lse, *, alibi_slopes=None,
@@ -216,15 +159,14 @@ class TorchBackend(Backend):
             return tuple(torch.empty_like(x).copy_(torch.from_numpy(g))
                          for x, g in zip((q, k, v), grads))
         cb = get_backend("cupy")
-        with _OnTorch(torch, q.device.index):
-            # Gradients in the inputs' own layout (empty_like keeps a dense view's strides), so
-            # autograd can hand them to .grad without a copy.
-            dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
-            cb.backward(_on_library(spec, "cupy"),
-                        *(_cp(x) for x in (dout, q, k, v, out, lse)),
-                        alibi_slopes=_cp(alibi_slopes), cu_seqlens_q=_cp(cu_seqlens_q),
-                        cu_seqlens_k=_cp(cu_seqlens_k), dq=_cp(dq), dk=_cp(dk), dv=_cp(dv),
-                        rng_state=_cp(rng_state))
+        # Gradients in the inputs' own layout (empty_like keeps a dense view's strides), so
+        # autograd can hand them to .grad without a copy.
+        dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+        cb.backward(_on_library(spec, "cupy"),
+                    *(_cp(x) for x in (dout, q, k, v, out, lse)),
+                    alibi_slopes=_cp(alibi_slopes), cu_seqlens_q=_cp(cu_seqlens_q),
+                    cu_seqlens_k=_cp(cu_seqlens_k), dq=_cp(dq), dk=_cp(dk), dv=_cp(dv),
+                    rng_state=_cp(rng_state))
         return dq, dk, dv
 
     # -- decoding with a KV cache (inference: no autograd) ---------------------------------
@@ -267,17 +209,16 @@ class TorchBackend(Backend):
                 lse = _contiguous_numpy_to_torch(torch, lse)
             else:
                 a = spec.attn
-                with _OnTorch(torch, q.device.index):
-                    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-                    lse = torch.empty((a.batch, a.nheads, a.seqlen_q), dtype=torch.float32,
-                                      device=q.device)
-                    get_backend("cupy").forward_kvcache(
-                        _kv_library(spec, "cupy"), *(conv(x) for x in (q, k_cache, v_cache, k, v)),
-                        cache_seqlens=cache_seqlens if as_int else conv(cache_seqlens),
-                        block_table=conv(block_table), rotary_cos=conv(rotary_cos),
-                        rotary_sin=conv(rotary_sin), alibi_slopes=conv(alibi_slopes),
-                        cache_leftpad=conv(cache_leftpad), k_descale=conv(k_descale),
-                        v_descale=conv(v_descale), out=conv(out), lse=conv(lse))
+                out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+                lse = torch.empty((a.batch, a.nheads, a.seqlen_q), dtype=torch.float32,
+                                  device=q.device)
+                get_backend("cupy").forward_kvcache(
+                    _kv_library(spec, "cupy"), *(conv(x) for x in (q, k_cache, v_cache, k, v)),
+                    cache_seqlens=cache_seqlens if as_int else conv(cache_seqlens),
+                    block_table=conv(block_table), rotary_cos=conv(rotary_cos),
+                    rotary_sin=conv(rotary_sin), alibi_slopes=conv(alibi_slopes),
+                    cache_leftpad=conv(cache_leftpad), k_descale=conv(k_descale),
+                    v_descale=conv(v_descale), out=conv(out), lse=conv(lse))
         if spec.appends:
             _bump_version(torch, k_cache, v_cache)
         return out, lse
@@ -313,7 +254,7 @@ def _delegated_reasons(attn: AttentionSpec, reasons_of) -> list[str]:
     if attn.device.startswith("cuda"):
         reasons = reasons_of("cupy")
         if not reasons and attn.dtype == "bfloat16":
-            why = _cupy_bf16_reason()
+            why = _bf16_reason()
             reasons = [why] if why else []
         return [f"CUDA tensors run on the CuPy kernels, which cannot take this call: {x}"
                 for x in reasons]
@@ -325,46 +266,11 @@ def _on_library(spec: AttentionSpec, library: str) -> AttentionSpec:
     return dataclasses.replace(spec, library=library)
 
 
-_NP_DTYPES: dict = {}
-
-
-def _np_dtype(torch, dt):
-    if not _NP_DTYPES:
-        import numpy as np
-        _NP_DTYPES.update({torch.float16: np.dtype(np.float16), torch.float32: np.dtype(np.float32),
-                           torch.float64: np.dtype(np.float64), torch.int32: np.dtype(np.int32),
-                           torch.int64: np.dtype(np.int64),
-                           torch.uint8: np.dtype(np.uint8)})   # (FP8 caches' bytes)
-        try:
-            import ml_dtypes
-            _NP_DTYPES[torch.bfloat16] = np.dtype(ml_dtypes.bfloat16)
-        except ImportError:
-            pass
-    return _NP_DTYPES.get(dt)
-
-
 def _cp(t):
-    """A CuPy view of a CUDA tensor's memory (no copy), or None.
-
-    Built from the tensor's pointer, shape and strides; tensors with no elements or an unusual
-    dtype go through DLPack (``torch.utils.dlpack.to_dlpack``, not ``Tensor.__dlpack__``, whose
-    stream negotiation cost ~80 us per tensor on the H200 with torch 2.11). Only the first
-    call of a layout comes here: later ones replay its launch plan from the tensors' addresses.
-    """
-    if t is None:
-        return None
-    import cupy
-    import torch
-    dt = _np_dtype(torch, t.dtype)
-    n = t.numel()
-    if dt is None or n == 0 or any(st < 0 for st in t.stride()):
-        from torch.utils.dlpack import to_dlpack
-        return cupy.from_dlpack(to_dlpack(t.detach()))
-    isz = dt.itemsize
-    extent = (1 + sum((d - 1) * st for d, st in zip(t.shape, t.stride()))) * isz
-    mem = cupy.cuda.UnownedMemory(t.data_ptr(), extent, None, t.device.index)
-    return cupy.ndarray(tuple(t.shape), dt, cupy.cuda.MemoryPointer(mem, 0),
-                        tuple(st * isz for st in t.stride()))
+    """A CUDA tensor as the kernels' launchers take it (a TorchArray over its detached self,
+    no copy), or None. Only the first call of a layout comes here: later ones replay its
+    launch plan from the tensors' addresses."""
+    return None if t is None else TorchArray(t.detach())
 
 
 # --------------------------------------------------------------------------------------------
@@ -377,26 +283,13 @@ def layout(t):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
 
 
-_RAW: list = []
-
-
-def _raw_stream(torch):
-    """``index -> handle`` of torch's current stream on that device (torch's own fast
-    accessor, the one its compiled code uses, where this torch has it)."""
-    if not _RAW:
-        f = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        _RAW.append(f if f is not None else
-                    (lambda i: torch.cuda.current_stream(i).cuda_stream))
-    return _RAW[0]
-
-
 def replay(torch, plan, pointers, device) -> bool:
     """Run ``plan`` with ``pointers`` on torch's current stream of ``device``, scratch from
     torch's caching allocator. False (nothing launched) when this thread's current CUDA
     context is not the plan's, or the stream has no split counters yet: run in full then."""
     if current_context() != plan.context:
         return False
-    stream = (_RAW[0] if _RAW else _raw_stream(torch))(device.index)
+    stream = (_STREAM[0] if _STREAM else torch_stream_getter())(device.index)
     if not plan.scratch_bytes:      # (no allocator to make)
         return plan.run(pointers, stream, None) is not None
 
@@ -406,7 +299,9 @@ def replay(torch, plan, pointers, device) -> bool:
     return plan.run(pointers, stream, alloc) is not None
 
 
-from ..kernels.plans import current_context  # noqa: E402  (no CuPy import: bound at first use)
+from ..kernels.device import TorchArray, torch_stream_getter  # noqa: E402
+from ..kernels.device import _TORCH_STREAM as _STREAM  # noqa: E402
+from ..kernels.plans import current_context  # noqa: E402
 
 
 _BACKEND = register(TorchBackend())

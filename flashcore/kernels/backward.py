@@ -12,7 +12,7 @@ One backward call runs three kernels on the current CuPy stream:
    batch) that recomputes S, P, dP, dS and sums dQ in registers in a fixed order (bitwise
    reproducible, about 40% more backward FLOPs).
 
-The caller (the CuPy backend) has validated shapes, dtypes and devices. CuPy is imported lazily.
+The caller (the CuPy backend) has validated shapes, dtypes and devices.
 """
 from __future__ import annotations
 
@@ -21,9 +21,12 @@ from typing import NamedTuple
 
 from .common import (ELEM_TAGS, _as_input, _as_output, _int64_pair, _strides, smallest_tile,
                      tpl_bool as _b, window_arg as _window)
+import numpy as np
+
 from .. import config
 from .. import dropout as _dropout
-from . import plans
+from . import device, plans
+from .device import lib_of
 from .params import WINDOW_NONE, as_kernel_arg, make_params
 
 __all__ = ["launch_backward", "instantiations", "BwdTile", "dkdv_tiles", "dq_tiles",
@@ -268,10 +271,9 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
     the query heads that share a key head. Returns the launches as a :class:`plans.Piece`, or
     None when they cannot be replayed with new addresses alone (copies were made).
     """
-    import cupy
-
     from ..jit import device_facts, get_kernel
 
+    xp = lib_of(q)
     given = (q, k, v, out, dout, lse, alibi_slopes)
 
     varlen = cu_seqlens_q is not None
@@ -287,8 +289,8 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
 
     if varlen:
         batch = int(cu_seqlens_q.shape[0]) - 1
-        cu_seqlens_q = cupy.ascontiguousarray(cu_seqlens_q, dtype=cupy.int32)
-        cu_seqlens_k = cupy.ascontiguousarray(cu_seqlens_k, dtype=cupy.int32)
+        cu_seqlens_q = xp.ascontiguousarray(cu_seqlens_q, dtype=np.int32)
+        cu_seqlens_k = xp.ascontiguousarray(cu_seqlens_k, dtype=np.int32)
         # (no read of cu_seqlens: without the longest lengths, the packed totals bound them)
         if max_seqlen_q is None:
             max_seqlen_q = int(q.shape[0])
@@ -309,8 +311,8 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
     q, k, v, out, dout = (_as_input(a) for a in (q, k, v, out, dout))
     (dq_w, dq_back), (dk_w, dk_back), (dv_w, dv_back) = (_as_output(a) for a in (dq, dk, dv))
     # lse and D share one set of strides (lse_batch_stride, lse_head_stride, row stride 1).
-    lse = cupy.ascontiguousarray(lse, dtype=cupy.float32)
-    dsoftmax_sum = cupy.empty_like(lse)
+    lse = xp.ascontiguousarray(lse, dtype=np.float32)
+    dsoftmax_sum = xp.empty_like(lse)
 
     def bhr(arr):  # (batch, row, head) strides in elements
         st = _strides(arr)
@@ -330,7 +332,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
         lse_b, lse_h = lse.strides[0] // 4, lse.strides[1] // 4
 
     if alibi_slopes is not None:
-        alibi_slopes = cupy.ascontiguousarray(alibi_slopes, dtype=cupy.float32)
+        alibi_slopes = xp.ascontiguousarray(alibi_slopes, dtype=np.float32)
         alibi_b = nheads if alibi_slopes.ndim == 2 else 0
 
     wl, wr = _window(window_left), _window(window_right)
@@ -350,10 +352,10 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
     dqa_b = dqa_r = dqa_h = 0
     if not deterministic:
         if varlen:
-            dq_accum = cupy.empty((nheads, total_q, d), dtype=cupy.float32)
+            dq_accum = xp.empty((nheads, total_q, d), dtype=np.float32)
             dqa_b, dqa_h, dqa_r = 0, total_q * d, d
         else:
-            dq_accum = cupy.empty((batch, nheads, seqlen_q, d), dtype=cupy.float32)
+            dq_accum = xp.empty((batch, nheads, seqlen_q, d), dtype=np.float32)
             dqa_b, dqa_h, dqa_r = nheads * seqlen_q * d, seqlen_q * d, d
 
     def ptr(a):
@@ -390,11 +392,13 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
     launched = []   # (kernel, grid, block, shared memory), in order: the plan of this layout
     ws = None       # (tensor maps, specs) of the warp-specialised dK/dV kernel
 
+    stream = device.current_stream(xp, device_id)
+
     def launch(kern, grid, block, smem=0, extra=()):
-        kern(grid, block, args + extra, shared_mem=smem)
+        kern(grid, block, args + extra, shared_mem=smem, stream=stream)
         launched.append((kern, grid, block, smem))
 
-    with cupy.cuda.Device(device_id):
+    with device.scope(device_id):
         m_small = _cdiv(seqlen_q, _ROWS_PER_CTA)
         if m_small > 0:
             pre = get_kernel(SOURCE, f"flash_bwd_preprocess_kernel<{elem}>", device_id, cc)

@@ -1,6 +1,9 @@
 """Helpers shared by the kernel launchers."""
 from __future__ import annotations
 
+import numpy as np
+
+from .device import lib_of
 from .params import WINDOW_NONE
 
 
@@ -58,26 +61,23 @@ def _as_input(arr, multiple: int = 8):
     elements (8 for 16-bit elements, 16 for the bytes of an FP8 cache); else a copy into a
     fresh (aligned, contiguous) array. Not ``ascontiguousarray``: it returns a contiguous array
     as it is, however its base is aligned."""
-    import cupy
     if arr.size == 0 or _used_strides_ok(arr, multiple, 16):
         return arr
-    out = cupy.empty(arr.shape, arr.dtype)
+    out = lib_of(arr).empty(arr.shape, arr.dtype)
     out[...] = arr
     return out
 
 
 def _as_output(arr):
     """Gradients are stored two elements (4 bytes) at a time; returns (array to write, copy-back)."""
-    import cupy
     if arr.size == 0 or _used_strides_ok(arr, 2, 4):
         return arr, None
-    return cupy.empty(arr.shape, arr.dtype), arr
+    return lib_of(arr).empty(arr.shape, arr.dtype), arr
 
 
 def _int64_pair(arr):
     """Dropout's rng_state (int64 (seed, offset), validated by flashcore.spec) as the kernels
-    read it: a contiguous CuPy array."""
-    import cupy
-    if arr.dtype != cupy.int64 or not arr.flags.c_contiguous:
-        arr = cupy.ascontiguousarray(arr, dtype=cupy.int64)
+    read it: a contiguous int64 array."""
+    if arr.dtype != np.int64 or not arr.flags.c_contiguous:
+        arr = lib_of(arr).ascontiguousarray(arr, dtype=np.int64)
     return arr

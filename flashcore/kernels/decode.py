@@ -26,8 +26,11 @@ from typing import NamedTuple
 from .common import (_as_input, _strides, _used_strides_ok, elem_tag as _elem_tag,
                      kernel_dtype_name as _dtype_name, smallest_tile, tpl_bool as _b,
                      window_arg as _window)
+import numpy as np
+
 from .. import config
-from . import plans
+from . import device, plans
+from .device import lib_of
 from .params import WINDOW_NONE, as_kernel_arg, make_params
 
 __all__ = ["launch_decode", "launch_rotary_append", "instantiations", "num_splits_heuristic",
@@ -425,28 +428,23 @@ def fused_combine_enabled() -> bool:
     return config.get().decode_fused_combine
 
 
-# (device id, stream handle) -> int32 CuPy array of arrival counters, all zero between launches
+# (device id, stream handle) -> int32 array of arrival counters, all zero between launches
 # (each launch's last CTA per group puts its counter back to 0). One per stream, so that calls
 # running concurrently on different streams never share a counter; calls on one stream are
 # ordered. Grown (a new zero-filled array, on that stream) when a launch has more groups.
 _COUNTERS: dict = {}
 
 
-def _current_stream_ptr(device_id: int) -> int:
-    import cupy
-    return cupy.cuda.get_current_stream(device_id).ptr
-
-
-def split_counter(device_id: int, groups: int) -> int:
+def split_counter(device_id: int, groups: int, xp) -> int:
     """Address of at least ``groups`` zeroed int32 arrival counters for the current stream of
-    ``device_id`` (the stream the next launch goes to)."""
-    key = (device_id, _current_stream_ptr(device_id))
+    ``device_id`` in namespace ``xp``'s library (the stream the next launch goes to; made by
+    that library's allocator)."""
+    key = (device_id, device.current_stream(xp, device_id))
     buf = _COUNTERS.get(key)
     if buf is None or buf.size < groups:
-        import cupy
         n = max(groups, 1024, 2 * (0 if buf is None else buf.size))
-        with cupy.cuda.Device(device_id):
-            buf = cupy.zeros((n,), dtype=cupy.int32)
+        with device.scope(device_id):
+            buf = xp.zeros((n,), dtype=np.int32)
         _COUNTERS[key] = buf   # the old array returns to the pool, reused in stream order
     return buf.data.ptr
 
@@ -464,10 +462,9 @@ def _sm_count(device_id: int) -> int:
 
 
 def _int32_contig(arr):
-    import cupy
-    if arr.dtype != cupy.int32:
-        arr = arr.astype(cupy.int32)
-    return cupy.ascontiguousarray(arr)
+    if arr.dtype != np.int32:
+        arr = arr.astype(np.int32)
+    return lib_of(arr).ascontiguousarray(arr)
 
 
 def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=None,
@@ -502,20 +499,19 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
     in the decode kernel (fused combine), unless ``set_fused_combine(False)`` /
     ``FLASHCORE_DECODE_FUSED_COMBINE=0`` (the combine kernel).
     """
-    import cupy
-
+    xp = lib_of(q)
     cfg_now = config.get()
     fused = cfg_now.decode_fused_combine
     given = (q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, cache_leftpad,
              k_descale, v_descale)
 
-    fp8 = k_cache.dtype == cupy.uint8
+    fp8 = k_cache.dtype == np.uint8
     q = _as_input(q)
     # (FP8: uint8 caches, copied 16 bytes at a time: strides multiples of 16 elements)
     k_cache, v_cache = _as_input(k_cache, 16 if fp8 else 8), _as_input(v_cache, 16 if fp8 else 8)
     out_final = None
     if out.size and not _used_strides_ok(out, 8, 16):
-        out_final, out = out, cupy.empty(out.shape, out.dtype)
+        out_final, out = out, xp.empty(out.shape, out.dtype)
     dtype_name = _dtype_name(q)
     batch, seqlen_q, nheads, headdim = (int(x) for x in q.shape)
     nheads_k = int(k_cache.shape[2])
@@ -553,9 +549,9 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
     if cache_leftpad is not None:
         cache_leftpad = _int32_contig(cache_leftpad)
     if paged:
-        block_table = block_table if block_table.dtype == cupy.int32 else block_table.astype(cupy.int32)
+        block_table = block_table if block_table.dtype == np.int32 else block_table.astype(np.int32)
         if block_table.strides[-1] != 4:
-            block_table = cupy.ascontiguousarray(block_table)
+            block_table = xp.ascontiguousarray(block_table)
         page_size = int(k_cache.shape[1])
         if page_size < 16 or page_size % 16:
             raise ValueError(f"page_size must be a positive multiple of 16, got {page_size}")
@@ -618,20 +614,20 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
     o_accum = lse_accum = None
     counter = None
     if is_split and not cluster:
-        o_accum = cupy.empty((num_splits, batch, nheads, seqlen_q, headdim), cupy.float32)
-        lse_accum = cupy.empty((num_splits, batch, nheads, seqlen_q), cupy.float32)
+        o_accum = xp.empty((num_splits, batch, nheads, seqlen_q, headdim), np.float32)
+        lse_accum = xp.empty((num_splits, batch, nheads, seqlen_q), np.float32)
         if fused:
-            counter = split_counter(device_id, batch * nheads_k * m_blocks)
+            counter = split_counter(device_id, batch * nheads_k * m_blocks, xp)
 
     qs, ks, vs, os_ = _strides(q), _strides(k_cache), _strides(v_cache), _strides(out)
     if fp8:      # the kernel addresses a byte cache in 16-bit units (strides multiples of 16)
         ks, vs = tuple(x // 2 for x in ks), tuple(x // 2 for x in vs)
         k_descale, v_descale = (None if x is None else
-                                cupy.ascontiguousarray(x, dtype=cupy.float32)
+                                xp.ascontiguousarray(x, dtype=np.float32)
                                 for x in (k_descale, v_descale))
     alibi_bs = 0
     if has_alibi:
-        alibi_slopes = cupy.ascontiguousarray(alibi_slopes, dtype=cupy.float32)
+        alibi_slopes = xp.ascontiguousarray(alibi_slopes, dtype=np.float32)
         if alibi_slopes.ndim == 2:
             alibi_bs = alibi_slopes.strides[0] // 4
     params = make_params(
@@ -665,14 +661,14 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
     if is_split and not fused:
         comb = get_kernel(SOURCE, combine_name(dtype_name), device_id, cc)
         launches.append((comb, (math.ceil(batch * nheads * seqlen_q / 4), 1, 1), (128, 1, 1), 0))
-    with cupy.cuda.Device(device_id):
+    stream = device.current_stream(xp, device_id)
+    with device.scope(device_id):
         if cluster:
             try:
                 if num_splits > 8:      # a non-portable cluster size: allowed on the function
-                    cupy.cuda.driver.funcSetAttribute(
-                        kernel.kernel.ptr, _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
-                kernel(launches[0][1], launches[0][2], args, shared_mem=smem)
-            except cupy.cuda.driver.CUDADriverError as e:
+                    kernel.set_attribute(_CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+                kernel(launches[0][1], launches[0][2], args, shared_mem=smem, stream=stream)
+            except device.driver().CUDADriverError as e:
                 if getattr(e, "status", None) not in _CLUSTER_REFUSALS:
                     raise
                 # this cluster is refused here (its size, or its resources): this kernel takes
@@ -688,7 +684,7 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
                                      k_descale=given[7], v_descale=given[8])
         else:
             for kern, grid, block, sm in launches:
-                kern(grid, block, args, shared_mem=sm)
+                kern(grid, block, args, shared_mem=sm, stream=stream)
         if out_final is not None:
             out_final[...] = out
     piece = None
@@ -715,9 +711,7 @@ def launch_rotary_append(k_cache, v_cache, k_new, v_new, cache_seqlens_before, b
     when None), where offsets = ``seqlen_offsets`` if given, else ``cache_seqlens_before``.
     ``q_out`` may be ``q`` itself. Returns ``q_out`` (or None without q).
     """
-    import cupy
-    import numpy as np
-
+    xp = lib_of(k_cache)
     paged = block_table is not None
     rotary = rotary_cos is not None
     dtype_name = _dtype_name(k_cache)
@@ -728,8 +722,8 @@ def launch_rotary_append(k_cache, v_cache, k_new, v_new, cache_seqlens_before, b
     seqlens = _int32_contig(cache_seqlens_before)
     rot_off = _int32_contig(seqlen_offsets) if seqlen_offsets is not None else seqlens
     if rotary:
-        cos = cupy.ascontiguousarray(rotary_cos, dtype=cupy.float32)
-        sin = cupy.ascontiguousarray(rotary_sin, dtype=cupy.float32)
+        cos = xp.ascontiguousarray(rotary_cos, dtype=np.float32)
+        sin = xp.ascontiguousarray(rotary_sin, dtype=np.float32)
         rotary_dim, seqlen_ro = 2 * int(cos.shape[1]), int(cos.shape[0])
         cos_p, sin_p = cos.data.ptr, sin.data.ptr
     else:
@@ -747,7 +741,7 @@ def launch_rotary_append(k_cache, v_cache, k_new, v_new, cache_seqlens_before, b
         if src.size == 0:
             return
         if src.strides[-1] != src.dtype.itemsize:
-            src = cupy.ascontiguousarray(src)
+            src = xp.ascontiguousarray(src)
         b, s, nh, d = (int(x) for x in src.shape)
         ss, ds = _strides(src), _strides(dst)
         kern = get_kernel(SOURCE, append_name(dtype_name, dst_paged, rot, bool(rotary_interleaved)),
@@ -761,16 +755,17 @@ def launch_rotary_append(k_cache, v_cache, k_new, v_new, cache_seqlens_before, b
                 ptr(rot_off.data.ptr), i32(rotary_dim if rot else 0), i32(seqlen_ro),
                 i32(b), i32(s), i32(nh), i32(d),
                 i32(cap), i32(num_blocks))
-        kern((math.ceil(total / 256), 1, 1), (256, 1, 1), args)
+        kern((math.ceil(total / 256), 1, 1), (256, 1, 1), args, stream=stream)
 
-    with cupy.cuda.Device(device_id):
+    stream = device.current_stream(xp, device_id)
+    with device.scope(device_id):
         if k_new is not None:
             run(k_new, k_cache, paged, rotary, seqlens.data.ptr, capacity)
         if v_new is not None:
             run(v_new, v_cache, paged, False, seqlens.data.ptr, capacity)
         if q is not None:
             if q_out is None:
-                q_out = cupy.empty_like(q)
+                q_out = xp.empty_like(q)
             if rotary:
                 run(q, q_out, False, True, 0, int(q.shape[1]))
             elif q_out is not q:

@@ -12,9 +12,12 @@ from typing import NamedTuple
 from .common import (_as_input, _int64_pair, _strides, _used_strides_ok, elem_tag as _elem_tag,
                      kernel_dtype_name as _dtype_name, smallest_tile, tpl_bool as _b,
                      window_arg as _window)
+import numpy as np
+
 from .. import config
 from .. import dropout as _dropout
-from . import plans
+from . import device, plans
+from .device import lib_of
 from .params import WINDOW_NONE, as_kernel_arg, make_params
 
 __all__ = ["launch_forward", "kernel_name", "instantiations", "tile_config", "smem_bytes",
@@ -267,17 +270,18 @@ def sm90_ws_persistent(headdim: int, is_local: bool, dropout: bool = False,
             and ws_persistent_exists(headdim, is_local, dropout, fp8))
 
 
-def ws_grid(persistent: bool, grid_m: int, nheads: int, batch: int, device_id: int) -> tuple:
+def ws_grid(persistent: bool, grid_m: int, nheads: int, batch: int, device_id: int,
+            xp) -> tuple:
     """The warp-specialised kernels' grid and tile counter: ((query blocks, heads, batch),
     None), or, persistent, (one CTA per SM (at most one per tile), the address of the current
     stream's zeroed int32 counter, from which the CTAs take tiles and which the kernel leaves
-    at zero: decode's split counters)."""
+    at zero: decode's split counters; ``xp`` the arrays' namespace, whose stream it is)."""
     if not persistent:
         return (grid_m, nheads, batch), None
     from ..jit import device_facts
     from .decode import split_counter
     return ((max(1, min(grid_m * nheads * batch, device_facts(device_id)[2])), 1, 1),
-            split_counter(device_id, 1))
+            split_counter(device_id, 1, xp))
 
 
 def _ws_piece(launch, params, ws, counter):
@@ -421,15 +425,15 @@ def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: 
     unbounded. The caller has checked the device (compute capability 9.0). Returns the launch
     as a :class:`plans.Piece`, or None (a copy was involved, or nothing was launched).
     """
-    import cupy
     from ..jit import device_facts, get_kernel
     from .tma import maps_for
 
+    xp = lib_of(q)
     given = (q, k, v)
     q, k, v = _fp8_bytes(q), _fp8_bytes(k), _fp8_bytes(v)
     out_final = None
     if out.size and not _used_strides_ok(out, 8 if out.dtype.itemsize == 2 else 4, 16):
-        out_final, out = out, cupy.empty(out.shape, out.dtype)
+        out_final, out = out, xp.empty(out.shape, out.dtype)
     batch, seqlen_q, nheads, headdim = (int(x) for x in q.shape)
     seqlen_k, nheads_k = int(k.shape[1]), int(k.shape[2])
     if batch == 0 or seqlen_q == 0 or nheads == 0:
@@ -463,18 +467,19 @@ def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: 
         lse_batch_stride=lse.strides[0] // 4, lse_head_stride=lse.strides[1] // 4,
         batch=batch, nheads=nheads, nheads_k=nheads_k, headdim=headdim,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=wl, window_right=wr,
-        o_fp32=int(out.dtype == cupy.float32),
+        o_fp32=int(out.dtype == np.float32),
         softmax_scale=float(softmax_scale), scale_log2=float(softmax_scale) * _LOG2E,
         q_descale=None if q_descale is None else q_descale.data.ptr,
         k_descale=None if k_descale is None else k_descale.data.ptr,
         v_descale=None if v_descale is None else v_descale.data.ptr,
     )
-    grid, counter = ws_grid(persistent, grid_m, nheads, batch, device_id)
+    grid, counter = ws_grid(persistent, grid_m, nheads, batch, device_id, xp)
     if counter is not None:
         params["split_counter"] = counter
     block = (384, 1, 1)
-    with cupy.cuda.Device(device_id):
-        kernel(grid, block, (as_kernel_arg(params), ws[0].arg()), shared_mem=smem)
+    with device.scope(device_id):
+        kernel(grid, block, (as_kernel_arg(params), ws[0].arg()), shared_mem=smem,
+               stream=device.current_stream(xp, device_id))
         if out_final is not None:
             out_final[...] = out
     if out_final is None and all(a is b for a, b in zip((q, k, v), given)):
@@ -499,8 +504,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     Returns the launch as a :class:`plans.Piece`, or None when it cannot be replayed with new
     addresses alone (an input or the output went through a copy; nothing was launched).
     """
-    import cupy
-
+    xp = lib_of(q)
     given = (q, k, v)
     given_table = block_table
     dropout = bool(dropout_p) and dropout_p > 0.0
@@ -514,13 +518,13 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     q, k, v = _as_input(q), _as_input(k), _as_input(v)
     paged = block_table is not None
     if paged:
-        block_table = block_table if block_table.dtype == cupy.int32 else \
-            block_table.astype(cupy.int32)
+        block_table = block_table if block_table.dtype == np.int32 else \
+            block_table.astype(np.int32)
         if block_table.strides[-1] != 4:
-            block_table = cupy.ascontiguousarray(block_table)
+            block_table = xp.ascontiguousarray(block_table)
     out_final = None
     if out.size and not _used_strides_ok(out, 8, 16):
-        out_final, out = out, cupy.empty(out.shape, out.dtype)
+        out_final, out = out, xp.empty(out.shape, out.dtype)
     varlen = cu_seqlens_q is not None
     dtype_name = _dtype_name(q)
     headdim = int(q.shape[-1])
@@ -620,7 +624,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         block_table=block_table.data.ptr if paged else None,
         block_table_batch_stride=block_table.strides[0] // 4 if paged else 0,
         page_size=int(k.shape[1]) if paged else 0, num_blocks=int(k.shape[0]) if paged else 0,
-        o_fp32=int(out.dtype == cupy.float32),
+        o_fp32=int(out.dtype == np.float32),
         dropout_rng=rng_state.data.ptr if dropout else None,
         dropout_threshold=_dropout.threshold(dropout_p) if dropout else 0,
         dropout_scale=_dropout.keep_scale(dropout_p) if dropout else 0.0,
@@ -629,12 +633,12 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         scale_log2=_LOG2E if has_softcap else float(softmax_scale) * _LOG2E,
         softcap=float(softcap) if has_softcap else 0.0,
     )
-    grid, counter = ws_grid(persistent, grid_m, nheads, batch, device_id)
+    grid, counter = ws_grid(persistent, grid_m, nheads, batch, device_id, xp)
     if counter is not None:
         params["split_counter"] = counter
     args = (as_kernel_arg(params),) if ws is None else (as_kernel_arg(params), ws[0].arg())
-    with cupy.cuda.Device(device_id):
-        kernel(grid, block, args, shared_mem=smem)
+    with device.scope(device_id):
+        kernel(grid, block, args, shared_mem=smem, stream=device.current_stream(xp, device_id))
         if out_final is not None:
             out_final[...] = out
     if out_final is None and all(a is b for a, b in zip((q, k, v), given)) \

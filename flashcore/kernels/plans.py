@@ -5,7 +5,7 @@ launcher's decisions: tile, template, grid, shared memory, the ``FlashParams`` s
 *recorded*: the kernels it launched, in order, with their geometry and the struct's bytes, and
 which struct fields hold which of the call's arrays. Every later call with that layout only
 allocates its outputs, writes its arrays' addresses into a copy of the struct and launches
-through ``cuLaunchKernel``: no CuPy view, no struct built, no Python decision.
+through ``cuLaunchKernel``: no array view, no struct built, no Python decision.
 
 The key is made where the arrays arrive, in the library they come in (the torch ops in
 :mod:`flashcore.backends.torch_ops`, the CuPy functions in :mod:`flashcore.api`): shape,
@@ -30,6 +30,7 @@ import threading
 import numpy as np
 
 from .. import jit
+from . import device
 from .params import params_dtype
 from .tma import Maps
 
@@ -187,7 +188,6 @@ class Plan:
     def build(cls, pieces, roles, device_id, result=None, generation=None):
         """The plan of ``pieces``, or None when a struct holds an address that is none of the
         call's arrays (by the field's own name), its scratch or its counters."""
-        from cupy.cuda import driver
         index = {name: i for i, (name, _) in enumerate(roles)}
         given = dict(roles)
         groups = []
@@ -218,7 +218,7 @@ class Plan:
                         return None
                     maps.append((index[name], spec))
                 maps = tuple(maps)
-            launches = tuple((int(k.kernel.ptr), *g, *b, s) for k, g, b, s in p.launches)
+            launches = tuple((int(k.ptr), *g, *b, s) for k, g, b, s in p.launches)
             head = 8 if maps is None else 16      # kernelParams before the struct (see run)
             raw = bytes(head) + p.params.tobytes()
             if counter is not None:
@@ -232,9 +232,8 @@ class Plan:
         # the kernel objects own their modules: kept, so the CUfunctions stay loaded
         plan.kernels = tuple(k for p in pieces for k, *_ in p.launches)
         plan.device_id = device_id
-        import cupy
-        with cupy.cuda.Device(device_id):     # the context the kernels were loaded in
-            plan.context = int(driver.ctxGetCurrent())
+        with device.scope(device_id):     # the context the kernels were loaded in
+            plan.context = int(device.driver().ctxGetCurrent())
         plan.groups = tuple(groups)
         plan.counters = any(g[6] is not None for g in groups)
         plan.scratch_bytes = scratch_bytes
@@ -324,13 +323,12 @@ def _getter(idx):
     return lambda pointers: ()
 
 
-_LAUNCH: list = []      # [cuLaunchKernel, cuCtxGetCurrent] (CuPy's driver bindings)
+_LAUNCH: list = []      # [cuLaunchKernel, cuCtxGetCurrent] (the driver bindings)
 
 
 def _launch_kernel():
     if len(_LAUNCH) < 2:
-        from cupy.cuda import driver
-        _LAUNCH[:] = [driver.launchKernel, driver.ctxGetCurrent]
+        _LAUNCH[:] = [device.driver().launchKernel, device.driver().ctxGetCurrent]
     return _LAUNCH[0]
 
 
@@ -338,6 +336,5 @@ def current_context() -> int:
     """The calling thread's current CUDA context (0: none): a plan runs only in the context
     its kernels were loaded in (the device's primary context, current for that device)."""
     if len(_LAUNCH) < 2:
-        from cupy.cuda import driver
-        _LAUNCH[:] = [driver.launchKernel, driver.ctxGetCurrent]
+        _LAUNCH[:] = [device.driver().launchKernel, device.driver().ctxGetCurrent]
     return _LAUNCH[1]()

@@ -46,7 +46,7 @@ import torch
 
 import flashcore
 from flashcore.backends import torch_backend, torch_ops
-from flashcore.kernels import plans
+from flashcore.kernels import device, plans
 from flashcore.kernels.params import make_params
 
 SHAPE = (1, 128, 2, 64)
@@ -57,7 +57,7 @@ SHAPE = (1, 128, 2, 64)
 # --------------------------------------------------------------------------------------------
 
 _CONTEXT = 0x5EED      # the stand-in CUDA context: what plans and the replay compare
-_FAKE_KERNEL = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=0xC0DE))
+_FAKE_KERNEL = types.SimpleNamespace(ptr=0xC0DE)
 
 
 def _no_launch(*_):
@@ -68,7 +68,7 @@ def stub_device():
     """Tensors read as CUDA tensors, the driver calls and the stream lookup as no-ops."""
     torch.Tensor.is_cuda = property(lambda self: True)
     plans._LAUNCH[:] = [_no_launch, lambda: _CONTEXT]
-    torch_backend._RAW[:] = [lambda index: 0]
+    device._TORCH_STREAM[:] = [lambda index: 0]
 
 
 class _StandInBackend:

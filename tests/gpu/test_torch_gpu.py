@@ -45,8 +45,10 @@ def _spy(monkeypatch, backend, method):
     orig = getattr(backend, method)
 
     def spy(*args, **kwargs):
-        import cupy
-        seen.append((args, kwargs, cupy.cuda.get_current_stream().ptr, cupy.cuda.Device().id))
+        from flashcore.kernels import device
+        # the stream the launchers take for these arrays, and the current device
+        seen.append((args, kwargs, device.current_stream(device.lib_of(args[1]), args[1].device.id),
+                     args[1].device.id))
         return orig(*args, **kwargs)
     monkeypatch.setattr(backend, method, spy)
     return seen
@@ -72,6 +74,30 @@ def test_zero_copy_inputs_and_outputs(monkeypatch, dtype):
     assert args[1].data.ptr == dout.data_ptr()
     assert (kw["dq"].data.ptr, kw["dk"].data.ptr, kw["dv"].data.ptr) == \
         (q.grad.data_ptr(), k.grad.data_ptr(), v.grad.data_ptr())
+
+
+def test_a_torch_process_never_imports_cupy():
+    """The torch route launches through flashcore.kernels.device (CuPy's low-level bindings),
+    so a fresh process's forward, backward, varlen and decoding calls leave CuPy unimported."""
+    import subprocess
+    import sys
+    code = """
+import sys, torch, flashcore
+q, k, v = (torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+           for _ in range(3))
+out = flashcore.attention(q, k, v, causal=True)
+out.sum().backward()
+cu = torch.tensor([0, 100, 300], device="cuda", dtype=torch.int32)
+flashcore.varlen_attention(q[0].detach(), k[0].detach(), v[0].detach(), cu, cu, 200, 200)
+kc = torch.randn(2, 1024, 4, 64, device="cuda", dtype=torch.bfloat16)
+lens = torch.tensor([500, 1000], device="cuda", dtype=torch.int32)
+flashcore.attention_with_kvcache(q[:, :1].detach(), kc, kc.clone(), cache_seqlens=lens)
+torch.cuda.synchronize()
+print("cupy" in sys.modules, sorted(m for m in sys.modules if m.startswith("cupy"))[:3])
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[0] == "False", r.stdout
 
 
 def test_runs_on_torchs_current_stream(monkeypatch):

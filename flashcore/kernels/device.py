@@ -1,0 +1,257 @@
+"""The device layer: what the launchers need from the CUDA runtime and from the caller's array
+library, without importing CuPy on torch's calls.
+
+The launchers are written in CuPy's array idiom (``xp.empty``, ``a.data.ptr``, strides in
+bytes, NumPy dtypes). CuPy arrays go to them as they are, with the ``cupy`` module as their
+namespace; torch CUDA tensors go wrapped in :class:`TorchArray`, which answers the same few
+attributes from the tensor, with :data:`TORCH` as their namespace: it allocates through torch
+(its caching allocator on its current stream, a CUDA graph's private pool under capture).
+:func:`lib_of` gives an array's namespace and :func:`current_stream` the stream its library
+launches on (CuPy's current stream, or torch's).
+
+The CUDA runtime and driver calls go through CuPy's low-level bindings
+(``cupy_backends.cuda``), which import in a few milliseconds without CuPy itself: a torch
+process never pays CuPy's import (150-400 ms on the H200's host).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+__all__ = ["runtime", "driver", "scope", "current_device", "lib_of", "current_stream",
+           "TorchArray", "TORCH", "wrap"]
+
+
+@functools.lru_cache(maxsize=None)
+def runtime():
+    """The CUDA runtime bindings (``cupy_backends.cuda.api.runtime``)."""
+    from cupy_backends.cuda.api import runtime as rt
+    return rt
+
+
+@functools.lru_cache(maxsize=None)
+def driver():
+    """The CUDA driver bindings (``cupy_backends.cuda.api.driver``)."""
+    from cupy_backends.cuda.api import driver as drv
+    return drv
+
+
+def current_device() -> int:
+    return runtime().getDevice()
+
+
+class scope:
+    """``with scope(device_id):`` that device current for the block (the runtime's, which CuPy
+    and torch share: its primary context), the previous one restored after."""
+
+    __slots__ = ("dev", "prev")
+
+    def __init__(self, device_id: int):
+        self.dev = int(device_id)
+
+    def __enter__(self):
+        rt = runtime()
+        self.prev = rt.getDevice()
+        rt.setDevice(self.dev)     # (always: it also makes the primary context current on a
+        return self                # thread that has not used the runtime yet)
+
+    def __exit__(self, *exc):
+        if self.prev != self.dev:
+            runtime().setDevice(self.prev)
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# torch tensors in CuPy's idiom
+# --------------------------------------------------------------------------------------------
+
+_TORCH_OF_NP: dict = {}      # NumPy dtype -> torch dtype
+_NP_OF_TORCH: dict = {}      # torch dtype -> NumPy dtype
+
+
+def _dtype_tables():
+    import torch
+    pairs = [(np.float16, torch.float16), (np.float32, torch.float32),
+             (np.float64, torch.float64), (np.int32, torch.int32), (np.int64, torch.int64),
+             (np.uint8, torch.uint8), (np.int8, torch.int8), (np.bool_, torch.bool)]
+    try:
+        import ml_dtypes
+        pairs.append((ml_dtypes.bfloat16, torch.bfloat16))
+    except ImportError:      # (bfloat16 tensors are then refused by the torch backend)
+        pass
+    for n, t in pairs:
+        _TORCH_OF_NP[np.dtype(n)] = t
+        _NP_OF_TORCH[t] = np.dtype(n)
+
+
+def torch_dtype(dtype):
+    if not _TORCH_OF_NP:
+        _dtype_tables()
+    try:
+        return _TORCH_OF_NP[np.dtype(dtype)]
+    except KeyError:
+        raise TypeError(f"no torch dtype for {dtype!r}") from None
+
+
+def numpy_dtype(tdtype):
+    """The NumPy dtype of a torch dtype, or None (bfloat16 through ml_dtypes)."""
+    if not _NP_OF_TORCH:
+        _dtype_tables()
+    return _NP_OF_TORCH.get(tdtype)
+
+
+def _unwrap(x):
+    if type(x) is TorchArray:
+        return x.t
+    if isinstance(x, tuple):
+        return tuple(_unwrap(i) for i in x)
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
+class TorchArray:
+    """A torch CUDA tensor ``t`` as the launchers read an array: ``shape``, ``dtype`` (NumPy),
+    ``strides`` (bytes), ``size``, ``nbytes``, ``ndim``, ``data.ptr``, ``flags.c_contiguous``,
+    ``device.id``; ``view``/``astype``/``reshape``, indexing, assignment and the arithmetic
+    that the rotary reference uses. Results are TorchArrays over torch's results. (``data``,
+    ``flags`` and ``device`` are the object itself, which has ``ptr``, ``c_contiguous`` and
+    ``id``.)"""
+
+    __slots__ = ("t", "dtype")
+
+    def __init__(self, t, dtype=None):
+        self.t = t
+        self.dtype = dtype if dtype is not None else numpy_dtype(t.dtype)
+
+    shape = property(lambda self: tuple(self.t.shape))
+    strides = property(lambda self: tuple(s * self.dtype.itemsize for s in self.t.stride()))
+    size = property(lambda self: self.t.numel())
+    nbytes = property(lambda self: self.t.numel() * self.dtype.itemsize)
+    ndim = property(lambda self: self.t.dim())
+    ptr = property(lambda self: self.t.data_ptr())
+    c_contiguous = property(lambda self: self.t.is_contiguous())
+    id = property(lambda self: self.t.device.index)
+    data = flags = device = property(lambda self: self)
+
+    def view(self, dtype):
+        return TorchArray(self.t.view(torch_dtype(dtype)), np.dtype(dtype))
+
+    def astype(self, dtype):
+        return TorchArray(self.t.to(torch_dtype(dtype)), np.dtype(dtype))
+
+    def reshape(self, *shape):
+        return TorchArray(self.t.reshape(*_unwrap(shape)), self.dtype)
+
+    def __getitem__(self, idx):
+        return TorchArray(self.t[_unwrap(idx)])
+
+    def __setitem__(self, idx, value):
+        self.t[_unwrap(idx)] = _unwrap(value)
+
+    def __add__(self, o):
+        return TorchArray(self.t + _unwrap(o))
+
+    __radd__ = __add__
+
+    def __sub__(self, o):
+        return TorchArray(self.t - _unwrap(o))
+
+    def __mul__(self, o):
+        return TorchArray(self.t * _unwrap(o))
+
+    __rmul__ = __mul__
+
+    def __repr__(self):
+        return f"TorchArray({self.t!r})"
+
+
+def wrap(t):
+    """A torch CUDA tensor as a :class:`TorchArray` (None stays None)."""
+    return None if t is None else TorchArray(t)
+
+
+class _TorchLib:
+    """The namespace of :class:`TorchArray`: the few CuPy functions the launchers call, made
+    on the current device by torch."""
+
+    int8, int32, int64, uint8 = (np.dtype(x) for x in (np.int8, np.int32, np.int64, np.uint8))
+    float16, float32, float64 = (np.dtype(x) for x in (np.float16, np.float32, np.float64))
+    inf = float("inf")
+
+    @staticmethod
+    def _device():
+        import torch
+        return torch.device("cuda", runtime().getDevice())
+
+    def empty(self, shape, dtype=np.float32):
+        import torch
+        shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
+        return TorchArray(torch.empty(shape, dtype=torch_dtype(dtype), device=self._device()),
+                          np.dtype(dtype))
+
+    def zeros(self, shape, dtype=np.float32):
+        a = self.empty(shape, dtype)
+        a.t.zero_()
+        return a
+
+    def full(self, shape, value, dtype=np.float32):
+        a = self.empty(shape, dtype)
+        a.t.fill_(_unwrap(value))
+        return a
+
+    def empty_like(self, a):
+        import torch
+        return TorchArray(torch.empty_like(a.t), a.dtype)
+
+    def ascontiguousarray(self, a, dtype=None):
+        """``a`` itself when it is contiguous and of ``dtype`` already (as CuPy's)."""
+        dtype = a.dtype if dtype is None else np.dtype(dtype)
+        if dtype == a.dtype and a.t.is_contiguous():
+            return a
+        return TorchArray(a.t.to(torch_dtype(dtype)).contiguous(), dtype)
+
+    def broadcast_to(self, a, shape):
+        return TorchArray(a.t.expand(*shape), a.dtype)
+
+    def stack(self, arrays, axis=0):
+        import torch
+        return TorchArray(torch.stack([a.t for a in arrays], dim=axis))
+
+    def concatenate(self, arrays, axis=0):
+        import torch
+        return TorchArray(torch.cat([a.t for a in arrays], dim=axis))
+
+
+TORCH = _TorchLib()
+
+
+def lib_of(a):
+    """The namespace of a launcher's array: :data:`TORCH` for a :class:`TorchArray`, else the
+    ``cupy`` module."""
+    if type(a) is TorchArray:
+        return TORCH
+    import cupy
+    return cupy
+
+
+_TORCH_STREAM: list = []
+
+
+def torch_stream_getter():
+    """``index -> handle`` of torch's current stream on that device (torch's own fast accessor,
+    the one its compiled code uses, where this torch has it)."""
+    if not _TORCH_STREAM:
+        import torch
+        f = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _TORCH_STREAM.append(f if f is not None else
+                             (lambda i: torch.cuda.current_stream(i).cuda_stream))
+    return _TORCH_STREAM[0]
+
+
+def current_stream(xp, device_id: int) -> int:
+    """The handle of the stream that namespace ``xp``'s library launches on, on ``device_id``."""
+    if xp is TORCH:
+        return (_TORCH_STREAM[0] if _TORCH_STREAM else torch_stream_getter())(device_id)
+    return xp.cuda.get_current_stream(device_id).ptr
