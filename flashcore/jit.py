@@ -8,9 +8,9 @@ compiled; the cubins are kept in a disk cache of flashcore's own (``flashcore.co
 are reached through CuPy's low-level bindings (``cupy_backends``), never through ``cupy``
 itself, so torch's calls do not import CuPy.
 
-A cache key covers the code string, the name, the options, the target and NVRTC's version.
-The code string carries a fingerprint of every file in ``cuda/``: editing a header
-invalidates every cached kernel that could include it.
+A cache key covers the code string, the name, the options and the target. The code string
+carries a fingerprint of every file in ``cuda/``: editing a header invalidates every cached
+kernel that could include it.
 """
 from __future__ import annotations
 
@@ -142,38 +142,52 @@ def cache_dir() -> str:
 
 
 def _cache_key(source_file: str, name: str, arch: str, extra_options: tuple) -> str:
-    from cupy_backends.cuda.libs import nvrtc
-    what = "\0".join([_code_for(source_file), name, arch, *_nvrtc_options(arch, extra_options),
-                      ".".join(map(str, nvrtc.getVersion()))])
+    """The sources (their fingerprint is in the code string), the name, the target and the
+    options. Not NVRTC's version: asking it imports NVRTC's bindings (~35 ms), which a process
+    that finds every kernel in the cache never needs; a cubin stays valid for its target
+    whichever NVRTC made it (remove the folder to rebuild with a new one)."""
+    what = "\0".join([_code_for(source_file), name, arch, *_nvrtc_options(arch, extra_options)])
     return hashlib.sha256(what.encode()).hexdigest()[:40]
 
 
 _MAGIC = b"flashcore-cubin-1\n"
 
 
-def _cubin(source_file: str, name: str, arch: str, extra_options: tuple):
-    """``(cubin, lowered name)`` of one instantiation: from the disk cache, else compiled (and
-    written there: a file per kernel, written whole and renamed into place, so a reader never
-    sees half of one)."""
-    path = os.path.join(cache_dir(), _cache_key(source_file, name, arch, extra_options) + ".cubin")
+def _read_cached(path: str):
     try:
         with open(path, "rb") as f:
             raw = f.read()
-        if raw.startswith(_MAGIC):
-            lowered, _, cubin = raw[len(_MAGIC):].partition(b"\n")
-            if cubin:
-                return cubin, lowered.decode()
     except OSError:
-        pass
-    cubin, (lowered,), _log = _compile(source_file, [name], arch, extra_options)
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(_MAGIC + lowered.encode() + b"\n" + cubin)
-        os.replace(tmp, path)
-    except OSError:      # a read-only or full disk: the kernel still runs, compiled each process
-        pass
+        return None
+    if raw.startswith(_MAGIC):
+        lowered, _, cubin = raw[len(_MAGIC):].partition(b"\n")
+        if cubin:
+            return cubin, lowered.decode()
+    return None
+
+
+def _cubin(source_file: str, name: str, arch: str, extra_options: tuple):
+    """``(cubin, lowered name)`` of one instantiation: from the disk cache, else compiled under
+    the kernel's lock (:func:`_compile_lock`: processes that need it at once compile it once)
+    and written there, a file per kernel, written whole and renamed into place, so a reader
+    never sees half of one."""
+    path = os.path.join(cache_dir(), _cache_key(source_file, name, arch, extra_options) + ".cubin")
+    hit = _read_cached(path)
+    if hit is not None:
+        return hit
+    with _compile_lock(path):
+        hit = _read_cached(path)        # (another process may have compiled it meanwhile)
+        if hit is not None:
+            return hit
+        cubin, (lowered,), _log = _compile(source_file, [name], arch, extra_options)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(_MAGIC + lowered.encode() + b"\n" + cubin)
+            os.replace(tmp, path)
+        except OSError:      # a read-only or full disk: the kernel runs, compiled per process
+            pass
     return cubin, lowered
 
 
@@ -248,9 +262,7 @@ def get_kernel(source_file: str, name: str, device_id: int, compute_capability: 
             k = _kernels.get(key)
             if k is None:
                 from .kernels.device import driver, scope
-                with _compile_lock(f"{arch}|{source_fingerprint()}|{source_file}|{name}|"
-                                   f"{extra_options}"):
-                    cubin, lowered = _cubin(source_file, name, arch, tuple(extra_options))
+                cubin, lowered = _cubin(source_file, name, arch, tuple(extra_options))
                 with scope(device_id):      # (the device's primary context)
                     module = driver().moduleLoadData(cubin)
                     k = Kernel(module, driver().moduleGetFunction(module, lowered), name)
@@ -263,9 +275,10 @@ def get_kernel(source_file: str, name: str, device_id: int, compute_capability: 
 
 @contextlib.contextmanager
 def _compile_lock(what: str):
-    """Held while this process compiles (or loads) kernel ``what``: processes that need the same
-    kernel at once (the ranks of a multi-GPU job on one node, test workers) compile it once;
-    the others wait, then load it from the disk cache, written before the lock is released.
+    """Held while this process compiles kernel ``what`` (its cache path): processes that need the
+    same kernel at once (the ranks of a multi-GPU job on one node, test workers) compile it
+    once; the others wait, then read it from the disk cache, written before the lock is
+    released.
     An exclusive ``flock`` on a file per kernel in the cache folder; where there is none to
     take (no ``fcntl``, a read-only folder, a file system without locks) every process
     compiles for itself."""

@@ -1,6 +1,6 @@
 """Launcher for the backward kernels in ``cuda/flash_bwd.cu`` (Ampere-class path, sm_80 and newer).
 
-One backward call runs three kernels on the current CuPy stream:
+One backward call runs three kernels on the arrays' library's current stream:
 
 1. ``flash_bwd_preprocess_kernel``: D = rowsum(dO * O), fp32, in the layout of ``lse``.
 2. ``flash_bwd_dkdv_kernel``: one CTA per (key block, kv head, batch); dK and dV for the whole

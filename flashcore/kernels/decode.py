@@ -15,7 +15,8 @@ on a persistent int32 arrival counter per (device, stream) that the kernel leave
 the two-kernel path (decode, then ``flash_decode_combine_kernel``). All three merge with the same
 arithmetic in the same order: on the same tiles they give the same bits.
 
-The caller has validated shapes, dtypes and devices. CuPy is imported lazily.
+The caller has validated shapes, dtypes and devices. Arrays are CuPy arrays or
+:class:`flashcore.kernels.device.TorchArray` (see that module).
 """
 from __future__ import annotations
 

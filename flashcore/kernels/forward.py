@@ -2,7 +2,8 @@
 
 The caller (the CuPy backend) has validated shapes, dtypes and devices; this module picks the
 tile configuration for the head dim, builds the template name and the ``FlashParams`` struct,
-and launches on the current CuPy stream. CuPy is imported lazily.
+and launches on the current stream of the arrays' library (CuPy arrays, or torch tensors as
+:class:`flashcore.kernels.device.TorchArray`).
 """
 from __future__ import annotations
 

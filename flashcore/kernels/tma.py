@@ -81,7 +81,8 @@ def map_spec(arr, box_rows: int) -> MapSpec | None:
 
 class Maps:
     """A 64-byte-aligned host buffer of ``n`` tensor maps, the kernel parameter that holds them
-    (``arg``: a NumPy void scalar for CuPy's launch, ``address`` for ``cuLaunchKernel``)."""
+    (``arg``: a NumPy void scalar for :class:`flashcore.jit.Kernel`, ``address`` for a plan's
+    ``cuLaunchKernel``)."""
 
     __slots__ = ("_buf", "address", "n")
 
@@ -99,8 +100,8 @@ class Maps:
         return rc == 0
 
     def arg(self):
-        """The maps as CuPy passes a kernel's by-value struct (params.as_kernel_arg's kind: a
-        0-d array of one opaque void, copied out of this buffer)."""
+        """The maps as a by-value kernel argument (params.as_kernel_arg's kind: a 0-d array of
+        one opaque void, copied out of this buffer)."""
         import numpy as np
         raw = ctypes.string_at(self.address, self.n * MAP_BYTES)
         return np.frombuffer(raw, dtype=np.dtype((np.void, len(raw)))).reshape(())
