@@ -126,38 +126,25 @@ struct DkdvWarpgroup {
             Wgmma<Elem>::ss(acc_dp, wgmma_desc_k(sV + ko), wgmma_desc_k(sdOb + qo), kk > 0 ? 1 : 0);
         }
         wgmma_commit();
-        // Dropout: the keep masks of the 16 x 16 tiles (queries m0 + 16 kk.., keys key0 - g..),
-        // two at a time, one Philox call per lane shared with lane ^ 4 (BwdScoreMath::keep2_st).
-        // They depend on positions only: drawn while the two products run (an empty asm per
-        // mask holds them before the wait; volatile asm keeps its order), except windowed.
-        constexpr int kKeep = kBlockM / 16;
-        unsigned int keep[kKeep];
-        auto draw_pair = [&](int kk) {      // tiles kk (even) and kk + 1
-            const int kb = kk + 1 < kKeep ? kk + 1 : kk;
-            unsigned int ka, kb_mask;
-            sm.keep2_st(m0 + 16 * kk, n0 + key0 - g, m0 + 16 * kb, n0 + key0 - g, g, t, ka,
-                        kb_mask);
-            keep[kk] = ka;
-            if (kk + 1 < kKeep) keep[kk + 1] = kb_mask;
-        };
-        if constexpr (Is_dropout && !Is_local) {
-#pragma unroll
-            for (int kk = 0; kk < kKeep; kk += 2) draw_pair(kk);
-#pragma unroll
-            for (int i = 0; i < kKeep; ++i) asm volatile("" : "+r"(keep[i]));
-        }
         wgmma_wait<0>();
         pin(acc_s);
         pin(acc_dp);
 
         // P^T, dS^T. Element e of n8 tile j: key key0 + 8 (e >> 1), query 8 j + 2 t + (e & 1).
         // 16-bit A operands (k = queries): k-step kk takes n8 tiles 2kk and 2kk+1, packed as
-        // soon as they are computed (fewer fp32 values live at once).
+        // soon as they are computed (fewer fp32 values live at once). Dropout: the keep masks of
+        // two 16 x 16 tiles (queries 16 kk.., keys key0 - g..) at a time, one Philox call per
+        // lane shared with lane ^ 4 (BwdScoreMath::keep2_st).
+        unsigned int keep2[2] = {0u, 0u};   // tiles kk (even) and kk + 1: one call per lane
 #pragma unroll
         for (int kk = 0; kk < kBlockM / 16; ++kk) {
-            // (windowed: drawn here, two tiles at a time: all of them at once would spill)
-            if constexpr (Is_dropout && Is_local)
-                if ((kk & 1) == 0) draw_pair(kk);
+            if constexpr (Is_dropout) {
+                if ((kk & 1) == 0)
+                    sm.keep2_st(m0 + 16 * kk, n0 + key0 - g,
+                                m0 + 16 * (kk + 1 < kBlockM / 16 ? kk + 1 : kk), n0 + key0 - g,
+                                g, t, keep2[0], keep2[1]);
+            }
+            const unsigned int keep = keep2[kk & 1];
 #pragma unroll
             for (int j = 2 * kk; j < 2 * kk + 2; ++j) {
                 const int qc = 8 * j + 2 * t;
@@ -169,7 +156,7 @@ struct DkdvWarpgroup {
                         acc_s[4 * j + e], acc_dp[4 * j + e], m0 + qc + (e & 1),
                         n0 + key0 + 8 * (e >> 1), (e & 1) ? nl.y : nl.x, (e & 1) ? dd.y : dd.x,
                         need_mask,
-                        Is_dropout ? sm.keep_factor(keep[kk], 4 * (j & 1) + e) : 1.f);
+                        Is_dropout ? sm.keep_factor(keep, 4 * (j & 1) + e) : 1.f);
             }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {

@@ -237,31 +237,23 @@ struct FwdRows {
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[4 * j + e] *= corr[e >> 1];
     }
-    // Dropout's keep masks of the block at key n0: keep[kk] for the 16 x 16 tile kk of this
-    // thread's rows (bit 4 r + 2 u + e = row half r, n8 tile 2kk + u, column e), drawn two
-    // tiles at a time (fc_dropout_keep2: one Philox call per lane, shared with lane ^ 4). They
-    // depend on positions only, not on S: the warp-specialised kernel draws them while S's
-    // product runs, off the path from the softmax to the P V product.
-    static constexpr int kKeep = kBlockN / 16;
-    __device__ __forceinline__ void draw(unsigned int (&keep)[kKeep], int n0) const {
-#pragma unroll
-        for (int kk = 0; kk < kKeep; kk += 2) {
-            const int kb = kk + 1 < kKeep ? kk + 1 : kk;
-            unsigned int a, b;
-            fc_dropout_keep2(drop, drop_bh, m0 + warp_row0, n0 + 16 * kk, m0 + warp_row0,
-                             n0 + 16 * kb, g, t, false, a, b);
-            keep[kk] = a;
-            if (kk + 1 < kKeep) keep[kk + 1] = b;
-        }
-    }
-    // P (16-bit) as the A operand of k-step kk (keys 16 kk .. of the block): n8 tiles 2kk,
-    // 2kk+1; with dropout, times the factors of the masks ``keep`` (draw).
+    // P (16-bit) as the A operand of k-step kk (keys n0 + 16 kk ..): tiles 2kk, 2kk+1. With
+    // dropout, times the factors of that 16 x 16 tile (bit 4 r + 2 u + e = row half r, tile
+    // 2kk + u, column e), drawn for two tiles at a time (fc_dropout_keep2: one Philox call per
+    // lane, shared with lane ^ 4).
     __device__ __forceinline__ void pack(const float (&s)[kNT * 4], fc_u32 (&pa)[kBlockN / 16][4],
-                                         const unsigned int (&keep)[kKeep]) const {
+                                         int n0) const {
+        unsigned int keep2[2] = {0u, 0u};
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
             if constexpr (Is_dropout) {
-                auto f = [&](int bit) { return fc_dropout_keep_factor(drop, keep[kk], bit); };
+                if ((kk & 1) == 0) {
+                    const int kb = kk + 1 < kBlockN / 16 ? kk + 1 : kk;
+                    fc_dropout_keep2(drop, drop_bh, m0 + warp_row0, n0 + 16 * kk, m0 + warp_row0,
+                                     n0 + 16 * kb, g, t, false, keep2[0], keep2[1]);
+                }
+                const unsigned int keep = keep2[kk & 1];
+                auto f = [&](int bit) { return fc_dropout_keep_factor(drop, keep, bit); };
                 pa[kk][0] = Elem::pack2(s[8 * kk + 0] * f(0), s[8 * kk + 1] * f(1));
                 pa[kk][1] = Elem::pack2(s[8 * kk + 2] * f(4), s[8 * kk + 3] * f(5));
                 pa[kk][2] = Elem::pack2(s[8 * kk + 4] * f(2), s[8 * kk + 5] * f(3));
@@ -273,13 +265,6 @@ struct FwdRows {
                 pa[kk][3] = Elem::pack2(s[8 * kk + 6], s[8 * kk + 7]);
             }
         }
-    }
-    // draw, then pack (the kernels without a producer warpgroup)
-    __device__ __forceinline__ void pack(const float (&s)[kNT * 4], fc_u32 (&pa)[kBlockN / 16][4],
-                                         int n0) const {
-        unsigned int keep[kKeep];
-        if constexpr (Is_dropout) draw(keep, n0);
-        pack(s, pa, keep);
     }
     // P (fp32, in [0, 1]) as the e4m3 A operand of the FP8 P V product, k-step kk (keys
     // n0 + 32 kk ..: the n8 tiles 4kk .. 4kk + 3, in s[16 kk ..]). The FP8 A fragment wants
@@ -851,16 +836,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         float corr[2];
         auto stage_of = [&](int it) { return (kv + it) % kStages; };
         auto parity_of = [&](int it) { return (fc_u32)((kv + it) / kStages) & 1u; };
-        unsigned int keep[decltype(rows)::kKeep];   // dropout: the masks of the next P
-        // Dropout's masks of the block at key n0, drawn while its S product runs; an empty asm
-        // per mask holds them before the wait that follows (volatile asm keeps its order).
-        auto draw = [&](int n0) {
-            if constexpr (Is_dropout) {
-                rows.draw(keep, n0);
-#pragma unroll
-                for (int i = 0; i < decltype(rows)::kKeep; ++i) asm volatile("" : "+r"(keep[i]));
-            }
-        };
         auto pack = [&](int n0) {
             if constexpr (Is_fp8) {
 #ifndef FC_DIAG_FP8_NO_PACK           // (timing only: P's registers as they were, wrong results)
@@ -870,7 +845,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 #endif
             }
             else
-                rows.pack(s, pa, keep);
+                rows.pack(s, pa, n0);
         };
         auto issue_pv_ = [&](fc_u32 sVb) {
             if constexpr (Is_fp8)
@@ -883,7 +858,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         mbar_wait(bar_q, (fc_u32)nq & 1u);
         mbar_wait(full_k(stage_of(0)), parity_of(0));
         issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)stage_of(0) * kTile);
-        draw(nb * kBlockN);
         wgmma_wait<0>();
         settle(s);
         mbar_arrive(empty_k(stage_of(0)));
@@ -904,7 +878,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             issue_pv_(sV + (fc_u32)st0 * kTile);                           // O += P_i V_i
             if (kPingPong && !(cw == kCons - 1 && it == n_iter - 2))
                 named_arrive(1 + (cw + 1) % kCons, 256);
-            draw((nb - 1) * kBlockN);              // (P_i's masks were used: keep is free)
             wgmma_wait<1>();                       // S_{i+1} done (P_i V_i may still run)
             settle(s);
             mbar_arrive(empty_k(st1));
