@@ -11,7 +11,9 @@ launches on (CuPy's current stream, or torch's).
 
 The CUDA runtime and driver calls go through CuPy's low-level bindings
 (``cupy_backends.cuda``), which import in a few milliseconds without CuPy itself: a torch
-process never pays CuPy's import (150-400 ms on the H200's host).
+process whose kernels are in flashcore's disk cache never pays CuPy's import (150-400 ms on
+the H200's host). Compiling a kernel does import it: NVRTC's bindings locate their library
+through CuPy's environment code, a cost hidden in the compile's seconds.
 """
 from __future__ import annotations
 

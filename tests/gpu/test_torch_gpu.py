@@ -78,7 +78,9 @@ def test_zero_copy_inputs_and_outputs(monkeypatch, dtype):
 
 def test_a_torch_process_never_imports_cupy():
     """The torch route launches through flashcore.kernels.device (CuPy's low-level bindings),
-    so a fresh process's forward, backward, varlen and decoding calls leave CuPy unimported."""
+    so a fresh process whose kernels are in the disk cache leaves CuPy unimported through
+    forward, backward, varlen and decoding calls. (Compiling a kernel does import it: NVRTC's
+    library is located by CuPy's environment code. The first process here fills the cache.)"""
     import subprocess
     import sys
     code = """
@@ -95,8 +97,10 @@ flashcore.attention_with_kvcache(q[:, :1].detach(), kc, kc.clone(), cache_seqlen
 torch.cuda.synchronize()
 print("cupy" in sys.modules, sorted(m for m in sys.modules if m.startswith("cupy"))[:3])
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    for _ in range(2):      # (the first run may compile: it fills the disk cache)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split()[0] == "False", r.stdout
 
 
