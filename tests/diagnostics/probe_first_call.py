@@ -80,6 +80,8 @@ def main():
             fn()
         torch.cuda.synchronize()
         rest = time.perf_counter() - t0
+        import sys
+        print(f"after the first {name}: CuPy imported: {'cupy' in sys.modules}", flush=True)
         print(f"{name}: first 10 calls (ms) " + " ".join(f"{1e3 * t:.2f}" for t in times)
               + f"; the next 990 {1e6 * rest / 990:.1f} us a call; first 1000 "
               f"{1e6 * (sum(times) + rest) / 1000:.1f} us a call", flush=True)
