@@ -289,7 +289,7 @@ def replay(torch, plan, pointers, device) -> bool:
     context is not the plan's, or the stream has no split counters yet: run in full then."""
     if current_context() != plan.context:
         return False
-    stream = (_STREAM[0] if _STREAM else torch_stream_getter())(device.index)
+    stream = torch_stream_getter()(device.index)
     if not plan.scratch_bytes:      # (no allocator to make)
         return plan.run(pointers, stream, None) is not None
 
@@ -300,7 +300,6 @@ def replay(torch, plan, pointers, device) -> bool:
 
 
 from ..kernels.device import TorchArray, torch_stream_getter  # noqa: E402
-from ..kernels.device import _TORCH_STREAM as _STREAM  # noqa: E402
 from ..kernels.plans import current_context  # noqa: E402
 
 

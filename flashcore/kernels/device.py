@@ -244,16 +244,17 @@ _TORCH_STREAM: list = []
 def torch_stream_getter():
     """``index -> handle`` of torch's current stream on that device (torch's own fast accessor,
     the one its compiled code uses, where this torch has it)."""
-    if not _TORCH_STREAM:
-        import torch
-        f = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        _TORCH_STREAM.append(f if f is not None else
-                             (lambda i: torch.cuda.current_stream(i).cuda_stream))
+    if _TORCH_STREAM:
+        return _TORCH_STREAM[0]
+    import torch
+    f = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    _TORCH_STREAM.append(f if f is not None else
+                         (lambda i: torch.cuda.current_stream(i).cuda_stream))
     return _TORCH_STREAM[0]
 
 
 def current_stream(xp, device_id: int) -> int:
     """The handle of the stream that namespace ``xp``'s library launches on, on ``device_id``."""
     if xp is TORCH:
-        return (_TORCH_STREAM[0] if _TORCH_STREAM else torch_stream_getter())(device_id)
+        return torch_stream_getter()(device_id)
     return xp.cuda.get_current_stream(device_id).ptr
