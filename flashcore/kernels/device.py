@@ -45,21 +45,23 @@ def current_device() -> int:
 
 class scope:
     """``with scope(device_id):`` that device current for the block (the runtime's, which CuPy
-    and torch share: its primary context), the previous one restored after."""
+    and torch share: its primary context), the previous one restored after; None: the current
+    device, untouched."""
 
     __slots__ = ("dev", "prev")
 
-    def __init__(self, device_id: int):
-        self.dev = int(device_id)
+    def __init__(self, device_id):
+        self.dev = None if device_id is None else int(device_id)
 
     def __enter__(self):
-        rt = runtime()
-        self.prev = rt.getDevice()
-        rt.setDevice(self.dev)     # (always: it also makes the primary context current on a
-        return self                # thread that has not used the runtime yet)
+        if self.dev is not None:
+            rt = runtime()
+            self.prev = rt.getDevice()
+            rt.setDevice(self.dev)   # (always: it also makes the primary context current on
+        return self                  # a thread that has not used the runtime yet)
 
     def __exit__(self, *exc):
-        if self.prev != self.dev:
+        if self.dev is not None and self.prev != self.dev:
             runtime().setDevice(self.prev)
         return False
 

@@ -233,7 +233,7 @@ class Plan:
         plan.kernels = tuple(k for p in pieces for k, *_ in p.launches)
         plan.device_id = device_id
         with device.scope(device_id):     # the context the kernels were loaded in
-            plan.context = int(device.driver().ctxGetCurrent())
+            plan.context = int(current_context())
         plan.groups = tuple(groups)
         plan.counters = any(g[6] is not None for g in groups)
         plan.scratch_bytes = scratch_bytes
