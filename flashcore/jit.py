@@ -250,8 +250,8 @@ def get_kernel(source_file: str, name: str, device_id: int, compute_capability: 
                dynamic_smem: int = 0, extra_options: tuple[str, ...] = ()) -> Kernel:
     """The :class:`Kernel` of template instantiation ``name`` of ``source_file`` on a device.
 
-    Compiled by NVRTC once per (arch, file, name, options, NVRTC version) and kept in the disk
-    cache (:func:`cache_dir`), loaded once per device and process. ``dynamic_smem`` raises the
+    Compiled by NVRTC once per (sources, name, target, options) and kept in the disk cache
+    (:func:`cache_dir`), loaded once per device and process. ``dynamic_smem`` raises the
     kernel's opt-in limit for dynamic shared memory (needed above 48 KiB).
     """
     arch = arch_for(compute_capability)
