@@ -91,31 +91,3 @@ def test_kernels_import_without_cupy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "[]"
-
-
-def test_kernels_load_through_the_drivers_c_signatures(monkeypatch):
-    """flashcore.kernels.device.load_function calls cuModuleLoadData / cuModuleGetFunction
-    through ctypes prototypes of their C signatures: stand-ins of the same prototypes receive
-    the cubin's bytes and the lowered name, and their handles come back; a driver error is
-    named."""
-    import ctypes
-    from flashcore.kernels import device
-    seen = {}
-
-    def load_data(module_p, image):
-        seen["image"] = ctypes.string_at(image, 9)
-        module_p[0] = 0x1234
-        return 0
-
-    def get_function(function_p, module, name):
-        seen["module"], seen["name"] = module, name
-        function_p[0] = 0x5678
-        return seen.get("rc", 0)
-    fns = (device._LOAD_DATA(load_data), device._GET_FUNCTION(get_function))
-    monkeypatch.setattr(device, "_module_functions", lambda: fns)
-    cubin = b"\x7fELF\x00\x01\x02\x03\x04" + bytes(100)       # (NUL bytes inside)
-    assert device.load_function(cubin, "_Z3fooi") == (0x1234, 0x5678)
-    assert seen == {"image": cubin[:9], "module": 0x1234, "name": b"_Z3fooi"}
-    seen["rc"] = 500          # CUDA_ERROR_NOT_FOUND
-    with pytest.raises(RuntimeError, match="cuModuleGetFunction failed .* 500"):
-        device.load_function(cubin, "_Z3fooi")

@@ -17,7 +17,6 @@ through CuPy's environment code, a cost hidden in the compile's seconds.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import numpy as np
@@ -45,32 +44,20 @@ def libcuda():
     """The CUDA driver library through ctypes, for the calls whose ``cupy_backends`` binding
     imports CuPy (``cuModuleLoadData`` does, run on the H200: it preloads libraries through
     ``cupy._environment``) and those it lacks (``cuTensorMapEncodeTiled``)."""
+    import ctypes
     return ctypes.CDLL("libcuda.so.1")
-
-
-# cuModuleLoadData(CUmodule*, const void*), cuModuleGetFunction(CUfunction*, CUmodule, const char*)
-_LOAD_DATA = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
-_GET_FUNCTION = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
-                                 ctypes.c_char_p)
-
-
-@functools.lru_cache(maxsize=None)
-def _module_functions():
-    lib = libcuda()
-    return (_LOAD_DATA(("cuModuleLoadData", lib)),
-            _GET_FUNCTION(("cuModuleGetFunction", lib)))
 
 
 def load_function(image: bytes, name: str) -> tuple[int, int]:
     """``(CUmodule, CUfunction)`` of kernel ``name`` (its lowered name) in the cubin ``image``,
     loaded into the current context."""
-    load_data, get_function = _module_functions()
+    import ctypes
+    lib = libcuda()
     module, function = ctypes.c_void_p(), ctypes.c_void_p()
-    buf = ctypes.create_string_buffer(image, len(image))
-    rc = load_data(ctypes.byref(module), ctypes.cast(buf, ctypes.c_void_p))
+    rc = lib.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(image))
     if rc != 0:
         raise RuntimeError(f"cuModuleLoadData failed (CUDA driver error {rc}) for {name}")
-    rc = get_function(ctypes.byref(function), module, name.encode())
+    rc = lib.cuModuleGetFunction(ctypes.byref(function), module, name.encode())
     if rc != 0:
         raise RuntimeError(f"cuModuleGetFunction failed (CUDA driver error {rc}) for {name}")
     return module.value, function.value
