@@ -4,9 +4,9 @@ Sources live in the top-level ``cuda/`` folder of the repository; a wheel ships 
 ``flashcore/cuda``. They are compiled at first use by NVRTC, one module per template
 instantiation (a name expression), so only configurations that are actually called get
 compiled; the cubins are kept in a disk cache of flashcore's own (``flashcore.config``'s
-``cache_dir``) and loaded with the CUDA driver (``cuModuleLoadData`` through ctypes). NVRTC
-and the launches are reached through CuPy's low-level bindings (``cupy_backends``), never
-through ``cupy`` itself, so torch's calls do not import CuPy unless a kernel compiles.
+``cache_dir``) and loaded with the CUDA driver (``cuModuleLoadData``). NVRTC and the driver
+are reached through CuPy's low-level bindings (``cupy_backends``), never through ``cupy``
+itself, so torch's calls do not import CuPy.
 
 A cache key covers the code string, the name, the options and the target. The code string
 carries a fingerprint of every file in ``cuda/``: editing a header invalidates every cached
@@ -261,10 +261,11 @@ def get_kernel(source_file: str, name: str, device_id: int, compute_capability: 
         with _lock:
             k = _kernels.get(key)
             if k is None:
-                from .kernels.device import load_function, scope
+                from .kernels.device import driver, scope
                 cubin, lowered = _cubin(source_file, name, arch, tuple(extra_options))
                 with scope(device_id):      # (the device's primary context)
-                    k = Kernel(*load_function(cubin, lowered), name)
+                    module = driver().moduleLoadData(cubin)
+                    k = Kernel(module, driver().moduleGetFunction(module, lowered), name)
                 _kernels[key] = k
     if dynamic_smem > k.smem_limit:
         with _lock:

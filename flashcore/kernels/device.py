@@ -21,8 +21,8 @@ import functools
 
 import numpy as np
 
-__all__ = ["runtime", "driver", "libcuda", "load_function", "scope", "current_device",
-           "lib_of", "current_stream", "TorchArray", "TORCH", "wrap"]
+__all__ = ["runtime", "driver", "scope", "current_device", "lib_of", "current_stream",
+           "TorchArray", "TORCH", "wrap"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,30 +37,6 @@ def driver():
     """The CUDA driver bindings (``cupy_backends.cuda.api.driver``)."""
     from cupy_backends.cuda.api import driver as drv
     return drv
-
-
-@functools.lru_cache(maxsize=None)
-def libcuda():
-    """The CUDA driver library through ctypes, for the calls whose ``cupy_backends`` binding
-    imports CuPy (``cuModuleLoadData`` does, run on the H200: it preloads libraries through
-    ``cupy._environment``) and those it lacks (``cuTensorMapEncodeTiled``)."""
-    import ctypes
-    return ctypes.CDLL("libcuda.so.1")
-
-
-def load_function(image: bytes, name: str) -> tuple[int, int]:
-    """``(CUmodule, CUfunction)`` of kernel ``name`` (its lowered name) in the cubin ``image``,
-    loaded into the current context."""
-    import ctypes
-    lib = libcuda()
-    module, function = ctypes.c_void_p(), ctypes.c_void_p()
-    rc = lib.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(image))
-    if rc != 0:
-        raise RuntimeError(f"cuModuleLoadData failed (CUDA driver error {rc}) for {name}")
-    rc = lib.cuModuleGetFunction(ctypes.byref(function), module, name.encode())
-    if rc != 0:
-        raise RuntimeError(f"cuModuleGetFunction failed (CUDA driver error {rc}) for {name}")
-    return module.value, function.value
 
 
 def current_device() -> int:
