@@ -5,8 +5,9 @@ Sources live in the top-level ``cuda/`` folder of the repository; a wheel ships 
 instantiation (a name expression), so only configurations that are actually called get
 compiled; the cubins are kept in a disk cache of flashcore's own (``flashcore.config``'s
 ``cache_dir``) and loaded with the CUDA driver (``cuModuleLoadData``). NVRTC and the driver
-are reached through CuPy's low-level bindings (``cupy_backends``), never through ``cupy``
-itself, so torch's calls do not import CuPy.
+are reached through CuPy's low-level bindings (``cupy_backends``), not through ``cupy``'s
+arrays or modules (the bindings themselves still import ``cupy`` at their first driver call:
+:mod:`flashcore.kernels.device`).
 
 A cache key covers the code string, the name, the options and the target. The code string
 carries a fingerprint of every file in ``cuda/``: editing a header invalidates every cached

@@ -2,9 +2,9 @@
 
 Kernels run on the device that holds the inputs, on CuPy's current stream. The torch backend
 hands its CUDA tensors to the same methods as :class:`flashcore.kernels.device.TorchArray`
-(allocations then come from torch, kernels run on torch's current stream, and CuPy is not
-imported unless a kernel compiles: :mod:`flashcore.kernels.device`). Availability is probed
-lazily: importing flashcore never imports CuPy.
+(allocations then come from torch, kernels run on torch's current stream, no CuPy array is
+made: :mod:`flashcore.kernels.device`). Availability is probed lazily: importing flashcore
+never imports CuPy.
 """
 from __future__ import annotations
 

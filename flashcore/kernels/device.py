@@ -1,5 +1,5 @@
 """The device layer: what the launchers need from the CUDA runtime and from the caller's array
-library, without importing CuPy on torch's calls.
+library, with no CuPy array, allocator or stream on torch's calls.
 
 The launchers are written in CuPy's array idiom (``xp.empty``, ``a.data.ptr``, strides in
 bytes, NumPy dtypes). CuPy arrays go to them as they are, with the ``cupy`` module as their
@@ -10,10 +10,12 @@ attributes from the tensor, with :data:`TORCH` as their namespace: it allocates 
 launches on (CuPy's current stream, or torch's).
 
 The CUDA runtime and driver calls go through CuPy's low-level bindings
-(``cupy_backends.cuda``), which import in a few milliseconds without CuPy itself: a torch
-process whose kernels are in flashcore's disk cache never pays CuPy's import (150-400 ms on
-the H200's host). Compiling a kernel does import it: NVRTC's bindings locate their library
-through CuPy's environment code, a cost hidden in the compile's seconds.
+(``cupy_backends.cuda``), which import in a few milliseconds without CuPy itself. Their calls
+do not stay clear of it: the first call into a library they load on demand (the driver, for
+one) logs through ``cupy._environment``, which imports ``cupy`` (150-400 ms on the H200's host;
+found in session 16, docs/performance-log.md); so does NVRTC's. A torch process therefore still
+pays CuPy's import once, at its first kernel load; calling the driver through ctypes instead
+is the way out, not yet taken.
 """
 from __future__ import annotations
 
