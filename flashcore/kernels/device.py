@@ -24,7 +24,7 @@ import functools
 import numpy as np
 
 __all__ = ["runtime", "driver", "scope", "current_device", "lib_of", "current_stream",
-           "TorchArray", "TORCH", "wrap"]
+           "TorchArray", "TORCH"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -171,11 +171,6 @@ class TorchArray:
 
     def __repr__(self):
         return f"TorchArray({self.t!r})"
-
-
-def wrap(t):
-    """A torch CUDA tensor as a :class:`TorchArray` (None stays None)."""
-    return None if t is None else TorchArray(t)
 
 
 class _TorchLib:
