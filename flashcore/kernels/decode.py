@@ -463,9 +463,7 @@ def _sm_count(device_id: int) -> int:
 
 
 def _int32_contig(arr):
-    if arr.dtype != np.int32:
-        arr = arr.astype(np.int32)
-    return lib_of(arr).ascontiguousarray(arr)
+    return lib_of(arr).ascontiguousarray(arr, dtype=np.int32)    # (arr itself when it is one)
 
 
 def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=None,

@@ -177,8 +177,8 @@ class _TorchLib:
     """The namespace of :class:`TorchArray`: the few CuPy functions the launchers call, made
     on the current device by torch."""
 
-    int8, int32, int64, uint8 = (np.dtype(x) for x in (np.int8, np.int32, np.int64, np.uint8))
-    float16, float32, float64 = (np.dtype(x) for x in (np.float16, np.float32, np.float64))
+    int32, int64, uint8 = (np.dtype(x) for x in (np.int32, np.int64, np.uint8))
+    float32, float64 = np.dtype(np.float32), np.dtype(np.float64)
     inf = float("inf")
 
     @staticmethod
