@@ -91,3 +91,59 @@ def test_kernels_import_without_cupy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "[]"
+
+
+def test_driver_calls_go_through_the_c_signatures():
+    """flashcore.kernels.device's driver calls (ctypes prototypes of the C signatures, so that
+    no call imports CuPy): stand-ins of the same prototypes receive what each method passes,
+    their results come back, a failing call raises CUDADriverError with the CUresult."""
+    import ctypes
+    from flashcore.kernels import device
+    seen = {}
+
+    def load(module_p, image):
+        seen["image"] = ctypes.string_at(image, 6)
+        module_p[0] = 0x1000
+        return 0
+
+    def getf(function_p, module, name):
+        seen["getf"] = (module, name)
+        function_p[0] = 0x2000
+        return 0
+
+    def launch(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        seen["launch"] = (f, gx, gy, gz, bx, by, bz, smem, stream, params, extra)
+        return seen.get("rc", 0)
+
+    def ctx(ctx_p):
+        ctx_p[0] = 0x3000
+        return 0
+
+    def fset(f, attribute, value):
+        seen["fset"] = (f, attribute, value)
+        return 0
+
+    def fget(out_p, attribute, f):
+        out_p[0] = 168
+        return 0
+    drv = object.__new__(device._Driver)
+    impl = {"cuModuleLoadData": load, "cuModuleGetFunction": getf, "cuLaunchKernel": launch,
+            "cuCtxGetCurrent": ctx, "cuFuncSetAttribute": fset, "cuFuncGetAttribute": fget}
+    drv._fn = {name: ctypes.CFUNCTYPE(ctypes.c_int, *args)(impl[name])
+               for name, args in device._Driver._PROTOS.items()}
+    cubin = b"\x7fELF\x00\x01" + bytes(50)
+    assert drv.moduleLoadData(cubin) == 0x1000 and seen["image"] == cubin[:6]
+    assert drv.moduleGetFunction(0x1000, "_Z3fooi") == 0x2000
+    assert seen["getf"] == (0x1000, b"_Z3fooi")
+    drv.launchKernel(0x2000, 3, 2, 1, 384, 1, 1, 200_000, 0x7000, 0x8000, 0)
+    assert seen["launch"] == (0x2000, 3, 2, 1, 384, 1, 1, 200_000, 0x7000, 0x8000, None)
+    drv.launchKernel(0x2000, 1, 1, 1, 32, 1, 1, 0, 0, 0x8000, 0)      # the legacy stream: NULL
+    assert seen["launch"][8] is None
+    assert drv.ctxGetCurrent() == 0x3000
+    drv.funcSetAttribute(0x2000, 8, 100_000)
+    assert seen["fset"] == (0x2000, 8, 100_000)
+    assert drv.funcGetAttribute(4, 0x2000) == 168
+    seen["rc"] = 912
+    with pytest.raises(device.CUDADriverError, match="cuLaunchKernel failed") as e:
+        drv.launchKernel(0x2000, 1, 1, 1, 32, 1, 1, 0, 0, 0x8000, 0)
+    assert e.value.status == 912

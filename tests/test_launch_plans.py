@@ -31,6 +31,18 @@ STREAM = {"ptr": 0x7000}     # the fake current stream's handle (decode counters
 FUNCTIONS: dict = {}    # CUfunction stand-in -> kernel name
 
 
+class FakeDriver:
+    """flashcore.kernels.device.driver()'s stand-in: the calls the launchers and plans make."""
+    CUDADriverError = device.CUDADriverError
+
+    @staticmethod
+    def funcSetAttribute(*a):
+        pass
+
+
+DRIVER = FakeDriver()
+
+
 class FakeKernel:
     def __init__(self, name):
         self.name = name
@@ -38,8 +50,7 @@ class FakeKernel:
         FUNCTIONS[self.ptr] = name
 
     def set_attribute(self, attribute, value):
-        from cupy.cuda import driver
-        driver.funcSetAttribute(self.ptr, attribute, value)
+        DRIVER.funcSetAttribute(self.ptr, attribute, value)
 
     def __call__(self, grid, block, args, shared_mem=0, stream=0):
         assert stream == STREAM["ptr"]
@@ -137,11 +148,12 @@ def no_gpu(monkeypatch):
                         lambda src, name, *a, **k: kernels.setdefault(name, FakeKernel(name)))
     monkeypatch.setattr(jit, "device_facts", lambda i: (90, 232448, 132))
     monkeypatch.setattr(device, "scope", FakeDevice)
-    from cupy.cuda import driver
-    monkeypatch.setattr(driver, "launchKernel", fake_launch_kernel)
+    driver = DRIVER
+    monkeypatch.setattr(device, "driver", lambda: DRIVER)
+    monkeypatch.setattr(driver, "launchKernel", fake_launch_kernel, raising=False)
     monkeypatch.setattr(tma, "_ENCODE", [fake_encode])
     monkeypatch.setattr(plans, "_LAUNCH", [])
-    monkeypatch.setattr(driver, "ctxGetCurrent", lambda: 0xC0)
+    monkeypatch.setattr(driver, "ctxGetCurrent", lambda: 0xC0, raising=False)
     monkeypatch.setattr(cupy, "empty", _alloc)
     monkeypatch.setattr(cupy, "zeros", _alloc)
     monkeypatch.setattr(cupy, "empty_like", lambda a, **k: _alloc(a.shape, a.dtype))
@@ -581,7 +593,7 @@ def _accum_words():
 
 @pytest.mark.parametrize("paged", [False, True])
 def test_decode_cluster_merge_is_one_launch_without_scratch(paged, monkeypatch):
-    from cupy.cuda import driver
+    driver = DRIVER
     from flashcore.kernels import decode
     monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
     config.set(decode_cluster=True)
@@ -618,7 +630,7 @@ def test_decode_cluster_merge_is_one_launch_without_scratch(paged, monkeypatch):
 def test_decode_cluster_merge_only_where_it_applies(monkeypatch):
     """Not for one split, more than 16 splits, the two-kernel path, the switch off, or a device
     before sm_90; the choice is part of the plan key."""
-    from cupy.cuda import driver
+    driver = DRIVER
     from flashcore import jit
     from flashcore.kernels import decode
     monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
@@ -648,7 +660,7 @@ def test_decode_cluster_merge_only_where_it_applies(monkeypatch):
 def test_decode_cluster_refused_falls_back_to_the_global_merge(monkeypatch):
     """A device that refuses the cluster launch (say, a size it cannot place) gets the fused
     global-memory merge for that split count, on that call and the later ones."""
-    from cupy.cuda import driver
+    driver = DRIVER
     from flashcore.kernels import decode
     monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
     monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: None)
@@ -688,7 +700,7 @@ def test_decode_cluster_refused_falls_back_to_the_global_merge(monkeypatch):
 def test_decode_cluster_rule_declining_means_the_global_merge(monkeypatch):
     """One MQA sequence: the cluster rule would leave the GPU idle and hands the count to the
     global rule, whose count (even one of 16 or fewer) then merges through global memory."""
-    from cupy.cuda import driver
+    driver = DRIVER
     from flashcore.kernels import decode
     monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
     monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: None)
@@ -704,7 +716,7 @@ def test_decode_cluster_rule_declining_means_the_global_merge(monkeypatch):
 def test_decode_cluster_skipped_for_an_override_that_leaves_no_room(monkeypatch):
     """A tile override too small for the cluster kernel's partials (its static_assert) takes the
     global merge instead of failing to compile."""
-    from cupy.cuda import driver
+    driver = DRIVER
     from flashcore.kernels import decode
     monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
     monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: None)
@@ -750,7 +762,7 @@ def test_decode_cluster_split_rule():
 def test_decode_default_split_and_tile(b, cap, hk, h, sq, want, monkeypatch):
     """num_splits=0 on sm_90: the cluster rule and its 128-key tile at d128 (one m16 slice),
     the global rule where the cluster rule would leave the GPU idle."""
-    from cupy.cuda import driver
+    driver = DRIVER
     from flashcore.kernels import decode
     monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
     monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: None)

@@ -1,5 +1,5 @@
 """The device layer: what the launchers need from the CUDA runtime and from the caller's array
-library, with no CuPy array, allocator or stream on torch's calls.
+library, without importing CuPy on torch's calls (compiles aside).
 
 The launchers are written in CuPy's array idiom (``xp.empty``, ``a.data.ptr``, strides in
 bytes, NumPy dtypes). CuPy arrays go to them as they are, with the ``cupy`` module as their
@@ -9,21 +9,21 @@ attributes from the tensor, with :data:`TORCH` as their namespace: it allocates 
 :func:`lib_of` gives an array's namespace and :func:`current_stream` the stream its library
 launches on (CuPy's current stream, or torch's).
 
-The CUDA runtime and driver calls go through CuPy's low-level bindings
-(``cupy_backends.cuda``), which import in a few milliseconds without CuPy itself. Their calls
-do not stay clear of it: the first call into a library they load on demand (the driver, for
-one) logs through ``cupy._environment``, which imports ``cupy`` (150-400 ms on the H200's host;
-found in session 16, docs/performance-log.md); so does NVRTC's. A torch process therefore still
-pays CuPy's import once, at its first kernel load; calling the driver through ctypes instead
-is the way out, not yet taken.
+The driver calls (module loading, launches, the current context, function attributes) go
+through ctypes prototypes of their C signatures (:class:`_Driver`): CuPy's low-level bindings
+import ``cupy`` at the first call of each (their library loader logs through it; session 16,
+docs/performance-log.md). The runtime calls (the current device, device attributes) go through
+``cupy_backends.cuda.api.runtime``. Compiling a kernel still imports CuPy (NVRTC's bindings).
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import numpy as np
 
-__all__ = ["runtime", "driver", "scope", "current_device", "lib_of", "current_stream",
+__all__ = ["runtime", "driver", "libcuda", "CUDADriverError", "scope", "current_device",
+           "lib_of", "current_stream",
            "TorchArray", "TORCH"]
 
 
@@ -34,11 +34,82 @@ def runtime():
     return rt
 
 
+class CUDADriverError(RuntimeError):
+    """A CUDA driver call failed; ``status`` is its CUresult."""
+
+    def __init__(self, status: int, call: str):
+        super().__init__(f"{call} failed: CUDA driver error {status}")
+        self.status = status
+
+
+_P = ctypes.c_void_p
+_U = ctypes.c_uint
+
+
+class _Driver:
+    """The CUDA driver calls flashcore makes, through ctypes prototypes of their C signatures
+    (``cupy_backends``' bindings would import ``cupy`` at their first call: their library
+    loader logs through it). Method names and arguments as CuPy's bindings have them."""
+
+    CUDADriverError = CUDADriverError
+    _PROTOS = {
+        "cuModuleLoadData": (ctypes.POINTER(_P), _P),
+        "cuModuleGetFunction": (ctypes.POINTER(_P), _P, ctypes.c_char_p),
+        "cuLaunchKernel": (_P, _U, _U, _U, _U, _U, _U, _U, _P, _P, _P),
+        "cuCtxGetCurrent": (ctypes.POINTER(_P),),
+        "cuFuncSetAttribute": (_P, ctypes.c_int, ctypes.c_int),
+        "cuFuncGetAttribute": (ctypes.POINTER(ctypes.c_int), ctypes.c_int, _P),
+    }
+
+    def __init__(self, lib=None):
+        lib = libcuda() if lib is None else lib
+        self._fn = {name: ctypes.CFUNCTYPE(ctypes.c_int, *args)((name, lib))
+                    for name, args in self._PROTOS.items()}
+
+    def _call(self, name, *args):
+        rc = self._fn[name](*args)
+        if rc != 0:
+            raise CUDADriverError(rc, name)
+
+    def moduleLoadData(self, image: bytes) -> int:
+        module = _P()
+        buf = ctypes.create_string_buffer(image, len(image))
+        self._call("cuModuleLoadData", ctypes.byref(module), ctypes.cast(buf, _P))
+        return module.value
+
+    def moduleGetFunction(self, module: int, name: str) -> int:
+        function = _P()
+        self._call("cuModuleGetFunction", ctypes.byref(function), module, name.encode())
+        return function.value
+
+    def launchKernel(self, f, gx, gy, gz, bx, by, bz, shared_mem, stream, params, extra):
+        self._call("cuLaunchKernel", f, gx, gy, gz, bx, by, bz, shared_mem, stream or None,
+                   params, extra or None)
+
+    def ctxGetCurrent(self) -> int:
+        ctx = _P()
+        self._call("cuCtxGetCurrent", ctypes.byref(ctx))
+        return ctx.value or 0
+
+    def funcSetAttribute(self, f, attribute: int, value: int) -> None:
+        self._call("cuFuncSetAttribute", f, attribute, value)
+
+    def funcGetAttribute(self, attribute: int, f) -> int:
+        out = ctypes.c_int()
+        self._call("cuFuncGetAttribute", ctypes.byref(out), attribute, f)
+        return out.value
+
+
 @functools.lru_cache(maxsize=None)
-def driver():
-    """The CUDA driver bindings (``cupy_backends.cuda.api.driver``)."""
-    from cupy_backends.cuda.api import driver as drv
-    return drv
+def libcuda():
+    """The CUDA driver library (ctypes)."""
+    return ctypes.CDLL("libcuda.so.1")
+
+
+@functools.lru_cache(maxsize=None)
+def driver() -> _Driver:
+    """The CUDA driver calls (:class:`_Driver`), made once."""
+    return _Driver()
 
 
 def current_device() -> int:

@@ -36,8 +36,8 @@ _ENCODE: list = []
 
 def _encode_fn():
     if not _ENCODE:
-        lib = ctypes.CDLL("libcuda.so.1")
-        f = lib.cuTensorMapEncodeTiled
+        from .device import libcuda
+        f = libcuda().cuTensorMapEncodeTiled
         f.restype = ctypes.c_int
         f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,

@@ -76,9 +76,6 @@ def test_zero_copy_inputs_and_outputs(monkeypatch, dtype):
         (q.grad.data_ptr(), k.grad.data_ptr(), v.grad.data_ptr())
 
 
-@pytest.mark.xfail(strict=True, reason="CuPy's low-level bindings import cupy at their first "
-                   "driver call (cupy_backends.cuda._softlink logs through cupy._environment; "
-                   "performance log, session 16): the driver calls must go through ctypes first")
 def test_a_torch_process_never_imports_cupy():
     """The torch route launches through flashcore.kernels.device (CuPy's low-level bindings),
     so a fresh process whose kernels are in the disk cache leaves CuPy unimported through
