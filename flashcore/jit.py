@@ -4,10 +4,10 @@ Sources live in the top-level ``cuda/`` folder of the repository; a wheel ships 
 ``flashcore/cuda``. They are compiled at first use by NVRTC, one module per template
 instantiation (a name expression), so only configurations that are actually called get
 compiled; the cubins are kept in a disk cache of flashcore's own (``flashcore.config``'s
-``cache_dir``) and loaded with the CUDA driver (``cuModuleLoadData``). NVRTC and the driver
-are reached through CuPy's low-level bindings (``cupy_backends``), not through ``cupy``'s
-arrays or modules (the bindings themselves still import ``cupy`` at their first driver call:
-:mod:`flashcore.kernels.device`).
+``cache_dir``) and loaded with the CUDA driver (``cuModuleLoadData``, through ctypes:
+:mod:`flashcore.kernels.device`). NVRTC is reached through CuPy's low-level bindings
+(``cupy_backends``), which import ``cupy`` at their first call: a process pays CuPy's import
+when it compiles, not when it loads kernels from the disk cache.
 
 A cache key covers the code string, the name, the options and the target. The code string
 carries a fingerprint of every file in ``cuda/``: editing a header invalidates every cached
@@ -66,20 +66,16 @@ def source_fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
-_CC_MAJOR, _CC_MINOR = 75, 76    # cudaDevAttrComputeCapabilityMajor / Minor
-
-
 @functools.lru_cache(maxsize=None)
 def device_facts(device_id: int) -> tuple[int, int, int]:
     """(compute capability as an int, e.g. 90; opt-in shared memory per block in bytes;
     multiprocessor count) of a device, queried once from the runtime."""
-    from .kernels.device import runtime
-    rt = runtime()
-    major = rt.deviceGetAttribute(_CC_MAJOR, device_id)
-    minor = rt.deviceGetAttribute(_CC_MINOR, device_id)
-    smem = rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id)
-    sms = rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, device_id)
-    return int(major) * 10 + int(minor), int(smem), int(sms)
+    from .kernels import device
+    attr = device.driver().device_attribute
+    major, minor = attr(device.ATTR_CC_MAJOR, device_id), attr(device.ATTR_CC_MINOR, device_id)
+    smem = attr(device.ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device_id)
+    sms = attr(device.ATTR_MULTIPROCESSOR_COUNT, device_id)
+    return major * 10 + minor, smem, sms
 
 
 def arch_for(compute_capability: int | str) -> str:
@@ -209,11 +205,11 @@ class Kernel:
 
     def set_attribute(self, attribute: int, value: int) -> None:
         from .kernels.device import driver
-        driver().funcSetAttribute(self.ptr, attribute, int(value))
+        driver().set_function_attribute(self.ptr, attribute, int(value))
 
     def attribute(self, attribute: int) -> int:
         from .kernels.device import driver
-        return int(driver().funcGetAttribute(attribute, self.ptr))
+        return driver().function_attribute(attribute, self.ptr)
 
     num_regs = property(lambda self: self.attribute(4))            # CU_FUNC_ATTRIBUTE_NUM_REGS
     local_size_bytes = property(lambda self: self.attribute(3))    # ..._LOCAL_SIZE_BYTES
@@ -239,8 +235,8 @@ class Kernel:
         for off, r in zip(offs, raw):
             ctypes.memmove(base + off, r, len(r))
         ptrs = (ctypes.c_void_p * max(len(raw), 1))(*(base + off for off in offs))
-        driver().launchKernel(self.ptr, *g, *b, int(shared_mem), int(stream),
-                              ctypes.addressof(ptrs), 0)
+        driver().launch_kernel(self.ptr, *g, *b, int(shared_mem), int(stream),
+                               ctypes.addressof(ptrs))
 
 
 _lock = threading.Lock()
@@ -265,8 +261,8 @@ def get_kernel(source_file: str, name: str, device_id: int, compute_capability: 
                 from .kernels.device import driver, scope
                 cubin, lowered = _cubin(source_file, name, arch, tuple(extra_options))
                 with scope(device_id):      # (the device's primary context)
-                    module = driver().moduleLoadData(cubin)
-                    k = Kernel(module, driver().moduleGetFunction(module, lowered), name)
+                    module = driver().load_module(cubin)
+                    k = Kernel(module, driver().get_function(module, lowered), name)
                 _kernels[key] = k
     if dynamic_smem > k.smem_limit:
         with _lock:

@@ -94,12 +94,43 @@ def test_kernels_import_without_cupy():
 
 
 def test_driver_calls_go_through_the_c_signatures():
-    """flashcore.kernels.device's driver calls (ctypes prototypes of the C signatures, so that
-    no call imports CuPy): stand-ins of the same prototypes receive what each method passes,
-    their results come back, a failing call raises CUDADriverError with the CUresult."""
+    """flashcore.kernels.device's CUDA calls (ctypes prototypes of the driver's C signatures,
+    so that no call imports CuPy): stand-ins of the same prototypes receive what each method
+    passes, their results come back, a failing call raises CUDADriverError with the CUresult,
+    and ``scope`` makes a device's primary context current and restores the previous one."""
     import ctypes
     from flashcore.kernels import device
-    seen = {}
+    seen = {"ctx": 0x3000, "sets": []}
+
+    def init(flags):
+        seen["init"] = flags
+        return 0
+
+    def count(n_p):
+        n_p[0] = 2
+        return 0
+
+    def attr(out_p, attribute, dev):
+        out_p[0] = {75: 9, 76: 0, 16: 132, 97: 232448}[attribute] + 1000 * dev
+        return 0
+
+    def retain(ctx_p, dev):
+        seen["retained"] = seen.get("retained", 0) + 1
+        ctx_p[0] = 0x5000 + dev
+        return 0
+
+    def get_ctx(ctx_p):
+        ctx_p[0] = seen["ctx"]
+        return 0
+
+    def set_ctx(ctx):
+        seen["ctx"] = ctx or 0
+        seen["sets"].append(ctx or 0)
+        return 0
+
+    def ctx_device(dev_p):
+        dev_p[0] = seen["ctx"] - 0x5000
+        return 0
 
     def load(module_p, image):
         seen["image"] = ctypes.string_at(image, 6)
@@ -115,10 +146,6 @@ def test_driver_calls_go_through_the_c_signatures():
         seen["launch"] = (f, gx, gy, gz, bx, by, bz, smem, stream, params, extra)
         return seen.get("rc", 0)
 
-    def ctx(ctx_p):
-        ctx_p[0] = 0x3000
-        return 0
-
     def fset(f, attribute, value):
         seen["fset"] = (f, attribute, value)
         return 0
@@ -126,24 +153,62 @@ def test_driver_calls_go_through_the_c_signatures():
     def fget(out_p, attribute, f):
         out_p[0] = 168
         return 0
+    impl = {"cuInit": init, "cuDeviceGetCount": count, "cuDeviceGetAttribute": attr,
+            "cuDevicePrimaryCtxRetain": retain, "cuCtxGetCurrent": get_ctx,
+            "cuCtxSetCurrent": set_ctx, "cuCtxGetDevice": ctx_device, "cuModuleLoadData": load,
+            "cuModuleGetFunction": getf, "cuLaunchKernel": launch, "cuFuncSetAttribute": fset,
+            "cuFuncGetAttribute": fget}
+    assert set(impl) == set(device._Driver._PROTOS)
+
+    class Lib:       # what ctypes looks the names up in: the stand-ins, as C function pointers
+        def __init__(self):
+            self._keep = {name: ctypes.CFUNCTYPE(ctypes.c_int, *args)(impl[name])
+                          for name, args in device._Driver._PROTOS.items()}
+
+    lib = Lib()
     drv = object.__new__(device._Driver)
-    impl = {"cuModuleLoadData": load, "cuModuleGetFunction": getf, "cuLaunchKernel": launch,
-            "cuCtxGetCurrent": ctx, "cuFuncSetAttribute": fset, "cuFuncGetAttribute": fget}
-    drv._fn = {name: ctypes.CFUNCTYPE(ctypes.c_int, *args)(impl[name])
-               for name, args in device._Driver._PROTOS.items()}
+    drv._fn = lib._keep
+    drv.launch = drv._fn["cuLaunchKernel"]
+    drv._primary = {}
+    drv._call("cuInit", 0)
+    assert seen["init"] == 0
+    assert drv.device_count() == 2
+    assert drv.device_attribute(75, 1) == 1009 and drv.device_attribute(97, 0) == 232448
     cubin = b"\x7fELF\x00\x01" + bytes(50)
-    assert drv.moduleLoadData(cubin) == 0x1000 and seen["image"] == cubin[:6]
-    assert drv.moduleGetFunction(0x1000, "_Z3fooi") == 0x2000
+    assert drv.load_module(cubin) == 0x1000 and seen["image"] == cubin[:6]
+    assert drv.get_function(0x1000, "_Z3fooi") == 0x2000
     assert seen["getf"] == (0x1000, b"_Z3fooi")
-    drv.launchKernel(0x2000, 3, 2, 1, 384, 1, 1, 200_000, 0x7000, 0x8000, 0)
+    drv.launch_kernel(0x2000, 3, 2, 1, 384, 1, 1, 200_000, 0x7000, 0x8000)
     assert seen["launch"] == (0x2000, 3, 2, 1, 384, 1, 1, 200_000, 0x7000, 0x8000, None)
-    drv.launchKernel(0x2000, 1, 1, 1, 32, 1, 1, 0, 0, 0x8000, 0)      # the legacy stream: NULL
+    drv.launch_kernel(0x2000, 1, 1, 1, 32, 1, 1, 0, 0, 0x8000)      # the legacy stream: NULL
     assert seen["launch"][8] is None
-    assert drv.ctxGetCurrent() == 0x3000
-    drv.funcSetAttribute(0x2000, 8, 100_000)
+    assert drv.launch(0x2000, 1, 1, 1, 32, 1, 1, 0, 0, 0x8000, None) == 0
+    drv.set_function_attribute(0x2000, 8, 100_000)
     assert seen["fset"] == (0x2000, 8, 100_000)
-    assert drv.funcGetAttribute(4, 0x2000) == 168
+    assert drv.function_attribute(4, 0x2000) == 168
     seen["rc"] = 912
     with pytest.raises(device.CUDADriverError, match="cuLaunchKernel failed") as e:
-        drv.launchKernel(0x2000, 1, 1, 1, 32, 1, 1, 0, 0, 0x8000, 0)
+        drv.launch_kernel(0x2000, 1, 1, 1, 32, 1, 1, 0, 0, 0x8000)
     assert e.value.status == 912
+    assert drv.launch(0x2000, 1, 1, 1, 32, 1, 1, 0, 0, 0x8000, None) == 912
+    # contexts: the primary context retained once per device; scope switches and restores
+    seen["ctx"] = 0
+    assert drv.current_context() == 0 and drv.current_device() == 0   # (none: device 0)
+    seen["ctx"] = 0x5000
+    assert drv.current_device() == 0
+    import flashcore.kernels.device as dmod
+    real = dmod.driver
+    dmod.driver = lambda: drv
+    try:
+        with dmod.scope(1):
+            assert seen["ctx"] == 0x5001 and drv.current_device() == 1
+            with dmod.scope(1):          # already current: nothing set
+                pass
+        assert seen["ctx"] == 0x5000 and seen["sets"] == [0x5001, 0x5000]
+        with dmod.scope(None):
+            assert seen["ctx"] == 0x5000
+        with dmod.scope(1):
+            pass
+        assert seen["retained"] == 1
+    finally:
+        dmod.driver = real

@@ -36,7 +36,7 @@ class FakeDriver:
     CUDADriverError = device.CUDADriverError
 
     @staticmethod
-    def funcSetAttribute(*a):
+    def set_function_attribute(*a):
         pass
 
 
@@ -50,7 +50,7 @@ class FakeKernel:
         FUNCTIONS[self.ptr] = name
 
     def set_attribute(self, attribute, value):
-        DRIVER.funcSetAttribute(self.ptr, attribute, value)
+        DRIVER.set_function_attribute(self.ptr, attribute, value)
 
     def __call__(self, grid, block, args, shared_mem=0, stream=0):
         assert stream == STREAM["ptr"]
@@ -65,9 +65,10 @@ def _n_maps(name):
 
 
 def fake_launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
-    """cuLaunchKernel's stand-in: params is a void*[] pointing at the struct's bytes (and, for
-    a kernel that takes them, the tensor maps')."""
-    assert extra == 0 and stream == STREAM["ptr"]
+    """cuLaunchKernel's stand-in (``driver().launch``, returning the CUresult): params is a
+    void*[] pointing at the struct's bytes (and, for a kernel that takes them, the tensor
+    maps')."""
+    assert extra is None and stream == STREAM["ptr"]
     name = FUNCTIONS[func]
     arg = ctypes.c_void_p.from_address(params).value
     raw = ctypes.string_at(arg, params_dtype().itemsize)
@@ -75,6 +76,7 @@ def fake_launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, params, extra
         maps = ctypes.c_void_p.from_address(params + 8).value
         raw += ctypes.string_at(maps, _n_maps(name) * tma.MAP_BYTES)
     LOG.append((name, (gx, gy, gz), (bx, by, bz), smem, raw))
+    return 0
 
 
 def fake_encode(out, dtype_code, rank, pointer, dims, strides, box, elem_strides, interleave,
@@ -150,10 +152,9 @@ def no_gpu(monkeypatch):
     monkeypatch.setattr(device, "scope", FakeDevice)
     driver = DRIVER
     monkeypatch.setattr(device, "driver", lambda: DRIVER)
-    monkeypatch.setattr(driver, "launchKernel", fake_launch_kernel, raising=False)
+    monkeypatch.setattr(driver, "launch", fake_launch_kernel, raising=False)
     monkeypatch.setattr(tma, "_ENCODE", [fake_encode])
-    monkeypatch.setattr(plans, "_LAUNCH", [])
-    monkeypatch.setattr(driver, "ctxGetCurrent", lambda: 0xC0, raising=False)
+    monkeypatch.setattr(driver, "current_context", lambda: 0xC0, raising=False)
     monkeypatch.setattr(cupy, "empty", _alloc)
     monkeypatch.setattr(cupy, "zeros", _alloc)
     monkeypatch.setattr(cupy, "empty_like", lambda a, **k: _alloc(a.shape, a.dtype))
@@ -598,7 +599,7 @@ def test_decode_cluster_merge_is_one_launch_without_scratch(paged, monkeypatch):
     monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
     config.set(decode_cluster=True)
     attrs = []
-    monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: attrs.append(a))
+    monkeypatch.setattr(driver, "set_function_attribute", lambda *a: attrs.append(a))
     made = []
     monkeypatch.setattr(cupy, "empty", lambda *a, **k: (made.append(a), _alloc(*a, **k))[1])
     rng = np.random.default_rng(6)
@@ -634,7 +635,7 @@ def test_decode_cluster_merge_only_where_it_applies(monkeypatch):
     from flashcore import jit
     from flashcore.kernels import decode
     monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
-    monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: None)
+    monkeypatch.setattr(driver, "set_function_attribute", lambda *a: None)
     config.set(decode_cluster=True)
     rng = np.random.default_rng(7)
 
@@ -663,7 +664,7 @@ def test_decode_cluster_refused_falls_back_to_the_global_merge(monkeypatch):
     driver = DRIVER
     from flashcore.kernels import decode
     monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
-    monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: None)
+    monkeypatch.setattr(driver, "set_function_attribute", lambda *a: None)
     config.set(decode_cluster=True)
 
     class DriverError(driver.CUDADriverError):
@@ -703,7 +704,7 @@ def test_decode_cluster_rule_declining_means_the_global_merge(monkeypatch):
     driver = DRIVER
     from flashcore.kernels import decode
     monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
-    monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: None)
+    monkeypatch.setattr(driver, "set_function_attribute", lambda *a: None)
     config.set(decode_cluster=True)
     rng = np.random.default_rng(10)
     c = _fused_case(b=1, cap=4096, hk=1, h=8, splits=0)
@@ -719,7 +720,7 @@ def test_decode_cluster_skipped_for_an_override_that_leaves_no_room(monkeypatch)
     driver = DRIVER
     from flashcore.kernels import decode
     monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
-    monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: None)
+    monkeypatch.setattr(driver, "set_function_attribute", lambda *a: None)
     config.set(decode_cluster=True)
     assert not decode._cluster_layout_fits(128, 1, decode.DecodeConfig(16, 1, 2))
     assert decode._cluster_layout_fits(128, 1, decode.DecodeConfig(128, 4, 3))
@@ -765,7 +766,7 @@ def test_decode_default_split_and_tile(b, cap, hk, h, sq, want, monkeypatch):
     driver = DRIVER
     from flashcore.kernels import decode
     monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
-    monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: None)
+    monkeypatch.setattr(driver, "set_function_attribute", lambda *a: None)
     config.set(decode_cluster=True)
     rng = np.random.default_rng(9)
     c = _fused_case(b=b, cap=cap, hk=hk, h=h, sq=sq, splits=0)

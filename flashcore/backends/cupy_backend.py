@@ -48,14 +48,13 @@ def _translate_oom(what):
 
 @functools.lru_cache(maxsize=None)
 def _probe() -> str | None:
-    """Why the kernels cannot run here, or None (asked of the CUDA runtime through CuPy's
-    low-level bindings: no ``import cupy``)."""
+    """Why the kernels cannot run here, or None (asked of the CUDA driver: no ``import cupy``)."""
     if importlib.util.find_spec("cupy") is None:
         return "CuPy is not installed (pip install 'flashcore[cuda12]' or 'flashcore[cuda13]')"
     try:
         from ..jit import device_facts
-        from ..kernels.device import runtime
-        n = runtime().getDeviceCount()
+        from ..kernels.device import driver
+        n = driver().device_count()
     except Exception as e:  # no driver, no device
         return f"no CUDA device ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     if n == 0:

@@ -9,11 +9,11 @@ attributes from the tensor, with :data:`TORCH` as their namespace: it allocates 
 :func:`lib_of` gives an array's namespace and :func:`current_stream` the stream its library
 launches on (CuPy's current stream, or torch's).
 
-The driver calls (module loading, launches, the current context, function attributes) go
-through ctypes prototypes of their C signatures (:class:`_Driver`): CuPy's low-level bindings
-import ``cupy`` at the first call of each (their library loader logs through it; session 16,
-docs/performance-log.md). The runtime calls (the current device, device attributes) go through
-``cupy_backends.cuda.api.runtime``. Compiling a kernel still imports CuPy (NVRTC's bindings).
+Every CUDA call goes to the driver through ctypes prototypes of its C signature
+(:class:`_Driver`): the current device and context, device attributes, module loading, launches,
+function attributes. CuPy's low-level bindings would import ``cupy`` at the first call of each
+(their library loader logs through it; session 16, docs/performance-log.md), and torch has no
+public launch call. Compiling a kernel still imports CuPy (NVRTC's bindings, :mod:`flashcore.jit`).
 """
 from __future__ import annotations
 
@@ -22,16 +22,8 @@ import functools
 
 import numpy as np
 
-__all__ = ["runtime", "driver", "libcuda", "CUDADriverError", "scope", "current_device",
-           "lib_of", "current_stream",
-           "TorchArray", "TORCH"]
-
-
-@functools.lru_cache(maxsize=None)
-def runtime():
-    """The CUDA runtime bindings (``cupy_backends.cuda.api.runtime``)."""
-    from cupy_backends.cuda.api import runtime as rt
-    return rt
+__all__ = ["driver", "libcuda", "CUDADriverError", "scope", "current_device", "lib_of",
+           "current_stream", "TorchArray", "TORCH"]
 
 
 class CUDADriverError(RuntimeError):
@@ -44,60 +36,104 @@ class CUDADriverError(RuntimeError):
 
 _P = ctypes.c_void_p
 _U = ctypes.c_uint
+_I = ctypes.c_int
+
+# CUdevice_attribute values (cuda.h)
+ATTR_MULTIPROCESSOR_COUNT = 16
+ATTR_CC_MAJOR, ATTR_CC_MINOR = 75, 76
+ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
 
 
 class _Driver:
-    """The CUDA driver calls flashcore makes, through ctypes prototypes of their C signatures
-    (``cupy_backends``' bindings would import ``cupy`` at their first call: their library
-    loader logs through it). Method names and arguments as CuPy's bindings have them."""
+    """The CUDA driver calls flashcore makes, through ctypes prototypes of their C signatures.
+    A failed call raises :class:`CUDADriverError`. ``launch`` is ``cuLaunchKernel`` itself,
+    returning its CUresult (the hot path checks it)."""
 
     CUDADriverError = CUDADriverError
     _PROTOS = {
+        "cuInit": (_U,),
+        "cuDeviceGetCount": (ctypes.POINTER(_I),),
+        "cuDeviceGetAttribute": (ctypes.POINTER(_I), _I, _I),
+        "cuDevicePrimaryCtxRetain": (ctypes.POINTER(_P), _I),
+        "cuCtxGetCurrent": (ctypes.POINTER(_P),),
+        "cuCtxSetCurrent": (_P,),
+        "cuCtxGetDevice": (ctypes.POINTER(_I),),
         "cuModuleLoadData": (ctypes.POINTER(_P), _P),
         "cuModuleGetFunction": (ctypes.POINTER(_P), _P, ctypes.c_char_p),
         "cuLaunchKernel": (_P, _U, _U, _U, _U, _U, _U, _U, _P, _P, _P),
-        "cuCtxGetCurrent": (ctypes.POINTER(_P),),
-        "cuFuncSetAttribute": (_P, ctypes.c_int, ctypes.c_int),
-        "cuFuncGetAttribute": (ctypes.POINTER(ctypes.c_int), ctypes.c_int, _P),
+        "cuFuncSetAttribute": (_P, _I, _I),
+        "cuFuncGetAttribute": (ctypes.POINTER(_I), _I, _P),
     }
 
     def __init__(self, lib=None):
         lib = libcuda() if lib is None else lib
-        self._fn = {name: ctypes.CFUNCTYPE(ctypes.c_int, *args)((name, lib))
+        self._fn = {name: ctypes.CFUNCTYPE(_I, *args)((name, lib))
                     for name, args in self._PROTOS.items()}
+        self.launch = self._fn["cuLaunchKernel"]
+        self._primary: dict = {}          # device -> its primary context (retained once)
+        self._call("cuInit", 0)
 
     def _call(self, name, *args):
         rc = self._fn[name](*args)
         if rc != 0:
             raise CUDADriverError(rc, name)
 
-    def moduleLoadData(self, image: bytes) -> int:
+    def _int(self, name, *args) -> int:
+        out = _I()
+        self._call(name, ctypes.byref(out), *args)
+        return out.value
+
+    def device_count(self) -> int:
+        return self._int("cuDeviceGetCount")
+
+    def device_attribute(self, attribute: int, device_id: int) -> int:
+        return self._int("cuDeviceGetAttribute", attribute, device_id)
+
+    def primary_context(self, device_id: int) -> int:
+        """The device's primary context (the one the runtime, torch and CuPy use)."""
+        ctx = self._primary.get(device_id)
+        if ctx is None:
+            c = _P()
+            self._call("cuDevicePrimaryCtxRetain", ctypes.byref(c), device_id)
+            ctx = self._primary.setdefault(device_id, c.value)
+        return ctx
+
+    def current_context(self) -> int:
+        """The calling thread's current context (0: none)."""
+        ctx = _P()
+        self._call("cuCtxGetCurrent", ctypes.byref(ctx))
+        return ctx.value or 0
+
+    def set_current_context(self, ctx: int) -> None:
+        self._call("cuCtxSetCurrent", ctx or None)
+
+    def current_device(self) -> int:
+        """The current context's device; 0 on a thread with none (as the runtime answers)."""
+        if not self.current_context():
+            return 0
+        return self._int("cuCtxGetDevice")
+
+    def load_module(self, image: bytes) -> int:
         module = _P()
         buf = ctypes.create_string_buffer(image, len(image))
         self._call("cuModuleLoadData", ctypes.byref(module), ctypes.cast(buf, _P))
         return module.value
 
-    def moduleGetFunction(self, module: int, name: str) -> int:
+    def get_function(self, module: int, name: str) -> int:
         function = _P()
         self._call("cuModuleGetFunction", ctypes.byref(function), module, name.encode())
         return function.value
 
-    def launchKernel(self, f, gx, gy, gz, bx, by, bz, shared_mem, stream, params, extra):
-        self._call("cuLaunchKernel", f, gx, gy, gz, bx, by, bz, shared_mem, stream or None,
-                   params, extra or None)
+    def launch_kernel(self, f, gx, gy, gz, bx, by, bz, shared_mem, stream, params):
+        rc = self.launch(f, gx, gy, gz, bx, by, bz, shared_mem, stream or None, params, None)
+        if rc != 0:
+            raise CUDADriverError(rc, "cuLaunchKernel")
 
-    def ctxGetCurrent(self) -> int:
-        ctx = _P()
-        self._call("cuCtxGetCurrent", ctypes.byref(ctx))
-        return ctx.value or 0
-
-    def funcSetAttribute(self, f, attribute: int, value: int) -> None:
+    def set_function_attribute(self, f, attribute: int, value: int) -> None:
         self._call("cuFuncSetAttribute", f, attribute, value)
 
-    def funcGetAttribute(self, attribute: int, f) -> int:
-        out = ctypes.c_int()
-        self._call("cuFuncGetAttribute", ctypes.byref(out), attribute, f)
-        return out.value
+    def function_attribute(self, attribute: int, f) -> int:
+        return self._int("cuFuncGetAttribute", attribute, f)
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,34 +144,35 @@ def libcuda():
 
 @functools.lru_cache(maxsize=None)
 def driver() -> _Driver:
-    """The CUDA driver calls (:class:`_Driver`), made once."""
+    """The CUDA driver calls (:class:`_Driver`), made once (``cuInit`` with them)."""
     return _Driver()
 
 
 def current_device() -> int:
-    return runtime().getDevice()
+    return driver().current_device()
 
 
 class scope:
-    """``with scope(device_id):`` that device current for the block (the runtime's, which CuPy
-    and torch share: its primary context), the previous one restored after; None: the current
-    device, untouched."""
+    """``with scope(device_id):`` that device's primary context current for the block (the
+    one the runtime, CuPy and torch share), the previous context restored after; None: the
+    current device, untouched."""
 
-    __slots__ = ("dev", "prev")
+    __slots__ = ("ctx", "prev")
 
     def __init__(self, device_id):
-        self.dev = None if device_id is None else int(device_id)
+        self.ctx = None if device_id is None else driver().primary_context(int(device_id))
 
     def __enter__(self):
-        if self.dev is not None:
-            rt = runtime()
-            self.prev = rt.getDevice()
-            rt.setDevice(self.dev)   # (always: it also makes the primary context current on
-        return self                  # a thread that has not used the runtime yet)
+        if self.ctx is not None:
+            drv = driver()
+            self.prev = drv.current_context()
+            if self.prev != self.ctx:
+                drv.set_current_context(self.ctx)
+        return self
 
     def __exit__(self, *exc):
-        if self.dev is not None and self.prev != self.dev:
-            runtime().setDevice(self.prev)
+        if self.ctx is not None and self.prev != self.ctx:
+            driver().set_current_context(self.prev)
         return False
 
 
@@ -255,7 +292,7 @@ class _TorchLib:
     @staticmethod
     def _device():
         import torch
-        return torch.device("cuda", runtime().getDevice())
+        return torch.device("cuda", current_device())
 
     def empty(self, shape, dtype=np.float32):
         import torch

@@ -246,7 +246,7 @@ class Plan:
         owners (keep them until the launches are queued: both allocators free in stream
         order), or None, launching nothing, when the stream has no split counters yet (the
         caller then runs the call in full, which makes them)."""
-        launch_kernel = _LAUNCH[0] if len(_LAUNCH) > 1 else _launch_kernel()
+        launch_kernel = device.driver().launch
         addrs = None
         if self.counters:       # (all looked up before anything is launched)
             addrs = []
@@ -281,7 +281,9 @@ class Plan:
             if counter is not None:
                 pack(arg, counter[0], addrs.pop(0))
             for launch in launches:
-                launch_kernel(*launch, stream, params, 0)
+                rc = launch_kernel(*launch, stream, params, None)
+                if rc:
+                    raise device.CUDADriverError(rc, "cuLaunchKernel")
         return keep
 
 
@@ -323,18 +325,7 @@ def _getter(idx):
     return lambda pointers: ()
 
 
-_LAUNCH: list = []      # [cuLaunchKernel, cuCtxGetCurrent] (the driver bindings)
-
-
-def _launch_kernel():
-    if len(_LAUNCH) < 2:
-        _LAUNCH[:] = [device.driver().launchKernel, device.driver().ctxGetCurrent]
-    return _LAUNCH[0]
-
-
 def current_context() -> int:
     """The calling thread's current CUDA context (0: none): a plan runs only in the context
     its kernels were loaded in (the device's primary context, current for that device)."""
-    if len(_LAUNCH) < 2:
-        _LAUNCH[:] = [device.driver().launchKernel, device.driver().ctxGetCurrent]
-    return _LAUNCH[1]()
+    return device.driver().current_context()

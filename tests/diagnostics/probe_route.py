@@ -19,7 +19,7 @@ call, the best of R interleaved rounds of up to N calls each, beside:
 
 Default (stubbed; runs on a machine without a GPU): the tensors are CPU tensors and only the
 device is stubbed, at the lowest level: ``Tensor.is_cuda`` reads True, the plans' CUDA context
-and ``cuLaunchKernel`` are no-ops (``flashcore.kernels.plans._LAUNCH``), torch's raw stream is
+and ``cuLaunchKernel`` are no-ops (``flashcore.kernels.device.driver()``), torch's raw stream is
 0. The plans themselves are recorded through the real ``plans.record``/``Plan.build`` from a
 stand-in backend that offers what the CUDA launchers offer for this call (the forward: one
 launch; the backward: preprocess, dK/dV, dQ convert, and two scratch buffers). Everything above
@@ -61,13 +61,22 @@ _FAKE_KERNEL = types.SimpleNamespace(ptr=0xC0DE)
 
 
 def _no_launch(*_):
-    return None
+    return 0        # (cuLaunchKernel's CUDA_SUCCESS)
+
+
+class _StubDriver:
+    """flashcore.kernels.device.driver()'s stand-in: no launch, one context."""
+    launch = staticmethod(_no_launch)
+    current_context = staticmethod(lambda: _CONTEXT)
+    primary_context = staticmethod(lambda device_id: _CONTEXT)
+    set_current_context = staticmethod(lambda ctx: None)
 
 
 def stub_device():
     """Tensors read as CUDA tensors, the driver calls and the stream lookup as no-ops."""
     torch.Tensor.is_cuda = property(lambda self: True)
-    plans._LAUNCH[:] = [_no_launch, lambda: _CONTEXT]
+    stub = _StubDriver()
+    device.driver = lambda: stub
     device._TORCH_STREAM[:] = [lambda index: 0]
 
 
@@ -299,8 +308,7 @@ def main(argv=None):
             fn()
         sync()
         if args.no_launch:
-            plans._launch_kernel()
-            plans._LAUNCH[0] = _no_launch
+            device.driver().launch = _no_launch
     else:
         # the process's CPU time: on a shared machine, time spent descheduled is not counted
         device, sync, clock = "cpu", (lambda: None), time.process_time

@@ -5,6 +5,7 @@ in bench_decode.py, with cuDNN's time on the same shape. Every variant's output 
 against the first variant's (the same math, so within bf16 rounding of it).
 
     python tests/diagnostics/sweep_decode.py [--top K] [--batches 1,8,64] [--more-configs]
+                                             [--splits 8,16,33] [--caches 4096,131072]
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ CONFIGS = [(64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3)]
 SPLITS = {1: (4, 8, 12, 16, 24, 32), 8: (2, 4, 8, 16), 64: (1, 2)}
 
 
-def main(top=6, batches=(1, 8), configs=None):
+def main(top=6, batches=(1, 8), configs=None, splits=None, caches=(4096, 16384, 131072)):
     configs = configs or CONFIGS
     import torch
     from torch.nn.attention import SDPBackend
@@ -27,7 +28,7 @@ def main(top=6, batches=(1, 8), configs=None):
     print("batch cache | cuDNN TB/s | default TB/s (splits) | best variants: "
           "config/splits/merge TB/s")
     for b in batches:
-        for sk in (4096, 16384, 131072):
+        for sk in caches:
             pb = DecodeProblem(b, sk, h, hk, d)
             nbytes, out, stream = pb.nbytes, pb.out, pb.stream
             t_cudnn = _time(lambda: pb.sdpa(SDPBackend.CUDNN_ATTENTION))
@@ -38,7 +39,7 @@ def main(top=6, batches=(1, 8), configs=None):
                 t_def = _time(call)
                 for cfg in configs:
                     dm.set_config_override(128, cfg)
-                    for ns in SPLITS[b]:
+                    for ns in splits or SPLITS[b]:
                         for cluster in ((True, False) if 1 < ns <= dm.MAX_CLUSTER else (False,)):
                             dm.set_cluster_merge(cluster)
                             try:
@@ -70,4 +71,8 @@ if __name__ == "__main__":
     main(int(a[a.index("--top") + 1]) if "--top" in a else 6,
          tuple(int(x) for x in a[a.index("--batches") + 1].split(",")) if "--batches" in a
          else (1, 8),
-         CONFIGS + [(64, 4, 2), (32, 2, 4)] if "--more-configs" in a else None)
+         CONFIGS + [(64, 4, 2), (32, 2, 4)] if "--more-configs" in a else None,
+         tuple(int(x) for x in a[a.index("--splits") + 1].split(",")) if "--splits" in a
+         else None,
+         tuple(int(x) for x in a[a.index("--caches") + 1].split(",")) if "--caches" in a
+         else (4096, 16384, 131072))

@@ -77,14 +77,22 @@ def test_zero_copy_inputs_and_outputs(monkeypatch, dtype):
 
 
 def test_a_torch_process_never_imports_cupy():
-    """The torch route launches through flashcore.kernels.device (CuPy's low-level bindings),
-    so a fresh process whose kernels are in the disk cache leaves CuPy unimported through
-    forward, backward, varlen and decoding calls. (Compiling a kernel does import it: NVRTC's
-    library is located by CuPy's environment code. The first process here fills the cache.)"""
+    """The torch route makes its CUDA calls through flashcore.kernels.device (the driver,
+    through ctypes), so a fresh process whose kernels are in the disk cache leaves CuPy
+    unimported through forward, backward, varlen and decoding calls. (Compiling a kernel does
+    import it: NVRTC's bindings. The first process here fills the cache.) On failure the
+    stack of CuPy's first import is shown."""
     import subprocess
     import sys
     code = """
-import sys, torch, flashcore
+import sys, traceback
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "cupy" and "stack" not in Watch.__dict__:
+            Watch.stack = "".join(traceback.format_stack(limit=25))
+        return None
+sys.meta_path.insert(0, Watch())
+import torch, flashcore
 q, k, v = (torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
            for _ in range(3))
 out = flashcore.attention(q, k, v, causal=True)
@@ -96,6 +104,7 @@ lens = torch.tensor([500, 1000], device="cuda", dtype=torch.int32)
 flashcore.attention_with_kvcache(q[:, :1].detach(), kc, kc.clone(), cache_seqlens=lens)
 torch.cuda.synchronize()
 print("cupy" in sys.modules, sorted(m for m in sys.modules if m.startswith("cupy"))[:3])
+print(getattr(Watch, "stack", ""))
 """
     for _ in range(2):      # (the first run may compile: it fills the disk cache)
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
