@@ -193,6 +193,20 @@ def _quantised(rng, b, sq, sk, h, hk, d, per_head=True):
     return q8s, scales, exact
 
 
+def _lse_tolerance(q, k, scale):
+    """Per (batch, head, query): 2e-2 plus what Hopper's FP8 tensor cores can lose in a score.
+    Their accumulation keeps around 14 bits (DeepSeek-V3's technical report, section 3.3.2),
+    so each of the d / 32 wgmma k-steps of a score may round away 2^-13 of the magnitude summed
+    so far: |error| <= (d / 32) 2^-13 scale max_j sum_i |q_i k_ji| (keys masked or not), and
+    the LSE moves by at most its largest score's error. (Run 22 saw 0.028 at an LSE of 29.7,
+    d 256, where this allows about 0.1.)"""
+    b, sq, h, d = q.shape
+    hk = k.shape[2]
+    ka = np.repeat(np.abs(k), h // hk, axis=2)
+    mags = np.einsum("bqhd,bkhd->bhqk", np.abs(q), ka).max(axis=-1)
+    return 2e-2 + (d / 32) * 2.0 ** -13 * scale * mags
+
+
 def _poisoned(shape, dtype):
     """A CuPy array of ``dtype`` filled with NaN (through its bits: no arithmetic on bf16)."""
     import cupy
@@ -241,6 +255,7 @@ def test_cupy_fp8_matches_the_flash_attn_rule_in_fp8(case, d):
     want, want_lse = naive_forward(forward_spec(*exact, **kw), *exact)
     emul, _ = fp8_forward(forward_spec(q8, k8, v8, **kw), q8, k8, v8, tuple(ds))
     emul_err = np.abs(emul - want).max()
+    lse_tol = _lse_tolerance(exact[0], exact[1], kw.get("softmax_scale", d ** -0.5))
     gq, gk, gv = (cupy.asarray(x.view(np.uint8)) for x in (q8, k8, v8))
     gds = [cupy.asarray(x) for x in ds]
     spec = forward_spec(gq, gk, gv, **kw, q_descale=gds[0], k_descale=gds[1], v_descale=gds[2])
@@ -257,7 +272,8 @@ def test_cupy_fp8_matches_the_flash_attn_rule_in_fp8(case, d):
         eps = np.abs(want).max() * (2.0 ** -8 if odt == "bfloat16" else 2.0 ** -11)
         err = np.abs(o - want).max()
         assert err <= 2 * emul_err + eps, (odt, err, emul_err)
-        np.testing.assert_allclose(cupy.asnumpy(lse), want_lse, atol=2e-2, rtol=0)
+        lse_err = np.abs(cupy.asnumpy(lse) - want_lse)
+        assert (lse_err <= lse_tol).all(), (odt, lse_err.max(), lse_tol.min())
     assert _ran_fp8()
     # the public function, bfloat16 out by default
     out, lse = flashcore.attention_forward(gq, gk, gv, q_descale=gds[0], k_descale=gds[1],
