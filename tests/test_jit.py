@@ -120,7 +120,7 @@ def test_driver_calls_go_through_the_c_signatures():
         return 0
 
     def get_ctx(ctx_p):
-        ctx_p[0] = seen["ctx"]
+        ctypes.c_void_p.from_address(ctx_p).value = seen["ctx"]
         return 0
 
     def set_ctx(ctx):

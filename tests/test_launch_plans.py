@@ -79,6 +79,23 @@ def fake_launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, params, extra
     return 0
 
 
+def _launch_callback(*args):
+    """ctypes ignores a callback's exceptions: a failed check returns an error status instead,
+    which the plan raises as CUDADriverError."""
+    try:
+        return fake_launch_kernel(*args)
+    except Exception as e:  # noqa: BLE001
+        LAUNCH_ERRORS.append(e)
+        return 999
+
+
+LAUNCH_ERRORS: list = []
+# the stand-in behind cuLaunchKernel's own prototype: the arguments go through the same ctypes
+# conversions as the real call's (the plans pass ctypes objects, the launchers ints)
+LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, *device._Driver._PROTOS["cuLaunchKernel"])(
+    _launch_callback)
+
+
 def fake_encode(out, dtype_code, rank, pointer, dims, strides, box, elem_strides, interleave,
                 swizzle, l2, oob):
     """cuTensorMapEncodeTiled's stand-in: the map's bytes are its arguments."""
@@ -152,7 +169,7 @@ def no_gpu(monkeypatch):
     monkeypatch.setattr(device, "scope", FakeDevice)
     driver = DRIVER
     monkeypatch.setattr(device, "driver", lambda: DRIVER)
-    monkeypatch.setattr(driver, "launch", fake_launch_kernel, raising=False)
+    monkeypatch.setattr(driver, "launch", LAUNCH, raising=False)
     monkeypatch.setattr(tma, "_ENCODE", [fake_encode])
     monkeypatch.setattr(driver, "current_context", lambda: 0xC0, raising=False)
     monkeypatch.setattr(cupy, "empty", _alloc)

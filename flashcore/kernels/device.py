@@ -55,7 +55,7 @@ class _Driver:
         "cuDeviceGetCount": (ctypes.POINTER(_I),),
         "cuDeviceGetAttribute": (ctypes.POINTER(_I), _I, _I),
         "cuDevicePrimaryCtxRetain": (ctypes.POINTER(_P), _I),
-        "cuCtxGetCurrent": (ctypes.POINTER(_P),),
+        "cuCtxGetCurrent": (_P,),               # (CUcontext*, passed as an address)
         "cuCtxSetCurrent": (_P,),
         "cuCtxGetDevice": (ctypes.POINTER(_I),),
         "cuModuleLoadData": (ctypes.POINTER(_P), _P),
@@ -101,7 +101,7 @@ class _Driver:
     def current_context(self) -> int:
         """The calling thread's current context (0: none)."""
         ctx = _P()
-        self._call("cuCtxGetCurrent", ctypes.byref(ctx))
+        self._call("cuCtxGetCurrent", ctypes.addressof(ctx))
         return ctx.value or 0
 
     def set_current_context(self, ctx: int) -> None:

@@ -218,7 +218,10 @@ class Plan:
                         return None
                     maps.append((index[name], spec))
                 maps = tuple(maps)
-            launches = tuple((int(k.ptr), *g, *b, s) for k, g, b, s in p.launches)
+            # cuLaunchKernel's fixed arguments, converted once (ctypes passes its own objects
+            # faster than it converts ints)
+            launches = tuple((ctypes.c_void_p(int(k.ptr)), *map(ctypes.c_uint, (*g, *b, s)))
+                             for k, g, b, s in p.launches)
             head = 8 if maps is None else 16      # kernelParams before the struct (see run)
             raw = bytes(head) + p.params.tobytes()
             if counter is not None:
