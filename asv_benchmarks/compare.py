@@ -7,7 +7,10 @@ For every benchmark in the commit's result file (``results/<machine>/<hash8>-*.j
 every parameter combination in it, the baseline is the value in the newest result file (by its
 date) that git tracks, other than the commit's own, and that has that benchmark. Changes beyond
 ``factor`` are printed; a change for the worse is a regression, and so is a figure that the
-baseline had and this run lost (failed or skipped). Exits 1 on any regression, else 0.
+baseline had and this run lost (failed or skipped). Exits 1 on any regression, else 0. A
+peer's own figure (a time or throughput whose parameters name torch's SDPA, cuDNN or
+flash-attn: ``PEERS``) is not flashcore's to regress: its moves are listed apart, as what the
+machine did that day. Ratios against a peer are flashcore's figures.
 It also names the holes in the published history: the commits since the oldest committed
 result that change the kernels or backends (``CODE_PATHS``) and have no committed results
 (information, not a failure: a past commit cannot be measured with today's tree).
@@ -33,7 +36,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 HIGHER_IS_BETTER = {"ratio", "TFLOP/s", "TB/s", "GB/s", "GFLOP/s"}
 #: where a change can move the figures: a commit that touches these and has no committed
 #: results is a hole in the published history
-CODE_PATHS = ("cuda", "flashcore/kernels", "flashcore/backends")
+CODE_PATHS = ("cuda", "flashcore/kernels", "flashcore/backends", "flashcore/jit.py",
+              "flashcore/api.py")
+#: parameter values (as asv writes them) that name a peer, not flashcore
+PEERS = ("'sdpa", "'cudnn", "'flash_attn", "'torch")
 
 
 def load(path):
@@ -86,9 +92,15 @@ def fmt(v):
     return f"{v:.4g}"
 
 
+def is_peer(unit, combo):
+    """A peer's own figure: not a ratio, and a parameter names a peer."""
+    return unit != "ratio" and any(str(c).startswith(PEERS) for c in combo)
+
+
 def compare(new, baselines, unit_of, factor, bench=None):
-    """Returns (regressions, improvements, unmatched) as lists of printable rows."""
-    regressions, improvements, missing = [], [], []
+    """Returns (regressions, improvements, unmatched, peers' moves) as lists of printable
+    rows."""
+    regressions, improvements, missing, peers = [], [], [], []
     for name in sorted(new):
         if bench and not re.search(bench, name):
             continue
@@ -104,19 +116,24 @@ def compare(new, baselines, unit_of, factor, bench=None):
                 continue
             label = f"{name}({', '.join(str(c) for c in combo)})"
             where = f"{old_commit[:8]} {fmt(old)} -> {fmt(value)} {unit_of.get(name, '')}".rstrip()
+            peer = is_peer(unit_of.get(name, ""), combo)
             if value is None:
-                regressions.append(f"LOST      {label}: {where} (failed or skipped now)")
+                (peers if peer else regressions).append(
+                    f"LOST      {label}: {where} (failed or skipped now)")
                 continue
             if old == 0 or value == 0:
                 continue
             change = value / old
             worse = change < 1 / factor if better_high else change > factor
             better = change > factor if better_high else change < 1 / factor
-            if worse:
+            if peer:
+                if worse or better:
+                    peers.append(f"peer {change:5.2f}x {label}: {where}")
+            elif worse:
                 regressions.append(f"WORSE {change:5.2f}x {label}: {where}")
             elif better:
                 improvements.append(f"better {change:5.2f}x {label}: {where}")
-    return regressions, improvements, missing
+    return regressions, improvements, missing, peers
 
 
 def holes(repo, commit, result_commits, paths=CODE_PATHS):
@@ -166,8 +183,8 @@ def main(argv=None):
             continue
         baselines.append(load(path))
     baselines.sort(key=lambda b: b[1], reverse=True)       # newest first
-    regressions, improvements, missing = compare(new, baselines, units(a.results), a.factor,
-                                                 a.bench)
+    regressions, improvements, missing, peers = compare(new, baselines, units(a.results),
+                                                        a.factor, a.bench)
     print(f"compare: {commit[:8]} against the newest committed result of each benchmark "
           f"({a.machine}; changes beyond {a.factor:g}x)")
     for row in improvements:
@@ -176,6 +193,10 @@ def main(argv=None):
         print("  " + row)
     for name in missing:
         print(f"  (no committed baseline for {name}: this run's results, once committed, are)")
+    if peers:
+        print("compare: the peers' own figures that moved (information, not regressions):")
+        for row in peers:
+            print("  " + row)
     compared = sum(1 for n in new if n not in missing and (not a.bench or re.search(a.bench, n)))
     print(f"compare: {len(regressions)} regression(s), {len(improvements)} improvement(s) "
           f"beyond {a.factor:g}x over {compared} benchmark(s) with a baseline")

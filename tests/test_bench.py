@@ -172,7 +172,8 @@ def _result_file(folder, commit, date, results):
 
 def test_compare_flags_regressions_by_unit_direction(tmp_path, capsys):
     """compare.py: a ratio that drops, or a time that grows, beyond 5% is a regression; a
-    figure the baseline had and this run lost is one too; improvements are reported only."""
+    figure the baseline had and this run lost is one too; improvements are reported only, and
+    so are a peer's own figures (a time whose parameters name SDPA), whichever way they move."""
     sys.path.insert(0, ASV)
     try:
         compare = importlib.import_module("compare")
@@ -181,15 +182,18 @@ def test_compare_flags_regressions_by_unit_direction(tmp_path, capsys):
     d = str(tmp_path)
     with open(os.path.join(d, "benchmarks.json"), "w") as f:
         json.dump({"m.Ratio.track_ratio": {"unit": "ratio"}, "m.Wall.track_us": {"unit": "us"},
-                   "version": 2}, f)
+                   "m.Peer.track_us": {"unit": "us"}, "version": 2}, f)
     p = [["'a'", "'b'"]]
+    pp = [["'flashcore'", "'sdpa_cudnn'"]]
     old = _result_file(d, "1" * 40, 1, {"m.Ratio.track_ratio": ([1.00, 1.00], p),
-                                        "m.Wall.track_us": ([10.0, 10.0], p)})
+                                        "m.Wall.track_us": ([10.0, 10.0], p),
+                                        "m.Peer.track_us": ([10.0, 10.0], pp)})
     older = _result_file(d, "3" * 40, 0, {"m.Ratio.track_ratio": ([9.0, 9.0], p)})
     new = "2" * 40
     _result_file(d, new, 2, {"m.Ratio.track_ratio": ([0.90, 1.10], p),      # a worse, b better
                              "m.Wall.track_us": ([10.2, float("nan")], p),  # a within 5%, b lost
-                             "m.New.track_us": ([1.0, 1.0], p)})           # no baseline
+                             "m.New.track_us": ([1.0, 1.0], p),            # no baseline
+                             "m.Peer.track_us": ([10.1, 20.0], pp)})       # the peer slower
     rc = compare.main(["--results", d, "--machine", "box", "--commit", new,
                        "--baseline-files", old, older])
     out = capsys.readouterr().out
@@ -200,6 +204,8 @@ def test_compare_flags_regressions_by_unit_direction(tmp_path, capsys):
     assert "m.Wall.track_us('a')" not in out
     assert "no committed baseline for m.New.track_us" in out
     assert "2 regression(s), 1 improvement(s)" in out
+    assert "peer  2.00x m.Peer.track_us('sdpa_cudnn')" in out, out
+    assert "m.Peer.track_us('flashcore')" not in out
     # the newest baseline of each benchmark counts (not the older 9.0), and a clean run is 0
     _result_file(d, new, 2, {"m.Ratio.track_ratio": ([0.99, 1.0], p)})
     assert compare.main(["--results", d, "--machine", "box", "--commit", new,
