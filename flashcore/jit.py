@@ -213,6 +213,7 @@ class Kernel:
 
     num_regs = property(lambda self: self.attribute(4))            # CU_FUNC_ATTRIBUTE_NUM_REGS
     local_size_bytes = property(lambda self: self.attribute(3))    # ..._LOCAL_SIZE_BYTES
+    shared_size_bytes = property(lambda self: self.attribute(1))   # ..._SHARED_SIZE_BYTES
 
     def allow_shared_memory(self, nbytes: int) -> None:
         """Raise the kernel's opt-in limit of dynamic shared memory to ``nbytes``."""
