@@ -252,12 +252,15 @@ struct FwdRows {
                     fc_dropout_keep2(drop, drop_bh, m0 + warp_row0, n0 + 16 * kk, m0 + warp_row0,
                                      n0 + 16 * kb, g, t, false, keep2[0], keep2[1]);
                 }
+                // the dropped probabilities zeroed in the packed pair (a 16-bit mask per
+                // half from the keep bits 2i and 2i + 1 at positions i and 16 + i); the
+                // 1 / (1 - p) goes into the epilogue's scale (store)
                 const unsigned int keep = keep2[kk & 1];
-                auto f = [&](int bit) { return fc_dropout_keep_factor(drop, keep, bit); };
-                pa[kk][0] = Elem::pack2(s[8 * kk + 0] * f(0), s[8 * kk + 1] * f(1));
-                pa[kk][1] = Elem::pack2(s[8 * kk + 2] * f(4), s[8 * kk + 3] * f(5));
-                pa[kk][2] = Elem::pack2(s[8 * kk + 4] * f(2), s[8 * kk + 5] * f(3));
-                pa[kk][3] = Elem::pack2(s[8 * kk + 6] * f(6), s[8 * kk + 7] * f(7));
+                auto m = [&](int i) { return ((keep >> i) & 0x00010001u) * 0xFFFFu; };
+                pa[kk][0] = Elem::pack2(s[8 * kk + 0], s[8 * kk + 1]) & m(0);
+                pa[kk][1] = Elem::pack2(s[8 * kk + 2], s[8 * kk + 3]) & m(2);
+                pa[kk][2] = Elem::pack2(s[8 * kk + 4], s[8 * kk + 5]) & m(1);
+                pa[kk][3] = Elem::pack2(s[8 * kk + 6], s[8 * kk + 7]) & m(3);
             } else {
                 pa[kk][0] = Elem::pack2(s[8 * kk + 0], s[8 * kk + 1]);
                 pa[kk][1] = Elem::pack2(s[8 * kk + 2], s[8 * kk + 3]);
@@ -286,10 +289,12 @@ struct FwdRows {
         }
     }
     // Epilogue: O * o_scale / l (NaN propagates: l == 0 only for rows that saw no key), lse
-    // of the scores times s_scale (the FP8 kernel's descales; 1 otherwise).
+    // of the scores times s_scale (the FP8 kernel's descales; 1 otherwise). With dropout the
+    // kept probabilities' 1 / (1 - p) is applied here, once per output element (pack).
     __device__ __forceinline__ void store(const FlashParams& p,
                                           const FwdBlock<kBlockN, Is_local, kBM>& blk,
                                           float o_scale = 1.f, float s_scale = 1.f) const {
+        if constexpr (Is_dropout) o_scale *= drop.scale;
         const long long oo = blk.o_off(p);
         float* lse = blk.lse_ptr(p);
 #pragma unroll
