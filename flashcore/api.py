@@ -161,7 +161,7 @@ def _forward(q, k, v, backend, varlen, out=None, lse=None, out_dtype=None, **kw)
                     (backend, varlen, out_dtype, *(kw.get(n) for n in _FWD_OPTIONS)))
     if key is not None:
         plan = plans.lookup(key)
-        if plan is not None and plans.current_context() == plan.context:
+        if plan is not None and plans.enter(plan):
             import cupy     # (the current device is the plan's: outputs are allocated there)
             o = cupy.empty(q.shape, plan.result if plan.result is not None else q.dtype) \
                 if out is None else out
@@ -216,7 +216,7 @@ def _backward(dout, q, k, v, out, lse, backend, varlen, dq=None, dk=None, dv=Non
                     (backend, varlen, *(kw.get(n) for n in _FWD_OPTIONS)))
     if key is not None:
         plan = plans.lookup(key)
-        if plan is not None and plans.current_context() == plan.context:
+        if plan is not None and plans.enter(plan):
             import cupy     # (the current device is the plan's: outputs are allocated there)
             gq = cupy.empty(q.shape, q.dtype) if dq is None else dq
             gk = cupy.empty(k.shape, k.dtype) if dk is None else dk
@@ -502,7 +502,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                      backend))
     if key is not None:
         plan = plans.lookup(key)
-        if plan is not None and plans.current_context() == plan.context:
+        if plan is not None and plans.enter(plan):
             import cupy     # (the current device is the plan's: outputs are allocated there)
             o = cupy.empty(q.shape, q.dtype) if out is None else out
             l_ = cupy.empty(lse_shape(q.shape), cupy.float32) if lse is None else lse

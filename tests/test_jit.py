@@ -210,5 +210,17 @@ def test_driver_calls_go_through_the_c_signatures():
         with dmod.scope(1):
             pass
         assert seen["retained"] == 1
+        seen["ctx"], seen["sets"] = 0, []     # a thread with no context keeps the scope's
+        with dmod.scope(1):
+            pass
+        assert seen["ctx"] == 0x5001 and seen["sets"] == [0x5001]
+        # plans.enter: the plan's context current (made so on a thread with none), or not
+        from flashcore.kernels import plans
+        plan = type("P", (), {"context": 0x5000})()
+        seen["ctx"] = 0
+        assert plans.enter(plan) and seen["ctx"] == 0x5000
+        assert plans.enter(plan) and seen["sets"][-1] == 0x5000
+        seen["ctx"] = 0x5001
+        assert not plans.enter(plan) and seen["ctx"] == 0x5001
     finally:
         dmod.driver = real

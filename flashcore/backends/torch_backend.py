@@ -285,9 +285,9 @@ def layout(t):
 
 def replay(torch, plan, pointers, device) -> bool:
     """Run ``plan`` with ``pointers`` on torch's current stream of ``device``, scratch from
-    torch's caching allocator. False (nothing launched) when this thread's current CUDA
-    context is not the plan's, or the stream has no split counters yet: run in full then."""
-    if current_context() != plan.context:
+    torch's caching allocator. False (nothing launched) when another CUDA context is current
+    on this thread (plans.enter), or the stream has no split counters yet: run in full then."""
+    if not enter(plan):
         return False
     stream = torch_stream_getter()(device.index)
     if not plan.scratch_bytes:      # (no allocator to make)
@@ -300,7 +300,7 @@ def replay(torch, plan, pointers, device) -> bool:
 
 
 from ..kernels.device import TorchArray, torch_stream_getter  # noqa: E402
-from ..kernels.plans import current_context  # noqa: E402
+from ..kernels.plans import enter  # noqa: E402
 
 
 _BACKEND = register(TorchBackend())

@@ -154,8 +154,8 @@ def current_device() -> int:
 
 class scope:
     """``with scope(device_id):`` that device's primary context current for the block (the
-    one the runtime, CuPy and torch share), the previous context restored after; None: the
-    current device, untouched."""
+    one the runtime, CuPy and torch share), the previous context restored after (a thread
+    that had none keeps it); None: the current device, untouched."""
 
     __slots__ = ("ctx", "prev")
 
@@ -171,7 +171,10 @@ class scope:
         return self
 
     def __exit__(self, *exc):
-        if self.ctx is not None and self.prev != self.ctx:
+        # (a thread that had no context keeps this one, as cudaSetDevice leaves it: torch's
+        # autograd threads start with none, and unbinding it would send every later call on
+        # them down the full path: plans.enter)
+        if self.ctx is not None and self.prev != self.ctx and self.prev:
             driver().set_current_context(self.prev)
         return False
 

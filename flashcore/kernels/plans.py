@@ -34,7 +34,7 @@ from . import device
 from .params import params_dtype
 from .tma import Maps
 
-__all__ = ["Plan", "Piece", "record", "offer", "lookup", "remember", "clear", "PLANS",
+__all__ = ["Plan", "Piece", "record", "offer", "lookup", "remember", "clear", "PLANS", "enter",
            "set_enabled", "enabled"]
 
 PLANS: dict = {}
@@ -332,3 +332,18 @@ def current_context() -> int:
     """The calling thread's current CUDA context (0: none): a plan runs only in the context
     its kernels were loaded in (the device's primary context, current for that device)."""
     return device.driver().current_context()
+
+
+def enter(plan) -> bool:
+    """Whether ``plan`` can run on the calling thread: its context is current, or made current
+    here when the thread has none yet (as the runtime binds a device's primary context at a
+    thread's first call: torch's autograd threads start so). False when another context is
+    current (another device's): the call then runs in full, under its device's scope."""
+    drv = device.driver()
+    ctx = drv.current_context()
+    if ctx == plan.context:
+        return True
+    if ctx:
+        return False
+    drv.set_current_context(plan.context)
+    return True

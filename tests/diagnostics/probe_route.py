@@ -308,7 +308,8 @@ def main(argv=None):
             fn()
         sync()
         if args.no_launch:
-            device.driver().launch = _no_launch
+            from flashcore.kernels import device as fc_device
+            fc_device.driver().launch = _no_launch
     else:
         # the process's CPU time: on a shared machine, time spent descheduled is not counted
         device, sync, clock = "cpu", (lambda: None), time.process_time

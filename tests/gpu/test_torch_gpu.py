@@ -113,6 +113,31 @@ print(getattr(Watch, "stack", ""))
     assert r.stdout.split()[0] == "False", r.stdout
 
 
+def test_repeated_steps_replay_their_plans(monkeypatch):
+    """After a layout's first step, forward and backward replay their launch plans, on the
+    calling thread and on autograd's device thread alike (a thread with no current CUDA
+    context gets the plan's: plans.enter): the backend's full path runs no more. (Run 23 found
+    every backward on the full path, 1.4 ms a tiny step, when the device scope unbound the
+    context again on autograd's thread.)"""
+    from flashcore.backends import torch_ops
+    q, k, v = _qkv()
+    for _ in range(2):
+        flashcore.attention(q, k, v, causal=True).sum().backward()
+    torch.cuda.synchronize()
+    calls = []
+    for name in ("forward", "backward"):
+        orig = getattr(torch_ops._BACKEND, name)
+
+        def spy(*a, _orig=orig, _name=name, **kw):
+            calls.append(_name)
+            return _orig(*a, **kw)
+        monkeypatch.setattr(torch_ops._BACKEND, name, spy)
+    for _ in range(5):
+        flashcore.attention(q, k, v, causal=True).sum().backward()
+    torch.cuda.synchronize()
+    assert calls == []
+
+
 def test_runs_on_torchs_current_stream(monkeypatch):
     fwd = _spy(monkeypatch, get_backend("cupy"), "forward")
     s = torch.cuda.Stream()
