@@ -69,7 +69,7 @@ def source_fingerprint() -> str:
 @functools.lru_cache(maxsize=None)
 def device_facts(device_id: int) -> tuple[int, int, int]:
     """(compute capability as an int, e.g. 90; opt-in shared memory per block in bytes;
-    multiprocessor count) of a device, queried once from the runtime."""
+    multiprocessor count) of a device, queried once from the driver."""
     from .kernels import device
     attr = device.driver().device_attribute
     major, minor = attr(device.ATTR_CC_MAJOR, device_id), attr(device.ATTR_CC_MINOR, device_id)

@@ -172,6 +172,7 @@ def no_gpu(monkeypatch):
     monkeypatch.setattr(driver, "launch", LAUNCH, raising=False)
     monkeypatch.setattr(tma, "_ENCODE", [fake_encode])
     monkeypatch.setattr(driver, "current_context", lambda: 0xC0, raising=False)
+    monkeypatch.setattr(driver, "primary_context", lambda device_id: 0xC0, raising=False)
     monkeypatch.setattr(cupy, "empty", _alloc)
     monkeypatch.setattr(cupy, "zeros", _alloc)
     monkeypatch.setattr(cupy, "empty_like", lambda a, **k: _alloc(a.shape, a.dtype))

@@ -6,8 +6,9 @@ the CUDA kernels' launchers (the CuPy backend's methods) wrapped as
 :class:`flashcore.kernels.device.TorchArray`, so the kernels run on torch's current stream and
 device with the outputs allocated by torch and every scratch buffer the launchers need
 (split-KV partials, dQ accumulators, copies) taken from torch's caching allocator: a call can
-be captured in a CUDA graph (``torch.cuda.graph``) and replays bit for bit. (CuPy's
-low-level bindings still import ``cupy`` at their first driver call: flashcore.kernels.device.)
+be captured in a CUDA graph (``torch.cuda.graph``) and replays bit for bit. The CUDA calls go
+to the driver through ctypes (flashcore.kernels.device): CuPy is imported only by a process that
+compiles a kernel (NVRTC's bindings).
 
 The torch route above it (the ops, autograd, the entry points) is :mod:`flashcore.backends.torch_ops`.
 Nothing here imports torch at flashcore import time.

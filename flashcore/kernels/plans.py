@@ -235,8 +235,8 @@ class Plan:
         # the kernel objects own their modules: kept, so the CUfunctions stay loaded
         plan.kernels = tuple(k for p in pieces for k, *_ in p.launches)
         plan.device_id = device_id
-        with device.scope(device_id):     # the context the kernels were loaded in
-            plan.context = int(current_context())
+        # the context the kernels were loaded in (jit.get_kernel: the device's primary one)
+        plan.context = device.driver().primary_context(device_id)
         plan.groups = tuple(groups)
         plan.counters = any(g[6] is not None for g in groups)
         plan.scratch_bytes = scratch_bytes
@@ -326,12 +326,6 @@ def _getter(idx):
         i = idx[0]
         return lambda pointers: (pointers[i],)
     return lambda pointers: ()
-
-
-def current_context() -> int:
-    """The calling thread's current CUDA context (0: none): a plan runs only in the context
-    its kernels were loaded in (the device's primary context, current for that device)."""
-    return device.driver().current_context()
 
 
 def enter(plan) -> bool:
