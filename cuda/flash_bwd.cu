@@ -398,6 +398,70 @@ __device__ __forceinline__ void bwd_row_stats(const FlashParams& p, int b, int h
     }
 }
 
+// ---- the key-block kernels' shared pieces (flash_bwd_dkdv_kernel, flash_bwd_dkdv2_kernel) --------
+
+// Their dynamic shared memory, carved (layout in the comment of flash_bwd_dkdv_kernel below);
+// sP takes no room when P^T stays in registers (has_p false).
+template <int kHeadDim, int kBlockM, int kBlockN>
+struct BwdTiles {
+    fc_u16 *sK, *sV, *sQ, *sdO, *sdS, *sP;
+    float *sLse, *sDsum;
+    __device__ __forceinline__ BwdTiles(unsigned char* raw, bool has_p) {
+        sK = reinterpret_cast<fc_u16*>(raw);
+        sV = sK + kBlockN * kHeadDim;
+        sQ = sV + kBlockN * kHeadDim;
+        sdO = sQ + 2 * kBlockM * kHeadDim;
+        sdS = sdO + 2 * kBlockM * kHeadDim;
+        sP = sdS + kBlockN * kBlockM;
+        sLse = reinterpret_cast<float*>(sP + (has_p ? kBlockN * kBlockM : 0));
+        sDsum = sLse + 2 * kBlockM;
+    }
+};
+
+// The key block's K and V tiles (cp.async, left uncommitted: the first Q/dO load commits them).
+template <int kBlockN, int kHeadDim, int kNT, bool Is_even_d>
+__device__ __forceinline__ void bwd_load_kv(const FlashParams& p, const BwdSeq& seq, int b, int hk,
+                                            int n0, int rows_k, fc_u16* sK, fc_u16* sV, int tid) {
+    bwd_load_tile<kBlockN, kHeadDim, kNT, Is_even_d>(
+        sK, static_cast<const fc_u16*>(p.k) + b * p.k_batch_stride + (seq.k_off + n0) * p.k_row_stride +
+                hk * p.k_head_stride, p.k_row_stride, rows_k, p.headdim, tid);
+    bwd_load_tile<kBlockN, kHeadDim, kNT, Is_even_d>(
+        sV, static_cast<const fc_u16*>(p.v) + b * p.v_batch_stride + (seq.k_off + n0) * p.v_row_stride +
+                hk * p.v_head_stride, p.v_row_stride, rows_k, p.headdim, tid);
+}
+
+// Query block m_block of head h: its Q and dO tiles into sQ / sdO (cp.async, committed), and
+// the row statistics of its rows (threads tid < kBlockM; plain loads) into nl / ds.
+template <int kBlockM, int kHeadDim, int kNT, bool Is_even_d>
+__device__ __forceinline__ void bwd_load_qdo(const FlashParams& p, const BwdSeq& seq, int b,
+                                             const fc_u16* gq, const fc_u16* gdo, int h, int m_block,
+                                             fc_u16* sQ, fc_u16* sdO, int tid, float& nl, float& ds) {
+    const int mm = m_block * kBlockM;
+    bwd_load_tile<kBlockM, kHeadDim, kNT, Is_even_d>(
+        sQ, gq + static_cast<long long>(mm) * p.q_row_stride + h * p.q_head_stride,
+        p.q_row_stride, seq.sq - mm, p.headdim, tid);
+    bwd_load_tile<kBlockM, kHeadDim, kNT, Is_even_d>(
+        sdO, gdo + static_cast<long long>(mm) * p.do_row_stride + h * p.do_head_stride,
+        p.do_row_stride, seq.sq - mm, p.headdim, tid);
+    cp_async_commit();
+    if (tid < kBlockM) bwd_row_stats(p, b, h, seq, mm + tid, nl, ds);
+}
+
+// Whether the (m0, n0) tile needs the elementwise mask: keys past the end (zero-filled K gives
+// S = 0, not -inf), or, with a window, a tile not wholly inside it (its extreme key - query
+// differences). All three tile kernels below.
+template <bool Is_local, int kBlockM, int kBlockN>
+__device__ __forceinline__ bool bwd_need_mask(const FlashParams& p, const BwdSeq& seq, int m0, int n0,
+                                              int off) {
+    bool need_mask = n0 + kBlockN > seq.sk;
+    if constexpr (Is_local) {
+        const int rel_min = n0 - (m0 + kBlockM - 1) - off;
+        const int rel_max = n0 + kBlockN - 1 - m0 - off;
+        need_mask = need_mask || rel_min < -p.window_left || rel_max > p.window_right;
+    }
+    return need_mask;
+}
+
 // ---- 2. key-block kernel: dK, dV (and dQ through atomics) ------------------------------------------
 //
 // Grid (ceil(seqlen_k / kBlockN), nheads_k, batch), kNWarps * 32 threads, dynamic shared memory
@@ -449,14 +513,10 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_kernel(const F
                   "column interleave must be a power of two <= the swizzle group's 16-column steps");
 
     extern __shared__ __align__(128) unsigned char bwd_smem_raw[];
-    fc_u16* sK = reinterpret_cast<fc_u16*>(bwd_smem_raw);
-    fc_u16* sV = sK + kBlockN * kHeadDim;
-    fc_u16* sQ = sV + kBlockN * kHeadDim;
-    fc_u16* sdO = sQ + 2 * kBlockM * kHeadDim;
-    fc_u16* sdS = sdO + 2 * kBlockM * kHeadDim;
-    fc_u16* sP = sdS + kBlockN * kBlockM;
-    float* sLse = reinterpret_cast<float*>(sP + (kReuse ? 0 : kBlockN * kBlockM));
-    float* sDsum = sLse + 2 * kBlockM;
+    const BwdTiles<kHeadDim, kBlockM, kBlockN> tiles(bwd_smem_raw, !kReuse);
+    fc_u16 *sK = tiles.sK, *sV = tiles.sV, *sQ = tiles.sQ, *sdO = tiles.sdO, *sdS = tiles.sdS,
+           *sP = tiles.sP;
+    float *sLse = tiles.sLse, *sDsum = tiles.sDsum;
 
     const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -487,21 +547,9 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_kernel(const F
         for (int e = 0; e < 4; ++e) acc_dk[nt][e] = acc_dv[nt][e] = 0.f;
 
     if (n_iter > 0) {
-        bwd_load_tile<kBlockN, kHeadDim, kNT, Is_even_d>(
-            sK, static_cast<const fc_u16*>(p.k) + b * p.k_batch_stride + (seq.k_off + n0) * p.k_row_stride +
-                    hk * p.k_head_stride, p.k_row_stride, rows_k, p.headdim, tid);
-        bwd_load_tile<kBlockN, kHeadDim, kNT, Is_even_d>(
-            sV, static_cast<const fc_u16*>(p.v) + b * p.v_batch_stride + (seq.k_off + n0) * p.v_row_stride +
-                    hk * p.v_head_stride, p.v_row_stride, rows_k, p.headdim, tid);
-        const int mm = m_begin * kBlockM;
-        bwd_load_tile<kBlockM, kHeadDim, kNT, Is_even_d>(
-            sQ, gq + static_cast<long long>(mm) * p.q_row_stride + h0 * p.q_head_stride,
-            p.q_row_stride, seq.sq - mm, p.headdim, tid);
-        bwd_load_tile<kBlockM, kHeadDim, kNT, Is_even_d>(
-            sdO, gdo + static_cast<long long>(mm) * p.do_row_stride + h0 * p.do_head_stride,
-            p.do_row_stride, seq.sq - mm, p.headdim, tid);
-        cp_async_commit();
-        if (tid < kBlockM) bwd_row_stats(p, b, h0, seq, mm + tid, sLse[tid], sDsum[tid]);
+        bwd_load_kv<kBlockN, kHeadDim, kNT, Is_even_d>(p, seq, b, hk, n0, rows_k, sK, sV, tid);
+        bwd_load_qdo<kBlockM, kHeadDim, kNT, Is_even_d>(p, seq, b, gq, gdo, h0, m_begin, sQ, sdO,
+                                                        tid, sLse[tid], sDsum[tid]);
     }
 
     int h = h0, m_block = m_begin;
@@ -515,19 +563,10 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_kernel(const F
         bwd_walk_next(h, m_block, m_begin, m_end, h_next, m_next);
         const bool has_next = it + 1 < n_iter;
         float nl_next = 0.f, ds_next = 0.f;
-        if (has_next) {
-            const int mm = m_next * kBlockM;
-            bwd_load_tile<kBlockM, kHeadDim, kNT, Is_even_d>(
-                sQ + (buf ^ 1) * kBlockM * kHeadDim,
-                gq + static_cast<long long>(mm) * p.q_row_stride + h_next * p.q_head_stride,
-                p.q_row_stride, seq.sq - mm, p.headdim, tid);
-            bwd_load_tile<kBlockM, kHeadDim, kNT, Is_even_d>(
-                sdO + (buf ^ 1) * kBlockM * kHeadDim,
-                gdo + static_cast<long long>(mm) * p.do_row_stride + h_next * p.do_head_stride,
-                p.do_row_stride, seq.sq - mm, p.headdim, tid);
-            cp_async_commit();
-            if (tid < kBlockM) bwd_row_stats(p, b, h_next, seq, mm + tid, nl_next, ds_next);
-        }
+        if (has_next)
+            bwd_load_qdo<kBlockM, kHeadDim, kNT, Is_even_d>(
+                p, seq, b, gq, gdo, h_next, m_next, sQ + (buf ^ 1) * kBlockM * kHeadDim,
+                sdO + (buf ^ 1) * kBlockM * kHeadDim, tid, nl_next, ds_next);
 
         const fc_u32 uQb = uQ + buf * (kBlockM * kHeadDim * 2);
         const fc_u32 udOb = udO + buf * (kBlockM * kHeadDim * 2);
@@ -536,13 +575,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_kernel(const F
         const int m0 = m_block * kBlockM;
 
         const BwdScoreMath sm = bwd_score_math(p, b, h, seq, Has_alibi);
-        bool need_mask = n0 + kBlockN > seq.sk;  // keys past the end (zero-filled K gives S = 0, not -inf)
-        if constexpr (Is_local) {
-            // The whole tile is inside the window iff the extreme (key - query) differences are.
-            const int rel_min = n0 - (m0 + kBlockM - 1) - off;
-            const int rel_max = n0 + kBlockN - 1 - m0 - off;
-            need_mask = need_mask || rel_min < -p.window_left || rel_max > p.window_right;
-        }
+        const bool need_mask = bwd_need_mask<Is_local, kBlockM, kBlockN>(p, seq, m0, n0, off);
         // Rows past seqlen_q need no mask: their neg_lse2 is -inf, so P = 0 there.
 
         // The warp's queries are processed in sub-chunks of kSubM (register reuse configs only),
@@ -804,14 +837,10 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv2_kernel(const 
     static_assert(kBlockM % 32 == 0, "kBlockM: P^T / dS^T tile width");
 
     extern __shared__ __align__(128) unsigned char bwd_smem_raw[];
-    fc_u16* sK = reinterpret_cast<fc_u16*>(bwd_smem_raw);
-    fc_u16* sV = sK + kBlockN * kHeadDim;
-    fc_u16* sQ = sV + kBlockN * kHeadDim;
-    fc_u16* sdO = sQ + 2 * kBlockM * kHeadDim;
-    fc_u16* sdS = sdO + 2 * kBlockM * kHeadDim;
-    fc_u16* sP = sdS + kBlockN * kBlockM;
-    float* sLse = reinterpret_cast<float*>(sP + kBlockN * kBlockM);
-    float* sDsum = sLse + 2 * kBlockM;
+    const BwdTiles<kHeadDim, kBlockM, kBlockN> tiles(bwd_smem_raw, true);
+    fc_u16 *sK = tiles.sK, *sV = tiles.sV, *sQ = tiles.sQ, *sdO = tiles.sdO, *sdS = tiles.sdS,
+           *sP = tiles.sP;
+    float *sLse = tiles.sLse, *sDsum = tiles.sDsum;
 
     const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -846,21 +875,9 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv2_kernel(const 
             for (int e = 0; e < 4; ++e) acc_dk[mi][nt][e] = acc_dv[mi][nt][e] = 0.f;
 
     if (n_iter > 0) {
-        bwd_load_tile<kBlockN, kHeadDim, kNT, Is_even_d>(
-            sK, static_cast<const fc_u16*>(p.k) + b * p.k_batch_stride + (seq.k_off + n0) * p.k_row_stride +
-                    hk * p.k_head_stride, p.k_row_stride, rows_k, p.headdim, tid);
-        bwd_load_tile<kBlockN, kHeadDim, kNT, Is_even_d>(
-            sV, static_cast<const fc_u16*>(p.v) + b * p.v_batch_stride + (seq.k_off + n0) * p.v_row_stride +
-                    hk * p.v_head_stride, p.v_row_stride, rows_k, p.headdim, tid);
-        const int mm = m_begin * kBlockM;
-        bwd_load_tile<kBlockM, kHeadDim, kNT, Is_even_d>(
-            sQ, gq + static_cast<long long>(mm) * p.q_row_stride + h0 * p.q_head_stride,
-            p.q_row_stride, seq.sq - mm, p.headdim, tid);
-        bwd_load_tile<kBlockM, kHeadDim, kNT, Is_even_d>(
-            sdO, gdo + static_cast<long long>(mm) * p.do_row_stride + h0 * p.do_head_stride,
-            p.do_row_stride, seq.sq - mm, p.headdim, tid);
-        cp_async_commit();
-        if (tid < kBlockM) bwd_row_stats(p, b, h0, seq, mm + tid, sLse[tid], sDsum[tid]);
+        bwd_load_kv<kBlockN, kHeadDim, kNT, Is_even_d>(p, seq, b, hk, n0, rows_k, sK, sV, tid);
+        bwd_load_qdo<kBlockM, kHeadDim, kNT, Is_even_d>(p, seq, b, gq, gdo, h0, m_begin, sQ, sdO,
+                                                        tid, sLse[tid], sDsum[tid]);
     }
 
     int h = h0, m_block = m_begin;
@@ -873,19 +890,10 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv2_kernel(const 
         bwd_walk_next(h, m_block, m_begin, m_end, h_next, m_next);
         const bool has_next = it + 1 < n_iter;
         float nl_next = 0.f, ds_next = 0.f;
-        if (has_next) {
-            const int mm = m_next * kBlockM;
-            bwd_load_tile<kBlockM, kHeadDim, kNT, Is_even_d>(
-                sQ + (buf ^ 1) * kBlockM * kHeadDim,
-                gq + static_cast<long long>(mm) * p.q_row_stride + h_next * p.q_head_stride,
-                p.q_row_stride, seq.sq - mm, p.headdim, tid);
-            bwd_load_tile<kBlockM, kHeadDim, kNT, Is_even_d>(
-                sdO + (buf ^ 1) * kBlockM * kHeadDim,
-                gdo + static_cast<long long>(mm) * p.do_row_stride + h_next * p.do_head_stride,
-                p.do_row_stride, seq.sq - mm, p.headdim, tid);
-            cp_async_commit();
-            if (tid < kBlockM) bwd_row_stats(p, b, h_next, seq, mm + tid, nl_next, ds_next);
-        }
+        if (has_next)
+            bwd_load_qdo<kBlockM, kHeadDim, kNT, Is_even_d>(
+                p, seq, b, gq, gdo, h_next, m_next, sQ + (buf ^ 1) * kBlockM * kHeadDim,
+                sdO + (buf ^ 1) * kBlockM * kHeadDim, tid, nl_next, ds_next);
 
         const fc_u32 uQb = uQ + buf * (kBlockM * kHeadDim * 2);
         const fc_u32 udOb = udO + buf * (kBlockM * kHeadDim * 2);
@@ -894,12 +902,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv2_kernel(const 
         const int m0 = m_block * kBlockM;
 
         const BwdScoreMath sm = bwd_score_math(p, b, h, seq, Has_alibi);
-        bool need_mask = n0 + kBlockN > seq.sk;
-        if constexpr (Is_local) {
-            const int rel_min = n0 - (m0 + kBlockM - 1) - off;
-            const int rel_max = n0 + kBlockN - 1 - m0 - off;
-            need_mask = need_mask || rel_min < -p.window_left || rel_max > p.window_right;
-        }
+        const bool need_mask = bwd_need_mask<Is_local, kBlockM, kBlockN>(p, seq, m0, n0, off);
 
         {
             // ---- dP^T = V dO^T, then S^T = K Q^T: keys sk0..+kSTn x queries sq0..+kSTm --------
@@ -1255,12 +1258,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dq_kernel(const Fla
             }
         }
 
-        bool need_mask = n0 + kBlockN > seq.sk;
-        if constexpr (Is_local) {
-            const int rel_min = n0 - (m0 + kBlockM - 1) - off;
-            const int rel_max = n0 + kBlockN - 1 - m0 - off;
-            need_mask = need_mask || rel_min < -p.window_left || rel_max > p.window_right;
-        }
+        const bool need_mask = bwd_need_mask<Is_local, kBlockM, kBlockN>(p, seq, m0, n0, off);
         // Accumulator (nt, e): query row i0 + 8*(e>>1), key col n0 + nt*8 + 2t + (e&1).
         // dropout: keep[0] holds n-tiles nt, nt + 1 (one 16 x 16 tile), keep[1] the next tile's
         unsigned int keep[2] = {0u, 0u};
