@@ -38,6 +38,7 @@
 // serves q -> q_out rotation.
 #include "flash_params.cuh"
 #include "ptx.cuh"
+#include "flash_scores.cuh"
 
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
@@ -911,86 +912,18 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
                     for (int e = 0; e < 4; ++e) s[mt][nt][e] *= k_scale;
         }
 
-        // scale, softcap, ALiBi, mask (DESIGN.md order). Element e of tile nt: row half
-        // r = e / 2, key n0 + wn0 + nt*8 + 2t + (e & 1).
+        // scale, softcap, ALiBi, mask (DESIGN.md order), then the online softmax step (per
+        // warp; flash_scores.cuh). Element e of tile nt: row half r = e / 2, key
+        // n0 + wn0 + nt*8 + 2t + (e & 1).
         const int kc0 = n0 + wn0 + 2 * t;   // this lane's first key column
-        if constexpr (Has_softcap) {
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        s[mt][nt][e] = params.softcap * fc_tanh(s[mt][nt][e] * cap_in);
-        } else if constexpr (Has_alibi) {
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) s[mt][nt][e] *= params.softmax_scale;
-        }
-        if constexpr (Has_alibi) {
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const float d0 = (float)(row_pos[mt][r] - kc0);
-#pragma unroll
-                    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                        for (int e = 2 * r; e < 2 * r + 2; ++e)
-                            s[mt][nt][e] -= slope[mt][r] * fabsf(d0 - (float)(nt * 8 + (e & 1)));
-                }
-        }
-        if (n0 + kBlockN > blk_hi || n0 < blk_lo) {
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int pos = row_pos[mt][r] - kc0;
-                    int hi = sk - kc0;
-                    if (right_bounded) hi = min(hi, pos + win_r + 1);
-                    const int lo = left_bounded ? pos - win_l : -kBlockN;
-#pragma unroll
-                    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                        for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                            const int jr = nt * 8 + (e & 1);
-                            if (jr >= hi || jr < lo) s[mt][nt][e] = -INFINITY;
-                        }
-                }
-        }
-
-        // online softmax (per warp; see flash_fwd.cu for the -inf handling)
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float mx = row_max[mt][r];
-#pragma unroll
-                for (int nt = 0; nt < kNT; ++nt)
-                    mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-                mx = quad_max(mx);
-                const float m_scaled = (mx == -INFINITY) ? 0.f : mx * mult;
-                const float corr = fc_exp2(row_max[mt][r] * mult - m_scaled);
-                row_max[mt][r] = mx;
-                float sum = 0.f;
-#pragma unroll
-                for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                    for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                        const float p = fc_exp2(fmaf(s[mt][nt][e], mult, -m_scaled));
-                        s[mt][nt][e] = p;
-                        sum += p;
-                    }
-                row_sum[mt][r] = row_sum[mt][r] * corr + sum;
-#pragma unroll
-                for (int j = 0; j < kDT; ++j) {
-                    acc_o[mt][j][2 * r] *= corr;
-                    acc_o[mt][j][2 * r + 1] *= corr;
-                }
-            }
+        auto pos_of = [&](int mt, int r) { return row_pos[mt][r] - kc0; };
+        fc_scale_scores<Has_softcap, Has_alibi>(s, params.softcap, cap_in, params.softmax_scale);
+        if constexpr (Has_alibi)
+            fc_alibi_scores(s, [&](int mt, int r) { return slope[mt][r]; }, pos_of);
+        if (n0 + kBlockN > blk_hi || n0 < blk_lo)
+            fc_mask_scores<kMT, kNT, kBlockN>(s, pos_of, sk - kc0, left_bounded, right_bounded,
+                                              win_l, win_r);
+        fc_online_softmax(s, row_max, row_sum, acc_o, mult);
 
         // O += P V over this warp's keys (P straight from the S accumulators)
 #pragma unroll

@@ -34,6 +34,7 @@
 #include "flash_params.cuh"
 #include "flash_dropout.cuh"
 #include "ptx.cuh"
+#include "flash_scores.cuh"
 
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
@@ -401,97 +402,18 @@ flash_fwd_kernel(const FlashParams params) {
             }
         }
 
-        // Score modifications, in the order of DESIGN.md: scale, softcap, ALiBi, mask.
-        // Accumulator element e of tile nt: row half r = e / 2, key n0 + nt*8 + 2t + (e & 1).
-        if constexpr (Has_softcap) {
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        s[mt][nt][e] = params.softcap * fc_tanh(s[mt][nt][e] * cap_in);
-        } else if constexpr (Has_alibi) {
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) s[mt][nt][e] *= params.softmax_scale;
-        }
-        if constexpr (Has_alibi) {
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    // distance |i + off - j| with j = n0 + 2t + (nt*8 + e&1): one int->float
-                    // per row, then a constant offset per element.
-                    const float d0 = (float)(row_pos0 + mt * 16 + 8 * r - n0 - 2 * t);
-#pragma unroll
-                    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                        for (int e = 2 * r; e < 2 * r + 2; ++e)
-                            s[mt][nt][e] -= alibi_slope * fabsf(d0 - (float)(nt * 8 + (e & 1)));
-                }
-        }
+        // Score modifications, in the order of DESIGN.md: scale, softcap, ALiBi, mask; then the
+        // online softmax step (flash_scores.cuh). A row's position relative to this lane's
+        // first key column n0 + 2t: i + off - (n0 + 2t).
+        auto pos_of = [&](int mt, int r) { return row_pos0 + mt * 16 + 8 * r - n0 - 2 * t; };
+        fc_scale_scores<Has_softcap, Has_alibi>(s, params.softcap, cap_in, params.softmax_scale);
+        if constexpr (Has_alibi)
+            fc_alibi_scores(s, [&](int, int) { return alibi_slope; }, pos_of);
         const bool need_mask = n0 + kBlockN > blk_hi || n0 < blk_lo;
-        if (need_mask) {
-            // Only boundary blocks get here (usually one or two per tile). A masked score is
-            // -inf, so its exponent gives exactly 0 below.
-            // Row i sees keys [lo, hi): hi = min(sk, i + off + wr + 1), lo = i + off - wl.
-            // Compared relative to this lane's first key column n0 + 2t.
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int pos = row_pos0 + mt * 16 + 8 * r - n0 - 2 * t;   // i + off - (n0 + 2t)
-                    int hi = sk - n0 - 2 * t;
-                    if (right_bounded) hi = min(hi, pos + win_r + 1);
-                    const int lo = left_bounded ? pos - win_l : -kBlockN;
-#pragma unroll
-                    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                        for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                            const int jr = nt * 8 + (e & 1);
-                            if (jr >= hi || jr < lo) s[mt][nt][e] = -INFINITY;
-                        }
-                }
-        }
-
-        // Online softmax. New max m' = max(m, rowmax(S)); O and l are rescaled by
-        // 2^((m - m') * mult); P = 2^(S * mult - m' * mult), one FFMA + ex2 per score.
-        // A row that has seen only masked keys has m' = -inf: the exponent offset is taken as
-        // 0 (so -inf - (-inf) never happens), P = 2^-inf = 0, and the stored max stays -inf.
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float mx = row_max[mt][r];
-#pragma unroll
-                for (int nt = 0; nt < kNT; ++nt)
-                    mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-                mx = quad_max(mx);
-                const float m_scaled = (mx == -INFINITY) ? 0.f : mx * mult;
-                const float corr = fc_exp2(row_max[mt][r] * mult - m_scaled);  // 0 if old was -inf
-                row_max[mt][r] = mx;
-                float sum = 0.f;
-#pragma unroll
-                for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                    for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                        const float p = fc_exp2(fmaf(s[mt][nt][e], mult, -m_scaled));
-                        s[mt][nt][e] = p;
-                        sum += p;
-                    }
-                // Partial sums stay per lane (each lane's 2 columns per tile); the quad is
-                // reduced once at the end, which is valid since corr is quad-uniform.
-                row_sum[mt][r] = row_sum[mt][r] * corr + sum;
-#pragma unroll
-                for (int j = 0; j < kDT; ++j) {
-                    acc_o[mt][j][2 * r] *= corr;
-                    acc_o[mt][j][2 * r + 1] *= corr;
-                }
-            }
+        if (need_mask)      // only boundary blocks (usually one or two per tile)
+            fc_mask_scores<kMT, kNT, kBlockN>(s, pos_of, sk - n0 - 2 * t, left_bounded,
+                                              right_bounded, win_l, win_r);
+        fc_online_softmax(s, row_max, row_sum, acc_o, mult);
 
         // Dropout: P (not the row sums: the lse stays the undropped one's) times 0 or
         // 1 / keep-probability. The 8 probabilities of this lane in a 16 x 16 tile (rows g,

@@ -1,0 +1,122 @@
+// flashcore: the score modifications and the online softmax step of an mma.sync accumulator
+// fragment, shared by the FlashAttention-2-class forward (flash_fwd.cu) and the decode kernel
+// (flash_decode.cu).
+//
+// The fragment: s[kMT][kNT][4], kMT m16 row tiles by kNT n8 column tiles of the scores; element
+// e of tile (mt, nt) is row half r = e / 2 (rows g and g + 8 of the m16 tile) and column
+// nt * 8 + (e & 1) relative to the lane's first key column (2t into each n8 tile). The order of
+// the modifications is DESIGN.md's: scale, softcap, ALiBi, mask.
+#pragma once
+
+#include "ptx.cuh"
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+// softcap: s = cap tanh(s cap_in) (the scale is in cap_in); else with ALiBi the softmax scale
+// applied here, before the bias (otherwise it is folded into the exponent's multiplier).
+template <bool Has_softcap, bool Has_alibi, int kMT, int kNT>
+__device__ __forceinline__ void fc_scale_scores(float (&s)[kMT][kNT][4], float softcap,
+                                                float cap_in, float softmax_scale) {
+    if constexpr (Has_softcap) {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][nt][e] = softcap * fc_tanh(s[mt][nt][e] * cap_in);
+    } else if constexpr (Has_alibi) {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][nt][e] *= softmax_scale;
+    }
+}
+
+// ALiBi: s -= slope(mt, r) |d0(mt, r) - column|, d0 the row's query position (i + sk - sq)
+// minus the lane's first key column: one int -> float per row, a constant offset per element.
+template <int kMT, int kNT, typename Slope, typename D0>
+__device__ __forceinline__ void fc_alibi_scores(float (&s)[kMT][kNT][4], Slope slope, D0 d0_of) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float d0 = (float)d0_of(mt, r);
+            const float sl = slope(mt, r);
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int e = 2 * r; e < 2 * r + 2; ++e)
+                    s[mt][nt][e] -= sl * fabsf(d0 - (float)(nt * 8 + (e & 1)));
+        }
+}
+
+// The mask of a boundary block: row (mt, r), at pos_of(mt, r) = its query position (i + sk - sq)
+// minus the lane's first key column, sees the columns [lo, hi) with hi = min(hi0, pos + wr + 1)
+// (hi0 = sk minus that first column) and lo = pos - wl; a masked score is -inf, so its
+// exponent gives exactly 0.
+template <int kMT, int kNT, int kBlockN, typename Pos>
+__device__ __forceinline__ void fc_mask_scores(float (&s)[kMT][kNT][4], Pos pos_of, int hi0,
+                                               bool left_bounded, bool right_bounded, int win_l,
+                                               int win_r) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int pos = pos_of(mt, r);
+            int hi = hi0;
+            if (right_bounded) hi = min(hi, pos + win_r + 1);
+            const int lo = left_bounded ? pos - win_l : -kBlockN;
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                    const int jr = nt * 8 + (e & 1);
+                    if (jr >= hi || jr < lo) s[mt][nt][e] = -INFINITY;
+                }
+        }
+}
+
+// The online softmax step. New max m' = max(m, rowmax(S)); O and l are rescaled by
+// 2^((m - m') mult); P = 2^(S mult - m' mult), one FFMA and one ex2 per score, written over s.
+// A row that has seen only masked keys has m' = -inf: the exponent offset is taken as 0 (so
+// -inf - (-inf) never happens), P = 2^-inf = 0, and the stored max stays -inf. The partial sums
+// stay per lane (each lane's 2 columns per tile); the quad is reduced once at the end, which is
+// valid since the correction is quad-uniform.
+template <int kMT, int kNT, int kDT>
+__device__ __forceinline__ void fc_online_softmax(float (&s)[kMT][kNT][4],
+                                                  float (&row_max)[kMT][2],
+                                                  float (&row_sum)[kMT][2],
+                                                  float (&acc_o)[kMT][kDT][4], float mult) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = row_max[mt][r];
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+                mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+            mx = quad_max(mx);
+            const float m_scaled = (mx == -INFINITY) ? 0.f : mx * mult;
+            const float corr = fc_exp2(row_max[mt][r] * mult - m_scaled);  // 0 if old was -inf
+            row_max[mt][r] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                    const float p = fc_exp2(fmaf(s[mt][nt][e], mult, -m_scaled));
+                    s[mt][nt][e] = p;
+                    sum += p;
+                }
+            row_sum[mt][r] = row_sum[mt][r] * corr + sum;
+#pragma unroll
+            for (int j = 0; j < kDT; ++j) {
+                acc_o[mt][j][2 * r] *= corr;
+                acc_o[mt][j][2 * r + 1] *= corr;
+            }
+        }
+}
