@@ -277,3 +277,16 @@ def test_the_gpu_check_ends_with_the_asv_compare_and_shows_its_verdict():
     # compare.sh writes that report where check.sh reads it
     sh = open(os.path.join(ASV, "compare.sh")).read()
     assert 'report="$OUT/asv/compare.txt"' in sh
+
+
+def test_the_gpu_check_runs_in_parts_and_refuses_an_unknown_mode():
+    """tests/gpu/check.sh's parts (tests, bench, asv) fit one device call each; an unknown mode
+    is refused at once, before anything touches a GPU."""
+    import subprocess
+    script = os.path.join(ROOT, "tests", "gpu", "check.sh")
+    text = open(script).read()
+    for mode in ("quick", "full", "tests", "bench", "asv"):
+        assert mode in text.split("case \"$mode\" in", 1)[1].split(")", 1)[0]
+    r = subprocess.run(["bash", script, "nonsense"], capture_output=True, text=True,
+                       env={**os.environ, "OUT": "/nonexistent-unused"}, timeout=60)
+    assert r.returncode == 2 and "unknown mode 'nonsense'" in r.stderr, (r.returncode, r.stderr)

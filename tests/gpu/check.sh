@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The GPU check: the GPU test group, a quick benchmark against torch SDPA (flash and cuDNN
 # backends, same run), and one summary line. Run from the repository root on a GPU machine:
-#     bash tests/gpu/check.sh [quick|full|tests]      (tests: the test group only)
+#     bash tests/gpu/check.sh [quick|full|tests|bench|asv]
 # It ends with the decode table through the public API and an asv run of this commit compared
-# with the newest committed results (asv_benchmarks/compare.sh; ASV=0 skips it).
+# with the newest committed results (asv_benchmarks/compare.sh; ASV=0 skips it). The whole of it
+# takes longer than one 10-minute device call, so it runs in parts too: `tests` the test group
+# only, `bench` the benchmarks (quick's sizes) and the decode table only, `asv` the asv compare
+# only; the three in turn do what `quick` does.
 # On compute capability 9.0 the suite runs with the default kernels (the Hopper family where it
 # applies), then the Ampere-class suite and fuzz tests again with FLASHCORE_SM90=0 and
 # FLASHCORE_SM90_BWD=0, so that both families are checked on an H100/H200.
@@ -12,6 +15,9 @@
 # $FLASHCORE_TEST_WHEELS (default .whl/test, an ignored folder that travels with the tree).
 set -uo pipefail
 mode=${1:-full}
+case "$mode" in quick|full|tests|bench|asv) ;;
+  *) echo "check.sh: unknown mode '$mode' (quick, full, tests, bench or asv)" >&2; exit 2;;
+esac
 out=${OUT:-gpu-check-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -36,6 +42,8 @@ if python3 -c "import xdist" 2>/dev/null; then
          MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
 fi
 t0=$(date +%s)
+tests_rc=0; tests_line="not run (mode $mode)"
+if [ "$mode" != bench ] && [ "$mode" != asv ]; then
 timeout ${GPU_TEST_TIMEOUT:-1800} python3 -m pytest tests -m gpu -q -rfE $xdist -p no:cacheprovider --maxfail=40 ${GPU_TEST_ARGS:-} 2>&1 | tee "$out/gpu_tests.log" | tail -60
 tests_rc=${PIPESTATUS[0]}
 tests_line=$(grep -E "^(=+ )?[0-9]+ (passed|failed)" "$out/gpu_tests.log" | tail -1)
@@ -47,13 +55,16 @@ if python3 -c "import cupy, sys; sys.exit(cupy.cuda.Device().compute_capability 
   [ "$tests_rc" = 0 ] && tests_rc=$rc2
   tests_line="$tests_line; Ampere family (FLASHCORE_SM90=0): $(grep -E "^(=+ )?[0-9]+ (passed|failed)" "$out/gpu_tests_ampere.log" | tail -1)"
 fi
+fi
 t1=$(date +%s)
 if [ "$mode" = tests ]; then
   echo "SUMMARY tests: ${tests_line:-none} (rc $tests_rc, $((t1 - t0)) s)"
   exit $tests_rc
 fi
 
-if [ "$mode" = quick ]; then
+bench_rc=0
+if [ "$mode" != asv ]; then
+if [ "$mode" = quick ] || [ "$mode" = bench ]; then
   seqs="1024 4096 16384"; dims="64 128 256"
 else
   seqs="512 1024 2048 4096 8192 16384"; dims="64 128 256"
@@ -86,9 +97,10 @@ for mode in ("fwd", "fwdbwd"):
 PY
 # what users pay per decoding step, through the public API (GPU time, host loop, graph replay)
 python3 -m flashcore.bench --decode 2>&1 | tee "$out/decode.log"
+fi
 # asv on this commit, compared with the newest committed results: regressions beyond 5% fail
 asv_rc=0
-if [ "${ASV:-1}" != 0 ]; then
+if [ "${ASV:-1}" != 0 ] && [ "$mode" != bench ]; then
   OUT="$out" bash asv_benchmarks/compare.sh > "$out/asv_compare.txt" 2>&1; asv_rc=$?
   # the verdict (every change beyond 5%, the holes in the history), not the tail of the log,
   # which ends with asv's own informative table
