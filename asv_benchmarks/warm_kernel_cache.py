@@ -2,8 +2,8 @@
 
 A cold NVRTC compile takes seconds to tens of seconds per configuration; the benchmarks would
 otherwise pay it one after the other (and inside their timeouts). Each configuration is
-compiled in its own process, all at once, into CuPy's ordinary disk cache, which the
-benchmark processes then load from. Exits 0 with a message where the CuPy backend is missing.
+compiled in its own process, all at once, into flashcore's kernel cache (``config.cache_dir``),
+which the benchmark processes then load from. Exits 0 with a message where the CuPy backend is missing.
 
     python asv_benchmarks/warm_kernel_cache.py [--jobs N]
 """

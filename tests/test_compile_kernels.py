@@ -31,16 +31,18 @@ def _nvrtc_or_skip():
         pytest.skip(msg)
 
 
-def _modules():
-    from flashcore.kernels import backward, decode, forward
-    return [("flash_fwd.cu", forward), ("flash_bwd.cu", backward), ("flash_decode.cu", decode)]
+def _portable(source):
+    """The instantiations of a portable source (every architecture), from the one table."""
+    from flashcore.kernels import catalog
+    return [n for src, targets, fn in catalog.TABLE if src == source and targets == catalog.ANY
+            for n in fn()]
 
 
 def _sm90_sources():
     """Hopper-only sources (wgmma): compiled for sm_90a alone. (source, instantiations)."""
-    from flashcore.kernels import backward, forward
-    return [(forward.SM90_SOURCE, forward.sm90_instantiations),
-            (backward.SM90_SOURCE, backward.sm90_instantiations)]
+    from flashcore.kernels import catalog
+    return [(src, fn) for src, targets, fn in catalog.TABLE
+            if targets == catalog.HOPPER and src.endswith("_sm90.cu")]
 
 
 def _sample(names, budget):
@@ -69,8 +71,7 @@ BUDGET = int(os.environ.get("FLASHCORE_COMPILE_BUDGET", "48"))
 @pytest.mark.parametrize("source", ["flash_fwd.cu", "flash_bwd.cu", "flash_decode.cu"])
 def test_kernels_compile(source, arch):
     _nvrtc_or_skip()
-    mod = dict(_modules())[source]
-    names = mod.instantiations()
+    names = _portable(source)
     assert names, f"{source}: no instantiations listed"
     sample = _sample(names, BUDGET)
     # one NVRTC program per chunk of names: shared parsing, bounded memory
@@ -146,8 +147,10 @@ def test_decode_cluster_kernels_compile():
     sample over every flag and every cluster size, with no local-memory frame at all."""
     _nvrtc_or_skip()
     from flashcore.kernels import decode
-    names = decode.sm90_instantiations()
-    assert names
+    from flashcore.kernels import catalog
+    names = [n for src, targets, fn in catalog.TABLE
+             if src == "flash_decode.cu" and targets == catalog.HOPPER for n in fn()]
+    assert names and names == decode.sm90_instantiations()
     sample = _sample(names, 24)
     for i in range(0, len(sample), 8):
         cubin, log = jit.compile_check("flash_decode.cu", sample[i:i + 8], "sm_90a",
@@ -159,7 +162,12 @@ def test_decode_cluster_kernels_compile():
 
 
 def test_every_source_file_is_covered():
-    covered = {s for s, _ in _modules()} | {s for s, _ in _sm90_sources()}
+    """Every kernel source is a row of the one table (flashcore.kernels.catalog) and compiled
+    by a test above; every header is included by one."""
+    from flashcore.kernels import catalog
+    covered = {s for s, _, _ in catalog.TABLE}
+    assert covered == {"flash_fwd.cu", "flash_bwd.cu", "flash_decode.cu"} | {
+        s for s, _ in _sm90_sources()}
     includes = set()
     for s in covered:
         includes |= set(re.findall(r'#include "([^"]+)"', (jit.cuda_dir() / s).read_text()))

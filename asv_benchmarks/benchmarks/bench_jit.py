@@ -1,7 +1,8 @@
 """How long a kernel configuration takes to become callable.
 
-* cold: compiled by NVRTC from source, into an empty CuPy kernel cache, with flashcore's
-  in-memory kernel tables cleared: what a user waits for on the very first call;
+* cold: compiled by NVRTC from source, into an empty kernel cache (flashcore's own,
+  ``config.cache_dir``), with flashcore's in-memory kernel tables cleared: what a user waits
+  for on the very first call;
 * warm: loaded from the disk cache that the cold call just filled: what every later process
   waits for.
 
@@ -15,9 +16,6 @@ import tempfile
 import time
 
 from .common import cupy, random_arrays, require_gpu_backend
-
-CACHE_ENV_VARS = ("CUPY_CACHE_DIR", "FLASHCORE_CACHE_DIR")
-
 
 def clear_flashcore_memory_caches():
     """Forget every kernel flashcore holds in memory (so the next call goes to the disk)."""
@@ -37,16 +35,9 @@ def clear_flashcore_memory_caches():
 
 
 def point_kernel_cache_at(path):
-    """Send CuPy's (and flashcore's, if it has one) on-disk kernel cache to ``path``."""
-    for var in CACHE_ENV_VARS:
-        os.environ[var] = path
-    # CuPy >= 14 builds its disk cache object when imported (the forkserver imported it
-    # before this process existed); CuPy 13 reads CUPY_CACHE_DIR on every compile.
-    compiler = cupy.cuda.compiler
-    setter = getattr(compiler, "_set_kernel_cache_backend", None)
-    if setter is not None:
-        from cupy.cuda._compiler_cache import DiskKernelCacheBackend
-        setter(DiskKernelCacheBackend(path))
+    """Send flashcore's on-disk kernel cache to ``path``; returns the previous settings."""
+    from flashcore import config
+    return config.set(cache_dir=path)
 
 
 class KernelCompile:
@@ -63,27 +54,24 @@ class KernelCompile:
         import flashcore
         self.flashcore = flashcore
         self.cache_dir = tempfile.mkdtemp(prefix="flashcore-asv-kernel-cache-")
-        self.saved_env = {v: os.environ.get(v) for v in CACHE_ENV_VARS}
-        point_kernel_cache_at(self.cache_dir)
+        self.saved_settings = point_kernel_cache_at(self.cache_dir)
         shape = (1, 128, 1, headdim)
         self.q, self.k, self.v, self.dout = random_arrays("cupy", [shape] * 4, seed=1)
         self.causal = causal
         self.which = which
         # Everything but the kernels under test is warmed up: CuPy's own start-up, NVRTC's
-        # version probe, and for the backward, the forward that produces out and lse.
+        # version probe, and for the backward, the forward that produces out and lse (compiled
+        # into the fresh cache: the backward's kernels are what the timed call compiles).
         cupy.cuda.Device().synchronize()
         if which == "backward":
             self.out, self.lse = flashcore.attention_forward(self.q, self.k, self.v, causal=causal)
             cupy.cuda.Device().synchronize()
 
     def teardown(self, *params):
-        if not hasattr(self, "saved_env"):    # setup refused (asv tears down regardless)
+        if not hasattr(self, "saved_settings"):    # setup refused (asv tears down regardless)
             return
-        for var, value in self.saved_env.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
+        from flashcore import config
+        config.set(cache_dir=self.saved_settings.cache_dir)
         shutil.rmtree(self.cache_dir, ignore_errors=True)
 
     def _call(self):

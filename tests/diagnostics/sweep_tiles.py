@@ -1,6 +1,6 @@
 """Tile sweep for the forward and backward kernels on the GPU (a tuning tool, not a test).
 
-For each candidate tile: compile (in parallel, filling CuPy's disk cache), check the result
+For each candidate tile: compile (in parallel, filling the kernel cache), check the result
 against the default tile on random data, report registers / local memory, and time it with
 triton's do_bench (median) at the ANCHORS sizes. Prints one line per variant and a best-of
 table.   python tests/diagnostics/sweep_tiles.py [--quick]
