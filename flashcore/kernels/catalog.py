@@ -4,7 +4,7 @@ Each row: the source file in ``cuda/``, the targets it is compiled for (every su
 architecture, or sm_90a alone for the ``wgmma``/cluster kernels), and the function listing its
 instantiations. The names are the launchers' own (each launcher module's name functions build
 the strings it launches, from the same tile rules), so the table and the launches cannot drift
-apart. The compile tests, the GPU check's register table and the cache warm-up read it.
+apart. The compile tests read it (every row compiled, a stratified sample of each).
 """
 from __future__ import annotations
 
