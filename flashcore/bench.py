@@ -240,18 +240,23 @@ def gpu_time_l2_flushed(fn, iters=30, warmup=5):
 
 
 def host_loop_us(fn, steps: int | None = None, warmup: int = 20, rounds: int = 5,
-                 target_s: float = 0.05, sync=None) -> float:
+                 target_s: float = 0.05, sync=None, warmup_s: float = 0.05) -> float:
     """Host wall-clock per step of ``fn``, in microseconds: ``steps`` calls back to back, ended
     by one device synchronisation, the best of ``rounds`` such loops. What a loop of decoding or
     training steps costs the host, the launches and the Python around them included (the GPU
     work too where it is the longer of the two).
 
-    ``steps`` defaults to as many as fill ``target_s`` (10 to 2000). ``sync`` defaults to
-    ``torch.cuda.synchronize``."""
+    The warm-up is ``warmup`` calls and then more until ``warmup_s`` seconds have passed (none
+    with ``warmup=0``): an idle GPU runs at low clocks at first (the suspected cause of the
+    first cell of each implementation reading high in an asv run, session 17). ``steps`` defaults to as many as
+    fill ``target_s`` (10 to 2000). ``sync`` defaults to ``torch.cuda.synchronize``."""
     if sync is None:
         import torch
         sync = torch.cuda.synchronize
+    t_end = time.perf_counter() + (warmup_s if warmup > 0 else 0.0)
     for _ in range(warmup):
+        fn()
+    while time.perf_counter() < t_end:
         fn()
     sync()
     if steps is None:

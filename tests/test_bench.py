@@ -8,6 +8,7 @@ import importlib
 import inspect
 import json
 import os
+import time
 import re
 import subprocess
 import sys
@@ -94,8 +95,16 @@ def test_gpu_benchmarks_skip_with_a_reason_without_a_gpu(suite):
 def test_host_loop_timer_counts_per_step():
     calls = []
     us = bench.host_loop_us(lambda: calls.append(1), steps=10, warmup=2, rounds=3,
-                            sync=lambda: None)
+                            sync=lambda: None, warmup_s=0.0)
     assert us > 0 and len(calls) == 2 + 3 * 10
+    # the warm-up goes on until warmup_s has passed; none at all with warmup=0
+    calls.clear()
+    bench.host_loop_us(lambda: (calls.append(1), time.sleep(0.001)), steps=10, warmup=2,
+                       rounds=1, sync=lambda: None, warmup_s=0.03)
+    assert len(calls) >= 2 + 10 + 10
+    calls.clear()
+    bench.host_loop_us(lambda: calls.append(1), steps=10, warmup=0, rounds=1, sync=lambda: None)
+    assert len(calls) == 10
 
 
 def test_flops_and_sizes():
