@@ -299,3 +299,29 @@ def test_the_gpu_check_runs_in_parts_and_refuses_an_unknown_mode():
     r = subprocess.run(["bash", script, "nonsense"], capture_output=True, text=True,
                        env={**os.environ, "OUT": "/nonexistent-unused"}, timeout=60)
     assert r.returncode == 2 and "unknown mode 'nonsense'" in r.stderr, (r.returncode, r.stderr)
+
+
+def test_the_benchmark_page_names_later_runs_of_its_groups(tmp_path):
+    """docs/scripts/make_plots.py draws the page from one run (the newest with Ratio) and names
+    the later commits that measured some of the page's groups again, without their figures."""
+    sys.path.insert(0, os.path.join(ROOT, "docs", "scripts"))
+    try:
+        make_plots = importlib.import_module("make_plots")
+    finally:
+        sys.path.pop(0)
+    d = str(tmp_path / "results")
+    ratio = ([1.1, 0.9], [["'sdpa_flash'", "'sdpa_cudnn'"], ["'forward'"], ["1024"], ["64"],
+                          ["False"]])
+    wall = ([30.0, 20.0], [["'flashcore'", "'sdpa_cudnn'"], ["'forward'"]])
+    full = "1" * 40
+    later = "2" * 40
+    unrelated = "3" * 40
+    _result_file(d, full, 1_000, {"bench_attention_gpu.Ratio.track_ratio": ratio,
+                                  "bench_attention_gpu.TrainStepWallClock.track_step_us": wall})
+    _result_file(d, later, 2_000, {"bench_attention_gpu.TrainStepWallClock.track_step_us": wall})
+    _result_file(d, unrelated, 3_000, {"bench_fp8_gpu.Fp8Forward.track_figure": wall})
+    from pathlib import Path
+    md = make_plots.generate(Path(d), tmp_path / "gen")
+    assert f"**Commit `{full[:8]}`" in md
+    assert f"`{later[:8]}`" in md and "`TrainStepWallClock`)" in md.split("Later commits")[1]
+    assert unrelated[:8] not in md

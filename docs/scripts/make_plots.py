@@ -420,7 +420,22 @@ def _when(ms: int) -> str:
     return _dt.datetime.fromtimestamp(ms / 1000, _dt.timezone.utc).strftime("%Y-%m-%d") if ms else "?"
 
 
-def _header(results_dir: Path, run: Run) -> list[str]:
+def _newer_runs(runs: list[Run], run: Run) -> list[tuple[Run, list[str]]]:
+    """Later runs on the same machine that measured groups this page shows from ``run``:
+    (run, those groups), oldest first. Named on the page, their figures not shown."""
+    shown = {g for g, _ in GROUPS} & run.groups()
+    later = sorted((r for r in runs if r.machine == run.machine and r.commit != run.commit
+                    and (r.date, r.started) > (run.date, run.started)),
+                   key=lambda r: (r.date, r.started))
+    out = []
+    for r in later:
+        common = [g for g, _ in GROUPS if g in shown and g in r.groups()]
+        if common:
+            out.append((r, common))
+    return out
+
+
+def _header(results_dir: Path, run: Run, runs: list[Run] = ()) -> list[str]:
     m = machine_info(results_dir, run.machine)
     facts = ", ".join(f"{m[k]}" for k in ("cpu", "os") if m.get(k))
     have = run.groups()
@@ -435,6 +450,13 @@ def _header(results_dir: Path, run: Run) -> list[str]:
     if missing:
         lines[-1] += (" Not measured in it, so not shown: " + ", ".join(missing) + ". Those "
                       "figures appear when the run the page is built from measures the group.")
+    newer = _newer_runs(list(runs), run)
+    if newer:
+        lines += ["", "Later commits measured some of these groups again (their figures are in "
+                  "their result files, `asv_benchmarks/results/`, not on this page): "
+                  + "; ".join(f"`{r.commit[:8]}` ({_when(r.date)}: "
+                              + ", ".join(f"`{g}`" for g in groups) + ")"
+                              for r, groups in newer) + "."]
     return lines + [""]
 
 
@@ -460,7 +482,7 @@ def generate(results_dir: Path, out: Path, commit: str | None = None,
                "this page appear once the suite has run (`asv_benchmarks/run_gpu.sh`) and its "
                "results are committed.", "```", ""]
         return _write(out, md)
-    md += _header(results_dir, run)
+    md += _header(results_dir, run, runs)
     for which in ("forward", "forward_backward", "backward"):
         p = plot_throughput(run, which, out)
         if p:
