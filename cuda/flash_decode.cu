@@ -903,14 +903,8 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
             }
         }
 
-        if constexpr (Is_fp8) {   // the keys' descale (the scores of K's stored values)
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) s[mt][nt][e] *= k_scale;
-        }
+        if constexpr (Is_fp8)   // the keys' descale (the scores of K's stored values)
+            fc_mul_scores(s, k_scale);
 
         // scale, softcap, ALiBi, mask (DESIGN.md order), then the online softmax step (per
         // warp; flash_scores.cuh). Element e of tile nt: row half r = e / 2, key

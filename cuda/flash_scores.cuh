@@ -14,6 +14,17 @@
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
+// s *= factor, every element.
+template <int kMT, int kNT>
+__device__ __forceinline__ void fc_mul_scores(float (&s)[kMT][kNT][4], float factor) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mt][nt][e] *= factor;
+}
+
 // softcap: s = cap tanh(s cap_in) (the scale is in cap_in); else with ALiBi the softmax scale
 // applied here, before the bias (otherwise it is folded into the exponent's multiplier).
 template <bool Has_softcap, bool Has_alibi, int kMT, int kNT>
@@ -27,12 +38,7 @@ __device__ __forceinline__ void fc_scale_scores(float (&s)[kMT][kNT][4], float s
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[mt][nt][e] = softcap * fc_tanh(s[mt][nt][e] * cap_in);
     } else if constexpr (Has_alibi) {
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[mt][nt][e] *= softmax_scale;
+        fc_mul_scores(s, softmax_scale);
     }
 }
 

@@ -160,14 +160,9 @@ def test_driver_calls_go_through_the_c_signatures():
             "cuFuncGetAttribute": fget}
     assert set(impl) == set(device._Driver._PROTOS)
 
-    class Lib:       # what ctypes looks the names up in: the stand-ins, as C function pointers
-        def __init__(self):
-            self._keep = {name: ctypes.CFUNCTYPE(ctypes.c_int, *args)(impl[name])
-                          for name, args in device._Driver._PROTOS.items()}
-
-    lib = Lib()
-    drv = object.__new__(device._Driver)
-    drv._fn = lib._keep
+    drv = object.__new__(device._Driver)     # the stand-ins behind the same C prototypes
+    drv._fn = {name: ctypes.CFUNCTYPE(ctypes.c_int, *args)(impl[name])
+               for name, args in device._Driver._PROTOS.items()}
     drv.launch = drv._fn["cuLaunchKernel"]
     drv._primary = {}
     drv._call("cuInit", 0)

@@ -33,7 +33,6 @@ FUNCTIONS: dict = {}    # CUfunction stand-in -> kernel name
 
 class FakeDriver:
     """flashcore.kernels.device.driver()'s stand-in: the calls the launchers and plans make."""
-    CUDADriverError = device.CUDADriverError
 
     @staticmethod
     def set_function_attribute(*a):
@@ -685,7 +684,7 @@ def test_decode_cluster_refused_falls_back_to_the_global_merge(monkeypatch):
     monkeypatch.setattr(driver, "set_function_attribute", lambda *a: None)
     config.set(decode_cluster=True)
 
-    class DriverError(driver.CUDADriverError):
+    class DriverError(device.CUDADriverError):
         def __init__(self, status):
             Exception.__init__(self, f"CUDA driver error {status} (stand-in)")
             self.status = status
@@ -711,7 +710,7 @@ def test_decode_cluster_refused_falls_back_to_the_global_merge(monkeypatch):
     assert len(refused) == 1 and next(iter(refused)).endswith(", 12, false>")
     # another kernel (here: 8 splits) is not affected by that refusal ...
     status["code"] = 700      # ... and an error that is no refusal (an earlier fault) is raised
-    with pytest.raises(driver.CUDADriverError):
+    with pytest.raises(device.CUDADriverError):
         _decode(_fused_case(splits=8), _decode_arrays(rng, _fused_case(splits=8)))
     assert len(decode._CLUSTER_REFUSED) == 1
 

@@ -667,7 +667,7 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
                 if num_splits > 8:      # a non-portable cluster size: allowed on the function
                     kernel.set_attribute(_CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
                 kernel(launches[0][1], launches[0][2], args, shared_mem=smem, stream=stream)
-            except device.driver().CUDADriverError as e:
+            except device.CUDADriverError as e:
                 if getattr(e, "status", None) not in _CLUSTER_REFUSALS:
                     raise
                 # this cluster is refused here (its size, or its resources): this kernel takes

@@ -49,7 +49,6 @@ class _Driver:
     A failed call raises :class:`CUDADriverError`. ``launch`` is ``cuLaunchKernel`` itself,
     returning its CUresult (the hot path checks it)."""
 
-    CUDADriverError = CUDADriverError
     _PROTOS = {
         "cuInit": (_U,),
         "cuDeviceGetCount": (ctypes.POINTER(_I),),

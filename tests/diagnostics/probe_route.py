@@ -118,27 +118,13 @@ class _StandInBackend:
 @contextlib.contextmanager
 def recording_stand_in():
     """The first call of a layout records its plan from the stand-in backend (the real
-    backend would compute on the CPU and offer nothing); Plan.build's CuPy calls stubbed."""
-    cupy = types.ModuleType("cupy")
-    cuda = types.ModuleType("cupy.cuda")
-    driver = types.ModuleType("cupy.cuda.driver")
-    driver.ctxGetCurrent = lambda: _CONTEXT
-    cuda.driver = driver
-    cuda.Device = lambda index=None: contextlib.nullcontext()
-    cupy.cuda = cuda
-    saved = {n: sys.modules.get(n) for n in ("cupy", "cupy.cuda", "cupy.cuda.driver")}
+    backend would compute on the CPU and offer nothing)."""
     backend, choose = torch_ops._BACKEND, torch_ops.choose
-    sys.modules.update({"cupy": cupy, "cupy.cuda": cuda, "cupy.cuda.driver": driver})
     torch_ops._BACKEND, torch_ops.choose = _StandInBackend(), (lambda *a, **k: None)
     try:
         yield
     finally:
         torch_ops._BACKEND, torch_ops.choose = backend, choose
-        for n, m in saved.items():
-            if m is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = m
 
 
 # --------------------------------------------------------------------------------------------
