@@ -904,7 +904,7 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
         }
 
         if constexpr (Is_fp8)   // the keys' descale (the scores of K's stored values)
-            fc_mul_scores(s, k_scale);
+            fc_mul_fragment(s, k_scale);
 
         // scale, softcap, ALiBi, mask (DESIGN.md order), then the online softmax step (per
         // warp; flash_scores.cuh). Element e of tile nt: row half r = e / 2, key
@@ -977,14 +977,8 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
         }
     }
     cp_async_wait<0>();   // only empty groups can be pending; the ring is about to be reused
-    if constexpr (Is_fp8) {   // the values' descale
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-            for (int j = 0; j < kDT; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_o[mt][j][e] *= v_scale;
-    }
+    if constexpr (Is_fp8)   // the values' descale
+        fc_mul_fragment(acc_o, v_scale);
 
     // ---- merge the warps' partial softmax states ---------------------------------------------
 #pragma unroll

@@ -14,9 +14,9 @@
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
-// s *= factor, every element.
+// x *= factor, every element of a fragment (scores, or O's accumulators).
 template <int kMT, int kNT>
-__device__ __forceinline__ void fc_mul_scores(float (&s)[kMT][kNT][4], float factor) {
+__device__ __forceinline__ void fc_mul_fragment(float (&s)[kMT][kNT][4], float factor) {
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -38,7 +38,7 @@ __device__ __forceinline__ void fc_scale_scores(float (&s)[kMT][kNT][4], float s
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[mt][nt][e] = softcap * fc_tanh(s[mt][nt][e] * cap_in);
     } else if constexpr (Has_alibi) {
-        fc_mul_scores(s, softmax_scale);
+        fc_mul_fragment(s, softmax_scale);
     }
 }
 
