@@ -353,6 +353,54 @@ struct alignas(64) FcBwdMaps {
     FcTensorMap q, k, v, dout;
 };
 
+// The producer of the warp-specialised dK/dV kernels, run by warp 0 (lane 0 issues the copies;
+// every lane writes lse and D): K and V of the key block once (boxes of 64 columns x kBlockN
+// keys, [kD / 64][kBlockN][64] in shared memory), then per step of the walk Q and dO of the
+// query block (boxes of 64 x kBlockM) into stage `it % kStages` of the ring, and the rows'
+// lse and D beside them. Barriers at `bars`: the K/V barrier, kStages full, kStages empty.
+template <int kD, int kBlockM, int kBlockN, int kStages>
+__device__ __forceinline__ void bwd_produce(const FlashParams& p, const BwdSeq& seq,
+                                            const FcBwdMaps& maps, const BwdKeyWalk& kw, int b,
+                                            int hk, int n0, int lane, fc_u32 sK, fc_u32 sV,
+                                            fc_u32 sQ, fc_u32 sdO, float* sLse, float* sDsum,
+                                            fc_u32 bar_kv, fc_u32 bars) {
+    using namespace fc_pipe;
+    constexpr fc_u32 kKBlk = (fc_u32)kBlockN * 128u;   // one [kBlockN rows][64 cols] block
+    constexpr fc_u32 kQBlk = (fc_u32)kBlockM * 128u;
+    constexpr fc_u32 kKT = (fc_u32)(kD / 64) * kKBlk, kQT = (fc_u32)(kD / 64) * kQBlk;
+    auto full = [&](int st) { return bars + 8u * (fc_u32)(1 + st); };
+    auto empty = [&](int st) { return bars + 8u * (fc_u32)(1 + kStages + st); };
+    if (lane == 0) {
+        mbar_expect_tx(bar_kv, 2u * kKT);
+#pragma unroll
+        for (int c = 0; c < kD / 64; ++c) {
+            tma_load_4d(sK + (fc_u32)c * kKBlk, maps.k, bar_kv, 64 * c, n0, hk, b);
+            tma_load_4d(sV + (fc_u32)c * kKBlk, maps.v, bar_kv, 64 * c, n0, hk, b);
+        }
+    }
+    int h = kw.h0, m_block = kw.m_begin;
+    for (int it = 0; it < kw.n_iter; ++it) {
+        const int st = it % kStages;
+        const fc_u32 ph = (fc_u32)(it / kStages) & 1u;
+        const int mm = m_block * kBlockM;
+        if (it >= kStages) mbar_wait(empty(st), ph ^ 1u);
+        if (lane == 0) {
+            mbar_expect_tx(full(st), 2u * kQT);
+#pragma unroll
+            for (int c = 0; c < kD / 64; ++c) {
+                tma_load_4d(sQ + (fc_u32)st * kQT + (fc_u32)c * kQBlk, maps.q, full(st),
+                            64 * c, mm, h, b);
+                tma_load_4d(sdO + (fc_u32)st * kQT + (fc_u32)c * kQBlk, maps.dout, full(st),
+                            64 * c, mm, h, b);
+            }
+        }
+        for (int r = lane; r < kBlockM; r += 32)
+            bwd_row_stats(p, b, h, seq, mm + r, sLse[st * kBlockM + r], sDsum[st * kBlockM + r]);
+        mbar_arrive(full(st));            // (release: the stores above are seen)
+        bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
+    }
+}
+
 // Warp-specialised dK/dV kernel (see the top of the file): 384 threads, warpgroup 0 produces,
 // 1 and 2 consume. Dense calls only (TMA boxes address rows of one sequence).
 template <typename Elem, int kD, int kBlockM, bool Is_local, bool Is_dropout>
@@ -409,39 +457,10 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
     __syncthreads();
 
     if (wg == 0) {
-        // ---- producer: warp 0 (lane 0 issues the copies; every lane writes lse / D) ---------
         setmaxnreg_dec<24>();
-        if (tid < 32) {
-            if (lane == 0) {
-                mbar_expect_tx(bar_kv, 2u * kKT);
-#pragma unroll
-                for (int c = 0; c < kD / 64; ++c) {
-                    tma_load_4d(sK + (fc_u32)c * kKBlock, maps.k, bar_kv, 64 * c, n0, hk, b);
-                    tma_load_4d(sV + (fc_u32)c * kKBlock, maps.v, bar_kv, 64 * c, n0, hk, b);
-                }
-            }
-            int h = kw.h0, m_block = kw.m_begin;
-            for (int it = 0; it < n_iter; ++it) {
-                const int st = it % kStages;
-                const fc_u32 ph = (fc_u32)(it / kStages) & 1u;
-                const int mm = m_block * kBlockM;
-                if (it >= kStages) mbar_wait(empty(st), ph ^ 1u);
-                if (lane == 0) {
-                    mbar_expect_tx(full(st), 2u * kQT);
-#pragma unroll
-                    for (int c = 0; c < kD / 64; ++c) {
-                        tma_load_4d(sQ + (fc_u32)st * kQT + (fc_u32)c * kQBlock, maps.q, full(st),
-                                    64 * c, mm, h, b);
-                        tma_load_4d(sdO + (fc_u32)st * kQT + (fc_u32)c * kQBlock, maps.dout, full(st),
-                                    64 * c, mm, h, b);
-                    }
-                }
-                for (int r = lane; r < kBlockM; r += 32)
-                    bwd_row_stats(p, b, h, seq, mm + r, sLse[st * kBlockM + r], sDsum[st * kBlockM + r]);
-                mbar_arrive(full(st));            // (release: the stores above are seen)
-                bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
-            }
-        }
+        if (tid < 32)
+            bwd_produce<kD, kBlockM, kBlockN, kStages>(p, seq, maps, kw, b, hk, n0, lane, sK, sV,
+                                                       sQ, sdO, sLse, sDsum, bar_kv, bars);
         return;
     }
 
@@ -462,6 +481,267 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
         // previous step, whose dQ product read the buffer the next step writes.
         named_sync(1, 256);
         w.dq(p, seq, b, h, m0, sK, sdSb);
+        mbar_arrive(empty(st));   // this stage's Q, dO, lse and D are no longer read
+        bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
+    }
+    w.store(p, seq, b, hk, n0);
+}
+
+// ---- head dim 256 --------------------------------------------------------------------------
+// dK and dV of 128 keys x 256 columns would take 256 fp32 registers a thread in two
+// warpgroups, so the d256 kernel takes 64 keys per CTA and splits every product between its
+// two consumer warpgroups instead of giving each its own keys. Per step (query block m0 of 64
+// rows, head h), warpgroup w (accumulator rows: keys 0..63 for all products but dQ):
+//   S^T, dP^T for queries [32 w, 32 w + 32)    m64n32k16 over d (K, Q and V, dO K-major)
+//   P^T, dS^T of those queries                 elementwise, in fp32 registers
+//   P^T, dS^T -> shared (16-bit, [key][query], one 64 x 64 block each, double-buffered)
+//   -- named barrier: both halves written --
+//   dV[:, 128 w ..] += P^T dO[:, 128 w ..]     m64n128k16, A = P^T K-major, B = dO N-major
+//   dK[:, 128 w ..] += dS^T Q[:, 128 w ..]     the same with dS^T and Q
+//   dQ[:, 128 w ..]  = dS K[:, 128 w ..]       m64n128k16, A = dS^T M-major, B = K N-major;
+//                                              rows: queries, added with red.global.add
+// Registers: dK, dV 64 + 64, dQ 64 (S^T, dP^T, 16 + 16, are dead by then). Shared memory:
+// K, V 32 KiB each, Q and dO 2 stages x 32 KiB each, P^T and dS^T 2 x 8 KiB each: 224 KiB.
+namespace fc_hb {
+
+template <typename Elem, bool Is_local, bool Is_dropout>
+struct Dkdv256Warpgroup {
+    static constexpr int kD = 256, kBM = 64, kBN = 64;
+    static constexpr fc_u32 kBlk = 64u * 128u;     // one [64 rows][64 cols] block
+    float acc_dk[64], acc_dv[64];                  // keys 16 wl + g + 8 r, columns 128 wg + ..
+    int wg, wl, g, t, key0;
+
+    __device__ __forceinline__ explicit Dkdv256Warpgroup(int ct) {
+        const int lane = ct & 31, warp = ct >> 5;
+        wg = warp >> 2;
+        wl = warp & 3;
+        g = lane >> 2;
+        t = lane & 3;
+        key0 = 16 * wl + g;                        // + 8 r
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+    }
+
+    template <int N>
+    __device__ __forceinline__ static void pin(float (&x)[N]) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) fence_operand(x[i]);
+    }
+
+    // S^T, dP^T of this warpgroup's 32 queries, P^T and dS^T from them, both stored to sPb and
+    // sdSb. The caller fences the stores for the async proxy and synchronises the consumers.
+    __device__ __forceinline__ void scores(const FlashParams& p, const BwdSeq& seq, int b, int h,
+                                           int m0, int n0, int off, fc_u32 sK, fc_u32 sV,
+                                           fc_u32 sQb, fc_u32 sdOb, const float* sLb,
+                                           const float* sDb, fc_u32 sPb, fc_u32 sdSb) {
+        const BwdScoreMath sm = bwd_score_math(p, b, h, seq, false);
+        bool need_mask = n0 + kBN > seq.sk;
+        if constexpr (Is_local) {
+            const int rel_min = n0 - (m0 + kBM - 1) - off;
+            const int rel_max = n0 + kBN - 1 - m0 - off;
+            need_mask = need_mask || rel_min < -p.window_left || rel_max > p.window_right;
+        }
+        const int q0 = 32 * wg;                    // this warpgroup's queries in the block
+        float acc_s[16], acc_dp[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc_s[i] = acc_dp[i] = 0.f;
+        pin(acc_s);
+        pin(acc_dp);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kD / 16; ++kk) {
+            const fc_u32 ko = (fc_u32)(kk >> 2) * kBlk + (fc_u32)(kk & 3) * 32u;
+            const fc_u32 qo = ko + (fc_u32)q0 * 128u;
+            Wgmma<Elem>::ss(acc_s, wgmma_desc_k(sK + ko), wgmma_desc_k(sQb + qo), kk > 0 ? 1 : 0);
+            Wgmma<Elem>::ss(acc_dp, wgmma_desc_k(sV + ko), wgmma_desc_k(sdOb + qo), kk > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin(acc_s);
+        pin(acc_dp);
+
+        // Element e of n8 tile j: key key0 + 8 (e >> 1), query q0 + 8 j + 2 t + (e & 1).
+        // Dropout: the keep masks of the two 16 x 16 tiles (queries q0 .., q0 + 16 ..; keys
+        // 16 wl ..), one Philox call per lane (BwdScoreMath::keep2_st).
+        unsigned int keep2[2] = {0u, 0u};
+        if constexpr (Is_dropout)
+            sm.keep2_st(m0 + q0, n0 + key0 - g, m0 + q0 + 16, n0 + key0 - g, g, t, keep2[0],
+                        keep2[1]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int qc = q0 + 8 * j + 2 * t;
+            const float2 nl = *reinterpret_cast<const float2*>(sLb + qc);
+            const float2 dd = *reinterpret_cast<const float2*>(sDb + qc);
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                sm.template apply<false, false, Is_local, Is_dropout>(
+                    acc_s[4 * j + e], acc_dp[4 * j + e], m0 + qc + (e & 1),
+                    n0 + key0 + 8 * (e >> 1), (e & 1) ? nl.y : nl.x, (e & 1) ? dd.y : dd.x,
+                    need_mask, Is_dropout ? sm.keep_factor(keep2[j >> 1], 4 * (j & 1) + e) : 1.f);
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const fc_u32 o = 2u * (fc_u32)swz<64>(key0 + 8 * r, qc);
+                sts32(sPb + o, Elem::pack2(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
+                sts32(sdSb + o, Elem::pack2(acc_dp[4 * j + 2 * r], acc_dp[4 * j + 2 * r + 1]));
+            }
+        }
+    }
+
+    // Once both warpgroups' P^T and dS^T are in shared memory: dV and dK of this warpgroup's
+    // columns (issued), dQ of its columns over the 64 keys, all waited for, dQ added to
+    // dq_accum. After it this warpgroup reads none of the step's tiles.
+    __device__ __forceinline__ void grads(const FlashParams& p, const BwdSeq& seq, int b, int h,
+                                          int m0, fc_u32 sK, fc_u32 sQb, fc_u32 sdOb,
+                                          fc_u32 sPb, fc_u32 sdSb) {
+        const fc_u32 col = (fc_u32)(2 * wg) * kBlk;   // the first of this warpgroup's d blocks
+        float acc_dq[64];
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc_dq[i] = 0.f;
+        pin(acc_dv);
+        pin(acc_dk);
+        pin(acc_dq);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBM / 16; ++kk) {     // over queries
+            const fc_u32 ro = (fc_u32)kk * 16u * 128u;
+            Wgmma<Elem>::template ss_n128<0, 1>(acc_dv, wgmma_desc_k(sPb + (fc_u32)kk * 32u),
+                                                wgmma_desc_mn(sdOb + col + ro, kBlk), 1);
+            Wgmma<Elem>::template ss_n128<0, 1>(acc_dk, wgmma_desc_k(sdSb + (fc_u32)kk * 32u),
+                                                wgmma_desc_mn(sQb + col + ro, kBlk), 1);
+        }
+#pragma unroll
+        for (int kk = 0; kk < kBN / 16; ++kk) {     // over keys
+            const fc_u32 ro = (fc_u32)kk * 16u * 128u;
+            Wgmma<Elem>::template ss_n128<1, 1>(acc_dq, wgmma_desc_mn(sdSb + ro, kBlk),
+                                                wgmma_desc_mn(sK + col + ro, kBlk), kk > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin(acc_dq);
+        pin(acc_dv);
+        pin(acc_dk);
+
+        // dQ rows (queries) 16 wl + g + 8 r, columns 128 wg + 8 j + 2 t.
+        const int i0 = m0 + 16 * wl + g;
+        float* dqa = p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride
+                     + (seq.q_off + i0) * p.dq_accum_row_stride + 128 * wg + 2 * t;
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            if (i0 + 8 * r < seq.sq) {
+                float* row = dqa + (8 * r) * p.dq_accum_row_stride;
+#pragma unroll
+                for (int j = 0; j < 16; ++j)
+                    bwd_red_add2(row + 8 * j, acc_dq[4 * j + 2 * r], acc_dq[4 * j + 2 * r + 1]);
+            }
+    }
+
+    // Epilogue: dK * softmax_scale and dV as 16-bit, keys 16 wl + g + 8 r, this warpgroup's
+    // columns.
+    __device__ __forceinline__ void store(const FlashParams& p, const BwdSeq& seq, int b, int hk,
+                                          int n0) const {
+        const float scale = p.softmax_scale;
+        fc_u16* gdk = static_cast<fc_u16*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride
+                      + 128 * wg;
+        fc_u16* gdv = static_cast<fc_u16*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride
+                      + 128 * wg;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int key = n0 + key0 + 8 * r;
+            if (key < seq.sk) {
+                fc_u16* dkr = gdk + (seq.k_off + key) * p.dk_row_stride;
+                fc_u16* dvr = gdv + (seq.k_off + key) * p.dv_row_stride;
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {
+                    stg32(dkr + 8 * j + 2 * t, Elem::pack2(acc_dk[4 * j + 2 * r] * scale,
+                                                           acc_dk[4 * j + 2 * r + 1] * scale));
+                    stg32(dvr + 8 * j + 2 * t,
+                          Elem::pack2(acc_dv[4 * j + 2 * r], acc_dv[4 * j + 2 * r + 1]));
+                }
+            }
+        }
+    }
+};
+
+}  // namespace fc_hb
+
+// The head-dim-256 dK/dV kernel (see above): 384 threads, warpgroup 0 produces (bwd_produce,
+// boxes of 64 rows), 1 and 2 consume. Dense calls only.
+template <typename Elem, bool Is_local, bool Is_dropout>
+__global__ void __launch_bounds__(384, 1)
+flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcBwdMaps maps) {
+    using namespace fc_hb;
+    using namespace fc_pipe;
+    using Wg = Dkdv256Warpgroup<Elem, Is_local, Is_dropout>;
+    constexpr int kD = 256, kBlockM = Wg::kBM, kBlockN = Wg::kBN, kStages = 2;
+    constexpr fc_u32 kTile = 4u * Wg::kBlk;            // K, V, one stage of Q or dO: 32 KiB
+    extern __shared__ unsigned char smem_raw[];
+    const fc_u32 base = smem_u32(smem_raw);
+    const fc_u32 sK = (base + 1023u) & ~1023u;
+    const fc_u32 sV = sK + kTile;
+    const fc_u32 sQ = sV + kTile;                      // kStages
+    const fc_u32 sdO = sQ + kStages * kTile;           // kStages
+    const fc_u32 sP = sdO + kStages * kTile;           // 2 buffers
+    const fc_u32 sdS = sP + 2u * Wg::kBlk;             // 2 buffers
+    const fc_u32 sStats = sdS + 2u * Wg::kBlk;         // lse, D: kStages x 2 x kBlockM floats
+    float* sLse = reinterpret_cast<float*>(smem_raw + (sStats - base));
+    float* sDsum = sLse + kStages * kBlockM;
+    const fc_u32 bars = sStats + (fc_u32)(2 * kStages * kBlockM) * 4u;
+    const fc_u32 bar_kv = bars;
+    auto full = [&](int st) { return bars + 8u * (fc_u32)(1 + st); };
+    auto empty = [&](int st) { return bars + 8u * (fc_u32)(1 + kStages + st); };
+
+    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int wg = tid >> 7;
+    const BwdSeq seq = bwd_seq(p, b);
+    const int n0 = n_block * kBlockN;
+    if (n0 >= seq.sk) return;
+    const BwdKeyWalk kw = bwd_key_walk<Is_local, kBlockM, kBlockN>(p, seq, b, hk, n0);
+    const int n_iter = kw.n_iter;
+    if (n_iter == 0) {            // no query sees these keys: dK = dV = 0
+        if (wg > 0) Wg(tid - 128).store(p, seq, b, hk, n0);
+        return;
+    }
+
+    if (tid == 0) {
+        tma_prefetch_map(maps.q);
+        tma_prefetch_map(maps.k);
+        tma_prefetch_map(maps.v);
+        tma_prefetch_map(maps.dout);
+        mbar_init(bar_kv, 1);
+        for (int st = 0; st < kStages; ++st) {
+            mbar_init(full(st), 1 + 32);      // the TMA's expect_tx + the warp's lse / D stores
+            mbar_init(empty(st), 256);
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        setmaxnreg_dec<24>();
+        if (tid < 32)
+            bwd_produce<kD, kBlockM, kBlockN, kStages>(p, seq, maps, kw, b, hk, n0, lane, sK, sV,
+                                                       sQ, sdO, sLse, sDsum, bar_kv, bars);
+        return;
+    }
+
+    setmaxnreg_inc<240>();
+    Wg w(tid - 128);
+    mbar_wait(bar_kv, 0);
+    int h = kw.h0, m_block = kw.m_begin;
+    for (int it = 0; it < n_iter; ++it) {
+        const int st = it % kStages;
+        const fc_u32 buf = (fc_u32)(it & 1) * Wg::kBlk;
+        mbar_wait(full(st), (fc_u32)(it / kStages) & 1u);
+        const int m0 = m_block * kBlockM;
+        const fc_u32 sQb = sQ + (fc_u32)st * kTile, sdOb = sdO + (fc_u32)st * kTile;
+        w.scores(p, seq, b, h, m0, n0, kw.off, sK, sV, sQb, sdOb, sLse + st * kBlockM,
+                 sDsum + st * kBlockM, sP + buf, sdS + buf);
+        fence_proxy_async();      // the P^T / dS^T stores, for the products' async-proxy reads
+        // Both halves of P^T and dS^T are written; and (double-buffered) both warpgroups are
+        // past the previous step, whose products read the buffers the next step writes.
+        named_sync(1, 256);
+        w.grads(p, seq, b, h, m0, sK, sQb, sdOb, sP + buf, sdS + buf);
         mbar_arrive(empty(st));   // this stage's Q, dO, lse and D are no longer read
         bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
     }

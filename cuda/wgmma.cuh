@@ -104,8 +104,9 @@ __device__ __forceinline__ void fence_operand(fc_u32& x) { asm volatile("" : "+r
 
 template <typename Elem> struct Wgmma;
 
-// D (64 x N, fp32) (+)= A (64 x 16, shared, K-major) * B (16 x N, shared, K-major): ss, N = 128 or
-// 176 (chosen by the accumulator array's size)
+// D (64 x N, fp32) (+)= A (64 x 16, shared, K-major) * B (16 x N, shared, K-major): ss, N = 32,
+// 128 or 176 (chosen by the accumulator array's size); ss_n128<TA, TB>: N = 128 with either
+// operand read transposed (imm-trans-a / imm-trans-b)
 // D (64 x N, fp32) (+)= A (64 x 16, registers) * B (16 x N, shared, N-major): rs_tb, N = 256,
 // 128 or 64 (chosen by the accumulator array's size)
 // D (64 x 64, fp32) (+)= A (64 x 16, shared) * B (16 x 64, shared): ss (both K-major) and
@@ -121,6 +122,10 @@ template <typename Elem> struct Wgmma;
       "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
       "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
       "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+
+#define FC_WGMMA_ACC16 \
+      "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 
 #define FC_WGMMA_ACC32 \
       "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
@@ -163,12 +168,27 @@ template <typename Elem> struct Wgmma;
 template <> struct Wgmma<ELEM> {                                                             \
     static __device__ __forceinline__ void ss(float (&d)[64], fc_u64 desc_a, fc_u64 desc_b,  \
                                               int scale_d) {                                 \
+        ss_n128<0, 0>(d, desc_a, desc_b, scale_d);                                           \
+    }                                                                                        \
+    template <int TA, int TB>                                                                \
+    static __device__ __forceinline__ void ss_n128(float (&d)[64], fc_u64 desc_a,            \
+                                                   fc_u64 desc_b, int scale_d) {             \
         asm volatile(                                                                        \
             "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                    \
             "wgmma.mma_async.sync.aligned.m64n128k16.f32." #T "." #T " "                     \
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "                                                                      \
-            "%64, %65, p, 1, 1, 0, 0;\n}\n"                                                 \
+            "%64, %65, p, 1, 1, %67, %68;\n}\n"                                              \
             : FC_WGMMA_ACC64                                                                 \
+            : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA), "n"(TB));                     \
+    }                                                                                        \
+    static __device__ __forceinline__ void ss(float (&d)[16], fc_u64 desc_a, fc_u64 desc_b,  \
+                                              int scale_d) {                                 \
+        asm volatile(                                                                        \
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                    \
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32." #T "." #T " "                      \
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "                                                                      \
+            "%16, %17, p, 1, 1, 0, 0;\n}\n"                                                 \
+            : FC_WGMMA_ACC16                                                                 \
             : "l"(desc_a), "l"(desc_b), "r"(scale_d));                                       \
     }                                                                                        \
     static __device__ __forceinline__ void rs_tb(float (&d)[64], const fc_u32 (&a)[4],       \
@@ -319,5 +339,6 @@ template <> struct Wgmma<fc_e4m3> {
 };
 #undef FC_WGMMA_ACC64
 #undef FC_WGMMA_ACC32
+#undef FC_WGMMA_ACC16
 #undef FC_WGMMA_ACC128
 #undef FC_WGMMA_ACC88

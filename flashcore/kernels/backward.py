@@ -198,7 +198,10 @@ def sm90_block_m(headdim: int) -> int:
 
 def sm90_applies(cc: int, headdim: int, has_softcap: bool, has_alibi: bool,
                  deterministic: bool) -> bool:
-    return (config.get().sm90_bwd and cc == 90 and headdim in SM90_HEADDIMS and not has_softcap
+    """A Hopper dK/dV kernel can take the call (head dim 256: dense calls only, see
+    launch_backward)."""
+    return (config.get().sm90_bwd and cc == 90 and headdim in SM90_HEADDIMS + (256,)
+            and not has_softcap
             and not has_alibi and not deterministic)
 
 
@@ -232,12 +235,34 @@ def sm90_ws_smem(headdim: int, block_m: int) -> int:
             + 2 * 2 * block_m * 4 + 8 * 5 + 1024)
 
 
+# Head dim 256: its own warp-specialised kernel (64 keys per CTA, every product split between
+# the two consumer warpgroups: dK and dV of 128 keys would not fit their registers). Dense calls
+# whose arrays TMA can read, with the warp-specialised kernels on (``sm90_bwd_ws``); the others
+# keep flash_bwd.cu's kernels.
+SM90_D256_BLOCK = 64     # keys per CTA and queries per step
+
+
+def sm90_d256_kernel_name(dtype_name: str, is_local: bool, dropout: bool = False) -> str:
+    return (f"flash_bwd_dkdv_sm90_d256_kernel<{_ELEM[dtype_name]}, {_b(is_local)}, "
+            f"{_b(dropout)}>")
+
+
+def sm90_d256_smem() -> int:
+    """K, V, Q and dO stages (six 64 x 256 tiles), P^T and dS^T (2 buffers of 64 x 64 each),
+    lse and D (2 stages of 64 each), 5 mbarriers, + alignment: 231,464 bytes (the H100/H200
+    opt-in limit is 232,448)."""
+    return 6 * 2 * 64 * 256 + 4 * 2 * 64 * 64 + 2 * 2 * 64 * 4 + 8 * 5 + 1024
+
+
 def sm90_instantiations() -> list[str]:
     flags = (False, True)
-    return ([sm90_kernel_name(dt, d, loc, bm, drop) for dt in ("float16", "bfloat16")
+    dts = ("float16", "bfloat16")
+    return ([sm90_kernel_name(dt, d, loc, bm, drop) for dt in dts
              for d, bm in ((64, 64), (64, 128), (128, 64)) for loc in flags for drop in flags]
-            + [sm90_ws_kernel_name(dt, d, loc, SM90_WS_BLOCK_M, drop) for dt in ("float16", "bfloat16")
-               for d in SM90_WS_HEADDIMS for loc in flags for drop in flags])
+            + [sm90_ws_kernel_name(dt, d, loc, SM90_WS_BLOCK_M, drop) for dt in dts
+               for d in SM90_WS_HEADDIMS for loc in flags for drop in flags]
+            + [sm90_d256_kernel_name(dt, loc, drop) for dt in dts for loc in flags
+               for drop in flags])
 
 
 @functools.lru_cache(maxsize=None)
@@ -404,7 +429,19 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
             pre = get_kernel(SOURCE, f"flash_bwd_preprocess_kernel<{elem}>", device_id, cc)
             launch(pre, (m_small, nheads, batch), (_SMALL_THREADS,))
 
-        if sm90_applies(cc, headdim, has_softcap, has_alibi, deterministic):
+        if (headdim == 256 and not varlen and config.get().sm90_bwd_ws
+                and sm90_d256_smem() <= smem_limit
+                and sm90_applies(cc, headdim, has_softcap, has_alibi, deterministic)):
+            from .tma import maps_for
+            ws = maps_for((q, SM90_D256_BLOCK), (k, SM90_D256_BLOCK), (v, SM90_D256_BLOCK),
+                          (dout, SM90_D256_BLOCK))
+        if ws is not None:      # (head dim 256 on the Hopper kernel)
+            smem = sm90_d256_smem()
+            kern = get_kernel(SM90_SOURCE, sm90_d256_kernel_name(dtype_name, is_local, dropout),
+                              device_id, cc, smem, config.get().sm90_defines)
+            launch(kern, (_cdiv(seqlen_k, SM90_D256_BLOCK), nheads_k, batch), (384,), smem,
+                   (ws[0].arg(),))
+        elif headdim != 256 and sm90_applies(cc, headdim, has_softcap, has_alibi, deterministic):
             bm = sm90_block_m(headdim)
             if not varlen and config.get().sm90_bwd_ws and headdim in SM90_WS_HEADDIMS:
                 from .tma import maps_for

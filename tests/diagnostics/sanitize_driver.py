@@ -54,6 +54,39 @@ def run_forward_cases(cases):
     return len(cases)
 
 
+# The Hopper dK/dV kernels' cases (dtype, sq, sk, head dim, options; 6 query heads over 2 kv
+# heads): full, causal with fully masked rows, windows, head dims 64 / 128 / 256.
+HOPPER_BWD_CASES = (("bfloat16", 77, 93, 128, {}),
+                    ("float16", 300, 130, 128, {"causal": True}),
+                    ("bfloat16", 200, 330, 128, {"window_size": (40, 7)}),
+                    ("float16", 203, 117, 64, {"causal": True}),
+                    ("bfloat16", 77, 300, 64, {"window_size": (20, 50)}),
+                    ("bfloat16", 77, 93, 256, {}),
+                    ("float16", 300, 130, 256, {"causal": True}),
+                    ("bfloat16", 200, 330, 256, {"window_size": (40, 7)}))
+
+
+def run_backward_cases(cases, dropout_p=0.0):
+    """Each case's forward and backward once; returns how many ran."""
+    for dt, sq, sk, hd, kw in cases:
+        q, k, v = arr((2, sq, 6, hd), dt), arr((2, sk, 2, hd), dt), arr((2, sk, 2, hd), dt)
+        do = arr((2, sq, 6, hd), dt)
+        if dropout_p:
+            kw = dict(kw, dropout_p=dropout_p, rng_state=cp.asarray(np.array([3, 4], np.int64)))
+        out, lse = flashcore.attention_forward(q, k, v, **kw)
+        flashcore.attention_backward(do, q, k, v, out, lse, **kw)
+        cp.cuda.Device().synchronize()
+    return len(cases)
+
+
+if "--hopper-bwd" in sys.argv:
+    # only the Hopper dK/dV kernels (with and without dropout), in seconds:
+    # compute-sanitizer --tool racecheck python3 tests/diagnostics/sanitize_driver.py --hopper-bwd
+    n = run_backward_cases(HOPPER_BWD_CASES) + run_backward_cases(HOPPER_BWD_CASES[-3:], 0.2)
+    print(f"sanitize driver --hopper-bwd: {n} cases ran")
+    sys.exit(0)
+
+
 if "--persistent" in sys.argv:
     from flashcore import config
     n = 0
@@ -119,18 +152,8 @@ if int(cp.cuda.Device().compute_capability) == 90:
         n += 1
     _fwd.set_sm90(False, pipelined=False, ws=False)
     _config.set(sm90_fwd_persistent=True)
-    _bwd.set_sm90(True)                                # the Hopper dK/dV kernel
-    for dt, sq, sk, hd, kw in (("bfloat16", 77, 93, 128, {}),
-                               ("float16", 300, 130, 128, {"causal": True}),
-                               ("bfloat16", 200, 330, 128, {"window_size": (40, 7)}),
-                               ("float16", 203, 117, 64, {"causal": True}),
-                               ("bfloat16", 77, 300, 64, {"window_size": (20, 50)})):
-        q, k, v = arr((2, sq, 6, hd), dt), arr((2, sk, 2, hd), dt), arr((2, sk, 2, hd), dt)
-        do = arr((2, sq, 6, hd), dt)
-        out, lse = flashcore.attention_forward(q, k, v, **kw)
-        flashcore.attention_backward(do, q, k, v, out, lse, **kw)
-        cp.cuda.Device().synchronize()
-        n += 1
+    _bwd.set_sm90(True)                                # the Hopper dK/dV kernels
+    n += run_backward_cases(HOPPER_BWD_CASES)
     _bwd.set_sm90(False)
 _config.set(**_was._asdict())
 
@@ -255,8 +278,8 @@ for bad in (False, True):
     cp.cuda.Device().synchronize()
     n += 1
 # Dropout forward and backward: on an H100/H200 the Hopper forward (d128, d256) and dK/dV (d64,
-# d128), and the Ampere-class forward (d64 at short keys), dK/dV at d256 and dQ kernel
-# (deterministic); elsewhere all Ampere-class.
+# d128, d256), and the Ampere-class forward (d64 at short keys) and dQ kernel (deterministic);
+# elsewhere all Ampere-class.
 for d, det in ((64, False), (256, False), (128, True), (128, False)):
     q, do = arr((2, 77, 4, d), "bfloat16"), arr((2, 77, 4, d), "bfloat16")
     k, v = arr((2, 93, 2, d), "bfloat16"), arr((2, 93, 2, d), "bfloat16")

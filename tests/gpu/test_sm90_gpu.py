@@ -197,6 +197,9 @@ def _ran_sm90_bwd(dtype, local, d=128, varlen=False):
     """The dK/dV kernel of the fixture's variant ran (varlen calls take the cp.async one)."""
     from flashcore import config, jit
     from flashcore.kernels import backward
+    if d == 256:      # (warp-specialised only)
+        name = backward.sm90_d256_kernel_name(dtype, local)
+        return any(k[2] == backward.SM90_SOURCE and k[3] == name for k in jit._kernels)
     ws = config.get().sm90_bwd_ws and not varlen and d in backward.SM90_WS_HEADDIMS
     name = (backward.sm90_ws_kernel_name if ws else backward.sm90_kernel_name)(dtype, d, local)
     return any(k[2] == backward.SM90_SOURCE and k[3] == name for k in jit._kernels)
@@ -216,7 +219,7 @@ def sm90_bwd(request):
 BWD_SEQS = [(1, 1), (17, 113), (113, 203), (203, 17), (64, 128), (300, 300), (1023, 2049)]
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", BWD_SEQS, ids=[f"{a}x{b}" for a, b in BWD_SEQS])
@@ -224,10 +227,13 @@ def test_backward_matrix(sm90_bwd, dtype, causal, sq, sk, d):
     if _VARIANT["name"] != "v0":
         pytest.skip("the backward does not depend on the forward variant: run once")
     from flashcore import config
-    if d == 128 and config.get().sm90_bwd_d64_block_m == 64:
-        pytest.skip("the d64 step size does not change the d128 kernel: run once")
+    if d in (128, 256) and config.get().sm90_bwd_d64_block_m == 64:
+        pytest.skip("the d64 step size does not change this kernel: run once")
     from flashcore.kernels import backward
-    if config.get().sm90_bwd_ws and d not in backward.SM90_WS_HEADDIMS:
+    ws = config.get().sm90_bwd_ws
+    if d == 256 and not ws:
+        pytest.skip("head dim 256 has the warp-specialised kernel only")
+    if ws and d == 64:
         pytest.skip("this head dim takes the cp.async kernel: run by its fixtures")
     heads = (6, 2) if (sq + sk) % 2 else (4, 4)
     run_case(dtype, 2 if sq * sk < 1_000_000 else 1, sq, sk, heads[0], heads[1], d,
@@ -289,6 +295,11 @@ def test_backward_windows_gqa(sm90_bwd, dtype, window):
     run_case(dtype, 2, 517, 611, 6, 3, 64, window=window, seed=27)
     run_case(dtype, 2, 333, 257, 8, 1, 64, causal=True, seed=28, strided=True)
     assert _ran_sm90_bwd(dtype, True) and _ran_sm90_bwd(dtype, True, 64)
+    from flashcore import config
+    if config.get().sm90_bwd_ws:
+        run_case(dtype, 1, 301, 389, 6, 3, 256, window=window, seed=37)
+        run_case(dtype, 1, 333, 257, 8, 1, 256, causal=True, seed=38, strided=True)
+        assert _ran_sm90_bwd(dtype, True, 256)
 
 
 def test_backward_fully_masked_rows_and_deterministic_fallback(sm90_bwd):
@@ -297,6 +308,10 @@ def test_backward_fully_masked_rows_and_deterministic_fallback(sm90_bwd):
     run_case("bfloat16", 2, 300, 100, 4, 2, 128, causal=True, seed=19)
     run_case("bfloat16", 2, 300, 100, 4, 2, 64, causal=True, seed=29)
     assert _ran_sm90_bwd("bfloat16", True) and _ran_sm90_bwd("bfloat16", True, 64)
+    from flashcore import config
+    if config.get().sm90_bwd_ws:
+        run_case("bfloat16", 2, 300, 100, 4, 2, 256, causal=True, seed=39)
+        assert _ran_sm90_bwd("bfloat16", True, 256)
     from flashcore import jit
     jit.clear_memory_cache()
     run_case("bfloat16", 2, 200, 150, 4, 2, 128, causal=True, seed=20, deterministic=True)
@@ -323,6 +338,11 @@ flashcore.attention_backward(do, q, k, v, out, lse, causal=True)
 names = {k[3] for k in jit._kernels}
 assert forward.sm90_ws_kernel_name("float16", 128, True) in names, names
 assert backward.sm90_ws_kernel_name("float16", 128, True) in names, names
+q, k, v, do = (cp.asarray(rng.standard_normal((1, 300, 2, 256)).astype(np.float16)) for _ in range(4))
+out, lse = flashcore.attention_forward(q, k, v, causal=True)
+flashcore.attention_backward(do, q, k, v, out, lse, causal=True)
+names = {k[3] for k in jit._kernels}
+assert backward.sm90_d256_kernel_name("float16", True) in names, names
 print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
