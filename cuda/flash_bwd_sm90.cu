@@ -227,6 +227,7 @@ struct DkdvWarpgroup {
         const int i0 = m0 + (kBlockM == 128 ? 64 * wg : 0) + 16 * wl + g;
         float* dqa = p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride
                      + (seq.q_off + i0) * p.dq_accum_row_stride + (kD == 128 ? 64 * wg : 0) + 2 * t;
+#ifndef FC_DIAG_BWD_NO_DQ       // (timing only: dQ computed, never added, wrong results)
 #pragma unroll
         for (int r = 0; r < 2; ++r)
             if (i0 + 8 * r < seq.sq) {
@@ -235,6 +236,7 @@ struct DkdvWarpgroup {
                 for (int j = 0; j < 8; ++j)
                     bwd_red_add2(row + 8 * j, acc_dq[4 * j + 2 * r], acc_dq[4 * j + 2 * r + 1]);
             }
+#endif
     }
 
     // Epilogue: dK * softmax_scale and dV as 16-bit; rows are keys.
@@ -384,10 +386,15 @@ __device__ __forceinline__ void bwd_produce(const FlashParams& p, const BwdSeq& 
         const fc_u32 ph = (fc_u32)(it / kStages) & 1u;
         const int mm = m_block * kBlockM;
         if (it >= kStages) mbar_wait(empty(st), ph ^ 1u);
+#ifdef FC_DIAG_BWD_NO_QLOAD    // (timing only: Q and dO loaded for the first stages alone, wrong results)
+        const bool load = it < kStages;
+#else
+        constexpr bool load = true;
+#endif
         if (lane == 0) {
-            mbar_expect_tx(full(st), 2u * kQT);
+            mbar_expect_tx(full(st), load ? 2u * kQT : 0u);
 #pragma unroll
-            for (int c = 0; c < kD / 64; ++c) {
+            for (int c = 0; c < kD / 64 && load; ++c) {
                 tma_load_4d(sQ + (fc_u32)st * kQT + (fc_u32)c * kQBlk, maps.q, full(st),
                             64 * c, mm, h, b);
                 tma_load_4d(sdO + (fc_u32)st * kQT + (fc_u32)c * kQBlk, maps.dout, full(st),
@@ -625,6 +632,7 @@ struct Dkdv256Warpgroup {
         const int i0 = m0 + 16 * wl + g;
         float* dqa = p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride
                      + (seq.q_off + i0) * p.dq_accum_row_stride + 128 * wg + 2 * t;
+#ifndef FC_DIAG_BWD_NO_DQ       // (timing only: dQ computed, never added, wrong results)
 #pragma unroll
         for (int r = 0; r < 2; ++r)
             if (i0 + 8 * r < seq.sq) {
@@ -633,6 +641,7 @@ struct Dkdv256Warpgroup {
                 for (int j = 0; j < 16; ++j)
                     bwd_red_add2(row + 8 * j, acc_dq[4 * j + 2 * r], acc_dq[4 * j + 2 * r + 1]);
             }
+#endif
     }
 
     // Epilogue: dK * softmax_scale and dV as 16-bit, keys 16 wl + g + 8 r, this warpgroup's

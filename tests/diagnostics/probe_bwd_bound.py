@@ -1,0 +1,43 @@
+"""What bounds the Hopper dK/dV kernels: the backward alone (TFLOP/s, GPU time, L2 flushed) of
+the d128 and d256 kernels as they are, and with two timing-only defines that give wrong
+results (cuda/flash_bwd_sm90.cu): FC_DIAG_BWD_NO_DQ (dQ computed, never added to dq_accum:
+no red.global.add, no bulk reduce-add) and FC_DIAG_BWD_NO_QLOAD (Q and dO loaded for the first two steps only: no
+L2 -> shared traffic after them), and both. Against SDPA cuDNN's and flash's backward in the
+same run. Needs an H100/H200.
+
+    python tests/diagnostics/probe_bwd_bound.py [--seqlen 4096 16384] [--headdim 128 256]
+"""
+from __future__ import annotations
+
+import argparse
+
+from flashcore import config
+from flashcore.bench import AttentionProblem as Problem, flops, shape_for
+
+VARIANTS = {"as is": (), "no dQ adds": ("-DFC_DIAG_BWD_NO_DQ",),
+            "no Q/dO reloads": ("-DFC_DIAG_BWD_NO_QLOAD",),
+            "neither": ("-DFC_DIAG_BWD_NO_DQ", "-DFC_DIAG_BWD_NO_QLOAD")}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqlen", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--headdim", type=int, nargs="+", default=[128, 256])
+    ap.add_argument("--causal", action="store_true")
+    a = ap.parse_args()
+    print("# backward alone, TFLOP/s (flash-attn count), bf16, 16k tokens, hidden 2048")
+    for d in a.headdim:
+        for s in a.seqlen:
+            b, _, h, _ = shape_for(s, d)
+            f = flops(b, s, h, d, a.causal, "backward")
+            row = {}
+            for peer in ("sdpa_cudnn", "sdpa_flash"):
+                row[peer] = Problem(peer, b, s, h, d, a.causal).tflops("backward", f)
+            for name, defs in VARIANTS.items():
+                with config.override(sm90_defines=defs):
+                    row[name] = Problem("cupy", b, s, h, d, a.causal).tflops("backward", f)
+            print(f"d{d} s{s} " + "  ".join(f"{k}: {v:.0f}" for k, v in row.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
