@@ -6,6 +6,7 @@ L2 -> shared traffic after them), and both. Against SDPA cuDNN's and flash's bac
 same run. Needs an H100/H200.
 
     python tests/diagnostics/probe_bwd_bound.py [--seqlen 4096 16384] [--headdim 128 256]
+                                                [--variants "as is" "no dQ adds" ...]
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ def main():
     ap.add_argument("--seqlen", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--headdim", type=int, nargs="+", default=[128, 256])
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
     a = ap.parse_args()
+    variants = {k: VARIANTS[k] for k in a.variants}
     print("# backward alone, TFLOP/s (flash-attn count), bf16, 16k tokens, hidden 2048")
     for d in a.headdim:
         for s in a.seqlen:
@@ -33,7 +36,7 @@ def main():
             row = {}
             for peer in ("sdpa_cudnn", "sdpa_flash"):
                 row[peer] = Problem(peer, b, s, h, d, a.causal).tflops("backward", f)
-            for name, defs in VARIANTS.items():
+            for name, defs in variants.items():
                 with config.override(sm90_defines=defs):
                     row[name] = Problem("cupy", b, s, h, d, a.causal).tflops("backward", f)
             print(f"d{d} s{s} " + "  ".join(f"{k}: {v:.0f}" for k, v in row.items()), flush=True)
