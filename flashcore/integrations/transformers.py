@@ -251,25 +251,33 @@ def _masked_over_cache(q, k, v, mask, **kw):
 def _padded_via_varlen(q, k, v, keep_k, **kw):
     """Varlen attention over the tokens the mask keeps, with no host sync and static shapes
     (so no graph break under torch.compile): a stable sort moves each row's kept tokens to the
-    front, in order, and the padding behind them; the packed tensors keep their full length, and
-    the padding rows, past ``cu_seqlens[-1]``, belong to no sequence. They are zeroed on the way
-    in and out (``torch.where``, whose gradient is exactly 0 there), and the result goes back to
-    the padded positions (zeros at pads)."""
+    front, in order, and the padding behind them (one sort for the keys and values, which share
+    the mask); the packed tensors keep their full length, and the padding rows, past
+    ``cu_seqlens[-1]``, belong to no sequence. When a gradient may flow they are zeroed on the
+    way in (``torch.where``, whose gradient is exactly 0 there); the result's padding rows are
+    zeroed on the way out, and it goes back to the padded positions (zeros at pads)."""
     import torch
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     keep_q = _query_positions(keep_k, sq)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
-    def pack(x, keep, n, heads):
+    def order_of(keep):
         flat = keep.reshape(-1)
         order = torch.argsort((~flat).to(torch.int8), stable=True)
-        kept = flat[order][:, None, None]
-        rows = x.reshape(b * n, heads, d)[order]
-        return torch.where(kept, rows, torch.zeros((), dtype=x.dtype, device=x.device)), order, kept
+        return order, flat[order][:, None, None]
 
-    qp, order_q, kept_q = pack(q, keep_q, sq, h)
-    kp, _, _ = pack(k, keep_k, sk, hk)
-    vp, _, _ = pack(v, keep_k, sk, hk)
+    def pack(x, order, kept, n, heads):
+        rows = x.reshape(b * n, heads, d)[order]
+        if not grad:    # (rows past the sequences are never read: only their gradient matters)
+            return rows
+        return torch.where(kept, rows, torch.zeros((), dtype=x.dtype, device=x.device))
+
+    order_q, kept_q = order_of(keep_q)
+    order_k, kept_k = order_of(keep_k)
+    qp = pack(q, order_q, kept_q, sq, h)
+    kp = pack(k, order_k, kept_k, sk, hk)
+    vp = pack(v, order_k, kept_k, sk, hk)
     lens_q, lens_k = keep_q.sum(1, dtype=torch.int32), keep_k.sum(1, dtype=torch.int32)
     zero = torch.zeros(1, dtype=torch.int32, device=q.device)
     cu_q = torch.cat([zero, lens_q.cumsum(0, dtype=torch.int32)])
