@@ -244,7 +244,10 @@ __device__ __forceinline__ BwdKeyWalk bwd_key_walk(const FlashParams& p, const B
 // ---- 1. preprocess: D = rowsum(dO * O) --------------------------------------------------------
 // Grid (ceil(seqlen_q / 64), nheads, batch), 256 threads: groups of 8 lanes own one row at a
 // time, each lane reading 16-byte chunks of dO and O (head dim is a multiple of 8).
-template <typename Elem>
+// Full_tiles: the dQ accumulator holds whole 64-row tiles (dense calls whose rows are padded
+// to a multiple of 64, the tile-ordered layout of the Hopper kernels' dQ reduction,
+// flash_bwd_sm90.cu): all 64 rows of the CTA's tile are zeroed.
+template <typename Elem, bool Full_tiles = false>
 __global__ void __launch_bounds__(256) flash_bwd_preprocess_kernel(const FlashParams p) {
     constexpr int kRows = 64;
     const int b = blockIdx.z, h = blockIdx.y;
@@ -290,7 +293,7 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_kernel(const FlashPa
     // separate fill is launched. Rows are dq_accum_row_stride (the head-dim tile) floats, a
     // multiple of 4: 16-byte stores.
     if (p.dq_accum != nullptr) {
-        const int rows = min(kRows, seq.sq - m0);
+        const int rows = Full_tiles ? kRows : min(kRows, seq.sq - m0);
         const int n4 = (int)(p.dq_accum_row_stride >> 2);
         float* base = p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride +
                       (seq.q_off + m0) * p.dq_accum_row_stride;

@@ -196,15 +196,13 @@ struct DkdvWarpgroup {
     // blocks: all columns over the warpgroup's keys (both warpgroups add); d64 with 128-query
     // blocks: queries [64 wg, 64 wg + 64) over all keys. Waits for every product of the step
     // (after it, this warpgroup reads none of the step's tiles), then adds dQ to dq_accum.
-    __device__ __forceinline__ void dq(const FlashParams& p, const BwdSeq& seq, int b, int h,
-                                       int m0, fc_u32 sK, fc_u32 sdSb) {
+    __device__ __forceinline__ void dq_product(fc_u32 sK, fc_u32 sdSb, float (&acc_dq)[32]) {
         constexpr int kBlockN = 128;
         constexpr bool kSplitKeys = kD == 64 && kBlockM == 64;
         constexpr int kDqSteps = kSplitKeys ? 64 / 16 : kBlockN / 16;
         const int kk0 = kSplitKeys ? 4 * wg : 0;
         const fc_u32 kcol = kD == 128 ? (fc_u32)wg * kKBlock : 0u;
         const fc_u32 qblk = kBlockM == 128 ? (fc_u32)wg * kKBlock : 0u;
-        float acc_dq[32];
 #pragma unroll
         for (int i = 0; i < 32; ++i) acc_dq[i] = 0.f;
         pin(acc_dq);
@@ -222,8 +220,21 @@ struct DkdvWarpgroup {
         pin(acc_dk);
         pin(pa);
         pin(dsa);
+    }
 
-        // dQ rows (queries) 16 wl + g + 8 r, columns 64 wg + 8 j + 2 t.
+    // The dQ product and its addition to dq_accum with red.global.add (the warp-specialised
+    // kernel with Dq_tiled: dq_product, then dq_tile_add).
+    __device__ __forceinline__ void dq(const FlashParams& p, const BwdSeq& seq, int b, int h,
+                                       int m0, fc_u32 sK, fc_u32 sdSb) {
+        float acc_dq[32];
+        dq_product(sK, sdSb, acc_dq);
+        dq_red(p, seq, b, h, m0, acc_dq);
+    }
+
+    // dQ (rows: queries 16 wl + g + 8 r, columns 64 wg + 8 j + 2 t) added to dq_accum with
+    // red.global.add.
+    __device__ __forceinline__ void dq_red(const FlashParams& p, const BwdSeq& seq, int b, int h,
+                                           int m0, const float (&acc_dq)[32]) const {
         const int i0 = m0 + (kBlockM == 128 ? 64 * wg : 0) + 16 * wl + g;
         float* dqa = p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride
                      + (seq.q_off + i0) * p.dq_accum_row_stride + (kD == 128 ? 64 * wg : 0) + 2 * t;
@@ -355,6 +366,69 @@ struct alignas(64) FcBwdMaps {
     FcTensorMap q, k, v, dout;
 };
 
+// ---- dQ in tile order (Dq_tiled; the warp-specialised kernels) --------------------------------
+// Each step's dQ of a warpgroup (64 query rows x kN / 2 columns, kN floats a thread in the
+// wgmma accumulator layout) is added to the accumulator by ONE bulk reduce-add of the whole
+// tile, as FlashAttention-3 does, in place of kN / 2 red.global.add a thread: the fp32
+// accumulator of a dense call holds whole 64-row tiles (rows padded to a multiple of 64,
+// zeroed by flash_bwd_preprocess_kernel<.., true>), each in the threads' own order --
+// [warpgroup w][float4 k][thread ct][4] -- which flash_bwd_convert_dq_tiled_kernel reads back.
+// Float4 k of thread ct = (wl, g, t) holds rows 16 wl + g (its first two floats) and 16 wl +
+// g + 8 (last two), columns w kN / 2 + 8 k + 2 t and + 1.
+
+// Stores the fragment to `region` in that order (float4 k of thread c at (128 k + c) x 16
+// bytes: a warp's store is 512 contiguous bytes, free of bank conflicts) and, once the
+// warpgroup's stores are done (named barrier `bar`), its first thread adds the region to
+// `gtile` with one bulk reduce-add and commits it. `ct`: the thread's index among the
+// consumers. The caller frees `region`: that thread waits for the group's read
+// (bulk_wait_read) before anything writes it again.
+template <int kN>
+__device__ __forceinline__ void dq_tile_add(const float (&acc)[kN], fc_u32 region, float* gtile,
+                                            int ct, int bar) {
+    using namespace fc_pipe;
+    const int c = ct & 127;
+#pragma unroll
+    for (int k = 0; k < kN / 4; ++k)
+        fc_sm90::sts128f(region + (fc_u32)(128 * k + c) * 16u, acc[4 * k], acc[4 * k + 1],
+                         acc[4 * k + 2], acc[4 * k + 3]);
+    fence_proxy_async();          // the stores, for the bulk copy's async-proxy read
+    named_sync(bar, 128);
+    if (c == 0) {
+#ifndef FC_DIAG_BWD_NO_DQ       // (timing only: dQ computed, never added, wrong results)
+        bulk_reduce_add_f32(gtile, region, (fc_u32)kN * 128u * 4u);
+#endif
+        bulk_commit();
+    }
+}
+
+// dq = dq_accum * softmax_scale -> 16-bit from the tile order above (dense calls; head dim
+// kD, so kN = kD / 4 floats a thread). Grid (ceil(seqlen_q / 64), nheads, batch), 256 threads,
+// one 64-row tile a CTA, read in order (coalesced), written as 16-bit pairs.
+template <typename Elem, int kD>
+__global__ void __launch_bounds__(256) flash_bwd_convert_dq_tiled_kernel(const FlashParams p) {
+    constexpr int kRows = 64, kChunks = kD / 16;         // float4s a thread of a warpgroup
+    const int b = blockIdx.z, h = blockIdx.y;
+    const BwdSeq seq = bwd_seq(p, b);
+    const int m0 = blockIdx.x * kRows;
+    if (m0 >= seq.sq) return;
+    const float* tile = p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride
+                        + m0 * p.dq_accum_row_stride;
+    fc_u16* gdq = static_cast<fc_u16*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride;
+    const float scale = p.softmax_scale;
+    for (int idx = threadIdx.x; idx < 2 * kChunks * 128; idx += 256) {
+        const int w = idx / (kChunks * 128), k = (idx >> 7) % kChunks, ct = idx & 127;
+        const float4 v = *reinterpret_cast<const float4*>(tile + 4 * idx);
+        const int row = m0 + 16 * (ct >> 5) + ((ct >> 2) & 7);
+        const int col = w * (kD / 2) + 8 * k + 2 * (ct & 3);
+        if (row < seq.sq)
+            *reinterpret_cast<fc_u32*>(gdq + row * p.dq_row_stride + col) =
+                Elem::pack2(v.x * scale, v.y * scale);
+        if (row + 8 < seq.sq)
+            *reinterpret_cast<fc_u32*>(gdq + (row + 8) * p.dq_row_stride + col) =
+                Elem::pack2(v.z * scale, v.w * scale);
+    }
+}
+
 // The producer of the warp-specialised dK/dV kernels, run by warp 0 (lane 0 issues the copies;
 // every lane writes lse and D): K and V of the key block once (boxes of 64 columns x kBlockN
 // keys, [kD / 64][kBlockN][64] in shared memory), then per step of the walk Q and dO of the
@@ -410,7 +484,7 @@ __device__ __forceinline__ void bwd_produce(const FlashParams& p, const BwdSeq& 
 
 // Warp-specialised dK/dV kernel (see the top of the file): 384 threads, warpgroup 0 produces,
 // 1 and 2 consume. Dense calls only (TMA boxes address rows of one sequence).
-template <typename Elem, int kD, int kBlockM, bool Is_local, bool Is_dropout>
+template <typename Elem, int kD, int kBlockM, bool Is_local, bool Is_dropout, bool Dq_tiled = false>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwdMaps maps) {
     using namespace fc_hb;
@@ -487,10 +561,31 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
         // The whole dS^T tile is written; and (dS^T double-buffered) every consumer is past the
         // previous step, whose dQ product read the buffer the next step writes.
         named_sync(1, 256);
-        w.dq(p, seq, b, h, m0, sK, sdSb);
-        mbar_arrive(empty(st));   // this stage's Q, dO, lse and D are no longer read
+        if constexpr (Dq_tiled) {
+            if (it > 0) {         // the previous stage, its dQ tile read by the bulk copy: free
+                if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
+                named_sync(3 + w.wg, 128);
+                mbar_arrive(empty((it - 1) % kStages));
+            }
+        }
+        if constexpr (Dq_tiled) {
+            float acc_dq[32];
+            w.dq_product(sK, sdSb, acc_dq);
+            // Both warpgroups' products done: the stage's Q and dO tiles take their dQ tiles.
+            static_assert(kD == 128 && kBlockM == 64, "a warpgroup's dQ tile fills a Q tile");
+            named_sync(2, 256);
+            dq_tile_add<32>(acc_dq, (w.wg == 0 ? sQ : sdO) + (fc_u32)st * kQT,
+                            p.dq_accum + b * p.dq_accum_batch_stride
+                            + h * p.dq_accum_head_stride + m0 * p.dq_accum_row_stride
+                            + w.wg * 64 * 64, tid - 128, 3 + w.wg);
+        } else {
+            w.dq(p, seq, b, h, m0, sK, sdSb);
+            mbar_arrive(empty(st));   // this stage's Q, dO, lse and D are no longer read
+        }
         bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
     }
+    if constexpr (Dq_tiled)
+        if ((threadIdx.x & 127) == 0) bulk_wait<0>();
     w.store(p, seq, b, hk, n0);
 }
 
@@ -595,13 +690,12 @@ struct Dkdv256Warpgroup {
     }
 
     // Once both warpgroups' P^T and dS^T are in shared memory: dV and dK of this warpgroup's
-    // columns (issued), dQ of its columns over the 64 keys, all waited for, dQ added to
-    // dq_accum. After it this warpgroup reads none of the step's tiles.
-    __device__ __forceinline__ void grads(const FlashParams& p, const BwdSeq& seq, int b, int h,
-                                          int m0, fc_u32 sK, fc_u32 sQb, fc_u32 sdOb,
-                                          fc_u32 sPb, fc_u32 sdSb) {
+    // columns (issued), dQ of its columns over the 64 keys into acc_dq (rows: queries 16 wl + g
+    // + 8 r, columns 8 j + 2 t of this warpgroup's 128), all waited for. After it this
+    // warpgroup reads none of the step's tiles.
+    __device__ __forceinline__ void grads(fc_u32 sK, fc_u32 sQb, fc_u32 sdOb, fc_u32 sPb,
+                                          fc_u32 sdSb, float (&acc_dq)[64]) {
         const fc_u32 col = (fc_u32)(2 * wg) * kBlk;   // the first of this warpgroup's d blocks
-        float acc_dq[64];
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc_dq[i] = 0.f;
         pin(acc_dv);
@@ -627,8 +721,11 @@ struct Dkdv256Warpgroup {
         pin(acc_dq);
         pin(acc_dv);
         pin(acc_dk);
+    }
 
-        // dQ rows (queries) 16 wl + g + 8 r, columns 128 wg + 8 j + 2 t.
+    // dQ added to dq_accum with red.global.add (Dq_tiled: dq_tile_add instead).
+    __device__ __forceinline__ void dq_red(const FlashParams& p, const BwdSeq& seq, int b, int h,
+                                           int m0, const float (&acc_dq)[64]) const {
         const int i0 = m0 + 16 * wl + g;
         float* dqa = p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride
                      + (seq.q_off + i0) * p.dq_accum_row_stride + 128 * wg + 2 * t;
@@ -675,7 +772,7 @@ struct Dkdv256Warpgroup {
 
 // The head-dim-256 dK/dV kernel (see above): 384 threads, warpgroup 0 produces (bwd_produce,
 // boxes of 64 rows), 1 and 2 consume. Dense calls only.
-template <typename Elem, bool Is_local, bool Is_dropout>
+template <typename Elem, bool Is_local, bool Is_dropout, bool Dq_tiled = false>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcBwdMaps maps) {
     using namespace fc_hb;
@@ -750,9 +847,29 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
         // Both halves of P^T and dS^T are written; and (double-buffered) both warpgroups are
         // past the previous step, whose products read the buffers the next step writes.
         named_sync(1, 256);
-        w.grads(p, seq, b, h, m0, sK, sQb, sdOb, sP + buf, sdS + buf);
-        mbar_arrive(empty(st));   // this stage's Q, dO, lse and D are no longer read
+        if constexpr (Dq_tiled) {
+            if (it > 0) {         // the previous stage, its dQ tile read by the bulk copy: free
+                if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
+                named_sync(3 + w.wg, 128);
+                mbar_arrive(empty((it - 1) % kStages));
+            }
+        }
+        float acc_dq[64];
+        w.grads(sK, sQb, sdOb, sP + buf, sdS + buf, acc_dq);
+        if constexpr (Dq_tiled) {
+            // Both warpgroups' products done: the stage's Q and dO tiles take their dQ tiles.
+            named_sync(2, 256);
+            dq_tile_add<64>(acc_dq, w.wg == 0 ? sQb : sdOb,
+                            p.dq_accum + b * p.dq_accum_batch_stride
+                            + h * p.dq_accum_head_stride + m0 * p.dq_accum_row_stride
+                            + w.wg * 64 * 128, tid - 128, 3 + w.wg);
+        } else {
+            w.dq_red(p, seq, b, h, m0, acc_dq);
+            mbar_arrive(empty(st));   // this stage's Q, dO, lse and D are no longer read
+        }
         bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
     }
+    if constexpr (Dq_tiled)
+        if ((threadIdx.x & 127) == 0) bulk_wait<0>();
     w.store(p, seq, b, hk, n0);
 }

@@ -63,6 +63,27 @@ __device__ __forceinline__ void tma_prefetch_map(const FcTensorMap& map) {
     asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<fc_u64>(&map)) : "memory");
 }
 
+// Bulk reduce-add without a tensor map: `bytes` (a multiple of 16) of fp32 at shared address
+// `src` added element by element into global memory at `dst` (both 16-byte aligned), in L2,
+// as part of the issuing thread's current bulk group. bulk_commit closes the group;
+// bulk_wait_read<N> waits until at most N of the thread's groups still read shared memory (the
+// source may then be overwritten), bulk_wait<N> until at most N are incomplete.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, fc_u32 src, fc_u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" :: "n"(N) : "memory");
+}
+
 // Register reallocation: the producer warpgroup gives registers back, the consumers take them.
 // Effective only with a register cap at entry (__launch_bounds__(threads, 1)).
 template <int N>

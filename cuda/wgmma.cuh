@@ -22,6 +22,10 @@ __device__ __forceinline__ void stg32(void* p, fc_u32 v) {
 __device__ __forceinline__ void sts32(fc_u32 addr, fc_u32 v) {
     asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
 }
+__device__ __forceinline__ void sts128f(fc_u32 addr, float a, float b, float c, float d) {
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n"
+                 :: "r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
 
 // A ROWS x D tile (rows of `row_stride` elements from gsrc) into the swizzled layout
 // [D / 64][ROWS][64] (each block ROWS * 128 bytes) with cp.async; rows >= rows_valid are

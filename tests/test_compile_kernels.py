@@ -109,11 +109,12 @@ def test_hopper_kernels_compile(source):
 def _spill_allowance(mangled: str) -> int:
     """Spill bytes allowed for a Hopper kernel, from its mangled template arguments."""
     bools = re.findall(r"Lb([01])E", mangled)
-    if mangled.startswith("_Z25flash_fwd_sm90_fp8_kernel"):
-        return 0                             # (no dropout; its last flag is ping-pong)
-    if mangled.startswith("_Z24flash_fwd_sm90_ws_kernel"):
-        dropout = bools[1] == "1"            # <Elem, d, block_n, local, dropout, stages, pp>
-    else:
+    if not bools or mangled.startswith("_Z25flash_fwd_sm90_fp8_kernel"):
+        return 0                             # (no flags; the FP8 forward: no dropout)
+    if mangled.startswith(("_Z24flash_fwd_sm90_ws_kernel", "_Z29flash_bwd_dkdv_sm90_ws_kernel",
+                           "_Z31flash_bwd_dkdv_sm90_d256_kernel")):
+        dropout = bools[1] == "1"            # <.., local, dropout, ..>: stages and ping-pong,
+    else:                                    # or the tile-ordered dQ, follow
         dropout = bools[-1] == "1"           # the last template argument
     if not dropout:
         return 0

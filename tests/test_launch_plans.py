@@ -60,7 +60,7 @@ class FakeKernel:
 
 def _n_maps(name):
     """Tensor maps a kernel takes after the struct (the warp-specialised Hopper kernels)."""
-    return (4 if "bwd" in name else 3) if "_ws_kernel" in name else 0
+    return (4 if "bwd" in name else 3) if ("_ws_kernel" in name or "_d256_kernel" in name) else 0
 
 
 def fake_launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
@@ -309,6 +309,39 @@ def test_forward_replay_equals_full_launch(seed):
 def test_backward_replay_equals_full_launch(seed):
     rng = np.random.default_rng(1000 + seed)
     _check(_backward, _bwd_arrays, _case(rng), rng)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_backward_replay_equals_full_launch_dq_tiled(seed):
+    rng = np.random.default_rng(1000 + seed)
+    with config.override(sm90_bwd_dq_tiled=True):
+        _check(_backward, _bwd_arrays, _case(rng), rng)
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_dq_tiled_launches(d):
+    """With the tile-ordered dQ reduction, a dense call whose arrays TMA can read runs the
+    whole-tile preprocess, the warp-specialised kernel's tiled instantiation and the tiled
+    convert kernel, over an accumulator of whole 64-row tiles; off (the default), the others."""
+    rng = np.random.default_rng(d)
+    c = dict(_case(rng), dtype="float16", d=d, sq=100, sk=90, b=2, h=4, hk=2, wl=-1, wr=0,
+             softcap=0.0, alibi=None, strided=False, deterministic=False)
+    for tiled in (False, True):
+        with config.override(sm90_bwd_dq_tiled=tiled):
+            LOG.clear()
+            plans.clear()
+            _backward(c, _bwd_arrays(rng, c))
+            names = [n for n, *_ in LOG]
+        kernel = (backward.sm90_d256_kernel_name("float16", True, dq_tiled=tiled) if d == 256
+                  else backward.sm90_ws_kernel_name("float16", d, True, dq_tiled=tiled))
+        convert = (backward.sm90_convert_tiled_name("float16", d) if tiled
+                   else "flash_bwd_convert_dq_kernel<fc_fp16>")
+        pre = "flash_bwd_preprocess_kernel<fc_fp16" + (", true>" if tiled else ">")
+        assert names == [pre, kernel, convert]
+        words = np.frombuffer(LOG[0][4][:params_dtype().itemsize], np.int64)
+        dt = params_dtype()
+        head_stride = int(words[dt.fields["dq_accum_head_stride"][1] // 8])
+        assert head_stride == (128 if tiled else 100) * d
 
 
 def test_scratch_is_fresh_and_never_filled(monkeypatch):

@@ -221,11 +221,20 @@ SM90_WS_BLOCK_M = 64
 
 
 def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool,
-                        block_m: int = SM90_WS_BLOCK_M, dropout: bool = False) -> str:
+                        block_m: int = SM90_WS_BLOCK_M, dropout: bool = False,
+                        dq_tiled: bool = False) -> str:
     """The warp-specialised dK/dV kernel (TMA producer, two consumer warpgroups)."""
     bm = block_m
     return (f"flash_bwd_dkdv_sm90_ws_kernel<{_ELEM[dtype_name]}, {headdim}, {bm}, "
-            f"{_b(is_local)}, {_b(dropout)}>")
+            f"{_b(is_local)}, {_b(dropout)}{', true' if dq_tiled else ''}>")
+
+
+# The tile-ordered dQ reduction of the warp-specialised kernels (``sm90_bwd_dq_tiled``; dense
+# calls): the fp32 accumulator holds whole 64-row tiles, each in the order the kernel's threads
+# store it, added with one bulk reduce-add a warpgroup a step; the preprocess kernel zeroes
+# whole tiles, and its own convert kernel reads the order back (cuda/flash_bwd_sm90.cu).
+def sm90_convert_tiled_name(dtype_name: str, headdim: int) -> str:
+    return f"flash_bwd_convert_dq_tiled_kernel<{_ELEM[dtype_name]}, {headdim}>"
 
 
 def sm90_ws_smem(headdim: int, block_m: int) -> int:
@@ -242,9 +251,10 @@ def sm90_ws_smem(headdim: int, block_m: int) -> int:
 SM90_D256_BLOCK = 64     # keys per CTA and queries per step
 
 
-def sm90_d256_kernel_name(dtype_name: str, is_local: bool, dropout: bool = False) -> str:
+def sm90_d256_kernel_name(dtype_name: str, is_local: bool, dropout: bool = False,
+                          dq_tiled: bool = False) -> str:
     return (f"flash_bwd_dkdv_sm90_d256_kernel<{_ELEM[dtype_name]}, {_b(is_local)}, "
-            f"{_b(dropout)}>")
+            f"{_b(dropout)}{', true' if dq_tiled else ''}>")
 
 
 def sm90_d256_smem() -> int:
@@ -262,7 +272,12 @@ def sm90_instantiations() -> list[str]:
             + [sm90_ws_kernel_name(dt, d, loc, SM90_WS_BLOCK_M, drop) for dt in dts
                for d in SM90_WS_HEADDIMS for loc in flags for drop in flags]
             + [sm90_d256_kernel_name(dt, loc, drop) for dt in dts for loc in flags
-               for drop in flags])
+               for drop in flags]
+            + [sm90_ws_kernel_name(dt, d, loc, SM90_WS_BLOCK_M, drop, dq_tiled=True)
+               for dt in dts for d in SM90_WS_HEADDIMS for loc in flags for drop in flags]
+            + [sm90_d256_kernel_name(dt, loc, drop, dq_tiled=True) for dt in dts
+               for loc in flags for drop in flags]
+            + [sm90_convert_tiled_name(dt, d) for dt in dts for d in SM90_WS_HEADDIMS + (256,)])
 
 
 @functools.lru_cache(maxsize=None)
@@ -373,15 +388,35 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
     # block's dQ tile is one contiguous slab; rows past a sequence's end are never touched.
     # Uninitialised: the preprocess kernel zeroes the rows of every sequence before the dK/dV
     # kernel adds into them (one launch fewer than a separate fill).
+    # The dK/dV kernel: a Hopper one ("d256", "ws": warp-specialised, with their tensor maps
+    # `ws`; "cpasync") or None (flash_bwd.cu's); with the tile-ordered dQ reduction or not.
+    hopper, ws = None, None
+    if sm90_applies(cc, headdim, has_softcap, has_alibi, deterministic):
+        from .tma import maps_for
+        if headdim == 256:
+            if not varlen and config.get().sm90_bwd_ws and sm90_d256_smem() <= smem_limit:
+                ws = maps_for((q, SM90_D256_BLOCK), (k, SM90_D256_BLOCK), (v, SM90_D256_BLOCK),
+                              (dout, SM90_D256_BLOCK))
+                hopper = None if ws is None else "d256"
+        else:
+            hopper = "cpasync"
+            if not varlen and config.get().sm90_bwd_ws and headdim in SM90_WS_HEADDIMS:
+                # boxes: 64 x block_m of q and dout, 64 x 128 of k and v
+                ws = maps_for((q, SM90_WS_BLOCK_M), (k, 128), (v, 128),
+                              (dout, SM90_WS_BLOCK_M))
+                hopper = "cpasync" if ws is None else "ws"
+    dq_tiled = hopper in ("ws", "d256") and config.get().sm90_bwd_dq_tiled
+
     dq_accum = None
     dqa_b = dqa_r = dqa_h = 0
     if not deterministic:
         if varlen:
             dq_accum = xp.empty((nheads, total_q, d), dtype=np.float32)
             dqa_b, dqa_h, dqa_r = 0, total_q * d, d
-        else:
-            dq_accum = xp.empty((batch, nheads, seqlen_q, d), dtype=np.float32)
-            dqa_b, dqa_h, dqa_r = nheads * seqlen_q * d, seqlen_q * d, d
+        else:   # (tile-ordered: whole 64-row tiles)
+            rows = _cdiv(seqlen_q, _ROWS_PER_CTA) * _ROWS_PER_CTA if dq_tiled else seqlen_q
+            dq_accum = xp.empty((batch, nheads, rows, d), dtype=np.float32)
+            dqa_b, dqa_h, dqa_r = nheads * rows * d, rows * d, d
 
     def ptr(a):
         return None if a is None else a.data.ptr
@@ -415,7 +450,6 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
     )
     args = (as_kernel_arg(params),)
     launched = []   # (kernel, grid, block, shared memory), in order: the plan of this layout
-    ws = None       # (tensor maps, specs) of the warp-specialised dK/dV kernel
 
     stream = device.current_stream(xp, device_id)
 
@@ -426,42 +460,33 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
     with device.scope(device_id):
         m_small = _cdiv(seqlen_q, _ROWS_PER_CTA)
         if m_small > 0:
-            pre = get_kernel(SOURCE, f"flash_bwd_preprocess_kernel<{elem}>", device_id, cc)
+            pre = get_kernel(SOURCE, f"flash_bwd_preprocess_kernel<{elem}"
+                             + (", true>" if dq_tiled else ">"), device_id, cc)
             launch(pre, (m_small, nheads, batch), (_SMALL_THREADS,))
 
-        if (headdim == 256 and not varlen and config.get().sm90_bwd_ws
-                and sm90_d256_smem() <= smem_limit
-                and sm90_applies(cc, headdim, has_softcap, has_alibi, deterministic)):
-            from .tma import maps_for
-            ws = maps_for((q, SM90_D256_BLOCK), (k, SM90_D256_BLOCK), (v, SM90_D256_BLOCK),
-                          (dout, SM90_D256_BLOCK))
-        if ws is not None:      # (head dim 256 on the Hopper kernel)
+        defines = config.get().sm90_defines
+        if hopper == "d256":
             smem = sm90_d256_smem()
-            kern = get_kernel(SM90_SOURCE, sm90_d256_kernel_name(dtype_name, is_local, dropout),
-                              device_id, cc, smem, config.get().sm90_defines)
+            kern = get_kernel(SM90_SOURCE, sm90_d256_kernel_name(dtype_name, is_local, dropout,
+                                                                 dq_tiled),
+                              device_id, cc, smem, defines)
             launch(kern, (_cdiv(seqlen_k, SM90_D256_BLOCK), nheads_k, batch), (384,), smem,
                    (ws[0].arg(),))
-        elif headdim != 256 and sm90_applies(cc, headdim, has_softcap, has_alibi, deterministic):
+        elif hopper == "ws":
+            smem = sm90_ws_smem(headdim, SM90_WS_BLOCK_M)
+            kern = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, is_local,
+                                                               SM90_WS_BLOCK_M, dropout, dq_tiled),
+                              device_id, cc, smem, defines)
+            # (the other launches take the struct alone: cuLaunchKernel reads as many
+            # parameters as a kernel declares, so a plan may pass the maps to all)
+            launch(kern, (_cdiv(seqlen_k, 128), nheads_k, batch), (384,), smem, (ws[0].arg(),))
+        elif hopper == "cpasync":
             bm = sm90_block_m(headdim)
-            if not varlen and config.get().sm90_bwd_ws and headdim in SM90_WS_HEADDIMS:
-                from .tma import maps_for
-                bm = SM90_WS_BLOCK_M     # boxes: 64 x bm of q and dout, 64 x 128 of k and v
-                ws = maps_for((q, bm), (k, 128), (v, 128), (dout, bm))
-            grid = (_cdiv(seqlen_k, 128), nheads_k, batch)
-            if ws is not None:
-                smem = sm90_ws_smem(headdim, bm)
-                kern = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, is_local,
-                                                                   bm, dropout),
-                                  device_id, cc, smem, config.get().sm90_defines)
-                # (the other launches take the struct alone: cuLaunchKernel reads as many
-                # parameters as a kernel declares, so a plan may pass the maps to all)
-                launch(kern, grid, (384,), smem, (ws[0].arg(),))
-            else:
-                smem = sm90_smem(headdim, bm)
-                kern = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, headdim, is_local,
-                                                                dropout=dropout),
-                                  device_id, cc, smem, config.get().sm90_defines)
-                launch(kern, grid, (256,), smem)
+            smem = sm90_smem(headdim, bm)
+            kern = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, headdim, is_local,
+                                                            dropout=dropout),
+                              device_id, cc, smem, defines)
+            launch(kern, (_cdiv(seqlen_k, 128), nheads_k, batch), (256,), smem)
         else:
             t, smem = _pick(_dkdv_table(d), dkdv_smem_bytes, d, smem_limit, "dK/dV kernel")
             name = _dkdv_name(elem, d, t, is_local, has_softcap, has_alibi, even_d,
@@ -475,6 +500,10 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
                 name = _dq_name(elem, d, t, is_local, has_softcap, has_alibi, even_d, dropout)
                 kern = get_kernel(SOURCE, name, device_id, cc, smem)
                 launch(kern, (_cdiv(seqlen_q, t.block_m), nheads, batch), (32 * t.n_warps,), smem)
+            elif dq_tiled:
+                conv = get_kernel(SM90_SOURCE, sm90_convert_tiled_name(dtype_name, headdim),
+                                  device_id, cc, 0, defines)
+                launch(conv, (m_small, nheads, batch), (_SMALL_THREADS,))
             else:
                 conv = get_kernel(SOURCE, f"flash_bwd_convert_dq_kernel<{elem}>", device_id, cc)
                 launch(conv, (m_small, nheads, batch), (_SMALL_THREADS,))

@@ -1,9 +1,10 @@
 """What bounds the Hopper dK/dV kernels: the backward alone (TFLOP/s, GPU time, L2 flushed) of
 the d128 and d256 kernels as they are, and with two timing-only defines that give wrong
 results (cuda/flash_bwd_sm90.cu): FC_DIAG_BWD_NO_DQ (dQ computed, never added to dq_accum:
-no red.global.add, no bulk reduce-add) and FC_DIAG_BWD_NO_QLOAD (Q and dO loaded for the first two steps only: no
-L2 -> shared traffic after them), and both. Against SDPA cuDNN's and flash's backward in the
-same run. Needs an H100/H200.
+no red.global.add, no bulk reduce-add) and FC_DIAG_BWD_NO_QLOAD (Q and dO loaded for the first
+two steps only: no L2 -> shared traffic after them), and both; and the tile-ordered dQ reduction
+(``sm90_bwd_dq_tiled``: one bulk reduce-add of a warpgroup's tile a step), with and without its
+additions. Against SDPA cuDNN's and flash's backward in the same run. Needs an H100/H200.
 
     python tests/diagnostics/probe_bwd_bound.py [--seqlen 4096 16384] [--headdim 128 256]
                                                 [--variants "as is" "no dQ adds" ...]
@@ -15,9 +16,13 @@ import argparse
 from flashcore import config
 from flashcore.bench import AttentionProblem as Problem, flops, shape_for
 
-VARIANTS = {"as is": (), "no dQ adds": ("-DFC_DIAG_BWD_NO_DQ",),
-            "no Q/dO reloads": ("-DFC_DIAG_BWD_NO_QLOAD",),
-            "neither": ("-DFC_DIAG_BWD_NO_DQ", "-DFC_DIAG_BWD_NO_QLOAD")}
+VARIANTS = {"as is": {},
+            "no dQ adds": {"sm90_defines": ("-DFC_DIAG_BWD_NO_DQ",)},
+            "no Q/dO reloads": {"sm90_defines": ("-DFC_DIAG_BWD_NO_QLOAD",)},
+            "neither": {"sm90_defines": ("-DFC_DIAG_BWD_NO_DQ", "-DFC_DIAG_BWD_NO_QLOAD")},
+            "dQ tiled": {"sm90_bwd_dq_tiled": True},
+            "dQ tiled, no adds": {"sm90_bwd_dq_tiled": True,
+                                  "sm90_defines": ("-DFC_DIAG_BWD_NO_DQ",)}}
 
 
 def main():
@@ -36,8 +41,8 @@ def main():
             row = {}
             for peer in ("sdpa_cudnn", "sdpa_flash"):
                 row[peer] = Problem(peer, b, s, h, d, a.causal).tflops("backward", f)
-            for name, defs in variants.items():
-                with config.override(sm90_defines=defs):
+            for name, settings in variants.items():
+                with config.override(**settings):
                     row[name] = Problem("cupy", b, s, h, d, a.causal).tflops("backward", f)
             print(f"d{d} s{s} " + "  ".join(f"{k}: {v:.0f}" for k, v in row.items()), flush=True)
 

@@ -80,9 +80,14 @@ def run_backward_cases(cases, dropout_p=0.0):
 
 
 if "--hopper-bwd" in sys.argv:
-    # only the Hopper dK/dV kernels (with and without dropout), in seconds:
+    # only the Hopper dK/dV kernels (with and without dropout, with and without the
+    # tile-ordered dQ reduction), in seconds:
     # compute-sanitizer --tool racecheck python3 tests/diagnostics/sanitize_driver.py --hopper-bwd
-    n = run_backward_cases(HOPPER_BWD_CASES) + run_backward_cases(HOPPER_BWD_CASES[-3:], 0.2)
+    from flashcore import config
+    n = 0
+    for tiled in (False, True):
+        with config.override(sm90_bwd_dq_tiled=tiled):
+            n += run_backward_cases(HOPPER_BWD_CASES) + run_backward_cases(HOPPER_BWD_CASES[-3:], 0.2)
     print(f"sanitize driver --hopper-bwd: {n} cases ran")
     sys.exit(0)
 
@@ -154,6 +159,8 @@ if int(cp.cuda.Device().compute_capability) == 90:
     _config.set(sm90_fwd_persistent=True)
     _bwd.set_sm90(True)                                # the Hopper dK/dV kernels
     n += run_backward_cases(HOPPER_BWD_CASES)
+    with _config.override(sm90_bwd_dq_tiled=True):    # (the tile-ordered dQ reduction)
+        n += run_backward_cases(HOPPER_BWD_CASES)
     _bwd.set_sm90(False)
 _config.set(**_was._asdict())
 

@@ -197,22 +197,27 @@ def _ran_sm90_bwd(dtype, local, d=128, varlen=False):
     """The dK/dV kernel of the fixture's variant ran (varlen calls take the cp.async one)."""
     from flashcore import config, jit
     from flashcore.kernels import backward
+    tiled = config.get().sm90_bwd_dq_tiled
     if d == 256:      # (warp-specialised only)
-        name = backward.sm90_d256_kernel_name(dtype, local)
+        name = backward.sm90_d256_kernel_name(dtype, local, dq_tiled=tiled)
         return any(k[2] == backward.SM90_SOURCE and k[3] == name for k in jit._kernels)
     ws = config.get().sm90_bwd_ws and not varlen and d in backward.SM90_WS_HEADDIMS
-    name = (backward.sm90_ws_kernel_name if ws else backward.sm90_kernel_name)(dtype, d, local)
+    name = (backward.sm90_ws_kernel_name(dtype, d, local, dq_tiled=tiled) if ws
+            else backward.sm90_kernel_name(dtype, d, local))
     return any(k[2] == backward.SM90_SOURCE and k[3] == name for k in jit._kernels)
 
 
-@pytest.fixture(params=[(True, 128), (False, 128), (False, 64)],
-                ids=["ws", "cpasync-d64-bm128", "cpasync-d64-bm64"])
+@pytest.fixture(params=[(True, 128, False), (True, 128, True), (False, 128, False),
+                        (False, 64, False)],
+                ids=["ws", "ws-dq-tiled", "cpasync-d64-bm128", "cpasync-d64-bm64"])
 def sm90_bwd(request):
-    """The Hopper dK/dV kernel on (warp-specialised where it applies, else cp.async), the
-    forward on the (verified) Ampere-class kernel, so that a failure here is the backward's."""
+    """The Hopper dK/dV kernel on (warp-specialised where it applies, with or without the
+    tile-ordered dQ reduction, else cp.async), the forward on the (verified) Ampere-class
+    kernel, so that a failure here is the backward's."""
     from flashcore import config
-    ws, bm = request.param
-    with config.override(sm90_bwd=True, sm90_bwd_ws=ws, sm90_bwd_d64_block_m=bm, sm90_fwd=False):
+    ws, bm, tiled = request.param
+    with config.override(sm90_bwd=True, sm90_bwd_ws=ws, sm90_bwd_d64_block_m=bm, sm90_fwd=False,
+                         sm90_bwd_dq_tiled=tiled):
         yield
 
 
@@ -348,3 +353,18 @@ print("ok")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("d, sq, sk, kw", [(128, 203, 117, dict()),
+                                          (256, 77, 130, dict(causal=True)),
+                                          (128, 300, 211, dict(window_size=(40, 5)))])
+def test_backward_dq_tiled_dropout(d, sq, sk, kw):
+    """The tile-ordered dQ reduction with dropout, through the public functions (a replay of
+    the plan included), against the float64 oracle (test_cupy_gpu's dropout check)."""
+    if _VARIANT["name"] != "v0":
+        pytest.skip("the backward does not depend on the forward variant: run once")
+    from flashcore import config
+    from test_cupy_gpu import test_dropout_against_the_reference as dropout_check
+    with config.override(sm90_bwd=True, sm90_bwd_ws=True, sm90_bwd_dq_tiled=True):
+        dropout_check(d, sq, sk, kw, 0.17)
+        assert _ran_sm90_bwd("bfloat16", bool(kw), d)
