@@ -20,7 +20,9 @@
 //   dS^T -> shared ([key][query], 16-bit), then after a barrier
 //   d128: dQ[:, 64 w:64 w+64] = dS K[:, 64 w:64 w+64]    m64n64k16 over all 128 keys, A = dS
 //         read M-major from the [key][query] tile (imm-trans-a), B = K read N-major
-//         (imm-trans-b); added to the fp32 dq_accum with red.global.add
+//         (imm-trans-b); added to the fp32 dq_accum with red.global.add, or (Dq_tiled, the
+//         warp-specialised kernels, off by default) staged in shared memory and added as one
+//         bulk reduce-add of the warpgroup's tile (see "dQ in tile order" below)
 //   d64:  dQ += dS[:, keys_w] K[keys_w, :]   the same instruction over the warpgroup's own 64
 //         keys: each warpgroup adds its partial product (as many atomics per step as d128)
 // Shared memory (1024-byte aligned, every tile [rows][64 columns] blocks with the 128-byte
@@ -192,10 +194,10 @@ struct DkdvWarpgroup {
     }
 
     // Second half, once the whole dS^T tile is in sdSb: dQ = dS K (A = dS^T read M-major,
-    // B = K read N-major). d128: columns [64 wg, 64 wg + 64) over all keys; d64 with 64-query
-    // blocks: all columns over the warpgroup's keys (both warpgroups add); d64 with 128-query
-    // blocks: queries [64 wg, 64 wg + 64) over all keys. Waits for every product of the step
-    // (after it, this warpgroup reads none of the step's tiles), then adds dQ to dq_accum.
+    // B = K read N-major) into acc_dq. d128: columns [64 wg, 64 wg + 64) over all keys; d64
+    // with 64-query blocks: all columns over the warpgroup's keys (both warpgroups add); d64
+    // with 128-query blocks: queries [64 wg, 64 wg + 64) over all keys. Waits for every product
+    // of the step (after it, this warpgroup reads none of the step's tiles).
     __device__ __forceinline__ void dq_product(fc_u32 sK, fc_u32 sdSb, float (&acc_dq)[32]) {
         constexpr int kBlockN = 128;
         constexpr bool kSplitKeys = kD == 64 && kBlockM == 64;
@@ -506,6 +508,8 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
     float* sLse = reinterpret_cast<float*>(smem_raw + (sStats - base));
     float* sDsum = sLse + kStages * kBlockM;
     const fc_u32 bars = sStats + (fc_u32)(2 * kStages * kBlockM) * 4u;
+    // Dq_tiled: each consumer warpgroup's dQ tile (64 x 64 fp32), after the 5 barriers
+    const fc_u32 sDq = (bars + 8u * 5u + 127u) & ~127u;
     const fc_u32 bar_kv = bars;
     auto full = [&](int st) { return bars + 8u * (fc_u32)(1 + st); };
     auto empty = [&](int st) { return bars + 8u * (fc_u32)(1 + kStages + st); };
@@ -562,19 +566,16 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
         // previous step, whose dQ product read the buffer the next step writes.
         named_sync(1, 256);
         if constexpr (Dq_tiled) {
-            if (it > 0) {         // the previous stage, its dQ tile read by the bulk copy: free
-                if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
-                named_sync(3 + w.wg, 128);
-                mbar_arrive(empty((it - 1) % kStages));
-            }
-        }
-        if constexpr (Dq_tiled) {
+            static_assert(kD == 128 && kBlockM == 64, "dQ tiles of 64 x 64 a warpgroup");
             float acc_dq[32];
             w.dq_product(sK, sdSb, acc_dq);
-            // Both warpgroups' products done: the stage's Q and dO tiles take their dQ tiles.
-            static_assert(kD == 128 && kBlockM == 64, "a warpgroup's dQ tile fills a Q tile");
-            named_sync(2, 256);
-            dq_tile_add<32>(acc_dq, (w.wg == 0 ? sQ : sdO) + (fc_u32)st * kQT,
+            mbar_arrive(empty(st));   // this stage's Q, dO, lse and D are no longer read
+            // The warpgroup's staging tile, read by the previous step's bulk copy, is free.
+            if (it > 0) {
+                if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
+                named_sync(3 + w.wg, 128);
+            }
+            dq_tile_add<32>(acc_dq, sDq + (fc_u32)w.wg * (64u * 64u * 4u),
                             p.dq_accum + b * p.dq_accum_batch_stride
                             + h * p.dq_accum_head_stride + m0 * p.dq_accum_row_stride
                             + w.wg * 64 * 64, tid - 128, 3 + w.wg);
@@ -693,8 +694,8 @@ struct Dkdv256Warpgroup {
     // columns (issued), dQ of its columns over the 64 keys into acc_dq (rows: queries 16 wl + g
     // + 8 r, columns 8 j + 2 t of this warpgroup's 128), all waited for. After it this
     // warpgroup reads none of the step's tiles.
-    __device__ __forceinline__ void grads(fc_u32 sK, fc_u32 sQb, fc_u32 sdOb, fc_u32 sPb,
-                                          fc_u32 sdSb, float (&acc_dq)[64]) {
+    __device__ __forceinline__ void grads_product(fc_u32 sK, fc_u32 sQb, fc_u32 sdOb, fc_u32 sPb,
+                                                  fc_u32 sdSb, float (&acc_dq)[64]) {
         const fc_u32 col = (fc_u32)(2 * wg) * kBlk;   // the first of this warpgroup's d blocks
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc_dq[i] = 0.f;
@@ -723,7 +724,17 @@ struct Dkdv256Warpgroup {
         pin(acc_dk);
     }
 
-    // dQ added to dq_accum with red.global.add (Dq_tiled: dq_tile_add instead).
+    // The products and dQ's addition to dq_accum with red.global.add (Dq_tiled:
+    // grads_product, then dq_tile_add).
+    __device__ __forceinline__ void grads(const FlashParams& p, const BwdSeq& seq, int b, int h,
+                                          int m0, fc_u32 sK, fc_u32 sQb, fc_u32 sdOb, fc_u32 sPb,
+                                          fc_u32 sdSb) {
+        float acc_dq[64];
+        grads_product(sK, sQb, sdOb, sPb, sdSb, acc_dq);
+        dq_red(p, seq, b, h, m0, acc_dq);
+    }
+
+    // dQ added to dq_accum with red.global.add.
     __device__ __forceinline__ void dq_red(const FlashParams& p, const BwdSeq& seq, int b, int h,
                                            int m0, const float (&acc_dq)[64]) const {
         const int i0 = m0 + 16 * wl + g;
@@ -838,6 +849,15 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
     for (int it = 0; it < n_iter; ++it) {
         const int st = it % kStages;
         const fc_u32 buf = (fc_u32)(it & 1) * Wg::kBlk;
+        if constexpr (Dq_tiled) {
+            // The previous step's stage, holding its dQ tiles: back to the producer once the
+            // bulk copy has read this warpgroup's (its issuing thread waits; the phase needs
+            // every consumer's arrival, so it cannot complete before both copies have read).
+            if (it > 0) {
+                if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
+                mbar_arrive(empty((it - 1) % kStages));
+            }
+        }
         mbar_wait(full(st), (fc_u32)(it / kStages) & 1u);
         const int m0 = m_block * kBlockM;
         const fc_u32 sQb = sQ + (fc_u32)st * kTile, sdOb = sdO + (fc_u32)st * kTile;
@@ -848,15 +868,8 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
         // past the previous step, whose products read the buffers the next step writes.
         named_sync(1, 256);
         if constexpr (Dq_tiled) {
-            if (it > 0) {         // the previous stage, its dQ tile read by the bulk copy: free
-                if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
-                named_sync(3 + w.wg, 128);
-                mbar_arrive(empty((it - 1) % kStages));
-            }
-        }
-        float acc_dq[64];
-        w.grads(sK, sQb, sdOb, sP + buf, sdS + buf, acc_dq);
-        if constexpr (Dq_tiled) {
+            float acc_dq[64];
+            w.grads_product(sK, sQb, sdOb, sP + buf, sdS + buf, acc_dq);
             // Both warpgroups' products done: the stage's Q and dO tiles take their dQ tiles.
             named_sync(2, 256);
             dq_tile_add<64>(acc_dq, w.wg == 0 ? sQb : sdOb,
@@ -864,7 +877,7 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
                             + h * p.dq_accum_head_stride + m0 * p.dq_accum_row_stride
                             + w.wg * 64 * 128, tid - 128, 3 + w.wg);
         } else {
-            w.dq_red(p, seq, b, h, m0, acc_dq);
+            w.grads(p, seq, b, h, m0, sK, sQb, sdOb, sP + buf, sdS + buf);
             mbar_arrive(empty(st));   // this stage's Q, dO, lse and D are no longer read
         }
         bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);

@@ -154,6 +154,7 @@ def instantiations() -> list[str]:
              for ali in (False, True) for even in (True, False)]
     for elem in ("fc_fp16", "fc_bf16"):
         names.append(f"flash_bwd_preprocess_kernel<{elem}>")
+        names.append(f"flash_bwd_preprocess_kernel<{elem}, true>")   # (whole 64-row tiles)
         names.append(f"flash_bwd_convert_dq_kernel<{elem}>")
         for d in HEADDIM_TILES:
             for loc, cap, ali, even in flags:
@@ -237,11 +238,13 @@ def sm90_convert_tiled_name(dtype_name: str, headdim: int) -> str:
     return f"flash_bwd_convert_dq_tiled_kernel<{_ELEM[dtype_name]}, {headdim}>"
 
 
-def sm90_ws_smem(headdim: int, block_m: int) -> int:
+def sm90_ws_smem(headdim: int, block_m: int, dq_tiled: bool = False) -> int:
     """K, V (128 x d), Q and dO (2 stages of block_m x d), dS^T (2 buffers of 128 x block_m),
-    lse and D (2 stages of block_m each), 5 mbarriers, + alignment."""
-    return (2 * (2 * 128 * headdim) + 2 * 2 * (2 * block_m * headdim) + 2 * 2 * 128 * block_m
+    lse and D (2 stages of block_m each), 5 mbarriers, + alignment; with the tile-ordered dQ
+    reduction, a 64 x 64 fp32 staging tile per consumer warpgroup (128-byte aligned)."""
+    base = (2 * (2 * 128 * headdim) + 2 * 2 * (2 * block_m * headdim) + 2 * 2 * 128 * block_m
             + 2 * 2 * block_m * 4 + 8 * 5 + 1024)
+    return base + (128 + 2 * 64 * 64 * 4 if dq_tiled else 0)
 
 
 # Head dim 256: its own warp-specialised kernel (64 keys per CTA, every product split between
@@ -385,7 +388,9 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
     has_alibi = alibi_slopes is not None
 
     # Scratch: fp32 dQ accumulator, (b, h, sq, d_tile) or, varlen, (h, total_q, d_tile): each
-    # block's dQ tile is one contiguous slab; rows past a sequence's end are never touched.
+    # block's dQ tile is one contiguous slab; rows past a sequence's end are never touched
+    # (the tile-ordered dQ reduction: rows padded to whole 64-row tiles, each tile in the
+    # kernel's own order, all of it zeroed and added to).
     # Uninitialised: the preprocess kernel zeroes the rows of every sequence before the dK/dV
     # kernel adds into them (one launch fewer than a separate fill).
     # The dK/dV kernel: a Hopper one ("d256", "ws": warp-specialised, with their tensor maps
@@ -473,7 +478,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
             launch(kern, (_cdiv(seqlen_k, SM90_D256_BLOCK), nheads_k, batch), (384,), smem,
                    (ws[0].arg(),))
         elif hopper == "ws":
-            smem = sm90_ws_smem(headdim, SM90_WS_BLOCK_M)
+            smem = sm90_ws_smem(headdim, SM90_WS_BLOCK_M, dq_tiled)
             kern = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, is_local,
                                                                SM90_WS_BLOCK_M, dropout, dq_tiled),
                               device_id, cc, smem, defines)
