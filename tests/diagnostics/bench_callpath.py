@@ -8,7 +8,8 @@ decode    flashcore.bench.decode: attention_with_kvcache (cache_seqlens a CUDA i
           time, host loop, CUDA-graph replay, against SDPA cuDNN (``python -m flashcore.bench
           --decode`` prints the same table).
 tiny      the tiny training step (flashcore.bench.tiny_calls) in a host loop: the steady state,
-          and the first 1000 steps of a fresh process per call, against SDPA.
+          and the first 1000 steps of a fresh process per call (median of 3 rounds), against
+          SDPA.
 cupy      the same calls on CuPy arrays (forward, forward then backward, a decode step at
           batch 1 / 4k) against the torch calls, interleaved.
 llama     a transformers Llama (random init, 8 layers, hidden 2048, 16/4 heads, bf16) training
@@ -47,23 +48,30 @@ def decode():
         emit(section="decode", **r)
 
 
-def tiny(n_first=1000):
+def tiny(n_first=1000, rounds=3):
     """The steady state, interleaved with SDPA's; then the first ``n_first`` steps of a fresh
     process for each call, one process per call (kernels from the disk cache, which the steady
     part filled): a call measured after another in one process would find torch's lazy imports
     done (``torch.autograd.grad`` with a gradient tensor imports sympy, ~2 s, at its first use)
-    and the CUDA libraries loaded."""
+    and the CUDA libraries loaded. The fresh processes run ``rounds`` times, the calls in turn
+    within each round, and the median of each call is reported (its rounds too): that start-up
+    moved one call's first-1000 figure by 15-30% between runs."""
+    import statistics
     import subprocess
     calls, _ = tiny_calls(peers=("sdpa",))
     calls = {k: calls[k] for k in ("torch_fwd", "sdpa_fwd", "torch_fwdbwd", "sdpa_fwdbwd")}
     steady = {f"{name}_us": us for name, us in per_call_us_interleaved(calls, 2000).items()}
-    first = {}
-    for name in calls:
-        r = subprocess.run([sys.executable, __file__, "--first", name, str(n_first)],
-                           capture_output=True, text=True, timeout=300)
-        if r.returncode:
-            raise RuntimeError(f"the fresh process for {name} failed:\n{r.stderr[-2000:]}")
-        first[f"{name}_first{n_first}_us"] = float(r.stdout.split()[-1])
+    runs = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name in calls:
+            r = subprocess.run([sys.executable, __file__, "--first", name, str(n_first)],
+                               capture_output=True, text=True, timeout=300)
+            if r.returncode:
+                raise RuntimeError(f"the fresh process for {name} failed:\n{r.stderr[-2000:]}")
+            runs[name].append(float(r.stdout.split()[-1]))
+    first = {f"{name}_first{n_first}_us": statistics.median(v) for name, v in runs.items()}
+    print("# first-steps rounds (µs a call): "
+          + "; ".join(f"{name} " + " ".join(f"{x:.1f}" for x in v) for name, v in runs.items()))
     emit(section="tiny", **first, **steady,
          fwd_minus_sdpa_us=steady["torch_fwd_us"] - steady["sdpa_fwd_us"],
          step_over_sdpa=steady["torch_fwdbwd_us"] / steady["sdpa_fwdbwd_us"],
