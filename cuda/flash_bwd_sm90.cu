@@ -27,7 +27,8 @@
 //         keys: each warpgroup adds its partial product (as many atomics per step as d128)
 // Shared memory (1024-byte aligned, every tile [rows][64 columns] blocks with the 128-byte
 // swizzle of the forward): K, V kD / 4 KiB each; Q, dO 2 stages x kD / 8 KiB each; dS^T 16 KiB;
-// lse and D 2 x 2 x 64 floats.
+// lse and D 2 x 2 x 64 floats; with Dq_tiled, the d128 warp-specialised kernel adds two
+// 16 KiB dQ staging tiles (the d256 kernel stages in its Q / dO stage tiles).
 //
 // Two kernels run these steps (DkdvWarpgroup holds one warpgroup's share of a step):
 //  * flash_bwd_dkdv_sm90_ws_kernel (the default for dense calls): warp-specialised, as the

@@ -338,6 +338,9 @@ def test_dq_tiled_launches(d):
                    else "flash_bwd_convert_dq_kernel<fc_fp16>")
         pre = "flash_bwd_preprocess_kernel<fc_fp16" + (", true>" if tiled else ">")
         assert names == [pre, kernel, convert]
+        smem = (backward.sm90_d256_smem() if d == 256
+                else backward.sm90_ws_smem(d, backward.SM90_WS_BLOCK_M, tiled))
+        assert LOG[1][3] == smem and smem <= 232448
         words = np.frombuffer(LOG[0][4][:params_dtype().itemsize], np.int64)
         dt = params_dtype()
         head_stride = int(words[dt.fields["dq_accum_head_stride"][1] // 8])
