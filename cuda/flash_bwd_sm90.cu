@@ -279,7 +279,72 @@ struct DkdvWarpgroup {
 
 }  // namespace fc_hb
 
-template <typename Elem, int kD, int kBlockM, bool Is_local, bool Is_dropout>
+// ---- dQ in tile order (Dq_tiled; dense calls) --------------------------------
+// Each step's dQ of a warpgroup (64 query rows x kN / 2 columns, kN floats a thread in the
+// wgmma accumulator layout) is added to the accumulator by ONE bulk reduce-add of the whole
+// tile, as FlashAttention-3 does, in place of kN / 2 red.global.add a thread: the fp32
+// accumulator of a dense call holds whole 64-row tiles (rows padded to a multiple of 64,
+// zeroed by flash_bwd_preprocess_kernel<.., true>), each in the threads' own order --
+// [column group w][float4 k][thread ct][4] -- which flash_bwd_convert_dq_tiled_kernel reads
+// back. Float4 k of thread ct = (wl, g, t) holds rows 16 wl + g (its first two floats) and
+// 16 wl + g + 8 (last two), columns w kN / 2 + 8 k + 2 t and + 1 (one column group, w = 0,
+// where a warpgroup holds all the tile's columns: head dim 64).
+
+// Stores the fragment to `region` in that order (float4 k of thread c at (128 k + c) x 16
+// bytes: a warp's store is 512 contiguous bytes, free of bank conflicts) and, once the
+// warpgroup's stores are done (named barrier `bar`), its first thread adds the region to
+// `gtile` with one bulk reduce-add and commits it. `ct`: the thread's index among the
+// consumers. The caller frees `region`: that thread waits for the group's read
+// (bulk_wait_read) before anything writes it again.
+template <int kN>
+__device__ __forceinline__ void dq_tile_add(const float (&acc)[kN], fc_u32 region, float* gtile,
+                                            int ct, int bar) {
+    using namespace fc_pipe;
+    const int c = ct & 127;
+#pragma unroll
+    for (int k = 0; k < kN / 4; ++k)
+        fc_sm90::sts128f(region + (fc_u32)(128 * k + c) * 16u, acc[4 * k], acc[4 * k + 1],
+                         acc[4 * k + 2], acc[4 * k + 3]);
+    fence_proxy_async();          // the stores, for the bulk copy's async-proxy read
+    named_sync(bar, 128);
+    if (c == 0) {
+#ifndef FC_DIAG_BWD_NO_DQ       // (timing only: dQ computed, never added, wrong results)
+        bulk_reduce_add_f32(gtile, region, (fc_u32)kN * 128u * 4u);
+#endif
+        bulk_commit();
+    }
+}
+
+// dq = dq_accum * softmax_scale -> 16-bit from the tile order above (dense calls; head dim
+// kD split into kGroups column groups, one per warpgroup: 2 where two warpgroups share a
+// tile's rows, 1 where one warpgroup holds all its columns). Grid (ceil(seqlen_q / 64), nheads,
+// batch), 256 threads, one 64-row tile a CTA, read in order (coalesced), written as 16-bit pairs.
+template <typename Elem, int kD, int kGroups>
+__global__ void __launch_bounds__(256) flash_bwd_convert_dq_tiled_kernel(const FlashParams p) {
+    constexpr int kRows = 64, kChunks = kD / (8 * kGroups);  // float4s a thread of a group
+    const int b = blockIdx.z, h = blockIdx.y;
+    const BwdSeq seq = bwd_seq(p, b);
+    const int m0 = blockIdx.x * kRows;
+    if (m0 >= seq.sq) return;
+    const float* tile = p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride
+                        + m0 * p.dq_accum_row_stride;
+    fc_u16* gdq = static_cast<fc_u16*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride;
+    const float scale = p.softmax_scale;
+    for (int idx = threadIdx.x; idx < kGroups * kChunks * 128; idx += 256) {
+        const int w = idx / (kChunks * 128), k = (idx >> 7) % kChunks, ct = idx & 127;
+        const float4 v = *reinterpret_cast<const float4*>(tile + 4 * idx);
+        const int row = m0 + 16 * (ct >> 5) + ((ct >> 2) & 7);
+        const int col = w * (kD / kGroups) + 8 * k + 2 * (ct & 3);
+        if (row < seq.sq)
+            *reinterpret_cast<fc_u32*>(gdq + row * p.dq_row_stride + col) =
+                Elem::pack2(v.x * scale, v.y * scale);
+        if (row + 8 < seq.sq)
+            *reinterpret_cast<fc_u32*>(gdq + (row + 8) * p.dq_row_stride + col) =
+                Elem::pack2(v.z * scale, v.w * scale);
+    }
+}
+
+template <typename Elem, int kD, int kBlockM, bool Is_local, bool Is_dropout, bool Dq_tiled = false>
 __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const FlashParams p) {
     using namespace fc_hb;
     static_assert(kD == 64 || kD == 128, "the Hopper dK/dV kernel covers head dims 64 and 128");
@@ -294,6 +359,8 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
     float* sLse = reinterpret_cast<float*>(smem_raw + (sdS + (fc_u32)(kBlockM / 64) * kKBlock
                                                        - smem_u32(smem_raw)));
     float* sDsum = sLse + 2 * kBlockM;
+    // Dq_tiled (dense calls): each warpgroup's dQ tile (64 x 64 fp32) after lse and D
+    const fc_u32 sDq = (sdS + (fc_u32)(kBlockM / 64) * kKBlock + 16u * kBlockM + 127u) & ~127u;
 
     const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int tid = threadIdx.x;
@@ -350,7 +417,24 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
                 sLse + buf * kBlockM, sDsum + buf * kBlockM, sdS);
         fence_proxy_async();      // the dS^T stores, for the dQ product's async-proxy reads
         __syncthreads();          // the whole dS^T tile is written
-        w.dq(p, seq, b, h, m0, sK, sdS);
+        if constexpr (Dq_tiled) {
+            // A warpgroup's dQ tile: d128, columns 64 wg.. of the block's rows; d64 with
+            // 128-query blocks, all columns of its own 64 rows; d64 with 64-query blocks, both
+            // warpgroups' partial products of the same tile (both added).
+            float acc_dq[32];
+            w.dq_product(sK, sdS, acc_dq);
+            if (it > 0) {         // the staging tile, read by the previous step's bulk copy
+                if ((threadIdx.x & 127) == 0) fc_pipe::bulk_wait_read<0>();
+                fc_pipe::named_sync(1 + w.wg, 128);
+            }
+            const int row0 = m0 + (kBlockM == 128 ? 64 * w.wg : 0);
+            dq_tile_add<32>(acc_dq, sDq + (fc_u32)w.wg * (64u * 64u * 4u),
+                            p.dq_accum + b * p.dq_accum_batch_stride
+                            + h * p.dq_accum_head_stride + row0 * p.dq_accum_row_stride
+                            + (kD == 128 ? w.wg * 64 * 64 : 0), tid, 1 + w.wg);
+        } else {
+            w.dq(p, seq, b, h, m0, sK, sdS);
+        }
 
         __syncthreads();          // dS^T, this stage's Q / dO and lse / D are free
         if (has_next && tid < kBlockM) {
@@ -360,6 +444,8 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
         h = h_next;
         m_block = m_next;
     }
+    if constexpr (Dq_tiled)
+        if ((threadIdx.x & 127) == 0) fc_pipe::bulk_wait<0>();
     w.store(p, seq, b, hk, n0);
 }
 
@@ -368,69 +454,6 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
 struct alignas(64) FcBwdMaps {
     FcTensorMap q, k, v, dout;
 };
-
-// ---- dQ in tile order (Dq_tiled; the warp-specialised kernels) --------------------------------
-// Each step's dQ of a warpgroup (64 query rows x kN / 2 columns, kN floats a thread in the
-// wgmma accumulator layout) is added to the accumulator by ONE bulk reduce-add of the whole
-// tile, as FlashAttention-3 does, in place of kN / 2 red.global.add a thread: the fp32
-// accumulator of a dense call holds whole 64-row tiles (rows padded to a multiple of 64,
-// zeroed by flash_bwd_preprocess_kernel<.., true>), each in the threads' own order --
-// [warpgroup w][float4 k][thread ct][4] -- which flash_bwd_convert_dq_tiled_kernel reads back.
-// Float4 k of thread ct = (wl, g, t) holds rows 16 wl + g (its first two floats) and 16 wl +
-// g + 8 (last two), columns w kN / 2 + 8 k + 2 t and + 1.
-
-// Stores the fragment to `region` in that order (float4 k of thread c at (128 k + c) x 16
-// bytes: a warp's store is 512 contiguous bytes, free of bank conflicts) and, once the
-// warpgroup's stores are done (named barrier `bar`), its first thread adds the region to
-// `gtile` with one bulk reduce-add and commits it. `ct`: the thread's index among the
-// consumers. The caller frees `region`: that thread waits for the group's read
-// (bulk_wait_read) before anything writes it again.
-template <int kN>
-__device__ __forceinline__ void dq_tile_add(const float (&acc)[kN], fc_u32 region, float* gtile,
-                                            int ct, int bar) {
-    using namespace fc_pipe;
-    const int c = ct & 127;
-#pragma unroll
-    for (int k = 0; k < kN / 4; ++k)
-        fc_sm90::sts128f(region + (fc_u32)(128 * k + c) * 16u, acc[4 * k], acc[4 * k + 1],
-                         acc[4 * k + 2], acc[4 * k + 3]);
-    fence_proxy_async();          // the stores, for the bulk copy's async-proxy read
-    named_sync(bar, 128);
-    if (c == 0) {
-#ifndef FC_DIAG_BWD_NO_DQ       // (timing only: dQ computed, never added, wrong results)
-        bulk_reduce_add_f32(gtile, region, (fc_u32)kN * 128u * 4u);
-#endif
-        bulk_commit();
-    }
-}
-
-// dq = dq_accum * softmax_scale -> 16-bit from the tile order above (dense calls; head dim
-// kD, so kN = kD / 4 floats a thread). Grid (ceil(seqlen_q / 64), nheads, batch), 256 threads,
-// one 64-row tile a CTA, read in order (coalesced), written as 16-bit pairs.
-template <typename Elem, int kD>
-__global__ void __launch_bounds__(256) flash_bwd_convert_dq_tiled_kernel(const FlashParams p) {
-    constexpr int kRows = 64, kChunks = kD / 16;         // float4s a thread of a warpgroup
-    const int b = blockIdx.z, h = blockIdx.y;
-    const BwdSeq seq = bwd_seq(p, b);
-    const int m0 = blockIdx.x * kRows;
-    if (m0 >= seq.sq) return;
-    const float* tile = p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride
-                        + m0 * p.dq_accum_row_stride;
-    fc_u16* gdq = static_cast<fc_u16*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride;
-    const float scale = p.softmax_scale;
-    for (int idx = threadIdx.x; idx < 2 * kChunks * 128; idx += 256) {
-        const int w = idx / (kChunks * 128), k = (idx >> 7) % kChunks, ct = idx & 127;
-        const float4 v = *reinterpret_cast<const float4*>(tile + 4 * idx);
-        const int row = m0 + 16 * (ct >> 5) + ((ct >> 2) & 7);
-        const int col = w * (kD / 2) + 8 * k + 2 * (ct & 3);
-        if (row < seq.sq)
-            *reinterpret_cast<fc_u32*>(gdq + row * p.dq_row_stride + col) =
-                Elem::pack2(v.x * scale, v.y * scale);
-        if (row + 8 < seq.sq)
-            *reinterpret_cast<fc_u32*>(gdq + (row + 8) * p.dq_row_stride + col) =
-                Elem::pack2(v.z * scale, v.w * scale);
-    }
-}
 
 // The producer of the warp-specialised dK/dV kernels, run by warp 0 (lane 0 issues the copies;
 // every lane writes lse and D): K and V of the key block once (boxes of 64 columns x kBlockN

@@ -29,9 +29,9 @@ The settings (environment variable in brackets):
   ``sm90_bwd_ws`` (``FLASHCORE_SM90_BWD_WS``): its warp-specialised TMA version for dense calls
   whose arrays TMA can read;
   ``sm90_bwd_d64_block_m`` (``FLASHCORE_SM90_BWD_D64_BM``): queries per step at head dim 64
-  (64 or 128); ``sm90_bwd_dq_tiled`` (``FLASHCORE_SM90_BWD_DQ_TILED``): the warp-specialised
-  kernels add each step's dQ tile with one bulk reduce-add into a tile-ordered accumulator
-  instead of red.global.add (off by default: written, not yet run on a GPU).
+  (64 or 128); ``sm90_bwd_dq_tiled`` (``FLASHCORE_SM90_BWD_DQ_TILED``): for dense calls the
+  Hopper dK/dV kernels add each step's dQ tile with one bulk reduce-add into a tile-ordered
+  accumulator instead of red.global.add (off by default: written, not yet run on a GPU).
 * ``sm90_fp8_fwd`` (``FLASHCORE_SM90_FP8_FWD``): the Hopper FP8 forward kernel for
   float8_e4m3fn CuPy and torch CUDA inputs (on by default); off, such calls are refused by
   name (NumPy arrays and torch CPU tensors take the NumPy reference either way).

@@ -318,7 +318,7 @@ def test_backward_replay_equals_full_launch_dq_tiled(seed):
         _check(_backward, _bwd_arrays, _case(rng), rng)
 
 
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_dq_tiled_launches(d):
     """With the tile-ordered dQ reduction, a dense call whose arrays TMA can read runs the
     whole-tile preprocess, the warp-specialised kernel's tiled instantiation and the tiled
@@ -333,12 +333,14 @@ def test_dq_tiled_launches(d):
             _backward(c, _bwd_arrays(rng, c))
             names = [n for n, *_ in LOG]
         kernel = (backward.sm90_d256_kernel_name("float16", True, dq_tiled=tiled) if d == 256
+                  else backward.sm90_kernel_name("float16", d, True, dq_tiled=tiled) if d == 64
                   else backward.sm90_ws_kernel_name("float16", d, True, dq_tiled=tiled))
         convert = (backward.sm90_convert_tiled_name("float16", d) if tiled
                    else "flash_bwd_convert_dq_kernel<fc_fp16>")
         pre = "flash_bwd_preprocess_kernel<fc_fp16" + (", true>" if tiled else ">")
         assert names == [pre, kernel, convert]
         smem = (backward.sm90_d256_smem() if d == 256
+                else backward.sm90_smem(d, backward.sm90_block_m(d), tiled) if d == 64
                 else backward.sm90_ws_smem(d, backward.SM90_WS_BLOCK_M, tiled))
         assert LOG[1][3] == smem and smem <= 232448
         words = np.frombuffer(LOG[0][4][:params_dtype().itemsize], np.int64)

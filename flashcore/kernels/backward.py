@@ -174,11 +174,12 @@ SM90_SOURCE = "flash_bwd_sm90.cu"
 SM90_HEADDIMS = (64, 128)
 
 
-def sm90_smem(headdim: int, block_m: int = 64) -> int:
+def sm90_smem(headdim: int, block_m: int = 64, dq_tiled: bool = False) -> int:
     """K, V (128 x d), Q and dO (2 stages of block_m x d), dS^T (128 x block_m), lse and D (2
-    stages of block_m each), + alignment."""
+    stages of block_m each), + alignment; with the tile-ordered dQ reduction, a 64 x 64 fp32
+    staging tile per warpgroup (128-byte aligned)."""
     return (2 * (2 * 128 * headdim) + 2 * 2 * (2 * block_m * headdim) + 2 * 128 * block_m
-            + 2 * 2 * block_m * 4 + 1024)
+            + 2 * 2 * block_m * 4 + 1024 + (128 + 2 * 64 * 64 * 4 if dq_tiled else 0))
 
 
 # On by default (compute capability 9.0): verified by the GPU suite on the H200. Head dim 64
@@ -207,10 +208,11 @@ def sm90_applies(cc: int, headdim: int, has_softcap: bool, has_alibi: bool,
 
 
 def sm90_kernel_name(dtype_name: str, headdim: int, is_local: bool,
-                     block_m: int | None = None, dropout: bool = False) -> str:
+                     block_m: int | None = None, dropout: bool = False,
+                     dq_tiled: bool = False) -> str:
     bm = sm90_block_m(headdim) if block_m is None else block_m
     return (f"flash_bwd_dkdv_sm90_kernel<{_ELEM[dtype_name]}, {headdim}, {bm}, {_b(is_local)}, "
-            f"{_b(dropout)}>")
+            f"{_b(dropout)}{', true' if dq_tiled else ''}>")
 
 
 # The warp-specialised dK/dV kernel: head dim 128 (measured on the H200, forward+backward
@@ -230,12 +232,15 @@ def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool,
             f"{_b(is_local)}, {_b(dropout)}{', true' if dq_tiled else ''}>")
 
 
-# The tile-ordered dQ reduction of the warp-specialised kernels (``sm90_bwd_dq_tiled``; dense
+# The tile-ordered dQ reduction of the Hopper dK/dV kernels (``sm90_bwd_dq_tiled``; dense
 # calls): the fp32 accumulator holds whole 64-row tiles, each in the order the kernel's threads
 # store it, added with one bulk reduce-add a warpgroup a step; the preprocess kernel zeroes
 # whole tiles, and its own convert kernel reads the order back (cuda/flash_bwd_sm90.cu).
 def sm90_convert_tiled_name(dtype_name: str, headdim: int) -> str:
-    return f"flash_bwd_convert_dq_tiled_kernel<{_ELEM[dtype_name]}, {headdim}>"
+    """(Head dim 64: a warpgroup's tile holds all the columns; 128 and 256: two warpgroups'
+    column groups.)"""
+    return (f"flash_bwd_convert_dq_tiled_kernel<{_ELEM[dtype_name]}, {headdim}, "
+            f"{1 if headdim == 64 else 2}>")
 
 
 def sm90_ws_smem(headdim: int, block_m: int, dq_tiled: bool = False) -> int:
@@ -280,7 +285,9 @@ def sm90_instantiations() -> list[str]:
                for dt in dts for d in SM90_WS_HEADDIMS for loc in flags for drop in flags]
             + [sm90_d256_kernel_name(dt, loc, drop, dq_tiled=True) for dt in dts
                for loc in flags for drop in flags]
-            + [sm90_convert_tiled_name(dt, d) for dt in dts for d in SM90_WS_HEADDIMS + (256,)])
+            + [sm90_kernel_name(dt, d, loc, bm, drop, dq_tiled=True) for dt in dts
+               for d, bm in ((64, 64), (64, 128), (128, 64)) for loc in flags for drop in flags]
+            + [sm90_convert_tiled_name(dt, d) for dt in dts for d in (64, 128, 256)])
 
 
 @functools.lru_cache(maxsize=None)
@@ -410,7 +417,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
                 ws = maps_for((q, SM90_WS_BLOCK_M), (k, 128), (v, 128),
                               (dout, SM90_WS_BLOCK_M))
                 hopper = "cpasync" if ws is None else "ws"
-    dq_tiled = hopper in ("ws", "d256") and config.get().sm90_bwd_dq_tiled
+    dq_tiled = hopper is not None and not varlen and config.get().sm90_bwd_dq_tiled
 
     dq_accum = None
     dqa_b = dqa_r = dqa_h = 0
@@ -487,9 +494,9 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
             launch(kern, (_cdiv(seqlen_k, 128), nheads_k, batch), (384,), smem, (ws[0].arg(),))
         elif hopper == "cpasync":
             bm = sm90_block_m(headdim)
-            smem = sm90_smem(headdim, bm)
+            smem = sm90_smem(headdim, bm, dq_tiled)
             kern = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, headdim, is_local,
-                                                            dropout=dropout),
+                                                            dropout=dropout, dq_tiled=dq_tiled),
                               device_id, cc, smem, defines)
             launch(kern, (_cdiv(seqlen_k, 128), nheads_k, batch), (256,), smem)
         else:

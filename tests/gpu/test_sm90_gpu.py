@@ -203,13 +203,14 @@ def _ran_sm90_bwd(dtype, local, d=128, varlen=False):
         return any(k[2] == backward.SM90_SOURCE and k[3] == name for k in jit._kernels)
     ws = config.get().sm90_bwd_ws and not varlen and d in backward.SM90_WS_HEADDIMS
     name = (backward.sm90_ws_kernel_name(dtype, d, local, dq_tiled=tiled) if ws
-            else backward.sm90_kernel_name(dtype, d, local))
+            else backward.sm90_kernel_name(dtype, d, local, dq_tiled=tiled and not varlen))
     return any(k[2] == backward.SM90_SOURCE and k[3] == name for k in jit._kernels)
 
 
 @pytest.fixture(params=[(True, 128, False), (True, 128, True), (False, 128, False),
-                        (False, 64, False)],
-                ids=["ws", "ws-dq-tiled", "cpasync-d64-bm128", "cpasync-d64-bm64"])
+                        (False, 128, True), (False, 64, False), (False, 64, True)],
+                ids=["ws", "ws-dq-tiled", "cpasync-d64-bm128", "cpasync-d64-bm128-dq-tiled",
+                     "cpasync-d64-bm64", "cpasync-d64-bm64-dq-tiled"])
 def sm90_bwd(request):
     """The Hopper dK/dV kernel on (warp-specialised where it applies, with or without the
     tile-ordered dQ reduction, else cp.async), the forward on the (verified) Ampere-class
@@ -357,7 +358,8 @@ print("ok")
 
 @pytest.mark.parametrize("d, sq, sk, kw", [(128, 203, 117, dict()),
                                           (256, 77, 130, dict(causal=True)),
-                                          (128, 300, 211, dict(window_size=(40, 5)))])
+                                          (128, 300, 211, dict(window_size=(40, 5))),
+                                          (64, 113, 203, dict(causal=True))])
 def test_backward_dq_tiled_dropout(d, sq, sk, kw):
     """The tile-ordered dQ reduction with dropout, through the public functions (a replay of
     the plan included), against the float64 oracle (test_cupy_gpu's dropout check)."""
