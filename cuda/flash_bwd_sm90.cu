@@ -293,12 +293,13 @@ struct DkdvWarpgroup {
 // Stores the fragment to `region` in that order (float4 k of thread c at (128 k + c) x 16
 // bytes: a warp's store is 512 contiguous bytes, free of bank conflicts) and, once the
 // warpgroup's stores are done (named barrier `bar`), its first thread adds the region to
-// `gtile` with one bulk reduce-add and commits it. `ct`: the thread's index among the
-// consumers. The caller frees `region`: that thread waits for the group's read
+// `gtile` with one bulk reduce-add (none when `add` is false: a tile wholly past the last
+// query row, which the accumulator does not hold) and commits it. `ct`: the thread's index
+// among the consumers. The caller frees `region`: that thread waits for the group's read
 // (bulk_wait_read) before anything writes it again.
 template <int kN>
 __device__ __forceinline__ void dq_tile_add(const float (&acc)[kN], fc_u32 region, float* gtile,
-                                            int ct, int bar) {
+                                            int ct, int bar, bool add = true) {
     using namespace fc_pipe;
     const int c = ct & 127;
 #pragma unroll
@@ -309,7 +310,7 @@ __device__ __forceinline__ void dq_tile_add(const float (&acc)[kN], fc_u32 regio
     named_sync(bar, 128);
     if (c == 0) {
 #ifndef FC_DIAG_BWD_NO_DQ       // (timing only: dQ computed, never added, wrong results)
-        bulk_reduce_add_f32(gtile, region, (fc_u32)kN * 128u * 4u);
+        if (add) bulk_reduce_add_f32(gtile, region, (fc_u32)kN * 128u * 4u);
 #endif
         bulk_commit();
     }
@@ -427,11 +428,13 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
                 if ((threadIdx.x & 127) == 0) fc_pipe::bulk_wait_read<0>();
                 fc_pipe::named_sync(1 + w.wg, 128);
             }
+            // (d64 with 128-query blocks: the second warpgroup's rows may all lie past the
+            // last query, where the accumulator, padded to 64 rows, has no tile)
             const int row0 = m0 + (kBlockM == 128 ? 64 * w.wg : 0);
             dq_tile_add<32>(acc_dq, sDq + (fc_u32)w.wg * (64u * 64u * 4u),
                             p.dq_accum + b * p.dq_accum_batch_stride
                             + h * p.dq_accum_head_stride + row0 * p.dq_accum_row_stride
-                            + (kD == 128 ? w.wg * 64 * 64 : 0), tid, 1 + w.wg);
+                            + (kD == 128 ? w.wg * 64 * 64 : 0), tid, 1 + w.wg, row0 < seq.sq);
         } else {
             w.dq(p, seq, b, h, m0, sK, sdS);
         }
