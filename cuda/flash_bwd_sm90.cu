@@ -3,9 +3,11 @@
 // preprocess (D = rowsum(dO * O)) and the dQ conversion are flash_bwd.cu's kernels, whose
 // helpers (sequence geometry, score math, masks, red.add) this file reuses by including it.
 //
-// Head dims 64 and 128, fp16/bf16, causal/windows/varlen/GQA, dropout, dQ through fp32 atomics; softcap,
-// ALiBi, other head dims and deterministic mode stay on flash_bwd.cu. The default on compute
-// capability 9.0 (FLASHCORE_SM90_BWD=0 turns it off).
+// Head dims 64, 128 and 256 (its own kernel, at the end of the file), fp16/bf16,
+// causal/windows/varlen/GQA, dropout, dQ added to an fp32 accumulator (red.global.add, or one
+// bulk reduce-add of a tile: Dq_tiled, off by default); softcap, ALiBi, other head dims and
+// deterministic mode stay on flash_bwd.cu. The default on compute capability 9.0
+// (FLASHCORE_SM90_BWD=0 turns it off).
 //
 // One CTA = 2 warpgroups (256 threads) owns a block of 128 keys of one (batch, kv head);
 // warpgroup w owns keys [64 w, 64 w + 64). dK and dV of its keys stay in fp32 registers while
@@ -20,15 +22,15 @@
 //   dS^T -> shared ([key][query], 16-bit), then after a barrier
 //   d128: dQ[:, 64 w:64 w+64] = dS K[:, 64 w:64 w+64]    m64n64k16 over all 128 keys, A = dS
 //         read M-major from the [key][query] tile (imm-trans-a), B = K read N-major
-//         (imm-trans-b); added to the fp32 dq_accum with red.global.add, or (Dq_tiled, the
-//         warp-specialised kernels, off by default) staged in shared memory and added as one
-//         bulk reduce-add of the warpgroup's tile (see "dQ in tile order" below)
+//         (imm-trans-b); added to the fp32 dq_accum with red.global.add, or (Dq_tiled, dense
+//         calls, off by default) staged in shared memory and added as one bulk reduce-add of
+//         the warpgroup's tile (see "dQ in tile order" below)
 //   d64:  dQ += dS[:, keys_w] K[keys_w, :]   the same instruction over the warpgroup's own 64
 //         keys: each warpgroup adds its partial product (as many atomics per step as d128)
 // Shared memory (1024-byte aligned, every tile [rows][64 columns] blocks with the 128-byte
 // swizzle of the forward): K, V kD / 4 KiB each; Q, dO 2 stages x kD / 8 KiB each; dS^T 16 KiB;
-// lse and D 2 x 2 x 64 floats; with Dq_tiled, the d128 warp-specialised kernel adds two
-// 16 KiB dQ staging tiles (the d256 kernel stages in its Q / dO stage tiles).
+// lse and D 2 x 2 x 64 floats; with Dq_tiled, the d128 warp-specialised kernel and the cp.async
+// kernel add two 16 KiB dQ staging tiles (the d256 kernel stages in its Q / dO stage tiles).
 //
 // Two kernels run these steps (DkdvWarpgroup holds one warpgroup's share of a step):
 //  * flash_bwd_dkdv_sm90_ws_kernel (the default for dense calls): warp-specialised, as the
@@ -225,8 +227,8 @@ struct DkdvWarpgroup {
         pin(dsa);
     }
 
-    // The dQ product and its addition to dq_accum with red.global.add (the warp-specialised
-    // kernel with Dq_tiled: dq_product, then dq_tile_add).
+    // The dQ product and its addition to dq_accum with red.global.add (with Dq_tiled:
+    // dq_product, then dq_tile_add).
     __device__ __forceinline__ void dq(const FlashParams& p, const BwdSeq& seq, int b, int h,
                                        int m0, fc_u32 sK, fc_u32 sdSb) {
         float acc_dq[32];
@@ -417,17 +419,15 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
         w.grads(p, seq, b, h, m0, n0, kw.off, sK, sV, sQ + buf * kQT, sdO + buf * kQT,
                 sLse + buf * kBlockM, sDsum + buf * kBlockM, sdS);
         fence_proxy_async();      // the dS^T stores, for the dQ product's async-proxy reads
-        __syncthreads();          // the whole dS^T tile is written
+        if constexpr (Dq_tiled)   // (the staging tiles, read by the previous step's bulk copies)
+            if (it > 0 && (threadIdx.x & 127) == 0) fc_pipe::bulk_wait_read<0>();
+        __syncthreads();          // the whole dS^T tile is written (and the staging tiles free)
         if constexpr (Dq_tiled) {
             // A warpgroup's dQ tile: d128, columns 64 wg.. of the block's rows; d64 with
             // 128-query blocks, all columns of its own 64 rows; d64 with 64-query blocks, both
             // warpgroups' partial products of the same tile (both added).
             float acc_dq[32];
             w.dq_product(sK, sdS, acc_dq);
-            if (it > 0) {         // the staging tile, read by the previous step's bulk copy
-                if ((threadIdx.x & 127) == 0) fc_pipe::bulk_wait_read<0>();
-                fc_pipe::named_sync(1 + w.wg, 128);
-            }
             // (d64 with 128-query blocks: the second warpgroup's rows may all lie past the
             // last query, where the accumulator, padded to 64 rows, has no tile)
             const int row0 = m0 + (kBlockM == 128 ? 64 * w.wg : 0);
@@ -447,9 +447,9 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
         h = h_next;
         m_block = m_next;
     }
-    if constexpr (Dq_tiled)
-        if ((threadIdx.x & 127) == 0) fc_pipe::bulk_wait<0>();
     w.store(p, seq, b, hk, n0);
+    if constexpr (Dq_tiled)       // (shared memory stays until the last bulk copy has read it)
+        if ((threadIdx.x & 127) == 0) fc_pipe::bulk_wait<0>();
 }
 
 // The tensor maps of the warp-specialised dK/dV kernel (flashcore/kernels/tma.py): k, v with
@@ -612,9 +612,9 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
         }
         bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
     }
-    if constexpr (Dq_tiled)
-        if ((threadIdx.x & 127) == 0) bulk_wait<0>();
     w.store(p, seq, b, hk, n0);
+    if constexpr (Dq_tiled)       // (shared memory stays until the last bulk copy has read it)
+        if ((threadIdx.x & 127) == 0) bulk_wait<0>();
 }
 
 // ---- head dim 256 --------------------------------------------------------------------------
@@ -909,7 +909,7 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
         }
         bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
     }
-    if constexpr (Dq_tiled)
-        if ((threadIdx.x & 127) == 0) bulk_wait<0>();
     w.store(p, seq, b, hk, n0);
+    if constexpr (Dq_tiled)       // (shared memory stays until the last bulk copy has read it)
+        if ((threadIdx.x & 127) == 0) bulk_wait<0>();
 }
