@@ -468,8 +468,9 @@ __device__ __forceinline__ void bwd_produce(const FlashParams& p, const BwdSeq& 
                                             const FcBwdMaps& maps, const BwdKeyWalk& kw, int b,
                                             int hk, int n0, int lane, fc_u32 sK, fc_u32 sV,
                                             fc_u32 sQ, fc_u32 sdO, float* sLse, float* sDsum,
-                                            fc_u32 bar_kv, fc_u32 bars) {
+                                            fc_u32 bars) {
     using namespace fc_pipe;
+    const fc_u32 bar_kv = bars;
     constexpr fc_u32 kKBlk = (fc_u32)kBlockN * 128u;   // one [kBlockN rows][64 cols] block
     constexpr fc_u32 kQBlk = (fc_u32)kBlockM * 128u;
     constexpr fc_u32 kKT = (fc_u32)(kD / 64) * kKBlk, kQT = (fc_u32)(kD / 64) * kQBlk;
@@ -511,6 +512,41 @@ __device__ __forceinline__ void bwd_produce(const FlashParams& p, const BwdSeq& 
     }
 }
 
+// The start of a warp-specialised dK/dV kernel once its walk is known: thread 0 prefetches the
+// tensor maps and initialises the barriers at `bars` (the K/V barrier, kStages full, kStages
+// empty), then warpgroup 0 gives its registers back and its warp 0 runs the producer. Returns
+// true in the two consumer warpgroups (their registers raised), false in the producer's.
+template <int kD, int kBlockM, int kBlockN, int kStages>
+__device__ __forceinline__ bool bwd_ws_start(const FlashParams& p, const BwdSeq& seq,
+                                             const FcBwdMaps& maps, const BwdKeyWalk& kw, int b,
+                                             int hk, int n0, fc_u32 sK, fc_u32 sV, fc_u32 sQ,
+                                             fc_u32 sdO, float* sLse, float* sDsum, fc_u32 bars) {
+    using namespace fc_pipe;
+    const int tid = threadIdx.x;
+    if (tid == 0) {
+        tma_prefetch_map(maps.q);
+        tma_prefetch_map(maps.k);
+        tma_prefetch_map(maps.v);
+        tma_prefetch_map(maps.dout);
+        mbar_init(bars, 1);
+        for (int st = 0; st < kStages; ++st) {
+            mbar_init(bars + 8u * (fc_u32)(1 + st), 1 + 32);   // the TMA's expect_tx + the warp's lse / D stores
+            mbar_init(bars + 8u * (fc_u32)(1 + kStages + st), 256);
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+    if (tid < 128) {
+        setmaxnreg_dec<24>();
+        if (tid < 32)
+            bwd_produce<kD, kBlockM, kBlockN, kStages>(p, seq, maps, kw, b, hk, n0, tid & 31, sK,
+                                                       sV, sQ, sdO, sLse, sDsum, bars);
+        return false;
+    }
+    setmaxnreg_inc<240>();
+    return true;
+}
+
 // Warp-specialised dK/dV kernel (see the top of the file): 384 threads, warpgroup 0 produces,
 // 1 and 2 consume. Dense calls only (TMA boxes address rows of one sequence).
 template <typename Elem, int kD, int kBlockM, bool Is_local, bool Is_dropout, bool Dq_tiled = false>
@@ -542,7 +578,7 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
     auto empty = [&](int st) { return bars + 8u * (fc_u32)(1 + kStages + st); };
 
     const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-    const int tid = threadIdx.x, lane = tid & 31;
+    const int tid = threadIdx.x;
     const int wg = tid >> 7;
     const BwdSeq seq = bwd_seq(p, b);
     const int n0 = n_block * kBlockN;
@@ -554,30 +590,11 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
         return;
     }
 
-    if (tid == 0) {
-        tma_prefetch_map(maps.q);
-        tma_prefetch_map(maps.k);
-        tma_prefetch_map(maps.v);
-        tma_prefetch_map(maps.dout);
-        mbar_init(bar_kv, 1);
-        for (int st = 0; st < kStages; ++st) {
-            mbar_init(full(st), 1 + 32);      // the TMA's expect_tx + the warp's lse / D stores
-            mbar_init(empty(st), 256);
-        }
-        fence_barrier_init();
-    }
-    __syncthreads();
-
-    if (wg == 0) {
-        setmaxnreg_dec<24>();
-        if (tid < 32)
-            bwd_produce<kD, kBlockM, kBlockN, kStages>(p, seq, maps, kw, b, hk, n0, lane, sK, sV,
-                                                       sQ, sdO, sLse, sDsum, bar_kv, bars);
+    if (!bwd_ws_start<kD, kBlockM, kBlockN, kStages>(p, seq, maps, kw, b, hk, n0, sK, sV, sQ,
+                                                     sdO, sLse, sDsum, bars))
         return;
-    }
 
     // ---- consumers -------------------------------------------------------------------------
-    setmaxnreg_inc<240>();
     DkdvWarpgroup<Elem, kD, kBlockM, Is_local, Is_dropout> w(tid - 128);
     mbar_wait(bar_kv, 0);
     int h = kw.h0, m_block = kw.m_begin;
@@ -835,7 +852,7 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
     auto empty = [&](int st) { return bars + 8u * (fc_u32)(1 + kStages + st); };
 
     const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-    const int tid = threadIdx.x, lane = tid & 31;
+    const int tid = threadIdx.x;
     const int wg = tid >> 7;
     const BwdSeq seq = bwd_seq(p, b);
     const int n0 = n_block * kBlockN;
@@ -847,29 +864,10 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
         return;
     }
 
-    if (tid == 0) {
-        tma_prefetch_map(maps.q);
-        tma_prefetch_map(maps.k);
-        tma_prefetch_map(maps.v);
-        tma_prefetch_map(maps.dout);
-        mbar_init(bar_kv, 1);
-        for (int st = 0; st < kStages; ++st) {
-            mbar_init(full(st), 1 + 32);      // the TMA's expect_tx + the warp's lse / D stores
-            mbar_init(empty(st), 256);
-        }
-        fence_barrier_init();
-    }
-    __syncthreads();
-
-    if (wg == 0) {
-        setmaxnreg_dec<24>();
-        if (tid < 32)
-            bwd_produce<kD, kBlockM, kBlockN, kStages>(p, seq, maps, kw, b, hk, n0, lane, sK, sV,
-                                                       sQ, sdO, sLse, sDsum, bar_kv, bars);
+    if (!bwd_ws_start<kD, kBlockM, kBlockN, kStages>(p, seq, maps, kw, b, hk, n0, sK, sV, sQ,
+                                                     sdO, sLse, sDsum, bars))
         return;
-    }
 
-    setmaxnreg_inc<240>();
     Wg w(tid - 128);
     mbar_wait(bar_kv, 0);
     int h = kw.h0, m_block = kw.m_begin;
