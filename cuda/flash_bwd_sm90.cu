@@ -60,6 +60,23 @@ using fc_sm90::sts32;
 }  // namespace fc_hb
 
 
+// A warpgroup's fp32 accumulator fragment of kTiles n8 tiles (the wgmma layout: element
+// 4 j + 2 r + e at row g + 8 r, column 8 j + 2 t + e) added to global fp32 memory with
+// red.global.add: `row` points at the thread's row g, column 2 t; row g + 8 lies 8 row_stride
+// further; ok0, ok1: whether those two rows exist.
+template <int kTiles>
+__device__ __forceinline__ void fragment_red_add(float* row, long long row_stride,
+                                                 const float* acc, bool ok0, bool ok1) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+        if (r == 0 ? ok0 : ok1) {
+            float* rr = row + (8 * r) * row_stride;
+#pragma unroll
+            for (int j = 0; j < kTiles; ++j)
+                bwd_red_add2(rr + 8 * j, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
+        }
+}
+
 namespace fc_hb {
 
 // One consumer warpgroup's share of the key block (keys [64 wg, 64 wg + 64) of the CTA's 128;
@@ -244,14 +261,7 @@ struct DkdvWarpgroup {
         float* dqa = p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride
                      + (seq.q_off + i0) * p.dq_accum_row_stride + (kD == 128 ? 64 * wg : 0) + 2 * t;
 #ifndef FC_DIAG_BWD_NO_DQ       // (timing only: dQ computed, never added, wrong results)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-            if (i0 + 8 * r < seq.sq) {
-                float* row = dqa + (8 * r) * p.dq_accum_row_stride;
-#pragma unroll
-                for (int j = 0; j < 8; ++j)
-                    bwd_red_add2(row + 8 * j, acc_dq[4 * j + 2 * r], acc_dq[4 * j + 2 * r + 1]);
-            }
+        fragment_red_add<8>(dqa, p.dq_accum_row_stride, acc_dq, i0 < seq.sq, i0 + 8 < seq.sq);
 #endif
     }
 
@@ -785,14 +795,7 @@ struct Dkdv256Warpgroup {
         float* dqa = p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride
                      + (seq.q_off + i0) * p.dq_accum_row_stride + 128 * wg + 2 * t;
 #ifndef FC_DIAG_BWD_NO_DQ       // (timing only: dQ computed, never added, wrong results)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-            if (i0 + 8 * r < seq.sq) {
-                float* row = dqa + (8 * r) * p.dq_accum_row_stride;
-#pragma unroll
-                for (int j = 0; j < 16; ++j)
-                    bwd_red_add2(row + 8 * j, acc_dq[4 * j + 2 * r], acc_dq[4 * j + 2 * r + 1]);
-            }
+        fragment_red_add<16>(dqa, p.dq_accum_row_stride, acc_dq, i0 < seq.sq, i0 + 8 < seq.sq);
 #endif
     }
 
