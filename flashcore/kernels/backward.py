@@ -275,19 +275,15 @@ def sm90_d256_smem() -> int:
 def sm90_instantiations() -> list[str]:
     flags = (False, True)
     dts = ("float16", "bfloat16")
-    return ([sm90_kernel_name(dt, d, loc, bm, drop) for dt in dts
-             for d, bm in ((64, 64), (64, 128), (128, 64)) for loc in flags for drop in flags]
-            + [sm90_ws_kernel_name(dt, d, loc, SM90_WS_BLOCK_M, drop) for dt in dts
-               for d in SM90_WS_HEADDIMS for loc in flags for drop in flags]
-            + [sm90_d256_kernel_name(dt, loc, drop) for dt in dts for loc in flags
-               for drop in flags]
-            + [sm90_ws_kernel_name(dt, d, loc, SM90_WS_BLOCK_M, drop, dq_tiled=True)
-               for dt in dts for d in SM90_WS_HEADDIMS for loc in flags for drop in flags]
-            + [sm90_d256_kernel_name(dt, loc, drop, dq_tiled=True) for dt in dts
-               for loc in flags for drop in flags]
-            + [sm90_kernel_name(dt, d, loc, bm, drop, dq_tiled=True) for dt in dts
-               for d, bm in ((64, 64), (64, 128), (128, 64)) for loc in flags for drop in flags]
-            + [sm90_convert_tiled_name(dt, d) for dt in dts for d in (64, 128, 256)])
+    names = []
+    for tiled in flags:        # (the tile-ordered dQ reduction or not)
+        names += [sm90_kernel_name(dt, d, loc, bm, drop, tiled) for dt in dts
+                  for d, bm in ((64, 64), (64, 128), (128, 64)) for loc in flags for drop in flags]
+        names += [sm90_ws_kernel_name(dt, d, loc, SM90_WS_BLOCK_M, drop, tiled) for dt in dts
+                  for d in SM90_WS_HEADDIMS for loc in flags for drop in flags]
+        names += [sm90_d256_kernel_name(dt, loc, drop, tiled) for dt in dts for loc in flags
+                  for drop in flags]
+    return names + [sm90_convert_tiled_name(dt, d) for dt in dts for d in (64, 128, 256)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -394,12 +390,6 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
     has_softcap = softcap is not None and softcap > 0.0
     has_alibi = alibi_slopes is not None
 
-    # Scratch: fp32 dQ accumulator, (b, h, sq, d_tile) or, varlen, (h, total_q, d_tile): each
-    # block's dQ tile is one contiguous slab; rows past a sequence's end are never touched
-    # (the tile-ordered dQ reduction: rows padded to whole 64-row tiles, each tile in the
-    # kernel's own order, all of it zeroed and added to).
-    # Uninitialised: the preprocess kernel zeroes the rows of every sequence before the dK/dV
-    # kernel adds into them (one launch fewer than a separate fill).
     # The dK/dV kernel: a Hopper one ("d256", "ws": warp-specialised, with their tensor maps
     # `ws`; "cpasync") or None (flash_bwd.cu's); with the tile-ordered dQ reduction or not.
     hopper, ws = None, None
@@ -419,6 +409,12 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
                 hopper = "cpasync" if ws is None else "ws"
     dq_tiled = hopper is not None and not varlen and config.get().sm90_bwd_dq_tiled
 
+    # Scratch: fp32 dQ accumulator, (b, h, sq, d_tile) or, varlen, (h, total_q, d_tile): each
+    # block's dQ tile is one contiguous slab; rows past a sequence's end are never touched
+    # (the tile-ordered dQ reduction: rows padded to whole 64-row tiles, each tile in the
+    # kernel's own order, all of it zeroed and added to).
+    # Uninitialised: the preprocess kernel zeroes the rows of every sequence before the dK/dV
+    # kernel adds into them (one launch fewer than a separate fill).
     dq_accum = None
     dqa_b = dqa_r = dqa_h = 0
     if not deterministic:
