@@ -656,7 +656,9 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
 //   dV[:, 128 w ..] += P^T dO[:, 128 w ..]     m64n128k16, A = P^T K-major, B = dO N-major
 //   dK[:, 128 w ..] += dS^T Q[:, 128 w ..]     the same with dS^T and Q
 //   dQ[:, 128 w ..]  = dS K[:, 128 w ..]       m64n128k16, A = dS^T M-major, B = K N-major;
-//                                              rows: queries, added with red.global.add
+//                                              rows: queries, added with red.global.add (or,
+//                                              Dq_tiled, staged in the step's Q (w = 0) or
+//                                              dO (w = 1) tile and added as one bulk copy)
 // Registers: dK, dV 64 + 64, dQ 64 (S^T, dP^T, 16 + 16, are dead by then). Shared memory:
 // K, V 32 KiB each, Q and dO 2 stages x 32 KiB each, P^T and dS^T 2 x 8 KiB each: 224 KiB.
 namespace fc_hb {
