@@ -77,6 +77,26 @@ __device__ __forceinline__ void fragment_red_add(float* row, long long row_strid
         }
 }
 
+// Row `row` (counted from the sequence's first) of head h, batch b in the fp32 dQ accumulator.
+__device__ __forceinline__ float* dq_accum_row(const FlashParams& p, const BwdSeq& seq, int b,
+                                               int h, int row) {
+    return p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride
+           + (seq.q_off + row) * p.dq_accum_row_stride;
+}
+
+// The warp-specialised dK/dV kernels' barrier block at `base` (8 bytes each): the K/V barrier,
+// then kStages full, then kStages empty (sm90_pipeline.cuh says how a ring uses them).
+template <int kStages>
+struct BwdBars {
+    static constexpr fc_u32 kBytes = 8u * (fc_u32)(1 + 2 * kStages);
+    fc_u32 base;
+    __device__ __forceinline__ fc_u32 kv() const { return base; }
+    __device__ __forceinline__ fc_u32 full(int st) const { return base + 8u * (fc_u32)(1 + st); }
+    __device__ __forceinline__ fc_u32 empty(int st) const {
+        return base + 8u * (fc_u32)(1 + kStages + st);
+    }
+};
+
 namespace fc_hb {
 
 // One consumer warpgroup's share of the key block (keys [64 wg, 64 wg + 64) of the CTA's 128;
@@ -258,8 +278,7 @@ struct DkdvWarpgroup {
     __device__ __forceinline__ void dq_red(const FlashParams& p, const BwdSeq& seq, int b, int h,
                                            int m0, const float (&acc_dq)[32]) const {
         const int i0 = m0 + (kBlockM == 128 ? 64 * wg : 0) + 16 * wl + g;
-        float* dqa = p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride
-                     + (seq.q_off + i0) * p.dq_accum_row_stride + (kD == 128 ? 64 * wg : 0) + 2 * t;
+        float* dqa = dq_accum_row(p, seq, b, h, i0) + (kD == 128 ? 64 * wg : 0) + 2 * t;
 #ifndef FC_DIAG_BWD_NO_DQ       // (timing only: dQ computed, never added, wrong results)
         fragment_red_add<8>(dqa, p.dq_accum_row_stride, acc_dq, i0 < seq.sq, i0 + 8 < seq.sq);
 #endif
@@ -339,8 +358,7 @@ __global__ void __launch_bounds__(256) flash_bwd_convert_dq_tiled_kernel(const F
     const BwdSeq seq = bwd_seq(p, b);
     const int m0 = blockIdx.x * kRows;
     if (m0 >= seq.sq) return;
-    const float* tile = p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride
-                        + m0 * p.dq_accum_row_stride;
+    const float* tile = dq_accum_row(p, seq, b, h, m0);
     fc_u16* gdq = static_cast<fc_u16*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride;
     const float scale = p.softmax_scale;
     for (int idx = threadIdx.x; idx < kGroups * kChunks * 128; idx += 256) {
@@ -442,9 +460,8 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
             // last query, where the accumulator, padded to 64 rows, has no tile)
             const int row0 = m0 + (kBlockM == 128 ? 64 * w.wg : 0);
             dq_tile_add<32>(acc_dq, sDq + (fc_u32)w.wg * (64u * 64u * 4u),
-                            p.dq_accum + b * p.dq_accum_batch_stride
-                            + h * p.dq_accum_head_stride + row0 * p.dq_accum_row_stride
-                            + (kD == 128 ? w.wg * 64 * 64 : 0), tid, 1 + w.wg, row0 < seq.sq);
+                            dq_accum_row(p, seq, b, h, row0) + (kD == 128 ? w.wg * 64 * 64 : 0),
+                            tid, 1 + w.wg, row0 < seq.sq);
         } else {
             w.dq(p, seq, b, h, m0, sK, sdS);
         }
@@ -480,18 +497,16 @@ __device__ __forceinline__ void bwd_produce(const FlashParams& p, const BwdSeq& 
                                             fc_u32 sQ, fc_u32 sdO, float* sLse, float* sDsum,
                                             fc_u32 bars) {
     using namespace fc_pipe;
-    const fc_u32 bar_kv = bars;
+    const BwdBars<kStages> bar{bars};
     constexpr fc_u32 kKBlk = (fc_u32)kBlockN * 128u;   // one [kBlockN rows][64 cols] block
     constexpr fc_u32 kQBlk = (fc_u32)kBlockM * 128u;
     constexpr fc_u32 kKT = (fc_u32)(kD / 64) * kKBlk, kQT = (fc_u32)(kD / 64) * kQBlk;
-    auto full = [&](int st) { return bars + 8u * (fc_u32)(1 + st); };
-    auto empty = [&](int st) { return bars + 8u * (fc_u32)(1 + kStages + st); };
     if (lane == 0) {
-        mbar_expect_tx(bar_kv, 2u * kKT);
+        mbar_expect_tx(bar.kv(), 2u * kKT);
 #pragma unroll
         for (int c = 0; c < kD / 64; ++c) {
-            tma_load_4d(sK + (fc_u32)c * kKBlk, maps.k, bar_kv, 64 * c, n0, hk, b);
-            tma_load_4d(sV + (fc_u32)c * kKBlk, maps.v, bar_kv, 64 * c, n0, hk, b);
+            tma_load_4d(sK + (fc_u32)c * kKBlk, maps.k, bar.kv(), 64 * c, n0, hk, b);
+            tma_load_4d(sV + (fc_u32)c * kKBlk, maps.v, bar.kv(), 64 * c, n0, hk, b);
         }
     }
     int h = kw.h0, m_block = kw.m_begin;
@@ -499,25 +514,25 @@ __device__ __forceinline__ void bwd_produce(const FlashParams& p, const BwdSeq& 
         const int st = it % kStages;
         const fc_u32 ph = (fc_u32)(it / kStages) & 1u;
         const int mm = m_block * kBlockM;
-        if (it >= kStages) mbar_wait(empty(st), ph ^ 1u);
+        if (it >= kStages) mbar_wait(bar.empty(st), ph ^ 1u);
 #ifdef FC_DIAG_BWD_NO_QLOAD    // (timing only: Q and dO loaded for the first stages alone, wrong results)
         const bool load = it < kStages;
 #else
         constexpr bool load = true;
 #endif
         if (lane == 0) {
-            mbar_expect_tx(full(st), load ? 2u * kQT : 0u);
+            mbar_expect_tx(bar.full(st), load ? 2u * kQT : 0u);
 #pragma unroll
             for (int c = 0; c < kD / 64 && load; ++c) {
-                tma_load_4d(sQ + (fc_u32)st * kQT + (fc_u32)c * kQBlk, maps.q, full(st),
+                tma_load_4d(sQ + (fc_u32)st * kQT + (fc_u32)c * kQBlk, maps.q, bar.full(st),
                             64 * c, mm, h, b);
-                tma_load_4d(sdO + (fc_u32)st * kQT + (fc_u32)c * kQBlk, maps.dout, full(st),
+                tma_load_4d(sdO + (fc_u32)st * kQT + (fc_u32)c * kQBlk, maps.dout, bar.full(st),
                             64 * c, mm, h, b);
             }
         }
         for (int r = lane; r < kBlockM; r += 32)
             bwd_row_stats(p, b, h, seq, mm + r, sLse[st * kBlockM + r], sDsum[st * kBlockM + r]);
-        mbar_arrive(full(st));            // (release: the stores above are seen)
+        mbar_arrive(bar.full(st));            // (release: the stores above are seen)
         bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
     }
 }
@@ -538,10 +553,11 @@ __device__ __forceinline__ bool bwd_ws_start(const FlashParams& p, const BwdSeq&
         tma_prefetch_map(maps.k);
         tma_prefetch_map(maps.v);
         tma_prefetch_map(maps.dout);
-        mbar_init(bars, 1);
+        const BwdBars<kStages> bar{bars};
+        mbar_init(bar.kv(), 1);
         for (int st = 0; st < kStages; ++st) {
-            mbar_init(bars + 8u * (fc_u32)(1 + st), 1 + 32);   // the TMA's expect_tx + the warp's lse / D stores
-            mbar_init(bars + 8u * (fc_u32)(1 + kStages + st), 256);
+            mbar_init(bar.full(st), 1 + 32);   // the TMA's expect_tx + the warp's lse / D stores
+            mbar_init(bar.empty(st), 256);
         }
         fence_barrier_init();
     }
@@ -582,10 +598,8 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
     float* sDsum = sLse + kStages * kBlockM;
     const fc_u32 bars = sStats + (fc_u32)(2 * kStages * kBlockM) * 4u;
     // Dq_tiled: each consumer warpgroup's dQ tile (64 x 64 fp32), after the 5 barriers
-    const fc_u32 sDq = (bars + 8u * 5u + 127u) & ~127u;
-    const fc_u32 bar_kv = bars;
-    auto full = [&](int st) { return bars + 8u * (fc_u32)(1 + st); };
-    auto empty = [&](int st) { return bars + 8u * (fc_u32)(1 + kStages + st); };
+    const fc_u32 sDq = (bars + BwdBars<kStages>::kBytes + 127u) & ~127u;
+    const BwdBars<kStages> bar{bars};
 
     const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int tid = threadIdx.x;
@@ -606,12 +620,12 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
 
     // ---- consumers -------------------------------------------------------------------------
     DkdvWarpgroup<Elem, kD, kBlockM, Is_local, Is_dropout> w(tid - 128);
-    mbar_wait(bar_kv, 0);
+    mbar_wait(bar.kv(), 0);
     int h = kw.h0, m_block = kw.m_begin;
     for (int it = 0; it < n_iter; ++it) {
         const int st = it % kStages;
         const fc_u32 sdSb = sdS + (fc_u32)(it & 1) * kSdS;
-        mbar_wait(full(st), (fc_u32)(it / kStages) & 1u);
+        mbar_wait(bar.full(st), (fc_u32)(it / kStages) & 1u);
         const int m0 = m_block * kBlockM;
         w.grads(p, seq, b, h, m0, n0, kw.off, sK, sV, sQ + (fc_u32)st * kQT, sdO + (fc_u32)st * kQT,
                 sLse + st * kBlockM, sDsum + st * kBlockM, sdSb);
@@ -623,19 +637,18 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
             static_assert(kD == 128 && kBlockM == 64, "dQ tiles of 64 x 64 a warpgroup");
             float acc_dq[32];
             w.dq_product(sK, sdSb, acc_dq);
-            mbar_arrive(empty(st));   // this stage's Q, dO, lse and D are no longer read
+            mbar_arrive(bar.empty(st));   // this stage's Q, dO, lse and D are no longer read
             // The warpgroup's staging tile, read by the previous step's bulk copy, is free.
             if (it > 0) {
                 if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
                 named_sync(3 + w.wg, 128);
             }
             dq_tile_add<32>(acc_dq, sDq + (fc_u32)w.wg * (64u * 64u * 4u),
-                            p.dq_accum + b * p.dq_accum_batch_stride
-                            + h * p.dq_accum_head_stride + m0 * p.dq_accum_row_stride
-                            + w.wg * 64 * 64, tid - 128, 3 + w.wg);
+                            dq_accum_row(p, seq, b, h, m0) + w.wg * 64 * 64, tid - 128,
+                            3 + w.wg);
         } else {
             w.dq(p, seq, b, h, m0, sK, sdSb);
-            mbar_arrive(empty(st));   // this stage's Q, dO, lse and D are no longer read
+            mbar_arrive(bar.empty(st));   // this stage's Q, dO, lse and D are no longer read
         }
         bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
     }
@@ -794,8 +807,7 @@ struct Dkdv256Warpgroup {
     __device__ __forceinline__ void dq_red(const FlashParams& p, const BwdSeq& seq, int b, int h,
                                            int m0, const float (&acc_dq)[64]) const {
         const int i0 = m0 + 16 * wl + g;
-        float* dqa = p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride
-                     + (seq.q_off + i0) * p.dq_accum_row_stride + 128 * wg + 2 * t;
+        float* dqa = dq_accum_row(p, seq, b, h, i0) + 128 * wg + 2 * t;
 #ifndef FC_DIAG_BWD_NO_DQ       // (timing only: dQ computed, never added, wrong results)
         fragment_red_add<16>(dqa, p.dq_accum_row_stride, acc_dq, i0 < seq.sq, i0 + 8 < seq.sq);
 #endif
@@ -852,9 +864,7 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
     float* sLse = reinterpret_cast<float*>(smem_raw + (sStats - base));
     float* sDsum = sLse + kStages * kBlockM;
     const fc_u32 bars = sStats + (fc_u32)(2 * kStages * kBlockM) * 4u;
-    const fc_u32 bar_kv = bars;
-    auto full = [&](int st) { return bars + 8u * (fc_u32)(1 + st); };
-    auto empty = [&](int st) { return bars + 8u * (fc_u32)(1 + kStages + st); };
+    const BwdBars<kStages> bar{bars};
 
     const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int tid = threadIdx.x;
@@ -874,7 +884,7 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
         return;
 
     Wg w(tid - 128);
-    mbar_wait(bar_kv, 0);
+    mbar_wait(bar.kv(), 0);
     int h = kw.h0, m_block = kw.m_begin;
     for (int it = 0; it < n_iter; ++it) {
         const int st = it % kStages;
@@ -885,10 +895,10 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
             // every consumer's arrival, so it cannot complete before both copies have read).
             if (it > 0) {
                 if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
-                mbar_arrive(empty((it - 1) % kStages));
+                mbar_arrive(bar.empty((it - 1) % kStages));
             }
         }
-        mbar_wait(full(st), (fc_u32)(it / kStages) & 1u);
+        mbar_wait(bar.full(st), (fc_u32)(it / kStages) & 1u);
         const int m0 = m_block * kBlockM;
         const fc_u32 sQb = sQ + (fc_u32)st * kTile, sdOb = sdO + (fc_u32)st * kTile;
         w.scores(p, seq, b, h, m0, n0, kw.off, sK, sV, sQb, sdOb, sLse + st * kBlockM,
@@ -903,12 +913,11 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
             // Both warpgroups' products done: the stage's Q and dO tiles take their dQ tiles.
             named_sync(2, 256);
             dq_tile_add<64>(acc_dq, w.wg == 0 ? sQb : sdOb,
-                            p.dq_accum + b * p.dq_accum_batch_stride
-                            + h * p.dq_accum_head_stride + m0 * p.dq_accum_row_stride
-                            + w.wg * 64 * 128, tid - 128, 3 + w.wg);
+                            dq_accum_row(p, seq, b, h, m0) + w.wg * 64 * 128, tid - 128,
+                            3 + w.wg);
         } else {
             w.grads(p, seq, b, h, m0, sK, sQb, sdOb, sP + buf, sdS + buf);
-            mbar_arrive(empty(st));   // this stage's Q, dO, lse and D are no longer read
+            mbar_arrive(bar.empty(st));   // this stage's Q, dO, lse and D are no longer read
         }
         bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
     }
