@@ -312,9 +312,10 @@ def test_backward_replay_equals_full_launch(seed):
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_backward_replay_equals_full_launch_dq_tiled(seed):
+def test_backward_replay_equals_full_launch_dq_atomic(seed):
+    """(The default is the tile-ordered dQ reduction: here the element-wise one.)"""
     rng = np.random.default_rng(1000 + seed)
-    with config.override(sm90_bwd_dq_tiled=True):
+    with config.override(sm90_bwd_dq_tiled=False):
         _check(_backward, _bwd_arrays, _case(rng), rng)
 
 
@@ -322,7 +323,7 @@ def test_backward_replay_equals_full_launch_dq_tiled(seed):
 def test_dq_tiled_launches(d):
     """With the tile-ordered dQ reduction, a dense call whose arrays TMA can read runs the
     whole-tile preprocess, the warp-specialised kernel's tiled instantiation and the tiled
-    convert kernel, over an accumulator of whole 64-row tiles; off (the default), the others."""
+    convert kernel, over an accumulator of whole 64-row tiles (the default); off, the others."""
     rng = np.random.default_rng(d)
     c = dict(_case(rng), dtype="float16", d=d, sq=100, sk=90, b=2, h=4, hk=2, wl=-1, wr=0,
              softcap=0.0, alibi=None, strided=False, deterministic=False)

@@ -193,17 +193,18 @@ def test_forward_is_bitwise_repeatable():
 
 # ---------------- the Hopper dK/dV kernel (flash_bwd_sm90.cu) ----------------
 
-def _ran_sm90_bwd(dtype, local, d=128, varlen=False):
+def _ran_sm90_bwd(dtype, local, d=128, varlen=False, dropout=False):
     """The dK/dV kernel of the fixture's variant ran (varlen calls take the cp.async one)."""
     from flashcore import config, jit
     from flashcore.kernels import backward
     tiled = config.get().sm90_bwd_dq_tiled
     if d == 256:      # (warp-specialised only)
-        name = backward.sm90_d256_kernel_name(dtype, local, dq_tiled=tiled)
+        name = backward.sm90_d256_kernel_name(dtype, local, dropout, dq_tiled=tiled)
         return any(k[2] == backward.SM90_SOURCE and k[3] == name for k in jit._kernels)
     ws = config.get().sm90_bwd_ws and not varlen and d in backward.SM90_WS_HEADDIMS
-    name = (backward.sm90_ws_kernel_name(dtype, d, local, dq_tiled=tiled) if ws
-            else backward.sm90_kernel_name(dtype, d, local, dq_tiled=tiled and not varlen))
+    name = (backward.sm90_ws_kernel_name(dtype, d, local, dropout=dropout, dq_tiled=tiled) if ws
+            else backward.sm90_kernel_name(dtype, d, local, dropout=dropout,
+                                           dq_tiled=tiled and not varlen))
     return any(k[2] == backward.SM90_SOURCE and k[3] == name for k in jit._kernels)
 
 
@@ -369,4 +370,4 @@ def test_backward_dq_tiled_dropout(d, sq, sk, kw):
     from test_cupy_gpu import test_dropout_against_the_reference as dropout_check
     with config.override(sm90_bwd=True, sm90_bwd_ws=True, sm90_bwd_dq_tiled=True):
         dropout_check(d, sq, sk, kw, 0.17)
-        assert _ran_sm90_bwd("bfloat16", bool(kw), d)
+        assert _ran_sm90_bwd("bfloat16", bool(kw), d, dropout=True)
