@@ -463,6 +463,12 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     const int sk_end = fc_cache_len(params.cache_seqlens, b, params.seqlen_k);
     const int start = Is_paged ? 0 : fc_cache_start(params.cache_leftpad, b, sk_end);
     const int sk = sk_end - start;
+    // the caller's key mask from this sequence's first key (row `start` of its cache): masked
+    // keys are neither loaded (their tile rows zero-filled) nor attended
+    const unsigned char* key_keep =
+        params.key_mask == nullptr ? nullptr
+        : static_cast<const unsigned char*>(params.key_mask)
+              + (long long)b * params.key_mask_batch_stride + start;
     const int m0 = m_block * kBlockM;
     const int rows_valid = min(kBlockM, sq * G - m0);
     const int off = sk - sq;
@@ -633,7 +639,8 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
         const fc_u32 sV = sK + kTileBytes;
         auto issue = [&](int i, long long ko, long long vo) {
             const int row = lr0 + i * kRS;
-            const bool pred = col_ok && nb * kBlockN + row < sk;
+            const int tok = nb * kBlockN + row;
+            const bool pred = col_ok && tok < sk && (key_keep == nullptr || __ldg(key_keep + tok));
             const fc_u32 so = 2u * (fc_u32)tile_off<kW, kBlockN>(row, lc * 8);   // (kLD columns)
             cp_async_16(sK + so, pred ? gK + ko : gK, pred);
             cp_async_16(sV + so, pred ? gV + vo : gV, pred);
@@ -825,6 +832,9 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
         const fc_u32 sVb = sKb + kTileBytes;
         stage = (stage + 1 == kStages) ? 0 : stage + 1;
         const int n0 = nb * kBlockN;
+        // (read before the products, used after them)
+        const unsigned keep_bits = key_keep == nullptr
+                                   ? ~0u : fc_key_mask_bits<kNT>(key_keep, n0 + wn0 + 2 * t, sk);
 
         // S = Q K^T over this warp's kWN keys
         float s[kMT][kNT][4];
@@ -917,6 +927,7 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
         if (n0 + kBlockN > blk_hi || n0 < blk_lo)
             fc_mask_scores<kMT, kNT, kBlockN>(s, pos_of, sk - kc0, left_bounded, right_bounded,
                                               win_l, win_r);
+        if (key_keep != nullptr) fc_apply_key_mask(s, keep_bits);
         fc_online_softmax(s, row_max, row_sum, acc_o, mult);
 
         // O += P V over this warp's keys (P straight from the S accumulators)

@@ -108,6 +108,10 @@ struct FlashParams {
     const float* v_descale;    // the cache's values times these; nullptr = 1
                                // (the FP8 forward, flash_fwd_sm90.cu: q, k, v of float8_e4m3fn,
     const float* q_descale;    // their values times q/k/v_descale[b * nheads_k + key head])
+    const void* key_mask;      // decoding: bytes (batch, seqlen_k), key t of sequence b (t from
+                               // row 0 of its cache) attended only where
+                               // key_mask[b * key_mask_batch_stride + t] != 0; nullptr = all
+    long long key_mask_batch_stride;
 };
 
 // ---- trusted values, guarded addresses -------------------------------------------------------

@@ -86,6 +86,38 @@ __device__ __forceinline__ void fc_mask_scores(float (&s)[kMT][kNT][4], Pos pos_
         }
 }
 
+// The caller's per-key mask (decoding's key_mask): the bits of this lane's keys of a block that
+// are kept, bit 2 nt + j for key kc0 + nt * 8 + j (tile nt, element e with e & 1 == j). Bytes
+// are read only for keys below n (the sequence's): never past the mask's row.
+template <int kNT>
+__device__ __forceinline__ unsigned fc_key_mask_bits(const unsigned char* keep, int kc0, int n) {
+    static_assert(2 * kNT <= 32, "one bit a key");
+    unsigned bits = 0u;
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int kc = kc0 + nt * 8 + j;
+            if (kc < n && __ldg(keep + kc) != 0) bits |= 1u << (2 * nt + j);
+        }
+    return bits;
+}
+
+// Scores of the keys whose bit is clear set to -inf (after fc_mask_scores).
+template <int kMT, int kNT>
+__device__ __forceinline__ void fc_apply_key_mask(float (&s)[kMT][kNT][4], unsigned bits) {
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+            if (!((bits >> (2 * nt + j)) & 1u))
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) {
+                    s[mt][nt][j] = -INFINITY;
+                    s[mt][nt][2 + j] = -INFINITY;
+                }
+}
+
 // The online softmax step. New max m' = max(m, rowmax(S)); O and l are rescaled by
 // 2^((m - m') mult); P = 2^(S mult - m' mult), one FFMA and one ex2 per score, written over s.
 // A row that has seen only masked keys has m' = -inf: the exponent offset is taken as 0 (so

@@ -414,7 +414,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                            rotary_interleaved=False, causal=False, softmax_scale=None,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None, num_splits=0,
                            return_lse=False, backend=None, out=None, lse=None,
-                           cache_leftpad=None, k_descale=None, v_descale=None):
+                           cache_leftpad=None, k_descale=None, v_descale=None, key_mask=None):
     """One decoding step with a KV cache (flash-attn's ``flash_attn_with_kvcache``).
 
     **The cache is updated in place**: when ``k`` and ``v`` are given, they are written into
@@ -460,6 +460,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
             Not with ``block_table``. ``0 <= cache_leftpad[b] <= cache_seqlens[b]`` is checked
             for host arrays and in debug mode; on the device the kernel clamps it to the
             sequence (memory-safe, but an out-of-range pad gives a meaningless result).
+        key_mask: bool ``(batch, capacity)`` or None: key ``t`` of sequence b (its row ``t``
+            counted from the start of its cache, ``cache_leftpad`` or not; paged: its position
+            ``t``) is attended only where ``key_mask[b, t]`` is True, on top of the causal /
+            window masks, which keep counting positions (a padding mask with holes: what
+            transformers passes for batched generation). capacity is ``seqlen_cache``, or
+            ``max_blocks_per_seq * page_size`` when paged; the last dimension contiguous. Not
+            in flash-attn. The kernels read one byte a key.
         out, lse: CuPy arrays only, preallocated outputs (like q; float32 ``(batch, nheads,
             seqlen_q)``), written in place: what a call captured in a CUDA graph needs.
         k_descale, v_descale: with an FP8 cache (FlashAttention-3's names), None (1.0) or
@@ -488,7 +495,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
             rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
             causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
             alibi_slopes=alibi_slopes, num_splits=num_splits, backend=backend,
-            cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale)
+            cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale,
+            key_mask=key_mask)
         return (out, lse) if return_lse else out
     if k_descale is not None or v_descale is not None:
         # (what the backends take: contiguous float32 (batch, nheads_k); validated below)
@@ -497,7 +505,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
             k_descale, v_descale = (exact_descale(d, *kd_shape) for d in (k_descale, v_descale))
     key = _cupy_key("kvcache", (q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                 rotary_cos, rotary_sin, alibi_slopes, out, lse, cache_leftpad,
-                                k_descale, v_descale),
+                                k_descale, v_descale, key_mask),
                     (rotary_interleaved, causal, softmax_scale, window_size, softcap, num_splits,
                      backend))
     if key is not None:
@@ -509,14 +517,15 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
             if _cupy_replay(plan, (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, o.data.ptr,
                                    l_.data.ptr, cache_seqlens.data.ptr, _ptr(block_table),
                                    _ptr(alibi_slopes), _ptr(cache_leftpad), _ptr(k_descale),
-                                   _ptr(v_descale))):
+                                   _ptr(v_descale), _ptr(key_mask))):
                 return (o, l_) if return_lse else o
     spec = kvcache_spec(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                         block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                         rotary_interleaved=rotary_interleaved, causal=causal,
                         softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                         alibi_slopes=alibi_slopes, num_splits=num_splits,
-                        cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale)
+                        cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale,
+                        key_mask=key_mask)
     a = spec.attn
     given = check_outputs(a, {"out": out, "lse": lse},
                           {"out": (q.shape, a.dtype),
@@ -527,14 +536,14 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
             spec, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
             block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
             alibi_slopes=alibi_slopes, cache_leftpad=cache_leftpad, k_descale=k_descale,
-            v_descale=v_descale, **given)
+            v_descale=v_descale, key_mask=key_mask, **given)
     if key is not None and spec.cache_seqlens_int is None:
         plans.remember(key, rec.plan(
             (("q", _ptr(q)), ("k", _ptr(k_cache)), ("v", _ptr(v_cache)), ("o", _ptr(out)),
              ("lse", _ptr(lse)), ("cache_seqlens", _ptr(cache_seqlens)),
              ("block_table", _ptr(block_table)), ("alibi_slopes", _ptr(alibi_slopes)),
              ("cache_leftpad", _ptr(cache_leftpad)), ("k_descale", _ptr(k_descale)),
-             ("v_descale", _ptr(v_descale))), q.device.id))
+             ("v_descale", _ptr(v_descale)), ("key_mask", _ptr(key_mask))), q.device.id))
     return (out, lse) if return_lse else out
 
 

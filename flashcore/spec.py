@@ -598,7 +598,7 @@ def kvcache_spec(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_ta
                  rotary_cos=None, rotary_sin=None, rotary_interleaved=False, causal=False,
                  softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                  num_splits=0, cache_leftpad=None, k_descale=None,
-                 v_descale=None) -> KVCacheSpec:
+                 v_descale=None, key_mask=None) -> KVCacheSpec:
     """Validate the arguments of a KV-cache decoding call and return their spec.
 
     Besides shapes and dtypes, the *values* of ``cache_seqlens`` and ``block_table`` are
@@ -616,7 +616,7 @@ def kvcache_spec(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_ta
         rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
         causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, num_splits=num_splits, cache_leftpad=cache_leftpad,
-        k_descale=k_descale, v_descale=v_descale)
+        k_descale=k_descale, v_descale=v_descale, key_mask=key_mask)
 
 
 #: The query dtypes that decoding over an FP8 cache takes (FlashAttention-3's FP8 KV cache
@@ -667,7 +667,7 @@ def _check_q_and_cache(q, k_cache, v_cache):
 def _kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, rotary_cos,
                   rotary_sin, rotary_interleaved, causal, softmax_scale, window_size, softcap,
                   alibi_slopes, num_splits, cache_leftpad, k_descale=None,
-                  v_descale=None) -> KVCacheSpec:
+                  v_descale=None, key_mask=None) -> KVCacheSpec:
     lib, device, dt, cache_dt = _check_q_and_cache(q, k_cache, v_cache)
     batch, sq, nheads, headdim = (int(n) for n in q.shape)
     c0, c1, nheads_k, hd_k = (int(n) for n in k_cache.shape)
@@ -778,6 +778,19 @@ def _kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, rota
                              "None with a paged cache (block_table given; flash-attn's rule)",
                              "an array")
         _check_last_contiguous("cache_leftpad", cache_leftpad)
+
+    # -- key_mask: key t of sequence b attended only where key_mask[b, t] ------------------
+    if key_mask is not None:
+        _check_array("key_mask", key_mask, 2, lib, device)
+        if dtype_name(key_mask) != "bool":
+            raise _arg_error(TypeError, "key_mask", f"a bool array of shape ({batch}, "
+                             f"{capacity})", f"dtype {dtype_name(key_mask)}")
+        if tuple(key_mask.shape) != (batch, capacity):
+            where = "max_blocks * page_size" if paged else "seqlen_cache of 'k_cache'"
+            raise _arg_error(ValueError, "key_mask", f"shape ({batch}, {capacity}): (batch like "
+                             f"'q', the cache capacity {where})",
+                             f"shape {tuple(key_mask.shape)}")
+        _check_last_contiguous("key_mask", key_mask)
 
     # -- rotary ------------------------------------------------------------------------------
     rotary_interleaved = as_flag("rotary_interleaved", rotary_interleaved)

@@ -745,10 +745,13 @@ def test_cupy_split_kv_with_the_combine_kernel(layout, case, monkeypatch):
         test_cupy_against_reference("bfloat16", layout, case)
 
 
-def _flash_attn_leftpad_reference(q, kc, vc, after, lp, causal, window, slopes, scale, h, hk):
+def _flash_attn_leftpad_reference(q, kc, vc, after, lp, causal, window, slopes, scale, h, hk,
+                                  key_mask=None):
     """flash-attn's own test reference for cache_leftpad (tests/test_flash_attn.py): the whole
     cache under a key padding mask (lp <= j < after), the key columns shifted by lp for the
-    causal/local mask and ALiBi (construct_local_mask, attn_bias_from_alibi_slopes)."""
+    causal/local mask and ALiBi (construct_local_mask, attn_bias_from_alibi_slopes). With
+    ``key_mask`` (bool (b, cap)), keys where it is False are masked out too (positions, and so
+    the causal/local masks, unchanged)."""
     b_, sq = q.shape[0], q.shape[1]
     cap = kc.shape[1]
     outs = []
@@ -769,6 +772,8 @@ def _flash_attn_leftpad_reference(q, kc, vc, after, lp, causal, window, slopes, 
             masked = (col[None] > np.minimum(row + sk - sq + r, sk)) | \
                 (col[None] < row + sk - sq - left)
         masked |= ~keep[None]
+        if key_mask is not None:
+            masked |= ~key_mask[b][None]
         kk, vv = np.repeat(kc[b], h // hk, axis=1), np.repeat(vc[b], h // hk, axis=1)
         s = np.einsum("qhd,khd->hqk", q[b], kk) * scale
         if slopes is not None:
@@ -818,3 +823,109 @@ def test_cache_leftpad_matches_flash_attn_test_reference(causal, window, alibi, 
     want = _flash_attn_leftpad_reference(qr, kc0, vc0, after, lp, causal, window, slopes,
                                          d ** -0.5, h, hk)
     np.testing.assert_allclose(out, want, rtol=0, atol=1e-9)
+
+
+# ---------------- key_mask (a per-key mask: padding with holes) ----------------
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (5, -1)),
+                                           (False, (2, 1))])
+@pytest.mark.parametrize("alibi", [False, True])
+@pytest.mark.parametrize("sq,append,rotary", [(1, 0, False), (3, 2, True)])
+@pytest.mark.parametrize("leftpad", [False, True])
+@pytest.mark.parametrize("splits", [0, 3])
+def test_key_mask_against_the_masked_dense_reference(causal, window, alibi, sq, append, rotary,
+                                                     leftpad, splits):
+    """Keys where key_mask is False are left out, the causal/local masks and ALiBi still
+    counting positions (cache rows, from cache_leftpad); whole rows masked give 0 and -inf."""
+    from flashcore.reference import apply_rotary
+    rng = np.random.default_rng(23)
+    b, cap, h, hk, d = 4, 24, 4, 2, 16
+    q = rng.standard_normal((b, sq, h, d))
+    kc, vc = rng.standard_normal((b, cap, hk, d)), rng.standard_normal((b, cap, hk, d))
+    before = np.array([10, 5, 12, 7], np.int32)
+    lp = np.array([3, 5, 0, 2], np.int32) if leftpad else np.zeros(b, np.int32)
+    keep = rng.random((b, cap)) < 0.6
+    keep[3] = False                         # a sequence with every key masked
+    new = {}
+    if append:
+        new = dict(k=rng.standard_normal((b, append, hk, d)), v=rng.standard_normal((b, append, hk, d)))
+    if rotary:
+        ang = rng.random((cap, 8)) * 6.28
+        new.update(rotary_cos=np.cos(ang), rotary_sin=np.sin(ang))
+    slopes = rng.random((b, h)) * 0.3 if alibi else None
+    kc0, vc0 = kc.copy(), vc.copy()
+    out, lse = flashcore.attention_with_kvcache(
+        q, kc, vc, cache_seqlens=before, cache_leftpad=lp if leftpad else None, causal=causal,
+        window_size=window, alibi_slopes=slopes, rotary_interleaved=False, num_splits=splits,
+        key_mask=keep, return_lse=True, **new)
+    after = before + append
+    qr = q
+    if append:
+        kn = new["k"]
+        if rotary:
+            kn = apply_rotary(kn, new["rotary_cos"], new["rotary_sin"],
+                              before[:, None] + np.arange(append)[None], False)
+            per_row = causal or window != (-1, -1)
+            pos = before[:, None] + (np.arange(sq)[None] if per_row else np.zeros((1, sq), int))
+            qr = apply_rotary(q, new["rotary_cos"], new["rotary_sin"], pos, False)
+        for i in range(b):
+            kc0[i, before[i]:after[i]], vc0[i, before[i]:after[i]] = kn[i], new["v"][i]
+    want = _flash_attn_leftpad_reference(qr, kc0, vc0, after, lp, causal, window, slopes,
+                                         d ** -0.5, h, hk, key_mask=keep)
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-9)
+    assert (out[3] == 0).all() and np.isneginf(lse[3]).all()
+    # the mask matters: without it the result differs
+    kc2, vc2 = kc0.copy(), vc0.copy()
+    plain = flashcore.attention_with_kvcache(q if not append else qr, kc2, vc2,
+                                             cache_seqlens=after,
+                                             cache_leftpad=lp if leftpad else None,
+                                             causal=causal, window_size=window,
+                                             alibi_slopes=slopes)
+    assert not np.allclose(plain[:3], out[:3])
+
+
+def test_key_mask_on_a_paged_cache():
+    """Paged: the mask indexes positions of the sequence (its pages' rows in order)."""
+    rng = np.random.default_rng(5)
+    p = Problem(rng, page_size=16, capacity=80, before=(5, 0, 37), s_new=1)
+    keep = rng.random((p.b, p.capacity)) < 0.5
+    out = p.run(causal=True, key_mask=keep, num_splits=2)[0]
+    _, _, K, V = p.reference(causal=True)
+    want = _flash_attn_leftpad_reference(p.q, K, V, p.before + 1, np.zeros(p.b, np.int32), True,
+                                         (-1, -1), None, p.d ** -0.5, p.h, p.hk, key_mask=keep)
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("over,exc,words", [
+    (dict(key_mask=np.ones((2, 40), np.uint8)), TypeError, ["'key_mask'", "bool", "uint8"]),
+    (dict(key_mask=np.ones((2, 39), bool)), ValueError, ["'key_mask'", "(2, 40)", "(2, 39)"]),
+    (dict(key_mask=np.ones((3, 40), bool)), ValueError, ["'key_mask'", "(2, 40)"]),
+    (dict(key_mask=np.ones(40, bool)), ValueError, ["'key_mask'", "2-dimensional"]),
+    (dict(key_mask=np.ones((40, 2), bool).T), ValueError, ["'key_mask'", "contiguous last"]),
+    (dict(key_mask=[[True] * 40] * 2), TypeError, ["'key_mask'", "numpy.ndarray"]),
+])
+def test_key_mask_rejects(over, exc, words):
+    with pytest.raises(exc) as e:
+        kvcall(**over)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_key_mask_paged_shape_is_the_table_capacity():
+    with pytest.raises(ValueError, match=r"\(2, 32\)"):
+        kvcall(PAGED, key_mask=np.ones((2, 96), bool))
+    kvcall(PAGED, key_mask=np.ones((2, 32), bool))
+
+
+def test_key_mask_torch_cpu_matches_numpy():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((2, 1, 4, 32)).astype(np.float32)
+    kc, vc = (rng.standard_normal((2, 40, 2, 32)).astype(np.float32) for _ in range(2))
+    keep = rng.random((2, 40)) < 0.5
+    lens = np.array([30, 17], np.int32)
+    want = flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, key_mask=keep)
+    got = flashcore.attention_with_kvcache(*(torch.from_numpy(x) for x in (q, kc, vc)),
+                                           cache_seqlens=torch.from_numpy(lens),
+                                           key_mask=torch.from_numpy(keep))
+    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-6)

@@ -151,34 +151,37 @@ def test_padding_mask_is_padded_to_a_static_cache():
     assert fct.padding_mask(batch_size=2, q_length=1, kv_length=9, attention_mask=got).equal(got)
 
 
-def _row_reference(q, k, v, mask_row, sq, window):
-    """One row: the kept keys packed, the queries the mask's last sq positions (those at
-    masked positions give 0), bottom-right causal over the packed keys (flash-attn's varlen;
-    a sliding window counts kept keys, which is the positional window wherever a row has no
-    holes)."""
+def _row_reference(q, k, v, mask_row, sq, window, route):
+    """One row: the queries at the mask's last sq positions, each over the kept keys up to its
+    position. On the varlen route a query at a masked position gives 0 and a sliding window
+    counts kept keys (flash-attn's varlen, as in transformers' flash-attention path); on the
+    decode kernel's routes every query attends and the window counts positions (as sdpa's
+    mask does). Either way the same wherever a row has no holes and its queries are kept."""
     import flashcore
     kept = mask_row.nonzero().flatten()
     n = mask_row.shape[0]
     out = torch.zeros_like(q)
     qpos = torch.arange(n - sq, n)
     for i, p in enumerate(qpos.tolist()):
-        if p < 0 or not mask_row[p]:
+        if p < 0 or (route == "varlen" and not mask_row[p]):
             continue
         ks = kept[kept <= p]          # causal: the kept keys up to the query's position
-        if window is not None:        # the window counts kept keys (flash-attn's varlen, as
-            ks = ks[-window:]         # in transformers' flash-attention path)
-        out[:, i:i + 1] = flashcore.attention(q[:, i:i + 1], k[:, ks], v[:, ks], causal=True)
+        if window is not None:
+            ks = ks[-window:] if route == "varlen" else ks[ks > p - window]
+        if len(ks):
+            out[:, i:i + 1] = flashcore.attention(q[:, i:i + 1], k[:, ks], v[:, ks], causal=True)
     return out
 
 
 @pytest.mark.parametrize("sq", [1, 3])
 @pytest.mark.parametrize("window", [None, 4])
-@pytest.mark.parametrize("left_padding", [False, True])
-def test_masks_over_a_cache_match_each_row(sq, window, left_padding):
+@pytest.mark.parametrize("route", ["varlen", "key_mask", "left_padding"])
+def test_masks_over_a_cache_match_each_row(sq, window, route):
     """Queries over a static cache (the mask shorter than the cache, extended by padding_mask):
-    left-padded rows through both routes (the decode kernel with left_padding=True), and, on
-    the default varlen route, right-padded rows and rows with holes, each equal to attention
-    over its kept keys with the queries at the mask's last positions."""
+    left-padded rows through the three routes (varlen, taken when a gradient may flow; the
+    decode kernel with the mask as its key_mask, the default without; the decode kernel over
+    each row's kept run with left_padding=True), and, except on the last, right-padded rows
+    and rows with holes, each equal to attention over its kept keys as _row_reference says."""
     g = torch.Generator().manual_seed(7)
     b, L, sk, h, hk, d = 5, 10, 14, 4, 2, 16
     q = torch.randn(b, h, sq, d, dtype=torch.float64, generator=g)
@@ -187,26 +190,28 @@ def test_masks_over_a_cache_match_each_row(sq, window, left_padding):
     given = torch.ones(b, L, dtype=torch.long)
     given[1, :3] = 0                  # left padding
     given[2, :9] = 0                  # left padding: one kept key
-    if not left_padding:
-        given[3, 6:8] = 0             # holes (a right-padded prompt, then new tokens)
+    if route != "left_padding":
+        given[3, 4:6] = 0             # holes (a right-padded prompt, then new tokens)
         given[4, 7:] = 0              # right padding: the queries sit on pad positions
     mask = fct.padding_mask(attention_mask=given, kv_length=sk)
 
     class M(torch.nn.Module):
         is_causal = True
     was = fct._SETTINGS["left_padding"]
-    fct._SETTINGS["left_padding"] = left_padding
+    fct._SETTINGS["left_padding"] = route == "left_padding"
     try:
-        with torch.no_grad():
-            out, _ = fct.flashcore_attention_forward(M(), q, k, v, mask, sliding_window=window)
+        if route == "varlen":
+            q.requires_grad_(True)
+        out, _ = fct.flashcore_attention_forward(M(), q, k, v, mask, sliding_window=window)
     finally:
         fct._SETTINGS["left_padding"] = was
-    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    qt, kt, vt = (x.detach().transpose(1, 2) for x in (q, k, v))
     for r in range(b):
         hkv = torch.repeat_interleave(torch.arange(hk), h // hk)
         want = _row_reference(qt[r:r + 1], kt[r:r + 1, :L][:, :, hkv], vt[r:r + 1, :L][:, :, hkv],
-                              given[r].bool(), sq, window)
-        torch.testing.assert_close(out[r:r + 1], want, atol=1e-12, rtol=0, msg=f"row {r}")
+                              given[r].bool(), sq, window, route)
+        torch.testing.assert_close(out[r:r + 1].detach(), want, atol=1e-12, rtol=0,
+                                   msg=f"row {r}")
 
 
 def test_masked_cache_route_refuses_holes_in_debug_mode():
@@ -262,8 +267,8 @@ def test_decoding_after_a_right_padded_prompt_matches_sdpa(name):
 @pytest.mark.parametrize("left_padding", [False, True])
 def test_left_padded_static_cache_generate_matches_sdpa(name, left_padding):
     """Greedy generation with a static cache and a left-padded batch: the decoding steps take
-    the varlen route, or with left_padding=True the decode kernel (cache_leftpad); the same
-    tokens as sdpa either way."""
+    the decode kernel with the mask as its key_mask, or with left_padding=True over each
+    row's kept run (cache_leftpad); the same tokens as sdpa either way."""
     ours, ref = _models(name)
     ids = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(8))
     mask = torch.ones(2, 7, dtype=torch.long)

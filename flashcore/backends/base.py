@@ -97,14 +97,16 @@ class Backend:
 
     def forward_kvcache(self, spec: KVCacheSpec, q, k_cache, v_cache, k=None, v=None, *,
                         cache_seqlens, block_table=None, rotary_cos=None, rotary_sin=None,
-                        alibi_slopes=None, cache_leftpad=None, k_descale=None, v_descale=None):
+                        alibi_slopes=None, cache_leftpad=None, k_descale=None, v_descale=None,
+                        key_mask=None):
         """Append k, v (rotated) into the cache in place, attend. Return ``(out, lse)``.
 
         ``cache_seqlens`` is an int or an int32 array: the lengths before appending. An FP8
         cache (``spec.fp8``; nothing is appended then) stands for the values
         ``k_cache[..., hk, :] * k_descale[b, hk]`` (v likewise): ``k_descale``/``v_descale``
         None (1.0) or contiguous float32 arrays of shape exactly (batch, nheads_k) in the
-        call's library (flashcore.api makes them so).
+        call's library (flashcore.api makes them so). ``key_mask``: None or bool
+        (batch, capacity), key t of sequence b attended only where ``key_mask[b, t]``.
         """
         raise NotImplementedError(f"backend {self.name!r} has no KV-cache decoding")
 

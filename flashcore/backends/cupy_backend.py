@@ -276,7 +276,8 @@ class CupyBackend(Backend):
 
     def forward_kvcache(self, spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
                         block_table=None, rotary_cos=None, rotary_sin=None, alibi_slopes=None,
-                        out=None, lse=None, cache_leftpad=None, k_descale=None, v_descale=None):
+                        out=None, lse=None, cache_leftpad=None, k_descale=None, v_descale=None,
+                        key_mask=None):
         """Append (rotary) with ``launch_rotary_append``, then ``launch_decode`` over
         ``cache_seqlens + seqlen_new`` keys (computed on the device, no host round trip).
 
@@ -306,7 +307,7 @@ class CupyBackend(Backend):
                                       block_table=block_table, rotary_cos=rotary_cos,
                                       rotary_sin=rotary_sin, alibi_slopes=alibi_slopes,
                                       out=out8, lse=lse, cache_leftpad=cache_leftpad,
-                                      k_descale=None, v_descale=None)
+                                      k_descale=None, v_descale=None, key_mask=key_mask)
                 out[...] = out8[..., :a.headdim]
                 if spec.appends:
                     k_cache[...] = pad[1][..., :a.headdim]
@@ -318,11 +319,11 @@ class CupyBackend(Backend):
                                          rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                                          alibi_slopes=alibi_slopes, out=out, lse=lse,
                                          cache_leftpad=cache_leftpad, k_descale=k_descale,
-                                         v_descale=v_descale)
+                                         v_descale=v_descale, key_mask=key_mask)
 
     def _forward_kvcache(self, spec, q, k_cache, v_cache, k, v, *, cache_seqlens, block_table,
                          rotary_cos, rotary_sin, alibi_slopes, out, lse, cache_leftpad,
-                         k_descale, v_descale):
+                         k_descale, v_descale, key_mask=None):
         from ..kernels.decode import decode_launches, launch_rotary_append
         from ..reference import apply_rotary
         a = spec.attn
@@ -356,7 +357,7 @@ class CupyBackend(Backend):
                 block_table=block_table, softmax_scale=a.softmax_scale,
                 window_left=a.window_left, window_right=a.window_right, softcap=a.softcap,
                 alibi_slopes=alibi_slopes, num_splits=spec.num_splits,
-                cache_leftpad=cache_leftpad,
+                cache_leftpad=cache_leftpad, key_mask=key_mask,
                 # (FP8 caches only: 16-bit calls stay as they were)
                 **({"k_descale": k_descale, "v_descale": v_descale} if spec.fp8 else {}))
             if after is cache_seqlens:      # the decode kernel was all of the call

@@ -337,11 +337,12 @@ def kvcache_gather(spec, cache, b, length, block_table=None):
     return cache[_cache_rows(spec, block_table, b, np.arange(length))]
 
 
-def partial_forward(spec, q, k, v, slopes, c0, c1):
+def partial_forward(spec, q, k, v, slopes, c0, c1, keep=None):
     """Attention of dense (1, sq, h, d) q over keys ``c0:c1`` only, of (1, sk, hk, d) k, v.
 
     Masks and ALiBi use the keys' positions in the whole sequence (sk keys). One partial
     result of split-KV decoding: merged through the LSE it gives the full attention.
+    ``keep``: None, or bool (sk,): keys where it is False are masked out as well.
     """
     ct = np.float64 if q.dtype == np.float64 else np.float32
     g = spec.group_size
@@ -351,6 +352,8 @@ def partial_forward(spec, q, k, v, slopes, c0, c1):
     sq, sk = qh.shape[2], k.shape[1]
     sc = _Scores(spec, sq, sk, slopes)
     s, _ = sc(qh @ kh.swapaxes(-1, -2), np.arange(sq), np.arange(c0, c1))
+    if keep is not None:
+        s = np.where(np.asarray(keep[c0:c1], bool), s, -np.inf)
     m = s.max(axis=-1, keepdims=True) if c1 > c0 else np.full(s.shape[:-1] + (1,), -np.inf, ct)
     p = np.exp(s - _safe(m))
     l = p.sum(axis=-1, keepdims=True)
@@ -362,7 +365,8 @@ def partial_forward(spec, q, k, v, slopes, c0, c1):
 
 def kvcache_forward(spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
                     block_table=None, rotary_cos=None, rotary_sin=None, alibi_slopes=None,
-                    attend=None, cache_leftpad=None, k_descale=None, v_descale=None):
+                    attend=None, cache_leftpad=None, k_descale=None, v_descale=None,
+                    key_mask=None):
     """The reference KV-cache decoding step on NumPy arrays. Returns ``(out, lse)``.
 
     1. With k, v: rotate k (rotary), write k, v into the cache in place at cache_seqlens.
@@ -376,6 +380,10 @@ def kvcache_forward(spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
     ``cache_leftpad`` (flash-attn's): sequence b's keys are rows ``cache_leftpad[b]`` to
     ``cache_seqlens[b] + seqlen_new`` of its cache (masks and ALiBi count from its first key);
     the new keys are still written, and rotated, at rows ``cache_seqlens[b] + t``.
+
+    ``key_mask`` (bool (batch, capacity)): key t of sequence b (from row 0 of its cache) is
+    attended only where ``key_mask[b, t]``; such calls are computed by :func:`partial_forward`
+    (split as above when ``num_splits > 1``), whatever ``attend`` is.
 
     An FP8 cache (``spec.fp8``: float8_e4m3fn, read only): each sequence's gathered keys and
     values are dequantised to float32, ``x * descale[b, key head]`` (``k_descale``/``v_descale``
@@ -414,13 +422,16 @@ def kvcache_forward(spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
         if spec.fp8:          # (float32 values: the descales of sequence b's key heads)
             kb, vb = (fp8_dequantize(x, None if d is None else _descale_row(d, a, b), a.nheads_k)
                       for x, d in ((kb, k_descale), (vb, v_descale)))
+        keep = None if key_mask is None else np.asarray(key_mask)[b, first:n]
         n -= first
         slopes = _slopes_for(a, alibi_slopes, b)
         if spec.num_splits > 1 and n:
             step = -(-n // spec.num_splits)
-            parts = [partial_forward(a, q[b:b + 1], kb, vb, slopes, c0, min(c0 + step, n))
+            parts = [partial_forward(a, q[b:b + 1], kb, vb, slopes, c0, min(c0 + step, n), keep)
                      for c0 in range(0, n, step)]
             o, l = merge_states([p[0] for p in parts], [p[1] for p in parts])
+        elif keep is not None:
+            o, l = partial_forward(a, q[b:b + 1], kb, vb, slopes, 0, n, keep)
         else:
             o, l = attend(a, q[b:b + 1], kb, vb, slopes)
         out[b], lse[b] = o[0], l[0]
@@ -544,14 +555,15 @@ class NumpyBackend(Backend):
 
     def forward_kvcache(self, spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
                         block_table=None, rotary_cos=None, rotary_sin=None, alibi_slopes=None,
-                        cache_leftpad=None, k_descale=None, v_descale=None):
+                        cache_leftpad=None, k_descale=None, v_descale=None, key_mask=None):
         """:func:`kvcache_forward` with this backend's path; out in q's dtype. FP8 caches:
         float8_e4m3fn (ml_dtypes) arrays, dequantised by ``k_descale``/``v_descale``."""
         out, lse = kvcache_forward(spec, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                                    block_table=block_table, rotary_cos=rotary_cos,
                                    rotary_sin=rotary_sin, alibi_slopes=alibi_slopes,
                                    attend=self._fwd, cache_leftpad=cache_leftpad,
-                                   k_descale=k_descale, v_descale=v_descale)
+                                   k_descale=k_descale, v_descale=v_descale,
+                                   key_mask=key_mask)
         lse_dt = np.float64 if spec.attn.dtype == "float64" else np.float32
         return out.astype(_out_dtype(spec.attn.dtype)), lse.astype(lse_dt)
 

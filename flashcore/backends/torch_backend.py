@@ -182,7 +182,7 @@ class TorchBackend(Backend):
 
     def forward_kvcache(self, spec, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
                         block_table=None, rotary_cos=None, rotary_sin=None, alibi_slopes=None,
-                        cache_leftpad=None, k_descale=None, v_descale=None):
+                        cache_leftpad=None, k_descale=None, v_descale=None, key_mask=None):
         """Return ``(out, lse)`` as torch tensors (not requiring grad); the cache tensors are
         written in place through zero-copy views (NumPy on CPU, CuPy/DLPack on CUDA), and
         their autograd version counters are bumped. torch.float8_e4m3fn caches (read only)
@@ -205,7 +205,7 @@ class TorchBackend(Backend):
                     block_table=conv(block_table), rotary_cos=conv(rotary_cos),
                     rotary_sin=conv(rotary_sin), alibi_slopes=conv(alibi_slopes),
                     cache_leftpad=conv(cache_leftpad), k_descale=conv(k_descale),
-                    v_descale=conv(v_descale))
+                    v_descale=conv(v_descale), key_mask=conv(key_mask))
                 out = _contiguous_numpy_to_torch(torch, out)
                 lse = _contiguous_numpy_to_torch(torch, lse)
             else:
@@ -219,7 +219,7 @@ class TorchBackend(Backend):
                     block_table=conv(block_table), rotary_cos=conv(rotary_cos),
                     rotary_sin=conv(rotary_sin), alibi_slopes=conv(alibi_slopes),
                     cache_leftpad=conv(cache_leftpad), k_descale=conv(k_descale),
-                    v_descale=conv(v_descale), out=conv(out), lse=conv(lse))
+                    v_descale=conv(v_descale), key_mask=conv(key_mask), out=conv(out), lse=conv(lse))
         if spec.appends:
             _bump_version(torch, k_cache, v_cache)
         return out, lse

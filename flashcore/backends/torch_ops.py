@@ -72,7 +72,8 @@ _KV_SCHEMA = ("(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Ten
               "Tensor? cache_seqlens, int cache_seqlens_int, Tensor? block_table, "
               "Tensor? rotary_cos, Tensor? rotary_sin, bool rotary_interleaved, bool causal, "
               "float softmax_scale, int window_left, int window_right, float softcap, "
-              "Tensor? alibi_slopes, int num_splits, Tensor? cache_leftpad) -> (Tensor, Tensor)")
+              "Tensor? alibi_slopes, int num_splits, Tensor? cache_leftpad, "
+              "Tensor? key_mask=None) -> (Tensor, Tensor)")
 
 
 # The decode op without appending: nothing is written but the outputs, so the schema declares
@@ -83,7 +84,7 @@ _KV_READ_SCHEMA = ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? cache_seq
                    "int cache_seqlens_int, Tensor? block_table, bool causal, float softmax_scale, "
                    "int window_left, int window_right, float softcap, Tensor? alibi_slopes, "
                    "int num_splits, Tensor? cache_leftpad, Tensor? k_descale=None, "
-                   "Tensor? v_descale=None) -> (Tensor, Tensor)")
+                   "Tensor? v_descale=None, Tensor? key_mask=None) -> (Tensor, Tensor)")
 
 _OPS: list = []   # [torch.ops.flashcore], filled by torch_ops() on first use
 _OPS_LOCK = threading.Lock()
@@ -216,7 +217,7 @@ def _bwd_impl(dout, q, k, v, out, lse, options, alibi_slopes=None, cu_seqlens_q=
 def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, block_table,
                   rotary_cos, rotary_sin, rotary_interleaved, causal, softmax_scale, window_left,
                   window_right, softcap, alibi_slopes, num_splits, cache_leftpad, k_descale=None,
-                  v_descale=None):
+                  v_descale=None, key_mask=None):
     import torch
     key = None
     cfg = config.get()
@@ -225,7 +226,7 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, b
                layout(cache_seqlens), cache_seqlens_int, layout(block_table), layout(rotary_cos),
                layout(rotary_sin), rotary_interleaved, causal, softmax_scale, window_left,
                window_right, softcap, layout(alibi_slopes), num_splits, layout(cache_leftpad),
-               cfg, layout(k_descale), layout(v_descale))
+               cfg, layout(k_descale), layout(v_descale), layout(key_mask))
         plan = plans.lookup(key)
         if plan is not None:
             out = _new_like(torch, q)
@@ -233,7 +234,7 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, b
             if replay(torch, plan, (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                     out.data_ptr(), lse.data_ptr(), cache_seqlens.data_ptr(),
                                     _ptr(block_table), _ptr(alibi_slopes), _ptr(cache_leftpad),
-                                    _ptr(k_descale), _ptr(v_descale)),
+                                    _ptr(k_descale), _ptr(v_descale), _ptr(key_mask)),
                       q.device):
                 return out, lse
     from ..spec import exact_descale, kvcache_spec
@@ -243,7 +244,8 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, b
                         rotary_interleaved=rotary_interleaved, causal=causal,
                         softmax_scale=softmax_scale, window_size=(window_left, window_right),
                         softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
-                        cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale)
+                        cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale,
+                        key_mask=key_mask)
     choose_kvcache(spec, None)
     # (the descales as the backends take them: the op's own when they are so already, as
     # kvcache_attention makes them; a copy is no role of a plan, so such a call is not recorded)
@@ -254,13 +256,14 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, b
                                             block_table=block_table, rotary_cos=rotary_cos,
                                             rotary_sin=rotary_sin, alibi_slopes=alibi_slopes,
                                             cache_leftpad=cache_leftpad, k_descale=kd,
-                                            v_descale=vd)
+                                            v_descale=vd, key_mask=key_mask)
     if key is not None and cache_seqlens is not None:
         plans.remember(key, rec.plan(_roles(q=q, k=k_cache, v=v_cache, o=out, lse=lse,
                                             cache_seqlens=cache_seqlens, block_table=block_table,
                                             alibi_slopes=alibi_slopes,
                                             cache_leftpad=cache_leftpad, k_descale=k_descale,
-                                            v_descale=v_descale), q.device.index))
+                                            v_descale=v_descale, key_mask=key_mask),
+                                     q.device.index))
     return out, lse
 
 
@@ -287,11 +290,12 @@ def _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 
 def _kvcache_read_impl(q, k_cache, v_cache, cache_seqlens, cache_seqlens_int, block_table,
                        causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                       num_splits, cache_leftpad, k_descale=None, v_descale=None):
+                       num_splits, cache_leftpad, k_descale=None, v_descale=None,
+                       key_mask=None):
     return _kvcache_impl(q, k_cache, v_cache, None, None, cache_seqlens, cache_seqlens_int,
                          block_table, None, None, False, causal, softmax_scale, window_left,
                          window_right, softcap, alibi_slopes, num_splits, cache_leftpad,
-                         k_descale, v_descale)
+                         k_descale, v_descale, key_mask)
 
 
 def _ptr(t) -> int:
@@ -339,7 +343,7 @@ def _define_ops():
     def bwd_fake(dout, q, k, v, *_):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
-    def kvcache_fake(q, *_, **__):      # (kvcache_read: k_descale, v_descale too)
+    def kvcache_fake(q, *_, **__):      # (k_descale, v_descale, key_mask too)
         return q.new_empty(q.shape), q.new_empty(lse_shape(q.shape), dtype=torch.float32)
     torch.library.register_fake("flashcore::fwd", fwd_fake, lib=lib)
     torch.library.register_fake("flashcore::bwd", bwd_fake, lib=lib)
@@ -605,7 +609,7 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, blo
                       rotary_cos=None, rotary_sin=None, rotary_interleaved=False, causal=False,
                       softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                       num_splits=0, backend=None, cache_leftpad=None, k_descale=None,
-                      v_descale=None):
+                      v_descale=None, key_mask=None):
     """flashcore.attention_with_kvcache on torch tensors, through the ``flashcore::kvcache`` op,
     eagerly and under torch.compile alike. Plain option values and a tensor ``cache_seqlens``
     go to the op as they are (validated by the op's kernel when its layout is new, see
@@ -625,7 +629,7 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, blo
             and (k is None or not descaled) \
             and _tensors_or_none(torch, (k_cache, v_cache, k, v, block_table, rotary_cos,
                                          rotary_sin, alibi_slopes, cache_leftpad, k_descale,
-                                         v_descale),
+                                         v_descale, key_mask),
                                  False, None, None):
         sw = _plain_scale_window(q, causal, softmax_scale, window_size, softcap)
         if sw is not None:
@@ -639,7 +643,7 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, blo
                             causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                             softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
                             cache_leftpad=cache_leftpad, k_descale=k_descale,
-                            v_descale=v_descale)
+                            v_descale=v_descale, key_mask=key_mask)
         if not _compiling():
             choose_kvcache(spec, backend)
         a = spec.attn
@@ -658,10 +662,13 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, blo
             return _OVERLOADS["kvcache_read"](q, k_cache, v_cache, lens, lens_int, block_table,
                                               causal, scale, left, right, cap, alibi_slopes,
                                               splits, cache_leftpad,
-                                              *((k_descale, v_descale) if descaled else ()))
+                                              *((k_descale, v_descale) if descaled else
+                                                (None, None) if key_mask is not None else ()),
+                                              *((key_mask,) if key_mask is not None else ()))
         return _OVERLOADS["kvcache"](q, k_cache, v_cache, k, v, lens, lens_int, block_table,
                                      rotary_cos, rotary_sin, interleaved, causal, scale, left,
-                                     right, cap, alibi_slopes, splits, cache_leftpad)
+                                     right, cap, alibi_slopes, splits, cache_leftpad,
+                                     *((key_mask,) if key_mask is not None else ()))
 
 
 def forward(q, k, v, *, backend=None, varlen=False, **kw):

@@ -26,19 +26,21 @@ What the attention function does with what transformers passes it:
   the 2D ``(batch, kv_len)`` padding mask otherwise (not tested for being all ones: that would
   read it back to the host), padded with False to the cache's length when a static cache holds
   more slots than the mask covers (so its shape stays static from step to step, and a compiled
-  decoding step is not recompiled each token). Two routes, both without host sync or graph
-  break:
+  decoding step is not recompiled each token). Routes, none with a host sync or graph break:
 
-  - *Varlen* (the default; any mask pattern): varlen attention over the tokens the mask keeps,
-    packed by a stable sort to static shapes. The queries are the last cache slots written
-    (see :func:`_query_positions`); a query at a padded position gets output 0 (it is not
-    attended from; transformers warns against generating from right-padded prompts). A sliding
-    window counts kept keys, as in transformers' flash-attention path (the same as positions
-    wherever a row has no holes).
-  - *Over a cache*, with ``register(left_padding=True)`` (fewer queries than keys, at most 64
-    of them, no gradient, no dropout: decoding steps and speculative drafts): each row of the
-    mask is read as left padding, then the sequence, then slots not written yet, and the decode
-    kernel runs over keys ``[first kept, last kept]`` of each row (``cache_leftpad`` and
+  - *Over the cache* (the default for fewer queries than keys, at most 64 of them, no gradient,
+    no dropout: decoding steps and speculative drafts): the decode kernel with the mask as its
+    ``key_mask`` (any pattern, holes included; one byte a key), the queries at the last
+    ``sq`` slots written (see :func:`_query_positions`). A sliding window counts positions,
+    as sdpa's mask does.
+  - *Varlen* (everything else: prefill, training): varlen attention over the tokens the mask
+    keeps, packed by a stable sort to static shapes. A query at a padded position gets output
+    0 (it is not attended from; transformers warns against generating from right-padded
+    prompts). A sliding window counts kept keys, as in transformers' flash-attention path (the
+    same as positions wherever a row has no holes).
+  - With ``register(left_padding=True)``, decoding steps instead read each row of the mask as
+    left padding, then the sequence, then slots not written yet, and the decode kernel runs
+    over keys ``[first kept, last kept]`` of each row (``cache_leftpad`` and
     ``cache_seqlens``, computed on the device). A row with holes inside its kept run (right
     padding followed by new tokens) is outside this reading: debug mode
     (``FLASHCORE_DEBUG=1``) refuses it with a named error.
@@ -83,8 +85,9 @@ def register(name: str | None = None, *, left_padding: bool = False) -> str:
 
     ``left_padding=True`` declares that every padding mask is left padding (each row keeps one
     run of positions up to its end: prompts padded on the left, as generation wants them, or
-    not padded at all); decoding steps with a mask then run the decode kernel instead of the
-    varlen route (see the module docstring). Debug mode (``FLASHCORE_DEBUG=1``) checks it.
+    not padded at all); decoding steps with a mask then run the decode kernel over each row's
+    kept run instead of under the mask (see the module docstring). Debug mode
+    (``FLASHCORE_DEBUG=1``) checks it.
     """
     if type(left_padding) is not bool:
         raise TypeError(f"argument 'left_padding': expected a bool, got {left_padding!r}")
@@ -196,9 +199,10 @@ def flashcore_attention_forward(module, query, key, value, attention_mask, scali
         out = attention(q, k, v, **kw, **drop)
     elif attention_mask.ndim == 2:
         keep = _key_mask(attention_mask, k.shape[1])
-        if _SETTINGS["left_padding"] and q.shape[1] < k.shape[1] \
-                and q.shape[1] <= CACHE_ROUTE_MAX_QUERIES and no_grad and not drop:
-            out = _masked_over_cache(q, k, v, keep, **kw)
+        if q.shape[1] < k.shape[1] and q.shape[1] <= CACHE_ROUTE_MAX_QUERIES and no_grad \
+                and not drop:
+            out = (_left_padded_over_cache if _SETTINGS["left_padding"] else
+                   _masked_over_cache)(q, k, v, keep, **kw)
         else:
             out = _padded_via_varlen(q, k, v, keep, **kw, **drop)
     else:
@@ -230,6 +234,18 @@ def _kept_run(mask):
 
 
 def _masked_over_cache(q, k, v, mask, **kw):
+    """Queries over a cache under any key mask: the decode kernel over the cache's first L
+    slots with the mask as its ``key_mask`` (one byte a key), the queries at slots L - sq ..
+    L - 1 (bottom-right causal), L as :func:`_query_positions` takes it, for every row."""
+    import torch
+    sq = q.shape[1]
+    length = (mask * torch.arange(1, mask.shape[1] + 1, device=mask.device,
+                                  dtype=torch.int32)).amax()
+    lens = torch.clamp(length, min=sq).to(torch.int32).expand(q.shape[0]).contiguous()
+    return attention_with_kvcache(q, k, v, cache_seqlens=lens, key_mask=mask, **kw)
+
+
+def _left_padded_over_cache(q, k, v, mask, **kw):
     """Queries over a cache whose key mask is, per row, left padding, the sequence, then slots
     not written yet (``register(left_padding=True)`` declares it): the decode kernel over keys
     [first kept, last kept] (``cache_leftpad``, ``cache_seqlens``), the queries at the last

@@ -469,20 +469,20 @@ def _int32_contig(arr):
 def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=None,
                   softmax_scale: float, window_left: int, window_right: int,
                   softcap: float = 0.0, alibi_slopes=None, num_splits: int = 0,
-                  cache_leftpad=None, k_descale=None, v_descale=None) -> int:
+                  cache_leftpad=None, k_descale=None, v_descale=None, key_mask=None) -> int:
     """:func:`decode_launches` returning the number of splits used."""
     return decode_launches(q, k_cache, v_cache, out, lse, cache_seqlens=cache_seqlens,
                            block_table=block_table, softmax_scale=softmax_scale,
                            window_left=window_left, window_right=window_right, softcap=softcap,
                            alibi_slopes=alibi_slopes, num_splits=num_splits,
                            cache_leftpad=cache_leftpad, k_descale=k_descale,
-                           v_descale=v_descale)[0]
+                           v_descale=v_descale, key_mask=key_mask)[0]
 
 
 def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=None,
                     softmax_scale: float, window_left: int, window_right: int,
                     softcap: float = 0.0, alibi_slopes=None, num_splits: int = 0,
-                    cache_leftpad=None, k_descale=None, v_descale=None):
+                    cache_leftpad=None, k_descale=None, v_descale=None, key_mask=None):
     """Attention of q against a KV cache; ``out`` and ``lse`` are written in place.
 
     q, out: (b, sq, h, d) float16/bfloat16; lse: float32 (b, h, sq) contiguous.
@@ -493,7 +493,10 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
     with the bounds of choose_num_splits). FP8 caches: uint8 arrays holding float8_e4m3fn
     values (head dims 128 and 256, compute capability 8.9 and newer), read as
     ``cache * descale[b, hk]`` with ``k_descale`` / ``v_descale`` float32 (b, hk) contiguous,
-    or None for 1. Returns ``(splits used, plans.Piece or None)``. With more than one
+    or None for 1. ``key_mask``: bool (b, seqlen_cache) (paged: (b, max_blocks * page_size))
+    with a contiguous last dimension, or None: key t of sequence b (counted from row 0 of its
+    cache) is attended only where ``key_mask[b, t]``. Returns
+    ``(splits used, plans.Piece or None)``. With more than one
     split the partials are merged inside a thread-block cluster (sm_90, up to 16 splits), else
     in the decode kernel (fused combine), unless ``set_fused_combine(False)`` /
     ``FLASHCORE_DECODE_FUSED_COMBINE=0`` (the combine kernel).
@@ -502,7 +505,7 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
     cfg_now = config.get()
     fused = cfg_now.decode_fused_combine
     given = (q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, cache_leftpad,
-             k_descale, v_descale)
+             k_descale, v_descale, key_mask)
 
     fp8 = k_cache.dtype == np.uint8
     q = _as_input(q)
@@ -547,6 +550,8 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
     cache_seqlens = _int32_contig(cache_seqlens)
     if cache_leftpad is not None:
         cache_leftpad = _int32_contig(cache_leftpad)
+    if key_mask is not None and key_mask.shape[1] > 1 and key_mask.strides[1] != 1:
+        key_mask = xp.ascontiguousarray(key_mask)
     if paged:
         block_table = block_table if block_table.dtype == np.int32 else block_table.astype(np.int32)
         if block_table.strides[-1] != 4:
@@ -653,6 +658,8 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
         cache_leftpad=None if cache_leftpad is None or paged else cache_leftpad.data.ptr,
         k_descale=None if k_descale is None else k_descale.data.ptr,
         v_descale=None if v_descale is None else v_descale.data.ptr,
+        key_mask=None if key_mask is None else key_mask.data.ptr,
+        key_mask_batch_stride=0 if key_mask is None else key_mask.strides[0],
     )
     args = (as_kernel_arg(params),)     # an opaque struct: see params.as_kernel_arg
     launches = [(kernel, (batch * nheads_k, m_blocks, num_splits), (cfg.n_warps * 32, 1, 1),
@@ -680,7 +687,8 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
                                      window_left=window_left, window_right=window_right,
                                      softcap=softcap, alibi_slopes=given[5],
                                      num_splits=num_splits, cache_leftpad=given[6],
-                                     k_descale=given[7], v_descale=given[8])
+                                     k_descale=given[7], v_descale=given[8],
+                                     key_mask=given[9])
         else:
             for kern, grid, block, sm in launches:
                 kern(grid, block, args, shared_mem=sm, stream=stream)
@@ -689,7 +697,8 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
     piece = None
     if out_final is None and all(
             a is b for a, b in zip((q, k_cache, v_cache, cache_seqlens, block_table,
-                                    alibi_slopes, cache_leftpad, k_descale, v_descale), given)):
+                                    alibi_slopes, cache_leftpad, k_descale, v_descale,
+                                    key_mask), given)):
         scratch = {} if o_accum is None else {"o_accum": o_accum.nbytes,
                                               "lse_accum": lse_accum.nbytes}
         piece = plans.Piece(launches, params, scratch,

@@ -658,3 +658,77 @@ def test_decode_odd_headdims_pad_like_flash_attn(d, page_size, torch_api):
         lo_args = [quantize(x.astype(np.float32), dtype)[None] for x in (qr[i], ks, vs)]
         lo, _ = naive_forward(forward_spec(*lo_args, causal=True), *lo_args, round_to=dtype)
         assert_flash_rule(f"seq{i}", got[i][None].astype(np.float64), ro, lo, 2)
+
+
+# ---------------- key_mask: a per-key mask (padding with holes) ----------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [None, 16, 256])
+@pytest.mark.parametrize("causal,sq,window", [(False, 1, (-1, -1)), (True, 4, (-1, -1)),
+                                              (True, 1, (300, 0))])
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+def test_decode_key_mask(dtype, page_size, causal, sq, window, num_splits):
+    """key_mask with holes (NaN in every masked row of the cache, so a masked key that is read
+    shows), through the public function, against the float64 oracle over each sequence's
+    attended keys (kept and inside the window; the last sq keys are kept, so causal over the
+    gathered keys is causal over positions), with the flash-attn rule; a sequence whose keys
+    are all masked gives 0 and -inf. num_splits 0 at 5000 keys takes the sm_90 cluster merge."""
+    import flashcore
+    cp = _cp()
+    rng = np.random.default_rng(sum(map(ord, f"{dtype}{page_size}{causal}{sq}{num_splits}")))
+    lens = [5000, 1, 777, 0, 300]
+    b, h, hk, d = len(lens), 8, 2, 128
+    p = Problem(dtype, b, sq, h, hk, d, lens, page_size=page_size, max_len=5003, causal=causal,
+                window=window, seed=3)
+    cap = 5003 if page_size is None else p.bt.shape[1] * page_size
+    keep = rng.random((b, cap)) < 0.7
+    keep[2] = False                     # every key masked
+    keep[4, :250] = False               # a long run masked (whole blocks)
+    for i, n in enumerate(lens):
+        if i != 2:
+            keep[i, max(n - sq, 0):n] = True
+    kc, vc = p.kc.copy(), p.vc.copy()   # NaN at the masked keys
+    for i, n in enumerate(lens):
+        for t in np.flatnonzero(~keep[i, :n]):
+            slot = (i, t) if page_size is None else (p.bt[i, t // page_size], t % page_size)
+            kc[slot], vc[slot] = np.nan, np.nan
+    out, lse = p.outputs()
+    out, lse = flashcore.attention_with_kvcache(
+        p.q_d, to_dev(kc, dtype), to_dev(vc, dtype), cache_seqlens=p.seqlens_d,
+        block_table=p.bt_d, causal=causal, window_size=window, num_splits=num_splits,
+        key_mask=cp.asarray(keep), out=out, lse=lse, return_lse=True)
+    got_o, got_l = out.get().astype(np.float64), lse.get().astype(np.float64)
+    assert np.isfinite(got_o).all(), "non-finite output: a masked (NaN) key was read"
+    ro, lo = np.zeros((b, sq, h, d)), np.zeros((b, sq, h, d))
+    rl = np.full((b, h, sq), -np.inf)
+    wl = window[0]
+    for i, n in enumerate(lens):
+        t = np.arange(n)
+        sel = keep[i, :n] & ((t >= n - 1 - wl) if wl >= 0 else True)   # (window: sq == 1)
+        if not sel.any():
+            continue
+        k32, v32 = p.gather(kc, i)[sel][None], p.gather(vc, i)[sel][None]
+        qb = p.q32[i:i + 1]
+        x64 = [x.astype(np.float64) for x in (qb, k32, v32)]
+        o_hi, l_hi = naive_forward(forward_spec(*x64, causal=causal), *x64)
+        o_lo, _ = naive_forward(forward_spec(qb, k32, v32, causal=causal), qb, k32, v32,
+                                round_to=dtype)
+        ro[i], lo[i], rl[i] = o_hi[0], o_lo[0], l_hi[0]
+    assert_flash_rule("out", got_o, np.nan_to_num(ro), np.nan_to_num(lo), 2)
+    assert np.array_equal(np.isneginf(got_l), np.isneginf(rl))
+    fin = np.isfinite(rl)
+    assert np.abs(got_l[fin] - rl[fin]).max() <= 1e-3 * max(1.0, np.abs(rl[fin]).max())
+    assert (got_o[2] == 0).all() and (got_o[3] == 0).all() and np.isneginf(got_l[2]).all()
+
+
+def test_decode_key_mask_all_true_equals_no_mask():
+    """An all-True mask gives the unmasked call's result bit for bit (same kernel, same sums)."""
+    import flashcore
+    cp = _cp()
+    p = Problem("bfloat16", 3, 1, 32, 8, 128, [4000, 17, 900], causal=True, seed=4)
+    a = flashcore.attention_with_kvcache(p.q_d, p.kc_d, p.vc_d, cache_seqlens=p.seqlens_d,
+                                         causal=True)
+    m = cp.ones((3, p.kc_d.shape[1]), dtype=cp.bool_)
+    b = flashcore.attention_with_kvcache(p.q_d, p.kc_d, p.vc_d, cache_seqlens=p.seqlens_d,
+                                         causal=True, key_mask=m)
+    assert bool((a == b).all())

@@ -369,6 +369,26 @@ def test_cuda_graph_decode(paged, splits, api):
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged256"])
+@pytest.mark.parametrize("splits", [1, 0, 40], ids=lambda n: f"splits{n}")
+def test_cuda_graph_decode_key_mask(paged, splits):
+    """attention_with_kvcache with a key_mask (a CUDA bool tensor, refilled between replays)
+    under torch.cuda.graph: replays equal eager calls bit for bit."""
+    q, kc, vc, kw = _decode_case(paged)
+    cap = kc.shape[1] if not paged else kw["block_table"].shape[1] * kc.shape[1]
+    keep = torch.ones(q.shape[0], cap, dtype=torch.bool, device="cuda")
+
+    def fill(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        q.copy_(torch.randn(q.shape, generator=g, device="cuda", dtype=q.dtype))
+        keep.copy_(torch.rand(keep.shape, generator=g, device="cuda") < 0.6)
+
+    def step():
+        return (flashcore.attention_with_kvcache(q, kc, vc, num_splits=splits, key_mask=keep,
+                                                 **kw),)
+    _replay_matches(step, fill)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged256"])
 def test_cuda_graph_decode_in_place_append_with_rotary(paged):
     q, kc, vc, kw = _decode_case(paged, new=1, rotary=True)
     snap = (kc.clone(), vc.clone())
