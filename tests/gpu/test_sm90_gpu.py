@@ -327,7 +327,8 @@ def test_backward_fully_masked_rows_and_deterministic_fallback(sm90_bwd):
 
 def test_hopper_family_is_the_default_on_cc90():
     """With nothing set in the environment, a plain call on an H100/H200 runs the
-    warp-specialised wgmma forward and dK/dV kernels."""
+    warp-specialised wgmma forward and dK/dV kernels, the latter with the tile-ordered dQ
+    reduction (its preprocess and convert kernels too)."""
     import os
     import subprocess
     import sys
@@ -344,12 +345,14 @@ out, lse = flashcore.attention_forward(q, k, v, causal=True)
 flashcore.attention_backward(do, q, k, v, out, lse, causal=True)
 names = {k[3] for k in jit._kernels}
 assert forward.sm90_ws_kernel_name("float16", 128, True) in names, names
-assert backward.sm90_ws_kernel_name("float16", 128, True) in names, names
+assert backward.sm90_ws_kernel_name("float16", 128, True, dq_tiled=True) in names, names
+assert backward.sm90_convert_tiled_name("float16", 128) in names, names
+assert "flash_bwd_preprocess_kernel<fc_fp16, true>" in names, names
 q, k, v, do = (cp.asarray(rng.standard_normal((1, 300, 2, 256)).astype(np.float16)) for _ in range(4))
 out, lse = flashcore.attention_forward(q, k, v, causal=True)
 flashcore.attention_backward(do, q, k, v, out, lse, causal=True)
 names = {k[3] for k in jit._kernels}
-assert backward.sm90_d256_kernel_name("float16", True) in names, names
+assert backward.sm90_d256_kernel_name("float16", True, dq_tiled=True) in names, names
 print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
