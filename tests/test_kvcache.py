@@ -786,42 +786,56 @@ def _flash_attn_leftpad_reference(q, kc, vc, after, lp, causal, window, slopes, 
     return np.stack(outs)
 
 
-@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (2, 1)),
-                                           (True, (5, -1)), (False, (-1, 2))])
-@pytest.mark.parametrize("alibi", [False, True])
-@pytest.mark.parametrize("sq,append,rotary", [(1, 0, False), (3, 2, False), (3, 2, True)])
-def test_cache_leftpad_matches_flash_attn_test_reference(causal, window, alibi, sq, append, rotary):
-    from flashcore.reference import apply_rotary
-    rng = np.random.default_rng(17)
-    b, cap, h, hk, d = 3, 24, 4, 2, 16
+def _decode_inputs(rng, b, sq, cap, h, hk, d, append, rotary):
+    """q, the caches and the new keys/values (with rotary tables) of a random decoding step."""
     q = rng.standard_normal((b, sq, h, d))
     kc, vc = rng.standard_normal((b, cap, hk, d)), rng.standard_normal((b, cap, hk, d))
-    before, lp = np.array([10, 5, 12], np.int32), np.array([3, 5, 0], np.int32)
     new = {}
     if append:
         new = dict(k=rng.standard_normal((b, append, hk, d)), v=rng.standard_normal((b, append, hk, d)))
     if rotary:
         ang = rng.random((cap, 8)) * 6.28
         new.update(rotary_cos=np.cos(ang), rotary_sin=np.sin(ang))
+    return q, kc, vc, new
+
+
+def _appended_by_hand(q, kc, vc, before, new, causal, window):
+    """(q rotated, caches with the new keys written): what the call does, done independently.
+    flash-attn's test rule: new keys rotated at cache_seqlens + t (the cache rows); q at
+    cache_seqlens + i when causal or windowed, else every row at cache_seqlens."""
+    from flashcore.reference import apply_rotary
+    kc, vc, qr = kc.copy(), vc.copy(), q
+    if "k" not in new:
+        return qr, kc, vc
+    sq, append = q.shape[1], new["k"].shape[1]
+    kn = new["k"]
+    if "rotary_cos" in new:
+        kn = apply_rotary(kn, new["rotary_cos"], new["rotary_sin"],
+                          before[:, None] + np.arange(append)[None], False)
+        per_row = causal or window != (-1, -1)
+        pos = before[:, None] + (np.arange(sq)[None] if per_row else np.zeros((1, sq), int))
+        qr = apply_rotary(q, new["rotary_cos"], new["rotary_sin"], pos, False)
+    for i in range(q.shape[0]):
+        kc[i, before[i]:before[i] + append], vc[i, before[i]:before[i] + append] = kn[i], new["v"][i]
+    return qr, kc, vc
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (2, 1)),
+                                           (True, (5, -1)), (False, (-1, 2))])
+@pytest.mark.parametrize("alibi", [False, True])
+@pytest.mark.parametrize("sq,append,rotary", [(1, 0, False), (3, 2, False), (3, 2, True)])
+def test_cache_leftpad_matches_flash_attn_test_reference(causal, window, alibi, sq, append, rotary):
+    rng = np.random.default_rng(17)
+    b, cap, h, hk, d = 3, 24, 4, 2, 16
+    q, kc, vc, new = _decode_inputs(rng, b, sq, cap, h, hk, d, append, rotary)
+    before, lp = np.array([10, 5, 12], np.int32), np.array([3, 5, 0], np.int32)
     slopes = rng.random((b, h)) * 0.3 if alibi else None
-    kc0, vc0 = kc.copy(), vc.copy()
+    qr, kc0, vc0 = _appended_by_hand(q, kc, vc, before, new, causal, window)
     out = flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=before, cache_leftpad=lp,
                                            causal=causal, window_size=window, alibi_slopes=slopes,
                                            rotary_interleaved=False, **new)
-    after = before + append
-    qr = q
-    if append:
-        kn = new["k"]
-        if rotary:       # flash-attn's test: rotated at cache_seqlens + t (the cache rows)
-            kn = apply_rotary(kn, new["rotary_cos"], new["rotary_sin"],
-                              before[:, None] + np.arange(append)[None], False)
-            per_row = causal or window != (-1, -1)
-            pos = before[:, None] + (np.arange(sq)[None] if per_row else np.zeros((1, sq), int))
-            qr = apply_rotary(q, new["rotary_cos"], new["rotary_sin"], pos, False)
-        for i in range(b):
-            kc0[i, before[i]:after[i]], vc0[i, before[i]:after[i]] = kn[i], new["v"][i]
-    want = _flash_attn_leftpad_reference(qr, kc0, vc0, after, lp, causal, window, slopes,
-                                         d ** -0.5, h, hk)
+    want = _flash_attn_leftpad_reference(qr, kc0, vc0, before + append, lp, causal, window,
+                                         slopes, d ** -0.5, h, hk)
     np.testing.assert_allclose(out, want, rtol=0, atol=1e-9)
 
 
@@ -837,39 +851,20 @@ def test_key_mask_against_the_masked_dense_reference(causal, window, alibi, sq, 
                                                      leftpad, splits):
     """Keys where key_mask is False are left out, the causal/local masks and ALiBi still
     counting positions (cache rows, from cache_leftpad); whole rows masked give 0 and -inf."""
-    from flashcore.reference import apply_rotary
     rng = np.random.default_rng(23)
     b, cap, h, hk, d = 4, 24, 4, 2, 16
-    q = rng.standard_normal((b, sq, h, d))
-    kc, vc = rng.standard_normal((b, cap, hk, d)), rng.standard_normal((b, cap, hk, d))
+    q, kc, vc, new = _decode_inputs(rng, b, sq, cap, h, hk, d, append, rotary)
     before = np.array([10, 5, 12, 7], np.int32)
     lp = np.array([3, 5, 0, 2], np.int32) if leftpad else np.zeros(b, np.int32)
     keep = rng.random((b, cap)) < 0.6
     keep[3] = False                         # a sequence with every key masked
-    new = {}
-    if append:
-        new = dict(k=rng.standard_normal((b, append, hk, d)), v=rng.standard_normal((b, append, hk, d)))
-    if rotary:
-        ang = rng.random((cap, 8)) * 6.28
-        new.update(rotary_cos=np.cos(ang), rotary_sin=np.sin(ang))
     slopes = rng.random((b, h)) * 0.3 if alibi else None
-    kc0, vc0 = kc.copy(), vc.copy()
+    qr, kc0, vc0 = _appended_by_hand(q, kc, vc, before, new, causal, window)
     out, lse = flashcore.attention_with_kvcache(
         q, kc, vc, cache_seqlens=before, cache_leftpad=lp if leftpad else None, causal=causal,
         window_size=window, alibi_slopes=slopes, rotary_interleaved=False, num_splits=splits,
         key_mask=keep, return_lse=True, **new)
     after = before + append
-    qr = q
-    if append:
-        kn = new["k"]
-        if rotary:
-            kn = apply_rotary(kn, new["rotary_cos"], new["rotary_sin"],
-                              before[:, None] + np.arange(append)[None], False)
-            per_row = causal or window != (-1, -1)
-            pos = before[:, None] + (np.arange(sq)[None] if per_row else np.zeros((1, sq), int))
-            qr = apply_rotary(q, new["rotary_cos"], new["rotary_sin"], pos, False)
-        for i in range(b):
-            kc0[i, before[i]:after[i]], vc0[i, before[i]:after[i]] = kn[i], new["v"][i]
     want = _flash_attn_leftpad_reference(qr, kc0, vc0, after, lp, causal, window, slopes,
                                          d ** -0.5, h, hk, key_mask=keep)
     np.testing.assert_allclose(out, want, rtol=0, atol=1e-9)
