@@ -127,17 +127,23 @@ __device__ __forceinline__ float bwd_tanh(float x) { return fc_tanh(x); }
 // Where one sequence of the batch lives (varlen: rows of the packed tensors).
 struct BwdSeq {
     long long q_off, k_off;  // first row of the sequence in the packed tensors (0 otherwise)
+    long long q_tile_off;    // its first row in a tile-ordered dQ accumulator (the Hopper
+                             // kernels'): varlen, q_off + 64 b rounded down to whole 64-row
+                             // tiles, so that every sequence's rows start a tile and its last
+                             // tile ends before the next sequence's first; 0 otherwise
     int sq, sk;
 };
 __device__ __forceinline__ BwdSeq bwd_seq(const FlashParams& p, int b) {
     BwdSeq s;
     s.q_off = 0;
     s.k_off = 0;
+    s.q_tile_off = 0;
     s.sq = p.seqlen_q;
     s.sk = p.seqlen_k;
     if (p.cu_seqlens_q != nullptr) {
         const FcSeqRange r = fc_seq_range(p.cu_seqlens_q, b, p.total_q, p.seqlen_q);
         s.q_off = r.row0;
+        s.q_tile_off = (r.row0 + 64ll * b) & ~63ll;
         s.sq = r.len;
     }
     if (p.cu_seqlens_k != nullptr) {
@@ -244,9 +250,10 @@ __device__ __forceinline__ BwdKeyWalk bwd_key_walk(const FlashParams& p, const B
 // ---- 1. preprocess: D = rowsum(dO * O) --------------------------------------------------------
 // Grid (ceil(seqlen_q / 64), nheads, batch), 256 threads: groups of 8 lanes own one row at a
 // time, each lane reading 16-byte chunks of dO and O (head dim is a multiple of 8).
-// Full_tiles: the dQ accumulator holds whole 64-row tiles (dense calls whose rows are padded
-// to a multiple of 64, the tile-ordered layout of the Hopper kernels' dQ reduction,
-// flash_bwd_sm90.cu): all 64 rows of the CTA's tile are zeroed.
+// Full_tiles: the dQ accumulator holds whole 64-row tiles (the tile-ordered layout of the Hopper
+// kernels' dQ reduction, flash_bwd_sm90.cu: a dense call's rows padded to a multiple of 64, a
+// varlen call's sequences each starting a tile at BwdSeq::q_tile_off): all 64 rows of the CTA's
+// tile are zeroed.
 template <typename Elem, bool Full_tiles = false>
 __global__ void __launch_bounds__(256) flash_bwd_preprocess_kernel(const FlashParams p) {
     constexpr int kRows = 64;
@@ -296,7 +303,7 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_kernel(const FlashPa
         const int rows = Full_tiles ? kRows : min(kRows, seq.sq - m0);
         const int n4 = (int)(p.dq_accum_row_stride >> 2);
         float* base = p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride +
-                      (seq.q_off + m0) * p.dq_accum_row_stride;
+                      ((Full_tiles ? seq.q_tile_off : seq.q_off) + m0) * p.dq_accum_row_stride;
         for (int idx = threadIdx.x; idx < rows * n4; idx += blockDim.x) {
             const int r = idx / n4, c = idx - r * n4;
             *reinterpret_cast<float4*>(base + r * p.dq_accum_row_stride + 4 * c) =

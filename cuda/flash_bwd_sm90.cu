@@ -4,8 +4,9 @@
 // helpers (sequence geometry, score math, masks, red.add) this file reuses by including it.
 //
 // Head dims 64, 128 and 256 (its own kernel, at the end of the file), fp16/bf16,
-// causal/windows/varlen/GQA, dropout, dQ added to an fp32 accumulator (red.global.add, or one
-// bulk reduce-add of a tile: Dq_tiled, off by default); softcap, ALiBi, other head dims and
+// causal/windows/varlen/GQA, dropout, dQ added to an fp32 accumulator (one bulk reduce-add of
+// a tile: Dq_tiled, the default for dense calls, for varlen calls too with
+// sm90_bwd_dq_tiled_varlen; else red.global.add); softcap, ALiBi, other head dims and
 // deterministic mode stay on flash_bwd.cu. The default on compute capability 9.0
 // (FLASHCORE_SM90_BWD=0 turns it off).
 //
@@ -22,9 +23,9 @@
 //   dS^T -> shared ([key][query], 16-bit), then after a barrier
 //   d128: dQ[:, 64 w:64 w+64] = dS K[:, 64 w:64 w+64]    m64n64k16 over all 128 keys, A = dS
 //         read M-major from the [key][query] tile (imm-trans-a), B = K read N-major
-//         (imm-trans-b); added to the fp32 dq_accum with red.global.add, or (Dq_tiled, dense
-//         calls, off by default) staged in shared memory and added as one bulk reduce-add of
-//         the warpgroup's tile (see "dQ in tile order" below)
+//         (imm-trans-b); added to the fp32 dq_accum with red.global.add, or (Dq_tiled)
+//         staged in shared memory and added as one bulk reduce-add of the warpgroup's tile
+//         (see "dQ in tile order" below)
 //   d64:  dQ += dS[:, keys_w] K[keys_w, :]   the same instruction over the warpgroup's own 64
 //         keys: each warpgroup adds its partial product (as many atomics per step as d128)
 // Shared memory (1024-byte aligned, every tile [rows][64 columns] blocks with the 128-byte
@@ -77,11 +78,14 @@ __device__ __forceinline__ void fragment_red_add(float* row, long long row_strid
         }
 }
 
-// Row `row` (counted from the sequence's first) of head h, batch b in the fp32 dQ accumulator.
+// Row `row` (counted from the sequence's first) of head h, batch b in the fp32 dQ accumulator:
+// row-ordered, or (Tiled) tile-ordered, where a varlen sequence starts at its own whole tile
+// (BwdSeq::q_tile_off).
+template <bool Tiled = false>
 __device__ __forceinline__ float* dq_accum_row(const FlashParams& p, const BwdSeq& seq, int b,
                                                int h, int row) {
     return p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride
-           + (seq.q_off + row) * p.dq_accum_row_stride;
+           + ((Tiled ? seq.q_tile_off : seq.q_off) + row) * p.dq_accum_row_stride;
 }
 
 // The warp-specialised dK/dV kernels' barrier block at `base` (8 bytes each): the K/V barrier,
@@ -310,12 +314,13 @@ struct DkdvWarpgroup {
 
 }  // namespace fc_hb
 
-// ---- dQ in tile order (Dq_tiled; dense calls) --------------------------------
+// ---- dQ in tile order (Dq_tiled) ------------------------------------------------------
 // Each step's dQ of a warpgroup (64 query rows x kN / 2 columns, kN floats a thread in the
 // wgmma accumulator layout) is added to the accumulator by ONE bulk reduce-add of the whole
 // tile, as FlashAttention-3 does, in place of kN / 2 red.global.add a thread: the fp32
-// accumulator of a dense call holds whole 64-row tiles (rows padded to a multiple of 64,
-// zeroed by flash_bwd_preprocess_kernel<.., true>), each in the threads' own order --
+// accumulator holds whole 64-row tiles (a dense call's rows padded to a multiple of 64, a varlen
+// call's sequences each starting a tile: BwdSeq::q_tile_off; zeroed by
+// flash_bwd_preprocess_kernel<.., true>), each in the threads' own order --
 // [column group w][float4 k][thread ct][4] -- which flash_bwd_convert_dq_tiled_kernel reads
 // back. Float4 k of thread ct = (wl, g, t) holds rows 16 wl + g (its first two floats) and
 // 16 wl + g + 8 (last two), columns w kN / 2 + 8 k + 2 t and + 1 (one column group, w = 0,
@@ -347,7 +352,7 @@ __device__ __forceinline__ void dq_tile_add(const float (&acc)[kN], fc_u32 regio
     }
 }
 
-// dq = dq_accum * softmax_scale -> 16-bit from the tile order above (dense calls; head dim
+// dq = dq_accum * softmax_scale -> 16-bit from the tile order above (head dim
 // kD split into kGroups column groups, one per warpgroup: 2 where two warpgroups share a
 // tile's rows, 1 where one warpgroup holds all its columns). Grid (ceil(seqlen_q / 64), nheads,
 // batch), 256 threads, one 64-row tile a CTA, read in order (coalesced), written as 16-bit pairs.
@@ -358,8 +363,9 @@ __global__ void __launch_bounds__(256) flash_bwd_convert_dq_tiled_kernel(const F
     const BwdSeq seq = bwd_seq(p, b);
     const int m0 = blockIdx.x * kRows;
     if (m0 >= seq.sq) return;
-    const float* tile = dq_accum_row(p, seq, b, h, m0);
-    fc_u16* gdq = static_cast<fc_u16*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride;
+    const float* tile = dq_accum_row<true>(p, seq, b, h, m0);
+    fc_u16* gdq = static_cast<fc_u16*>(p.dq) + b * p.dq_batch_stride + seq.q_off * p.dq_row_stride
+                  + h * p.dq_head_stride;
     const float scale = p.softmax_scale;
     for (int idx = threadIdx.x; idx < kGroups * kChunks * 128; idx += 256) {
         const int w = idx / (kChunks * 128), k = (idx >> 7) % kChunks, ct = idx & 127;
@@ -390,7 +396,7 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
     float* sLse = reinterpret_cast<float*>(smem_raw + (sdS + (fc_u32)(kBlockM / 64) * kKBlock
                                                        - smem_u32(smem_raw)));
     float* sDsum = sLse + 2 * kBlockM;
-    // Dq_tiled (dense calls): each warpgroup's dQ tile (64 x 64 fp32) after lse and D
+    // Dq_tiled: each warpgroup's dQ tile (64 x 64 fp32) after lse and D
     const fc_u32 sDq = (sdS + (fc_u32)(kBlockM / 64) * kKBlock + 16u * kBlockM + 127u) & ~127u;
 
     const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
@@ -460,7 +466,7 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
             // last query, where the accumulator, padded to 64 rows, has no tile)
             const int row0 = m0 + (kBlockM == 128 ? 64 * w.wg : 0);
             dq_tile_add<32>(acc_dq, sDq + (fc_u32)w.wg * (64u * 64u * 4u),
-                            dq_accum_row(p, seq, b, h, row0) + (kD == 128 ? w.wg * 64 * 64 : 0),
+                            dq_accum_row<true>(p, seq, b, h, row0) + (kD == 128 ? w.wg * 64 * 64 : 0),
                             tid, 1 + w.wg, row0 < seq.sq);
         } else {
             w.dq(p, seq, b, h, m0, sK, sdS);
@@ -644,7 +650,7 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
                 named_sync(3 + w.wg, 128);
             }
             dq_tile_add<32>(acc_dq, sDq + (fc_u32)w.wg * (64u * 64u * 4u),
-                            dq_accum_row(p, seq, b, h, m0) + w.wg * 64 * 64, tid - 128,
+                            dq_accum_row<true>(p, seq, b, h, m0) + w.wg * 64 * 64, tid - 128,
                             3 + w.wg);
         } else {
             w.dq(p, seq, b, h, m0, sK, sdSb);
@@ -913,7 +919,7 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
             // Both warpgroups' products done: the stage's Q and dO tiles take their dQ tiles.
             named_sync(2, 256);
             dq_tile_add<64>(acc_dq, w.wg == 0 ? sQb : sdOb,
-                            dq_accum_row(p, seq, b, h, m0) + w.wg * 64 * 128, tid - 128,
+                            dq_accum_row<true>(p, seq, b, h, m0) + w.wg * 64 * 128, tid - 128,
                             3 + w.wg);
         } else {
             w.grads(p, seq, b, h, m0, sK, sQb, sdOb, sP + buf, sdS + buf);

@@ -350,6 +350,39 @@ def test_dq_tiled_launches(d):
         assert head_stride == (128 if tiled else 100) * d
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_dq_tiled_varlen_launches(d):
+    """Varlen calls (the cp.async kernel): with sm90_bwd_dq_tiled_varlen, the whole-tile
+    preprocess, the kernel's tiled instantiation and the tiled convert kernel over an
+    accumulator of total_q + 64 x batch rows a head (each sequence starts a tile); without it
+    (the default), the element-wise reduction over total_q rows."""
+    lens = [70, 0, 257, 33]
+    cu = fake_array((len(lens) + 1,), np.int32)
+    total = sum(lens)
+    q, k, v = (fake_array((total, h, d), np.float16) for h in (4, 2, 2))
+    out, do, dq = (fake_array(q.shape, np.float16) for _ in range(3))
+    dk, dv = (fake_array(k.shape, np.float16) for _ in range(2))
+    lse = fake_array((4, total), np.float32)
+    for on in (False, True):
+        with config.override(sm90_bwd_dq_tiled_varlen=on):
+            LOG.clear()
+            plans.clear()
+            backward.launch_backward(do, q, k, v, out, lse, dq, dk, dv, softmax_scale=0.1,
+                                     window_left=-1, window_right=0, cu_seqlens_q=cu,
+                                     cu_seqlens_k=cu, max_seqlen_q=257, max_seqlen_k=257)
+            names = [n for n, *_ in LOG]
+        kernel = backward.sm90_kernel_name("float16", d, True, dq_tiled=on)
+        convert = (backward.sm90_convert_tiled_name("float16", d) if on
+                   else "flash_bwd_convert_dq_kernel<fc_fp16>")
+        pre = "flash_bwd_preprocess_kernel<fc_fp16" + (", true>" if on else ">")
+        assert names == [pre, kernel, convert]
+        assert LOG[1][3] == backward.sm90_smem(d, backward.sm90_block_m(d), on)
+        words = np.frombuffer(LOG[0][4][:params_dtype().itemsize], np.int64)
+        dt = params_dtype()
+        head_stride = int(words[dt.fields["dq_accum_head_stride"][1] // 8])
+        assert head_stride == (total + 64 * len(lens) if on else total) * d
+
+
 def test_scratch_is_fresh_and_never_filled(monkeypatch):
     made = []
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=np.float32, **k: (

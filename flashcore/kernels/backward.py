@@ -407,20 +407,25 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
                 ws = maps_for((q, SM90_WS_BLOCK_M), (k, 128), (v, 128),
                               (dout, SM90_WS_BLOCK_M))
                 hopper = "cpasync" if ws is None else "ws"
-    dq_tiled = hopper is not None and not varlen and config.get().sm90_bwd_dq_tiled
+    cfg = config.get()
+    dq_tiled = (hopper is not None and cfg.sm90_bwd_dq_tiled
+                and (not varlen or cfg.sm90_bwd_dq_tiled_varlen))
 
     # Scratch: fp32 dQ accumulator, (b, h, sq, d_tile) or, varlen, (h, total_q, d_tile): each
     # block's dQ tile is one contiguous slab; rows past a sequence's end are never touched
     # (the tile-ordered dQ reduction: rows padded to whole 64-row tiles, each tile in the
-    # kernel's own order, all of it zeroed and added to).
+    # kernel's own order, all of it zeroed and added to; varlen: sequence b's tiles start at
+    # row (cu_seqlens_q[b] + 64 b) rounded down to a tile, so total_q + 64 batch rows hold
+    # them all, BwdSeq::q_tile_off in flash_bwd.cu).
     # Uninitialised: the preprocess kernel zeroes the rows of every sequence before the dK/dV
     # kernel adds into them (one launch fewer than a separate fill).
     dq_accum = None
     dqa_b = dqa_r = dqa_h = 0
     if not deterministic:
         if varlen:
-            dq_accum = xp.empty((nheads, total_q, d), dtype=np.float32)
-            dqa_b, dqa_h, dqa_r = 0, total_q * d, d
+            rows = total_q + _ROWS_PER_CTA * batch if dq_tiled else total_q
+            dq_accum = xp.empty((nheads, rows, d), dtype=np.float32)
+            dqa_b, dqa_h, dqa_r = 0, rows * d, d
         else:   # (tile-ordered: whole 64-row tiles)
             rows = _cdiv(seqlen_q, _ROWS_PER_CTA) * _ROWS_PER_CTA if dq_tiled else seqlen_q
             dq_accum = xp.empty((batch, nheads, rows, d), dtype=np.float32)

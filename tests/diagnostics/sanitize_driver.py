@@ -86,8 +86,18 @@ if "--hopper-bwd" in sys.argv:
     from flashcore import config
     n = 0
     for tiled in (False, True):
-        with config.override(sm90_bwd_dq_tiled=tiled):
+        with config.override(sm90_bwd_dq_tiled=tiled, sm90_bwd_dq_tiled_varlen=tiled):
             n += run_backward_cases(HOPPER_BWD_CASES) + run_backward_cases(HOPPER_BWD_CASES[-3:], 0.2)
+            # varlen (the cp.async kernel): sequences that are no multiple of the tile, one empty
+            for hd in (64, 128):
+                lens = np.array([70, 0, 257, 33], np.int32)
+                cu = cp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+                t = int(lens.sum())
+                q, k, v, do = (arr((t, hh, hd), "bfloat16") for hh in (6, 2, 2, 6))
+                out, lse = flashcore.varlen_attention_forward(q, k, v, cu, cu, causal=True)
+                flashcore.varlen_attention_backward(do, q, k, v, out, lse, cu, cu, causal=True)
+                cp.cuda.Device().synchronize()
+                n += 1
     print(f"sanitize driver --hopper-bwd: {n} cases ran")
     sys.exit(0)
 
