@@ -376,6 +376,7 @@ def test_dq_tiled_varlen_launches(d):
                    else "flash_bwd_convert_dq_kernel<fc_fp16>")
         pre = "flash_bwd_preprocess_kernel<fc_fp16" + (", true>" if on else ">")
         assert names == [pre, kernel, convert]
+        assert LOG[0][1] == LOG[2][1] == (5, 4, 4)        # ceil(257 / 64) tiles, heads, batch
         assert LOG[1][3] == backward.sm90_smem(d, backward.sm90_block_m(d), on)
         words = np.frombuffer(LOG[0][4][:params_dtype().itemsize], np.int64)
         dt = params_dtype()

@@ -81,7 +81,8 @@ def run_backward_cases(cases, dropout_p=0.0):
 
 if "--hopper-bwd" in sys.argv:
     # only the Hopper dK/dV kernels (with and without dropout, with and without the
-    # tile-ordered dQ reduction), in seconds:
+    # tile-ordered dQ reduction, varlen included), in seconds, under memcheck, racecheck and
+    # synccheck alike:
     # compute-sanitizer --tool racecheck python3 tests/diagnostics/sanitize_driver.py --hopper-bwd
     from flashcore import config
     n = 0
@@ -199,6 +200,20 @@ if int(cp.cuda.Device().compute_capability) == 90:
     n += run_backward_cases(HOPPER_BWD_CASES)
     with _config.override(sm90_bwd_dq_tiled=True):    # (the tile-ordered dQ reduction)
         n += run_backward_cases(HOPPER_BWD_CASES)
+    # varlen cu_seqlens past the rows, decreasing, negative, on the Hopper kernel with each dQ
+    # reduction (the tiled one: each sequence's tiles at its own clamped offset)
+    for tiled in (False, True):
+        with _config.override(sm90_bwd_dq_tiled=tiled, sm90_bwd_dq_tiled_varlen=tiled):
+            for hd, cuq in ((64, [0, 5, 900, 141, -4]), (128, [0, 5, 900, 141, -4]),
+                            (64, [100, 0, 141, 141, 141]), (128, [100, 0, 141, 141, 141])):
+                cu_q = cp.asarray(np.array(cuq, np.int32))
+                cu_k = cp.asarray(np.array([0, 9, 13, 10**6, 100], np.int32))
+                q, k, v = (arr((t, hh, hd), "bfloat16") for t, hh in ((141, 4), (100, 2), (100, 2)))
+                out, lse = flashcore.varlen_attention_forward(q, k, v, cu_q, cu_k, causal=True)
+                flashcore.varlen_attention_backward(arr((141, 4, hd), "bfloat16"), q, k, v, out,
+                                                    lse, cu_q, cu_k, causal=True)
+                cp.cuda.Device().synchronize()
+                n += 1
     _bwd.set_sm90(False)
 _config.set(**_was._asdict())
 

@@ -254,6 +254,11 @@ def test_backward_varlen_no_worse_than_the_ampere_kernel(sm90_bwd, d):
     Ampere-class kernel on the same inputs, plus a rounding allowance."""
     if _VARIANT["name"] != "v0":
         pytest.skip("the backward does not depend on the forward variant: run once")
+    from flashcore import config
+    cfg = config.get()
+    if cfg.sm90_bwd_ws or (d == 128 and cfg.sm90_bwd_d64_block_m == 64):
+        pytest.skip("varlen calls take the cp.async kernel (the ws setting and, at d128, the d64 "
+                    "block do not change it): each of its instantiations once")
     import cupy as cp
     import flashcore
     from flashcore import jit
@@ -274,6 +279,8 @@ def test_backward_varlen_no_worse_than_the_ampere_kernel(sm90_bwd, d):
     for hopper in (True, False):
         backward.set_sm90(hopper)
         jit.clear_memory_cache()
+        junk = cp.full(1 << 22, cp.nan, cp.float32)   # the pool's next blocks hold NaN: an
+        del junk                                      # accumulator row left unzeroed shows
         g = flashcore.varlen_attention_backward(do, q, k, v, out, lse, cqd, ckd, causal=True)
         grads[hopper] = [x.get().astype(np.float64) for x in g]
         assert _ran_sm90_bwd("bfloat16", True, d, varlen=True) == hopper
