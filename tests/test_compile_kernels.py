@@ -106,6 +106,22 @@ def test_hopper_kernels_compile(source):
     assert len(cubin) > 0
 
 
+def test_forward_dropout_with_producer_drawn_masks_compiles():
+    """The warp-specialised forward's dropout instantiations with their keep masks drawn by the
+    producer warpgroup (forward.DROPOUT_PRODUCER_RNG): they compile for sm_90a without spills
+    (the producer's Philox in 56 registers, the consumers in 224)."""
+    _nvrtc_or_skip()
+    from flashcore.kernels import forward
+    names = [n for n in forward.sm90_instantiations() if n.startswith("flash_fwd_sm90_ws_kernel")
+             and n.split("<")[1].split(",")[5].strip() == "true"]     # (<.., local, dropout, ..>)
+    assert names
+    cubin, log = jit.compile_check("flash_fwd_sm90.cu", names, "sm_90a",
+                                   (forward.DROPOUT_PRODUCER_RNG,), want_log=True)
+    assert len(cubin) > 0
+    spills = _spills_by_kernel(log)
+    assert len(spills) == len(names) and not any(spills.values()), log
+
+
 def _spill_allowance(mangled: str) -> int:
     """Spill bytes allowed for a Hopper kernel, from its mangled template arguments."""
     bools = re.findall(r"Lb([01])E", mangled)

@@ -381,3 +381,39 @@ def test_backward_dq_tiled_dropout(d, sq, sk, kw):
     with config.override(sm90_bwd=True, sm90_bwd_ws=True, sm90_bwd_dq_tiled=True):
         dropout_check(d, sq, sk, kw, 0.17)
         assert _ran_sm90_bwd("bfloat16", bool(kw), d, dropout=True)
+
+
+@pytest.mark.parametrize("d, sq, sk, kw", [(128, 203, 117, dict()),
+                                          (128, 1000, 1500, dict()),
+                                          (256, 77, 130, dict(causal=True)),
+                                          (128, 300, 211, dict(window_size=(40, 5))),
+                                          (64, 113, 203, dict(causal=True))])
+def test_forward_dropout_masks_drawn_by_the_producer(d, sq, sk, kw):
+    """The warp-specialised forward with dropout's keep masks drawn by the producer warpgroup
+    (forward.DROPOUT_PRODUCER_RNG): the same output and lse, bit for bit, as the masks drawn
+    by the consumers (the same Philox calls, the same packing), and the float64 oracle's
+    dropout check through the public functions (a replay with another rng_state included)."""
+    if _VARIANT["name"] != "ws":
+        pytest.skip("the warp-specialised forward only")
+    import cupy as cp
+    import flashcore
+    from flashcore import config, jit
+    from flashcore.kernels import forward
+    from test_cupy_gpu import test_dropout_against_the_reference as dropout_check
+    rng = np.random.default_rng(d + sq)
+    q, k, v = (cp.asarray(rng.standard_normal(s).astype(np.float16))
+               for s in ((2, sq, 6, d), (2, sk, 2, d), (2, sk, 2, d)))
+    st = cp.asarray(np.array([5, 77], np.int64))
+    got = {}
+    for drawn in (False, True):
+        defines = (forward.DROPOUT_PRODUCER_RNG,) if drawn else ()
+        with config.override(sm90_defines=defines):
+            jit.clear_memory_cache()
+            out, lse = flashcore.attention_forward(q, k, v, dropout_p=0.2, rng_state=st, **kw)
+            got[drawn] = (out.get(), lse.get())
+            name = forward.sm90_ws_kernel_name("float16", d, bool(kw), dropout=True, seqlen_k=sk)
+            assert any(n[3] == name for n in jit._kernels), name
+    assert np.array_equal(got[True][0], got[False][0], equal_nan=True)
+    assert np.array_equal(got[True][1], got[False][1], equal_nan=True)
+    with config.override(sm90_defines=(forward.DROPOUT_PRODUCER_RNG,)):
+        dropout_check(d, sq, sk, kw, 0.17)
