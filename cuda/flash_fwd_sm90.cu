@@ -253,7 +253,7 @@ struct FwdRows {
             return keep2[kk & 1];
         });
     }
-    // The same with the keep masks drawn by the producer warpgroup (fc_dropout_mask_words):
+    // The same with the keep masks drawn by the producer warpgroup (draw_mask_unit):
     // tile kk's in bits 4 (kk % 4) .. of words[kk / 4], halves 16 apart.
     template <int kWords>
     __device__ __forceinline__ void pack_drawn(const float (&s)[kNT * 4],
@@ -634,14 +634,15 @@ __device__ __forceinline__ fc_u32 mask_word_addr(fc_u32 stage, int cwarp, int w,
     return stage + 4u * (fc_u32)((cwarp * kMaskWords<kBlockN> + w) * 32 + lane);
 }
 
-// One producer thread's share of a key block's masks: `unit` = (consumer warp, lane pair
-// (g even, t) and (g + 1, t), word w); one Philox call per tile for the pair (the call
-// fc_dropout_keep2 makes, both halves kept), its four tiles packed into the two lanes' words.
-template <int kBlockN>
+// One producer thread's share of a key block's masks: `unit` = (word w, consumer warp, lane
+// pair (g even, t) and (g + 1, t)), the pair fastest (neighbouring threads store to
+// neighbouring lanes' words: no bank conflicts); one Philox call per tile for the pair (the
+// call fc_dropout_keep2 makes, both halves kept), its four tiles packed into the two lanes'
+// words. kCwarps: the consumer warps.
+template <int kBlockN, int kCwarps>
 __device__ __forceinline__ void draw_mask_unit(const FcDropout& drop, int bh, int m0, int n0,
                                                int unit, fc_u32 stage) {
-    constexpr int kW = kMaskWords<kBlockN>;
-    const int w = unit % kW, pi = (unit / kW) % 16, cwarp = unit / (kW * 16);
+    const int pi = unit % 16, cwarp = (unit / 16) % kCwarps, w = unit / (16 * kCwarps);
     const int g = 2 * (pi >> 2), t = pi & 3;
     fc_u32 even = 0u, odd = 0u;
 #pragma unroll
@@ -690,7 +691,8 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     // producer transposes V within the same 24. The persistent producer's tile loop needs
     // more than 24 (ptxas spills it): 40 / 232 there, and 32 / 160 with 3 consumers.
     constexpr int kEntryRegs = (65536 / kThreads) / 8 * 8;
-    // Producer-drawn dropout masks: Philox in the producer, 40 / 232.
+    // Producer-drawn dropout masks: Philox in the producer (ptxas spills it in 40), 56 / 224,
+    // which uses the block's registers to the last.
     constexpr int kProducerRegs = kRngProd ? 56 : kPersistent ? (kCons == 3 ? 32 : 40) : 24;
     constexpr int kConsumerRegs = kCons == 3 ? 160 : kRngProd ? 224 : (kPersistent ? 232 : 240);
     static_assert(128 * kProducerRegs + (int)kConsumers * kConsumerRegs <= kThreads * kEntryRegs,
@@ -869,8 +871,8 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                         const int u = kv + it, st = u % kStages;
                         if (u >= kStages) mbar_wait(empty_v(st), ((fc_u32)(u / kStages) & 1u) ^ 1u);
                         for (int unit = tid - (128 - kRngThreads); unit < kUnits; unit += kRngThreads)
-                            draw_mask_unit<kBlockN>(drop, bh, blk.m0, n0_of(it), unit,
-                                                    sMask + (fc_u32)st * kMaskStage);
+                            draw_mask_unit<kBlockN, 4 * kCons>(drop, bh, blk.m0, n0_of(it), unit,
+                                                               sMask + (fc_u32)st * kMaskStage);
                         mbar_arrive(mask_full(st));
                     }
                 }

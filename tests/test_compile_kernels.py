@@ -120,6 +120,11 @@ def test_forward_dropout_with_producer_drawn_masks_compiles():
     assert len(cubin) > 0
     spills = _spills_by_kernel(log)
     assert len(spills) == len(names) and not any(spills.values()), log
+    # the define reached the kernels: their code differs from the default build's
+    plain, _ = jit.compile_check("flash_fwd_sm90.cu", names[:1], "sm_90a")
+    drawn, _ = jit.compile_check("flash_fwd_sm90.cu", names[:1], "sm_90a",
+                                 (forward.DROPOUT_PRODUCER_RNG,))
+    assert plain != drawn
 
 
 def _spill_allowance(mangled: str) -> int:

@@ -249,7 +249,8 @@ def sm90_ws_smem(headdim: int, is_local: bool, dropout: bool = False) -> int:
     and one barrier a stage."""
     block_m, block_n, stages = sm90_ws_tile(headdim, is_local, dropout)
     masks = 0
-    if dropout and DROPOUT_PRODUCER_RNG in config.get().sm90_defines:
+    if dropout and any(d.split("=")[0] == DROPOUT_PRODUCER_RNG
+                       for d in config.get().sm90_defines):
         masks = stages * (2 * block_m * 4 * ((block_n // 16 + 3) // 4) + 8)
     return (2 * block_m * headdim + stages * 2 * (2 * block_n * headdim) + 8 * (7 + 4 * stages)
             + masks + 1024)

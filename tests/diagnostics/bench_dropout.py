@@ -43,7 +43,8 @@ def main(argv=None):
                 shape = shape_for(s, d)
                 ms = {}
                 for name, impl, p in impls:
-                    defines = (_forward.DROPOUT_PRODUCER_RNG,) if name == "fc_prod" else ()
+                    defines = config.get().sm90_defines + (
+                        (_forward.DROPOUT_PRODUCER_RNG,) if name == "fc_prod" else ())
                     try:
                         with config.override(sm90_defines=defines):
                             prob = AttentionProblem(impl, *shape, causal, dropout_p=p)
