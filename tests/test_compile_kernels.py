@@ -127,6 +127,27 @@ def test_forward_dropout_with_producer_drawn_masks_compiles():
     assert plain != drawn
 
 
+def test_backward_dropout_with_producer_drawn_masks_compiles():
+    """The warp-specialised dK/dV kernel's dropout instantiations with their keep masks drawn by
+    the producer warpgroup (backward.DROPOUT_PRODUCER_RNG): no spills (the producer's Philox in
+    40 registers, the consumers in 232), and the define reached them."""
+    _nvrtc_or_skip()
+    from flashcore.kernels import backward
+    names = [n for n in backward.sm90_instantiations()
+             if n.startswith("flash_bwd_dkdv_sm90_ws_kernel")
+             and n.split("<")[1].split(",")[4].strip(" >") == "true"]   # (<.., local, dropout..>)
+    assert names
+    cubin, log = jit.compile_check("flash_bwd_sm90.cu", names, "sm_90a",
+                                   (backward.DROPOUT_PRODUCER_RNG,), want_log=True)
+    assert len(cubin) > 0
+    spills = _spills_by_kernel(log)
+    assert len(spills) == len(names) and not any(spills.values()), log
+    plain, _ = jit.compile_check("flash_bwd_sm90.cu", names[:1], "sm_90a")
+    drawn, _ = jit.compile_check("flash_bwd_sm90.cu", names[:1], "sm_90a",
+                                 (backward.DROPOUT_PRODUCER_RNG,))
+    assert plain != drawn
+
+
 def _spill_allowance(mangled: str) -> int:
     """Spill bytes allowed for a Hopper kernel, from its mangled template arguments."""
     bools = re.findall(r"Lb([01])E", mangled)

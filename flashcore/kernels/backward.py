@@ -243,13 +243,26 @@ def sm90_convert_tiled_name(dtype_name: str, headdim: int) -> str:
             f"{1 if headdim == 64 else 2}>")
 
 
-def sm90_ws_smem(headdim: int, block_m: int, dq_tiled: bool = False) -> int:
+#: The NVRTC define that has the warp-specialised dK/dV kernel's producer warpgroup draw
+#: dropout's keep masks (cuda/flash_bwd_sm90.cu, bwd_draw_masks; written, not yet run on a GPU:
+#: ``config.override(sm90_defines=(DROPOUT_PRODUCER_RNG,))`` tries it).
+DROPOUT_PRODUCER_RNG = "-DFC_BWD_DROPOUT_PRODUCER_RNG"
+
+
+def sm90_ws_smem(headdim: int, block_m: int, dq_tiled: bool = False,
+                 dropout: bool = False) -> int:
     """K, V (128 x d), Q and dO (2 stages of block_m x d), dS^T (2 buffers of 128 x block_m),
     lse and D (2 stages of block_m each), 5 mbarriers, + alignment; with the tile-ordered dQ
-    reduction, a 64 x 64 fp32 staging tile per consumer warpgroup (128-byte aligned)."""
+    reduction, a 64 x 64 fp32 staging tile per consumer warpgroup (128-byte aligned); with
+    producer-drawn dropout masks, 2 stages of a word per consumer thread after those."""
     base = (2 * (2 * 128 * headdim) + 2 * 2 * (2 * block_m * headdim) + 2 * 2 * 128 * block_m
             + 2 * 2 * block_m * 4 + 8 * 5 + 1024)
-    return base + (128 + 2 * 64 * 64 * 4 if dq_tiled else 0)
+    tiles = 128 + 2 * 64 * 64 * 4 if dq_tiled else 0
+    masks = 0
+    if dropout and block_m == 64 and any(d.split("=")[0] == DROPOUT_PRODUCER_RNG
+                                         for d in config.get().sm90_defines):
+        masks = 2 * 256 * 4 + (0 if dq_tiled else 128)
+    return base + tiles + masks
 
 
 # Head dim 256: its own warp-specialised kernel (64 keys per CTA, every product split between
@@ -486,7 +499,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
             launch(kern, (_cdiv(seqlen_k, SM90_D256_BLOCK), nheads_k, batch), (384,), smem,
                    (ws[0].arg(),))
         elif hopper == "ws":
-            smem = sm90_ws_smem(headdim, SM90_WS_BLOCK_M, dq_tiled)
+            smem = sm90_ws_smem(headdim, SM90_WS_BLOCK_M, dq_tiled, dropout)
             kern = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, is_local,
                                                                SM90_WS_BLOCK_M, dropout, dq_tiled),
                               device_id, cc, smem, defines)

@@ -9,8 +9,9 @@ forward (no grad) and of forward+backward through autograd, for flashcore with d
 flashcore without dropout, and SDPA's flash and cuDNN kernels with the same dropout (the random
 state drawn per call, as a training step does). Prints ms and the ratios flashcore(p=0) /
 flashcore(p) (what dropout costs: >= 0.9 is the bound) and peer / flashcore (> 1: faster).
-``--producer-rng`` adds flashcore with dropout's keep masks drawn by the Hopper forward's
-producer warpgroup (forward.DROPOUT_PRODUCER_RNG) as "fc_prod", and its p0/p.
+``--producer-rng`` adds flashcore with dropout's keep masks drawn by the producer warpgroups
+of the Hopper forward and dK/dV kernels (forward. and backward.DROPOUT_PRODUCER_RNG) as
+"fc_prod", and its p0/p.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import sys
 
 from flashcore import config
 from flashcore.bench import AttentionProblem, shape_for
-from flashcore.kernels import forward as _forward
+from flashcore.kernels import backward as _backward, forward as _forward
 
 
 def main(argv=None):
@@ -44,7 +45,8 @@ def main(argv=None):
                 ms = {}
                 for name, impl, p in impls:
                     defines = config.get().sm90_defines + (
-                        (_forward.DROPOUT_PRODUCER_RNG,) if name == "fc_prod" else ())
+                        (_forward.DROPOUT_PRODUCER_RNG, _backward.DROPOUT_PRODUCER_RNG)
+                        if name == "fc_prod" else ())
                     try:
                         with config.override(sm90_defines=defines):
                             prob = AttentionProblem(impl, *shape, causal, dropout_p=p)

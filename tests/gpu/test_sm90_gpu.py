@@ -421,3 +421,47 @@ def test_forward_dropout_masks_drawn_by_the_producer(d, sq, sk, kw):
         assert np.array_equal(lse, got[False, 0][1], equal_nan=True), key
     with config.override(sm90_defines=(forward.DROPOUT_PRODUCER_RNG,)):
         dropout_check(d, sq, sk, kw, 0.17)
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize("sq, sk, kw", [(203, 117, dict()), (1000, 1500, dict()),
+                                        (300, 211, dict(window_size=(40, 5))),
+                                        (113, 203, dict(causal=True))])
+def test_backward_dropout_masks_drawn_by_the_producer(sq, sk, kw, tiled):
+    """The warp-specialised dK/dV kernel (d128) with dropout's keep masks drawn by the producer
+    warpgroup (backward.DROPOUT_PRODUCER_RNG): dK and dV bit for bit those of the masks drawn
+    by the consumers (dQ's additions run in any order: equal within rounding), repeated; and
+    the float64 oracle's dropout check with both drawn-mask defines."""
+    if _VARIANT["name"] != "v0":
+        pytest.skip("the backward does not depend on the forward variant: run once")
+    import cupy as cp
+    import flashcore
+    from flashcore import config, jit
+    from flashcore.kernels import backward, forward
+    from test_cupy_gpu import test_dropout_against_the_reference as dropout_check
+    rng = np.random.default_rng(sq + sk)
+    q, k, v, do = (cp.asarray(rng.standard_normal(s).astype(np.float16))
+                   for s in ((2, sq, 6, 128), (2, sk, 2, 128), (2, sk, 2, 128), (2, sq, 6, 128)))
+    st = cp.asarray(np.array([9, 31], np.int64))
+    with config.override(sm90_bwd=True, sm90_bwd_ws=True, sm90_bwd_dq_tiled=tiled):
+        out, lse = flashcore.attention_forward(q, k, v, dropout_p=0.2, rng_state=st, **kw)
+        got = {}
+        for drawn in (False, True):
+            with config.override(sm90_defines=(backward.DROPOUT_PRODUCER_RNG,) if drawn else ()):
+                jit.clear_memory_cache()
+                for rep in range(3):
+                    g = flashcore.attention_backward(do, q, k, v, out, lse, dropout_p=0.2,
+                                                     rng_state=st, **kw)
+                    got[drawn, rep] = [x.get() for x in g]
+                name = backward.sm90_ws_kernel_name("float16", 128, bool(kw), dropout=True,
+                                                    dq_tiled=tiled)
+                assert any(n[3] == name and (backward.DROPOUT_PRODUCER_RNG in n[4]) == drawn
+                           for n in jit._kernels), name
+        ref = got[False, 0]
+        for key, (dq, dk, dv) in got.items():
+            assert np.array_equal(dk, ref[1]) and np.array_equal(dv, ref[2]), key
+            np.testing.assert_allclose(dq.astype(np.float32), ref[0].astype(np.float32),
+                                       rtol=2e-3, atol=2e-3)
+        with config.override(sm90_defines=(forward.DROPOUT_PRODUCER_RNG,
+                                           backward.DROPOUT_PRODUCER_RNG)):
+            dropout_check(128, sq, sk, kw, 0.17)
