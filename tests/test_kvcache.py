@@ -816,7 +816,8 @@ def _appended_by_hand(q, kc, vc, before, new, causal, window):
         pos = before[:, None] + (np.arange(sq)[None] if per_row else np.zeros((1, sq), int))
         qr = apply_rotary(q, new["rotary_cos"], new["rotary_sin"], pos, False)
     for i in range(q.shape[0]):
-        kc[i, before[i]:before[i] + append], vc[i, before[i]:before[i] + append] = kn[i], new["v"][i]
+        rows = slice(before[i], before[i] + append)
+        kc[i, rows], vc[i, rows] = kn[i], new["v"][i]
     return qr, kc, vc
 
 

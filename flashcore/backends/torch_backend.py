@@ -219,7 +219,8 @@ class TorchBackend(Backend):
                     block_table=conv(block_table), rotary_cos=conv(rotary_cos),
                     rotary_sin=conv(rotary_sin), alibi_slopes=conv(alibi_slopes),
                     cache_leftpad=conv(cache_leftpad), k_descale=conv(k_descale),
-                    v_descale=conv(v_descale), key_mask=conv(key_mask), out=conv(out), lse=conv(lse))
+                    v_descale=conv(v_descale), key_mask=conv(key_mask), out=conv(out),
+                    lse=conv(lse))
         if spec.appends:
             _bump_version(torch, k_cache, v_cache)
         return out, lse

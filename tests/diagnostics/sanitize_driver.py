@@ -111,18 +111,17 @@ if "--decode-key-mask" in sys.argv:
     # only the decode kernel with a key_mask: contiguous (with cache_leftpad) and paged, one
     # split, split partials merged in a cluster and through global memory, lengths past the
     # cache and negative (the mask's row is read only below the clamped length), in seconds:
-    # compute-sanitizer --tool memcheck python3 tests/diagnostics/sanitize_driver.py --decode-key-mask
-    from flashcore import config
+    #   compute-sanitizer --tool memcheck python3 tests/diagnostics/sanitize_driver.py \
+    #       --decode-key-mask
     n = 0
     for paged in (False, True):
         for splits in (1, 0, 40):
             for lens in ((700, 1, 0), (5000, -3, 9999)):
                 b, cap = 3, 768
-                if paged:
-                    kc, vc = arr((b * 3 + 1, 256, 2, 128), "bfloat16"), arr((b * 3 + 1, 256, 2, 128), "bfloat16")
-                    bt = cp.asarray(rng.permutation(b * 3 + 1)[:b * 3].reshape(b, 3).astype(np.int32))
-                else:
-                    kc, vc, bt = arr((b, cap, 2, 128), "bfloat16"), arr((b, cap, 2, 128), "bfloat16"), None
+                shape = (b * 3 + 1, 256, 2, 128) if paged else (b, cap, 2, 128)
+                kc, vc = arr(shape, "bfloat16"), arr(shape, "bfloat16")
+                bt = (cp.asarray(rng.permutation(b * 3 + 1)[:b * 3].reshape(b, 3).astype(np.int32))
+                      if paged else None)
                 keep = cp.asarray(rng.random((b, cap)) < 0.6)
                 lp = None if paged else cp.asarray(np.array([3, 0, 1], np.int32))
                 flashcore.attention_with_kvcache(arr((b, 2, 8, 128), "bfloat16"), kc, vc,
