@@ -557,11 +557,11 @@ __device__ __forceinline__ void bwd_produce(const FlashParams& p, const BwdSeq& 
 // 4 ct bytes), then an arrival on the stage's full barrier: the consumers read their word in
 // grads<true> instead of drawing it, and free the stage (empty) as before.
 #ifdef FC_BWD_DROPOUT_PRODUCER_RNG
-constexpr bool kBwdDropoutRngOnProducer = true;
+#define FC_BWD_RNG_ON_PRODUCER 1
 #else
-constexpr bool kBwdDropoutRngOnProducer = false;
+#define FC_BWD_RNG_ON_PRODUCER 0      // (a macro: no namespace-scope constant in the cubin)
 #endif
-constexpr int kBwdRngThreads = 96;          // producer warps 1-3
+#define FC_BWD_RNG_THREADS 96         // producer warps 1-3
 
 // Thread r (< 96) of warps 1-3: its share of every step's masks. A unit = (consumer warp cw,
 // lane pair (g even, t), (g + 1, t)), the pair fastest: one Philox call a tile for the pair,
@@ -580,7 +580,7 @@ __device__ __forceinline__ void bwd_draw_masks(const FlashParams& p, const BwdKe
         const int st = it % kStages;
         if (it >= kStages) mbar_wait(bar.empty(st), ((fc_u32)(it / kStages) & 1u) ^ 1u);
         const int bh = b * p.nheads + h, m0 = m_block * kBlockM;
-        for (int unit = r; unit < 8 * 16; unit += kBwdRngThreads) {
+        for (int unit = r; unit < 8 * 16; unit += FC_BWD_RNG_THREADS) {
             const int pi = unit % 16, cw = unit / 16;
             const int g = 2 * (pi >> 2), t = pi & 3;
             const int k0 = n0 + 64 * (cw >> 2) + 16 * (cw & 3);
@@ -623,7 +623,7 @@ __device__ __forceinline__ bool bwd_ws_start(const FlashParams& p, const BwdSeq&
         mbar_init(bar.kv(), 1);
         for (int st = 0; st < kStages; ++st) {
             // the TMA's expect_tx + the warp's lse / D stores (+ the mask drawers)
-            mbar_init(bar.full(st), 1 + 32 + (kRngProd ? kBwdRngThreads : 0));
+            mbar_init(bar.full(st), 1 + 32 + (kRngProd ? FC_BWD_RNG_THREADS : 0));
             mbar_init(bar.empty(st), 256);
         }
         fence_barrier_init();
@@ -671,7 +671,7 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
     // Dq_tiled: each consumer warpgroup's dQ tile (64 x 64 fp32), after the 5 barriers
     const fc_u32 sDq = (bars + BwdBars<kStages>::kBytes + 127u) & ~127u;
     // producer-drawn dropout masks: kStages x 256 words after them
-    constexpr bool kRngProd = Is_dropout && kBwdDropoutRngOnProducer && kBlockM == 64;
+    constexpr bool kRngProd = Is_dropout && FC_BWD_RNG_ON_PRODUCER && kBlockM == 64;
     const fc_u32 sMask = sDq + (Dq_tiled ? 2u * 64u * 64u * 4u : 0u);
     const BwdBars<kStages> bar{bars};
 

@@ -617,9 +617,9 @@ namespace fc_h {
 // consumers compute, so the consumers' softmax path keeps no Philox rounds; they read their
 // words (ld.shared) and pack as before (FwdRows::pack_drawn).
 #ifdef FC_FWD_DROPOUT_PRODUCER_RNG
-constexpr bool kDropoutRngOnProducer = true;
+#define FC_FWD_RNG_ON_PRODUCER 1
 #else
-constexpr bool kDropoutRngOnProducer = false;
+#define FC_FWD_RNG_ON_PRODUCER 0      // (a macro: no namespace-scope constant in the cubin)
 #endif
 
 // Words of one consumer lane's keep masks for one key block: 4 tiles (16 x 16) a word.
@@ -677,7 +677,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     constexpr int kNT = kBlockN / 8;
     constexpr int kRaw = Is_fp8 ? 2 : 0;                                // FP8: V as loaded
     static_assert(!(Is_fp8 && Is_dropout), "FP8 attention is forward only, without dropout");
-    constexpr bool kRngProd = Is_dropout && kDropoutRngOnProducer;   // masks drawn by warps 1-3
+    constexpr bool kRngProd = Is_dropout && FC_FWD_RNG_ON_PRODUCER;  // masks drawn by warps 1-3
     static_assert(!kRngProd || kCons == 2, "producer-drawn dropout masks: 2 consumer warpgroups");
     constexpr int kRngThreads = 96;                                     // producer warps 1-3
     constexpr fc_u32 kMaskStage = kRngProd ? (fc_u32)kCons * 4u * 32u * 4u * kMaskWords<kBlockN> : 0u;

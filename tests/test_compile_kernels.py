@@ -120,11 +120,9 @@ def test_forward_dropout_with_producer_drawn_masks_compiles():
     assert len(cubin) > 0
     spills = _spills_by_kernel(log)
     assert len(spills) == len(names) and not any(spills.values()), log
-    # the define reached the kernels: their code differs from the default build's
-    plain, _ = jit.compile_check("flash_fwd_sm90.cu", names[:1], "sm_90a")
-    drawn, _ = jit.compile_check("flash_fwd_sm90.cu", names[:1], "sm_90a",
-                                 (forward.DROPOUT_PRODUCER_RNG,))
-    assert plain != drawn
+    _assert_define_reaches_only("flash_fwd_sm90.cu", names[0],
+                                "flash_fwd_sm90_ws_kernel<fc_bf16, 128, 128, 176, false, false, 2, "
+                                "true, true>", forward.DROPOUT_PRODUCER_RNG)
 
 
 def test_backward_dropout_with_producer_drawn_masks_compiles():
@@ -142,10 +140,32 @@ def test_backward_dropout_with_producer_drawn_masks_compiles():
     assert len(cubin) > 0
     spills = _spills_by_kernel(log)
     assert len(spills) == len(names) and not any(spills.values()), log
-    plain, _ = jit.compile_check("flash_bwd_sm90.cu", names[:1], "sm_90a")
-    drawn, _ = jit.compile_check("flash_bwd_sm90.cu", names[:1], "sm_90a",
-                                 (backward.DROPOUT_PRODUCER_RNG,))
-    assert plain != drawn
+    _assert_define_reaches_only("flash_bwd_sm90.cu", names[0],
+                                "flash_bwd_dkdv_sm90_ws_kernel<fc_bf16, 128, 64, true, false, true>",
+                                backward.DROPOUT_PRODUCER_RNG)
+
+
+def _code_sections(cubin: bytes) -> dict:
+    """The sections of an ELF cubin but its string table (whose bytes move between builds)."""
+    import struct
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    hdrs = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names_at = hdrs[shstrndx][4]
+    out = {}
+    for h in hdrs:
+        name = cubin[names_at + h[0]:cubin.index(b"\0", names_at + h[0])].decode()
+        if name != ".strtab":
+            out[name] = cubin[h[4]:h[4] + h[5]]
+    return out
+
+
+def _assert_define_reaches_only(source, dropout_kernel, other_kernel, define):
+    """The define changes the dropout kernel's code and leaves another kernel's alone."""
+    def code(name, opts):
+        return _code_sections(jit.compile_check(source, [name], "sm_90a", opts)[0])
+    assert code(dropout_kernel, ()) != code(dropout_kernel, (define,))
+    assert code(other_kernel, ()) == code(other_kernel, (define,))
 
 
 def _spill_allowance(mangled: str) -> int:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-from .common import (ELEM_TAGS, _as_input, _as_output, _int64_pair, _strides, smallest_tile,
-                     tpl_bool as _b, window_arg as _window)
+from .common import (ELEM_TAGS, _as_input, _as_output, _int64_pair, _strides, sm90_defined,
+                     smallest_tile, tpl_bool as _b, window_arg as _window)
 import numpy as np
 
 from .. import config
@@ -259,8 +259,7 @@ def sm90_ws_smem(headdim: int, block_m: int, dq_tiled: bool = False,
             + 2 * 2 * block_m * 4 + 8 * 5 + 1024)
     tiles = 128 + 2 * 64 * 64 * 4 if dq_tiled else 0
     masks = 0
-    if dropout and block_m == 64 and any(d.split("=")[0] == DROPOUT_PRODUCER_RNG
-                                         for d in config.get().sm90_defines):
+    if dropout and block_m == 64 and sm90_defined(DROPOUT_PRODUCER_RNG):
         masks = 2 * 256 * 4 + (0 if dq_tiled else 128)
     return base + tiles + masks
 

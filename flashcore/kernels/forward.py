@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from .common import (_as_input, _int64_pair, _strides, _used_strides_ok, elem_tag as _elem_tag,
                      kernel_dtype_name as _dtype_name, smallest_tile, tpl_bool as _b,
-                     window_arg as _window)
+                     sm90_defined, window_arg as _window)
 import numpy as np
 
 from .. import config
@@ -249,8 +249,7 @@ def sm90_ws_smem(headdim: int, is_local: bool, dropout: bool = False) -> int:
     and one barrier a stage."""
     block_m, block_n, stages = sm90_ws_tile(headdim, is_local, dropout)
     masks = 0
-    if dropout and any(d.split("=")[0] == DROPOUT_PRODUCER_RNG
-                       for d in config.get().sm90_defines):
+    if dropout and sm90_defined(DROPOUT_PRODUCER_RNG):
         masks = stages * (2 * block_m * 4 * ((block_n // 16 + 3) // 4) + 8)
     return (2 * block_m * headdim + stages * 2 * (2 * block_n * headdim) + 8 * (7 + 4 * stages)
             + masks + 1024)

@@ -424,14 +424,16 @@ def test_forward_dropout_masks_drawn_by_the_producer(d, sq, sk, kw):
 
 
 @pytest.mark.parametrize("tiled", [False, True])
-@pytest.mark.parametrize("sq, sk, kw", [(203, 117, dict()), (1000, 1500, dict()),
-                                        (300, 211, dict(window_size=(40, 5))),
-                                        (113, 203, dict(causal=True))])
-def test_backward_dropout_masks_drawn_by_the_producer(sq, sk, kw, tiled):
+@pytest.mark.parametrize("sq, sk, h, kw", [(203, 117, 6, dict()), (1000, 1500, 6, dict()),
+                                           (300, 211, 6, dict(window_size=(40, 5))),
+                                           (113, 203, 6, dict(causal=True)),
+                                           (50, 90, 2, dict()), (100, 90, 2, dict())])
+def test_backward_dropout_masks_drawn_by_the_producer(sq, sk, h, kw, tiled):
     """The warp-specialised dK/dV kernel (d128) with dropout's keep masks drawn by the producer
     warpgroup (backward.DROPOUT_PRODUCER_RNG): dK and dV bit for bit those of the masks drawn
     by the consumers (dQ's additions run in any order: equal within rounding), repeated; and
-    the float64 oracle's dropout check with both drawn-mask defines."""
+    the float64 oracle's dropout check with both drawn-mask defines. h query heads over 2 kv
+    heads: with 2, walks of one and two steps (the ring's first stages alone)."""
     if _VARIANT["name"] != "v0":
         pytest.skip("the backward does not depend on the forward variant: run once")
     import cupy as cp
@@ -441,7 +443,7 @@ def test_backward_dropout_masks_drawn_by_the_producer(sq, sk, kw, tiled):
     from test_cupy_gpu import test_dropout_against_the_reference as dropout_check
     rng = np.random.default_rng(sq + sk)
     q, k, v, do = (cp.asarray(rng.standard_normal(s).astype(np.float16))
-                   for s in ((2, sq, 6, 128), (2, sk, 2, 128), (2, sk, 2, 128), (2, sq, 6, 128)))
+                   for s in ((2, sq, h, 128), (2, sk, 2, 128), (2, sk, 2, 128), (2, sq, h, 128)))
     st = cp.asarray(np.array([9, 31], np.int64))
     with config.override(sm90_bwd=True, sm90_bwd_ws=True, sm90_bwd_dq_tiled=tiled):
         out, lse = flashcore.attention_forward(q, k, v, dropout_p=0.2, rng_state=st, **kw)
@@ -462,6 +464,7 @@ def test_backward_dropout_masks_drawn_by_the_producer(sq, sk, kw, tiled):
             assert np.array_equal(dk, ref[1]) and np.array_equal(dv, ref[2]), key
             np.testing.assert_allclose(dq.astype(np.float32), ref[0].astype(np.float32),
                                        rtol=2e-3, atol=2e-3)
-        with config.override(sm90_defines=(forward.DROPOUT_PRODUCER_RNG,
-                                           backward.DROPOUT_PRODUCER_RNG)):
-            dropout_check(128, sq, sk, kw, 0.17)
+        if h == 6:    # (the oracle's check takes 6 query heads over 2 of its own)
+            with config.override(sm90_defines=(forward.DROPOUT_PRODUCER_RNG,
+                                               backward.DROPOUT_PRODUCER_RNG)):
+                dropout_check(128, sq, sk, kw, 0.17)
