@@ -106,43 +106,28 @@ def test_hopper_kernels_compile(source):
     assert len(cubin) > 0
 
 
-def test_forward_dropout_with_producer_drawn_masks_compiles():
-    """The warp-specialised forward's dropout instantiations with their keep masks drawn by the
-    producer warpgroup (forward.DROPOUT_PRODUCER_RNG): they compile for sm_90a without spills
-    (the producer's Philox in 56 registers, the consumers in 224)."""
+@pytest.mark.parametrize("source, kind, prefix, dropout_arg, other", [
+    ("flash_fwd_sm90.cu", "forward", "flash_fwd_sm90_ws_kernel", 5,
+     "flash_fwd_sm90_ws_kernel<fc_bf16, 128, 128, 176, false, false, 2, true, true>"),
+    ("flash_bwd_sm90.cu", "backward", "flash_bwd_dkdv_sm90_ws_kernel", 4,
+     "flash_bwd_dkdv_sm90_ws_kernel<fc_bf16, 128, 64, true, false, true>")])
+def test_dropout_with_producer_drawn_masks_compiles(source, kind, prefix, dropout_arg, other):
+    """The warp-specialised forward's and dK/dV kernel's dropout instantiations with their keep
+    masks drawn by the producer warpgroup (forward. / backward.DROPOUT_PRODUCER_RNG) compile for
+    sm_90a without spills (the producer's Philox in 56 / 40 registers, the consumers in 224 /
+    232), and the define reaches the dropout kernels and no other."""
     _nvrtc_or_skip()
-    from flashcore.kernels import forward
-    names = [n for n in forward.sm90_instantiations() if n.startswith("flash_fwd_sm90_ws_kernel")
-             and n.split("<")[1].split(",")[5].strip() == "true"]     # (<.., local, dropout, ..>)
+    import importlib
+    module = importlib.import_module(f"flashcore.kernels.{kind}")
+    names = [n for n in module.sm90_instantiations() if n.startswith(prefix + "<")
+             and n.split("<")[1].split(",")[dropout_arg].strip(" >") == "true"]
     assert names
-    cubin, log = jit.compile_check("flash_fwd_sm90.cu", names, "sm_90a",
-                                   (forward.DROPOUT_PRODUCER_RNG,), want_log=True)
+    cubin, log = jit.compile_check(source, names, "sm_90a", (module.DROPOUT_PRODUCER_RNG,),
+                                   want_log=True)
     assert len(cubin) > 0
     spills = _spills_by_kernel(log)
     assert len(spills) == len(names) and not any(spills.values()), log
-    _assert_define_reaches_only("flash_fwd_sm90.cu", names[0],
-                                "flash_fwd_sm90_ws_kernel<fc_bf16, 128, 128, 176, false, false, 2, "
-                                "true, true>", forward.DROPOUT_PRODUCER_RNG)
-
-
-def test_backward_dropout_with_producer_drawn_masks_compiles():
-    """The warp-specialised dK/dV kernel's dropout instantiations with their keep masks drawn by
-    the producer warpgroup (backward.DROPOUT_PRODUCER_RNG): no spills (the producer's Philox in
-    40 registers, the consumers in 232), and the define reached them."""
-    _nvrtc_or_skip()
-    from flashcore.kernels import backward
-    names = [n for n in backward.sm90_instantiations()
-             if n.startswith("flash_bwd_dkdv_sm90_ws_kernel")
-             and n.split("<")[1].split(",")[4].strip(" >") == "true"]   # (<.., local, dropout..>)
-    assert names
-    cubin, log = jit.compile_check("flash_bwd_sm90.cu", names, "sm_90a",
-                                   (backward.DROPOUT_PRODUCER_RNG,), want_log=True)
-    assert len(cubin) > 0
-    spills = _spills_by_kernel(log)
-    assert len(spills) == len(names) and not any(spills.values()), log
-    _assert_define_reaches_only("flash_bwd_sm90.cu", names[0],
-                                "flash_bwd_dkdv_sm90_ws_kernel<fc_bf16, 128, 64, true, false, true>",
-                                backward.DROPOUT_PRODUCER_RNG)
+    _assert_define_reaches_only(source, names[0], other, module.DROPOUT_PRODUCER_RNG)
 
 
 def _code_sections(cubin: bytes) -> dict:
