@@ -145,20 +145,26 @@ def _key_mask(attention_mask, sk):
     return mask
 
 
+def _written_end(keep, sq):
+    """L, the end of the cache slots written, the same for every row: the queries are the last
+    ``sq`` of them, L - sq .. L - 1. Where the mask ends, which a static cache's padded mask no
+    longer says, so it is taken as the last kept key + 1 over the batch, at least sq -- exact
+    whenever a row's last query is kept (decoding: the new token is) or the cache held nothing
+    before the queries (a prefill, right padding included). A 0-d int32 tensor."""
+    import torch
+    sk = keep.shape[1]
+    end = (keep * torch.arange(1, sk + 1, device=keep.device, dtype=torch.int32)).amax()
+    return torch.clamp(end, min=sq).to(torch.int32)
+
+
 def _query_positions(keep, sq):
-    """The bool (batch, sq) mask of the queries kept. The queries are the last ``sq`` cache
-    slots written, L - sq .. L - 1, the same for every row: L is where the mask ends, which a
-    static cache's padded mask no longer says, so it is taken as the last kept key + 1 over the
-    batch, at least sq -- exact whenever a row's last query is kept (decoding: the new token
-    is) or the cache held nothing before the queries (a prefill, right padding included). A
-    query at a masked position is not kept (its output is 0)."""
+    """The bool (batch, sq) mask of the queries kept, at the slots :func:`_written_end` says;
+    a query at a masked position is not kept (its output is 0)."""
     import torch
     b, sk = keep.shape
     if sq == sk:
         return keep
-    _, end = _kept_run(keep)
-    length = torch.clamp(end.amax(), min=sq)
-    pos = length - sq + torch.arange(sq, device=keep.device, dtype=torch.int32)
+    pos = _written_end(keep, sq) - sq + torch.arange(sq, device=keep.device, dtype=torch.int32)
     return keep.gather(1, pos.expand(b, sq).to(torch.int64))
 
 
@@ -236,12 +242,8 @@ def _kept_run(mask):
 def _masked_over_cache(q, k, v, mask, **kw):
     """Queries over a cache under any key mask: the decode kernel over the cache's first L
     slots with the mask as its ``key_mask`` (one byte a key), the queries at slots L - sq ..
-    L - 1 (bottom-right causal), L as :func:`_query_positions` takes it, for every row."""
-    import torch
-    sq = q.shape[1]
-    length = (mask * torch.arange(1, mask.shape[1] + 1, device=mask.device,
-                                  dtype=torch.int32)).amax()
-    lens = torch.clamp(length, min=sq).to(torch.int32).expand(q.shape[0]).contiguous()
+    L - 1 (bottom-right causal), L = :func:`_written_end`, for every row."""
+    lens = _written_end(mask, q.shape[1]).expand(q.shape[0]).contiguous()
     return attention_with_kvcache(q, k, v, cache_seqlens=lens, key_mask=mask, **kw)
 
 

@@ -232,10 +232,11 @@ def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool,
             f"{_b(is_local)}, {_b(dropout)}{', true' if dq_tiled else ''}>")
 
 
-# The tile-ordered dQ reduction of the Hopper dK/dV kernels (``sm90_bwd_dq_tiled``; dense
-# calls): the fp32 accumulator holds whole 64-row tiles, each in the order the kernel's threads
-# store it, added with one bulk reduce-add a warpgroup a step; the preprocess kernel zeroes
-# whole tiles, and its own convert kernel reads the order back (cuda/flash_bwd_sm90.cu).
+# The tile-ordered dQ reduction of the Hopper dK/dV kernels (``sm90_bwd_dq_tiled``, varlen calls
+# with ``sm90_bwd_dq_tiled_varlen``): the fp32 accumulator holds whole 64-row tiles, each in the
+# order the kernel's threads store it, added with one bulk reduce-add a warpgroup a step; the
+# preprocess kernel zeroes whole tiles, and its own convert kernel reads the order back
+# (cuda/flash_bwd_sm90.cu).
 def sm90_convert_tiled_name(dtype_name: str, headdim: int) -> str:
     """(Head dim 64: a warpgroup's tile holds all the columns; 128 and 256: two warpgroups'
     column groups.)"""
@@ -404,22 +405,22 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
 
     # The dK/dV kernel: a Hopper one ("d256", "ws": warp-specialised, with their tensor maps
     # `ws`; "cpasync") or None (flash_bwd.cu's); with the tile-ordered dQ reduction or not.
+    cfg = config.get()
     hopper, ws = None, None
     if sm90_applies(cc, headdim, has_softcap, has_alibi, deterministic):
         from .tma import maps_for
         if headdim == 256:
-            if not varlen and config.get().sm90_bwd_ws and sm90_d256_smem() <= smem_limit:
+            if not varlen and cfg.sm90_bwd_ws and sm90_d256_smem() <= smem_limit:
                 ws = maps_for((q, SM90_D256_BLOCK), (k, SM90_D256_BLOCK), (v, SM90_D256_BLOCK),
                               (dout, SM90_D256_BLOCK))
                 hopper = None if ws is None else "d256"
         else:
             hopper = "cpasync"
-            if not varlen and config.get().sm90_bwd_ws and headdim in SM90_WS_HEADDIMS:
+            if not varlen and cfg.sm90_bwd_ws and headdim in SM90_WS_HEADDIMS:
                 # boxes: 64 x block_m of q and dout, 64 x 128 of k and v
                 ws = maps_for((q, SM90_WS_BLOCK_M), (k, 128), (v, 128),
                               (dout, SM90_WS_BLOCK_M))
                 hopper = "cpasync" if ws is None else "ws"
-    cfg = config.get()
     dq_tiled = (hopper is not None and cfg.sm90_bwd_dq_tiled
                 and (not varlen or cfg.sm90_bwd_dq_tiled_varlen))
 
@@ -489,7 +490,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
                              + (", true>" if dq_tiled else ">"), device_id, cc)
             launch(pre, (m_small, nheads, batch), (_SMALL_THREADS,))
 
-        defines = config.get().sm90_defines
+        defines = cfg.sm90_defines
         if hopper == "d256":
             smem = sm90_d256_smem()
             kern = get_kernel(SM90_SOURCE, sm90_d256_kernel_name(dtype_name, is_local, dropout,
