@@ -145,14 +145,10 @@ struct DkdvWarpgroup {
     // ([key][query], 16-bit, swizzled), and dV_w += P^T dO, dK_w += dS^T Q issued (not waited).
     // The caller fences the dS^T stores for the async proxy and synchronises the consumers
     // before the second half.
-    // kDrawn (dropout): the keep masks drawn by the producer warpgroup (bwd_draw_masks), this
-    // thread's word at `mask_word`, instead of the thread's own Philox calls.
-    template <bool kDrawn = false>
     __device__ __forceinline__ void grads(const FlashParams& p, const BwdSeq& seq, int b, int h,
                                           int m0, int n0, int off, fc_u32 sK, fc_u32 sV,
                                           fc_u32 sQb, fc_u32 sdOb, const float* sLb,
-                                          const float* sDb, fc_u32 sdSb, fc_u32 mask_word = 0u) {
-        static_assert(!kDrawn || kBlockM == 64, "drawn masks: 4 tiles, one word a thread");
+                                          const float* sDb, fc_u32 sdSb) {
         constexpr int kBlockN = 128;
         const BwdScoreMath sm = bwd_score_math(p, b, h, seq, false);
         bool need_mask = n0 + kBlockN > seq.sk;
@@ -186,18 +182,15 @@ struct DkdvWarpgroup {
         // two 16 x 16 tiles (queries 16 kk.., keys key0 - g..) at a time, one Philox call per
         // lane shared with lane ^ 4 (BwdScoreMath::keep2_st).
         unsigned int keep2[2] = {0u, 0u};   // tiles kk (even) and kk + 1: one call per lane
-        fc_u32 drawn = 0u;
-        if constexpr (Is_dropout && kDrawn)
-            asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(drawn) : "r"(mask_word) : "memory");
 #pragma unroll
         for (int kk = 0; kk < kBlockM / 16; ++kk) {
-            if constexpr (Is_dropout && !kDrawn) {
+            if constexpr (Is_dropout) {
                 if ((kk & 1) == 0)
                     sm.keep2_st(m0 + 16 * kk, n0 + key0 - g,
                                 m0 + 16 * (kk + 1 < kBlockM / 16 ? kk + 1 : kk), n0 + key0 - g,
                                 g, t, keep2[0], keep2[1]);
             }
-            const unsigned int keep = kDrawn ? (drawn >> (4 * kk)) & 0x000F000Fu : keep2[kk & 1];
+            const unsigned int keep = keep2[kk & 1];
 #pragma unroll
             for (int j = 2 * kk; j < 2 * kk + 2; ++j) {
                 const int qc = 8 * j + 2 * t;
@@ -550,68 +543,15 @@ __device__ __forceinline__ void bwd_produce(const FlashParams& p, const BwdSeq& 
     }
 }
 
-// Dropout's keep masks drawn by the producer warpgroup's warps 1-3 (FC_BWD_DROPOUT_PRODUCER_RNG;
-// written, not yet run on a GPU; the d128 warp-specialised kernel): per step of the walk, the
-// masks of every consumer thread's four 16 x 16 tiles (S^T: its warp's 16 keys x the step's 64
-// queries) as one 32-bit word into mask stage `it % kStages` (word of consumer thread ct at
-// 4 ct bytes), then an arrival on the stage's full barrier: the consumers read their word in
-// grads<true> instead of drawing it, and free the stage (empty) as before.
-#ifdef FC_BWD_DROPOUT_PRODUCER_RNG
-#define FC_BWD_RNG_ON_PRODUCER 1
-#else
-#define FC_BWD_RNG_ON_PRODUCER 0      // (a macro: no namespace-scope constant in the cubin)
-#endif
-#define FC_BWD_RNG_THREADS 96         // producer warps 1-3
-
-// Thread r (< 96) of warps 1-3: its share of every step's masks. A unit = (consumer warp cw,
-// lane pair (g even, t), (g + 1, t)), the pair fastest: one Philox call a tile for the pair,
-// the call fc_dropout_keep2 makes in the S^T orientation (keys 64 (cw / 4) + 16 (cw % 4) +
-// g.., queries 16 kk + 2 t..), both halves kept.
-template <int kBlockM, int kStages>
-__device__ __forceinline__ void bwd_draw_masks(const FlashParams& p, const BwdKeyWalk& kw,
-                                               int b, int n0, int r, fc_u32 sMask,
-                                               const BwdBars<kStages>& bar) {
-    using namespace fc_pipe;
-    static_assert(kBlockM == 64, "4 tiles a consumer thread: one word");
-    constexpr fc_u32 kStage = 256u * 4u;
-    const FcDropout drop = fc_dropout_setup(p.dropout_rng, p.dropout_threshold, p.dropout_scale);
-    int h = kw.h0, m_block = kw.m_begin;
-    for (int it = 0; it < kw.n_iter; ++it) {
-        const int st = it % kStages;
-        if (it >= kStages) mbar_wait(bar.empty(st), ((fc_u32)(it / kStages) & 1u) ^ 1u);
-        const int bh = b * p.nheads + h, m0 = m_block * kBlockM;
-        for (int unit = r; unit < 8 * 16; unit += FC_BWD_RNG_THREADS) {
-            const int pi = unit % 16, cw = unit / 16;
-            const int g = 2 * (pi >> 2), t = pi & 3;
-            const int k0 = n0 + 64 * (cw >> 2) + 16 * (cw & 3);
-            fc_u32 even = 0u, odd = 0u;
-#pragma unroll
-            for (int kk = 0; kk < kBlockM / 16; ++kk) {
-                unsigned int mine, theirs;
-                fc_dropout_lane(drop, bh, m0 + 16 * kk, k0, g, t, true, mine, theirs);
-                even |= mine << (4 * kk);
-                odd |= theirs << (4 * kk);
-            }
-            const int ct = 32 * cw + 4 * g + t;          // (the odd lane: ct + 4)
-            fc_sm90::sts32(sMask + (fc_u32)st * kStage + 4u * (fc_u32)ct, even);
-            fc_sm90::sts32(sMask + (fc_u32)st * kStage + 4u * (fc_u32)(ct + 4), odd);
-        }
-        mbar_arrive(bar.full(st));            // (release: the stores above are seen)
-        bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
-    }
-}
-
 // The start of a warp-specialised dK/dV kernel once its walk is known: thread 0 prefetches the
 // tensor maps and initialises the barriers at `bars` (the K/V barrier, kStages full, kStages
-// empty), then warpgroup 0 gives its registers back and its warp 0 runs the producer (with
-// kRngProd its warps 1-3 draw dropout's masks into the ring at sMask). Returns true in the two
-// consumer warpgroups (their registers raised), false in the producer's.
-template <int kD, int kBlockM, int kBlockN, int kStages, bool kRngProd = false>
+// empty), then warpgroup 0 gives its registers back and its warp 0 runs the producer. Returns
+// true in the two consumer warpgroups (their registers raised), false in the producer's.
+template <int kD, int kBlockM, int kBlockN, int kStages>
 __device__ __forceinline__ bool bwd_ws_start(const FlashParams& p, const BwdSeq& seq,
                                              const FcBwdMaps& maps, const BwdKeyWalk& kw, int b,
                                              int hk, int n0, fc_u32 sK, fc_u32 sV, fc_u32 sQ,
-                                             fc_u32 sdO, float* sLse, float* sDsum, fc_u32 bars,
-                                             fc_u32 sMask = 0u) {
+                                             fc_u32 sdO, float* sLse, float* sDsum, fc_u32 bars) {
     using namespace fc_pipe;
     const int tid = threadIdx.x;
     if (tid == 0) {
@@ -622,25 +562,20 @@ __device__ __forceinline__ bool bwd_ws_start(const FlashParams& p, const BwdSeq&
         const BwdBars<kStages> bar{bars};
         mbar_init(bar.kv(), 1);
         for (int st = 0; st < kStages; ++st) {
-            // the TMA's expect_tx + the warp's lse / D stores (+ the mask drawers)
-            mbar_init(bar.full(st), 1 + 32 + (kRngProd ? FC_BWD_RNG_THREADS : 0));
+            mbar_init(bar.full(st), 1 + 32);   // the TMA's expect_tx + the warp's lse / D stores
             mbar_init(bar.empty(st), 256);
         }
         fence_barrier_init();
     }
     __syncthreads();
-    // Registers: 24 / 240, or with the producer's Philox 40 / 232 (the block's all).
     if (tid < 128) {
-        setmaxnreg_dec<kRngProd ? 40 : 24>();
+        setmaxnreg_dec<24>();
         if (tid < 32)
             bwd_produce<kD, kBlockM, kBlockN, kStages>(p, seq, maps, kw, b, hk, n0, tid & 31, sK,
                                                        sV, sQ, sdO, sLse, sDsum, bars);
-        else if constexpr (kRngProd)
-            bwd_draw_masks<kBlockM, kStages>(p, kw, b, n0, tid - 32, sMask,
-                                             BwdBars<kStages>{bars});
         return false;
     }
-    setmaxnreg_inc<kRngProd ? 232 : 240>();
+    setmaxnreg_inc<240>();
     return true;
 }
 
@@ -670,9 +605,6 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
     const fc_u32 bars = sStats + (fc_u32)(2 * kStages * kBlockM) * 4u;
     // Dq_tiled: each consumer warpgroup's dQ tile (64 x 64 fp32), after the 5 barriers
     const fc_u32 sDq = (bars + BwdBars<kStages>::kBytes + 127u) & ~127u;
-    // producer-drawn dropout masks: kStages x 256 words after them
-    constexpr bool kRngProd = Is_dropout && FC_BWD_RNG_ON_PRODUCER && kBlockM == 64;
-    const fc_u32 sMask = sDq + (Dq_tiled ? 2u * 64u * 64u * 4u : 0u);
     const BwdBars<kStages> bar{bars};
 
     const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
@@ -688,9 +620,8 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
         return;
     }
 
-    if (!bwd_ws_start<kD, kBlockM, kBlockN, kStages, kRngProd>(p, seq, maps, kw, b, hk, n0, sK,
-                                                               sV, sQ, sdO, sLse, sDsum, bars,
-                                                               sMask))
+    if (!bwd_ws_start<kD, kBlockM, kBlockN, kStages>(p, seq, maps, kw, b, hk, n0, sK, sV, sQ,
+                                                     sdO, sLse, sDsum, bars))
         return;
 
     // ---- consumers -------------------------------------------------------------------------
@@ -702,10 +633,8 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
         const fc_u32 sdSb = sdS + (fc_u32)(it & 1) * kSdS;
         mbar_wait(bar.full(st), (fc_u32)(it / kStages) & 1u);
         const int m0 = m_block * kBlockM;
-        w.template grads<kRngProd>(p, seq, b, h, m0, n0, kw.off, sK, sV, sQ + (fc_u32)st * kQT,
-                                   sdO + (fc_u32)st * kQT, sLse + st * kBlockM,
-                                   sDsum + st * kBlockM, sdSb,
-                                   sMask + (fc_u32)st * 1024u + 4u * (fc_u32)(tid - 128));
+        w.grads(p, seq, b, h, m0, n0, kw.off, sK, sV, sQ + (fc_u32)st * kQT, sdO + (fc_u32)st * kQT,
+                sLse + st * kBlockM, sDsum + st * kBlockM, sdSb);
         fence_proxy_async();      // the dS^T stores, for the dQ product's async-proxy reads
         // The whole dS^T tile is written; and (dS^T double-buffered) every consumer is past the
         // previous step, whose dQ product read the buffer the next step writes.

@@ -244,35 +244,18 @@ struct FwdRows {
     __device__ __forceinline__ void pack(const float (&s)[kNT * 4], fc_u32 (&pa)[kBlockN / 16][4],
                                          int n0) const {
         unsigned int keep2[2] = {0u, 0u};
-        pack_with(s, pa, [&](int kk) {
-            if ((kk & 1) == 0) {
-                const int kb = kk + 1 < kBlockN / 16 ? kk + 1 : kk;
-                fc_dropout_keep2(drop, drop_bh, m0 + warp_row0, n0 + 16 * kk, m0 + warp_row0,
-                                 n0 + 16 * kb, g, t, false, keep2[0], keep2[1]);
-            }
-            return keep2[kk & 1];
-        });
-    }
-    // The same with the keep masks drawn by the producer warpgroup (draw_mask_unit):
-    // tile kk's in bits 4 (kk % 4) .. of words[kk / 4], halves 16 apart.
-    template <int kWords>
-    __device__ __forceinline__ void pack_drawn(const float (&s)[kNT * 4],
-                                               fc_u32 (&pa)[kBlockN / 16][4],
-                                               const fc_u32 (&words)[kWords]) const {
-        pack_with(s, pa, [&](int kk) { return (words[kk >> 2] >> (4 * (kk & 3))) & 0x000F000Fu; });
-    }
-    // keep_of(kk): the keep mask of tile kk (fc_dropout_keep_factor's layout), asked for in
-    // order kk = 0, 1, ...
-    template <typename KeepOf>
-    __device__ __forceinline__ void pack_with(const float (&s)[kNT * 4],
-                                              fc_u32 (&pa)[kBlockN / 16][4], KeepOf keep_of) const {
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
             if constexpr (Is_dropout) {
+                if ((kk & 1) == 0) {
+                    const int kb = kk + 1 < kBlockN / 16 ? kk + 1 : kk;
+                    fc_dropout_keep2(drop, drop_bh, m0 + warp_row0, n0 + 16 * kk, m0 + warp_row0,
+                                     n0 + 16 * kb, g, t, false, keep2[0], keep2[1]);
+                }
                 // the dropped probabilities zeroed in the packed pair (a 16-bit mask per
                 // half from the keep bits 2i and 2i + 1 at positions i and 16 + i); the
                 // 1 / (1 - p) goes into the epilogue's scale (store)
-                const unsigned int keep = keep_of(kk);
+                const unsigned int keep = keep2[kk & 1];
                 auto m = [&](int i) { return ((keep >> i) & 0x00010001u) * 0xFFFFu; };
                 pa[kk][0] = Elem::pack2(s[8 * kk + 0], s[8 * kk + 1]) & m(0);
                 pa[kk][1] = Elem::pack2(s[8 * kk + 2], s[8 * kk + 3]) & m(2);
@@ -611,55 +594,6 @@ namespace fc_h {
 // the 128 producer threads instead of TMA bytes, and the producer keeps 24 registers. The
 // products are k32 e4m3 ones with P packed by pack_e4m3. The scores' scale takes
 // q_descale * k_descale and the output's v_descale (per batch and key head; none = 1).
-// Dropout's keep masks drawn by the producer warpgroup instead of the consumers
-// (FC_FWD_DROPOUT_PRODUCER_RNG; written, not yet run on a GPU): warps 1-3 of the producer draw
-// every key block's masks into a ring of kStages mask stages beside the K/V ring while the
-// consumers compute, so the consumers' softmax path keeps no Philox rounds; they read their
-// words (ld.shared) and pack as before (FwdRows::pack_drawn).
-#ifdef FC_FWD_DROPOUT_PRODUCER_RNG
-#define FC_FWD_RNG_ON_PRODUCER 1
-#else
-#define FC_FWD_RNG_ON_PRODUCER 0      // (a macro: no namespace-scope constant in the cubin)
-#endif
-
-// Words of one consumer lane's keep masks for one key block: 4 tiles (16 x 16) a word.
-template <int kBlockN>
-constexpr int kMaskWords = (kBlockN / 16 + 3) / 4;
-
-// Mask stage layout: word w of consumer lane `lane` of consumer warp cwarp (64 cw + 16 (warp
-// % 4) its first row, as FwdRows::warp_row0) at 4 ((cwarp kMaskWords + w) 32 + lane) bytes:
-// a warp reads a word in one conflict-free ld.shared.
-template <int kBlockN>
-__device__ __forceinline__ fc_u32 mask_word_addr(fc_u32 stage, int cwarp, int w, int lane) {
-    return stage + 4u * (fc_u32)((cwarp * kMaskWords<kBlockN> + w) * 32 + lane);
-}
-
-// One producer thread's share of a key block's masks: `unit` = (word w, consumer warp, lane
-// pair (g even, t) and (g + 1, t)), the pair fastest (neighbouring threads store to
-// neighbouring lanes' words: no bank conflicts); one Philox call per tile for the pair (the
-// call fc_dropout_keep2 makes, both halves kept), its four tiles packed into the two lanes'
-// words. kCwarps: the consumer warps.
-template <int kBlockN, int kCwarps>
-__device__ __forceinline__ void draw_mask_unit(const FcDropout& drop, int bh, int m0, int n0,
-                                               int unit, fc_u32 stage) {
-    const int pi = unit % 16, cwarp = (unit / 16) % kCwarps, w = unit / (16 * kCwarps);
-    const int g = 2 * (pi >> 2), t = pi & 3;
-    fc_u32 even = 0u, odd = 0u;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const int kk = 4 * w + j;
-        if (kk < kBlockN / 16) {
-            unsigned int mine, theirs;
-            fc_dropout_lane(drop, bh, m0 + 16 * cwarp, n0 + 16 * kk, g, t, false, mine, theirs);
-            even |= mine << (4 * j);
-            odd |= theirs << (4 * j);
-        }
-    }
-    const int lane = 4 * g + t;       // (the odd lane: lane + 4)
-    fc_sm90::sts32(mask_word_addr<kBlockN>(stage, cwarp, w, lane), even);
-    fc_sm90::sts32(mask_word_addr<kBlockN>(stage, cwarp, w, lane + 4), odd);
-}
-
 template <typename Elem, typename In, int kD, int kBM, int kBlockN, bool Is_local,
           bool Is_dropout, int kStages, bool kPingPong, bool kPersistent>
 __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFwdMaps& maps) {
@@ -677,13 +611,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     constexpr int kNT = kBlockN / 8;
     constexpr int kRaw = Is_fp8 ? 2 : 0;                                // FP8: V as loaded
     static_assert(!(Is_fp8 && Is_dropout), "FP8 attention is forward only, without dropout");
-    constexpr bool kRngProd = Is_dropout && FC_FWD_RNG_ON_PRODUCER;  // masks drawn by warps 1-3
-    static_assert(!kRngProd || kCons == 2, "producer-drawn dropout masks: 2 consumer warpgroups");
-    constexpr int kRngThreads = 96;                                     // producer warps 1-3
-    constexpr fc_u32 kMaskStage = kRngProd ? (fc_u32)kCons * 4u * 32u * 4u * kMaskWords<kBlockN> : 0u;
-    // producer threads that stay after the set-up: thread 0 alone, or all 128 (FP8: V's
-    // transposition; producer-drawn dropout masks: warps 1-3)
-    constexpr bool kWholeProducer = Is_fp8 || kRngProd;
     // Registers after reallocation. __launch_bounds__(kThreads, 1) starts every thread at
     // 65536 / kThreads rounded down to 8 (384: 168; 512: 128), and the split must not exceed
     // what the block holds (a consumer's setmaxnreg.inc waits until the pool has the
@@ -691,10 +618,8 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     // producer transposes V within the same 24. The persistent producer's tile loop needs
     // more than 24 (ptxas spills it): 40 / 232 there, and 32 / 160 with 3 consumers.
     constexpr int kEntryRegs = (65536 / kThreads) / 8 * 8;
-    // Producer-drawn dropout masks: Philox in the producer (ptxas spills it in 40), 56 / 224,
-    // which uses the block's registers to the last.
-    constexpr int kProducerRegs = kRngProd ? 56 : kPersistent ? (kCons == 3 ? 32 : 40) : 24;
-    constexpr int kConsumerRegs = kCons == 3 ? 160 : kRngProd ? 224 : (kPersistent ? 232 : 240);
+    constexpr int kProducerRegs = kPersistent ? (kCons == 3 ? 32 : 40) : 24;
+    constexpr int kConsumerRegs = kCons == 3 ? 160 : (kPersistent ? 232 : 240);
     static_assert(128 * kProducerRegs + (int)kConsumers * kConsumerRegs <= kThreads * kEntryRegs,
                   "the register split overdraws the block's registers");
 
@@ -703,27 +628,22 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     const fc_u32 sK = sQ + kQTile;
     const fc_u32 sV = sK + (fc_u32)kStages * kTile;       // (FP8: V^T)
     const fc_u32 sVraw = sV + (fc_u32)kStages * kTile;    // (FP8 only)
-    // (producer-drawn dropout masks: the ring of kStages mask stages)
-    const fc_u32 sMask = sVraw + (fc_u32)kRaw * kTile;
     // mbarriers after the tiles: full Q, empty Q, then full K, full V, empty K, empty V (one
-    // per stage each), then (FP8) the raw V ring's full barriers, (dropout) the mask stages'
-    // full barriers, then the tile scheduler's two slots (full, empty each) and the slots
-    // themselves (two int32). flashcore/kernels/forward.py (sm90_ws_smem) mirrors this.
-    const fc_u32 bars = sMask + (fc_u32)kStages * kMaskStage;
+    // per stage each), then (FP8) the raw V ring's full barriers, then the tile scheduler's
+    // two slots (full, empty each) and the slots themselves (two int32)
+    const fc_u32 bars = sVraw + (fc_u32)kRaw * kTile;
     const fc_u32 bar_q = bars, empty_q = bars + 8u;
     auto full_k = [&](int st) { return bars + 8u * (fc_u32)(2 + st); };
     auto full_v = [&](int st) { return bars + 8u * (fc_u32)(2 + kStages + st); };
     auto empty_k = [&](int st) { return bars + 8u * (fc_u32)(2 + 2 * kStages + st); };
     auto empty_v = [&](int st) { return bars + 8u * (fc_u32)(2 + 3 * kStages + st); };
     auto raw_full = [&](int r) { return bars + 8u * (fc_u32)(2 + 4 * kStages + r); };
-    constexpr int kMaskBars = kRngProd ? kStages : 0;
-    auto mask_full = [&](int st) { return bars + 8u * (fc_u32)(2 + 4 * kStages + kRaw + st); };
-    const fc_u32 sched = bars + 8u * (fc_u32)(2 + 4 * kStages + kRaw + kMaskBars);
+    const fc_u32 sched = bars + 8u * (fc_u32)(2 + 4 * kStages + kRaw);
     auto slot_full = [&](int j) { return sched + 8u * (fc_u32)j; };
     auto slot_empty = [&](int j) { return sched + 16u + 8u * (fc_u32)j; };
     auto slot = [&](int j) { return sched + 32u + 4u * (fc_u32)j; };
-    // the threads that read the slots: the consumers, and the whole producer's other 127
-    constexpr fc_u32 kSlotReaders = kWholeProducer ? kConsumers + 127u : kConsumers;
+    // the threads that read the slots: the consumers, and the FP8 producer's other 127
+    constexpr fc_u32 kSlotReaders = Is_fp8 ? kConsumers + 127u : kConsumers;
 
     // The CTA's tiles. One per CTA (the grid is (query blocks, heads, batch)), or, persistent,
     // a dynamic schedule: the first tile is blockIdx.x, then producer thread 0 takes the next
@@ -789,7 +709,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             mbar_init(empty_v(st), kConsumers);
         }
         for (int r = 0; r < kRaw; ++r) mbar_init(raw_full(r), 1);
-        for (int st = 0; st < kMaskBars; ++st) mbar_init(mask_full(st), kRngThreads);
         for (int j = 0; j < 2; ++j) {
             mbar_init(slot_full(j), 1);
             mbar_init(slot_empty(j), kSlotReaders);
@@ -805,7 +724,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     if (wg == 0) {
         // ---- producer ----------------------------------------------------------------
         setmaxnreg_dec<kProducerRegs>();
-        if (!kWholeProducer && tid != 0) return;    // (16-bit: thread 0 issues every load)
+        if (!Is_fp8 && tid != 0) return;    // (16-bit: thread 0 issues every load)
         int tile = kPersistent ? (int)blockIdx.x : 0;
         for (int u = 0;; ++u) {
             int next = n_tiles;
@@ -851,30 +770,12 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             if constexpr (!Is_fp8) {
                 // K of the first block before Q: its stage frees while the last tile's S
                 // products run, Q's only once the last of them is done
-                if (tid == 0) {
-                    for (int it = 0; it < n_iter; ++it) {
-                        const int u = kv + it, st = u % kStages;
-                        load_k(it);
-                        if (it == 0) load_q();
-                        if (u >= kStages) mbar_wait(empty_v(st), ((fc_u32)(u / kStages) & 1u) ^ 1u);
-                        load_v(it, sV + (fc_u32)st * kTile, full_v(st));
-                    }
-                } else if (kRngProd && tid >= 128 - kRngThreads) {
-                    // block it's masks into mask stage (kv + it) % kStages, free once the
-                    // consumers are done with the block's V (they read the masks before P V)
-                    const FcDropout drop = fc_dropout_setup(params.dropout_rng,
-                                                            params.dropout_threshold,
-                                                            params.dropout_scale);
-                    const int bh = blk.b * params.nheads + blk.h;
-                    constexpr int kUnits = kCons * 4 * 16 * kMaskWords<kBlockN>;
-                    for (int it = 0; it < n_iter; ++it) {
-                        const int u = kv + it, st = u % kStages;
-                        if (u >= kStages) mbar_wait(empty_v(st), ((fc_u32)(u / kStages) & 1u) ^ 1u);
-                        for (int unit = tid - (128 - kRngThreads); unit < kUnits; unit += kRngThreads)
-                            draw_mask_unit<kBlockN, 4 * kCons>(drop, bh, blk.m0, n0_of(it), unit,
-                                                               sMask + (fc_u32)st * kMaskStage);
-                        mbar_arrive(mask_full(st));
-                    }
+                for (int it = 0; it < n_iter; ++it) {
+                    const int u = kv + it, st = u % kStages;
+                    load_k(it);
+                    if (it == 0) load_q();
+                    if (u >= kStages) mbar_wait(empty_v(st), ((fc_u32)(u / kStages) & 1u) ^ 1u);
+                    load_v(it, sV + (fc_u32)st * kTile, full_v(st));
                 }
             } else {
                 // thread 0 issues the loads one block ahead (K into the ring, V into the raw
@@ -940,19 +841,8 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         float corr[2];
         auto stage_of = [&](int it) { return (kv + it) % kStages; };
         auto parity_of = [&](int it) { return (fc_u32)((kv + it) / kStages) & 1u; };
-        auto pack = [&](int n0, int it) {   // (it: the block's index in the tile)
-            if constexpr (kRngProd) {
-                const int st = stage_of(it), cwarp = (tid - 128) >> 5, lane = tid & 31;
-                mbar_wait(mask_full(st), parity_of(it));
-                fc_u32 words[kMaskWords<kBlockN>];
-#pragma unroll
-                for (int w = 0; w < kMaskWords<kBlockN>; ++w)
-                    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(words[w])
-                                 : "r"(mask_word_addr<kBlockN>(sMask + (fc_u32)st * kMaskStage,
-                                                               cwarp, w, lane)) : "memory");
-                rows.pack_drawn(s, pa, words);
-                (void)n0;
-            } else if constexpr (Is_fp8) {
+        auto pack = [&](int n0) {
+            if constexpr (Is_fp8) {
 #ifndef FC_DIAG_FP8_NO_PACK           // (timing only: P's registers as they were, wrong results)
                 rows.pack_e4m3(s, pa);
 #else
@@ -978,7 +868,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         mbar_arrive(empty_k(stage_of(0)));
         rows.mask(s, nb * kBlockN);
         rows.softmax(s, corr);                     // O is 0: no rescale
-        pack(nb * kBlockN, 0);
+        pack(nb * kBlockN);
         // Ping-pong: consumer cw issues its products after named barrier 1 + cw, then hands
         // the turn to the next (cw + 1, the last to consumer 0). The last consumer opens the
         // first turn for consumer 0 and skips its last hand-over, so that every barrier sees
@@ -1003,7 +893,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             settle(pa);
             mbar_arrive(empty_v(st0));
             rows.rescale(corr);
-            pack((nb - 1) * kBlockN, it + 1);
+            pack((nb - 1) * kBlockN);
         }
         mbar_arrive(empty_q);                      // every S of the tile is done: Q is free
         {

@@ -39,10 +39,7 @@ The settings (environment variable in brackets):
 * ``sm90_fp8_fwd`` (``FLASHCORE_SM90_FP8_FWD``): the Hopper FP8 forward kernel for
   float8_e4m3fn CuPy and torch CUDA inputs (on by default); off, such calls are refused by
   name (NumPy arrays and torch CPU tensors take the NumPy reference either way).
-* ``sm90_defines``: extra NVRTC options of the Hopper kernels: the timing-only diagnostics, and
-  (written, not yet run on a GPU) ``flashcore.kernels.forward.DROPOUT_PRODUCER_RNG`` and
-  ``flashcore.kernels.backward.DROPOUT_PRODUCER_RNG``, which have the warp-specialised kernels'
-  producer warpgroups draw dropout's keep masks instead of the consumers (the same masks).
+* ``sm90_defines``: extra NVRTC options of the Hopper kernels (a diagnostic).
 * ``decode_fused_combine`` (``FLASHCORE_DECODE_FUSED_COMBINE``): split-KV partials merged in
   the decode kernel (off: a separate combine kernel); ``decode_cluster``
   (``FLASHCORE_DECODE_CLUSTER``): merged inside a thread-block cluster (sm_90).

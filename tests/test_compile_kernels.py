@@ -106,53 +106,6 @@ def test_hopper_kernels_compile(source):
     assert len(cubin) > 0
 
 
-@pytest.mark.parametrize("source, kind, prefix, dropout_arg, other", [
-    ("flash_fwd_sm90.cu", "forward", "flash_fwd_sm90_ws_kernel", 5,
-     "flash_fwd_sm90_ws_kernel<fc_bf16, 128, 128, 176, false, false, 2, true, true>"),
-    ("flash_bwd_sm90.cu", "backward", "flash_bwd_dkdv_sm90_ws_kernel", 4,
-     "flash_bwd_dkdv_sm90_ws_kernel<fc_bf16, 128, 64, true, false, true>")])
-def test_dropout_with_producer_drawn_masks_compiles(source, kind, prefix, dropout_arg, other):
-    """The warp-specialised forward's and dK/dV kernel's dropout instantiations with their keep
-    masks drawn by the producer warpgroup (forward. / backward.DROPOUT_PRODUCER_RNG) compile for
-    sm_90a without spills (the producer's Philox in 56 / 40 registers, the consumers in 224 /
-    232), and the define reaches the dropout kernels and no other."""
-    _nvrtc_or_skip()
-    import importlib
-    module = importlib.import_module(f"flashcore.kernels.{kind}")
-    names = [n for n in module.sm90_instantiations() if n.startswith(prefix + "<")
-             and n.split("<")[1].split(",")[dropout_arg].strip(" >") == "true"]
-    assert names
-    cubin, log = jit.compile_check(source, names, "sm_90a", (module.DROPOUT_PRODUCER_RNG,),
-                                   want_log=True)
-    assert len(cubin) > 0
-    spills = _spills_by_kernel(log)
-    assert len(spills) == len(names) and not any(spills.values()), log
-    _assert_define_reaches_only(source, names[0], other, module.DROPOUT_PRODUCER_RNG)
-
-
-def _code_sections(cubin: bytes) -> dict:
-    """The sections of an ELF cubin but its string table (whose bytes move between builds)."""
-    import struct
-    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
-    hdrs = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
-    names_at = hdrs[shstrndx][4]
-    out = {}
-    for h in hdrs:
-        name = cubin[names_at + h[0]:cubin.index(b"\0", names_at + h[0])].decode()
-        if name != ".strtab":
-            out[name] = cubin[h[4]:h[4] + h[5]]
-    return out
-
-
-def _assert_define_reaches_only(source, dropout_kernel, other_kernel, define):
-    """The define changes the dropout kernel's code and leaves another kernel's alone."""
-    def code(name, opts):
-        return _code_sections(jit.compile_check(source, [name], "sm_90a", opts)[0])
-    assert code(dropout_kernel, ()) != code(dropout_kernel, (define,))
-    assert code(other_kernel, ()) == code(other_kernel, (define,))
-
-
 def _spill_allowance(mangled: str) -> int:
     """Spill bytes allowed for a Hopper kernel, from its mangled template arguments."""
     bools = re.findall(r"Lb([01])E", mangled)

@@ -959,24 +959,3 @@ def test_warp_specialised_tiles_fit_shared_memory():
     for (d, local) in forward._WS_TILES:
         for dropout in (False, True):
             assert forward.sm90_ws_smem(d, local, dropout) <= 232448, (d, local, dropout)
-
-
-@pytest.mark.parametrize("spelling", ["{}", "{}=1", "-D {}"])
-def test_producer_drawn_masks_fit_and_are_sized_however_the_define_is_spelt(spelling):
-    """With the drawn-mask defines the warp-specialised kernels' shared memory grows by the mask
-    rings (forward: a word per consumer thread and 4 tiles of a key block a stage; dK/dV: a word
-    per consumer thread a stage), within the limit, whichever way the define is written."""
-    flags = (forward.DROPOUT_PRODUCER_RNG, backward.DROPOUT_PRODUCER_RNG)
-    spelt = tuple(spelling.format(f) if not spelling.startswith("-D ") else "-D " + f[2:]
-                  for f in flags)
-    plain_f = {k: forward.sm90_ws_smem(*k, True) for k in forward._WS_TILES}
-    plain_b = {t: backward.sm90_ws_smem(128, 64, t, True) for t in (False, True)}
-    with config.override(sm90_defines=spelt):
-        for (d, local), before in plain_f.items():
-            bm, bn, stages = forward.sm90_ws_tile(d, local, True)
-            after = forward.sm90_ws_smem(d, local, True)
-            assert after == before + stages * (2 * bm * 4 * ((bn // 16 + 3) // 4) + 8)
-            assert after <= 232448
-        for tiled, before in plain_b.items():
-            after = backward.sm90_ws_smem(128, 64, tiled, True)
-            assert after == before + 2 * 256 * 4 + (0 if tiled else 128) and after <= 232448

@@ -19,8 +19,8 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-from .common import (ELEM_TAGS, _as_input, _as_output, _int64_pair, _strides, sm90_defined,
-                     smallest_tile, tpl_bool as _b, window_arg as _window)
+from .common import (ELEM_TAGS, _as_input, _as_output, _int64_pair, _strides, smallest_tile,
+                     tpl_bool as _b, window_arg as _window)
 import numpy as np
 
 from .. import config
@@ -244,25 +244,13 @@ def sm90_convert_tiled_name(dtype_name: str, headdim: int) -> str:
             f"{1 if headdim == 64 else 2}>")
 
 
-#: The NVRTC define that has the warp-specialised dK/dV kernel's producer warpgroup draw
-#: dropout's keep masks (cuda/flash_bwd_sm90.cu, bwd_draw_masks; written, not yet run on a GPU:
-#: ``config.override(sm90_defines=(DROPOUT_PRODUCER_RNG,))`` tries it).
-DROPOUT_PRODUCER_RNG = "-DFC_BWD_DROPOUT_PRODUCER_RNG"
-
-
-def sm90_ws_smem(headdim: int, block_m: int, dq_tiled: bool = False,
-                 dropout: bool = False) -> int:
+def sm90_ws_smem(headdim: int, block_m: int, dq_tiled: bool = False) -> int:
     """K, V (128 x d), Q and dO (2 stages of block_m x d), dS^T (2 buffers of 128 x block_m),
     lse and D (2 stages of block_m each), 5 mbarriers, + alignment; with the tile-ordered dQ
-    reduction, a 64 x 64 fp32 staging tile per consumer warpgroup (128-byte aligned); with
-    producer-drawn dropout masks, 2 stages of a word per consumer thread after those."""
+    reduction, a 64 x 64 fp32 staging tile per consumer warpgroup (128-byte aligned)."""
     base = (2 * (2 * 128 * headdim) + 2 * 2 * (2 * block_m * headdim) + 2 * 2 * 128 * block_m
             + 2 * 2 * block_m * 4 + 8 * 5 + 1024)
-    tiles = 128 + 2 * 64 * 64 * 4 if dq_tiled else 0
-    masks = 0
-    if dropout and block_m == 64 and sm90_defined(DROPOUT_PRODUCER_RNG):
-        masks = 2 * 256 * 4 + (0 if dq_tiled else 128)
-    return base + tiles + masks
+    return base + (128 + 2 * 64 * 64 * 4 if dq_tiled else 0)
 
 
 # Head dim 256: its own warp-specialised kernel (64 keys per CTA, every product split between
@@ -499,7 +487,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
             launch(kern, (_cdiv(seqlen_k, SM90_D256_BLOCK), nheads_k, batch), (384,), smem,
                    (ws[0].arg(),))
         elif hopper == "ws":
-            smem = sm90_ws_smem(headdim, SM90_WS_BLOCK_M, dq_tiled, dropout)
+            smem = sm90_ws_smem(headdim, SM90_WS_BLOCK_M, dq_tiled)
             kern = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, is_local,
                                                                SM90_WS_BLOCK_M, dropout, dq_tiled),
                               device_id, cc, smem, defines)

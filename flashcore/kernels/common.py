@@ -7,18 +7,6 @@ from .device import lib_of
 from .params import WINDOW_NONE
 
 
-def sm90_defined(flag: str) -> bool:
-    """Whether the ``sm90_defines`` setting defines the macro of ``flag`` ("-DNAME"), however
-    it is spelt there ("-DNAME", "-D NAME", "-DNAME=1"): the launchers size shared memory by it."""
-    from .. import config
-    name = flag[2:]
-    for d in config.get().sm90_defines:
-        d = d.replace(" ", "")
-        if d.startswith("-D") and d[2:].split("=")[0] == name:
-            return True
-    return False
-
-
 def window_arg(w) -> int:
     """A window side as the kernels take it: WINDOW_NONE for unbounded (None, -1, or wider)."""
     return WINDOW_NONE if w is None or w < 0 or w >= WINDOW_NONE else int(w)

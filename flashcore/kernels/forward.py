@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from .common import (_as_input, _int64_pair, _strides, _used_strides_ok, elem_tag as _elem_tag,
                      kernel_dtype_name as _dtype_name, smallest_tile, tpl_bool as _b,
-                     sm90_defined, window_arg as _window)
+                     window_arg as _window)
 import numpy as np
 
 from .. import config
@@ -236,23 +236,12 @@ def sm90_ws_tile(headdim: int, is_local: bool, dropout: bool = False) -> tuple[i
     return (128 if dropout else block_m), block_n, stages
 
 
-#: The NVRTC define that has the warp-specialised forward's producer warpgroup draw dropout's
-#: keep masks (cuda/flash_fwd_sm90.cu, kDropoutRngOnProducer; written, not yet run on a GPU:
-#: ``config.override(sm90_defines=(DROPOUT_PRODUCER_RNG,))`` tries it).
-DROPOUT_PRODUCER_RNG = "-DFC_FWD_DROPOUT_PRODUCER_RNG"
-
-
 def sm90_ws_smem(headdim: int, is_local: bool, dropout: bool = False) -> int:
     """Q + the K/V ring + the mbarriers (8 bytes each: Q full and empty, 4 per stage, 4 of the
-    tile scheduler) and its two int32 slots + alignment slack; with producer-drawn dropout
-    masks, their ring (a 32-bit word per consumer thread and 4 16 x 16 tiles of a key block)
-    and one barrier a stage."""
+    tile scheduler) and its two int32 slots + alignment slack."""
     block_m, block_n, stages = sm90_ws_tile(headdim, is_local, dropout)
-    masks = 0
-    if dropout and sm90_defined(DROPOUT_PRODUCER_RNG):
-        masks = stages * (2 * block_m * 4 * ((block_n // 16 + 3) // 4) + 8)
     return (2 * block_m * headdim + stages * 2 * (2 * block_n * headdim) + 8 * (7 + 4 * stages)
-            + masks + 1024)
+            + 1024)
 
 
 def sm90_ws_pingpong(headdim: int, seqlen_k: int) -> bool:

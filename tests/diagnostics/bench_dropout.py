@@ -2,16 +2,13 @@
 no-dropout path"), through the public API on torch tensors, at the ANCHORS sizes.
 
     python tests/diagnostics/bench_dropout.py [--seqlen 4096 16384] [--headdim 64 128]
-                                              [--p 0.1] [--producer-rng] [--json F]
+                                              [--p 0.1] [--json F]
 
 For each cell (16k tokens per batch, hidden 2048, bf16, causal and not): GPU time of the
 forward (no grad) and of forward+backward through autograd, for flashcore with dropout p,
 flashcore without dropout, and SDPA's flash and cuDNN kernels with the same dropout (the random
 state drawn per call, as a training step does). Prints ms and the ratios flashcore(p=0) /
 flashcore(p) (what dropout costs: >= 0.9 is the bound) and peer / flashcore (> 1: faster).
-``--producer-rng`` adds flashcore with dropout's keep masks drawn by the producer warpgroups
-of the Hopper forward and dK/dV kernels (forward. and backward.DROPOUT_PRODUCER_RNG) as
-"fc_prod", and its p0/p.
 """
 from __future__ import annotations
 
@@ -19,9 +16,7 @@ import argparse
 import json
 import sys
 
-from flashcore import config
 from flashcore.bench import AttentionProblem, shape_for
-from flashcore.kernels import backward as _backward, forward as _forward
 
 
 def main(argv=None):
@@ -29,29 +24,23 @@ def main(argv=None):
     ap.add_argument("--seqlen", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--headdim", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--p", type=float, default=0.1)
-    ap.add_argument("--producer-rng", action="store_true")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     rows = []
     impls = (("fc", "torch", a.p), ("fc_p0", "torch", 0.0), ("flash", "sdpa_flash", a.p),
-             ("cudnn", "sdpa_cudnn", a.p)) + ((("fc_prod", "torch", a.p),) if a.producer_rng
-                                              else ())
+             ("cudnn", "sdpa_cudnn", a.p))
     print(f"{'cell':24s} {'pass':8s} " + " ".join(f"{n:>8s}" for n, *_ in impls)
-          + "   p0/p  flash/fc cudnn/fc" + ("  p0/prod" if a.producer_rng else ""))
+          + "   p0/p  flash/fc cudnn/fc")
     for s in a.seqlen:
         for d in a.headdim:
             for causal in (False, True):
                 shape = shape_for(s, d)
                 ms = {}
                 for name, impl, p in impls:
-                    defines = config.get().sm90_defines + (
-                        (_forward.DROPOUT_PRODUCER_RNG, _backward.DROPOUT_PRODUCER_RNG)
-                        if name == "fc_prod" else ())
                     try:
-                        with config.override(sm90_defines=defines):
-                            prob = AttentionProblem(impl, *shape, causal, dropout_p=p)
-                            ms[name] = {w: prob.seconds(w) * 1e3 for w in ("forward",
-                                                                           "forward_backward")}
+                        prob = AttentionProblem(impl, *shape, causal, dropout_p=p)
+                        ms[name] = {w: prob.seconds(w) * 1e3 for w in ("forward",
+                                                                       "forward_backward")}
                         del prob
                     except (NotImplementedError, RuntimeError) as e:
                         ms[name] = None
@@ -63,9 +52,7 @@ def main(argv=None):
                     cell = f"{s}/d{d}/{'causal' if causal else 'full'}"
                     print(f"{cell:24s} {w[:8]:8s} " + " ".join(f"{t[n]:8.3f}" for n, *_ in impls)
                           + f"   {t['fc_p0'] / t['fc']:.2f}  {t['flash'] / t['fc']:.2f}"
-                          f"     {t['cudnn'] / t['fc']:.2f}"
-                          + (f"     {t['fc_p0'] / t['fc_prod']:.2f}" if a.producer_rng else ""),
-                          flush=True)
+                          f"     {t['cudnn'] / t['fc']:.2f}", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
