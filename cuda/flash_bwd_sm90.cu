@@ -1,13 +1,12 @@
 // flashcore: backward dK/dV kernel for Hopper (sm_90a): warpgroup MMAs (wgmma) reading their
 // operands from shared memory. Launcher: flashcore/kernels/backward.py (the sm90 family). The
 // preprocess (D = rowsum(dO * O)) and the dQ conversion are flash_bwd.cu's kernels, whose
-// helpers (sequence geometry, score math, masks, red.add) this file reuses by including it.
+// helpers (sequence geometry, score math, masks) this file reuses by including it.
 //
 // Head dims 64, 128 and 256 (its own kernel, at the end of the file), fp16/bf16,
-// causal/windows/varlen/GQA, dropout, dQ added to an fp32 accumulator (one bulk reduce-add of
-// a tile: Dq_tiled, the default for dense calls, for varlen calls too with
-// sm90_bwd_dq_tiled_varlen; else red.global.add); softcap, ALiBi, other head dims and
-// deterministic mode stay on flash_bwd.cu. The default on compute capability 9.0
+// causal/windows/varlen/GQA, dropout, dQ added to an fp32 accumulator in tile order (one bulk
+// reduce-add of a warpgroup's tile a step: "dQ in tile order" below); softcap, ALiBi, other
+// head dims and deterministic mode stay on flash_bwd.cu. The default on compute capability 9.0
 // (FLASHCORE_SM90_BWD=0 turns it off).
 //
 // One CTA = 2 warpgroups (256 threads) owns a block of 128 keys of one (batch, kv head);
@@ -23,15 +22,14 @@
 //   dS^T -> shared ([key][query], 16-bit), then after a barrier
 //   d128: dQ[:, 64 w:64 w+64] = dS K[:, 64 w:64 w+64]    m64n64k16 over all 128 keys, A = dS
 //         read M-major from the [key][query] tile (imm-trans-a), B = K read N-major
-//         (imm-trans-b); added to the fp32 dq_accum with red.global.add, or (Dq_tiled)
-//         staged in shared memory and added as one bulk reduce-add of the warpgroup's tile
-//         (see "dQ in tile order" below)
+//         (imm-trans-b); staged in shared memory and added to the fp32 dq_accum as one bulk
+//         reduce-add of the warpgroup's tile (see "dQ in tile order" below)
 //   d64:  dQ += dS[:, keys_w] K[keys_w, :]   the same instruction over the warpgroup's own 64
-//         keys: each warpgroup adds its partial product (as many atomics per step as d128)
+//         keys: each warpgroup adds its partial product of the same tile
 // Shared memory (1024-byte aligned, every tile [rows][64 columns] blocks with the 128-byte
 // swizzle of the forward): K, V kD / 4 KiB each; Q, dO 2 stages x kD / 8 KiB each; dS^T 16 KiB;
-// lse and D 2 x 2 x 64 floats; with Dq_tiled, the d128 warp-specialised kernel and the cp.async
-// kernel add two 16 KiB dQ staging tiles (the d256 kernel stages in its Q / dO stage tiles).
+// lse and D 2 x 2 x 64 floats; the d128 warp-specialised kernel and the cp.async kernel add
+// two 16 KiB dQ staging tiles (the d256 kernel stages in its Q / dO stage tiles).
 //
 // Two kernels run these steps (DkdvWarpgroup holds one warpgroup's share of a step):
 //  * flash_bwd_dkdv_sm90_ws_kernel (the default for dense calls): warp-specialised, as the
@@ -61,31 +59,13 @@ using fc_sm90::sts32;
 }  // namespace fc_hb
 
 
-// A warpgroup's fp32 accumulator fragment of kTiles n8 tiles (the wgmma layout: element
-// 4 j + 2 r + e at row g + 8 r, column 8 j + 2 t + e) added to global fp32 memory with
-// red.global.add: `row` points at the thread's row g, column 2 t; row g + 8 lies 8 row_stride
-// further; ok0, ok1: whether those two rows exist.
-template <int kTiles>
-__device__ __forceinline__ void fragment_red_add(float* row, long long row_stride,
-                                                 const float* acc, bool ok0, bool ok1) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-        if (r == 0 ? ok0 : ok1) {
-            float* rr = row + (8 * r) * row_stride;
-#pragma unroll
-            for (int j = 0; j < kTiles; ++j)
-                bwd_red_add2(rr + 8 * j, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
-        }
-}
-
-// Row `row` (counted from the sequence's first) of head h, batch b in the fp32 dQ accumulator:
-// row-ordered, or (Tiled) tile-ordered, where a varlen sequence starts at its own whole tile
-// (BwdSeq::q_tile_off).
-template <bool Tiled = false>
+// Row `row` (counted from the sequence's first) of head h, batch b in the fp32 dQ accumulator,
+// which holds whole 64-row tiles: a varlen sequence starts at its own tile (BwdSeq::q_tile_off,
+// 0 for dense calls).
 __device__ __forceinline__ float* dq_accum_row(const FlashParams& p, const BwdSeq& seq, int b,
                                                int h, int row) {
     return p.dq_accum + b * p.dq_accum_batch_stride + h * p.dq_accum_head_stride
-           + ((Tiled ? seq.q_tile_off : seq.q_off) + row) * p.dq_accum_row_stride;
+           + (seq.q_tile_off + row) * p.dq_accum_row_stride;
 }
 
 // The warp-specialised dK/dV kernels' barrier block at `base` (8 bytes each): the K/V barrier,
@@ -268,26 +248,6 @@ struct DkdvWarpgroup {
         pin(dsa);
     }
 
-    // The dQ product and its addition to dq_accum with red.global.add (with Dq_tiled:
-    // dq_product, then dq_tile_add).
-    __device__ __forceinline__ void dq(const FlashParams& p, const BwdSeq& seq, int b, int h,
-                                       int m0, fc_u32 sK, fc_u32 sdSb) {
-        float acc_dq[32];
-        dq_product(sK, sdSb, acc_dq);
-        dq_red(p, seq, b, h, m0, acc_dq);
-    }
-
-    // dQ (rows: queries 16 wl + g + 8 r, columns 64 wg + 8 j + 2 t) added to dq_accum with
-    // red.global.add.
-    __device__ __forceinline__ void dq_red(const FlashParams& p, const BwdSeq& seq, int b, int h,
-                                           int m0, const float (&acc_dq)[32]) const {
-        const int i0 = m0 + (kBlockM == 128 ? 64 * wg : 0) + 16 * wl + g;
-        float* dqa = dq_accum_row(p, seq, b, h, i0) + (kD == 128 ? 64 * wg : 0) + 2 * t;
-#ifndef FC_DIAG_BWD_NO_DQ       // (timing only: dQ computed, never added, wrong results)
-        fragment_red_add<8>(dqa, p.dq_accum_row_stride, acc_dq, i0 < seq.sq, i0 + 8 < seq.sq);
-#endif
-    }
-
     // Epilogue: dK * softmax_scale and dV as 16-bit; rows are keys.
     __device__ __forceinline__ void store(const FlashParams& p, const BwdSeq& seq, int b, int hk,
                                           int n0) const {
@@ -314,7 +274,7 @@ struct DkdvWarpgroup {
 
 }  // namespace fc_hb
 
-// ---- dQ in tile order (Dq_tiled) ------------------------------------------------------
+// ---- dQ in tile order ------------------------------------------------------------------
 // Each step's dQ of a warpgroup (64 query rows x kN / 2 columns, kN floats a thread in the
 // wgmma accumulator layout) is added to the accumulator by ONE bulk reduce-add of the whole
 // tile, as FlashAttention-3 does, in place of kN / 2 red.global.add a thread: the fp32
@@ -363,7 +323,7 @@ __global__ void __launch_bounds__(256) flash_bwd_convert_dq_tiled_kernel(const F
     const BwdSeq seq = bwd_seq(p, b);
     const int m0 = blockIdx.x * kRows;
     if (m0 >= seq.sq) return;
-    const float* tile = dq_accum_row<true>(p, seq, b, h, m0);
+    const float* tile = dq_accum_row(p, seq, b, h, m0);
     fc_u16* gdq = static_cast<fc_u16*>(p.dq) + b * p.dq_batch_stride + seq.q_off * p.dq_row_stride
                   + h * p.dq_head_stride;
     const float scale = p.softmax_scale;
@@ -381,7 +341,7 @@ __global__ void __launch_bounds__(256) flash_bwd_convert_dq_tiled_kernel(const F
     }
 }
 
-template <typename Elem, int kD, int kBlockM, bool Is_local, bool Is_dropout, bool Dq_tiled = false>
+template <typename Elem, int kD, int kBlockM, bool Is_local, bool Is_dropout>
 __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const FlashParams p) {
     using namespace fc_hb;
     static_assert(kD == 64 || kD == 128, "the Hopper dK/dV kernel covers head dims 64 and 128");
@@ -396,7 +356,7 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
     float* sLse = reinterpret_cast<float*>(smem_raw + (sdS + (fc_u32)(kBlockM / 64) * kKBlock
                                                        - smem_u32(smem_raw)));
     float* sDsum = sLse + 2 * kBlockM;
-    // Dq_tiled: each warpgroup's dQ tile (64 x 64 fp32) after lse and D
+    // each warpgroup's dQ staging tile (64 x 64 fp32) after lse and D
     const fc_u32 sDq = (sdS + (fc_u32)(kBlockM / 64) * kKBlock + 16u * kBlockM + 127u) & ~127u;
 
     const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
@@ -453,10 +413,10 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
         w.grads(p, seq, b, h, m0, n0, kw.off, sK, sV, sQ + buf * kQT, sdO + buf * kQT,
                 sLse + buf * kBlockM, sDsum + buf * kBlockM, sdS);
         fence_proxy_async();      // the dS^T stores, for the dQ product's async-proxy reads
-        if constexpr (Dq_tiled)   // (the staging tiles, read by the previous step's bulk copies)
-            if (it > 0 && (threadIdx.x & 127) == 0) fc_pipe::bulk_wait_read<0>();
+        // (the staging tiles, read by the previous step's bulk copies)
+        if (it > 0 && (threadIdx.x & 127) == 0) fc_pipe::bulk_wait_read<0>();
         __syncthreads();          // the whole dS^T tile is written (and the staging tiles free)
-        if constexpr (Dq_tiled) {
+        {
             // A warpgroup's dQ tile: d128, columns 64 wg.. of the block's rows; d64 with
             // 128-query blocks, all columns of its own 64 rows; d64 with 64-query blocks, both
             // warpgroups' partial products of the same tile (both added).
@@ -466,10 +426,8 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
             // last query, where the accumulator, padded to 64 rows, has no tile)
             const int row0 = m0 + (kBlockM == 128 ? 64 * w.wg : 0);
             dq_tile_add<32>(acc_dq, sDq + (fc_u32)w.wg * (64u * 64u * 4u),
-                            dq_accum_row<true>(p, seq, b, h, row0) + (kD == 128 ? w.wg * 64 * 64 : 0),
+                            dq_accum_row(p, seq, b, h, row0) + (kD == 128 ? w.wg * 64 * 64 : 0),
                             tid, 1 + w.wg, row0 < seq.sq);
-        } else {
-            w.dq(p, seq, b, h, m0, sK, sdS);
         }
 
         __syncthreads();          // dS^T, this stage's Q / dO and lse / D are free
@@ -481,8 +439,8 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
         m_block = m_next;
     }
     w.store(p, seq, b, hk, n0);
-    if constexpr (Dq_tiled)       // (shared memory stays until the last bulk copy has read it)
-        if ((threadIdx.x & 127) == 0) fc_pipe::bulk_wait<0>();
+    // (shared memory stays until the last bulk copy has read it)
+    if ((threadIdx.x & 127) == 0) fc_pipe::bulk_wait<0>();
 }
 
 // The tensor maps of the warp-specialised dK/dV kernel (flashcore/kernels/tma.py): k, v with
@@ -581,7 +539,7 @@ __device__ __forceinline__ bool bwd_ws_start(const FlashParams& p, const BwdSeq&
 
 // Warp-specialised dK/dV kernel (see the top of the file): 384 threads, warpgroup 0 produces,
 // 1 and 2 consume. Dense calls only (TMA boxes address rows of one sequence).
-template <typename Elem, int kD, int kBlockM, bool Is_local, bool Is_dropout, bool Dq_tiled = false>
+template <typename Elem, int kD, int kBlockM, bool Is_local, bool Is_dropout>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwdMaps maps) {
     using namespace fc_hb;
@@ -603,7 +561,7 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
     float* sLse = reinterpret_cast<float*>(smem_raw + (sStats - base));
     float* sDsum = sLse + kStages * kBlockM;
     const fc_u32 bars = sStats + (fc_u32)(2 * kStages * kBlockM) * 4u;
-    // Dq_tiled: each consumer warpgroup's dQ tile (64 x 64 fp32), after the 5 barriers
+    // each consumer warpgroup's dQ staging tile (64 x 64 fp32), after the 5 barriers
     const fc_u32 sDq = (bars + BwdBars<kStages>::kBytes + 127u) & ~127u;
     const BwdBars<kStages> bar{bars};
 
@@ -639,7 +597,7 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
         // The whole dS^T tile is written; and (dS^T double-buffered) every consumer is past the
         // previous step, whose dQ product read the buffer the next step writes.
         named_sync(1, 256);
-        if constexpr (Dq_tiled) {
+        {
             static_assert(kD == 128 && kBlockM == 64, "dQ tiles of 64 x 64 a warpgroup");
             float acc_dq[32];
             w.dq_product(sK, sdSb, acc_dq);
@@ -650,17 +608,14 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
                 named_sync(3 + w.wg, 128);
             }
             dq_tile_add<32>(acc_dq, sDq + (fc_u32)w.wg * (64u * 64u * 4u),
-                            dq_accum_row<true>(p, seq, b, h, m0) + w.wg * 64 * 64, tid - 128,
+                            dq_accum_row(p, seq, b, h, m0) + w.wg * 64 * 64, tid - 128,
                             3 + w.wg);
-        } else {
-            w.dq(p, seq, b, h, m0, sK, sdSb);
-            mbar_arrive(bar.empty(st));   // this stage's Q, dO, lse and D are no longer read
         }
         bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
     }
     w.store(p, seq, b, hk, n0);
-    if constexpr (Dq_tiled)       // (shared memory stays until the last bulk copy has read it)
-        if ((threadIdx.x & 127) == 0) bulk_wait<0>();
+    // (shared memory stays until the last bulk copy has read it)
+    if ((threadIdx.x & 127) == 0) bulk_wait<0>();
 }
 
 // ---- head dim 256 --------------------------------------------------------------------------
@@ -675,9 +630,9 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
 //   dV[:, 128 w ..] += P^T dO[:, 128 w ..]     m64n128k16, A = P^T K-major, B = dO N-major
 //   dK[:, 128 w ..] += dS^T Q[:, 128 w ..]     the same with dS^T and Q
 //   dQ[:, 128 w ..]  = dS K[:, 128 w ..]       m64n128k16, A = dS^T M-major, B = K N-major;
-//                                              rows: queries, added with red.global.add (or,
-//                                              Dq_tiled, staged in the step's Q (w = 0) or
-//                                              dO (w = 1) tile and added as one bulk copy)
+//                                              rows: queries, staged in the step's Q (w = 0)
+//                                              or dO (w = 1) tile and added to dq_accum as
+//                                              one bulk copy
 // Registers: dK, dV 64 + 64, dQ 64 (S^T, dP^T, 16 + 16, are dead by then). Shared memory:
 // K, V 32 KiB each, Q and dO 2 stages x 32 KiB each, P^T and dS^T 2 x 8 KiB each: 224 KiB.
 namespace fc_hb {
@@ -799,26 +754,6 @@ struct Dkdv256Warpgroup {
         pin(acc_dk);
     }
 
-    // The products and dQ's addition to dq_accum with red.global.add (Dq_tiled:
-    // grads_product, then dq_tile_add).
-    __device__ __forceinline__ void grads(const FlashParams& p, const BwdSeq& seq, int b, int h,
-                                          int m0, fc_u32 sK, fc_u32 sQb, fc_u32 sdOb, fc_u32 sPb,
-                                          fc_u32 sdSb) {
-        float acc_dq[64];
-        grads_product(sK, sQb, sdOb, sPb, sdSb, acc_dq);
-        dq_red(p, seq, b, h, m0, acc_dq);
-    }
-
-    // dQ added to dq_accum with red.global.add.
-    __device__ __forceinline__ void dq_red(const FlashParams& p, const BwdSeq& seq, int b, int h,
-                                           int m0, const float (&acc_dq)[64]) const {
-        const int i0 = m0 + 16 * wl + g;
-        float* dqa = dq_accum_row(p, seq, b, h, i0) + 128 * wg + 2 * t;
-#ifndef FC_DIAG_BWD_NO_DQ       // (timing only: dQ computed, never added, wrong results)
-        fragment_red_add<16>(dqa, p.dq_accum_row_stride, acc_dq, i0 < seq.sq, i0 + 8 < seq.sq);
-#endif
-    }
-
     // Epilogue: dK * softmax_scale and dV as 16-bit, keys 16 wl + g + 8 r, this warpgroup's
     // columns.
     __device__ __forceinline__ void store(const FlashParams& p, const BwdSeq& seq, int b, int hk,
@@ -850,7 +785,7 @@ struct Dkdv256Warpgroup {
 
 // The head-dim-256 dK/dV kernel (see above): 384 threads, warpgroup 0 produces (bwd_produce,
 // boxes of 64 rows), 1 and 2 consume. Dense calls only.
-template <typename Elem, bool Is_local, bool Is_dropout, bool Dq_tiled = false>
+template <typename Elem, bool Is_local, bool Is_dropout>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcBwdMaps maps) {
     using namespace fc_hb;
@@ -895,14 +830,12 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
     for (int it = 0; it < n_iter; ++it) {
         const int st = it % kStages;
         const fc_u32 buf = (fc_u32)(it & 1) * Wg::kBlk;
-        if constexpr (Dq_tiled) {
-            // The previous step's stage, holding its dQ tiles: back to the producer once the
-            // bulk copy has read this warpgroup's (its issuing thread waits; the phase needs
-            // every consumer's arrival, so it cannot complete before both copies have read).
-            if (it > 0) {
-                if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
-                mbar_arrive(bar.empty((it - 1) % kStages));
-            }
+        // The previous step's stage, holding its dQ tiles: back to the producer once the bulk
+        // copy has read this warpgroup's (its issuing thread waits; the phase needs every
+        // consumer's arrival, so it cannot complete before both copies have read).
+        if (it > 0) {
+            if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
+            mbar_arrive(bar.empty((it - 1) % kStages));
         }
         mbar_wait(bar.full(st), (fc_u32)(it / kStages) & 1u);
         const int m0 = m_block * kBlockM;
@@ -913,21 +846,18 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
         // Both halves of P^T and dS^T are written; and (double-buffered) both warpgroups are
         // past the previous step, whose products read the buffers the next step writes.
         named_sync(1, 256);
-        if constexpr (Dq_tiled) {
+        {
             float acc_dq[64];
             w.grads_product(sK, sQb, sdOb, sP + buf, sdS + buf, acc_dq);
             // Both warpgroups' products done: the stage's Q and dO tiles take their dQ tiles.
             named_sync(2, 256);
             dq_tile_add<64>(acc_dq, w.wg == 0 ? sQb : sdOb,
-                            dq_accum_row<true>(p, seq, b, h, m0) + w.wg * 64 * 128, tid - 128,
+                            dq_accum_row(p, seq, b, h, m0) + w.wg * 64 * 128, tid - 128,
                             3 + w.wg);
-        } else {
-            w.grads(p, seq, b, h, m0, sK, sQb, sdOb, sP + buf, sdS + buf);
-            mbar_arrive(bar.empty(st));   // this stage's Q, dO, lse and D are no longer read
         }
         bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
     }
     w.store(p, seq, b, hk, n0);
-    if constexpr (Dq_tiled)       // (shared memory stays until the last bulk copy has read it)
-        if ((threadIdx.x & 127) == 0) bulk_wait<0>();
+    // (shared memory stays until the last bulk copy has read it)
+    if ((threadIdx.x & 127) == 0) bulk_wait<0>();
 }

@@ -29,13 +29,7 @@ The settings (environment variable in brackets):
   ``sm90_bwd_ws`` (``FLASHCORE_SM90_BWD_WS``): its warp-specialised TMA version for dense calls
   whose arrays TMA can read;
   ``sm90_bwd_d64_block_m`` (``FLASHCORE_SM90_BWD_D64_BM``): queries per step at head dim 64
-  (64 or 128); ``sm90_bwd_dq_tiled`` (``FLASHCORE_SM90_BWD_DQ_TILED``): for dense calls the
-  Hopper dK/dV kernels add each step's dQ tile with one bulk reduce-add into a tile-ordered
-  accumulator (on by default; off: one red.global.add per element, as varlen calls still do;
-  measured on the H200, the backward alone +3-4% at head dim 64, +19-21% at 128, +6% at 256);
-  ``sm90_bwd_dq_tiled_varlen`` (``FLASHCORE_SM90_BWD_DQ_TILED_VARLEN``): varlen calls too, each
-  sequence's accumulator rows starting a whole tile (off by default: written, not yet run on a
-  GPU; once it has been, the element-wise reduction goes and both settings with it).
+  (64 or 128).
 * ``sm90_fp8_fwd`` (``FLASHCORE_SM90_FP8_FWD``): the Hopper FP8 forward kernel for
   float8_e4m3fn CuPy and torch CUDA inputs (on by default); off, such calls are refused by
   name (NumPy arrays and torch CPU tensors take the NumPy reference either way).
@@ -76,8 +70,6 @@ class Settings(NamedTuple):
     sm90_bwd: bool
     sm90_bwd_ws: bool
     sm90_bwd_d64_block_m: int
-    sm90_bwd_dq_tiled: bool
-    sm90_bwd_dq_tiled_varlen: bool
     sm90_fp8_fwd: bool
     sm90_defines: tuple
     decode_fused_combine: bool
@@ -105,8 +97,6 @@ def _from_environment() -> Settings:
         sm90_bwd=_env_flag("FLASHCORE_SM90_BWD", True),
         sm90_bwd_ws=_env_flag("FLASHCORE_SM90_BWD_WS", True),
         sm90_bwd_d64_block_m=int(bm) if bm in ("64", "128") else 128,
-        sm90_bwd_dq_tiled=_env_flag("FLASHCORE_SM90_BWD_DQ_TILED", True),
-        sm90_bwd_dq_tiled_varlen=_env_flag("FLASHCORE_SM90_BWD_DQ_TILED_VARLEN", False),
         sm90_fp8_fwd=_env_flag("FLASHCORE_SM90_FP8_FWD", True),
         sm90_defines=(),
         decode_fused_combine=_env_flag("FLASHCORE_DECODE_FUSED_COMBINE", True),

@@ -312,50 +312,52 @@ def test_backward_replay_equals_full_launch(seed):
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_backward_replay_equals_full_launch_dq_atomic(seed):
-    """(The default is the tile-ordered dQ reduction: here the element-wise one.)"""
+def test_backward_replay_equals_full_launch_ampere_class(seed):
+    """(The Hopper kernels reduce dQ in tile order: here the Ampere-class kernels' element-wise
+    reduction.)"""
     rng = np.random.default_rng(1000 + seed)
-    with config.override(sm90_bwd_dq_tiled=False):
+    with config.override(sm90_bwd=False):
         _check(_backward, _bwd_arrays, _case(rng), rng)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_dq_tiled_launches(d):
-    """With the tile-ordered dQ reduction, a dense call whose arrays TMA can read runs the
-    whole-tile preprocess, the warp-specialised kernel's tiled instantiation and the tiled
-    convert kernel, over an accumulator of whole 64-row tiles (the default); off, the others."""
+    """A dense call whose arrays TMA can read runs the whole-tile preprocess, the Hopper dK/dV
+    kernel and the tiled convert kernel, over an accumulator of whole 64-row tiles; with the
+    Hopper backward off, the Ampere-class preprocess, kernel and convert over seqlen_q rows."""
     rng = np.random.default_rng(d)
     c = dict(_case(rng), dtype="float16", d=d, sq=100, sk=90, b=2, h=4, hk=2, wl=-1, wr=0,
              softcap=0.0, alibi=None, strided=False, deterministic=False)
-    for tiled in (False, True):
-        with config.override(sm90_bwd_dq_tiled=tiled):
+    for hopper in (False, True):
+        with config.override(sm90_bwd=hopper):
             LOG.clear()
             plans.clear()
             _backward(c, _bwd_arrays(rng, c))
             names = [n for n, *_ in LOG]
-        kernel = (backward.sm90_d256_kernel_name("float16", True, dq_tiled=tiled) if d == 256
-                  else backward.sm90_kernel_name("float16", d, True, dq_tiled=tiled) if d == 64
-                  else backward.sm90_ws_kernel_name("float16", d, True, dq_tiled=tiled))
-        convert = (backward.sm90_convert_tiled_name("float16", d) if tiled
-                   else "flash_bwd_convert_dq_kernel<fc_fp16>")
-        pre = "flash_bwd_preprocess_kernel<fc_fp16" + (", true>" if tiled else ">")
-        assert names == [pre, kernel, convert]
-        smem = (backward.sm90_d256_smem() if d == 256
-                else backward.sm90_smem(d, backward.sm90_block_m(d), tiled) if d == 64
-                else backward.sm90_ws_smem(d, backward.SM90_WS_BLOCK_M, tiled))
-        assert LOG[1][3] == smem and smem <= 232448
         words = np.frombuffer(LOG[0][4][:params_dtype().itemsize], np.int64)
         dt = params_dtype()
         head_stride = int(words[dt.fields["dq_accum_head_stride"][1] // 8])
-        assert head_stride == (128 if tiled else 100) * d
+        assert head_stride == (128 if hopper else 100) * d
+        if not hopper:
+            assert names[0] == "flash_bwd_preprocess_kernel<fc_fp16>"
+            assert names[2] == "flash_bwd_convert_dq_kernel<fc_fp16>"
+            continue
+        kernel = (backward.sm90_d256_kernel_name("float16", True) if d == 256
+                  else backward.sm90_kernel_name("float16", d, True) if d == 64
+                  else backward.sm90_ws_kernel_name("float16", d, True))
+        assert names == ["flash_bwd_preprocess_kernel<fc_fp16, true>", kernel,
+                         backward.sm90_convert_tiled_name("float16", d)]
+        smem = (backward.sm90_d256_smem() if d == 256
+                else backward.sm90_smem(d, backward.sm90_block_m(d)) if d == 64
+                else backward.sm90_ws_smem(d, backward.SM90_WS_BLOCK_M))
+        assert LOG[1][3] == smem and smem <= 232448
 
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_dq_tiled_varlen_launches(d):
-    """Varlen calls (the cp.async kernel): with sm90_bwd_dq_tiled_varlen, the whole-tile
-    preprocess, the kernel's tiled instantiation and the tiled convert kernel over an
-    accumulator of total_q + 64 x batch rows a head (each sequence starts a tile); without it
-    (the default), the element-wise reduction over total_q rows."""
+    """Varlen calls (the cp.async kernel): the whole-tile preprocess, the kernel and the tiled
+    convert kernel over an accumulator of total_q + 64 x batch rows a head (each sequence
+    starts a tile)."""
     lens = [70, 0, 257, 33]
     cu = fake_array((len(lens) + 1,), np.int32)
     total = sum(lens)
@@ -363,25 +365,21 @@ def test_dq_tiled_varlen_launches(d):
     out, do, dq = (fake_array(q.shape, np.float16) for _ in range(3))
     dk, dv = (fake_array(k.shape, np.float16) for _ in range(2))
     lse = fake_array((4, total), np.float32)
-    for on in (False, True):
-        with config.override(sm90_bwd_dq_tiled_varlen=on):
-            LOG.clear()
-            plans.clear()
-            backward.launch_backward(do, q, k, v, out, lse, dq, dk, dv, softmax_scale=0.1,
-                                     window_left=-1, window_right=0, cu_seqlens_q=cu,
-                                     cu_seqlens_k=cu, max_seqlen_q=257, max_seqlen_k=257)
-            names = [n for n, *_ in LOG]
-        kernel = backward.sm90_kernel_name("float16", d, True, dq_tiled=on)
-        convert = (backward.sm90_convert_tiled_name("float16", d) if on
-                   else "flash_bwd_convert_dq_kernel<fc_fp16>")
-        pre = "flash_bwd_preprocess_kernel<fc_fp16" + (", true>" if on else ">")
-        assert names == [pre, kernel, convert]
-        assert LOG[0][1] == LOG[2][1] == (5, 4, 4)        # ceil(257 / 64) tiles, heads, batch
-        assert LOG[1][3] == backward.sm90_smem(d, backward.sm90_block_m(d), on)
-        words = np.frombuffer(LOG[0][4][:params_dtype().itemsize], np.int64)
-        dt = params_dtype()
-        head_stride = int(words[dt.fields["dq_accum_head_stride"][1] // 8])
-        assert head_stride == (total + 64 * len(lens) if on else total) * d
+    LOG.clear()
+    plans.clear()
+    backward.launch_backward(do, q, k, v, out, lse, dq, dk, dv, softmax_scale=0.1,
+                             window_left=-1, window_right=0, cu_seqlens_q=cu,
+                             cu_seqlens_k=cu, max_seqlen_q=257, max_seqlen_k=257)
+    names = [n for n, *_ in LOG]
+    assert names == ["flash_bwd_preprocess_kernel<fc_fp16, true>",
+                     backward.sm90_kernel_name("float16", d, True),
+                     backward.sm90_convert_tiled_name("float16", d)]
+    assert LOG[0][1] == LOG[2][1] == (5, 4, 4)        # ceil(257 / 64) tiles, heads, batch
+    assert LOG[1][3] == backward.sm90_smem(d, backward.sm90_block_m(d))
+    words = np.frombuffer(LOG[0][4][:params_dtype().itemsize], np.int64)
+    dt = params_dtype()
+    head_stride = int(words[dt.fields["dq_accum_head_stride"][1] // 8])
+    assert head_stride == (total + 64 * len(lens)) * d
 
 
 def test_scratch_is_fresh_and_never_filled(monkeypatch):

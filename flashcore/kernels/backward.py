@@ -174,12 +174,12 @@ SM90_SOURCE = "flash_bwd_sm90.cu"
 SM90_HEADDIMS = (64, 128)
 
 
-def sm90_smem(headdim: int, block_m: int = 64, dq_tiled: bool = False) -> int:
+def sm90_smem(headdim: int, block_m: int = 64) -> int:
     """K, V (128 x d), Q and dO (2 stages of block_m x d), dS^T (128 x block_m), lse and D (2
-    stages of block_m each), + alignment; with the tile-ordered dQ reduction, a 64 x 64 fp32
-    staging tile per warpgroup (128-byte aligned)."""
+    stages of block_m each), + alignment; a 64 x 64 fp32 dQ staging tile per warpgroup
+    (128-byte aligned)."""
     return (2 * (2 * 128 * headdim) + 2 * 2 * (2 * block_m * headdim) + 2 * 128 * block_m
-            + 2 * 2 * block_m * 4 + 1024 + (128 + 2 * 64 * 64 * 4 if dq_tiled else 0))
+            + 2 * 2 * block_m * 4 + 1024 + 128 + 2 * 64 * 64 * 4)
 
 
 # On by default (compute capability 9.0): verified by the GPU suite on the H200. Head dim 64
@@ -208,11 +208,10 @@ def sm90_applies(cc: int, headdim: int, has_softcap: bool, has_alibi: bool,
 
 
 def sm90_kernel_name(dtype_name: str, headdim: int, is_local: bool,
-                     block_m: int | None = None, dropout: bool = False,
-                     dq_tiled: bool = False) -> str:
+                     block_m: int | None = None, dropout: bool = False) -> str:
     bm = sm90_block_m(headdim) if block_m is None else block_m
     return (f"flash_bwd_dkdv_sm90_kernel<{_ELEM[dtype_name]}, {headdim}, {bm}, {_b(is_local)}, "
-            f"{_b(dropout)}{', true' if dq_tiled else ''}>")
+            f"{_b(dropout)}>")
 
 
 # The warp-specialised dK/dV kernel: head dim 128 (measured on the H200, forward+backward
@@ -224,19 +223,18 @@ SM90_WS_BLOCK_M = 64
 
 
 def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool,
-                        block_m: int = SM90_WS_BLOCK_M, dropout: bool = False,
-                        dq_tiled: bool = False) -> str:
+                        block_m: int = SM90_WS_BLOCK_M, dropout: bool = False) -> str:
     """The warp-specialised dK/dV kernel (TMA producer, two consumer warpgroups)."""
-    bm = block_m
-    return (f"flash_bwd_dkdv_sm90_ws_kernel<{_ELEM[dtype_name]}, {headdim}, {bm}, "
-            f"{_b(is_local)}, {_b(dropout)}{', true' if dq_tiled else ''}>")
+    return (f"flash_bwd_dkdv_sm90_ws_kernel<{_ELEM[dtype_name]}, {headdim}, {block_m}, "
+            f"{_b(is_local)}, {_b(dropout)}>")
 
 
-# The tile-ordered dQ reduction of the Hopper dK/dV kernels (``sm90_bwd_dq_tiled``, varlen calls
-# with ``sm90_bwd_dq_tiled_varlen``): the fp32 accumulator holds whole 64-row tiles, each in the
-# order the kernel's threads store it, added with one bulk reduce-add a warpgroup a step; the
-# preprocess kernel zeroes whole tiles, and its own convert kernel reads the order back
-# (cuda/flash_bwd_sm90.cu).
+# The Hopper dK/dV kernels' dQ reduction, in tile order: the fp32 accumulator holds whole 64-row
+# tiles (a varlen call's sequences each starting a tile), each in the order the kernel's threads
+# store it, added with one bulk reduce-add a warpgroup a step; the preprocess kernel zeroes
+# whole tiles, and its own convert kernel reads the order back (cuda/flash_bwd_sm90.cu). Run 36
+# (H200): the backward alone +3-4% at d64, +20-22% at d128, +5-7% at d256 over red.global.add a
+# fragment element; varlen calls within -5%..+2.5% of it.
 def sm90_convert_tiled_name(dtype_name: str, headdim: int) -> str:
     """(Head dim 64: a warpgroup's tile holds all the columns; 128 and 256: two warpgroups'
     column groups.)"""
@@ -244,13 +242,12 @@ def sm90_convert_tiled_name(dtype_name: str, headdim: int) -> str:
             f"{1 if headdim == 64 else 2}>")
 
 
-def sm90_ws_smem(headdim: int, block_m: int, dq_tiled: bool = False) -> int:
+def sm90_ws_smem(headdim: int, block_m: int) -> int:
     """K, V (128 x d), Q and dO (2 stages of block_m x d), dS^T (2 buffers of 128 x block_m),
-    lse and D (2 stages of block_m each), 5 mbarriers, + alignment; with the tile-ordered dQ
-    reduction, a 64 x 64 fp32 staging tile per consumer warpgroup (128-byte aligned)."""
-    base = (2 * (2 * 128 * headdim) + 2 * 2 * (2 * block_m * headdim) + 2 * 2 * 128 * block_m
-            + 2 * 2 * block_m * 4 + 8 * 5 + 1024)
-    return base + (128 + 2 * 64 * 64 * 4 if dq_tiled else 0)
+    lse and D (2 stages of block_m each), 5 mbarriers, + alignment; a 64 x 64 fp32 dQ staging
+    tile per consumer warpgroup (128-byte aligned)."""
+    return (2 * (2 * 128 * headdim) + 2 * 2 * (2 * block_m * headdim) + 2 * 2 * 128 * block_m
+            + 2 * 2 * block_m * 4 + 8 * 5 + 1024 + 128 + 2 * 64 * 64 * 4)
 
 
 # Head dim 256: its own warp-specialised kernel (64 keys per CTA, every product split between
@@ -260,10 +257,9 @@ def sm90_ws_smem(headdim: int, block_m: int, dq_tiled: bool = False) -> int:
 SM90_D256_BLOCK = 64     # keys per CTA and queries per step
 
 
-def sm90_d256_kernel_name(dtype_name: str, is_local: bool, dropout: bool = False,
-                          dq_tiled: bool = False) -> str:
+def sm90_d256_kernel_name(dtype_name: str, is_local: bool, dropout: bool = False) -> str:
     return (f"flash_bwd_dkdv_sm90_d256_kernel<{_ELEM[dtype_name]}, {_b(is_local)}, "
-            f"{_b(dropout)}{', true' if dq_tiled else ''}>")
+            f"{_b(dropout)}>")
 
 
 def sm90_d256_smem() -> int:
@@ -276,14 +272,12 @@ def sm90_d256_smem() -> int:
 def sm90_instantiations() -> list[str]:
     flags = (False, True)
     dts = ("float16", "bfloat16")
-    names = []
-    for tiled in flags:        # (the tile-ordered dQ reduction or not)
-        names += [sm90_kernel_name(dt, d, loc, bm, drop, tiled) for dt in dts
-                  for d, bm in ((64, 64), (64, 128), (128, 64)) for loc in flags for drop in flags]
-        names += [sm90_ws_kernel_name(dt, d, loc, SM90_WS_BLOCK_M, drop, tiled) for dt in dts
-                  for d in SM90_WS_HEADDIMS for loc in flags for drop in flags]
-        names += [sm90_d256_kernel_name(dt, loc, drop, tiled) for dt in dts for loc in flags
-                  for drop in flags]
+    names = [sm90_kernel_name(dt, d, loc, bm, drop) for dt in dts
+             for d, bm in ((64, 64), (64, 128), (128, 64)) for loc in flags for drop in flags]
+    names += [sm90_ws_kernel_name(dt, d, loc, SM90_WS_BLOCK_M, drop) for dt in dts
+              for d in SM90_WS_HEADDIMS for loc in flags for drop in flags]
+    names += [sm90_d256_kernel_name(dt, loc, drop) for dt in dts for loc in flags
+              for drop in flags]
     return names + [sm90_convert_tiled_name(dt, d) for dt in dts for d in (64, 128, 256)]
 
 
@@ -409,8 +403,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
                 ws = maps_for((q, SM90_WS_BLOCK_M), (k, 128), (v, 128),
                               (dout, SM90_WS_BLOCK_M))
                 hopper = "cpasync" if ws is None else "ws"
-    dq_tiled = (hopper is not None and cfg.sm90_bwd_dq_tiled
-                and (not varlen or cfg.sm90_bwd_dq_tiled_varlen))
+    dq_tiled = hopper is not None     # (the Hopper kernels add dQ in tile order)
 
     # Scratch: fp32 dQ accumulator, (b, h, sq, d_tile) or, varlen, (h, total_q, d_tile): each
     # block's dQ tile is one contiguous slab; rows past a sequence's end are never touched
@@ -481,24 +474,23 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
         defines = cfg.sm90_defines
         if hopper == "d256":
             smem = sm90_d256_smem()
-            kern = get_kernel(SM90_SOURCE, sm90_d256_kernel_name(dtype_name, is_local, dropout,
-                                                                 dq_tiled),
+            kern = get_kernel(SM90_SOURCE, sm90_d256_kernel_name(dtype_name, is_local, dropout),
                               device_id, cc, smem, defines)
             launch(kern, (_cdiv(seqlen_k, SM90_D256_BLOCK), nheads_k, batch), (384,), smem,
                    (ws[0].arg(),))
         elif hopper == "ws":
-            smem = sm90_ws_smem(headdim, SM90_WS_BLOCK_M, dq_tiled)
+            smem = sm90_ws_smem(headdim, SM90_WS_BLOCK_M)
             kern = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, is_local,
-                                                               SM90_WS_BLOCK_M, dropout, dq_tiled),
+                                                               SM90_WS_BLOCK_M, dropout),
                               device_id, cc, smem, defines)
             # (the other launches take the struct alone: cuLaunchKernel reads as many
             # parameters as a kernel declares, so a plan may pass the maps to all)
             launch(kern, (_cdiv(seqlen_k, 128), nheads_k, batch), (384,), smem, (ws[0].arg(),))
         elif hopper == "cpasync":
             bm = sm90_block_m(headdim)
-            smem = sm90_smem(headdim, bm, dq_tiled)
+            smem = sm90_smem(headdim, bm)
             kern = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, headdim, is_local,
-                                                            dropout=dropout, dq_tiled=dq_tiled),
+                                                            dropout=dropout),
                               device_id, cc, smem, defines)
             launch(kern, (_cdiv(seqlen_k, 128), nheads_k, batch), (256,), smem)
         else:

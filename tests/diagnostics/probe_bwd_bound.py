@@ -1,16 +1,14 @@
 """What bounds the Hopper dK/dV kernels: the backward alone (TFLOP/s, GPU time, L2 flushed) of
 the d128 and d256 kernels as they are, and with two timing-only defines that give wrong
 results (cuda/flash_bwd_sm90.cu): FC_DIAG_BWD_NO_DQ (dQ computed, never added to dq_accum:
-no red.global.add, no bulk reduce-add) and FC_DIAG_BWD_NO_QLOAD (Q and dO loaded for the first
-two steps only: no L2 -> shared traffic after them), and both; and the two dQ reductions
-(``sm90_bwd_dq_tiled``: one bulk reduce-add of a warpgroup's tile a step, the default; or
-element-wise red.global.add), with and without their additions. Against SDPA cuDNN's and
-flash's backward in the same run. Needs an H100/H200.
+no bulk reduce-add) and FC_DIAG_BWD_NO_QLOAD (Q and dO loaded for the first
+two steps only: no L2 -> shared traffic after them), and both. Against SDPA cuDNN's and
+flash's backward in the same run. Needs an H100/H200. (The element-wise dQ reduction that the
+tile-ordered one replaced: run 36 in docs/performance-log.md.)
 
 ``--varlen``: the same over packed sequences of random lengths (seqlen/2 to 3·seqlen/2, 16k
-tokens in all), through ``varlen_attention_backward``, for the variants given (the tiled
-reduction over varlen calls is ``sm90_bwd_dq_tiled_varlen``); there is no varlen peer in SDPA,
-so the dense flashcore backward at the mean length stands beside it.
+tokens in all), through ``varlen_attention_backward``; there is no varlen peer in SDPA, so the
+dense flashcore backward at the mean length stands beside it.
 
     python tests/diagnostics/probe_bwd_bound.py [--seqlen 4096 16384] [--headdim 128 256]
                                                 [--variants "as is" "no dQ adds" ...] [--varlen]
@@ -25,13 +23,7 @@ from flashcore.bench import AttentionProblem as Problem, flops, shape_for
 VARIANTS = {"as is": {},
             "no dQ adds": {"sm90_defines": ("-DFC_DIAG_BWD_NO_DQ",)},
             "no Q/dO reloads": {"sm90_defines": ("-DFC_DIAG_BWD_NO_QLOAD",)},
-            "neither": {"sm90_defines": ("-DFC_DIAG_BWD_NO_DQ", "-DFC_DIAG_BWD_NO_QLOAD")},
-            "dQ tiled": {"sm90_bwd_dq_tiled": True},
-            "dQ tiled, no adds": {"sm90_bwd_dq_tiled": True,
-                                  "sm90_defines": ("-DFC_DIAG_BWD_NO_DQ",)},
-            "dQ element-wise": {"sm90_bwd_dq_tiled": False},
-            "varlen dQ tiled": {"sm90_bwd_dq_tiled_varlen": True},
-            "varlen dQ element-wise": {"sm90_bwd_dq_tiled_varlen": False}}
+            "neither": {"sm90_defines": ("-DFC_DIAG_BWD_NO_DQ", "-DFC_DIAG_BWD_NO_QLOAD")}}
 
 
 def varlen_row(s, d, causal, variants, seed=0):

@@ -80,24 +80,19 @@ def run_backward_cases(cases, dropout_p=0.0):
 
 
 if "--hopper-bwd" in sys.argv:
-    # only the Hopper dK/dV kernels (with and without dropout, with and without the
-    # tile-ordered dQ reduction, varlen included), in seconds, under memcheck, racecheck and
-    # synccheck alike:
+    # only the Hopper dK/dV kernels (with and without dropout, varlen included), in seconds,
+    # under memcheck, racecheck and synccheck alike:
     # compute-sanitizer --tool racecheck python3 tests/diagnostics/sanitize_driver.py --hopper-bwd
-    from flashcore import config
-    n = 0
-    for tiled in (False, True):
-        with config.override(sm90_bwd_dq_tiled=tiled, sm90_bwd_dq_tiled_varlen=tiled):
-            n += run_backward_cases(HOPPER_BWD_CASES) + run_backward_cases(HOPPER_BWD_CASES[-3:], 0.2)
-            # varlen (the cp.async kernel): sequences that are no multiple of the tile, one empty
-            for hd in (64, 128):
-                lens = np.array([70, 0, 257, 33], np.int32)
-                cu = cp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
-                t = int(lens.sum())
-                q, k, v, do = (arr((t, hh, hd), "bfloat16") for hh in (6, 2, 2, 6))
-                out, lse = flashcore.varlen_attention_forward(q, k, v, cu, cu, causal=True)
-                flashcore.varlen_attention_backward(do, q, k, v, out, lse, cu, cu, causal=True)
-                cp.cuda.Device().synchronize()
+    n = run_backward_cases(HOPPER_BWD_CASES) + run_backward_cases(HOPPER_BWD_CASES[-3:], 0.2)
+    # varlen (the cp.async kernel): sequences that are no multiple of the tile, one empty
+    for hd in (64, 128):
+        lens = np.array([70, 0, 257, 33], np.int32)
+        cu = cp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+        t = int(lens.sum())
+        q, k, v, do = (arr((t, hh, hd), "bfloat16") for hh in (6, 2, 2, 6))
+        out, lse = flashcore.varlen_attention_forward(q, k, v, cu, cu, causal=True)
+        flashcore.varlen_attention_backward(do, q, k, v, out, lse, cu, cu, causal=True)
+        cp.cuda.Device().synchronize()
                 n += 1
     print(f"sanitize driver --hopper-bwd: {n} cases ran")
     sys.exit(0)
@@ -197,22 +192,18 @@ if int(cp.cuda.Device().compute_capability) == 90:
     _config.set(sm90_fwd_persistent=True)
     _bwd.set_sm90(True)                                # the Hopper dK/dV kernels
     n += run_backward_cases(HOPPER_BWD_CASES)
-    with _config.override(sm90_bwd_dq_tiled=True):    # (the tile-ordered dQ reduction)
-        n += run_backward_cases(HOPPER_BWD_CASES)
-    # varlen cu_seqlens past the rows, decreasing, negative, on the Hopper kernel with each dQ
-    # reduction (the tiled one: each sequence's tiles at its own clamped offset)
-    for tiled in (False, True):
-        with _config.override(sm90_bwd_dq_tiled=tiled, sm90_bwd_dq_tiled_varlen=tiled):
-            for hd, cuq in ((64, [0, 5, 900, 141, -4]), (128, [0, 5, 900, 141, -4]),
-                            (64, [100, 0, 141, 141, 141]), (128, [100, 0, 141, 141, 141])):
-                cu_q = cp.asarray(np.array(cuq, np.int32))
-                cu_k = cp.asarray(np.array([0, 9, 13, 10**6, 100], np.int32))
-                q, k, v = (arr((t, hh, hd), "bfloat16") for t, hh in ((141, 4), (100, 2), (100, 2)))
-                out, lse = flashcore.varlen_attention_forward(q, k, v, cu_q, cu_k, causal=True)
-                flashcore.varlen_attention_backward(arr((141, 4, hd), "bfloat16"), q, k, v, out,
-                                                    lse, cu_q, cu_k, causal=True)
-                cp.cuda.Device().synchronize()
-                n += 1
+    # varlen cu_seqlens past the rows, decreasing, negative, on the Hopper kernel (each
+    # sequence's dQ tiles at its own clamped offset)
+    for hd, cuq in ((64, [0, 5, 900, 141, -4]), (128, [0, 5, 900, 141, -4]),
+                    (64, [100, 0, 141, 141, 141]), (128, [100, 0, 141, 141, 141])):
+        cu_q = cp.asarray(np.array(cuq, np.int32))
+        cu_k = cp.asarray(np.array([0, 9, 13, 10**6, 100], np.int32))
+        q, k, v = (arr((t, hh, hd), "bfloat16") for t, hh in ((141, 4), (100, 2), (100, 2)))
+        out, lse = flashcore.varlen_attention_forward(q, k, v, cu_q, cu_k, causal=True)
+        flashcore.varlen_attention_backward(arr((141, 4, hd), "bfloat16"), q, k, v, out,
+                                            lse, cu_q, cu_k, causal=True)
+        cp.cuda.Device().synchronize()
+        n += 1
     _bwd.set_sm90(False)
 _config.set(**_was._asdict())
 

@@ -197,28 +197,24 @@ def _ran_sm90_bwd(dtype, local, d=128, varlen=False, dropout=False):
     """The dK/dV kernel of the fixture's variant ran (varlen calls take the cp.async one)."""
     from flashcore import config, jit
     from flashcore.kernels import backward
-    tiled = config.get().sm90_bwd_dq_tiled and (not varlen or config.get().sm90_bwd_dq_tiled_varlen)
     if d == 256:      # (warp-specialised only)
-        name = backward.sm90_d256_kernel_name(dtype, local, dropout, dq_tiled=tiled)
+        name = backward.sm90_d256_kernel_name(dtype, local, dropout)
         return any(k[2] == backward.SM90_SOURCE and k[3] == name for k in jit._kernels)
     ws = config.get().sm90_bwd_ws and not varlen and d in backward.SM90_WS_HEADDIMS
-    name = (backward.sm90_ws_kernel_name(dtype, d, local, dropout=dropout, dq_tiled=tiled) if ws
-            else backward.sm90_kernel_name(dtype, d, local, dropout=dropout, dq_tiled=tiled))
+    name = (backward.sm90_ws_kernel_name(dtype, d, local, dropout=dropout) if ws
+            else backward.sm90_kernel_name(dtype, d, local, dropout=dropout))
     return any(k[2] == backward.SM90_SOURCE and k[3] == name for k in jit._kernels)
 
 
-@pytest.fixture(params=[(True, 128, False), (True, 128, True), (False, 128, False),
-                        (False, 128, True), (False, 64, False), (False, 64, True)],
-                ids=["ws", "ws-dq-tiled", "cpasync-d64-bm128", "cpasync-d64-bm128-dq-tiled",
-                     "cpasync-d64-bm64", "cpasync-d64-bm64-dq-tiled"])
+@pytest.fixture(params=[(True, 128), (False, 128), (False, 64)],
+                ids=["ws", "cpasync-d64-bm128", "cpasync-d64-bm64"])
 def sm90_bwd(request):
-    """The Hopper dK/dV kernel on (warp-specialised where it applies, with or without the
-    tile-ordered dQ reduction, varlen calls included, else cp.async), the forward on the
-    (verified) Ampere-class kernel, so that a failure here is the backward's."""
+    """The Hopper dK/dV kernel on (warp-specialised where it applies, else cp.async, which
+    varlen calls take), the forward on the (verified) Ampere-class kernel, so that a failure
+    here is the backward's."""
     from flashcore import config
-    ws, bm, tiled = request.param
-    with config.override(sm90_bwd=True, sm90_bwd_ws=ws, sm90_bwd_d64_block_m=bm, sm90_fwd=False,
-                         sm90_bwd_dq_tiled=tiled, sm90_bwd_dq_tiled_varlen=tiled):
+    ws, bm = request.param
+    with config.override(sm90_bwd=True, sm90_bwd_ws=ws, sm90_bwd_d64_block_m=bm, sm90_fwd=False):
         yield
 
 
@@ -352,14 +348,14 @@ out, lse = flashcore.attention_forward(q, k, v, causal=True)
 flashcore.attention_backward(do, q, k, v, out, lse, causal=True)
 names = {k[3] for k in jit._kernels}
 assert forward.sm90_ws_kernel_name("float16", 128, True) in names, names
-assert backward.sm90_ws_kernel_name("float16", 128, True, dq_tiled=True) in names, names
+assert backward.sm90_ws_kernel_name("float16", 128, True) in names, names
 assert backward.sm90_convert_tiled_name("float16", 128) in names, names
 assert "flash_bwd_preprocess_kernel<fc_fp16, true>" in names, names
 q, k, v, do = (cp.asarray(rng.standard_normal((1, 300, 2, 256)).astype(np.float16)) for _ in range(4))
 out, lse = flashcore.attention_forward(q, k, v, causal=True)
 flashcore.attention_backward(do, q, k, v, out, lse, causal=True)
 names = {k[3] for k in jit._kernels}
-assert backward.sm90_d256_kernel_name("float16", True, dq_tiled=True) in names, names
+assert backward.sm90_d256_kernel_name("float16", True) in names, names
 print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
@@ -378,6 +374,6 @@ def test_backward_dq_tiled_dropout(d, sq, sk, kw):
         pytest.skip("the backward does not depend on the forward variant: run once")
     from flashcore import config
     from test_cupy_gpu import test_dropout_against_the_reference as dropout_check
-    with config.override(sm90_bwd=True, sm90_bwd_ws=True, sm90_bwd_dq_tiled=True):
+    with config.override(sm90_bwd=True, sm90_bwd_ws=True):
         dropout_check(d, sq, sk, kw, 0.17)
         assert _ran_sm90_bwd("bfloat16", bool(kw), d, dropout=True)
