@@ -93,7 +93,7 @@ if "--hopper-bwd" in sys.argv:
         out, lse = flashcore.varlen_attention_forward(q, k, v, cu, cu, causal=True)
         flashcore.varlen_attention_backward(do, q, k, v, out, lse, cu, cu, causal=True)
         cp.cuda.Device().synchronize()
-                n += 1
+        n += 1
     print(f"sanitize driver --hopper-bwd: {n} cases ran")
     sys.exit(0)
 
