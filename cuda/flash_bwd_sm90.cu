@@ -416,19 +416,17 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
         // (the staging tiles, read by the previous step's bulk copies)
         if (it > 0 && (threadIdx.x & 127) == 0) fc_pipe::bulk_wait_read<0>();
         __syncthreads();          // the whole dS^T tile is written (and the staging tiles free)
-        {
-            // A warpgroup's dQ tile: d128, columns 64 wg.. of the block's rows; d64 with
-            // 128-query blocks, all columns of its own 64 rows; d64 with 64-query blocks, both
-            // warpgroups' partial products of the same tile (both added).
-            float acc_dq[32];
-            w.dq_product(sK, sdS, acc_dq);
-            // (d64 with 128-query blocks: the second warpgroup's rows may all lie past the
-            // last query, where the accumulator, padded to 64 rows, has no tile)
-            const int row0 = m0 + (kBlockM == 128 ? 64 * w.wg : 0);
-            dq_tile_add<32>(acc_dq, sDq + (fc_u32)w.wg * (64u * 64u * 4u),
-                            dq_accum_row(p, seq, b, h, row0) + (kD == 128 ? w.wg * 64 * 64 : 0),
-                            tid, 1 + w.wg, row0 < seq.sq);
-        }
+        // A warpgroup's dQ tile: d128, columns 64 wg.. of the block's rows; d64 with
+        // 128-query blocks, all columns of its own 64 rows; d64 with 64-query blocks, both
+        // warpgroups' partial products of the same tile (both added).
+        float acc_dq[32];
+        w.dq_product(sK, sdS, acc_dq);
+        // (d64 with 128-query blocks: the second warpgroup's rows may all lie past the
+        // last query, where the accumulator, padded to 64 rows, has no tile)
+        const int row0 = m0 + (kBlockM == 128 ? 64 * w.wg : 0);
+        dq_tile_add<32>(acc_dq, sDq + (fc_u32)w.wg * (64u * 64u * 4u),
+                        dq_accum_row(p, seq, b, h, row0) + (kD == 128 ? w.wg * 64 * 64 : 0),
+                        tid, 1 + w.wg, row0 < seq.sq);
 
         __syncthreads();          // dS^T, this stage's Q / dO and lse / D are free
         if (has_next && tid < kBlockM) {
@@ -597,20 +595,18 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
         // The whole dS^T tile is written; and (dS^T double-buffered) every consumer is past the
         // previous step, whose dQ product read the buffer the next step writes.
         named_sync(1, 256);
-        {
-            static_assert(kD == 128 && kBlockM == 64, "dQ tiles of 64 x 64 a warpgroup");
-            float acc_dq[32];
-            w.dq_product(sK, sdSb, acc_dq);
-            mbar_arrive(bar.empty(st));   // this stage's Q, dO, lse and D are no longer read
-            // The warpgroup's staging tile, read by the previous step's bulk copy, is free.
-            if (it > 0) {
-                if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
-                named_sync(3 + w.wg, 128);
-            }
-            dq_tile_add<32>(acc_dq, sDq + (fc_u32)w.wg * (64u * 64u * 4u),
-                            dq_accum_row(p, seq, b, h, m0) + w.wg * 64 * 64, tid - 128,
-                            3 + w.wg);
+        static_assert(kD == 128 && kBlockM == 64, "dQ tiles of 64 x 64 a warpgroup");
+        float acc_dq[32];
+        w.dq_product(sK, sdSb, acc_dq);
+        mbar_arrive(bar.empty(st));   // this stage's Q, dO, lse and D are no longer read
+        // The warpgroup's staging tile, read by the previous step's bulk copy, is free.
+        if (it > 0) {
+            if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
+            named_sync(3 + w.wg, 128);
         }
+        dq_tile_add<32>(acc_dq, sDq + (fc_u32)w.wg * (64u * 64u * 4u),
+                        dq_accum_row(p, seq, b, h, m0) + w.wg * 64 * 64, tid - 128,
+                        3 + w.wg);
         bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
     }
     w.store(p, seq, b, hk, n0);
@@ -846,15 +842,13 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
         // Both halves of P^T and dS^T are written; and (double-buffered) both warpgroups are
         // past the previous step, whose products read the buffers the next step writes.
         named_sync(1, 256);
-        {
-            float acc_dq[64];
-            w.grads_product(sK, sQb, sdOb, sP + buf, sdS + buf, acc_dq);
-            // Both warpgroups' products done: the stage's Q and dO tiles take their dQ tiles.
-            named_sync(2, 256);
-            dq_tile_add<64>(acc_dq, w.wg == 0 ? sQb : sdOb,
-                            dq_accum_row(p, seq, b, h, m0) + w.wg * 64 * 128, tid - 128,
-                            3 + w.wg);
-        }
+        float acc_dq[64];
+        w.grads_product(sK, sQb, sdOb, sP + buf, sdS + buf, acc_dq);
+        // Both warpgroups' products done: the stage's Q and dO tiles take their dQ tiles.
+        named_sync(2, 256);
+        dq_tile_add<64>(acc_dq, w.wg == 0 ? sQb : sdOb,
+                        dq_accum_row(p, seq, b, h, m0) + w.wg * 64 * 128, tid - 128,
+                        3 + w.wg);
         bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
     }
     w.store(p, seq, b, hk, n0);
