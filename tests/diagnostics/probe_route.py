@@ -15,14 +15,18 @@ call, the best of R interleaved rounds of up to N calls each, beside:
   arithmetic); ``sdpa1_*``: one query and one key, SDPA's dispatch and autograd with next to
   no arithmetic;
 * ``op_fwd`` / ``op_bwd``: the two ops called directly, and the pieces of a replay (the
-  launch-plan key and lookup, the allocations, ``Plan.run``).
+  launch-plan key and lookup, the allocations, ``Plan.run``);
+* ``fc_decode`` / ``op_decode``: one decoding step (batch 1, one query token, 32 query heads
+  over 8 kv heads, head dim 128, a 4k cache, ``cache_seqlens`` a tensor) through
+  ``flashcore.attention_with_kvcache`` and through the ``flashcore::kvcache_read`` op directly.
 
 Default (stubbed; runs on a machine without a GPU): the tensors are CPU tensors and only the
 device is stubbed, at the lowest level: ``Tensor.is_cuda`` reads True, the plans' CUDA context
 and ``cuLaunchKernel`` are no-ops (``flashcore.kernels.device.driver()``), torch's raw stream is
 0. The plans themselves are recorded through the real ``plans.record``/``Plan.build`` from a
 stand-in backend that offers what the CUDA launchers offer for this call (the forward: one
-launch; the backward: preprocess, dK/dV, dQ convert, and two scratch buffers). Everything above
+launch; the backward: preprocess, dK/dV, dQ convert, and two scratch buffers; decoding: one
+launch). Everything above
 the launch -- public function, option handling, the Function, dispatch, key, lookup,
 allocations, struct copy and packing -- runs for real. The clock is the process's CPU time
 (time spent descheduled on a shared machine is not counted); the backward runs on the calling
@@ -114,17 +118,33 @@ class _StandInBackend:
                                          "dq_accum": rows * spec.headdim * 4}))
         return dq, dk, dv
 
+    @staticmethod
+    def forward_kvcache(spec, q, k_cache, v_cache, k, v, *, cache_seqlens, **_):
+        a = spec.attn
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty((a.batch, a.nheads, a.seqlen_q), dtype=torch.float32, device=q.device)
+        params = make_params(q=q.data_ptr(), k=k_cache.data_ptr(), v=v_cache.data_ptr(),
+                             o=out.data_ptr(), lse=lse.data_ptr(),
+                             cache_seqlens=cache_seqlens.data_ptr(), batch=a.batch,
+                             nheads=a.nheads, nheads_k=a.nheads_k, headdim=a.headdim,
+                             seqlen_q=a.seqlen_q, softmax_scale=a.softmax_scale)
+        plans.offer(plans.Piece([(_FAKE_KERNEL, (a.batch * a.nheads_k, 1, 8), (128,), 100000)],
+                                params))
+        return out, lse
+
 
 @contextlib.contextmanager
 def recording_stand_in():
     """The first call of a layout records its plan from the stand-in backend (the real
     backend would compute on the CPU and offer nothing)."""
-    backend, choose = torch_ops._BACKEND, torch_ops.choose
+    backend, choose, choose_kv = torch_ops._BACKEND, torch_ops.choose, torch_ops.choose_kvcache
     torch_ops._BACKEND, torch_ops.choose = _StandInBackend(), (lambda *a, **k: None)
+    torch_ops.choose_kvcache = lambda *a, **k: None
     try:
         yield
     finally:
         torch_ops._BACKEND, torch_ops.choose = backend, choose
+        torch_ops.choose_kvcache = choose_kv
 
 
 # --------------------------------------------------------------------------------------------
@@ -204,10 +224,27 @@ def cases(device):
         with torch.no_grad():
             bwd_op(do, q, k, v, o, lse, opts)
 
+    # one decoding step (#14's cell: batch 1, one query token, 32 query heads over 8 kv heads,
+    # head dim 128, a cache of 4k tokens, cache_seqlens an int32 tensor of the device)
+    dq_ = torch.randn(1, 1, 32, 128, device=device, dtype=torch.bfloat16)
+    kc, vc = (torch.randn(1, 4096, 8, 128, device=device, dtype=torch.bfloat16)
+              for _ in range(2))
+    lens = torch.full((1,), 4096, dtype=torch.int32, device=device)
+
+    def fc_decode():
+        flashcore.attention_with_kvcache(dq_, kc, vc, cache_seqlens=lens)
+
+    kv_read = ops.kvcache_read.default
+    dscale = 1 / math.sqrt(128)
+
+    def op_decode():
+        kv_read(dq_, kc, vc, lens, 0, None, False, dscale, -1, -1, 0.0, None, 0, None)
+
     return {"fc_fwd": fc_fwd, "sdpa_fwd": sdpa_fwd, "sdpa1_fwd": sdpa1_fwd,
             "fc_fwd_grad": fc_fwd_grad, "nothing_fwd_grad": nothing_fwd_grad,
             "fc_step": fc_step, "nothing_step": nothing_step, "sdpa_step": sdpa_step,
-            "sdpa1_step": sdpa1_step, "op_fwd": op_fwd, "op_bwd": op_bwd}, \
+            "sdpa1_step": sdpa1_step, "op_fwd": op_fwd, "op_bwd": op_bwd,
+            "fc_decode": fc_decode, "op_decode": op_decode}, \
         (q, k, v, do, o, lse)
 
 
@@ -305,8 +342,9 @@ def main(argv=None):
             for name, fn in fns.items():
                 if not name.startswith("sdpa"):
                     fn()
-    if not all(k[0] in ("fwd", "bwd") for k in plans.PLANS) or len(plans.PLANS) != 2:
-        print(f"warning: {len(plans.PLANS)} plans recorded (expected fwd and bwd): the calls "
+    if (not all(k[0] in ("fwd", "bwd", "kvcache") for k in plans.PLANS)
+            or len(plans.PLANS) != 3):
+        print(f"warning: {len(plans.PLANS)} plans recorded (expected fwd, bwd, kvcache): the calls "
               "may not be replaying", file=sys.stderr)
 
     mode = "real" if args.real else "stubbed (CPU tensors, no device)"
