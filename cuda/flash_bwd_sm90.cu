@@ -452,7 +452,10 @@ struct alignas(64) FcBwdMaps {
 // keys, [kD / 64][kBlockN][64] in shared memory), then per step of the walk Q and dO of the
 // query block (boxes of 64 x kBlockM) into stage `it % kStages` of the ring, and the rows'
 // lse and D beside them. Barriers at `bars`: the K/V barrier, kStages full, kStages empty.
-template <int kD, int kBlockM, int kBlockN, int kStages>
+// Is_varlen: the maps see each packed array as one sequence of total rows (batch 1), so a
+// sequence's rows start at its offset; rows past its end are another sequence's (or no
+// sequence's), which the consumers zero before reading (zero_rows).
+template <int kD, int kBlockM, int kBlockN, int kStages, bool Is_varlen = false>
 __device__ __forceinline__ void bwd_produce(const FlashParams& p, const BwdSeq& seq,
                                             const FcBwdMaps& maps, const BwdKeyWalk& kw, int b,
                                             int hk, int n0, int lane, fc_u32 sK, fc_u32 sV,
@@ -465,10 +468,13 @@ __device__ __forceinline__ void bwd_produce(const FlashParams& p, const BwdSeq& 
     constexpr fc_u32 kKT = (fc_u32)(kD / 64) * kKBlk, kQT = (fc_u32)(kD / 64) * kQBlk;
     if (lane == 0) {
         mbar_expect_tx(bar.kv(), 2u * kKT);
+        const int k_row = (Is_varlen ? (int)seq.k_off : 0) + n0;
 #pragma unroll
         for (int c = 0; c < kD / 64; ++c) {
-            tma_load_4d(sK + (fc_u32)c * kKBlk, maps.k, bar.kv(), 64 * c, n0, hk, b);
-            tma_load_4d(sV + (fc_u32)c * kKBlk, maps.v, bar.kv(), 64 * c, n0, hk, b);
+            tma_load_4d(sK + (fc_u32)c * kKBlk, maps.k, bar.kv(), 64 * c, k_row, hk,
+                        Is_varlen ? 0 : b);
+            tma_load_4d(sV + (fc_u32)c * kKBlk, maps.v, bar.kv(), 64 * c, k_row, hk,
+                        Is_varlen ? 0 : b);
         }
     }
     int h = kw.h0, m_block = kw.m_begin;
@@ -483,13 +489,15 @@ __device__ __forceinline__ void bwd_produce(const FlashParams& p, const BwdSeq& 
         constexpr bool load = true;
 #endif
         if (lane == 0) {
+            // (varlen: the sequence's rows from its offset, batch 0 of the maps)
+            const int q_row = (Is_varlen ? (int)seq.q_off : 0) + mm, mb = Is_varlen ? 0 : b;
             mbar_expect_tx(bar.full(st), load ? 2u * kQT : 0u);
 #pragma unroll
             for (int c = 0; c < kD / 64 && load; ++c) {
                 tma_load_4d(sQ + (fc_u32)st * kQT + (fc_u32)c * kQBlk, maps.q, bar.full(st),
-                            64 * c, mm, h, b);
+                            64 * c, q_row, h, mb);
                 tma_load_4d(sdO + (fc_u32)st * kQT + (fc_u32)c * kQBlk, maps.dout, bar.full(st),
-                            64 * c, mm, h, b);
+                            64 * c, q_row, h, mb);
             }
         }
         for (int r = lane; r < kBlockM; r += 32)
@@ -503,7 +511,7 @@ __device__ __forceinline__ void bwd_produce(const FlashParams& p, const BwdSeq& 
 // tensor maps and initialises the barriers at `bars` (the K/V barrier, kStages full, kStages
 // empty), then warpgroup 0 gives its registers back and its warp 0 runs the producer. Returns
 // true in the two consumer warpgroups (their registers raised), false in the producer's.
-template <int kD, int kBlockM, int kBlockN, int kStages>
+template <int kD, int kBlockM, int kBlockN, int kStages, bool Is_varlen = false>
 __device__ __forceinline__ bool bwd_ws_start(const FlashParams& p, const BwdSeq& seq,
                                              const FcBwdMaps& maps, const BwdKeyWalk& kw, int b,
                                              int hk, int n0, fc_u32 sK, fc_u32 sV, fc_u32 sQ,
@@ -527,17 +535,37 @@ __device__ __forceinline__ bool bwd_ws_start(const FlashParams& p, const BwdSeq&
     if (tid < 128) {
         setmaxnreg_dec<24>();
         if (tid < 32)
-            bwd_produce<kD, kBlockM, kBlockN, kStages>(p, seq, maps, kw, b, hk, n0, tid & 31, sK,
-                                                       sV, sQ, sdO, sLse, sDsum, bars);
+            bwd_produce<kD, kBlockM, kBlockN, kStages, Is_varlen>(p, seq, maps, kw, b, hk, n0,
+                                                                  tid & 31, sK, sV, sQ, sdO,
+                                                                  sLse, sDsum, bars);
         return false;
     }
     setmaxnreg_inc<240>();
     return true;
 }
 
+// Varlen, warp-specialised: rows [r0, kRows) of a [kD / 64][kRows][64] tile that TMA filled
+// from the packed arrays hold the next sequence's rows (or rows of no sequence: anything,
+// NaN included), which the products would mix into the valid ones (0 * NaN); zeroed by the
+// 256 consumer threads (ct), as the dense maps' out-of-bounds fill leaves them, and fenced for
+// the async proxy and synchronised (named barrier 1) before any product reads the tile. A
+// swizzled row is its own 128 bytes, so whole rows are zeroed whatever the swizzle.
+template <int kD, int kRows>
+__device__ __forceinline__ void zero_rows(fc_u32 tile, int r0, int ct) {
+    const int per_block = (kRows - r0) * 8;                  // 16-byte chunks past row r0
+    for (int i = ct; i < per_block * (kD / 64); i += 256) {
+        const int c = i / per_block, rest = i - c * per_block;
+        fc_sm90::sts128f(tile + (fc_u32)c * (fc_u32)kRows * 128u
+                         + (fc_u32)(r0 + (rest >> 3)) * 128u + (fc_u32)(rest & 7) * 16u,
+                         0.f, 0.f, 0.f, 0.f);
+    }
+}
+
 // Warp-specialised dK/dV kernel (see the top of the file): 384 threads, warpgroup 0 produces,
-// 1 and 2 consume. Dense calls only (TMA boxes address rows of one sequence).
-template <typename Elem, int kD, int kBlockM, bool Is_local, bool Is_dropout>
+// 1 and 2 consume. Dense calls, or (Is_varlen) varlen calls: the maps over the packed arrays,
+// rows past a sequence's end zeroed in shared memory (zero_rows).
+template <typename Elem, int kD, int kBlockM, bool Is_local, bool Is_dropout,
+          bool Is_varlen = false>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwdMaps maps) {
     using namespace fc_hb;
@@ -576,19 +604,35 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
         return;
     }
 
-    if (!bwd_ws_start<kD, kBlockM, kBlockN, kStages>(p, seq, maps, kw, b, hk, n0, sK, sV, sQ,
-                                                     sdO, sLse, sDsum, bars))
+    if (!bwd_ws_start<kD, kBlockM, kBlockN, kStages, Is_varlen>(p, seq, maps, kw, b, hk, n0, sK,
+                                                                sV, sQ, sdO, sLse, sDsum, bars))
         return;
 
     // ---- consumers -------------------------------------------------------------------------
     DkdvWarpgroup<Elem, kD, kBlockM, Is_local, Is_dropout> w(tid - 128);
     mbar_wait(bar.kv(), 0);
+    if constexpr (Is_varlen) {
+        if (n0 + kBlockN > seq.sk) {   // (CTA-uniform)
+            zero_rows<kD, kBlockN>(sK, seq.sk - n0, tid - 128);
+            zero_rows<kD, kBlockN>(sV, seq.sk - n0, tid - 128);
+            fence_proxy_async();
+            named_sync(1, 256);
+        }
+    }
     int h = kw.h0, m_block = kw.m_begin;
     for (int it = 0; it < n_iter; ++it) {
         const int st = it % kStages;
         const fc_u32 sdSb = sdS + (fc_u32)(it & 1) * kSdS;
         mbar_wait(bar.full(st), (fc_u32)(it / kStages) & 1u);
         const int m0 = m_block * kBlockM;
+        if constexpr (Is_varlen) {
+            if (m0 + kBlockM > seq.sq) {   // (CTA-uniform; m0 < sq on the walk)
+                zero_rows<kD, kBlockM>(sQ + (fc_u32)st * kQT, seq.sq - m0, tid - 128);
+                zero_rows<kD, kBlockM>(sdO + (fc_u32)st * kQT, seq.sq - m0, tid - 128);
+                fence_proxy_async();
+                named_sync(1, 256);
+            }
+        }
         w.grads(p, seq, b, h, m0, n0, kw.off, sK, sV, sQ + (fc_u32)st * kQT, sdO + (fc_u32)st * kQT,
                 sLse + st * kBlockM, sDsum + st * kBlockM, sdSb);
         fence_proxy_async();      // the dS^T stores, for the dQ product's async-proxy reads
@@ -780,8 +824,9 @@ struct Dkdv256Warpgroup {
 }  // namespace fc_hb
 
 // The head-dim-256 dK/dV kernel (see above): 384 threads, warpgroup 0 produces (bwd_produce,
-// boxes of 64 rows), 1 and 2 consume. Dense calls only.
-template <typename Elem, bool Is_local, bool Is_dropout>
+// boxes of 64 rows), 1 and 2 consume. Dense calls, or (Is_varlen) varlen calls as the d128
+// warp-specialised kernel takes them.
+template <typename Elem, bool Is_local, bool Is_dropout, bool Is_varlen = false>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcBwdMaps maps) {
     using namespace fc_hb;
@@ -816,12 +861,20 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
         return;
     }
 
-    if (!bwd_ws_start<kD, kBlockM, kBlockN, kStages>(p, seq, maps, kw, b, hk, n0, sK, sV, sQ,
-                                                     sdO, sLse, sDsum, bars))
+    if (!bwd_ws_start<kD, kBlockM, kBlockN, kStages, Is_varlen>(p, seq, maps, kw, b, hk, n0, sK,
+                                                                sV, sQ, sdO, sLse, sDsum, bars))
         return;
 
     Wg w(tid - 128);
     mbar_wait(bar.kv(), 0);
+    if constexpr (Is_varlen) {
+        if (n0 + kBlockN > seq.sk) {   // (CTA-uniform)
+            zero_rows<kD, kBlockN>(sK, seq.sk - n0, tid - 128);
+            zero_rows<kD, kBlockN>(sV, seq.sk - n0, tid - 128);
+            fence_proxy_async();
+            named_sync(1, 256);
+        }
+    }
     int h = kw.h0, m_block = kw.m_begin;
     for (int it = 0; it < n_iter; ++it) {
         const int st = it % kStages;
@@ -836,6 +889,14 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
         mbar_wait(bar.full(st), (fc_u32)(it / kStages) & 1u);
         const int m0 = m_block * kBlockM;
         const fc_u32 sQb = sQ + (fc_u32)st * kTile, sdOb = sdO + (fc_u32)st * kTile;
+        if constexpr (Is_varlen) {
+            if (m0 + kBlockM > seq.sq) {   // (CTA-uniform; m0 < sq on the walk)
+                zero_rows<kD, kBlockM>(sQb, seq.sq - m0, tid - 128);
+                zero_rows<kD, kBlockM>(sdOb, seq.sq - m0, tid - 128);
+                fence_proxy_async();
+                named_sync(1, 256);
+            }
+        }
         w.scores(p, seq, b, h, m0, n0, kw.off, sK, sV, sQb, sdOb, sLse + st * kBlockM,
                  sDsum + st * kBlockM, sP + buf, sdS + buf);
         fence_proxy_async();      // the P^T / dS^T stores, for the products' async-proxy reads

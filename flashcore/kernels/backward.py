@@ -223,10 +223,12 @@ SM90_WS_BLOCK_M = 64
 
 
 def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool,
-                        block_m: int = SM90_WS_BLOCK_M, dropout: bool = False) -> str:
-    """The warp-specialised dK/dV kernel (TMA producer, two consumer warpgroups)."""
+                        block_m: int = SM90_WS_BLOCK_M, dropout: bool = False,
+                        varlen: bool = False) -> str:
+    """The warp-specialised dK/dV kernel (TMA producer, two consumer warpgroups); varlen: its
+    instantiation over the packed arrays (``sm90_bwd_ws_varlen``)."""
     return (f"flash_bwd_dkdv_sm90_ws_kernel<{_ELEM[dtype_name]}, {headdim}, {block_m}, "
-            f"{_b(is_local)}, {_b(dropout)}>")
+            f"{_b(is_local)}, {_b(dropout)}{', true' if varlen else ''}>")
 
 
 # The Hopper dK/dV kernels' dQ reduction, in tile order: the fp32 accumulator holds whole 64-row
@@ -257,9 +259,10 @@ def sm90_ws_smem(headdim: int, block_m: int) -> int:
 SM90_D256_BLOCK = 64     # keys per CTA and queries per step
 
 
-def sm90_d256_kernel_name(dtype_name: str, is_local: bool, dropout: bool = False) -> str:
+def sm90_d256_kernel_name(dtype_name: str, is_local: bool, dropout: bool = False,
+                          varlen: bool = False) -> str:
     return (f"flash_bwd_dkdv_sm90_d256_kernel<{_ELEM[dtype_name]}, {_b(is_local)}, "
-            f"{_b(dropout)}>")
+            f"{_b(dropout)}{', true' if varlen else ''}>")
 
 
 def sm90_d256_smem() -> int:
@@ -274,10 +277,10 @@ def sm90_instantiations() -> list[str]:
     dts = ("float16", "bfloat16")
     names = [sm90_kernel_name(dt, d, loc, bm, drop) for dt in dts
              for d, bm in ((64, 64), (64, 128), (128, 64)) for loc in flags for drop in flags]
-    names += [sm90_ws_kernel_name(dt, d, loc, SM90_WS_BLOCK_M, drop) for dt in dts
-              for d in SM90_WS_HEADDIMS for loc in flags for drop in flags]
-    names += [sm90_d256_kernel_name(dt, loc, drop) for dt in dts for loc in flags
-              for drop in flags]
+    names += [sm90_ws_kernel_name(dt, d, loc, SM90_WS_BLOCK_M, drop, vl) for dt in dts
+              for d in SM90_WS_HEADDIMS for loc in flags for drop in flags for vl in flags]
+    names += [sm90_d256_kernel_name(dt, loc, drop, vl) for dt in dts for loc in flags
+              for drop in flags for vl in flags]
     return names + [sm90_convert_tiled_name(dt, d) for dt in dts for d in (64, 128, 256)]
 
 
@@ -386,22 +389,27 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
     has_alibi = alibi_slopes is not None
 
     # The dK/dV kernel: a Hopper one ("d256", "ws": warp-specialised, with their tensor maps
-    # `ws`; "cpasync") or None (flash_bwd.cu's); with the tile-ordered dQ reduction or not.
+    # `ws`; "cpasync") or None (flash_bwd.cu's). Varlen calls take the warp-specialised ones
+    # with sm90_bwd_ws_varlen, their maps over the packed arrays seen as one sequence (batch 1).
     cfg = config.get()
     hopper, ws = None, None
     if sm90_applies(cc, headdim, has_softcap, has_alibi, deterministic):
         from .tma import maps_for
+        ws_ok = cfg.sm90_bwd_ws and (not varlen or cfg.sm90_bwd_ws_varlen)
+
+        def as4(a):     # (varlen: (total, heads, headdim) -> (1, total, heads, headdim), a view)
+            return a.reshape(1, *a.shape) if varlen else a
         if headdim == 256:
-            if not varlen and cfg.sm90_bwd_ws and sm90_d256_smem() <= smem_limit:
-                ws = maps_for((q, SM90_D256_BLOCK), (k, SM90_D256_BLOCK), (v, SM90_D256_BLOCK),
-                              (dout, SM90_D256_BLOCK))
+            if ws_ok and sm90_d256_smem() <= smem_limit:
+                ws = maps_for((as4(q), SM90_D256_BLOCK), (as4(k), SM90_D256_BLOCK),
+                              (as4(v), SM90_D256_BLOCK), (as4(dout), SM90_D256_BLOCK))
                 hopper = None if ws is None else "d256"
         else:
             hopper = "cpasync"
-            if not varlen and cfg.sm90_bwd_ws and headdim in SM90_WS_HEADDIMS:
+            if ws_ok and headdim in SM90_WS_HEADDIMS:
                 # boxes: 64 x block_m of q and dout, 64 x 128 of k and v
-                ws = maps_for((q, SM90_WS_BLOCK_M), (k, 128), (v, 128),
-                              (dout, SM90_WS_BLOCK_M))
+                ws = maps_for((as4(q), SM90_WS_BLOCK_M), (as4(k), 128), (as4(v), 128),
+                              (as4(dout), SM90_WS_BLOCK_M))
                 hopper = "cpasync" if ws is None else "ws"
     dq_tiled = hopper is not None     # (the Hopper kernels add dQ in tile order)
 
@@ -474,14 +482,15 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
         defines = cfg.sm90_defines
         if hopper == "d256":
             smem = sm90_d256_smem()
-            kern = get_kernel(SM90_SOURCE, sm90_d256_kernel_name(dtype_name, is_local, dropout),
+            kern = get_kernel(SM90_SOURCE, sm90_d256_kernel_name(dtype_name, is_local, dropout,
+                                                                 varlen),
                               device_id, cc, smem, defines)
             launch(kern, (_cdiv(seqlen_k, SM90_D256_BLOCK), nheads_k, batch), (384,), smem,
                    (ws[0].arg(),))
         elif hopper == "ws":
             smem = sm90_ws_smem(headdim, SM90_WS_BLOCK_M)
             kern = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, is_local,
-                                                               SM90_WS_BLOCK_M, dropout),
+                                                               SM90_WS_BLOCK_M, dropout, varlen),
                               device_id, cc, smem, defines)
             # (the other launches take the struct alone: cuLaunchKernel reads as many
             # parameters as a kernel declares, so a plan may pass the maps to all)

@@ -84,16 +84,34 @@ if "--hopper-bwd" in sys.argv:
     # under memcheck, racecheck and synccheck alike:
     # compute-sanitizer --tool racecheck python3 tests/diagnostics/sanitize_driver.py --hopper-bwd
     n = run_backward_cases(HOPPER_BWD_CASES) + run_backward_cases(HOPPER_BWD_CASES[-3:], 0.2)
-    # varlen (the cp.async kernel): sequences that are no multiple of the tile, one empty
-    for hd in (64, 128):
-        lens = np.array([70, 0, 257, 33], np.int32)
-        cu = cp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
-        t = int(lens.sum())
-        q, k, v, do = (arr((t, hh, hd), "bfloat16") for hh in (6, 2, 2, 6))
-        out, lse = flashcore.varlen_attention_forward(q, k, v, cu, cu, causal=True)
-        flashcore.varlen_attention_backward(do, q, k, v, out, lse, cu, cu, causal=True)
-        cp.cuda.Device().synchronize()
-        n += 1
+    # varlen (the cp.async kernel; with sm90_bwd_ws_varlen the warp-specialised ones at d128
+    # and d256): sequences that are no multiple of the tile, one empty; and cu_seqlens past the
+    # rows, decreasing, negative (TMA coordinates from the clamped offsets)
+    from flashcore import config as _cfg
+    for ws_varlen in (False, True):
+        with _cfg.override(sm90_bwd_ws_varlen=ws_varlen):
+            for hd in ((64, 128) if not ws_varlen else (128, 256)):
+                lens = np.array([70, 0, 257, 33], np.int32)
+                cu = cp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+                t = int(lens.sum())
+                q, k, v, do = (arr((t, hh, hd), "bfloat16") for hh in (6, 2, 2, 6))
+                out, lse = flashcore.varlen_attention_forward(q, k, v, cu, cu, causal=True)
+                flashcore.varlen_attention_backward(do, q, k, v, out, lse, cu, cu, causal=True)
+                cp.cuda.Device().synchronize()
+                n += 1
+                if ws_varlen:
+                    for cuq in ([0, 5, 900, 141, -4], [100, 0, 141, 141, 141]):
+                        cu_q = cp.asarray(np.array(cuq, np.int32))
+                        cu_k = cp.asarray(np.array([0, 9, 13, 10**6, 100], np.int32))
+                        q, k, v = (arr((tt, hh, hd), "bfloat16")
+                                   for tt, hh in ((141, 4), (100, 2), (100, 2)))
+                        out, lse = flashcore.varlen_attention_forward(q, k, v, cu_q, cu_k,
+                                                                      causal=True)
+                        flashcore.varlen_attention_backward(arr((141, 4, hd), "bfloat16"), q,
+                                                            k, v, out, lse, cu_q, cu_k,
+                                                            causal=True)
+                        cp.cuda.Device().synchronize()
+                        n += 1
     print(f"sanitize driver --hopper-bwd: {n} cases ran")
     sys.exit(0)
 
