@@ -37,9 +37,10 @@
 //    TMA into a 2-stage ring of mbarrier-guarded stages, the warp's lanes write the step's
 //    lse and D beside them; the two consumer warpgroups never load, and meet only at one
 //    named barrier per step (dS^T written, before the dQ product reads it; dS^T is
-//    double-buffered, so that barrier also frees the other buffer).
+//    double-buffered, so that barrier also frees the other buffer). Varlen calls too with
+//    sm90_bwd_ws_varlen (Is_varlen: maps over the packed arrays, zero_rows).
 //  * flash_bwd_dkdv_sm90_kernel: both warpgroups load with cp.async and meet at __syncthreads
-//    (varlen calls, and arrays TMA cannot read).
+//    (varlen calls without that setting, and arrays TMA cannot read).
 #include "flash_bwd.cu"
 #include "sm90_pipeline.cuh"
 #include "wgmma.cuh"
@@ -552,13 +553,13 @@ __device__ __forceinline__ bool bwd_ws_start(const FlashParams& p, const BwdSeq&
 // swizzled row is its own 128 bytes, so whole rows are zeroed whatever the swizzle.
 template <int kD, int kRows>
 __device__ __forceinline__ void zero_rows(fc_u32 tile, int r0, int ct) {
-    const int per_block = (kRows - r0) * 8;                  // 16-byte chunks past row r0
-    for (int i = ct; i < per_block * (kD / 64); i += 256) {
-        const int c = i / per_block, rest = i - c * per_block;
-        fc_sm90::sts128f(tile + (fc_u32)c * (fc_u32)kRows * 128u
-                         + (fc_u32)(r0 + (rest >> 3)) * 128u + (fc_u32)(rest & 7) * 16u,
-                         0.f, 0.f, 0.f, 0.f);
-    }
+    const int chunks = (kRows - r0) * 8;                     // 16-byte chunks past row r0
+#pragma unroll 1
+    for (int c = 0; c < kD / 64; ++c)
+        for (int i = ct; i < chunks; i += 256)
+            fc_sm90::sts128f(tile + (fc_u32)c * (fc_u32)kRows * 128u
+                             + (fc_u32)(r0 + (i >> 3)) * 128u + (fc_u32)(i & 7) * 16u,
+                             0.f, 0.f, 0.f, 0.f);
 }
 
 // Warp-specialised dK/dV kernel (see the top of the file): 384 threads, warpgroup 0 produces,

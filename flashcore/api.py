@@ -344,8 +344,8 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=N
 
     q: (total_q, nheads, headdim), k, v: (total_k, nheads_k, headdim); sequence b holds
     rows ``cu_seqlens[b]:cu_seqlens[b+1]`` (int32, length batch+1). lse: (nheads, total_q).
-    Rows past ``cu_seqlens[-1]`` belong to no sequence (flash-attn's rule): nothing reads them,
-    and their out, lse and gradients are unspecified.
+    Rows past ``cu_seqlens[-1]`` belong to no sequence (flash-attn's rule): no result depends
+    on them (NaN there included), and their out, lse and gradients are unspecified.
     ``max_seqlen_*`` default to the longest sequence (computed from cu_seqlens; for device
     arrays, which are not read back, to the packed totals).
 

@@ -387,8 +387,8 @@ def test_ws_varlen_launches(d):
     """Varlen calls with sm90_bwd_ws_varlen: the warp-specialised kernel's varlen
     instantiation (d128; d256 its own kernel), its grid over the longest sequence, and tensor
     maps over the packed arrays seen as one sequence of total rows (dims innermost first:
-    head dim, total, heads, 1), at the arrays' own addresses; a replay of the plan passes the
-    same maps. Without the setting, neither takes a warp-specialised kernel."""
+    head dim, total, heads, 1), at the arrays' own addresses. Without the setting, neither
+    takes a warp-specialised kernel."""
     lens = [70, 0, 257, 33]
     cu = fake_array((len(lens) + 1,), np.int32)
     total = sum(lens)
@@ -397,29 +397,28 @@ def test_ws_varlen_launches(d):
     dk, dv = (fake_array(k.shape, np.float16) for _ in range(2))
     lse = fake_array((4, total), np.float32)
     with config.override(sm90_bwd_ws_varlen=True):
-        for run in range(2):      # (the first call records the plan, the second replays it)
-            LOG.clear()
-            backward.launch_backward(do, q, k, v, out, lse, dq, dk, dv, softmax_scale=0.1,
-                                     window_left=-1, window_right=0, cu_seqlens_q=cu,
-                                     cu_seqlens_k=cu, max_seqlen_q=257, max_seqlen_k=257)
-            names = [n for n, *_ in LOG]
-            kernel = (backward.sm90_d256_kernel_name("float16", True, varlen=True) if d == 256
-                      else backward.sm90_ws_kernel_name("float16", d, True, varlen=True))
-            assert names == ["flash_bwd_preprocess_kernel<fc_fp16, true>", kernel,
-                             backward.sm90_convert_tiled_name("float16", d)]
-            block_n = backward.SM90_D256_BLOCK if d == 256 else 128
-            assert LOG[1][1] == (-(-257 // block_n), 2, 4)
-            assert LOG[1][2] == (384, 1, 1)
-            raw = LOG[1][4][params_dtype().itemsize:]
-            maps = [struct.unpack_from("<16Q", raw, i * tma.MAP_BYTES) for i in range(4)]
-            for words, a, heads in zip(maps, (q, k, v, do), (4, 2, 2, 4)):
-                assert words[0] == a.data.ptr and words[2] == 4
-                assert tuple(words[3:7]) == (d, total, heads, 1)
+        LOG.clear()
+        backward.launch_backward(do, q, k, v, out, lse, dq, dk, dv, softmax_scale=0.1,
+                                 window_left=-1, window_right=0, cu_seqlens_q=cu,
+                                 cu_seqlens_k=cu, max_seqlen_q=257, max_seqlen_k=257)
+    names = [n for n, *_ in LOG]
+    kernel = (backward.sm90_d256_kernel_name("float16", True, varlen=True) if d == 256
+              else backward.sm90_ws_kernel_name("float16", d, True, varlen=True))
+    assert names == ["flash_bwd_preprocess_kernel<fc_fp16, true>", kernel,
+                     backward.sm90_convert_tiled_name("float16", d)]
+    block_n = backward.SM90_D256_BLOCK if d == 256 else 128
+    assert LOG[1][1] == (-(-257 // block_n), 2, 4)
+    assert LOG[1][2] == (384, 1, 1)
+    raw = LOG[1][4][params_dtype().itemsize:]
+    maps = [struct.unpack_from("<16Q", raw, i * tma.MAP_BYTES) for i in range(4)]
+    for words, a, heads in zip(maps, (q, k, v, do), (4, 2, 2, 4)):
+        assert words[0] == a.data.ptr and words[2] == 4
+        assert tuple(words[3:7]) == (d, total, heads, 1)
     LOG.clear()
-    plans.clear()
-    backward.launch_backward(do, q, k, v, out, lse, dq, dk, dv, softmax_scale=0.1,
-                             window_left=-1, window_right=0, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                             max_seqlen_q=257, max_seqlen_k=257)
+    with config.override(sm90_bwd_ws_varlen=False):
+        backward.launch_backward(do, q, k, v, out, lse, dq, dk, dv, softmax_scale=0.1,
+                                 window_left=-1, window_right=0, cu_seqlens_q=cu,
+                                 cu_seqlens_k=cu, max_seqlen_q=257, max_seqlen_k=257)
     assert "_ws_kernel" not in LOG[1][0] and "_d256_kernel" not in LOG[1][0]
 
 
