@@ -38,7 +38,7 @@
 //    lse and D beside them; the two consumer warpgroups never load, and meet only at one
 //    named barrier per step (dS^T written, before the dQ product reads it; dS^T is
 //    double-buffered, so that barrier also frees the other buffer). Varlen calls too with
-//    sm90_bwd_ws_varlen (Is_varlen: maps over the packed arrays, zero_rows).
+//    sm90_bwd_ws_varlen (Is_varlen: maps over the packed arrays, zero_rows_past).
 //  * flash_bwd_dkdv_sm90_kernel: both warpgroups load with cp.async and meet at __syncthreads
 //    (varlen calls without that setting, and arrays TMA cannot read).
 #include "flash_bwd.cu"
@@ -455,7 +455,7 @@ struct alignas(64) FcBwdMaps {
 // lse and D beside them. Barriers at `bars`: the K/V barrier, kStages full, kStages empty.
 // Is_varlen: the maps see each packed array as one sequence of total rows (batch 1), so a
 // sequence's rows start at its offset; rows past its end are another sequence's (or no
-// sequence's), which the consumers zero before reading (zero_rows).
+// sequence's), which the consumers zero before reading (zero_rows_past).
 template <int kD, int kBlockM, int kBlockN, int kStages, bool Is_varlen = false>
 __device__ __forceinline__ void bwd_produce(const FlashParams& p, const BwdSeq& seq,
                                             const FcBwdMaps& maps, const BwdKeyWalk& kw, int b,
@@ -545,26 +545,32 @@ __device__ __forceinline__ bool bwd_ws_start(const FlashParams& p, const BwdSeq&
     return true;
 }
 
-// Varlen, warp-specialised: rows [r0, kRows) of a [kD / 64][kRows][64] tile that TMA filled
-// from the packed arrays hold the next sequence's rows (or rows of no sequence: anything,
-// NaN included), which the products would mix into the valid ones (0 * NaN); zeroed by the
-// 256 consumer threads (ct), as the dense maps' out-of-bounds fill leaves them, and fenced for
-// the async proxy and synchronised (named barrier 1) before any product reads the tile. A
-// swizzled row is its own 128 bytes, so whole rows are zeroed whatever the swizzle.
+// Varlen, warp-specialised: when a block ends past its sequence (valid < kRows), rows
+// [valid, kRows) of the two [kD / 64][kRows][64] tiles that TMA filled from the packed arrays
+// (K and V, or Q and dO) hold the next sequence's rows (or rows of no sequence: anything, NaN
+// included), which the products would mix into the valid ones (0 * NaN). The 256 consumer
+// threads (ct) zero them, as the dense maps' out-of-bounds fill leaves them, then fence the
+// stores for the async proxy and meet at named barrier 1 before any product reads the tiles
+// (CTA-uniform). A swizzled row is its own 128 bytes, so whole rows are zeroed whatever the
+// swizzle.
 template <int kD, int kRows>
-__device__ __forceinline__ void zero_rows(fc_u32 tile, int r0, int ct) {
-    const int chunks = (kRows - r0) * 8;                     // 16-byte chunks past row r0
+__device__ __forceinline__ void zero_rows_past(fc_u32 tile_a, fc_u32 tile_b, int valid, int ct) {
+    if (valid >= kRows) return;
+    const int chunks = (kRows - valid) * 8;                  // 16-byte chunks a column block
 #pragma unroll 1
-    for (int c = 0; c < kD / 64; ++c)
+    for (int c = 0; c < 2 * (kD / 64); ++c) {
+        const fc_u32 block = (c & 1 ? tile_b : tile_a) + (fc_u32)(c >> 1) * (fc_u32)kRows * 128u;
         for (int i = ct; i < chunks; i += 256)
-            fc_sm90::sts128f(tile + (fc_u32)c * (fc_u32)kRows * 128u
-                             + (fc_u32)(r0 + (i >> 3)) * 128u + (fc_u32)(i & 7) * 16u,
+            fc_sm90::sts128f(block + (fc_u32)(valid + (i >> 3)) * 128u + (fc_u32)(i & 7) * 16u,
                              0.f, 0.f, 0.f, 0.f);
+    }
+    fence_proxy_async();
+    fc_pipe::named_sync(1, 256);
 }
 
 // Warp-specialised dK/dV kernel (see the top of the file): 384 threads, warpgroup 0 produces,
 // 1 and 2 consume. Dense calls, or (Is_varlen) varlen calls: the maps over the packed arrays,
-// rows past a sequence's end zeroed in shared memory (zero_rows).
+// rows past a sequence's end zeroed in shared memory (zero_rows_past).
 template <typename Elem, int kD, int kBlockM, bool Is_local, bool Is_dropout,
           bool Is_varlen = false>
 __global__ void __launch_bounds__(384, 1)
@@ -612,28 +618,16 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
     // ---- consumers -------------------------------------------------------------------------
     DkdvWarpgroup<Elem, kD, kBlockM, Is_local, Is_dropout> w(tid - 128);
     mbar_wait(bar.kv(), 0);
-    if constexpr (Is_varlen) {
-        if (n0 + kBlockN > seq.sk) {   // (CTA-uniform)
-            zero_rows<kD, kBlockN>(sK, seq.sk - n0, tid - 128);
-            zero_rows<kD, kBlockN>(sV, seq.sk - n0, tid - 128);
-            fence_proxy_async();
-            named_sync(1, 256);
-        }
-    }
+    if constexpr (Is_varlen) zero_rows_past<kD, kBlockN>(sK, sV, seq.sk - n0, tid - 128);
     int h = kw.h0, m_block = kw.m_begin;
     for (int it = 0; it < n_iter; ++it) {
         const int st = it % kStages;
         const fc_u32 sdSb = sdS + (fc_u32)(it & 1) * kSdS;
         mbar_wait(bar.full(st), (fc_u32)(it / kStages) & 1u);
         const int m0 = m_block * kBlockM;
-        if constexpr (Is_varlen) {
-            if (m0 + kBlockM > seq.sq) {   // (CTA-uniform; m0 < sq on the walk)
-                zero_rows<kD, kBlockM>(sQ + (fc_u32)st * kQT, seq.sq - m0, tid - 128);
-                zero_rows<kD, kBlockM>(sdO + (fc_u32)st * kQT, seq.sq - m0, tid - 128);
-                fence_proxy_async();
-                named_sync(1, 256);
-            }
-        }
+        if constexpr (Is_varlen)   // (m0 < sq on the walk)
+            zero_rows_past<kD, kBlockM>(sQ + (fc_u32)st * kQT, sdO + (fc_u32)st * kQT,
+                                        seq.sq - m0, tid - 128);
         w.grads(p, seq, b, h, m0, n0, kw.off, sK, sV, sQ + (fc_u32)st * kQT, sdO + (fc_u32)st * kQT,
                 sLse + st * kBlockM, sDsum + st * kBlockM, sdSb);
         fence_proxy_async();      // the dS^T stores, for the dQ product's async-proxy reads
@@ -868,14 +862,7 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
 
     Wg w(tid - 128);
     mbar_wait(bar.kv(), 0);
-    if constexpr (Is_varlen) {
-        if (n0 + kBlockN > seq.sk) {   // (CTA-uniform)
-            zero_rows<kD, kBlockN>(sK, seq.sk - n0, tid - 128);
-            zero_rows<kD, kBlockN>(sV, seq.sk - n0, tid - 128);
-            fence_proxy_async();
-            named_sync(1, 256);
-        }
-    }
+    if constexpr (Is_varlen) zero_rows_past<kD, kBlockN>(sK, sV, seq.sk - n0, tid - 128);
     int h = kw.h0, m_block = kw.m_begin;
     for (int it = 0; it < n_iter; ++it) {
         const int st = it % kStages;
@@ -890,14 +877,8 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
         mbar_wait(bar.full(st), (fc_u32)(it / kStages) & 1u);
         const int m0 = m_block * kBlockM;
         const fc_u32 sQb = sQ + (fc_u32)st * kTile, sdOb = sdO + (fc_u32)st * kTile;
-        if constexpr (Is_varlen) {
-            if (m0 + kBlockM > seq.sq) {   // (CTA-uniform; m0 < sq on the walk)
-                zero_rows<kD, kBlockM>(sQb, seq.sq - m0, tid - 128);
-                zero_rows<kD, kBlockM>(sdOb, seq.sq - m0, tid - 128);
-                fence_proxy_async();
-                named_sync(1, 256);
-            }
-        }
+        if constexpr (Is_varlen)   // (m0 < sq on the walk)
+            zero_rows_past<kD, kBlockM>(sQb, sdOb, seq.sq - m0, tid - 128);
         w.scores(p, seq, b, h, m0, n0, kw.off, sK, sV, sQb, sdOb, sLse + st * kBlockM,
                  sDsum + st * kBlockM, sP + buf, sdS + buf);
         fence_proxy_async();      // the P^T / dS^T stores, for the products' async-proxy reads

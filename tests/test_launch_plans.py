@@ -353,23 +353,32 @@ def test_dq_tiled_launches(d):
         assert LOG[1][3] == smem and smem <= 232448
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_dq_tiled_varlen_launches(d):
-    """Varlen calls (the cp.async kernel): the whole-tile preprocess, the kernel and the tiled
-    convert kernel over an accumulator of total_q + 64 x batch rows a head (each sequence
-    starts a tile)."""
-    lens = [70, 0, 257, 33]
-    cu = fake_array((len(lens) + 1,), np.int32)
-    total = sum(lens)
+_VARLEN_LENS = [70, 0, 257, 33]      # one empty sequence, none a multiple of the tile
+
+
+def _varlen_backward(d):
+    """launch_backward over packed sequences of _VARLEN_LENS (4 query heads over 2 kv heads,
+    causal); returns the total rows and q, k, v, dout."""
+    cu = fake_array((len(_VARLEN_LENS) + 1,), np.int32)
+    total = sum(_VARLEN_LENS)
     q, k, v = (fake_array((total, h, d), np.float16) for h in (4, 2, 2))
     out, do, dq = (fake_array(q.shape, np.float16) for _ in range(3))
     dk, dv = (fake_array(k.shape, np.float16) for _ in range(2))
     lse = fake_array((4, total), np.float32)
     LOG.clear()
-    plans.clear()
     backward.launch_backward(do, q, k, v, out, lse, dq, dk, dv, softmax_scale=0.1,
                              window_left=-1, window_right=0, cu_seqlens_q=cu,
                              cu_seqlens_k=cu, max_seqlen_q=257, max_seqlen_k=257)
+    return total, (q, k, v, do)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_dq_tiled_varlen_launches(d):
+    """Varlen calls (the cp.async kernel): the whole-tile preprocess, the kernel and the tiled
+    convert kernel over an accumulator of total_q + 64 x batch rows a head (each sequence
+    starts a tile)."""
+    plans.clear()
+    total, _ = _varlen_backward(d)
     names = [n for n, *_ in LOG]
     assert names == ["flash_bwd_preprocess_kernel<fc_fp16, true>",
                      backward.sm90_kernel_name("float16", d, True),
@@ -379,7 +388,7 @@ def test_dq_tiled_varlen_launches(d):
     words = np.frombuffer(LOG[0][4][:params_dtype().itemsize], np.int64)
     dt = params_dtype()
     head_stride = int(words[dt.fields["dq_accum_head_stride"][1] // 8])
-    assert head_stride == (total + 64 * len(lens)) * d
+    assert head_stride == (total + 64 * len(_VARLEN_LENS)) * d
 
 
 @pytest.mark.parametrize("d", [128, 256])
@@ -389,18 +398,8 @@ def test_ws_varlen_launches(d):
     maps over the packed arrays seen as one sequence of total rows (dims innermost first:
     head dim, total, heads, 1), at the arrays' own addresses. Without the setting, neither
     takes a warp-specialised kernel."""
-    lens = [70, 0, 257, 33]
-    cu = fake_array((len(lens) + 1,), np.int32)
-    total = sum(lens)
-    q, k, v = (fake_array((total, h, d), np.float16) for h in (4, 2, 2))
-    out, do, dq = (fake_array(q.shape, np.float16) for _ in range(3))
-    dk, dv = (fake_array(k.shape, np.float16) for _ in range(2))
-    lse = fake_array((4, total), np.float32)
     with config.override(sm90_bwd_ws_varlen=True):
-        LOG.clear()
-        backward.launch_backward(do, q, k, v, out, lse, dq, dk, dv, softmax_scale=0.1,
-                                 window_left=-1, window_right=0, cu_seqlens_q=cu,
-                                 cu_seqlens_k=cu, max_seqlen_q=257, max_seqlen_k=257)
+        total, arrays = _varlen_backward(d)
     names = [n for n, *_ in LOG]
     kernel = (backward.sm90_d256_kernel_name("float16", True, varlen=True) if d == 256
               else backward.sm90_ws_kernel_name("float16", d, True, varlen=True))
@@ -411,14 +410,11 @@ def test_ws_varlen_launches(d):
     assert LOG[1][2] == (384, 1, 1)
     raw = LOG[1][4][params_dtype().itemsize:]
     maps = [struct.unpack_from("<16Q", raw, i * tma.MAP_BYTES) for i in range(4)]
-    for words, a, heads in zip(maps, (q, k, v, do), (4, 2, 2, 4)):
+    for words, a, heads in zip(maps, arrays, (4, 2, 2, 4)):
         assert words[0] == a.data.ptr and words[2] == 4
         assert tuple(words[3:7]) == (d, total, heads, 1)
-    LOG.clear()
     with config.override(sm90_bwd_ws_varlen=False):
-        backward.launch_backward(do, q, k, v, out, lse, dq, dk, dv, softmax_scale=0.1,
-                                 window_left=-1, window_right=0, cu_seqlens_q=cu,
-                                 cu_seqlens_k=cu, max_seqlen_q=257, max_seqlen_k=257)
+        _varlen_backward(d)
     assert "_ws_kernel" not in LOG[1][0] and "_d256_kernel" not in LOG[1][0]
 
 
