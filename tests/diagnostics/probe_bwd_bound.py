@@ -8,7 +8,8 @@ tile-ordered one replaced: run 36 in docs/performance-log.md.)
 
 ``--varlen``: the same over packed sequences of random lengths (seqlen/2 to 3·seqlen/2, 16k
 tokens in all), through ``varlen_attention_backward``; there is no varlen peer in SDPA, so the
-dense flashcore backward at the mean length stands beside it.
+dense flashcore backward at the mean length stands beside it. The variant "varlen ws" runs
+varlen calls on the warp-specialised kernels (``sm90_bwd_ws_varlen``).
 
     python tests/diagnostics/probe_bwd_bound.py [--seqlen 4096 16384] [--headdim 128 256]
                                                 [--variants "as is" "no dQ adds" ...] [--varlen]
@@ -23,7 +24,9 @@ from flashcore.bench import AttentionProblem as Problem, flops, shape_for
 VARIANTS = {"as is": {},
             "no dQ adds": {"sm90_defines": ("-DFC_DIAG_BWD_NO_DQ",)},
             "no Q/dO reloads": {"sm90_defines": ("-DFC_DIAG_BWD_NO_QLOAD",)},
-            "neither": {"sm90_defines": ("-DFC_DIAG_BWD_NO_DQ", "-DFC_DIAG_BWD_NO_QLOAD")}}
+            "neither": {"sm90_defines": ("-DFC_DIAG_BWD_NO_DQ", "-DFC_DIAG_BWD_NO_QLOAD")},
+            # varlen calls on the warp-specialised kernels (--varlen; written in session 20)
+            "varlen ws": {"sm90_bwd_ws_varlen": True}}
 
 
 def varlen_row(s, d, causal, variants, seed=0):
