@@ -235,7 +235,7 @@ def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool,
 # tiles (a varlen call's sequences each starting a tile), each in the order the kernel's threads
 # store it, added with one bulk reduce-add a warpgroup a step; the preprocess kernel zeroes
 # whole tiles, and its own convert kernel reads the order back (cuda/flash_bwd_sm90.cu). Run 36
-# (H200): the backward alone +3-4% at d64, +20-22% at d128, +5-7% at d256 over red.global.add a
+# (H200): the backward alone +3-4% at d64, +16-22% at d128, +5-7% at d256 over red.global.add a
 # fragment element; varlen calls within -5%..+2.5% of it.
 def sm90_convert_tiled_name(dtype_name: str, headdim: int) -> str:
     """(Head dim 64: a warpgroup's tile holds all the columns; 128 and 256: two warpgroups'
