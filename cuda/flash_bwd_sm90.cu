@@ -547,23 +547,15 @@ __device__ __forceinline__ bool bwd_ws_start(const FlashParams& p, const BwdSeq&
 
 // Varlen, warp-specialised: when a block ends past its sequence (valid < kRows), rows
 // [valid, kRows) of the two [kD / 64][kRows][64] tiles that TMA filled from the packed arrays
-// (K and V, or Q and dO) hold the next sequence's rows (or rows of no sequence: anything, NaN
-// included), which the products would mix into the valid ones (0 * NaN). The 256 consumer
-// threads (ct) zero them, as the dense maps' out-of-bounds fill leaves them, then fence the
-// stores for the async proxy and meet at named barrier 1 before any product reads the tiles
-// (CTA-uniform). A swizzled row is its own 128 bytes, so whole rows are zeroed whatever the
-// swizzle.
+// (K and V, or Q and dO) are zeroed by the 256 consumer threads (ct; fc_pipe::zero_tile_rows),
+// fenced for the async proxy, and the consumers meet at named barrier 1 before any product
+// reads the tiles (CTA-uniform): the products would mix those rows into the valid ones
+// (0 * NaN).
 template <int kD, int kRows>
 __device__ __forceinline__ void zero_rows_past(fc_u32 tile_a, fc_u32 tile_b, int valid, int ct) {
     if (valid >= kRows) return;
-    const int chunks = (kRows - valid) * 8;                  // 16-byte chunks a column block
-#pragma unroll 1
-    for (int c = 0; c < 2 * (kD / 64); ++c) {
-        const fc_u32 block = (c & 1 ? tile_b : tile_a) + (fc_u32)(c >> 1) * (fc_u32)kRows * 128u;
-        for (int i = ct; i < chunks; i += 256)
-            fc_sm90::sts128f(block + (fc_u32)(valid + (i >> 3)) * 128u + (fc_u32)(i & 7) * 16u,
-                             0.f, 0.f, 0.f, 0.f);
-    }
+    fc_pipe::zero_tile_rows<kD / 64, kRows>(tile_a, valid, ct, 256);
+    fc_pipe::zero_tile_rows<kD / 64, kRows>(tile_b, valid, ct, 256);
     fence_proxy_async();
     fc_pipe::named_sync(1, 256);
 }

@@ -594,8 +594,12 @@ namespace fc_h {
 // the 128 producer threads instead of TMA bytes, and the producer keeps 24 registers. The
 // products are k32 e4m3 ones with P packed by pack_e4m3. The scores' scale takes
 // q_descale * k_descale and the output's v_descale (per batch and key head; none = 1).
+// Is_varlen (16-bit, one tile a CTA): the maps see each packed array as one sequence (batch 1),
+// a tile's rows from its sequence's offsets; V rows past the sequence's end in the one key
+// block that holds them (the walk's first) are zeroed before any P V product reads them (the
+// masks already give their scores -inf; P = 0 times such a row, NaN possibly, would not be 0).
 template <typename Elem, typename In, int kD, int kBM, int kBlockN, bool Is_local,
-          bool Is_dropout, int kStages, bool kPingPong, bool kPersistent>
+          bool Is_dropout, int kStages, bool kPingPong, bool kPersistent, bool Is_varlen = false>
 __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFwdMaps& maps) {
     using namespace fc_pipe;
     constexpr bool Is_fp8 = In::kBytes == 1;
@@ -611,6 +615,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     constexpr int kNT = kBlockN / 8;
     constexpr int kRaw = Is_fp8 ? 2 : 0;                                // FP8: V as loaded
     static_assert(!(Is_fp8 && Is_dropout), "FP8 attention is forward only, without dropout");
+    static_assert(!Is_varlen || (!Is_fp8 && !kPersistent), "varlen: 16-bit, one tile a CTA");
     // Registers after reallocation. __launch_bounds__(kThreads, 1) starts every thread at
     // 65536 / kThreads rounded down to 8 (384: 168; 512: 128), and the split must not exceed
     // what the block holds (a consumer's setmaxnreg.inc waits until the pool has the
@@ -747,8 +752,9 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                 mbar_expect_tx(bar_q, kQTile);
 #pragma unroll
                 for (int c = 0; c < kD / kRowElems; ++c)
-                    tma_load_4d(sQ + (fc_u32)c * kQColBlock, maps.q, bar_q, kRowElems * c, blk.m0,
-                                blk.h, blk.b);
+                    tma_load_4d(sQ + (fc_u32)c * kQColBlock, maps.q, bar_q, kRowElems * c,
+                                (Is_varlen ? (int)blk.q_row0 : 0) + blk.m0, blk.h,
+                                Is_varlen ? 0 : blk.b);
             };
             auto load_k = [&](int it) {
                 const int u = kv + it, st = u % kStages;
@@ -757,15 +763,17 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 #pragma unroll
                 for (int c = 0; c < kD / kRowElems; ++c)
                     tma_load_4d(sK + (fc_u32)st * kTile + (fc_u32)c * kKVBlock, maps.k, full_k(st),
-                                kRowElems * c, n0_of(it), blk.hk, blk.b);
+                                kRowElems * c, (Is_varlen ? (int)blk.k_row0 : 0) + n0_of(it),
+                                blk.hk, Is_varlen ? 0 : blk.b);
             };
             // V of block it into `dst`, completing on `bar`
             auto load_v = [&](int it, fc_u32 dst, fc_u32 bar) {
                 mbar_expect_tx(bar, kTile);
 #pragma unroll
                 for (int c = 0; c < kD / kRowElems; ++c)
-                    tma_load_4d(dst + (fc_u32)c * kKVBlock, maps.v, bar, kRowElems * c, n0_of(it),
-                                blk.hk, blk.b);
+                    tma_load_4d(dst + (fc_u32)c * kKVBlock, maps.v, bar, kRowElems * c,
+                                (Is_varlen ? (int)blk.k_row0 : 0) + n0_of(it), blk.hk,
+                                Is_varlen ? 0 : blk.b);
             };
             if constexpr (!Is_fp8) {
                 // K of the first block before Q: its stage frees while the last tile's S
@@ -860,6 +868,20 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         };
 
         int nb = blk.n_block_max - 1;
+        if constexpr (Is_varlen) {
+            // the walk's first block, the last of the tile's keys: past the sequence's end?
+            // (tile-uniform) Consumer warpgroup 0 zeroes those V rows, all consumers meet at
+            // named barrier 4 (the ping-pong's are 1 .. kCons) before any P V product
+            const int valid = blk.sk - nb * kBlockN;
+            if (valid < kBlockN) {
+                mbar_wait(full_v(stage_of(0)), parity_of(0));
+                if (cw == 0)
+                    zero_tile_rows<kD / kRowElems, kBlockN>(sV + (fc_u32)stage_of(0) * kTile,
+                                                            valid, tid - 128, 128);
+                fence_proxy_async();
+                named_sync(4, (int)kConsumers);
+            }
+        }
         mbar_wait(bar_q, (fc_u32)nq & 1u);
         mbar_wait(full_k(stage_of(0)), parity_of(0));
         issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)stage_of(0) * kTile);
@@ -924,8 +946,9 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 // block (64, 128, or 176 as FA3 takes at head dim 128); kStages: K/V ring depth; kPingPong: the
 // consumers issue their products in turn; kPersistent: a grid of at most one CTA per SM, each
 // taking tiles from the dynamic scheduler (grid (query blocks, heads, batch) otherwise).
+// Is_varlen: varlen calls (one tile a CTA; ws_forward says how).
 template <typename Elem, int kD, int kBM, int kBlockN, bool Is_local, bool Is_dropout,
-          int kStages, bool kPingPong, bool kPersistent>
+          int kStages, bool kPingPong, bool kPersistent, bool Is_varlen = false>
 __global__ void __launch_bounds__(2 * kBM + 128, 1)   // kBM / 64 consumer warpgroups + 1
 flash_fwd_sm90_ws_kernel(const FlashParams params, const __grid_constant__ FcFwdMaps maps) {
     static_assert(kD == 64 || kD == 128 || kD == 256, "head dims 64, 128 and 256");
@@ -933,7 +956,7 @@ flash_fwd_sm90_ws_kernel(const FlashParams params, const __grid_constant__ FcFwd
                   "key blocks of 64, 128 or 176 (the S wgmma's N); 64 at head dim 256");
     static_assert(kBM == 128 || (kBM == 192 && kD == 64), "128-row tiles, or 192 at head dim 64");
     fc_h::ws_forward<Elem, Elem, kD, kBM, kBlockN, Is_local, Is_dropout, kStages, kPingPong,
-                     kPersistent>(params, maps);
+                     kPersistent, Is_varlen>(params, maps);
 }
 
 // Warp-specialised forward of float8_e4m3fn q, k, v (FlashAttention-3's FP8 forward; the

@@ -104,4 +104,23 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
 
+// Varlen calls of the warp-specialised kernels: their tensor maps see a packed array as one
+// sequence, so a block that ends past its sequence holds the next sequence's rows (or rows of
+// no sequence: anything, NaN included) where the dense maps' out-of-bounds fill leaves zeros.
+// This zeroes rows [r0, kRows) of a [kColBlocks][kRows][128-byte] shared tile (a swizzled row
+// is its own 128 bytes, so whole rows are zeroed whatever the swizzle), thread t of n. The
+// caller fences the stores for the async proxy and synchronises its threads before a product
+// reads the tile. (The column-block loop stays rolled: unrolled, it costs the callers'
+// registers.)
+template <int kColBlocks, int kRows>
+__device__ __forceinline__ void zero_tile_rows(fc_u32 tile, int r0, int t, int n) {
+    const int chunks = (kRows - r0) * 8;                     // 16-byte chunks a column block
+#pragma unroll 1
+    for (int c = 0; c < kColBlocks; ++c)
+        for (int i = t; i < chunks; i += n)
+            asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n"
+                         :: "r"(tile + (fc_u32)(c * kRows + r0 + (i >> 3)) * 128u
+                                + (fc_u32)(i & 7) * 16u), "r"(0u) : "memory");
+}
+
 }  // namespace fc_pipe

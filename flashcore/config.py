@@ -17,7 +17,10 @@ The settings (environment variable in brackets):
   applies; ``sm90_fwd_pipelined`` (``FLASHCORE_SM90_PIPE``): its v1 pipeline (the next block's
   softmax under P V) where the warp-specialised kernel does not apply; ``sm90_fwd_ws``
   (``FLASHCORE_SM90_WS``): the warp-specialised Hopper forward (TMA producer, two consumer
-  warpgroups) for dense calls whose arrays TMA can read; ``sm90_fwd_pingpong``
+  warpgroups) for dense calls whose arrays TMA can read; ``sm90_fwd_ws_varlen``
+  (``FLASHCORE_SM90_FWD_WS_VARLEN``): varlen calls too, one tile a CTA (off by default:
+  written, not yet run on a GPU; varlen calls take the v0/v1 kernels meanwhile);
+  ``sm90_fwd_pingpong``
   (``FLASHCORE_SM90_PINGPONG``): its consumers issue their products in turn (None, the
   default: chosen per call by ``flashcore.kernels.forward.sm90_ws_pingpong``);
   ``sm90_fwd_persistent`` (``FLASHCORE_SM90_PERSISTENT``): the warp-specialised kernels
@@ -72,6 +75,7 @@ class Settings(NamedTuple):
     sm90_bwd: bool
     sm90_bwd_ws: bool
     sm90_bwd_ws_varlen: bool
+    sm90_fwd_ws_varlen: bool
     sm90_bwd_d64_block_m: int
     sm90_fp8_fwd: bool
     sm90_defines: tuple
@@ -100,6 +104,7 @@ def _from_environment() -> Settings:
         sm90_bwd=_env_flag("FLASHCORE_SM90_BWD", True),
         sm90_bwd_ws=_env_flag("FLASHCORE_SM90_BWD_WS", True),
         sm90_bwd_ws_varlen=_env_flag("FLASHCORE_SM90_BWD_WS_VARLEN", False),
+        sm90_fwd_ws_varlen=_env_flag("FLASHCORE_SM90_FWD_WS_VARLEN", False),
         sm90_bwd_d64_block_m=int(bm) if bm in ("64", "128") else 128,
         sm90_fp8_fwd=_env_flag("FLASHCORE_SM90_FP8_FWD", True),
         sm90_defines=(),

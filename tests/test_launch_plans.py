@@ -418,6 +418,38 @@ def test_ws_varlen_launches(d):
     assert "_ws_kernel" not in LOG[1][0] and "_d256_kernel" not in LOG[1][0]
 
 
+@pytest.mark.parametrize("d", [128, 256])
+def test_forward_ws_varlen_launches(d):
+    """Varlen forward calls with sm90_fwd_ws_varlen: the warp-specialised kernel's varlen
+    instantiation (one tile a CTA: grid (query blocks of the longest sequence, heads,
+    sequences)) and tensor maps over the packed arrays seen as one sequence; without the
+    setting, not the warp-specialised kernel."""
+    cu = fake_array((len(_VARLEN_LENS) + 1,), np.int32)
+    total = sum(_VARLEN_LENS)
+    q, k, v = (fake_array((total, h, d), np.float16) for h in (4, 2, 2))
+    out = fake_array(q.shape, np.float16)
+    lse = fake_array((4, total), np.float32)
+
+    def run():
+        LOG.clear()
+        forward.launch_forward(q, k, v, out, lse, softmax_scale=0.1, window_left=-1,
+                               window_right=0, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                               max_seqlen_q=257, max_seqlen_k=257)
+        return LOG[0]
+    with config.override(sm90_fwd_ws_varlen=True):
+        name, grid, block, _, raw = run()
+    block_m = forward.sm90_ws_tile(d, True, False)[0]
+    assert name == forward.sm90_ws_kernel_name("float16", d, True, seqlen_k=257, varlen=True)
+    assert name.endswith(", false, true>")          # (not persistent; varlen)
+    assert grid == (-(-257 // block_m), 4, 4) and block == (128 + 2 * block_m, 1, 1)
+    maps = [struct.unpack_from("<16Q", raw, params_dtype().itemsize + i * tma.MAP_BYTES)
+            for i in range(3)]
+    for words, a, heads in zip(maps, (q, k, v), (4, 2, 2)):
+        assert words[0] == a.data.ptr and tuple(words[3:7]) == (d, total, heads, 1)
+    with config.override(sm90_fwd_ws_varlen=False):
+        assert "_ws_kernel" not in run()[0]
+
+
 def test_scratch_is_fresh_and_never_filled(monkeypatch):
     made = []
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=np.float32, **k: (

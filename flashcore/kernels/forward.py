@@ -296,12 +296,15 @@ def _ws_piece(launch, params, ws, counter):
 
 def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool, dropout: bool = False,
                         seqlen_k: int = 0, pingpong: bool | None = None,
-                        persistent: bool | None = None) -> str:
+                        persistent: bool | None = None, varlen: bool = False) -> str:
+    """varlen: the instantiation for varlen calls (``sm90_fwd_ws_varlen``; one tile a CTA)."""
     block_m, block_n, stages = sm90_ws_tile(headdim, is_local, dropout)
     pp = sm90_ws_pingpong(headdim, seqlen_k) if pingpong is None else pingpong
-    pers = sm90_ws_persistent(headdim, is_local, dropout) if persistent is None else persistent
+    pers = False if varlen else (sm90_ws_persistent(headdim, is_local, dropout)
+                                 if persistent is None else persistent)
     return (f"flash_fwd_sm90_ws_kernel<{_elem_tag(dtype_name)}, {headdim}, {block_m}, {block_n}, "
-            f"{_b(is_local)}, {_b(dropout)}, {stages}, {_b(pp)}, {_b(pers)}>")
+            f"{_b(is_local)}, {_b(dropout)}, {stages}, {_b(pp)}, {_b(pers)}"
+            f"{', true' if varlen else ''}>")
 
 
 def sm90_instantiations() -> list[str]:
@@ -314,6 +317,9 @@ def sm90_instantiations() -> list[str]:
                      for dt in ("float16", "bfloat16") for d in SM90_HEADDIMS for loc in flags
                      for drop in flags for pp in flags for pers in flags
                      if ws_persistent_exists(d, loc, drop) or not pers}
+                  | {sm90_ws_kernel_name(dt, d, loc, drop, pingpong=pp, varlen=True)
+                     for dt in ("float16", "bfloat16") for d in SM90_HEADDIMS for loc in flags
+                     for drop in flags for pp in flags}
                   | set(fp8_instantiations()))
 
 
@@ -573,18 +579,23 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     ws = None     # (tensor maps, their specs): the warp-specialised Hopper kernel
     persistent = False
     if not paged and sm90_applies(cc, headdim, has_softcap, has_alibi, seqlen_k):
-        if not varlen and config.get().sm90_fwd_ws:
+        cfg_ = config.get()
+        if cfg_.sm90_fwd_ws and (not varlen or cfg_.sm90_fwd_ws_varlen):
             from .tma import maps_for
             block_m, block_n, _ = sm90_ws_tile(headdim, is_local, dropout)
-            ws = maps_for((q, block_m), (k, block_n), (v, block_n))
+
+            def as4(a):     # (varlen: (total, heads, headdim) -> (1, total, ...), a view)
+                return a.reshape(1, *a.shape) if varlen else a
+            ws = maps_for((as4(q), block_m), (as4(k), block_n), (as4(v), block_n))
         grid_m = math.ceil(seqlen_q / (block_m if ws is not None else 128))
         if ws is not None:
             smem = sm90_ws_smem(headdim, is_local, dropout)
-            persistent = sm90_ws_persistent(headdim, is_local, dropout,
-                                            tiles=grid_m * nheads * batch)
+            persistent = not varlen and sm90_ws_persistent(headdim, is_local, dropout,
+                                                           tiles=grid_m * nheads * batch)
             kernel = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, is_local,
                                                                  dropout, seqlen_k,
-                                                                 persistent=persistent),
+                                                                 persistent=persistent,
+                                                                 varlen=varlen),
                                 device_id, cc, smem, config.get().sm90_defines)
             block = (128 + 2 * block_m, 1, 1)
         else:

@@ -206,6 +206,20 @@ if int(cp.cuda.Device().compute_capability) == 90:
         flashcore.varlen_attention_forward(q, k, v, cu_q, cu_k, causal=True)
         cp.cuda.Device().synchronize()
         n += 1
+    # varlen on the warp-specialised forward (sm90_fwd_ws_varlen): sequences ending inside a
+    # key block, one empty, cu_seqlens past the rows, decreasing, negative
+    _fwd.set_sm90(True, pipelined=True, ws=True)
+    with _config.override(sm90_fwd_ws_varlen=True):
+        for hd in (128, 256):
+            for cuq, cuk in (([0, 5, 5, 140, 141], [0, 9, 13, 100, 100]),
+                             ([0, 5, 900, 141, -4], [0, 9, 13, 10**6, 100]),
+                             ([100, 0, 141, 141, 141], [0, 9, 13, 10**6, 100])):
+                cu_q = cp.asarray(np.array(cuq, np.int32))
+                cu_k = cp.asarray(np.array(cuk, np.int32))
+                q, k, v = (arr((tt, hh, hd), "bfloat16") for tt, hh in ((141, 4), (100, 2), (100, 2)))
+                flashcore.varlen_attention_forward(q, k, v, cu_q, cu_k, causal=True)
+                cp.cuda.Device().synchronize()
+                n += 1
     _fwd.set_sm90(False, pipelined=False, ws=False)
     _config.set(sm90_fwd_persistent=True)
     _bwd.set_sm90(True)                                # the Hopper dK/dV kernels

@@ -372,6 +372,69 @@ def test_backward_varlen_warp_specialised(d, kw):
         assert e_h <= 2 * e_a + 1e-2 * max(1.0, np.abs(r).max()), f"{n}: {e_h} vs {e_a}"
 
 
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=False),
+                                dict(window_size=(40, 5)), dict(causal=True, dropout_p=0.17)],
+                         ids=["causal", "full", "window", "causal-dropout"])
+def test_forward_varlen_warp_specialised(d, kw):
+    """Varlen forward calls on the warp-specialised kernel (sm90_fwd_ws_varlen: TMA over the
+    packed arrays, V rows past a sequence zeroed in shared memory), with NaN in the rows after
+    the last sequence (which ends inside a key block): every valid row finite, its error
+    against the float64 oracle at most twice that of the GPU-verified kernel the call takes
+    without the setting, plus a rounding allowance; with dropout the two agree (the same
+    masks)."""
+    if _VARIANT["name"] != "v0":
+        pytest.skip("independent of the fixture's variant: run once")
+    import cupy as cp
+    import flashcore
+    from flashcore import config, jit
+    from flashcore.kernels import forward
+    from flashcore.reference import naive_forward
+    from flashcore.spec import forward_spec
+    from refutils import quantize, to_dev
+    rng = np.random.default_rng(31 + d)
+    lens_q, lens_k = [70, 0, 257, 33, 50], [90, 5, 300, 0, 100]
+    cq = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    pad = 37
+    host = [quantize(rng.standard_normal(sh).astype(np.float32), "bfloat16") for sh in
+            ((cq[-1] + pad, 6, d), (ck[-1] + pad, 2, d), (ck[-1] + pad, 2, d))]
+    for x in host:
+        x[-pad:] = np.nan
+    q, k, v = (to_dev(x, "bfloat16") for x in host)
+    cqd, ckd = cp.asarray(cq), cp.asarray(ck)
+    drop = {}
+    if kw.get("dropout_p"):
+        drop = dict(dropout_p=kw["dropout_p"], rng_state=cp.asarray([5, 9], cp.int64))
+    opts = {n: x for n, x in kw.items() if n != "dropout_p"}
+    outs = {}
+    for ws in (True, False):
+        with config.override(sm90_fwd=True, sm90_fwd_ws=True, sm90_fwd_ws_varlen=ws):
+            jit.clear_memory_cache()
+            o, _ = flashcore.varlen_attention_forward(q, k, v, cqd, ckd, **opts, **drop)
+            outs[ws] = o.get()[:-pad].astype(np.float64)
+            ran = any(kk[2] == forward.SM90_SOURCE and "_ws_kernel" in kk[3]
+                      and kk[3].count(",") == 9 for kk in jit._kernels)   # (varlen: 10 args)
+            assert ran == ws
+    valid = np.concatenate([np.arange(cq[i], cq[i + 1]) for i in range(len(lens_q))
+                            if lens_k[i] > 0])
+    assert np.isfinite(outs[True][valid]).all()
+    if drop:
+        diff = np.abs(outs[True] - outs[False])[valid].max()
+        assert diff <= 2e-2 * max(1.0, np.abs(outs[False][valid]).max()), diff
+        return
+    ref = np.zeros((cq[-1], 6, d))
+    for i in range(len(lens_q)):
+        qs, ks = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        if lens_q[i] == 0 or lens_k[i] == 0:
+            continue
+        a = [x[None].astype(np.float64) for x in (host[0][qs], host[1][ks], host[2][ks])]
+        ref[qs] = naive_forward(forward_spec(*a, **opts), *a)[0][0]
+    e_ws = np.abs(outs[True] - ref)[valid].max()
+    e_v = np.abs(outs[False] - ref)[valid].max()
+    assert e_ws <= 2 * e_v + 1e-2 * max(1.0, np.abs(ref).max()), (e_ws, e_v)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [(5, 3), (127, 0), (-1, 77)])
 def test_backward_windows_gqa(sm90_bwd, dtype, window):
