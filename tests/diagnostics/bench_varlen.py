@@ -1,0 +1,79 @@
+"""Varlen calls' speed (packed sequences of random lengths) on each kernel route, beside the
+dense call at the mean length: TFLOP/s (flash-attn's count over the sequences), forward and
+backward alone, through the CuPy API (GPU time, L2 flushed). No SDPA peer takes packed
+sequences, so the dense flashcore call is the yardstick. Needs an H100/H200.
+
+    python tests/diagnostics/bench_varlen.py [--seqlen 1024 4096] [--headdim 128 256]
+                                             [--causal] [--variants default ws]
+
+Lengths: seqlen/2 to 3 seqlen/2, odd (partial tiles), ~16k tokens in all, hidden 2048, bf16.
+Variants: ``default`` (varlen calls on the cp.async Hopper kernels, the Ampere-class dK/dV
+kernel at head dim 256), ``ws`` (the warp-specialised kernels' varlen instantiations,
+``sm90_fwd_ws_varlen`` and ``sm90_bwd_ws_varlen``).
+"""
+from __future__ import annotations
+
+import argparse
+
+from flashcore import config
+from flashcore.bench import AttentionProblem, flops, gpu_time, random_arrays, shape_for
+
+VARIANTS = {"default": {},
+            "ws": {"sm90_fwd_ws_varlen": True, "sm90_bwd_ws_varlen": True}}
+
+
+def varlen_row(s, d, causal, variants, seed=0):
+    """TFLOP/s of the varlen forward and backward over random lengths around ``s``."""
+    import numpy as np
+    import cupy
+    import flashcore
+    _, _, h, _ = shape_for(s, d)
+    rng = np.random.default_rng(seed)
+    lens = []
+    while sum(lens) < 16384 - s // 2:
+        lens.append(int(rng.integers(s // 2, 3 * s // 2)) | 1)     # odd lengths: partial tiles
+    total = sum(lens)
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    q, k, v, do = random_arrays("cupy", [(total, h, d)] * 4, seed)
+    f = {w: sum(flops(1, n, h, d, causal, w) for n in lens) for w in ("forward", "backward")}
+    row = {}
+    for name, settings in variants.items():
+        with config.override(**settings):
+            out, lse = flashcore.varlen_attention_forward(q, k, v, cu, cu, max(lens), max(lens),
+                                                          causal=causal)
+
+            def fwd():
+                return flashcore.varlen_attention_forward(q, k, v, cu, cu, max(lens), max(lens),
+                                                          causal=causal)
+
+            def bwd():
+                return flashcore.varlen_attention_backward(do, q, k, v, out, lse, cu, cu,
+                                                           max(lens), max(lens), causal=causal)
+            bwd()
+            row[f"{name} fwd"] = f["forward"] / gpu_time(fwd, "cupy") / 1e12
+            row[f"{name} bwd"] = f["backward"] / gpu_time(bwd, "cupy") / 1e12
+    return len(lens), row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqlen", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--headdim", type=int, nargs="+", default=[128, 256])
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    a = ap.parse_args()
+    variants = {k: VARIANTS[k] for k in a.variants}
+    print(f"# varlen forward / backward alone, TFLOP/s, bf16, ~16k tokens, causal={a.causal}")
+    for d in a.headdim:
+        for s in a.seqlen:
+            n, row = varlen_row(s, d, a.causal, variants)
+            b, _, h, _ = shape_for(s, d)
+            for w in ("forward", "backward"):
+                row[f"dense {w[:3]}"] = AttentionProblem("cupy", b, s, h, d, a.causal).tflops(
+                    w, flops(b, s, h, d, a.causal, w))
+            print(f"d{d} s~{s} ({n} seqs) " + "  ".join(f"{k}: {v:.0f}" for k, v in row.items()),
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
