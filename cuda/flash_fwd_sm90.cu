@@ -17,8 +17,8 @@
 //    O += P_i V_i together, then runs the softmax of S_{i+1} while P_i V_i is on the tensor
 //    cores (intra-warpgroup overlap). With ping-pong, two named barriers make the consumers
 //    issue their products in turn, so that one's softmax runs under the other's products.
-//    Loads need 16-byte-aligned bases and row/head/batch strides (TMA); varlen and paged
-//    calls and other strides take flash_fwd_sm90_kernel.
+//    Loads need 16-byte-aligned bases and row/head/batch strides (TMA); paged calls, other
+//    strides and (without sm90_fwd_ws_varlen) varlen calls take flash_fwd_sm90_kernel.
 //  * flash_fwd_sm90_kernel (v0 / v1): the two warpgroups load their own tiles with cp.async
 //    and meet at __syncthreads between key blocks; v1 keeps a 3-stage ring and overlaps
 //    the softmax of block i+1 with P_i V_i as above.
@@ -575,7 +575,7 @@ flash_fwd_sm90_kernel(const FlashParams params) {
 // The tensor maps of the warp-specialised kernels (flashcore/kernels/tma.py encodes them):
 // q (d, seqlen_q, nheads, batch) with boxes of 128 bytes x 128 rows, k and v (d, seqlen_k,
 // nheads_k, batch) with boxes of 128 bytes x kBlockN rows (64 16-bit elements, or 128 e4m3
-// ones, per row); 128-byte swizzle, zero fill.
+// ones, per row); 128-byte swizzle, zero fill. Varlen: (d, total, heads, 1) of the packed arrays.
 struct alignas(64) FcFwdMaps {
     FcTensorMap q, k, v;
 };
@@ -868,10 +868,20 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         };
 
         int nb = blk.n_block_max - 1;
+        mbar_wait(bar_q, (fc_u32)nq & 1u);
+        mbar_wait(full_k(stage_of(0)), parity_of(0));
+        issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)stage_of(0) * kTile);
+        wgmma_wait<0>();
+        settle(s);
+        mbar_arrive(empty_k(stage_of(0)));
+        rows.mask(s, nb * kBlockN);
+        rows.softmax(s, corr);                     // O is 0: no rescale
+        pack(nb * kBlockN);
         if constexpr (Is_varlen) {
             // the walk's first block, the last of the tile's keys: past the sequence's end?
             // (tile-uniform) Consumer warpgroup 0 zeroes those V rows, all consumers meet at
-            // named barrier 4 (the ping-pong's are 1 .. kCons) before any P V product
+            // named barrier 4 (the ping-pong's are 1 .. kCons) before any P V product (after
+            // S_0, so that S_0 does not wait for V_0)
             const int valid = blk.sk - nb * kBlockN;
             if (valid < kBlockN) {
                 mbar_wait(full_v(stage_of(0)), parity_of(0));
@@ -882,15 +892,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                 named_sync(4, (int)kConsumers);
             }
         }
-        mbar_wait(bar_q, (fc_u32)nq & 1u);
-        mbar_wait(full_k(stage_of(0)), parity_of(0));
-        issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)stage_of(0) * kTile);
-        wgmma_wait<0>();
-        settle(s);
-        mbar_arrive(empty_k(stage_of(0)));
-        rows.mask(s, nb * kBlockN);
-        rows.softmax(s, corr);                     // O is 0: no rescale
-        pack(nb * kBlockN);
         // Ping-pong: consumer cw issues its products after named barrier 1 + cw, then hands
         // the turn to the next (cw + 1, the last to consumer 0). The last consumer opens the
         // first turn for consumer 0 and skips its last hand-over, so that every barrier sees

@@ -398,7 +398,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
         ws_ok = cfg.sm90_bwd_ws and (not varlen or cfg.sm90_bwd_ws_varlen)
 
         def as4(a):     # (varlen: (total, heads, headdim) -> (1, total, heads, headdim), a view)
-            return a.reshape(1, *a.shape) if varlen else a
+            return a[None] if varlen else a
         if headdim == 256:
             if ws_ok and sm90_d256_smem() <= smem_limit:
                 ws = maps_for((as4(q), SM90_D256_BLOCK), (as4(k), SM90_D256_BLOCK),

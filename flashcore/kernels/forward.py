@@ -585,7 +585,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
             block_m, block_n, _ = sm90_ws_tile(headdim, is_local, dropout)
 
             def as4(a):     # (varlen: (total, heads, headdim) -> (1, total, ...), a view)
-                return a.reshape(1, *a.shape) if varlen else a
+                return a[None] if varlen else a
             ws = maps_for((as4(q), block_m), (as4(k), block_n), (as4(v), block_n))
         grid_m = math.ceil(seqlen_q / (block_m if ws is not None else 128))
         if ws is not None:

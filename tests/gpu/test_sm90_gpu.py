@@ -407,18 +407,24 @@ def test_forward_varlen_warp_specialised(d, kw):
     if kw.get("dropout_p"):
         drop = dict(dropout_p=kw["dropout_p"], rng_state=cp.asarray([5, 9], cp.int64))
     opts = {n: x for n, x in kw.items() if n != "dropout_p"}
-    outs = {}
+    outs, lses = {}, {}
     for ws in (True, False):
         with config.override(sm90_fwd=True, sm90_fwd_ws=True, sm90_fwd_ws_varlen=ws):
             jit.clear_memory_cache()
-            o, _ = flashcore.varlen_attention_forward(q, k, v, cqd, ckd, **opts, **drop)
+            o, lse = flashcore.varlen_attention_forward(q, k, v, cqd, ckd, **opts, **drop)
             outs[ws] = o.get()[:-pad].astype(np.float64)
+            lses[ws] = lse.get()[:, :-pad].astype(np.float64)
             ran = any(kk[2] == forward.SM90_SOURCE and "_ws_kernel" in kk[3]
                       and kk[3].count(",") == 9 for kk in jit._kernels)   # (varlen: 10 args)
             assert ran == ws
     valid = np.concatenate([np.arange(cq[i], cq[i + 1]) for i in range(len(lens_q))
                             if lens_k[i] > 0])
     assert np.isfinite(outs[True][valid]).all()
+    # the lse of the two kernels agree closely (one key row too many or too few zeroed moves a
+    # row's lse by about the log of its weight); a sequence with no key: O = 0, lse = -inf
+    assert np.abs(lses[True][:, valid] - lses[False][:, valid]).max() <= 2e-3
+    nokey = np.arange(cq[3], cq[4])
+    assert (outs[True][nokey] == 0).all() and np.isneginf(lses[True][:, nokey]).all()
     if drop:
         diff = np.abs(outs[True] - outs[False])[valid].max()
         assert diff <= 2e-2 * max(1.0, np.abs(outs[False][valid]).max()), diff
