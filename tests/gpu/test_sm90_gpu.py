@@ -295,6 +295,27 @@ def test_backward_varlen_no_worse_than_the_ampere_kernel(sm90_bwd, d):
         assert e_h <= 2 * e_a + 1e-2 * max(1.0, np.abs(r).max()), f"{n}: {e_h} vs Ampere {e_a}"
 
 
+# Packed sequences for the varlen warp-specialised tests: one empty, one with no key, lengths
+# off the tiles, the last ending inside a key block at d128 and d256 alike (its partial blocks
+# read the rows after it), and VARLEN_PAD rows of no sequence after the last one, all NaN.
+VARLEN_LENS_Q, VARLEN_LENS_K, VARLEN_PAD = [70, 0, 257, 33, 50], [90, 5, 300, 0, 100], 37
+
+
+def _varlen_nan_padded(d, seed, n_arrays):
+    """cu_seqlens (host), the host arrays (bf16-rounded float32, q-like, k-like, k-like, then
+    q-like) and their device copies."""
+    from refutils import quantize, to_dev
+    rng = np.random.default_rng(seed)
+    cq = np.concatenate([[0], np.cumsum(VARLEN_LENS_Q)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(VARLEN_LENS_K)]).astype(np.int32)
+    shapes = [(cq[-1] + VARLEN_PAD, 6, d), (ck[-1] + VARLEN_PAD, 2, d),
+              (ck[-1] + VARLEN_PAD, 2, d), (cq[-1] + VARLEN_PAD, 6, d)][:n_arrays]
+    host = [quantize(rng.standard_normal(sh).astype(np.float32), "bfloat16") for sh in shapes]
+    for x in host:
+        x[-VARLEN_PAD:] = np.nan
+    return cq, ck, host, [to_dev(x, "bfloat16") for x in host]
+
+
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=False),
                                 dict(window_size=(40, 5)), dict(causal=True, dropout_p=0.17)],
@@ -314,20 +335,8 @@ def test_backward_varlen_warp_specialised(d, kw):
     from flashcore.reference import naive_backward
     from flashcore.kernels import backward
     from flashcore.spec import forward_spec
-    from refutils import quantize, to_dev
-    rng = np.random.default_rng(29 + d)
-    # (the last sequence ends inside a block at d128 and d256 alike: its partial blocks read
-    # the NaN rows after it, which the kernel must zero before any product uses them)
-    lens_q, lens_k = [70, 0, 257, 33, 50], [90, 5, 300, 0, 100]
-    cq = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    ck = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
-    pad = 37                   # rows of no sequence after the last one: NaN
-    host = [quantize(rng.standard_normal(sh).astype(np.float32), "bfloat16") for sh in
-            ((cq[-1] + pad, 6, d), (ck[-1] + pad, 2, d), (ck[-1] + pad, 2, d),
-             (cq[-1] + pad, 6, d))]
-    for x in host:
-        x[-pad:] = np.nan
-    q, k, v, do = (to_dev(x, "bfloat16") for x in host)
+    lens_q, lens_k, pad = VARLEN_LENS_Q, VARLEN_LENS_K, VARLEN_PAD
+    cq, ck, host, (q, k, v, do) = _varlen_nan_padded(d, 29 + d, 4)
     cqd, ckd = cp.asarray(cq), cp.asarray(ck)
     drop = {}
     if kw.get("dropout_p"):
@@ -391,17 +400,8 @@ def test_forward_varlen_warp_specialised(d, kw):
     from flashcore.kernels import forward
     from flashcore.reference import naive_forward
     from flashcore.spec import forward_spec
-    from refutils import quantize, to_dev
-    rng = np.random.default_rng(31 + d)
-    lens_q, lens_k = [70, 0, 257, 33, 50], [90, 5, 300, 0, 100]
-    cq = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    ck = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
-    pad = 37
-    host = [quantize(rng.standard_normal(sh).astype(np.float32), "bfloat16") for sh in
-            ((cq[-1] + pad, 6, d), (ck[-1] + pad, 2, d), (ck[-1] + pad, 2, d))]
-    for x in host:
-        x[-pad:] = np.nan
-    q, k, v = (to_dev(x, "bfloat16") for x in host)
+    lens_q, lens_k, pad = VARLEN_LENS_Q, VARLEN_LENS_K, VARLEN_PAD
+    cq, ck, host, (q, k, v) = _varlen_nan_padded(d, 31 + d, 3)
     cqd, ckd = cp.asarray(cq), cp.asarray(ck)
     drop = {}
     if kw.get("dropout_p"):
