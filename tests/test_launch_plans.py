@@ -356,15 +356,20 @@ def test_dq_tiled_launches(d):
 _VARLEN_LENS = [70, 0, 257, 33]      # one empty sequence, none a multiple of the tile
 
 
-def _varlen_backward(d):
-    """launch_backward over packed sequences of _VARLEN_LENS (4 query heads over 2 kv heads,
-    causal); returns the total rows and q, k, v, dout."""
+def _varlen_arrays(d):
+    """Packed sequences of _VARLEN_LENS, 4 query heads over 2 kv heads: cu_seqlens, the total
+    rows, q, k, v, out and lse."""
     cu = fake_array((len(_VARLEN_LENS) + 1,), np.int32)
     total = sum(_VARLEN_LENS)
     q, k, v = (fake_array((total, h, d), np.float16) for h in (4, 2, 2))
-    out, do, dq = (fake_array(q.shape, np.float16) for _ in range(3))
+    return cu, total, q, k, v, fake_array(q.shape, np.float16), fake_array((4, total), np.float32)
+
+
+def _varlen_backward(d):
+    """launch_backward over _varlen_arrays (causal); returns the total rows and q, k, v, dout."""
+    cu, total, q, k, v, out, lse = _varlen_arrays(d)
+    do, dq = (fake_array(q.shape, np.float16) for _ in range(2))
     dk, dv = (fake_array(k.shape, np.float16) for _ in range(2))
-    lse = fake_array((4, total), np.float32)
     LOG.clear()
     backward.launch_backward(do, q, k, v, out, lse, dq, dk, dv, softmax_scale=0.1,
                              window_left=-1, window_right=0, cu_seqlens_q=cu,
@@ -424,11 +429,7 @@ def test_forward_ws_varlen_launches(d):
     instantiation (one tile a CTA: grid (query blocks of the longest sequence, heads,
     sequences)) and tensor maps over the packed arrays seen as one sequence; without the
     setting, not the warp-specialised kernel."""
-    cu = fake_array((len(_VARLEN_LENS) + 1,), np.int32)
-    total = sum(_VARLEN_LENS)
-    q, k, v = (fake_array((total, h, d), np.float16) for h in (4, 2, 2))
-    out = fake_array(q.shape, np.float16)
-    lse = fake_array((4, total), np.float32)
+    cu, total, q, k, v, out, lse = _varlen_arrays(d)
 
     def run():
         LOG.clear()
