@@ -37,10 +37,10 @@
 //    TMA into a 2-stage ring of mbarrier-guarded stages, the warp's lanes write the step's
 //    lse and D beside them; the two consumer warpgroups never load, and meet only at one
 //    named barrier per step (dS^T written, before the dQ product reads it; dS^T is
-//    double-buffered, so that barrier also frees the other buffer). Varlen calls too with
-//    sm90_bwd_ws_varlen (Is_varlen: maps over the packed arrays, zero_rows_past).
+//    double-buffered, so that barrier also frees the other buffer). Varlen calls too
+//    (Is_varlen: maps over the packed arrays, zero_rows_past).
 //  * flash_bwd_dkdv_sm90_kernel: both warpgroups load with cp.async and meet at __syncthreads
-//    (varlen calls without that setting, and arrays TMA cannot read).
+//    (head dim 64, and arrays TMA cannot read).
 #include "flash_bwd.cu"
 #include "sm90_pipeline.cuh"
 #include "wgmma.cuh"

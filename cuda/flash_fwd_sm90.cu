@@ -17,8 +17,8 @@
 //    O += P_i V_i together, then runs the softmax of S_{i+1} while P_i V_i is on the tensor
 //    cores (intra-warpgroup overlap). With ping-pong, two named barriers make the consumers
 //    issue their products in turn, so that one's softmax runs under the other's products.
-//    Loads need 16-byte-aligned bases and row/head/batch strides (TMA); paged calls, other
-//    strides and (without sm90_fwd_ws_varlen) varlen calls take flash_fwd_sm90_kernel.
+//    Loads need 16-byte-aligned bases and row/head/batch strides (TMA); paged calls and
+//    other strides take flash_fwd_sm90_kernel; varlen calls run one tile a CTA (Is_varlen).
 //  * flash_fwd_sm90_kernel (v0 / v1): the two warpgroups load their own tiles with cp.async
 //    and meet at __syncthreads between key blocks; v1 keeps a 3-stage ring and overlaps
 //    the softmax of block i+1 with P_i V_i as above.

@@ -17,9 +17,7 @@ The settings (environment variable in brackets):
   applies; ``sm90_fwd_pipelined`` (``FLASHCORE_SM90_PIPE``): its v1 pipeline (the next block's
   softmax under P V) where the warp-specialised kernel does not apply; ``sm90_fwd_ws``
   (``FLASHCORE_SM90_WS``): the warp-specialised Hopper forward (TMA producer, two consumer
-  warpgroups) for dense calls whose arrays TMA can read; ``sm90_fwd_ws_varlen``
-  (``FLASHCORE_SM90_FWD_WS_VARLEN``): varlen calls too, one tile a CTA (off by default:
-  written, not yet run on a GPU; varlen calls take the v0/v1 kernels meanwhile);
+  warpgroups) for calls whose arrays TMA can read (varlen calls: one tile a CTA);
   ``sm90_fwd_pingpong``
   (``FLASHCORE_SM90_PINGPONG``): its consumers issue their products in turn (None, the
   default: chosen per call by ``flashcore.kernels.forward.sm90_ws_pingpong``);
@@ -29,10 +27,8 @@ The settings (environment variable in brackets):
   ``sm90_fwd_d64_min_seqlen_k``: head dim 64 takes the Hopper forward from
   this many keys (the Ampere-class kernel measured faster below).
 * ``sm90_bwd`` (``FLASHCORE_SM90_BWD``): the Hopper dK/dV kernel where it applies;
-  ``sm90_bwd_ws`` (``FLASHCORE_SM90_BWD_WS``): its warp-specialised TMA version for dense calls
-  whose arrays TMA can read; ``sm90_bwd_ws_varlen`` (``FLASHCORE_SM90_BWD_WS_VARLEN``): varlen
-  calls too, at head dims 128 and 256 (off by default: written, not yet run on a GPU; varlen
-  calls take the cp.async kernel at 64 and 128 and the Ampere-class one at 256 meanwhile);
+  ``sm90_bwd_ws`` (``FLASHCORE_SM90_BWD_WS``): its warp-specialised TMA versions (head dims 128
+  and 256) for calls, varlen included, whose arrays TMA can read;
   ``sm90_bwd_d64_block_m`` (``FLASHCORE_SM90_BWD_D64_BM``): queries per step at head dim 64
   (64 or 128).
 * ``sm90_fp8_fwd`` (``FLASHCORE_SM90_FP8_FWD``): the Hopper FP8 forward kernel for
@@ -74,8 +70,6 @@ class Settings(NamedTuple):
     sm90_fwd_d64_min_seqlen_k: int
     sm90_bwd: bool
     sm90_bwd_ws: bool
-    sm90_bwd_ws_varlen: bool
-    sm90_fwd_ws_varlen: bool
     sm90_bwd_d64_block_m: int
     sm90_fp8_fwd: bool
     sm90_defines: tuple
@@ -103,8 +97,6 @@ def _from_environment() -> Settings:
         sm90_fwd_d64_min_seqlen_k=2048,
         sm90_bwd=_env_flag("FLASHCORE_SM90_BWD", True),
         sm90_bwd_ws=_env_flag("FLASHCORE_SM90_BWD_WS", True),
-        sm90_bwd_ws_varlen=_env_flag("FLASHCORE_SM90_BWD_WS_VARLEN", False),
-        sm90_fwd_ws_varlen=_env_flag("FLASHCORE_SM90_FWD_WS_VARLEN", False),
         sm90_bwd_d64_block_m=int(bm) if bm in ("64", "128") else 128,
         sm90_fp8_fwd=_env_flag("FLASHCORE_SM90_FP8_FWD", True),
         sm90_defines=(),

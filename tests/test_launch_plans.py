@@ -379,11 +379,12 @@ def _varlen_backward(d):
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_dq_tiled_varlen_launches(d):
-    """Varlen calls (the cp.async kernel): the whole-tile preprocess, the kernel and the tiled
-    convert kernel over an accumulator of total_q + 64 x batch rows a head (each sequence
-    starts a tile)."""
+    """Varlen calls on the cp.async kernel (head dim 64; 128 with sm90_bwd_ws off): the
+    whole-tile preprocess, the kernel and the tiled convert kernel over an accumulator of
+    total_q + 64 x batch rows a head (each sequence starts a tile)."""
     plans.clear()
-    total, _ = _varlen_backward(d)
+    with config.override(sm90_bwd_ws=False):
+        total, _ = _varlen_backward(d)
     names = [n for n, *_ in LOG]
     assert names == ["flash_bwd_preprocess_kernel<fc_fp16, true>",
                      backward.sm90_kernel_name("float16", d, True),
@@ -398,13 +399,11 @@ def test_dq_tiled_varlen_launches(d):
 
 @pytest.mark.parametrize("d", [128, 256])
 def test_ws_varlen_launches(d):
-    """Varlen calls with sm90_bwd_ws_varlen: the warp-specialised kernel's varlen
-    instantiation (d128; d256 its own kernel), its grid over the longest sequence, and tensor
-    maps over the packed arrays seen as one sequence of total rows (dims innermost first:
-    head dim, total, heads, 1), at the arrays' own addresses. Without the setting, neither
-    takes a warp-specialised kernel."""
-    with config.override(sm90_bwd_ws_varlen=True):
-        total, arrays = _varlen_backward(d)
+    """Varlen calls: the warp-specialised kernel's varlen instantiation (d128; d256 its own
+    kernel), its grid over the longest sequence, and tensor maps over the packed arrays seen
+    as one sequence of total rows (dims innermost first: head dim, total, heads, 1), at the
+    arrays' own addresses. With sm90_bwd_ws off, neither takes a warp-specialised kernel."""
+    total, arrays = _varlen_backward(d)
     names = [n for n, *_ in LOG]
     kernel = (backward.sm90_d256_kernel_name("float16", True, varlen=True) if d == 256
               else backward.sm90_ws_kernel_name("float16", d, True, varlen=True))
@@ -418,17 +417,17 @@ def test_ws_varlen_launches(d):
     for words, a, heads in zip(maps, arrays, (4, 2, 2, 4)):
         assert words[0] == a.data.ptr and words[2] == 4
         assert tuple(words[3:7]) == (d, total, heads, 1)
-    with config.override(sm90_bwd_ws_varlen=False):
+    with config.override(sm90_bwd_ws=False):
         _varlen_backward(d)
     assert "_ws_kernel" not in LOG[1][0] and "_d256_kernel" not in LOG[1][0]
 
 
 @pytest.mark.parametrize("d", [128, 256])
 def test_forward_ws_varlen_launches(d):
-    """Varlen forward calls with sm90_fwd_ws_varlen: the warp-specialised kernel's varlen
-    instantiation (one tile a CTA: grid (query blocks of the longest sequence, heads,
-    sequences)) and tensor maps over the packed arrays seen as one sequence; without the
-    setting, not the warp-specialised kernel."""
+    """Varlen forward calls: the warp-specialised kernel's varlen instantiation (one tile a
+    CTA: grid (query blocks of the longest sequence, heads, sequences)) and tensor maps over
+    the packed arrays seen as one sequence; with sm90_fwd_ws off, not the warp-specialised
+    kernel."""
     cu, total, q, k, v, out, lse = _varlen_arrays(d)
 
     def run():
@@ -437,8 +436,7 @@ def test_forward_ws_varlen_launches(d):
                                window_right=0, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                max_seqlen_q=257, max_seqlen_k=257)
         return LOG[0]
-    with config.override(sm90_fwd_ws_varlen=True):
-        name, grid, block, _, raw = run()
+    name, grid, block, _, raw = run()
     block_m = forward.sm90_ws_tile(d, True, False)[0]
     assert name == forward.sm90_ws_kernel_name("float16", d, True, seqlen_k=257, varlen=True)
     assert name.endswith(", false, true>")          # (not persistent; varlen)
@@ -447,7 +445,7 @@ def test_forward_ws_varlen_launches(d):
             for i in range(3)]
     for words, a, heads in zip(maps, (q, k, v), (4, 2, 2)):
         assert words[0] == a.data.ptr and tuple(words[3:7]) == (d, total, heads, 1)
-    with config.override(sm90_fwd_ws_varlen=False):
+    with config.override(sm90_fwd_ws=False):
         assert "_ws_kernel" not in run()[0]
 
 

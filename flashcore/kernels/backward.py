@@ -226,7 +226,7 @@ def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool,
                         block_m: int = SM90_WS_BLOCK_M, dropout: bool = False,
                         varlen: bool = False) -> str:
     """The warp-specialised dK/dV kernel (TMA producer, two consumer warpgroups); varlen: its
-    instantiation over the packed arrays (``sm90_bwd_ws_varlen``)."""
+    instantiation over the packed arrays."""
     return (f"flash_bwd_dkdv_sm90_ws_kernel<{_ELEM[dtype_name]}, {headdim}, {block_m}, "
             f"{_b(is_local)}, {_b(dropout)}{', true' if varlen else ''}>")
 
@@ -390,12 +390,12 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
 
     # The dK/dV kernel: a Hopper one ("d256", "ws": warp-specialised, with their tensor maps
     # `ws`; "cpasync") or None (flash_bwd.cu's). Varlen calls take the warp-specialised ones
-    # with sm90_bwd_ws_varlen, their maps over the packed arrays seen as one sequence (batch 1).
+    # too, their maps over the packed arrays seen as one sequence (batch 1).
     cfg = config.get()
     hopper, ws = None, None
     if sm90_applies(cc, headdim, has_softcap, has_alibi, deterministic):
         from .tma import maps_for
-        ws_ok = cfg.sm90_bwd_ws and (not varlen or cfg.sm90_bwd_ws_varlen)
+        ws_ok = cfg.sm90_bwd_ws
 
         def as4(a):     # (varlen: (total, heads, headdim) -> (1, total, heads, headdim), a view)
             return a[None] if varlen else a

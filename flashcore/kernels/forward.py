@@ -297,7 +297,7 @@ def _ws_piece(launch, params, ws, counter):
 def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool, dropout: bool = False,
                         seqlen_k: int = 0, pingpong: bool | None = None,
                         persistent: bool | None = None, varlen: bool = False) -> str:
-    """varlen: the instantiation for varlen calls (``sm90_fwd_ws_varlen``; one tile a CTA)."""
+    """varlen: the instantiation for varlen calls (one tile a CTA)."""
     block_m, block_n, stages = sm90_ws_tile(headdim, is_local, dropout)
     pp = sm90_ws_pingpong(headdim, seqlen_k) if pingpong is None else pingpong
     pers = False if varlen else (sm90_ws_persistent(headdim, is_local, dropout)
@@ -580,7 +580,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     persistent = False
     if not paged and sm90_applies(cc, headdim, has_softcap, has_alibi, seqlen_k):
         cfg_ = config.get()
-        if cfg_.sm90_fwd_ws and (not varlen or cfg_.sm90_fwd_ws_varlen):
+        if cfg_.sm90_fwd_ws:
             from .tma import maps_for
             block_m, block_n, _ = sm90_ws_tile(headdim, is_local, dropout)
 

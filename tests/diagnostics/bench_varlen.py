@@ -4,12 +4,12 @@ backward alone, through the CuPy API (GPU time, L2 flushed). No SDPA peer takes 
 sequences, so the dense flashcore call is the yardstick. Needs an H100/H200.
 
     python tests/diagnostics/bench_varlen.py [--seqlen 1024 4096] [--headdim 128 256]
-                                             [--causal] [--variants default ws]
+                                             [--causal] [--variants default cpasync]
 
 Lengths: seqlen/2 to 3 seqlen/2, odd (partial tiles), ~16k tokens in all, hidden 2048, bf16.
-Variants: ``default`` (varlen calls on the cp.async Hopper kernels, the Ampere-class dK/dV
-kernel at head dim 256), ``ws`` (the warp-specialised kernels' varlen instantiations,
-``sm90_fwd_ws_varlen`` and ``sm90_bwd_ws_varlen``).
+Variants: ``default`` (the warp-specialised kernels' varlen instantiations where they apply),
+``cpasync`` (``sm90_fwd_ws`` and ``sm90_bwd_ws`` off: the cp.async Hopper kernels, the
+Ampere-class dK/dV kernel at head dim 256).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from flashcore import config
 from flashcore.bench import AttentionProblem, flops, gpu_time, random_arrays, shape_for
 
 VARIANTS = {"default": {},
-            "ws": {"sm90_fwd_ws_varlen": True, "sm90_bwd_ws_varlen": True}}
+            "cpasync": {"sm90_fwd_ws": False, "sm90_bwd_ws": False}}
 
 
 def varlen_row(s, d, causal, variants, seed=0):

@@ -84,13 +84,13 @@ if "--hopper-bwd" in sys.argv:
     # under memcheck, racecheck and synccheck alike:
     # compute-sanitizer --tool racecheck python3 tests/diagnostics/sanitize_driver.py --hopper-bwd
     n = run_backward_cases(HOPPER_BWD_CASES) + run_backward_cases(HOPPER_BWD_CASES[-3:], 0.2)
-    # varlen (the cp.async kernel; with sm90_bwd_ws_varlen the warp-specialised ones at d128
-    # and d256): sequences that are no multiple of the tile, one empty; and cu_seqlens past the
+    # varlen (the warp-specialised kernels at d128 and d256; with sm90_bwd_ws off the cp.async
+    # one): sequences that are no multiple of the tile, one empty; and cu_seqlens past the
     # rows, decreasing, negative (TMA coordinates from the clamped offsets)
     from flashcore import config as _cfg
-    for ws_varlen in (False, True):
-        with _cfg.override(sm90_bwd_ws_varlen=ws_varlen):
-            for hd in ((64, 128) if not ws_varlen else (128, 256)):
+    for ws in (False, True):
+        with _cfg.override(sm90_bwd_ws=ws):
+            for hd in ((64, 128) if not ws else (128, 256)):
                 lens = np.array([70, 0, 257, 33], np.int32)
                 cu = cp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
                 t = int(lens.sum())
@@ -99,7 +99,7 @@ if "--hopper-bwd" in sys.argv:
                 flashcore.varlen_attention_backward(do, q, k, v, out, lse, cu, cu, causal=True)
                 cp.cuda.Device().synchronize()
                 n += 1
-                if ws_varlen:
+                if ws:
                     for cuq in ([0, 5, 900, 141, -4], [100, 0, 141, 141, 141]):
                         cu_q = cp.asarray(np.array(cuq, np.int32))
                         cu_k = cp.asarray(np.array([0, 9, 13, 10**6, 100], np.int32))
@@ -206,11 +206,11 @@ if int(cp.cuda.Device().compute_capability) == 90:
         flashcore.varlen_attention_forward(q, k, v, cu_q, cu_k, causal=True)
         cp.cuda.Device().synchronize()
         n += 1
-    # varlen on the warp-specialised forward (sm90_fwd_ws_varlen): sequences ending inside a
-    # key block, one empty, cu_seqlens past the rows, decreasing, negative
+    # varlen on the warp-specialised forward (head dim 64 from any key count): sequences ending
+    # inside a key block, one empty, cu_seqlens past the rows, decreasing, negative
     _fwd.set_sm90(True, pipelined=True, ws=True)
-    with _config.override(sm90_fwd_ws_varlen=True):
-        for hd in (128, 256):
+    with _config.override(sm90_fwd_d64_min_seqlen_k=0):
+        for hd in (64, 128, 256):
             for cuq, cuk in (([0, 5, 5, 140, 141], [0, 9, 13, 100, 100]),
                              ([0, 5, 900, 141, -4], [0, 9, 13, 10**6, 100]),
                              ([100, 0, 141, 141, 141], [0, 9, 13, 10**6, 100])):

@@ -48,11 +48,11 @@ def sm90_on(request):
 
 
 def _ran_sm90(dtype, local, d=128, varlen=False):
-    """The variant under test ran (varlen calls take v1 where the ws kernel is chosen)."""
+    """The variant under test ran (varlen calls: the ws kernel's varlen instantiation)."""
     from flashcore import jit
     from flashcore.kernels import forward
-    if _VARIANT["name"].startswith("ws") and not varlen and d in forward.SM90_HEADDIMS:
-        name = forward.sm90_ws_kernel_name(dtype, d, local)
+    if _VARIANT["name"].startswith("ws") and d in forward.SM90_HEADDIMS:
+        name = forward.sm90_ws_kernel_name(dtype, d, local, varlen=varlen)
     else:
         name = forward.sm90_kernel_name(dtype, d, local, _VARIANT["name"] != "v0")
     return any(k[2] == forward.SM90_SOURCE and k[3] == name for k in jit._kernels)
@@ -194,14 +194,14 @@ def test_forward_is_bitwise_repeatable():
 # ---------------- the Hopper dK/dV kernel (flash_bwd_sm90.cu) ----------------
 
 def _ran_sm90_bwd(dtype, local, d=128, varlen=False, dropout=False):
-    """The dK/dV kernel of the fixture's variant ran (varlen calls take the cp.async one)."""
+    """The dK/dV kernel of the fixture's variant ran."""
     from flashcore import config, jit
     from flashcore.kernels import backward
     if d == 256:      # (warp-specialised only)
         name = backward.sm90_d256_kernel_name(dtype, local, dropout)
         return any(k[2] == backward.SM90_SOURCE and k[3] == name for k in jit._kernels)
-    ws = config.get().sm90_bwd_ws and not varlen and d in backward.SM90_WS_HEADDIMS
-    name = (backward.sm90_ws_kernel_name(dtype, d, local, dropout=dropout) if ws
+    ws = config.get().sm90_bwd_ws and d in backward.SM90_WS_HEADDIMS
+    name = (backward.sm90_ws_kernel_name(dtype, d, local, dropout=dropout, varlen=varlen) if ws
             else backward.sm90_kernel_name(dtype, d, local, dropout=dropout))
     return any(k[2] == backward.SM90_SOURCE and k[3] == name for k in jit._kernels)
 
@@ -253,8 +253,8 @@ def test_backward_varlen_no_worse_than_the_ampere_kernel(sm90_bwd, d):
     from flashcore import config
     cfg = config.get()
     if cfg.sm90_bwd_ws or (d == 128 and cfg.sm90_bwd_d64_block_m == 64):
-        pytest.skip("varlen calls take the cp.async kernel (the ws setting and, at d128, the d64 "
-                    "block do not change it): each of its instantiations once")
+        pytest.skip("the cp.async kernel's varlen instantiations, each once (the ws kernels' "
+                    "are test_backward_varlen_warp_specialised's)")
     import cupy as cp
     import flashcore
     from flashcore import jit
@@ -321,12 +321,12 @@ def _varlen_nan_padded(d, seed, n_arrays):
                                 dict(window_size=(40, 5)), dict(causal=True, dropout_p=0.17)],
                          ids=["causal", "full", "window", "causal-dropout"])
 def test_backward_varlen_warp_specialised(d, kw):
-    """Varlen calls on the warp-specialised kernels (sm90_bwd_ws_varlen: TMA over the packed
-    arrays, rows past a sequence zeroed in shared memory), with rows past the last sequence
-    holding NaN (rows of no sequence: never to reach a gradient): each gradient finite and its
-    error against the float64 oracle at most twice that of the GPU-verified kernel the call
-    takes without the setting (cp.async at d128, Ampere-class at d256) on the same inputs, plus
-    a rounding allowance; with dropout, the two kernels' gradients agree (the same masks)."""
+    """Varlen calls on the warp-specialised kernels (the default: TMA over the packed arrays,
+    rows past a sequence zeroed in shared memory), with rows past the last sequence holding NaN
+    (rows of no sequence: never to reach a gradient): each gradient finite and its error
+    against the float64 oracle at most twice that of the kernel the call takes with
+    sm90_bwd_ws off (cp.async at d128, Ampere-class at d256) on the same inputs, plus a
+    rounding allowance; with dropout, the two kernels' gradients agree (the same masks)."""
     if _VARIANT["name"] != "v0":
         pytest.skip("the backward does not depend on the forward variant: run once")
     import cupy as cp
@@ -346,7 +346,7 @@ def test_backward_varlen_warp_specialised(d, kw):
         out, lse = flashcore.varlen_attention_forward(q, k, v, cqd, ckd, **opts, **drop)
         grads = {}
         for ws in (True, False):
-            with config.override(sm90_bwd_ws_varlen=ws):
+            with config.override(sm90_bwd_ws=ws):
                 jit.clear_memory_cache()
                 junk = cp.full(1 << 22, cp.nan, cp.float32)   # the pool's next blocks hold NaN:
                 del junk                                      # an accumulator row left unzeroed shows
@@ -381,17 +381,17 @@ def test_backward_varlen_warp_specialised(d, kw):
         assert e_h <= 2 * e_a + 1e-2 * max(1.0, np.abs(r).max()), f"{n}: {e_h} vs {e_a}"
 
 
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=False),
                                 dict(window_size=(40, 5)), dict(causal=True, dropout_p=0.17)],
                          ids=["causal", "full", "window", "causal-dropout"])
 def test_forward_varlen_warp_specialised(d, kw):
-    """Varlen forward calls on the warp-specialised kernel (sm90_fwd_ws_varlen: TMA over the
-    packed arrays, V rows past a sequence zeroed in shared memory), with NaN in the rows after
-    the last sequence (which ends inside a key block): every valid row finite, its error
-    against the float64 oracle at most twice that of the GPU-verified kernel the call takes
-    without the setting, plus a rounding allowance; with dropout the two agree (the same
-    masks)."""
+    """Varlen forward calls on the warp-specialised kernel (the default: TMA over the packed
+    arrays, V rows past a sequence zeroed in shared memory; head dim 64 from any key count
+    here), with NaN in the rows after the last sequence (which ends inside a key block): every
+    valid row finite, its error against the float64 oracle at most twice that of the kernel
+    the call takes with sm90_fwd_ws off (cp.async), plus a rounding allowance; with dropout
+    the two agree (the same masks)."""
     if _VARIANT["name"] != "v0":
         pytest.skip("independent of the fixture's variant: run once")
     import cupy as cp
@@ -409,7 +409,7 @@ def test_forward_varlen_warp_specialised(d, kw):
     opts = {n: x for n, x in kw.items() if n != "dropout_p"}
     outs, lses = {}, {}
     for ws in (True, False):
-        with config.override(sm90_fwd=True, sm90_fwd_ws=True, sm90_fwd_ws_varlen=ws):
+        with config.override(sm90_fwd=True, sm90_fwd_ws=ws, sm90_fwd_d64_min_seqlen_k=0):
             jit.clear_memory_cache()
             o, lse = flashcore.varlen_attention_forward(q, k, v, cqd, ckd, **opts, **drop)
             outs[ws] = o.get()[:-pad].astype(np.float64)
