@@ -759,6 +759,9 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             auto load_k = [&](int it) {
                 const int u = kv + it, st = u % kStages;
                 if (u >= kStages) mbar_wait(empty_k(st), ((fc_u32)(u / kStages) & 1u) ^ 1u);
+#ifdef FC_DIAG_KV_HALF   // (timing only: every other block reuses a stage's stale K, wrong results)
+                if (u >= kStages && (u & 1)) { mbar_arrive(full_k(st)); return; }
+#endif
                 mbar_expect_tx(full_k(st), kTile);
 #pragma unroll
                 for (int c = 0; c < kD / kRowElems; ++c)
@@ -768,6 +771,9 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             };
             // V of block it into `dst`, completing on `bar`
             auto load_v = [&](int it, fc_u32 dst, fc_u32 bar) {
+#ifdef FC_DIAG_KV_HALF   // (and V: half the K/V bytes from L2, the same products)
+                if (!Is_fp8 && kv + it >= kStages && ((kv + it) & 1)) { mbar_arrive(bar); return; }
+#endif
                 mbar_expect_tx(bar, kTile);
 #pragma unroll
                 for (int c = 0; c < kD / kRowElems; ++c)
@@ -944,7 +950,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 
 // Warp-specialised forward, 16-bit inputs (see the top of the file and ws_forward). kBM: query
 // rows per tile (64 per consumer warpgroup: 128, or 192 at head dim 64); kBlockN: keys per
-// block (64, 128, or 176 as FA3 takes at head dim 128); kStages: K/V ring depth; kPingPong: the
+// block (64, 128, or 176 as FA3 takes at head dim 128; 80 at head dim 256, as FA3); kStages: K/V ring depth; kPingPong: the
 // consumers issue their products in turn; kPersistent: a grid of at most one CTA per SM, each
 // taking tiles from the dynamic scheduler (grid (query blocks, heads, batch) otherwise).
 // Is_varlen: varlen calls (one tile a CTA; ws_forward says how).
@@ -953,8 +959,9 @@ template <typename Elem, int kD, int kBM, int kBlockN, bool Is_local, bool Is_dr
 __global__ void __launch_bounds__(2 * kBM + 128, 1)   // kBM / 64 consumer warpgroups + 1
 flash_fwd_sm90_ws_kernel(const FlashParams params, const __grid_constant__ FcFwdMaps maps) {
     static_assert(kD == 64 || kD == 128 || kD == 256, "head dims 64, 128 and 256");
-    static_assert((kBlockN == 64 || kBlockN == 128 || kBlockN == 176) && (kD != 256 || kBlockN == 64),
-                  "key blocks of 64, 128 or 176 (the S wgmma's N); 64 at head dim 256");
+    static_assert((kBlockN == 64 || kBlockN == 128 || kBlockN == 176 || kBlockN == 80) &&
+                  (kD != 256 || kBlockN == 64 || kBlockN == 80),
+                  "key blocks of 64, 128 or 176 (the S wgmma's N); 64 or 80 at head dim 256");
     static_assert(kBM == 128 || (kBM == 192 && kD == 64), "128-row tiles, or 192 at head dim 64");
     fc_h::ws_forward<Elem, Elem, kD, kBM, kBlockN, Is_local, Is_dropout, kStages, kPingPong,
                      kPersistent, Is_varlen>(params, maps);
