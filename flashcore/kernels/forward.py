@@ -307,6 +307,26 @@ def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool, dropout: 
             f"{', true' if varlen else ''}>")
 
 
+SM90_CLUSTER_HEADDIMS = (128, 256)
+
+
+def sm90_ws_cluster(headdim: int, is_local: bool, varlen: bool, grid_m: int) -> bool:
+    """Whether a call takes the multicast kernel (``sm90_fwd_cluster``): FA3's rule, dense calls
+    without a window at head dims 128 and 256, an even number of query blocks (the two CTAs of
+    a cluster take blocks 2c and 2c + 1 of one head)."""
+    return (config.get().sm90_fwd_cluster and headdim in SM90_CLUSTER_HEADDIMS and not is_local
+            and not varlen and grid_m % 2 == 0)
+
+
+def sm90_ws_cluster_kernel_name(dtype_name: str, headdim: int, dropout: bool = False,
+                                seqlen_k: int = 0, pingpong: bool | None = None) -> str:
+    """The warp-specialised kernel with K and V multicast in clusters of two CTAs."""
+    block_m, block_n, stages = sm90_ws_tile(headdim, False, dropout)
+    pp = sm90_ws_pingpong(headdim, seqlen_k) if pingpong is None else pingpong
+    return (f"flash_fwd_sm90_ws_cluster_kernel<{_elem_tag(dtype_name)}, {headdim}, {block_m}, "
+            f"{block_n}, {_b(dropout)}, {stages}, {_b(pp)}>")
+
+
 def sm90_instantiations() -> list[str]:
     """Every template name of the Hopper forward (compiled for sm_90a only), the FP8 kernel's
     included."""
@@ -319,6 +339,9 @@ def sm90_instantiations() -> list[str]:
                      if ws_persistent_exists(d, loc, drop) or not pers}
                   | {sm90_ws_kernel_name(dt, d, loc, drop, pingpong=pp, varlen=True)
                      for dt in ("float16", "bfloat16") for d in SM90_HEADDIMS for loc in flags
+                     for drop in flags for pp in flags}
+                  | {sm90_ws_cluster_kernel_name(dt, d, drop, pingpong=pp)
+                     for dt in ("float16", "bfloat16") for d in SM90_CLUSTER_HEADDIMS
                      for drop in flags for pp in flags}
                   | set(fp8_instantiations()))
 
@@ -590,13 +613,15 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         grid_m = math.ceil(seqlen_q / (block_m if ws is not None else 128))
         if ws is not None:
             smem = sm90_ws_smem(headdim, is_local, dropout)
-            persistent = not varlen and sm90_ws_persistent(headdim, is_local, dropout,
-                                                           tiles=grid_m * nheads * batch)
-            kernel = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, is_local,
-                                                                 dropout, seqlen_k,
-                                                                 persistent=persistent,
-                                                                 varlen=varlen),
-                                device_id, cc, smem, config.get().sm90_defines)
+            if sm90_ws_cluster(headdim, is_local, varlen, grid_m):
+                name = sm90_ws_cluster_kernel_name(dtype_name, headdim, dropout, seqlen_k)
+            else:
+                persistent = not varlen and sm90_ws_persistent(headdim, is_local, dropout,
+                                                               tiles=grid_m * nheads * batch)
+                name = sm90_ws_kernel_name(dtype_name, headdim, is_local, dropout, seqlen_k,
+                                           persistent=persistent, varlen=varlen)
+            kernel = get_kernel(SM90_SOURCE, name, device_id, cc, smem,
+                                config.get().sm90_defines)
             block = (128 + 2 * block_m, 1, 1)
         else:
             smem = sm90_smem(headdim, config.get().sm90_fwd_pipelined)

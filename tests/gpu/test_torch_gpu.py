@@ -516,9 +516,9 @@ def test_cupy_stream_capture_with_the_stream_ordered_pool():
             graph = s.end_capture()
         for seed in (1, 2):
             rs2 = cupy.random.RandomState(seed)
-            for t in (q, k, v, do, qd):
-                t[...] = rs2.standard_normal(t.shape, dtype=cupy.float32).astype(t.dtype)
-            with s:
+            with s:   # (the new inputs on the graph's stream: s does not wait for the null one)
+                for t in (q, k, v, do, qd):
+                    t[...] = rs2.standard_normal(t.shape, dtype=cupy.float32).astype(t.dtype)
                 graph.launch()
             s.synchronize()
             captured_now = [a.copy() for a in captured]
