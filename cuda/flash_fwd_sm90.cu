@@ -599,8 +599,7 @@ namespace fc_h {
 // block that holds them (the walk's first) are zeroed before any P V product reads them (the
 // masks already give their scores -inf; P = 0 times such a row, NaN possibly, would not be 0).
 template <typename Elem, typename In, int kD, int kBM, int kBlockN, bool Is_local,
-          bool Is_dropout, int kStages, bool kPingPong, bool kPersistent, bool Is_varlen = false,
-          int kCluster = 1>
+          bool Is_dropout, int kStages, bool kPingPong, bool kPersistent, bool Is_varlen = false>
 __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFwdMaps& maps) {
     using namespace fc_pipe;
     constexpr bool Is_fp8 = In::kBytes == 1;
@@ -617,8 +616,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     constexpr int kRaw = Is_fp8 ? 2 : 0;                                // FP8: V as loaded
     static_assert(!(Is_fp8 && Is_dropout), "FP8 attention is forward only, without dropout");
     static_assert(!Is_varlen || (!Is_fp8 && !kPersistent), "varlen: 16-bit, one tile a CTA");
-    static_assert(kCluster == 1 || (kCluster == 2 && !Is_fp8 && !kPersistent && !Is_local &&
-                                    !Is_varlen), "K/V multicast: dense, no window, one tile a CTA");
     // Registers after reallocation. __launch_bounds__(kThreads, 1) starts every thread at
     // 65536 / kThreads rounded down to 8 (384: 168; 512: 128), and the split must not exceed
     // what the block holds (a consumer's setmaxnreg.inc waits until the pool has the
@@ -652,13 +649,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     auto slot = [&](int j) { return sched + 32u + 4u * (fc_u32)j; };
     // the threads that read the slots: the consumers, and the FP8 producer's other 127
     constexpr fc_u32 kSlotReaders = Is_fp8 ? kConsumers + 127u : kConsumers;
-    // K/V multicast (kCluster = 2): the two CTAs of a cluster take query blocks 2c, 2c + 1 of
-    // one (batch, head), so the same key blocks; each loads half of every K and V tile (its
-    // 128-byte column blocks c with c % 2 == rank) into both CTAs' shared memory, and a stage
-    // is free only when both CTAs' consumers are done with it: its empty barriers count one
-    // arrival per consumer warp of either CTA (release, below).
-    const fc_u32 rank = kCluster > 1 ? cluster_ctarank() : 0u;
-    constexpr fc_u32 kEmptyCount = kCluster == 1 ? kConsumers : (fc_u32)kCluster * (kConsumers / 32u);
 
     // The CTA's tiles. One per CTA (the grid is (query blocks, heads, batch)), or, persistent,
     // a dynamic schedule: the first tile is blockIdx.x, then producer thread 0 takes the next
@@ -698,18 +688,14 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         }
         return FwdBlock<kBlockN, Is_local, kBM>(params, Is_local ? num_m - 1 - m : m, h, b);
     };
-    // (a multicasting CTA runs its loads and releases even without rows of its own: its peer
-    // needs them; its stores then store nothing)
-    auto runs = [](const FwdBlock<kBlockN, Is_local, kBM>& blk) {
-        return (kCluster > 1 || !blk.empty_rows()) && !blk.no_keys();
-    };
+    auto runs = [](const FwdBlock<kBlockN, Is_local, kBM>& blk) { return !blk.empty_rows() && !blk.no_keys(); };
 
     const int tid = threadIdx.x;
     const int wg = tid >> 7;
     if constexpr (!kPersistent) {
         const FwdBlock<kBlockN, Is_local, kBM> blk = tile_block(0);
-        if (kCluster == 1 && blk.empty_rows()) return;
-        if (blk.no_keys()) {          // (the two CTAs of a cluster alike: the same sequence)
+        if (blk.empty_rows()) return;
+        if (blk.no_keys()) {
             blk.store_empty(params, kD, tid, kThreads);
             return;
         }
@@ -724,8 +710,8 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         for (int st = 0; st < kStages; ++st) {
             mbar_init(full_k(st), 1);
             mbar_init(full_v(st), Is_fp8 ? 128 : 1);
-            mbar_init(empty_k(st), kEmptyCount);
-            mbar_init(empty_v(st), kEmptyCount);
+            mbar_init(empty_k(st), kConsumers);
+            mbar_init(empty_v(st), kConsumers);
         }
         for (int r = 0; r < kRaw; ++r) mbar_init(raw_full(r), 1);
         for (int j = 0; j < 2; ++j) {
@@ -735,7 +721,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         fence_barrier_init();
     }
     __syncthreads();
-    if constexpr (kCluster > 1) cluster_sync_all();   // the peer's barriers are initialised
 
     // Pipeline positions carried from tile to tile: kv = key blocks through the K/V ring so
     // far (block it of a tile is use (kv + it) / kStages of stage (kv + it) % kStages), nq = Q
@@ -779,17 +764,10 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 #endif
                 mbar_expect_tx(full_k(st), kTile);
 #pragma unroll
-                for (int c = 0; c < kD / kRowElems; ++c) {
-                    if constexpr (kCluster == 1)
-                        tma_load_4d(sK + (fc_u32)st * kTile + (fc_u32)c * kKVBlock, maps.k,
-                                    full_k(st), kRowElems * c,
-                                    (Is_varlen ? (int)blk.k_row0 : 0) + n0_of(it), blk.hk,
-                                    Is_varlen ? 0 : blk.b);
-                    else if (c % kCluster == (int)rank)
-                        tma_load_4d_multicast(sK + (fc_u32)st * kTile + (fc_u32)c * kKVBlock,
-                                              maps.k, full_k(st), kRowElems * c, n0_of(it),
-                                              blk.hk, blk.b, (1 << kCluster) - 1);
-                }
+                for (int c = 0; c < kD / kRowElems; ++c)
+                    tma_load_4d(sK + (fc_u32)st * kTile + (fc_u32)c * kKVBlock, maps.k, full_k(st),
+                                kRowElems * c, (Is_varlen ? (int)blk.k_row0 : 0) + n0_of(it),
+                                blk.hk, Is_varlen ? 0 : blk.b);
             };
             // V of block it into `dst`, completing on `bar`
             auto load_v = [&](int it, fc_u32 dst, fc_u32 bar) {
@@ -798,16 +776,10 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 #endif
                 mbar_expect_tx(bar, kTile);
 #pragma unroll
-                for (int c = 0; c < kD / kRowElems; ++c) {
-                    if constexpr (kCluster == 1)
-                        tma_load_4d(dst + (fc_u32)c * kKVBlock, maps.v, bar, kRowElems * c,
-                                    (Is_varlen ? (int)blk.k_row0 : 0) + n0_of(it), blk.hk,
-                                    Is_varlen ? 0 : blk.b);
-                    else if (c % kCluster == (int)rank)
-                        tma_load_4d_multicast(dst + (fc_u32)c * kKVBlock, maps.v, bar,
-                                              kRowElems * c, n0_of(it), blk.hk, blk.b,
-                                              (1 << kCluster) - 1);
-                }
+                for (int c = 0; c < kD / kRowElems; ++c)
+                    tma_load_4d(dst + (fc_u32)c * kKVBlock, maps.v, bar, kRowElems * c,
+                                (Is_varlen ? (int)blk.k_row0 : 0) + n0_of(it), blk.hk,
+                                Is_varlen ? 0 : blk.b);
             };
             if constexpr (!Is_fp8) {
                 // K of the first block before Q: its stage frees while the last tile's S
@@ -851,14 +823,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             kv += n_iter;
             ++nq;
         }
-        if constexpr (kCluster > 1) {
-            // The peer's consumers release this CTA's last stages remotely: stay until they
-            // have (an arrival on the barriers of a CTA that has exited is an error).
-            for (int u = kv > kStages ? kv - kStages : 0; u < kv; ++u) {
-                mbar_wait(empty_k(u % kStages), (fc_u32)(u / kStages) & 1u);
-                mbar_wait(empty_v(u % kStages), (fc_u32)(u / kStages) & 1u);
-            }
-        }
         return;
     }
 
@@ -870,7 +834,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         const int tile = kPersistent ? receive(u) : u;
         if (tile >= n_tiles) break;
         const FwdBlock<kBlockN, Is_local, kBM> blk = tile_block(tile);
-        if (kCluster == 1 && blk.empty_rows()) continue;
+        if (blk.empty_rows()) continue;
         if (blk.no_keys()) {            // (persistent only: the one-tile CTA returned above)
             blk.store_empty(params, kD, tid - 128, (int)kConsumers);
             continue;
@@ -890,17 +854,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         fc_u32 pa[Is_fp8 ? kBlockN / 32 : kBlockN / 16][4];
         float corr[2];
         auto stage_of = [&](int it) { return (kv + it) % kStages; };
-        // a K or V stage no longer read: one arrival per thread, or (multicast) one per warp
-        // on each CTA's barrier, after the warp's last read of it
-        auto release = [&](fc_u32 bar) {
-            if constexpr (kCluster == 1) {
-                mbar_arrive(bar);
-            } else {
-                __syncwarp();
-                const int lane = threadIdx.x & 31;
-                if (lane < kCluster) mbar_arrive_cluster(bar, (fc_u32)lane);
-            }
-        };
         auto parity_of = [&](int it) { return (fc_u32)((kv + it) / kStages) & 1u; };
         auto pack = [&](int n0) {
             if constexpr (Is_fp8) {
@@ -926,7 +879,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)stage_of(0) * kTile);
         wgmma_wait<0>();
         settle(s);
-        release(empty_k(stage_of(0)));
+        mbar_arrive(empty_k(stage_of(0)));
         rows.mask(s, nb * kBlockN);
         rows.softmax(s, corr);                     // O is 0: no rescale
         pack(nb * kBlockN);
@@ -961,13 +914,13 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                 named_arrive(1 + (cw + 1) % kCons, 256);
             wgmma_wait<1>();                       // S_{i+1} done (P_i V_i may still run)
             settle(s);
-            release(empty_k(st1));
+            mbar_arrive(empty_k(st1));
             rows.mask(s, (nb - 1) * kBlockN);
             rows.softmax(s, corr);
             wgmma_wait<0>();
             settle(rows.acc_o);
             settle(pa);
-            release(empty_v(st0));
+            mbar_arrive(empty_v(st0));
             rows.rescale(corr);
             pack((nb - 1) * kBlockN);
         }
@@ -979,7 +932,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             wgmma_wait<0>();
             settle(rows.acc_o);
             settle(pa);
-            release(empty_v(stage_of(last)));
+            mbar_arrive(empty_v(stage_of(last)));
         }
         if constexpr (Is_fp8) {
             const float v_scale = params.v_descale != nullptr
@@ -1012,21 +965,6 @@ flash_fwd_sm90_ws_kernel(const FlashParams params, const __grid_constant__ FcFwd
     static_assert(kBM == 128 || (kBM == 192 && kD == 64), "128-row tiles, or 192 at head dim 64");
     fc_h::ws_forward<Elem, Elem, kD, kBM, kBlockN, Is_local, Is_dropout, kStages, kPingPong,
                      kPersistent, Is_varlen>(params, maps);
-}
-
-// The same with K and V multicast between the two CTAs of a cluster (FA3's cluster of 2 along
-// the query blocks): dense calls without a window at head dims 128 and 256, one tile a CTA,
-// grid (query blocks (even), heads, batch). Half the K/V bytes leave L2 per CTA.
-template <typename Elem, int kD, int kBM, int kBlockN, bool Is_dropout, int kStages,
-          bool kPingPong>
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(2 * kBM + 128, 1)
-flash_fwd_sm90_ws_cluster_kernel(const FlashParams params,
-                                 const __grid_constant__ FcFwdMaps maps) {
-    static_assert((kD == 128 || kD == 256) && kBM == 128, "multicast: head dims 128 and 256");
-    static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 128 || kBlockN == 176,
-                  "key blocks of 64, 80, 128 or 176");
-    fc_h::ws_forward<Elem, Elem, kD, kBM, kBlockN, false, Is_dropout, kStages, kPingPong,
-                     false, false, 2>(params, maps);
 }
 
 // Warp-specialised forward of float8_e4m3fn q, k, v (FlashAttention-3's FP8 forward; the

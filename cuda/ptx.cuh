@@ -43,23 +43,6 @@ __device__ __forceinline__ fc_u32 fc_prmt(fc_u32 x, fc_u32 sel) {
     return r;
 }
 
-// ---- thread-block clusters (sm_90+; emitted only where a kernel for such a target uses them) --
-__device__ __forceinline__ fc_u32 cluster_ctarank() {
-    fc_u32 r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ void cluster_sync_all() {   // every thread of every CTA of the cluster
-    asm volatile("barrier.cluster.arrive.release.aligned;\n"
-                 "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-// The shared::cluster address of `addr` (a shared::cta address) in the CTA of rank `rank`.
-__device__ __forceinline__ fc_u32 mapa_rank(fc_u32 addr, fc_u32 rank) {
-    fc_u32 r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
-    return r;
-}
-
 // ---- element types -----------------------------------------------------------------------
 // Each tag says how to convert to and from float and which mma.sync variant to issue.
 struct fc_bf16 {

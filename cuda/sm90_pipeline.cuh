@@ -59,24 +59,6 @@ __device__ __forceinline__ void tma_load_4d(fc_u32 dst, const FcTensorMap& map, 
            "r"(c0), "r"(c1), "r"(c2), "r"(c3)
         : "memory");
 }
-// The same box, multicast: written at `dst` and completing on `bar` (the same shared offsets)
-// in every CTA of the cluster named in `cta_mask` (bit r: rank r).
-__device__ __forceinline__ void tma_load_4d_multicast(fc_u32 dst, const FcTensorMap& map,
-                                                      fc_u32 bar, int c0, int c1, int c2,
-                                                      int c3, unsigned short cta_mask) {
-    asm volatile(
-        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-        ".multicast::cluster [%0], [%1, {%3, %4, %5, %6}], [%2], %7;\n"
-        :: "r"(dst), "l"(reinterpret_cast<fc_u64>(&map)), "r"(bar),
-           "r"(c0), "r"(c1), "r"(c2), "r"(c3), "h"(cta_mask)
-        : "memory");
-}
-// One arrival on the barrier at shared offset `bar` of the cluster's CTA of rank `rank` (a
-// consumer releasing a stage that the other CTA's producer multicasts into).
-__device__ __forceinline__ void mbar_arrive_cluster(fc_u32 bar, fc_u32 rank) {
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n"
-                 :: "r"(mapa_rank(bar, rank)) : "memory");
-}
 __device__ __forceinline__ void tma_prefetch_map(const FcTensorMap& map) {
     asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<fc_u64>(&map)) : "memory");
 }

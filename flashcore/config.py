@@ -24,10 +24,6 @@ The settings (environment variable in brackets):
   ``sm90_fwd_persistent`` (``FLASHCORE_SM90_PERSISTENT``): the warp-specialised kernels
   (16-bit and FP8) run one CTA per SM, each taking tiles from a dynamic scheduler (on by
   default, where such a kernel exists: ``flashcore.kernels.forward.ws_persistent_exists``);
-  ``sm90_fwd_cluster`` (``FLASHCORE_SM90_CLUSTER``): dense calls without a window at head dims
-  128 and 256 with an even number of query blocks run in clusters of two CTAs that multicast K
-  and V to each other (``flashcore.kernels.forward.sm90_ws_cluster``; off by default: written,
-  not yet measured on a GPU);
   ``sm90_fwd_d64_min_seqlen_k``: head dim 64 takes the Hopper forward from
   this many keys (the Ampere-class kernel measured faster below).
 * ``sm90_bwd`` (``FLASHCORE_SM90_BWD``): the Hopper dK/dV kernel where it applies;
@@ -71,7 +67,6 @@ class Settings(NamedTuple):
     sm90_fwd_ws: bool
     sm90_fwd_pingpong: bool | None
     sm90_fwd_persistent: bool
-    sm90_fwd_cluster: bool
     sm90_fwd_d64_min_seqlen_k: int
     sm90_bwd: bool
     sm90_bwd_ws: bool
@@ -99,7 +94,6 @@ def _from_environment() -> Settings:
         sm90_fwd_pingpong=(_env_flag("FLASHCORE_SM90_PINGPONG", True)
                            if os.environ.get("FLASHCORE_SM90_PINGPONG", "").strip() else None),
         sm90_fwd_persistent=_env_flag("FLASHCORE_SM90_PERSISTENT", True),
-        sm90_fwd_cluster=_env_flag("FLASHCORE_SM90_CLUSTER", False),
         sm90_fwd_d64_min_seqlen_k=2048,
         sm90_bwd=_env_flag("FLASHCORE_SM90_BWD", True),
         sm90_bwd_ws=_env_flag("FLASHCORE_SM90_BWD_WS", True),

@@ -111,10 +111,8 @@ def _spill_allowance(mangled: str) -> int:
     bools = re.findall(r"Lb([01])E", mangled)
     if not bools or mangled.startswith("_Z25flash_fwd_sm90_fp8_kernel"):
         return 0                             # (no flags; the FP8 forward: no dropout)
-    if mangled.startswith("_Z32flash_fwd_sm90_ws_cluster_kernel"):
-        dropout = bools[0] == "1"            # <.., dropout, stages, ping-pong>
-    elif mangled.startswith(("_Z24flash_fwd_sm90_ws_kernel", "_Z29flash_bwd_dkdv_sm90_ws_kernel",
-                             "_Z31flash_bwd_dkdv_sm90_d256_kernel", "_Z26flash_bwd_dkdv_sm90_kernel")):
+    if mangled.startswith(("_Z24flash_fwd_sm90_ws_kernel", "_Z29flash_bwd_dkdv_sm90_ws_kernel",
+                           "_Z31flash_bwd_dkdv_sm90_d256_kernel", "_Z26flash_bwd_dkdv_sm90_kernel")):
         dropout = bools[1] == "1"            # <.., local, dropout, ..>: stages and ping-pong,
     else:                                    # or the tile-ordered dQ, follow
         dropout = bools[-1] == "1"           # the last template argument

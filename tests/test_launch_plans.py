@@ -60,8 +60,7 @@ class FakeKernel:
 
 def _n_maps(name):
     """Tensor maps a kernel takes after the struct (the warp-specialised Hopper kernels)."""
-    return (4 if "bwd" in name else 3) if ("_ws_kernel" in name or "_d256_kernel" in name
-                                            or "_ws_cluster_kernel" in name) else 0
+    return (4 if "bwd" in name else 3) if ("_ws_kernel" in name or "_d256_kernel" in name) else 0
 
 
 def fake_launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
@@ -1019,37 +1018,6 @@ def test_warp_specialised_forward_grid(d, causal, dropout, sq, h, want_block, wa
         (name, grid, *_), = LOG
         bm = 192 if (d == 64 and not dropout) else 128
         assert name.endswith("false>") and grid == (-(-sq // bm), h, 2)
-
-
-@pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("sq", [256, 300])
-def test_cluster_forward_launches(d, causal, sq):
-    """sm90_fwd_cluster: dense calls without a window at head dims 128 and 256 with an even
-    number of query blocks take the multicast kernel, one tile a CTA (grid (query blocks, heads,
-    batch), clusters of two along x, declared by the kernel), its counter unused; the others
-    take the kernel they take without the setting."""
-    q, k, v = _qkv(None, "float16", 2, sq, 2048, 4, 2, d, False)
-    out, lse = fake_array(q.shape, "float16"), fake_array((2, 4, sq), np.float32)
-    launches = []
-    for cluster in (True, False):
-        LOG.clear()
-        with config.override(sm90_fwd_cluster=cluster, sm90_fwd_d64_min_seqlen_k=0):
-            forward.launch_forward(q, k, v, out, lse, softmax_scale=0.1, window_left=-1,
-                                   window_right=0 if causal else -1)
-        launches.append(LOG[0])
-        assert len(LOG) == 1
-    names = [launch[0] for launch in launches]
-    name, grid, block, smem, raw = launches[0]
-    want = d in (128, 256) and not causal and sq == 256
-    assert ("_ws_cluster_kernel" in names[0]) == want
-    if want:
-        assert names[0] == forward.sm90_ws_cluster_kernel_name("float16", d, seqlen_k=2048)
-        assert grid == (2, 4, 2) and block == (384, 1, 1) and smem <= 232448
-        counter = np.frombuffer(raw, np.uint64)[params_dtype().fields["split_counter"][1] // 8]
-        assert counter == 0
-    else:
-        assert names[0] == names[1]
 
 
 def test_warp_specialised_tiles_fit_shared_memory():

@@ -224,9 +224,11 @@ def sm90_kernel_name(dtype_name: str, headdim: int, is_local: bool,
 # The warp-specialised kernel (TMA producer, block_m / 64 consumer warpgroups): (query rows per
 # tile, keys per block, K/V ring depth) per (head dim, local). FA3's tiles: 192 x 128 at head
 # dim 64 (three consumer warpgroups), 176-key blocks at head dim 128 when no window bounds the
-# keys (its causal tile is 128 too); the ring as deep as shared memory allows.
+# keys (its causal tile is 128 too), 80-key blocks at head dim 256 (measured on the H200: 1.05-
+# 1.07x the 64-key blocks, session 21; the windowed tile keeps 64); the ring as deep as shared
+# memory allows.
 _WS_TILES = {(64, False): (192, 128, 3), (64, True): (192, 128, 3), (128, False): (128, 176, 2),
-             (128, True): (128, 128, 2), (256, False): (128, 64, 2), (256, True): (128, 64, 2)}
+             (128, True): (128, 128, 2), (256, False): (128, 80, 2), (256, True): (128, 64, 2)}
 
 
 def sm90_ws_tile(headdim: int, is_local: bool, dropout: bool = False) -> tuple[int, int, int]:
@@ -244,31 +246,33 @@ def sm90_ws_smem(headdim: int, is_local: bool, dropout: bool = False) -> int:
             + 1024)
 
 
-def sm90_ws_pingpong(headdim: int, seqlen_k: int) -> bool:
+def sm90_ws_pingpong(headdim: int, seqlen_k: int, is_local: bool = False) -> bool:
     """Whether the consumers take turns (the ``sm90_fwd_pingpong`` setting; by default, as
-    measured on the H200: at head dim 64, and below 8k keys at 128 and 256)."""
+    measured on the H200: at head dim 64, below 8k keys at 128 and 256, and at 256 without a
+    window at any length, where the persistent 80-key kernel without ping-pong spills)."""
     pp = config.get().sm90_fwd_pingpong
     if pp is not None:
         return pp
-    return headdim == 64 or seqlen_k < 8192
+    return headdim == 64 or seqlen_k < 8192 or (headdim == 256 and not is_local)
 
 
 def ws_persistent_exists(headdim: int, is_local: bool = False, dropout: bool = False,
-                         fp8: bool = False) -> bool:
+                         fp8: bool = False, pingpong: bool = True) -> bool:
     """Whether a persistent warp-specialised kernel exists for a call: its producer takes 40
     registers and the consumers 232, in which the dropout kernels, the FP8 one at head dim 256
-    and the windowed one at head dim 256 spill (ptxas), so those run one tile per CTA."""
-    return not dropout and not (headdim == 256 and (fp8 or is_local))
+    and, at head dim 256, the windowed one and the 80-key one without ping-pong spill (ptxas),
+    so those run one tile per CTA."""
+    return not dropout and not (headdim == 256 and (fp8 or is_local or not pingpong))
 
 
 def sm90_ws_persistent(headdim: int, is_local: bool, dropout: bool = False,
-                       fp8: bool = False, tiles: int = 0) -> bool:
+                       fp8: bool = False, tiles: int = 0, pingpong: bool = True) -> bool:
     """Whether the warp-specialised kernels run persistent CTAs: the ``sm90_fwd_persistent``
     setting (on by default: measured on the H200, session 15 of the performance log), where
     such a kernel exists and the call's ``tiles`` fit the kernel's int32 tile numbers (with room
     for the scheduler's last fetches past the end)."""
     return (config.get().sm90_fwd_persistent and tiles < 2 ** 30
-            and ws_persistent_exists(headdim, is_local, dropout, fp8))
+            and ws_persistent_exists(headdim, is_local, dropout, fp8, pingpong))
 
 
 def ws_grid(persistent: bool, grid_m: int, nheads: int, batch: int, device_id: int,
@@ -299,32 +303,12 @@ def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool, dropout: 
                         persistent: bool | None = None, varlen: bool = False) -> str:
     """varlen: the instantiation for varlen calls (one tile a CTA)."""
     block_m, block_n, stages = sm90_ws_tile(headdim, is_local, dropout)
-    pp = sm90_ws_pingpong(headdim, seqlen_k) if pingpong is None else pingpong
-    pers = False if varlen else (sm90_ws_persistent(headdim, is_local, dropout)
+    pp = sm90_ws_pingpong(headdim, seqlen_k, is_local) if pingpong is None else pingpong
+    pers = False if varlen else (sm90_ws_persistent(headdim, is_local, dropout, pingpong=pp)
                                  if persistent is None else persistent)
     return (f"flash_fwd_sm90_ws_kernel<{_elem_tag(dtype_name)}, {headdim}, {block_m}, {block_n}, "
             f"{_b(is_local)}, {_b(dropout)}, {stages}, {_b(pp)}, {_b(pers)}"
             f"{', true' if varlen else ''}>")
-
-
-SM90_CLUSTER_HEADDIMS = (128, 256)
-
-
-def sm90_ws_cluster(headdim: int, is_local: bool, varlen: bool, grid_m: int) -> bool:
-    """Whether a call takes the multicast kernel (``sm90_fwd_cluster``): FA3's rule, dense calls
-    without a window at head dims 128 and 256, an even number of query blocks (the two CTAs of
-    a cluster take blocks 2c and 2c + 1 of one head)."""
-    return (config.get().sm90_fwd_cluster and headdim in SM90_CLUSTER_HEADDIMS and not is_local
-            and not varlen and grid_m % 2 == 0)
-
-
-def sm90_ws_cluster_kernel_name(dtype_name: str, headdim: int, dropout: bool = False,
-                                seqlen_k: int = 0, pingpong: bool | None = None) -> str:
-    """The warp-specialised kernel with K and V multicast in clusters of two CTAs."""
-    block_m, block_n, stages = sm90_ws_tile(headdim, False, dropout)
-    pp = sm90_ws_pingpong(headdim, seqlen_k) if pingpong is None else pingpong
-    return (f"flash_fwd_sm90_ws_cluster_kernel<{_elem_tag(dtype_name)}, {headdim}, {block_m}, "
-            f"{block_n}, {_b(dropout)}, {stages}, {_b(pp)}>")
 
 
 def sm90_instantiations() -> list[str]:
@@ -336,12 +320,9 @@ def sm90_instantiations() -> list[str]:
                   | {sm90_ws_kernel_name(dt, d, loc, drop, pingpong=pp, persistent=pers)
                      for dt in ("float16", "bfloat16") for d in SM90_HEADDIMS for loc in flags
                      for drop in flags for pp in flags for pers in flags
-                     if ws_persistent_exists(d, loc, drop) or not pers}
+                     if ws_persistent_exists(d, loc, drop, pingpong=pp) or not pers}
                   | {sm90_ws_kernel_name(dt, d, loc, drop, pingpong=pp, varlen=True)
                      for dt in ("float16", "bfloat16") for d in SM90_HEADDIMS for loc in flags
-                     for drop in flags for pp in flags}
-                  | {sm90_ws_cluster_kernel_name(dt, d, drop, pingpong=pp)
-                     for dt in ("float16", "bfloat16") for d in SM90_CLUSTER_HEADDIMS
                      for drop in flags for pp in flags}
                   | set(fp8_instantiations()))
 
@@ -613,15 +594,15 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         grid_m = math.ceil(seqlen_q / (block_m if ws is not None else 128))
         if ws is not None:
             smem = sm90_ws_smem(headdim, is_local, dropout)
-            if sm90_ws_cluster(headdim, is_local, varlen, grid_m):
-                name = sm90_ws_cluster_kernel_name(dtype_name, headdim, dropout, seqlen_k)
-            else:
-                persistent = not varlen and sm90_ws_persistent(headdim, is_local, dropout,
-                                                               tiles=grid_m * nheads * batch)
-                name = sm90_ws_kernel_name(dtype_name, headdim, is_local, dropout, seqlen_k,
-                                           persistent=persistent, varlen=varlen)
-            kernel = get_kernel(SM90_SOURCE, name, device_id, cc, smem,
-                                config.get().sm90_defines)
+            pingpong = sm90_ws_pingpong(headdim, seqlen_k, is_local)
+            persistent = not varlen and sm90_ws_persistent(headdim, is_local, dropout,
+                                                           tiles=grid_m * nheads * batch,
+                                                           pingpong=pingpong)
+            kernel = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, is_local,
+                                                                 dropout, seqlen_k, pingpong,
+                                                                 persistent=persistent,
+                                                                 varlen=varlen),
+                                device_id, cc, smem, config.get().sm90_defines)
             block = (128 + 2 * block_m, 1, 1)
         else:
             smem = sm90_smem(headdim, config.get().sm90_fwd_pipelined)

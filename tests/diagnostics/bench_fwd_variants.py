@@ -10,11 +10,10 @@ per batch, hidden 2048), timed by ``flashcore.bench.gpu_time`` (CUDA events, L2 
 median). Variants: ``ws`` the warp-specialised TMA kernel as the defaults choose it,
 ``ws-pp`` / ``ws-nopp`` with / without ping-pong, ``ws-bn128`` / ``ws-bn176`` with 128 / 176
 keys per block at head dim 128 (both pingpong settings as the defaults choose), ``ws-s3`` with a
-3-stage ring at head dim 128 (128-key blocks), ``ws-bn80`` / ``ws-bn80-pp`` 80-key blocks at head
-dim 256 (FA3's tile; ``-pp``: ping-pong at every length; ``-1t``: one tile a CTA), ``ws-kvhalf`` a timing-only probe
+3-stage ring at head dim 128 (128-key blocks), ``ws-bn64`` 64-key blocks at head dim 256 (the tile before
+session 21's 80), ``ws-kvhalf`` a timing-only probe
 (``FC_DIAG_KV_HALF``: every other key block reuses its stage's stale K and V, so half the K/V
-bytes come from L2 for the same products; wrong results), ``ws-cluster`` (``-pp`` / ``-nopp`` /
-``-bn80``) K and V multicast in clusters of two CTAs (``sm90_fwd_cluster``), ``ws-bcp`` the defaults with the cp.async
+bytes come from L2 for the same products; wrong results), ``ws-bcp`` the defaults with the cp.async
 dK/dV kernel instead of the warp-specialised one, ``v1`` / ``v0`` the cp.async kernels,
 ``ampere`` the mma.sync kernel, ``ws-1t`` one tile per CTA, ``ws-pers`` persistent CTAs
 wherever such a kernel exists (``-pp`` / ``-nopp``: with / without ping-pong), ``ws-bm128``
@@ -48,16 +47,8 @@ VARIANTS = {
     "ws-pers": (dict(_WS, sm90_fwd_persistent=True), {}),
     "ws-pers-nopp": (dict(_WS, sm90_fwd_persistent=True, sm90_fwd_pingpong=False), {}),
     "ws-pers-pp": (dict(_WS, sm90_fwd_persistent=True, sm90_fwd_pingpong=True), {}),
-    "ws-bn80": (_WS, {(256, False): (128, 80, 2)}),
-    "ws-bn80-pp": (dict(_WS, sm90_fwd_pingpong=True), {(256, False): (128, 80, 2)}),
-    "ws-bn80-1t": (dict(_WS, sm90_fwd_persistent=False), {(256, False): (128, 80, 2)}),
-    "ws-bn80-1t-nopp": (dict(_WS, sm90_fwd_persistent=False, sm90_fwd_pingpong=False),
-                        {(256, False): (128, 80, 2)}),
+    "ws-bn64": (_WS, {(256, False): (128, 64, 2)}),
     "ws-kvhalf": (dict(_WS, sm90_defines=("-DFC_DIAG_KV_HALF",)), {}),
-    "ws-cluster": (dict(_WS, sm90_fwd_cluster=True), {}),
-    "ws-cluster-pp": (dict(_WS, sm90_fwd_cluster=True, sm90_fwd_pingpong=True), {}),
-    "ws-cluster-nopp": (dict(_WS, sm90_fwd_cluster=True, sm90_fwd_pingpong=False), {}),
-    "ws-cluster-bn80": (dict(_WS, sm90_fwd_cluster=True), {(256, False): (128, 80, 2)}),
     "v1": (dict(sm90_fwd=True, sm90_fwd_ws=False, sm90_fwd_pipelined=True), {}),
     "v0": (dict(sm90_fwd=True, sm90_fwd_ws=False, sm90_fwd_pipelined=False), {}),
     "ampere": (dict(sm90_fwd=False), {}),

@@ -79,36 +79,6 @@ def run_backward_cases(cases, dropout_p=0.0):
     return len(cases)
 
 
-# The multicast forward's cases (sm90_fwd_cluster; dtype, sq, sk, head dim, heads, options):
-# an even number of query blocks (2 and 8; the second CTA of a pair with a partial block), odd
-# key counts, one key, dropout, at head dims 128 and 256 (64- and 80-key blocks).
-CLUSTER_FWD_CASES = (("bfloat16", 256, 333, 128, 4, {}),
-                     ("float16", 1000, 2049, 128, 6, {}),
-                     ("bfloat16", 200, 1, 128, 4, {}),
-                     ("bfloat16", 256, 333, 256, 4, {}),
-                     ("float16", 1000, 517, 256, 6, {}),
-                     ("bfloat16", 256, 333, 128, 4, {"dropout_p": 0.2,
-                                                     "rng_state": cp.asarray(np.array([5, 6]))}))
-
-if "--cluster" in sys.argv:
-    # only the multicast forward (clusters of two CTAs sharing K/V loads), in seconds:
-    # compute-sanitizer --tool racecheck python3 tests/diagnostics/sanitize_driver.py --cluster
-    from flashcore import config as _cfg
-    from flashcore.kernels import forward as _fwd, plans as _plans
-    n = 0
-    with _cfg.override(sm90_fwd_cluster=True):
-        for tiles in ({}, {(256, False): (128, 80, 2)}):
-            saved = dict(_fwd._WS_TILES)
-            _fwd._WS_TILES.update(tiles)
-            _plans.clear()
-            n += run_forward_cases(CLUSTER_FWD_CASES if not tiles else CLUSTER_FWD_CASES[3:5])
-            _fwd._WS_TILES.clear()
-            _fwd._WS_TILES.update(saved)
-            _plans.clear()
-    print(f"sanitize driver --cluster: {n} cases ran")
-    sys.exit(0)
-
-
 if "--hopper-bwd" in sys.argv:
     # only the Hopper dK/dV kernels (with and without dropout, varlen included), in seconds,
     # under memcheck, racecheck and synccheck alike:
