@@ -251,7 +251,8 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=
     """Forward pass. Returns ``(out, lse)``.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
-    out: like q; lse: float32 (batch, nheads, seqlen_q). ``backend`` names one of
+    out: like q; lse: float32 (batch, nheads, seqlen_q) (float64 for float64 inputs, see the
+    module's conventions). ``backend`` names one of
     :func:`backends` (default: the first that takes these arrays). CuPy arrays: ``out`` and
     ``lse`` may be given, preallocated (written in place and returned), which is what a call
     captured in a CUDA graph (``cupy.cuda.Stream.begin_capture``) needs.
