@@ -509,16 +509,17 @@ def test_opcheck_kvcache_read_with_descales():
     lens = torch.tensor([5, 33], dtype=torch.int32)
     kd = torch.rand(2, 2, generator=g) * 0.1 + 0.01
     vd = torch.rand(2, 2, generator=g) * 0.1 + 0.01
-    args = (q, kc, vc, lens, 0, None, True, 0.125, -1, 0, 2.0, None, 0, None, kd, vd)
+    # options: [cache_seqlens_int, rotary_interleaved, causal, softmax_scale, window_left,
+    # window_right, softcap, num_splits]
+    opts = [0.0, 0.0, 1.0, 0.125, -1.0, 0.0, 2.0, 0.0]
+    args = (q, kc, vc, lens, opts, None, None, None, kd, vd)
     for test in ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"):
         torch.library.opcheck(ops.kvcache_read.default, args, test_utils=test)
-    torch.library.opcheck(ops.kvcache_read.default, args[:14], {"k_descale": kd,
-                                                                "v_descale": None},
+    torch.library.opcheck(ops.kvcache_read.default, args[:5], {"k_descale": kd,
+                                                               "v_descale": None},
                           test_utils="test_faketensor")
     c16 = torch.randn(2, 40, 2, 64, generator=g).to(torch.float16)
-    torch.library.opcheck(ops.kvcache_read.default,
-                          (q, c16, c16.clone(), lens, 0, None, True, 0.125, -1, 0, 2.0, None, 0,
-                           None, None, None))
+    torch.library.opcheck(ops.kvcache_read.default, (q, c16, c16.clone(), lens, opts))
     out, lse = ops.kvcache_read(*args)
     want = flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True,
                                             softmax_scale=0.125, softcap=2.0, k_descale=kd,

@@ -21,7 +21,6 @@ imported (an import hook, or at once if torch is already loaded) or at the first
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import math
 import sys
@@ -68,23 +67,24 @@ _BWD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor l
                "-> (Tensor, Tensor, Tensor)")
 
 
+# The decode ops' scalar options, likewise one float list: [cache_seqlens_int (the lengths
+# when cache_seqlens is an int, then cache_seqlens is None), rotary_interleaved, causal,
+# softmax_scale, window_left, window_right, softcap, num_splits]; every optional tensor after
+# it, with a default (a decoding step over a plain cache passes five arguments).
 _KV_SCHEMA = ("(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
-              "Tensor? cache_seqlens, int cache_seqlens_int, Tensor? block_table, "
-              "Tensor? rotary_cos, Tensor? rotary_sin, bool rotary_interleaved, bool causal, "
-              "float softmax_scale, int window_left, int window_right, float softcap, "
-              "Tensor? alibi_slopes, int num_splits, Tensor? cache_leftpad, "
-              "Tensor? key_mask=None) -> (Tensor, Tensor)")
+              f"Tensor? cache_seqlens, {_OPTIONS}, Tensor? block_table=None, "
+              "Tensor? rotary_cos=None, Tensor? rotary_sin=None, Tensor? alibi_slopes=None, "
+              "Tensor? cache_leftpad=None, Tensor? key_mask=None) -> (Tensor, Tensor)")
 
 
 # The decode op without appending: nothing is written but the outputs, so the schema declares
 # no mutation (a mutable schema costs the dispatcher ~15 us a call on the H200 host). An FP8
-# cache (torch.float8_e4m3fn, read only: only this op takes one) comes with its descales,
-# last, with defaults (16-bit calls leave them out): float32 (batch, nheads_k), contiguous.
+# cache (torch.float8_e4m3fn, read only: only this op takes one) comes with its descales:
+# float32 (batch, nheads_k), contiguous.
 _KV_READ_SCHEMA = ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? cache_seqlens, "
-                   "int cache_seqlens_int, Tensor? block_table, bool causal, float softmax_scale, "
-                   "int window_left, int window_right, float softcap, Tensor? alibi_slopes, "
-                   "int num_splits, Tensor? cache_leftpad, Tensor? k_descale=None, "
-                   "Tensor? v_descale=None, Tensor? key_mask=None) -> (Tensor, Tensor)")
+                   f"{_OPTIONS}, Tensor? block_table=None, Tensor? alibi_slopes=None, "
+                   "Tensor? cache_leftpad=None, Tensor? k_descale=None, Tensor? v_descale=None, "
+                   "Tensor? key_mask=None) -> (Tensor, Tensor)")
 
 _OPS: list = []   # [torch.ops.flashcore], filled by torch_ops() on first use
 _OPS_LOCK = threading.Lock()
@@ -214,29 +214,41 @@ def _bwd_impl(dout, q, k, v, out, lse, options, alibi_slopes=None, cu_seqlens_q=
     return dq, dk, dv
 
 
-def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, block_table,
-                  rotary_cos, rotary_sin, rotary_interleaved, causal, softmax_scale, window_left,
-                  window_right, softcap, alibi_slopes, num_splits, cache_leftpad, k_descale=None,
-                  v_descale=None, key_mask=None):
+_NO_POINTERS = (0,) * 6     # a plain cache's optional tensors' addresses
+
+
+def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, options, block_table=None,
+                  rotary_cos=None, rotary_sin=None, alibi_slopes=None, cache_leftpad=None,
+                  key_mask=None, k_descale=None, v_descale=None):
     import torch
     key = None
     cfg = config.get()
     if q.is_cuda and not cfg.debug:     # (debug mode validates every call)
-        key = ("kvcache", layout(q), layout(k_cache), layout(v_cache), layout(k), layout(v),
-               layout(cache_seqlens), cache_seqlens_int, layout(block_table), layout(rotary_cos),
-               layout(rotary_sin), rotary_interleaved, causal, softmax_scale, window_left,
-               window_right, softcap, layout(alibi_slopes), num_splits, layout(cache_leftpad),
-               cfg, layout(k_descale), layout(v_descale), layout(key_mask))
+        plain = (block_table is None and rotary_cos is None and rotary_sin is None
+                 and alibi_slopes is None and cache_leftpad is None and k_descale is None
+                 and v_descale is None and key_mask is None)
+        key = ("kvcache", layout(q), layout(k_cache), layout(v_cache),
+               None if k is None else layout(k), None if v is None else layout(v),
+               None if cache_seqlens is None else layout(cache_seqlens), tuple(options), cfg,
+               None if plain else tuple(map(layout, (block_table, rotary_cos, rotary_sin,
+                                                     alibi_slopes, cache_leftpad, k_descale,
+                                                     v_descale, key_mask))))
         plan = plans.lookup(key)
         if plan is not None:
             out = _new_like(torch, q)
             lse = q.new_empty(*lse_shape(q.shape), dtype=torch.float32)
             if replay(torch, plan, (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                    out.data_ptr(), lse.data_ptr(), cache_seqlens.data_ptr(),
-                                    _ptr(block_table), _ptr(alibi_slopes), _ptr(cache_leftpad),
-                                    _ptr(k_descale), _ptr(v_descale), _ptr(key_mask)),
+                                    out.data_ptr(), lse.data_ptr(), cache_seqlens.data_ptr())
+                      + (_NO_POINTERS if plain else
+                         (_ptr(block_table), _ptr(alibi_slopes), _ptr(cache_leftpad),
+                          _ptr(k_descale), _ptr(v_descale), _ptr(key_mask))),
                       q.device):
                 return out, lse
+    cache_seqlens_int, rotary_interleaved, causal, softmax_scale, window_left, window_right, \
+        softcap, num_splits = options
+    cache_seqlens_int, window_left, window_right, num_splits = (
+        int(cache_seqlens_int), int(window_left), int(window_right), int(num_splits))
+    rotary_interleaved, causal = bool(rotary_interleaved), bool(causal)
     from ..spec import exact_descale, kvcache_spec
     lens = cache_seqlens_int if cache_seqlens is None else cache_seqlens
     spec = kvcache_spec(q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=block_table,
@@ -288,14 +300,12 @@ def _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     return spec
 
 
-def _kvcache_read_impl(q, k_cache, v_cache, cache_seqlens, cache_seqlens_int, block_table,
-                       causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                       num_splits, cache_leftpad, k_descale=None, v_descale=None,
+def _kvcache_read_impl(q, k_cache, v_cache, cache_seqlens, options, block_table=None,
+                       alibi_slopes=None, cache_leftpad=None, k_descale=None, v_descale=None,
                        key_mask=None):
-    return _kvcache_impl(q, k_cache, v_cache, None, None, cache_seqlens, cache_seqlens_int,
-                         block_table, None, None, False, causal, softmax_scale, window_left,
-                         window_right, softcap, alibi_slopes, num_splits, cache_leftpad,
-                         k_descale, v_descale, key_mask)
+    return _kvcache_impl(q, k_cache, v_cache, None, None, cache_seqlens, options, block_table,
+                         None, None, alibi_slopes, cache_leftpad, key_mask, k_descale,
+                         v_descale)
 
 
 def _ptr(t) -> int:
@@ -634,7 +644,7 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, blo
         sw = _plain_scale_window(q, causal, softmax_scale, window_size, softcap)
         if sw is not None:
             args = (cache_seqlens, 0, rotary_interleaved, causal, sw[0], sw[1], sw[2], sw[3],
-                    num_splits)
+                    num_splits)     # (the tensor, then the op's options, see _KV_SCHEMA)
     if args is None:
         from ..spec import kvcache_spec
         spec = kvcache_spec(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
@@ -652,23 +662,32 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, blo
         args = (None if as_int else cache_seqlens, spec.cache_seqlens_int if as_int else 0,
                 spec.rotary_interleaved, a.causal, a.softmax_scale, a.window_left,
                 a.window_right, a.softcap, spec.num_splits)
-    lens, lens_int, interleaved, causal, scale, left, right, cap, splits = args
+    lens, options = args[0], args[1:]
     torch_ops()
-    grad = torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or
-                                        (k is not None and k.requires_grad))
-    with torch.no_grad() if grad else contextlib.nullcontext():
-        # (inference only: the results never require grad)
-        if k is None and v is None:
-            return _OVERLOADS["kvcache_read"](q, k_cache, v_cache, lens, lens_int, block_table,
-                                              causal, scale, left, right, cap, alibi_slopes,
-                                              splits, cache_leftpad,
-                                              *((k_descale, v_descale) if descaled else
-                                                (None, None) if key_mask is not None else ()),
-                                              *((key_mask,) if key_mask is not None else ()))
-        return _OVERLOADS["kvcache"](q, k_cache, v_cache, k, v, lens, lens_int, block_table,
-                                     rotary_cos, rotary_sin, interleaved, causal, scale, left,
-                                     right, cap, alibi_slopes, splits, cache_leftpad,
-                                     *((key_mask,) if key_mask is not None else ()))
+    if k is None and v is None:
+        op = _OVERLOADS["kvcache_read"]
+        tail = _trimmed((block_table, alibi_slopes, cache_leftpad, k_descale, v_descale,
+                         key_mask))
+        call = (q, k_cache, v_cache, lens, options) + tail
+    else:
+        op = _OVERLOADS["kvcache"]
+        tail = _trimmed((block_table, rotary_cos, rotary_sin, alibi_slopes, cache_leftpad,
+                         key_mask))
+        call = (q, k_cache, v_cache, k, v, lens, options) + tail
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or
+                                    (k is not None and k.requires_grad)):
+        with torch.no_grad():       # (inference only: the results never require grad)
+            return op(*call)
+    return op(*call)
+
+
+def _trimmed(tensors: tuple) -> tuple:
+    """The optional tensors of a decode op's call up to the last one given (each argument
+    passed costs the dispatcher, None too)."""
+    n = len(tensors)
+    while n and tensors[n - 1] is None:
+        n -= 1
+    return tensors[:n]
 
 
 def forward(q, k, v, *, backend=None, varlen=False, **kw):

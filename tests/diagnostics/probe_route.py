@@ -238,7 +238,7 @@ def cases(device):
     dscale = 1 / math.sqrt(128)
 
     def op_decode():
-        kv_read(dq_, kc, vc, lens, 0, None, False, dscale, -1, -1, 0.0, None, 0, None)
+        kv_read(dq_, kc, vc, lens, (0, False, False, dscale, -1, -1, 0.0, 0))
 
     return {"fc_fwd": fc_fwd, "sdpa_fwd": sdpa_fwd, "sdpa1_fwd": sdpa1_fwd,
             "fc_fwd_grad": fc_fwd_grad, "nothing_fwd_grad": nothing_fwd_grad,
