@@ -400,27 +400,50 @@ __device__ __forceinline__ void issue_pv_e4m3(float (&acc_o)[kNO], fc_u32 (&pa)[
 // word at bytes 4c .. 4c + 3: keys 2c, 2c + 1, 8 + 2c, 9 + 2c of those 16, which is the order
 // pack_e4m3 gives P's columns. (The stores meet 2-way bank conflicts: rows 2i + e of a matrix
 // repeat every 4 in the swizzle; the loads have none.)
+//   kBlockN > 128 (192 at head dim 128): V^T is [ceil(kBlockN / 128)][kD][128] bytes, key
+// chunk c's 128-byte rows holding keys 128 c .. (the last chunk's rows part-filled), and the
+// units (32 keys g, 16 columns j) are dealt out evenly: warp w takes kPer in a row, g-major.
 template <int kD, int kBlockN>
 __device__ __forceinline__ void transpose_v(fc_u32 sVt, fc_u32 sV, int ptid) {
-    static_assert(kBlockN == 128, "warp w takes keys 32 w ..: one 128-key block");
+    static_assert(kBlockN % 32 == 0 && (kBlockN / 32) * (kD / 16) % 4 == 0,
+                  "units of 32 keys x 16 columns, dealt to 4 warps");
     const int lane = ptid & 31, warp = ptid >> 5;
     const int mi = lane >> 3, i = lane & 7;       // the matrix and row this lane addresses
     const int e = mi & 1, h = mi >> 1;
-    // unit j of warp w: keys k0 = 32 w, head-dim columns d0 = 16 j
-    const fc_u32 src0 = sV + (fc_u32)(32 * warp + 8 * mi + i) * 128u;
     const int row = 2 * i + e;                    // V^T row d0 + row
-    const fc_u32 dst0 = sVt + (fc_u32)row * 128u + ((fc_u32)((2 * warp + h) ^ (row & 7)) << 4);
-    // (unrolled by 4: fully unrolled, the loads of every unit are hoisted and the producer's
-    // registers spill)
+    if constexpr (kBlockN == 128) {
+        // unit j of warp w: keys k0 = 32 w, head-dim columns d0 = 16 j
+        const fc_u32 src0 = sV + (fc_u32)(32 * warp + 8 * mi + i) * 128u;
+        const fc_u32 dst0 = sVt + (fc_u32)row * 128u
+                            + ((fc_u32)((2 * warp + h) ^ (row & 7)) << 4);
+        // (unrolled by 4: fully unrolled, the loads of every unit are hoisted and the
+        // producer's registers spill)
 #pragma unroll 4
-    for (int j = 0; j < kD / 16; ++j) {
-        const fc_u32 src = src0 + (fc_u32)(j >> 3) * (fc_u32)(kBlockN * 128)
-                           + ((fc_u32)((j & 7) ^ i) << 4);
-        fc_u32 w[4];
-        ldmatrix_x4_trans(w, src);
-        stmatrix_x4(dst0 + (fc_u32)j * 2048u, fc_prmt(w[0], w[1], 0x6420u),
-                    fc_prmt(w[0], w[1], 0x7531u), fc_prmt(w[2], w[3], 0x6420u),
-                    fc_prmt(w[2], w[3], 0x7531u));
+        for (int j = 0; j < kD / 16; ++j) {
+            const fc_u32 src = src0 + (fc_u32)(j >> 3) * (fc_u32)(kBlockN * 128)
+                               + ((fc_u32)((j & 7) ^ i) << 4);
+            fc_u32 w[4];
+            ldmatrix_x4_trans(w, src);
+            stmatrix_x4(dst0 + (fc_u32)j * 2048u, fc_prmt(w[0], w[1], 0x6420u),
+                        fc_prmt(w[0], w[1], 0x7531u), fc_prmt(w[2], w[3], 0x6420u),
+                        fc_prmt(w[2], w[3], 0x7531u));
+        }
+    } else {
+        constexpr int kJ = kD / 16, kPer = (kBlockN / 32) * kJ / 4;
+#pragma unroll 4
+        for (int t = 0; t < kPer; ++t) {
+            const int u = warp * kPer + t, g = u / kJ, j = u % kJ;
+            const int c = g >> 2, gw = g & 3;     // 128-key chunk, 32-key slot in it
+            const fc_u32 src = sV + (fc_u32)(32 * g + 8 * mi + i) * 128u
+                               + (fc_u32)(j >> 3) * (fc_u32)(kBlockN * 128)
+                               + ((fc_u32)((j & 7) ^ i) << 4);
+            const fc_u32 dst = sVt + (fc_u32)c * (fc_u32)(kD * 128) + (fc_u32)row * 128u
+                               + ((fc_u32)((2 * gw + h) ^ (row & 7)) << 4) + (fc_u32)j * 2048u;
+            fc_u32 w[4];
+            ldmatrix_x4_trans(w, src);
+            stmatrix_x4(dst, fc_prmt(w[0], w[1], 0x6420u), fc_prmt(w[0], w[1], 0x7531u),
+                        fc_prmt(w[2], w[3], 0x6420u), fc_prmt(w[2], w[3], 0x7531u));
+        }
     }
 }
 
@@ -631,8 +654,12 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     extern __shared__ unsigned char smem_raw[];
     const fc_u32 sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const fc_u32 sK = sQ + kQTile;
+    // FP8: a V^T stage is [ceil(kBlockN / 128)][kD][128] bytes (transpose_v), kTile but at
+    // 192-key blocks
+    constexpr fc_u32 kVtTile = Is_fp8 ? (fc_u32)((kBlockN + 127) / 128) * (fc_u32)kD * 128u
+                                      : kTile;
     const fc_u32 sV = sK + (fc_u32)kStages * kTile;       // (FP8: V^T)
-    const fc_u32 sVraw = sV + (fc_u32)kStages * kTile;    // (FP8 only)
+    const fc_u32 sVraw = sV + (fc_u32)kStages * kVtTile;  // (FP8 only)
     // mbarriers after the tiles: full Q, empty Q, then full K, full V, empty K, empty V (one
     // per stage each), then (FP8) the raw V ring's full barriers, then the tile scheduler's
     // two slots (full, empty each) and the slots themselves (two int32)
@@ -812,7 +839,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                     if (u >= kStages) mbar_wait(empty_v(st), ((fc_u32)(u / kStages) & 1u) ^ 1u);
                     __syncwarp();
 #ifndef FC_DIAG_FP8_NO_TRANSPOSE     // (timing only: V^T left as it is, wrong results)
-                    transpose_v<kD, kBlockN>(sV + (fc_u32)st * kTile, sVraw + (fc_u32)(u & 1) * kTile,
+                    transpose_v<kD, kBlockN>(sV + (fc_u32)st * kVtTile, sVraw + (fc_u32)(u & 1) * kTile,
                                              tid);
 #endif
                     fence_proxy_async();    // the stores, visible to the consumers' wgmma
@@ -909,7 +936,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             mbar_wait(full_v(st0), parity_of(it));
             if (kPingPong) named_sync(1 + cw, 256);
             issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)st1 * kTile);   // S_{i+1}
-            issue_pv_(sV + (fc_u32)st0 * kTile);                           // O += P_i V_i
+            issue_pv_(sV + (fc_u32)st0 * kVtTile);                         // O += P_i V_i
             if (kPingPong && !(cw == kCons - 1 && it == n_iter - 2))
                 named_arrive(1 + (cw + 1) % kCons, 256);
             wgmma_wait<1>();                       // S_{i+1} done (P_i V_i may still run)
@@ -928,7 +955,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         {
             const int last = n_iter - 1;
             mbar_wait(full_v(stage_of(last)), parity_of(last));
-            issue_pv_(sV + (fc_u32)stage_of(last) * kTile);
+            issue_pv_(sV + (fc_u32)stage_of(last) * kVtTile);
             wgmma_wait<0>();
             settle(rows.acc_o);
             settle(pa);
@@ -976,7 +1003,8 @@ template <typename Elem, int kD, int kBlockN, bool Is_local, int kStages, bool k
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_sm90_fp8_kernel(const FlashParams params, const __grid_constant__ FcFwdMaps maps) {
     static_assert(kD == 128 || kD == 256, "FP8: head dims 128 and 256");
-    static_assert(kBlockN == 128, "FP8: key blocks of 128 (one 128-byte row of V^T)");
+    static_assert(kBlockN == 128 || (kBlockN == 192 && kD == 128),
+                  "FP8: key blocks of 128 (one 128-byte row of V^T), or 192 at head dim 128");
     fc_h::ws_forward<Elem, fc_e4m3, kD, 128, kBlockN, Is_local, false, kStages, kPingPong,
                      kPersistent>(params, maps);
 }

@@ -39,7 +39,7 @@ def _pack_e4m3_keys(kk):
         g, t = lane // 4, lane % 4
         # accumulator element 4j + 2r + e of n8 tile j: row g + 8r, column 8j + 2t + e
         key_of = {4 * j + 2 * r + e: (g + 8 * r, 8 * j + 2 * t + e)
-                  for j in range(16) for r in (0, 1) for e in (0, 1)}
+                  for j in range(32) for r in (0, 1) for e in (0, 1)}
         x = [16 * kk + i for i in range(16)]       # pack_e4m3's x[] (s + 16 kk)
         regs = [(x[0], x[1], x[4], x[5]), (x[2], x[3], x[6], x[7]),
                 (x[8], x[9], x[12], x[13]), (x[10], x[11], x[14], x[15])]
@@ -68,18 +68,26 @@ def _transpose_v_model(d, block_n=128):
     for key in range(block_n):
         for col in range(d):
             raw[(col // 128) * block_n * 128 + _swz(key, col % 128)] = key
-    mem = np.full(d * 128, -1, np.int64)                   # V^T, one 128-key block
+    chunks = -(-block_n // 128)                            # 128-key chunks of V^T
+    mem = np.full(chunks * d * 128, -1, np.int64)          # V^T: [chunks][d][128] bytes
+    units_per_warp = (block_n // 32) * (d // 16) // 4
     for warp in range(4):
-        for j in range(d // 16):
+        for t in range(units_per_warp):
+            if block_n == 128:          # unit j of warp w: keys 32 w, columns 16 j
+                g, j = warp, t
+            else:                       # dealt out evenly, g-major
+                u = warp * units_per_warp + t
+                g, j = u // (d // 16), u % (d // 16)
+            c, gw = g >> 2, g & 3
             addr_ld, addr_st = {}, {}
             for lane in range(32):                         # the kernel's address formulas
                 mi, i = lane >> 3, lane & 7
                 e, h = mi & 1, mi >> 1
-                src0 = (32 * warp + 8 * mi + i) * 128
                 row = 2 * i + e
-                dst0 = row * 128 + (((2 * warp + h) ^ (row & 7)) << 4)
-                addr_ld[lane] = src0 + (j >> 3) * block_n * 128 + (((j & 7) ^ i) << 4)
-                addr_st[lane] = dst0 + j * 2048
+                addr_ld[lane] = ((32 * g + 8 * mi + i) * 128 + (j >> 3) * block_n * 128
+                                 + (((j & 7) ^ i) << 4))
+                addr_st[lane] = (c * d * 128 + row * 128 + (((2 * gw + h) ^ (row & 7)) << 4)
+                                 + j * 2048)
             for lane in range(32):
                 r, c = lane // 4, lane % 4
                 w = []
@@ -97,16 +105,20 @@ def _transpose_v_model(d, block_n=128):
                 for m, word in enumerate(regs):
                     a = addr_st[8 * m + r] + 4 * c
                     mem[a:a + 4] = word
-    assert (mem >= 0).all(), "every byte of V^T is written"
-    return np.array([[mem[_swz(n, k)] for k in range(128)] for n in range(d)])
+    used = np.array([c * d * 128 + _swz(n, k) for c in range(chunks) for n in range(d)
+                     for k in range(min(128, block_n - 128 * c))])
+    assert (mem[used] >= 0).all(), "every byte of V^T that holds a key is written"
+    return np.array([[mem[(k // 128) * d * 128 + _swz(n, k % 128)] for k in range(block_n)]
+                     for n in range(d)])
 
 
-@pytest.mark.parametrize("d", [128, 256])
-def test_p_and_vt_orders_pair_each_probability_with_its_key(d):
-    vt = _transpose_v_model(d)
+@pytest.mark.parametrize("d,block_n", [(128, 128), (256, 128), (128, 192)])
+def test_p_and_vt_orders_pair_each_probability_with_its_key(d, block_n):
+    vt = _transpose_v_model(d, block_n)
     for n in range(d):          # (every head-dim row of V^T holds the same key order)
         np.testing.assert_array_equal(vt[n], vt[0])
-    for kk in range(4):
+    assert sorted(vt[0]) == list(range(block_n))      # each key once
+    for kk in range(block_n // 32):
         for (row, col), key in _pack_e4m3_keys(kk).items():
             assert vt[0][32 * kk + col] - 32 * kk == key, (kk, row, col)
 
@@ -246,9 +258,33 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}h{c[3]}/{c[4]}"
                          f"-{'-'.join(map(str, c[5].items()))}-{'bh' if c[6] else 'tensor'}")
 def test_cupy_fp8_matches_the_flash_attn_rule_in_fp8(case, d):
+    _require_hopper()
+    _check_fp8_case(case, d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}h{c[3]}/{c[4]}"
+                         f"-{'-'.join(map(str, c[5].items()))}-{'bh' if c[6] else 'tensor'}")
+def test_fp8_192_key_blocks(case, monkeypatch):
+    """Head dim 128 with 192-key blocks (V^T in two 128-key chunks, the second half-filled;
+    m64n192k32 S products; the transpose's units dealt out over the four producer warps): the
+    same rule, and that kernel ran."""
+    from flashcore import jit
+    from flashcore.kernels import plans
+    _require_hopper()
+    monkeypatch.setitem(forward._FP8_TILES, 128, (192, 2))
+    plans.clear()
+    jit.clear_memory_cache()
+    try:
+        _check_fp8_case(case, 128)
+        assert any(", 128, 192, " in str(k) and "fp8" in str(k) for k in jit._kernels)
+    finally:
+        plans.clear()
+
+
+def _check_fp8_case(case, d):
     import cupy
     from flashcore.backends.base import get_backend
-    _require_hopper()
     b, sq, sk, h, hk, kw, per_head = case
     rng = np.random.default_rng()      # fresh data every run
     (q8, k8, v8), ds, exact = _quantised(rng, b, sq, sk, h, hk, d, per_head)

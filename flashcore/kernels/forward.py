@@ -335,7 +335,9 @@ FP8_MIN_COMPUTE_CAPABILITY = FP8_MAX_COMPUTE_CAPABILITY = 90
 FP8_OUT_DTYPES = ("bfloat16", "float16", "float32")
 # (keys per block, K / V^T ring depth) per head dim: 128-key blocks (one 128-byte V^T row); the
 # ring as deep as shared memory allows next to the producer's two raw V buffers (d256: Q 32 KiB
-# + 2 x (K 32 + V^T 32) + raw 2 x 32 = 224 KiB).
+# + 2 x (K 32 + V^T 32) + raw 2 x 32 = 224 KiB). The kernel also takes 192-key blocks at head
+# dim 128 (V^T in two 128-key chunks, two stages: 177 KiB), FA3's direction there; not yet
+# measured (tests/diagnostics/bench_fp8_forward.py --bn192).
 _FP8_TILES = {128: (128, 3), 256: (128, 2)}
 
 
@@ -346,10 +348,12 @@ def fp8_tile(headdim: int) -> tuple[int, int]:
 
 def fp8_smem(headdim: int) -> int:
     """Q + the K and V^T rings + the raw V ring (2) + the mbarriers (2 Q, 4 per stage, 2 raw, 4
-    of the tile scheduler) and its two int32 slots +
-    alignment slack, 1-byte elements."""
+    of the tile scheduler) and its two int32 slots + alignment slack, 1-byte elements. (A V^T
+    stage holds whole 128-key chunks: 256 keys' room at 192-key blocks.)"""
     block_n, stages = fp8_tile(headdim)
-    return 128 * headdim + (2 * stages + 2) * block_n * headdim + 8 * (9 + 4 * stages) + 1024
+    vt_keys = -(-block_n // 128) * 128
+    return (128 * headdim + (stages + 2) * block_n * headdim + stages * vt_keys * headdim
+            + 8 * (9 + 4 * stages) + 1024)
 
 
 def fp8_pingpong() -> bool:
