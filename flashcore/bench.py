@@ -17,8 +17,13 @@ name in the asv results are measured the same way.
 * Timers: :func:`gpu_time` (CUDA events around each call, the L2 flushed before each, median;
   the calls queued behind a spin kernel so that a call shorter than its launch is timed on the
   GPU, not on the host), :func:`host_loop_us` (host wall-clock per step of a loop of steps
-  ended by one synchronisation), :func:`graph_replay_time` (GPU time of a CUDA-graph replay of
-  one step).
+  ended by one synchronisation; :func:`per_call_us`, :func:`per_call_us_interleaved` and
+  :func:`wall_time` are uses of it), :func:`graph_replay_time` (GPU time of a CUDA-graph replay
+  of one step), :func:`enqueue_and_gpu_time` (the host's enqueue time and the GPU time of a
+  loop of steps, timed apart).
+
+The diagnostics in tests/diagnostics/ use these problems and timers too (its README lists the
+few timings that stay there, and why).
 
 Inputs are random, never zeros. FLOPs are counted as flash-attn does: forward 4·b·h·s²·d
 (halved for causal), backward 2.5× forward, forward+backward 3.5× forward.
@@ -281,24 +286,77 @@ def per_call_us(fn, n, warmup=50, rounds=5):
     return host_loop_us(fn, steps=n, warmup=warmup, rounds=rounds)
 
 
-def per_call_us_interleaved(fns, n, warmup=50, rounds=7):
+def per_call_us_interleaved(fns, n, warmup=50, rounds=7, sync=None, clock=time.perf_counter,
+                            round_s=None):
     """:func:`host_loop_us` for several callables at once: each round times ``n`` calls of
     every callable in turn, so that a host that runs faster or slower for a while affects all
-    of them alike. Returns {name: best round's microseconds per call}."""
-    import torch
-    for fn in fns.values():
+    of them alike. Returns {name: best round's microseconds per call}.
+
+    Each callable is warmed up by ``warmup`` calls, then a synchronisation. ``round_s``: each
+    callable's calls per round are fewer than ``n`` where its warm-up says that ``n`` would take
+    longer than about ``round_s`` seconds (at least 10). ``sync`` defaults to
+    ``torch.cuda.synchronize``; ``clock`` may be ``time.process_time`` for a run without a
+    device (tests/diagnostics/probe_route.py, stubbed)."""
+    if sync is None:
+        import torch
+        sync = torch.cuda.synchronize
+    counts = {}
+    for name, fn in fns.items():
+        t0 = clock()
         for _ in range(warmup):
             fn()
-    torch.cuda.synchronize()
+        sync()
+        counts[name] = n if round_s is None else \
+            int(min(n, max(10, round_s * warmup / max(clock() - t0, 1e-6))))
     best = {name: float("inf") for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(n):
+            t0 = clock()
+            for _ in range(counts[name]):
                 fn()
-            torch.cuda.synchronize()
-            best[name] = min(best[name], (time.perf_counter() - t0) / n)
+            sync()
+            best[name] = min(best[name], (clock() - t0) / counts[name])
     return {name: t * 1e6 for name, t in best.items()}
+
+
+def wall_time(fn, reps: int = 1, warmup: int = 0, sync=None) -> float:
+    """Host wall-clock seconds of one call of ``fn`` ended by a device synchronisation, the best
+    of ``reps``: :func:`host_loop_us` with one step per round, for calls long enough that one
+    is a measurement (a transformers training step or ``generate``, a ring-attention pass, the
+    first calls of a process). The warm-up is ``warmup`` calls exactly, with no clock-based
+    extension, so that every rank of a distributed run makes the same calls. ``sync`` defaults
+    to ``torch.cuda.synchronize`` (a no-op for CPU work)."""
+    return host_loop_us(fn, steps=1, warmup=warmup, rounds=reps, sync=sync, warmup_s=0.0) * 1e-6
+
+
+def enqueue_and_gpu_time(fn, steps: int = 200, warmup: int = 20,
+                         lib: str = "torch") -> tuple[float, float]:
+    """(host, gpu) seconds per call of ``steps`` calls of ``fn`` issued back to back while a
+    spin kernel holds the device: ``host`` the host's time to enqueue one call, ``gpu`` the
+    device time of the calls back to back (one pair of CUDA events around all of them, the L2
+    not flushed between them: a loop of steps as a training loop runs them) divided by
+    ``steps``. The spin outlasts the enqueueing, so the two are timed apart. ``fn`` must not
+    synchronise with the host. (:func:`gpu_time` is the GPU time of one call, L2 flushed.)"""
+    cu = _cuda(lib)
+    for _ in range(warmup):
+        fn()
+    cu.sync()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        fn()
+    estimate = (time.perf_counter() - t0) / 3      # the host's time to issue one call
+    cu.sync()
+    a, b = cu.event(), cu.event()
+    for _ in range(1 + int(2 * steps * estimate / _SPIN_SECONDS)):   # outlast the queueing, twice
+        cu.spin()
+    a.record()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    host = (time.perf_counter() - t0) / steps
+    b.record()
+    cu.sync()
+    return host, cu.seconds(a, b) / steps
 
 
 def capture_graph(fn, warmup: int = 3):
@@ -367,12 +425,17 @@ class AttentionProblem:
     or a peer, 'sdpa_flash' / 'sdpa_cudnn' (torch SDPA pinned to that kernel, through autograd,
     in its native layout (batch, nheads, seqlen, headdim), contiguous). flashcore's take
     (batch, seqlen, nheads, headdim). A shape a peer cannot take raises NotImplementedError.
+    ``window_size``: flashcore's (left, right) sliding window on every call (peers: refused).
     """
 
     def __init__(self, impl, batch, seqlen, nheads, headdim, causal, seed=0, dtype="bfloat16",
-                 dropout_p=0.0):
+                 dropout_p=0.0, window_size=None):
         self.impl, self.causal, self.dtype, self.dropout_p = impl, causal, dtype, dropout_p
+        # flashcore's window_size=(left, right); None: the calls do not pass it
+        self._window = {} if window_size is None else {"window_size": tuple(window_size)}
         require(impl)
+        if self._window and impl in PEERS:
+            raise NotImplementedError(f"{impl}: torch SDPA takes no sliding window")
         if impl == "cupy":
             self.lib = "cupy"
             self._setup_cupy((batch, seqlen, nheads, headdim), seed)
@@ -388,20 +451,20 @@ class AttentionProblem:
         import cupy
         q, k, v, dout = random_arrays("cupy", [shape] * 4, seed, dtype=self.dtype)
         c = self.causal
-        # dropout: one fixed random state (a user's loop would draw one per step)
-        drop = {} if not self.dropout_p else {
-            "dropout_p": self.dropout_p, "rng_state": cupy.asarray([seed + 1, 0], cupy.int64)}
-        out, lse = flashcore.attention_forward(q, k, v, causal=c, **drop)
+        kw = dict(self._window)
+        if self.dropout_p:  # one fixed random state (a user's loop would draw one per step)
+            kw.update(dropout_p=self.dropout_p, rng_state=cupy.asarray([seed + 1, 0], cupy.int64))
+        out, lse = flashcore.attention_forward(q, k, v, causal=c, **kw)
 
         def forward():
-            return flashcore.attention_forward(q, k, v, causal=c, **drop)
+            return flashcore.attention_forward(q, k, v, causal=c, **kw)
 
         def backward():
-            return flashcore.attention_backward(dout, q, k, v, out, lse, causal=c, **drop)
+            return flashcore.attention_backward(dout, q, k, v, out, lse, causal=c, **kw)
 
         def forward_backward():
-            o, l_ = flashcore.attention_forward(q, k, v, causal=c, **drop)
-            return flashcore.attention_backward(dout, q, k, v, o, l_, causal=c, **drop)
+            o, l_ = flashcore.attention_forward(q, k, v, causal=c, **kw)
+            return flashcore.attention_backward(dout, q, k, v, o, l_, causal=c, **kw)
 
         self.forward, self.backward, self.forward_backward = forward, backward, forward_backward
         backward()      # compiles (or loads) the backward kernels before any timing
@@ -429,9 +492,9 @@ class AttentionProblem:
 
     def _setup_flashcore_torch(self, shape, seed):
         import flashcore
-        c, p = self.causal, self.dropout_p
-        self._setup_autograd(lambda q, k, v: flashcore.attention(q, k, v, causal=c, dropout_p=p),
-                             shape, seed)
+        c, p, w = self.causal, self.dropout_p, self._window
+        self._setup_autograd(lambda q, k, v: flashcore.attention(q, k, v, causal=c, dropout_p=p,
+                                                                 **w), shape, seed)
 
     def _setup_sdpa(self, shape, seed):
         from torch.nn.attention import sdpa_kernel
@@ -689,11 +752,6 @@ def _print_row(r, modes, impls, peers, out):
                     parts.append(f"{impl}/{p.split('_')[1]} {a / b:5.2f}x")
     out("  ".join(parts))
     sys.stdout.flush()
-
-
-def _timer():
-    """(:func:`gpu_time` on torch's stream, its description): for the diagnostics."""
-    return (lambda fn: gpu_time(fn, "torch")), "CUDA events median, L2 flushed"
 
 
 def overhead(n=2000, out=print):

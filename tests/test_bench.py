@@ -107,6 +107,105 @@ def test_host_loop_timer_counts_per_step():
     assert len(calls) == 10
 
 
+def test_wall_time_is_one_call_per_round_and_an_exact_warm_up():
+    calls, syncs = [], []
+    t = bench.wall_time(lambda: (calls.append(1), time.sleep(0.002)), reps=3, warmup=2,
+                        sync=lambda: syncs.append(1))
+    # exactly warm-up + reps calls (no clock-based warm-up: the ranks of a ring run agree)
+    assert len(calls) == 2 + 3 and len(syncs) == 1 + 3
+    assert 0.002 <= t < 1.0
+    calls.clear()
+    bench.wall_time(lambda: calls.append(1), sync=lambda: None)
+    assert len(calls) == 1
+
+
+def test_per_call_us_interleaved_takes_a_clock_a_sync_and_a_round_budget():
+    now = [0.0]
+    calls = {"slow": 0, "fast": 0}
+
+    def make(name, cost):
+        def fn():
+            calls[name] += 1
+            now[0] += cost
+        return fn
+    fns = {"slow": make("slow", 0.01), "fast": make("fast", 1e-6)}
+    syncs = []
+    us = bench.per_call_us_interleaved(fns, 1000, warmup=20, rounds=3,
+                                       sync=lambda: syncs.append(1), clock=lambda: now[0],
+                                       round_s=0.05)
+    assert us["slow"] == pytest.approx(1e4) and us["fast"] == pytest.approx(1.0)
+    # the slow one: 20 warm-up calls took 0.2 s, so 10 a round (the floor); the fast one: n
+    assert calls == {"slow": 20 + 3 * 10, "fast": 20 + 3 * 1000}
+    assert len(syncs) == 2 + 3 * 2
+    calls.update(slow=0, fast=0)
+    bench.per_call_us_interleaved(fns, 7, warmup=1, rounds=2, sync=lambda: None,
+                                  clock=lambda: now[0])
+    assert calls == {"slow": 1 + 2 * 7, "fast": 1 + 2 * 7}
+
+
+def test_enqueue_and_gpu_time_spins_then_times_the_loop_apart(monkeypatch):
+    """The order of events on a stand-in device: warm-up, a synchronisation, three calls for
+    the host estimate, spins, then the timed loop between the two events."""
+    log = []
+
+    class Event:
+        def __init__(self, name):
+            self.name = name
+
+        def record(self):
+            log.append(("record", self.name))
+
+    class FakeCuda:
+        names = iter("ab")
+
+        def event(self):
+            return Event(next(self.names))
+
+        def sync(self):
+            log.append("sync")
+
+        def spin(self):
+            log.append("spin")
+
+        def seconds(self, a, b):
+            assert (a.name, b.name) == ("a", "b")
+            return 0.5
+
+    monkeypatch.setitem(bench._STATE, "fake", FakeCuda())
+    host, gpu = bench.enqueue_and_gpu_time(lambda: log.append("call"), steps=10, warmup=4,
+                                           lib="fake")
+    assert gpu == pytest.approx(0.05) and host >= 0
+    first_spin = log.index("spin")
+    assert log[:first_spin] == ["call"] * 4 + ["sync"] + ["call"] * 3 + ["sync"]
+    rest = [x for x in log[first_spin:] if x != "spin"]
+    assert rest == [("record", "a")] + ["call"] * 10 + [("record", "b"), "sync"]
+
+
+# Where a diagnostic may still read a clock itself, and why (everything else times through
+# flashcore.bench: one timer for asv, python -m flashcore.bench and tests/diagnostics)
+_OWN_CLOCKS = {
+    "probe_first_call.py": "the imports and the CUDA context, timed before flashcore.bench can "
+                           "be imported, and before any synchronisation",
+    "flash_attn_conformance.py": "how long pytest runs take, not GPU work",
+    "probe_step_timeline.py": "perf_counter_ns stamps inside the autograd Function",
+    "probe_route.py": "the clock it hands to flashcore.bench.per_call_us_interleaved",
+}
+
+
+def test_diagnostics_time_through_flashcore_bench():
+    folder = os.path.join(ROOT, "tests", "diagnostics")
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(folder, name)) as f:
+            src = f.read()
+        for own in ("Event(enable_timing", "elapsed_time(", "do_bench(", "triton.testing",
+                    "cuda._sleep("):
+            assert own not in src, (name, own)
+        if name not in _OWN_CLOCKS:
+            assert "perf_counter" not in src and "time.time(" not in src, name
+
+
 def test_flops_and_sizes():
     assert bench.shape_for(4096, 128) == (4, 4096, 16, 128)
     assert bench.flops(4, 4096, 16, 128, False) == 4.0 * 4 * 16 * 4096 * 4096 * 128

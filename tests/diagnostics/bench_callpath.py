@@ -20,18 +20,20 @@ generate_static  the same with cache_implementation="static" (compiled by transf
 compile   torch.compile of the llama training step (batch 4 x 4k), flashcore vs "sdpa".
 profile   cProfile of the host side of a decode step and of the tiny forward and step.
 
-The timers are flashcore.bench's. Prints one line per measurement; --json writes the rows.
+The timers and problems are flashcore.bench's: ``host_loop_us`` and ``per_call_us_interleaved``
+(host loops), ``wall_time`` (a training step's loop, a generate call, a warm-up), ``tiny_calls``
+and ``DecodeProblem``. Prints one line per measurement; --json writes the rows.
 """
 from __future__ import annotations
 
 import json
 import sys
-import time
 
 import torch
 
 import flashcore
-from flashcore.bench import host_loop_us, per_call_us_interleaved, tiny_calls
+from flashcore.bench import (DecodeProblem, host_loop_us, per_call_us_interleaved, tiny_calls,
+                             wall_time)
 
 ROWS: list = []
 
@@ -110,11 +112,7 @@ def cupy_calls():
     """CuPy users' per-call cost against the same calls on torch tensors (host loop)."""
     import cupy
     calls, (q, k, v, do) = tiny_calls(peers=("sdpa",))
-    qd = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-    kc = torch.randn(1, 4096, 8, 128, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-    lens = torch.full((1,), 4096, device="cuda", dtype=torch.int32)
-    cqd, ckc, cvc, clens = (cupy.from_dlpack(x) for x in (qd, kc, vc, lens))
+    pb = DecodeProblem(1, 4096)     # batch 1, GQA 32/8, d128, a full 4k cache
     cq, ck, cv, cdo = (cupy.from_dlpack(x) for x in (q, k, v, do))
     o, lse = flashcore.attention_forward(q, k, v, causal=True)
 
@@ -126,9 +124,9 @@ def cupy_calls():
         flashcore.attention_backward(cdo, cq, ck, cv, co, clse, causal=True)
     calls = {"torch_fwd": calls["torch_fwd"], "cupy_fwd": calls["cupy_fwd"],
              "torch_bwd": torch_bwd, "cupy_bwd": cupy_bwd,
-             "torch_decode": lambda: flashcore.attention_with_kvcache(qd, kc, vc, cache_seqlens=lens),
-             "cupy_decode": lambda: flashcore.attention_with_kvcache(cqd, ckc, cvc,
-                                                                     cache_seqlens=clens)}
+             "torch_decode": pb.api,
+             "cupy_decode": lambda: flashcore.attention_with_kvcache(pb.cq, pb.ck, pb.cv,
+                                                                     cache_seqlens=pb.cs)}
     us = per_call_us_interleaved(calls, 2000)
     emit(section="cupy", **{f"{n}_us": t for n, t in us.items()},
          fwd_minus_torch_us=us["cupy_fwd"] - us["torch_fwd"],
@@ -150,26 +148,22 @@ def _llama(impl, layers=8):
 
 
 def _train_step_ms(model, batch, seqlen, steps=8, warmup=3, compiled=False):
+    """(ms a training step in a loop of ``steps`` ended by one synchronisation, the loss of the
+    last warm-up step, the ``warmup`` steps' seconds: torch.compile's compilation when
+    ``compiled``). The warm-up is timed apart, not folded into host_loop_us's own warm-up, since
+    its time is a figure too."""
     ids = torch.randint(0, 32000, (batch, seqlen), device="cuda")
     fwd = torch.compile(model) if compiled else model
+    last = [None]
 
     def step():
         loss = fwd(input_ids=ids, labels=ids).loss
         loss.backward()
         model.zero_grad(set_to_none=True)
-        return loss
-    t0 = time.perf_counter()
-    for _ in range(warmup):
-        loss = step()
-    torch.cuda.synchronize()
-    warm_s = time.perf_counter() - t0
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(steps):
-        step()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / steps, float(loss), warm_s
+        last[0] = loss
+    warm_s = wall_time(lambda: [step() for _ in range(warmup)])
+    loss = float(last[0])
+    return host_loop_us(step, steps=steps, warmup=0, rounds=1) / 1e3, loss, warm_s
 
 
 def llama(shapes=((1, 16384), (4, 4096))):
@@ -216,14 +210,13 @@ def generate(shapes=((1, 512), (8, 2048)), new=128):
             model = _llama(impl).eval()
             ids = torch.randint(0, 32000, (batch, prompt), device="cuda",
                                 generator=torch.Generator(device="cuda").manual_seed(1))
+            gen = []
             with torch.no_grad():
                 model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                o = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-                torch.cuda.synchronize()
-            r[impl + "_tok_s"] = batch * new / (time.perf_counter() - t0)
-            outs[impl] = o[:, prompt:]
+                t = wall_time(lambda: gen.append(model.generate(
+                    ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)))
+            r[impl + "_tok_s"] = batch * new / t
+            outs[impl] = gen[0][:, prompt:]
             # the first step's logits: how close the two are (greedy tokens of a random model
             # flip on near-ties)
             with torch.no_grad():
@@ -252,16 +245,13 @@ def generate_static(shapes=((1, 512), (8, 2048)), new=64):
                                 generator=torch.Generator(device="cuda").manual_seed(1))
             kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False,
                       cache_implementation="static")
+            gen = []
             with torch.no_grad():
-                t0 = time.perf_counter()
-                model.generate(ids, **kw)
-                torch.cuda.synchronize()
-                r[impl + "_warm_s"] = time.perf_counter() - t0
+                r[impl + "_warm_s"] = wall_time(lambda: model.generate(ids, **kw))
                 graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-                t0 = time.perf_counter()
-                o = model.generate(ids, **kw)
-                torch.cuda.synchronize()
-            r[impl + "_tok_s"] = batch * new / (time.perf_counter() - t0)
+                t = wall_time(lambda: gen.append(model.generate(ids, **kw)))
+            r[impl + "_tok_s"] = batch * new / t
+            o = gen[0]
             # graphs compiled during the timed run (recompiles): 0 when shapes stay static
             r[impl + "_new_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
             outs[impl] = o[:, prompt:]
@@ -279,10 +269,7 @@ def profile(n=300):
     """cProfile of the host side of the decode step (batch 1, 4k) and of the tiny forward."""
     import cProfile
     import pstats
-    q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-    kc = torch.randn(1, 4096, 8, 128, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-    lens = torch.full((1,), 4096, device="cuda", dtype=torch.int32)
+    pb = DecodeProblem(1, 4096)     # batch 1, GQA 32/8, d128, a full 4k cache
     qt = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
     qg = qt.clone().requires_grad_()
     do = torch.randn_like(qt)
@@ -291,7 +278,7 @@ def profile(n=300):
         with torch.enable_grad():
             o = flashcore.attention(qg, qg, qg, causal=True)
             torch.autograd.grad(o, (qg,), do)
-    calls = {"decode": lambda: flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=lens),
+    calls = {"decode": pb.api,
              "tiny_fwd": lambda: flashcore.attention(qt, qt, qt, causal=True),
              "tiny_step": step}
     for name, fn in calls.items():

@@ -1,9 +1,12 @@
 """Decode benchmark (H200): TB/s of K+V cache bytes actually read / time, for batch 1/8/64 x
-cache 4k/16k/128k, GPU time per call (see _time), 32 query heads over 8 kv heads, headdim 128, bf16, one query token.
+cache 4k/16k/128k, GPU time per call (flashcore.bench.gpu_time_l2_flushed: CUDA events per call,
+L2 flushed, median), 32 query heads over 8 kv heads, headdim 128, bf16, one query token.
 
 Peers measured in the same run: torch SDPA with the flash backend and with the cuDNN backend
 (enable_gqa=True), and the best plain read of the same number of bytes (torch's sum over a
-buffer of that size, or a 16-byte-load read kernel at a few grid sizes). flashcore is run contiguous and paged (page 256), with the split heuristic.
+buffer of that size, or a 16-byte-load read kernel at a few grid sizes). flashcore is run
+contiguous and paged (page 256, flashcore.bench.DecodeProblem's paged cache), with the split
+heuristic. The host cost per call at batch 1 / 4k: flashcore.bench.host_loop_us.
 At batch 1 and 8 the split-KV merge is also timed both ways: fused into the decode kernel (the
 default, one launch) and with the separate combine kernel (FLASHCORE_DECODE_FUSED_COMBINE=0).
 
@@ -13,7 +16,8 @@ from __future__ import annotations
 
 import sys
 
-
+from flashcore.bench import DecodeProblem, host_loop_us
+from flashcore.bench import gpu_time_l2_flushed as _time    # GPU time of fn(), s, L2 flushed
 
 _READ_SRC = r"""
 extern "C" __global__ void read_pass(const uint4* __restrict__ src, long long n16,
@@ -52,31 +56,14 @@ def _read_kernel_time(buf):
     return best
 
 
-def _time(fn, iters=30, warmup=5):
-    """Median GPU time of fn() in seconds, L2 flushed (flashcore.bench.gpu_time_l2_flushed)."""
-    from flashcore.bench import gpu_time_l2_flushed
-    return gpu_time_l2_flushed(fn, iters, warmup)
-
-
-def _host_us(fn, n=200):
-    """Host time per call (launch cost), microseconds: calls back to back, then a sync."""
-    import time
-    import torch
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
+def _host_us(fn):
+    """Host time per call (launch cost), microseconds: 200 calls back to back, then a sync."""
+    return host_loop_us(fn, steps=200, warmup=10, rounds=1)
 
 
 def main():
-    import cupy as cp
     import torch
     from torch.nn.attention import SDPBackend
-    from flashcore.bench import DecodeProblem
     from flashcore.kernels import decode as decode_mod
 
     h, hk, d = 32, 8, 128
@@ -104,21 +91,15 @@ def main():
                         sweep.append((b, sk, ns, nbytes / _time(lambda ns=ns: pb.run(ns)) / 1e12))
                     sweep.append((b, sk, splits, nbytes / res["flashcore"] / 1e12))
                     picked[(b, sk)] = splits
-                # paged, page 256, blocks in a shuffled order
-                ps = 256
-                nblk = b * sk // ps
-                perm = torch.randperm(nblk, device=dev).to(torch.int32)
-                kp = pb.k_cache.reshape(nblk, ps, hk, d)[perm.argsort()].contiguous()
-                vp = pb.v_cache.reshape(nblk, ps, hk, d)[perm.argsort()].contiguous()
-                bt = perm.reshape(b, sk // ps).contiguous()
-                paged = tuple(cp.from_dlpack(x) for x in (kp, vp, bt))
-                res["paged"] = _time(lambda: pb.run(paged=paged))
+                # paged, page 256, blocks in a shuffled order (the same stream: torch's)
+                pbp = DecodeProblem(b, sk, h, hk, d, page_size=256)
+                res["paged"] = _time(pbp.run)
                 if b <= 8 and splits > 1:   # the same calls with the separate combine kernel
                     fused_was = decode_mod.fused_combine_enabled()
                     decode_mod.set_fused_combine(False)
                     try:
                         two = _time(pb.run)
-                        two_p = _time(lambda: pb.run(paged=paged))
+                        two_p = _time(pbp.run)
                     finally:
                         decode_mod.set_fused_combine(fused_was)
                     tag = "default" if fused_was else "two-kernel(default)"
@@ -126,7 +107,7 @@ def main():
                                    nbytes / two / 1e12, tag))
                     fusion.append((b, sk, splits, "paged256", nbytes / res["paged"] / 1e12,
                                    nbytes / two_p / 1e12, tag))
-                kp = vp = paged = None
+                pbp = None
             for name, be in (("sdpa-fa", SDPBackend.FLASH_ATTENTION),
                              ("cuDNN", SDPBackend.CUDNN_ATTENTION)):
                 try:

@@ -7,7 +7,8 @@
 
 Through the public API, as a user calls it: ``flashcore.attention_with_kvcache`` on torch CUDA
 tensors (q bf16, one query token, GQA 32/8, head dim 128, full caches, ``cache_seqlens`` a CUDA
-int32 tensor, per-(batch, kv head) descales for the FP8 cache), timed by
+int32 tensor, per-(batch, kv head) descales for the FP8 cache; the bf16 problem is
+``flashcore.bench.DecodeProblem``'s, the FP8 cache ``fp8_quantise`` of it), timed by
 ``flashcore.bench.gpu_time`` (CUDA events, L2 flushed, median). ``--splits``: the FP8 call also
 with these ``num_splits`` (0: flashcore's choice). Prints GPU time, the ratio bf16 / fp8 (the
 tokens/s ratio) and the FP8 cache's bytes per second. ``--paged``: both caches paged (pages of
@@ -27,7 +28,8 @@ CELLS = ((1, 4096), (1, 16384), (1, 131072), (8, 4096), (8, 16384), (8, 131072),
 def main(argv):
     import torch
     import flashcore
-    from flashcore.bench import fp8_quantise, gpu_time
+    from flashcore.bench import (DECODE_HEADDIM, DECODE_HEADS, DECODE_HEADS_K, DecodeProblem,
+                                 fp8_quantise, gpu_time)
 
     cells = CELLS
     splits = (0,)
@@ -43,20 +45,19 @@ def main(argv):
         cfgs += tuple(dm.DecodeConfig(*(int(x) for x in c.split(",")))
                       for c in argv[argv.index("--fp8-cfg") + 1].split("/"))
     runs = [(s, c) for c in cfgs for s in splits]
-    h, hk, d = 32, 8, 128
+    h, hk, d = DECODE_HEADS, DECODE_HEADS_K, DECODE_HEADDIM     # 32, 8, 128
     print(f"# torch {torch.__version__}, {torch.cuda.get_device_name()}; GQA {h}/{hk}, d{d}, "
           f"q bf16, {'paged (%d)' % page if page else 'contiguous'} caches; us per step (GPU "
           "time, L2 flushed)")
     print("batch  cache | bf16 cache | " + " | ".join(
         f"fp8 splits={s or 'auto'}{'' if c is None else ' cfg=%d,%d,%d' % c} (ratio, TB/s)"
         for s, c in runs))
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device="cuda").manual_seed(0)     # the pages' order
     for b, sk in cells:
-        k16 = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        v16 = torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        pb = DecodeProblem(b, sk, h, hk, d, seed=b * 100003 + sk)   # contiguous bf16 caches
+        q, k16, v16, lens = pb.q, pb.k_cache, pb.v_cache, pb.cache_seqlens
+        del pb      # (paged: the contiguous caches go when k16, v16 name the pages)
         (k8, kd), (v8, vd) = fp8_quantise(k16), fp8_quantise(v16)
-        q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        lens = torch.full((b,), sk, device="cuda", dtype=torch.int32)
         pg = {}
         if page:
             perm = torch.randperm(b * sk // page, device="cuda", generator=g)

@@ -70,7 +70,8 @@ def main(argv):
     import torch.nn.functional as F
     import flashcore
     from flashcore import config
-    from flashcore.bench import flops, fp8_quantise, gpu_time, sdpa_pinned, shape_for
+    from flashcore.bench import (flops, fp8_quantise, gpu_time, random_arrays, sdpa_pinned,
+                                 shape_for)
 
     seqlens = [int(x) for x in _arg(argv, "--seqlens", "4096,8192,16384").split(",")]
     headdims = [int(x) for x in _arg(argv, "--headdims", "128,256").split(",")]
@@ -85,12 +86,10 @@ def main(argv):
         d_.replace("FC_DIAG_FP8_", "-") for d_ in defines] + ["bf16 flashcore",
                                                                   "bf16 cuDNN", "fp8/cuDNN"]
     print(f"{'d':>4} {'seqlen':>6} {'causal':>6} | " + " | ".join(f"{c:>14}" for c in cols))
-    g = torch.Generator(device="cuda").manual_seed(0)
     for d in headdims:
         for s in seqlens:
             b, _, h, _ = shape_for(s, d)
-            x16 = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
-                   for _ in range(3)]
+            x16 = random_arrays("torch", [(b, s, h, d)] * 3, seed=s + d)
             x8, desc = zip(*(fp8_quantise(x) for x in x16))
             xt = [x.transpose(1, 2) for x in x16]      # SDPA's (b, h, s, d)
             for causal in (False, True):

@@ -3,7 +3,10 @@ measure): every rank's local work -- its query shard against each K/V shard the 
 merged through the lse in float32 (flashcore.distributed.hop_forward, the code the ring runs)
 -- executed back to back on one GPU, against one unchunked call over the whole sequence. The
 ratio (unchunked time / chunked time) is what the ring's compute costs over a single call; the
-communication (overlapped by the ring on a separate stream) is not in it. Forward only.
+communication (overlapped by the ring on a separate stream) is not in it. Forward only. Each
+time: flashcore.bench.wall_time (one call ended by a synchronisation, best of 3 after a warm-up
+call), as bench_ring_multi.py times its calls; inputs flashcore.bench.random_arrays, FLOPs
+flashcore.bench.flops.
 
     python tests/diagnostics/bench_ring_chunked.py [--seqlens 131072,262144] [--worlds 4,8]
 """
@@ -15,21 +18,18 @@ import sys
 def main(seqlens=(131072, 262144), worlds=(4, 8), heads=16, heads_k=4, headdim=128):
     import torch
     import flashcore
+    from flashcore.bench import flops, random_arrays, wall_time
     from flashcore.distributed import _chunks, _hop_blocks, hop_forward, shard
 
-    from bench_ring_multi import _timed     # (this folder is on sys.path when run as a script)
-
     def timed(fn):
-        return _timed(torch, fn, cpu=False)
+        return wall_time(fn, reps=3, warmup=1)
 
     print("seqlen world layout causal | unchunked ms  TF/s | chunked ms  TF/s | ratio | max|diff|")
     for n in seqlens:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(1, n, heads, headdim, device="cuda", dtype=torch.bfloat16, generator=g)
-        k = torch.randn(1, n, heads_k, headdim, device="cuda", dtype=torch.bfloat16, generator=g)
-        v = torch.randn(1, n, heads_k, headdim, device="cuda", dtype=torch.bfloat16, generator=g)
+        q, k, v = random_arrays("torch", [(1, n, heads, headdim), (1, n, heads_k, headdim),
+                                          (1, n, heads_k, headdim)], seed=0)
         for causal in (True, False):
-            flops = 4 * n * n * heads * headdim / (2 if causal else 1)
+            f = flops(1, n, heads, headdim, causal)
             with torch.no_grad():
                 ref = flashcore.attention_forward(q, k, v, causal=causal)[0]
                 t_one = timed(lambda: flashcore.attention_forward(q, k, v, causal=causal))
@@ -60,8 +60,8 @@ def main(seqlens=(131072, 262144), worlds=(4, 8), heads=16, heads_k=4, headdim=1
                         got = flashcore.distributed.unshard(outs, layout)
                         diff = float((got - ref.float()).abs().max())
                         print(f"RING {n:7d} {world:5d} {layout:10s} {str(causal):5s} | "
-                              f"{t_one * 1e3:8.1f} {flops / t_one / 1e12:5.0f} | "
-                              f"{t_ch * 1e3:8.1f} {flops / t_ch / 1e12:5.0f} | "
+                              f"{t_one * 1e3:8.1f} {f / t_one / 1e12:5.0f} | "
+                              f"{t_ch * 1e3:8.1f} {f / t_ch / 1e12:5.0f} | "
                               f"{t_one / t_ch:5.3f} | {diff:.1e}")
                         del qs_, ks_, vs_, outs
         del q, k, v, ref

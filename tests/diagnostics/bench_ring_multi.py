@@ -9,7 +9,8 @@ For each total sequence length: one GPU runs ``flashcore.attention`` over the wh
 (forward, then forward+backward through autograd), when it fits; then ``--world`` processes,
 one per GPU (NCCL; NVLink multicast stays off: NCCL_NVLS_ENABLE=0), each holding its shard of
 q, k, v (``shard``, the ``--layout`` given), run ``ring_attention`` over the same sequence.
-Times are the slowest rank's (CUDA events, best of 3 after a warm-up). Prints ms, tokens/s and
+Times are the slowest rank's (wall clock of one call ended by a synchronisation, best of 3
+after a warm-up call: flashcore.bench.wall_time). Prints ms, tokens/s and
 the scaling efficiency (one GPU's time / (world x the ring's time): 1.0 is perfect; the issue
 asks 2 GPUs >= 1.8x one GPU, i.e. efficiency >= 0.9). ``--cpu``: gloo and CPU tensors (the
 NumPy backend) at toy sizes, a check of the script itself on a machine without GPUs.
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 # NVLink multicast must stay off on the shared hosts (see the device tool's KINDS.md)
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
@@ -34,23 +34,11 @@ def _inputs(torch, n, heads, heads_k, headdim, device, dtype):
 
 
 def _timed(torch, fn, cpu, reps=3):
-    """Best of ``reps`` after a warm-up, seconds."""
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        if cpu:
-            t = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t)
-        else:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            best = min(best, a.elapsed_time(b) / 1e3)
-    return best
+    """Best of ``reps`` after one warm-up call, seconds (flashcore.bench.wall_time: exactly
+    1 + reps calls, which every rank must make alike: ``fn`` holds collectives)."""
+    from flashcore.bench import wall_time
+    return wall_time(fn, reps=reps, warmup=1,
+                     sync=(lambda: None) if cpu else torch.cuda.synchronize)
 
 
 def _one_gpu(a, n):

@@ -4,7 +4,7 @@ Three parts, 32 query heads over 8 kv heads, headdim 128, bf16, one query token:
 
   peers    torch.profiler of torch SDPA (cuDNN and flash backends) and of flashcore's decode on
            the target shapes: kernel names, grid, block, registers, shared memory, durations
-  scaling  GPU time (bench_decode._time: L2 flushed, events per call) of flashcore's decode at
+  scaling  GPU time (flashcore.bench.gpu_time_l2_flushed: events per call) of flashcore's decode at
            batch 1 over cache lengths x split counts x tile configurations, with cuDNN and a
            plain read of the same bytes at each length: the fixed cost (time at one key block
            per CTA) against the cost per block
@@ -21,7 +21,9 @@ import os
 import sys
 import tempfile
 
-from bench_decode import _read_kernel_time, _time
+from bench_decode import _read_kernel_time
+
+from flashcore.bench import gpu_time_l2_flushed as _time    # GPU time of fn(), s, L2 flushed
 
 H, HK, D = 32, 8, 128
 

@@ -2,7 +2,8 @@
 flashcore and cuDNN are level): TB/s of K+V bytes against batch at a 4k cache, across wave
 counts (8 kv heads per sequence, one CTA per SM for the unsplit tile: batch 16.5 is one wave of
 132 SMs), flashcore unsplit and with 2 splits, cuDNN alongside; and batch 1 / 128k over split
-counts and merges. GPU time with the L2 flushed, as in bench_decode.py.
+counts and merges. GPU time with the L2 flushed (flashcore.bench.gpu_time_l2_flushed), as in
+bench_decode.py.
 
     python tests/diagnostics/decode_waves.py            # the tables
     python tests/diagnostics/decode_waves.py --configs  # unsplit tiles x batch (waves), 4k and 16k
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-from bench_decode import _time
+from flashcore.bench import gpu_time_l2_flushed as _time    # GPU time of fn(), s, L2 flushed
 
 
 def tables():

@@ -50,6 +50,7 @@ import torch
 
 import flashcore
 from flashcore.backends import torch_backend, torch_ops
+from flashcore.bench import per_call_us_interleaved
 from flashcore.kernels import device, plans
 from flashcore.kernels.params import make_params
 
@@ -294,23 +295,10 @@ def pieces(tensors):
 
 def per_call_us(fns, n, rounds, sync, clock=time.perf_counter, round_s=0.05):
     """Best of ``rounds`` interleaved rounds: each times up to ``n`` calls of every callable
-    in turn (fewer for a slow one: about ``round_s`` seconds), then synchronises."""
-    counts = {}
-    for name, fn in fns.items():
-        t0 = clock()
-        for _ in range(20):
-            fn()
-        sync()
-        counts[name] = int(min(n, max(10, round_s * 20 / max(clock() - t0, 1e-6))))
-    best = {name: math.inf for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t0 = clock()
-            for _ in range(counts[name]):
-                fn()
-            sync()
-            best[name] = min(best[name], (clock() - t0) / counts[name])
-    return {name: t * 1e6 for name, t in best.items()}
+    in turn (fewer for a slow one: about ``round_s`` seconds, judged from 20 warm-up calls),
+    then synchronises: flashcore.bench.per_call_us_interleaved."""
+    return per_call_us_interleaved(fns, n, warmup=20, rounds=rounds, sync=sync, clock=clock,
+                                   round_s=round_s)
 
 
 def main(argv=None):

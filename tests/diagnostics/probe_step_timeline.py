@@ -7,9 +7,10 @@ The tiny step (1 x 128 x 2 x 64 bf16, causal; ``flashcore.attention`` then
 autograd Function: when the forward body is entered and left, when the backward body is entered
 and left (on the autograd engine's device thread), around the public call and around ``grad``.
 The median of each interval over N steps (µs), beside a do-nothing Function's step and SDPA's
-(stamps around the calls only). Then each step's GPU time (the device kept busy by a sleep
-kernel first, so the host's enqueueing and the GPU's execution are timed apart) and the host's
-enqueue time per step, and the same steps with the engine's device threads off
+(stamps around the calls only). Then each step's host loop time (flashcore.bench.host_loop_us),
+its GPU time (the device kept busy by a spin kernel first, so the host's enqueueing and the
+GPU's execution are timed apart: flashcore.bench.enqueue_and_gpu_time) and the host's enqueue
+time per step, and the same steps with the engine's device threads off
 (``torch.autograd.set_multithreading_enabled(False)``: the backward on the calling thread).
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 import flashcore
 from flashcore.backends import torch_ops
+from flashcore.bench import enqueue_and_gpu_time, host_loop_us
 
 ns = time.perf_counter_ns
 SHAPE = (1, 128, 2, 64)
@@ -137,32 +139,14 @@ def main():
         print(line, flush=True)
         out.append(line)
 
-    # GPU time and host enqueue time apart: a sleep kernel holds the device while the host
-    # enqueues n steps; the events then time the steps' GPU work back to back
+    # GPU time and host enqueue time apart: a spin kernel holds the device while the host
+    # enqueues n steps; events then time the steps' GPU work back to back (L2 not flushed)
     def apart(step, n=200):
-        for _ in range(20):
-            step()
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(int(4e8))
-        e0.record()
-        t0 = ns()
-        for _ in range(n):
-            step()
-        host = (ns() - t0) / 1e3 / n
-        e1.record()
-        torch.cuda.synchronize()
-        return host, e0.elapsed_time(e1) * 1e3 / n
+        host, gpu = enqueue_and_gpu_time(step, steps=n, warmup=20)
+        return host * 1e6, gpu * 1e6
 
     def loop(step, n=1000):
-        for _ in range(30):
-            step()
-        torch.cuda.synchronize()
-        t0 = ns()
-        for _ in range(n):
-            step()
-        torch.cuda.synchronize()
-        return (ns() - t0) / 1e3 / n
+        return host_loop_us(step, steps=n, warmup=30, rounds=1)
 
     for mt in (True, False):
         torch.autograd.set_multithreading_enabled(mt)

@@ -5,13 +5,13 @@ import sys
 import cupy
 
 import flashcore
+from flashcore.bench import random_arrays, shape_for
 
 d = int(sys.argv[1]) if len(sys.argv) > 1 else 128
 s = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
 causal = len(sys.argv) > 3 and sys.argv[3] == "causal"
-b, h = 16384 // s, 2048 // d
-rs = cupy.random.RandomState(0)
-q, k, v, do = (rs.standard_normal((b, s, h, d), dtype=cupy.float32).astype(cupy.float16) for _ in range(4))
+b, _, h, _ = shape_for(s, d)
+q, k, v, do = random_arrays("cupy", [(b, s, h, d)] * 4, seed=0, dtype="float16")
 for _ in range(3):
     o, l = flashcore.attention_forward(q, k, v, causal=causal)
     flashcore.attention_backward(do, q, k, v, o, l, causal=causal)

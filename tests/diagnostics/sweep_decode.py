@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from bench_decode import _time
+from flashcore.bench import gpu_time_l2_flushed as _time    # GPU time of fn(), s, L2 flushed
 
 CONFIGS = [(64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3)]
 SPLITS = {1: (4, 8, 12, 16, 24, 32), 8: (2, 4, 8, 16), 64: (1, 2)}

@@ -2,8 +2,9 @@
 
 For each candidate tile: compile (in parallel, filling the kernel cache), check the result
 against the default tile on random data, report registers / local memory, and time it with
-triton's do_bench (median) at the ANCHORS sizes. Prints one line per variant and a best-of
-table.   python tests/diagnostics/sweep_tiles.py [--quick]
+flashcore.bench.gpu_time (CUDA events per call, L2 flushed, median: what triton's do_bench
+measured here before) at the ANCHORS sizes (flashcore.bench.shape_for, flops, random_arrays).
+Prints one line per variant and a best-of table.   python tests/diagnostics/sweep_tiles.py [--quick]
 """
 import concurrent.futures as cf
 import itertools
@@ -65,8 +66,8 @@ def main():
     quick = "--quick" in sys.argv
     import cupy
     import torch
-    from triton.testing import do_bench
     import flashcore
+    from flashcore.bench import flops as flop_count, gpu_time, random_arrays, shape_for
     from flashcore.kernels import backward, forward
     _no_launch_plans()
 
@@ -84,12 +85,10 @@ def main():
     rows = []
     for (kind, d, tile, causal), (regs, local) in res.items():
         for s in seqlens:
-            b, h = 16384 // s, 2048 // d
-            g = torch.Generator(device="cuda").manual_seed(s + d)
-            q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
-                           for _ in range(4))
+            b, _, h, _ = shape_for(s, d)
+            q, k, v, do = random_arrays("torch", [(b, s, h, d)] * 4, seed=s + d)
             cq, ck, cv, cdo = (cupy.from_dlpack(x) for x in (q, k, v, do))
-            flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
+            flops = flop_count(b, s, h, d, causal)
             # reference: default tiles
             forward._OVERRIDES.clear()
             o_ref, l_ref = flashcore.attention_forward(cq, ck, cv, causal=causal)
@@ -100,17 +99,17 @@ def main():
                     forward.set_tile_override(d, forward.TileConfig(*tile))
                     o, l = flashcore.attention_forward(cq, ck, cv, causal=causal)
                     err = float(cupy.abs(o.astype(cupy.float32) - o_ref.astype(cupy.float32)).max())
-                    t = do_bench(lambda: flashcore.attention_forward(cq, ck, cv, causal=causal),
-                                 warmup=25, rep=100, return_mode="median") * 1e-3
+                    t = gpu_time(lambda: flashcore.attention_forward(cq, ck, cv, causal=causal),
+                                 "cupy")
                     tf = flops / t / 1e12
                 else:
                     backward._DKDV_TILES[d] = (backward.BwdTile(*tile),)
                     gr = flashcore.attention_backward(cdo, cq, ck, cv, o_ref, l_ref, causal=causal)
                     err = max(float(cupy.abs(a.astype(cupy.float32) - r.astype(cupy.float32)).max())
                               for a, r in zip(gr, g_ref))
-                    t = do_bench(lambda: flashcore.attention_backward(cdo, cq, ck, cv, o_ref, l_ref, causal=causal),
-                                 warmup=25, rep=100, return_mode="median") * 1e-3
-                    tf = 2.5 * flops / t / 1e12
+                    t = gpu_time(lambda: flashcore.attention_backward(cdo, cq, ck, cv, o_ref, l_ref, causal=causal),
+                                 "cupy")
+                    tf = flop_count(b, s, h, d, causal, "backward") / t / 1e12
             finally:
                 forward._OVERRIDES.clear()
                 backward._DKDV_TILES.clear()
@@ -121,14 +120,14 @@ def main():
             del q, k, v, do
             torch.cuda.empty_cache()
     for d, s in itertools.product((64, 128, 256), seqlens):
-        b, h = 16384 // s, 2048 // d
-        q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        b, _, h, _ = shape_for(s, d)
+        q, k, v, do = random_arrays("torch", [(b, s, h, d)] * 4, seed=s + d)
         cq, ck, cv, cdo = (cupy.from_dlpack(x) for x in (q, k, v, do))
         o, l = flashcore.attention_forward(cq, ck, cv)
-        flops = 2.5 * 4.0 * b * h * s * s * d
+        flops = flop_count(b, s, h, d, False, "backward")
         for det in (False, True):
-            t = do_bench(lambda: flashcore.attention_backward(cdo, cq, ck, cv, o, l, deterministic=det),
-                         warmup=25, rep=100, return_mode="median") * 1e-3
+            t = gpu_time(lambda: flashcore.attention_backward(cdo, cq, ck, cv, o, l, deterministic=det),
+                         "cupy")
             print(f"bwd d{d} s{s} default tiles deterministic={det}: {flops / t / 1e12:6.1f} TFLOP/s", flush=True)
         del q, k, v, do
     print("\nbest per (kernel, headdim, causal), geomean over seqlens, among variants with diff < 0.05:")
