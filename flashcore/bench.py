@@ -293,8 +293,9 @@ def per_call_us_interleaved(fns, n, warmup=50, rounds=7, sync=None, clock=time.p
     of them alike. Returns {name: best round's microseconds per call}.
 
     Each callable is warmed up by ``warmup`` calls, then a synchronisation. ``round_s``: each
-    callable's calls per round are fewer than ``n`` where its warm-up says that ``n`` would take
-    longer than about ``round_s`` seconds (at least 10). ``sync`` defaults to
+    callable's calls per round are fewer than ``n`` where its warm-up (at least one call, then)
+    says that ``n`` would take longer than about ``round_s`` seconds (at least min(n, 10)).
+    ``sync`` defaults to
     ``torch.cuda.synchronize``; ``clock`` may be ``time.process_time`` for a run without a
     device (tests/diagnostics/probe_route.py, stubbed)."""
     if sync is None:
@@ -303,11 +304,12 @@ def per_call_us_interleaved(fns, n, warmup=50, rounds=7, sync=None, clock=time.p
     counts = {}
     for name, fn in fns.items():
         t0 = clock()
-        for _ in range(warmup):
+        calls = warmup if round_s is None else max(warmup, 1)
+        for _ in range(calls):
             fn()
         sync()
         counts[name] = n if round_s is None else \
-            int(min(n, max(10, round_s * warmup / max(clock() - t0, 1e-6))))
+            int(min(n, max(10, round_s * calls / max(clock() - t0, 1e-6))))
     best = {name: float("inf") for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
@@ -325,7 +327,7 @@ def wall_time(fn, reps: int = 1, warmup: int = 0, sync=None) -> float:
     is a measurement (a transformers training step or ``generate``, a ring-attention pass, the
     first calls of a process). The warm-up is ``warmup`` calls exactly, with no clock-based
     extension, so that every rank of a distributed run makes the same calls. ``sync`` defaults
-    to ``torch.cuda.synchronize`` (a no-op for CPU work)."""
+    to ``torch.cuda.synchronize``; CPU-only work passes its own (``lambda: None``)."""
     return host_loop_us(fn, steps=1, warmup=warmup, rounds=reps, sync=sync, warmup_s=0.0) * 1e-6
 
 

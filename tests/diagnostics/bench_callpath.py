@@ -124,7 +124,9 @@ def cupy_calls():
         flashcore.attention_backward(cdo, cq, ck, cv, co, clse, causal=True)
     calls = {"torch_fwd": calls["torch_fwd"], "cupy_fwd": calls["cupy_fwd"],
              "torch_bwd": torch_bwd, "cupy_bwd": cupy_bwd,
-             "torch_decode": pb.api,
+             "torch_decode": lambda: flashcore.attention_with_kvcache(pb.q, pb.k_cache,
+                                                                      pb.v_cache,
+                                                                      cache_seqlens=pb.cache_seqlens),
              "cupy_decode": lambda: flashcore.attention_with_kvcache(pb.cq, pb.ck, pb.cv,
                                                                      cache_seqlens=pb.cs)}
     us = per_call_us_interleaved(calls, 2000)

@@ -58,7 +58,7 @@ def _read_kernel_time(buf):
 
 def _host_us(fn):
     """Host time per call (launch cost), microseconds: 200 calls back to back, then a sync."""
-    return host_loop_us(fn, steps=200, warmup=10, rounds=1)
+    return host_loop_us(fn, steps=200, warmup=10, rounds=1, warmup_s=0.0)
 
 
 def main():

@@ -146,7 +146,7 @@ def main():
         return host * 1e6, gpu * 1e6
 
     def loop(step, n=1000):
-        return host_loop_us(step, steps=n, warmup=30, rounds=1)
+        return host_loop_us(step, steps=n, warmup=30, rounds=1, warmup_s=0.0)
 
     for mt in (True, False):
         torch.autograd.set_multithreading_enabled(mt)
