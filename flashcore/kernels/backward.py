@@ -395,18 +395,17 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
     hopper, ws = None, None
     if sm90_applies(cc, headdim, has_softcap, has_alibi, deterministic):
         from .tma import maps_for
-        ws_ok = cfg.sm90_bwd_ws
 
         def as4(a):     # (varlen: (total, heads, headdim) -> (1, total, heads, headdim), a view)
             return a[None] if varlen else a
         if headdim == 256:
-            if ws_ok and sm90_d256_smem() <= smem_limit:
+            if cfg.sm90_bwd_ws and sm90_d256_smem() <= smem_limit:
                 ws = maps_for((as4(q), SM90_D256_BLOCK), (as4(k), SM90_D256_BLOCK),
                               (as4(v), SM90_D256_BLOCK), (as4(dout), SM90_D256_BLOCK))
                 hopper = None if ws is None else "d256"
         else:
             hopper = "cpasync"
-            if ws_ok and headdim in SM90_WS_HEADDIMS:
+            if cfg.sm90_bwd_ws and headdim in SM90_WS_HEADDIMS:
                 # boxes: 64 x block_m of q and dout, 64 x 128 of k and v
                 ws = maps_for((as4(q), SM90_WS_BLOCK_M), (as4(k), 128), (as4(v), 128),
                               (as4(dout), SM90_WS_BLOCK_M))
