@@ -195,6 +195,14 @@ class _Cuda:
             self._spin((1,), (1,), (np.int64(_SPIN_CYCLES),))
 
 
+def _hold(cu, calls: int, per_call_s: float) -> None:
+    """Queue spin kernels that hold the device while the host enqueues ``calls`` calls of
+    ``per_call_s`` seconds each (outlasting the queueing twice over), so that what follows is
+    timed on the device, not on the host."""
+    for _ in range(1 + int(2 * calls * per_call_s / _SPIN_SECONDS)):
+        cu.spin()
+
+
 def _cuda(lib: str) -> _Cuda:
     if lib not in _STATE:
         _STATE[lib] = _Cuda(lib)
@@ -228,8 +236,7 @@ def gpu_time(fn, lib: str = "torch", reps: int | None = None, warmup: int = 3,
         estimate = max(cu.seconds(a, b) / 3, 1e-6)
         reps = int(min(max(math.ceil(target_s / estimate), min_reps), max_reps))
     events = [(cu.event(), cu.event()) for _ in range(reps)]
-    for _ in range(1 + int(2 * reps * host / _SPIN_SECONDS)):   # outlast the queueing, twice
-        cu.spin()
+    _hold(cu, reps, host)
     for a, b in events:
         cu.flush()
         a.record()
@@ -349,8 +356,7 @@ def enqueue_and_gpu_time(fn, steps: int = 200, warmup: int = 20,
     estimate = (time.perf_counter() - t0) / 3      # the host's time to issue one call
     cu.sync()
     a, b = cu.event(), cu.event()
-    for _ in range(1 + int(2 * steps * estimate / _SPIN_SECONDS)):   # outlast the queueing, twice
-        cu.spin()
+    _hold(cu, steps, estimate)
     a.record()
     t0 = time.perf_counter()
     for _ in range(steps):

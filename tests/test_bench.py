@@ -156,7 +156,8 @@ def test_enqueue_and_gpu_time_spins_then_times_the_loop_apart(monkeypatch):
             log.append(("record", self.name))
 
     class FakeCuda:
-        names = iter("ab")
+        def __init__(self):
+            self.names = iter("ab")
 
         def event(self):
             return Event(next(self.names))
