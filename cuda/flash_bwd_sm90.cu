@@ -626,7 +626,8 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
         // The whole dS^T tile is written; and (dS^T double-buffered) every consumer is past the
         // previous step, whose dQ product read the buffer the next step writes.
         named_sync(1, 256);
-        static_assert(kD == 128 && kBlockM == 64, "dQ tiles of 64 x 64 a warpgroup");
+        static_assert((kD == 128 && kBlockM == 64) || (kD == 64 && kBlockM == 128),
+                      "dQ tiles of 64 x 64 a warpgroup");
         float acc_dq[32];
         w.dq_product(sK, sdSb, acc_dq);
         mbar_arrive(bar.empty(st));   // this stage's Q, dO, lse and D are no longer read
@@ -635,9 +636,12 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
             if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
             named_sync(3 + w.wg, 128);
         }
+        // d128: columns 64 wg.. of the block's 64 rows; d64 (128-query blocks): all columns of
+        // rows 64 wg.., which may lie wholly past the last query (no tile there: nothing added)
+        const int row0 = m0 + (kD == 64 ? 64 * w.wg : 0);
         dq_tile_add<32>(acc_dq, sDq + (fc_u32)w.wg * (64u * 64u * 4u),
-                        dq_accum_row(p, seq, b, h, m0) + w.wg * 64 * 64, tid - 128,
-                        3 + w.wg);
+                        dq_accum_row(p, seq, b, h, row0) + (kD == 128 ? w.wg * 64 * 64 : 0),
+                        tid - 128, 3 + w.wg, row0 < seq.sq);
         bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
     }
     w.store(p, seq, b, hk, n0);

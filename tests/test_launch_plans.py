@@ -343,13 +343,11 @@ def test_dq_tiled_launches(d):
             assert names[2] == "flash_bwd_convert_dq_kernel<fc_fp16>"
             continue
         kernel = (backward.sm90_d256_kernel_name("float16", True) if d == 256
-                  else backward.sm90_kernel_name("float16", d, True) if d == 64
                   else backward.sm90_ws_kernel_name("float16", d, True))
         assert names == ["flash_bwd_preprocess_kernel<fc_fp16, true>", kernel,
                          backward.sm90_convert_tiled_name("float16", d)]
         smem = (backward.sm90_d256_smem() if d == 256
-                else backward.sm90_smem(d, backward.sm90_block_m(d)) if d == 64
-                else backward.sm90_ws_smem(d, backward.SM90_WS_BLOCK_M))
+                else backward.sm90_ws_smem(d, backward.sm90_ws_block_m(d)))
         assert LOG[1][3] == smem and smem <= 232448
 
 
@@ -379,7 +377,7 @@ def _varlen_backward(d):
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_dq_tiled_varlen_launches(d):
-    """Varlen calls on the cp.async kernel (head dim 64; 128 with sm90_bwd_ws off): the
+    """Varlen calls on the cp.async kernel (sm90_bwd_ws off): the
     whole-tile preprocess, the kernel and the tiled convert kernel over an accumulator of
     total_q + 64 x batch rows a head (each sequence starts a tile)."""
     plans.clear()
@@ -397,9 +395,9 @@ def test_dq_tiled_varlen_launches(d):
     assert head_stride == (total + 64 * len(_VARLEN_LENS)) * d
 
 
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_ws_varlen_launches(d):
-    """Varlen calls: the warp-specialised kernel's varlen instantiation (d128; d256 its own
+    """Varlen calls: the warp-specialised kernel's varlen instantiation (d64, d128; d256 its own
     kernel), its grid over the longest sequence, and tensor maps over the packed arrays seen
     as one sequence of total rows (dims innermost first: head dim, total, heads, 1), at the
     arrays' own addresses. With sm90_bwd_ws off, neither takes a warp-specialised kernel."""

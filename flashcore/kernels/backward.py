@@ -214,20 +214,24 @@ def sm90_kernel_name(dtype_name: str, headdim: int, is_local: bool,
             f"{_b(dropout)}>")
 
 
-# The warp-specialised dK/dV kernel: head dim 128 (measured on the H200, forward+backward
-# against cuDNN: 0.76-0.85x against the cp.async kernel's 0.67-0.79x). Its consumers have 240
-# registers, so it steps over 64 queries; at head dim 64 the cp.async kernel's 128-query steps
-# (which would spill there, 20-290 bytes) measured faster (0.77-0.85x against 0.66-0.70x).
-SM90_WS_HEADDIMS = (128,)
-SM90_WS_BLOCK_M = 64
+# The warp-specialised dK/dV kernel: head dims 64 and 128. Its consumers have 240 registers;
+# at head dim 128 it steps over 64 queries (measured on the H200, forward+backward against
+# cuDNN: 0.76-0.85x against the cp.async kernel's 0.67-0.79x), at head dim 64 over 128 (each
+# warpgroup's dQ tile: its own 64 query rows, all columns; 20 bytes spilled a step).
+SM90_WS_HEADDIMS = (64, 128)
 
 
-def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool,
-                        block_m: int = SM90_WS_BLOCK_M, dropout: bool = False,
+def sm90_ws_block_m(headdim: int) -> int:
+    """Queries per step of the warp-specialised dK/dV kernel."""
+    return 128 if headdim == 64 else 64
+
+
+def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool, dropout: bool = False,
                         varlen: bool = False) -> str:
     """The warp-specialised dK/dV kernel (TMA producer, two consumer warpgroups); varlen: its
     instantiation over the packed arrays."""
-    return (f"flash_bwd_dkdv_sm90_ws_kernel<{_ELEM[dtype_name]}, {headdim}, {block_m}, "
+    return (f"flash_bwd_dkdv_sm90_ws_kernel<{_ELEM[dtype_name]}, {headdim}, "
+            f"{sm90_ws_block_m(headdim)}, "
             f"{_b(is_local)}, {_b(dropout)}{', true' if varlen else ''}>")
 
 
@@ -277,7 +281,7 @@ def sm90_instantiations() -> list[str]:
     dts = ("float16", "bfloat16")
     names = [sm90_kernel_name(dt, d, loc, bm, drop) for dt in dts
              for d, bm in ((64, 64), (64, 128), (128, 64)) for loc in flags for drop in flags]
-    names += [sm90_ws_kernel_name(dt, d, loc, SM90_WS_BLOCK_M, drop, vl) for dt in dts
+    names += [sm90_ws_kernel_name(dt, d, loc, drop, vl) for dt in dts
               for d in SM90_WS_HEADDIMS for loc in flags for drop in flags for vl in flags]
     names += [sm90_d256_kernel_name(dt, loc, drop, vl) for dt in dts for loc in flags
               for drop in flags for vl in flags]
@@ -407,8 +411,8 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
             hopper = "cpasync"
             if cfg.sm90_bwd_ws and headdim in SM90_WS_HEADDIMS:
                 # boxes: 64 x block_m of q and dout, 64 x 128 of k and v
-                ws = maps_for((as4(q), SM90_WS_BLOCK_M), (as4(k), 128), (as4(v), 128),
-                              (as4(dout), SM90_WS_BLOCK_M))
+                bm = sm90_ws_block_m(headdim)
+                ws = maps_for((as4(q), bm), (as4(k), 128), (as4(v), 128), (as4(dout), bm))
                 hopper = "cpasync" if ws is None else "ws"
     dq_tiled = hopper is not None     # (the Hopper kernels add dQ in tile order)
 
@@ -487,9 +491,9 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
             launch(kern, (_cdiv(seqlen_k, SM90_D256_BLOCK), nheads_k, batch), (384,), smem,
                    (ws[0].arg(),))
         elif hopper == "ws":
-            smem = sm90_ws_smem(headdim, SM90_WS_BLOCK_M)
+            smem = sm90_ws_smem(headdim, sm90_ws_block_m(headdim))
             kern = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, is_local,
-                                                               SM90_WS_BLOCK_M, dropout, varlen),
+                                                               dropout, varlen),
                               device_id, cc, smem, defines)
             # (the other launches take the struct alone: cuLaunchKernel reads as many
             # parameters as a kernel declares, so a plan may pass the maps to all)

@@ -20,7 +20,9 @@ from flashcore.bench import AttentionProblem as Problem, flops, shape_for
 VARIANTS = {"as is": {},
             "no dQ adds": {"sm90_defines": ("-DFC_DIAG_BWD_NO_DQ",)},
             "no Q/dO reloads": {"sm90_defines": ("-DFC_DIAG_BWD_NO_QLOAD",)},
-            "neither": {"sm90_defines": ("-DFC_DIAG_BWD_NO_DQ", "-DFC_DIAG_BWD_NO_QLOAD")}}
+            "neither": {"sm90_defines": ("-DFC_DIAG_BWD_NO_DQ", "-DFC_DIAG_BWD_NO_QLOAD")},
+            # (head dims 64 and 128: the cp.async kernel in place of the warp-specialised one)
+            "cp.async": {"sm90_bwd_ws": False}}
 
 
 def main():

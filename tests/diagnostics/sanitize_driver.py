@@ -83,14 +83,14 @@ if "--hopper-bwd" in sys.argv:
     # only the Hopper dK/dV kernels (with and without dropout, varlen included), in seconds,
     # under memcheck, racecheck and synccheck alike:
     # compute-sanitizer --tool racecheck python3 tests/diagnostics/sanitize_driver.py --hopper-bwd
-    n = run_backward_cases(HOPPER_BWD_CASES) + run_backward_cases(HOPPER_BWD_CASES[-3:], 0.2)
-    # varlen (the warp-specialised kernels at d128 and d256; with sm90_bwd_ws off the cp.async
+    n = run_backward_cases(HOPPER_BWD_CASES) + run_backward_cases(HOPPER_BWD_CASES[3:], 0.2)
+    # varlen (the warp-specialised kernels; with sm90_bwd_ws off the cp.async
     # one): sequences that are no multiple of the tile, one empty; and cu_seqlens past the
     # rows, decreasing, negative (TMA coordinates from the clamped offsets)
     from flashcore import config as _cfg
     for ws in (False, True):
         with _cfg.override(sm90_bwd_ws=ws):
-            for hd in ((64, 128) if not ws else (128, 256)):
+            for hd in ((64, 128) if not ws else (64, 128, 256)):
                 lens = np.array([70, 0, 257, 33], np.int32)
                 cu = cp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
                 t = int(lens.sum())
