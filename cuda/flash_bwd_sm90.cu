@@ -32,15 +32,17 @@
 // two 16 KiB dQ staging tiles (the d256 kernel stages in its Q / dO stage tiles).
 //
 // Two kernels run these steps (DkdvWarpgroup holds one warpgroup's share of a step):
-//  * flash_bwd_dkdv_sm90_ws_kernel (the default for dense calls): warp-specialised, as the
+//  * flash_bwd_dkdv_sm90_ws_kernel (the default): warp-specialised, as the
 //    forward's. Warpgroup 0 produces: one thread loads K and V once and Q and dO per step with
 //    TMA into a 2-stage ring of mbarrier-guarded stages, the warp's lanes write the step's
 //    lse and D beside them; the two consumer warpgroups never load, and meet only at one
 //    named barrier per step (dS^T written, before the dQ product reads it; dS^T is
 //    double-buffered, so that barrier also frees the other buffer). Varlen calls too
 //    (Is_varlen: maps over the packed arrays, zero_rows_past).
+//    Head dim 128 steps over 64 queries, 64 over 128 (each warpgroup's dQ tile: its own 64
+//    query rows, all columns; a few bytes spill in the consumers' 240 registers).
 //  * flash_bwd_dkdv_sm90_kernel: both warpgroups load with cp.async and meet at __syncthreads
-//    (head dim 64, and arrays TMA cannot read).
+//    (arrays TMA cannot read).
 #include "flash_bwd.cu"
 #include "sm90_pipeline.cuh"
 #include "wgmma.cuh"

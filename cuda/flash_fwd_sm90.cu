@@ -42,7 +42,7 @@
 //                     load (transpose_v), storing the keys in the order in which P's
 //                     accumulator registers already hold them (no shuffle of P).
 // The descales fold into the scores' scale (q_descale * k_descale) and into the epilogue's
-// 1 / l (v_descale). Head dims 128 and 256, 128-key blocks; no dropout, softcap, ALiBi or
+// 1 / l (v_descale). Head dims 128 (192-key blocks) and 256 (128-key blocks); no dropout, softcap, ALiBi or
 // varlen (the launcher refuses them by name).
 //
 // Masking, alignment and outputs are those of flash_fwd.cu (bottom-right causal, windows with

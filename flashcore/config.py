@@ -27,10 +27,10 @@ The settings (environment variable in brackets):
   ``sm90_fwd_d64_min_seqlen_k``: head dim 64 takes the Hopper forward from
   this many keys (the Ampere-class kernel measured faster below).
 * ``sm90_bwd`` (``FLASHCORE_SM90_BWD``): the Hopper dK/dV kernel where it applies;
-  ``sm90_bwd_ws`` (``FLASHCORE_SM90_BWD_WS``): its warp-specialised TMA versions (head dims 128
-  and 256) for calls, varlen included, whose arrays TMA can read;
-  ``sm90_bwd_d64_block_m`` (``FLASHCORE_SM90_BWD_D64_BM``): queries per step at head dim 64
-  (64 or 128).
+  ``sm90_bwd_ws`` (``FLASHCORE_SM90_BWD_WS``): its warp-specialised TMA versions (head dims 64,
+  128 and 256) for calls, varlen included, whose arrays TMA can read;
+  ``sm90_bwd_d64_block_m`` (``FLASHCORE_SM90_BWD_D64_BM``): queries per step of the cp.async
+  kernel (the others' calls) at head dim 64 (64 or 128).
 * ``sm90_fp8_fwd`` (``FLASHCORE_SM90_FP8_FWD``): the Hopper FP8 forward kernel for
   float8_e4m3fn CuPy and torch CUDA inputs (on by default); off, such calls are refused by
   name (NumPy arrays and torch CPU tensors take the NumPy reference either way).

@@ -188,7 +188,8 @@ def sm90_smem(headdim: int, block_m: int = 64) -> int:
 def set_sm90(enabled: bool, d64_block_m: int | None = None) -> None:
     """Use the Hopper (wgmma) dK/dV kernel where it applies (compute capability 9.0, head dim
     64 or 128, no softcap or ALiBi, not deterministic): the ``flashcore.config`` settings
-    ``sm90_bwd`` and ``sm90_bwd_d64_block_m`` (64 or 128 queries per step at head dim 64). On
+    ``sm90_bwd`` and ``sm90_bwd_d64_block_m`` (64 or 128 queries per step of the cp.async kernel
+    at head dim 64; the warp-specialised one, the default, takes 128). On
     by default; FLASHCORE_SM90_BWD=0 in the environment."""
     config.set(sm90_bwd=bool(enabled),
                **({} if d64_block_m is None else {"sm90_bwd_d64_block_m": d64_block_m}))
@@ -217,7 +218,8 @@ def sm90_kernel_name(dtype_name: str, headdim: int, is_local: bool,
 # The warp-specialised dK/dV kernel: head dims 64 and 128. Its consumers have 240 registers;
 # at head dim 128 it steps over 64 queries (measured on the H200, forward+backward against
 # cuDNN: 0.76-0.85x against the cp.async kernel's 0.67-0.79x), at head dim 64 over 128 (each
-# warpgroup's dQ tile: its own 64 query rows, all columns; 20 bytes spilled a step).
+# warpgroup's dQ tile: its own 64 query rows, all columns; 20-96 bytes spilled; run 47, the
+# backward alone: 1.16-1.30x the cp.async kernel, 0.92-1.04x cuDNN).
 SM90_WS_HEADDIMS = (64, 128)
 
 
