@@ -95,6 +95,7 @@ struct DkdvWarpgroup {
     static constexpr int kSAcc = kBlockM / 2;    // S^T, dP^T: 64 keys x kBlockM queries
     static constexpr fc_u32 kQBlock = (fc_u32)kBlockM * 128u;   // one [kBlockM rows][64 cols] block
     float acc_dk[kAcc], acc_dv[kAcc];
+    float acc_s[kSAcc], acc_dp[kSAcc];                    // S^T, dP^T of a step
     fc_u32 pa[kBlockM / 16][4], dsa[kBlockM / 16][4];   // P^T, dS^T as A operands of dV, dK
     int wg, wl, g, t, key0;
     fc_u32 kw_off;                                        // the slice's rows inside K / V blocks
@@ -123,27 +124,16 @@ struct DkdvWarpgroup {
             for (int e = 0; e < 4; ++e) fence_operand(a[kk][e]);
     }
 
-    // First half: S^T = K_w Q^T and dP^T = V_w dO^T, then P^T and dS^T from the query rows'
-    // lse and D (sLb, sDb: -lse in log2 units and D of rows m0 ..), dS^T stored to sdSb
-    // ([key][query], 16-bit, swizzled), and dV_w += P^T dO, dK_w += dS^T Q issued (not waited).
-    // The caller fences the dS^T stores for the async proxy and synchronises the consumers
-    // before the second half.
-    __device__ __forceinline__ void grads(const FlashParams& p, const BwdSeq& seq, int b, int h,
-                                          int m0, int n0, int off, fc_u32 sK, fc_u32 sV,
-                                          fc_u32 sQb, fc_u32 sdOb, const float* sLb,
-                                          const float* sDb, fc_u32 sdSb) {
-        constexpr int kBlockN = 128;
-        const BwdScoreMath sm = bwd_score_math(p, b, h, seq, false);
-        bool need_mask = n0 + kBlockN > seq.sk;
-        if constexpr (Is_local) {
-            const int rel_min = n0 - (m0 + kBlockM - 1) - off;
-            const int rel_max = n0 + kBlockN - 1 - m0 - off;
-            need_mask = need_mask || rel_min < -p.window_left || rel_max > p.window_right;
-        }
-
-        float acc_s[kSAcc], acc_dp[kSAcc];
+    // First half, in two parts. issue_sdp: S^T = K_w Q^T and dP^T = V_w dO^T issued into
+    // acc_s, acc_dp (one commit group; the warp-specialised kernel issues a step's while the
+    // previous step's dQ tile is staged). grads: once they are done, P^T and dS^T from the
+    // query rows' lse and D (sLb, sDb: -lse in log2 units and D of rows m0 ..), dS^T stored to
+    // sdSb ([key][query], 16-bit, swizzled), and dV_w += P^T dO, dK_w += dS^T Q issued (not
+    // waited). The caller fences the dS^T stores for the async proxy and synchronises the
+    // consumers before the second half.
+    __device__ __forceinline__ void issue_sdp(fc_u32 sK, fc_u32 sV, fc_u32 sQb, fc_u32 sdOb) {
 #pragma unroll
-        for (int i = 0; i < kSAcc; ++i) acc_s[i] = acc_dp[i] = 0.f;
+        for (int i = 0; i < kSAcc; ++i) acc_s[i] = acc_dp[i] = 0.f;   // (the last step's are dead)
         pin(acc_s);
         pin(acc_dp);
         wgmma_fence();
@@ -155,6 +145,22 @@ struct DkdvWarpgroup {
             Wgmma<Elem>::ss(acc_dp, wgmma_desc_k(sV + ko), wgmma_desc_k(sdOb + qo), kk > 0 ? 1 : 0);
         }
         wgmma_commit();
+        pin(acc_s);
+        pin(acc_dp);
+    }
+
+    __device__ __forceinline__ void grads(const FlashParams& p, const BwdSeq& seq, int b, int h,
+                                          int m0, int n0, int off, fc_u32 sQb, fc_u32 sdOb,
+                                          const float* sLb, const float* sDb, fc_u32 sdSb) {
+        constexpr int kBlockN = 128;
+        const BwdScoreMath sm = bwd_score_math(p, b, h, seq, false);
+        bool need_mask = n0 + kBlockN > seq.sk;
+        if constexpr (Is_local) {
+            const int rel_min = n0 - (m0 + kBlockM - 1) - off;
+            const int rel_max = n0 + kBlockN - 1 - m0 - off;
+            need_mask = need_mask || rel_min < -p.window_left || rel_max > p.window_right;
+        }
+
         wgmma_wait<0>();
         pin(acc_s);
         pin(acc_dp);
@@ -289,30 +295,42 @@ struct DkdvWarpgroup {
 // 16 wl + g + 8 (last two), columns w kN / 2 + 8 k + 2 t and + 1 (one column group, w = 0,
 // where a warpgroup holds all the tile's columns: head dim 64).
 
-// Stores the fragment to `region` in that order (float4 k of thread c at (128 k + c) x 16
-// bytes: a warp's store is 512 contiguous bytes, free of bank conflicts) and, once the
-// warpgroup's stores are done (named barrier `bar`), its first thread adds the region to
-// `gtile` with one bulk reduce-add (none when `add` is false: a tile wholly past the last
-// query row, which the accumulator does not hold) and commits it. `ct`: the thread's index
-// among the consumers. The caller frees `region`: that thread waits for the group's read
-// (bulk_wait_read) before anything writes it again.
+// dq_tile_store stores the fragment to `region` in that order (float4 k of thread c at
+// (128 k + c) x 16 bytes: a warp's store is 512 contiguous bytes, free of bank conflicts);
+// dq_tile_commit, once the warpgroup's stores are done (named barrier `bar`), has its first
+// thread add the region to `gtile` with one bulk reduce-add (none when `add` is false: a tile
+// wholly past the last query row, which the accumulator does not hold) and commit it;
+// dq_tile_add does both. `ct`: the thread's index among the consumers. The caller frees
+// `region`: that thread waits for the group's read (bulk_wait_read) before anything writes it
+// again.
 template <int kN>
-__device__ __forceinline__ void dq_tile_add(const float (&acc)[kN], fc_u32 region, float* gtile,
-                                            int ct, int bar, bool add = true) {
-    using namespace fc_pipe;
+__device__ __forceinline__ void dq_tile_store(const float (&acc)[kN], fc_u32 region, int ct) {
     const int c = ct & 127;
 #pragma unroll
     for (int k = 0; k < kN / 4; ++k)
         fc_sm90::sts128f(region + (fc_u32)(128 * k + c) * 16u, acc[4 * k], acc[4 * k + 1],
                          acc[4 * k + 2], acc[4 * k + 3]);
+}
+
+template <int kN>
+__device__ __forceinline__ void dq_tile_commit(fc_u32 region, float* gtile, int ct, int bar,
+                                               bool add) {
+    using namespace fc_pipe;
     fence_proxy_async();          // the stores, for the bulk copy's async-proxy read
     named_sync(bar, 128);
-    if (c == 0) {
+    if ((ct & 127) == 0) {
 #ifndef FC_DIAG_BWD_NO_DQ       // (timing only: dQ computed, never added, wrong results)
         if (add) bulk_reduce_add_f32(gtile, region, (fc_u32)kN * 128u * 4u);
 #endif
         bulk_commit();
     }
+}
+
+template <int kN>
+__device__ __forceinline__ void dq_tile_add(const float (&acc)[kN], fc_u32 region, float* gtile,
+                                            int ct, int bar, bool add = true) {
+    dq_tile_store<kN>(acc, region, ct);
+    dq_tile_commit<kN>(region, gtile, ct, bar, add);
 }
 
 // dq = dq_accum * softmax_scale -> 16-bit from the tile order above (head dim
@@ -413,7 +431,8 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
         }
 
         const int m0 = m_block * kBlockM;
-        w.grads(p, seq, b, h, m0, n0, kw.off, sK, sV, sQ + buf * kQT, sdO + buf * kQT,
+        w.issue_sdp(sK, sV, sQ + buf * kQT, sdO + buf * kQT);
+        w.grads(p, seq, b, h, m0, n0, kw.off, sQ + buf * kQT, sdO + buf * kQT,
                 sLse + buf * kBlockM, sDsum + buf * kBlockM, sdS);
         fence_proxy_async();      // the dS^T stores, for the dQ product's async-proxy reads
         // (the staging tiles, read by the previous step's bulk copies)
@@ -614,38 +633,53 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
     mbar_wait(bar.kv(), 0);
     if constexpr (Is_varlen) zero_rows_past<kD, kBlockN>(sK, sV, seq.sk - n0, tid - 128);
     int h = kw.h0, m_block = kw.m_begin;
+    static_assert((kD == 128 && kBlockM == 64) || (kD == 64 && kBlockM == 128),
+                  "dQ tiles of 64 x 64 a warpgroup");
+    // Step it's S^T and dP^T are issued as soon as its stage is full and the step before's dQ
+    // tile is in its staging tile: that tile's bulk reduce-add is handed over while they run.
+    float acc_dq[32];
+    float* dq_tile = nullptr;     // the step before's dQ tile in dq_accum (nullptr: none)
+    const fc_u32 sDqw = sDq + (fc_u32)w.wg * (64u * 64u * 4u);   // this warpgroup's staging
+    auto stage_dq = [&](int it) {  // step it - 1's tile, once step it - 2's copy has read the
+        if (it > 1) {              // staging tile
+            if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
+            named_sync(3 + w.wg, 128);
+        }
+        dq_tile_store<32>(acc_dq, sDqw, tid - 128);
+    };
     for (int it = 0; it < n_iter; ++it) {
         const int st = it % kStages;
         const fc_u32 sdSb = sdS + (fc_u32)(it & 1) * kSdS;
-        mbar_wait(bar.full(st), (fc_u32)(it / kStages) & 1u);
         const int m0 = m_block * kBlockM;
+        mbar_wait(bar.full(st), (fc_u32)(it / kStages) & 1u);
         if constexpr (Is_varlen)   // (m0 < sq on the walk)
             zero_rows_past<kD, kBlockM>(sQ + (fc_u32)st * kQT, sdO + (fc_u32)st * kQT,
                                         seq.sq - m0, tid - 128);
-        w.grads(p, seq, b, h, m0, n0, kw.off, sK, sV, sQ + (fc_u32)st * kQT, sdO + (fc_u32)st * kQT,
+        if (it > 0) stage_dq(it);
+#ifdef FC_DIAG_BWD_NO_OVERLAP     // (timing only: the step before's tile handed over first)
+        if (it > 0) dq_tile_commit<32>(sDqw, dq_tile, tid - 128, 3 + w.wg, dq_tile != nullptr);
+#endif
+        w.issue_sdp(sK, sV, sQ + (fc_u32)st * kQT, sdO + (fc_u32)st * kQT);
+#ifndef FC_DIAG_BWD_NO_OVERLAP
+        if (it > 0) dq_tile_commit<32>(sDqw, dq_tile, tid - 128, 3 + w.wg, dq_tile != nullptr);
+#endif
+        w.grads(p, seq, b, h, m0, n0, kw.off, sQ + (fc_u32)st * kQT, sdO + (fc_u32)st * kQT,
                 sLse + st * kBlockM, sDsum + st * kBlockM, sdSb);
         fence_proxy_async();      // the dS^T stores, for the dQ product's async-proxy reads
         // The whole dS^T tile is written; and (dS^T double-buffered) every consumer is past the
         // previous step, whose dQ product read the buffer the next step writes.
         named_sync(1, 256);
-        static_assert((kD == 128 && kBlockM == 64) || (kD == 64 && kBlockM == 128),
-                      "dQ tiles of 64 x 64 a warpgroup");
-        float acc_dq[32];
         w.dq_product(sK, sdSb, acc_dq);
         mbar_arrive(bar.empty(st));   // this stage's Q, dO, lse and D are no longer read
-        // The warpgroup's staging tile, read by the previous step's bulk copy, is free.
-        if (it > 0) {
-            if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
-            named_sync(3 + w.wg, 128);
-        }
         // d128: columns 64 wg.. of the block's 64 rows; d64 (128-query blocks): all columns of
         // rows 64 wg.., which may lie wholly past the last query (no tile there: nothing added)
         const int row0 = m0 + (kD == 64 ? 64 * w.wg : 0);
-        dq_tile_add<32>(acc_dq, sDq + (fc_u32)w.wg * (64u * 64u * 4u),
-                        dq_accum_row(p, seq, b, h, row0) + (kD == 128 ? w.wg * 64 * 64 : 0),
-                        tid - 128, 3 + w.wg, row0 < seq.sq);
+        dq_tile = row0 < seq.sq
+            ? dq_accum_row(p, seq, b, h, row0) + (kD == 128 ? w.wg * 64 * 64 : 0) : nullptr;
         bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
     }
+    stage_dq(n_iter);
+    dq_tile_commit<32>(sDqw, dq_tile, tid - 128, 3 + w.wg, dq_tile != nullptr);
     w.store(p, seq, b, hk, n0);
     // (shared memory stays until the last bulk copy has read it)
     if ((threadIdx.x & 127) == 0) bulk_wait<0>();

@@ -21,6 +21,9 @@ VARIANTS = {"as is": {},
             "no dQ adds": {"sm90_defines": ("-DFC_DIAG_BWD_NO_DQ",)},
             "no Q/dO reloads": {"sm90_defines": ("-DFC_DIAG_BWD_NO_QLOAD",)},
             "neither": {"sm90_defines": ("-DFC_DIAG_BWD_NO_DQ", "-DFC_DIAG_BWD_NO_QLOAD")},
+            # (head dims 64 and 128: each step's S^T, dP^T issued after the step before's dQ tile
+            # is handed to its bulk copy, not before)
+            "no overlap": {"sm90_defines": ("-DFC_DIAG_BWD_NO_OVERLAP",)},
             # (head dims 64 and 128: the cp.async kernel in place of the warp-specialised one)
             "cp.async": {"sm90_bwd_ws": False}}
 
