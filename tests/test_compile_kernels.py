@@ -94,7 +94,9 @@ def test_hopper_kernels_compile(source):
     # No spills, but a few words for the dropout variants (a Philox call's registers on top of
     # a full kernel): 8 bytes seen in the forward; the warp-specialised dK/dV kernel, whose
     # consumer threads have 240 registers where the cp.async one takes 244, 36-44 bytes under
-    # NVRTC 12 (none under 13).
+    # NVRTC 12 (none under 13); and its head-dim-64 instantiations (128-query steps: S^T and
+    # dP^T of 128 queries beside dK and dV), 36-88 bytes under NVRTC 12, kept as measured
+    # faster than the spill-free cp.async kernel (run 47 of the performance log: 1.16-1.30x).
     spills = _spills_by_kernel(log)
     assert len(spills) == len(names), log
     for mangled, stores in spills.items():
@@ -111,6 +113,8 @@ def _spill_allowance(mangled: str) -> int:
     bools = re.findall(r"Lb([01])E", mangled)
     if not bools or mangled.startswith("_Z25flash_fwd_sm90_fp8_kernel"):
         return 0                             # (no flags; the FP8 forward: no dropout)
+    if mangled.startswith("_Z29flash_bwd_dkdv_sm90_ws_kernel") and "Li64ELi128E" in mangled:
+        return 96                            # (head dim 64, 128-query steps)
     if mangled.startswith(("_Z24flash_fwd_sm90_ws_kernel", "_Z29flash_bwd_dkdv_sm90_ws_kernel",
                            "_Z31flash_bwd_dkdv_sm90_d256_kernel", "_Z26flash_bwd_dkdv_sm90_kernel")):
         dropout = bools[1] == "1"            # <.., local, dropout, ..>: stages and ping-pong,
