@@ -84,6 +84,18 @@ struct BwdBars {
     }
 };
 
+// The CTA's (key block, kv head, batch): from the grid as launched or, with a window (causal:
+// a key block's walk is longer the earlier the block), chunk by chunk over the key blocks,
+// the longest first (fc_pipe::chunked_tile).
+template <bool Is_local>
+__device__ __forceinline__ fc_pipe::FcTileXYZ bwd_block_order() {
+    if constexpr (Is_local)
+        return fc_pipe::chunked_tile(fc_pipe::linear_block(), (int)gridDim.x, (int)gridDim.y,
+                                     (int)gridDim.z);
+    else
+        return fc_pipe::FcTileXYZ{(int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z};
+}
+
 namespace fc_hb {
 
 // One consumer warpgroup's share of the key block (keys [64 wg, 64 wg + 64) of the CTA's 128;
@@ -380,7 +392,8 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
     // each warpgroup's dQ staging tile (64 x 64 fp32) after lse and D
     const fc_u32 sDq = (sdS + (fc_u32)(kBlockM / 64) * kKBlock + 16u * kBlockM + 127u) & ~127u;
 
-    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const fc_pipe::FcTileXYZ blk_xyz = bwd_block_order<Is_local>();
+    const int n_block = blk_xyz.x, hk = blk_xyz.y, b = blk_xyz.z;
     const int tid = threadIdx.x;
     const BwdSeq seq = bwd_seq(p, b);
     const int n0 = n_block * kBlockN;
@@ -611,7 +624,8 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
     const fc_u32 sDq = (bars + BwdBars<kStages>::kBytes + 127u) & ~127u;
     const BwdBars<kStages> bar{bars};
 
-    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const fc_pipe::FcTileXYZ blk_xyz = bwd_block_order<Is_local>();
+    const int n_block = blk_xyz.x, hk = blk_xyz.y, b = blk_xyz.z;
     const int tid = threadIdx.x;
     const int wg = tid >> 7;
     const BwdSeq seq = bwd_seq(p, b);
@@ -875,7 +889,8 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
     const fc_u32 bars = sStats + (fc_u32)(2 * kStages * kBlockM) * 4u;
     const BwdBars<kStages> bar{bars};
 
-    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const fc_pipe::FcTileXYZ blk_xyz = bwd_block_order<Is_local>();
+    const int n_block = blk_xyz.x, hk = blk_xyz.y, b = blk_xyz.z;
     const int tid = threadIdx.x;
     const int wg = tid >> 7;
     const BwdSeq seq = bwd_seq(p, b);

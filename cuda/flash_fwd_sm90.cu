@@ -683,7 +683,8 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     // its last value puts it back to zero) and hands it to the CTA's other threads through a
     // two-deep ring of shared-memory slots. Tiles are numbered in (batch, head, query block)
     // order, the query block fastest, so that the CTAs at work at one time share a head's K
-    // and V in L2; with a window (causal) a head's query blocks go last to first: longest first.
+    // and V in L2; with a window (causal) a head's query blocks go last to first (longest
+    // first), a chunk of them for every head in turn (fc_pipe::chunked_tile).
     const int num_m = kPersistent ? (params.seqlen_q + kBM - 1) / kBM : (int)gridDim.x;
     const int n_tiles = kPersistent ? num_m * params.nheads * params.batch : 1;
     auto next_tile = [&]() {      // (producer thread 0)
@@ -705,9 +706,17 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         mbar_arrive(slot_empty(j));
         return tile;
     };
+    // With a window (causal), tiles go out chunk by chunk, longest first (chunked_tile).
     auto tile_block = [&](int tile) {
         int m = (int)blockIdx.x, h = (int)blockIdx.y, b = (int)blockIdx.z;
-        if constexpr (kPersistent) {
+        if constexpr (Is_local) {
+            const FcTileXYZ t = kPersistent ? chunked_tile(tile, num_m, params.nheads, params.batch)
+                                            : chunked_tile(linear_block(), (int)gridDim.x,
+                                                           (int)gridDim.y, (int)gridDim.z);
+            m = t.x;
+            h = t.y;
+            b = t.z;
+        } else if constexpr (kPersistent) {
             m = tile % num_m;
             const int bh = tile / num_m;
             h = bh % params.nheads;

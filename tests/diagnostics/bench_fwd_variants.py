@@ -49,6 +49,9 @@ VARIANTS = {
     "ws-pers-pp": (dict(_WS, sm90_fwd_persistent=True, sm90_fwd_pingpong=True), {}),
     "ws-bn64": (_WS, {(256, False): (128, 64, 2)}),
     "ws-kvhalf": (dict(_WS, sm90_defines=("-DFC_DIAG_KV_HALF",)), {}),
+    # causal / windowed grids handed out x fastest, as before fc_pipe::chunked_tile (the
+    # backward's kernels too, in fwdbwd mode)
+    "ws-xorder": (dict(_WS, sm90_defines=("-DFC_DIAG_TILE_ORDER_X",)), {}),
     "v1": (dict(sm90_fwd=True, sm90_fwd_ws=False, sm90_fwd_pipelined=True), {}),
     "v0": (dict(sm90_fwd=True, sm90_fwd_ws=False, sm90_fwd_pipelined=False), {}),
     "ampere": (dict(sm90_fwd=False), {}),
