@@ -27,9 +27,11 @@
 //   d64:  dQ += dS[:, keys_w] K[keys_w, :]   the same instruction over the warpgroup's own 64
 //         keys: each warpgroup adds its partial product of the same tile
 // Shared memory (1024-byte aligned, every tile [rows][64 columns] blocks with the 128-byte
-// swizzle of the forward): K, V kD / 4 KiB each; Q, dO 2 stages x kD / 8 KiB each; dS^T 16 KiB;
-// lse and D 2 x 2 x 64 floats; the d128 warp-specialised kernel and the cp.async kernel add
-// two 16 KiB dQ staging tiles (the d256 kernel stages in its Q / dO stage tiles).
+// swizzle of the forward): K, V kD / 4 KiB each; Q, dO 2 stages of kBlockM x kD x 2 bytes
+// each (kD / 8 KiB at 64-query steps); dS^T 16 KiB per 64 queries (double-buffered in the
+// warp-specialised kernel); lse and D 2 x 2 x kBlockM floats; the warp-specialised kernel (d64, d128)
+// and the cp.async kernel add two 16 KiB dQ staging tiles (the d256 kernel stages in its Q /
+// dO stage tiles).
 //
 // Two kernels run these steps (DkdvWarpgroup holds one warpgroup's share of a step):
 //  * flash_bwd_dkdv_sm90_ws_kernel (the default): warp-specialised, as the
