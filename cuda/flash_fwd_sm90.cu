@@ -237,25 +237,35 @@ struct FwdRows {
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[4 * j + e] *= corr[e >> 1];
     }
-    // P (16-bit) as the A operand of k-step kk (keys n0 + 16 kk ..): tiles 2kk, 2kk+1. With
-    // dropout, times the factors of that 16 x 16 tile (bit 4 r + 2 u + e = row half r, tile
-    // 2kk + u, column e), drawn for two tiles at a time (fc_dropout_keep2: one Philox call per
-    // lane, shared with lane ^ 4).
+    // Dropout's keep masks of the block at keys n0 .., one word per k-step of P (keys n0 + 16 kk
+    // ..: bit 4 r + 2 u + e = row half r, tile 2kk + u, column e), drawn for two k-steps at a
+    // time (fc_dropout_keep2: one Philox call per lane, shared with lane ^ 4). They depend on
+    // positions only, so they can be drawn before the block's S product is done (ws_forward's
+    // FC_EARLY_KEEPS). (Without dropout: nothing.)
+    static constexpr int kKeeps = Is_dropout ? kBlockN / 16 : 1;
+    __device__ __forceinline__ void keeps(int n0, unsigned int (&kp)[kKeeps]) const {
+        if constexpr (Is_dropout) {
+#pragma unroll
+            for (int kk = 0; kk < kBlockN / 16; kk += 2) {
+                const int kb = kk + 1 < kBlockN / 16 ? kk + 1 : kk;
+                unsigned int b_;
+                fc_dropout_keep2(drop, drop_bh, m0 + warp_row0, n0 + 16 * kk, m0 + warp_row0,
+                                 n0 + 16 * kb, g, t, false, kp[kk], b_);
+                if (kk + 1 < kBlockN / 16) kp[kk + 1] = b_;
+            }
+        }
+    }
+    // P (16-bit) as the A operand of k-step kk (keys n0 + 16 kk ..): tiles 2kk, 2kk+1; with
+    // dropout, the dropped probabilities zeroed by the block's keep masks `kp` (keeps).
     __device__ __forceinline__ void pack(const float (&s)[kNT * 4], fc_u32 (&pa)[kBlockN / 16][4],
-                                         int n0) const {
-        unsigned int keep2[2] = {0u, 0u};
+                                         const unsigned int (&kp)[kKeeps]) const {
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
             if constexpr (Is_dropout) {
-                if ((kk & 1) == 0) {
-                    const int kb = kk + 1 < kBlockN / 16 ? kk + 1 : kk;
-                    fc_dropout_keep2(drop, drop_bh, m0 + warp_row0, n0 + 16 * kk, m0 + warp_row0,
-                                     n0 + 16 * kb, g, t, false, keep2[0], keep2[1]);
-                }
                 // the dropped probabilities zeroed in the packed pair (a 16-bit mask per
                 // half from the keep bits 2i and 2i + 1 at positions i and 16 + i); the
                 // 1 / (1 - p) goes into the epilogue's scale (store)
-                const unsigned int keep = keep2[kk & 1];
+                const unsigned int keep = kp[kk];
                 auto m = [&](int i) { return ((keep >> i) & 0x00010001u) * 0xFFFFu; };
                 pa[kk][0] = Elem::pack2(s[8 * kk + 0], s[8 * kk + 1]) & m(0);
                 pa[kk][1] = Elem::pack2(s[8 * kk + 2], s[8 * kk + 3]) & m(2);
@@ -268,6 +278,12 @@ struct FwdRows {
                 pa[kk][3] = Elem::pack2(s[8 * kk + 6], s[8 * kk + 7]);
             }
         }
+    }
+    __device__ __forceinline__ void pack(const float (&s)[kNT * 4], fc_u32 (&pa)[kBlockN / 16][4],
+                                         int n0) const {
+        unsigned int kp[kKeeps];
+        keeps(n0, kp);
+        pack(s, pa, kp);
     }
     // P (fp32, in [0, 1]) as the e4m3 A operand of the FP8 P V product, k-step kk (keys
     // n0 + 32 kk ..: the n8 tiles 4kk .. 4kk + 3, in s[16 kk ..]). The FP8 A fragment wants
@@ -891,6 +907,22 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         float corr[2];
         auto stage_of = [&](int it) { return (kv + it) % kStages; };
         auto parity_of = [&](int it) { return (fc_u32)((kv + it) / kStages) & 1u; };
+        // Dropout's keep masks: drawn where pack uses them or, with FC_EARLY_KEEPS, the next
+        // block's while its S product runs (after the issue, before the wait: pinned there, as
+        // the compiler would otherwise sink them).
+        unsigned int kp[FwdRows<Elem, kD, kBlockN, Is_local, Is_dropout, kBM>::kKeeps];
+#ifdef FC_EARLY_KEEPS        // (an experiment, off by default until measured on the GPU)
+        constexpr bool kEarlyKeeps = true;
+#else
+        constexpr bool kEarlyKeeps = false;
+#endif
+        auto draw_keeps = [&](int n0) {
+            if constexpr (Is_dropout && kEarlyKeeps) {
+                rows.keeps(n0, kp);
+#pragma unroll
+                for (int i = 0; i < (int)(sizeof(kp) / sizeof(kp[0])); ++i) fence_operand(kp[i]);
+            }
+        };
         auto pack = [&](int n0) {
             if constexpr (Is_fp8) {
 #ifndef FC_DIAG_FP8_NO_PACK           // (timing only: P's registers as they were, wrong results)
@@ -899,8 +931,10 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                 if (n0 == (blk.n_block_max - 1) * kBlockN) rows.pack_e4m3(s, pa);
 #endif
             }
-            else
-                rows.pack(s, pa, n0);
+            else {
+                if constexpr (Is_dropout && !kEarlyKeeps) rows.keeps(n0, kp);
+                rows.pack(s, pa, kp);
+            }
         };
         auto issue_pv_ = [&](fc_u32 sVb) {
             if constexpr (Is_fp8)
@@ -913,6 +947,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         mbar_wait(bar_q, (fc_u32)nq & 1u);
         mbar_wait(full_k(stage_of(0)), parity_of(0));
         issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)stage_of(0) * kTile);
+        draw_keeps(nb * kBlockN);
         wgmma_wait<0>();
         settle(s);
         mbar_arrive(empty_k(stage_of(0)));
@@ -948,6 +983,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             issue_pv_(sV + (fc_u32)st0 * kVtTile);                         // O += P_i V_i
             if (kPingPong && !(cw == kCons - 1 && it == n_iter - 2))
                 named_arrive(1 + (cw + 1) % kCons, 256);
+            draw_keeps((nb - 1) * kBlockN);
             wgmma_wait<1>();                       // S_{i+1} done (P_i V_i may still run)
             settle(s);
             mbar_arrive(empty_k(st1));
