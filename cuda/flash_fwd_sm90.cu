@@ -256,34 +256,46 @@ struct FwdRows {
         }
     }
     // P (16-bit) as the A operand of k-step kk (keys n0 + 16 kk ..): tiles 2kk, 2kk+1; with
-    // dropout, the dropped probabilities zeroed by the block's keep masks `kp` (keeps).
+    // dropout, the dropped probabilities zeroed by the k-step's keep mask (a 16-bit mask per
+    // half of a packed pair from the keep bits 2i and 2i + 1 at positions i and 16 + i; the
+    // 1 / (1 - p) goes into the epilogue's scale: store).
+    __device__ __forceinline__ void pack_step(const float (&s)[kNT * 4],
+                                              fc_u32 (&pa)[kBlockN / 16][4], int kk,
+                                              unsigned int keep) const {
+        if constexpr (Is_dropout) {
+            auto m = [&](int i) { return ((keep >> i) & 0x00010001u) * 0xFFFFu; };
+            pa[kk][0] = Elem::pack2(s[8 * kk + 0], s[8 * kk + 1]) & m(0);
+            pa[kk][1] = Elem::pack2(s[8 * kk + 2], s[8 * kk + 3]) & m(2);
+            pa[kk][2] = Elem::pack2(s[8 * kk + 4], s[8 * kk + 5]) & m(1);
+            pa[kk][3] = Elem::pack2(s[8 * kk + 6], s[8 * kk + 7]) & m(3);
+        } else {
+            pa[kk][0] = Elem::pack2(s[8 * kk + 0], s[8 * kk + 1]);
+            pa[kk][1] = Elem::pack2(s[8 * kk + 2], s[8 * kk + 3]);
+            pa[kk][2] = Elem::pack2(s[8 * kk + 4], s[8 * kk + 5]);
+            pa[kk][3] = Elem::pack2(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+    }
+    // P of the block at keys n0 .., the keep masks drawn two k-steps at a time as they are
+    // packed (the default), or already drawn by keeps (`kp`: FC_EARLY_KEEPS).
     __device__ __forceinline__ void pack(const float (&s)[kNT * 4], fc_u32 (&pa)[kBlockN / 16][4],
-                                         const unsigned int (&kp)[kKeeps]) const {
+                                         int n0) const {
+        unsigned int keep2[2] = {0u, 0u};
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
             if constexpr (Is_dropout) {
-                // the dropped probabilities zeroed in the packed pair (a 16-bit mask per
-                // half from the keep bits 2i and 2i + 1 at positions i and 16 + i); the
-                // 1 / (1 - p) goes into the epilogue's scale (store)
-                const unsigned int keep = kp[kk];
-                auto m = [&](int i) { return ((keep >> i) & 0x00010001u) * 0xFFFFu; };
-                pa[kk][0] = Elem::pack2(s[8 * kk + 0], s[8 * kk + 1]) & m(0);
-                pa[kk][1] = Elem::pack2(s[8 * kk + 2], s[8 * kk + 3]) & m(2);
-                pa[kk][2] = Elem::pack2(s[8 * kk + 4], s[8 * kk + 5]) & m(1);
-                pa[kk][3] = Elem::pack2(s[8 * kk + 6], s[8 * kk + 7]) & m(3);
-            } else {
-                pa[kk][0] = Elem::pack2(s[8 * kk + 0], s[8 * kk + 1]);
-                pa[kk][1] = Elem::pack2(s[8 * kk + 2], s[8 * kk + 3]);
-                pa[kk][2] = Elem::pack2(s[8 * kk + 4], s[8 * kk + 5]);
-                pa[kk][3] = Elem::pack2(s[8 * kk + 6], s[8 * kk + 7]);
+                if ((kk & 1) == 0) {
+                    const int kb = kk + 1 < kBlockN / 16 ? kk + 1 : kk;
+                    fc_dropout_keep2(drop, drop_bh, m0 + warp_row0, n0 + 16 * kk, m0 + warp_row0,
+                                     n0 + 16 * kb, g, t, false, keep2[0], keep2[1]);
+                }
             }
+            pack_step(s, pa, kk, keep2[kk & 1]);
         }
     }
     __device__ __forceinline__ void pack(const float (&s)[kNT * 4], fc_u32 (&pa)[kBlockN / 16][4],
-                                         int n0) const {
-        unsigned int kp[kKeeps];
-        keeps(n0, kp);
-        pack(s, pa, kp);
+                                         const unsigned int (&kp)[kKeeps]) const {
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) pack_step(s, pa, kk, kp[Is_dropout ? kk : 0]);
     }
     // P (fp32, in [0, 1]) as the e4m3 A operand of the FP8 P V product, k-step kk (keys
     // n0 + 32 kk ..: the n8 tiles 4kk .. 4kk + 3, in s[16 kk ..]). The FP8 A fragment wants
@@ -931,10 +943,10 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                 if (n0 == (blk.n_block_max - 1) * kBlockN) rows.pack_e4m3(s, pa);
 #endif
             }
-            else {
-                if constexpr (Is_dropout && !kEarlyKeeps) rows.keeps(n0, kp);
+            else if constexpr (kEarlyKeeps)
                 rows.pack(s, pa, kp);
-            }
+            else
+                rows.pack(s, pa, n0);
         };
         auto issue_pv_ = [&](fc_u32 sVb) {
             if constexpr (Is_fp8)
