@@ -459,7 +459,7 @@ __device__ __forceinline__ void bwd_load_qdo(const FlashParams& p, const BwdSeq&
 
 // Whether the (m0, n0) tile needs the elementwise mask: keys past the end (zero-filled K gives
 // S = 0, not -inf), or, with a window, a tile not wholly inside it (its extreme key - query
-// differences). All three tile kernels below.
+// differences). The three tile kernels below and the Hopper dK/dV kernels (flash_bwd_sm90.cu).
 template <bool Is_local, int kBlockM, int kBlockN>
 __device__ __forceinline__ bool bwd_need_mask(const FlashParams& p, const BwdSeq& seq, int m0, int n0,
                                               int off) {

@@ -177,12 +177,7 @@ struct DkdvWarpgroup {
                                           const float* sLb, const float* sDb, fc_u32 sdSb) {
         constexpr int kBlockN = 128;
         const BwdScoreMath sm = bwd_score_math(p, b, h, seq, false);
-        bool need_mask = n0 + kBlockN > seq.sk;
-        if constexpr (Is_local) {
-            const int rel_min = n0 - (m0 + kBlockM - 1) - off;
-            const int rel_max = n0 + kBlockN - 1 - m0 - off;
-            need_mask = need_mask || rel_min < -p.window_left || rel_max > p.window_right;
-        }
+        const bool need_mask = bwd_need_mask<Is_local, kBlockM, kBlockN>(p, seq, m0, n0, off);
 
         // Dropout: the keep masks of the 16 x 16 tiles (queries 16 kk.., keys key0 - g..), two
         // at a time (one Philox call per lane shared with lane ^ 4: BwdScoreMath::keep2_st);
@@ -771,12 +766,7 @@ struct Dkdv256Warpgroup {
                                            fc_u32 sQb, fc_u32 sdOb, const float* sLb,
                                            const float* sDb, fc_u32 sPb, fc_u32 sdSb) {
         const BwdScoreMath sm = bwd_score_math(p, b, h, seq, false);
-        bool need_mask = n0 + kBN > seq.sk;
-        if constexpr (Is_local) {
-            const int rel_min = n0 - (m0 + kBM - 1) - off;
-            const int rel_max = n0 + kBN - 1 - m0 - off;
-            need_mask = need_mask || rel_min < -p.window_left || rel_max > p.window_right;
-        }
+        const bool need_mask = bwd_need_mask<Is_local, kBM, kBN>(p, seq, m0, n0, off);
         const int q0 = 32 * wg;                    // this warpgroup's queries in the block
         float acc_s[16], acc_dp[16];
 #pragma unroll
