@@ -163,15 +163,6 @@ struct DkdvWarpgroup {
         pin(acc_dp);
     }
 
-    // kEarlyKeeps: dropout's keep masks drawn before the wait for S^T and dP^T (while those
-    // products run), else two at a time in the loop that uses them. FC_EARLY_KEEPS (an
-    // experiment, off by default until measured on the GPU) turns it on in the warp-specialised
-    // kernels; the cp.async kernel's registers have no room for them all.
-#ifdef FC_EARLY_KEEPS
-    template <bool kEarlyKeeps = true>
-#else
-    template <bool kEarlyKeeps = false>
-#endif
     __device__ __forceinline__ void grads(const FlashParams& p, const BwdSeq& seq, int b, int h,
                                           int m0, int n0, int off, fc_u32 sQb, fc_u32 sdOb,
                                           const float* sLb, const float* sDb, fc_u32 sdSb) {
@@ -179,36 +170,25 @@ struct DkdvWarpgroup {
         const BwdScoreMath sm = bwd_score_math(p, b, h, seq, false);
         const bool need_mask = bwd_need_mask<Is_local, kBlockM, kBlockN>(p, seq, m0, n0, off);
 
-        // Dropout: the keep masks of the 16 x 16 tiles (queries 16 kk.., keys key0 - g..), two
-        // at a time (one Philox call per lane shared with lane ^ 4: BwdScoreMath::keep2_st);
-        // early, while S^T and dP^T are on the tensor cores (pinned before the wait).
-        unsigned int kp[Is_dropout ? kBlockM / 16 : 1] = {};
-        auto draw = [&](int kk) {      // the masks of k-steps kk (even) and kk + 1
-            unsigned int b_;
-            sm.keep2_st(m0 + 16 * kk, n0 + key0 - g,
-                        m0 + 16 * (kk + 1 < kBlockM / 16 ? kk + 1 : kk), n0 + key0 - g, g, t,
-                        kp[kk], b_);
-            if (kk + 1 < kBlockM / 16) kp[kk + 1] = b_;
-        };
-        if constexpr (Is_dropout && kEarlyKeeps) {
-#pragma unroll
-            for (int kk = 0; kk < kBlockM / 16; kk += 2) draw(kk);
-#pragma unroll
-            for (int kk = 0; kk < kBlockM / 16; ++kk) fence_operand(kp[kk]);
-        }
         wgmma_wait<0>();
         pin(acc_s);
         pin(acc_dp);
 
         // P^T, dS^T. Element e of n8 tile j: key key0 + 8 (e >> 1), query 8 j + 2 t + (e & 1).
         // 16-bit A operands (k = queries): k-step kk takes n8 tiles 2kk and 2kk+1, packed as
-        // soon as they are computed (fewer fp32 values live at once).
+        // soon as they are computed (fewer fp32 values live at once). Dropout: the keep masks of
+        // two 16 x 16 tiles (queries 16 kk.., keys key0 - g..) at a time, one Philox call per
+        // lane shared with lane ^ 4 (BwdScoreMath::keep2_st).
+        unsigned int keep2[2] = {0u, 0u};   // tiles kk (even) and kk + 1: one call per lane
 #pragma unroll
         for (int kk = 0; kk < kBlockM / 16; ++kk) {
-            if constexpr (Is_dropout && !kEarlyKeeps) {
-                if ((kk & 1) == 0) draw(kk);
+            if constexpr (Is_dropout) {
+                if ((kk & 1) == 0)
+                    sm.keep2_st(m0 + 16 * kk, n0 + key0 - g,
+                                m0 + 16 * (kk + 1 < kBlockM / 16 ? kk + 1 : kk), n0 + key0 - g,
+                                g, t, keep2[0], keep2[1]);
             }
-            const unsigned int keep = kp[kk];
+            const unsigned int keep = keep2[kk & 1];
 #pragma unroll
             for (int j = 2 * kk; j < 2 * kk + 2; ++j) {
                 const int qc = 8 * j + 2 * t;
@@ -462,7 +442,7 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
 
         const int m0 = m_block * kBlockM;
         w.issue_sdp(sK, sV, sQ + buf * kQT, sdO + buf * kQT);
-        w.template grads<false>(p, seq, b, h, m0, n0, kw.off, sQ + buf * kQT, sdO + buf * kQT,
+        w.grads(p, seq, b, h, m0, n0, kw.off, sQ + buf * kQT, sdO + buf * kQT,
                 sLse + buf * kBlockM, sDsum + buf * kBlockM, sdS);
         fence_proxy_async();      // the dS^T stores, for the dQ product's async-proxy reads
         // (the staging tiles, read by the previous step's bulk copies)
@@ -782,29 +762,17 @@ struct Dkdv256Warpgroup {
             Wgmma<Elem>::ss(acc_dp, wgmma_desc_k(sV + ko), wgmma_desc_k(sdOb + qo), kk > 0 ? 1 : 0);
         }
         wgmma_commit();
-        // Dropout: the keep masks of the two 16 x 16 tiles (queries q0 .., q0 + 16 ..; keys
-        // 16 wl ..), one Philox call per lane (BwdScoreMath::keep2_st); with FC_EARLY_KEEPS
-        // drawn while S^T and dP^T are on the tensor cores (pinned before the wait).
-        unsigned int keep2[2] = {0u, 0u};
-        auto draw = [&]() {
-            sm.keep2_st(m0 + q0, n0 + key0 - g, m0 + q0 + 16, n0 + key0 - g, g, t, keep2[0],
-                        keep2[1]);
-        };
-#ifdef FC_EARLY_KEEPS
-        if constexpr (Is_dropout) {
-            draw();
-            fence_operand(keep2[0]);
-            fence_operand(keep2[1]);
-        }
-#endif
         wgmma_wait<0>();
         pin(acc_s);
         pin(acc_dp);
 
-#ifndef FC_EARLY_KEEPS
-        if constexpr (Is_dropout) draw();
-#endif
         // Element e of n8 tile j: key key0 + 8 (e >> 1), query q0 + 8 j + 2 t + (e & 1).
+        // Dropout: the keep masks of the two 16 x 16 tiles (queries q0 .., q0 + 16 ..; keys
+        // 16 wl ..), one Philox call per lane (BwdScoreMath::keep2_st).
+        unsigned int keep2[2] = {0u, 0u};
+        if constexpr (Is_dropout)
+            sm.keep2_st(m0 + q0, n0 + key0 - g, m0 + q0 + 16, n0 + key0 - g, g, t, keep2[0],
+                        keep2[1]);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int qc = q0 + 8 * j + 2 * t;

@@ -2,16 +2,13 @@
 no-dropout path"), through the public API on torch tensors, at the ANCHORS sizes.
 
     python tests/diagnostics/bench_dropout.py [--seqlen 4096 16384] [--headdim 64 128]
-                                              [--p 0.1] [--early-keeps] [--json F]
+                                              [--p 0.1] [--json F]
 
 For each cell (16k tokens per batch, hidden 2048, bf16, causal and not): GPU time of the
 forward (no grad) and of forward+backward through autograd, for flashcore with dropout p,
 flashcore without dropout, and SDPA's flash and cuDNN kernels with the same dropout (the random
 state drawn per call, as a training step does). Prints ms and the ratios flashcore(p=0) /
 flashcore(p) (what dropout costs: >= 0.9 is the bound) and peer / flashcore (> 1: faster).
-``--early-keeps``: a column more, flashcore with dropout p and the Hopper warp-specialised
-kernels' keep masks drawn while the score products run instead of where they are used
-(``FC_EARLY_KEEPS``, an experiment off by default).
 """
 from __future__ import annotations
 
@@ -19,7 +16,6 @@ import argparse
 import json
 import sys
 
-from flashcore import config
 from flashcore.bench import AttentionProblem, shape_for
 
 
@@ -28,14 +24,11 @@ def main(argv=None):
     ap.add_argument("--seqlen", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--headdim", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--p", type=float, default=0.1)
-    ap.add_argument("--early-keeps", action="store_true")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     rows = []
-    impls = (("fc", "torch", a.p, {}), ("fc_p0", "torch", 0.0, {}),
-             ("flash", "sdpa_flash", a.p, {}), ("cudnn", "sdpa_cudnn", a.p, {}))
-    if a.early_keeps:
-        impls += (("fc_early", "torch", a.p, {"sm90_defines": ("-DFC_EARLY_KEEPS",)}),)
+    impls = (("fc", "torch", a.p), ("fc_p0", "torch", 0.0), ("flash", "sdpa_flash", a.p),
+             ("cudnn", "sdpa_cudnn", a.p))
     print(f"{'cell':24s} {'pass':8s} " + " ".join(f"{n:>8s}" for n, *_ in impls)
           + "   p0/p  flash/fc cudnn/fc")
     for s in a.seqlen:
@@ -43,13 +36,12 @@ def main(argv=None):
             for causal in (False, True):
                 shape = shape_for(s, d)
                 ms = {}
-                for name, impl, p, settings in impls:
+                for name, impl, p in impls:
                     try:
-                        with config.override(**settings):
-                            prob = AttentionProblem(impl, *shape, causal, dropout_p=p)
-                            ms[name] = {w: prob.seconds(w) * 1e3 for w in ("forward",
-                                                                           "forward_backward")}
-                            del prob
+                        prob = AttentionProblem(impl, *shape, causal, dropout_p=p)
+                        ms[name] = {w: prob.seconds(w) * 1e3 for w in ("forward",
+                                                                       "forward_backward")}
+                        del prob
                     except (NotImplementedError, RuntimeError) as e:
                         ms[name] = None
                         print(f"# {name} at {shape} causal={causal}: {str(e)[:120]}")
