@@ -83,21 +83,19 @@ struct FwdBlock {
     int n_block_min, n_block_max;
     bool left_bounded, right_bounded;
 
-    // (varlen: whether the call may be a varlen one; false folds the cu_seqlens reads away)
-    __device__ __forceinline__ FwdBlock(const FlashParams& p, int m_block, int h_, int b_,
-                                        bool varlen = true) {
+    __device__ __forceinline__ FwdBlock(const FlashParams& p, int m_block, int h_, int b_) {
         h = h_;
         b = b_;
         q_row0 = 0;
         k_row0 = 0;
         sq = p.seqlen_q;
         sk = p.seqlen_k;
-        if (varlen && p.cu_seqlens_q != nullptr) {
+        if (p.cu_seqlens_q != nullptr) {
             const FcSeqRange r = fc_seq_range(p.cu_seqlens_q, b, p.total_q, p.seqlen_q);
             q_row0 = r.row0;
             sq = r.len;
         }
-        if (varlen && p.cu_seqlens_k != nullptr) {
+        if (p.cu_seqlens_k != nullptr) {
             const FcSeqRange r = fc_seq_range(p.cu_seqlens_k, b, p.total_k, p.seqlen_k);
             k_row0 = r.row0;
             sk = r.len;
@@ -169,19 +167,11 @@ struct FwdRows {
         const int lane = ct & 31, warp = ct >> 5;
         g = lane >> 2;
         t = lane & 3;
-        zero_o();
-        warp_row0 = 64 * (warp >> 2) + 16 * (warp & 3);
-        drop = FcDropout{};
-        if constexpr (Is_dropout)
-            drop = fc_dropout_setup(p.dropout_rng, p.dropout_threshold, p.dropout_scale);
-        retarget(p, blk);
-    }
-    // The rows of tile blk: row max and sum reset, the tile's geometry (O left as it is: the
-    // persistent kernel's consumers start a tile while P V of the last one still runs).
-    __device__ __forceinline__ void retarget(const FlashParams& p,
-                                             const FwdBlock<kBlockN, Is_local, kBM>& blk) {
+#pragma unroll
+        for (int i = 0; i < kDT * 4; ++i) acc_o[i] = 0.f;
         row_max[0] = row_max[1] = -INFINITY;
         row_sum[0] = row_sum[1] = 0.f;
+        warp_row0 = 64 * (warp >> 2) + 16 * (warp & 3);
         m0 = blk.m0;
         sk = blk.sk;
         row_pos0 = m0 + warp_row0 + g + blk.off;   // i + off of row half 0
@@ -193,10 +183,9 @@ struct FwdRows {
         blk_hi = right_bounded ? min(blk.sk, m0 + blk.off + win_r + 1) : blk.sk;
         blk_lo = left_bounded ? m0 + kBM - 1 + blk.off - win_l : 0;
         drop_bh = blk.b * p.nheads + blk.h;
-    }
-    __device__ __forceinline__ void zero_o() {
-#pragma unroll
-        for (int i = 0; i < kDT * 4; ++i) acc_o[i] = 0.f;
+        drop = FcDropout{};
+        if constexpr (Is_dropout)
+            drop = fc_dropout_setup(p.dropout_rng, p.dropout_threshold, p.dropout_scale);
     }
 
     // Mask the scores of the block at key n0 (boundary blocks only). Element e of n8 tile j:
@@ -302,57 +291,35 @@ struct FwdRows {
     // Epilogue: O * o_scale / l (NaN propagates: l == 0 only for rows that saw no key), lse
     // of the scores times s_scale (the FP8 kernel's descales; 1 otherwise). With dropout the
     // kept probabilities' 1 / (1 - p) is applied here, once per output element (pack).
-    // tail: what the rows' final max and sum give (they are final once the last block's
-    // softmax ran: its P V adds to O only); write: O and the lse out.
-    struct Tail {
-        float inv[2], lse[2];
-        long long oo;
-        float* lse_ptr;
-        int rows_q;
-    };
-    __device__ __forceinline__ Tail tail(const FlashParams& p,
-                                         const FwdBlock<kBlockN, Is_local, kBM>& blk,
-                                         float o_scale = 1.f, float s_scale = 1.f) const {
+    __device__ __forceinline__ void store(const FlashParams& p,
+                                          const FwdBlock<kBlockN, Is_local, kBM>& blk,
+                                          float o_scale = 1.f, float s_scale = 1.f) const {
         if constexpr (Is_dropout) o_scale *= drop.scale;
-        Tail tl;
-        tl.oo = blk.o_off(p);
-        tl.lse_ptr = blk.lse_ptr(p);
-        tl.rows_q = blk.rows_q;
+        const long long oo = blk.o_off(p);
+        float* lse = blk.lse_ptr(p);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const float l = quad_sum(row_sum[r]);
-            tl.inv[r] = l == 0.f ? 0.f : o_scale / l;
-            tl.lse[r] = l == 0.f ? -INFINITY : row_max[r] * (p.softmax_scale * s_scale) + logf(l);
-        }
-        return tl;
-    }
-    __device__ __forceinline__ void write(const FlashParams& p, const Tail& tl) const {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const float inv = tl.inv[r];
+            const float inv = l == 0.f ? 0.f : o_scale / l;
             const int row = warp_row0 + g + 8 * r;
-            if (row < tl.rows_q) {
+            if (row < blk.rows_q) {
                 if (p.o_fp32) {      // unrounded float32 output, 8 bytes a store
-                    float* orow = static_cast<float*>(p.o) + tl.oo + (long long)row * p.o_row_stride;
+                    float* orow = static_cast<float*>(p.o) + oo + (long long)row * p.o_row_stride;
 #pragma unroll
                     for (int j = 0; j < kDT; ++j)
                         *reinterpret_cast<float2*>(orow + 8 * j + 2 * t) =
                             make_float2(acc_o[4 * j + 2 * r] * inv, acc_o[4 * j + 2 * r + 1] * inv);
                 } else {
-                    fc_u16* orow = static_cast<fc_u16*>(p.o) + tl.oo + (long long)row * p.o_row_stride;
+                    fc_u16* orow = static_cast<fc_u16*>(p.o) + oo + (long long)row * p.o_row_stride;
 #pragma unroll
                     for (int j = 0; j < kDT; ++j)
                         stg32(orow + 8 * j + 2 * t,
                               Elem::pack2(acc_o[4 * j + 2 * r] * inv, acc_o[4 * j + 2 * r + 1] * inv));
                 }
-                if (t == 0) tl.lse_ptr[row] = tl.lse[r];
+                if (t == 0)
+                    lse[row] = l == 0.f ? -INFINITY : row_max[r] * (p.softmax_scale * s_scale) + logf(l);
             }
         }
-    }
-    __device__ __forceinline__ void store(const FlashParams& p,
-                                          const FwdBlock<kBlockN, Is_local, kBM>& blk,
-                                          float o_scale = 1.f, float s_scale = 1.f) const {
-        write(p, tail(p, blk, o_scale, s_scale));
     }
 };
 
@@ -672,17 +639,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     constexpr int kRaw = Is_fp8 ? 2 : 0;                                // FP8: V as loaded
     static_assert(!(Is_fp8 && Is_dropout), "FP8 attention is forward only, without dropout");
     static_assert(!Is_varlen || (!Is_fp8 && !kPersistent), "varlen: 16-bit, one tile a CTA");
-    // Two Q tiles (persistent 16-bit kernels at head dim 128, and 64 without a window, where
-    // shared memory holds them and the consumers' registers the tile change): the next tile's
-    // Q loads while this one runs, and its first S product goes out with this tile's last P V
-    // (the consumers' tile change below). One Q tile otherwise (at head dim 64 with a window
-    // the change spills 28-40 bytes of the consumers' 160 registers).
-#ifndef FC_DIAG_FWD_Q1      // (timing only: one Q tile everywhere, as before the two)
-    constexpr bool kQ2 = kPersistent && !Is_fp8 && (kD == 128 || (kD == 64 && !Is_local));
-#else
-    constexpr bool kQ2 = false;
-#endif
-    constexpr int kQB = kQ2 ? 2 : 1;                                     // Q tiles
     // Registers after reallocation. __launch_bounds__(kThreads, 1) starts every thread at
     // 65536 / kThreads rounded down to 8 (384: 168; 512: 128), and the split must not exceed
     // what the block holds (a consumer's setmaxnreg.inc waits until the pool has the
@@ -697,27 +653,24 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 
     extern __shared__ unsigned char smem_raw[];
     const fc_u32 sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;
-    const fc_u32 sK = sQ + (fc_u32)kQB * kQTile;
+    const fc_u32 sK = sQ + kQTile;
     // FP8: a V^T stage is [ceil(kBlockN / 128)][kD][128] bytes (transpose_v), kTile but at
     // 192-key blocks
     constexpr fc_u32 kVtTile = Is_fp8 ? (fc_u32)((kBlockN + 127) / 128) * (fc_u32)kD * 128u
                                       : kTile;
     const fc_u32 sV = sK + (fc_u32)kStages * kTile;       // (FP8: V^T)
     const fc_u32 sVraw = sV + (fc_u32)kStages * kVtTile;  // (FP8 only)
-    // mbarriers after the tiles: full Q (two), empty Q (two), then full K, full V, empty K,
-    // empty V (one per stage each), then (FP8) the raw V ring's full barriers, then the tile
-    // scheduler's two slots (full, empty each) and the slots themselves (two int32). The
-    // n-th Q tile of the CTA is Q buffer n % kQB, that buffer's use n / kQB.
+    // mbarriers after the tiles: full Q, empty Q, then full K, full V, empty K, empty V (one
+    // per stage each), then (FP8) the raw V ring's full barriers, then the tile scheduler's
+    // two slots (full, empty each) and the slots themselves (two int32)
     const fc_u32 bars = sVraw + (fc_u32)kRaw * kTile;
-    auto bar_q = [&](int n) { return bars + 8u * (fc_u32)(n % kQB); };
-    auto empty_q = [&](int n) { return bars + 16u + 8u * (fc_u32)(n % kQB); };
-    auto q_parity = [&](int n) { return (fc_u32)(n / kQB) & 1u; };
-    auto full_k = [&](int st) { return bars + 8u * (fc_u32)(4 + st); };
-    auto full_v = [&](int st) { return bars + 8u * (fc_u32)(4 + kStages + st); };
-    auto empty_k = [&](int st) { return bars + 8u * (fc_u32)(4 + 2 * kStages + st); };
-    auto empty_v = [&](int st) { return bars + 8u * (fc_u32)(4 + 3 * kStages + st); };
-    auto raw_full = [&](int r) { return bars + 8u * (fc_u32)(4 + 4 * kStages + r); };
-    const fc_u32 sched = bars + 8u * (fc_u32)(4 + 4 * kStages + kRaw);
+    const fc_u32 bar_q = bars, empty_q = bars + 8u;
+    auto full_k = [&](int st) { return bars + 8u * (fc_u32)(2 + st); };
+    auto full_v = [&](int st) { return bars + 8u * (fc_u32)(2 + kStages + st); };
+    auto empty_k = [&](int st) { return bars + 8u * (fc_u32)(2 + 2 * kStages + st); };
+    auto empty_v = [&](int st) { return bars + 8u * (fc_u32)(2 + 3 * kStages + st); };
+    auto raw_full = [&](int r) { return bars + 8u * (fc_u32)(2 + 4 * kStages + r); };
+    const fc_u32 sched = bars + 8u * (fc_u32)(2 + 4 * kStages + kRaw);
     auto slot_full = [&](int j) { return sched + 8u * (fc_u32)j; };
     auto slot_empty = [&](int j) { return sched + 16u + 8u * (fc_u32)j; };
     auto slot = [&](int j) { return sched + 32u + 4u * (fc_u32)j; };
@@ -769,8 +722,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             h = bh % params.nheads;
             b = bh / params.nheads;
         }
-        return FwdBlock<kBlockN, Is_local, kBM>(params, Is_local ? num_m - 1 - m : m, h, b,
-                                                Is_varlen);
+        return FwdBlock<kBlockN, Is_local, kBM>(params, Is_local ? num_m - 1 - m : m, h, b);
     };
     auto runs = [](const FwdBlock<kBlockN, Is_local, kBM>& blk) { return !blk.empty_rows() && !blk.no_keys(); };
 
@@ -789,10 +741,8 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         tma_prefetch_map(maps.q);
         tma_prefetch_map(maps.k);
         tma_prefetch_map(maps.v);
-        for (int n = 0; n < 2; ++n) {
-            mbar_init(bar_q(n), 1);
-            mbar_init(empty_q(n), kConsumers);
-        }
+        mbar_init(bar_q, 1);
+        mbar_init(empty_q, kConsumers);
         for (int st = 0; st < kStages; ++st) {
             mbar_init(full_k(st), 1);
             mbar_init(full_v(st), Is_fp8 ? 128 : 1);
@@ -810,7 +760,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 
     // Pipeline positions carried from tile to tile: kv = key blocks through the K/V ring so
     // far (block it of a tile is use (kv + it) / kStages of stage (kv + it) % kStages), nq = Q
-    // tiles so far (bar_q / empty_q / q_parity of nq).
+    // tiles so far (Q's barriers flip once per tile).
     int kv = 0, nq = 0;
     if (wg == 0) {
         // ---- producer ----------------------------------------------------------------
@@ -834,13 +784,11 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             const int n_iter = blk.n_block_max - blk.n_block_min;   // >= 1
             auto n0_of = [&](int it) { return (blk.n_block_max - 1 - it) * kBlockN; };
             auto load_q = [&]() {
-                // the S products of the buffer's last tile done
-                if (nq >= kQB) mbar_wait(empty_q(nq), q_parity(nq) ^ 1u);
-                const fc_u32 dst = sQ + (fc_u32)(nq % kQB) * kQTile;
-                mbar_expect_tx(bar_q(nq), kQTile);
+                if (nq > 0) mbar_wait(empty_q, (fc_u32)(nq - 1) & 1u);   // the last tile's S done
+                mbar_expect_tx(bar_q, kQTile);
 #pragma unroll
                 for (int c = 0; c < kD / kRowElems; ++c)
-                    tma_load_4d(dst + (fc_u32)c * kQColBlock, maps.q, bar_q(nq), kRowElems * c,
+                    tma_load_4d(sQ + (fc_u32)c * kQColBlock, maps.q, bar_q, kRowElems * c,
                                 (Is_varlen ? (int)blk.q_row0 : 0) + blk.m0, blk.h,
                                 Is_varlen ? 0 : blk.b);
             };
@@ -870,14 +818,12 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                                 Is_varlen ? 0 : blk.b);
             };
             if constexpr (!Is_fp8) {
-                // One Q tile: K of the first block before Q (its stage frees while the last
-                // tile's S products run, Q's only once the last of them is done). Two: Q
-                // first (its buffer freed a tile ago).
+                // K of the first block before Q: its stage frees while the last tile's S
+                // products run, Q's only once the last of them is done
                 for (int it = 0; it < n_iter; ++it) {
                     const int u = kv + it, st = u % kStages;
-                    if (kQ2 && it == 0) load_q();
                     load_k(it);
-                    if (!kQ2 && it == 0) load_q();
+                    if (it == 0) load_q();
                     if (u >= kStages) mbar_wait(empty_v(st), ((fc_u32)(u / kStages) & 1u) ^ 1u);
                     load_v(it, sV + (fc_u32)st * kTile, full_v(st));
                 }
@@ -919,47 +865,25 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     // ---- consumers -------------------------------------------------------------------------
     setmaxnreg_inc<kConsumerRegs>();
     const int cw = wg - 1;                     // consumer warpgroup: tile rows [64 cw, 64 cw + 64)
-    auto q_tile = [&](int n) {                 // this warpgroup's rows of Q tile n
-        return sQ + (fc_u32)(n % kQB) * kQTile + (fc_u32)cw * 64u * 128u;
-    };
-    // Ping-pong: consumer cw issues its products (a turn) after named barrier 1 + cw, then
-    // hands the turn to the next (cw + 1, the last to consumer 0). The last consumer opens
-    // consumer 0's first turn, and consumer 0 takes the last consumer's final hand-over as it
-    // leaves, so that every barrier sees as many arrivals as waits (every consumer takes the
-    // same turns).
-    if (kPingPong && cw == kCons - 1) named_arrive(1, 256);
-    auto turn_begin = [&]() { if (kPingPong) named_sync(1 + cw, 256); };
-    auto turn_end = [&]() { if (kPingPong) named_arrive(1 + (cw + 1) % kCons, 256); };
-    int u = 0;
-    // The next tile that runs (tiles none of whose rows sees a key get O = 0 here), or n_tiles.
-    auto next_run = [&]() {
-        for (;;) {
-            const int tile = kPersistent ? receive(u) : u;
-            ++u;
-            if (tile >= n_tiles) return n_tiles;
-            const FwdBlock<kBlockN, Is_local, kBM> b = tile_block(tile);
-            if (b.empty_rows()) continue;
-            if (b.no_keys()) {          // (persistent only: the one-tile CTA returned above)
-                b.store_empty(params, kD, tid - 128, (int)kConsumers);
-                continue;
-            }
-            return tile;
+    const fc_u32 sQwg = sQ + (fc_u32)cw * 64u * 128u;
+    for (int u = 0;; ++u) {
+        const int tile = kPersistent ? receive(u) : u;
+        if (tile >= n_tiles) break;
+        const FwdBlock<kBlockN, Is_local, kBM> blk = tile_block(tile);
+        if (blk.empty_rows()) continue;
+        if (blk.no_keys()) {            // (persistent only: the one-tile CTA returned above)
+            blk.store_empty(params, kD, tid - 128, (int)kConsumers);
+            continue;
         }
-    };
-    int tile = next_run();
-    if (tile < n_tiles) {
-        FwdBlock<kBlockN, Is_local, kBM> blk = tile_block(tile);
+        const int n_iter = blk.n_block_max - blk.n_block_min;   // >= 1
         FwdRows<Elem, kD, kBlockN, Is_local, Is_dropout, kBM> rows(params, blk, tid - 128);
         float s_scale = 1.f;                       // FP8: q_descale * k_descale
-        auto set_scale = [&]() {                   // (after rows' retarget)
-            if constexpr (Is_fp8) {
-                const long long di = (long long)blk.b * params.nheads_k + blk.hk;
-                s_scale = 1.f;
-                if (params.q_descale != nullptr) s_scale *= params.q_descale[di];
-                if (params.k_descale != nullptr) s_scale *= params.k_descale[di];
-                rows.mult *= s_scale;
-            }
-        };
+        if constexpr (Is_fp8) {
+            const long long di = (long long)blk.b * params.nheads_k + blk.hk;
+            if (params.q_descale != nullptr) s_scale *= params.q_descale[di];
+            if (params.k_descale != nullptr) s_scale *= params.k_descale[di];
+            rows.mult *= s_scale;
+        }
         float s[kNT * 4];
 #pragma unroll
         for (int i = 0; i < kNT * 4; ++i) s[i] = 0.f;
@@ -974,9 +898,9 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 #else
                 if (n0 == (blk.n_block_max - 1) * kBlockN) rows.pack_e4m3(s, pa);
 #endif
-            } else {
-                rows.pack(s, pa, n0);
             }
+            else
+                rows.pack(s, pa, n0);
         };
         auto issue_pv_ = [&](fc_u32 sVb) {
             if constexpr (Is_fp8)
@@ -984,27 +908,23 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             else
                 issue_pv<Elem, kBlockN>(rows.acc_o, pa, sVb);
         };
-        // A tile's first S product (of its last key block) on its own; O is 0: no rescale.
-        auto first_block = [&]() {
-            const int nb = blk.n_block_max - 1;
-            mbar_wait(bar_q(nq), q_parity(nq));
-            mbar_wait(full_k(stage_of(0)), parity_of(0));
-            issue_s<In, kD, kBlockN, kBM>(s, q_tile(nq), sK + (fc_u32)stage_of(0) * kTile);
-            wgmma_wait<0>();
-            settle(s);
-            mbar_arrive(empty_k(stage_of(0)));
-            rows.mask(s, nb * kBlockN);
-            rows.softmax(s, corr);
-            pack(nb * kBlockN);
-        };
-        set_scale();
-        first_block();
+
+        int nb = blk.n_block_max - 1;
+        mbar_wait(bar_q, (fc_u32)nq & 1u);
+        mbar_wait(full_k(stage_of(0)), parity_of(0));
+        issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)stage_of(0) * kTile);
+        wgmma_wait<0>();
+        settle(s);
+        mbar_arrive(empty_k(stage_of(0)));
+        rows.mask(s, nb * kBlockN);
+        rows.softmax(s, corr);                     // O is 0: no rescale
+        pack(nb * kBlockN);
         if constexpr (Is_varlen) {
             // the walk's first block, the last of the tile's keys: past the sequence's end?
             // (tile-uniform) Consumer warpgroup 0 zeroes those V rows, all consumers meet at
             // named barrier 4 (the ping-pong's are 1 .. kCons) before any P V product (after
             // S_0, so that S_0 does not wait for V_0)
-            const int valid = blk.sk - (blk.n_block_max - 1) * kBlockN;
+            const int valid = blk.sk - nb * kBlockN;
             if (valid < kBlockN) {
                 mbar_wait(full_v(stage_of(0)), parity_of(0));
                 if (cw == 0)
@@ -1014,110 +934,52 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                 named_sync(4, (int)kConsumers);
             }
         }
-        for (;;) {
-            const int n_iter = blk.n_block_max - blk.n_block_min;   // >= 1
-            int nb = blk.n_block_max - 1;
-            for (int it = 0; it < n_iter - 1; ++it, --nb) {   // every block but the last
-                const int st0 = stage_of(it), st1 = stage_of(it + 1);
-                mbar_wait(full_k(st1), parity_of(it + 1));
-                mbar_wait(full_v(st0), parity_of(it));
-                turn_begin();
-                issue_s<In, kD, kBlockN, kBM>(s, q_tile(nq), sK + (fc_u32)st1 * kTile);  // S_{i+1}
-                issue_pv_(sV + (fc_u32)st0 * kVtTile);                              // O += P_i V_i
-                turn_end();
-                wgmma_wait<1>();                       // S_{i+1} done (P_i V_i may still run)
-                settle(s);
-                mbar_arrive(empty_k(st1));
-                rows.mask(s, (nb - 1) * kBlockN);
-                rows.softmax(s, corr);
-                wgmma_wait<0>();
-                settle(rows.acc_o);
-                settle(pa);
-                mbar_arrive(empty_v(st0));
-                rows.rescale(corr);
-                pack((nb - 1) * kBlockN);
-            }
-            mbar_arrive(empty_q(nq));                  // every S of the tile is done: Q is free
-            const int last = n_iter - 1;
-            const int stl = stage_of(last);
-            if constexpr (kQ2) {
-                // Two Q tiles: the next tile's first S product goes out with this tile's last
-                // P V (one turn), its softmax runs while that P V does, and this tile's
-                // epilogue follows (its rows' max and sum are final: tail).
-                tile = next_run();
-                if (tile < n_tiles) {
-                    const FwdBlock<kBlockN, Is_local, kBM> nxt = tile_block(tile);
-                    const int nb1 = nxt.n_block_max - 1;
-                    const int stn = stage_of(n_iter);      // the next tile's first block
-                    mbar_wait(full_k(stn), parity_of(n_iter));
-                    mbar_wait(full_v(stl), parity_of(last));
-                    mbar_wait(bar_q(nq + 1), q_parity(nq + 1));
-                    turn_begin();
-                    issue_s<In, kD, kBlockN, kBM>(s, q_tile(nq + 1), sK + (fc_u32)stn * kTile);
-                    issue_pv_(sV + (fc_u32)stl * kVtTile);
-                    turn_end();
-                    if constexpr (kCons == 3) {
-                        // (160 registers a thread: the epilogue first, then the softmax)
-                        wgmma_wait<0>();
-                        settle(s);
-                        settle(rows.acc_o);
-                        settle(pa);
-                        mbar_arrive(empty_k(stn));
-                        mbar_arrive(empty_v(stl));
-                        rows.store(params, blk);
-                        rows.retarget(params, nxt);
-                        rows.zero_o();
-                        rows.mask(s, nb1 * kBlockN);
-                        rows.softmax(s, corr);
-                    } else {
-                        const auto tl = rows.tail(params, blk);
-                        rows.retarget(params, nxt);
-                        wgmma_wait<1>();
-                        settle(s);
-                        mbar_arrive(empty_k(stn));
-                        rows.mask(s, nb1 * kBlockN);
-                        rows.softmax(s, corr);         // (no rescale: O restarts below)
-                        wgmma_wait<0>();
-                        settle(rows.acc_o);
-                        settle(pa);
-                        mbar_arrive(empty_v(stl));
-                        rows.write(params, tl);
-                        rows.zero_o();
-                    }
-                    pack(nb1 * kBlockN);
-                    kv += n_iter;
-                    ++nq;
-                    blk = nxt;
-                    continue;
-                }
-            }
-            // the tile's last P V on its own, the epilogue
-            mbar_wait(full_v(stl), parity_of(last));
-            issue_pv_(sV + (fc_u32)stl * kVtTile);
+        // Ping-pong: consumer cw issues its products after named barrier 1 + cw, then hands
+        // the turn to the next (cw + 1, the last to consumer 0). The last consumer opens the
+        // first turn for consumer 0 and skips its last hand-over, so that every barrier sees
+        // as many arrivals as waits within a tile.
+        if (kPingPong && cw == kCons - 1 && n_iter > 1) named_arrive(1, 256);
+        for (int it = 0; it < n_iter - 1; ++it, --nb) {   // every block but the last
+            const int st0 = stage_of(it), st1 = stage_of(it + 1);
+            mbar_wait(full_k(st1), parity_of(it + 1));
+            mbar_wait(full_v(st0), parity_of(it));
+            if (kPingPong) named_sync(1 + cw, 256);
+            issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)st1 * kTile);   // S_{i+1}
+            issue_pv_(sV + (fc_u32)st0 * kVtTile);                         // O += P_i V_i
+            if (kPingPong && !(cw == kCons - 1 && it == n_iter - 2))
+                named_arrive(1 + (cw + 1) % kCons, 256);
+            wgmma_wait<1>();                       // S_{i+1} done (P_i V_i may still run)
+            settle(s);
+            mbar_arrive(empty_k(st1));
+            rows.mask(s, (nb - 1) * kBlockN);
+            rows.softmax(s, corr);
             wgmma_wait<0>();
             settle(rows.acc_o);
             settle(pa);
-            mbar_arrive(empty_v(stl));
-            if constexpr (Is_fp8) {
-                const float v_scale = params.v_descale != nullptr
-                    ? params.v_descale[(long long)blk.b * params.nheads_k + blk.hk] : 1.f;
-                rows.store(params, blk, v_scale, s_scale);
-            } else {
-                rows.store(params, blk);
-            }
-            kv += n_iter;
-            ++nq;
-            if constexpr (kQ2) break;                  // (next_run said: no tile left)
-            tile = next_run();
-            if (tile >= n_tiles) break;
-            blk = tile_block(tile);
-            rows.retarget(params, blk);
-            rows.zero_o();
-            set_scale();
-            first_block();
+            mbar_arrive(empty_v(st0));
+            rows.rescale(corr);
+            pack((nb - 1) * kBlockN);
         }
+        mbar_arrive(empty_q);                      // every S of the tile is done: Q is free
+        {
+            const int last = n_iter - 1;
+            mbar_wait(full_v(stage_of(last)), parity_of(last));
+            issue_pv_(sV + (fc_u32)stage_of(last) * kVtTile);
+            wgmma_wait<0>();
+            settle(rows.acc_o);
+            settle(pa);
+            mbar_arrive(empty_v(stage_of(last)));
+        }
+        if constexpr (Is_fp8) {
+            const float v_scale = params.v_descale != nullptr
+                ? params.v_descale[(long long)blk.b * params.nheads_k + blk.hk] : 1.f;
+            rows.store(params, blk, v_scale, s_scale);
+        } else {
+            rows.store(params, blk);
+        }
+        kv += n_iter;
+        ++nq;
     }
-    if (kPingPong && cw == 0) named_sync(1, 256);     // the last consumer's final hand-over
 }
 
 }  // namespace fc_h
@@ -1133,9 +995,9 @@ template <typename Elem, int kD, int kBM, int kBlockN, bool Is_local, bool Is_dr
 __global__ void __launch_bounds__(2 * kBM + 128, 1)   // kBM / 64 consumer warpgroups + 1
 flash_fwd_sm90_ws_kernel(const FlashParams params, const __grid_constant__ FcFwdMaps maps) {
     static_assert(kD == 64 || kD == 128 || kD == 256, "head dims 64, 128 and 256");
-    static_assert((kBlockN == 64 || kBlockN == 128 || kBlockN == 160 || kBlockN == 176 ||
-                   kBlockN == 80) && (kD != 256 || kBlockN == 64 || kBlockN == 80),
-                  "key blocks of 64, 128, 160 or 176 (the S wgmma's N); 64 or 80 at head dim 256");
+    static_assert((kBlockN == 64 || kBlockN == 128 || kBlockN == 176 || kBlockN == 80) &&
+                  (kD != 256 || kBlockN == 64 || kBlockN == 80),
+                  "key blocks of 64, 128 or 176 (the S wgmma's N); 64 or 80 at head dim 256");
     static_assert(kBM == 128 || (kBM == 192 && kD == 64), "128-row tiles, or 192 at head dim 64");
     fc_h::ws_forward<Elem, Elem, kD, kBM, kBlockN, Is_local, Is_dropout, kStages, kPingPong,
                      kPersistent, Is_varlen>(params, maps);

@@ -223,12 +223,11 @@ def sm90_kernel_name(dtype_name: str, headdim: int, is_local: bool,
 
 # The warp-specialised kernel (TMA producer, block_m / 64 consumer warpgroups): (query rows per
 # tile, keys per block, K/V ring depth) per (head dim, local). FA3's tiles: 192 x 128 at head
-# dim 64 (three consumer warpgroups), 80-key blocks at head dim 256 (measured on the H200: 1.05-
-# 1.07x the 64-key blocks, session 21; the windowed tile keeps 64). At head dim 128 without a
-# window, 160-key blocks (FA3 takes 176, the default until session 23): two Q tiles and a ring
-# of two 160-key stages fill shared memory (224 KiB); 176 leaves no room for the second Q.
-# The ring as deep as shared memory allows.
-_WS_TILES = {(64, False): (192, 128, 3), (64, True): (192, 128, 3), (128, False): (128, 160, 2),
+# dim 64 (three consumer warpgroups), 176-key blocks at head dim 128 when no window bounds the
+# keys (its causal tile is 128 too), 80-key blocks at head dim 256 (measured on the H200: 1.05-
+# 1.07x the 64-key blocks, session 21; the windowed tile keeps 64); the ring as deep as shared
+# memory allows.
+_WS_TILES = {(64, False): (192, 128, 3), (64, True): (192, 128, 3), (128, False): (128, 176, 2),
              (128, True): (128, 128, 2), (256, False): (128, 80, 2), (256, True): (128, 64, 2)}
 
 
@@ -239,25 +238,12 @@ def sm90_ws_tile(headdim: int, is_local: bool, dropout: bool = False) -> tuple[i
     return (128 if dropout else block_m), block_n, stages
 
 
-def ws_q_tiles(headdim: int, persistent: bool, is_local: bool, fp8: bool = False) -> int:
-    """Q tiles in the warp-specialised kernel's shared memory (its kQB): two in the persistent
-    16-bit kernels at head dim 128, and 64 without a window, the next tile's Q loading while
-    one runs (one under the timing-only ``-DFC_DIAG_FWD_Q1``)."""
-    if "-DFC_DIAG_FWD_Q1" in config.get().sm90_defines:
-        return 1
-    two = headdim == 128 or (headdim == 64 and not is_local)
-    return 2 if persistent and not fp8 and two else 1
-
-
-def sm90_ws_smem(headdim: int, is_local: bool, dropout: bool = False,
-                 persistent: bool = True) -> int:
-    """Q (ws_q_tiles of them) + the K/V ring + the mbarriers (8 bytes each: 2 Q full and 2
-    empty, 4 per stage, 4 of the tile scheduler) and its two int32 slots + alignment slack.
-    (Dropout's kernels are never persistent.)"""
+def sm90_ws_smem(headdim: int, is_local: bool, dropout: bool = False) -> int:
+    """Q + the K/V ring + the mbarriers (8 bytes each: Q full and empty, 4 per stage, 4 of the
+    tile scheduler) and its two int32 slots + alignment slack."""
     block_m, block_n, stages = sm90_ws_tile(headdim, is_local, dropout)
-    q_tiles = ws_q_tiles(headdim, persistent and not dropout, is_local)
-    return (q_tiles * 2 * block_m * headdim + stages * 2 * (2 * block_n * headdim)
-            + 8 * (9 + 4 * stages) + 1024)
+    return (2 * block_m * headdim + stages * 2 * (2 * block_n * headdim) + 8 * (7 + 4 * stages)
+            + 1024)
 
 
 def sm90_ws_pingpong(headdim: int, seqlen_k: int, is_local: bool = False) -> bool:
@@ -362,13 +348,13 @@ def fp8_tile(headdim: int) -> tuple[int, int]:
 
 
 def fp8_smem(headdim: int) -> int:
-    """Q + the K and V^T rings + the raw V ring (2) + the mbarriers (4 Q, 4 per stage, 2 raw, 4
+    """Q + the K and V^T rings + the raw V ring (2) + the mbarriers (2 Q, 4 per stage, 2 raw, 4
     of the tile scheduler) and its two int32 slots + alignment slack, 1-byte elements. (A V^T
     stage holds whole 128-key chunks: 256 keys' room at 192-key blocks.)"""
     block_n, stages = fp8_tile(headdim)
     vt_keys = -(-block_n // 128) * 128
     return (128 * headdim + (stages + 2) * block_n * headdim + stages * vt_keys * headdim
-            + 8 * (11 + 4 * stages) + 1024)
+            + 8 * (9 + 4 * stages) + 1024)
 
 
 def fp8_pingpong() -> bool:
@@ -612,11 +598,11 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
             ws = maps_for((as4(q), block_m), (as4(k), block_n), (as4(v), block_n))
         grid_m = math.ceil(seqlen_q / (block_m if ws is not None else 128))
         if ws is not None:
+            smem = sm90_ws_smem(headdim, is_local, dropout)
             pingpong = sm90_ws_pingpong(headdim, seqlen_k, is_local)
             persistent = not varlen and sm90_ws_persistent(headdim, is_local, dropout,
                                                            tiles=grid_m * nheads * batch,
                                                            pingpong=pingpong)
-            smem = sm90_ws_smem(headdim, is_local, dropout, persistent)
             kernel = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, is_local,
                                                                  dropout, seqlen_k, pingpong,
                                                                  persistent=persistent,

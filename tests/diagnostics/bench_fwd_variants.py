@@ -8,12 +8,9 @@ Every figure goes through the public API (``flashcore.attention`` on torch CUDA 
 under ``torch.no_grad``, forward+backward through autograd) at the ANCHORS.md sizes (16k tokens
 per batch, hidden 2048), timed by ``flashcore.bench.gpu_time`` (CUDA events, L2 flushed,
 median). Variants: ``ws`` the warp-specialised TMA kernel as the defaults choose it,
-``ws-pp`` / ``ws-nopp`` with / without ping-pong, ``ws-bn128`` with 128 keys per block at head dim 128 (both pingpong settings as the
-defaults choose), ``ws-q1``
-one Q tile in shared memory (``FC_DIAG_FWD_Q1``: no overlap at the persistent kernels' tile
-changes) and 176-key blocks at head dim 128, the default before session 23 (``-bn160``: the
-default's 160), ``ws-s3`` with a
-3-stage ring at head dim 128 (128-key blocks, one Q tile), ``ws-bn64`` 64-key blocks at head dim 256 (the tile before
+``ws-pp`` / ``ws-nopp`` with / without ping-pong, ``ws-bn128`` / ``ws-bn176`` with 128 / 176
+keys per block at head dim 128 (both pingpong settings as the defaults choose), ``ws-s3`` with a
+3-stage ring at head dim 128 (128-key blocks), ``ws-bn64`` 64-key blocks at head dim 256 (the tile before
 session 21's 80), ``ws-kvhalf`` a timing-only probe
 (``FC_DIAG_KV_HALF``: every other key block reuses its stage's stale K and V, so half the K/V
 bytes come from L2 for the same products; wrong results), ``ws-bcp`` the defaults with the cp.async
@@ -40,12 +37,8 @@ VARIANTS = {
     "ws-pp": (dict(_WS, sm90_fwd_pingpong=True), {}),
     "ws-nopp": (dict(_WS, sm90_fwd_pingpong=False), {}),
     "ws-bn128": (_WS, {(128, False): (128, 128, 2)}),
-    # one Q tile (FC_DIAG_FWD_Q1: no tile change overlap in the persistent kernels), with
-    # 176-key blocks at head dim 128 (the default until session 23) or the default 160
-    "ws-q1": (dict(_WS, sm90_defines=("-DFC_DIAG_FWD_Q1",)), {(128, False): (128, 176, 2)}),
-    "ws-q1-bn160": (dict(_WS, sm90_defines=("-DFC_DIAG_FWD_Q1",)), {}),
-    "ws-s3": (dict(_WS, sm90_defines=("-DFC_DIAG_FWD_Q1",)),
-              {(128, False): (128, 128, 3), (128, True): (128, 128, 3)}),
+    "ws-bn176": (_WS, {(128, False): (128, 176, 2)}),
+    "ws-s3": (_WS, {(128, False): (128, 128, 3), (128, True): (128, 128, 3)}),
     "ws-bm128": (_WS, {(64, False): (128, 128, 3), (64, True): (128, 128, 3)}),
     "ws-bm128-1t": (dict(_WS, sm90_fwd_persistent=False),
                     {(64, False): (128, 128, 3), (64, True): (128, 128, 3)}),

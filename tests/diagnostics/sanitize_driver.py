@@ -41,8 +41,8 @@ HOPPER_FWD_CASES = (("bfloat16", 77, 93, 128, 4, {}),
                     ("bfloat16", 130, 300, 128, 140, {}),
                     ("float16", 130, 300, 64, 140, {"causal": True}),
                     ("bfloat16", 130, 200, 256, 140, {}),
-                    # four or five tiles a CTA through the two-Q-tile change (d128, d64 without
-                    # a window), tiles with no key among them (more queries than keys)
+                    # four or five tiles a CTA (d128, d64), tiles with no key among them (more
+                    # queries than keys)
                     ("bfloat16", 700, 300, 128, 100, {"causal": True}),
                     ("float16", 500, 300, 64, 140, {}))
 FP8_FWD_CASES = (("e4m3", 130, 300, 128, 140, {}),

@@ -85,14 +85,14 @@ def test_many_tiles_per_cta(causal, d):
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 0), (0, 0)])
-def test_tile_changes_in_persistent_ctas(d, window):
-    """Persistent CTAs at head dims 64 and 128 hold two Q tiles and start each tile's first S
-    product with the last P V of the one before: here 3 x 24 heads x 8-12 query blocks, 4-7
-    tiles a CTA, causal or windowed tiles of one or two key blocks, and (more queries than
-    keys, bottom-right aligned) tiles none of whose rows sees a key, written as O = 0 between
-    two tiles. Against the oracle, then a second call bit for bit (a race would move bits)."""
+def test_many_tiles_and_keyless_tiles_per_cta(d, window):
+    """Persistent CTAs taking 4-7 tiles each (3 x 24 heads x 8-12 query blocks), causal or
+    windowed tiles of one or two key blocks, and (more queries than keys, bottom-right
+    aligned) tiles none of whose rows sees a key, written as O = 0 between two tiles; the K/V
+    ring and Q's barriers carry over. Against the oracle, then a second call bit for bit (a
+    race would move bits)."""
     if _VARIANT["name"] not in ("ws", "ws-no-pingpong"):
-        pytest.skip("the persistent kernels' tile change: the ws variants")
+        pytest.skip("the persistent kernels: the ws variants")
     import cupy as cp
     import flashcore
     run_case("bfloat16", 3, 1500, 700, 24, 8, d, window=window, seed=d + window[0],
