@@ -294,6 +294,9 @@ struct FwdRows {
     __device__ __forceinline__ void store(const FlashParams& p,
                                           const FwdBlock<kBlockN, Is_local, kBM>& blk,
                                           float o_scale = 1.f, float s_scale = 1.f) const {
+#ifdef FC_DIAG_FWD_NO_STORE   // (timing only: no epilogue, O and lse left unwritten)
+        return;
+#endif
         if constexpr (Is_dropout) o_scale *= drop.scale;
         const long long oo = blk.o_off(p);
         float* lse = blk.lse_ptr(p);

@@ -608,12 +608,13 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
                         single_ctas=0 if is_split or not hopper else batch * nheads_k * m_blocks,
                         num_sms=_sm_count(device_id), keys=span_keys, fp8=fp8)
     smem = smem_bytes(headdim, m_tiles, cfg=cfg, fp8=fp8)
+    defines = config.get().sm90_defines if cc == 90 else ()   # (a diagnostic's: none by default)
     if cluster:
-        kernel = get_kernel(SOURCE, cname, device_id, cc, smem)
+        kernel = get_kernel(SOURCE, cname, device_id, cc, smem, defines)
     else:
         kernel = get_kernel(SOURCE, kernel_name(dtype_name, headdim, m_tiles, paged, is_local,
                                                 has_softcap, has_alibi, is_split, cfg, fp8),
-                            device_id, cc, smem)
+                            device_id, cc, smem, defines)
 
     o_accum = lse_accum = None
     counter = None

@@ -200,8 +200,9 @@ def set_sm90(enabled: bool, pipelined: bool | None = None, ws: bool | None = Non
 
 
 def set_sm90_defines(defines) -> None:
-    """Compile the Hopper kernels (forward and backward) with these extra NVRTC options (a
-    diagnostic; see cuda/wgmma.cuh): the ``sm90_defines`` setting."""
+    """Compile the kernels for compute capability 9.0 (the Hopper forward and backward, and the
+    decode kernels there) with these extra NVRTC options (a diagnostic; see cuda/wgmma.cuh):
+    the ``sm90_defines`` setting."""
     config.set(sm90_defines=tuple(defines))
 
 
