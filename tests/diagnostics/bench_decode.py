@@ -171,27 +171,26 @@ def prefetch_table(sizes, rounds):
     # (batch 64 at 128k left out: two 34 GB caches and their rounds would fill a device call)
     for b, sk in ((1, 4096), (1, 16384), (1, 131072), (8, 4096), (8, 16384), (8, 131072),
                   (64, 4096), (64, 16384)):
-        if True:
-            pb = DecodeProblem(b, sk, seed=b + sk)
-            pbp = DecodeProblem(b, sk, seed=b + sk, page_size=256)
-            times = {}
-            with pb.stream:
-                for _ in range(rounds):
-                    for v, defs in variants:
-                        with config.override(sm90_defines=defs):
-                            for lay, prob in (("c", pb), ("p", pbp)):
-                                prob.api()      # (compiles the variant's kernels)
-                                times.setdefault((v, lay), []).append(_time(prob.api))
-                cud = _time(lambda: pb.sdpa(SDPBackend.CUDNN_ATTENTION))
-            cells = []
-            for v, _ in variants:
-                tc, tp = (statistics.median(times[(v, lay)]) for lay in ("c", "p"))
-                cells.append(f"{v} {pb.nbytes / tc / 1e12:.2f} ({cud / tc:.3f}), "
-                             f"{pb.nbytes / tp / 1e12:.2f} ({cud / tp:.3f})")
-            print(f"{b:>3} {sk // 1024:>4}k | cuDNN {pb.nbytes / cud / 1e12:.2f} | "
-                  + " | ".join(cells))
-            pb = pbp = None
-            torch.cuda.empty_cache()
+        pb = DecodeProblem(b, sk, seed=b + sk)
+        pbp = DecodeProblem(b, sk, seed=b + sk, page_size=256)
+        times = {}
+        with pb.stream:
+            for _ in range(rounds):
+                for v, defs in variants:
+                    with config.override(sm90_defines=defs):
+                        for lay, prob in (("c", pb), ("p", pbp)):
+                            prob.api()      # (compiles the variant's kernels)
+                            times.setdefault((v, lay), []).append(_time(prob.api))
+            cud = _time(lambda: pb.sdpa(SDPBackend.CUDNN_ATTENTION))
+        cells = []
+        for v, _ in variants:
+            tc, tp = (statistics.median(times[(v, lay)]) for lay in ("c", "p"))
+            cells.append(f"{v} {pb.nbytes / tc / 1e12:.2f} ({cud / tc:.3f}), "
+                         f"{pb.nbytes / tp / 1e12:.2f} ({cud / tp:.3f})")
+        print(f"{b:>3} {sk // 1024:>4}k | cuDNN {pb.nbytes / cud / 1e12:.2f} | "
+              + " | ".join(cells))
+        pb = pbp = None
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
