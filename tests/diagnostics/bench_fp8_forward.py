@@ -5,7 +5,7 @@ the same process.
     python tests/diagnostics/bench_fp8_forward.py [--seqlens 4096,8192,16384] [--headdims 128,256]
                                                  [--pingpong both|on|off] [--no-check]
                                                  [--defines FC_DIAG_FP8_NO_TRANSPOSE,...]
-                                                 [--bn128]
+                                                 [--bn 128,224]
 
 First a correctness check on a few small cases (against the float64 attention of the
 dequantised inputs, with the flash-attn rule in FP8: error at most twice that of the NumPy
@@ -18,8 +18,9 @@ for causal), the same count for all three. ``--pingpong``: the FP8 kernel with t
 ping-pong on, off, or both (two columns). ``--defines``: the FP8 call again with each of these
 NVRTC defines (the ``sm90_defines`` setting; cuda/flash_fwd_sm90.cu's FC_DIAG_FP8_NO_TRANSPOSE
 and FC_DIAG_FP8_NO_PACK leave a piece out: timing only, wrong results; A+B: both), one
-column each. ``--bn128``: a column with 128-key blocks (3 stages) at head dim 128, the tile
-before the 192-key default, checked against the default kernel's output.
+column each. ``--bn 128,224``: a column for each of these tiles at head dim 128 (128-key blocks
+with 3 stages, the tile before the 192-key default; 224-key blocks with 2), with the largest
+difference from the default kernel's output.
 """
 from __future__ import annotations
 
@@ -67,8 +68,13 @@ def check(torch, flashcore):
     return ok
 
 
-def _bn128(flashcore, x8, desc, causal, d, f, gpu_time):
-    """TFLOP/s of the call with 128-key blocks at head dim 128 (nan elsewhere); prints the
+# (keys per block, stages) of the other tiles at head dim 128 (--bn): 128 keys, the tile before
+# the 192-key default; 224, the largest whose V^T fits two 128-key chunks
+_OTHER_TILES = {128: (128, 3), 224: (224, 2)}
+
+
+def _other_tile(flashcore, x8, desc, causal, d, f, gpu_time, bn):
+    """TFLOP/s of the call with ``bn``-key blocks at head dim 128 (nan elsewhere); prints the
     largest difference from the default kernel's output."""
     from flashcore.kernels import forward, plans
     if d != 128:
@@ -79,7 +85,7 @@ def _bn128(flashcore, x8, desc, causal, d, f, gpu_time):
                                            k_descale=desc[1], v_descale=desc[2])
     ref = call()[0].float()
     saved = forward._FP8_TILES[128]
-    forward._FP8_TILES[128] = (128, 3)
+    forward._FP8_TILES[128] = _OTHER_TILES[bn]
     plans.clear()        # (a tile table change is no setting: the launch plans do not see it)
     try:
         diff = float((call()[0].float() - ref).abs().max())
@@ -87,7 +93,7 @@ def _bn128(flashcore, x8, desc, causal, d, f, gpu_time):
     finally:
         forward._FP8_TILES[128] = saved
         plans.clear()
-    print(f"# bn128 causal={causal}: max |difference| from the 192-key kernel {diff:.3g}")
+    print(f"# bn{bn} causal={causal}: max |difference| from the default kernel {diff:.3g}")
     return f / t / 1e12
 
 
@@ -108,9 +114,9 @@ def main(argv):
     if "--no-check" not in argv and not check(torch, flashcore):
         print("# correctness check FAILED: the timings below are of a wrong kernel")
     defines = [x for x in _arg(argv, "--defines", "").split(",") if x]
-    bn128 = "--bn128" in argv
+    bns = [int(x) for x in _arg(argv, "--bn", "").split(",") if x]
     cols = [f"fp8 pp={'on' if p else 'off'}" for p in pp_modes] + [
-        d_.replace("FC_DIAG_FP8_", "-") for d_ in defines] + (["bn128"] if bn128 else []) + [
+        d_.replace("FC_DIAG_FP8_", "-") for d_ in defines] + [f"bn{bn}" for bn in bns] + [
         "bf16 flashcore", "bf16 cuDNN", "fp8/cuDNN"]
     print(f"{'d':>4} {'seqlen':>6} {'causal':>6} | " + " | ".join(f"{c:>14}" for c in cols))
     for d in headdims:
@@ -134,8 +140,8 @@ def main(argv):
                             *x8, causal=causal, q_descale=desc[0], k_descale=desc[1],
                             v_descale=desc[2]))
                     row.append(f / t / 1e12)
-                if bn128:
-                    row.append(_bn128(flashcore, x8, desc, causal, d, f, gpu_time))
+                for bn in bns:
+                    row.append(_other_tile(flashcore, x8, desc, causal, d, f, gpu_time, bn))
                 t = gpu_time(lambda: flashcore.attention_forward(*x16, causal=causal))
                 row.append(f / t / 1e12)
                 try:
