@@ -42,8 +42,9 @@
 //                     load (transpose_v), storing the keys in the order in which P's
 //                     accumulator registers already hold them (no shuffle of P).
 // The descales fold into the scores' scale (q_descale * k_descale) and into the epilogue's
-// 1 / l (v_descale). Head dims 128 (192-key blocks) and 256 (128-key blocks); no dropout, softcap, ALiBi or
-// varlen (the launcher refuses them by name).
+// 1 / l (v_descale). Head dims 128 (192-key blocks) and 256 (128-key blocks); varlen calls
+// one tile a CTA (Is_varlen: the producer zeroes the raw V rows past a sequence's end); no
+// dropout, softcap, ALiBi or paged K/V (the launcher refuses them by name).
 //
 // Masking, alignment and outputs are those of flash_fwd.cu (bottom-right causal, windows with
 // block skipping, varlen, GQA; rows that see no key get O = 0 and lse = -inf; NaN propagates).
@@ -641,7 +642,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     constexpr int kNT = kBlockN / 8;
     constexpr int kRaw = Is_fp8 ? 2 : 0;                                // FP8: V as loaded
     static_assert(!(Is_fp8 && Is_dropout), "FP8 attention is forward only, without dropout");
-    static_assert(!Is_varlen || (!Is_fp8 && !kPersistent), "varlen: 16-bit, one tile a CTA");
+    static_assert(!Is_varlen || !kPersistent, "varlen: one tile a CTA");
     // Registers after reallocation. __launch_bounds__(kThreads, 1) starts every thread at
     // 65536 / kThreads rounded down to 8 (384: 168; 512: 128), and the split must not exceed
     // what the block holds (a consumer's setmaxnreg.inc waits until the pool has the
@@ -849,6 +850,19 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                     }
                     mbar_wait(raw_full(u & 1), (fc_u32)(u >> 1) & 1u);
                     if (u >= kStages) mbar_wait(empty_v(st), ((fc_u32)(u / kStages) & 1u) ^ 1u);
+                    if constexpr (Is_varlen) {
+                        // the walk's first block, the last of the tile's keys: its rows past the
+                        // sequence's end (the next sequence's, or of none: NaN included) zeroed
+                        // in the raw V before the transpose, so that P's zeros meet zeros
+                        // (tile-uniform; fenced: the buffer is TMA's again two blocks on)
+                        const int valid = blk.sk - n0_of(0);
+                        if (it == 0 && valid < kBlockN) {
+                            zero_tile_rows<kD / kRowElems, kBlockN>(
+                                sVraw + (fc_u32)(u & 1) * kTile, valid, tid, 128);
+                            fence_proxy_async();
+                            named_sync(3, 128);
+                        }
+                    }
                     __syncwarp();
 #ifndef FC_DIAG_FP8_NO_TRANSPOSE     // (timing only: V^T left as it is, wrong results)
                     transpose_v<kD, kBlockN>(sV + (fc_u32)st * kVtTile, sVraw + (fc_u32)(u & 1) * kTile,
@@ -922,9 +936,9 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         rows.mask(s, nb * kBlockN);
         rows.softmax(s, corr);                     // O is 0: no rescale
         pack(nb * kBlockN);
-        if constexpr (Is_varlen) {
+        if constexpr (Is_varlen && !Is_fp8) {
             // the walk's first block, the last of the tile's keys: past the sequence's end?
-            // (tile-uniform) Consumer warpgroup 0 zeroes those V rows, all consumers meet at
+            // (tile-uniform; FP8: the producer zeroes the raw V) Consumer warpgroup 0 zeroes those V rows, all consumers meet at
             // named barrier 4 (the ping-pong's are 1 .. kCons) before any P V product (after
             // S_0, so that S_0 does not wait for V_0)
             const int valid = blk.sk - nb * kBlockN;
@@ -1011,12 +1025,12 @@ flash_fwd_sm90_ws_kernel(const FlashParams params, const __grid_constant__ FcFwd
 // params.o_fp32), lse float32. Head dims 128 and 256 (128-byte rows: one or two column
 // blocks); kBlockN = 128 keys (one 128-byte V^T row); 128-row tiles.
 template <typename Elem, int kD, int kBlockN, bool Is_local, int kStages, bool kPingPong,
-          bool kPersistent>
+          bool kPersistent, bool Is_varlen = false>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_sm90_fp8_kernel(const FlashParams params, const __grid_constant__ FcFwdMaps maps) {
     static_assert(kD == 128 || kD == 256, "FP8: head dims 128 and 256");
     static_assert(kBlockN == 128 || ((kBlockN == 192 || kBlockN == 224) && kD == 128),
                   "FP8: key blocks of 128 (one 128-byte row of V^T), or 192 / 224 at head dim 128");
     fc_h::ws_forward<Elem, fc_e4m3, kD, 128, kBlockN, Is_local, false, kStages, kPingPong,
-                     kPersistent>(params, maps);
+                     kPersistent, Is_varlen>(params, maps);
 }

@@ -117,6 +117,7 @@ __device__ __forceinline__ void zero_tile_rows(fc_u32 tile, int r0, int t, int n
     const int chunks = (kRows - r0) * 8;                     // 16-byte chunks a column block
 #pragma unroll 1
     for (int c = 0; c < kColBlocks; ++c)
+#pragma unroll 1
         for (int i = t; i < chunks; i += n)
             asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n"
                          :: "r"(tile + (fc_u32)(c * kRows + r0 + (i >> 3)) * 128u

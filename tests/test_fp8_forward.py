@@ -144,7 +144,7 @@ def test_the_v_transpose_reads_only_its_own_keys_and_columns():
 
 def test_instantiations_and_shared_memory_budget():
     names = forward.fp8_instantiations()
-    assert len(names) == 24     # 16 one tile per CTA, 8 persistent (head dim 128)
+    assert len(names) == 40     # 16 one tile per CTA, 8 persistent (head dim 128), 16 varlen
     assert all(n.startswith("flash_fwd_sm90_fp8_kernel<fc_") for n in names)
     for d in forward.FP8_HEADDIMS:
         assert forward.fp8_smem(d) <= SMEM_LIMIT
@@ -155,6 +155,9 @@ def test_instantiations_and_shared_memory_budget():
     # no persistent kernel at head dim 256 (its consumers would spill in 232 registers)
     assert forward.fp8_kernel_name("float16", 256, False, False) == \
         "flash_fwd_sm90_fp8_kernel<fc_fp16, 256, 128, false, 2, false, false>"
+    # varlen: one tile a CTA, whatever the persistent setting
+    assert forward.fp8_kernel_name("bfloat16", 128, True, True, True, varlen=True) == \
+        "flash_fwd_sm90_fp8_kernel<fc_bf16, 128, 192, true, 2, true, false, true>"
 
 
 def test_refusals_name_the_argument():
@@ -170,7 +173,12 @@ def test_refusals_name_the_argument():
     assert "'q'" in why and "10.0" in why
     (why,) = forward.fp8_reasons(90, 64)
     assert "'q'" in why and "headdim 64" in why
-    assert "'cu_seqlens_q'" in forward.fp8_reasons(90, 128, varlen=True)[0]
+    assert "'block_table'" in forward.fp8_reasons(90, 128, paged=True)[0]
+    # varlen: off until verified on a GPU (FLASHCORE_SM90_FP8_VARLEN)
+    (why,) = forward.fp8_reasons(90, 128, varlen=True)
+    assert "'cu_seqlens_q'" in why and "FLASHCORE_SM90_FP8_VARLEN" in why
+    with config.override(sm90_fp8_varlen=True):
+        assert forward.fp8_reasons(90, 128, varlen=True) == []
     assert "'softcap'" in forward.fp8_reasons(90, 128, softcap=5.0)[0]
     assert "'alibi_slopes'" in forward.fp8_reasons(90, 128, alibi=True)[0]
     assert "'dropout_p'" in forward.fp8_reasons(90, 128, dropout=True)[0]
@@ -354,6 +362,88 @@ def test_torch_fp8_tensors_run_the_kernel():
         flashcore.attention(tq.clone().requires_grad_(True), tk, tv)
 
 
+# sequence lengths of the varlen cases: an empty one, none a multiple of the tiles
+_VARLEN_Q = [70, 0, 257, 33]
+_VARLEN_K = [200, 5, 400, 33]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("kw", [{}, {"causal": True}, {"window_size": (50, 10)}],
+                         ids=["full", "causal", "window"])
+def test_varlen_fp8_matches_each_sequence_alone(d, kw):
+    """Packed FP8 sequences (the varlen kernel: one tile a CTA, the rows past each sequence's
+    end in the first key block zeroed by the producer, so that the next sequence's bytes, NaN
+    included, never reach a product) against each sequence's own float64 attention, with the
+    flash-attn rule in FP8; poisoned outputs; NaN bytes in the keys of the sequence that has
+    no queries, which the first sequence's last key block reads."""
+    import cupy
+    _require_hopper()
+    rng = np.random.default_rng()
+    h, hk, nseq = 4, 2, len(_VARLEN_Q)
+    # packed e4m3 q, k, v with per-(sequence, key head) descales (1 for the empty sequence)
+    packed, ds = [], []
+    for lens, heads in ((_VARLEN_Q, h), (_VARLEN_K, hk), (_VARLEN_K, hk)):
+        xs, sc = [], np.ones((nseq, hk), np.float32)
+        for i, n in enumerate(lens):
+            x = rng.standard_normal((n, heads, d)) * rng.uniform(0.5, 3.0, (1, heads, 1))
+            if n:
+                amax = np.abs(x).reshape(n, hk, heads // hk, d).max(axis=(0, 2, 3))
+                sc[i] = np.maximum(amax / 448.0, 1e-6)
+            xs.append(x / np.repeat(sc[i], heads // hk)[None, :, None])
+        packed.append(np.concatenate(xs).astype(E4M3))
+        ds.append(sc)
+    q8, k8, v8 = packed
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
+                  for n in (_VARLEN_Q, _VARLEN_K))
+    # the keys of the sequence without queries are NaN bytes: no product may use them, and
+    # the first sequence's last key block reads them (past its end)
+    for x in (k8, v8):
+        x.view(np.uint8)[cu_k[1]:cu_k[2]] = 0x7F
+    gq, gk, gv = (cupy.asarray(x.view(np.uint8)) for x in (q8, k8, v8))
+    gds = [cupy.asarray(x) for x in ds]
+    gcu = dict(cu_seqlens_q=cupy.asarray(cu_q), cu_seqlens_k=cupy.asarray(cu_k))
+    spec = forward_spec(gq, gk, gv, **gcu, varlen=True, max_seqlen_q=max(_VARLEN_Q),
+                        max_seqlen_k=max(_VARLEN_K), q_descale=gds[0], k_descale=gds[1],
+                        v_descale=gds[2], **kw)
+    assert spec.dtype == "float8_e4m3fn" and spec.varlen
+    from flashcore import config
+    from flashcore.backends.base import get_backend
+    out = _poisoned(q8.shape, np.dtype(np.float32))          # NaN-filled outputs
+    lse = _poisoned((h, q8.shape[0]), np.dtype(np.float32))
+    with config.override(sm90_fp8_varlen=True):   # (off by default until verified on a GPU)
+        get_backend("cupy").forward(spec, gq, gk, gv, **gcu, out=out, lse=lse,
+                                    descales=tuple(gds), fp8_out="float32")
+        assert _ran_fp8()
+        # the public function gives the same bits
+        pub, pub_lse = flashcore.varlen_attention_forward(
+            gq, gk, gv, gcu["cu_seqlens_q"], gcu["cu_seqlens_k"], max(_VARLEN_Q),
+            max(_VARLEN_K), q_descale=gds[0], k_descale=gds[1], v_descale=gds[2],
+            out_dtype="float32", **kw)
+    cupy.testing.assert_array_equal(pub, out)
+    cupy.testing.assert_array_equal(pub_lse, lse)
+    o, got_lse = cupy.asnumpy(out).astype(np.float64), cupy.asnumpy(lse)
+    assert np.isfinite(o).all()
+    for i in range(nseq):
+        rows = slice(cu_q[i], cu_q[i + 1])
+        if _VARLEN_Q[i] == 0:
+            continue
+        keys = slice(cu_k[i], cu_k[i + 1])
+        q8s, k8s, v8s = q8[None, rows], k8[None, keys], v8[None, keys]
+        dss = [x[i:i + 1] for x in ds]
+        exact = [fp8_dequantize(x, dd, hk).astype(np.float64)
+                 for x, dd in zip((q8s, k8s, v8s), dss)]
+        want, want_lse = naive_forward(forward_spec(*exact, **kw), *exact)
+        emul, _ = fp8_forward(forward_spec(q8s, k8s, v8s, **kw), q8s, k8s, v8s, tuple(dss))
+        err = np.abs(o[rows] - want[0]).max()
+        bound = 2 * np.abs(emul - want).max() + np.abs(want).max() * 2.0 ** -11
+        assert err <= bound, (i, err, bound)
+        tol = _lse_tolerance(exact[0], exact[1], d ** -0.5)[0]
+        lse_err = np.where(got_lse[:, rows] == want_lse[0], 0.0,
+                           np.abs(got_lse[:, rows] - want_lse[0]))
+        assert (lse_err <= tol).all(), (i, lse_err.max())
+
+
 @pytest.mark.gpu
 def test_gpu_refusals_are_named():
     import cupy
@@ -369,7 +459,7 @@ def test_gpu_refusals_are_named():
     with pytest.raises(NotSupportedError, match="'softcap'"):
         flashcore.attention_forward(*g, softcap=10.0)
     cu = cupy.asarray(np.array([0, 64], np.int32))
-    with pytest.raises(NotSupportedError, match="'cu_seqlens_q'"):
+    with pytest.raises(NotSupportedError, match="'cu_seqlens_q'.*FLASHCORE_SM90_FP8_VARLEN"):
         flashcore.varlen_attention_forward(*(x[0] for x in g), cu, cu)
     with pytest.raises(TypeError, match="'q'.*forward only"):
         flashcore.attention_backward(g[0], *g, g[0], cupy.zeros((1, 2, 64), cupy.float32))

@@ -172,7 +172,8 @@ class CupyBackend(Backend):
         (q, k, v; None or float32 broadcastable to (batch, nheads_k)), out in ``fp8_out``."""
         from ..kernels.forward import launch_forward
         if spec.dtype == "float8_e4m3fn":
-            return self._forward_fp8(spec, q, k, v, out, lse, descales, fp8_out)
+            return self._forward_fp8(spec, q, k, v, out, lse, descales, fp8_out,
+                                     cu_seqlens_q, cu_seqlens_k)
         xp = lib_of(q)
         with scope(q.device.id), _translate_oom("forward"):
             if out is None:
@@ -200,13 +201,13 @@ class CupyBackend(Backend):
                 lse[...] = -np.inf
         return out, lse
 
-    def _forward_fp8(self, spec, q, k, v, out, lse, descales, fp8_out):
+    def _forward_fp8(self, spec, q, k, v, out, lse, descales, fp8_out, cu_seqlens_q=None,
+                     cu_seqlens_k=None):
         from ..jit import device_facts
         from ..kernels.forward import fp8_reasons, launch_forward_fp8
         from ..spec import exact_descale
-        why = fp8_reasons(device_facts(q.device.id)[0], spec.headdim,
-                          varlen=spec.varlen, softcap=spec.softcap,
-                          alibi=spec.alibi is not None, paged=spec.paged)
+        why = fp8_reasons(device_facts(q.device.id)[0], spec.headdim, varlen=spec.varlen,
+                          softcap=spec.softcap, alibi=spec.alibi is not None, paged=spec.paged)
         if why:
             raise ValueError("; ".join(why))
         qd, kd, vd = (exact_descale(d, spec.batch, spec.nheads_k)
@@ -216,12 +217,18 @@ class CupyBackend(Backend):
             if out is None:
                 out = xp.empty(q.shape, dtype=_np_dtype(fp8_out))
             if lse is None:
-                lse = xp.empty((spec.batch, spec.nheads, spec.seqlen_q), dtype=np.float32)
-            if q.size and k.shape[1]:
+                shape = (spec.nheads, spec.total_q) if spec.varlen else \
+                    (spec.batch, spec.nheads, spec.seqlen_q)
+                lse = xp.empty(shape, dtype=np.float32)
+            if q.size and k.shape[0 if spec.varlen else 1]:
+                varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                              max_seqlen_q=spec.seqlen_q, max_seqlen_k=spec.seqlen_k) \
+                    if spec.varlen else {}
                 plans.offer(launch_forward_fp8(
                     q.view(np.uint8), k.view(np.uint8), v.view(np.uint8), out, lse,
                     softmax_scale=spec.softmax_scale, window_left=spec.window_left,
-                    window_right=spec.window_right, q_descale=qd, k_descale=kd, v_descale=vd))
+                    window_right=spec.window_right, q_descale=qd, k_descale=kd, v_descale=vd,
+                    **varlen))
             else:   # no queries, or no keys at all: nothing is visible
                 out[...] = 0
                 lse[...] = -np.inf

@@ -138,10 +138,12 @@ class TorchBackend(Backend):
             return (out.to(torch.bfloat16) if bf16 else out), _contiguous_numpy_to_torch(torch, lse)
         descales = tuple(exact_descale(d, spec.batch, spec.nheads_k) for d in descales)
         out = torch.empty(q.shape, dtype=getattr(torch, fp8_out), device=q.device)
-        lse = torch.empty((spec.batch, spec.nheads, spec.seqlen_q), dtype=torch.float32,
+        lse = torch.empty((spec.nheads, spec.total_q) if spec.varlen else
+                          (spec.batch, spec.nheads, spec.seqlen_q), dtype=torch.float32,
                           device=q.device)
         get_backend("cupy").forward(_on_library(spec, "cupy"), *(_cp(x) for x in (q8, k8, v8)),
-                                    out=_cp(out), lse=_cp(lse),
+                                    cu_seqlens_q=_cp(cu_seqlens_q),
+                                    cu_seqlens_k=_cp(cu_seqlens_k), out=_cp(out), lse=_cp(lse),
                                     descales=tuple(_cp(d) for d in descales),
                                     fp8_out=fp8_out)
         return out, lse

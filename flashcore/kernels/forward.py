@@ -367,23 +367,27 @@ def fp8_pingpong() -> bool:
 
 
 def fp8_kernel_name(out_dtype: str, headdim: int, is_local: bool,
-                    pingpong: bool | None = None, persistent: bool | None = None) -> str:
+                    pingpong: bool | None = None, persistent: bool | None = None,
+                    varlen: bool = False) -> str:
     """``out_dtype``: bfloat16 or float16 (the kernel's Elem), or float32 (Elem unused: the
-    bfloat16 instantiation writes float32 with ``o_fp32``)."""
+    bfloat16 instantiation writes float32 with ``o_fp32``). Varlen calls: one tile a CTA."""
     block_n, stages = fp8_tile(headdim)
     elem = _elem_tag("bfloat16" if out_dtype == "float32" else out_dtype)
     pp = fp8_pingpong() if pingpong is None else pingpong
-    pers = sm90_ws_persistent(headdim, is_local, fp8=True) if persistent is None else persistent
+    pers = False if varlen else (sm90_ws_persistent(headdim, is_local, fp8=True)
+                                 if persistent is None else persistent)
     return (f"flash_fwd_sm90_fp8_kernel<{elem}, {headdim}, {block_n}, {_b(is_local)}, "
-            f"{stages}, {_b(pp)}, {_b(pers)}>")
+            f"{stages}, {_b(pp)}, {_b(pers)}" + (", true>" if varlen else ">"))
 
 
 def fp8_instantiations() -> list[str]:
-    """Every template name of the FP8 forward."""
+    """Every template name of the FP8 forward (dense: one tile a CTA or persistent; varlen)."""
     flags = (False, True)
-    return sorted({fp8_kernel_name(dt, d, loc, pp, pers) for dt in ("float16", "bfloat16")
-                   for d in FP8_HEADDIMS for loc in flags for pp in flags for pers in flags
-                   if ws_persistent_exists(d, loc, fp8=True) or not pers})
+    return sorted({fp8_kernel_name(dt, d, loc, pp, pers, var)
+                   for dt in ("float16", "bfloat16") for d in FP8_HEADDIMS for loc in flags
+                   for pp in flags for pers in flags for var in flags
+                   if (ws_persistent_exists(d, loc, fp8=True) or not pers)
+                   and not (var and pers)})
 
 
 def _check_grid(batch: int, nheads: int, softmax_scale: float) -> None:
@@ -412,10 +416,13 @@ def fp8_reasons(cc: int, headdim: int, *, varlen=False, softcap=0.0, alibi=False
     if headdim not in FP8_HEADDIMS:
         r.append(f"argument 'q': float8_e4m3fn inputs take headdim 128 or 256 on the GPU, got "
                  f"headdim {headdim}")
-    if varlen or paged:
-        r.append("argument 'cu_seqlens_q': float8_e4m3fn inputs are not supported in varlen "
-                 "(packed) calls on the GPU (the warp-specialised TMA kernel reads dense "
-                 "(batch, seqlen, heads, headdim) arrays only)")
+    if paged:
+        r.append("argument 'block_table': None with float8_e4m3fn inputs on the GPU (the "
+                 "warp-specialised TMA kernel reads dense or packed arrays, not a paged cache)")
+    elif varlen and not config.get().sm90_fp8_varlen:
+        r.append("argument 'cu_seqlens_q': float8_e4m3fn varlen (packed) calls on the GPU are "
+                 "off until verified on a GPU (FLASHCORE_SM90_FP8_VARLEN=1 or "
+                 "flashcore.config.set(sm90_fp8_varlen=True) turns them on)")
     if softcap:
         r.append("argument 'softcap': 0.0 with float8_e4m3fn inputs on the GPU (the Hopper "
                  "kernels have no softcap)")
@@ -433,14 +440,18 @@ def _fp8_bytes(arr):
 
 
 def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
-                       window_right: int, q_descale=None, k_descale=None, v_descale=None):
+                       window_right: int, q_descale=None, k_descale=None, v_descale=None,
+                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
+                       max_seqlen_k: int | None = None):
     """Run the FP8 forward: ``out`` and ``lse`` written in place.
 
     q (b, sq, h, d), k and v (b, sk, h_k, d): uint8 CuPy arrays of float8_e4m3fn bits, d 128 or
-    256; out like q in bfloat16, float16 or float32; lse float32 (b, h, sq), contiguous;
-    descales None (1) or contiguous float32 (b, h_k) CuPy arrays. Windows use -1 for
-    unbounded. The caller has checked the device (compute capability 9.0). Returns the launch
-    as a :class:`plans.Piece`, or None (a copy was involved, or nothing was launched).
+    256; or, varlen, (total, h, d) with int32 ``cu_seqlens_*`` (b + 1,) (the longest lengths
+    bound by the totals when not given, as launch_forward); out like q in bfloat16, float16 or
+    float32; lse float32 (b, h, sq) or, varlen, (h, total_q), contiguous; descales None (1) or
+    contiguous float32 (b, h_k) CuPy arrays. Windows use -1 for unbounded. The caller has
+    checked the device (compute capability 9.0). Returns the launch as a :class:`plans.Piece`,
+    or None (a copy was involved, or nothing was launched).
     """
     from ..jit import device_facts, get_kernel
     from .tma import maps_for
@@ -451,37 +462,57 @@ def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: 
     out_final = None
     if out.size and not _used_strides_ok(out, 8 if out.dtype.itemsize == 2 else 4, 16):
         out_final, out = out, xp.empty(out.shape, out.dtype)
-    batch, seqlen_q, nheads, headdim = (int(x) for x in q.shape)
-    seqlen_k, nheads_k = int(k.shape[1]), int(k.shape[2])
+    varlen = cu_seqlens_q is not None
+    nheads, headdim, nheads_k = int(q.shape[-2]), int(q.shape[-1]), int(k.shape[-2])
+    if varlen:
+        batch = int(cu_seqlens_q.shape[0]) - 1
+        # (no read of cu_seqlens: without the longest lengths, the packed totals bound them)
+        seqlen_q = int(q.shape[0]) if max_seqlen_q is None else int(max_seqlen_q)
+        seqlen_k = int(k.shape[0]) if max_seqlen_k is None else min(int(max_seqlen_k),
+                                                                     int(k.shape[0]))
+    else:
+        batch, seqlen_q, seqlen_k = int(q.shape[0]), int(q.shape[1]), int(k.shape[1])
     if batch == 0 or seqlen_q == 0 or nheads == 0:
         return None
     _check_grid(batch, nheads, softmax_scale)
     device_id = q.device.id
     cc = device_facts(device_id)[0]
-    why = fp8_reasons(cc, headdim)
+    why = fp8_reasons(cc, headdim, varlen=varlen)
     if why:
         raise ValueError("; ".join(why))
     wl, wr = _window(window_left), _window(window_right)
     is_local = wl != WINDOW_NONE or wr != WINDOW_NONE
     block_n = fp8_tile(headdim)[0]
-    ws = maps_for((q, 128), (k, block_n), (v, block_n))
+
+    def as4(a):     # (varlen: (total, heads, headdim) -> (1, total, ...), a view)
+        return a[None] if varlen else a
+    ws = maps_for((as4(q), 128), (as4(k), block_n), (as4(v), block_n))
     if ws is None:       # (cannot happen for the arrays _fp8_bytes makes)
         raise ValueError("the FP8 forward's tensor maps could not be encoded for these arrays")
     out_dtype = out.dtype.name
     smem = fp8_smem(headdim)
     grid_m = math.ceil(seqlen_q / 128)
-    persistent = sm90_ws_persistent(headdim, is_local, fp8=True, tiles=grid_m * nheads * batch)
+    persistent = not varlen and sm90_ws_persistent(headdim, is_local, fp8=True,
+                                                   tiles=grid_m * nheads * batch)
     kernel = get_kernel(SM90_SOURCE, fp8_kernel_name(out_dtype, headdim, is_local,
-                                                     persistent=persistent),
+                                                     persistent=persistent, varlen=varlen),
                         device_id, cc, smem, config.get().sm90_defines)
     qs, ks, vs, os_ = _strides(q), _strides(k), _strides(v), _strides(out)
+    if varlen:   # (total, h, d): no batch stride, the row offset comes from cu_seqlens
+        qs, ks, vs, os_ = ((0,) + tuple(x) for x in (qs, ks, vs, os_))
+        lse_b, lse_h = 0, lse.strides[0] // 4
+    else:
+        lse_b, lse_h = lse.strides[0] // 4, lse.strides[1] // 4
     params = make_params(
         q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
+        cu_seqlens_q=cu_seqlens_q.data.ptr if varlen else None,
+        cu_seqlens_k=cu_seqlens_k.data.ptr if varlen else None,
+        total_q=int(q.shape[0]) if varlen else 0, total_k=int(k.shape[0]) if varlen else 0,
         q_batch_stride=qs[0], q_row_stride=qs[1], q_head_stride=qs[2],
         k_batch_stride=ks[0], k_row_stride=ks[1], k_head_stride=ks[2],
         v_batch_stride=vs[0], v_row_stride=vs[1], v_head_stride=vs[2],
         o_batch_stride=os_[0], o_row_stride=os_[1], o_head_stride=os_[2],
-        lse_batch_stride=lse.strides[0] // 4, lse_head_stride=lse.strides[1] // 4,
+        lse_batch_stride=lse_b, lse_head_stride=lse_h,
         batch=batch, nheads=nheads, nheads_k=nheads_k, headdim=headdim,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=wl, window_right=wr,
         o_fp32=int(out.dtype == np.float32),
