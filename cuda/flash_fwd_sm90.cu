@@ -290,8 +290,10 @@ struct FwdRows {
         }
     }
     // Epilogue: O * o_scale / l (NaN propagates: l == 0 only for rows that saw no key), lse
-    // of the scores times s_scale (the FP8 kernel's descales; 1 otherwise). With dropout the
+    // of the scores times s_scale (the FP8 kernel's descales; 1 otherwise), or with kCapped
+    // (softcap: the rows hold tanh of the scaled scores) times the softcap. With dropout the
     // kept probabilities' 1 / (1 - p) is applied here, once per output element (pack).
+    template <bool kCapped = false>
     __device__ __forceinline__ void store(const FlashParams& p,
                                           const FwdBlock<kBlockN, Is_local, kBM>& blk,
                                           float o_scale = 1.f, float s_scale = 1.f) const {
@@ -321,7 +323,8 @@ struct FwdRows {
                               Elem::pack2(acc_o[4 * j + 2 * r] * inv, acc_o[4 * j + 2 * r + 1] * inv));
                 }
                 if (t == 0)
-                    lse[row] = l == 0.f ? -INFINITY : row_max[r] * (p.softmax_scale * s_scale) + logf(l);
+                    lse[row] = l == 0.f ? -INFINITY
+                                        : row_max[r] * (kCapped ? p.softcap : p.softmax_scale * s_scale) + logf(l);
             }
         }
     }
@@ -626,7 +629,8 @@ namespace fc_h {
 // block that holds them (the walk's first) are zeroed before any P V product reads them (the
 // masks already give their scores -inf; P = 0 times such a row, NaN possibly, would not be 0).
 template <typename Elem, typename In, int kD, int kBM, int kBlockN, bool Is_local,
-          bool Is_dropout, int kStages, bool kPingPong, bool kPersistent, bool Is_varlen = false>
+          bool Is_dropout, int kStages, bool kPingPong, bool kPersistent, bool Is_varlen = false,
+          bool Has_softcap = false>
 __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFwdMaps& maps) {
     using namespace fc_pipe;
     constexpr bool Is_fp8 = In::kBytes == 1;
@@ -895,15 +899,32 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         const int n_iter = blk.n_block_max - blk.n_block_min;   // >= 1
         FwdRows<Elem, kD, kBlockN, Is_local, Is_dropout, kBM> rows(params, blk, tid - 128);
         float s_scale = 1.f;                       // FP8: q_descale * k_descale
+        float v_scale = 1.f;                       // FP8: v_descale (the epilogue's)
+        float cap_in = 0.f;                        // softcap: s -> tanh(s cap_in)
         if constexpr (Is_fp8) {
             const long long di = (long long)blk.b * params.nheads_k + blk.hk;
             if (params.q_descale != nullptr) s_scale *= params.q_descale[di];
             if (params.k_descale != nullptr) s_scale *= params.k_descale[di];
-            rows.mult *= s_scale;
+            if (params.v_descale != nullptr) v_scale = params.v_descale[di];
+            // (softcap: the descales and the softmax scale go into cap_in; the rows hold
+            // t = tanh(s cap_in), whose softmax is exp(softcap (t - max t)): params.scale_log2
+            // = softcap log2(e), and the lse is softcap max t + log l)
+            if constexpr (Has_softcap)
+                cap_in = __fdividef(params.softmax_scale * s_scale, params.softcap);
+            else
+                rows.mult *= s_scale;
         }
         float s[kNT * 4];
 #pragma unroll
         for (int i = 0; i < kNT * 4; ++i) s[i] = 0.f;
+        // the score modifications before the mask (DESIGN.md's order: scale, softcap, mask;
+        // the softcap's factor is in rows.mult)
+        auto cap = [&]() {
+            if constexpr (Has_softcap) {
+#pragma unroll
+                for (int i = 0; i < kNT * 4; ++i) s[i] = fc_tanh(s[i] * cap_in);
+            }
+        };
         fc_u32 pa[Is_fp8 ? kBlockN / 32 : kBlockN / 16][4];
         float corr[2];
         auto stage_of = [&](int it) { return (kv + it) % kStages; };
@@ -933,6 +954,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         wgmma_wait<0>();
         settle(s);
         mbar_arrive(empty_k(stage_of(0)));
+        cap();
         rows.mask(s, nb * kBlockN);
         rows.softmax(s, corr);                     // O is 0: no rescale
         pack(nb * kBlockN);
@@ -968,6 +990,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             wgmma_wait<1>();                       // S_{i+1} done (P_i V_i may still run)
             settle(s);
             mbar_arrive(empty_k(st1));
+            cap();
             rows.mask(s, (nb - 1) * kBlockN);
             rows.softmax(s, corr);
             wgmma_wait<0>();
@@ -988,9 +1011,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             mbar_arrive(empty_v(stage_of(last)));
         }
         if constexpr (Is_fp8) {
-            const float v_scale = params.v_descale != nullptr
-                ? params.v_descale[(long long)blk.b * params.nheads_k + blk.hk] : 1.f;
-            rows.store(params, blk, v_scale, s_scale);
+            rows.template store<Has_softcap>(params, blk, v_scale, s_scale);
         } else {
             rows.store(params, blk);
         }
@@ -1025,12 +1046,12 @@ flash_fwd_sm90_ws_kernel(const FlashParams params, const __grid_constant__ FcFwd
 // params.o_fp32), lse float32. Head dims 128 and 256 (128-byte rows: one or two column
 // blocks); kBlockN = 128 keys (one 128-byte V^T row); 128-row tiles.
 template <typename Elem, int kD, int kBlockN, bool Is_local, int kStages, bool kPingPong,
-          bool kPersistent, bool Is_varlen = false>
+          bool kPersistent, bool Is_varlen = false, bool Has_softcap = false>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_sm90_fp8_kernel(const FlashParams params, const __grid_constant__ FcFwdMaps maps) {
     static_assert(kD == 128 || kD == 256, "FP8: head dims 128 and 256");
     static_assert(kBlockN == 128 || ((kBlockN == 192 || kBlockN == 224) && kD == 128),
                   "FP8: key blocks of 128 (one 128-byte row of V^T), or 192 / 224 at head dim 128");
     fc_h::ws_forward<Elem, fc_e4m3, kD, 128, kBlockN, Is_local, false, kStages, kPingPong,
-                     kPersistent, Is_varlen>(params, maps);
+                     kPersistent, Is_varlen, Has_softcap>(params, maps);
 }

@@ -34,8 +34,9 @@ The settings (environment variable in brackets):
 * ``sm90_fp8_fwd`` (``FLASHCORE_SM90_FP8_FWD``): the Hopper FP8 forward kernel for
   float8_e4m3fn CuPy and torch CUDA inputs (on by default); off, such calls are refused by
   name (NumPy arrays and torch CPU tensors take the NumPy reference either way);
-  ``sm90_fp8_varlen`` (``FLASHCORE_SM90_FP8_VARLEN``): its varlen (packed) calls, off by
-  default until they have run on a GPU (off, such calls are refused by name).
+  ``sm90_fp8_unverified`` (``FLASHCORE_SM90_FP8_UNVERIFIED``): its varlen (packed) and softcap
+  calls, written and not yet run on a GPU: off by default (such calls are refused by name)
+  until they have.
 * ``sm90_defines``: extra NVRTC options of the kernels compiled for compute capability 9.0: the
   Hopper forward and backward, and the decode kernels there (a diagnostic).
 * ``decode_fused_combine`` (``FLASHCORE_DECODE_FUSED_COMBINE``): split-KV partials merged in
@@ -75,7 +76,7 @@ class Settings(NamedTuple):
     sm90_bwd_ws: bool
     sm90_bwd_d64_block_m: int
     sm90_fp8_fwd: bool
-    sm90_fp8_varlen: bool
+    sm90_fp8_unverified: bool
     sm90_defines: tuple
     decode_fused_combine: bool
     decode_cluster: bool
@@ -103,7 +104,7 @@ def _from_environment() -> Settings:
         sm90_bwd_ws=_env_flag("FLASHCORE_SM90_BWD_WS", True),
         sm90_bwd_d64_block_m=int(bm) if bm in ("64", "128") else 128,
         sm90_fp8_fwd=_env_flag("FLASHCORE_SM90_FP8_FWD", True),
-        sm90_fp8_varlen=_env_flag("FLASHCORE_SM90_FP8_VARLEN", False),
+        sm90_fp8_unverified=_env_flag("FLASHCORE_SM90_FP8_UNVERIFIED", False),
         sm90_defines=(),
         decode_fused_combine=_env_flag("FLASHCORE_DECODE_FUSED_COMBINE", True),
         decode_cluster=_env_flag("FLASHCORE_DECODE_CLUSTER", True),

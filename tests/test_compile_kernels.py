@@ -96,7 +96,8 @@ def test_hopper_kernels_compile(source):
     # consumer threads have 240 registers where the cp.async one takes 244, 36-44 bytes under
     # NVRTC 12 (none under 13); and its head-dim-64 instantiations (128-query steps: S^T and
     # dP^T of 128 queries beside dK and dV), 36-88 bytes under NVRTC 12, kept as measured
-    # faster than the spill-free cp.async kernel (run 47 of the performance log: 1.16-1.30x).
+    # faster than the spill-free cp.async kernel (run 47 of the performance log: 1.16-1.30x);
+    # the FP8 forward with softcap at head dim 256, a word a tile (_spill_allowance).
     spills = _spills_by_kernel(log)
     assert len(spills) == len(names), log
     for mangled, stores in spills.items():
@@ -111,8 +112,13 @@ def test_hopper_kernels_compile(source):
 def _spill_allowance(mangled: str) -> int:
     """Spill bytes allowed for a Hopper kernel, from its mangled template arguments."""
     bools = re.findall(r"Lb([01])E", mangled)
-    if not bools or mangled.startswith("_Z25flash_fwd_sm90_fp8_kernel"):
-        return 0                             # (no flags; the FP8 forward: no dropout)
+    if mangled.startswith("_Z25flash_fwd_sm90_fp8_kernel"):
+        # (the FP8 forward has no dropout; with softcap, its fifth flag, at head dim 256 one
+        # word of the tile's state is kept on the stack from the tile's start to its epilogue:
+        # 4 bytes under NVRTC 12)
+        return 8 if len(bools) == 5 and bools[4] == "1" and "Li256E" in mangled else 0
+    if not bools:
+        return 0                             # (no flags)
     if mangled.startswith("_Z29flash_bwd_dkdv_sm90_ws_kernel") and "Li64ELi128E" in mangled:
         return 96                            # (head dim 64, 128-query steps)
     if mangled.startswith(("_Z24flash_fwd_sm90_ws_kernel", "_Z29flash_bwd_dkdv_sm90_ws_kernel",
@@ -143,7 +149,7 @@ def test_fp8_forward_kernels_are_listed_for_the_hopper_compile():
     Hopper forward, every instantiation, with no spills (test_hopper_kernels_compile)."""
     from flashcore.kernels import forward
     names = forward.fp8_instantiations()
-    assert len(names) == 40 and set(names) <= set(forward.sm90_instantiations())
+    assert len(names) == 80 and set(names) <= set(forward.sm90_instantiations())
     assert {n.split("<")[1].split(",")[1].strip() for n in names} == {"128", "256"}
 
 

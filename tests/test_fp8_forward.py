@@ -144,7 +144,8 @@ def test_the_v_transpose_reads_only_its_own_keys_and_columns():
 
 def test_instantiations_and_shared_memory_budget():
     names = forward.fp8_instantiations()
-    assert len(names) == 40     # 16 one tile per CTA, 8 persistent (head dim 128), 16 varlen
+    # (16 one tile a CTA, 8 persistent (head dim 128), 16 varlen) x with and without softcap
+    assert len(names) == 80
     assert all(n.startswith("flash_fwd_sm90_fp8_kernel<fc_") for n in names)
     for d in forward.FP8_HEADDIMS:
         assert forward.fp8_smem(d) <= SMEM_LIMIT
@@ -158,6 +159,8 @@ def test_instantiations_and_shared_memory_budget():
     # varlen: one tile a CTA, whatever the persistent setting
     assert forward.fp8_kernel_name("bfloat16", 128, True, True, True, varlen=True) == \
         "flash_fwd_sm90_fp8_kernel<fc_bf16, 128, 192, true, 2, true, false, true>"
+    assert forward.fp8_kernel_name("bfloat16", 128, False, True, False, softcap=True) == \
+        "flash_fwd_sm90_fp8_kernel<fc_bf16, 128, 192, false, 2, true, false, false, true>"
 
 
 def test_refusals_name_the_argument():
@@ -174,12 +177,15 @@ def test_refusals_name_the_argument():
     (why,) = forward.fp8_reasons(90, 64)
     assert "'q'" in why and "headdim 64" in why
     assert "'block_table'" in forward.fp8_reasons(90, 128, paged=True)[0]
-    # varlen: off until verified on a GPU (FLASHCORE_SM90_FP8_VARLEN)
+    # varlen: off until verified on a GPU (FLASHCORE_SM90_FP8_UNVERIFIED)
     (why,) = forward.fp8_reasons(90, 128, varlen=True)
-    assert "'cu_seqlens_q'" in why and "FLASHCORE_SM90_FP8_VARLEN" in why
-    with config.override(sm90_fp8_varlen=True):
+    assert "'cu_seqlens_q'" in why and "FLASHCORE_SM90_FP8_UNVERIFIED" in why
+    with config.override(sm90_fp8_unverified=True):
         assert forward.fp8_reasons(90, 128, varlen=True) == []
-    assert "'softcap'" in forward.fp8_reasons(90, 128, softcap=5.0)[0]
+    (why,) = forward.fp8_reasons(90, 128, softcap=5.0)
+    assert "'softcap'" in why and "FLASHCORE_SM90_FP8_UNVERIFIED" in why
+    with config.override(sm90_fp8_unverified=True):
+        assert forward.fp8_reasons(90, 128, softcap=5.0) == []
     assert "'alibi_slopes'" in forward.fp8_reasons(90, 128, alibi=True)[0]
     assert "'dropout_p'" in forward.fp8_reasons(90, 128, dropout=True)[0]
 
@@ -362,6 +368,23 @@ def test_torch_fp8_tensors_run_the_kernel():
         flashcore.attention(tq.clone().requires_grad_(True), tk, tv)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("case", [(2, 129, 300, 4, 2, {"softcap": 5.0}, True),
+                                  (1, 300, 257, 4, 1, {"softcap": 2.0, "causal": True}, False),
+                                  (1, 1000, 1000, 2, 2, {"softcap": 30.0,
+                                                         "window_size": (100, 20)}, True)],
+                         ids=["full", "causal", "window"])
+def test_fp8_softcap_matches_the_flash_attn_rule_in_fp8(case, d):
+    """Softcap on the FP8 kernel (the capped scores in natural units, the descales and the
+    softmax scale inside the tanh's argument): the rule in FP8 against the float64 attention
+    of the dequantised inputs, as the other FP8 cases (FLASHCORE_SM90_FP8_UNVERIFIED on)."""
+    from flashcore import config
+    _require_hopper()
+    with config.override(sm90_fp8_unverified=True):
+        _check_fp8_case(case, d)
+
+
 # sequence lengths of the varlen cases: an empty one, none a multiple of the tiles
 _VARLEN_Q = [70, 0, 257, 33]
 _VARLEN_K = [200, 5, 400, 33]
@@ -411,7 +434,7 @@ def test_varlen_fp8_matches_each_sequence_alone(d, kw):
     from flashcore.backends.base import get_backend
     out = _poisoned(q8.shape, np.dtype(np.float32))          # NaN-filled outputs
     lse = _poisoned((h, q8.shape[0]), np.dtype(np.float32))
-    with config.override(sm90_fp8_varlen=True):   # (off by default until verified on a GPU)
+    with config.override(sm90_fp8_unverified=True):   # (off by default until verified on a GPU)
         get_backend("cupy").forward(spec, gq, gk, gv, **gcu, out=out, lse=lse,
                                     descales=tuple(gds), fp8_out="float32")
         assert _ran_fp8()
@@ -456,10 +479,10 @@ def test_gpu_refusals_are_named():
         flashcore.attention_forward(*g)
     (q8, k8, v8), _, _ = _quantised(rng, 1, 64, 64, 2, 2, 128)
     g = [cupy.asarray(x.view(np.uint8)) for x in (q8, k8, v8)]
-    with pytest.raises(NotSupportedError, match="'softcap'"):
+    with pytest.raises(NotSupportedError, match="'softcap'.*FLASHCORE_SM90_FP8_UNVERIFIED"):
         flashcore.attention_forward(*g, softcap=10.0)
     cu = cupy.asarray(np.array([0, 64], np.int32))
-    with pytest.raises(NotSupportedError, match="'cu_seqlens_q'.*FLASHCORE_SM90_FP8_VARLEN"):
+    with pytest.raises(NotSupportedError, match="'cu_seqlens_q'.*FLASHCORE_SM90_FP8_UNVERIFIED"):
         flashcore.varlen_attention_forward(*(x[0] for x in g), cu, cu)
     with pytest.raises(TypeError, match="'q'.*forward only"):
         flashcore.attention_backward(g[0], *g, g[0], cupy.zeros((1, 2, 64), cupy.float32))

@@ -228,7 +228,7 @@ class CupyBackend(Backend):
                     q.view(np.uint8), k.view(np.uint8), v.view(np.uint8), out, lse,
                     softmax_scale=spec.softmax_scale, window_left=spec.window_left,
                     window_right=spec.window_right, q_descale=qd, k_descale=kd, v_descale=vd,
-                    **varlen))
+                    softcap=spec.softcap, **varlen))
             else:   # no queries, or no keys at all: nothing is visible
                 out[...] = 0
                 lse[...] = -np.inf

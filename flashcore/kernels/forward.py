@@ -330,7 +330,8 @@ def sm90_instantiations() -> list[str]:
 
 # ---- the FP8 forward (cuda/flash_fwd_sm90.cu: flash_fwd_sm90_fp8_kernel) ---------------------
 # float8_e4m3fn q, k, v (CuPy uint8 arrays of the bits), compute capability 9.0, dense calls
-# whose arrays TMA can read (others are copied into contiguous ones first).
+# whose arrays TMA can read (others are copied into contiguous ones first); varlen and softcap
+# calls behind sm90_fp8_unverified until they have run on a GPU.
 FP8_HEADDIMS = (128, 256)
 FP8_MIN_COMPUTE_CAPABILITY = FP8_MAX_COMPUTE_CAPABILITY = 90
 FP8_OUT_DTYPES = ("bfloat16", "float16", "float32")
@@ -368,7 +369,7 @@ def fp8_pingpong() -> bool:
 
 def fp8_kernel_name(out_dtype: str, headdim: int, is_local: bool,
                     pingpong: bool | None = None, persistent: bool | None = None,
-                    varlen: bool = False) -> str:
+                    varlen: bool = False, softcap: bool = False) -> str:
     """``out_dtype``: bfloat16 or float16 (the kernel's Elem), or float32 (Elem unused: the
     bfloat16 instantiation writes float32 with ``o_fp32``). Varlen calls: one tile a CTA."""
     block_n, stages = fp8_tile(headdim)
@@ -377,15 +378,17 @@ def fp8_kernel_name(out_dtype: str, headdim: int, is_local: bool,
     pers = False if varlen else (sm90_ws_persistent(headdim, is_local, fp8=True)
                                  if persistent is None else persistent)
     return (f"flash_fwd_sm90_fp8_kernel<{elem}, {headdim}, {block_n}, {_b(is_local)}, "
-            f"{stages}, {_b(pp)}, {_b(pers)}" + (", true>" if varlen else ">"))
+            f"{stages}, {_b(pp)}, {_b(pers)}"
+            + (f", {_b(varlen)}, true>" if softcap else ", true>" if varlen else ">"))
 
 
 def fp8_instantiations() -> list[str]:
-    """Every template name of the FP8 forward (dense: one tile a CTA or persistent; varlen)."""
+    """Every template name of the FP8 forward (dense: one tile a CTA or persistent; varlen;
+    each with and without softcap)."""
     flags = (False, True)
-    return sorted({fp8_kernel_name(dt, d, loc, pp, pers, var)
+    return sorted({fp8_kernel_name(dt, d, loc, pp, pers, var, cap)
                    for dt in ("float16", "bfloat16") for d in FP8_HEADDIMS for loc in flags
-                   for pp in flags for pers in flags for var in flags
+                   for pp in flags for pers in flags for var in flags for cap in flags
                    if (ws_persistent_exists(d, loc, fp8=True) or not pers)
                    and not (var and pers)})
 
@@ -419,13 +422,14 @@ def fp8_reasons(cc: int, headdim: int, *, varlen=False, softcap=0.0, alibi=False
     if paged:
         r.append("argument 'block_table': None with float8_e4m3fn inputs on the GPU (the "
                  "warp-specialised TMA kernel reads dense or packed arrays, not a paged cache)")
-    elif varlen and not config.get().sm90_fp8_varlen:
+    elif varlen and not config.get().sm90_fp8_unverified:
         r.append("argument 'cu_seqlens_q': float8_e4m3fn varlen (packed) calls on the GPU are "
-                 "off until verified on a GPU (FLASHCORE_SM90_FP8_VARLEN=1 or "
-                 "flashcore.config.set(sm90_fp8_varlen=True) turns them on)")
-    if softcap:
-        r.append("argument 'softcap': 0.0 with float8_e4m3fn inputs on the GPU (the Hopper "
-                 "kernels have no softcap)")
+                 "off until verified on a GPU (FLASHCORE_SM90_FP8_UNVERIFIED=1 or "
+                 "flashcore.config.set(sm90_fp8_unverified=True) turns them on)")
+    if softcap and not config.get().sm90_fp8_unverified:
+        r.append("argument 'softcap': float8_e4m3fn softcap calls on the GPU are off until "
+                 "verified on a GPU (FLASHCORE_SM90_FP8_UNVERIFIED=1 or "
+                 "flashcore.config.set(sm90_fp8_unverified=True) turns them on)")
     if alibi:
         r.append("argument 'alibi_slopes': None with float8_e4m3fn inputs on the GPU")
     if dropout:
@@ -442,13 +446,14 @@ def _fp8_bytes(arr):
 def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
                        window_right: int, q_descale=None, k_descale=None, v_descale=None,
                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
-                       max_seqlen_k: int | None = None):
+                       max_seqlen_k: int | None = None, softcap: float = 0.0):
     """Run the FP8 forward: ``out`` and ``lse`` written in place.
 
     q (b, sq, h, d), k and v (b, sk, h_k, d): uint8 CuPy arrays of float8_e4m3fn bits, d 128 or
     256; or, varlen, (total, h, d) with int32 ``cu_seqlens_*`` (b + 1,) (the longest lengths
     bound by the totals when not given, as launch_forward); out like q in bfloat16, float16 or
-    float32; lse float32 (b, h, sq) or, varlen, (h, total_q), contiguous; descales None (1) or
+    float32; lse float32 (b, h, sq) or, varlen, (h, total_q), contiguous; ``softcap`` > 0:
+    the scores capped (softcap tanh(s / softcap), after the scale); descales None (1) or
     contiguous float32 (b, h_k) CuPy arrays. Windows use -1 for unbounded. The caller has
     checked the device (compute capability 9.0). Returns the launch as a :class:`plans.Piece`,
     or None (a copy was involved, or nothing was launched).
@@ -477,7 +482,8 @@ def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: 
     _check_grid(batch, nheads, softmax_scale)
     device_id = q.device.id
     cc = device_facts(device_id)[0]
-    why = fp8_reasons(cc, headdim, varlen=varlen)
+    has_softcap = softcap is not None and softcap > 0.0
+    why = fp8_reasons(cc, headdim, varlen=varlen, softcap=has_softcap)
     if why:
         raise ValueError("; ".join(why))
     wl, wr = _window(window_left), _window(window_right)
@@ -495,7 +501,8 @@ def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: 
     persistent = not varlen and sm90_ws_persistent(headdim, is_local, fp8=True,
                                                    tiles=grid_m * nheads * batch)
     kernel = get_kernel(SM90_SOURCE, fp8_kernel_name(out_dtype, headdim, is_local,
-                                                     persistent=persistent, varlen=varlen),
+                                                     persistent=persistent, varlen=varlen,
+                                                     softcap=has_softcap),
                         device_id, cc, smem, config.get().sm90_defines)
     qs, ks, vs, os_ = _strides(q), _strides(k), _strides(v), _strides(out)
     if varlen:   # (total, h, d): no batch stride, the row offset comes from cu_seqlens
@@ -516,7 +523,11 @@ def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: 
         batch=batch, nheads=nheads, nheads_k=nheads_k, headdim=headdim,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=wl, window_right=wr,
         o_fp32=int(out.dtype == np.float32),
-        softmax_scale=float(softmax_scale), scale_log2=float(softmax_scale) * _LOG2E,
+        # (softcap: the kernel holds t = tanh(scaled score / softcap), its softmax's exponent
+        # is softcap (t - max t): the softcap times log2(e))
+        softmax_scale=float(softmax_scale),
+        scale_log2=float(softcap) * _LOG2E if has_softcap else float(softmax_scale) * _LOG2E,
+        softcap=float(softcap) if has_softcap else 0.0,
         q_descale=None if q_descale is None else q_descale.data.ptr,
         k_descale=None if k_descale is None else k_descale.data.ptr,
         v_descale=None if v_descale is None else v_descale.data.ptr,

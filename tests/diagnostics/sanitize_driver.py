@@ -4,8 +4,8 @@ Uses plain cudaMalloc per array (no memory pool), so an out-of-bounds access lan
 allocation where memcheck sees it. Run through tests/diagnostics/sanitize.sh.
 
 ``--persistent``: only the persistent warp-specialised Hopper forward (16-bit and FP8, one to
-five tiles per CTA, causal and not, with and without ping-pong; then three FP8 varlen calls), in
-seconds:
+five tiles per CTA, causal and not, with and without ping-pong; then three FP8 varlen calls
+and two FP8 softcap ones), in seconds:
 ``compute-sanitizer --tool racecheck python3 tests/diagnostics/sanitize_driver.py --persistent``.
 """
 
@@ -155,9 +155,9 @@ if "--persistent" in sys.argv:
         with config.override(sm90_fwd_persistent=True, sm90_fwd_pingpong=pp,
                              sm90_fwd_d64_min_seqlen_k=0):
             n += run_forward_cases(HOPPER_FWD_CASES + FP8_FWD_CASES)
-    # FP8 varlen (one tile a CTA; FLASHCORE_SM90_FP8_VARLEN): three packed sequences, one
+    # FP8 varlen (one tile a CTA; FLASHCORE_SM90_FP8_UNVERIFIED): three packed sequences, one
     # without queries, whose keys the first sequence's last key block reads past its end
-    with config.override(sm90_fp8_varlen=True):
+    with config.override(sm90_fp8_unverified=True):
         cq = cp.asarray(np.array([0, 70, 70, 327], np.int32))
         ck = cp.asarray(np.array([0, 200, 205, 605], np.int32))
         for hd, kw in ((128, {}), (256, {"causal": True}), (128, {"window_size": (50, 10)})):
@@ -165,6 +165,9 @@ if "--persistent" in sys.argv:
             flashcore.varlen_attention_forward(q, k, v, cq, ck, 257, 400, **kw)
             cp.cuda.Device().synchronize()
             n += 1
+        # FP8 softcap (the same setting), persistent at head dim 128 and one tile a CTA at 256
+        n += run_forward_cases((("e4m3", 130, 300, 128, 140, {"softcap": 20.0}),
+                                ("e4m3", 300, 333, 256, 4, {"softcap": 5.0, "causal": True})))
     print(f"sanitize driver --persistent: {n} cases ran")
     sys.exit(0)
 
