@@ -59,8 +59,10 @@ class FakeKernel:
 
 
 def _n_maps(name):
-    """Tensor maps a kernel takes after the struct (the warp-specialised Hopper kernels)."""
-    return (4 if "bwd" in name else 3) if ("_ws_kernel" in name or "_d256_kernel" in name) else 0
+    """Tensor maps a kernel takes after the struct (the warp-specialised Hopper kernels, the
+    FP8 forward among them)."""
+    ws = any(t in name for t in ("_ws_kernel", "_d256_kernel", "_fp8_kernel"))
+    return (4 if "bwd" in name else 3) if ws else 0
 
 
 def fake_launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
@@ -182,9 +184,9 @@ def no_gpu(monkeypatch):
         return _alloc(a.shape, dtype or a.dtype)    # a "copy": a new array
     monkeypatch.setattr(cupy, "ascontiguousarray", ascontig)
 
-    def as_input(a):   # the launchers' copy of an input the kernels cannot read in place
-        from flashcore.kernels.common import _used_strides_ok
-        return a if a.size == 0 or _used_strides_ok(a, 8, 16) else _alloc(a.shape, a.dtype)
+    def as_input(a, multiple=8):   # the launchers' copy of an input the kernels cannot read
+        from flashcore.kernels.common import _used_strides_ok        # in place
+        return a if a.size == 0 or _used_strides_ok(a, multiple, 16) else _alloc(a.shape, a.dtype)
     for mod in (forward, backward):
         monkeypatch.setattr(mod, "_as_input", as_input)
     # decoding's fused split combine: the current stream (answered here) picks the persistent
@@ -445,6 +447,52 @@ def test_forward_ws_varlen_launches(d):
         assert words[0] == a.data.ptr and tuple(words[3:7]) == (d, total, heads, 1)
     with config.override(sm90_fwd_ws=False):
         assert "_ws_kernel" not in run()[0]
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_forward_fp8_varlen_and_softcap_launches(d):
+    """FP8 varlen and softcap calls (behind sm90_fp8_unverified): the FP8 kernel's varlen
+    instantiation (one tile a CTA, grid (query blocks of the longest sequence, heads,
+    sequences)), maps over the packed byte arrays, the params' cu_seqlens, totals and packed
+    strides, lse (heads, total); softcap: its instantiation, the softcap and an exponent
+    multiplier of softcap log2(e). Refused by name with the setting off."""
+    cu = fake_array((len(_VARLEN_LENS) + 1,), np.int32)
+    total = sum(_VARLEN_LENS)
+    q, k, v = (fake_array((total, h, d), np.uint8) for h in (4, 2, 2))
+    out, lse = fake_array(q.shape, np.float16), fake_array((4, total), np.float32)
+
+    def run(**kw):
+        LOG.clear()
+        forward.launch_forward_fp8(q, k, v, out, lse, softmax_scale=0.1, window_left=-1,
+                                   window_right=0, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                   max_seqlen_q=257, max_seqlen_k=257, **kw)
+        (entry,) = LOG
+        return entry
+    with pytest.raises(ValueError, match="'cu_seqlens_q'.*FLASHCORE_SM90_FP8_UNVERIFIED"):
+        run()
+    with config.override(sm90_fp8_unverified=True):
+        name, grid, block, _, raw = run()
+        assert name == forward.fp8_kernel_name("float16", d, True, varlen=True)
+        assert name.endswith(", false, true>")          # (not persistent; varlen)
+        assert grid == (-(-257 // 128), 4, 4) and block == (384, 1, 1)
+        p = np.frombuffer(raw[:params_dtype().itemsize], params_dtype())[0]
+        assert p["cu_seqlens_q"] == p["cu_seqlens_k"] == cu.data.ptr
+        assert (p["total_q"], p["total_k"], p["batch"], p["seqlen_q"]) == (total, total, 4, 257)
+        assert (p["q_batch_stride"], p["q_row_stride"], p["q_head_stride"]) == (0, 4 * d, d)
+        assert (p["k_batch_stride"], p["k_row_stride"], p["k_head_stride"]) == (0, 2 * d, d)
+        assert (p["o_batch_stride"], p["o_row_stride"]) == (0, 4 * d)
+        assert (p["lse_batch_stride"], p["lse_head_stride"]) == (0, total)
+        assert p["softcap"] == 0.0 and np.isclose(p["scale_log2"], 0.1 * 1.4426950408889634)
+        maps = [struct.unpack_from("<16Q", raw, params_dtype().itemsize + i * tma.MAP_BYTES)
+                for i in range(3)]
+        for words, a, heads in zip(maps, (q, k, v), (4, 2, 2)):
+            assert words[0] == a.data.ptr and tuple(words[3:7]) == (d, total, heads, 1)
+        name, _, _, _, raw = run(softcap=7.5)
+        assert name == forward.fp8_kernel_name("float16", d, True, varlen=True, softcap=True)
+        assert name.endswith(", false, true, true>")
+        p = np.frombuffer(raw[:params_dtype().itemsize], params_dtype())[0]
+        assert p["softcap"] == np.float32(7.5)
+        assert np.isclose(p["scale_log2"], 7.5 * 1.4426950408889634)
 
 
 def test_scratch_is_fresh_and_never_filled(monkeypatch):
