@@ -324,7 +324,8 @@ struct FwdRows {
                 }
                 if (t == 0)
                     lse[row] = l == 0.f ? -INFINITY
-                                        : row_max[r] * (kCapped ? p.softcap : p.softmax_scale * s_scale) + logf(l);
+                                        : row_max[r] * (kCapped ? p.softcap : p.softmax_scale * s_scale)
+                                              + logf(l);
             }
         }
     }
@@ -960,7 +961,8 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         pack(nb * kBlockN);
         if constexpr (Is_varlen && !Is_fp8) {
             // the walk's first block, the last of the tile's keys: past the sequence's end?
-            // (tile-uniform; FP8: the producer zeroes the raw V) Consumer warpgroup 0 zeroes those V rows, all consumers meet at
+            // (tile-uniform; FP8: the producer zeroes the raw V instead) Consumer warpgroup 0
+            // zeroes those V rows, all consumers meet at
             // named barrier 4 (the ping-pong's are 1 .. kCons) before any P V product (after
             // S_0, so that S_0 does not wait for V_0)
             const int valid = blk.sk - nb * kBlockN;

@@ -118,7 +118,9 @@ template <typename Elem> struct Wgmma;
 // scale_d = 0 overwrites D, 1 accumulates.
 // One specialisation per element type; T is the PTX type name (bf16, f16).
 // The accumulator operands d[0] .. d[N - 1] of a wgmma ("+f": read and written), in runs of 8.
-#define FC_WGMMA_ACC8(i) "+f"(d[(i)]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3]), "+f"(d[(i) + 4]), "+f"(d[(i) + 5]), "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
+#define FC_WGMMA_ACC8(i) \
+      "+f"(d[(i)]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3]), \
+      "+f"(d[(i) + 4]), "+f"(d[(i) + 5]), "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
 #define FC_WGMMA_ACC16 FC_WGMMA_ACC8(0), FC_WGMMA_ACC8(8)
 #define FC_WGMMA_ACC32 FC_WGMMA_ACC16, FC_WGMMA_ACC8(16), FC_WGMMA_ACC8(24)
 #define FC_WGMMA_ACC40 FC_WGMMA_ACC32, FC_WGMMA_ACC8(32)

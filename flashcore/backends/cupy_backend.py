@@ -221,14 +221,13 @@ class CupyBackend(Backend):
                     (spec.batch, spec.nheads, spec.seqlen_q)
                 lse = xp.empty(shape, dtype=np.float32)
             if q.size and k.shape[0 if spec.varlen else 1]:
-                varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                              max_seqlen_q=spec.seqlen_q, max_seqlen_k=spec.seqlen_k) \
-                    if spec.varlen else {}
                 plans.offer(launch_forward_fp8(
                     q.view(np.uint8), k.view(np.uint8), v.view(np.uint8), out, lse,
                     softmax_scale=spec.softmax_scale, window_left=spec.window_left,
                     window_right=spec.window_right, q_descale=qd, k_descale=kd, v_descale=vd,
-                    softcap=spec.softcap, **varlen))
+                    softcap=spec.softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                    max_seqlen_q=spec.seqlen_q if spec.varlen else None,
+                    max_seqlen_k=spec.seqlen_k if spec.varlen else None))
             else:   # no queries, or no keys at all: nothing is visible
                 out[...] = 0
                 lse[...] = -np.inf

@@ -443,6 +443,40 @@ def _fp8_bytes(arr):
     return _as_input(arr, 16)
 
 
+def _as4(a, varlen: bool):
+    """The tensor maps' view of an input: varlen (total, heads, headdim) as (1, total, ...)."""
+    return a[None] if varlen else a
+
+
+def _geometry(q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, block_table=None):
+    """A forward launch's (batch, seqlen_q, seqlen_k, capacity, strides): dense (b, s, h, d)
+    arrays, or varlen (total, h, d) ones with int32 ``cu_seqlens_q`` (b + 1,), k and v paged
+    (num_blocks, page_size, h_k, d) with ``block_table``. ``capacity``: the key rows a varlen
+    sequence can hold; ``strides``: make_params' stride arguments, in elements (varlen: no
+    batch stride, the row offset comes from cu_seqlens; paged: the block stride)."""
+    qs, ks, vs, os_ = _strides(q), _strides(k), _strides(v), _strides(out)
+    if cu_seqlens_q is None:
+        batch, seqlen_q, seqlen_k, capacity = int(q.shape[0]), int(q.shape[1]), int(k.shape[1]), 0
+        lse_st = (lse.strides[0] // 4, lse.strides[1] // 4)
+    else:
+        paged = block_table is not None
+        batch = int(cu_seqlens_q.shape[0]) - 1
+        # (no read of cu_seqlens: without the longest lengths, the packed totals bound them)
+        capacity = int(block_table.shape[1]) * int(k.shape[1]) if paged else int(k.shape[0])
+        seqlen_q = int(q.shape[0]) if max_seqlen_q is None else int(max_seqlen_q)
+        seqlen_k = min(capacity if max_seqlen_k is None else int(max_seqlen_k), capacity)
+        qs, os_ = (0,) + qs, (0,) + os_
+        if not paged:
+            ks, vs = (0,) + ks, (0,) + vs
+        lse_st = (0, lse.strides[0] // 4)
+    strides = {}
+    for name, st in zip("qkvo", (qs, ks, vs, os_)):
+        strides.update({f"{name}_batch_stride": st[0], f"{name}_row_stride": st[1],
+                        f"{name}_head_stride": st[2]})
+    strides.update(lse_batch_stride=lse_st[0], lse_head_stride=lse_st[1])
+    return batch, seqlen_q, seqlen_k, capacity, strides
+
+
 def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
                        window_right: int, q_descale=None, k_descale=None, v_descale=None,
                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
@@ -469,14 +503,8 @@ def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: 
         out_final, out = out, xp.empty(out.shape, out.dtype)
     varlen = cu_seqlens_q is not None
     nheads, headdim, nheads_k = int(q.shape[-2]), int(q.shape[-1]), int(k.shape[-2])
-    if varlen:
-        batch = int(cu_seqlens_q.shape[0]) - 1
-        # (no read of cu_seqlens: without the longest lengths, the packed totals bound them)
-        seqlen_q = int(q.shape[0]) if max_seqlen_q is None else int(max_seqlen_q)
-        seqlen_k = int(k.shape[0]) if max_seqlen_k is None else min(int(max_seqlen_k),
-                                                                     int(k.shape[0]))
-    else:
-        batch, seqlen_q, seqlen_k = int(q.shape[0]), int(q.shape[1]), int(k.shape[1])
+    batch, seqlen_q, seqlen_k, _, strides = _geometry(q, k, v, out, lse, cu_seqlens_q,
+                                                      max_seqlen_q, max_seqlen_k)
     if batch == 0 or seqlen_q == 0 or nheads == 0:
         return None
     _check_grid(batch, nheads, softmax_scale)
@@ -489,10 +517,7 @@ def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: 
     wl, wr = _window(window_left), _window(window_right)
     is_local = wl != WINDOW_NONE or wr != WINDOW_NONE
     block_n = fp8_tile(headdim)[0]
-
-    def as4(a):     # (varlen: (total, heads, headdim) -> (1, total, ...), a view)
-        return a[None] if varlen else a
-    ws = maps_for((as4(q), 128), (as4(k), block_n), (as4(v), block_n))
+    ws = maps_for(*((_as4(a, varlen), rows) for a, rows in ((q, 128), (k, block_n), (v, block_n))))
     if ws is None:       # (cannot happen for the arrays _fp8_bytes makes)
         raise ValueError("the FP8 forward's tensor maps could not be encoded for these arrays")
     out_dtype = out.dtype.name
@@ -504,23 +529,12 @@ def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: 
                                                      persistent=persistent, varlen=varlen,
                                                      softcap=has_softcap),
                         device_id, cc, smem, config.get().sm90_defines)
-    qs, ks, vs, os_ = _strides(q), _strides(k), _strides(v), _strides(out)
-    if varlen:   # (total, h, d): no batch stride, the row offset comes from cu_seqlens
-        qs, ks, vs, os_ = ((0,) + tuple(x) for x in (qs, ks, vs, os_))
-        lse_b, lse_h = 0, lse.strides[0] // 4
-    else:
-        lse_b, lse_h = lse.strides[0] // 4, lse.strides[1] // 4
     params = make_params(
         q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
         cu_seqlens_q=cu_seqlens_q.data.ptr if varlen else None,
         cu_seqlens_k=cu_seqlens_k.data.ptr if varlen else None,
         total_q=int(q.shape[0]) if varlen else 0, total_k=int(k.shape[0]) if varlen else 0,
-        q_batch_stride=qs[0], q_row_stride=qs[1], q_head_stride=qs[2],
-        k_batch_stride=ks[0], k_row_stride=ks[1], k_head_stride=ks[2],
-        v_batch_stride=vs[0], v_row_stride=vs[1], v_head_stride=vs[2],
-        o_batch_stride=os_[0], o_row_stride=os_[1], o_head_stride=os_[2],
-        lse_batch_stride=lse_b, lse_head_stride=lse_h,
-        batch=batch, nheads=nheads, nheads_k=nheads_k, headdim=headdim,
+        **strides, batch=batch, nheads=nheads, nheads_k=nheads_k, headdim=headdim,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=wl, window_right=wr,
         o_fp32=int(out.dtype == np.float32),
         # (softcap: the kernel holds t = tanh(scaled score / softcap), its softmax's exponent
@@ -588,34 +602,8 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     dtype_name = _dtype_name(q)
     headdim = int(q.shape[-1])
     nheads, nheads_k = int(q.shape[-2]), int(k.shape[-2])
-    qs, ks, vs, os_ = _strides(q), _strides(k), _strides(v), _strides(out)
-    if varlen:
-        batch = int(cu_seqlens_q.shape[0]) - 1
-        # (no read of cu_seqlens: without the longest lengths, the packed totals bound them)
-        if max_seqlen_q is None:
-            max_seqlen_q = int(q.shape[0])
-        capacity = int(block_table.shape[1]) * int(k.shape[1]) if paged else int(k.shape[0])
-        if max_seqlen_k is None:
-            max_seqlen_k = capacity
-        seqlen_q, seqlen_k = int(max_seqlen_q), min(int(max_seqlen_k), capacity)
-        # (total, h, d): no batch stride, the row offset comes from cu_seqlens.
-        q_b, q_r, q_h = 0, qs[0], qs[1]
-        if paged:    # (num_blocks, page_size, h_k, d): the batch stride is the block stride
-            k_b, k_r, k_h = ks[0], ks[1], ks[2]
-            v_b, v_r, v_h = vs[0], vs[1], vs[2]
-        else:
-            k_b, k_r, k_h = 0, ks[0], ks[1]
-            v_b, v_r, v_h = 0, vs[0], vs[1]
-        o_b, o_r, o_h = 0, os_[0], os_[1]
-        lse_b, lse_h = 0, lse.strides[0] // 4
-    else:
-        batch, seqlen_q = int(q.shape[0]), int(q.shape[1])
-        seqlen_k = int(k.shape[1])
-        q_b, q_r, q_h = qs[0], qs[1], qs[2]
-        k_b, k_r, k_h = ks[0], ks[1], ks[2]
-        v_b, v_r, v_h = vs[0], vs[1], vs[2]
-        o_b, o_r, o_h = os_[0], os_[1], os_[2]
-        lse_b, lse_h = lse.strides[0] // 4, lse.strides[1] // 4
+    batch, seqlen_q, seqlen_k, capacity, strides = _geometry(
+        q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, max_seqlen_k, block_table)
     if batch == 0 or seqlen_q == 0 or nheads == 0:
         return None
     _check_grid(batch, nheads, softmax_scale)
@@ -635,10 +623,8 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         if cfg_.sm90_fwd_ws:
             from .tma import maps_for
             block_m, block_n, _ = sm90_ws_tile(headdim, is_local, dropout)
-
-            def as4(a):     # (varlen: (total, heads, headdim) -> (1, total, ...), a view)
-                return a[None] if varlen else a
-            ws = maps_for((as4(q), block_m), (as4(k), block_n), (as4(v), block_n))
+            ws = maps_for(*((_as4(a, varlen), rows)
+                            for a, rows in ((q, block_m), (k, block_n), (v, block_n))))
         grid_m = math.ceil(seqlen_q / (block_m if ws is not None else 128))
         if ws is not None:
             smem = sm90_ws_smem(headdim, is_local, dropout)
@@ -677,11 +663,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         cu_seqlens_q=cu_seqlens_q.data.ptr if varlen else None,
         cu_seqlens_k=cu_seqlens_k.data.ptr if varlen else None,
         alibi_slopes=alibi_slopes.data.ptr if has_alibi else None,
-        q_batch_stride=q_b, q_row_stride=q_r, q_head_stride=q_h,
-        k_batch_stride=k_b, k_row_stride=k_r, k_head_stride=k_h,
-        v_batch_stride=v_b, v_row_stride=v_r, v_head_stride=v_h,
-        o_batch_stride=o_b, o_row_stride=o_r, o_head_stride=o_h,
-        lse_batch_stride=lse_b, lse_head_stride=lse_h,
+        **strides,
         alibi_batch_stride=alibi_bs,
         batch=batch, nheads=nheads, nheads_k=nheads_k, headdim=headdim,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=wl, window_right=wr,
