@@ -33,10 +33,7 @@ The settings (environment variable in brackets):
   kernel (the others' calls) at head dim 64 (64 or 128).
 * ``sm90_fp8_fwd`` (``FLASHCORE_SM90_FP8_FWD``): the Hopper FP8 forward kernel for
   float8_e4m3fn CuPy and torch CUDA inputs (on by default); off, such calls are refused by
-  name (NumPy arrays and torch CPU tensors take the NumPy reference either way);
-  ``sm90_fp8_unverified`` (``FLASHCORE_SM90_FP8_UNVERIFIED``): its varlen (packed) and softcap
-  calls, written and not yet run on a GPU: off by default (such calls are refused by name)
-  until they have.
+  name (NumPy arrays and torch CPU tensors take the NumPy reference either way).
 * ``sm90_defines``: extra NVRTC options of the kernels compiled for compute capability 9.0: the
   Hopper forward and backward, and the decode kernels there (a diagnostic).
 * ``decode_fused_combine`` (``FLASHCORE_DECODE_FUSED_COMBINE``): split-KV partials merged in
@@ -76,7 +73,6 @@ class Settings(NamedTuple):
     sm90_bwd_ws: bool
     sm90_bwd_d64_block_m: int
     sm90_fp8_fwd: bool
-    sm90_fp8_unverified: bool
     sm90_defines: tuple
     decode_fused_combine: bool
     decode_cluster: bool
@@ -104,7 +100,6 @@ def _from_environment() -> Settings:
         sm90_bwd_ws=_env_flag("FLASHCORE_SM90_BWD_WS", True),
         sm90_bwd_d64_block_m=int(bm) if bm in ("64", "128") else 128,
         sm90_fp8_fwd=_env_flag("FLASHCORE_SM90_FP8_FWD", True),
-        sm90_fp8_unverified=_env_flag("FLASHCORE_SM90_FP8_UNVERIFIED", False),
         sm90_defines=(),
         decode_fused_combine=_env_flag("FLASHCORE_DECODE_FUSED_COMBINE", True),
         decode_cluster=_env_flag("FLASHCORE_DECODE_CLUSTER", True),

@@ -177,15 +177,6 @@ def test_refusals_name_the_argument():
     (why,) = forward.fp8_reasons(90, 64)
     assert "'q'" in why and "headdim 64" in why
     assert "'block_table'" in forward.fp8_reasons(90, 128, paged=True)[0]
-    # varlen: off until verified on a GPU (FLASHCORE_SM90_FP8_UNVERIFIED)
-    (why,) = forward.fp8_reasons(90, 128, varlen=True)
-    assert "'cu_seqlens_q'" in why and "FLASHCORE_SM90_FP8_UNVERIFIED" in why
-    with config.override(sm90_fp8_unverified=True):
-        assert forward.fp8_reasons(90, 128, varlen=True) == []
-    (why,) = forward.fp8_reasons(90, 128, softcap=5.0)
-    assert "'softcap'" in why and "FLASHCORE_SM90_FP8_UNVERIFIED" in why
-    with config.override(sm90_fp8_unverified=True):
-        assert forward.fp8_reasons(90, 128, softcap=5.0) == []
     assert "'alibi_slopes'" in forward.fp8_reasons(90, 128, alibi=True)[0]
     assert "'dropout_p'" in forward.fp8_reasons(90, 128, dropout=True)[0]
 
@@ -378,11 +369,9 @@ def test_torch_fp8_tensors_run_the_kernel():
 def test_fp8_softcap_matches_the_flash_attn_rule_in_fp8(case, d):
     """Softcap on the FP8 kernel (the capped scores in natural units, the descales and the
     softmax scale inside the tanh's argument): the rule in FP8 against the float64 attention
-    of the dequantised inputs, as the other FP8 cases (FLASHCORE_SM90_FP8_UNVERIFIED on)."""
-    from flashcore import config
+    of the dequantised inputs, as the other FP8 cases."""
     _require_hopper()
-    with config.override(sm90_fp8_unverified=True):
-        _check_fp8_case(case, d)
+    _check_fp8_case(case, d)
 
 
 # sequence lengths of the varlen cases: an empty one, none a multiple of the tiles
@@ -430,19 +419,17 @@ def test_varlen_fp8_matches_each_sequence_alone(d, kw):
                         max_seqlen_k=max(_VARLEN_K), q_descale=gds[0], k_descale=gds[1],
                         v_descale=gds[2], **kw)
     assert spec.dtype == "float8_e4m3fn" and spec.varlen
-    from flashcore import config
     from flashcore.backends.base import get_backend
     out = _poisoned(q8.shape, np.dtype(np.float32))          # NaN-filled outputs
     lse = _poisoned((h, q8.shape[0]), np.dtype(np.float32))
-    with config.override(sm90_fp8_unverified=True):   # (off by default until verified on a GPU)
-        get_backend("cupy").forward(spec, gq, gk, gv, **gcu, out=out, lse=lse,
-                                    descales=tuple(gds), fp8_out="float32")
-        assert _ran_fp8()
-        # the public function gives the same bits
-        pub, pub_lse = flashcore.varlen_attention_forward(
-            gq, gk, gv, gcu["cu_seqlens_q"], gcu["cu_seqlens_k"], max(_VARLEN_Q),
-            max(_VARLEN_K), q_descale=gds[0], k_descale=gds[1], v_descale=gds[2],
-            out_dtype="float32", **kw)
+    get_backend("cupy").forward(spec, gq, gk, gv, **gcu, out=out, lse=lse,
+                                descales=tuple(gds), fp8_out="float32")
+    assert _ran_fp8()
+    # the public function gives the same bits
+    pub, pub_lse = flashcore.varlen_attention_forward(
+        gq, gk, gv, gcu["cu_seqlens_q"], gcu["cu_seqlens_k"], max(_VARLEN_Q),
+        max(_VARLEN_K), q_descale=gds[0], k_descale=gds[1], v_descale=gds[2],
+        out_dtype="float32", **kw)
     cupy.testing.assert_array_equal(pub, out)
     cupy.testing.assert_array_equal(pub_lse, lse)
     o, got_lse = cupy.asnumpy(out).astype(np.float64), cupy.asnumpy(lse)
@@ -479,10 +466,5 @@ def test_gpu_refusals_are_named():
         flashcore.attention_forward(*g)
     (q8, k8, v8), _, _ = _quantised(rng, 1, 64, 64, 2, 2, 128)
     g = [cupy.asarray(x.view(np.uint8)) for x in (q8, k8, v8)]
-    with pytest.raises(NotSupportedError, match="'softcap'.*FLASHCORE_SM90_FP8_UNVERIFIED"):
-        flashcore.attention_forward(*g, softcap=10.0)
-    cu = cupy.asarray(np.array([0, 64], np.int32))
-    with pytest.raises(NotSupportedError, match="'cu_seqlens_q'.*FLASHCORE_SM90_FP8_UNVERIFIED"):
-        flashcore.varlen_attention_forward(*(x[0] for x in g), cu, cu)
     with pytest.raises(TypeError, match="'q'.*forward only"):
         flashcore.attention_backward(g[0], *g, g[0], cupy.zeros((1, 2, 64), cupy.float32))

@@ -451,11 +451,11 @@ def test_forward_ws_varlen_launches(d):
 
 @pytest.mark.parametrize("d", [128, 256])
 def test_forward_fp8_varlen_and_softcap_launches(d):
-    """FP8 varlen and softcap calls (behind sm90_fp8_unverified): the FP8 kernel's varlen
+    """FP8 varlen and softcap calls: the FP8 kernel's varlen
     instantiation (one tile a CTA, grid (query blocks of the longest sequence, heads,
     sequences)), maps over the packed byte arrays, the params' cu_seqlens, totals and packed
     strides, lse (heads, total); softcap: its instantiation, the softcap and an exponent
-    multiplier of softcap log2(e). Refused by name with the setting off."""
+    multiplier of softcap log2(e)."""
     cu = fake_array((len(_VARLEN_LENS) + 1,), np.int32)
     total = sum(_VARLEN_LENS)
     q, k, v = (fake_array((total, h, d), np.uint8) for h in (4, 2, 2))
@@ -468,31 +468,28 @@ def test_forward_fp8_varlen_and_softcap_launches(d):
                                    max_seqlen_q=257, max_seqlen_k=257, **kw)
         (entry,) = LOG
         return entry
-    with pytest.raises(ValueError, match="'cu_seqlens_q'.*FLASHCORE_SM90_FP8_UNVERIFIED"):
-        run()
-    with config.override(sm90_fp8_unverified=True):
-        name, grid, block, _, raw = run()
-        assert name == forward.fp8_kernel_name("float16", d, True, varlen=True)
-        assert name.endswith(", false, true>")          # (not persistent; varlen)
-        assert grid == (-(-257 // 128), 4, 4) and block == (384, 1, 1)
-        p = np.frombuffer(raw[:params_dtype().itemsize], params_dtype())[0]
-        assert p["cu_seqlens_q"] == p["cu_seqlens_k"] == cu.data.ptr
-        assert (p["total_q"], p["total_k"], p["batch"], p["seqlen_q"]) == (total, total, 4, 257)
-        assert (p["q_batch_stride"], p["q_row_stride"], p["q_head_stride"]) == (0, 4 * d, d)
-        assert (p["k_batch_stride"], p["k_row_stride"], p["k_head_stride"]) == (0, 2 * d, d)
-        assert (p["o_batch_stride"], p["o_row_stride"]) == (0, 4 * d)
-        assert (p["lse_batch_stride"], p["lse_head_stride"]) == (0, total)
-        assert p["softcap"] == 0.0 and np.isclose(p["scale_log2"], 0.1 * 1.4426950408889634)
-        maps = [struct.unpack_from("<16Q", raw, params_dtype().itemsize + i * tma.MAP_BYTES)
-                for i in range(3)]
-        for words, a, heads in zip(maps, (q, k, v), (4, 2, 2)):
-            assert words[0] == a.data.ptr and tuple(words[3:7]) == (d, total, heads, 1)
-        name, _, _, _, raw = run(softcap=7.5)
-        assert name == forward.fp8_kernel_name("float16", d, True, varlen=True, softcap=True)
-        assert name.endswith(", false, true, true>")
-        p = np.frombuffer(raw[:params_dtype().itemsize], params_dtype())[0]
-        assert p["softcap"] == np.float32(7.5)
-        assert np.isclose(p["scale_log2"], 7.5 * 1.4426950408889634)
+    name, grid, block, _, raw = run()
+    assert name == forward.fp8_kernel_name("float16", d, True, varlen=True)
+    assert name.endswith(", false, true>")          # (not persistent; varlen)
+    assert grid == (-(-257 // 128), 4, 4) and block == (384, 1, 1)
+    p = np.frombuffer(raw[:params_dtype().itemsize], params_dtype())[0]
+    assert p["cu_seqlens_q"] == p["cu_seqlens_k"] == cu.data.ptr
+    assert (p["total_q"], p["total_k"], p["batch"], p["seqlen_q"]) == (total, total, 4, 257)
+    assert (p["q_batch_stride"], p["q_row_stride"], p["q_head_stride"]) == (0, 4 * d, d)
+    assert (p["k_batch_stride"], p["k_row_stride"], p["k_head_stride"]) == (0, 2 * d, d)
+    assert (p["o_batch_stride"], p["o_row_stride"]) == (0, 4 * d)
+    assert (p["lse_batch_stride"], p["lse_head_stride"]) == (0, total)
+    assert p["softcap"] == 0.0 and np.isclose(p["scale_log2"], 0.1 * 1.4426950408889634)
+    maps = [struct.unpack_from("<16Q", raw, params_dtype().itemsize + i * tma.MAP_BYTES)
+            for i in range(3)]
+    for words, a, heads in zip(maps, (q, k, v), (4, 2, 2)):
+        assert words[0] == a.data.ptr and tuple(words[3:7]) == (d, total, heads, 1)
+    name, _, _, _, raw = run(softcap=7.5)
+    assert name == forward.fp8_kernel_name("float16", d, True, varlen=True, softcap=True)
+    assert name.endswith(", false, true, true>")
+    p = np.frombuffer(raw[:params_dtype().itemsize], params_dtype())[0]
+    assert p["softcap"] == np.float32(7.5)
+    assert np.isclose(p["scale_log2"], 7.5 * 1.4426950408889634)
 
 
 def test_scratch_is_fresh_and_never_filled(monkeypatch):

@@ -102,8 +102,8 @@ def _fp8_reasons(spec, backward) -> list[str]:
     from ..jit import device_facts
     from ..kernels.forward import fp8_reasons
     cc = device_facts(int(spec.device.split(":")[1]))[0]
-    r = fp8_reasons(cc, spec.headdim, varlen=spec.varlen, softcap=spec.softcap,
-                    alibi=spec.alibi is not None, paged=spec.paged, dropout=bool(spec.dropout_p))
+    r = fp8_reasons(cc, spec.headdim, alibi=spec.alibi is not None, paged=spec.paged,
+                    dropout=bool(spec.dropout_p))
     if backward:
         r.append("argument 'q': float8_e4m3fn attention is forward only (no backward)")
     return r
@@ -206,8 +206,8 @@ class CupyBackend(Backend):
         from ..jit import device_facts
         from ..kernels.forward import fp8_reasons, launch_forward_fp8
         from ..spec import exact_descale
-        why = fp8_reasons(device_facts(q.device.id)[0], spec.headdim, varlen=spec.varlen,
-                          softcap=spec.softcap, alibi=spec.alibi is not None, paged=spec.paged)
+        why = fp8_reasons(device_facts(q.device.id)[0], spec.headdim,
+                          alibi=spec.alibi is not None, paged=spec.paged)
         if why:
             raise ValueError("; ".join(why))
         qd, kd, vd = (exact_descale(d, spec.batch, spec.nheads_k)

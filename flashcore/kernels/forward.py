@@ -330,8 +330,8 @@ def sm90_instantiations() -> list[str]:
 
 # ---- the FP8 forward (cuda/flash_fwd_sm90.cu: flash_fwd_sm90_fp8_kernel) ---------------------
 # float8_e4m3fn q, k, v (CuPy uint8 arrays of the bits), compute capability 9.0, dense calls
-# whose arrays TMA can read (others are copied into contiguous ones first); varlen and softcap
-# calls behind sm90_fp8_unverified until they have run on a GPU.
+# whose arrays TMA can read (others are copied into contiguous ones first), varlen (packed) and
+# softcap calls included.
 FP8_HEADDIMS = (128, 256)
 FP8_MIN_COMPUTE_CAPABILITY = FP8_MAX_COMPUTE_CAPABILITY = 90
 FP8_OUT_DTYPES = ("bfloat16", "float16", "float32")
@@ -404,8 +404,7 @@ def _check_grid(batch: int, nheads: int, softmax_scale: float) -> None:
                          f"(got nheads={nheads}, batch={batch})")
 
 
-def fp8_reasons(cc: int, headdim: int, *, varlen=False, softcap=0.0, alibi=False,
-                paged=False, dropout=False) -> list[str]:
+def fp8_reasons(cc: int, headdim: int, *, alibi=False, paged=False, dropout=False) -> list[str]:
     """Why the FP8 kernel cannot run a call (each reason names its argument), or []."""
     r = []
     if not config.get().sm90_fp8_fwd:
@@ -422,14 +421,6 @@ def fp8_reasons(cc: int, headdim: int, *, varlen=False, softcap=0.0, alibi=False
     if paged:
         r.append("argument 'block_table': None with float8_e4m3fn inputs on the GPU (the "
                  "warp-specialised TMA kernel reads dense or packed arrays, not a paged cache)")
-    elif varlen and not config.get().sm90_fp8_unverified:
-        r.append("argument 'cu_seqlens_q': float8_e4m3fn varlen (packed) calls on the GPU are "
-                 "off until verified on a GPU (FLASHCORE_SM90_FP8_UNVERIFIED=1 or "
-                 "flashcore.config.set(sm90_fp8_unverified=True) turns them on)")
-    if softcap and not config.get().sm90_fp8_unverified:
-        r.append("argument 'softcap': float8_e4m3fn softcap calls on the GPU are off until "
-                 "verified on a GPU (FLASHCORE_SM90_FP8_UNVERIFIED=1 or "
-                 "flashcore.config.set(sm90_fp8_unverified=True) turns them on)")
     if alibi:
         r.append("argument 'alibi_slopes': None with float8_e4m3fn inputs on the GPU")
     if dropout:
@@ -511,7 +502,7 @@ def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: 
     device_id = q.device.id
     cc = device_facts(device_id)[0]
     has_softcap = softcap is not None and softcap > 0.0
-    why = fp8_reasons(cc, headdim, varlen=varlen, softcap=has_softcap)
+    why = fp8_reasons(cc, headdim)
     if why:
         raise ValueError("; ".join(why))
     wl, wr = _window(window_left), _window(window_right)

@@ -155,19 +155,18 @@ if "--persistent" in sys.argv:
         with config.override(sm90_fwd_persistent=True, sm90_fwd_pingpong=pp,
                              sm90_fwd_d64_min_seqlen_k=0):
             n += run_forward_cases(HOPPER_FWD_CASES + FP8_FWD_CASES)
-    # FP8 varlen (one tile a CTA; FLASHCORE_SM90_FP8_UNVERIFIED): three packed sequences, one
-    # without queries, whose keys the first sequence's last key block reads past its end
-    with config.override(sm90_fp8_unverified=True):
-        cq = cp.asarray(np.array([0, 70, 70, 327], np.int32))
-        ck = cp.asarray(np.array([0, 200, 205, 605], np.int32))
-        for hd, kw in ((128, {}), (256, {"causal": True}), (128, {"window_size": (50, 10)})):
-            q, k, v = arr((327, 4, hd), "e4m3"), arr((605, 2, hd), "e4m3"), arr((605, 2, hd), "e4m3")
-            flashcore.varlen_attention_forward(q, k, v, cq, ck, 257, 400, **kw)
-            cp.cuda.Device().synchronize()
-            n += 1
-        # FP8 softcap (the same setting), persistent at head dim 128 and one tile a CTA at 256
-        n += run_forward_cases((("e4m3", 130, 300, 128, 140, {"softcap": 20.0}),
-                                ("e4m3", 300, 333, 256, 4, {"softcap": 5.0, "causal": True})))
+    # FP8 varlen (one tile a CTA): three packed sequences, one without queries, whose keys the
+    # first sequence's last key block reads past its end
+    cq = cp.asarray(np.array([0, 70, 70, 327], np.int32))
+    ck = cp.asarray(np.array([0, 200, 205, 605], np.int32))
+    for hd, kw in ((128, {}), (256, {"causal": True}), (128, {"window_size": (50, 10)})):
+        q, k, v = arr((327, 4, hd), "e4m3"), arr((605, 2, hd), "e4m3"), arr((605, 2, hd), "e4m3")
+        flashcore.varlen_attention_forward(q, k, v, cq, ck, 257, 400, **kw)
+        cp.cuda.Device().synchronize()
+        n += 1
+    # FP8 softcap, persistent at head dim 128 and one tile a CTA at 256
+    n += run_forward_cases((("e4m3", 130, 300, 128, 140, {"softcap": 20.0}),
+                            ("e4m3", 300, 333, 256, 4, {"softcap": 5.0, "causal": True})))
     print(f"sanitize driver --persistent: {n} cases ran")
     sys.exit(0)
 
