@@ -44,12 +44,6 @@
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
-// The K/V copies' L2 prefetch size (cp_async_16_pf: 0, the default, no hint; 128 or 256). An
-// experiment, set through NVRTC options (-DFC_DECODE_L2_PREFETCH=256) until measured.
-#ifndef FC_DECODE_L2_PREFETCH
-#define FC_DECODE_L2_PREFETCH 0
-#endif
-
 template <typename E, bool Fp8> struct fc_mma_elem {
     using type = E;
     static constexpr bool kConvertQ = false;
@@ -648,8 +642,8 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
             const int tok = nb * kBlockN + row;
             const bool pred = col_ok && tok < sk && (key_keep == nullptr || __ldg(key_keep + tok));
             const fc_u32 so = 2u * (fc_u32)tile_off<kW, kBlockN>(row, lc * 8);   // (kLD columns)
-            cp_async_16_pf<FC_DECODE_L2_PREFETCH>(sK + so, pred ? gK + ko : gK, pred);
-            cp_async_16_pf<FC_DECODE_L2_PREFETCH>(sV + so, pred ? gV + vo : gV, pred);
+            cp_async_16(sK + so, pred ? gK + ko : gK, pred);
+            cp_async_16(sV + so, pred ? gV + vo : gV, pred);
         };
         if constexpr (Is_paged) {
             if (one_page(r0)) {

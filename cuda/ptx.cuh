@@ -137,21 +137,6 @@ __device__ __forceinline__ void cp_async_16(fc_u32 smem_addr, const void* gmem, 
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  :: "r"(smem_addr), "l"(gmem), "r"(src_size));
 }
-// The same with an L2 prefetch-size hint (kPf 128 or 256: the L2 fetches the kPf-byte aligned
-// block around the address from memory as one request; 0: no hint, cp_async_16).
-template <int kPf>
-__device__ __forceinline__ void cp_async_16_pf(fc_u32 smem_addr, const void* gmem, bool pred) {
-    static_assert(kPf == 0 || kPf == 128 || kPf == 256, "prefetch size: 0, 128 or 256 bytes");
-    const int src_size = pred ? 16 : 0;
-    if constexpr (kPf == 256)
-        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
-                     :: "r"(smem_addr), "l"(gmem), "r"(src_size));
-    else if constexpr (kPf == 128)
-        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n"
-                     :: "r"(smem_addr), "l"(gmem), "r"(src_size));
-    else
-        cp_async_16(smem_addr, gmem, pred);
-}
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::);
 }
