@@ -270,7 +270,8 @@ __device__ __forceinline__ void stmatrix_x4(fc_u32 addr, fc_u32 r0, fc_u32 r1, f
 // operands K-major only (no transpose flags). ss: A and B from shared memory; rs: A from
 // registers, four b32 of four bytes each: register 2h + v of lane (g, t) of warp w holds row
 // 16w + g + 8v, columns 16h + 4t .. 16h + 4t + 3 (low byte first), as CUTLASS's ALayout_64x32
-// and the PTX ISA's k32 A-fragment figure have it. N = 128, 192 or 256 (the accumulator's size).
+// and the PTX ISA's k32 A-fragment figure have it. N = 128, 192, 224 or 256 (the accumulator's
+// size).
 template <> struct Wgmma<fc_e4m3> {
     static __device__ __forceinline__ void ss(float (&d)[64], fc_u64 desc_a, fc_u64 desc_b,
                                               int scale_d) {
