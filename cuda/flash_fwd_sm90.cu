@@ -42,7 +42,7 @@
 //                     load (transpose_v), storing the keys in the order in which P's
 //                     accumulator registers already hold them (no shuffle of P).
 // The descales fold into the scores' scale (q_descale * k_descale) and into the epilogue's
-// 1 / l (v_descale). Head dims 128 (224-key blocks) and 256 (128-key blocks); varlen calls
+// 1 / l (v_descale). Head dims 128 (192-key blocks) and 256 (128-key blocks); varlen calls
 // one tile a CTA (Is_varlen: the producer zeroes the raw V rows past a sequence's end);
 // softcap (Has_softcap); no dropout, ALiBi or paged K/V (the launcher refuses them by name).
 //
@@ -209,47 +209,27 @@ struct FwdRows {
         }
     }
     // Online softmax (as flash_fwd.cu): s -> P (fp32), row max and sum updated; corr is the
-    // factor the O of the earlier blocks must be multiplied by. The row's max and sum go into
-    // kAcc partial results (chains of kNT / kAcc dependent instructions, not kNT and 2 kNT:
-    // the consumers' "wait" stalls, ncu run 57) combined at the end.
+    // factor the O of the earlier blocks must be multiplied by.
     __device__ __forceinline__ void softmax(float (&s)[kNT * 4], float (&corr)[2]) {
-#ifdef FC_DIAG_SOFTMAX_CHAIN          // (timing only: one chain per row, as before)
-        constexpr int kAcc = 1;
-#else
-        constexpr int kAcc = 4;
-#endif
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            float mp[kAcc];
+            float mx = row_max[r];
 #pragma unroll
-            for (int a = 0; a < kAcc; ++a) mp[a] = a == 0 ? row_max[r] : -INFINITY;
-#pragma unroll
-            for (int j = 0; j < kNT; ++j)
-                mp[j % kAcc] = fmaxf(mp[j % kAcc], fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
-#pragma unroll
-            for (int w = kAcc / 2; w >= 1; w /= 2)
-#pragma unroll
-                for (int a = 0; a < w; ++a) mp[a] = fmaxf(mp[a], mp[a + w]);
-            const float mx = quad_max(mp[0]);
+            for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+            mx = quad_max(mx);
             const float m_scaled = (mx == -INFINITY) ? 0.f : mx * mult;
             corr[r] = fc_exp2(row_max[r] * mult - m_scaled);
             row_max[r] = mx;
-            float sp[kAcc];
-#pragma unroll
-            for (int a = 0; a < kAcc; ++a) sp[a] = 0.f;
+            float sum = 0.f;
 #pragma unroll
             for (int j = 0; j < kNT; ++j)
 #pragma unroll
                 for (int e = 2 * r; e < 2 * r + 2; ++e) {
                     const float pr = fc_exp2(fmaf(s[4 * j + e], mult, -m_scaled));
                     s[4 * j + e] = pr;
-                    sp[(2 * j + e) % kAcc] += pr;
+                    sum += pr;
                 }
-#pragma unroll
-            for (int w = kAcc / 2; w >= 1; w /= 2)
-#pragma unroll
-                for (int a = 0; a < w; ++a) sp[a] += sp[a + w];
-            row_sum[r] = row_sum[r] * corr[r] + sp[0];
+            row_sum[r] = row_sum[r] * corr[r] + sum;
         }
     }
     __device__ __forceinline__ void rescale(const float (&corr)[2]) {
@@ -425,8 +405,8 @@ __device__ __forceinline__ void issue_pv_e4m3(float (&acc_o)[kNO], fc_u32 (&pa)[
 // word at bytes 4c .. 4c + 3: keys 2c, 2c + 1, 8 + 2c, 9 + 2c of those 16, which is the order
 // pack_e4m3 gives P's columns. (The stores meet 2-way bank conflicts: rows 2i + e of a matrix
 // repeat every 4 in the swizzle; the loads have none.)
-//   kBlockN > 128 (192 or 224 at head dim 128): V^T is [ceil(kBlockN / 128)][kD][128] bytes, key
-// chunk c's 128-byte rows holding keys 128 c .. (the last chunk's rows part-filled), and the
+//   kBlockN > 128 (192 or 224 at head dim 128): V^T is [ceil(kBlockN / 128)][kD][128] bytes,
+// key chunk c's 128-byte rows holding keys 128 c .. (the last chunk's rows part-filled), and the
 // units (32 keys g, 16 columns j) are dealt out evenly: warp w takes kPer in a row, g-major.
 template <int kD, int kBlockN>
 __device__ __forceinline__ void transpose_v(fc_u32 sVt, fc_u32 sV, int ptid) {

@@ -335,28 +335,25 @@ def sm90_instantiations() -> list[str]:
 FP8_HEADDIMS = (128, 256)
 FP8_MIN_COMPUTE_CAPABILITY = FP8_MAX_COMPUTE_CAPABILITY = 90
 FP8_OUT_DTYPES = ("bfloat16", "float16", "float32")
-# (keys per block, K / V^T ring depth) per (head dim, whether the call is local or capped).
-# Head dim 128, neither: 224-key blocks, the largest whose V^T fits two 128-key chunks (two
-# stages: 193 KiB; measured on the H200, run 57 of the performance log: +2-5% over 192-key
-# blocks at 4k-16k non-causal; causal +1.7, +2.0, -0.6% at 4k, 8k, 16k). Causal / windowed or
-# softcap: 192 (at 224 the mask's or the tanh's registers spill: 8-48 and 124-352 bytes under
-# NVRTC 12), which had measured +3-7% over 128-key blocks with three stages (run 48). Head dim
-# 256: 128-key blocks (one 128-byte V^T row), the ring as deep as shared memory allows next to
-# the producer's two raw V buffers (Q 32 KiB + 2 x (K 32 + V^T 32) + raw 2 x 32 = 224 KiB).
-_FP8_TILES = {(128, False): (224, 2), (128, True): (192, 2),
-              (256, False): (128, 2), (256, True): (128, 2)}
+# (keys per block, K / V^T ring depth) per head dim. Head dim 128: 192-key blocks, FA3's
+# direction there (V^T in two 128-key chunks, two stages: 177 KiB; measured on the H200, run 48
+# of the performance log: +3-7% over 128-key blocks with three stages, 4k and 16k, causal and
+# not). Head dim 256: 128-key blocks (one 128-byte V^T row), the ring as deep as shared memory
+# allows next to the producer's two raw V buffers (Q 32 KiB + 2 x (K 32 + V^T 32) + raw 2 x 32
+# = 224 KiB).
+_FP8_TILES = {128: (192, 2), 256: (128, 2)}
 
 
-def fp8_tile(headdim: int, is_local: bool = False, softcap: bool = False) -> tuple[int, int]:
+def fp8_tile(headdim: int) -> tuple[int, int]:
     """(block_n, stages) of the FP8 kernel."""
-    return _FP8_TILES[(headdim, bool(is_local or softcap))]
+    return _FP8_TILES[headdim]
 
 
-def fp8_smem(headdim: int, is_local: bool = False, softcap: bool = False) -> int:
+def fp8_smem(headdim: int) -> int:
     """Q + the K and V^T rings + the raw V ring (2) + the mbarriers (2 Q, 4 per stage, 2 raw, 4
     of the tile scheduler) and its two int32 slots + alignment slack, 1-byte elements. (A V^T
-    stage holds whole 128-key chunks: 256 keys' room at 192- and 224-key blocks.)"""
-    block_n, stages = fp8_tile(headdim, is_local, softcap)
+    stage holds whole 128-key chunks: 256 keys' room at 192-key blocks.)"""
+    block_n, stages = fp8_tile(headdim)
     vt_keys = -(-block_n // 128) * 128
     return (128 * headdim + (stages + 2) * block_n * headdim + stages * vt_keys * headdim
             + 8 * (9 + 4 * stages) + 1024)
@@ -375,7 +372,7 @@ def fp8_kernel_name(out_dtype: str, headdim: int, is_local: bool,
                     varlen: bool = False, softcap: bool = False) -> str:
     """``out_dtype``: bfloat16 or float16 (the kernel's Elem), or float32 (Elem unused: the
     bfloat16 instantiation writes float32 with ``o_fp32``). Varlen calls: one tile a CTA."""
-    block_n, stages = fp8_tile(headdim, is_local, softcap)
+    block_n, stages = fp8_tile(headdim)
     elem = _elem_tag("bfloat16" if out_dtype == "float32" else out_dtype)
     pp = fp8_pingpong() if pingpong is None else pingpong
     pers = False if varlen else (sm90_ws_persistent(headdim, is_local, fp8=True)
@@ -510,12 +507,12 @@ def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: 
         raise ValueError("; ".join(why))
     wl, wr = _window(window_left), _window(window_right)
     is_local = wl != WINDOW_NONE or wr != WINDOW_NONE
-    block_n = fp8_tile(headdim, is_local, has_softcap)[0]
+    block_n = fp8_tile(headdim)[0]
     ws = maps_for(*((_as4(a, varlen), rows) for a, rows in ((q, 128), (k, block_n), (v, block_n))))
     if ws is None:       # (cannot happen for the arrays _fp8_bytes makes)
         raise ValueError("the FP8 forward's tensor maps could not be encoded for these arrays")
     out_dtype = out.dtype.name
-    smem = fp8_smem(headdim, is_local, has_softcap)
+    smem = fp8_smem(headdim)
     grid_m = math.ceil(seqlen_q / 128)
     persistent = not varlen and sm90_ws_persistent(headdim, is_local, fp8=True,
                                                    tiles=grid_m * nheads * batch)
