@@ -362,7 +362,8 @@ def fp8_smem(headdim: int) -> int:
 def fp8_pingpong() -> bool:
     """Whether the FP8 kernel's consumers take turns (the ``sm90_fwd_pingpong`` setting; by
     default on: with products at twice the 16-bit rate the softmax is the longer pipe, and
-    ping-pong runs one warpgroup's under the other's products. Not yet measured)."""
+    ping-pong runs one warpgroup's under the other's products; measured on the H200 in session
+    14 of the performance log, on and off within 2% of each other at d128 and d256)."""
     pp = config.get().sm90_fwd_pingpong
     return True if pp is None else pp
 
