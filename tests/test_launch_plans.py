@@ -451,11 +451,10 @@ def test_forward_ws_varlen_launches(d):
 
 @pytest.mark.parametrize("d", [128, 256])
 def test_forward_fp8_varlen_and_softcap_launches(d):
-    """FP8 varlen and softcap calls: the FP8 kernel's varlen
-    instantiation (one tile a CTA, grid (query blocks of the longest sequence, heads,
-    sequences)), maps over the packed byte arrays, the params' cu_seqlens, totals and packed
-    strides, lse (heads, total); softcap: its instantiation, the softcap and an exponent
-    multiplier of softcap log2(e)."""
+    """FP8 varlen and softcap calls: the FP8 kernel's varlen instantiation (one tile a CTA,
+    grid (query blocks of the longest sequence, heads, sequences)), maps over the packed byte
+    arrays, the params' cu_seqlens, totals and packed strides, lse (heads, total); softcap: its
+    instantiation, the softcap and an exponent multiplier of softcap log2(e)."""
     cu = fake_array((len(_VARLEN_LENS) + 1,), np.int32)
     total = sum(_VARLEN_LENS)
     q, k, v = (fake_array((total, h, d), np.uint8) for h in (4, 2, 2))
