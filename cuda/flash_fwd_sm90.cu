@@ -292,38 +292,68 @@ struct FwdRows {
     // Epilogue: O * o_scale / l (NaN propagates: l == 0 only for rows that saw no key), lse
     // of the scores times s_scale (the FP8 kernel's descales; 1 otherwise), or with kCapped
     // (softcap: the rows hold tanh of the scaled scores) times the softcap. With dropout the
-    // kept probabilities' 1 / (1 - p) is applied here, once per output element (pack).
+    // kept probabilities' 1 / (1 - p) is applied here, once per output element (pack). O goes
+    // to global memory from the registers, or, with sO (the warpgroup's O buffer, see
+    // stage_o), into shared memory for the caller's TMA store; lse always from the registers.
     template <bool kCapped = false>
     __device__ __forceinline__ void store(const FlashParams& p,
                                           const FwdBlock<kBlockN, Is_local, kBM>& blk,
-                                          float o_scale = 1.f, float s_scale = 1.f) const {
+                                          float o_scale = 1.f, float s_scale = 1.f,
+                                          fc_u32 sO = 0u) const {
         if constexpr (Is_dropout) o_scale *= drop.scale;
         const long long oo = blk.o_off(p);
         float* lse = blk.lse_ptr(p);
+        float inv[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const float l = quad_sum(row_sum[r]);
-            const float inv = l == 0.f ? 0.f : o_scale / l;
+            inv[r] = l == 0.f ? 0.f : o_scale / l;
             const int row = warp_row0 + g + 8 * r;
             if (row < blk.rows_q) {
-                if (p.o_fp32) {      // unrounded float32 output, 8 bytes a store
+                if (sO != 0u) {
+                    // (stage_o below, every row)
+                } else if (p.o_fp32) {      // unrounded float32 output, 8 bytes a store
                     float* orow = static_cast<float*>(p.o) + oo + (long long)row * p.o_row_stride;
 #pragma unroll
                     for (int j = 0; j < kDT; ++j)
                         *reinterpret_cast<float2*>(orow + 8 * j + 2 * t) =
-                            make_float2(acc_o[4 * j + 2 * r] * inv, acc_o[4 * j + 2 * r + 1] * inv);
+                            make_float2(acc_o[4 * j + 2 * r] * inv[r], acc_o[4 * j + 2 * r + 1] * inv[r]);
                 } else {
                     fc_u16* orow = static_cast<fc_u16*>(p.o) + oo + (long long)row * p.o_row_stride;
 #pragma unroll
                     for (int j = 0; j < kDT; ++j)
                         stg32(orow + 8 * j + 2 * t,
-                              Elem::pack2(acc_o[4 * j + 2 * r] * inv, acc_o[4 * j + 2 * r + 1] * inv));
+                              Elem::pack2(acc_o[4 * j + 2 * r] * inv[r], acc_o[4 * j + 2 * r + 1] * inv[r]));
                 }
                 if (t == 0)
                     lse[row] = l == 0.f ? -INFINITY
                                         : row_max[r] * (kCapped ? p.softcap : p.softmax_scale * s_scale)
                                               + logf(l);
             }
+        }
+        if (sO != 0u) stage_o(sO, inv);
+    }
+    // This thread's O rows times inv, as 16-bit elements, into the warpgroup's O buffer sO:
+    // [kD / 64][64 rows][128 bytes] with TMA's 128-byte swizzle (16-byte chunk c of row r at
+    // c ^ (r % 8); sO 1024-aligned), the box layout of the output's tensor map. One stmatrix.x4
+    // per 16 columns: matrices (rows 0-7, columns 8j..), (rows 8-15, 8j..), (rows 0-7, 8j + 8..),
+    // (rows 8-15, 8j + 8..) of the warp's 16 rows, each register the accumulator pair that
+    // lane (g, t) holds (row g, columns 2t, 2t + 1): the n8 tile's own layout. The 8 rows of a
+    // matrix fall in 8 different chunks: no bank conflicts. Every row is written (rows past
+    // the sequence's end included: the store clips them).
+    __device__ __forceinline__ void stage_o(fc_u32 sO, const float (&inv)[2]) const {
+        const int lane = 4 * g + t, mi = lane >> 3;
+        const int row = (warp_row0 & 63) + 8 * (mi & 1) + (lane & 7);   // in the warpgroup's 64
+#pragma unroll
+        for (int jj = 0; jj < kDT / 2; ++jj) {
+            const int j0 = 2 * jj, j1 = 2 * jj + 1;
+            const int chunk = 2 * jj + (mi >> 1);                        // 8 columns
+            const fc_u32 addr = sO + (fc_u32)(chunk >> 3) * (64u * 128u) + (fc_u32)row * 128u
+                                + ((fc_u32)((chunk & 7) ^ (row & 7)) << 4);
+            stmatrix_x4(addr, Elem::pack2(acc_o[4 * j0] * inv[0], acc_o[4 * j0 + 1] * inv[0]),
+                        Elem::pack2(acc_o[4 * j0 + 2] * inv[1], acc_o[4 * j0 + 3] * inv[1]),
+                        Elem::pack2(acc_o[4 * j1] * inv[0], acc_o[4 * j1 + 1] * inv[0]),
+                        Elem::pack2(acc_o[4 * j1 + 2] * inv[1], acc_o[4 * j1 + 3] * inv[1]));
         }
     }
 };
@@ -605,7 +635,8 @@ flash_fwd_sm90_kernel(const FlashParams params) {
 // nheads_k, batch) with boxes of 128 bytes x kBlockN rows (64 16-bit elements, or 128 e4m3
 // ones, per row); 128-byte swizzle, zero fill. Varlen: (d, total, heads, 1) of the packed arrays.
 struct alignas(64) FcFwdMaps {
-    FcTensorMap q, k, v;
+    FcTensorMap q, k, v, o;    // o: (d, seqlen_q, nheads, batch) of the output, boxes of 128 bytes
+                               // x 64 rows, when params.o_tma (else a copy of q's, unused)
 };
 
 namespace fc_h {
@@ -626,9 +657,18 @@ namespace fc_h {
 // a tile's rows from its sequence's offsets; V rows past the sequence's end in the one key
 // block that holds them (the walk's first) are zeroed before any P V product reads them (the
 // masks already give their scores -inf; P = 0 times such a row, NaN possibly, would not be 0).
+//
+// The epilogue (kOBufs > 0, dense calls with a 16-bit output: params.o_tma) goes through shared
+// memory: each consumer warpgroup writes its 64 x kD rows of O into an O buffer (stage_o), and
+// one of its threads stores the buffer by TMA, the tensor map clipping the rows past the
+// sequence's end; with kOBufs = kCons each warpgroup has a buffer of its own (reused once its
+// last store has read it: bulk_wait_read), with kOBufs = 1 (two consumers, where shared memory
+// holds one buffer only) the two take it in turn, consumer 0 first, each store's thread
+// arriving on the mbarrier o_free once its store has read the buffer. kOBufs = 0, varlen calls
+// and float32 outputs store from the registers.
 template <typename Elem, typename In, int kD, int kBM, int kBlockN, bool Is_local,
           bool Is_dropout, int kStages, bool kPingPong, bool kPersistent, bool Is_varlen = false,
-          bool Has_softcap = false>
+          bool Has_softcap = false, int kOBufs = 0>
 __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFwdMaps& maps) {
     using namespace fc_pipe;
     constexpr bool Is_fp8 = In::kBytes == 1;
@@ -645,6 +685,9 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     constexpr int kRaw = Is_fp8 ? 2 : 0;                                // FP8: V as loaded
     static_assert(!(Is_fp8 && Is_dropout), "FP8 attention is forward only, without dropout");
     static_assert(!Is_varlen || !kPersistent, "varlen: one tile a CTA");
+    static_assert(kOBufs == 0 || kOBufs == kCons || (kOBufs == 1 && kCons == 2),
+                  "an O buffer per consumer warpgroup, or one that two consumers take in turn");
+    constexpr fc_u32 kOTile = (fc_u32)kD * 128u;                        // 64 x kD, 16-bit
     // Registers after reallocation. __launch_bounds__(kThreads, 1) starts every thread at
     // 65536 / kThreads rounded down to 8 (384: 168; 512: 128), and the split must not exceed
     // what the block holds (a consumer's setmaxnreg.inc waits until the pool has the
@@ -666,10 +709,11 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                                       : kTile;
     const fc_u32 sV = sK + (fc_u32)kStages * kTile;       // (FP8: V^T)
     const fc_u32 sVraw = sV + (fc_u32)kStages * kVtTile;  // (FP8 only)
+    const fc_u32 sO = sVraw + (fc_u32)kRaw * kTile;       // kOBufs O buffers
     // mbarriers after the tiles: full Q, empty Q, then full K, full V, empty K, empty V (one
     // per stage each), then (FP8) the raw V ring's full barriers, then the tile scheduler's
-    // two slots (full, empty each) and the slots themselves (two int32)
-    const fc_u32 bars = sVraw + (fc_u32)kRaw * kTile;
+    // two slots (full, empty each), the slots themselves (two int32) and (kOBufs = 1) o_free
+    const fc_u32 bars = sO + (fc_u32)kOBufs * kOTile;
     const fc_u32 bar_q = bars, empty_q = bars + 8u;
     auto full_k = [&](int st) { return bars + 8u * (fc_u32)(2 + st); };
     auto full_v = [&](int st) { return bars + 8u * (fc_u32)(2 + kStages + st); };
@@ -680,6 +724,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     auto slot_full = [&](int j) { return sched + 8u * (fc_u32)j; };
     auto slot_empty = [&](int j) { return sched + 16u + 8u * (fc_u32)j; };
     auto slot = [&](int j) { return sched + 32u + 4u * (fc_u32)j; };
+    const fc_u32 o_free = sched + 40u;
     // the threads that read the slots: the consumers, and the FP8 producer's other 127
     constexpr fc_u32 kSlotReaders = Is_fp8 ? kConsumers + 127u : kConsumers;
 
@@ -760,6 +805,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             mbar_init(slot_full(j), 1);
             mbar_init(slot_empty(j), kSlotReaders);
         }
+        if (kOBufs == 1) mbar_init(o_free, 1);
         fence_barrier_init();
     }
     __syncthreads();
@@ -1009,14 +1055,50 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             settle(pa);
             mbar_arrive(empty_v(stage_of(last)));
         }
+        // the epilogue (see above): O through this warpgroup's buffer and a TMA store, or
+        // from the registers
+#ifndef FC_DIAG_O_STG     // (timing only: O stored from the registers, as without O buffers)
+        const bool o_tma = kOBufs > 0 && !Is_varlen && params.o_tma;
+#else
+        const bool o_tma = false;
+#endif
+        const bool issuer = (tid & 127) == 0;
+        const fc_u32 sOwg = sO + (kOBufs == 1 ? 0u : (fc_u32)cw * kOTile);
+        if (o_tma) {
+            if constexpr (kOBufs == 1) {
+                // use 2 nq + cw waits for the previous use's arrival (its own last arrival
+                // is two uses back, so the parity cannot be a phase behind)
+                const int use = 2 * nq + cw;
+                if (issuer && use > 0) mbar_wait(o_free, (fc_u32)(use - 1) & 1u);
+            } else {
+                if (issuer) bulk_wait_read<0>();   // the last tile's store has read the buffer
+            }
+            named_sync(8 + cw, 128);
+        }
         if constexpr (Is_fp8) {
-            rows.template store<Has_softcap>(params, blk, v_scale, s_scale);
+            rows.template store<Has_softcap>(params, blk, v_scale, s_scale, o_tma ? sOwg : 0u);
         } else {
-            rows.store(params, blk);
+            rows.store(params, blk, 1.f, 1.f, o_tma ? sOwg : 0u);
+        }
+        if (o_tma) {
+            fence_proxy_async();                   // the buffer's stores, seen by the TMA unit
+            named_sync(8 + cw, 128);
+            if (issuer) {
+#pragma unroll
+                for (int c = 0; c < kD / 64; ++c)
+                    tma_store_4d(maps.o, sOwg + (fc_u32)c * (64u * 128u), 64 * c,
+                                 blk.m0 + 64 * cw, blk.h, blk.b);
+                bulk_commit();
+                if constexpr (kOBufs == 1) {
+                    bulk_wait_read<0>();
+                    mbar_arrive(o_free);
+                }
+            }
         }
         kv += n_iter;
         ++nq;
     }
+    if (kOBufs > 0 && (tid & 127) == 0) bulk_wait<0>();   // this warpgroup's stores done
 }
 
 }  // namespace fc_h
@@ -1026,9 +1108,10 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 // block (64, 128, or 176 as FA3 takes at head dim 128; 80 at head dim 256, as FA3); kStages: K/V ring depth; kPingPong: the
 // consumers issue their products in turn; kPersistent: a grid of at most one CTA per SM, each
 // taking tiles from the dynamic scheduler (grid (query blocks, heads, batch) otherwise).
-// Is_varlen: varlen calls (one tile a CTA; ws_forward says how).
+// Is_varlen: varlen calls (one tile a CTA; ws_forward says how). kOBufs: O buffers for the
+// TMA-store epilogue (ws_forward), as many as shared memory holds (flashcore/kernels/forward.py).
 template <typename Elem, int kD, int kBM, int kBlockN, bool Is_local, bool Is_dropout,
-          int kStages, bool kPingPong, bool kPersistent, bool Is_varlen = false>
+          int kStages, bool kPingPong, bool kPersistent, bool Is_varlen = false, int kOBufs = 0>
 __global__ void __launch_bounds__(2 * kBM + 128, 1)   // kBM / 64 consumer warpgroups + 1
 flash_fwd_sm90_ws_kernel(const FlashParams params, const __grid_constant__ FcFwdMaps maps) {
     static_assert(kD == 64 || kD == 128 || kD == 256, "head dims 64, 128 and 256");
@@ -1037,7 +1120,7 @@ flash_fwd_sm90_ws_kernel(const FlashParams params, const __grid_constant__ FcFwd
                   "key blocks of 64, 128 or 176 (the S wgmma's N); 64 or 80 at head dim 256");
     static_assert(kBM == 128 || (kBM == 192 && kD == 64), "128-row tiles, or 192 at head dim 64");
     fc_h::ws_forward<Elem, Elem, kD, kBM, kBlockN, Is_local, Is_dropout, kStages, kPingPong,
-                     kPersistent, Is_varlen>(params, maps);
+                     kPersistent, Is_varlen, false, kOBufs>(params, maps);
 }
 
 // Warp-specialised forward of float8_e4m3fn q, k, v (FlashAttention-3's FP8 forward; the
@@ -1045,12 +1128,12 @@ flash_fwd_sm90_ws_kernel(const FlashParams params, const __grid_constant__ FcFwd
 // params.o_fp32), lse float32. Head dims 128 and 256 (128-byte rows: one or two column
 // blocks); kBlockN = 128 keys (one 128-byte V^T row); 128-row tiles.
 template <typename Elem, int kD, int kBlockN, bool Is_local, int kStages, bool kPingPong,
-          bool kPersistent, bool Is_varlen = false, bool Has_softcap = false>
+          bool kPersistent, bool Is_varlen = false, bool Has_softcap = false, int kOBufs = 0>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_sm90_fp8_kernel(const FlashParams params, const __grid_constant__ FcFwdMaps maps) {
     static_assert(kD == 128 || kD == 256, "FP8: head dims 128 and 256");
     static_assert(kBlockN == 128 || ((kBlockN == 192 || kBlockN == 224) && kD == 128),
                   "FP8: key blocks of 128 (one 128-byte row of V^T), or 192 / 224 at head dim 128");
     fc_h::ws_forward<Elem, fc_e4m3, kD, 128, kBlockN, Is_local, false, kStages, kPingPong,
-                     kPersistent, Is_varlen, Has_softcap>(params, maps);
+                     kPersistent, Is_varlen, Has_softcap, kOBufs>(params, maps);
 }

@@ -99,7 +99,8 @@ struct FlashParams {
                                // cache_leftpad[b] .. cache_seqlens[b] - 1; nullptr = from row 0
     int o_fp32;                // forward: o is float32 (partial outputs kept unrounded, e.g. for
                                // merging through the lse); its strides in float elements
-    int _pad2;
+    int o_tma;                 // forward, warp-specialised kernels with an O buffer: the tensor
+                               // map maps.o describes o, which the epilogue writes by TMA stores
     const void* dropout_rng;   // attention dropout: int64 (seed, offset) on the device (see
                                // flash_dropout.cuh); nullptr without dropout
     int dropout_threshold;     // r8 < threshold drops (flashcore.dropout)

@@ -239,12 +239,47 @@ def sm90_ws_tile(headdim: int, is_local: bool, dropout: bool = False) -> tuple[i
     return (128 if dropout else block_m), block_n, stages
 
 
-def sm90_ws_smem(headdim: int, is_local: bool, dropout: bool = False) -> int:
+_SMEM_LIMIT = 232448     # H100 / H200: the most dynamic shared memory a block may take
+
+
+def o_buffers(base_smem: int, block_m: int, headdim: int) -> int:
+    """The O buffers of a warp-specialised kernel whose other shared memory is ``base_smem``
+    (its TMA-store epilogue, ws_forward in cuda/flash_fwd_sm90.cu; 64 rows x headdim 16-bit
+    elements each): one per consumer warpgroup where they fit, else one that two consumers
+    take in turn (its mbarrier: 8 bytes), else none (O stored from the registers). 16-bit
+    kernels: 3 at head dim 64, 1 at 128 (176-key blocks leave 19 KiB), 2 at 128 with a window,
+    none at 256 (80-key blocks leave 2 KiB), 1 at 256 with a window; FP8: 2 at 128, none at
+    256."""
+    cons, tile = block_m // 64, 128 * headdim
+    if base_smem + cons * tile <= _SMEM_LIMIT:
+        return cons
+    if cons == 2 and base_smem + tile + 8 <= _SMEM_LIMIT:
+        return 1
+    return 0
+
+
+def _o_bytes(bufs: int, headdim: int) -> int:
+    return bufs * 128 * headdim + (8 if bufs == 1 else 0)
+
+
+def _ws_base_smem(headdim: int, is_local: bool, dropout: bool) -> int:
     """Q + the K/V ring + the mbarriers (8 bytes each: Q full and empty, 4 per stage, 4 of the
     tile scheduler) and its two int32 slots + alignment slack."""
     block_m, block_n, stages = sm90_ws_tile(headdim, is_local, dropout)
     return (2 * block_m * headdim + stages * 2 * (2 * block_n * headdim) + 8 * (7 + 4 * stages)
             + 1024)
+
+
+def sm90_ws_o_buffers(headdim: int, is_local: bool, dropout: bool = False) -> int:
+    """The 16-bit warp-specialised kernel's O buffers (o_buffers)."""
+    return o_buffers(_ws_base_smem(headdim, is_local, dropout),
+                     sm90_ws_tile(headdim, is_local, dropout)[0], headdim)
+
+
+def sm90_ws_smem(headdim: int, is_local: bool, dropout: bool = False) -> int:
+    """Q + the K/V ring + the mbarriers + the O buffers (o_buffers) + alignment slack."""
+    return (_ws_base_smem(headdim, is_local, dropout)
+            + _o_bytes(sm90_ws_o_buffers(headdim, is_local, dropout), headdim))
 
 
 def sm90_ws_pingpong(headdim: int, seqlen_k: int, is_local: bool = False) -> bool:
@@ -290,11 +325,28 @@ def ws_grid(persistent: bool, grid_m: int, nheads: int, batch: int, device_id: i
             split_counter(device_id, 1, xp))
 
 
+def _ws_maps(qkv_rows, out, varlen: bool, bufs: int):
+    """The tensor maps of a warp-specialised launch: q, k, v (``qkv_rows``: (array, box rows)
+    each), then the output's (boxes of 64 rows) where the kernel has O buffers (``bufs``) and
+    TMA can write ``out`` (a dense 16-bit array), else q's again (unused). Returns ``(maps,
+    specs, roles, o_tma)``, or None when TMA cannot read q, k or v."""
+    from .tma import map_spec, maps_for
+    o4 = _as4(out, varlen)
+    o_tma = bool(bufs) and not varlen and out.dtype.itemsize == 2 and map_spec(o4, 64) is not None
+    ws = maps_for(*qkv_rows, (o4, 64) if o_tma else qkv_rows[0])
+    if ws is None and o_tma:          # (the driver refused the output's map)
+        o_tma = False
+        ws = maps_for(*qkv_rows, qkv_rows[0])
+    if ws is None:
+        return None
+    return ws[0], ws[1], ("q", "k", "v", "o" if o_tma else "q"), o_tma
+
+
 def _ws_piece(launch, params, ws, counter):
     """The launch plan of a warp-specialised launch (its tensor maps re-encoded per call; the
     tile counter, persistent, looked up per stream)."""
     from .decode import existing_split_counter
-    return plans.Piece([launch], params, maps=list(zip(("q", "k", "v"), ws[1])),
+    return plans.Piece([launch], params, maps=list(zip(ws[2], ws[1])),
                        counter=None if counter is None
                        else ("split_counter", 1, existing_split_counter))
 
@@ -302,14 +354,16 @@ def _ws_piece(launch, params, ws, counter):
 def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool, dropout: bool = False,
                         seqlen_k: int = 0, pingpong: bool | None = None,
                         persistent: bool | None = None, varlen: bool = False) -> str:
-    """varlen: the instantiation for varlen calls (one tile a CTA)."""
+    """varlen: the instantiation for varlen calls (one tile a CTA, O stored from the
+    registers); the others take the O buffers that fit (sm90_ws_o_buffers)."""
     block_m, block_n, stages = sm90_ws_tile(headdim, is_local, dropout)
     pp = sm90_ws_pingpong(headdim, seqlen_k, is_local) if pingpong is None else pingpong
     pers = False if varlen else (sm90_ws_persistent(headdim, is_local, dropout, pingpong=pp)
                                  if persistent is None else persistent)
+    bufs = 0 if varlen else sm90_ws_o_buffers(headdim, is_local, dropout)
+    tail = ", true" if varlen else f", false, {bufs}" if bufs else ""
     return (f"flash_fwd_sm90_ws_kernel<{_elem_tag(dtype_name)}, {headdim}, {block_m}, {block_n}, "
-            f"{_b(is_local)}, {_b(dropout)}, {stages}, {_b(pp)}, {_b(pers)}"
-            f"{', true' if varlen else ''}>")
+            f"{_b(is_local)}, {_b(dropout)}, {stages}, {_b(pp)}, {_b(pers)}{tail}>")
 
 
 def sm90_instantiations() -> list[str]:
@@ -349,14 +403,24 @@ def fp8_tile(headdim: int) -> tuple[int, int]:
     return _FP8_TILES[headdim]
 
 
-def fp8_smem(headdim: int) -> int:
-    """Q + the K and V^T rings + the raw V ring (2) + the mbarriers (2 Q, 4 per stage, 2 raw, 4
-    of the tile scheduler) and its two int32 slots + alignment slack, 1-byte elements. (A V^T
-    stage holds whole 128-key chunks: 256 keys' room at 192-key blocks.)"""
+def _fp8_base_smem(headdim: int) -> int:
     block_n, stages = fp8_tile(headdim)
     vt_keys = -(-block_n // 128) * 128
     return (128 * headdim + (stages + 2) * block_n * headdim + stages * vt_keys * headdim
             + 8 * (9 + 4 * stages) + 1024)
+
+
+def fp8_o_buffers(headdim: int) -> int:
+    """The FP8 kernel's O buffers (o_buffers; 16-bit outputs)."""
+    return o_buffers(_fp8_base_smem(headdim), 128, headdim)
+
+
+def fp8_smem(headdim: int) -> int:
+    """Q + the K and V^T rings + the raw V ring (2) + the mbarriers (2 Q, 4 per stage, 2 raw, 4
+    of the tile scheduler) and its two int32 slots + the O buffers (o_buffers) + alignment
+    slack, 1-byte elements. (A V^T stage holds whole 128-key chunks: 256 keys' room at 192-key
+    blocks.)"""
+    return _fp8_base_smem(headdim) + _o_bytes(fp8_o_buffers(headdim), headdim)
 
 
 def fp8_pingpong() -> bool:
@@ -372,15 +436,18 @@ def fp8_kernel_name(out_dtype: str, headdim: int, is_local: bool,
                     pingpong: bool | None = None, persistent: bool | None = None,
                     varlen: bool = False, softcap: bool = False) -> str:
     """``out_dtype``: bfloat16 or float16 (the kernel's Elem), or float32 (Elem unused: the
-    bfloat16 instantiation writes float32 with ``o_fp32``). Varlen calls: one tile a CTA."""
+    bfloat16 instantiation writes float32 with ``o_fp32``). Varlen calls: one tile a CTA, O
+    stored from the registers; the others take the O buffers that fit (fp8_o_buffers)."""
     block_n, stages = fp8_tile(headdim)
     elem = _elem_tag("bfloat16" if out_dtype == "float32" else out_dtype)
     pp = fp8_pingpong() if pingpong is None else pingpong
     pers = False if varlen else (sm90_ws_persistent(headdim, is_local, fp8=True)
                                  if persistent is None else persistent)
+    bufs = 0 if varlen else fp8_o_buffers(headdim)
+    tail = (f", {_b(varlen)}, {_b(softcap)}, {bufs}>" if bufs else
+            f", {_b(varlen)}, true>" if softcap else ", true>" if varlen else ">")
     return (f"flash_fwd_sm90_fp8_kernel<{elem}, {headdim}, {block_n}, {_b(is_local)}, "
-            f"{stages}, {_b(pp)}, {_b(pers)}"
-            + (f", {_b(varlen)}, true>" if softcap else ", true>" if varlen else ">"))
+            f"{stages}, {_b(pp)}, {_b(pers)}" + tail)
 
 
 def fp8_instantiations() -> list[str]:
@@ -485,7 +552,6 @@ def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: 
     or None (a copy was involved, or nothing was launched).
     """
     from ..jit import device_facts, get_kernel
-    from .tma import maps_for
 
     xp = lib_of(q)
     given = (q, k, v)
@@ -509,7 +575,8 @@ def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: 
     wl, wr = _window(window_left), _window(window_right)
     is_local = wl != WINDOW_NONE or wr != WINDOW_NONE
     block_n = fp8_tile(headdim)[0]
-    ws = maps_for(*((_as4(a, varlen), rows) for a, rows in ((q, 128), (k, block_n), (v, block_n))))
+    ws = _ws_maps(tuple((_as4(a, varlen), rows) for a, rows in ((q, 128), (k, block_n), (v, block_n))),
+                  out, varlen, fp8_o_buffers(headdim))
     if ws is None:       # (cannot happen for the arrays _fp8_bytes makes)
         raise ValueError("the FP8 forward's tensor maps could not be encoded for these arrays")
     out_dtype = out.dtype.name
@@ -528,7 +595,7 @@ def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: 
         total_q=int(q.shape[0]) if varlen else 0, total_k=int(k.shape[0]) if varlen else 0,
         **strides, batch=batch, nheads=nheads, nheads_k=nheads_k, headdim=headdim,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=wl, window_right=wr,
-        o_fp32=int(out.dtype == np.float32),
+        o_fp32=int(out.dtype == np.float32), o_tma=int(ws[3]),
         # (softcap: the kernel holds t = tanh(scaled score / softcap), its softmax's exponent
         # is softcap (t - max t): the softcap times log2(e))
         softmax_scale=float(softmax_scale),
@@ -608,15 +675,15 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     from ..jit import device_facts, get_kernel
     device_id = q.device.id
     cc = device_facts(device_id)[0]
-    ws = None     # (tensor maps, their specs): the warp-specialised Hopper kernel
+    ws = None     # (maps, specs, roles, o_tma): the warp-specialised Hopper kernel
     persistent = False
     if not paged and sm90_applies(cc, headdim, has_softcap, has_alibi, seqlen_k):
         cfg_ = config.get()
         if cfg_.sm90_fwd_ws:
-            from .tma import maps_for
             block_m, block_n, _ = sm90_ws_tile(headdim, is_local, dropout)
-            ws = maps_for(*((_as4(a, varlen), rows)
-                            for a, rows in ((q, block_m), (k, block_n), (v, block_n))))
+            ws = _ws_maps(tuple((_as4(a, varlen), rows)
+                                for a, rows in ((q, block_m), (k, block_n), (v, block_n))),
+                          out, varlen, sm90_ws_o_buffers(headdim, is_local, dropout))
         grid_m = math.ceil(seqlen_q / (block_m if ws is not None else 128))
         if ws is not None:
             smem = sm90_ws_smem(headdim, is_local, dropout)
@@ -664,7 +731,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
         block_table=block_table.data.ptr if paged else None,
         block_table_batch_stride=block_table.strides[0] // 4 if paged else 0,
         page_size=int(k.shape[1]) if paged else 0, num_blocks=int(k.shape[0]) if paged else 0,
-        o_fp32=int(out.dtype == np.float32),
+        o_fp32=int(out.dtype == np.float32), o_tma=int(ws is not None and ws[3]),
         dropout_rng=rng_state.data.ptr if dropout else None,
         dropout_threshold=_dropout.threshold(dropout_p) if dropout else 0,
         dropout_scale=_dropout.keep_scale(dropout_p) if dropout else 0.0,

@@ -207,6 +207,50 @@ def test_varlen_with_empty_sequences():
     assert _ran_sm90("bfloat16", True, varlen=True)
 
 
+@pytest.mark.parametrize("d,window", [(64, (-1, -1)), (128, (-1, -1)), (128, (-1, 0)),
+                                      (256, (-1, 0)), (256, (-1, -1))])
+def test_output_through_the_o_buffers(d, window):
+    """The TMA-store epilogue (O through shared memory, kOBufs > 0: d64 a buffer per consumer,
+    d128 one that two consumers take in turn, d128 windowed two, d256 windowed one; d256
+    without a window stores from the registers): a last tile with rows past the end (1000
+    rows: 104 of a 128-row tile, 40 of a 192-row one, so whole warpgroups past it) into a
+    strided output (a view of a wider, NaN-poisoned buffer: the padding must stay NaN), bit for
+    bit the contiguous output's; a float32 output (stored from the registers) equal to it
+    before rounding; both against the oracle in run_case's matrix (test_matrix)."""
+    if not _VARIANT["name"].startswith("ws"):
+        pytest.skip("the warp-specialised kernels")
+    import cupy as cp
+    import flashcore
+    from flashcore.kernels import forward
+    from refutils import to_dev
+    bufs = forward.sm90_ws_o_buffers(d, window != (-1, -1))
+    assert bufs == {(64, False): 3, (128, False): 1, (128, True): 2, (256, True): 1,
+                    (256, False): 0}[(d, window != (-1, -1))]
+    rng = np.random.default_rng(d + 3)
+    q, k, v = (to_dev(rng.standard_normal((2, n, h, d)).astype(np.float32), "float16")
+               for n, h in ((1000, 8), (777, 4), (777, 4)))
+    o_ref = cp.full(q.shape, cp.nan, q.dtype)
+    lse_ref = cp.full((2, 8, 1000), cp.nan, cp.float32)
+    o_ref, lse_ref = flashcore.attention_forward(q, k, v, out=o_ref, lse=lse_ref,
+                                                 window_size=window)
+    assert _ran_sm90(q.dtype.name, window != (-1, -1), d)
+    big = cp.full((2, 1000, 11, d + 64), cp.nan, q.dtype)
+    o = big[:, :, 1:9, 32:32 + d]
+    assert forward._ws_maps(((q, 128), (k, 128), (v, 128)), o, False, bufs)[3] == bool(bufs)
+    o, lse = flashcore.attention_forward(q, k, v, out=o, lse=cp.full_like(lse_ref, cp.nan),
+                                         window_size=window)
+    host, ref = big.get().view(np.uint16), o_ref.get().view(np.uint16)
+    assert np.array_equal(host[:, :, 1:9, 32:32 + d], ref)
+    pad = np.ones(host.shape, bool)
+    pad[:, :, 1:9, 32:32 + d] = False
+    assert np.isnan(big.get()[pad].astype(np.float32)).all(), "written outside the output"
+    assert cp.array_equal(lse, lse_ref)
+    o32 = cp.full(q.shape, cp.nan, cp.float32)
+    o32, _ = flashcore.attention_forward(q, k, v, out=o32, lse=cp.full_like(lse_ref, cp.nan),
+                                         window_size=window)
+    assert cp.array_equal(o32.astype(q.dtype), o_ref)
+
+
 def test_forward_is_bitwise_repeatable():
     import cupy as cp
     import flashcore
