@@ -1128,12 +1128,12 @@ flash_fwd_sm90_ws_kernel(const FlashParams params, const __grid_constant__ FcFwd
 // params.o_fp32), lse float32. Head dims 128 and 256 (128-byte rows: one or two column
 // blocks); kBlockN = 128 keys (one 128-byte V^T row); 128-row tiles.
 template <typename Elem, int kD, int kBlockN, bool Is_local, int kStages, bool kPingPong,
-          bool kPersistent, bool Is_varlen = false, bool Has_softcap = false, int kOBufs = 0>
+          bool kPersistent, bool Is_varlen = false, bool Has_softcap = false>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_sm90_fp8_kernel(const FlashParams params, const __grid_constant__ FcFwdMaps maps) {
     static_assert(kD == 128 || kD == 256, "FP8: head dims 128 and 256");
     static_assert(kBlockN == 128 || ((kBlockN == 192 || kBlockN == 224) && kD == 128),
                   "FP8: key blocks of 128 (one 128-byte row of V^T), or 192 / 224 at head dim 128");
     fc_h::ws_forward<Elem, fc_e4m3, kD, 128, kBlockN, Is_local, false, kStages, kPingPong,
-                     kPersistent, Is_varlen, Has_softcap, kOBufs>(params, maps);
+                     kPersistent, Is_varlen, Has_softcap>(params, maps);
 }

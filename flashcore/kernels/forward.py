@@ -242,14 +242,24 @@ def sm90_ws_tile(headdim: int, is_local: bool, dropout: bool = False) -> tuple[i
 _SMEM_LIMIT = 232448     # H100 / H200: the most dynamic shared memory a block may take
 
 
+# The TMA-store epilogue measured on the H200 against the registers' stores (run 62 of the
+# performance log, same process, 3 rounds, TFLOP/s ratio to cuDNN at 2k / 4k / 16k): head dim
+# 128 +1-3% (full: one buffer in turn) and +1-5% (causal: two buffers), 256 causal +3, +3, -3%;
+# head dim 64 (three consumers of 160 registers) 6-9% slower at every length, the FP8 forward
+# (d128) -4% to +2%: those keep the registers' stores.
+_O_BUFFER_HEADDIMS = (128, 256)
+
+
 def o_buffers(base_smem: int, block_m: int, headdim: int) -> int:
-    """The O buffers of a warp-specialised kernel whose other shared memory is ``base_smem``
-    (its TMA-store epilogue, ws_forward in cuda/flash_fwd_sm90.cu; 64 rows x headdim 16-bit
-    elements each): one per consumer warpgroup where they fit, else one that two consumers
-    take in turn (its mbarrier: 8 bytes), else none (O stored from the registers). 16-bit
-    kernels: 3 at head dim 64, 1 at 128 (176-key blocks leave 19 KiB), 2 at 128 with a window,
-    none at 256 (80-key blocks leave 2 KiB), 1 at 256 with a window; FP8: 2 at 128, none at
-    256."""
+    """The O buffers of a 16-bit warp-specialised kernel whose other shared memory is
+    ``base_smem`` (its TMA-store epilogue, ws_forward in cuda/flash_fwd_sm90.cu; 64 rows x
+    headdim elements each): one per consumer warpgroup where they fit, else one that two
+    consumers take in turn (its mbarrier: 8 bytes), else none (O stored from the registers):
+    1 at head dim 128 (176-key blocks leave 19 KiB), 2 at 128 with a window, none at 256
+    (80-key blocks leave 2 KiB), 1 at 256 with a window; none at head dim 64 (measured slower,
+    above)."""
+    if headdim not in _O_BUFFER_HEADDIMS:
+        return 0
     cons, tile = block_m // 64, 128 * headdim
     if base_smem + cons * tile <= _SMEM_LIMIT:
         return cons
@@ -403,24 +413,15 @@ def fp8_tile(headdim: int) -> tuple[int, int]:
     return _FP8_TILES[headdim]
 
 
-def _fp8_base_smem(headdim: int) -> int:
+def fp8_smem(headdim: int) -> int:
+    """Q + the K and V^T rings + the raw V ring (2) + the mbarriers (2 Q, 4 per stage, 2 raw, 4
+    of the tile scheduler) and its two int32 slots + alignment slack, 1-byte elements. (A V^T
+    stage holds whole 128-key chunks: 256 keys' room at 192-key blocks.) No O buffers: the FP8
+    kernel stores O from the registers (_O_BUFFER_HEADDIMS)."""
     block_n, stages = fp8_tile(headdim)
     vt_keys = -(-block_n // 128) * 128
     return (128 * headdim + (stages + 2) * block_n * headdim + stages * vt_keys * headdim
             + 8 * (9 + 4 * stages) + 1024)
-
-
-def fp8_o_buffers(headdim: int) -> int:
-    """The FP8 kernel's O buffers (o_buffers; 16-bit outputs)."""
-    return o_buffers(_fp8_base_smem(headdim), 128, headdim)
-
-
-def fp8_smem(headdim: int) -> int:
-    """Q + the K and V^T rings + the raw V ring (2) + the mbarriers (2 Q, 4 per stage, 2 raw, 4
-    of the tile scheduler) and its two int32 slots + the O buffers (o_buffers) + alignment
-    slack, 1-byte elements. (A V^T stage holds whole 128-key chunks: 256 keys' room at 192-key
-    blocks.)"""
-    return _fp8_base_smem(headdim) + _o_bytes(fp8_o_buffers(headdim), headdim)
 
 
 def fp8_pingpong() -> bool:
@@ -436,18 +437,15 @@ def fp8_kernel_name(out_dtype: str, headdim: int, is_local: bool,
                     pingpong: bool | None = None, persistent: bool | None = None,
                     varlen: bool = False, softcap: bool = False) -> str:
     """``out_dtype``: bfloat16 or float16 (the kernel's Elem), or float32 (Elem unused: the
-    bfloat16 instantiation writes float32 with ``o_fp32``). Varlen calls: one tile a CTA, O
-    stored from the registers; the others take the O buffers that fit (fp8_o_buffers)."""
+    bfloat16 instantiation writes float32 with ``o_fp32``). Varlen calls: one tile a CTA."""
     block_n, stages = fp8_tile(headdim)
     elem = _elem_tag("bfloat16" if out_dtype == "float32" else out_dtype)
     pp = fp8_pingpong() if pingpong is None else pingpong
     pers = False if varlen else (sm90_ws_persistent(headdim, is_local, fp8=True)
                                  if persistent is None else persistent)
-    bufs = 0 if varlen else fp8_o_buffers(headdim)
-    tail = (f", {_b(varlen)}, {_b(softcap)}, {bufs}>" if bufs else
-            f", {_b(varlen)}, true>" if softcap else ", true>" if varlen else ">")
     return (f"flash_fwd_sm90_fp8_kernel<{elem}, {headdim}, {block_n}, {_b(is_local)}, "
-            f"{stages}, {_b(pp)}, {_b(pers)}" + tail)
+            f"{stages}, {_b(pp)}, {_b(pers)}"
+            + (f", {_b(varlen)}, true>" if softcap else ", true>" if varlen else ">"))
 
 
 def fp8_instantiations() -> list[str]:
@@ -576,7 +574,7 @@ def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: 
     is_local = wl != WINDOW_NONE or wr != WINDOW_NONE
     block_n = fp8_tile(headdim)[0]
     ws = _ws_maps(tuple((_as4(a, varlen), rows) for a, rows in ((q, 128), (k, block_n), (v, block_n))),
-                  out, varlen, fp8_o_buffers(headdim))
+                  out, varlen, 0)
     if ws is None:       # (cannot happen for the arrays _fp8_bytes makes)
         raise ValueError("the FP8 forward's tensor maps could not be encoded for these arrays")
     out_dtype = out.dtype.name
