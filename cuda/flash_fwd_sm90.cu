@@ -16,8 +16,7 @@
 //    owns 64 rows of the Q tile and, per key block, issues S_{i+1} = Q K_{i+1}^T and
 //    O += P_i V_i together, then runs the softmax of S_{i+1} while P_i V_i is on the tensor
 //    cores (intra-warpgroup overlap). With ping-pong, two named barriers make the consumers
-//    issue their products in turn (one chain of turns through all of a CTA's tiles), so that
-//    one's softmax runs under the other's products.
+//    issue their products in turn, so that one's softmax runs under the other's products.
 //    Loads need 16-byte-aligned bases and row/head/batch strides (TMA); paged calls and
 //    other strides take flash_fwd_sm90_kernel; varlen calls run one tile a CTA (Is_varlen).
 //  * flash_fwd_sm90_kernel (v0 / v1): the two warpgroups load their own tiles with cp.async
@@ -932,26 +931,9 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     setmaxnreg_inc<kConsumerRegs>();
     const int cw = wg - 1;                     // consumer warpgroup: tile rows [64 cw, 64 cw + 64)
     const fc_u32 sQwg = sQ + (fc_u32)cw * 64u * 128u;
-    // Ping-pong: consumer cw issues each group of products (S_0; S_{i+1} with P_i V_i; the last
-    // P V) after named barrier 1 + cw, then hands the turn to the next (cw + 1, the last to
-    // consumer 0), in one chain through all of the CTA's tiles, as FA3 does: the consumers stay
-    // staggered across a tile change, so that one's first softmax runs under the other's
-    // products. The last consumer opens the first turn; consumer 0 takes its last hand-over
-    // after the last tile (every barrier sees as many arrivals as waits).
-#ifndef FC_DIAG_PP_PER_TILE   // (timing only: the turns restarted every tile, S_0 outside them)
-    constexpr bool kChain = kPingPong;
-#else
-    constexpr bool kChain = false;
-#endif
-    auto take_turn = [&]() { if (kChain) named_sync(1 + cw, 256); };
-    auto pass_turn = [&]() { if (kChain) named_arrive(1 + (cw + 1) % kCons, 256); };
-    if (kChain && cw == kCons - 1) named_arrive(1, 256);
     for (int u = 0;; ++u) {
         const int tile = kPersistent ? receive(u) : u;
-        if (tile >= n_tiles) {
-            if (kChain && cw == 0) named_sync(1, 256);    // the chain's last hand-over
-            break;
-        }
+        if (tile >= n_tiles) break;
         const FwdBlock<kBlockN, Is_local, kBM> blk = tile_block(tile);
         if (blk.empty_rows()) continue;
         if (blk.no_keys()) {            // (persistent only: the one-tile CTA returned above)
@@ -1012,9 +994,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         int nb = blk.n_block_max - 1;
         mbar_wait(bar_q, (fc_u32)nq & 1u);
         mbar_wait(full_k(stage_of(0)), parity_of(0));
-        take_turn();
         issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)stage_of(0) * kTile);
-        pass_turn();
         wgmma_wait<0>();
         settle(s);
         mbar_arrive(empty_k(stage_of(0)));
@@ -1038,9 +1018,11 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                 named_sync(4, (int)kConsumers);
             }
         }
-        // (FC_DIAG_PP_PER_TILE: the turns within a tile only, S_0 and the last P V outside
-        // them; the last consumer opens the first and skips its last hand-over)
-        if (kPingPong && !kChain && cw == kCons - 1 && n_iter > 1) named_arrive(1, 256);
+        // Ping-pong: consumer cw issues its products after named barrier 1 + cw, then hands
+        // the turn to the next (cw + 1, the last to consumer 0). The last consumer opens the
+        // first turn for consumer 0 and skips its last hand-over, so that every barrier sees
+        // as many arrivals as waits within a tile.
+        if (kPingPong && cw == kCons - 1 && n_iter > 1) named_arrive(1, 256);
         for (int it = 0; it < n_iter - 1; ++it, --nb) {   // every block but the last
             const int st0 = stage_of(it), st1 = stage_of(it + 1);
             mbar_wait(full_k(st1), parity_of(it + 1));
@@ -1048,7 +1030,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             if (kPingPong) named_sync(1 + cw, 256);
             issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)st1 * kTile);   // S_{i+1}
             issue_pv_(sV + (fc_u32)st0 * kVtTile);                         // O += P_i V_i
-            if (kPingPong && (kChain || !(cw == kCons - 1 && it == n_iter - 2)))
+            if (kPingPong && !(cw == kCons - 1 && it == n_iter - 2))
                 named_arrive(1 + (cw + 1) % kCons, 256);
             wgmma_wait<1>();                       // S_{i+1} done (P_i V_i may still run)
             settle(s);
@@ -1067,9 +1049,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         {
             const int last = n_iter - 1;
             mbar_wait(full_v(stage_of(last)), parity_of(last));
-            take_turn();
             issue_pv_(sV + (fc_u32)stage_of(last) * kVtTile);
-            pass_turn();
             wgmma_wait<0>();
             settle(rows.acc_o);
             settle(pa);

@@ -14,8 +14,7 @@ keys per block at head dim 128 (both pingpong settings as the defaults choose), 
 session 21's 80), ``ws-kvhalf`` a timing-only probe
 (``FC_DIAG_KV_HALF``: every other key block reuses its stage's stale K and V, so half the K/V
 bytes come from L2 for the same products; wrong results), ``ws-ostg`` the defaults with O stored
-from the registers instead of through the O buffers and TMA (``FC_DIAG_O_STG``), ``ws-pptile``
-the defaults with ping-pong's turns restarted every tile (``FC_DIAG_PP_PER_TILE``), ``ws-bcp`` the defaults with the cp.async
+from the registers instead of through the O buffers and TMA (``FC_DIAG_O_STG``), ``ws-bcp`` the defaults with the cp.async
 dK/dV kernel instead of the warp-specialised one, ``v1`` / ``v0`` the cp.async kernels,
 ``ampere`` the mma.sync kernel, ``ws-1t`` one tile per CTA, ``ws-pers`` persistent CTAs
 wherever such a kernel exists (``-pp`` / ``-nopp``: with / without ping-pong), ``ws-bm128``
@@ -53,9 +52,6 @@ VARIANTS = {
     "ws-kvhalf": (dict(_WS, sm90_defines=("-DFC_DIAG_KV_HALF",)), {}),
     # O stored from the registers where the kernels have O buffers (the epilogue before them)
     "ws-ostg": (dict(_WS, sm90_defines=("-DFC_DIAG_O_STG",)), {}),
-    # ping-pong's turns restarted every tile, S_0 and the last P V outside them (the order
-    # before the chain of turns)
-    "ws-pptile": (dict(_WS, sm90_defines=("-DFC_DIAG_PP_PER_TILE",)), {}),
     # causal / windowed grids handed out x fastest, as before fc_pipe::chunked_tile (the
     # backward's kernels too, in fwdbwd mode)
     "ws-xorder": (dict(_WS, sm90_defines=("-DFC_DIAG_TILE_ORDER_X",)), {}),
