@@ -1023,6 +1023,34 @@ def test_tensor_maps_follow_the_arrays(which):
             assert struct.unpack_from("<Q", ws[0], off)[0] == a.data.ptr
 
 
+@pytest.mark.parametrize("d,causal,out_dtype,want", [(128, True, "float16", True),
+                                                      (128, False, "float16", True),
+                                                      (128, True, "float32", False),
+                                                      (64, True, "float16", False),
+                                                      (256, False, "float16", False),
+                                                      (256, True, "float16", True)])
+def test_output_tensor_map_where_the_kernel_has_o_buffers(d, causal, out_dtype, want):
+    """The warp-specialised forward's fourth tensor map: the output's, with ``o_tma`` set,
+    where the kernel has O buffers (head dim 128, 256 with a window) and the output is 16-bit;
+    else q's again (unused) and ``o_tma`` 0 (a float32 output, head dim 64, 256 without a
+    window): the kernel then stores from the registers."""
+    from flashcore.kernels import forward
+    q, k, v = _qkv(None, "float16", 2, 300, 333, 4, 2, d, False)
+    out = fake_array(q.shape, out_dtype)
+    lse = fake_array((2, 4, 300), np.float32)
+    with config.override(sm90_fwd_d64_min_seqlen_k=0):
+        forward.launch_forward(q, k, v, out, lse, softmax_scale=0.1, window_left=-1,
+                               window_right=0 if causal else -1)
+    (name, _, _, smem, raw), = LOG
+    assert "_ws_kernel" in name and smem <= 232448
+    assert (forward.sm90_ws_o_buffers(d, causal) > 0) == (name.count(",") == 10)
+    n = params_dtype().itemsize
+    o_tma = np.frombuffer(raw[:n], np.int32)[params_dtype().fields["o_tma"][1] // 4]
+    fourth = struct.unpack_from("<Q", raw, n + 3 * tma.MAP_BYTES)[0]
+    assert bool(o_tma) == want
+    assert fourth == (out.data.ptr if want else q.data.ptr)
+
+
 @pytest.mark.parametrize("d,causal,dropout,sq,h,want_block,want_grid",
                          [(128, False, False, 300, 4, 384, (24, 1, 1)),      # 3 x 4 x 2 tiles
                           (128, True, False, 5000, 40, 384, (132, 1, 1)),    # one CTA per SM
