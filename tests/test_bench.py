@@ -143,6 +143,46 @@ def test_per_call_us_interleaved_takes_a_clock_a_sync_and_a_round_budget():
     assert calls == {"slow": 1 + 2 * 7, "fast": 1 + 2 * 7}
 
 
+def test_the_decode_table_times_its_host_loops_in_turn(monkeypatch):
+    """``python -m flashcore.bench --decode`` (bench_callpath.py decode): per cell, both
+    layouts' problems at once and the three host loops (flashcore contiguous and paged, the
+    peer) in one interleaved timing, not one after the other; each row takes its own figure
+    and the peer's."""
+    torch = pytest.importorskip("torch")
+    import contextlib
+    made, timed = [], []
+
+    class FakeProblem:
+        def __init__(self, b, s, seed=None, page_size=None):
+            made.append((b, s, page_size))
+            self.page_size = page_size
+
+        def api(self):
+            pass
+
+        def sdpa_unpinned(self):
+            pass
+
+    def interleaved(fns, n, round_s=None, **kw):
+        timed.append((sorted(fns), len(made)))
+        return {"contiguous": 30.0, "paged": 31.0, "peer": 40.0}
+    monkeypatch.setattr(bench, "DecodeProblem", FakeProblem)
+    monkeypatch.setattr(bench, "gpu_time", lambda fn: 1e-5)
+    monkeypatch.setattr(bench, "sdpa_pinned", lambda peer: contextlib.nullcontext())
+    monkeypatch.setattr(bench, "decode_graph", lambda impl, pb: impl)
+    monkeypatch.setattr(bench, "graph_replay_time", lambda g: 2e-5)
+    monkeypatch.setattr(bench, "per_call_us_interleaved", interleaved)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake", raising=False)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    rows = bench.decode(batches=(1,), caches=(4096, 16384), page_size=256, out=lambda *a: None)
+    assert made == [(1, 4096, None), (1, 4096, 256), (1, 16384, None), (1, 16384, 256)]
+    assert timed == [(["contiguous", "paged", "peer"], 2), (["contiguous", "paged", "peer"], 4)]
+    assert [(r["cache"], r["layout"], r["flashcore_host_us"], r["sdpa_cudnn_host_us"])
+            for r in rows] == [(4096, "contiguous", 30.0, 40.0), (4096, "paged", 31.0, 40.0),
+                               (16384, "contiguous", 30.0, 40.0), (16384, "paged", 31.0, 40.0)]
+    assert all(r["flashcore_gpu_us"] == pytest.approx(10.0) for r in rows)
+
+
 def test_enqueue_and_gpu_time_spins_then_times_the_loop_apart(monkeypatch):
     """The order of events on a stand-in device: warm-up, a synchronisation, three calls for
     the host estimate, spins, then the timed loop between the two events."""
