@@ -340,11 +340,10 @@ def _ws_maps(qkv_rows, out, varlen: bool, bufs: int):
     each), then the output's (boxes of 64 rows) where the kernel has O buffers (``bufs``) and
     TMA can write ``out`` (a dense 16-bit array), else q's again (unused). Returns ``(maps,
     specs, roles, o_tma)``, or None when TMA cannot read q, k or v."""
-    from .tma import map_spec, maps_for
-    o4 = _as4(out, varlen)
-    o_tma = bool(bufs) and not varlen and out.dtype.itemsize == 2 and map_spec(o4, 64) is not None
-    ws = maps_for(*qkv_rows, (o4, 64) if o_tma else qkv_rows[0])
-    if ws is None and o_tma:          # (the driver refused the output's map)
+    from .tma import maps_for
+    o_tma = bool(bufs) and not varlen and out.dtype.itemsize == 2
+    ws = maps_for(*qkv_rows, (_as4(out, varlen), 64)) if o_tma else None
+    if ws is None:        # (no O buffers, or TMA cannot write ``out`` / read q, k or v)
         o_tma = False
         ws = maps_for(*qkv_rows, qkv_rows[0])
     if ws is None:
