@@ -293,13 +293,16 @@ struct FwdRows {
     // of the scores times s_scale (the FP8 kernel's descales; 1 otherwise), or with kCapped
     // (softcap: the rows hold tanh of the scaled scores) times the softcap. With dropout the
     // kept probabilities' 1 / (1 - p) is applied here, once per output element (pack). O goes
-    // to global memory from the registers, or, with sO (the warpgroup's O buffer, see
-    // stage_o), into shared memory for the caller's TMA store; lse always from the registers.
+    // to global memory from the registers, or, with to_smem, into the warpgroup's O buffer sO
+    // (stage_o) for the caller's TMA store; lse always from the registers. (to_smem is a
+    // uniform flag, not sO != 0: a condition on the thread-dependent address made ptxas treat
+    // the branch as divergent and move the main loop's barrier addresses out of uniform
+    // registers.)
     template <bool kCapped = false>
     __device__ __forceinline__ void store(const FlashParams& p,
                                           const FwdBlock<kBlockN, Is_local, kBM>& blk,
                                           float o_scale = 1.f, float s_scale = 1.f,
-                                          fc_u32 sO = 0u) const {
+                                          bool to_smem = false, fc_u32 sO = 0u) const {
         if constexpr (Is_dropout) o_scale *= drop.scale;
         const long long oo = blk.o_off(p);
         float* lse = blk.lse_ptr(p);
@@ -310,7 +313,7 @@ struct FwdRows {
             inv[r] = l == 0.f ? 0.f : o_scale / l;
             const int row = warp_row0 + g + 8 * r;
             if (row < blk.rows_q) {
-                if (sO != 0u) {
+                if (to_smem) {
                     // (stage_o below, every row)
                 } else if (p.o_fp32) {      // unrounded float32 output, 8 bytes a store
                     float* orow = static_cast<float*>(p.o) + oo + (long long)row * p.o_row_stride;
@@ -331,7 +334,7 @@ struct FwdRows {
                                               + logf(l);
             }
         }
-        if (sO != 0u) stage_o(sO, inv);
+        if (to_smem) stage_o(sO, inv);
     }
     // This thread's O rows times inv, as 16-bit elements, into the warpgroup's O buffer sO:
     // [kD / 64][64 rows][128 bytes] with TMA's 128-byte swizzle (16-byte chunk c of row r at
@@ -1062,43 +1065,45 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 #else
         const bool o_tma = false;
 #endif
+        // (the one thread's bulk operations are guarded instructions, not branches: see
+        // sm90_pipeline.cuh)
         const bool issuer = (tid & 127) == 0;
         const fc_u32 sOwg = sO + (kOBufs == 1 ? 0u : (fc_u32)cw * kOTile);
         if (o_tma) {
             if constexpr (kOBufs == 1) {
-                // use 2 nq + cw waits for the previous use's arrival (its own last arrival
-                // is two uses back, so the parity cannot be a phase behind)
+                // use 2 nq + cw waits for the previous use's arrival; every thread of the
+                // warpgroup waits (its own last arrival, two uses back, is done: the thread that
+                // made it took part in this tile's products since, so the parity cannot be a
+                // phase behind)
                 const int use = 2 * nq + cw;
-                if (issuer && use > 0) mbar_wait(o_free, (fc_u32)(use - 1) & 1u);
+                if (use > 0) mbar_wait(o_free, (fc_u32)(use - 1) & 1u);
             } else {
-                if (issuer) bulk_wait_read<0>();   // the last tile's store has read the buffer
+                bulk_wait_read_if<0>(issuer);      // the last tile's store has read the buffer
             }
             named_sync(8 + cw, 128);
         }
         if constexpr (Is_fp8) {
-            rows.template store<Has_softcap>(params, blk, v_scale, s_scale, o_tma ? sOwg : 0u);
+            rows.template store<Has_softcap>(params, blk, v_scale, s_scale, o_tma, sOwg);
         } else {
-            rows.store(params, blk, 1.f, 1.f, o_tma ? sOwg : 0u);
+            rows.store(params, blk, 1.f, 1.f, o_tma, sOwg);
         }
         if (o_tma) {
             fence_proxy_async();                   // the buffer's stores, seen by the TMA unit
             named_sync(8 + cw, 128);
-            if (issuer) {
 #pragma unroll
-                for (int c = 0; c < kD / 64; ++c)
-                    tma_store_4d(maps.o, sOwg + (fc_u32)c * (64u * 128u), 64 * c,
-                                 blk.m0 + 64 * cw, blk.h, blk.b);
-                bulk_commit();
-                if constexpr (kOBufs == 1) {
-                    bulk_wait_read<0>();
-                    mbar_arrive(o_free);
-                }
+            for (int c = 0; c < kD / 64; ++c)
+                tma_store_4d_if(issuer, maps.o, sOwg + (fc_u32)c * (64u * 128u), 64 * c,
+                                blk.m0 + 64 * cw, blk.h, blk.b);
+            bulk_commit_if(issuer);
+            if constexpr (kOBufs == 1) {
+                bulk_wait_read_if<0>(issuer);
+                mbar_arrive_if(issuer, o_free);
             }
         }
         kv += n_iter;
         ++nq;
     }
-    if (kOBufs > 0 && (tid & 127) == 0) bulk_wait<0>();   // this warpgroup's stores done
+    if (kOBufs > 0) bulk_wait_if<0>((tid & 127) == 0);    // this warpgroup's stores done
 }
 
 }  // namespace fc_h
@@ -1128,12 +1133,12 @@ flash_fwd_sm90_ws_kernel(const FlashParams params, const __grid_constant__ FcFwd
 // params.o_fp32), lse float32. Head dims 128 and 256 (128-byte rows: one or two column
 // blocks); kBlockN = 128 keys (one 128-byte V^T row); 128-row tiles.
 template <typename Elem, int kD, int kBlockN, bool Is_local, int kStages, bool kPingPong,
-          bool kPersistent, bool Is_varlen = false, bool Has_softcap = false>
+          bool kPersistent, bool Is_varlen = false, bool Has_softcap = false, int kOBufs = 0>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_sm90_fp8_kernel(const FlashParams params, const __grid_constant__ FcFwdMaps maps) {
     static_assert(kD == 128 || kD == 256, "FP8: head dims 128 and 256");
     static_assert(kBlockN == 128 || ((kBlockN == 192 || kBlockN == 224) && kD == 128),
                   "FP8: key blocks of 128 (one 128-byte row of V^T), or 192 / 224 at head dim 128");
     fc_h::ws_forward<Elem, fc_e4m3, kD, 128, kBlockN, Is_local, false, kStages, kPingPong,
-                     kPersistent, Is_varlen, Has_softcap>(params, maps);
+                     kPersistent, Is_varlen, Has_softcap, kOBufs>(params, maps);
 }

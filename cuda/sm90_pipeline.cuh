@@ -59,18 +59,43 @@ __device__ __forceinline__ void tma_load_4d(fc_u32 dst, const FcTensorMap& map, 
            "r"(c0), "r"(c1), "r"(c2), "r"(c3)
         : "memory");
 }
-// One box of shared memory at `src` (laid out as the map's box, swizzle included) stored into
-// a rank-4 tensor map's tensor at the coordinates (innermost first, in elements; the parts of
-// the box past the tensor's extent are not written), as part of the issuing thread's current
-// bulk group (bulk_commit, bulk_wait_read and bulk_wait below). The writing threads fence
-// their shared-memory stores for the async proxy (fence_proxy_async) and meet the issuing
-// thread at a barrier first.
-__device__ __forceinline__ void tma_store_4d(const FcTensorMap& map, fc_u32 src, int c0, int c1,
-                                             int c2, int c3) {
+// Bulk operations issued by the threads with `pred` (one thread of a warpgroup), as guarded
+// instructions rather than a branch: the warpgroup's threads stay converged through the
+// forward's epilogue, and ptxas keeps the main loop's shared-memory addresses in uniform
+// registers (bulk_commit, bulk_wait_read and bulk_wait: see below).
+//
+// tma_store_4d_if: one box of shared memory at `src` (laid out as the map's box, swizzle
+// included) stored into a rank-4 tensor map's tensor at the coordinates (innermost first, in
+// elements; the parts of the box past the tensor's extent are not written), as part of the
+// issuing thread's current bulk group. The writing threads fence their shared-memory stores
+// for the async proxy (fence_proxy_async) and meet the issuing thread at a barrier first.
+__device__ __forceinline__ void tma_store_4d_if(bool pred, const FcTensorMap& map, fc_u32 src,
+                                                int c0, int c1, int c2, int c3) {
     asm volatile(
-        "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
-        :: "l"(reinterpret_cast<fc_u64>(&map)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+        "@p cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n}\n"
+        :: "l"(reinterpret_cast<fc_u64>(&map)), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+           "r"((int)pred)
         : "memory");
+}
+__device__ __forceinline__ void bulk_commit_if(bool pred) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p cp.async.bulk.commit_group;\n}\n"
+                 :: "r"((int)pred) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait_read_if(bool pred) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n@p cp.async.bulk.wait_group.read %0;\n}\n"
+                 :: "n"(N), "r"((int)pred) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait_if(bool pred) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n@p cp.async.bulk.wait_group %0;\n}\n"
+                 :: "n"(N), "r"((int)pred) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_if(bool pred, fc_u32 bar) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n"
+                 "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n"
+                 :: "r"(bar), "r"((int)pred) : "memory");
 }
 __device__ __forceinline__ void tma_prefetch_map(const FcTensorMap& map) {
     asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<fc_u64>(&map)) : "memory");

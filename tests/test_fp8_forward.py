@@ -149,8 +149,12 @@ def test_instantiations_and_shared_memory_budget():
     assert all(n.startswith("flash_fwd_sm90_fp8_kernel<fc_") for n in names)
     for d in forward.FP8_HEADDIMS:
         assert forward.fp8_smem(d) <= SMEM_LIMIT
+    # two O buffers at head dim 128 (the TMA-store epilogue; none with softcap), none at 256
+    assert forward.fp8_o_buffers(128) == 2 and forward.fp8_o_buffers(128, softcap=True) == 0
+    assert forward.fp8_o_buffers(256) == 0
+    assert forward.fp8_smem(128, softcap=True) <= SMEM_LIMIT
     assert forward.fp8_kernel_name("float32", 128, False, True) == \
-        "flash_fwd_sm90_fp8_kernel<fc_bf16, 128, 192, false, 2, true, true>"
+        "flash_fwd_sm90_fp8_kernel<fc_bf16, 128, 192, false, 2, true, true, false, false, 2>"
     assert forward.fp8_kernel_name("float16", 256, True, False) == \
         "flash_fwd_sm90_fp8_kernel<fc_fp16, 256, 128, true, 2, false, false>"
     # no persistent kernel at head dim 256 (its consumers would spill in 232 registers)

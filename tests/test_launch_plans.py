@@ -1026,13 +1026,13 @@ def test_tensor_maps_follow_the_arrays(which):
 @pytest.mark.parametrize("d,causal,out_dtype,want", [(128, True, "float16", True),
                                                       (128, False, "float16", True),
                                                       (128, True, "float32", False),
-                                                      (64, True, "float16", False),
+                                                      (64, True, "float16", True),
                                                       (256, False, "float16", False),
                                                       (256, True, "float16", True)])
 def test_output_tensor_map_where_the_kernel_has_o_buffers(d, causal, out_dtype, want):
     """The warp-specialised forward's fourth tensor map: the output's, with ``o_tma`` set,
-    where the kernel has O buffers (head dim 128, 256 with a window) and the output is 16-bit;
-    else q's again (unused) and ``o_tma`` 0 (a float32 output, head dim 64, 256 without a
+    where the kernel has O buffers (head dims 64, 128, 256 with a window) and the output is
+    16-bit; else q's again (unused) and ``o_tma`` 0 (a float32 output, head dim 256 without a
     window): the kernel then stores from the registers."""
     from flashcore.kernels import forward
     q, k, v = _qkv(None, "float16", 2, 300, 333, 4, 2, d, False)

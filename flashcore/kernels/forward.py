@@ -246,8 +246,14 @@ _SMEM_LIMIT = 232448     # H100 / H200: the most dynamic shared memory a block m
 # performance log, same process, 3 rounds, TFLOP/s ratio to cuDNN at 2k / 4k / 16k): head dim
 # 128 +1-3% (full: one buffer in turn) and +1-5% (causal: two buffers), 256 causal +3, +3, -3%;
 # head dim 64 (three consumers of 160 registers) 6-9% slower at every length, the FP8 forward
-# (d128) -4% to +2%: those keep the registers' stores.
-_O_BUFFER_HEADDIMS = (128, 256)
+# (d128) -4% to +2%. Those two lost in their main loops: the epilogue branched on the thread's
+# buffer address, ptxas took the branch for divergent and moved the loop's barrier addresses
+# out of uniform registers (d64: 20 of 20 barrier waits on vector registers, against 8 of 20;
+# 32-80 bytes of spills in four variants). With a uniform flag and guarded bulk instructions
+# (this branch) the d64 kernels' waits are back at 8 of 20 and nothing spills; the FP8 kernel
+# with softcap still spills (8-36 bytes, persistent) and keeps the registers' stores.
+# NOT YET MEASURED on the GPU: head dim 64 and FP8 with O buffers (bench_fwd_variants.py
+# --variants ws ws-ostg, bench_fp8_forward.py --defines FC_DIAG_O_STG).
 
 
 def o_buffers(base_smem: int, block_m: int, headdim: int) -> int:
@@ -255,11 +261,9 @@ def o_buffers(base_smem: int, block_m: int, headdim: int) -> int:
     ``base_smem`` (its TMA-store epilogue, ws_forward in cuda/flash_fwd_sm90.cu; 64 rows x
     headdim elements each): one per consumer warpgroup where they fit, else one that two
     consumers take in turn (its mbarrier: 8 bytes), else none (O stored from the registers):
-    1 at head dim 128 (176-key blocks leave 19 KiB), 2 at 128 with a window, none at 256
-    (80-key blocks leave 2 KiB), 1 at 256 with a window; none at head dim 64 (measured slower,
-    above)."""
-    if headdim not in _O_BUFFER_HEADDIMS:
-        return 0
+    3 at head dim 64, 1 at 128 (176-key blocks leave 19 KiB), 2 at 128 with a window, none at
+    256 (80-key blocks leave 2 KiB), 1 at 256 with a window; FP8 (e4m3 inputs, 16-bit output)
+    2 at 128, none at 256."""
     cons, tile = block_m // 64, 128 * headdim
     if base_smem + cons * tile <= _SMEM_LIMIT:
         return cons
@@ -412,15 +416,25 @@ def fp8_tile(headdim: int) -> tuple[int, int]:
     return _FP8_TILES[headdim]
 
 
-def fp8_smem(headdim: int) -> int:
-    """Q + the K and V^T rings + the raw V ring (2) + the mbarriers (2 Q, 4 per stage, 2 raw, 4
-    of the tile scheduler) and its two int32 slots + alignment slack, 1-byte elements. (A V^T
-    stage holds whole 128-key chunks: 256 keys' room at 192-key blocks.) No O buffers: the FP8
-    kernel stores O from the registers (_O_BUFFER_HEADDIMS)."""
+def _fp8_base_smem(headdim: int) -> int:
     block_n, stages = fp8_tile(headdim)
     vt_keys = -(-block_n // 128) * 128
     return (128 * headdim + (stages + 2) * block_n * headdim + stages * vt_keys * headdim
             + 8 * (9 + 4 * stages) + 1024)
+
+
+def fp8_o_buffers(headdim: int, softcap: bool = False) -> int:
+    """The FP8 kernel's O buffers (o_buffers); none with softcap (its persistent kernels spill
+    with them)."""
+    return 0 if softcap else o_buffers(_fp8_base_smem(headdim), 128, headdim)
+
+
+def fp8_smem(headdim: int, softcap: bool = False) -> int:
+    """Q + the K and V^T rings + the raw V ring (2) + the mbarriers (2 Q, 4 per stage, 2 raw, 4
+    of the tile scheduler) and its two int32 slots + the O buffers (fp8_o_buffers) + alignment
+    slack, 1-byte elements. (A V^T stage holds whole 128-key chunks: 256 keys' room at 192-key
+    blocks.)"""
+    return _fp8_base_smem(headdim) + _o_bytes(fp8_o_buffers(headdim, softcap), headdim)
 
 
 def fp8_pingpong() -> bool:
@@ -442,9 +456,11 @@ def fp8_kernel_name(out_dtype: str, headdim: int, is_local: bool,
     pp = fp8_pingpong() if pingpong is None else pingpong
     pers = False if varlen else (sm90_ws_persistent(headdim, is_local, fp8=True)
                                  if persistent is None else persistent)
+    bufs = 0 if varlen else fp8_o_buffers(headdim, softcap)
+    tail = (f", false, {_b(softcap)}, {bufs}>" if bufs else
+            f", {_b(varlen)}, true>" if softcap else ", true>" if varlen else ">")
     return (f"flash_fwd_sm90_fp8_kernel<{elem}, {headdim}, {block_n}, {_b(is_local)}, "
-            f"{stages}, {_b(pp)}, {_b(pers)}"
-            + (f", {_b(varlen)}, true>" if softcap else ", true>" if varlen else ">"))
+            f"{stages}, {_b(pp)}, {_b(pers)}" + tail)
 
 
 def fp8_instantiations() -> list[str]:
@@ -573,11 +589,11 @@ def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: 
     is_local = wl != WINDOW_NONE or wr != WINDOW_NONE
     block_n = fp8_tile(headdim)[0]
     ws = _ws_maps(tuple((_as4(a, varlen), rows) for a, rows in ((q, 128), (k, block_n), (v, block_n))),
-                  out, varlen, 0)
+                  out, varlen, fp8_o_buffers(headdim, has_softcap))
     if ws is None:       # (cannot happen for the arrays _fp8_bytes makes)
         raise ValueError("the FP8 forward's tensor maps could not be encoded for these arrays")
     out_dtype = out.dtype.name
-    smem = fp8_smem(headdim)
+    smem = fp8_smem(headdim, has_softcap)
     grid_m = math.ceil(seqlen_q / 128)
     persistent = not varlen and sm90_ws_persistent(headdim, is_local, fp8=True,
                                                    tiles=grid_m * nheads * batch)

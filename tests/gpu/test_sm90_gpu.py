@@ -210,10 +210,10 @@ def test_varlen_with_empty_sequences():
 @pytest.mark.parametrize("d,window", [(64, (-1, -1)), (128, (-1, -1)), (128, (-1, 0)),
                                       (256, (-1, 0)), (256, (-1, -1))])
 def test_output_through_the_o_buffers(d, window):
-    """The TMA-store epilogue (O through shared memory, kOBufs > 0: d128 one buffer that two
-    consumers take in turn, d128 windowed two, d256 windowed one; d64 and d256 without a window
-    store from the registers): a last tile with rows past the end (1000 rows: 104 of a 128-row
-    tile, 40 of a 192-row one, so whole warpgroups past it) into a
+    """The TMA-store epilogue (O through shared memory, kOBufs > 0: d64 a buffer per consumer,
+    d128 one buffer that two consumers take in turn, d128 windowed two, d256 windowed one; d256
+    without a window stores from the registers): a last tile with rows past the end (1000
+    rows: 104 of a 128-row tile, 40 of a 192-row one, so whole warpgroups past it) into a
     strided output (a view of a wider, NaN-poisoned buffer: the padding must stay NaN), bit for
     bit the contiguous output's; a float32 output (stored from the registers) equal to it
     before rounding; both against the oracle in run_case's matrix (test_matrix)."""
@@ -224,7 +224,7 @@ def test_output_through_the_o_buffers(d, window):
     from flashcore.kernels import forward
     from refutils import to_dev
     bufs = forward.sm90_ws_o_buffers(d, window != (-1, -1))
-    assert bufs == {(64, False): 0, (128, False): 1, (128, True): 2, (256, True): 1,
+    assert bufs == {(64, False): 3, (128, False): 1, (128, True): 2, (256, True): 1,
                     (256, False): 0}[(d, window != (-1, -1))]
     rng = np.random.default_rng(d + 3)
     q, k, v = (to_dev(rng.standard_normal((2, n, h, d)).astype(np.float32), "float16")
