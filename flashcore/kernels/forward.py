@@ -242,18 +242,18 @@ def sm90_ws_tile(headdim: int, is_local: bool, dropout: bool = False) -> tuple[i
 _SMEM_LIMIT = 232448     # H100 / H200: the most dynamic shared memory a block may take
 
 
-# The TMA-store epilogue measured on the H200 against the registers' stores (run 62 of the
-# performance log, same process, 3 rounds, TFLOP/s ratio to cuDNN at 2k / 4k / 16k): head dim
-# 128 +1-3% (full: one buffer in turn) and +1-5% (causal: two buffers), 256 causal +3, +3, -3%;
-# head dim 64 (three consumers of 160 registers) 6-9% slower at every length, the FP8 forward
-# (d128) -4% to +2%. Those two lost in their main loops: the epilogue branched on the thread's
-# buffer address, ptxas took the branch for divergent and moved the loop's barrier addresses
-# out of uniform registers (d64: 20 of 20 barrier waits on vector registers, against 8 of 20;
-# 32-80 bytes of spills in four variants). With a uniform flag and guarded bulk instructions
-# (this branch) the d64 kernels' waits are back at 8 of 20 and nothing spills; the FP8 kernel
-# with softcap still spills (8-36 bytes, persistent) and keeps the registers' stores.
-# NOT YET MEASURED on the GPU: head dim 64 and FP8 with O buffers (bench_fwd_variants.py
-# --variants ws ws-ostg, bench_fp8_forward.py --defines FC_DIAG_O_STG).
+# The TMA-store epilogue against the registers' stores, on the H200 (same process, 3 rounds,
+# TFLOP/s ratio to cuDNN at 2k / 4k / 16k; performance log, runs 62 and 66). First version (run
+# 62): head dim 128 +1-5%, but head dim 64 6-9% slower and FP8 -4% to +2%: the epilogue
+# branched on the thread's buffer address, ptxas took the branch for divergent and moved the
+# main loop's barrier addresses out of uniform registers (d64: 20 of 20 barrier waits on vector
+# registers against 8 of 20, 32-80 bytes of spills; main's d128 causal kernel too). With the
+# branch on the uniform o_tma flag and the one thread's bulk operations as guarded
+# instructions (run 66): d128 causal 0.99 / 1.00 / 1.08 against 0.91 / 0.96 / 1.03, d128 full
+# 0.94 / 0.95 / 1.04 against 0.90 / 0.94 / 1.07, d256 causal 0.91 / 0.95 / 0.96 against
+# 0.87 / 0.92 / 1.00, d64 level (+-2%), FP8 d128 +3% / +6% (4k full / causal), +1% / +1.5%
+# (16k); geomean over the 18 cells 0.983 against 0.967. The FP8 kernel with softcap spills
+# with buffers (8-36 bytes, persistent) and keeps the registers' stores.
 
 
 def o_buffers(base_smem: int, block_m: int, headdim: int) -> int:
