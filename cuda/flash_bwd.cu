@@ -209,16 +209,16 @@ __device__ __forceinline__ void bwd_query_blocks(const FlashParams& p, const Bwd
     }
 }
 
-// The step after (h, m_block) of a key-block CTA's walk over the query blocks [m_begin, m_end)
-// of each head of its GQA group, from m_first round to m_first - 1 (BwdKeyWalk): the next
-// query block of the same head, wrapping past m_end to m_begin, or, back at m_first, the first
-// block of the next head.
-__device__ __forceinline__ void bwd_walk_next(int h, int m_block, int m_first, int m_begin,
-                                              int m_end, int& h_next, int& m_next) {
+// The step after (h, m_block) of a key-block CTA's walk: the next query block of the same head,
+// or the first block of the next head of the GQA group.
+__device__ __forceinline__ void bwd_walk_next(int h, int m_block, int m_begin, int m_end,
+                                              int& h_next, int& m_next) {
     h_next = h;
     m_next = m_block + 1;
-    if (m_next == m_end) m_next = m_begin;
-    if (m_next == m_first) ++h_next;
+    if (m_next == m_end) {
+        m_next = m_begin;
+        ++h_next;
+    }
 }
 
 // What a key-block CTA of the backward (the dK/dV kernels of both families) derives from its
@@ -226,7 +226,7 @@ __device__ __forceinline__ void bwd_walk_next(int h, int m_block, int m_first, i
 // off = sk - sq, the GQA group (ratio heads from h0), the query blocks [m_begin, m_end) that
 // see the block, the walk's length, and the sequence's first rows of q and dO.
 struct BwdKeyWalk {
-    int off, ratio, h0, m_begin, m_end, m_first, n_iter, rows_k;
+    int off, ratio, h0, m_begin, m_end, n_iter, rows_k;
     const fc_u16* gq;
     const fc_u16* gdo;
 };
@@ -240,14 +240,6 @@ __device__ __forceinline__ BwdKeyWalk bwd_key_walk(const FlashParams& p, const B
     bwd_query_blocks<Is_local, kBlockM, kBlockN>(p, seq, n0, w.off, w.m_begin, w.m_end);
     const int n_m = w.m_end > w.m_begin ? w.m_end - w.m_begin : 0;
     w.n_iter = n_m * w.ratio;
-    // Where every key block walks all the query blocks (no window), each starts at its own,
-    // the block on its diagonal (n0 / kBlockM), and walks round: the CTAs of a head that run
-    // together add their dQ tiles to different rows of the accumulator instead of all to the
-    // same tile at once. (A window's walks already start apart.)
-    w.m_first = w.m_begin;
-#ifndef FC_DIAG_BWD_NO_ROTATE     // (timing only: every walk from m_begin, as before)
-    if (!Is_local && n_m > 1) w.m_first = w.m_begin + (n0 / kBlockM) % n_m;
-#endif
     w.gq = static_cast<const fc_u16*>(p.q) + b * p.q_batch_stride + seq.q_off * p.q_row_stride;
     w.gdo = static_cast<const fc_u16*>(p.dout) + b * p.do_batch_stride +
             seq.q_off * p.do_row_stride;
@@ -543,8 +535,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_kernel(const F
     const int n0 = n_block * kBlockN;
     if (n0 >= seq.sk) return;  // varlen: this sequence has fewer key blocks
     const BwdKeyWalk kw = bwd_key_walk<Is_local, kBlockM, kBlockN>(p, seq, b, hk, n0);
-    const int off = kw.off, ratio = kw.ratio, h0 = kw.h0, m_begin = kw.m_begin, m_end = kw.m_end,
-              m_first = kw.m_first;
+    const int off = kw.off, ratio = kw.ratio, h0 = kw.h0, m_begin = kw.m_begin, m_end = kw.m_end;
     const int n_iter = kw.n_iter, rows_k = kw.rows_k;
     const fc_u16* gq = kw.gq;
     const fc_u16* gdo = kw.gdo;
@@ -567,11 +558,11 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_kernel(const F
 
     if (n_iter > 0) {
         bwd_load_kv<kBlockN, kHeadDim, kNT, Is_even_d>(p, seq, b, hk, n0, rows_k, sK, sV, tid);
-        bwd_load_qdo<kBlockM, kHeadDim, kNT, Is_even_d>(p, seq, b, gq, gdo, h0, m_first, sQ, sdO,
+        bwd_load_qdo<kBlockM, kHeadDim, kNT, Is_even_d>(p, seq, b, gq, gdo, h0, m_begin, sQ, sdO,
                                                         tid, sLse[tid], sDsum[tid]);
     }
 
-    int h = h0, m_block = m_first;
+    int h = h0, m_block = m_begin;
     for (int it = 0; it < n_iter; ++it) {
         const int buf = it & 1;
         cp_async_wait<0>();
@@ -579,7 +570,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_kernel(const F
 
         // Prefetch the next (head, query block) into the other buffers.
         int h_next, m_next;
-        bwd_walk_next(h, m_block, m_first, m_begin, m_end, h_next, m_next);
+        bwd_walk_next(h, m_block, m_begin, m_end, h_next, m_next);
         const bool has_next = it + 1 < n_iter;
         float nl_next = 0.f, ds_next = 0.f;
         if (has_next)
@@ -868,8 +859,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv2_kernel(const 
     const int n0 = n_block * kBlockN;
     if (n0 >= seq.sk) return;  // varlen: this sequence has fewer key blocks
     const BwdKeyWalk kw = bwd_key_walk<Is_local, kBlockM, kBlockN>(p, seq, b, hk, n0);
-    const int off = kw.off, ratio = kw.ratio, h0 = kw.h0, m_begin = kw.m_begin, m_end = kw.m_end,
-              m_first = kw.m_first;
+    const int off = kw.off, ratio = kw.ratio, h0 = kw.h0, m_begin = kw.m_begin, m_end = kw.m_end;
     const int n_iter = kw.n_iter, rows_k = kw.rows_k;
     const fc_u16* gq = kw.gq;
     const fc_u16* gdo = kw.gdo;
@@ -896,18 +886,18 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv2_kernel(const 
 
     if (n_iter > 0) {
         bwd_load_kv<kBlockN, kHeadDim, kNT, Is_even_d>(p, seq, b, hk, n0, rows_k, sK, sV, tid);
-        bwd_load_qdo<kBlockM, kHeadDim, kNT, Is_even_d>(p, seq, b, gq, gdo, h0, m_first, sQ, sdO,
+        bwd_load_qdo<kBlockM, kHeadDim, kNT, Is_even_d>(p, seq, b, gq, gdo, h0, m_begin, sQ, sdO,
                                                         tid, sLse[tid], sDsum[tid]);
     }
 
-    int h = h0, m_block = m_first;
+    int h = h0, m_block = m_begin;
     for (int it = 0; it < n_iter; ++it) {
         const int buf = it & 1;
         cp_async_wait<0>();
         __syncthreads();
 
         int h_next, m_next;
-        bwd_walk_next(h, m_block, m_first, m_begin, m_end, h_next, m_next);
+        bwd_walk_next(h, m_block, m_begin, m_end, h_next, m_next);
         const bool has_next = it + 1 < n_iter;
         float nl_next = 0.f, ds_next = 0.f;
         if (has_next)

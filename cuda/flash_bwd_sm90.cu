@@ -407,7 +407,7 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
         load_tile<kBlockN, kD>(sV, static_cast<const fc_u16*>(p.v) + b * p.v_batch_stride
                                + (seq.k_off + n0) * p.v_row_stride + hk * p.v_head_stride,
                            p.v_row_stride, kw.rows_k, tid);
-        const int mm = kw.m_first * kBlockM;
+        const int mm = kw.m_begin * kBlockM;
         load_tile<kBlockM, kD>(sQ, gq + static_cast<long long>(mm) * p.q_row_stride + kw.h0 * p.q_head_stride,
                            p.q_row_stride, seq.sq - mm, tid);
         load_tile<kBlockM, kD>(sdO, gdo + static_cast<long long>(mm) * p.do_row_stride + kw.h0 * p.do_head_stride,
@@ -417,7 +417,7 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
     }
 
     DkdvWarpgroup<Elem, kD, kBlockM, Is_local, Is_dropout> w(tid);
-    int h = kw.h0, m_block = kw.m_first;
+    int h = kw.h0, m_block = kw.m_begin;
     for (int it = 0; it < n_iter; ++it) {
         const fc_u32 buf = (fc_u32)(it & 1);
         cp_async_wait<0>();
@@ -425,7 +425,7 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
         __syncthreads();
 
         int h_next, m_next;
-        bwd_walk_next(h, m_block, kw.m_first, kw.m_begin, kw.m_end, h_next, m_next);
+        bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h_next, m_next);
         const bool has_next = it + 1 < n_iter;
         float nl_next = 0.f, ds_next = 0.f;
         if (has_next) {
@@ -509,7 +509,7 @@ __device__ __forceinline__ void bwd_produce(const FlashParams& p, const BwdSeq& 
                         Is_varlen ? 0 : b);
         }
     }
-    int h = kw.h0, m_block = kw.m_first;
+    int h = kw.h0, m_block = kw.m_begin;
     for (int it = 0; it < kw.n_iter; ++it) {
         const int st = it % kStages;
         const fc_u32 ph = (fc_u32)(it / kStages) & 1u;
@@ -535,7 +535,7 @@ __device__ __forceinline__ void bwd_produce(const FlashParams& p, const BwdSeq& 
         for (int r = lane; r < kBlockM; r += 32)
             bwd_row_stats(p, b, h, seq, mm + r, sLse[st * kBlockM + r], sDsum[st * kBlockM + r]);
         mbar_arrive(bar.full(st));            // (release: the stores above are seen)
-        bwd_walk_next(h, m_block, kw.m_first, kw.m_begin, kw.m_end, h, m_block);
+        bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
     }
 }
 
@@ -643,7 +643,7 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
     DkdvWarpgroup<Elem, kD, kBlockM, Is_local, Is_dropout> w(tid - 128);
     mbar_wait(bar.kv(), 0);
     if constexpr (Is_varlen) zero_rows_past<kD, kBlockN>(sK, sV, seq.sk - n0, tid - 128);
-    int h = kw.h0, m_block = kw.m_first;
+    int h = kw.h0, m_block = kw.m_begin;
     static_assert((kD == 128 && kBlockM == 64) || (kD == 64 && kBlockM == 128),
                   "dQ tiles of 64 x 64 a warpgroup");
     // Step it's S^T and dP^T are issued as soon as its stage is full and the step before's dQ
@@ -687,7 +687,7 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
         const int row0 = m0 + (kD == 64 ? 64 * w.wg : 0);
         dq_tile = row0 < seq.sq
             ? dq_accum_row(p, seq, b, h, row0) + (kD == 128 ? w.wg * 64 * 64 : 0) : nullptr;
-        bwd_walk_next(h, m_block, kw.m_first, kw.m_begin, kw.m_end, h, m_block);
+        bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
     }
     stage_dq(n_iter);
     dq_tile_commit<32>(sDqw, dq_tile, tid - 128, 3 + w.wg, dq_tile != nullptr);
@@ -902,7 +902,7 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
     Wg w(tid - 128);
     mbar_wait(bar.kv(), 0);
     if constexpr (Is_varlen) zero_rows_past<kD, kBlockN>(sK, sV, seq.sk - n0, tid - 128);
-    int h = kw.h0, m_block = kw.m_first;
+    int h = kw.h0, m_block = kw.m_begin;
     for (int it = 0; it < n_iter; ++it) {
         const int st = it % kStages;
         const fc_u32 buf = (fc_u32)(it & 1) * Wg::kBlk;
@@ -931,7 +931,7 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
         dq_tile_add<64>(acc_dq, w.wg == 0 ? sQb : sdOb,
                         dq_accum_row(p, seq, b, h, m0) + w.wg * 64 * 128, tid - 128,
                         3 + w.wg);
-        bwd_walk_next(h, m_block, kw.m_first, kw.m_begin, kw.m_end, h, m_block);
+        bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
     }
     w.store(p, seq, b, hk, n0);
     // (shared memory stays until the last bulk copy has read it)

@@ -24,9 +24,6 @@ VARIANTS = {"as is": {},
             # (head dims 64 and 128: each step's S^T, dP^T issued after the step before's dQ tile
             # is handed to its bulk copy, not before)
             "no overlap": {"sm90_defines": ("-DFC_DIAG_BWD_NO_OVERLAP",)},
-            # (no window: every key block's walk from the first query block, all of a head's
-            # CTAs adding to the same dQ tile at once, as before the rotated walk)
-            "no rotate": {"sm90_defines": ("-DFC_DIAG_BWD_NO_ROTATE",)},
             # (causal / windowed: the key blocks handed out x fastest, before chunked_tile)
             "x order": {"sm90_defines": ("-DFC_DIAG_TILE_ORDER_X",)},
             # (head dims 64 and 128: the cp.async kernel in place of the warp-specialised one)
