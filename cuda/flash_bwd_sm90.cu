@@ -711,6 +711,8 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
 //                                              rows: queries, staged in the step's Q (w = 0)
 //                                              or dO (w = 1) tile and added to dq_accum as
 //                                              one bulk copy
+// A step's S^T and dP^T are issued once the step before's dQ tiles are staged, and run while
+// those are handed to their bulk copies (the kernel's loop, below).
 // Registers: dK, dV 64 + 64, dQ 64 (S^T, dP^T, 16 + 16, are dead by then). Shared memory:
 // K, V 32 KiB each, Q and dO 2 stages x 32 KiB each, P^T and dS^T 2 x 8 KiB each: 224 KiB.
 namespace fc_hb {
@@ -720,6 +722,7 @@ struct Dkdv256Warpgroup {
     static constexpr int kD = 256, kBM = 64, kBN = 64;
     static constexpr fc_u32 kBlk = 64u * 128u;     // one [64 rows][64 cols] block
     float acc_dk[64], acc_dv[64];                  // keys 16 wl + g + 8 r, columns 128 wg + ..
+    float acc_s[16], acc_dp[16];                   // S^T, dP^T of a step (issue_scores)
     int wg, wl, g, t, key0;
 
     __device__ __forceinline__ explicit Dkdv256Warpgroup(int ct) {
@@ -739,16 +742,13 @@ struct Dkdv256Warpgroup {
         for (int i = 0; i < N; ++i) fence_operand(x[i]);
     }
 
-    // S^T, dP^T of this warpgroup's 32 queries, P^T and dS^T from them, both stored to sPb and
-    // sdSb. The caller fences the stores for the async proxy and synchronises the consumers.
-    __device__ __forceinline__ void scores(const FlashParams& p, const BwdSeq& seq, int b, int h,
-                                           int m0, int n0, int off, fc_u32 sK, fc_u32 sV,
-                                           fc_u32 sQb, fc_u32 sdOb, const float* sLb,
-                                           const float* sDb, fc_u32 sPb, fc_u32 sdSb) {
-        const BwdScoreMath sm = bwd_score_math(p, b, h, seq, false);
-        const bool need_mask = bwd_need_mask<Is_local, kBM, kBN>(p, seq, m0, n0, off);
+    // issue_scores: S^T, dP^T of this warpgroup's 32 queries issued into acc_s, acc_dp (one
+    // commit group, not waited: the kernel issues a step's while the step before's dQ tile is
+    // handed to its bulk copy). finish_scores: once they are done, P^T and dS^T from them, both
+    // stored to sPb and sdSb. The caller fences the stores for the async proxy and synchronises
+    // the consumers.
+    __device__ __forceinline__ void issue_scores(fc_u32 sK, fc_u32 sV, fc_u32 sQb, fc_u32 sdOb) {
         const int q0 = 32 * wg;                    // this warpgroup's queries in the block
-        float acc_s[16], acc_dp[16];
 #pragma unroll
         for (int i = 0; i < 16; ++i) acc_s[i] = acc_dp[i] = 0.f;
         pin(acc_s);
@@ -762,6 +762,17 @@ struct Dkdv256Warpgroup {
             Wgmma<Elem>::ss(acc_dp, wgmma_desc_k(sV + ko), wgmma_desc_k(sdOb + qo), kk > 0 ? 1 : 0);
         }
         wgmma_commit();
+        pin(acc_s);
+        pin(acc_dp);
+    }
+
+    __device__ __forceinline__ void finish_scores(const FlashParams& p, const BwdSeq& seq, int b,
+                                                  int h, int m0, int n0, int off,
+                                                  const float* sLb, const float* sDb, fc_u32 sPb,
+                                                  fc_u32 sdSb) {
+        const BwdScoreMath sm = bwd_score_math(p, b, h, seq, false);
+        const bool need_mask = bwd_need_mask<Is_local, kBM, kBN>(p, seq, m0, n0, off);
+        const int q0 = 32 * wg;
         wgmma_wait<0>();
         pin(acc_s);
         pin(acc_dp);
@@ -902,37 +913,57 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
     Wg w(tid - 128);
     mbar_wait(bar.kv(), 0);
     if constexpr (Is_varlen) zero_rows_past<kD, kBlockN>(sK, sV, seq.sk - n0, tid - 128);
+    // Step it's S^T and dP^T are issued as soon as its stage is full and the step before's dQ
+    // tiles are in that step's Q / dO tiles: their bulk reduce-adds are handed over while the
+    // products run (as the d64 / d128 kernel does; S^T and dP^T, 32 registers a thread, are
+    // live where the step before's dQ, 64, no longer is). That stage goes back to the producer
+    // once the copies have read it, after this step's scores. (FC_DIAG_BWD_NO_OVERLAP, timing
+    // only: the order before, each step's tiles handed over at its end, its stage released at
+    // the top of the step after.)
+#ifdef FC_DIAG_BWD_NO_OVERLAP
+    constexpr bool kOverlap = false;
+#else
+    constexpr bool kOverlap = true;
+#endif
+    // The step before's stage, holding its dQ tiles: back to the producer once the bulk copy
+    // has read this warpgroup's (its issuing thread waits; the phase needs every consumer's
+    // arrival, so it cannot complete before both copies have read).
+    auto release_prev = [&](int it) {
+        if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
+        mbar_arrive(bar.empty((it - 1) % kStages));
+    };
     int h = kw.h0, m_block = kw.m_begin;
+    float acc_dq[64];
+    float* dq_tile = nullptr;     // the step's (kOverlap: the step before's) dQ tile in dq_accum
+    fc_u32 sDqw = 0;              // and where this warpgroup stages it
     for (int it = 0; it < n_iter; ++it) {
         const int st = it % kStages;
         const fc_u32 buf = (fc_u32)(it & 1) * Wg::kBlk;
-        // The previous step's stage, holding its dQ tiles: back to the producer once the bulk
-        // copy has read this warpgroup's (its issuing thread waits; the phase needs every
-        // consumer's arrival, so it cannot complete before both copies have read).
-        if (it > 0) {
-            if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
-            mbar_arrive(bar.empty((it - 1) % kStages));
-        }
-        mbar_wait(bar.full(st), (fc_u32)(it / kStages) & 1u);
         const int m0 = m_block * kBlockM;
         const fc_u32 sQb = sQ + (fc_u32)st * kTile, sdOb = sdO + (fc_u32)st * kTile;
+        if (!kOverlap && it > 0) release_prev(it);
+        mbar_wait(bar.full(st), (fc_u32)(it / kStages) & 1u);
         if constexpr (Is_varlen)   // (m0 < sq on the walk)
             zero_rows_past<kD, kBlockM>(sQb, sdOb, seq.sq - m0, tid - 128);
-        w.scores(p, seq, b, h, m0, n0, kw.off, sK, sV, sQb, sdOb, sLse + st * kBlockM,
-                 sDsum + st * kBlockM, sP + buf, sdS + buf);
+        if (kOverlap && it > 0) dq_tile_store<64>(acc_dq, sDqw, tid - 128);
+        w.issue_scores(sK, sV, sQb, sdOb);
+        if (kOverlap && it > 0) dq_tile_commit<64>(sDqw, dq_tile, tid - 128, 3 + w.wg, true);
+        w.finish_scores(p, seq, b, h, m0, n0, kw.off, sLse + st * kBlockM, sDsum + st * kBlockM,
+                        sP + buf, sdS + buf);
+        if (kOverlap && it > 0) release_prev(it);
         fence_proxy_async();      // the P^T / dS^T stores, for the products' async-proxy reads
         // Both halves of P^T and dS^T are written; and (double-buffered) both warpgroups are
         // past the previous step, whose products read the buffers the next step writes.
         named_sync(1, 256);
-        float acc_dq[64];
         w.grads_product(sK, sQb, sdOb, sP + buf, sdS + buf, acc_dq);
-        // Both warpgroups' products done: the stage's Q and dO tiles take their dQ tiles.
+        // Both warpgroups' products done: the stage's Q and dO tiles can take their dQ tiles.
         named_sync(2, 256);
-        dq_tile_add<64>(acc_dq, w.wg == 0 ? sQb : sdOb,
-                        dq_accum_row(p, seq, b, h, m0) + w.wg * 64 * 128, tid - 128,
-                        3 + w.wg);
+        sDqw = w.wg == 0 ? sQb : sdOb;
+        dq_tile = dq_accum_row(p, seq, b, h, m0) + w.wg * 64 * 128;
+        if (!kOverlap) dq_tile_add<64>(acc_dq, sDqw, dq_tile, tid - 128, 3 + w.wg);
         bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
     }
+    if (kOverlap) dq_tile_add<64>(acc_dq, sDqw, dq_tile, tid - 128, 3 + w.wg);
     w.store(p, seq, b, hk, n0);
     // (shared memory stays until the last bulk copy has read it)
     if ((threadIdx.x & 127) == 0) bulk_wait<0>();

@@ -21,8 +21,9 @@ VARIANTS = {"as is": {},
             "no dQ adds": {"sm90_defines": ("-DFC_DIAG_BWD_NO_DQ",)},
             "no Q/dO reloads": {"sm90_defines": ("-DFC_DIAG_BWD_NO_QLOAD",)},
             "neither": {"sm90_defines": ("-DFC_DIAG_BWD_NO_DQ", "-DFC_DIAG_BWD_NO_QLOAD")},
-            # (head dims 64 and 128: each step's S^T, dP^T issued after the step before's dQ tile
-            # is handed to its bulk copy, not before)
+            # (each step's S^T, dP^T issued after the step before's dQ tile is handed to its
+            # bulk copy, not before; head dim 256: that tile handed over at its step's end and
+            # the stage released at the top of the step after, the order before 2026-12-04)
             "no overlap": {"sm90_defines": ("-DFC_DIAG_BWD_NO_OVERLAP",)},
             # (causal / windowed: the key blocks handed out x fastest, before chunked_tile)
             "x order": {"sm90_defines": ("-DFC_DIAG_TILE_ORDER_X",)},
