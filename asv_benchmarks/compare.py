@@ -11,9 +11,13 @@ baseline had and this run lost (failed or skipped). Exits 1 on any regression, e
 peer's own figure (a time or throughput whose parameters name torch's SDPA, cuDNN or
 flash-attn: ``PEERS``) is not flashcore's to regress: its moves are listed apart, as what the
 machine did that day. Ratios against a peer are flashcore's figures.
-It also names the holes in the published history: the commits since the oldest committed
-result that change the kernels or backends (``CODE_PATHS``) and have no committed results
-(information, not a failure: a past commit cannot be measured with today's tree).
+It also names the holes in the published history: the commits that change the kernels or
+backends (``CODE_PATHS``) and have no committed results, where a commit whose code under
+``CODE_PATHS`` is identical to that of a measured commit (a revert, say) counts as measured.
+From ``TRACKING_START`` on, every such commit must carry results: a hole after it is a failure
+(exit 1) like a regression. The commits before it were measured by hand at some commits only
+and are not backfilled (each would need its own run of the suite on an H200, about seven
+minutes; the count is printed as information): docs/benchmarks.md, "History".
 
 Which way is worse comes from the benchmark's unit (results/benchmarks.json): ratio, TFLOP/s
 and TB/s are better higher; times, microseconds and bytes are better lower. (``asv compare``
@@ -38,6 +42,9 @@ HIGHER_IS_BETTER = {"ratio", "TFLOP/s", "TB/s", "GB/s", "GFLOP/s"}
 #: results is a hole in the published history
 CODE_PATHS = ("cuda", "flashcore/kernels", "flashcore/backends", "flashcore/jit.py",
               "flashcore/api.py")
+#: the first commit from which every commit that changes CODE_PATHS carries committed results
+#: (c75b705, 2026-12-04); holes after it fail the comparison
+TRACKING_START = "c75b705f19f5523fa5610e408488181713243154"
 #: parameter values (as asv writes them) that name a peer, not flashcore
 PEERS = ("'sdpa", "'cudnn", "'flash_attn", "'torch")
 
@@ -136,23 +143,38 @@ def compare(new, baselines, unit_of, factor, bench=None):
     return regressions, improvements, missing, peers
 
 
-def holes(repo, commit, result_commits, paths=CODE_PATHS):
-    """Commits up to ``commit``, after the oldest of ``result_commits`` in its history, that
-    change ``paths`` and have no results (newest first; ``commit`` itself left out: its results
-    are this run's). [] when git cannot tell (a copied checkout without history)."""
+def holes(repo, commit, result_commits, paths=CODE_PATHS, since=None):
+    """Commits up to ``commit``, after the oldest of ``result_commits`` in its history (or after
+    ``since`` where given and in that history), that change ``paths`` and have no results
+    (newest first; ``commit`` itself left out: its results are this run's). A commit whose
+    ``paths`` are identical to a measured commit's is measured. [] when git cannot tell (a
+    copied checkout without history)."""
     def git(*args):
         return subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True,
-                              check=True).stdout.split()
+                              check=True).stdout
+
+    def code(c):       # the ids of the trees and files under paths at commit c
+        return git("ls-tree", "--full-tree", c, "--", *paths)
     try:
-        history = git("rev-list", commit)               # newest first
+        history = git("rev-list", commit).split()        # newest first
         measured = {c for c in history if any(c.startswith(r) for r in result_commits)}
         if not measured:
             return []
         oldest = [c for c in history if c in measured][-1]
-        changed = git("rev-list", f"{oldest}..{commit}", "--", *(f":(top){p}" for p in paths))
+        if since is not None:
+            start = [c for c in history if c.startswith(since)]
+            if not start:
+                return []
+            oldest = start[0]
+        changed = git("rev-list", f"{oldest}..{commit}", "--",
+                      *(f":(top){p}" for p in paths)).split()
+        gaps = [c for c in changed if c not in measured and c != history[0]]
+        if gaps:
+            known = {code(c) for c in measured}
+            gaps = [c for c in gaps if code(c) not in known]
     except (OSError, subprocess.CalledProcessError):
         return []
-    return [c for c in changed if c not in measured and c != history[0]]
+    return gaps
 
 
 def main(argv=None):
@@ -200,12 +222,17 @@ def main(argv=None):
     compared = sum(1 for n in new if n not in missing and (not a.bench or re.search(a.bench, n)))
     print(f"compare: {len(regressions)} regression(s), {len(improvements)} improvement(s) "
           f"beyond {a.factor:g}x over {compared} benchmark(s) with a baseline")
-    gaps = holes(HERE, commit, [b[2] for b in baselines if b[2]])
+    measured = [b[2] for b in baselines if b[2]]
+    gaps = holes(HERE, commit, measured, since=TRACKING_START)
     if gaps:
-        print(f"compare: {len(gaps)} commit(s) since the oldest committed result change "
-              f"{', '.join(CODE_PATHS)} and have no committed results (holes in the published "
-              f"history): {' '.join(c[:8] for c in gaps[:20])}{' ...' if len(gaps) > 20 else ''}")
-    return 1 if regressions else 0
+        print(f"compare: FAIL: {len(gaps)} commit(s) since {TRACKING_START[:8]} (where the "
+              f"history is complete) change {', '.join(CODE_PATHS)} and have no committed "
+              f"results: {' '.join(c[:8] for c in gaps[:20])}{' ...' if len(gaps) > 20 else ''}")
+    before = [c for c in holes(HERE, commit, measured) if c not in gaps]
+    if before:
+        print(f"compare: (information) {len(before)} commit(s) before {TRACKING_START[:8]} "
+              f"change the code and were never measured; they are not backfilled")
+    return 1 if regressions or gaps else 0
 
 
 if __name__ == "__main__":

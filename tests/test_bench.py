@@ -375,8 +375,9 @@ def test_compare_sh_parses_and_its_groups_name_benchmarks(suite):
 
 
 def test_compare_names_the_holes_in_the_published_history(tmp_path):
-    """compare.holes: the commits after the oldest one with results that change the kernels or
-    backends and have no results; docs-only commits and commits with results are no holes."""
+    """compare.holes: the commits after the oldest one with results (or after a given start)
+    that change the kernels or backends and have no results; docs-only commits, commits with
+    results and commits whose code equals a measured commit's are no holes."""
     sys.path.insert(0, ASV)
     try:
         compare = importlib.import_module("compare")
@@ -406,9 +407,13 @@ def test_compare_names_the_holes_in_the_published_history(tmp_path):
     commit("docs/x.md", "1")                                  # docs only: no hole
     measured2 = commit("cuda/a.cu", "2")                      # has results
     hole2 = commit("cuda/a.cu", "3")
+    commit("cuda/a.cu", "2")                                  # measured2's code again: no hole
     head = commit("flashcore/kernels/k.py", "2")              # the commit under test
     found = compare.holes(str(repo / "asv"), head, [measured, measured2[:8]])
     assert found == [hole2, hole1], (found, first)
+    # from a start on (the tracking start): only the holes after it
+    assert compare.holes(str(repo / "asv"), head, [measured, measured2], since=hole1) == [hole2]
+    assert compare.holes(str(repo / "asv"), head, [measured, measured2], since=hole2[:8]) == []
     assert compare.holes(str(repo / "asv"), head, []) == []
     assert compare.holes(str(tmp_path), head, [measured]) == []   # not a repository: no answer
 
