@@ -1,12 +1,17 @@
 """What users pay per call, end to end, against torch SDPA and "sdpa" in the same run.
 
-    python tests/diagnostics/bench_callpath.py [decode] [tiny] [cupy] [llama] [generate] [compile]
-                                               [profile] [--json F]
+    python tests/diagnostics/bench_callpath.py [decode] [decode_host] [tiny] [cupy] [llama]
+                                               [generate] [compile] [profile] [--json F]
 
 decode    flashcore.bench.decode: attention_with_kvcache (cache_seqlens a CUDA int32 tensor,
           GQA 32/8, d128, bf16), contiguous and paged, batch 1/8/64 x cache 4k/16k/128k: GPU
           time, host loop, CUDA-graph replay, against SDPA cuDNN (``python -m flashcore.bench
           --decode`` prints the same table).
+decode_host  whether a decode host loop runs at the host's pace or the kernels': per call, the
+          host's own time (100 calls from an empty queue, the clock read before the
+          synchronisation), the loop alone and interleaved with SDPA cuDNN's, and the GPU time,
+          at batch 1 / 4k, 8 / 4k, 8 / 16k, 64 / 4k (contiguous cache); where the host's time
+          exceeds the GPU time the loop runs at the host's pace.
 tiny      the tiny training step (flashcore.bench.tiny_calls) in a host loop: the steady state,
           and the first 1000 steps of a fresh process per call (median of 3 rounds), against
           SDPA.
@@ -48,6 +53,38 @@ def decode():
     from flashcore.bench import decode as decode_table
     for r in decode_table():
         emit(section="decode", **r)
+
+
+def decode_host(shapes=((1, 4096), (8, 4096), (8, 16384), (64, 4096)), calls=100, rounds=5):
+    import time
+    from flashcore.bench import gpu_time, sdpa_pinned
+    for b, s in shapes:
+        pb = DecodeProblem(b, s, seed=b * 100003 + s)
+        fns = {"flashcore": pb.api, "sdpa_cudnn": pb.sdpa_unpinned}
+        with sdpa_pinned("sdpa_cudnn"):
+            for fn in fns.values():
+                for _ in range(30):
+                    fn()
+            torch.cuda.synchronize()
+            row = {}
+            for name, fn in fns.items():
+                host = float("inf")
+                for _ in range(rounds):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        fn()
+                    host = min(host, (time.perf_counter() - t0) / calls * 1e6)
+                    torch.cuda.synchronize()
+                row[f"{name}_host_us"] = host
+                row[f"{name}_loop_alone_us"] = per_call_us_interleaved({name: fn}, 2000,
+                                                                       round_s=0.05)[name]
+                row[f"{name}_gpu_us"] = gpu_time(fn) * 1e6
+            for name, us in per_call_us_interleaved(fns, 2000, round_s=0.05).items():
+                row[f"{name}_loop_interleaved_us"] = us
+        emit(section="decode_host", batch=b, cache=s, **row)
+        del pb
+        torch.cuda.empty_cache()
 
 
 def tiny(n_first=1000, rounds=3):
@@ -313,7 +350,7 @@ def main(argv):
     print(f"# torch {torch.__version__}, {torch.cuda.get_device_name()}, sections {sections}")
     for s in sections:
         try:
-            {"decode": decode, "tiny": tiny, "cupy": cupy_calls, "llama": llama,
+            {"decode": decode, "decode_host": decode_host, "tiny": tiny, "cupy": cupy_calls, "llama": llama,
              "generate": generate, "generate_static": generate_static,
              "compile": compile_step, "profile": profile}[s]()
         except Exception as e:
