@@ -251,6 +251,26 @@ def gpu_time_l2_flushed(fn, iters=30, warmup=5):
     return gpu_time(fn, "torch", reps=iters, warmup=warmup)
 
 
+def enqueue_us(fn, calls: int = 100, rounds: int = 5, sync=None) -> float:
+    """The host's own microseconds per call of ``fn``: ``calls`` calls started on an idle device
+    (right after a synchronisation), the clock read before the synchronisation that ends them,
+    the best of ``rounds``. Where this exceeds the call's GPU time, a loop of such calls runs at
+    the host's pace (tests/diagnostics/bench_callpath.py decode_host). ``sync`` defaults to
+    ``torch.cuda.synchronize``."""
+    if sync is None:
+        import torch
+        sync = torch.cuda.synchronize
+    best = float("inf")
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, time.perf_counter() - t0)
+        sync()
+    return best / calls * 1e6
+
+
 def host_loop_us(fn, steps: int | None = None, warmup: int = 20, rounds: int = 5,
                  target_s: float = 0.05, sync=None, warmup_s: float = 0.05) -> float:
     """Host wall-clock per step of ``fn``, in microseconds: ``steps`` calls back to back, ended

@@ -107,6 +107,16 @@ def test_host_loop_timer_counts_per_step():
     assert len(calls) == 10
 
 
+def test_enqueue_timer_reads_the_clock_before_the_closing_sync():
+    """enqueue_us: each round starts after a synchronisation and its clock stops before the
+    one that ends it (a slow sync is not counted)."""
+    calls, syncs = [], []
+    us = bench.enqueue_us(lambda: (calls.append(1), time.sleep(0.001)), calls=5, rounds=3,
+                          sync=lambda: (syncs.append(1), time.sleep(0.05)))
+    assert len(calls) == 15 and len(syncs) == 6
+    assert 1000 <= us < 20000          # the 1 ms of each call, not the 50 ms syncs
+
+
 def test_wall_time_is_one_call_per_round_and_an_exact_warm_up():
     calls, syncs = [], []
     t = bench.wall_time(lambda: (calls.append(1), time.sleep(0.002)), reps=3, warmup=2,

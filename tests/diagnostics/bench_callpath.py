@@ -55,9 +55,8 @@ def decode():
         emit(section="decode", **r)
 
 
-def decode_host(shapes=((1, 4096), (8, 4096), (8, 16384), (64, 4096)), calls=100, rounds=5):
-    import time
-    from flashcore.bench import gpu_time, sdpa_pinned
+def decode_host(shapes=((1, 4096), (8, 4096), (8, 16384), (64, 4096))):
+    from flashcore.bench import enqueue_us, gpu_time, sdpa_pinned
     for b, s in shapes:
         pb = DecodeProblem(b, s, seed=b * 100003 + s)
         fns = {"flashcore": pb.api, "sdpa_cudnn": pb.sdpa_unpinned}
@@ -68,15 +67,7 @@ def decode_host(shapes=((1, 4096), (8, 4096), (8, 16384), (64, 4096)), calls=100
             torch.cuda.synchronize()
             row = {}
             for name, fn in fns.items():
-                host = float("inf")
-                for _ in range(rounds):
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    for _ in range(calls):
-                        fn()
-                    host = min(host, (time.perf_counter() - t0) / calls * 1e6)
-                    torch.cuda.synchronize()
-                row[f"{name}_host_us"] = host
+                row[f"{name}_host_us"] = enqueue_us(fn)
                 row[f"{name}_loop_alone_us"] = per_call_us_interleaved({name: fn}, 2000,
                                                                        round_s=0.05)[name]
                 row[f"{name}_gpu_us"] = gpu_time(fn) * 1e6
