@@ -341,8 +341,8 @@ def main(argv):
     print(f"# torch {torch.__version__}, {torch.cuda.get_device_name()}, sections {sections}")
     for s in sections:
         try:
-            {"decode": decode, "decode_host": decode_host, "tiny": tiny, "cupy": cupy_calls, "llama": llama,
-             "generate": generate, "generate_static": generate_static,
+            {"decode": decode, "decode_host": decode_host, "tiny": tiny, "cupy": cupy_calls,
+             "llama": llama, "generate": generate, "generate_static": generate_static,
              "compile": compile_step, "profile": profile}[s]()
         except Exception as e:
             import traceback
