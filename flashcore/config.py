@@ -25,7 +25,8 @@ The settings (environment variable in brackets):
   (16-bit and FP8) run one CTA per SM, each taking tiles from a dynamic scheduler (on by
   default, where such a kernel exists: ``flashcore.kernels.forward.ws_persistent_exists``);
   ``sm90_fwd_d64_min_seqlen_k``: head dim 64 takes the Hopper forward from
-  this many keys (the Ampere-class kernel measured faster below).
+  this many keys (512: the warp-specialised kernel measured faster from there, session 28;
+  shorter calls keep the Ampere-class kernel, unmeasured below 512).
 * ``sm90_bwd`` (``FLASHCORE_SM90_BWD``): the Hopper dK/dV kernel where it applies;
   ``sm90_bwd_ws`` (``FLASHCORE_SM90_BWD_WS``): its warp-specialised TMA versions (head dims 64,
   128 and 256) for calls, varlen included, whose arrays TMA can read;
@@ -95,7 +96,7 @@ def _from_environment() -> Settings:
         sm90_fwd_pingpong=(_env_flag("FLASHCORE_SM90_PINGPONG", True)
                            if os.environ.get("FLASHCORE_SM90_PINGPONG", "").strip() else None),
         sm90_fwd_persistent=_env_flag("FLASHCORE_SM90_PERSISTENT", True),
-        sm90_fwd_d64_min_seqlen_k=2048,
+        sm90_fwd_d64_min_seqlen_k=512,
         sm90_bwd=_env_flag("FLASHCORE_SM90_BWD", True),
         sm90_bwd_ws=_env_flag("FLASHCORE_SM90_BWD_WS", True),
         sm90_bwd_d64_block_m=int(bm) if bm in ("64", "128") else 128,

@@ -181,8 +181,9 @@ def sm90_smem(headdim: int, pipelined: bool) -> int:
 
 # On by default (compute capability 9.0), v1: verified by the GPU suite on the H200, where v1
 # measured at least as fast as v0 at head dims 64 and 128 (docs/performance-log.md).
-# At head dim 64 the Ampere-class kernel measured faster below 2k keys (1.04-1.07x SDPA flash
-# against 0.97-0.99x at 1k, the same from 4k up), so the Hopper one takes d64 from there.
+# At head dim 64 the Hopper kernels take calls from sm90_fwd_d64_min_seqlen_k keys (512): the
+# warp-specialised one measured 0.90-0.92x SDPA cuDNN at 512-1k against the Ampere-class
+# kernel's 0.68-0.70 (causal 0.71-0.76 against 0.66-0.67; run 80, docs/performance-log.md).
 def set_sm90(enabled: bool, pipelined: bool | None = None, ws: bool | None = None) -> None:
     """Use the Hopper (wgmma) forward kernels where they apply (compute capability 9.0, head
     dim 64, 128 or 256, no softcap or ALiBi): ``flashcore.config`` settings ``sm90_fwd``,
