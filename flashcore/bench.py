@@ -410,6 +410,29 @@ def graph_replay_time(graph, reps: int | None = None) -> float:
     return gpu_time(graph.replay, "torch", reps=reps)
 
 
+def kernel_events(fn, warmup: int = 3) -> list[dict]:
+    """The kernels one call of ``fn`` launches, as torch.profiler's trace events (``name``,
+    ``dur`` in µs, ``args``: grid, block, registers, shared memory), after ``warmup`` calls. A
+    profile, not a timing (one call, the L2 not flushed): for the diagnostics that take a call
+    apart kernel by kernel."""
+    import os
+    import tempfile
+    torch = _torch()
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    return [e for e in events if e.get("cat") == "kernel"]
+
+
 # --------------------------------------------------------------------------------------------
 # Inputs: random (never zeros), bfloat16, on the device
 # --------------------------------------------------------------------------------------------

@@ -16,10 +16,7 @@ Three parts, 32 query heads over 8 kv heads, headdim 128, bf16, one query token:
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
-import tempfile
 
 from bench_decode import _read_kernel_time
 
@@ -39,7 +36,7 @@ def peers():
     import cupy as cp
     import torch
     from torch.nn.attention import SDPBackend
-    from torch.profiler import ProfilerActivity, profile
+    from flashcore.bench import kernel_events
     stream = cp.cuda.Stream.from_external(torch.cuda.current_stream())
     print("# peers: kernels launched per call (torch.profiler)")
     for b, sk in ((1, 4096), (1, 16384), (1, 131072), (8, 4096)):
@@ -48,19 +45,8 @@ def peers():
                "sdpa-flash": lambda: sdpa(SDPBackend.FLASH_ATTENTION)}
         for name, fn in fns.items():
             with stream:
-                for _ in range(3):
-                    fn()
-                torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    fn()
-                    torch.cuda.synchronize()
-            path = os.path.join(tempfile.mkdtemp(), "t.json")
-            prof.export_chrome_trace(path)
-            with open(path) as f:
-                ev = json.load(f)["traceEvents"]
+                ev = kernel_events(fn)
             for e in ev:
-                if e.get("cat") != "kernel":
-                    continue
                 a = e.get("args", {})
                 print(f"b{b} {sk // 1024}k {name:10s} {e['dur']:7.2f} us grid {a.get('grid')} "
                       f"block {a.get('block')} regs {a.get('registers per thread')} "

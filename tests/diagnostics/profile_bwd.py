@@ -12,12 +12,9 @@ accumulator's zeroing) and its dQ conversion against the dK/dV kernel itself. A 
 timing (one call each after warm-up; the L2 is not flushed).
 """
 import argparse
-import json
-import os
 import sys
-import tempfile
 
-from flashcore.bench import AttentionProblem, flops, shape_for
+from flashcore.bench import AttentionProblem, flops, kernel_events, shape_for
 
 
 def _ncu_target(d, s, causal):
@@ -34,23 +31,6 @@ def _ncu_target(d, s, causal):
     print("done")
 
 
-def _kernels_of(fn):
-    """[(kernel name, us)] of one call of fn (torch.profiler)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    path = os.path.join(tempfile.mkdtemp(), "t.json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
-    return [(e["name"], float(e["dur"])) for e in events if e.get("cat") == "kernel"]
-
-
 def kernels(headdims, seqlens, causal):
     print("# backward kernels, one call each (torch.profiler, us); bf16, 16k tokens, hidden 2048")
     summary = []
@@ -65,7 +45,7 @@ def kernels(headdims, seqlens, causal):
                 except NotImplementedError as e:
                     print(f"  {impl}: {e}")
                     continue
-                ks = _kernels_of(pb.backward)
+                ks = [(e["name"], float(e["dur"])) for e in kernel_events(pb.backward)]
                 total = sum(t for _, t in ks)
                 main = max(t for _, t in ks)
                 name = "flashcore" if impl == "torch" else impl
