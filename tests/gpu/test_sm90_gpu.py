@@ -280,15 +280,17 @@ def _ran_sm90_bwd(dtype, local, d=128, varlen=False, dropout=False):
     return any(k[2] == backward.SM90_SOURCE and k[3] == name for k in jit._kernels)
 
 
-@pytest.fixture(params=[(True, 128), (False, 128), (False, 64)],
-                ids=["ws", "cpasync-d64-bm128", "cpasync-d64-bm64"])
+@pytest.fixture(params=[(True, 128, True), (True, 128, False), (False, 128, True),
+                        (False, 64, True)],
+                ids=["ws", "ws-one-tile", "cpasync-d64-bm128", "cpasync-d64-bm64"])
 def sm90_bwd(request):
-    """The Hopper dK/dV kernel on (warp-specialised where it applies, else cp.async, which
-    varlen calls take), the forward on the (verified) Ampere-class kernel, so that a failure
-    here is the backward's."""
+    """The Hopper dK/dV kernel on (warp-specialised where it applies, persistent or one tile a
+    CTA, else cp.async), the forward on the (verified)
+    Ampere-class kernel, so that a failure here is the backward's."""
     from flashcore import config
-    ws, bm = request.param
-    with config.override(sm90_bwd=True, sm90_bwd_ws=ws, sm90_bwd_d64_block_m=bm, sm90_fwd=False):
+    ws, bm, persistent = request.param
+    with config.override(sm90_bwd=True, sm90_bwd_ws=ws, sm90_bwd_d64_block_m=bm, sm90_fwd=False,
+                         sm90_bwd_persistent=persistent):
         yield
 
 
@@ -309,6 +311,8 @@ def test_backward_matrix(sm90_bwd, dtype, causal, sq, sk, d):
     ws = config.get().sm90_bwd_ws
     if d == 256 and not ws:
         pytest.skip("head dim 256 has the warp-specialised kernel only")
+    if d == 256 and not config.get().sm90_bwd_persistent:
+        pytest.skip("head dim 256's kernel is one tile a CTA either way: run once")
     if ws and d == 64 and config.get().sm90_bwd_d64_block_m == 64:
         pytest.skip("the d64 step size is the cp.async kernel's: run once")
     heads = (6, 2) if (sq + sk) % 2 else (4, 4)
@@ -419,27 +423,35 @@ def test_backward_varlen_warp_specialised(d, kw):
     with config.override(sm90_bwd=True, sm90_bwd_ws=True, sm90_fwd=False):
         out, lse = flashcore.varlen_attention_forward(q, k, v, cqd, ckd, **opts, **drop)
         grads = {}
-        for ws in (True, False):
-            with config.override(sm90_bwd_ws=ws):
+        # (ws, persistent): the warp-specialised kernel persistent and one tile a CTA (head
+        # dims 64 and 128; the d256 kernel is one tile a CTA either way), then sm90_bwd_ws off
+        runs = ((True, True), (True, False), (False, True)) if d != 256 else \
+            ((True, True), (False, True))
+        for ws, pers in runs:
+            with config.override(sm90_bwd_ws=ws, sm90_bwd_persistent=pers):
                 jit.clear_memory_cache()
                 junk = cp.full(1 << 22, cp.nan, cp.float32)   # the pool's next blocks hold NaN:
                 del junk                                      # an accumulator row left unzeroed shows
                 g = flashcore.varlen_attention_backward(do, q, k, v, out, lse, cqd, ckd,
                                                         **opts, **drop)
-                grads[ws] = [x.get()[:-pad].astype(np.float64) for x in g]
+                grads[ws, pers] = [x.get()[:-pad].astype(np.float64) for x in g]
                 local = "window_size" in opts or opts.get("causal", False)
                 name = (backward.sm90_d256_kernel_name("bfloat16", local, bool(drop), True)
                         if d == 256 else
-                        backward.sm90_ws_kernel_name("bfloat16", d, local,
-                                                     dropout=bool(drop), varlen=True))
+                        backward.sm90_ws_kernel_name("bfloat16", d, local, dropout=bool(drop),
+                                                     varlen=True))
                 ran = any(kk[2] == backward.SM90_SOURCE and kk[3] == name for kk in jit._kernels)
                 assert ran == ws, name
-    for n, h_, a_ in zip(("dq", "dk", "dv"), grads[True], grads[False]):
-        assert np.isfinite(h_).all(), n
+    off = grads[False, True]
+    hopper = [g for key, g in grads.items() if key[0]]
+    for got in hopper:
+        for n, h_ in zip(("dq", "dk", "dv"), got):
+            assert np.isfinite(h_).all(), n
     if drop:
-        for n, h_, a_ in zip(("dq", "dk", "dv"), grads[True], grads[False]):
-            tol = 2e-2 * max(1.0, np.abs(a_).max())
-            assert np.abs(h_ - a_).max() <= tol, f"{n}: {np.abs(h_ - a_).max()} vs {tol}"
+        for got in hopper:
+            for n, h_, a_ in zip(("dq", "dk", "dv"), got, off):
+                tol = 2e-2 * max(1.0, np.abs(a_).max())
+                assert np.abs(h_ - a_).max() <= tol, f"{n}: {np.abs(h_ - a_).max()} vs {tol}"
         return
     ref = [np.zeros((r, hh, d)) for r, hh in ((cq[-1], 6), (ck[-1], 2), (ck[-1], 2))]
     for i in range(len(lens_q)):
@@ -450,9 +462,10 @@ def test_backward_varlen_warp_specialised(d, kw):
         gq, gk, gv = naive_backward(forward_spec(*a, **opts), host[3][qs][None].astype(np.float64),
                                     *a)
         ref[0][qs], ref[1][ks], ref[2][ks] = gq[0], gk[0], gv[0]
-    for n, r, h_, a_ in zip(("dq", "dk", "dv"), ref, grads[True], grads[False]):
-        e_h, e_a = np.abs(h_ - r).max(), np.abs(a_ - r).max()
-        assert e_h <= 2 * e_a + 1e-2 * max(1.0, np.abs(r).max()), f"{n}: {e_h} vs {e_a}"
+    for got in hopper:
+        for n, r, h_, a_ in zip(("dq", "dk", "dv"), ref, got, off):
+            e_h, e_a = np.abs(h_ - r).max(), np.abs(a_ - r).max()
+            assert e_h <= 2 * e_a + 1e-2 * max(1.0, np.abs(r).max()), f"{n}: {e_h} vs {e_a}"
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -560,6 +573,28 @@ def test_backward_windows_gqa(sm90_bwd, dtype, window):
         assert _ran_sm90_bwd(dtype, True, 256)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window=(32, 0))],
+                         ids=["full", "causal", "window"])
+def test_backward_many_tiles_per_cta(sm90_bwd, d, kw):
+    """8 sequences x 4 kv heads x 12 key blocks: 384 tiles, about three a CTA of the persistent
+    dK/dV kernel (one CTA per SM), one Q / dO ring and one K/V barrier running through them;
+    with the window (32 keys left of the diagonal, 300 queries over 1500 keys) the first key
+    blocks see no query, so tiles without a walk fall between walked ones. Against the float64
+    oracle, through the public functions (a plan replay) as well as the backend; the stream's
+    tile counter is zero afterwards."""
+    if _VARIANT["name"] != "v0":
+        pytest.skip("the backward does not depend on the forward variant: run once")
+    from flashcore import config
+    if not config.get().sm90_bwd_ws:
+        pytest.skip("the warp-specialised kernels' tiling")
+    for api in (False, True):
+        run_case("bfloat16", 8, 300, 1500, 8, 4, d, seed=41 + d + api, api=api, **kw)
+    assert _ran_sm90_bwd("bfloat16", bool(kw), d)
+    from test_decode_gpu import _counters_are_zero
+    _counters_are_zero()          # (the tile scheduler's counter: back to zero after each launch)
+
+
 def test_backward_fully_masked_rows_and_deterministic_fallback(sm90_bwd):
     if _VARIANT["name"] != "v0":
         pytest.skip("the backward does not depend on the forward variant: run once")
@@ -625,3 +660,48 @@ def test_backward_dq_tiled_dropout(d, sq, sk, kw):
     with config.override(sm90_bwd=True, sm90_bwd_ws=True):
         dropout_check(d, sq, sk, kw, 0.17)
         assert _ran_sm90_bwd("bfloat16", bool(kw), d, dropout=True)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_dq_conversion_into_any_aligned_view(d, causal):
+    """The tile-ordered dQ conversion writes whole 16-byte pieces where dq's base and row
+    stride allow and 4-byte pairs where they do not: dq as a view 4 bytes into a wider, poisoned
+    buffer (base not 16-byte aligned, row stride not a multiple of 8 elements), the view checked
+    against the float64 oracle and the buffer's columns outside it left as they were. The same
+    call into a fresh dq (the 16-byte path) is checked beside it."""
+    if _VARIANT["name"] != "v0":
+        pytest.skip("the backward does not depend on the forward variant: run once")
+    import cupy as cp
+    import flashcore
+    from flashcore import config
+    from refutils import assert_flash_rule, quantize, to_dev
+    from flashcore.reference import naive_backward, round_to_dtype
+    from flashcore.spec import forward_spec
+    from test_cupy_gpu import to_host64
+    dtype, b, sq, sk, h, hk = "bfloat16", 2, 203, 131, 4, 2
+    rng = np.random.default_rng(d + 7 * causal)
+    q32, k32, v32, do32 = (quantize(rng.standard_normal(s).astype(np.float32), dtype)
+                           for s in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d), (b, sq, h, d)))
+    q, k, v, do = (to_dev(x, dtype) for x in (q32, k32, v32, do32))
+    x64 = [x.astype(np.float64) for x in (q32, k32, v32)]
+    hi, lo = forward_spec(*x64, causal=causal), forward_spec(q32, k32, v32, causal=causal)
+    rg = naive_backward(hi, do32.astype(np.float64), *x64)
+    lg = naive_backward(lo, do32, q32, k32, v32, round_to=dtype)
+    with config.override(sm90_bwd=True, sm90_bwd_ws=True):
+        out, lse = flashcore.attention_forward(q, k, v, causal=causal)
+        wide = cp.full((b, sq, h, d + 6), cp.nan, q.dtype)      # row stride d + 6 elements
+        views = {"fresh": cp.full(q.shape, cp.nan, q.dtype), "4 bytes in": wide[..., 2:d + 2]}
+        assert views["4 bytes in"].data.ptr % 16 == 4
+        for how, dq in views.items():
+            got, _, _ = flashcore.attention_backward(do, q, k, v, out, lse, causal=causal,
+                                                     dq=dq, dk=cp.empty_like(k),
+                                                     dv=cp.empty_like(v))
+            g = to_host64(dq)
+            assert np.array_equal(to_host64(got), g), how
+            assert np.isfinite(g).all(), how
+            assert_flash_rule(f"dq ({how})", g, rg[0],
+                              round_to_dtype(lg[0].astype(np.float32), dtype), 3)
+        rest = to_host64(wide)
+        assert np.isnan(rest[..., :2]).all() and np.isnan(rest[..., d + 2:]).all()
+        assert _ran_sm90_bwd(dtype, causal, d)
