@@ -40,9 +40,7 @@
 //    lse and D beside them; the two consumer warpgroups never load, and meet only at one
 //    named barrier per step (dS^T written, before the dQ product reads it; dS^T is
 //    double-buffered, so that barrier also frees the other buffer). Varlen calls too
-//    (Is_varlen: maps over the packed arrays, zero_rows_past). Its CTAs take tiles in turn:
-//    one CTA a tile, or one an SM (persistent: the next tile's K and V load while the
-//    consumers finish the tile before).
+//    (Is_varlen: maps over the packed arrays, zero_rows_past).
 //    Head dim 128 steps over 64 queries, 64 over 128 (each warpgroup's dQ tile: its own 64
 //    query rows, all columns; a few bytes spill in the consumers' 240 registers).
 //  * flash_bwd_dkdv_sm90_kernel: both warpgroups load with cp.async and meet at __syncthreads
@@ -521,14 +519,12 @@ struct alignas(64) FcBwdMaps {
 // Is_varlen: the maps see each packed array as one sequence of total rows (batch 1), so a
 // sequence's rows start at its offset; rows past its end are another sequence's (or no
 // sequence's), which the consumers zero before reading (zero_rows_past).
-// g0: the ring's position at the walk's first step (the persistent kernel's walks continue one
-// ring: step it of this walk is the ring's step g0 + it).
 template <int kD, int kBlockM, int kBlockN, int kStages, bool Is_varlen = false>
 __device__ __forceinline__ void bwd_produce(const FlashParams& p, const BwdSeq& seq,
                                             const FcBwdMaps& maps, const BwdKeyWalk& kw, int b,
                                             int hk, int n0, int lane, fc_u32 sK, fc_u32 sV,
                                             fc_u32 sQ, fc_u32 sdO, float* sLse, float* sDsum,
-                                            fc_u32 bars, int g0 = 0) {
+                                            fc_u32 bars) {
     using namespace fc_pipe;
     const BwdBars<kStages> bar{bars};
     constexpr fc_u32 kKBlk = (fc_u32)kBlockN * 128u;   // one [kBlockN rows][64 cols] block
@@ -547,11 +543,10 @@ __device__ __forceinline__ void bwd_produce(const FlashParams& p, const BwdSeq& 
     }
     int h = kw.h0, m_block = kw.m_begin;
     for (int it = 0; it < kw.n_iter; ++it) {
-        const int gi = g0 + it;
-        const int st = gi % kStages;
-        const fc_u32 ph = (fc_u32)(gi / kStages) & 1u;
+        const int st = it % kStages;
+        const fc_u32 ph = (fc_u32)(it / kStages) & 1u;
         const int mm = m_block * kBlockM;
-        if (gi >= kStages) mbar_wait(bar.empty(st), ph ^ 1u);
+        if (it >= kStages) mbar_wait(bar.empty(st), ph ^ 1u);
 #ifdef FC_DIAG_BWD_NO_QLOAD    // (timing only: Q and dO loaded for the first stages alone, wrong results)
         const bool load = it < kStages;
 #else
@@ -628,52 +623,9 @@ __device__ __forceinline__ void zero_rows_past(fc_u32 tile_a, fc_u32 tile_b, int
     fc_pipe::named_sync(1, 256);
 }
 
-// The tile (key block x, kv head y, batch z) of hand-out number `linear` in a grid of
-// nx x ny x nz tiles: x fastest, or with a window chunk by chunk (bwd_block_order's
-// orders, for a persistent grid).
-template <bool Is_local>
-__device__ __forceinline__ fc_pipe::FcTileXYZ bwd_tile(int linear, int nx, int ny, int nz) {
-    if constexpr (Is_local) {
-        return fc_pipe::chunked_tile(linear, nx, ny, nz);
-    } else {
-        const int yz = linear / nx;
-        return fc_pipe::FcTileXYZ{linear - yz * nx, yz % ny, yz / ny};
-    }
-}
-
-// Tile `tile` of the hand-out order (bwd_tile) with its sequence and its walk over the query
-// blocks; false for a tile past its sequence's keys (varlen), which nothing does.
-struct BwdTileWalk {
-    int n0, hk, b;
-    BwdSeq seq;
-    BwdKeyWalk kw;
-};
-template <bool Is_local, int kBlockM, int kBlockN>
-__device__ __forceinline__ bool bwd_tile_walk(const FlashParams& p, int tile, int nx, int ny,
-                                              int nz, BwdTileWalk& t) {
-    const fc_pipe::FcTileXYZ xyz = bwd_tile<Is_local>(tile, nx, ny, nz);
-    t.n0 = xyz.x * kBlockN;
-    t.hk = xyz.y;
-    t.b = xyz.z;
-    t.seq = bwd_seq(p, t.b);
-    if (t.n0 >= t.seq.sk) return false;
-    t.kw = bwd_key_walk<Is_local, kBlockM, kBlockN>(p, t.seq, t.b, t.hk, t.n0);
-    return true;
-}
-
-// Warp-specialised dK/dV kernel (see the top of the file): 384 threads, warpgroup 0 produces
-// (its warp 0: bwd_produce), 1 and 2 consume. Its CTAs take tiles of the hand-out order
-// (bwd_tile) from a dynamic scheduler (below): the launcher gives it a CTA a tile, or
-// (persistent, sm90_bwd_persistent) one CTA an SM. Varlen calls (Is_varlen): the maps over the packed arrays,
-// the tiles over the longest sequence (those past a sequence's keys skipped), rows past a
-// sequence's end zeroed in shared memory (zero_rows_past). One Q / dO ring runs through all of a
-// CTA's walks (ring step g = the steps of its walks before + it); the K/V barrier completes once
-// per tile that has a walk (phase j & 1, j counting those tiles), and a sixth barrier, kv_empty
-// (256 arrivals), tells the producer that every consumer's last dQ product of tile j has read K
-// and V: the producer then loads tile j + 1's K and V and its first Q / dO stages while the
-// consumers hand over tile j's last dQ tile and store its dK and dV, which a CTA of one tile
-// does with nothing else in flight (session 28: the kernel's cost per CTA fitted 9.3 us + 2.2
-// us a step at d128, non-causal: a fixed cost that is a fifth of a 1k-key walk).
+// Warp-specialised dK/dV kernel (see the top of the file): 384 threads, warpgroup 0 produces,
+// 1 and 2 consume. Dense calls, or (Is_varlen) varlen calls: the maps over the packed arrays,
+// rows past a sequence's end zeroed in shared memory (zero_rows_past).
 template <typename Elem, int kD, int kBlockM, bool Is_local, bool Is_dropout,
           bool Is_varlen = false>
 __global__ void __launch_bounds__(384, 1)
@@ -681,10 +633,10 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
     using namespace fc_hb;
     using namespace fc_pipe;
     static_assert(kD == 64 || kD == 128, "the Hopper dK/dV kernel covers head dims 64 and 128");
-    static_assert((kD == 128 && kBlockM == 64) || (kD == 64 && kBlockM == 128),
-                  "dQ tiles of 64 x 64 a warpgroup");
+    static_assert(kBlockM == 64 || (kBlockM == 128 && kD == 64), "query blocks: 64, or 128 at d64");
     constexpr int kStages = 2;
     constexpr fc_u32 kKT = kKTile<kD>, kQT = kQTile<kD, kBlockM>;
+    constexpr fc_u32 kQBlock = (fc_u32)kBlockM * 128u;
     constexpr fc_u32 kSdS = (fc_u32)(kBlockM / 64) * kKBlock;   // one dS^T buffer
     extern __shared__ unsigned char smem_raw[];
     const fc_u32 base = smem_u32(smem_raw);
@@ -697,182 +649,81 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
     float* sLse = reinterpret_cast<float*>(smem_raw + (sStats - base));
     float* sDsum = sLse + kStages * kBlockM;
     const fc_u32 bars = sStats + (fc_u32)(2 * kStages * kBlockM) * 4u;
-    const fc_u32 kv_empty = bars + BwdBars<kStages>::kBytes;
-    // the tile scheduler's two slots: full and empty barriers, then the slots (int32)
-    const fc_u32 sched = kv_empty + 8u;
-    auto slot_full = [&](int s) { return sched + 8u * (fc_u32)s; };
-    auto slot_empty = [&](int s) { return sched + 16u + 8u * (fc_u32)s; };
-    auto slot = [&](int s) { return sched + 32u + 4u * (fc_u32)s; };
-    // each consumer warpgroup's dQ staging tile (64 x 64 fp32), after the 10 barriers and slots
-    const fc_u32 sDq = (sched + 40u + 127u) & ~127u;
+    // each consumer warpgroup's dQ staging tile (64 x 64 fp32), after the 5 barriers
+    const fc_u32 sDq = (bars + BwdBars<kStages>::kBytes + 127u) & ~127u;
     const BwdBars<kStages> bar{bars};
 
+    const fc_pipe::FcTileXYZ blk_xyz = bwd_block_order<Is_local>();
+    const int n_block = blk_xyz.x, hk = blk_xyz.y, b = blk_xyz.z;
     const int tid = threadIdx.x;
-    const int nx = (p.seqlen_k + kBlockN - 1) / kBlockN, ny = p.nheads_k, nz = p.batch;
-    const int n_tiles = nx * ny * nz;
-    // The CTA's tiles: blockIdx.x first, then producer thread 0 takes the next from a global
-    // counter (p.split_counter: zero before the launch; the CTA that takes its last value puts
-    // it back to zero), as the forward's persistent kernel does (the longest walks first, the
-    // hand-out order's, on whichever CTA is free: against CTA c taking c, c + gridDim.x, ...,
-    // a list-scheduling model of the causal backward over 132 SMs gives 1-3% past the ideal
-    // against 5-32%), and hands each to the consumers through a two-deep ring of slots.
-    auto next_tile = [&]() {      // (producer thread 0)
-        const int c = atomicAdd(p.split_counter, 1);
-        if (c == n_tiles - 1) atomicExch(p.split_counter, 0);   // the last of n_tiles takes
-        return c + (int)gridDim.x;
-    };
-    auto publish = [&](int u, int tile) {   // (producer thread 0) tile number u of this CTA
-        const int s = u & 1;
-        if (u >= 2) mbar_wait(slot_empty(s), (fc_u32)((u >> 1) - 1) & 1u);
-        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(slot(s)), "r"(tile) : "memory");
-        mbar_arrive(slot_full(s));
-    };
-    auto receive = [&](int u) {   // (the consumers)
-        const int s = u & 1;
-        mbar_wait(slot_full(s), (fc_u32)(u >> 1) & 1u);
-        int tile;
-        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(tile) : "r"(slot(s)) : "memory");
-        mbar_arrive(slot_empty(s));
-        return tile;
-    };
-    if (tid == 0) {
-        tma_prefetch_map(maps.q);
-        tma_prefetch_map(maps.k);
-        tma_prefetch_map(maps.v);
-        tma_prefetch_map(maps.dout);
-        mbar_init(bar.kv(), 1);
-        mbar_init(kv_empty, 256);
-        for (int st = 0; st < kStages; ++st) {
-            mbar_init(bar.full(st), 1 + 32);   // the TMA's expect_tx + the warp's lse / D stores
-            mbar_init(bar.empty(st), 256);
-        }
-        for (int s = 0; s < 2; ++s) {
-            mbar_init(slot_full(s), 1);
-            mbar_init(slot_empty(s), 256);
-        }
-        fence_barrier_init();
-    }
-    __syncthreads();
-
-    // (registers: the producer warp keeps its tile walk and the scheduler's state across its
-    // loads: 48 a thread at head dim 128, the consumers 224 (NVRTC 12: no spills without a
-    // window, 4-26 bytes with one, in the producer's chunked order; 40 / 232 spilled 16-18
-    // there); at head dim 64, whose consumers hold S^T and dP^T of 128 queries, 40 / 232 (nvcc
-    // 13: 60 bytes without a window, 158 with one, against 44-88 with one tile a CTA and 24 /
-    // 240; 32 / 240 spilled 116-166))
-    constexpr int kProducerRegs = kD == 64 ? 40 : 48;
-    constexpr int kConsumerRegs = kD == 64 ? 232 : 224;
-    if (tid < 128) {              // ---- producer (warp 0) ------------------------------------
-        setmaxnreg_dec<kProducerRegs>();
-        if (tid >= 32) return;
-        int g = 0, j = 0;         // ring steps so far, tiles with a walk so far
-        int tile = (int)blockIdx.x;
-        for (int u = 0;; ++u) {
-            int next = n_tiles;
-            if (tid == 0) {
-                publish(u, tile);
-                if (tile < n_tiles) next = next_tile();   // (its latency hides under the loads)
-            }
-            if (tile >= n_tiles) break;                   // (the warp's lanes agree on tile)
-            next = __shfl_sync(0xffffffffu, next, 0);
-            BwdTileWalk t;
-            if (bwd_tile_walk<Is_local, kBlockM, kBlockN>(p, tile, nx, ny, nz, t)
-                && t.kw.n_iter > 0) {
-                // K and V of the tile before read by every consumer's last product
-                if (j > 0) mbar_wait(kv_empty, (fc_u32)(j - 1) & 1u);
-                bwd_produce<kD, kBlockM, kBlockN, kStages, Is_varlen>(p, t.seq, maps, t.kw, t.b,
-                                                                       t.hk, t.n0, tid, sK, sV,
-                                                                       sQ, sdO, sLse, sDsum,
-                                                                       bars, g);
-                g += t.kw.n_iter;
-                ++j;
-            }
-            tile = next;
-        }
+    const int wg = tid >> 7;
+    const BwdSeq seq = bwd_seq(p, b);
+    const int n0 = n_block * kBlockN;
+    if (n0 >= seq.sk) return;
+    const BwdKeyWalk kw = bwd_key_walk<Is_local, kBlockM, kBlockN>(p, seq, b, hk, n0);
+    const int n_iter = kw.n_iter;
+    if (n_iter == 0) {            // no query sees these keys: dK = dV = 0
+        if (wg > 0) DkdvWarpgroup<Elem, kD, kBlockM, Is_local, Is_dropout>(tid - 128).store(p, seq, b, hk, n0);
         return;
     }
-    setmaxnreg_inc<kConsumerRegs>();
 
-    // ---- consumers --------------------------------------------------------------------------
-    const int wgc = (tid - 128) >> 7;                         // consumer warpgroup 0 / 1
-    const fc_u32 sDqw = sDq + (fc_u32)wgc * (64u * 64u * 4u);  // this warpgroup's staging
-    int g = 0, j = 0;
-    bool committed = false;       // a dQ handover was issued (its copy may still read sDqw)
-    for (int u = 0;; ++u) {
-        const int tile = receive(u);
-        if (tile >= n_tiles) break;
-        BwdTileWalk t;
-        if (!bwd_tile_walk<Is_local, kBlockM, kBlockN>(p, tile, nx, ny, nz, t)) continue;
-        const int n0 = t.n0, hk = t.hk, b = t.b;
-        const BwdSeq& seq = t.seq;
-        const BwdKeyWalk& kw = t.kw;
-        const int n_iter = kw.n_iter;
-        DkdvWarpgroup<Elem, kD, kBlockM, Is_local, Is_dropout> w(tid - 128);
-        if (n_iter == 0) {        // no query sees these keys: dK = dV = 0
-            w.store(p, seq, b, hk, n0);
-            continue;
+    if (!bwd_ws_start<kD, kBlockM, kBlockN, kStages, Is_varlen>(p, seq, maps, kw, b, hk, n0, sK,
+                                                                sV, sQ, sdO, sLse, sDsum, bars))
+        return;
+
+    // ---- consumers -------------------------------------------------------------------------
+    DkdvWarpgroup<Elem, kD, kBlockM, Is_local, Is_dropout> w(tid - 128);
+    mbar_wait(bar.kv(), 0);
+    if constexpr (Is_varlen) zero_rows_past<kD, kBlockN>(sK, sV, seq.sk - n0, tid - 128);
+    int h = kw.h0, m_block = kw.m_begin;
+    static_assert((kD == 128 && kBlockM == 64) || (kD == 64 && kBlockM == 128),
+                  "dQ tiles of 64 x 64 a warpgroup");
+    // Step it's S^T and dP^T are issued as soon as its stage is full and the step before's dQ
+    // tile is in its staging tile: that tile's bulk reduce-add is handed over while they run.
+    float acc_dq[32];
+    float* dq_tile = nullptr;     // the step before's dQ tile in dq_accum (nullptr: none)
+    const fc_u32 sDqw = sDq + (fc_u32)w.wg * (64u * 64u * 4u);   // this warpgroup's staging
+    auto stage_dq = [&](int it) {  // step it - 1's tile, once step it - 2's copy has read the
+        if (it > 1) {              // staging tile
+            if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
+            named_sync(3 + w.wg, 128);
         }
-        mbar_wait(bar.kv(), (fc_u32)j & 1u);
-        if constexpr (Is_varlen) zero_rows_past<kD, kBlockN>(sK, sV, seq.sk - n0, tid - 128);
-        int h = kw.h0, m_block = kw.m_begin;
-        float acc_dq[32];
-        float* dq_tile = nullptr;     // the step before's dQ tile in dq_accum (nullptr: none)
-        auto stage_dq = [&]() {       // the step before's tile, once the last copy from the
-            if (committed) {          // staging tile has read it
-                if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
-                named_sync(3 + w.wg, 128);
-            }
-            dq_tile_store<32>(acc_dq, sDqw, tid - 128);
-        };
-        for (int it = 0; it < n_iter; ++it) {
-            const int gi = g + it;
-            const int st = gi % kStages;
-            const fc_u32 sdSb = sdS + (fc_u32)(it & 1) * kSdS;
-            const int m0 = m_block * kBlockM;
-            mbar_wait(bar.full(st), (fc_u32)(gi / kStages) & 1u);
-            if constexpr (Is_varlen)   // (m0 < sq on the walk)
-                zero_rows_past<kD, kBlockM>(sQ + (fc_u32)st * kQT, sdO + (fc_u32)st * kQT,
-                                            seq.sq - m0, tid - 128);
-            if (it > 0) stage_dq();
-            // Step it's S^T and dP^T are issued as soon as its stage is full and the step
-            // before's dQ tile is in its staging tile: that tile's bulk reduce-add is handed over
-            // while they run (FC_DIAG_BWD_NO_OVERLAP, timing only: handed over first).
-#ifdef FC_DIAG_BWD_NO_OVERLAP
-            if (it > 0) {
-                dq_tile_commit<32>(sDqw, dq_tile, tid - 128, 3 + w.wg, dq_tile != nullptr);
-                committed = true;
-            }
+        dq_tile_store<32>(acc_dq, sDqw, tid - 128);
+    };
+    for (int it = 0; it < n_iter; ++it) {
+        const int st = it % kStages;
+        const fc_u32 sdSb = sdS + (fc_u32)(it & 1) * kSdS;
+        const int m0 = m_block * kBlockM;
+        mbar_wait(bar.full(st), (fc_u32)(it / kStages) & 1u);
+        if constexpr (Is_varlen)   // (m0 < sq on the walk)
+            zero_rows_past<kD, kBlockM>(sQ + (fc_u32)st * kQT, sdO + (fc_u32)st * kQT,
+                                        seq.sq - m0, tid - 128);
+        if (it > 0) stage_dq(it);
+#ifdef FC_DIAG_BWD_NO_OVERLAP     // (timing only: the step before's tile handed over first)
+        if (it > 0) dq_tile_commit<32>(sDqw, dq_tile, tid - 128, 3 + w.wg, dq_tile != nullptr);
 #endif
-            w.issue_sdp(sK, sV, sQ + (fc_u32)st * kQT, sdO + (fc_u32)st * kQT);
+        w.issue_sdp(sK, sV, sQ + (fc_u32)st * kQT, sdO + (fc_u32)st * kQT);
 #ifndef FC_DIAG_BWD_NO_OVERLAP
-            if (it > 0) {
-                dq_tile_commit<32>(sDqw, dq_tile, tid - 128, 3 + w.wg, dq_tile != nullptr);
-                committed = true;
-            }
+        if (it > 0) dq_tile_commit<32>(sDqw, dq_tile, tid - 128, 3 + w.wg, dq_tile != nullptr);
 #endif
-            w.grads(p, seq, b, h, m0, n0, kw.off, sQ + (fc_u32)st * kQT, sdO + (fc_u32)st * kQT,
-                    sLse + st * kBlockM, sDsum + st * kBlockM, sdSb);
-            fence_proxy_async();      // the dS^T stores, for the dQ product's async-proxy reads
-            // The whole dS^T tile is written; and (dS^T double-buffered) every consumer is past
-            // the previous step, whose dQ product read the buffer the next step writes. (Across
-            // tiles: no consumer passes the next tile's K/V barrier before every consumer has
-            // arrived at kv_empty, after its last dQ product.)
-            named_sync(1, 256);
-            w.dq_product(sK, sdSb, acc_dq);
-            mbar_arrive(bar.empty(st));   // this stage's Q, dO, lse and D are no longer read
-            const int row0 = m0 + (kD == 64 ? 64 * w.wg : 0);
-            dq_tile = row0 < seq.sq
-                ? dq_accum_row(p, seq, b, h, row0) + (kD == 128 ? w.wg * 64 * 64 : 0) : nullptr;
-            bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
-        }
-        mbar_arrive(kv_empty);        // (dq_product waited for its products: K, V read)
-        stage_dq();
-        dq_tile_commit<32>(sDqw, dq_tile, tid - 128, 3 + w.wg, dq_tile != nullptr);
-        committed = true;
-        w.store(p, seq, b, hk, n0);
-        g += n_iter;
-        ++j;
+        w.grads(p, seq, b, h, m0, n0, kw.off, sQ + (fc_u32)st * kQT, sdO + (fc_u32)st * kQT,
+                sLse + st * kBlockM, sDsum + st * kBlockM, sdSb);
+        fence_proxy_async();      // the dS^T stores, for the dQ product's async-proxy reads
+        // The whole dS^T tile is written; and (dS^T double-buffered) every consumer is past the
+        // previous step, whose dQ product read the buffer the next step writes.
+        named_sync(1, 256);
+        w.dq_product(sK, sdSb, acc_dq);
+        mbar_arrive(bar.empty(st));   // this stage's Q, dO, lse and D are no longer read
+        // d128: columns 64 wg.. of the block's 64 rows; d64 (128-query blocks): all columns of
+        // rows 64 wg.., which may lie wholly past the last query (no tile there: nothing added)
+        const int row0 = m0 + (kD == 64 ? 64 * w.wg : 0);
+        dq_tile = row0 < seq.sq
+            ? dq_accum_row(p, seq, b, h, row0) + (kD == 128 ? w.wg * 64 * 64 : 0) : nullptr;
+        bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
     }
+    stage_dq(n_iter);
+    dq_tile_commit<32>(sDqw, dq_tile, tid - 128, 3 + w.wg, dq_tile != nullptr);
+    w.store(p, seq, b, hk, n0);
     // (shared memory stays until the last bulk copy has read it)
     if ((threadIdx.x & 127) == 0) bulk_wait<0>();
 }

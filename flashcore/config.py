@@ -31,11 +31,7 @@ The settings (environment variable in brackets):
   ``sm90_bwd_ws`` (``FLASHCORE_SM90_BWD_WS``): its warp-specialised TMA versions (head dims 64,
   128 and 256) for calls, varlen included, whose arrays TMA can read;
   ``sm90_bwd_d64_block_m`` (``FLASHCORE_SM90_BWD_D64_BM``): queries per step of the cp.async
-  kernel (the others' calls) at head dim 64 (64 or 128);
-  ``sm90_bwd_persistent`` (``FLASHCORE_SM90_BWD_PERSISTENT``): the warp-specialised dK/dV
-  kernel at head dims 64 and 128 runs one CTA per SM over the tiles (varlen too), the next
-  tile's K and V loaded under the current one's last steps (an experiment: on by default on
-  this branch until measured).
+  kernel (the others' calls) at head dim 64 (64 or 128).
 * ``sm90_fp8_fwd`` (``FLASHCORE_SM90_FP8_FWD``): the Hopper FP8 forward kernel for
   float8_e4m3fn CuPy and torch CUDA inputs (on by default); off, such calls are refused by
   name (NumPy arrays and torch CPU tensors take the NumPy reference either way).
@@ -77,7 +73,6 @@ class Settings(NamedTuple):
     sm90_bwd: bool
     sm90_bwd_ws: bool
     sm90_bwd_d64_block_m: int
-    sm90_bwd_persistent: bool
     sm90_fp8_fwd: bool
     sm90_defines: tuple
     decode_fused_combine: bool
@@ -105,7 +100,6 @@ def _from_environment() -> Settings:
         sm90_bwd=_env_flag("FLASHCORE_SM90_BWD", True),
         sm90_bwd_ws=_env_flag("FLASHCORE_SM90_BWD_WS", True),
         sm90_bwd_d64_block_m=int(bm) if bm in ("64", "128") else 128,
-        sm90_bwd_persistent=_env_flag("FLASHCORE_SM90_BWD_PERSISTENT", True),
         sm90_fp8_fwd=_env_flag("FLASHCORE_SM90_FP8_FWD", True),
         sm90_defines=(),
         decode_fused_combine=_env_flag("FLASHCORE_DECODE_FUSED_COMBINE", True),

@@ -119,19 +119,16 @@ def _spill_allowance(mangled: str) -> int:
         return 8 if len(bools) == 5 and bools[4] == "1" and "Li256E" in mangled else 0
     if not bools:
         return 0                             # (no flags)
-    ws_bwd = "_Z29flash_bwd_dkdv_sm90_ws_kernel"
-    if mangled.startswith(ws_bwd) and "Li64ELi128E" in mangled:
-        # (head dim 64, 128-query steps: 36-88 bytes with one tile a CTA; taking tiles from the
-        # scheduler, whose state the producer warp keeps in 40 registers, 136-158 (NVRTC 12))
-        return 176
-    if mangled.startswith(ws_bwd):           # <.., local, dropout, varlen>: head dim 128, the
-        return 64 if bools[1] == "1" else 32  # producer's 48 registers with a window: 4-26
-    if mangled.startswith(("_Z24flash_fwd_sm90_ws_kernel",
+    if mangled.startswith("_Z29flash_bwd_dkdv_sm90_ws_kernel") and "Li64ELi128E" in mangled:
+        return 96                            # (head dim 64, 128-query steps)
+    if mangled.startswith(("_Z24flash_fwd_sm90_ws_kernel", "_Z29flash_bwd_dkdv_sm90_ws_kernel",
                            "_Z31flash_bwd_dkdv_sm90_d256_kernel", "_Z26flash_bwd_dkdv_sm90_kernel")):
         dropout = bools[1] == "1"            # <.., local, dropout, ..>: stages and ping-pong,
     else:                                    # or the tile-ordered dQ, follow
         dropout = bools[-1] == "1"           # the last template argument
-    return 16 if dropout else 0
+    if not dropout:
+        return 0
+    return 64 if mangled.startswith("_Z29flash_bwd_dkdv_sm90_ws_kernel") else 16
 
 
 def _spills_by_kernel(log: str) -> dict:

@@ -345,33 +345,13 @@ def test_dq_tiled_launches(d):
             assert names[0] == "flash_bwd_preprocess_kernel<fc_fp16>"
             assert names[2] == "flash_bwd_convert_dq_kernel<fc_fp16>"
             continue
-        # (head dims 64 and 128: a 1-D grid of CTAs that take the tiles in turn)
         kernel = (backward.sm90_d256_kernel_name("float16", True) if d == 256
                   else backward.sm90_ws_kernel_name("float16", d, True))
         assert names == ["flash_bwd_preprocess_kernel<fc_fp16, true>", kernel,
                          backward.sm90_convert_tiled_name("float16", d)]
-        if d != 256:
-            assert LOG[1][1] == (4, 1, 1)    # 1 key block x 2 kv heads x 2 sequences
         smem = (backward.sm90_d256_smem() if d == 256
                 else backward.sm90_ws_smem(d, backward.sm90_ws_block_m(d)))
         assert LOG[1][3] == smem and smem <= 232448
-
-
-@pytest.mark.parametrize("d", [64, 128])
-def test_persistent_dkdv_grid(d):
-    """The warp-specialised dK/dV kernel, persistent: one CTA per SM (the fake device's 132) when
-    the tiles outnumber them; with sm90_bwd_persistent off, one CTA a tile (12 key blocks x 8 kv
-    heads x 4 sequences)."""
-    rng = np.random.default_rng(d + 1)
-    c = dict(_case(rng), dtype="float16", d=d, sq=100, sk=1500, b=4, h=8, hk=8, wl=-1, wr=0,
-             softcap=0.0, alibi=None, strided=False, deterministic=False)
-    for persistent in (True, False):
-        with config.override(sm90_bwd_persistent=persistent):
-            LOG.clear()
-            plans.clear()
-            _backward(c, _bwd_arrays(rng, c))
-        assert LOG[1][0] == backward.sm90_ws_kernel_name("float16", d, True)
-        assert LOG[1][1] == ((132, 1, 1) if persistent else (384, 1, 1))   # 384 tiles
 
 
 _VARLEN_LENS = [70, 0, 257, 33]      # one empty sequence, none a multiple of the tile
@@ -420,9 +400,8 @@ def test_dq_tiled_varlen_launches(d):
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_ws_varlen_launches(d):
-    """Varlen calls: the warp-specialised kernel's varlen instantiation (d64, d128: a 1-D grid,
-    a CTA for each of the tiles over the longest sequence here; d256 its own kernel, its 3-D grid
-    over them), and tensor maps over the packed arrays seen
+    """Varlen calls: the warp-specialised kernel's varlen instantiation (d64, d128; d256 its own
+    kernel), its grid over the longest sequence, and tensor maps over the packed arrays seen
     as one sequence of total rows (dims innermost first: head dim, total, heads, 1), at the
     arrays' own addresses. With sm90_bwd_ws off, neither takes a warp-specialised kernel."""
     total, arrays = _varlen_backward(d)
@@ -432,8 +411,7 @@ def test_ws_varlen_launches(d):
     assert names == ["flash_bwd_preprocess_kernel<fc_fp16, true>", kernel,
                      backward.sm90_convert_tiled_name("float16", d)]
     block_n = backward.SM90_D256_BLOCK if d == 256 else 128
-    # (head dims 64 and 128: a 1-D grid over the same 3 x 2 x 4 tiles, a CTA each here)
-    assert LOG[1][1] == ((-(-257 // block_n), 2, 4) if d == 256 else (24, 1, 1))
+    assert LOG[1][1] == (-(-257 // block_n), 2, 4)
     assert LOG[1][2] == (384, 1, 1)
     raw = LOG[1][4][params_dtype().itemsize:]
     maps = [struct.unpack_from("<16Q", raw, i * tma.MAP_BYTES) for i in range(4)]

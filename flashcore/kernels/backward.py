@@ -252,10 +252,10 @@ def sm90_convert_tiled_name(dtype_name: str, headdim: int) -> str:
 
 def sm90_ws_smem(headdim: int, block_m: int) -> int:
     """K, V (128 x d), Q and dO (2 stages of block_m x d), dS^T (2 buffers of 128 x block_m),
-    lse and D (2 stages of block_m each), 10 mbarriers and 2 tile slots, + alignment; a
-    64 x 64 fp32 dQ staging tile per consumer warpgroup (128-byte aligned)."""
+    lse and D (2 stages of block_m each), 5 mbarriers, + alignment; a 64 x 64 fp32 dQ staging
+    tile per consumer warpgroup (128-byte aligned)."""
     return (2 * (2 * 128 * headdim) + 2 * 2 * (2 * block_m * headdim) + 2 * 2 * 128 * block_m
-            + 2 * 2 * block_m * 4 + 8 * 11 + 1024 + 128 + 2 * 64 * 64 * 4)
+            + 2 * 2 * block_m * 4 + 8 * 5 + 1024 + 128 + 2 * 64 * 64 * 4)
 
 
 # Head dim 256: its own warp-specialised kernel (64 keys per CTA, every product split between
@@ -335,7 +335,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
     nheads, nheads_k = int(q.shape[-2]), int(k.shape[-2])
 
     device_id = q.device.id
-    cc, smem_limit, num_sms = device_facts(device_id)
+    cc, smem_limit, _ = device_facts(device_id)
 
     if varlen:
         batch = int(cu_seqlens_q.shape[0]) - 1
@@ -468,11 +468,6 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
         dropout_threshold=_dropout.threshold(dropout_p) if dropout else 0,
         dropout_scale=_dropout.keep_scale(dropout_p) if dropout else 0.0,
     )
-    counter = None      # the warp-specialised dK/dV kernel's tile counter (the stream's)
-    if hopper == "ws":
-        from .decode import split_counter
-        counter = split_counter(device_id, 1, xp)
-        params["split_counter"] = counter
     args = (as_kernel_arg(params),)
     launched = []   # (kernel, grid, block, shared memory), in order: the plan of this layout
 
@@ -502,13 +497,9 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
             kern = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, is_local,
                                                                dropout, varlen),
                               device_id, cc, smem, defines)
-            # its CTAs take tiles (key block, kv head, batch) from the stream's counter: one CTA
-            # a tile, or (persistent) one an SM, at most one a tile
-            tiles = _cdiv(seqlen_k, 128) * nheads_k * batch
-            grid = min(tiles, num_sms) if cfg.sm90_bwd_persistent else tiles
             # (the other launches take the struct alone: cuLaunchKernel reads as many
             # parameters as a kernel declares, so a plan may pass the maps to all)
-            launch(kern, (max(1, grid), 1, 1), (384,), smem, (ws[0].arg(),))
+            launch(kern, (_cdiv(seqlen_k, 128), nheads_k, batch), (384,), smem, (ws[0].arg(),))
         elif hopper == "cpasync":
             bm = sm90_block_m(headdim)
             smem = sm90_smem(headdim, bm)
@@ -545,10 +536,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
         if dq_accum is not None:
             scratch["dq_accum"] = dq_accum.nbytes     # zeroed by the preprocess kernel
         maps = None if ws is None else list(zip(("q", "k", "v", "dout"), ws[1]))
-        from .decode import existing_split_counter
-        piece = plans.Piece(launched, params, scratch, maps=maps,
-                            counter=None if counter is None
-                            else ("split_counter", 1, existing_split_counter))
+        piece = plans.Piece(launched, params, scratch, maps=maps)
 
     for work, dest in ((dq_w, dq_back), (dk_w, dk_back), (dv_w, dv_back)):
         if dest is not None:

@@ -28,9 +28,7 @@ VARIANTS = {"as is": {},
             # (causal / windowed: the key blocks handed out x fastest, before chunked_tile)
             "x order": {"sm90_defines": ("-DFC_DIAG_TILE_ORDER_X",)},
             # (head dims 64 and 128: the cp.async kernel in place of the warp-specialised one)
-            "cp.async": {"sm90_bwd_ws": False},
-            # (head dims 64 and 128: the warp-specialised kernel one tile a CTA, not persistent)
-            "one tile a CTA": {"sm90_bwd_persistent": False}}
+            "cp.async": {"sm90_bwd_ws": False}}
 
 
 def main():

@@ -89,17 +89,6 @@ if "--hopper-bwd" in sys.argv:
     # under memcheck, racecheck and synccheck alike:
     # compute-sanitizer --tool racecheck python3 tests/diagnostics/sanitize_driver.py --hopper-bwd
     n = run_backward_cases(HOPPER_BWD_CASES) + run_backward_cases(HOPPER_BWD_CASES[3:], 0.2)
-    # the persistent dK/dV kernel (dense, head dims 64 and 128) with about three tiles a CTA:
-    # 8 sequences x 4 kv heads x 12 key blocks, walks of one step; with the window the first
-    # key blocks see no query (tiles without a walk between walked ones)
-    for hd in (64, 128):
-        for kw in ({}, {"window_size": (32, 0)}):
-            q, do = arr((8, 64, 8, hd), "bfloat16"), arr((8, 64, 8, hd), "bfloat16")
-            k, v = arr((8, 1500, 4, hd), "bfloat16"), arr((8, 1500, 4, hd), "bfloat16")
-            out, lse = flashcore.attention_forward(q, k, v, **kw)
-            flashcore.attention_backward(do, q, k, v, out, lse, **kw)
-            cp.cuda.Device().synchronize()
-            n += 1
     # varlen (the warp-specialised kernels; with sm90_bwd_ws off the cp.async
     # one): sequences that are no multiple of the tile, one empty; and cu_seqlens past the
     # rows, decreasing, negative (TMA coordinates from the clamped offsets)
