@@ -100,6 +100,92 @@ __device__ __forceinline__ fc_pipe::FcTileXYZ bwd_block_order() {
 
 namespace fc_hb {
 
+// The dK/dV epilogue from the registers, for a consumer warpgroup holding dK and dV of 64 keys
+// (from `key0`) x kCols columns (from `col0`) in the wgmma accumulator layout (rows 16 wl + g +
+// 8 r, columns 8 j + 2 t; wt: the thread's index in the warpgroup): dK * softmax_scale and dV
+// as 16-bit, 4 bytes a thread, rows past the sequence's keys skipped.
+template <typename Elem, int kCols>
+__device__ __forceinline__ void dkdv_store_regs(const FlashParams& p, const BwdSeq& seq, int b,
+                                                int hk, int key0, int col0,
+                                                const float (&acc_dk)[kCols / 2],
+                                                const float (&acc_dv)[kCols / 2], int wt) {
+    const float scale = p.softmax_scale;
+    const int wl = wt >> 5, g = (wt >> 2) & 7, t = wt & 3;
+    fc_u16* gdk = static_cast<fc_u16*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride + col0;
+    fc_u16* gdv = static_cast<fc_u16*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride + col0;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = key0 + 16 * wl + g + 8 * r;
+        if (key < seq.sk) {
+            fc_u16* dkr = gdk + (seq.k_off + key) * p.dk_row_stride;
+            fc_u16* dvr = gdv + (seq.k_off + key) * p.dv_row_stride;
+#pragma unroll
+            for (int j = 0; j < kCols / 8; ++j) {
+                stg32(dkr + 8 * j + 2 * t, Elem::pack2(acc_dk[4 * j + 2 * r] * scale,
+                                                       acc_dk[4 * j + 2 * r + 1] * scale));
+                stg32(dvr + 8 * j + 2 * t,
+                      Elem::pack2(acc_dv[4 * j + 2 * r], acc_dv[4 * j + 2 * r + 1]));
+            }
+        }
+    }
+}
+
+// The dK/dV epilogue through shared memory, for a consumer warpgroup holding dK and dV of 64
+// keys (from `key0`) x kCols columns (from `col0`) in the wgmma accumulator layout (rows 16 wl +
+// g + 8 r, columns 8 j + 2 t): dK * softmax_scale and dV as 16-bit are staged in the K and V
+// tiles at sKw / sVw (the warpgroup's 64 rows of [kCols / 64] blocks of kBlockBytes, 128-byte
+// rows whose 16-byte chunks are XOR-swizzled by row & 7: a warp's 4-byte stores, 8 rows x 16
+// bytes, fall in 32 distinct banks), then each row leaves whole, 16 bytes a thread (wt: the
+// thread's index in the warpgroup; bar: the warpgroup's named barrier). Writing the fragments
+// straight out (dkdv_store_regs: 8 rows x 16 bytes a warp store) is the pattern that ran the old
+// dQ conversion at half the bandwidth. Returns false, writing nothing, where dk's or dv's rows
+// are not 16-byte aligned (a view; CTA-uniform): the caller stores from the registers.
+template <typename Elem, int kCols, fc_u32 kBlockBytes>
+__device__ __forceinline__ bool dkdv_store_staged(const FlashParams& p, const BwdSeq& seq, int b,
+                                                  int hk, int key0, int col0,
+                                                  const float (&acc_dk)[kCols / 2],
+                                                  const float (&acc_dv)[kCols / 2], fc_u32 sKw,
+                                                  fc_u32 sVw, int wt, int bar) {
+    fc_u16* gdk = static_cast<fc_u16*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride
+                  + (seq.k_off + key0) * p.dk_row_stride + col0;
+    fc_u16* gdv = static_cast<fc_u16*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride
+                  + (seq.k_off + key0) * p.dv_row_stride + col0;
+    const unsigned long long bits = reinterpret_cast<unsigned long long>(gdk)
+        | reinterpret_cast<unsigned long long>(gdv)
+        | (unsigned long long)(p.dk_row_stride * 2) | (unsigned long long)(p.dv_row_stride * 2);
+    if (bits & 15) return false;
+    const float scale = p.softmax_scale;
+    const int wl = wt >> 5, g = (wt >> 2) & 7, t = wt & 3;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const fc_u32 row = (fc_u32)(16 * wl + g + 8 * r);          // row & 7 = g
+#pragma unroll
+        for (int j = 0; j < kCols / 8; ++j) {
+            const fc_u32 off = (fc_u32)(j >> 3) * kBlockBytes + row * 128u
+                               + (fc_u32)(((j & 7) ^ g) << 4) + 4u * (fc_u32)t;
+            sts32(sKw + off, Elem::pack2(acc_dk[4 * j + 2 * r] * scale,
+                                         acc_dk[4 * j + 2 * r + 1] * scale));
+            sts32(sVw + off, Elem::pack2(acc_dv[4 * j + 2 * r], acc_dv[4 * j + 2 * r + 1]));
+        }
+    }
+    fc_pipe::named_sync(bar, 128);                                 // the warpgroup's rows staged
+    constexpr int kChunks = kCols / 8;                             // 16-byte chunks a row
+    const int rows = min(64, seq.sk - key0);                       // its keys in range
+    for (int i = wt; i < rows * kChunks; i += 128) {
+        const int row = i / kChunks, c = i % kChunks;
+        const fc_u32 off = (fc_u32)(c >> 3) * kBlockBytes + (fc_u32)row * 128u
+                           + (fc_u32)(((c & 7) ^ (row & 7)) << 4);
+        fc_u32 x[4], y[4];
+        lds128(x, sKw + off);
+        lds128(y, sVw + off);
+        *reinterpret_cast<uint4*>(gdk + (long long)row * p.dk_row_stride + 8 * c) =
+            make_uint4(x[0], x[1], x[2], x[3]);
+        *reinterpret_cast<uint4*>(gdv + (long long)row * p.dv_row_stride + 8 * c) =
+            make_uint4(y[0], y[1], y[2], y[3]);
+    }
+    return true;
+}
+
 // One consumer warpgroup's share of the key block (keys [64 wg, 64 wg + 64) of the CTA's 128;
 // ct: the thread's index among the 256 consumer threads): dK and dV in fp32 registers, and the
 // two halves of a step over one query block (m0, head h).
@@ -266,27 +352,22 @@ struct DkdvWarpgroup {
         pin(dsa);
     }
 
-    // Epilogue: dK * softmax_scale and dV as 16-bit; rows are keys.
+    // Epilogue: dK * softmax_scale and dV as 16-bit, from the registers (dkdv_store_regs).
     __device__ __forceinline__ void store(const FlashParams& p, const BwdSeq& seq, int b, int hk,
                                           int n0) const {
-        const float scale = p.softmax_scale;
-        fc_u16* gdk = static_cast<fc_u16*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
-        fc_u16* gdv = static_cast<fc_u16*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int key = n0 + key0 + 8 * r;
-            if (key < seq.sk) {
-                fc_u16* dkr = gdk + (seq.k_off + key) * p.dk_row_stride;
-                fc_u16* dvr = gdv + (seq.k_off + key) * p.dv_row_stride;
-#pragma unroll
-                for (int j = 0; j < kD / 8; ++j) {
-                    stg32(dkr + 8 * j + 2 * t, Elem::pack2(acc_dk[4 * j + 2 * r] * scale,
-                                                                    acc_dk[4 * j + 2 * r + 1] * scale));
-                    stg32(dvr + 8 * j + 2 * t,
-                                   Elem::pack2(acc_dv[4 * j + 2 * r], acc_dv[4 * j + 2 * r + 1]));
-                }
-            }
-        }
+        dkdv_store_regs<Elem, kD>(p, seq, b, hk, n0 + 64 * wg, 0, acc_dk, acc_dv,
+                                  32 * wl + 4 * g + t);
+    }
+
+    // The same through shared memory (dkdv_store_staged): this warpgroup's 64 rows of the K and
+    // V tiles, once no consumer reads K or V again (the caller synchronises both warpgroups).
+    __device__ __forceinline__ void store_staged(const FlashParams& p, const BwdSeq& seq, int b,
+                                                 int hk, int n0, fc_u32 sK, fc_u32 sV) const {
+        if (!dkdv_store_staged<Elem, kD, kKBlock>(p, seq, b, hk, n0 + 64 * wg, 0, acc_dk, acc_dv,
+                                                  sK + (fc_u32)wg * 64u * 128u,
+                                                  sV + (fc_u32)wg * 64u * 128u,
+                                                  32 * wl + 4 * g + t, 3 + wg))
+            store(p, seq, b, hk, n0);
     }
 };
 
@@ -723,7 +804,12 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
     }
     stage_dq(n_iter);
     dq_tile_commit<32>(sDqw, dq_tile, tid - 128, 3 + w.wg, dq_tile != nullptr);
+#ifdef FC_DIAG_BWD_REG_STORE      // (timing: dK and dV stored from the registers, 4 bytes a thread)
     w.store(p, seq, b, hk, n0);
+#else
+    named_sync(1, 256);           // every consumer's last product done: K and V are free
+    w.store_staged(p, seq, b, hk, n0, sK, sV);
+#endif
     // (shared memory stays until the last bulk copy has read it)
     if ((threadIdx.x & 127) == 0) bulk_wait<0>();
 }
@@ -870,30 +956,23 @@ struct Dkdv256Warpgroup {
         pin(acc_dk);
     }
 
-    // Epilogue: dK * softmax_scale and dV as 16-bit, keys 16 wl + g + 8 r, this warpgroup's
-    // columns.
+    // Epilogue: dK * softmax_scale and dV as 16-bit, from the registers (dkdv_store_regs):
+    // keys 16 wl + g + 8 r, this warpgroup's columns.
     __device__ __forceinline__ void store(const FlashParams& p, const BwdSeq& seq, int b, int hk,
                                           int n0) const {
-        const float scale = p.softmax_scale;
-        fc_u16* gdk = static_cast<fc_u16*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride
-                      + 128 * wg;
-        fc_u16* gdv = static_cast<fc_u16*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride
-                      + 128 * wg;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int key = n0 + key0 + 8 * r;
-            if (key < seq.sk) {
-                fc_u16* dkr = gdk + (seq.k_off + key) * p.dk_row_stride;
-                fc_u16* dvr = gdv + (seq.k_off + key) * p.dv_row_stride;
-#pragma unroll
-                for (int j = 0; j < 16; ++j) {
-                    stg32(dkr + 8 * j + 2 * t, Elem::pack2(acc_dk[4 * j + 2 * r] * scale,
-                                                           acc_dk[4 * j + 2 * r + 1] * scale));
-                    stg32(dvr + 8 * j + 2 * t,
-                          Elem::pack2(acc_dv[4 * j + 2 * r], acc_dv[4 * j + 2 * r + 1]));
-                }
-            }
-        }
+        dkdv_store_regs<Elem, 128>(p, seq, b, hk, n0, 128 * wg, acc_dk, acc_dv,
+                                   32 * wl + 4 * g + t);
+    }
+
+    // The same through shared memory (dkdv_store_staged): this warpgroup's two column blocks
+    // of the K and V tiles, once both warpgroups' last products are done.
+    __device__ __forceinline__ void store_staged(const FlashParams& p, const BwdSeq& seq, int b,
+                                                 int hk, int n0, fc_u32 sK, fc_u32 sV) const {
+        if (!dkdv_store_staged<Elem, 128, kBlk>(p, seq, b, hk, n0, 128 * wg, acc_dk, acc_dv,
+                                                sK + 2u * (fc_u32)wg * kBlk,
+                                                sV + 2u * (fc_u32)wg * kBlk,
+                                                32 * wl + 4 * g + t, 3 + wg))
+            store(p, seq, b, hk, n0);
     }
 };
 
@@ -996,7 +1075,12 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
         bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
     }
     if (kOverlap) dq_tile_add<64>(acc_dq, sDqw, dq_tile, tid - 128, 3 + w.wg);
+#ifdef FC_DIAG_BWD_REG_STORE      // (timing: dK and dV stored from the registers, 4 bytes a thread)
     w.store(p, seq, b, hk, n0);
+#else
+    // (the last step's named barrier 2: both warpgroups' products are done, K and V are free)
+    w.store_staged(p, seq, b, hk, n0, sK, sV);
+#endif
     // (shared memory stays until the last bulk copy has read it)
     if ((threadIdx.x & 127) == 0) bulk_wait<0>();
 }

@@ -15,7 +15,11 @@
 #endif
 #endif
 
+#ifdef FC_DIAG_PHILOX_ROUNDS     // (timing only: another stream, which the tests reject; 0: the
+#define FC_PHILOX_ROUNDS FC_DIAG_PHILOX_ROUNDS   // counters as the bits, the masking kept)
+#else
 #define FC_PHILOX_ROUNDS 7
+#endif
 
 struct FcPhilox4 {
     unsigned int x, y, z, w;
@@ -140,6 +144,69 @@ FC_HD void fc_dropout_lane(const FcDropout& d, int bh, int q0, int k0, int g, in
     }
 }
 
+// prmt.b32 (default mode) over the eight bytes of (a, b): nibble n of sel names the source of
+// result byte n (0-3: a's bytes, 4-7: b's); with the nibble's bit 3 set, the result byte is the
+// top bit of that byte, replicated.
+FC_HD unsigned int fc_perm(unsigned int a, unsigned int b, unsigned int sel) {
+#ifdef __CUDA_ARCH__
+    unsigned int r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+#else
+    const unsigned long long x = a | ((unsigned long long)b << 32);
+    unsigned int r = 0;
+    for (int k = 0; k < 4; ++k) {
+        const unsigned int s = (sel >> (4 * k)) & 15u;
+        unsigned int byte = (unsigned int)(x >> (8 * (s & 7u))) & 0xFFu;
+        if (s & 8u) byte = (byte & 0x80u) ? 0xFFu : 0u;
+        r |= byte << (8 * k);
+    }
+    return r;
+#endif
+}
+
+// The forward's form of a lane's draw (S: rows = queries; the call of fc_dropout_lane for the
+// tile at (q0, k0)): keep flags as the top bits of bytes, two words a register, byte 2 (w & 1)
+// + e of register w >> 1 for word w, column e; `mine` the lane's own, `theirs` lane ^ 4's. Each
+// byte goes into the low byte of a 16-bit half, plus 0x8000 - threshold: bit 15 of the half
+// (the top bit of its high byte) is set iff the byte is >= threshold, i.e. kept.
+FC_HD void fc_dropout_lane_flags(const FcDropout& d, int bh, int q0, int k0, int g, int t,
+                                 unsigned int (&mine)[2], unsigned int (&theirs)[2]) {
+    const unsigned int b = (unsigned int)g & 1u;
+    const FcPhilox4 w = fc_dropout_words(d, bh, q0 + g, k0 + 2 * t);
+    const unsigned int words[4] = {w.x, w.y, w.z, w.w};
+    const unsigned int add = (0x8000u - d.threshold) * 0x00010001u;
+    const unsigned int sel_mine = (2u * b) | 0x40u | ((2u * b + 1u) << 8) | 0x4000u;
+    const unsigned int sel_theirs = (2u - 2u * b) | 0x40u | ((3u - 2u * b) << 8) | 0x4000u;
+    unsigned int ym[4], yo[4];
+#pragma unroll
+    for (int wi = 0; wi < 4; ++wi) {
+        ym[wi] = fc_perm(words[wi], 0u, sel_mine) + add;
+        yo[wi] = fc_perm(words[wi], 0u, sel_theirs) + add;
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {      // the high bytes of words 2j and 2j + 1
+        mine[j] = fc_perm(ym[2 * j], ym[2 * j + 1], 0x7531u);
+        theirs[j] = fc_perm(yo[2 * j], yo[2 * j + 1], 0x7531u);
+    }
+}
+
+// From a lane's flags (`mine`) and those its neighbour drew for it (`other`), the masks of
+// tiles A and B: mask[w] holds 0xFFFF in the 16-bit half e where word w's probability of
+// column e is kept, 0 where dropped, to AND with the packed pair of P (fc_dropout_masks2). A
+// is the tile an even lane drew itself, B an odd lane's: one selector picks the register.
+FC_HD void fc_dropout_pair_masks(const unsigned int (&mine)[2], const unsigned int (&other)[2],
+                                 bool odd, unsigned int (&mask_a)[4], unsigned int (&mask_b)[4]) {
+    const unsigned int sa = odd ? 0xDDCCu : 0x9988u, sb = sa ^ 0x4444u;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        mask_a[2 * j] = fc_perm(mine[j], other[j], sa);
+        mask_a[2 * j + 1] = fc_perm(mine[j], other[j], sa + 0x2222u);
+        mask_b[2 * j] = fc_perm(mine[j], other[j], sb);
+        mask_b[2 * j + 1] = fc_perm(mine[j], other[j], sb + 0x2222u);
+    }
+}
+
 #ifdef __CUDACC__
 // The keep masks of two 16 x 16 tiles, A at (qa, ka) and B at (qb, kb) (B may be A), for this
 // lane's fragment (S or S^T), one Philox call per lane: lanes with even g draw A's group, odd g
@@ -153,5 +220,21 @@ __device__ __forceinline__ void fc_dropout_keep2(const FcDropout& d, int bh, int
     const unsigned int other = __shfl_xor_sync(0xFFFFFFFFu, theirs, 4);
     keep_a = odd ? other : mine;
     keep_b = odd ? mine : other;
+}
+
+// The same draw as fc_dropout_keep2 in S (transposed = false), as the forward's masks of P's
+// packed pairs (fc_dropout_pair_masks): 30 instructions a call besides Philox's (4 a word, 4
+// registers merged, 2 shuffles, 8 masks), where unpacking fc_dropout_keep2's bits into masks
+// took about 60. Warp-synchronous.
+__device__ __forceinline__ void fc_dropout_masks2(const FcDropout& d, int bh, int qa, int ka,
+                                                  int qb, int kb, int g, int t,
+                                                  unsigned int (&mask_a)[4],
+                                                  unsigned int (&mask_b)[4]) {
+    const bool odd = (g & 1) != 0;
+    unsigned int mine[2], theirs[2], other[2];
+    fc_dropout_lane_flags(d, bh, odd ? qb : qa, odd ? kb : ka, g, t, mine, theirs);
+    other[0] = __shfl_xor_sync(0xFFFFFFFFu, theirs[0], 4);
+    other[1] = __shfl_xor_sync(0xFFFFFFFFu, theirs[1], 4);
+    fc_dropout_pair_masks(mine, other, odd, mask_a, mask_b);
 }
 #endif

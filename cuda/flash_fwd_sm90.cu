@@ -239,29 +239,26 @@ struct FwdRows {
             for (int e = 0; e < 4; ++e) acc_o[4 * j + e] *= corr[e >> 1];
     }
     // P (16-bit) as the A operand of k-step kk (keys n0 + 16 kk ..): tiles 2kk, 2kk+1. With
-    // dropout, times the factors of that 16 x 16 tile (bit 4 r + 2 u + e = row half r, tile
-    // 2kk + u, column e), drawn for two tiles at a time (fc_dropout_keep2: one Philox call per
-    // lane, shared with lane ^ 4).
+    // dropout, the packed pairs ANDed with the masks of that 16 x 16 tile (word w: row half
+    // w >> 1, key half w & 1), drawn for two tiles at a time (fc_dropout_masks2: one
+    // Philox call per lane, shared with lane ^ 4); the 1 / (1 - p) goes into the epilogue's
+    // scale (store).
     __device__ __forceinline__ void pack(const float (&s)[kNT * 4], fc_u32 (&pa)[kBlockN / 16][4],
                                          int n0) const {
-        unsigned int keep2[2] = {0u, 0u};
+        unsigned int mask[2][4] = {};
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
             if constexpr (Is_dropout) {
                 if ((kk & 1) == 0) {
                     const int kb = kk + 1 < kBlockN / 16 ? kk + 1 : kk;
-                    fc_dropout_keep2(drop, drop_bh, m0 + warp_row0, n0 + 16 * kk, m0 + warp_row0,
-                                     n0 + 16 * kb, g, t, false, keep2[0], keep2[1]);
+                    fc_dropout_masks2(drop, drop_bh, m0 + warp_row0, n0 + 16 * kk,
+                                      m0 + warp_row0, n0 + 16 * kb, g, t, mask[0], mask[1]);
                 }
-                // the dropped probabilities zeroed in the packed pair (a 16-bit mask per
-                // half from the keep bits 2i and 2i + 1 at positions i and 16 + i); the
-                // 1 / (1 - p) goes into the epilogue's scale (store)
-                const unsigned int keep = keep2[kk & 1];
-                auto m = [&](int i) { return ((keep >> i) & 0x00010001u) * 0xFFFFu; };
-                pa[kk][0] = Elem::pack2(s[8 * kk + 0], s[8 * kk + 1]) & m(0);
-                pa[kk][1] = Elem::pack2(s[8 * kk + 2], s[8 * kk + 3]) & m(2);
-                pa[kk][2] = Elem::pack2(s[8 * kk + 4], s[8 * kk + 5]) & m(1);
-                pa[kk][3] = Elem::pack2(s[8 * kk + 6], s[8 * kk + 7]) & m(3);
+                const unsigned int (&m)[4] = mask[kk & 1];
+                pa[kk][0] = Elem::pack2(s[8 * kk + 0], s[8 * kk + 1]) & m[0];
+                pa[kk][1] = Elem::pack2(s[8 * kk + 2], s[8 * kk + 3]) & m[2];
+                pa[kk][2] = Elem::pack2(s[8 * kk + 4], s[8 * kk + 5]) & m[1];
+                pa[kk][3] = Elem::pack2(s[8 * kk + 6], s[8 * kk + 7]) & m[3];
             } else {
                 pa[kk][0] = Elem::pack2(s[8 * kk + 0], s[8 * kk + 1]);
                 pa[kk][1] = Elem::pack2(s[8 * kk + 2], s[8 * kk + 3]);

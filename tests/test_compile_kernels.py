@@ -120,7 +120,7 @@ def _spill_allowance(mangled: str) -> int:
     if not bools:
         return 0                             # (no flags)
     if mangled.startswith("_Z29flash_bwd_dkdv_sm90_ws_kernel") and "Li64ELi128E" in mangled:
-        return 96                            # (head dim 64, 128-query steps)
+        return 128                           # (head dim 64, 128-query steps)
     if mangled.startswith(("_Z24flash_fwd_sm90_ws_kernel", "_Z29flash_bwd_dkdv_sm90_ws_kernel",
                            "_Z31flash_bwd_dkdv_sm90_d256_kernel", "_Z26flash_bwd_dkdv_sm90_kernel")):
         dropout = bools[1] == "1"            # <.., local, dropout, ..>: stages and ping-pong,

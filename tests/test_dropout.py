@@ -167,7 +167,8 @@ def test_refusals_name_the_argument(kw, exc, words):
 
 
 def test_the_cuda_header_draws_the_same_stream(tmp_path):
-    """cuda/flash_dropout.cuh (compiled for the host here) against flashcore.dropout."""
+    """cuda/flash_dropout.cuh (compiled for the host here) against flashcore.dropout: the
+    stream, the fragment helpers' bits in both orientations, the forward's packed masks."""
     import shutil
     import subprocess
     from flashcore.jit import cuda_dir
@@ -195,11 +196,27 @@ int main(int, char** argv) {{
     for (int tr = 0; tr < 2; ++tr)
         for (int pi = 0; pi < 3; ++pi) {{
             const int* pr = pairs[pi];
-            unsigned int mine[32], theirs[32];
+            unsigned int mine[32], theirs[32], fm[32][2], ft[32][2];
             for (int lane = 0; lane < 32; ++lane) {{
                 const int g = lane >> 2, t = lane & 3, odd = g & 1;
                 fc_dropout_lane(d, 1, odd ? pr[2] : pr[0], odd ? pr[3] : pr[1], g, t, tr != 0,
                                 mine[lane], theirs[lane]);
+                if (!tr)    // the forward's masks (fc_dropout_masks2), from the same call
+                    fc_dropout_lane_flags(d, 1, odd ? pr[2] : pr[0], odd ? pr[3] : pr[1], g, t,
+                                          fm[lane], ft[lane]);
+            }}
+            for (int lane = 0; lane < 32 && !tr; ++lane) {{
+                const unsigned int other[2] = {{ft[lane ^ 4][0], ft[lane ^ 4][1]}};
+                unsigned int ma[4], mb[4];
+                fc_dropout_pair_masks(fm[lane], other, ((lane >> 2) & 1) != 0, ma, mb);
+                const unsigned int keep_a = (lane >> 2) & 1 ? theirs[lane ^ 4] : mine[lane];
+                const unsigned int keep_b = (lane >> 2) & 1 ? mine[lane] : theirs[lane ^ 4];
+                for (int w = 0; w < 4; ++w)
+                    for (int e = 0; e < 2; ++e) {{
+                        const unsigned int half = 0xFFFFu << (16 * e), bit = 16 * e + w;
+                        if ((ma[w] & half) != (((keep_a >> bit) & 1) ? half : 0u)) return 4;
+                        if ((mb[w] & half) != (((keep_b >> bit) & 1) ? half : 0u)) return 4;
+                    }}
             }}
             for (int lane = 0; lane < 32; ++lane) {{
                 const int g = lane >> 2, t = lane & 3, odd = g & 1;

@@ -438,7 +438,7 @@ def test_forward_ws_varlen_launches(d):
                                max_seqlen_q=257, max_seqlen_k=257)
         return LOG[0]
     name, grid, block, _, raw = run()
-    block_m = forward.sm90_ws_tile(d, True, False)[0]
+    block_m = forward.sm90_ws_tile(d, True)[0]
     assert name == forward.sm90_ws_kernel_name("float16", d, True, seqlen_k=257, varlen=True)
     assert name.endswith(", false, true>")          # (not persistent; varlen)
     assert grid == (-(-257 // block_m), 4, 4) and block == (128 + 2 * block_m, 1, 1)
@@ -1055,14 +1055,15 @@ def test_output_tensor_map_where_the_kernel_has_o_buffers(d, causal, out_dtype, 
                          [(128, False, False, 300, 4, 384, (24, 1, 1)),      # 3 x 4 x 2 tiles
                           (128, True, False, 5000, 40, 384, (132, 1, 1)),    # one CTA per SM
                           (64, False, False, 1000, 4, 512, (48, 1, 1)),      # 192-row tiles
-                          (64, True, True, 1000, 4, 384, (8, 4, 2)),         # dropout: one tile
+                          (64, True, True, 1000, 4, 512, (48, 1, 1)),        # dropout too
+                          (128, False, True, 300, 4, 384, (24, 1, 1)),       # (ping-pong)
                           (256, True, False, 300, 4, 384, (3, 4, 2)),        # d256 windowed
                           (256, False, False, 300, 4, 384, (24, 1, 1))])
 def test_warp_specialised_forward_grid(d, causal, dropout, sq, h, want_block, want_grid):
     """The Hopper forward's launch: persistent CTAs (one per SM at most, one per tile at
     least) taking tiles from the stream's counter, except where no persistent kernel exists
-    (dropout, head dim 256 with a window); 192 query rows (three consumer warpgroups) at head
-    dim 64 without dropout; the shared memory within the H200's opt-in limit."""
+    (head dim 256 with a window); 192 query rows (three consumer warpgroups) at head dim 64,
+    with dropout too; the shared memory within the H200's opt-in limit."""
     q, k, v = _qkv(None, "float16", 2, sq, 2048, h, 2, d, False)
     out = fake_array(q.shape, "float16")
     lse = fake_array((2, h, sq), np.float32)
@@ -1088,12 +1089,11 @@ def test_warp_specialised_forward_grid(d, causal, dropout, sq, h, want_block, wa
                                window_right=0 if causal else -1,
                                dropout_p=0.1 if dropout else 0.0, rng_state=rng)
         (name, grid, *_), = LOG
-        bm = 192 if (d == 64 and not dropout) else 128
+        bm = 192 if d == 64 else 128
         assert (name[name.index("<") + 1:-1].split(", ")[8] == "false"
                 and grid == (-(-sq // bm), h, 2))
 
 
 def test_warp_specialised_tiles_fit_shared_memory():
     for (d, local) in forward._WS_TILES:
-        for dropout in (False, True):
-            assert forward.sm90_ws_smem(d, local, dropout) <= 232448, (d, local, dropout)
+        assert forward.sm90_ws_smem(d, local) <= 232448, (d, local)

@@ -233,11 +233,12 @@ _WS_TILES = {(64, False): (192, 128, 3), (64, True): (192, 128, 3), (128, False)
              (128, True): (128, 128, 2), (256, False): (128, 80, 2), (256, True): (128, 64, 2)}
 
 
-def sm90_ws_tile(headdim: int, is_local: bool, dropout: bool = False) -> tuple[int, int, int]:
-    """(block_m, block_n, stages) of the warp-specialised kernel; with dropout, 128 query rows
-    (two consumer warpgroups: Philox's registers do not fit three warpgroups' 160)."""
-    block_m, block_n, stages = _WS_TILES[(headdim, bool(is_local))]
-    return (128 if dropout else block_m), block_n, stages
+def sm90_ws_tile(headdim: int, is_local: bool) -> tuple[int, int, int]:
+    """(block_m, block_n, stages) of the warp-specialised kernel, with dropout or without (with
+    fc_dropout_masks2 the dropout kernel fits three warpgroups' 160 registers at head dim 64
+    without spills, NVRTC 12 and nvcc 13; measured on the H200, session 30 of the performance
+    log: 1.12-1.19x the two-warpgroup tile it had)."""
+    return _WS_TILES[(headdim, bool(is_local))]
 
 
 _SMEM_LIMIT = 232448     # H100 / H200: the most dynamic shared memory a block may take
@@ -277,24 +278,24 @@ def _o_bytes(bufs: int, headdim: int) -> int:
     return bufs * 128 * headdim + (8 if bufs == 1 else 0)
 
 
-def _ws_base_smem(headdim: int, is_local: bool, dropout: bool) -> int:
+def _ws_base_smem(headdim: int, is_local: bool) -> int:
     """Q + the K/V ring + the mbarriers (8 bytes each: Q full and empty, 4 per stage, 4 of the
     tile scheduler) and its two int32 slots + alignment slack."""
-    block_m, block_n, stages = sm90_ws_tile(headdim, is_local, dropout)
+    block_m, block_n, stages = sm90_ws_tile(headdim, is_local)
     return (2 * block_m * headdim + stages * 2 * (2 * block_n * headdim) + 8 * (7 + 4 * stages)
             + 1024)
 
 
-def sm90_ws_o_buffers(headdim: int, is_local: bool, dropout: bool = False) -> int:
+def sm90_ws_o_buffers(headdim: int, is_local: bool) -> int:
     """The 16-bit warp-specialised kernel's O buffers (o_buffers)."""
-    return o_buffers(_ws_base_smem(headdim, is_local, dropout),
-                     sm90_ws_tile(headdim, is_local, dropout)[0], headdim)
+    return o_buffers(_ws_base_smem(headdim, is_local), sm90_ws_tile(headdim, is_local)[0],
+                     headdim)
 
 
-def sm90_ws_smem(headdim: int, is_local: bool, dropout: bool = False) -> int:
+def sm90_ws_smem(headdim: int, is_local: bool) -> int:
     """Q + the K/V ring + the mbarriers + the O buffers (o_buffers) + alignment slack."""
-    return (_ws_base_smem(headdim, is_local, dropout)
-            + _o_bytes(sm90_ws_o_buffers(headdim, is_local, dropout), headdim))
+    return _ws_base_smem(headdim, is_local) + _o_bytes(sm90_ws_o_buffers(headdim, is_local),
+                                                       headdim)
 
 
 def sm90_ws_pingpong(headdim: int, seqlen_k: int, is_local: bool = False) -> bool:
@@ -310,10 +311,11 @@ def sm90_ws_pingpong(headdim: int, seqlen_k: int, is_local: bool = False) -> boo
 def ws_persistent_exists(headdim: int, is_local: bool = False, dropout: bool = False,
                          fp8: bool = False, pingpong: bool = True) -> bool:
     """Whether a persistent warp-specialised kernel exists for a call: its producer takes 40
-    registers and the consumers 232, in which the dropout kernels, the FP8 one at head dim 256
-    and, at head dim 256, the windowed one and the 80-key one without ping-pong spill (ptxas),
-    so those run one tile per CTA."""
-    return not dropout and not (headdim == 256 and (fp8 or is_local or not pingpong))
+    registers and the consumers 232, in which the FP8 one at head dim 256, at head dim 256 the
+    windowed one and the 80-key one without ping-pong, and the dropout ones without ping-pong
+    spill (ptxas), so those run one tile per CTA."""
+    return (not (headdim == 256 and (fp8 or is_local or not pingpong))
+            and not (dropout and not pingpong))
 
 
 def sm90_ws_persistent(headdim: int, is_local: bool, dropout: bool = False,
@@ -370,11 +372,11 @@ def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool, dropout: 
                         persistent: bool | None = None, varlen: bool = False) -> str:
     """varlen: the instantiation for varlen calls (one tile a CTA, O stored from the
     registers); the others take the O buffers that fit (sm90_ws_o_buffers)."""
-    block_m, block_n, stages = sm90_ws_tile(headdim, is_local, dropout)
+    block_m, block_n, stages = sm90_ws_tile(headdim, is_local)
     pp = sm90_ws_pingpong(headdim, seqlen_k, is_local) if pingpong is None else pingpong
     pers = False if varlen else (sm90_ws_persistent(headdim, is_local, dropout, pingpong=pp)
                                  if persistent is None else persistent)
-    bufs = 0 if varlen else sm90_ws_o_buffers(headdim, is_local, dropout)
+    bufs = 0 if varlen else sm90_ws_o_buffers(headdim, is_local)
     tail = ", true" if varlen else f", false, {bufs}" if bufs else ""
     return (f"flash_fwd_sm90_ws_kernel<{_elem_tag(dtype_name)}, {headdim}, {block_m}, {block_n}, "
             f"{_b(is_local)}, {_b(dropout)}, {stages}, {_b(pp)}, {_b(pers)}{tail}>")
@@ -694,13 +696,13 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     if not paged and sm90_applies(cc, headdim, has_softcap, has_alibi, seqlen_k):
         cfg_ = config.get()
         if cfg_.sm90_fwd_ws:
-            block_m, block_n, _ = sm90_ws_tile(headdim, is_local, dropout)
+            block_m, block_n, _ = sm90_ws_tile(headdim, is_local)
             ws = _ws_maps(tuple((_as4(a, varlen), rows)
                                 for a, rows in ((q, block_m), (k, block_n), (v, block_n))),
-                          out, varlen, sm90_ws_o_buffers(headdim, is_local, dropout))
+                          out, varlen, sm90_ws_o_buffers(headdim, is_local))
         grid_m = math.ceil(seqlen_q / (block_m if ws is not None else 128))
         if ws is not None:
-            smem = sm90_ws_smem(headdim, is_local, dropout)
+            smem = sm90_ws_smem(headdim, is_local)
             pingpong = sm90_ws_pingpong(headdim, seqlen_k, is_local)
             persistent = not varlen and sm90_ws_persistent(headdim, is_local, dropout,
                                                            tiles=grid_m * nheads * batch,

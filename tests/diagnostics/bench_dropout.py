@@ -1,8 +1,12 @@
 """What attention dropout costs (issue: the flash-attn drop-in, "dropout throughput >= 0.9x the
 no-dropout path"), through the public API on torch tensors, at the ANCHORS sizes.
+With --defines, a column `fc_defs`: flashcore with dropout p and those NVRTC options on its
+Hopper kernels (-DNAME=V each, config ``sm90_defines``; e.g. FC_DIAG_PHILOX_ROUNDS=0, timing
+only: what the random stream itself costs), and its ratio p0/defs; first, whether they change
+the outputs' bits (dq is summed with atomics, so its bits may differ run to run anyway).
 
     python tests/diagnostics/bench_dropout.py [--seqlen 4096 16384] [--headdim 64 128]
-                                              [--p 0.1] [--json F]
+                                              [--p 0.1] [--json F] [--defines NAME=V ...]
 
 For each cell (16k tokens per batch, hidden 2048, bf16, causal and not): GPU time of the
 forward (no grad) and of forward+backward through autograd, for flashcore with dropout p,
@@ -16,7 +20,35 @@ import argparse
 import json
 import sys
 
+from flashcore import config
 from flashcore.bench import AttentionProblem, shape_for
+
+
+def same_outputs(headdims, p, defines):
+    """With --defines: the forward and backward with and without them on one small problem per
+    head dim (causal and not, odd lengths) and the same random state, compared bit for bit (a
+    define that only moves work must give the same bits, dq's atomic sums aside; a timing-only
+    one, as FC_DIAG_PHILOX_ROUNDS, must not)."""
+    import torch
+    import flashcore
+    for d in headdims:
+        for causal in (False, True):
+            g = torch.Generator(device="cuda").manual_seed(d + causal)
+            q, k, v, do = (torch.randn(2, 1000, 16, d, device="cuda", generator=g,
+                                       dtype=torch.bfloat16) for _ in range(4))
+            rs = torch.tensor([1234 + d, 77], device="cuda", dtype=torch.int64)
+            res = []
+            for defs in ((), defines):
+                with config.override(sm90_defines=defs):
+                    out, lse = flashcore.attention_forward(q, k, v, causal=causal, dropout_p=p,
+                                                           rng_state=rs)
+                    grads = flashcore.attention_backward(do, q, k, v, out, lse, causal=causal,
+                                                         dropout_p=p, rng_state=rs)
+                    res.append((out, lse) + tuple(grads))
+            same = [bool(torch.equal(x, y)) for x, y in zip(*res)]
+            diff = max(float((x.float() - y.float()).abs().max()) for x, y in zip(*res))
+            print(f"# same bits with {' '.join(defines)} at d{d} {'causal' if causal else 'full'}"
+                  f" (out, lse, dq, dk, dv): {same}, largest difference {diff:.3g}", flush=True)
 
 
 def main(argv=None):
@@ -25,23 +57,30 @@ def main(argv=None):
     ap.add_argument("--headdim", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--p", type=float, default=0.1)
     ap.add_argument("--json")
+    ap.add_argument("--defines", nargs="+", default=[])
     a = ap.parse_args(argv)
     rows = []
     impls = (("fc", "torch", a.p), ("fc_p0", "torch", 0.0), ("flash", "sdpa_flash", a.p),
              ("cudnn", "sdpa_cudnn", a.p))
+    if a.defines:
+        impls += (("fc_defs", "torch", a.p),)
     print(f"{'cell':24s} {'pass':8s} " + " ".join(f"{n:>8s}" for n, *_ in impls)
           + "   p0/p  flash/fc cudnn/fc")
+    if a.defines:
+        same_outputs(a.headdim, a.p, tuple(f"-D{x}" for x in a.defines))
     for s in a.seqlen:
         for d in a.headdim:
             for causal in (False, True):
                 shape = shape_for(s, d)
                 ms = {}
                 for name, impl, p in impls:
+                    defs = tuple(f"-D{x}" for x in a.defines) if name == "fc_defs" else ()
                     try:
-                        prob = AttentionProblem(impl, *shape, causal, dropout_p=p)
-                        ms[name] = {w: prob.seconds(w) * 1e3 for w in ("forward",
-                                                                       "forward_backward")}
-                        del prob
+                        with config.override(sm90_defines=defs):
+                            prob = AttentionProblem(impl, *shape, causal, dropout_p=p)
+                            ms[name] = {w: prob.seconds(w) * 1e3 for w in ("forward",
+                                                                           "forward_backward")}
+                            del prob
                     except (NotImplementedError, RuntimeError) as e:
                         ms[name] = None
                         print(f"# {name} at {shape} causal={causal}: {str(e)[:120]}")
@@ -52,7 +91,9 @@ def main(argv=None):
                     cell = f"{s}/d{d}/{'causal' if causal else 'full'}"
                     print(f"{cell:24s} {w[:8]:8s} " + " ".join(f"{t[n]:8.3f}" for n, *_ in impls)
                           + f"   {t['fc_p0'] / t['fc']:.2f}  {t['flash'] / t['fc']:.2f}"
-                          f"     {t['cudnn'] / t['fc']:.2f}", flush=True)
+                          f"     {t['cudnn'] / t['fc']:.2f}"
+                          + (f"   p0/defs {t['fc_p0'] / t['fc_defs']:.2f}" if a.defines else ""),
+                          flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -2,7 +2,7 @@
 the d128 and d256 kernels as they are, and with two timing-only defines that give wrong
 results (cuda/flash_bwd_sm90.cu): FC_DIAG_BWD_NO_DQ (dQ computed, never added to dq_accum:
 no bulk reduce-add) and FC_DIAG_BWD_NO_QLOAD (Q and dO loaded for the first
-two steps only: no L2 -> shared traffic after them), and both. Against SDPA cuDNN's and
+two steps only: no L2 -> shared traffic after them), and both; and others (VARIANTS). Against SDPA cuDNN's and
 flash's backward in the same run. Needs an H100/H200. (The element-wise dQ reduction that the
 tile-ordered one replaced: run 36 in docs/performance-log.md; varlen calls:
 tests/diagnostics/bench_varlen.py.)
@@ -27,6 +27,9 @@ VARIANTS = {"as is": {},
             "no overlap": {"sm90_defines": ("-DFC_DIAG_BWD_NO_OVERLAP",)},
             # (causal / windowed: the key blocks handed out x fastest, before chunked_tile)
             "x order": {"sm90_defines": ("-DFC_DIAG_TILE_ORDER_X",)},
+            # (dK and dV written from the registers, 4 bytes a thread, not staged in shared
+            # memory and written 16 bytes a thread)
+            "register stores": {"sm90_defines": ("-DFC_DIAG_BWD_REG_STORE",)},
             # (head dims 64 and 128: the cp.async kernel in place of the warp-specialised one)
             "cp.async": {"sm90_bwd_ws": False}}
 

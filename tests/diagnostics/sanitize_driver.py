@@ -4,8 +4,8 @@ Uses plain cudaMalloc per array (no memory pool), so an out-of-bounds access lan
 allocation where memcheck sees it. Run through tests/diagnostics/sanitize.sh.
 
 ``--persistent``: only the persistent warp-specialised Hopper forward (16-bit and FP8, one to
-five tiles per CTA, causal and not, with and without ping-pong; then three FP8 varlen calls
-and two FP8 softcap ones), in seconds:
+five tiles per CTA, causal and not, with and without ping-pong; then three FP8 varlen calls,
+two FP8 softcap ones and three with dropout), in seconds:
 ``compute-sanitizer --tool racecheck python3 tests/diagnostics/sanitize_driver.py --persistent``.
 """
 
@@ -167,6 +167,17 @@ if "--persistent" in sys.argv:
     # FP8 softcap, persistent at head dim 128 and one tile a CTA at 256
     n += run_forward_cases((("e4m3", 130, 300, 128, 140, {"softcap": 20.0}),
                             ("e4m3", 300, 333, 256, 4, {"softcap": 5.0, "causal": True})))
+    # dropout (persistent at head dim 64, and at 128 with ping-pong): several tiles a CTA
+    rs = cp.asarray(np.array([11, 5], np.int64))
+    for pp in (True, False):
+        with config.override(sm90_fwd_persistent=True, sm90_fwd_pingpong=pp,
+                             sm90_fwd_d64_min_seqlen_k=0):
+            n += run_forward_cases(
+                (("bfloat16", 130, 300, 128, 140, {"dropout_p": 0.15, "rng_state": rs}),
+                 ("float16", 500, 300, 64, 140, {"causal": True, "dropout_p": 0.2,
+                                                 "rng_state": rs}),
+                 ("bfloat16", 700, 300, 128, 100, {"causal": True, "dropout_p": 0.1,
+                                                   "rng_state": rs})))
     print(f"sanitize driver --persistent: {n} cases ran")
     sys.exit(0)
 

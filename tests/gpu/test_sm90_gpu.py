@@ -629,12 +629,13 @@ def test_backward_dq_tiled_dropout(d, sq, sk, kw):
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_backward_dq_conversion_into_any_aligned_view(d, causal):
-    """The tile-ordered dQ conversion writes whole 16-byte pieces where dq's base and row
-    stride allow and 4-byte pairs where they do not: dq as a view 4 bytes into a wider, poisoned
-    buffer (base not 16-byte aligned, row stride not a multiple of 8 elements), the view checked
-    against the float64 oracle and the buffer's columns outside it left as they were. The same
-    call into a fresh dq (the 16-byte path) is checked beside it."""
+def test_backward_gradients_into_any_aligned_view(d, causal):
+    """The dQ conversion and the dK/dV epilogue write whole 16-byte pieces of a row where the
+    output's base and row stride allow and 4-byte pairs where they do not: dq, dk and dv as
+    views 4 bytes into wider, poisoned buffers (base not 16-byte aligned, row stride not a
+    multiple of 8 elements), each checked against the float64 oracle and the buffers' columns
+    outside the views left as they were. The same call into fresh arrays (the 16-byte paths) is
+    checked beside it; 131 keys: the last key block's second half has no keys."""
     if _VARIANT["name"] != "v0":
         pytest.skip("the backward does not depend on the forward variant: run once")
     import cupy as cp
@@ -655,18 +656,20 @@ def test_backward_dq_conversion_into_any_aligned_view(d, causal):
     lg = naive_backward(lo, do32, q32, k32, v32, round_to=dtype)
     with config.override(sm90_bwd=True, sm90_bwd_ws=True):
         out, lse = flashcore.attention_forward(q, k, v, causal=causal)
-        wide = cp.full((b, sq, h, d + 6), cp.nan, q.dtype)      # row stride d + 6 elements
-        views = {"fresh": cp.full(q.shape, cp.nan, q.dtype), "4 bytes in": wide[..., 2:d + 2]}
-        assert views["4 bytes in"].data.ptr % 16 == 4
-        for how, dq in views.items():
-            got, _, _ = flashcore.attention_backward(do, q, k, v, out, lse, causal=causal,
-                                                     dq=dq, dk=cp.empty_like(k),
-                                                     dv=cp.empty_like(v))
-            g = to_host64(dq)
-            assert np.array_equal(to_host64(got), g), how
-            assert np.isfinite(g).all(), how
-            assert_flash_rule(f"dq ({how})", g, rg[0],
-                              round_to_dtype(lg[0].astype(np.float32), dtype), 3)
-        rest = to_host64(wide)
-        assert np.isnan(rest[..., :2]).all() and np.isnan(rest[..., d + 2:]).all()
+        wide = [cp.full(x.shape[:-1] + (d + 6,), cp.nan, x.dtype) for x in (q, k, v)]
+        calls = {"fresh": [cp.full(x.shape, cp.nan, x.dtype) for x in (q, k, v)],
+                 "4 bytes in": [w[..., 2:d + 2] for w in wide]}
+        assert all(x.data.ptr % 16 == 4 for x in calls["4 bytes in"])
+        for how, grads in calls.items():
+            got = flashcore.attention_backward(do, q, k, v, out, lse, causal=causal,
+                                               dq=grads[0], dk=grads[1], dv=grads[2])
+            for name, x, r, l, into in zip(("dq", "dk", "dv"), got, rg, lg, grads):
+                g = to_host64(into)
+                assert np.array_equal(to_host64(x), g), (name, how)
+                assert np.isfinite(g).all(), (name, how)
+                assert_flash_rule(f"{name} ({how})", g, r,
+                                  round_to_dtype(l.astype(np.float32), dtype), 3)
+        for w in wide:
+            rest = to_host64(w)
+            assert np.isnan(rest[..., :2]).all() and np.isnan(rest[..., d + 2:]).all()
         assert _ran_sm90_bwd(dtype, causal, d)
