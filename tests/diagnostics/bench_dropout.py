@@ -66,17 +66,17 @@ def main(argv=None):
         impls += (("fc_defs", "torch", a.p),)
     print(f"{'cell':24s} {'pass':8s} " + " ".join(f"{n:>8s}" for n, *_ in impls)
           + "   p0/p  flash/fc cudnn/fc")
-    if a.defines:
-        same_outputs(a.headdim, a.p, tuple(f"-D{x}" for x in a.defines))
+    defines = tuple(f"-D{x}" for x in a.defines)
+    if defines:
+        same_outputs(a.headdim, a.p, defines)
     for s in a.seqlen:
         for d in a.headdim:
             for causal in (False, True):
                 shape = shape_for(s, d)
                 ms = {}
                 for name, impl, p in impls:
-                    defs = tuple(f"-D{x}" for x in a.defines) if name == "fc_defs" else ()
                     try:
-                        with config.override(sm90_defines=defs):
+                        with config.override(sm90_defines=defines if name == "fc_defs" else ()):
                             prob = AttentionProblem(impl, *shape, causal, dropout_p=p)
                             ms[name] = {w: prob.seconds(w) * 1e3 for w in ("forward",
                                                                            "forward_backward")}

@@ -2,10 +2,10 @@
 the d128 and d256 kernels as they are, and with two timing-only defines that give wrong
 results (cuda/flash_bwd_sm90.cu): FC_DIAG_BWD_NO_DQ (dQ computed, never added to dq_accum:
 no bulk reduce-add) and FC_DIAG_BWD_NO_QLOAD (Q and dO loaded for the first
-two steps only: no L2 -> shared traffic after them), and both; and others (VARIANTS). Against SDPA cuDNN's and
-flash's backward in the same run. Needs an H100/H200. (The element-wise dQ reduction that the
-tile-ordered one replaced: run 36 in docs/performance-log.md; varlen calls:
-tests/diagnostics/bench_varlen.py.)
+two steps only: no L2 -> shared traffic after them), and both; and the other VARIANTS below.
+Against SDPA cuDNN's and flash's backward in the same run. Needs an H100/H200. (The
+element-wise dQ reduction that the tile-ordered one replaced: run 36 in
+docs/performance-log.md; varlen calls: tests/diagnostics/bench_varlen.py.)
 
     python tests/diagnostics/probe_bwd_bound.py [--seqlen 4096 16384] [--headdim 128 256]
                                                 [--variants "as is" "no dQ adds" ...]
