@@ -23,17 +23,18 @@ ROOT=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
 cd "$ROOT"
 # A copied checkout may carry a .git without history (the device machine's does): asv needs the
 # commits, so restore them from a bundle made beforehand with
-#     git bundle create .whl/repo.bundle main        (an ignored folder that travels)
+#     git bundle create .whl/repo.bundle <branch>    (an ignored folder that travels)
 # A copied .git may also be stale (seen on the device machine: its HEAD was an older commit
 # than the working tree). Name the commit the tree is at with ASV_COMMIT=<hash>; it is taken
-# from the bundle when the copied .git lacks it.
+# from the bundle (every branch in it, whatever its name) when the copied .git lacks it.
 COMMIT=${ASV_COMMIT:-HEAD}
 if ! git rev-parse -q --verify "$COMMIT^{commit}" >/dev/null 2>&1; then
   bundle=${ASV_BUNDLE:-.whl/repo.bundle}
   if [ -f "$bundle" ]; then
-    git fetch -q "$bundle" main && git update-ref refs/heads/main FETCH_HEAD
-  else
-    echo "run_gpu.sh: this checkout lacks $COMMIT and there is no $bundle to restore it from" >&2
+    git fetch -q "$bundle" '+refs/heads/*:refs/bundle/*'
+  fi
+  if ! git rev-parse -q --verify "$COMMIT^{commit}" >/dev/null 2>&1; then
+    echo "run_gpu.sh: this checkout lacks $COMMIT, and no bundle at $bundle holds it" >&2
     exit 2
   fi
 fi
