@@ -44,6 +44,7 @@
 #include "flash_params.cuh"
 #include "flash_dropout.cuh"
 #include "ptx.cuh"
+#include "flash_scores.cuh"
 
 #define FC_BWD_LOG2E 1.4426950408889634f
 
@@ -376,6 +377,18 @@ struct BwdScoreMath {
     }
 };
 
+// Whether the kernels below run a step's elementwise code in two copies (fc_mask_copies): with a
+// causal mask or a window (Is_local) and compiled for sm_90 or newer. Without a window the keys'
+// end is the only mask, a few compares a step, and a second copy made ptxas spill more (NVRTC 12:
+// 16 -> 84 bytes in the d128 v2 kernel); on sm_80, where no measurement can be taken here,
+// ptxas spilled more in 10 of the 54 local instantiations checked (up to +56 bytes): one copy
+// there, as before.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+template <bool Is_local> constexpr bool kBwdSplitMask = Is_local;
+#else
+template <bool Is_local> constexpr bool kBwdSplitMask = false;
+#endif
+
 __device__ __forceinline__ BwdScoreMath bwd_score_math(const FlashParams& p, int b, int h,
                                                        const BwdSeq& seq, bool has_alibi) {
     BwdScoreMath m;
@@ -624,27 +637,30 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_kernel(const F
             // ---- P and dS. (nt, e): key kn0 + g + 8*(e>>1), query qs0 + nt*8 + 2t + (e&1) ----
             // dropout: keep[0] holds n-tiles nt, nt + 1 (one 16 x 16 tile), keep[1] the next
             // tile's (drawn together: one Philox call per lane per two tiles)
-            unsigned int keep[2] = {0u, 0u};
+            fc_mask_copies<kBwdSplitMask<Is_local>>(need_mask, [&](const bool masked) {
+                unsigned int keep[2] = {0u, 0u};
 #pragma unroll
-            for (int nt = 0; nt < kNtA; ++nt) {
-                const int qc = qs0 + nt * 8 + 2 * t;
-                const float2 nl = *reinterpret_cast<const float2*>(sLb + qc);
-                const float2 dd = *reinterpret_cast<const float2*>(sDb + qc);
-                if constexpr (Is_dropout) {
-                    if ((nt & 3) == 0) {
-                        const int qa = m0 + qs0 + nt * 8, qb = nt + 2 < kNtA ? qa + 16 : qa;
-                        sm.keep2_st(qa, n0 + kn0, qb, n0 + kn0, g, t, keep[0], keep[1]);
+                for (int nt = 0; nt < kNtA; ++nt) {
+                    const int qc = qs0 + nt * 8 + 2 * t;
+                    const float2 nl = *reinterpret_cast<const float2*>(sLb + qc);
+                    const float2 dd = *reinterpret_cast<const float2*>(sDb + qc);
+                    if constexpr (Is_dropout) {
+                        if ((nt & 3) == 0) {
+                            const int qa = m0 + qs0 + nt * 8, qb = nt + 2 < kNtA ? qa + 16 : qa;
+                            sm.keep2_st(qa, n0 + kn0, qb, n0 + kn0, g, t, keep[0], keep[1]);
+                        }
+                    }
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        sm.template apply<Has_softcap, Has_alibi, Is_local, Is_dropout>(
+                            acc_s[nt][e], acc_dp[nt][e], m0 + qc + (e & 1),
+                            n0 + kn0 + g + (e >> 1) * 8, (e & 1) ? nl.y : nl.x,
+                            (e & 1) ? dd.y : dd.x, masked,
+                            Is_dropout ? sm.keep_factor(keep[(nt >> 1) & 1], 4 * (nt & 1) + e)
+                                       : 1.f);
                     }
                 }
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    sm.template apply<Has_softcap, Has_alibi, Is_local, Is_dropout>(
-                        acc_s[nt][e], acc_dp[nt][e], m0 + qc + (e & 1), n0 + kn0 + g + (e >> 1) * 8,
-                        (e & 1) ? nl.y : nl.x, (e & 1) ? dd.y : dd.x, need_mask,
-                        Is_dropout ? sm.keep_factor(keep[(nt >> 1) & 1], 4 * (nt & 1) + e)
-                                   : 1.f);
-                }
-            }
+            });
 
             // 16-bit copies: [nt][0] = key row g (queries 2t, 2t+1), [nt][1] = key row g + 8.
             fc_u32 pp[kNtA][2], dsp[kNtA][2];
@@ -961,43 +977,45 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv2_kernel(const 
 
             // ---- P, dS; (mi, nt, e): key sk0 + 16 mi + g + 8 (e>>1), query sq0 + nt*8 + 2t + (e&1)
             // Stored as 16-bit P^T / dS^T [key][query]: two adjacent queries are one 32-bit word.
-            unsigned int keep[kSMi];   // dropout: n-tiles nt, nt + 1 of each key tile mi
+            fc_mask_copies<kBwdSplitMask<Is_local>>(need_mask, [&](const bool masked) {
+                unsigned int keep[kSMi];   // dropout: n-tiles nt, nt + 1 of each key tile mi
 #pragma unroll
-            for (int nt = 0; nt < kSNt; ++nt) {
-                const int qc = sq0 + nt * 8 + 2 * t;
-                const float2 nl = *reinterpret_cast<const float2*>(sLb + qc);
-                const float2 dd = *reinterpret_cast<const float2*>(sDb + qc);
+                for (int nt = 0; nt < kSNt; ++nt) {
+                    const int qc = sq0 + nt * 8 + 2 * t;
+                    const float2 nl = *reinterpret_cast<const float2*>(sLb + qc);
+                    const float2 dd = *reinterpret_cast<const float2*>(sDb + qc);
 #pragma unroll
-                for (int mi = 0; mi < kSMi; ++mi) {
-                    if constexpr (Is_dropout) {
-                        if ((nt & 1) == 0 && (mi & 1) == 0) {   // key tiles mi, mi + 1 at once
-                            unsigned int next;
-                            const int ka = n0 + sk0 + 16 * mi;
-                            sm.keep2_st(m0 + sq0 + nt * 8, ka, m0 + sq0 + nt * 8,
-                                        mi + 1 < kSMi ? ka + 16 : ka, g, t, keep[mi], next);
-                            if (mi + 1 < kSMi) keep[mi + 1] = next;
+                    for (int mi = 0; mi < kSMi; ++mi) {
+                        if constexpr (Is_dropout) {
+                            if ((nt & 1) == 0 && (mi & 1) == 0) {   // key tiles mi, mi + 1 at once
+                                unsigned int next;
+                                const int ka = n0 + sk0 + 16 * mi;
+                                sm.keep2_st(m0 + sq0 + nt * 8, ka, m0 + sq0 + nt * 8,
+                                            mi + 1 < kSMi ? ka + 16 : ka, g, t, keep[mi], next);
+                                if (mi + 1 < kSMi) keep[mi + 1] = next;
+                            }
                         }
-                    }
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        sm.template apply<Has_softcap, Has_alibi, Is_local, Is_dropout>(
-                            acc_s[mi][nt][e], acc_dp[mi][nt][e], m0 + qc + (e & 1),
-                            n0 + sk0 + 16 * mi + g + (e >> 1) * 8, (e & 1) ? nl.y : nl.x,
-                            (e & 1) ? dd.y : dd.x, need_mask,
-                            Is_dropout ? sm.keep_factor(keep[mi], 4 * (nt & 1) + e)
-                                       : 1.f);
+                        for (int e = 0; e < 4; ++e) {
+                            sm.template apply<Has_softcap, Has_alibi, Is_local, Is_dropout>(
+                                acc_s[mi][nt][e], acc_dp[mi][nt][e], m0 + qc + (e & 1),
+                                n0 + sk0 + 16 * mi + g + (e >> 1) * 8, (e & 1) ? nl.y : nl.x,
+                                (e & 1) ? dd.y : dd.x, masked,
+                                Is_dropout ? sm.keep_factor(keep[mi], 4 * (nt & 1) + e)
+                                           : 1.f);
+                        }
+                        const int kr = sk0 + 16 * mi + g;
+                        *reinterpret_cast<fc_u32*>(sP + bwd_swz<kBlockM>(kr, qc)) =
+                            Elem::pack2(acc_s[mi][nt][0], acc_s[mi][nt][1]);
+                        *reinterpret_cast<fc_u32*>(sP + bwd_swz<kBlockM>(kr + 8, qc)) =
+                            Elem::pack2(acc_s[mi][nt][2], acc_s[mi][nt][3]);
+                        *reinterpret_cast<fc_u32*>(sdS + bwd_swz<kBlockM>(kr, qc)) =
+                            Elem::pack2(acc_dp[mi][nt][0], acc_dp[mi][nt][1]);
+                        *reinterpret_cast<fc_u32*>(sdS + bwd_swz<kBlockM>(kr + 8, qc)) =
+                            Elem::pack2(acc_dp[mi][nt][2], acc_dp[mi][nt][3]);
                     }
-                    const int kr = sk0 + 16 * mi + g;
-                    *reinterpret_cast<fc_u32*>(sP + bwd_swz<kBlockM>(kr, qc)) =
-                        Elem::pack2(acc_s[mi][nt][0], acc_s[mi][nt][1]);
-                    *reinterpret_cast<fc_u32*>(sP + bwd_swz<kBlockM>(kr + 8, qc)) =
-                        Elem::pack2(acc_s[mi][nt][2], acc_s[mi][nt][3]);
-                    *reinterpret_cast<fc_u32*>(sdS + bwd_swz<kBlockM>(kr, qc)) =
-                        Elem::pack2(acc_dp[mi][nt][0], acc_dp[mi][nt][1]);
-                    *reinterpret_cast<fc_u32*>(sdS + bwd_swz<kBlockM>(kr + 8, qc)) =
-                        Elem::pack2(acc_dp[mi][nt][2], acc_dp[mi][nt][3]);
                 }
-            }
+            });
         }
         __syncthreads();  // the whole P^T / dS^T tile is in shared memory
 
@@ -1271,23 +1289,25 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dq_kernel(const Fla
         const bool need_mask = bwd_need_mask<Is_local, kBlockM, kBlockN>(p, seq, m0, n0, off);
         // Accumulator (nt, e): query row i0 + 8*(e>>1), key col n0 + nt*8 + 2t + (e&1).
         // dropout: keep[0] holds n-tiles nt, nt + 1 (one 16 x 16 tile), keep[1] the next tile's
-        unsigned int keep[2] = {0u, 0u};
+        fc_mask_copies<kBwdSplitMask<Is_local>>(need_mask, [&](const bool masked) {
+            unsigned int keep[2] = {0u, 0u};
 #pragma unroll
-        for (int nt = 0; nt < kNtS; ++nt) {
-            if constexpr (Is_dropout) {
-                if ((nt & 3) == 0)
-                    sm.keep2_s(i0 - g, n0 + nt * 8, i0 - g, n0 + (nt + 2 < kNtS ? nt + 2 : nt) * 8,
-                               g, t, keep[0], keep[1]);
+            for (int nt = 0; nt < kNtS; ++nt) {
+                if constexpr (Is_dropout) {
+                    if ((nt & 3) == 0)
+                        sm.keep2_s(i0 - g, n0 + nt * 8, i0 - g,
+                                   n0 + (nt + 2 < kNtS ? nt + 2 : nt) * 8, g, t, keep[0], keep[1]);
+                }
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    sm.template apply<Has_softcap, Has_alibi, Is_local, Is_dropout>(
+                        acc_s[nt][e], acc_dp[nt][e], i0 + (e >> 1) * 8,
+                        n0 + nt * 8 + 2 * t + (e & 1), nl[e >> 1], dd[e >> 1], masked,
+                        Is_dropout ? sm.keep_factor(keep[(nt >> 1) & 1],
+                                                    2 * (e & 2) + 2 * (nt & 1) + (e & 1))
+                                   : 1.f);
             }
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                sm.template apply<Has_softcap, Has_alibi, Is_local, Is_dropout>(
-                    acc_s[nt][e], acc_dp[nt][e], i0 + (e >> 1) * 8, n0 + nt * 8 + 2 * t + (e & 1),
-                    nl[e >> 1], dd[e >> 1], need_mask,
-                    Is_dropout ? sm.keep_factor(keep[(nt >> 1) & 1],
-                                                2 * (e & 2) + 2 * (nt & 1) + (e & 1))
-                               : 1.f);
-        }
+        });
 
         // dQ += dS K: the dS accumulators of n-tiles 2ks, 2ks+1 form the A fragment of k-step ks;
         // B = K [key][d] = [k][n] row-major: ldmatrix.trans.

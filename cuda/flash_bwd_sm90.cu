@@ -189,7 +189,11 @@ __device__ __forceinline__ bool dkdv_store_staged(const FlashParams& p, const Bw
 // One consumer warpgroup's share of the key block (keys [64 wg, 64 wg + 64) of the CTA's 128;
 // ct: the thread's index among the 256 consumer threads): dK and dV in fp32 registers, and the
 // two halves of a step over one query block (m0, head h).
-template <typename Elem, int kD, int kBlockM, bool Is_local, bool Is_dropout>
+// kSplitMask: the elementwise step in two copies, with and without the mask (fc_mask_copies);
+// false where a second copy's registers made ptxas spill (the cp.async kernel; the warp-
+// specialised d64 kernel with dropout: 44-100 -> 116-176 bytes).
+template <typename Elem, int kD, int kBlockM, bool Is_local, bool Is_dropout,
+          bool kSplitMask = true>
 struct DkdvWarpgroup {
     static constexpr int kAcc = kD / 2;          // dK, dV of 64 keys x kD per warpgroup
     static constexpr int kSAcc = kBlockM / 2;    // S^T, dP^T: 64 keys x kBlockM queries
@@ -207,7 +211,7 @@ struct DkdvWarpgroup {
         g = lane >> 2;
         t = lane & 3;
         key0 = 64 * wg + 16 * wl + g;                     // + 8 r
-        kw_off = (fc_u32)wg * 64u * 128u;
+        kw_off = warp_uniform((fc_u32)wg * 64u * 128u);
 #pragma unroll
         for (int i = 0; i < kAcc; ++i) acc_dk[i] = acc_dv[i] = 0.f;
     }
@@ -239,32 +243,26 @@ struct DkdvWarpgroup {
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kD / 16; ++kk) {
-            const fc_u32 ko = (fc_u32)(kk >> 2) * kKBlock + kw_off + (fc_u32)(kk & 3) * 32u;
+            const fc_u32 ko = (fc_u32)(kk >> 2) * kKBlock + (fc_u32)(kk & 3) * 32u;
             const fc_u32 qo = (fc_u32)(kk >> 2) * kQBlock + (fc_u32)(kk & 3) * 32u;
-            Wgmma<Elem>::ss(acc_s, wgmma_desc_k(sK + ko), wgmma_desc_k(sQb + qo), kk > 0 ? 1 : 0);
-            Wgmma<Elem>::ss(acc_dp, wgmma_desc_k(sV + ko), wgmma_desc_k(sdOb + qo), kk > 0 ? 1 : 0);
+            Wgmma<Elem>::ss(acc_s, wgmma_desc_k(sK + kw_off, ko), wgmma_desc_k(sQb, qo),
+                            kk > 0 ? 1 : 0);
+            Wgmma<Elem>::ss(acc_dp, wgmma_desc_k(sV + kw_off, ko), wgmma_desc_k(sdOb, qo),
+                            kk > 0 ? 1 : 0);
         }
         wgmma_commit();
         pin(acc_s);
         pin(acc_dp);
     }
 
-    __device__ __forceinline__ void grads(const FlashParams& p, const BwdSeq& seq, int b, int h,
-                                          int m0, int n0, int off, fc_u32 sQb, fc_u32 sdOb,
-                                          const float* sLb, const float* sDb, fc_u32 sdSb) {
-        constexpr int kBlockN = 128;
-        const BwdScoreMath sm = bwd_score_math(p, b, h, seq, false);
-        const bool need_mask = bwd_need_mask<Is_local, kBlockM, kBlockN>(p, seq, m0, n0, off);
-
-        wgmma_wait<0>();
-        pin(acc_s);
-        pin(acc_dp);
-
-        // P^T, dS^T. Element e of n8 tile j: key key0 + 8 (e >> 1), query 8 j + 2 t + (e & 1).
-        // 16-bit A operands (k = queries): k-step kk takes n8 tiles 2kk and 2kk+1, packed as
-        // soon as they are computed (fewer fp32 values live at once). Dropout: the keep masks of
-        // two 16 x 16 tiles (queries 16 kk.., keys key0 - g..) at a time, one Philox call per
-        // lane shared with lane ^ 4 (BwdScoreMath::keep2_st).
+    // P^T, dS^T from S^T, dP^T (acc_s, acc_dp, done) into pa, dsa. Element e of n8 tile j: key
+    // key0 + 8 (e >> 1), query 8 j + 2 t + (e & 1). 16-bit A operands (k = queries): k-step kk
+    // takes n8 tiles 2kk and 2kk+1, packed as soon as they are computed (fewer fp32 values live
+    // at once). Dropout: the keep masks of two 16 x 16 tiles (queries 16 kk.., keys key0 - g..)
+    // at a time, one Philox call per lane shared with lane ^ 4 (BwdScoreMath::keep2_st).
+    // masked: the copy with the mask's compares or the one without (fc_mask_copies).
+    __device__ __forceinline__ void p_ds(const BwdScoreMath& sm, int m0, int n0, const float* sLb,
+                                         const float* sDb, bool masked) {
         unsigned int keep2[2] = {0u, 0u};   // tiles kk (even) and kk + 1: one call per lane
 #pragma unroll
         for (int kk = 0; kk < kBlockM / 16; ++kk) {
@@ -285,7 +283,7 @@ struct DkdvWarpgroup {
                     sm.template apply<false, false, Is_local, Is_dropout>(
                         acc_s[4 * j + e], acc_dp[4 * j + e], m0 + qc + (e & 1),
                         n0 + key0 + 8 * (e >> 1), (e & 1) ? nl.y : nl.x, (e & 1) ? dd.y : dd.x,
-                        need_mask,
+                        masked,
                         Is_dropout ? sm.keep_factor(keep, 4 * (j & 1) + e) : 1.f);
             }
 #pragma unroll
@@ -294,6 +292,21 @@ struct DkdvWarpgroup {
                 dsa[kk][e] = Elem::pack2(acc_dp[8 * kk + 2 * e], acc_dp[8 * kk + 2 * e + 1]);
             }
         }
+    }
+
+    __device__ __forceinline__ void grads(const FlashParams& p, const BwdSeq& seq, int b, int h,
+                                          int m0, int n0, int off, fc_u32 sQb, fc_u32 sdOb,
+                                          const float* sLb, const float* sDb, fc_u32 sdSb) {
+        constexpr int kBlockN = 128;
+        const BwdScoreMath sm = bwd_score_math(p, b, h, seq, false);
+        const bool need_mask = bwd_need_mask<Is_local, kBlockM, kBlockN>(p, seq, m0, n0, off);
+
+        wgmma_wait<0>();
+        pin(acc_s);
+        pin(acc_dp);
+        fc_mask_copies<kSplitMask>(need_mask, [&](const bool masked) {
+            p_ds(sm, m0, n0, sLb, sDb, masked);
+        });
 
         // dS^T to shared memory, before the MMAs that read dsa are issued (an in-flight
         // wgmma's A registers may not be accessed)
@@ -315,8 +328,8 @@ struct DkdvWarpgroup {
 #pragma unroll
         for (int kk = 0; kk < kBlockM / 16; ++kk) {
             const fc_u32 ro = (fc_u32)kk * 16u * 128u;   // queries 16 kk ..
-            Wgmma<Elem>::rs_tb(acc_dv, pa[kk], wgmma_desc_mn(sdOb + ro, kQBlock), 1);
-            Wgmma<Elem>::rs_tb(acc_dk, dsa[kk], wgmma_desc_mn(sQb + ro, kQBlock), 1);
+            Wgmma<Elem>::rs_tb(acc_dv, pa[kk], wgmma_desc_mn(sdOb, ro, kQBlock), 1);
+            Wgmma<Elem>::rs_tb(acc_dk, dsa[kk], wgmma_desc_mn(sQb, ro, kQBlock), 1);
         }
         wgmma_commit();
     }
@@ -331,17 +344,18 @@ struct DkdvWarpgroup {
         constexpr bool kSplitKeys = kD == 64 && kBlockM == 64;
         constexpr int kDqSteps = kSplitKeys ? 64 / 16 : kBlockN / 16;
         const int kk0 = kSplitKeys ? 4 * wg : 0;
-        const fc_u32 kcol = kD == 128 ? (fc_u32)wg * kKBlock : 0u;
-        const fc_u32 qblk = kBlockM == 128 ? (fc_u32)wg * kKBlock : 0u;
+        const fc_u32 kcol = kD == 128 ? warp_uniform((fc_u32)wg * kKBlock) : 0u;
+        const fc_u32 qblk = kBlockM == 128 ? warp_uniform((fc_u32)wg * kKBlock) : 0u;
+        const fc_u32 k0o = kSplitKeys ? warp_uniform((fc_u32)kk0 * 16u * 128u) : 0u;
 #pragma unroll
         for (int i = 0; i < 32; ++i) acc_dq[i] = 0.f;
         pin(acc_dq);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kDqSteps; ++kk) {
-            const fc_u32 ro = (fc_u32)(kk0 + kk) * 16u * 128u;   // keys 16 (kk0 + kk) ..
-            Wgmma<Elem>::ss_tt(acc_dq, wgmma_desc_mn(sdSb + qblk + ro, kKBlock),
-                               wgmma_desc_mn(sK + kcol + ro, kKBlock), kk > 0 ? 1 : 0);
+            const fc_u32 ro = (fc_u32)kk * 16u * 128u;   // keys 16 (kk0 + kk) ..
+            Wgmma<Elem>::ss_tt(acc_dq, wgmma_desc_mn(sdSb + qblk + k0o, ro, kKBlock),
+                               wgmma_desc_mn(sK + kcol + k0o, ro, kKBlock), kk > 0 ? 1 : 0);
         }
         wgmma_commit();
         wgmma_wait<0>();          // dV, dK and dQ products done
@@ -529,7 +543,7 @@ __global__ void __launch_bounds__(256, 1) flash_bwd_dkdv_sm90_kernel(const Flash
         if (tid < kBlockM) bwd_row_stats(p, b, kw.h0, seq, mm + tid, sLse[tid], sDsum[tid]);
     }
 
-    DkdvWarpgroup<Elem, kD, kBlockM, Is_local, Is_dropout> w(tid);
+    DkdvWarpgroup<Elem, kD, kBlockM, Is_local, Is_dropout, false> w(tid);
     int h = kw.h0, m_block = kw.m_begin;
     for (int it = 0; it < n_iter; ++it) {
         const fc_u32 buf = (fc_u32)(it & 1);
@@ -715,6 +729,8 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
     using namespace fc_pipe;
     static_assert(kD == 64 || kD == 128, "the Hopper dK/dV kernel covers head dims 64 and 128");
     static_assert(kBlockM == 64 || (kBlockM == 128 && kD == 64), "query blocks: 64, or 128 at d64");
+    using Consumer = DkdvWarpgroup<Elem, kD, kBlockM, Is_local, Is_dropout,
+                                   !(kD == 64 && Is_dropout)>;
     constexpr int kStages = 2;
     constexpr fc_u32 kKT = kKTile<kD>, kQT = kQTile<kD, kBlockM>;
     constexpr fc_u32 kQBlock = (fc_u32)kBlockM * 128u;
@@ -744,7 +760,7 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
     const BwdKeyWalk kw = bwd_key_walk<Is_local, kBlockM, kBlockN>(p, seq, b, hk, n0);
     const int n_iter = kw.n_iter;
     if (n_iter == 0) {            // no query sees these keys: dK = dV = 0
-        if (wg > 0) DkdvWarpgroup<Elem, kD, kBlockM, Is_local, Is_dropout>(tid - 128).store(p, seq, b, hk, n0);
+        if (wg > 0) Consumer(tid - 128).store(p, seq, b, hk, n0);
         return;
     }
 
@@ -753,7 +769,7 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
         return;
 
     // ---- consumers -------------------------------------------------------------------------
-    DkdvWarpgroup<Elem, kD, kBlockM, Is_local, Is_dropout> w(tid - 128);
+    Consumer w(tid - 128);
     mbar_wait(bar.kv(), 0);
     if constexpr (Is_varlen) zero_rows_past<kD, kBlockN>(sK, sV, seq.sk - n0, tid - 128);
     int h = kw.h0, m_block = kw.m_begin;
@@ -866,7 +882,7 @@ struct Dkdv256Warpgroup {
     // stored to sPb and sdSb. The caller fences the stores for the async proxy and synchronises
     // the consumers.
     __device__ __forceinline__ void issue_scores(fc_u32 sK, fc_u32 sV, fc_u32 sQb, fc_u32 sdOb) {
-        const int q0 = 32 * wg;                    // this warpgroup's queries in the block
+        const fc_u32 q0o = warp_uniform((fc_u32)(32 * wg) * 128u);   // this warpgroup's queries
 #pragma unroll
         for (int i = 0; i < 16; ++i) acc_s[i] = acc_dp[i] = 0.f;
         pin(acc_s);
@@ -875,9 +891,10 @@ struct Dkdv256Warpgroup {
 #pragma unroll
         for (int kk = 0; kk < kD / 16; ++kk) {
             const fc_u32 ko = (fc_u32)(kk >> 2) * kBlk + (fc_u32)(kk & 3) * 32u;
-            const fc_u32 qo = ko + (fc_u32)q0 * 128u;
-            Wgmma<Elem>::ss(acc_s, wgmma_desc_k(sK + ko), wgmma_desc_k(sQb + qo), kk > 0 ? 1 : 0);
-            Wgmma<Elem>::ss(acc_dp, wgmma_desc_k(sV + ko), wgmma_desc_k(sdOb + qo), kk > 0 ? 1 : 0);
+            Wgmma<Elem>::ss(acc_s, wgmma_desc_k(sK, ko), wgmma_desc_k(sQb + q0o, ko),
+                            kk > 0 ? 1 : 0);
+            Wgmma<Elem>::ss(acc_dp, wgmma_desc_k(sV, ko), wgmma_desc_k(sdOb + q0o, ko),
+                            kk > 0 ? 1 : 0);
         }
         wgmma_commit();
         pin(acc_s);
@@ -890,14 +907,22 @@ struct Dkdv256Warpgroup {
                                                   fc_u32 sdSb) {
         const BwdScoreMath sm = bwd_score_math(p, b, h, seq, false);
         const bool need_mask = bwd_need_mask<Is_local, kBM, kBN>(p, seq, m0, n0, off);
-        const int q0 = 32 * wg;
         wgmma_wait<0>();
         pin(acc_s);
         pin(acc_dp);
+        fc_mask_copies(need_mask, [&](const bool masked) {
+            p_ds(sm, m0, n0, sLb, sDb, sPb, sdSb, masked);
+        });
+    }
 
-        // Element e of n8 tile j: key key0 + 8 (e >> 1), query q0 + 8 j + 2 t + (e & 1).
-        // Dropout: the keep masks of the two 16 x 16 tiles (queries q0 .., q0 + 16 ..; keys
-        // 16 wl ..), one Philox call per lane (BwdScoreMath::keep2_st).
+    // P^T, dS^T from S^T, dP^T (done), stored to sPb, sdSb. Element e of n8 tile j: key key0 +
+    // 8 (e >> 1), query q0 + 8 j + 2 t + (e & 1). Dropout: the keep masks of the two 16 x 16
+    // tiles (queries q0 .., q0 + 16 ..; keys 16 wl ..), one Philox call per lane
+    // (BwdScoreMath::keep2_st). masked: with or without the mask's compares
+    // (fc_mask_copies).
+    __device__ __forceinline__ void p_ds(const BwdScoreMath& sm, int m0, int n0, const float* sLb,
+                                         const float* sDb, fc_u32 sPb, fc_u32 sdSb, bool masked) {
+        const int q0 = 32 * wg;
         unsigned int keep2[2] = {0u, 0u};
         if constexpr (Is_dropout)
             sm.keep2_st(m0 + q0, n0 + key0 - g, m0 + q0 + 16, n0 + key0 - g, g, t, keep2[0],
@@ -912,7 +937,8 @@ struct Dkdv256Warpgroup {
                 sm.template apply<false, false, Is_local, Is_dropout>(
                     acc_s[4 * j + e], acc_dp[4 * j + e], m0 + qc + (e & 1),
                     n0 + key0 + 8 * (e >> 1), (e & 1) ? nl.y : nl.x, (e & 1) ? dd.y : dd.x,
-                    need_mask, Is_dropout ? sm.keep_factor(keep2[j >> 1], 4 * (j & 1) + e) : 1.f);
+                    masked,
+                    Is_dropout ? sm.keep_factor(keep2[j >> 1], 4 * (j & 1) + e) : 1.f);
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const fc_u32 o = 2u * (fc_u32)swz<64>(key0 + 8 * r, qc);
@@ -928,7 +954,7 @@ struct Dkdv256Warpgroup {
     // warpgroup reads none of the step's tiles.
     __device__ __forceinline__ void grads_product(fc_u32 sK, fc_u32 sQb, fc_u32 sdOb, fc_u32 sPb,
                                                   fc_u32 sdSb, float (&acc_dq)[64]) {
-        const fc_u32 col = (fc_u32)(2 * wg) * kBlk;   // the first of this warpgroup's d blocks
+        const fc_u32 col = warp_uniform((fc_u32)(2 * wg) * kBlk);   // its first d block
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc_dq[i] = 0.f;
         pin(acc_dv);
@@ -938,16 +964,16 @@ struct Dkdv256Warpgroup {
 #pragma unroll
         for (int kk = 0; kk < kBM / 16; ++kk) {     // over queries
             const fc_u32 ro = (fc_u32)kk * 16u * 128u;
-            Wgmma<Elem>::template ss_n128<0, 1>(acc_dv, wgmma_desc_k(sPb + (fc_u32)kk * 32u),
-                                                wgmma_desc_mn(sdOb + col + ro, kBlk), 1);
-            Wgmma<Elem>::template ss_n128<0, 1>(acc_dk, wgmma_desc_k(sdSb + (fc_u32)kk * 32u),
-                                                wgmma_desc_mn(sQb + col + ro, kBlk), 1);
+            Wgmma<Elem>::template ss_n128<0, 1>(acc_dv, wgmma_desc_k(sPb, (fc_u32)kk * 32u),
+                                                wgmma_desc_mn(sdOb + col, ro, kBlk), 1);
+            Wgmma<Elem>::template ss_n128<0, 1>(acc_dk, wgmma_desc_k(sdSb, (fc_u32)kk * 32u),
+                                                wgmma_desc_mn(sQb + col, ro, kBlk), 1);
         }
 #pragma unroll
         for (int kk = 0; kk < kBN / 16; ++kk) {     // over keys
             const fc_u32 ro = (fc_u32)kk * 16u * 128u;
-            Wgmma<Elem>::template ss_n128<1, 1>(acc_dq, wgmma_desc_mn(sdSb + ro, kBlk),
-                                                wgmma_desc_mn(sK + col + ro, kBlk), kk > 0 ? 1 : 0);
+            Wgmma<Elem>::template ss_n128<1, 1>(acc_dq, wgmma_desc_mn(sdSb, ro, kBlk),
+                                                wgmma_desc_mn(sK + col, ro, kBlk), kk > 0 ? 1 : 0);
         }
         wgmma_commit();
         wgmma_wait<0>();

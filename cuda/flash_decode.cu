@@ -634,13 +634,14 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
             }
         }
     };
-    auto load_kv = [&](int nb, int stage, const int (&pg)[kPg], int r0) {
+    // keyed: a key mask is given (key_keep != nullptr; the main loop's copies pass a constant)
+    auto load_kv = [&](int nb, int stage, const int (&pg)[kPg], int r0, bool keyed) {
         const fc_u32 sK = sKV + (fc_u32)stage * kStageBytes;
         const fc_u32 sV = sK + kTileBytes;
         auto issue = [&](int i, long long ko, long long vo) {
             const int row = lr0 + i * kRS;
             const int tok = nb * kBlockN + row;
-            const bool pred = col_ok && tok < sk && (key_keep == nullptr || __ldg(key_keep + tok));
+            const bool pred = col_ok && tok < sk && (!keyed || __ldg(key_keep + tok));
             const fc_u32 so = 2u * (fc_u32)tile_off<kW, kBlockN>(row, lc * 8);   // (kLD columns)
             cp_async_16(sK + so, pred ? gK + ko : gK, pred);
             cp_async_16(sV + so, pred ? gV + vo : gV, pred);
@@ -687,7 +688,7 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     for (int s = 0; s < kStages - 1; ++s) {
         if (nb_begin + s < nb_end) {
             fetch_pages(pgs[(s + 1) & 1], pr0[(s + 1) & 1]);
-            load_kv(nb_begin + s, s, pgs[s & 1], pr0[s & 1]);
+            load_kv(nb_begin + s, s, pgs[s & 1], pr0[s & 1], key_keep != nullptr);
         }
         cp_async_commit();
     }
@@ -814,179 +815,204 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     const float v_scale = Is_fp8 && params.v_descale != nullptr
                           ? params.v_descale[(long long)b * params.nheads_k + hk] : 1.f;
 
+    // O's rescale skipped after blocks where no row of a warp took a new maximum (the correction
+    // exact: fc_online_softmax's kExact, kSkip). FC_DIAG_RESCALE_ALWAYS: after every block
+    // (timing only; the same corrections, so the same bits).
+#ifdef FC_DIAG_RESCALE_ALWAYS
+    constexpr bool kSkipRescale = false;
+#else
+    constexpr bool kSkipRescale = true;
+#endif
+
     // ---- main loop ------------------------------------------------------------------------
+    // In two copies (fc_mask_copies), with and without a key mask (keyed: the caller's
+    // key_mask), and each block's mask and softmax in two, a boundary block's (or a keyed one's)
+    // with the mask and the others' without.
     int stage = 0;
     int load_stage = kStages - 1;
-    for (int nb = nb_begin; nb < nb_end; ++nb) {
-        cp_async_wait<kStages - 2>();   // block nb landed (this thread's copies)
-        __syncthreads();                // everyone's; and the ring slot of nb - 1 is free
+    auto main_loop = [&](const bool keyed) {
+        for (int nb = nb_begin; nb < nb_end; ++nb) {
+            cp_async_wait<kStages - 2>();   // block nb landed (this thread's copies)
+            __syncthreads();                // everyone's; and the ring slot of nb - 1 is free
 
-        if (nb + kStages - 1 < nb_end) {
-            load_kv(nb + kStages - 1, load_stage, pgs[kPgMain], pr0[kPgMain]);
-            fetch_pages(pgs[kPgMain], pr0[kPgMain]);   // block nb + kStages
-        }
-        cp_async_commit();   // possibly empty: keeps the group count uniform
-        load_stage = (load_stage + 1 == kStages) ? 0 : load_stage + 1;
+            if (nb + kStages - 1 < nb_end) {
+                load_kv(nb + kStages - 1, load_stage, pgs[kPgMain], pr0[kPgMain], keyed);
+                fetch_pages(pgs[kPgMain], pr0[kPgMain]);   // block nb + kStages
+            }
+            cp_async_commit();   // possibly empty: keeps the group count uniform
+            load_stage = (load_stage + 1 == kStages) ? 0 : load_stage + 1;
 
-        const fc_u32 sKb = sKV + (fc_u32)stage * kStageBytes;
-        const fc_u32 sVb = sKb + kTileBytes;
-        stage = (stage + 1 == kStages) ? 0 : stage + 1;
-        const int n0 = nb * kBlockN;
-        // (read before the products, used after them)
-        const unsigned keep_bits = key_keep == nullptr
-                                   ? ~0u : fc_key_mask_bits<kNT>(key_keep, n0 + wn0 + 2 * t, sk);
+            const fc_u32 sKb = sKV + (fc_u32)stage * kStageBytes;
+            const fc_u32 sVb = sKb + kTileBytes;
+            stage = (stage + 1 == kStages) ? 0 : stage + 1;
+            const int n0 = nb * kBlockN;
+            // (read before the products, used after them)
+            const unsigned keep_bits =
+                keyed ? fc_key_mask_bits<kNT>(key_keep, n0 + wn0 + 2 * t, sk) : ~0u;
 
-        // S = Q K^T over this warp's kWN keys
-        float s[kMT][kNT][4];
+            // S = Q K^T over this warp's kWN keys
+            float s[kMT][kNT][4];
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
+            for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < kNT; ++nt)
+                for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
-        if constexpr (Is_fp8) {
-            // The FP8 tile: a key row is kHeadDim bytes (kLD 16-bit units in the swizzled
-            // layout); its 16-byte chunk c holds dims 16c .. 16c + 15. One x4 ldmatrix per pair
-            // of chunks (2kp, 2kp + 1) and pair of key octets (k_off's lane order): kb[2q + h]
-            // is octet q's 8 x 16-byte matrix of chunk 2kp + h, lane 4g + t holding the bytes of
-            // dims 4t .. 4t + 3 of key g: converted, the two B registers of the k16 step 2kp + h
-            // against Q's permuted chunk (see the Q tile).
+                    for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+            if constexpr (Is_fp8) {
+                // The FP8 tile: a key row is kHeadDim bytes (kLD 16-bit units in the swizzled
+                // layout); its 16-byte chunk c holds dims 16c .. 16c + 15. One x4 ldmatrix per
+                // pair of chunks (2kp, 2kp + 1) and pair of key octets (k_off's lane order):
+                // kb[2q + h] is octet q's 8 x 16-byte matrix of chunk 2kp + h, lane 4g + t holding
+                // the bytes of dims 4t .. 4t + 3 of key g: converted, the two B registers of the
+                // k16 step 2kp + h against Q's permuted chunk (see the Q tile).
 #pragma unroll
-            for (int kp = 0; kp < kKD / 2; ++kp) {
-                fc_u32 qa[2][kMT][4];
+                for (int kp = 0; kp < kKD / 2; ++kp) {
+                    fc_u32 qa[2][kMT][4];
 #pragma unroll
-                for (int h = 0; h < 2; ++h)
+                    for (int h = 0; h < 2; ++h)
+#pragma unroll
+                        for (int mt = 0; mt < kMT; ++mt) {
+                            if constexpr (kQInRegs) {
+#pragma unroll
+                                for (int e = 0; e < 4; ++e)
+                                    qa[h][mt][e] =
+                                        qf[kQInRegs ? mt : 0][kQInRegs ? 2 * kp + h : 0][e];
+                            } else {
+                                ldmatrix_x4(qa[h][mt], q_addr(mt, 2 * kp + h));
+                            }
+                        }
+#pragma unroll
+                    for (int np = 0; np < kNT / 2; ++np) {
+                        fc_u32 kb[4];
+                        ldmatrix_x4(kb, sKb + 2u * ((kp / kJW) * (kBlockN * kW)
+                                                    + (wn0 + np * 16) * kW + k_off[kp % kJW]));
+#pragma unroll
+                        for (int q = 0; q < 2; ++q)
+#pragma unroll
+                            for (int h = 0; h < 2; ++h) {
+                                const fc_u32 bb[2] = {fc_e4m3x2_to_f16x2(kb[2 * q + h]),
+                                                      fc_e4m3x2_hi_to_f16x2(kb[2 * q + h])};
+#pragma unroll
+                                for (int mt = 0; mt < kMT; ++mt)
+                                    EM::mma(s[mt][2 * np + q], qa[h][mt], bb);
+                            }
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int kk = 0; kk < kKD; ++kk) {
+                    fc_u32 qa[kMT][4];
 #pragma unroll
                     for (int mt = 0; mt < kMT; ++mt) {
                         if constexpr (kQInRegs) {
 #pragma unroll
                             for (int e = 0; e < 4; ++e)
-                                qa[h][mt][e] = qf[kQInRegs ? mt : 0][kQInRegs ? 2 * kp + h : 0][e];
+                                qa[mt][e] = qf[kQInRegs ? mt : 0][kQInRegs ? kk : 0][e];
                         } else {
-                            ldmatrix_x4(qa[h][mt], q_addr(mt, 2 * kp + h));
+                            ldmatrix_x4(qa[mt], q_addr(mt, kk));
                         }
                     }
 #pragma unroll
-                for (int np = 0; np < kNT / 2; ++np) {
-                    fc_u32 kb[4];
-                    ldmatrix_x4(kb, sKb + 2u * ((kp / kJW) * (kBlockN * kW) + (wn0 + np * 16) * kW
-                                                + k_off[kp % kJW]));
-#pragma unroll
-                    for (int q = 0; q < 2; ++q)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const fc_u32 bb[2] = {fc_e4m3x2_to_f16x2(kb[2 * q + h]),
-                                                  fc_e4m3x2_hi_to_f16x2(kb[2 * q + h])};
-#pragma unroll
-                            for (int mt = 0; mt < kMT; ++mt)
-                                EM::mma(s[mt][2 * np + q], qa[h][mt], bb);
-                        }
-                }
-            }
-        } else {
-#pragma unroll
-            for (int kk = 0; kk < kKD; ++kk) {
-                fc_u32 qa[kMT][4];
-#pragma unroll
-                for (int mt = 0; mt < kMT; ++mt) {
-                    if constexpr (kQInRegs) {
-#pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            qa[mt][e] = qf[kQInRegs ? mt : 0][kQInRegs ? kk : 0][e];
-                    } else {
-                        ldmatrix_x4(qa[mt], q_addr(mt, kk));
-                    }
-                }
-#pragma unroll
-                for (int np = 0; np < kNT / 2; ++np) {
-                    fc_u32 kb[4];
-                    ldmatrix_x4(kb, sKb + 2u * ((kk / kJW) * (kBlockN * kW) + (wn0 + np * 16) * kW
-                                                + k_off[kk % kJW]));
-                    const fc_u32 b0[2] = {kb[0], kb[1]};
-                    const fc_u32 b1[2] = {kb[2], kb[3]};
-#pragma unroll
-                    for (int mt = 0; mt < kMT; ++mt) {
-                        EM::mma(s[mt][2 * np], qa[mt], b0);
-                        EM::mma(s[mt][2 * np + 1], qa[mt], b1);
-                    }
-                }
-            }
-        }
-
-        if constexpr (Is_fp8)   // the keys' descale (the scores of K's stored values)
-            fc_mul_fragment(s, k_scale);
-
-        // scale, softcap, ALiBi, mask (DESIGN.md order), then the online softmax step (per
-        // warp; flash_scores.cuh). Element e of tile nt: row half r = e / 2, key
-        // n0 + wn0 + nt*8 + 2t + (e & 1).
-        const int kc0 = n0 + wn0 + 2 * t;   // this lane's first key column
-        auto pos_of = [&](int mt, int r) { return row_pos[mt][r] - kc0; };
-        fc_scale_scores<Has_softcap, Has_alibi>(s, params.softcap, cap_in, params.softmax_scale);
-        if constexpr (Has_alibi)
-            fc_alibi_scores(s, [&](int mt, int r) { return slope[mt][r]; }, pos_of);
-        if (n0 + kBlockN > blk_hi || n0 < blk_lo)
-            fc_mask_scores<kMT, kNT, kBlockN>(s, pos_of, sk - kc0, left_bounded, right_bounded,
-                                              win_l, win_r);
-        if (key_keep != nullptr) fc_apply_key_mask(s, keep_bits);
-        fc_online_softmax(s, row_max, row_sum, acc_o, mult);
-
-        // O += P V over this warp's keys (P straight from the S accumulators)
-#pragma unroll
-        for (int kk = 0; kk < kWN / 16; ++kk) {
-            fc_u32 pa[kMT][4];
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt) {
-                pa[mt][0] = EM::pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                pa[mt][1] = EM::pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                pa[mt][2] = EM::pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                pa[mt][3] = EM::pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-            }
-            if constexpr (Is_fp8) {
-                // One x4 ldmatrix.trans per pair of 16-byte chunks (2cp, 2cp + 1) of the warp's
-                // 16 keys (a_off's lane order): vb[2h] keys 0-7 and vb[2h + 1] keys 8-15 of chunk
-                // c = 2cp + h. Lane 4g + t gets the 16-bit units (key 2t, unit g) and (key 2t + 1,
-                // unit g), i.e. bytes [V(2t, 2g), V(2t, 2g + 1), V(2t + 1, 2g), V(2t + 1, 2g + 1)]
-                // (dims relative to 16c). prmt 0x3120 makes the low half bytes {0, 2} (dim 2g,
-                // keys 2t, 2t + 1) and the high half bytes {1, 3} (dim 2g + 1): converted, the B
-                // registers of two n8 tiles, acc_o[2c] ("even": column g is dim 16c + 2g) and
-                // acc_o[2c + 1] ("odd": dim 16c + 2g + 1). The merge below maps them back.
-#pragma unroll
-                for (int cp = 0; cp < kHeadDim / 32; ++cp) {
-                    fc_u32 vb[4];
-                    ldmatrix_x4_trans(vb, sVb + 2u * ((cp / kJW) * (kBlockN * kW)
-                                                      + (wn0 + kk * 16) * kW + a_off[cp % kJW]));
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const fc_u32 x0 = fc_prmt(vb[2 * h], 0x3120u);
-                        const fc_u32 x1 = fc_prmt(vb[2 * h + 1], 0x3120u);
-                        const fc_u32 be[2] = {fc_e4m3x2_to_f16x2(x0), fc_e4m3x2_to_f16x2(x1)};
-                        const fc_u32 bo[2] = {fc_e4m3x2_hi_to_f16x2(x0),
-                                              fc_e4m3x2_hi_to_f16x2(x1)};
-                        const int c = 2 * cp + h;
+                    for (int np = 0; np < kNT / 2; ++np) {
+                        fc_u32 kb[4];
+                        ldmatrix_x4(kb, sKb + 2u * ((kk / kJW) * (kBlockN * kW)
+                                                    + (wn0 + np * 16) * kW + k_off[kk % kJW]));
+                        const fc_u32 b0[2] = {kb[0], kb[1]};
+                        const fc_u32 b1[2] = {kb[2], kb[3]};
 #pragma unroll
                         for (int mt = 0; mt < kMT; ++mt) {
-                            EM::mma(acc_o[mt][2 * c], pa[mt], be);
-                            EM::mma(acc_o[mt][2 * c + 1], pa[mt], bo);
+                            EM::mma(s[mt][2 * np], qa[mt], b0);
+                            EM::mma(s[mt][2 * np + 1], qa[mt], b1);
                         }
                     }
                 }
-            } else {
+            }
+
+            if constexpr (Is_fp8)   // the keys' descale (the scores of K's stored values)
+                fc_mul_fragment(s, k_scale);
+
+            // scale, softcap, ALiBi, mask (DESIGN.md order), then the online softmax step (per
+            // warp; flash_scores.cuh). Element e of tile nt: row half r = e / 2, key
+            // n0 + wn0 + nt*8 + 2t + (e & 1).
+            const int kc0 = n0 + wn0 + 2 * t;   // this lane's first key column
+            auto pos_of = [&](int mt, int r) { return row_pos[mt][r] - kc0; };
+            fc_scale_scores<Has_softcap, Has_alibi>(s, params.softcap, cap_in,
+                                                    params.softmax_scale);
+            if constexpr (Has_alibi)
+                fc_alibi_scores(s, [&](int mt, int r) { return slope[mt][r]; }, pos_of);
+            const bool boundary = n0 + kBlockN > blk_hi || n0 < blk_lo;
+            auto softmax_step = [&](const bool masked) {
+                if (masked && boundary)
+                    fc_mask_scores<kMT, kNT, kBlockN>(s, pos_of, sk - kc0, left_bounded,
+                                                      right_bounded, win_l, win_r);
+                if (masked && keyed) fc_apply_key_mask(s, keep_bits);
+                fc_online_softmax<kMT, kNT, kDT, true, kSkipRescale>(s, row_max, row_sum,
+                                                                    acc_o, mult);
+            };
+            fc_mask_copies(boundary || keyed, softmax_step);
+
+            // O += P V over this warp's keys (P straight from the S accumulators)
 #pragma unroll
-                for (int dp = 0; dp < kHeadDim / 16; ++dp) {
-                    fc_u32 vb[4];
-                    ldmatrix_x4_trans(vb, sVb + 2u * ((dp / kJW) * (kBlockN * kW)
-                                                      + (wn0 + kk * 16) * kW + a_off[dp % kJW]));
-                    const fc_u32 b0[2] = {vb[0], vb[1]};
-                    const fc_u32 b1[2] = {vb[2], vb[3]};
+            for (int kk = 0; kk < kWN / 16; ++kk) {
+                fc_u32 pa[kMT][4];
 #pragma unroll
-                    for (int mt = 0; mt < kMT; ++mt) {
-                        EM::mma(acc_o[mt][2 * dp], pa[mt], b0);
-                        EM::mma(acc_o[mt][2 * dp + 1], pa[mt], b1);
+                for (int mt = 0; mt < kMT; ++mt) {
+                    pa[mt][0] = EM::pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                    pa[mt][1] = EM::pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                    pa[mt][2] = EM::pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                    pa[mt][3] = EM::pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                }
+                if constexpr (Is_fp8) {
+                    // One x4 ldmatrix.trans per pair of 16-byte chunks (2cp, 2cp + 1) of the
+                    // warp's 16 keys (a_off's lane order): vb[2h] keys 0-7 and vb[2h + 1] keys
+                    // 8-15 of chunk c = 2cp + h. Lane 4g + t gets the 16-bit units (key 2t, unit
+                    // g) and (key 2t + 1, unit g), i.e. bytes [V(2t, 2g), V(2t, 2g + 1),
+                    // V(2t + 1, 2g), V(2t + 1, 2g + 1)] (dims relative to 16c). prmt 0x3120 makes
+                    // the low half bytes {0, 2} (dim 2g, keys 2t, 2t + 1) and the high half bytes
+                    // {1, 3} (dim 2g + 1): converted, the B registers of two n8 tiles, acc_o[2c]
+                    // ("even": column g is dim 16c + 2g) and acc_o[2c + 1] ("odd": dim
+                    // 16c + 2g + 1). The merge below maps them back.
+#pragma unroll
+                    for (int cp = 0; cp < kHeadDim / 32; ++cp) {
+                        fc_u32 vb[4];
+                        ldmatrix_x4_trans(vb, sVb + 2u * ((cp / kJW) * (kBlockN * kW)
+                                                          + (wn0 + kk * 16) * kW
+                                                          + a_off[cp % kJW]));
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const fc_u32 x0 = fc_prmt(vb[2 * h], 0x3120u);
+                            const fc_u32 x1 = fc_prmt(vb[2 * h + 1], 0x3120u);
+                            const fc_u32 be[2] = {fc_e4m3x2_to_f16x2(x0), fc_e4m3x2_to_f16x2(x1)};
+                            const fc_u32 bo[2] = {fc_e4m3x2_hi_to_f16x2(x0),
+                                                  fc_e4m3x2_hi_to_f16x2(x1)};
+                            const int c = 2 * cp + h;
+#pragma unroll
+                            for (int mt = 0; mt < kMT; ++mt) {
+                                EM::mma(acc_o[mt][2 * c], pa[mt], be);
+                                EM::mma(acc_o[mt][2 * c + 1], pa[mt], bo);
+                            }
+                        }
+                    }
+                } else {
+#pragma unroll
+                    for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+                        fc_u32 vb[4];
+                        ldmatrix_x4_trans(vb, sVb + 2u * ((dp / kJW) * (kBlockN * kW)
+                                                          + (wn0 + kk * 16) * kW
+                                                          + a_off[dp % kJW]));
+                        const fc_u32 b0[2] = {vb[0], vb[1]};
+                        const fc_u32 b1[2] = {vb[2], vb[3]};
+#pragma unroll
+                        for (int mt = 0; mt < kMT; ++mt) {
+                            EM::mma(acc_o[mt][2 * dp], pa[mt], b0);
+                            EM::mma(acc_o[mt][2 * dp + 1], pa[mt], b1);
+                        }
                     }
                 }
             }
         }
-    }
+    };
+    fc_mask_copies(key_keep != nullptr, main_loop);
     cp_async_wait<0>();   // only empty groups can be pending; the ring is about to be reused
     if constexpr (Is_fp8)   // the values' descale
         fc_mul_fragment(acc_o, v_scale);

@@ -105,45 +105,6 @@ FC_HD float fc_dropout_keep_factor(const FcDropout& d, unsigned int keep, int k)
     return (keep >> (16 * (k & 1) + (k >> 1))) & 1u ? d.scale : 0.f;
 }
 
-// What one lane draws: the call of the tile at (query q0, key k0) (multiples of 16) that holds
-// its half of the group (lane g, t; g & 1 = b), as two masks in the layout above: `mine`, its own
-// 8 probabilities of that tile, and `theirs`, those of lane ^ 4 (whose g differs in bit 0).
-// The lane's bytes of each word: S: 2 b + e (query bit 0 = b, key bit 0 = e); S^T: 2 e + b.
-// Each byte pair is spread into the two 16-bit halves and compared by one add: bit 8 of a half
-// is set iff its byte + 256 - threshold >= 256, i.e. iff the probability is kept.
-FC_HD void fc_dropout_lane(const FcDropout& d, int bh, int q0, int k0, int g, int t,
-                           bool transposed, unsigned int& mine, unsigned int& theirs) {
-    const unsigned int b = (unsigned int)g & 1u;
-    const FcPhilox4 w = transposed ? fc_dropout_words(d, bh, q0 + 2 * t, k0 + g)
-                                   : fc_dropout_words(d, bh, q0 + g, k0 + 2 * t);
-    const unsigned int words[4] = {w.x, w.y, w.z, w.w};
-    // byte selectors (nibble 4: a zero byte): bytes (e = 0, e = 1) into bits 0-7 and 16-23
-    const unsigned int e1 = transposed ? 2u : 1u, bb = transposed ? 1u : 2u;
-    const unsigned int sel_mine = (b * bb) | 0x40u | ((b * bb + e1) << 8) | 0x4000u;
-    const unsigned int sel_theirs = ((1u - b) * bb) | 0x40u | (((1u - b) * bb + e1) << 8) | 0x4000u;
-    mine = theirs = 0;
-#pragma unroll
-    for (int wi = 0; wi < 4; ++wi) {     // word wi = fragment bits 2 wi (e = 0), 2 wi + 1 (e = 1)
-#ifdef __CUDA_ARCH__
-        const unsigned int m = __byte_perm(words[wi], 0u, sel_mine) + d.add2;
-        const unsigned int o = __byte_perm(words[wi], 0u, sel_theirs) + d.add2;
-#else
-        auto perm = [](unsigned int x, unsigned int sel) {
-            unsigned int r = 0;
-            for (int k = 0; k < 4; ++k) {
-                const unsigned int s = (sel >> (4 * k)) & 7u;
-                r |= (s < 4 ? (x >> (8 * s)) & 0xFFu : 0u) << (8 * k);
-            }
-            return r;
-        };
-        const unsigned int m = perm(words[wi], sel_mine) + d.add2;
-        const unsigned int o = perm(words[wi], sel_theirs) + d.add2;
-#endif
-        mine |= ((m >> 8) & 0x00010001u) << wi;
-        theirs |= ((o >> 8) & 0x00010001u) << wi;
-    }
-}
-
 // prmt.b32 (default mode) over the eight bytes of (a, b): nibble n of sel names the source of
 // result byte n (0-3: a's bytes, 4-7: b's); with the nibble's bit 3 set, the result byte is the
 // top bit of that byte, replicated.
@@ -165,6 +126,45 @@ FC_HD unsigned int fc_perm(unsigned int a, unsigned int b, unsigned int sel) {
 #endif
 }
 
+// The bytes one lane draws: the call of the tile at (query q0, key k0) (multiples of 16) that
+// holds its half of the group (lane g, t; g & 1 = b), word by word, `mine` its own 2 bytes of
+// each word and `theirs` those of lane ^ 4 (whose g differs in bit 0): the byte of column e
+// (e = 0, 1) in the low byte of 16-bit half e, plus `add` in each half. The lane's bytes of a
+// word: S (rows = queries): 2 b + e (query bit 0 = b, key bit 0 = e); S^T: 2 e + b.
+FC_HD void fc_dropout_spread(const FcDropout& d, int bh, int q0, int k0, int g, int t,
+                             bool transposed, unsigned int add, unsigned int (&mine)[4],
+                             unsigned int (&theirs)[4]) {
+    const unsigned int b = (unsigned int)g & 1u;
+    const FcPhilox4 w = transposed ? fc_dropout_words(d, bh, q0 + 2 * t, k0 + g)
+                                   : fc_dropout_words(d, bh, q0 + g, k0 + 2 * t);
+    const unsigned int words[4] = {w.x, w.y, w.z, w.w};
+    // byte selectors (nibble 4: a zero byte): bytes (e = 0, e = 1) into bits 0-7 and 16-23
+    const unsigned int e1 = transposed ? 2u : 1u, bb = transposed ? 1u : 2u;
+    const unsigned int sel_mine = (b * bb) | 0x40u | ((b * bb + e1) << 8) | 0x4000u;
+    const unsigned int sel_theirs = ((1u - b) * bb) | 0x40u | (((1u - b) * bb + e1) << 8) | 0x4000u;
+#pragma unroll
+    for (int wi = 0; wi < 4; ++wi) {
+        mine[wi] = fc_perm(words[wi], 0u, sel_mine) + add;
+        theirs[wi] = fc_perm(words[wi], 0u, sel_theirs) + add;
+    }
+}
+
+// What one lane draws (fc_dropout_spread), as two masks in the layout above: `mine`, its own 8
+// probabilities of that tile, and `theirs`, those of lane ^ 4. Adding 256 - threshold to each
+// 16-bit half sets its bit 8 iff its byte + 256 - threshold >= 256, i.e. iff the probability is
+// kept; word wi gives fragment bits 2 wi (e = 0) and 2 wi + 1 (e = 1).
+FC_HD void fc_dropout_lane(const FcDropout& d, int bh, int q0, int k0, int g, int t,
+                           bool transposed, unsigned int& mine, unsigned int& theirs) {
+    unsigned int m[4], o[4];
+    fc_dropout_spread(d, bh, q0, k0, g, t, transposed, d.add2, m, o);
+    mine = theirs = 0;
+#pragma unroll
+    for (int wi = 0; wi < 4; ++wi) {
+        mine |= ((m[wi] >> 8) & 0x00010001u) << wi;
+        theirs |= ((o[wi] >> 8) & 0x00010001u) << wi;
+    }
+}
+
 // The forward's form of a lane's draw (S: rows = queries; the call of fc_dropout_lane for the
 // tile at (q0, k0)): keep flags as the top bits of bytes, two words a register, byte 2 (w & 1)
 // + e of register w >> 1 for word w, column e; `mine` the lane's own, `theirs` lane ^ 4's. Each
@@ -172,18 +172,8 @@ FC_HD unsigned int fc_perm(unsigned int a, unsigned int b, unsigned int sel) {
 // (the top bit of its high byte) is set iff the byte is >= threshold, i.e. kept.
 FC_HD void fc_dropout_lane_flags(const FcDropout& d, int bh, int q0, int k0, int g, int t,
                                  unsigned int (&mine)[2], unsigned int (&theirs)[2]) {
-    const unsigned int b = (unsigned int)g & 1u;
-    const FcPhilox4 w = fc_dropout_words(d, bh, q0 + g, k0 + 2 * t);
-    const unsigned int words[4] = {w.x, w.y, w.z, w.w};
-    const unsigned int add = (0x8000u - d.threshold) * 0x00010001u;
-    const unsigned int sel_mine = (2u * b) | 0x40u | ((2u * b + 1u) << 8) | 0x4000u;
-    const unsigned int sel_theirs = (2u - 2u * b) | 0x40u | ((3u - 2u * b) << 8) | 0x4000u;
     unsigned int ym[4], yo[4];
-#pragma unroll
-    for (int wi = 0; wi < 4; ++wi) {
-        ym[wi] = fc_perm(words[wi], 0u, sel_mine) + add;
-        yo[wi] = fc_perm(words[wi], 0u, sel_theirs) + add;
-    }
+    fc_dropout_spread(d, bh, q0, k0, g, t, false, (0x8000u - d.threshold) * 0x00010001u, ym, yo);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {      // the high bytes of words 2j and 2j + 1
         mine[j] = fc_perm(ym[2 * j], ym[2 * j + 1], 0x7531u);

@@ -209,28 +209,46 @@ struct FwdRows {
         }
     }
     // Online softmax (as flash_fwd.cu): s -> P (fp32), row max and sum updated; corr is the
-    // factor the O of the earlier blocks must be multiplied by.
-    __device__ __forceinline__ void softmax(float (&s)[kNT * 4], float (&corr)[2]) {
+    // factor the O of the earlier blocks must be multiplied by. Returns whether one of the
+    // thread's rows took a new maximum: where no row of a warp did, every corr is 1 (exactly,
+    // with kExact) and the caller may skip rescale (the same bits; FlashAttention-4 skips it
+    // the same way).
+    // kPolyEvery: every kPolyEvery-th n8 tile's exponentials on the FMA pipe (fc_exp2_poly),
+    // 0: none. kExact: corr exactly 1 where a maximum did not move (the callers that skip).
+    template <int kPolyEvery = 0, bool kExact = false>
+    __device__ __forceinline__ bool softmax(float (&s)[kNT * 4], float (&corr)[2]) {
+        bool grew = false;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float mx = row_max[r];
 #pragma unroll
             for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
             mx = quad_max(mx);
+            grew |= mx != row_max[r];
             const float m_scaled = (mx == -INFINITY) ? 0.f : mx * mult;
-            corr[r] = fc_exp2(row_max[r] * mult - m_scaled);
+            // kExact: the difference first, exactly 1 for an unchanged maximum (for the skip:
+            // row_max * mult - m_scaled, contracted into one FFMA, leaves m_scaled's rounding,
+            // and 2^that is a few ulps off 1; where nothing skips, the register or so that
+            // this costs spilled the FP8 d128 softcap kernel)
+            if constexpr (kExact)
+                corr[r] = mx == -INFINITY ? 0.f : fc_exp2((row_max[r] - mx) * mult);
+            else
+                corr[r] = fc_exp2(row_max[r] * mult - m_scaled);
             row_max[r] = mx;
             float sum = 0.f;
 #pragma unroll
             for (int j = 0; j < kNT; ++j)
 #pragma unroll
                 for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                    const float pr = fc_exp2(fmaf(s[4 * j + e], mult, -m_scaled));
+                    const float x = fmaf(s[4 * j + e], mult, -m_scaled);
+                    const float pr = kPolyEvery > 0 && j % kPolyEvery == kPolyEvery - 1
+                                         ? fc_exp2_poly(x) : fc_exp2(x);
                     s[4 * j + e] = pr;
                     sum += pr;
                 }
             row_sum[r] = row_sum[r] * corr[r] + sum;
         }
+        return grew;
     }
     __device__ __forceinline__ void rescale(const float (&corr)[2]) {
 #pragma unroll
@@ -387,7 +405,7 @@ __device__ __forceinline__ void issue_s(float (&s)[kNS], fc_u32 sQwg, fc_u32 sKb
     for (int kk = 0; kk < kD * Elem::kBytes / 32; ++kk) {
         const fc_u32 qoff = (fc_u32)(kk >> 2) * kQColBlock + (fc_u32)(kk & 3) * 32u;
         const fc_u32 koff = (fc_u32)(kk >> 2) * kKVBlock + (fc_u32)(kk & 3) * 32u;
-        Wgmma<Elem>::ss(s, wgmma_desc_k(sQwg + qoff), wgmma_desc_k(sKb + koff), kk > 0 ? 1 : 0);
+        Wgmma<Elem>::ss(s, wgmma_desc_k(sQwg, qoff), wgmma_desc_k(sKb, koff), kk > 0 ? 1 : 0);
     }
     wgmma_commit();
 }
@@ -402,7 +420,7 @@ __device__ __forceinline__ void issue_pv(float (&acc_o)[kNO], fc_u32 (&pa)[kBloc
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk)
-        Wgmma<Elem>::rs_tb(acc_o, pa[kk], wgmma_desc_mn(sVb + (fc_u32)kk * 16u * 128u, kKVBlock), 1);
+        Wgmma<Elem>::rs_tb(acc_o, pa[kk], wgmma_desc_mn(sVb, (fc_u32)kk * 16u * 128u, kKVBlock), 1);
     wgmma_commit();
 }
 
@@ -420,7 +438,7 @@ __device__ __forceinline__ void issue_pv_e4m3(float (&acc_o)[kNO], fc_u32 (&pa)[
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 32; ++kk) {
         const fc_u32 voff = (fc_u32)(kk >> 2) * (fc_u32)(kD * 128) + (fc_u32)(kk & 3) * 32u;
-        Wgmma<fc_e4m3>::rs(acc_o, pa[kk], wgmma_desc_k(sVt + voff), 1);
+        Wgmma<fc_e4m3>::rs(acc_o, pa[kk], wgmma_desc_k(sVt, voff), 1);
     }
     wgmma_commit();
 }
@@ -683,6 +701,27 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     constexpr fc_u32 kTile = (fc_u32)(kD / kRowElems) * kKVBlock;       // one K or V tile
     constexpr int kNT = kBlockN / 8;
     constexpr int kRaw = Is_fp8 ? 2 : 0;                                // FP8: V as loaded
+    // FP8 at head dim 128: 16 scores a clock per SM from the products against MUFU's 16
+    // exponentials, so the softmax is the bound; every 8th n8 tile's exponentials go to the FMA
+    // pipe (fc_exp2_poly: 9 issue slots for a MUFU op's 8 clocks): +0-6% (runs 102-103 of the
+    // performance log; every 4th or 2nd tile slower); not with softcap (not measured there).
+    // FC_DIAG_POLY_EVERY overrides (timing; 0: none).
+#ifdef FC_DIAG_POLY_EVERY
+    constexpr int kPolyEvery = FC_DIAG_POLY_EVERY;
+#else
+    constexpr int kPolyEvery = Is_fp8 && kD == 128 && !Has_softcap ? 8 : 0;
+#endif
+    // O's rescale skipped after key blocks where no row of a warp took a new maximum, at head
+    // dims 64 and 256 (run 103, same process: d64 +0-5%, d256 level to +2%, FP8 d256 +0-9%);
+    // at 128 the branch cost more than the multiplies (bf16 -8% to +1%, FP8 with the FMA-pipe
+    // exponentials -2 to -6%).
+    // FC_DIAG_RESCALE_ALWAYS: after every block (timing; the same corr, so the same bits).
+    constexpr bool kExactCorr = kD != 128;
+#ifdef FC_DIAG_RESCALE_ALWAYS
+    constexpr bool kSkipRescale = false;
+#else
+    constexpr bool kSkipRescale = kExactCorr;
+#endif
     static_assert(!(Is_fp8 && Is_dropout), "FP8 attention is forward only, without dropout");
     static_assert(!Is_varlen || !kPersistent, "varlen: one tile a CTA");
     static_assert(kOBufs == 0 || kOBufs == kCons || (kOBufs == 1 && kCons == 2),
@@ -930,7 +969,10 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     // ---- consumers -------------------------------------------------------------------------
     setmaxnreg_inc<kConsumerRegs>();
     const int cw = wg - 1;                     // consumer warpgroup: tile rows [64 cw, 64 cw + 64)
-    const fc_u32 sQwg = sQ + (fc_u32)cw * 64u * 128u;
+    // (this warpgroup's Q rows, a uniform base for the S product's descriptors; FP8 keeps it
+    // per lane: made uniform there, ptxas spilled 48-52 bytes in the softcap kernels)
+    const fc_u32 sQwg = Is_fp8 ? sQ + (fc_u32)cw * 64u * 128u
+                               : warp_uniform(sQ + (fc_u32)cw * 64u * 128u);
     for (int u = 0;; ++u) {
         const int tile = kPersistent ? receive(u) : u;
         if (tile >= n_tiles) break;
@@ -1000,7 +1042,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         mbar_arrive(empty_k(stage_of(0)));
         cap();
         rows.mask(s, nb * kBlockN);
-        rows.softmax(s, corr);                     // O is 0: no rescale
+        rows.template softmax<kPolyEvery, kExactCorr>(s, corr);   // O is 0: no rescale
         pack(nb * kBlockN);
         if constexpr (Is_varlen && !Is_fp8) {
             // the walk's first block, the last of the tile's keys: past the sequence's end?
@@ -1037,12 +1079,12 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             mbar_arrive(empty_k(st1));
             cap();
             rows.mask(s, (nb - 1) * kBlockN);
-            rows.softmax(s, corr);
+            const bool grew = rows.template softmax<kPolyEvery, kExactCorr>(s, corr);
             wgmma_wait<0>();
             settle(rows.acc_o);
             settle(pa);
             mbar_arrive(empty_v(st0));
-            rows.rescale(corr);
+            if (!kSkipRescale || __any_sync(0xFFFFFFFFu, grew)) rows.rescale(corr);
             pack((nb - 1) * kBlockN);
         }
         mbar_arrive(empty_q);                      // every S of the tile is done: Q is free

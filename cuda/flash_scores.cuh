@@ -1,6 +1,6 @@
 // flashcore: the score modifications and the online softmax step of an mma.sync accumulator
 // fragment, shared by the FlashAttention-2-class forward (flash_fwd.cu) and the decode kernel
-// (flash_decode.cu).
+// (flash_decode.cu); and fc_mask_copies, which the backward kernels use too.
 //
 // The fragment: s[kMT][kNT][4], kMT m16 row tiles by kNT n8 column tiles of the scores; element
 // e of tile (mt, nt) is row half r = e / 2 (rows g and g + 8 of the m16 tile) and column
@@ -13,6 +13,30 @@
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
 #endif
+
+// Masks in a copy of their own: fc_mask_copies<kSplit>(masked, body) runs body(true) where
+// `masked` holds and body(false) elsewhere. body (a lambda taking the flag) is inlined at each
+// call, so its flag is a constant in each copy and the unmasked copy carries no mask
+// instruction. One copy testing a runtime flag inside is what ptxas if-converts, and a
+// predicated-off instruction still takes its issue slot: nvcc 13 put 155 of them in every step of
+// the d128 causal dK/dV loop (737 instructions a step, 532 with two copies), and the d128 decode
+// kernel's key-mask loads and mask selects were ~170 of each block's 896. kSplit false (where a
+// second copy's registers made ptxas spill), or FC_DIAG_MASK_ONE_COPY (timing only, the same
+// results): body(masked), the one copy, as before. Used by the backward (flash_bwd.cu,
+// flash_bwd_sm90.cu) and the decode kernel.
+template <bool kSplit = true, typename Body>
+__device__ __forceinline__ void fc_mask_copies(bool masked, Body&& body) {
+#ifndef FC_DIAG_MASK_ONE_COPY
+    if (kSplit) {
+        if (masked)
+            body(true);
+        else
+            body(false);
+        return;
+    }
+#endif
+    body(masked);
+}
 
 // x *= factor, every element of a fragment (scores, or O's accumulators).
 template <int kMT, int kNT>
@@ -124,11 +148,20 @@ __device__ __forceinline__ void fc_apply_key_mask(float (&s)[kMT][kNT][4], unsig
 // -inf - (-inf) never happens), P = 2^-inf = 0, and the stored max stays -inf. The partial sums
 // stay per lane (each lane's 2 columns per tile); the quad is reduced once at the end, which is
 // valid since the correction is quad-uniform.
-template <int kMT, int kNT, int kDT>
+// kExact: the correction from the difference, (m - m') mult, exactly 1 where the maximum did not
+// move (m mult - m' mult, contracted into one FFMA, leaves the rounding of m' mult). kSkip (with
+// kExact; the decode kernel): O's rescale skipped where no row of the warp took a new maximum
+// (a multiply by 1: the same bits, but for subnormal O values, which the flush-to-zero multiply
+// would zero; the Hopper forward skips it the same way): 4 kDT multiplies a row pair (64 of the
+// d128 FP8 decode block's 663 instructions) against a vote.
+template <int kMT, int kNT, int kDT, bool kExact = false, bool kSkip = false>
 __device__ __forceinline__ void fc_online_softmax(float (&s)[kMT][kNT][4],
                                                   float (&row_max)[kMT][2],
                                                   float (&row_sum)[kMT][2],
                                                   float (&acc_o)[kMT][kDT][4], float mult) {
+    static_assert(kExact || !kSkip, "the skip needs the exact correction");
+    float corr[kMT][2];
+    bool grew = false;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -139,7 +172,14 @@ __device__ __forceinline__ void fc_online_softmax(float (&s)[kMT][kNT][4],
                 mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
             mx = quad_max(mx);
             const float m_scaled = (mx == -INFINITY) ? 0.f : mx * mult;
-            const float corr = fc_exp2(row_max[mt][r] * mult - m_scaled);  // 0 if old was -inf
+            float c;
+            if constexpr (kExact) {
+                c = mx == -INFINITY ? 0.f : fc_exp2((row_max[mt][r] - mx) * mult);
+                grew |= mx != row_max[mt][r];
+            } else {
+                c = fc_exp2(row_max[mt][r] * mult - m_scaled);   // 0 if old was -inf
+            }
+            corr[mt][r] = c;
             row_max[mt][r] = mx;
             float sum = 0.f;
 #pragma unroll
@@ -150,11 +190,23 @@ __device__ __forceinline__ void fc_online_softmax(float (&s)[kMT][kNT][4],
                     s[mt][nt][e] = p;
                     sum += p;
                 }
-            row_sum[mt][r] = row_sum[mt][r] * corr + sum;
+            row_sum[mt][r] = row_sum[mt][r] * c + sum;
+            if constexpr (!kSkip) {
 #pragma unroll
-            for (int j = 0; j < kDT; ++j) {
-                acc_o[mt][j][2 * r] *= corr;
-                acc_o[mt][j][2 * r + 1] *= corr;
+                for (int j = 0; j < kDT; ++j) {
+                    acc_o[mt][j][2 * r] *= c;
+                    acc_o[mt][j][2 * r + 1] *= c;
+                }
             }
         }
+    if constexpr (kSkip) {
+        if (__any_sync(0xFFFFFFFFu, grew)) {
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                for (int j = 0; j < kDT; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc_o[mt][j][e] *= corr[mt][e >> 1];
+        }
+    }
 }

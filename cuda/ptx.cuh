@@ -151,6 +151,20 @@ __device__ __forceinline__ float fc_exp2(float x) {  // 2^x, flushes denormals; 
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
+// 2^x on the FMA pipe, not the MUFU unit (FlashAttention-4's idea: where the softmax of fast
+// products runs out of MUFU throughput, 16 exponentials a clock per SM, the FMA pipe has room):
+// x rounded to j + f with f in [-0.5, 0.5] by adding 1.5 * 2^23 (j lands in the sum's low
+// bits), 2^f by a cubic (relative error 1.0e-4, p(0) = 1: the row's maximum gets 1), times 2^j
+// built in the exponent field. x is clamped at -127 (max.NaN: NaN stays NaN), where 2^j's bits
+// are 0: masked scores (-inf) give +0, as ex2 does. 9 instructions, 1 MUFU fewer.
+__device__ __forceinline__ float fc_exp2_poly(float x) {
+    float t;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(t) : "f"(x), "f"(-127.f));
+    const float r = t + 12582912.f;
+    const float f = t - (r - 12582912.f);
+    const float p = fmaf(fmaf(fmaf(0x1.c2a0b8p-5f, f, 0x1.f00b96p-3f), f, 0x1.62f5f8p-1f), f, 1.f);
+    return p * __uint_as_float((__float_as_uint(r) << 23) + 0x3F800000u);
+}
 // tanh accurate to a few fp32 ulps in absolute terms: 1 - 2 / (2^(2x log2 e) + 1).
 // tanh.approx.f32 has ~2^-11 relative error, which a softcap c multiplies into score errors of
 // c * 5e-4; and the forward and backward must use the same function, since the backward

@@ -36,7 +36,8 @@ The settings (environment variable in brackets):
   float8_e4m3fn CuPy and torch CUDA inputs (on by default); off, such calls are refused by
   name (NumPy arrays and torch CPU tensors take the NumPy reference either way).
 * ``sm90_defines``: extra NVRTC options of the kernels compiled for compute capability 9.0: the
-  Hopper forward and backward, and the decode kernels there (a diagnostic).
+  Hopper forward and backward, the Ampere-class backward and the decode kernels there (a
+  diagnostic).
 * ``decode_fused_combine`` (``FLASHCORE_DECODE_FUSED_COMBINE``): split-KV partials merged in
   the decode kernel (off: a separate combine kernel); ``decode_cluster``
   (``FLASHCORE_DECODE_CLUSTER``): merged inside a thread-block cluster (sm_90).

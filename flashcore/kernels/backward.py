@@ -484,7 +484,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
                              + (", true>" if dq_tiled else ">"), device_id, cc)
             launch(pre, (m_small, nheads, batch), (_SMALL_THREADS,))
 
-        defines = cfg.sm90_defines
+        defines = cfg.sm90_defines if cc == 90 else ()   # (a diagnostic's: none by default)
         if hopper == "d256":
             smem = sm90_d256_smem()
             kern = get_kernel(SM90_SOURCE, sm90_d256_kernel_name(dtype_name, is_local, dropout,
@@ -511,14 +511,14 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
             t, smem = _pick(_dkdv_table(d), dkdv_smem_bytes, d, smem_limit, "dK/dV kernel")
             name = _dkdv_name(elem, d, t, is_local, has_softcap, has_alibi, even_d,
                               not deterministic, dropout)
-            kern = get_kernel(SOURCE, name, device_id, cc, smem)
+            kern = get_kernel(SOURCE, name, device_id, cc, smem, defines)
             launch(kern, (_cdiv(seqlen_k, t.block_n), nheads_k, batch), (32 * t.n_warps,), smem)
 
         if m_small > 0:
             if deterministic:
                 t, smem = _pick(_DQ_TILES[d], dq_smem_bytes, d, smem_limit, "dQ kernel")
                 name = _dq_name(elem, d, t, is_local, has_softcap, has_alibi, even_d, dropout)
-                kern = get_kernel(SOURCE, name, device_id, cc, smem)
+                kern = get_kernel(SOURCE, name, device_id, cc, smem, defines)
                 launch(kern, (_cdiv(seqlen_q, t.block_m), nheads, batch), (32 * t.n_warps,), smem)
             elif dq_tiled:
                 conv = get_kernel(SM90_SOURCE, sm90_convert_tiled_name(dtype_name, headdim),

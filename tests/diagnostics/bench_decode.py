@@ -11,6 +11,12 @@ At batch 1 and 8 the split-KV merge is also timed both ways: fused into the deco
 default, one launch) and with the separate combine kernel (FLASHCORE_DECODE_FUSED_COMBINE=0).
 
     python tests/diagnostics/bench_decode.py
+    python tests/diagnostics/bench_decode.py --defines FC_DIAG_MASK_ONE_COPY [--rounds 3]
+
+``--defines``: instead, the decode kernels built with each of the NVRTC defines (timing-only
+diagnostics, through the ``sm90_defines`` setting) against the default build, through the public
+``flashcore.attention_with_kvcache``, contiguous and paged, every variant timed in turn for
+``--rounds`` rounds (median), SDPA cuDNN in the same process.
 """
 from __future__ import annotations
 
@@ -151,5 +157,48 @@ def main():
             f"{ns}{'*' if ns == picked[(bb, sk)] else ''}:{tb:.2f}" for ns, tb in cells))
 
 
+def defines_table(defines, rounds):
+    """The decode cells with each define against the default build (TB/s of K+V bytes, GPU time
+    with the L2 flushed, median of the rounds; ratio to SDPA cuDNN)."""
+    import statistics
+    import torch
+    from torch.nn.attention import SDPBackend
+    from flashcore import config
+    variants = [("default", ())] + [(n, (f"-D{n}",)) for n in defines]
+    print("# K+V TB/s (ratio to SDPA cuDNN): " + " | ".join(
+        f"{v} contiguous, paged" for v, _ in variants))
+    # (batch 64 at 128k left out: two 34 GB caches and their rounds would fill a device call)
+    for b, sk in ((1, 4096), (1, 16384), (1, 131072), (8, 4096), (8, 16384), (8, 131072),
+                  (64, 4096), (64, 16384)):
+        pb = DecodeProblem(b, sk, seed=b + sk)
+        pbp = DecodeProblem(b, sk, seed=b + sk, page_size=256)
+        times = {}
+        with pb.stream:
+            for _ in range(rounds):
+                for v, defs in variants:
+                    with config.override(sm90_defines=defs):
+                        for lay, prob in (("c", pb), ("p", pbp)):
+                            prob.api()      # (compiles the variant's kernels)
+                            times.setdefault((v, lay), []).append(_time(prob.api))
+            cud = _time(lambda: pb.sdpa(SDPBackend.CUDNN_ATTENTION))
+        cells = []
+        for v, _ in variants:
+            tc, tp = (statistics.median(times[(v, lay)]) for lay in ("c", "p"))
+            cells.append(f"{v} {pb.nbytes / tc / 1e12:.2f} ({cud / tc:.3f}), "
+                         f"{pb.nbytes / tp / 1e12:.2f} ({cud / tp:.3f})")
+        print(f"{b:>3} {sk // 1024:>4}k | cuDNN {pb.nbytes / cud / 1e12:.2f} | "
+              + " | ".join(cells), flush=True)
+        pb = pbp = None
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
-    main()
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--defines", nargs="+", metavar="NAME[=V]")
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    if a.defines:
+        defines_table(a.defines, a.rounds)
+    else:
+        main()

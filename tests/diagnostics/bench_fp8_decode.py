@@ -4,6 +4,7 @@
     python tests/diagnostics/bench_fp8_decode.py [--cells 1x4096,8x16384,...] [--splits 0,16,32]
                                                  [--paged PAGE_SIZE]
                                                  [--fp8-cfg 64,4,3/64,4,4/128,4,3]
+                                                 [--defines NAME[,NAME...]]
 
 Through the public API, as a user calls it: ``flashcore.attention_with_kvcache`` on torch CUDA
 tensors (q bf16, one query token, GQA 32/8, head dim 128, full caches, ``cache_seqlens`` a CUDA
@@ -15,7 +16,9 @@ tokens/s ratio) and the FP8 cache's bytes per second. ``--paged``: both caches p
 PAGE_SIZE tokens in a shuffled order named by an int32 ``block_table``). ``--fp8-cfg``: the
 FP8 calls also with these decode tiles (block_n, n_warps, stages; ``decode.set_config_override``
 for head dim 128 around the FP8 calls only; the bf16 call keeps the default tiles), one column
-each after the default's.
+each after the default's. ``--defines``: the kernels built with each timing-only define (the
+``sm90_defines`` setting), one column each: the FP8 call's time (its ratio to the default bf16
+call, TB/s) and the bf16 call's under the same define.
 """
 from __future__ import annotations
 
@@ -44,14 +47,19 @@ def main(argv):
     if "--fp8-cfg" in argv:
         cfgs += tuple(dm.DecodeConfig(*(int(x) for x in c.split(",")))
                       for c in argv[argv.index("--fp8-cfg") + 1].split("/"))
-    runs = [(s, c) for c in cfgs for s in splits]
+    runs = [(s, c, ()) for c in cfgs for s in splits]
+    if "--defines" in argv:
+        runs += [(0, None, (f"-D{n}",)) for n in argv[argv.index("--defines") + 1].split(",")]
+    from flashcore import config
     h, hk, d = DECODE_HEADS, DECODE_HEADS_K, DECODE_HEADDIM     # 32, 8, 128
     print(f"# torch {torch.__version__}, {torch.cuda.get_device_name()}; GQA {h}/{hk}, d{d}, "
           f"q bf16, {'paged (%d)' % page if page else 'contiguous'} caches; us per step (GPU "
           "time, L2 flushed)")
     print("batch  cache | bf16 cache | " + " | ".join(
-        f"fp8 splits={s or 'auto'}{'' if c is None else ' cfg=%d,%d,%d' % c} (ratio, TB/s)"
-        for s, c in runs))
+        f"fp8 splits={s or 'auto'}{'' if c is None else ' cfg=%d,%d,%d' % c}"
+        + (" " + " ".join(x[2:] for x in dfs) + " (ratio, TB/s; bf16 us)" if dfs
+           else " (ratio, TB/s)")
+        for s, c, dfs in runs))
     g = torch.Generator(device="cuda").manual_seed(0)     # the pages' order
     for b, sk in cells:
         pb = DecodeProblem(b, sk, h, hk, d, seed=b * 100003 + sk)   # contiguous bf16 caches
@@ -73,15 +81,20 @@ def main(argv):
         t16 = gpu_time(lambda: flashcore.attention_with_kvcache(q, k16, v16, cache_seqlens=lens,
                                                                 **pg))
         cells_out = []
-        for s, c in runs:
+        for s, c, dfs in runs:
             dm.set_config_override(d, c)
             try:
-                t8 = gpu_time(lambda: flashcore.attention_with_kvcache(
-                    q, k8, v8, cache_seqlens=lens, k_descale=kd, v_descale=vd, num_splits=s,
-                    **pg))
+                with config.override(sm90_defines=dfs):
+                    t8 = gpu_time(lambda: flashcore.attention_with_kvcache(
+                        q, k8, v8, cache_seqlens=lens, k_descale=kd, v_descale=vd, num_splits=s,
+                        **pg))
+                    t16d = gpu_time(lambda: flashcore.attention_with_kvcache(
+                        q, k16, v16, cache_seqlens=lens, **pg)) if dfs else None
             finally:
                 dm.set_config_override(d, None)
-            cells_out.append(f"{t8 * 1e6:8.1f} ({t16 / t8:4.2f}, {2 * b * sk * hk * d / t8 / 1e12:4.2f})")
+            tb = 2 * b * sk * hk * d / t8 / 1e12
+            cells_out.append(f"{t8 * 1e6:8.1f} ({t16 / t8:4.2f}, {tb:4.2f}"
+                             + (f"; {t16d * 1e6:.1f})" if dfs else ")"))
         print(f"{b:5d} {sk:6d} | {t16 * 1e6:10.1f} | " + " | ".join(cells_out), flush=True)
         del k16, v16, k8, v8
         torch.cuda.empty_cache()

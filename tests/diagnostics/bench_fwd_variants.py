@@ -14,8 +14,10 @@ keys per block at head dim 128 (both pingpong settings as the defaults choose), 
 session 21's 80), ``ws-kvhalf`` a timing-only probe
 (``FC_DIAG_KV_HALF``: every other key block reuses its stage's stale K and V, so half the K/V
 bytes come from L2 for the same products; wrong results), ``ws-ostg`` the defaults with O stored
-from the registers instead of through the O buffers and TMA (``FC_DIAG_O_STG``), ``ws-bcp`` the defaults with the cp.async
-dK/dV kernel instead of the warp-specialised one, ``v1`` / ``v0`` the cp.async kernels,
+from the registers instead of through the O buffers and TMA (``FC_DIAG_O_STG``), ``ws-rescale`` O
+rescaled after every key block (``FC_DIAG_RESCALE_ALWAYS``), ``ws-desc`` the wgmma descriptors
+built whole for every product (``FC_DIAG_DESC_PER_PRODUCT``, the backward's too), ``ws-bcp``
+the defaults with the cp.async dK/dV kernel instead of the warp-specialised one, ``v1`` / ``v0`` the cp.async kernels,
 ``ampere`` the mma.sync kernel, ``ws-1t`` one tile per CTA, ``ws-pers`` persistent CTAs
 wherever such a kernel exists (``-pp`` / ``-nopp``: with / without ping-pong), ``ws-bm128``
 128-row tiles (two consumer warpgroups) at head dim 64 (``-1t``: one tile per CTA). Each variant's output is compared with the first variant's (max abs difference), a
@@ -55,6 +57,12 @@ VARIANTS = {
     # causal / windowed grids handed out x fastest, as before fc_pipe::chunked_tile (the
     # backward's kernels too, in fwdbwd mode)
     "ws-xorder": (dict(_WS, sm90_defines=("-DFC_DIAG_TILE_ORDER_X",)), {}),
+    # O rescaled after every key block, as before the skip where no row of a warp took a new
+    # maximum (head dims 64 and 256)
+    "ws-rescale": (dict(_WS, sm90_defines=("-DFC_DIAG_RESCALE_ALWAYS",)), {}),
+    # every wgmma descriptor built whole from its address, as before one add a k-step on a
+    # base built once (cuda/wgmma.cuh; the backward's too in fwdbwd mode)
+    "ws-desc": (dict(_WS, sm90_defines=("-DFC_DIAG_DESC_PER_PRODUCT",)), {}),
     "v1": (dict(sm90_fwd=True, sm90_fwd_ws=False, sm90_fwd_pipelined=True), {}),
     "v0": (dict(sm90_fwd=True, sm90_fwd_ws=False, sm90_fwd_pipelined=False), {}),
     "ampere": (dict(sm90_fwd=False), {}),

@@ -30,8 +30,20 @@ VARIANTS = {"as is": {},
             # (dK and dV written from the registers, 4 bytes a thread, not staged in shared
             # memory and written 16 bytes a thread)
             "register stores": {"sm90_defines": ("-DFC_DIAG_BWD_REG_STORE",)},
+            # (every wgmma descriptor built whole from its address, as before one add a
+            # k-step on a base built once)
+            "descriptors per product": {"sm90_defines": ("-DFC_DIAG_DESC_PER_PRODUCT",)},
+            # (one copy of a step's elementwise code, the mask's compares predicated in every
+            # step, as before the masked and unmasked copies)
+            "mask every step": {"sm90_defines": ("-DFC_DIAG_MASK_ONE_COPY",)},
             # (head dims 64 and 128: the cp.async kernel in place of the warp-specialised one)
-            "cp.async": {"sm90_bwd_ws": False}}
+            "cp.async": {"sm90_bwd_ws": False},
+            # (the Ampere-class kernels, flash_bwd.cu, as on an A100 or at other head dims;
+            # and those with one copy of the elementwise code, as before: they split it with a
+            # causal mask or a window only, so the two differ with --causal alone)
+            "Ampere-class": {"sm90_bwd": False},
+            "Ampere-class, mask every step": {"sm90_bwd": False, "sm90_defines":
+                                              ("-DFC_DIAG_MASK_ONE_COPY",)}}
 
 
 def main():

@@ -732,3 +732,72 @@ def test_decode_key_mask_all_true_equals_no_mask():
     b = flashcore.attention_with_kvcache(p.q_d, p.kc_d, p.vc_d, cache_seqlens=p.seqlens_d,
                                          causal=True, key_mask=m)
     assert bool((a == b).all())
+
+
+# ---------------- masked and unmasked blocks in copies of their own ----------------
+
+@pytest.mark.parametrize("page_size", [None, 16, 256])
+@pytest.mark.parametrize("case", ["plain", "causal", "window", "key_mask", "fp8"])
+@pytest.mark.parametrize("num_splits", [1, 0])
+@pytest.mark.parametrize("define", ["FC_DIAG_MASK_ONE_COPY", "FC_DIAG_RESCALE_ALWAYS"])
+def test_decode_either_build_gives_the_same_results(page_size, case, num_splits, define):
+    """Two changes of the decode kernels, each against the build that undoes it (a timing-only
+    define): the main loop in one of two copies (with a key mask or without) and each block's
+    mask and softmax in one of two (a boundary block's, or a keyed one's, with the mask's
+    compares; the others' without), against one copy of each testing the flags inside, as
+    before (FC_DIAG_MASK_ONE_COPY: the same out and lse but for the last bits that ptxas's fused
+    multiply-adds move); O's rescale skipped after blocks where no row of a warp took a new
+    maximum, against a rescale after every block (FC_DIAG_RESCALE_ALWAYS: the same bits). On
+    fresh data, cache lengths that end inside a key block, contiguous and paged caches, unsplit
+    and split (num_splits 0 at these lengths: the sm_90 cluster merge), bf16 and FP8 caches."""
+    import flashcore
+    from flashcore import config, jit
+    cp = _cp()
+    if int(cp.cuda.Device().compute_capability) != 90:
+        pytest.skip("the timing defines reach the decode kernels built for compute capability 9.0")
+    seed = int(np.random.SeedSequence().entropy % 2**32)     # fresh data every run
+    rng = np.random.default_rng(seed)
+    lens = [5000, 1, 777, 300]
+    sq = 4 if case == "causal" else 1
+    p = Problem("bfloat16", len(lens), sq, 32, 8, 128, lens, page_size=page_size, max_len=5003,
+                causal=case == "causal", window=(300, 0) if case == "window" else (-1, -1),
+                seed=seed)
+    kw = dict(cache_seqlens=p.seqlens_d, block_table=p.bt_d, causal=case == "causal",
+              window_size=p.window, num_splits=num_splits, return_lse=True)
+    kc, vc = p.kc_d, p.vc_d
+    if case == "key_mask":             # holes, and the first 250 keys of sequence 3 masked
+        keep = rng.random((len(lens), p.kc_d.shape[1] if page_size is None
+                           else p.bt.shape[1] * page_size)) < 0.7
+        keep[3, :250] = False
+        kw["key_mask"] = cp.asarray(keep)
+    if case == "fp8":                  # e4m3 bytes of magnitude at most 3.75, either sign
+        kc, vc = (cp.asarray(rng.integers(0, 0x48, x.shape, dtype=np.uint8)
+                             | (rng.integers(0, 2, x.shape, dtype=np.uint8) << 7))
+                  for x in (p.kc_d, p.vc_d))
+        kw.update(k_descale=cp.full((len(lens), 8), 0.5, cp.float32),
+                  v_descale=cp.ones((len(lens), 8), cp.float32))
+
+    def run():
+        out, lse = p.outputs()
+        return flashcore.attention_with_kvcache(p.q_d, kc, vc, out=out, lse=lse, **kw)
+    a = run()
+    defines = (f"-D{define}",)
+    with config.override(sm90_defines=defines):
+        b = run()
+    assert any(key[4] == defines and "decode" in key[3] for key in jit._kernels), defines
+    assert not cp.isnan(a[0].astype(cp.float32)).any(), seed
+    if define == "FC_DIAG_RESCALE_ALWAYS":
+        assert cp.array_equal(a[0].view(cp.uint16), b[0].view(cp.uint16)), seed
+        assert cp.array_equal(a[1], b[1]), seed
+        return
+    # The copies' arithmetic is the same PTX, but ptxas fuses its plain mul / add pairs into
+    # FMAs as each copy's schedule allows (measured on the H200: bits differ): a unit or two
+    # of bf16's last place; a copy with a wrong mask would move rows by far more.
+    o_a, o_b = (cp.asnumpy(x).astype(np.float32) for x in (a[0], b[0]))
+    tol = 2.0 ** -7 * np.abs(o_a) + 1e-3 * np.abs(o_a).max()
+    assert (np.abs(o_a - o_b) <= tol).all(), (seed, np.abs(o_a - o_b).max())
+    l_a, l_b = cp.asnumpy(a[1]), cp.asnumpy(b[1])
+    assert np.array_equal(np.isneginf(l_a), np.isneginf(l_b)), seed
+    fin = np.isfinite(l_a)
+    assert np.abs(l_a[fin] - l_b[fin]).max(initial=0.0) <= 1e-5 * max(1.0, np.abs(l_a[fin]).max(
+        initial=0.0)), seed

@@ -265,6 +265,168 @@ def test_forward_is_bitwise_repeatable():
 
 
 
+def _under_defines(defines, fn, kernel=""):
+    """fn() with the kernels of compute capability 9.0 built with the NVRTC options ``defines``
+    (a setting, so a launch-cache key of its own: nothing to clear), and that such a build of a
+    kernel whose name starts with ``kernel`` ran."""
+    from flashcore import config, jit
+    with config.override(sm90_defines=defines):
+        out = fn()
+    assert any(key[4] == defines and key[3].startswith(kernel) for key in jit._kernels), defines
+    return out
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_skipped_rescale_gives_the_same_bits(d, causal):
+    """The warp-specialised forward skips O's rescale after a key block where no row of a warp
+    took a new maximum (FwdRows::softmax; head dims 64 and 256, 128 always rescales): bit for
+    bit the output and LSE of the same kernel rescaling after every block
+    (FC_DIAG_RESCALE_ALWAYS), with heads whose maxima sit in the first key (a sink: every
+    later block skips) and random heads (maxima moving late)."""
+    if _VARIANT["name"] != "ws":
+        pytest.skip("the warp-specialised kernel as by default")
+    import cupy as cp
+    import flashcore
+    from refutils import to_dev
+    rng = np.random.default_rng(d + 7 * causal)
+    q, k, v = (rng.standard_normal((2, n, 4, d)).astype(np.float32) for n in (1100, 1500, 1500))
+    q[:, :, :2, 0] = 4.0
+    k[:, 0, :2, 0] = 40.0            # heads 0 and 1: key 0 dominates every row
+    q, k, v = (to_dev(x, "bfloat16") for x in (q, k, v))
+    o0, l0 = flashcore.attention_forward(q, k, v, causal=causal)
+    assert _ran_sm90("bfloat16", causal, d)
+    o1, l1 = _under_defines(("-DFC_DIAG_RESCALE_ALWAYS",),
+                            lambda: flashcore.attention_forward(q, k, v, causal=causal))
+    assert not np.isnan(o0.get().astype(np.float32)).any()
+    assert cp.array_equal(o0.view(cp.uint16), o1.view(cp.uint16)) and cp.array_equal(l0, l1)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_descriptors_either_way_give_the_same_bits(d, causal):
+    """wgmma_desc's low word as one add on base >> 4 (cuda/wgmma.cuh) equals the old
+    ((base + off) & 0x3FFFF) >> 4 | LBO on the device, for every descriptor the warp-specialised
+    forward (bf16; FP8 at head dims 128 and 256) and the dK/dV kernel build
+    (FC_DIAG_DESC_PER_PRODUCT): the same output, LSE, dK and dV bit for bit, dQ to its bulk
+    reduce-adds' order. (Both builds take the call sites' split of an address into base and
+    offset; those are checked against the float64 oracle by test_matrix, test_backward_matrix
+    and the FP8 tests.)"""
+    if _VARIANT["name"] != "ws":
+        pytest.skip("the warp-specialised kernel as by default")
+    import cupy as cp
+    import flashcore
+    from refutils import to_dev
+    seed = int(np.random.SeedSequence().entropy % 2**32)     # fresh data every run
+    rng = np.random.default_rng(seed)
+    q, k, v, do = (rng.standard_normal((2, n, 4, d)).astype(np.float32)
+                   for n in (1100, 1500, 1500, 1100))
+    q, k, v, do = (to_dev(x, "bfloat16") for x in (q, k, v, do))
+    calls = [lambda: flashcore.attention_forward(q, k, v, causal=causal)]
+    if d != 64:
+        # e4m3 bytes of magnitude at most 3.75 (0x47), either sign
+        q8, k8, v8 = (cp.asarray(rng.integers(0, 0x48, x.shape, dtype=np.uint8) |
+                                 (rng.integers(0, 2, x.shape, dtype=np.uint8) << 7))
+                      for x in (q, k, v))
+        one = cp.ones((2, 4), cp.float32)
+        calls.append(lambda: flashcore.attention_forward(
+            q8, k8, v8, causal=causal, q_descale=one, k_descale=0.5 * one, v_descale=one))
+
+    def run():
+        got = [c() for c in calls]
+        out, lse = got[0]
+        grads = flashcore.attention_backward(do, q, k, v, out, lse, causal=causal)
+        return [x.copy() for pair in got for x in pair] + [g.copy() for g in grads]
+
+    a = run()
+    assert _ran_sm90("bfloat16", causal, d) and _ran_sm90_bwd("bfloat16", causal, d)
+    b = _under_defines(("-DFC_DIAG_DESC_PER_PRODUCT",), run)   # the old way's build
+    for i, (x, y) in enumerate(zip(a[:-3], b[:-3])):
+        assert not np.isnan(cp.asnumpy(x).astype(np.float32)).any(), (i, seed)
+        assert cp.array_equal(x.view(cp.uint8), y.view(cp.uint8)), (i, seed)
+    dq_a, dq_b = (cp.asnumpy(x).astype(np.float32) for x in (a[-3], b[-3]))
+    # (bf16 roundings of fp32 sums taken in another order: a unit of the last place, and
+    # elements near zero from cancelling sums)
+    tol = 2.0 ** -7 * np.abs(dq_a) + 1e-3 * np.abs(dq_a).max()
+    assert (np.abs(dq_a - dq_b) <= tol).all(), seed
+    for x, y in zip(a[-2:], b[-2:]):                              # dK, dV
+        assert cp.array_equal(x.view(cp.uint8), y.view(cp.uint8)), seed
+
+
+MASK_CASES = [dict(causal=True), dict(causal=False), dict(window_size=(300, 40)),
+              dict(causal=True, dropout_p=0.17)]
+
+
+def _masked_steps_either_way(d, kw, settings, deterministic=False, ran=()):
+    """The backward under ``settings`` with the default build and with FC_DIAG_MASK_ONE_COPY
+    on fresh data (key counts that end inside a key block): dK and dV bit for bit, dQ bit for
+    bit (deterministic) or to its atomic adds' order; kernels named by the prefixes ``ran``
+    ran."""
+    import cupy as cp
+    import flashcore
+    from flashcore import config, jit
+    from refutils import to_dev
+    seed = int(np.random.SeedSequence().entropy % 2**32)     # fresh data every run
+    rng = np.random.default_rng(seed)
+    q, k, v, do = (to_dev(rng.standard_normal((2, n, 4, d)).astype(np.float32), "bfloat16")
+                   for n in (1100, 1300, 1300, 1100))
+    drop = {}
+    if kw.get("dropout_p"):
+        drop = dict(dropout_p=kw["dropout_p"], rng_state=cp.asarray([5, 11], cp.int64))
+    opts = {n: x for n, x in kw.items() if n != "dropout_p"}
+    with config.override(**settings):
+        out, lse = flashcore.attention_forward(q, k, v, **opts, **drop)
+
+        def run():
+            return [g.copy() for g in flashcore.attention_backward(
+                do, q, k, v, out, lse, **opts, **drop, deterministic=deterministic)]
+        a = run()
+        # (the build of a kernel with the elementwise step: dK/dV, or deterministic's dQ)
+        b = _under_defines(("-DFC_DIAG_MASK_ONE_COPY",), run, "flash_bwd_d")
+        for name in ran:
+            assert any(key[3].startswith(name) for key in jit._kernels), name
+    for x in a:
+        assert np.isfinite(cp.asnumpy(x).astype(np.float32)).all(), seed
+    for x, y in zip(a if deterministic else a[1:], b if deterministic else b[1:]):
+        assert cp.array_equal(x.view(cp.uint16), y.view(cp.uint16)), seed
+    if not deterministic:
+        dq_a, dq_b = (cp.asnumpy(x).astype(np.float32) for x in (a[0], b[0]))
+        # (bf16 roundings of fp32 sums taken in another order: a unit of the last place, and
+        # elements near zero from cancelling sums)
+        tol = 2.0 ** -7 * np.abs(dq_a) + 1e-3 * np.abs(dq_a).max()
+        assert (np.abs(dq_a - dq_b) <= tol).all(), seed
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("kw", MASK_CASES, ids=["causal", "full", "window", "causal-dropout"])
+def test_backward_masked_steps_either_way_give_the_same_bits(d, kw):
+    """The Hopper dK/dV kernels run a step's elementwise code in one of two copies, with the
+    mask's compares (a step on the diagonal, a window's edge or the keys' end) or without
+    (fc_mask_copies); the same kernels with one copy testing the flag inside, as before
+    (FC_DIAG_MASK_ONE_COPY), give the same dK and dV bit for bit and dQ to its bulk
+    reduce-adds' order."""
+    if _VARIANT["name"] != "v0":
+        pytest.skip("the backward does not depend on the forward variant: run once")
+    _masked_steps_either_way(d, kw, dict(sm90_bwd=True, sm90_bwd_ws=True))
+    local = "window_size" in kw or kw.get("causal", False)
+    assert _ran_sm90_bwd("bfloat16", local, d, dropout="dropout_p" in kw)
+
+
+@pytest.mark.parametrize("d", [96, 128])
+@pytest.mark.parametrize("kw", [MASK_CASES[0], MASK_CASES[2], MASK_CASES[3]],
+                         ids=["causal", "window", "causal-dropout"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_backward_masked_steps_ampere_class_either_way(d, kw, deterministic):
+    """The same for the Ampere-class backward kernels on this device (sm90_bwd off: the v2
+    dK/dV kernel at head dim 128, v1 at 96; deterministic: the dQ kernel too, whose dQ is
+    then compared bit for bit)."""
+    if _VARIANT["name"] != "v0":
+        pytest.skip("the backward does not depend on the forward variant: run once")
+    ran = ("flash_bwd_dkdv2_kernel<" if d == 128 else "flash_bwd_dkdv_kernel<",)
+    ran += ("flash_bwd_dq_kernel<",) if deterministic else ()
+    _masked_steps_either_way(d, kw, dict(sm90_bwd=False), deterministic, ran)
+
+
 # ---------------- the Hopper dK/dV kernel (flash_bwd_sm90.cu) ----------------
 
 def _ran_sm90_bwd(dtype, local, d=128, varlen=False, dropout=False):
@@ -305,7 +467,6 @@ def test_backward_matrix(sm90_bwd, dtype, causal, sq, sk, d):
     from flashcore import config
     if d in (128, 256) and config.get().sm90_bwd_d64_block_m == 64:
         pytest.skip("the d64 step size does not change this kernel: run once")
-    from flashcore.kernels import backward
     ws = config.get().sm90_bwd_ws
     if d == 256 and not ws:
         pytest.skip("head dim 256 has the warp-specialised kernel only")
