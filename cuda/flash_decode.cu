@@ -955,13 +955,7 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
 #pragma unroll
             for (int kk = 0; kk < kWN / 16; ++kk) {
                 fc_u32 pa[kMT][4];
-#pragma unroll
-                for (int mt = 0; mt < kMT; ++mt) {
-                    pa[mt][0] = EM::pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                    pa[mt][1] = EM::pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                    pa[mt][2] = EM::pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                    pa[mt][3] = EM::pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-                }
+                fc_pack_p<EM>(s, kk, pa);
                 if constexpr (Is_fp8) {
                     // One x4 ldmatrix.trans per pair of 16-byte chunks (2cp, 2cp + 1) of the
                     // warp's 16 keys (a_off's lane order): vb[2h] keys 0-7 and vb[2h + 1] keys

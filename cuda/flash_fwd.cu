@@ -445,20 +445,12 @@ flash_fwd_kernel(const FlashParams params) {
         cp_async_wait<2>();   // V[it] landed (K[it+1], V[it+1] may still be in flight)
         __syncthreads();
 
-        // O += P V. The S accumulators of key tiles 2kk and 2kk+1 are exactly the A fragment
-        // of the k16 step kk: a0 = (row g, keys 2t..2t+1) = tile 2kk c0,c1; a1 = row g+8 =
-        // tile 2kk c2,c3; a2/a3 = the same for tile 2kk+1. P never touches shared memory.
+        // O += P V, P straight from the S accumulators (fc_pack_p)
         const fc_u32 sVb = sV + buf;
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
             fc_u32 pa[kMT][4];
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt) {
-                pa[mt][0] = Elem::pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                pa[mt][1] = Elem::pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                pa[mt][2] = Elem::pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                pa[mt][3] = Elem::pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-            }
+            fc_pack_p<Elem>(s, kk, pa);
 #pragma unroll
             for (int dp = 0; dp < kHeadDim / 16; ++dp) {
                 fc_u32 vb[4];

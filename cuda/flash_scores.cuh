@@ -38,6 +38,22 @@ __device__ __forceinline__ void fc_mask_copies(bool masked, Body&& body) {
     body(masked);
 }
 
+// P as the A fragment of the m16n8k16 P V step kk: the S accumulators of key tiles 2kk and
+// 2kk + 1 are exactly it (a0 = row g, keys 2t..2t+1 = tile 2kk's c0, c1; a1 = row g + 8 = its
+// c2, c3; a2 / a3 the same of tile 2kk + 1), packed to 16-bit pairs by Elem::pack2. P never
+// touches shared memory (the FlashAttention-2-class forward and the decode kernel).
+template <typename Elem, int kMT, int kNT>
+__device__ __forceinline__ void fc_pack_p(const float (&s)[kMT][kNT][4], int kk,
+                                          fc_u32 (&pa)[kMT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+        pa[mt][0] = Elem::pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        pa[mt][1] = Elem::pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        pa[mt][2] = Elem::pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        pa[mt][3] = Elem::pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+    }
+}
+
 // x *= factor, every element of a fragment (scores, or O's accumulators).
 template <int kMT, int kNT>
 __device__ __forceinline__ void fc_mul_fragment(float (&s)[kMT][kNT][4], float factor) {
