@@ -52,6 +52,7 @@
 // the lse is the undropped one's). Not here (the launcher routes them to flash_fwd.cu): other
 // head dims, softcap, ALiBi, paged K/V.
 #include "flash_dropout.cuh"
+#include "diag_timeline.cuh"
 #include "flash_params.cuh"
 #include "ptx.cuh"
 #include "sm90_pipeline.cuh"
@@ -857,6 +858,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         // ---- producer ----------------------------------------------------------------
         setmaxnreg_dec<kProducerRegs>();
         if (!Is_fp8 && tid != 0) return;    // (16-bit: thread 0 issues every load)
+        FC_TL_CTA_BEGIN(0);
         int tile = kPersistent ? (int)blockIdx.x : 0;
         for (int u = 0;; ++u) {
             int next = n_tiles;
@@ -870,6 +872,8 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             }
             if (tile >= n_tiles) break;
             const FwdBlock<kBlockN, Is_local, kBM> blk = tile_block(tile);
+            FC_TL_STAMP(0, u, FC_TL_TILE_SLOT, 0);
+            FC_TL_VALUE(0, u, FC_TL_TILE_SLOT, 6, tile);
             tile = next;
             if (!runs(blk)) continue;
             const int n_iter = blk.n_block_max - blk.n_block_min;   // >= 1
@@ -913,10 +917,15 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                 // products run, Q's only once the last of them is done
                 for (int it = 0; it < n_iter; ++it) {
                     const int u = kv + it, st = u % kStages;
+                    FC_TL_STAMP(0, nq, it, 0);
                     load_k(it);
+                    FC_TL_STAMP(0, nq, it, 1);
                     if (it == 0) load_q();
+                    if (it == 0) FC_TL_STAMP(0, nq, FC_TL_TILE_SLOT, 1);
                     if (u >= kStages) mbar_wait(empty_v(st), ((fc_u32)(u / kStages) & 1u) ^ 1u);
+                    FC_TL_STAMP(0, nq, it, 2);
                     load_v(it, sV + (fc_u32)st * kTile, full_v(st));
+                    FC_TL_STAMP(0, nq, it, 3);
                 }
             } else {
                 // thread 0 issues the loads one block ahead (K into the ring, V into the raw
@@ -931,12 +940,15 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                 }
                 for (int it = 0; it < n_iter; ++it) {
                     const int u = kv + it, st = u % kStages;
+                    FC_TL_STAMP(0, nq, it, 0);
                     if (tid == 0 && it + 1 < n_iter) {
                         load_k(it + 1);
                         load_v(it + 1, sVraw + (fc_u32)((u + 1) & 1) * kTile, raw_full((u + 1) & 1));
                     }
+                    FC_TL_STAMP(0, nq, it, 1);
                     mbar_wait(raw_full(u & 1), (fc_u32)(u >> 1) & 1u);
                     if (u >= kStages) mbar_wait(empty_v(st), ((fc_u32)(u / kStages) & 1u) ^ 1u);
+                    FC_TL_STAMP(0, nq, it, 2);
                     if constexpr (Is_varlen) {
                         // the walk's first block, the last of the tile's keys: its rows past the
                         // sequence's end (the next sequence's, or of none: NaN included) zeroed
@@ -957,12 +969,14 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 #endif
                     fence_proxy_async();    // the stores, visible to the consumers' wgmma
                     mbar_arrive(full_v(st));
+                    FC_TL_STAMP(0, nq, it, 3);
                     named_sync(3, 128);
                 }
             }
             kv += n_iter;
             ++nq;
         }
+        FC_TL_CTA_END(0);
         return;
     }
 
@@ -973,9 +987,12 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     // per lane: made uniform there, ptxas spilled 48-52 bytes in the softcap kernels)
     const fc_u32 sQwg = Is_fp8 ? sQ + (fc_u32)cw * 64u * 128u
                                : warp_uniform(sQ + (fc_u32)cw * 64u * 128u);
+    FC_TL_CTA_BEGIN(1 + cw);
     for (int u = 0;; ++u) {
         const int tile = kPersistent ? receive(u) : u;
         if (tile >= n_tiles) break;
+        // (the timeline's tile number: Q tiles so far, as the producer's)
+        FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 0);
         const FwdBlock<kBlockN, Is_local, kBM> blk = tile_block(tile);
         if (blk.empty_rows()) continue;
         if (blk.no_keys()) {            // (persistent only: the one-tile CTA returned above)
@@ -1034,11 +1051,14 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         };
 
         int nb = blk.n_block_max - 1;
+        FC_TL_VALUE(1 + cw, nq, FC_TL_TILE_SLOT, 7, n_iter);
         mbar_wait(bar_q, (fc_u32)nq & 1u);
+        FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 1);
         mbar_wait(full_k(stage_of(0)), parity_of(0));
         issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)stage_of(0) * kTile);
         wgmma_wait<0>();
         settle(s);
+        FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 2);
         mbar_arrive(empty_k(stage_of(0)));
         cap();
         rows.mask(s, nb * kBlockN);
@@ -1064,29 +1084,39 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         // the turn to the next (cw + 1, the last to consumer 0). The last consumer opens the
         // first turn for consumer 0 and skips its last hand-over, so that every barrier sees
         // as many arrivals as waits within a tile.
+        FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 3);
         if (kPingPong && cw == kCons - 1 && n_iter > 1) named_arrive(1, 256);
         for (int it = 0; it < n_iter - 1; ++it, --nb) {   // every block but the last
             const int st0 = stage_of(it), st1 = stage_of(it + 1);
+            FC_TL_STAMP(1 + cw, nq, it, 0);
             mbar_wait(full_k(st1), parity_of(it + 1));
             mbar_wait(full_v(st0), parity_of(it));
+            FC_TL_STAMP(1 + cw, nq, it, 1);
             if (kPingPong) named_sync(1 + cw, 256);
+            FC_TL_STAMP(1 + cw, nq, it, 2);
             issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)st1 * kTile);   // S_{i+1}
             issue_pv_(sV + (fc_u32)st0 * kVtTile);                         // O += P_i V_i
             if (kPingPong && !(cw == kCons - 1 && it == n_iter - 2))
                 named_arrive(1 + (cw + 1) % kCons, 256);
+            FC_TL_STAMP(1 + cw, nq, it, 3);
             wgmma_wait<1>();                       // S_{i+1} done (P_i V_i may still run)
             settle(s);
+            FC_TL_STAMP(1 + cw, nq, it, 4);
             mbar_arrive(empty_k(st1));
             cap();
             rows.mask(s, (nb - 1) * kBlockN);
             const bool grew = rows.template softmax<kPolyEvery, kExactCorr>(s, corr);
+            FC_TL_STAMP(1 + cw, nq, it, 5);
             wgmma_wait<0>();
             settle(rows.acc_o);
             settle(pa);
+            FC_TL_STAMP(1 + cw, nq, it, 6);
             mbar_arrive(empty_v(st0));
             if (!kSkipRescale || __any_sync(0xFFFFFFFFu, grew)) rows.rescale(corr);
             pack((nb - 1) * kBlockN);
+            FC_TL_STAMP(1 + cw, nq, it, 7);
         }
+        FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 4);
         mbar_arrive(empty_q);                      // every S of the tile is done: Q is free
         {
             const int last = n_iter - 1;
@@ -1097,6 +1127,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             settle(pa);
             mbar_arrive(empty_v(stage_of(last)));
         }
+        FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 5);
         // the epilogue (see above): O through this warpgroup's buffer and a TMA store, or
         // from the registers
 #ifndef FC_DIAG_O_STG     // (timing only: O stored from the registers, as without O buffers)
@@ -1139,10 +1170,12 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                 mbar_arrive_if(issuer, o_free);
             }
         }
+        FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 6);
         kv += n_iter;
         ++nq;
     }
     if (kOBufs > 0) bulk_wait_if<0>((tid & 127) == 0);    // this warpgroup's stores done
+    FC_TL_CTA_END(1 + cw);
 }
 
 }  // namespace fc_h

@@ -111,6 +111,22 @@ def test_hopper_kernels_compile(source):
     assert len(cubin) > 0
 
 
+def test_forward_timeline_compiles():
+    """The forward's timeline (cuda/diag_timeline.cuh, -DFC_DIAG_TIMELINE) compiles into the
+    16-bit and FP8 Hopper forwards and puts the array the diagnostic reads into the module
+    (tests/diagnostics/probe_fwd_timeline.py); without the define there is no such array."""
+    _nvrtc_or_skip()
+    from flashcore.kernels import forward
+    names = [forward.sm90_ws_kernel_name("bfloat16", 128, False),
+             forward.fp8_kernel_name("bfloat16", 128, False)]
+    for name in names:
+        cubin, _ = jit.compile_check("flash_fwd_sm90.cu", [name], "sm_90a",
+                                     ("-DFC_DIAG_TIMELINE",))
+        assert b"fc_diag_tl" in cubin, name
+        cubin, _ = jit.compile_check("flash_fwd_sm90.cu", [name], "sm_90a")
+        assert b"fc_diag_tl" not in cubin, name
+
+
 def _spill_allowance(mangled: str) -> int:
     """Spill bytes allowed for a Hopper kernel, from its mangled template arguments."""
     bools = re.findall(r"Lb([01])E", mangled)

@@ -1,0 +1,235 @@
+"""Where the Hopper forward's time goes, tile by tile and step by step (#15, #17; needs a GPU).
+
+    python tests/diagnostics/probe_fwd_timeline.py [--headdim 128] [--seqlen 2048 16384]
+        [--causal no|yes|both] [--fp8] [--json FILE]
+
+The warp-specialised forward compiled with ``-DFC_DIAG_TIMELINE`` (cuda/diag_timeline.cuh)
+writes the SM clock at fixed points of its schedule, thread 0 of each warpgroup, for the first
+132 CTAs and the first 8 tiles of each. The call goes through the public API (torch CUDA
+tensors at the ANCHORS.md sizes: 16k tokens, hidden 2048; FP8 inputs with per-head descales
+with ``--fp8``); the stamped kernel's GPU time is printed beside the plain kernel's, since the
+stamps themselves cost a little.
+
+Consumer warpgroup events, one step (every key block but the tile's last; step ``it`` issues
+S of block it + 1 and P V of block it):
+
+    0 top of the step      1 K and V of the step are in shared memory (mbarrier waits)
+    2 ping-pong turn taken 3 both products issued (and the turn handed on)
+    4 S done               5 mask + softmax done
+    6 P V done             7 O rescaled and P packed (the step's end)
+
+and of the tile: 0 the tile received, 1 Q in shared memory, 2 the first S done, 3 its softmax
+and packing done (the steps begin), 4 the steps done, 5 the last P V done, 6 the epilogue's
+stores issued; 7 holds the tile's step count + 1 (its key blocks). Producer (16-bit: thread 0
+issues every load; FP8: the warpgroup also transposes V): per key block 0 before the K stage
+is free (16-bit) / the loads of the next block (FP8), 1 K issued / loads issued, 2 the V stage
+free, 3 V issued / transposed. Printed: the median of each interval in clocks, per consumer
+warpgroup, for the first step, a middle step and the last; the tile's prologue and epilogue;
+its time against (key blocks x the median step), i.e. the per-tile fixed cost, in key-block
+times and microseconds (the clock rate from %clock against %globaltimer over each CTA's life).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import sys
+
+import numpy as np
+
+CTAS, TILES, ITERS = 132, 8, 128
+TILE_SLOT, CTA_SLOT = ITERS - 1, ITERS - 2
+UNSET = 0xFFFFFFFF
+STEP_NAMES = ["data", "turn", "issue", "wait S", "softmax", "wait PV", "rescale+pack"]
+DEFINE = "-DFC_DIAG_TIMELINE"
+
+
+def _cu():
+    lib = ctypes.CDLL("libcuda.so.1")
+
+    def call(name, *args):
+        st = getattr(lib, name)(*args)
+        if st != 0:
+            raise RuntimeError(f"{name} failed: CUresult {st}")
+    return call
+
+
+def _timeline_buffer(jit):
+    """(device pointer, bytes, kernel name) of fc_diag_tl in the module of the one stamped
+    forward kernel loaded (the caller clears jit's kernels before the call)."""
+    ks = [k for key, k in list(jit._kernels.items())
+          if DEFINE in key[4] and k.name.startswith("flash_fwd_sm90")]
+    if len(ks) != 1:
+        raise RuntimeError(f"expected one stamped forward kernel loaded, found {len(ks)}")
+    ptr, size = ctypes.c_uint64(), ctypes.c_size_t()
+    _cu()("cuModuleGetGlobal_v2", ctypes.byref(ptr), ctypes.byref(size),
+          ctypes.c_void_p(ks[0].module), b"fc_diag_tl")
+    return ptr.value, size.value, ks[0].name
+
+
+def _consumers(name):
+    """Consumer warpgroups of a forward kernel: kBM / 64 (the FP8 kernel's tiles: 128 rows)."""
+    targs = name.split("<", 1)[1].split(",")
+    return int(targs[2]) // 64 if name.startswith("flash_fwd_sm90_ws_kernel") else 2
+
+
+def _read(ptr, size):
+    host = np.empty(size // 4, dtype=np.uint32)
+    _cu()("cuMemcpyDtoH_v2", host.ctypes.data_as(ctypes.c_void_p), ctypes.c_uint64(ptr),
+          ctypes.c_size_t(size))
+    return host.reshape(CTAS, 4, TILES, ITERS, 8)
+
+
+def _d(a, b):
+    """b - a on the 32-bit clock (both set)."""
+    return (int(b) - int(a)) & 0xFFFFFFFF
+
+
+def _med(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def analyse(tl, consumers):
+    """Medians (clocks) of the schedule's intervals; see the module's docstring."""
+    rates, out = [], {}
+    for c in range(CTAS):
+        for w in range(1 + consumers):
+            e = tl[c, w, 0, CTA_SLOT]
+            if UNSET in (e[0], e[1], e[2], e[3], e[4], e[5]):
+                continue
+            ns = ((int(e[5]) << 32) | int(e[4])) - ((int(e[2]) << 32) | int(e[1]))
+            if ns > 0:
+                rates.append(_d(e[0], e[3]) / ns)
+    ghz = _med(rates)
+    out["clock_ghz"] = ghz
+    for w in range(1, 1 + consumers):
+        first, mid, last, step_len, tiles = [], [], [], [], []
+        for c in range(CTAS):
+            for u in range(TILES):
+                t = tl[c, w, u, TILE_SLOT]
+                if UNSET in (t[0], t[6], t[7]):
+                    continue
+                nblk = int(t[7])
+                steps = []
+                for it in range(min(nblk - 1, TILE_SLOT - 1)):
+                    s = tl[c, w, u, it]
+                    if UNSET in s:
+                        break
+                    steps.append([_d(s[i], s[i + 1]) for i in range(7)] + [_d(s[0], s[7])])
+                for it in range(len(steps) - 1):
+                    step_len.append(_d(tl[c, w, u, it][0], tl[c, w, u, it + 1][0]))
+                if steps:
+                    first.append(steps[0])
+                    last.append(steps[-1])
+                    if len(steps) > 2:
+                        mid.append(steps[len(steps) // 2])
+                nxt = tl[c, w, u + 1, TILE_SLOT] if u + 1 < TILES else None
+                tiles.append(dict(
+                    blocks=nblk, q=_d(t[0], t[1]), s0=_d(t[1], t[2]), softmax0=_d(t[2], t[3]),
+                    steps=_d(t[3], t[4]), last_pv=_d(t[4], t[5]), epilogue=_d(t[5], t[6]),
+                    to_next=(_d(t[6], nxt[0]) if nxt is not None and nxt[0] != UNSET else None),
+                    tile=(_d(t[0], nxt[0]) if nxt is not None and nxt[0] != UNSET else None)))
+        step = _med(step_len)
+
+        def cols(rows):
+            return [_med([r[i] for r in rows]) for i in range(8)] if rows else [float("nan")] * 8
+        whole = [t for t in tiles if t["tile"] is not None]
+        out[f"consumer{w}"] = dict(
+            step_clocks=step, first=cols(first), middle=cols(mid), last=cols(last),
+            prologue={k: _med([t[k] for t in tiles]) for k in ("q", "s0", "softmax0")},
+            epilogue={k: _med([t[k] for t in tiles if t[k] is not None])
+                      for k in ("last_pv", "epilogue", "to_next")},
+            tile_clocks=_med([t["tile"] for t in whole]),
+            blocks=_med([t["blocks"] for t in whole]),
+            fixed_blocks=_med([t["tile"] / step - t["blocks"] for t in whole]) if step else None,
+            tiles=len(tiles))
+    prod = []
+    for c in range(CTAS):
+        for u in range(TILES):
+            for it in range(1, TILE_SLOT - 1):
+                s = tl[c, 0, u, it]
+                if UNSET in s[:4]:
+                    break
+                prod.append([_d(s[0], s[1]), _d(s[1], s[2]), _d(s[2], s[3])])
+    out["producer"] = [_med([p[i] for p in prod]) for i in range(3)] if prod else None
+    return out
+
+
+def report(label, res, ms_plain, ms_stamped):
+    ghz = res["clock_ghz"]
+    print(f"\n## {label}: {ms_plain:.3f} ms plain, {ms_stamped:.3f} ms stamped; SM clock "
+          f"{ghz:.2f} GHz")
+    for w in sorted(k for k in res if k.startswith("consumer")):
+        r = res[w]
+        print(f"{w}: median step {r['step_clocks']:.0f} clk ({r['step_clocks'] / ghz / 1e3:.2f} µs);"
+              f" tile {r['tile_clocks']:.0f} clk for {r['blocks']:.0f} blocks -> fixed cost "
+              f"{r['fixed_blocks']:.2f} block-times "
+              f"({r['fixed_blocks'] * r['step_clocks'] / ghz / 1e3:.2f} µs) over {r['tiles']} tiles")
+        print("  step      " + " ".join(f"{n:>12}" for n in STEP_NAMES + ["total"]))
+        for k in ("first", "middle", "last"):
+            print(f"  {k:<9} " + " ".join(f"{x:>12.0f}" for x in r[k]))
+        print("  prologue  " + ", ".join(f"{k} {v:.0f}" for k, v in r["prologue"].items()))
+        print("  epilogue  " + ", ".join(f"{k} {v:.0f}" for k, v in r["epilogue"].items()))
+    if res["producer"]:
+        print("producer (median a key block, clk): " + ", ".join(
+            f"{n} {v:.0f}" for n, v in zip(("K wait+issue", "V wait", "V issue/transpose"),
+                                           res["producer"])))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--headdim", type=int, nargs="+", default=[128])
+    ap.add_argument("--seqlen", type=int, nargs="+", default=[2048, 16384])
+    ap.add_argument("--causal", choices=("no", "yes", "both"), default="no")
+    ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+
+    import torch
+    import flashcore
+    from flashcore import config, jit
+    from flashcore.bench import fp8_quantise, gpu_time, random_arrays, shape_for
+
+    results = {}
+    for d in args.headdim:
+        for s in args.seqlen:
+            for causal in {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]:
+                b, _, h, _ = shape_for(s, d)
+                x = random_arrays("torch", [(b, s, h, d)] * 3, seed=s + d)
+                kw = dict(causal=causal)
+                if args.fp8:
+                    x, ds = zip(*(fp8_quantise(t) for t in x))
+                    kw.update(q_descale=ds[0], k_descale=ds[1], v_descale=ds[2])
+
+                def call():
+                    return flashcore.attention_forward(*x, **kw)
+                ref = call()[0].float()
+                t_plain = gpu_time(call)
+                with config.override(sm90_defines=(DEFINE,)):
+                    jit.clear_memory_cache()      # (so that one stamped kernel is loaded)
+                    out = call()[0].float()
+                    if not torch.equal(out, ref):
+                        print(f"# the stamped kernel's output differs from the plain one's: "
+                              f"max {float((out - ref).abs().max()):.3g}")
+                    t_st = gpu_time(call)
+                    ptr, size, name = _timeline_buffer(jit)
+                    torch.cuda.synchronize()
+                    ctypes.CDLL("libcuda.so.1").cuMemsetD32_v2(
+                        ctypes.c_uint64(ptr), ctypes.c_uint(UNSET), ctypes.c_size_t(size // 4))
+                    call()
+                    torch.cuda.synchronize()
+                    tl = _read(ptr, size)
+                label = (f"{'fp8 ' if args.fp8 else ''}d{d} s{s} b{b} h{h} "
+                         f"{'causal' if causal else 'full'} [{name}]")
+                res = analyse(tl, _consumers(name))
+                report(label, res, t_plain * 1e3, t_st * 1e3)
+                results[label] = dict(res, ms_plain=t_plain * 1e3, ms_stamped=t_st * 1e3)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=float)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
