@@ -723,6 +723,18 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 #else
     constexpr bool kSkipRescale = kExactCorr;
 #endif
+    // Ping-pong's turns: per tile (the last consumer opens the tile's first turn after its
+    // first softmax and skips its last hand-over), or, FC_DIAG_PP_CHAIN (timing: the A/B of
+    // FlashAttention-3's order), one chain through all of a CTA's tiles: the last consumer
+    // opens the first turn once, before the first tile, and every turn is handed on, so that
+    // consumer 0 may issue the products of a tile's second block while the last consumer is
+    // still in the previous tile's epilogue (the first S and the last P V stay outside the
+    // turns in both; consumer 0 takes the chain's last hand-over after its last tile).
+#ifdef FC_DIAG_PP_CHAIN
+    constexpr bool kPPChain = kPingPong;
+#else
+    constexpr bool kPPChain = false;
+#endif
     static_assert(!(Is_fp8 && Is_dropout), "FP8 attention is forward only, without dropout");
     static_assert(!Is_varlen || !kPersistent, "varlen: one tile a CTA");
     static_assert(kOBufs == 0 || kOBufs == kCons || (kOBufs == 1 && kCons == 2),
@@ -988,6 +1000,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     const fc_u32 sQwg = Is_fp8 ? sQ + (fc_u32)cw * 64u * 128u
                                : warp_uniform(sQ + (fc_u32)cw * 64u * 128u);
     FC_TL_CTA_BEGIN(1 + cw);
+    if (kPPChain && cw == kCons - 1) named_arrive(1, 256);
     for (int u = 0;; ++u) {
         const int tile = kPersistent ? receive(u) : u;
         if (tile >= n_tiles) break;
@@ -1085,7 +1098,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         // first turn for consumer 0 and skips its last hand-over, so that every barrier sees
         // as many arrivals as waits within a tile.
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 3);
-        if (kPingPong && cw == kCons - 1 && n_iter > 1) named_arrive(1, 256);
+        if (kPingPong && !kPPChain && cw == kCons - 1 && n_iter > 1) named_arrive(1, 256);
         for (int it = 0; it < n_iter - 1; ++it, --nb) {   // every block but the last
             const int st0 = stage_of(it), st1 = stage_of(it + 1);
             FC_TL_STAMP(1 + cw, nq, it, 0);
@@ -1096,7 +1109,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             FC_TL_STAMP(1 + cw, nq, it, 2);
             issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)st1 * kTile);   // S_{i+1}
             issue_pv_(sV + (fc_u32)st0 * kVtTile);                         // O += P_i V_i
-            if (kPingPong && !(cw == kCons - 1 && it == n_iter - 2))
+            if (kPingPong && (kPPChain || !(cw == kCons - 1 && it == n_iter - 2)))
                 named_arrive(1 + (cw + 1) % kCons, 256);
             FC_TL_STAMP(1 + cw, nq, it, 3);
             wgmma_wait<1>();                       // S_{i+1} done (P_i V_i may still run)
@@ -1174,6 +1187,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         kv += n_iter;
         ++nq;
     }
+    if (kPPChain && cw == 0) named_sync(1, 256);            // the chain's last hand-over
     if (kOBufs > 0) bulk_wait_if<0>((tid & 127) == 0);    // this warpgroup's stores done
     FC_TL_CTA_END(1 + cw);
 }

@@ -15,7 +15,8 @@ session 21's 80), ``ws-kvhalf`` a timing-only probe
 (``FC_DIAG_KV_HALF``: every other key block reuses its stage's stale K and V, so half the K/V
 bytes come from L2 for the same products; wrong results), ``ws-ostg`` the defaults with O stored
 from the registers instead of through the O buffers and TMA (``FC_DIAG_O_STG``), ``ws-rescale`` O
-rescaled after every key block (``FC_DIAG_RESCALE_ALWAYS``), ``ws-desc`` the wgmma descriptors
+rescaled after every key block (``FC_DIAG_RESCALE_ALWAYS``), ``ws-ppchain`` ping-pong's turns
+chained through each CTA's tiles as FlashAttention-3 orders them (``FC_DIAG_PP_CHAIN``), ``ws-desc`` the wgmma descriptors
 built whole for every product (``FC_DIAG_DESC_PER_PRODUCT``, the backward's too), ``ws-bcp``
 the defaults with the cp.async dK/dV kernel instead of the warp-specialised one, ``v1`` / ``v0`` the cp.async kernels,
 ``ampere`` the mma.sync kernel, ``ws-1t`` one tile per CTA, ``ws-pers`` persistent CTAs
@@ -60,6 +61,9 @@ VARIANTS = {
     # O rescaled after every key block, as before the skip where no row of a warp took a new
     # maximum (head dims 64 and 256)
     "ws-rescale": (dict(_WS, sm90_defines=("-DFC_DIAG_RESCALE_ALWAYS",)), {}),
+    # ping-pong's turns chained through a CTA's tiles, FlashAttention-3's order (the first S and
+    # the last P V outside the turns; FC_DIAG_PP_CHAIN)
+    "ws-ppchain": (dict(_WS, sm90_defines=("-DFC_DIAG_PP_CHAIN",)), {}),
     # every wgmma descriptor built whole from its address, as before one add a k-step on a
     # base built once (cuda/wgmma.cuh; the backward's too in fwdbwd mode)
     "ws-desc": (dict(_WS, sm90_defines=("-DFC_DIAG_DESC_PER_PRODUCT",)), {}),
