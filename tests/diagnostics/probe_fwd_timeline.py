@@ -1,14 +1,15 @@
 """Where the Hopper forward's time goes, tile by tile and step by step (#15, #17; needs a GPU).
 
     python tests/diagnostics/probe_fwd_timeline.py [--headdim 128] [--seqlen 2048 16384]
-        [--causal no|yes|both] [--fp8] [--json FILE]
+        [--causal no|yes|both] [--fp8] [--defines NAME ...] [--json FILE]
 
 The warp-specialised forward compiled with ``-DFC_DIAG_TIMELINE`` (cuda/diag_timeline.cuh)
 writes the SM clock at fixed points of its schedule, thread 0 of each warpgroup, for the first
 132 CTAs and the first 8 tiles of each. The call goes through the public API (torch CUDA
 tensors at the ANCHORS.md sizes: 16k tokens, hidden 2048; FP8 inputs with per-head descales
 with ``--fp8``); the stamped kernel's GPU time is printed beside the plain kernel's, since the
-stamps themselves cost a little.
+stamps themselves cost a little. ``--defines`` adds timing-only defines to both (e.g.
+``FC_DIAG_PP_CHAIN``: the timeline of that variant).
 
 Consumer warpgroup events, one step (every key block but the tile's last; step ``it`` issues
 S of block it + 1 and P V of block it):
@@ -183,6 +184,7 @@ def main(argv=None):
     ap.add_argument("--seqlen", type=int, nargs="+", default=[2048, 16384])
     ap.add_argument("--causal", choices=("no", "yes", "both"), default="no")
     ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--defines", nargs="*", default=[])
     ap.add_argument("--json")
     args = ap.parse_args(argv)
 
@@ -204,9 +206,11 @@ def main(argv=None):
 
                 def call():
                     return flashcore.attention_forward(*x, **kw)
-                ref = call()[0].float()
-                t_plain = gpu_time(call)
-                with config.override(sm90_defines=(DEFINE,)):
+                extra = tuple(f"-D{n}" for n in args.defines)
+                with config.override(sm90_defines=extra):
+                    ref = call()[0].float()
+                    t_plain = gpu_time(call)
+                with config.override(sm90_defines=extra + (DEFINE,)):
                     jit.clear_memory_cache()      # (so that one stamped kernel is loaded)
                     out = call()[0].float()
                     if not torch.equal(out, ref):
@@ -220,7 +224,7 @@ def main(argv=None):
                     call()
                     torch.cuda.synchronize()
                     tl = _read(ptr, size)
-                label = (f"{'fp8 ' if args.fp8 else ''}d{d} s{s} b{b} h{h} "
+                label = (f"{'fp8 ' if args.fp8 else ''}{' '.join(args.defines)} d{d} s{s} b{b} h{h} "
                          f"{'causal' if causal else 'full'} [{name}]")
                 res = analyse(tl, _consumers(name))
                 report(label, res, t_plain * 1e3, t_st * 1e3)
