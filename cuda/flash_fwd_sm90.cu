@@ -735,6 +735,22 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 #else
     constexpr bool kPPChain = false;
 #endif
+    // The softmax of S_{i+1} is written to run under this warpgroup's own P_i V_i (between
+    // wgmma_wait<1> and wgmma_wait<0>), but ptxas schedules register-only arithmetic freely
+    // across WARPGROUP.DEPBAR and barriers, and left alone it puts the wait for P_i V_i
+    // before the whole softmax: in every instantiation read (nvcc 13.0, 16-bit and FP8, head
+    // dims 64 / 128 / 256; the PTX has the exponentials before the wait), so the softmax
+    // starts only once the product is done. FC_DIAG_SOFTMAX_FENCE (the candidate, measured
+    // against the default before it becomes one) ends the basic block after the softmax with a
+    // branch on the row sums (schedule_after), above which ptxas does not hoist the wait: the
+    // exponentials then all precede it. Not with dropout (its d128 kernel spills 28 bytes
+    // with it under nvcc 13) nor in the FP8 softcap kernels at head dim 256 (4-12 bytes under
+    // NVRTC 12); no other instantiation spills with it.
+#ifdef FC_DIAG_SOFTMAX_FENCE
+    constexpr bool kSoftmaxFence = !Is_dropout && !(Has_softcap && kD == 256);
+#else
+    constexpr bool kSoftmaxFence = false;
+#endif
     static_assert(!(Is_fp8 && Is_dropout), "FP8 attention is forward only, without dropout");
     static_assert(!Is_varlen || !kPersistent, "varlen: one tile a CTA");
     static_assert(kOBufs == 0 || kOBufs == kCons || (kOBufs == 1 && kCons == 2),
@@ -1119,6 +1135,8 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             cap();
             rows.mask(s, (nb - 1) * kBlockN);
             const bool grew = rows.template softmax<kPolyEvery, kExactCorr>(s, corr);
+            if constexpr (kSoftmaxFence)
+                schedule_after(rows.row_sum[0] + rows.row_sum[1]);   // (see kSoftmaxFence)
             FC_TL_STAMP(1 + cw, nq, it, 5);
             wgmma_wait<0>();
             settle(rows.acc_o);

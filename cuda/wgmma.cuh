@@ -128,6 +128,14 @@ __device__ __forceinline__ void fence_proxy_async() {
 __device__ __forceinline__ void fence_operand(float& x) { asm volatile("" : "+f"(x) :: "memory"); }
 __device__ __forceinline__ void fence_operand(fc_u32& x) { asm volatile("" : "+r"(x) :: "memory"); }
 
+// An ordering point for ptxas, which moves register-only arithmetic across wgmma waits and
+// barriers at will: the branch on v ends a basic block, so that the computation of v (and
+// what it depends on) is issued before the block ends, and ptxas does not hoist a wgmma_wait
+// that follows above it. Never taken for v >= 0 or NaN (and harmless if taken).
+__device__ __forceinline__ void schedule_after(float v) {
+    if (v < 0.f) asm volatile("nanosleep.u32 0;\n");
+}
+
 template <typename Elem> struct Wgmma;
 
 // D (64 x N, fp32) (+)= A (64 x 16, shared, K-major) * B (16 x N, shared, K-major): ss, N = 32,

@@ -16,7 +16,9 @@ session 21's 80), ``ws-kvhalf`` a timing-only probe
 bytes come from L2 for the same products; wrong results), ``ws-ostg`` the defaults with O stored
 from the registers instead of through the O buffers and TMA (``FC_DIAG_O_STG``), ``ws-rescale`` O
 rescaled after every key block (``FC_DIAG_RESCALE_ALWAYS``), ``ws-ppchain`` ping-pong's turns
-chained through each CTA's tiles as FlashAttention-3 orders them (``FC_DIAG_PP_CHAIN``), ``ws-desc`` the wgmma descriptors
+chained through each CTA's tiles as FlashAttention-3 orders them (``FC_DIAG_PP_CHAIN``),
+``ws-fence`` the softmax kept ahead of the wait for the warpgroup's own P V product
+(``FC_DIAG_SOFTMAX_FENCE``; ``ws-fence-ppchain`` both), ``ws-desc`` the wgmma descriptors
 built whole for every product (``FC_DIAG_DESC_PER_PRODUCT``, the backward's too), ``ws-bcp``
 the defaults with the cp.async dK/dV kernel instead of the warp-specialised one, ``v1`` / ``v0`` the cp.async kernels,
 ``ampere`` the mma.sync kernel, ``ws-1t`` one tile per CTA, ``ws-pers`` persistent CTAs
@@ -64,6 +66,11 @@ VARIANTS = {
     # ping-pong's turns chained through a CTA's tiles, FlashAttention-3's order (the first S and
     # the last P V outside the turns; FC_DIAG_PP_CHAIN)
     "ws-ppchain": (dict(_WS, sm90_defines=("-DFC_DIAG_PP_CHAIN",)), {}),
+    # the softmax kept ahead of the wait for the warpgroup's own P V product (ptxas otherwise
+    # waits first; FC_DIAG_SOFTMAX_FENCE), alone and with the chained turns
+    "ws-fence": (dict(_WS, sm90_defines=("-DFC_DIAG_SOFTMAX_FENCE",)), {}),
+    "ws-fence-ppchain": (dict(_WS, sm90_defines=("-DFC_DIAG_SOFTMAX_FENCE",
+                                                 "-DFC_DIAG_PP_CHAIN")), {}),
     # every wgmma descriptor built whole from its address, as before one add a k-step on a
     # base built once (cuda/wgmma.cuh; the backward's too in fwdbwd mode)
     "ws-desc": (dict(_WS, sm90_defines=("-DFC_DIAG_DESC_PER_PRODUCT",)), {}),

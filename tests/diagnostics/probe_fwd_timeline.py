@@ -28,6 +28,12 @@ free, 3 V issued / transposed. Printed: the median of each interval in clocks, p
 warpgroup, for the first step, a middle step and the last; the tile's prologue and epilogue;
 its time against (key blocks x the median step), i.e. the per-tile fixed cost, in key-block
 times and microseconds (the clock rate from %clock against %globaltimer over each CTA's life).
+An interval holds what the SASS puts between its two stamps, which is not always the source's
+order: ptxas moves register-only arithmetic across clock reads, stores, wgmma waits and
+barriers. Without ``FC_DIAG_SOFTMAX_FENCE`` it issues the wait for P V before the whole softmax
+(flash_fwd_sm90.cu, kSoftmaxFence), so the softmax's time shows under "rescale+pack" and
+"wait PV" is the product's whole remaining time; read the instantiation's SASS (the README of
+this folder says how) before reading the table.
 """
 from __future__ import annotations
 
