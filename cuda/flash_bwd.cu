@@ -485,6 +485,83 @@ __device__ __forceinline__ bool bwd_need_mask(const FlashParams& p, const BwdSeq
     return need_mask;
 }
 
+// One step of a key-block CTA's walk (BwdKeyBlockWalk): query block m0 of query head h,
+// whose Q / dO tiles and row statistics (-lse log2 e, D) are in buffer buf.
+struct BwdStep {
+    int h, m0;
+    fc_u32 uQb, udOb;                  // shared addresses of the Q and dO tiles
+    const float* sLb;
+    const float* sDb;
+    BwdScoreMath sm;
+    bool need_mask;
+};
+
+// The walk of a key-block CTA (both kernels below) over its (query head, query block) steps:
+// K and V loaded once, Q and dO double-buffered (cp.async), the next step's tiles and row
+// statistics requested at the start of each step (begin), before its work, and its statistics
+// stored to shared memory after it (end). The barrier in begin also orders the step's reads of
+// the buffers before the next step's prefetch into them, and the work's shared-memory writes
+// (dS^T, P^T) after every warp's reads of the last step's.
+template <int kHeadDim, int kBlockM, int kBlockN, int kNT, bool Is_local, bool Has_alibi,
+          bool Is_even_d>
+struct BwdKeyBlockWalk {
+    int h, m_block;                    // this step's query head and block
+    int m_next, h_next, buf;
+    bool has_next;
+    float ds_next, nl_next;            // the next step's row statistics (threads < kBlockM)
+
+    __device__ __forceinline__ BwdKeyBlockWalk(const FlashParams& p, const BwdSeq& seq,
+                                               const BwdKeyWalk& kw, int b, int hk, int n0,
+                                               const BwdTiles<kHeadDim, kBlockM, kBlockN>& tiles,
+                                               int tid) {
+        if (kw.n_iter > 0) {
+            bwd_load_kv<kBlockN, kHeadDim, kNT, Is_even_d>(p, seq, b, hk, n0, kw.rows_k,
+                                                           tiles.sK, tiles.sV, tid);
+            bwd_load_qdo<kBlockM, kHeadDim, kNT, Is_even_d>(p, seq, b, kw.gq, kw.gdo, kw.h0,
+                                                            kw.m_begin, tiles.sQ, tiles.sdO, tid,
+                                                            tiles.sLse[tid], tiles.sDsum[tid]);
+        }
+        h = kw.h0;
+        m_block = kw.m_begin;
+    }
+    __device__ __forceinline__ BwdStep begin(const FlashParams& p, const BwdSeq& seq,
+                                             const BwdKeyWalk& kw, int b, int n0,
+                                             const BwdTiles<kHeadDim, kBlockM, kBlockN>& tiles,
+                                             int tid, int it) {
+        buf = it & 1;
+        cp_async_wait<0>();
+        __syncthreads();
+
+        // Prefetch the next (head, query block) into the other buffers.
+        bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h_next, m_next);
+        has_next = it + 1 < kw.n_iter;
+        nl_next = 0.f;
+        ds_next = 0.f;
+        if (has_next)
+            bwd_load_qdo<kBlockM, kHeadDim, kNT, Is_even_d>(
+                p, seq, b, kw.gq, kw.gdo, h_next, m_next,
+                tiles.sQ + (buf ^ 1) * kBlockM * kHeadDim,
+                tiles.sdO + (buf ^ 1) * kBlockM * kHeadDim, tid, nl_next, ds_next);
+
+        const int m0 = m_block * kBlockM;
+        // (rows past seqlen_q need no mask: their neg_lse2 is -inf, so P = 0 there)
+        return BwdStep{h, m0, smem_u32(tiles.sQ) + buf * (kBlockM * kHeadDim * 2),
+                       smem_u32(tiles.sdO) + buf * (kBlockM * kHeadDim * 2),
+                       tiles.sLse + buf * kBlockM, tiles.sDsum + buf * kBlockM,
+                       bwd_score_math(p, b, h, seq, Has_alibi),
+                       bwd_need_mask<Is_local, kBlockM, kBlockN>(p, seq, m0, n0, kw.off)};
+    }
+    __device__ __forceinline__ void end(const BwdTiles<kHeadDim, kBlockM, kBlockN>& tiles,
+                                        int tid) {
+        if (has_next && tid < kBlockM) {
+            tiles.sLse[(buf ^ 1) * kBlockM + tid] = nl_next;
+            tiles.sDsum[(buf ^ 1) * kBlockM + tid] = ds_next;
+        }
+        h = h_next;
+        m_block = m_next;
+    }
+};
+
 // ---- 2. key-block kernel: dK, dV (and dQ through atomics) ------------------------------------------
 //
 // Grid (ceil(seqlen_k / kBlockN), nheads_k, batch), kNWarps * 32 threads, dynamic shared memory
@@ -537,9 +614,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_kernel(const F
 
     extern __shared__ __align__(128) unsigned char bwd_smem_raw[];
     const BwdTiles<kHeadDim, kBlockM, kBlockN> tiles(bwd_smem_raw, !kReuse);
-    fc_u16 *sK = tiles.sK, *sV = tiles.sV, *sQ = tiles.sQ, *sdO = tiles.sdO, *sdS = tiles.sdS,
-           *sP = tiles.sP;
-    float *sLse = tiles.sLse, *sDsum = tiles.sDsum;
+    fc_u16 *sK = tiles.sK, *sV = tiles.sV, *sdS = tiles.sdS, *sP = tiles.sP;
 
     const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -548,10 +623,6 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_kernel(const F
     const int n0 = n_block * kBlockN;
     if (n0 >= seq.sk) return;  // varlen: this sequence has fewer key blocks
     const BwdKeyWalk kw = bwd_key_walk<Is_local, kBlockM, kBlockN>(p, seq, b, hk, n0);
-    const int off = kw.off, ratio = kw.ratio, h0 = kw.h0, m_begin = kw.m_begin, m_end = kw.m_end;
-    const int n_iter = kw.n_iter, rows_k = kw.rows_k;
-    const fc_u16* gq = kw.gq;
-    const fc_u16* gdo = kw.gdo;
 
     // dK, dV accumulators: warp (wn, ws) owns keys wn*16.. and head-dim columns ws*kColsB..
     const int wn = warp % kWarpsN, ws = warp / kWarpsN;
@@ -561,7 +632,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_kernel(const F
     // that the step's swizzle term is a compile-time immediate; see BwdLdsm).
     const BwdLdsm<kHeadDim> ldA(kLdsmA, lane), ldB(kLdsmB, lane), ldAw(kLdsmA, lane, ws);
     const BwdLdsm<kBlockM> ldmA(kLdsmA, lane);
-    const fc_u32 uK = smem_u32(sK), uV = smem_u32(sV), uQ = smem_u32(sQ), udO = smem_u32(sdO);
+    const fc_u32 uK = smem_u32(sK), uV = smem_u32(sV);
     const fc_u32 udS = smem_u32(sdS), uP = smem_u32(sP);
     float acc_dk[kNtB][4], acc_dv[kNtB][4];
 #pragma unroll
@@ -569,37 +640,16 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_kernel(const F
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_dk[nt][e] = acc_dv[nt][e] = 0.f;
 
-    if (n_iter > 0) {
-        bwd_load_kv<kBlockN, kHeadDim, kNT, Is_even_d>(p, seq, b, hk, n0, rows_k, sK, sV, tid);
-        bwd_load_qdo<kBlockM, kHeadDim, kNT, Is_even_d>(p, seq, b, gq, gdo, h0, m_begin, sQ, sdO,
-                                                        tid, sLse[tid], sDsum[tid]);
-    }
-
-    int h = h0, m_block = m_begin;
-    for (int it = 0; it < n_iter; ++it) {
-        const int buf = it & 1;
-        cp_async_wait<0>();
-        __syncthreads();
-
-        // Prefetch the next (head, query block) into the other buffers.
-        int h_next, m_next;
-        bwd_walk_next(h, m_block, m_begin, m_end, h_next, m_next);
-        const bool has_next = it + 1 < n_iter;
-        float nl_next = 0.f, ds_next = 0.f;
-        if (has_next)
-            bwd_load_qdo<kBlockM, kHeadDim, kNT, Is_even_d>(
-                p, seq, b, gq, gdo, h_next, m_next, sQ + (buf ^ 1) * kBlockM * kHeadDim,
-                sdO + (buf ^ 1) * kBlockM * kHeadDim, tid, nl_next, ds_next);
-
-        const fc_u32 uQb = uQ + buf * (kBlockM * kHeadDim * 2);
-        const fc_u32 udOb = udO + buf * (kBlockM * kHeadDim * 2);
-        const float* sLb = sLse + buf * kBlockM;
-        const float* sDb = sDsum + buf * kBlockM;
-        const int m0 = m_block * kBlockM;
-
-        const BwdScoreMath sm = bwd_score_math(p, b, h, seq, Has_alibi);
-        const bool need_mask = bwd_need_mask<Is_local, kBlockM, kBlockN>(p, seq, m0, n0, off);
-        // Rows past seqlen_q need no mask: their neg_lse2 is -inf, so P = 0 there.
+    BwdKeyBlockWalk<kHeadDim, kBlockM, kBlockN, kNT, Is_local, Has_alibi, Is_even_d> walk(
+        p, seq, kw, b, hk, n0, tiles, tid);
+    for (int it = 0; it < kw.n_iter; ++it) {
+        const BwdStep st = walk.begin(p, seq, kw, b, n0, tiles, tid, it);
+        const int h = st.h, m0 = st.m0;
+        const fc_u32 uQb = st.uQb, udOb = st.udOb;
+        const float* sLb = st.sLb;
+        const float* sDb = st.sDb;
+        const BwdScoreMath& sm = st.sm;
+        const bool need_mask = st.need_mask;
 
         // The warp's queries are processed in sub-chunks of kSubM (register reuse configs only),
         // so that only kSubM/8 n-tiles of S^T and dP^T are live next to the dK/dV accumulators.
@@ -778,13 +828,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv_kernel(const F
                 }
             }
         }
-
-        if (has_next && tid < kBlockM) {
-            sLse[(buf ^ 1) * kBlockM + tid] = nl_next;
-            sDsum[(buf ^ 1) * kBlockM + tid] = ds_next;
-        }
-        h = h_next;
-        m_block = m_next;
+        walk.end(tiles, tid);
     }
 
     // ---- epilogue: dK * softmax_scale, dV, as 16-bit (zeros for a block no query sees) -------
@@ -864,9 +908,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv2_kernel(const 
 
     extern __shared__ __align__(128) unsigned char bwd_smem_raw[];
     const BwdTiles<kHeadDim, kBlockM, kBlockN> tiles(bwd_smem_raw, true);
-    fc_u16 *sK = tiles.sK, *sV = tiles.sV, *sQ = tiles.sQ, *sdO = tiles.sdO, *sdS = tiles.sdS,
-           *sP = tiles.sP;
-    float *sLse = tiles.sLse, *sDsum = tiles.sDsum;
+    fc_u16 *sK = tiles.sK, *sV = tiles.sV, *sdS = tiles.sdS, *sP = tiles.sP;
 
     const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -875,10 +917,6 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv2_kernel(const 
     const int n0 = n_block * kBlockN;
     if (n0 >= seq.sk) return;  // varlen: this sequence has fewer key blocks
     const BwdKeyWalk kw = bwd_key_walk<Is_local, kBlockM, kBlockN>(p, seq, b, hk, n0);
-    const int off = kw.off, ratio = kw.ratio, h0 = kw.h0, m_begin = kw.m_begin, m_end = kw.m_end;
-    const int n_iter = kw.n_iter, rows_k = kw.rows_k;
-    const fc_u16* gq = kw.gq;
-    const fc_u16* gdo = kw.gdo;
 
     const int swn = warp % kSWn, swm = warp / kSWn;
     const int sk0 = swn * kSTn, sq0 = swm * kSTm;
@@ -889,7 +927,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv2_kernel(const 
     const BwdLdsm<kHeadDim> ldA(kLdsmA, lane), ldB(kLdsmB, lane);
     const BwdLdsm<kHeadDim> ldAk(kLdsmA, lane, kwd), ldAq(kLdsmA, lane, qwd);
     const BwdLdsm<kBlockM> ldmA(kLdsmA, lane);
-    const fc_u32 uK = smem_u32(sK), uV = smem_u32(sV), uQ = smem_u32(sQ), udO = smem_u32(sdO);
+    const fc_u32 uK = smem_u32(sK), uV = smem_u32(sV);
     const fc_u32 udS = smem_u32(sdS), uP = smem_u32(sP);
 
     float acc_dk[kKMi][kKNt][4], acc_dv[kKMi][kKNt][4];
@@ -900,35 +938,16 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv2_kernel(const 
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_dk[mi][nt][e] = acc_dv[mi][nt][e] = 0.f;
 
-    if (n_iter > 0) {
-        bwd_load_kv<kBlockN, kHeadDim, kNT, Is_even_d>(p, seq, b, hk, n0, rows_k, sK, sV, tid);
-        bwd_load_qdo<kBlockM, kHeadDim, kNT, Is_even_d>(p, seq, b, gq, gdo, h0, m_begin, sQ, sdO,
-                                                        tid, sLse[tid], sDsum[tid]);
-    }
-
-    int h = h0, m_block = m_begin;
-    for (int it = 0; it < n_iter; ++it) {
-        const int buf = it & 1;
-        cp_async_wait<0>();
-        __syncthreads();
-
-        int h_next, m_next;
-        bwd_walk_next(h, m_block, m_begin, m_end, h_next, m_next);
-        const bool has_next = it + 1 < n_iter;
-        float nl_next = 0.f, ds_next = 0.f;
-        if (has_next)
-            bwd_load_qdo<kBlockM, kHeadDim, kNT, Is_even_d>(
-                p, seq, b, gq, gdo, h_next, m_next, sQ + (buf ^ 1) * kBlockM * kHeadDim,
-                sdO + (buf ^ 1) * kBlockM * kHeadDim, tid, nl_next, ds_next);
-
-        const fc_u32 uQb = uQ + buf * (kBlockM * kHeadDim * 2);
-        const fc_u32 udOb = udO + buf * (kBlockM * kHeadDim * 2);
-        const float* sLb = sLse + buf * kBlockM;
-        const float* sDb = sDsum + buf * kBlockM;
-        const int m0 = m_block * kBlockM;
-
-        const BwdScoreMath sm = bwd_score_math(p, b, h, seq, Has_alibi);
-        const bool need_mask = bwd_need_mask<Is_local, kBlockM, kBlockN>(p, seq, m0, n0, off);
+    BwdKeyBlockWalk<kHeadDim, kBlockM, kBlockN, kNT, Is_local, Has_alibi, Is_even_d> walk(
+        p, seq, kw, b, hk, n0, tiles, tid);
+    for (int it = 0; it < kw.n_iter; ++it) {
+        const BwdStep st = walk.begin(p, seq, kw, b, n0, tiles, tid, it);
+        const int h = st.h, m0 = st.m0;
+        const fc_u32 uQb = st.uQb, udOb = st.udOb;
+        const float* sLb = st.sLb;
+        const float* sDb = st.sDb;
+        const BwdScoreMath& sm = st.sm;
+        const bool need_mask = st.need_mask;
 
         {
             // ---- dP^T = V dO^T, then S^T = K Q^T: keys sk0..+kSTn x queries sq0..+kSTm --------
@@ -1100,13 +1119,7 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv2_kernel(const 
                 }
             }
         }
-
-        if (has_next && tid < kBlockM) {
-            sLse[(buf ^ 1) * kBlockM + tid] = nl_next;
-            sDsum[(buf ^ 1) * kBlockM + tid] = ds_next;
-        }
-        h = h_next;
-        m_block = m_next;
+        walk.end(tiles, tid);
     }
 
     // ---- epilogue: dK * softmax_scale, dV, as 16-bit (zeros for a block no query sees) -------
