@@ -744,9 +744,12 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     // against the default before it becomes one) ends the basic block after the softmax with a
     // branch on the row sums (schedule_after), above which ptxas does not hoist the wait: the
     // exponentials then all precede it. Not with dropout (its d128 kernel spills 28 bytes
-    // with it under nvcc 13) nor in the FP8 softcap kernels at head dim 256 (4-12 bytes under
-    // NVRTC 12); no other instantiation spills with it.
-#ifdef FC_DIAG_SOFTMAX_FENCE
+    // with it under nvcc 13; FC_DIAG_SOFTMAX_FENCE_DROPOUT: with dropout too, for its A/B)
+    // nor in the FP8 softcap kernels at head dim 256 (4-12 bytes under NVRTC 12); no other
+    // instantiation spills with it.
+#if defined(FC_DIAG_SOFTMAX_FENCE_DROPOUT)   // (and with dropout)
+    constexpr bool kSoftmaxFence = !(Has_softcap && kD == 256);
+#elif defined(FC_DIAG_SOFTMAX_FENCE)
     constexpr bool kSoftmaxFence = !Is_dropout && !(Has_softcap && kD == 256);
 #else
     constexpr bool kSoftmaxFence = false;
