@@ -903,8 +903,8 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             }
             if (tile >= n_tiles) break;
             const FwdBlock<kBlockN, Is_local, kBM> blk = tile_block(tile);
-            FC_TL_STAMP(0, u, FC_TL_TILE_SLOT, 0);
-            FC_TL_VALUE(0, u, FC_TL_TILE_SLOT, 6, tile);
+            FC_TL_STAMP(0, nq, FC_TL_TILE_SLOT, 0);
+            FC_TL_VALUE(0, nq, FC_TL_TILE_SLOT, 6, tile);
             tile = next;
             if (!runs(blk)) continue;
             const int n_iter = blk.n_block_max - blk.n_block_min;   // >= 1

@@ -135,6 +135,7 @@ def analyse(tl, consumers):
                 tiles.append(dict(
                     blocks=nblk, q=_d(t[0], t[1]), s0=_d(t[1], t[2]), softmax0=_d(t[2], t[3]),
                     steps=_d(t[3], t[4]), last_pv=_d(t[4], t[5]), epilogue=_d(t[5], t[6]),
+                    span=_d(t[0], t[6]),
                     to_next=(_d(t[6], nxt[0]) if nxt is not None and nxt[0] != UNSET else None),
                     tile=(_d(t[0], nxt[0]) if nxt is not None and nxt[0] != UNSET else None)))
         step = _med(step_len)
@@ -150,6 +151,9 @@ def analyse(tl, consumers):
             tile_clocks=_med([t["tile"] for t in whole]),
             blocks=_med([t["blocks"] for t in whole]),
             fixed_blocks=_med([t["tile"] / step - t["blocks"] for t in whole]) if step else None,
+            # (one tile a CTA: no next tile; the tile's own span, received to epilogue issued)
+            span_clocks=_med([t["span"] for t in tiles]),
+            span_fixed_blocks=_med([t["span"] / step - t["blocks"] for t in tiles]) if step else None,
             tiles=len(tiles))
     prod = []
     for c in range(CTAS):
@@ -173,6 +177,8 @@ def report(label, res, ms_plain, ms_stamped):
               f" tile {r['tile_clocks']:.0f} clk for {r['blocks']:.0f} blocks -> fixed cost "
               f"{r['fixed_blocks']:.2f} block-times "
               f"({r['fixed_blocks'] * r['step_clocks'] / ghz / 1e3:.2f} µs) over {r['tiles']} tiles")
+        print(f"  a tile's own span (received to epilogue issued): {r['span_clocks']:.0f} clk, "
+              f"{r['span_fixed_blocks']:.2f} block-times beyond its blocks")
         print("  step      " + " ".join(f"{n:>12}" for n in STEP_NAMES + ["total"]))
         for k in ("first", "middle", "last"):
             print(f"  {k:<9} " + " ".join(f"{x:>12.0f}" for x in r[k]))
