@@ -35,9 +35,12 @@ The settings (environment variable in brackets):
 * ``sm90_fp8_fwd`` (``FLASHCORE_SM90_FP8_FWD``): the Hopper FP8 forward kernel for
   float8_e4m3fn CuPy and torch CUDA inputs (on by default); off, such calls are refused by
   name (NumPy arrays and torch CPU tensors take the NumPy reference either way).
-* ``sm90_defines``: extra NVRTC options of the kernels compiled for compute capability 9.0: the
-  Hopper forward and backward, the Ampere-class backward and the decode kernels there (a
-  diagnostic).
+* ``sm90_defines`` (``FLASHCORE_SM90_DEFINES``, defines separated by spaces, e.g.
+  ``-DFC_DIAG_SOFTMAX_FENCE``): extra NVRTC options of the kernels compiled for compute
+  capability 9.0: the Hopper forward and backward, the Ampere-class backward and the decode
+  kernels there (a diagnostic: the timing-only and candidate switches that the performance log
+  measures; from the environment, the GPU tests run against a candidate before it becomes a
+  default). Only ``-DNAME`` or ``-DNAME=VALUE`` options.
 * ``decode_fused_combine`` (``FLASHCORE_DECODE_FUSED_COMBINE``): split-KV partials merged in
   the decode kernel (off: a separate combine kernel); ``decode_cluster``
   (``FLASHCORE_DECODE_CLUSTER``): merged inside a thread-block cluster (sm_90).
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 import typing
 from typing import NamedTuple
@@ -81,6 +85,16 @@ class Settings(NamedTuple):
     cache_dir: str
 
 
+def _defines(text: str, name: str) -> tuple:
+    """A space-separated list of ``-DNAME[=VALUE]`` options; anything else raises, naming
+    ``name`` (the setting or the environment variable it came from)."""
+    opts = tuple(text.split())
+    bad = [o for o in opts if not re.fullmatch(r"-D[A-Za-z_]\w*(=\S*)?", o)]
+    if bad:
+        raise ValueError(f"{name}: expected -DNAME or -DNAME=VALUE options, got {bad}")
+    return opts
+
+
 def _default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(
         os.path.expanduser("~"), ".cache")
@@ -102,7 +116,8 @@ def _from_environment() -> Settings:
         sm90_bwd_ws=_env_flag("FLASHCORE_SM90_BWD_WS", True),
         sm90_bwd_d64_block_m=int(bm) if bm in ("64", "128") else 128,
         sm90_fp8_fwd=_env_flag("FLASHCORE_SM90_FP8_FWD", True),
-        sm90_defines=(),
+        sm90_defines=_defines(os.environ.get("FLASHCORE_SM90_DEFINES", ""),
+                              "FLASHCORE_SM90_DEFINES"),
         decode_fused_combine=_env_flag("FLASHCORE_DECODE_FUSED_COMBINE", True),
         decode_cluster=_env_flag("FLASHCORE_DECODE_CLUSTER", True),
         cache_dir=os.environ.get("FLASHCORE_CACHE_DIR", "").strip() or _default_cache_dir(),
@@ -139,7 +154,11 @@ def set(**changes) -> Settings:      # noqa: A001  (config.set reads as intended
         raise ValueError("argument 'sm90_bwd_d64_block_m': expected 64 or 128, got "
                          f"{changes['sm90_bwd_d64_block_m']!r}")
     if "sm90_defines" in changes:
-        changes["sm90_defines"] = tuple(changes["sm90_defines"])
+        v = changes["sm90_defines"]
+        if isinstance(v, str):
+            raise TypeError("argument 'sm90_defines': expected a sequence of options, got the "
+                            f"string {v!r}")
+        changes["sm90_defines"] = _defines(" ".join(v), "argument 'sm90_defines'")
     with _LOCK:
         prev = _CURRENT[0]
         _CURRENT[0] = prev._replace(**changes)

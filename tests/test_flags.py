@@ -127,3 +127,29 @@ def test_config_flags_are_bools():
     assert config.get() == before            # nothing changed by a refused call
     with config.override(debug=True):
         assert config.debug() is True
+
+
+def test_sm90_defines_come_from_the_environment_and_are_checked():
+    """FLASHCORE_SM90_DEFINES (space-separated -DNAME[=VALUE]) sets ``sm90_defines`` at import,
+    so that the GPU tests can run against a candidate define; anything but defines is refused
+    by name, from the environment and from config.set alike."""
+    import os
+    import subprocess
+    import sys
+    code = "from flashcore import config; print(config.get().sm90_defines)"
+    env = dict(os.environ, FLASHCORE_SM90_DEFINES=" -DFC_A  -DFC_B=2 ")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "('-DFC_A', '-DFC_B=2')"
+    env["FLASHCORE_SM90_DEFINES"] = "-DFC_A -O3"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "FLASHCORE_SM90_DEFINES" in out.stderr and "-O3" in out.stderr
+    before = config.get()
+    with pytest.raises(ValueError, match="argument 'sm90_defines'"):
+        config.set(sm90_defines=["-DFC_A", "--use_fast_math"])
+    with pytest.raises(TypeError, match="argument 'sm90_defines'"):
+        config.set(sm90_defines="-DFC_A")
+    assert config.get() == before
+    with config.override(sm90_defines=["-DFC_A"]):
+        assert config.get().sm90_defines == ("-DFC_A",)
+    assert config.get() == before
