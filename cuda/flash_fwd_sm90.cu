@@ -225,6 +225,24 @@ struct FwdRows {
 #pragma unroll
             for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
             mx = quad_max(mx);
+#ifdef FC_DIAG_RESCALE_THRESHOLD
+            // (the candidate: FlashAttention-4's conditional rescale) The row's reference
+            // maximum moves only where the block's maximum passes it by more than
+            // 2^FC_DIAG_RESCALE_THRESHOLD in P (or it is still -inf); P <= 2^T otherwise, the
+            // same relative rounding in 16 bits and, for T <= 8, within e4m3's 448. Where no
+            // row of a warp moved, corr is exactly 1 and the caller skips O's rescale; the
+            // epilogue's lse takes the reference, with which the row sum agrees.
+            {
+                const bool move = row_max[r] == -INFINITY ||
+                                  (mx - row_max[r]) * mult > (float)FC_DIAG_RESCALE_THRESHOLD;
+                grew |= move;
+                const float ref = move ? mx : row_max[r];
+                corr[r] = !move ? 1.f
+                          : row_max[r] == -INFINITY ? 0.f : fc_exp2((row_max[r] - ref) * mult);
+                mx = ref;
+            }
+            const float m_scaled = (mx == -INFINITY) ? 0.f : mx * mult;
+#else
             grew |= mx != row_max[r];
             const float m_scaled = (mx == -INFINITY) ? 0.f : mx * mult;
             // kExact: the difference first, exactly 1 for an unchanged maximum (for the skip:
@@ -235,6 +253,7 @@ struct FwdRows {
                 corr[r] = mx == -INFINITY ? 0.f : fc_exp2((row_max[r] - mx) * mult);
             else
                 corr[r] = fc_exp2(row_max[r] * mult - m_scaled);
+#endif
             row_max[r] = mx;
             float sum = 0.f;
 #pragma unroll
@@ -720,6 +739,8 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     constexpr bool kExactCorr = kD != 128;
 #ifdef FC_DIAG_RESCALE_ALWAYS
     constexpr bool kSkipRescale = false;
+#elif defined(FC_DIAG_RESCALE_THRESHOLD)   // (FwdRows::softmax: corr is 1 where no row moved)
+    constexpr bool kSkipRescale = true;
 #else
     constexpr bool kSkipRescale = kExactCorr;
 #endif

@@ -18,7 +18,9 @@ from the registers instead of through the O buffers and TMA (``FC_DIAG_O_STG``),
 rescaled after every key block (``FC_DIAG_RESCALE_ALWAYS``), ``ws-ppchain`` ping-pong's turns
 chained through each CTA's tiles as FlashAttention-3 orders them (``FC_DIAG_PP_CHAIN``),
 ``ws-fence`` the softmax kept ahead of the wait for the warpgroup's own P V product
-(``FC_DIAG_SOFTMAX_FENCE``; ``ws-fence-ppchain`` both), ``ws-desc`` the wgmma descriptors
+(``FC_DIAG_SOFTMAX_FENCE``; ``ws-fence-ppchain`` both), ``ws-thr8`` O rescaled only where a
+row's maximum passes its reference by more than 2^8 in P (``FC_DIAG_RESCALE_THRESHOLD=8``;
+``ws-fence-thr8`` with the fence), ``ws-desc`` the wgmma descriptors
 built whole for every product (``FC_DIAG_DESC_PER_PRODUCT``, the backward's too), ``ws-bcp``
 the defaults with the cp.async dK/dV kernel instead of the warp-specialised one, ``v1`` / ``v0`` the cp.async kernels,
 ``ampere`` the mma.sync kernel, ``ws-1t`` one tile per CTA, ``ws-pers`` persistent CTAs
@@ -71,6 +73,12 @@ VARIANTS = {
     "ws-fence": (dict(_WS, sm90_defines=("-DFC_DIAG_SOFTMAX_FENCE",)), {}),
     "ws-fence-ppchain": (dict(_WS, sm90_defines=("-DFC_DIAG_SOFTMAX_FENCE",
                                                  "-DFC_DIAG_PP_CHAIN")), {}),
+    # O rescaled only where a row's maximum passes its reference by more than 2^8 in P
+    # (FlashAttention-4's conditional rescale; FC_DIAG_RESCALE_THRESHOLD=8), alone and with the
+    # fence
+    "ws-thr8": (dict(_WS, sm90_defines=("-DFC_DIAG_RESCALE_THRESHOLD=8",)), {}),
+    "ws-fence-thr8": (dict(_WS, sm90_defines=("-DFC_DIAG_SOFTMAX_FENCE",
+                                              "-DFC_DIAG_RESCALE_THRESHOLD=8")), {}),
     # every wgmma descriptor built whole from its address, as before one add a k-step on a
     # base built once (cuda/wgmma.cuh; the backward's too in fwdbwd mode)
     "ws-desc": (dict(_WS, sm90_defines=("-DFC_DIAG_DESC_PER_PRODUCT",)), {}),

@@ -23,6 +23,9 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'torch', torch.__version__)"
+# (FLASHCORE_SM90_DEFINES: the whole check against a candidate's build, e.g. before a timing
+# define's change becomes the default)
+[ -n "${FLASHCORE_SM90_DEFINES:-}" ] && echo "FLASHCORE_SM90_DEFINES=$FLASHCORE_SM90_DEFINES" | tee "$out/defines.txt"
 
 wheels=${FLASHCORE_TEST_WHEELS:-.whl/test}
 for mod in hypothesis xdist ml_dtypes; do
@@ -106,5 +109,5 @@ if [ "${ASV:-1}" != 0 ] && [ "$mode" != bench ]; then
   # which ends with asv's own informative table
   if [ -s "$out/asv/compare.txt" ]; then cat "$out/asv/compare.txt"; else tail -15 "$out/asv_compare.txt"; fi
 fi
-echo "SUMMARY tests: ${tests_line:-none} (rc $tests_rc, $((t1 - t0)) s); bench rc $bench_rc; asv compare rc $asv_rc; $(head -1 "$out/summary.txt" 2>/dev/null)"
+echo "SUMMARY${FLASHCORE_SM90_DEFINES:+ [$FLASHCORE_SM90_DEFINES]} tests: ${tests_line:-none} (rc $tests_rc, $((t1 - t0)) s); bench rc $bench_rc; asv compare rc $asv_rc; $(head -1 "$out/summary.txt" 2>/dev/null)"
 exit $(( tests_rc != 0 || bench_rc != 0 || asv_rc != 0 ))

@@ -781,7 +781,7 @@ def test_decode_either_build_gives_the_same_results(page_size, case, num_splits,
         out, lse = p.outputs()
         return flashcore.attention_with_kvcache(p.q_d, kc, vc, out=out, lse=lse, **kw)
     a = run()
-    defines = (f"-D{define}",)
+    defines = config.get().sm90_defines + (f"-D{define}",)   # (on top of FLASHCORE_SM90_DEFINES)
     with config.override(sm90_defines=defines):
         b = run()
     assert any(key[4] == defines and "decode" in key[3] for key in jit._kernels), defines

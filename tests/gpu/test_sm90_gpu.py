@@ -270,6 +270,7 @@ def _under_defines(defines, fn, kernel=""):
     (a setting, so a launch-cache key of its own: nothing to clear), and that such a build of a
     kernel whose name starts with ``kernel`` ran."""
     from flashcore import config, jit
+    defines = config.get().sm90_defines + tuple(defines)   # (on top of FLASHCORE_SM90_DEFINES)
     with config.override(sm90_defines=defines):
         out = fn()
     assert any(key[4] == defines and key[3].startswith(kernel) for key in jit._kernels), defines
