@@ -11,8 +11,9 @@
 // producer), u: the CTA's tile number (the first FC_TL_TILES), it: a step within the tile (the
 // first FC_TL_ITERS - 2; FC_TL_TILE_SLOT holds the tile's own events, FC_TL_CTA_SLOT the
 // CTA's: fc_tl_cta_begin / fc_tl_cta_end), e: the event (0 .. 7). Slots never written keep
-// what the diagnostic put there before the launch. tests/diagnostics/probe_fwd_timeline.py
-// reads it (cuModuleGetGlobal) and says what each event of the forward means.
+// what the diagnostic put there before the launch. tests/diagnostics/probe_timeline.py reads
+// it (cuModuleGetGlobal) and says what each event of the Hopper forward and of the
+// warp-specialised dK/dV kernel means.
 // Timing only: a stamp is a clock read and a global store, and the "memory" clobber keeps it
 // in program order against the kernel's other volatile asm (wgmma, mbarriers, barriers).
 #pragma once

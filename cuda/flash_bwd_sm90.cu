@@ -48,6 +48,7 @@
 #include "flash_bwd.cu"
 #include "sm90_pipeline.cuh"
 #include "wgmma.cuh"
+#include "diag_timeline.cuh"
 
 namespace fc_hb {
 
@@ -641,7 +642,9 @@ __device__ __forceinline__ void bwd_produce(const FlashParams& p, const BwdSeq& 
         const int st = it % kStages;
         const fc_u32 ph = (fc_u32)(it / kStages) & 1u;
         const int mm = m_block * kBlockM;
+        FC_TL_STAMP(0, 0, it, 0);
         if (it >= kStages) mbar_wait(bar.empty(st), ph ^ 1u);
+        FC_TL_STAMP(0, 0, it, 1);
 #ifdef FC_DIAG_BWD_NO_QLOAD    // (timing only: Q and dO loaded for the first stages alone, wrong results)
         const bool load = it < kStages;
 #else
@@ -662,6 +665,7 @@ __device__ __forceinline__ void bwd_produce(const FlashParams& p, const BwdSeq& 
         for (int r = lane; r < kBlockM; r += 32)
             bwd_row_stats(p, b, h, seq, mm + r, sLse[st * kBlockM + r], sDsum[st * kBlockM + r]);
         mbar_arrive(bar.full(st));            // (release: the stores above are seen)
+        FC_TL_STAMP(0, 0, it, 2);
         bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
     }
 }
@@ -770,7 +774,11 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
 
     // ---- consumers -------------------------------------------------------------------------
     Consumer w(tid - 128);
+    FC_TL_CTA_BEGIN(wg);
+    FC_TL_STAMP(wg, 0, FC_TL_TILE_SLOT, 0);
+    FC_TL_VALUE(wg, 0, FC_TL_TILE_SLOT, 7, n_iter);
     mbar_wait(bar.kv(), 0);
+    FC_TL_STAMP(wg, 0, FC_TL_TILE_SLOT, 1);
     if constexpr (Is_varlen) zero_rows_past<kD, kBlockN>(sK, sV, seq.sk - n0, tid - 128);
     int h = kw.h0, m_block = kw.m_begin;
     static_assert((kD == 128 && kBlockM == 64) || (kD == 64 && kBlockM == 128),
@@ -791,25 +799,33 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
         const int st = it % kStages;
         const fc_u32 sdSb = sdS + (fc_u32)(it & 1) * kSdS;
         const int m0 = m_block * kBlockM;
+        FC_TL_STAMP(wg, 0, it, 0);
         mbar_wait(bar.full(st), (fc_u32)(it / kStages) & 1u);
+        FC_TL_STAMP(wg, 0, it, 1);
         if constexpr (Is_varlen)   // (m0 < sq on the walk)
             zero_rows_past<kD, kBlockM>(sQ + (fc_u32)st * kQT, sdO + (fc_u32)st * kQT,
                                         seq.sq - m0, tid - 128);
         if (it > 0) stage_dq(it);
+        FC_TL_STAMP(wg, 0, it, 2);
 #ifdef FC_DIAG_BWD_NO_OVERLAP     // (timing only: the step before's tile handed over first)
         if (it > 0) dq_tile_commit<32>(sDqw, dq_tile, tid - 128, 3 + w.wg, dq_tile != nullptr);
 #endif
         w.issue_sdp(sK, sV, sQ + (fc_u32)st * kQT, sdO + (fc_u32)st * kQT);
+        FC_TL_STAMP(wg, 0, it, 3);
 #ifndef FC_DIAG_BWD_NO_OVERLAP
         if (it > 0) dq_tile_commit<32>(sDqw, dq_tile, tid - 128, 3 + w.wg, dq_tile != nullptr);
 #endif
+        FC_TL_STAMP(wg, 0, it, 4);
         w.grads(p, seq, b, h, m0, n0, kw.off, sQ + (fc_u32)st * kQT, sdO + (fc_u32)st * kQT,
                 sLse + st * kBlockM, sDsum + st * kBlockM, sdSb);
+        FC_TL_STAMP(wg, 0, it, 5);
         fence_proxy_async();      // the dS^T stores, for the dQ product's async-proxy reads
         // The whole dS^T tile is written; and (dS^T double-buffered) every consumer is past the
         // previous step, whose dQ product read the buffer the next step writes.
         named_sync(1, 256);
+        FC_TL_STAMP(wg, 0, it, 6);
         w.dq_product(sK, sdSb, acc_dq);
+        FC_TL_STAMP(wg, 0, it, 7);
         mbar_arrive(bar.empty(st));   // this stage's Q, dO, lse and D are no longer read
         // d128: columns 64 wg.. of the block's 64 rows; d64 (128-query blocks): all columns of
         // rows 64 wg.., which may lie wholly past the last query (no tile there: nothing added)
@@ -818,14 +834,18 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
             ? dq_accum_row(p, seq, b, h, row0) + (kD == 128 ? w.wg * 64 * 64 : 0) : nullptr;
         bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
     }
+    FC_TL_STAMP(wg, 0, FC_TL_TILE_SLOT, 4);
     stage_dq(n_iter);
     dq_tile_commit<32>(sDqw, dq_tile, tid - 128, 3 + w.wg, dq_tile != nullptr);
+    FC_TL_STAMP(wg, 0, FC_TL_TILE_SLOT, 5);
 #ifdef FC_DIAG_BWD_REG_STORE      // (timing: dK and dV stored from the registers, 4 bytes a thread)
     w.store(p, seq, b, hk, n0);
 #else
     named_sync(1, 256);           // every consumer's last product done: K and V are free
     w.store_staged(p, seq, b, hk, n0, sK, sV);
 #endif
+    FC_TL_STAMP(wg, 0, FC_TL_TILE_SLOT, 6);
+    FC_TL_CTA_END(wg);
     // (shared memory stays until the last bulk copy has read it)
     if ((threadIdx.x & 127) == 0) bulk_wait<0>();
 }

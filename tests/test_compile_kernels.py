@@ -114,16 +114,21 @@ def test_hopper_kernels_compile(source):
 def test_forward_timeline_compiles():
     """The forward's timeline (cuda/diag_timeline.cuh, -DFC_DIAG_TIMELINE) compiles into the
     16-bit and FP8 Hopper forwards and puts the array the diagnostic reads into the module
-    (tests/diagnostics/probe_fwd_timeline.py); without the define there is no such array."""
+    (tests/diagnostics/probe_timeline.py); without the define there is no such array. The
+    warp-specialised dK/dV kernel likewise."""
     _nvrtc_or_skip()
     from flashcore.kernels import forward
-    names = [forward.sm90_ws_kernel_name("bfloat16", 128, False),
-             forward.fp8_kernel_name("bfloat16", 128, False)]
-    for name in names:
-        cubin, _ = jit.compile_check("flash_fwd_sm90.cu", [name], "sm_90a",
-                                     ("-DFC_DIAG_TIMELINE",))
+    from flashcore.kernels import backward
+    bwd = [n for n in backward.sm90_instantiations()
+           if n.startswith("flash_bwd_dkdv_sm90_ws_kernel<fc_bf16, 128")][:1]
+    assert bwd
+    sources = [("flash_fwd_sm90.cu", forward.sm90_ws_kernel_name("bfloat16", 128, False)),
+               ("flash_fwd_sm90.cu", forward.fp8_kernel_name("bfloat16", 128, False)),
+               ("flash_bwd_sm90.cu", bwd[0])]
+    for source, name in sources:
+        cubin, _ = jit.compile_check(source, [name], "sm_90a", ("-DFC_DIAG_TIMELINE",))
         assert b"fc_diag_tl" in cubin, name
-        cubin, _ = jit.compile_check("flash_fwd_sm90.cu", [name], "sm_90a")
+        cubin, _ = jit.compile_check(source, [name], "sm_90a")
         assert b"fc_diag_tl" not in cubin, name
 
 

@@ -1,15 +1,19 @@
-"""Where the Hopper forward's time goes, tile by tile and step by step (#15, #17; needs a GPU).
+"""Where the Hopper kernels' time goes, step by step (#15, #17; needs a GPU).
 
-    python tests/diagnostics/probe_fwd_timeline.py [--headdim 128] [--seqlen 2048 16384]
+    python tests/diagnostics/probe_timeline.py [--backward] [--headdim 128] [--seqlen 2048 16384]
         [--causal no|yes|both] [--fp8] [--defines NAME ...] [--json FILE]
 
-The warp-specialised forward compiled with ``-DFC_DIAG_TIMELINE`` (cuda/diag_timeline.cuh)
-writes the SM clock at fixed points of its schedule, thread 0 of each warpgroup, for the first
-132 CTAs and the first 8 tiles of each. The call goes through the public API (torch CUDA
-tensors at the ANCHORS.md sizes: 16k tokens, hidden 2048; FP8 inputs with per-head descales
-with ``--fp8``); the stamped kernel's GPU time is printed beside the plain kernel's, since the
-stamps themselves cost a little. ``--defines`` adds timing-only defines to both (e.g.
+The warp-specialised forward (or, ``--backward``, the warp-specialised dK/dV kernel at head
+dims 64 / 128) compiled with ``-DFC_DIAG_TIMELINE`` (cuda/diag_timeline.cuh) writes the SM
+clock at fixed points of its schedule, thread 0 of each warpgroup, for the first 132 CTAs and
+the first 8 tiles of each. The call goes through the public API (torch CUDA tensors at the
+ANCHORS.md sizes: 16k tokens, hidden 2048; the forward alone, FP8 inputs with per-head
+descales with ``--fp8``; forward and backward through autograd with ``--backward``); the
+stamped kernel's GPU time (the call's) is printed beside the plain one's, since the stamps
+themselves cost a little. ``--defines`` adds timing-only defines to both (e.g.
 ``FC_DIAG_PP_CHAIN``: the timeline of that variant).
+
+The forward:
 
 Consumer warpgroup events, one step (every key block but the tile's last; step ``it`` issues
 S of block it + 1 and P V of block it):
@@ -34,6 +38,20 @@ barriers. Without ``FC_DIAG_SOFTMAX_FENCE`` it issues the wait for P V before th
 (flash_fwd_sm90.cu, kSoftmaxFence), so the softmax's time shows under "rescale+pack" and
 "wait PV" is the product's whole remaining time; read the instantiation's SASS (the README of
 this folder says how) before reading the table.
+
+The backward (one key block a CTA; consumer warpgroups 1 and 2, one step per (query head,
+query block) of the CTA's walk):
+
+    0 top of the step              1 Q, dO, lse and D of the step in shared memory
+    2 the step before's dQ staged  3 S^T and dP^T issued
+    4 the step before's dQ tile handed to TMA (reduce-add)
+    5 grads: S^T, dP^T waited, P and dS computed, dS^T stored, dV and dK issued
+    6 the consumers met (dS^T whole)
+    7 dQ = dS K issued and every product of the step waited
+
+and of the CTA: 0 start, 1 K and V in shared memory, 4 the steps done, 5 the last dQ tile
+handed over, 6 dK and dV stored; 7 holds the step count. Producer (thread 0) per step: 0 before
+the stage is free, 1 free, 2 loads issued and statistics stored.
 """
 from __future__ import annotations
 
@@ -49,6 +67,8 @@ CTAS, TILES, ITERS = 132, 8, 128
 TILE_SLOT, CTA_SLOT = ITERS - 1, ITERS - 2
 UNSET = 0xFFFFFFFF
 STEP_NAMES = ["data", "turn", "issue", "wait S", "softmax", "wait PV", "rescale+pack"]
+BWD_STEP_NAMES = ["Q/dO wait", "stage dQ", "issue S,dP", "dQ handover", "grads", "dS^T meet",
+                  "dQ + wait"]
 DEFINE = "-DFC_DIAG_TIMELINE"
 
 
@@ -62,13 +82,14 @@ def _cu():
     return call
 
 
-def _timeline_buffer(jit):
+def _timeline_buffer(jit, prefix):
     """(device pointer, bytes, kernel name) of fc_diag_tl in the module of the one stamped
-    forward kernel loaded (the caller clears jit's kernels before the call)."""
+    kernel loaded whose name starts with ``prefix`` (the caller clears jit's kernels before
+    the call)."""
     ks = [k for key, k in list(jit._kernels.items())
-          if DEFINE in key[4] and k.name.startswith("flash_fwd_sm90")]
+          if DEFINE in key[4] and k.name.startswith(prefix)]
     if len(ks) != 1:
-        raise RuntimeError(f"expected one stamped forward kernel loaded, found {len(ks)}")
+        raise RuntimeError(f"expected one stamped {prefix} kernel loaded, found {len(ks)}")
     ptr, size = ctypes.c_uint64(), ctypes.c_size_t()
     _cu()("cuModuleGetGlobal_v2", ctypes.byref(ptr), ctypes.byref(size),
           ctypes.c_void_p(ks[0].module), b"fc_diag_tl")
@@ -97,19 +118,87 @@ def _med(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def analyse(tl, consumers):
-    """Medians (clocks) of the schedule's intervals; see the module's docstring."""
-    rates, out = [], {}
+def _clock_ghz(tl, warpgroups):
+    """The SM clock from each CTA's %clock against %globaltimer over its life (median)."""
+    rates = []
     for c in range(CTAS):
-        for w in range(1 + consumers):
+        for w in range(warpgroups):
             e = tl[c, w, 0, CTA_SLOT]
             if UNSET in (e[0], e[1], e[2], e[3], e[4], e[5]):
                 continue
             ns = ((int(e[5]) << 32) | int(e[4])) - ((int(e[2]) << 32) | int(e[1]))
             if ns > 0:
                 rates.append(_d(e[0], e[3]) / ns)
-    ghz = _med(rates)
-    out["clock_ghz"] = ghz
+    return _med(rates)
+
+
+def analyse_bwd(tl):
+    """The backward's medians (clocks); see the module's docstring."""
+    out = {"clock_ghz": _clock_ghz(tl, 3)}
+    for w in (1, 2):
+        first, mid, last, step_len, ctas = [], [], [], [], []
+        for c in range(CTAS):
+            t = tl[c, w, 0, TILE_SLOT]
+            if UNSET in (t[0], t[6], t[7]):
+                continue
+            n = int(t[7])
+            steps = []
+            for it in range(min(n, CTA_SLOT)):
+                s = tl[c, w, 0, it]
+                if UNSET in s:
+                    break
+                steps.append([_d(s[i], s[i + 1]) for i in range(7)] + [_d(s[0], s[7])])
+            for it in range(len(steps) - 1):
+                step_len.append(_d(tl[c, w, 0, it][0], tl[c, w, 0, it + 1][0]))
+            if steps:
+                first.append(steps[0])
+                last.append(steps[-1])
+                if len(steps) > 2:
+                    mid.append(steps[len(steps) // 2])
+            ctas.append(dict(steps=n, kv=_d(t[0], t[1]), walk=_d(t[1], t[4]),
+                             tail=_d(t[4], t[5]), epilogue=_d(t[5], t[6]), span=_d(t[0], t[6])))
+        step = _med(step_len)
+
+        def cols(rows):
+            return [_med([r[i] for r in rows]) for i in range(8)] if rows else [float("nan")] * 8
+        out[f"consumer{w}"] = dict(
+            step_clocks=step, first=cols(first), middle=cols(mid), last=cols(last),
+            cta={k: _med([x[k] for x in ctas]) for k in ("steps", "kv", "walk", "tail",
+                                                          "epilogue", "span")},
+            fixed_steps=_med([x["span"] / step - x["steps"] for x in ctas]) if step else None,
+            ctas=len(ctas))
+    prod = []
+    for c in range(CTAS):
+        for it in range(1, CTA_SLOT):
+            s = tl[c, 0, 0, it]
+            if UNSET in s[:3]:
+                break
+            prod.append([_d(s[0], s[1]), _d(s[1], s[2])])
+    out["producer"] = [_med([p[i] for p in prod]) for i in range(2)] if prod else None
+    return out
+
+
+def report_bwd(label, res, ms_plain, ms_stamped):
+    ghz = res["clock_ghz"]
+    print(f"\n## {label}: forward+backward {ms_plain:.3f} ms plain, {ms_stamped:.3f} ms stamped; "
+          f"SM clock {ghz:.2f} GHz")
+    for w in sorted(k for k in res if k.startswith("consumer")):
+        r = res[w]
+        print(f"{w}: median step {r['step_clocks']:.0f} clk ({r['step_clocks'] / ghz / 1e3:.2f} µs)"
+              f" over {r['ctas']} CTAs; a CTA: " + ", ".join(
+                  f"{k} {v:.0f}" for k, v in r["cta"].items())
+              + f"; beyond its steps {r['fixed_steps']:.2f} step-times")
+        print("  step      " + " ".join(f"{n:>12}" for n in BWD_STEP_NAMES + ["total"]))
+        for k in ("first", "middle", "last"):
+            print(f"  {k:<9} " + " ".join(f"{x:>12.0f}" for x in r[k]))
+    if res["producer"]:
+        print("producer (median a step, clk): stage wait {:.0f}, loads and statistics {:.0f}"
+              .format(*res["producer"]))
+
+
+def analyse(tl, consumers):
+    """Medians (clocks) of the schedule's intervals; see the module's docstring."""
+    out = {"clock_ghz": _clock_ghz(tl, 1 + consumers)}
     for w in range(1, 1 + consumers):
         first, mid, last, step_len, tiles = [], [], [], [], []
         for c in range(CTAS):
@@ -192,6 +281,7 @@ def report(label, res, ms_plain, ms_stamped):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backward", action="store_true")
     ap.add_argument("--headdim", type=int, nargs="+", default=[128])
     ap.add_argument("--seqlen", type=int, nargs="+", default=[2048, 16384])
     ap.add_argument("--causal", choices=("no", "yes", "both"), default="no")
@@ -205,6 +295,8 @@ def main(argv=None):
     from flashcore import config, jit
     from flashcore.bench import fp8_quantise, gpu_time, random_arrays, shape_for
 
+    if args.backward and args.fp8:
+        ap.error("--backward: the FP8 forward has no backward")
     results = {}
     for d in args.headdim:
         for s in args.seqlen:
@@ -216,20 +308,30 @@ def main(argv=None):
                     x, ds = zip(*(fp8_quantise(t) for t in x))
                     kw.update(q_descale=ds[0], k_descale=ds[1], v_descale=ds[2])
 
-                def call():
-                    return flashcore.attention_forward(*x, **kw)
+                if args.backward:
+                    x = [t.detach().requires_grad_() for t in x]
+                    grad = torch.randn_like(x[0])
+
+                    def call():
+                        out = flashcore.attention(*x, **kw)
+                        return torch.autograd.grad(out, x, grad)
+                else:
+                    def call():
+                        return flashcore.attention_forward(*x, **kw)
+                prefix = "flash_bwd_dkdv_sm90_ws" if args.backward else "flash_fwd_sm90"
+                pick = 1 if args.backward else 0     # dK (dQ's reduce-adds may vary in order)
                 extra = tuple(f"-D{n}" for n in args.defines)
                 with config.override(sm90_defines=extra):
-                    ref = call()[0].float()
+                    ref = call()[pick].float()
                     t_plain = gpu_time(call)
                 with config.override(sm90_defines=extra + (DEFINE,)):
                     jit.clear_memory_cache()      # (so that one stamped kernel is loaded)
-                    out = call()[0].float()
+                    out = call()[pick].float()
                     if not torch.equal(out, ref):
                         print(f"# the stamped kernel's output differs from the plain one's: "
                               f"max {float((out - ref).abs().max()):.3g}")
                     t_st = gpu_time(call)
-                    ptr, size, name = _timeline_buffer(jit)
+                    ptr, size, name = _timeline_buffer(jit, prefix)
                     torch.cuda.synchronize()
                     ctypes.CDLL("libcuda.so.1").cuMemsetD32_v2(
                         ctypes.c_uint64(ptr), ctypes.c_uint(UNSET), ctypes.c_size_t(size // 4))
@@ -238,8 +340,12 @@ def main(argv=None):
                     tl = _read(ptr, size)
                 label = (f"{'fp8 ' if args.fp8 else ''}{' '.join(args.defines)} d{d} s{s} b{b} h{h} "
                          f"{'causal' if causal else 'full'} [{name}]")
-                res = analyse(tl, _consumers(name))
-                report(label, res, t_plain * 1e3, t_st * 1e3)
+                if args.backward:
+                    res = analyse_bwd(tl)
+                    report_bwd(label, res, t_plain * 1e3, t_st * 1e3)
+                else:
+                    res = analyse(tl, _consumers(name))
+                    report(label, res, t_plain * 1e3, t_st * 1e3)
                 results[label] = dict(res, ms_plain=t_plain * 1e3, ms_stamped=t_st * 1e3)
     if args.json:
         with open(args.json, "w") as f:
