@@ -118,6 +118,29 @@ def _med(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
+def _steps(tl, c, w, u, n):
+    """The intervals of steps 0 .. n - 1 of CTA c's tile u, warpgroup w (to the first one not
+    stamped; each the 7 gaps between its events and its whole), and the clocks from each
+    step's start to the next's."""
+    steps = []
+    for it in range(min(n, CTA_SLOT)):
+        s = tl[c, w, u, it]
+        if UNSET in s:
+            break
+        steps.append([_d(s[i], s[i + 1]) for i in range(7)] + [_d(s[0], s[7])])
+    lens = [_d(tl[c, w, u, it][0], tl[c, w, u, it + 1][0]) for it in range(len(steps) - 1)]
+    return steps, lens
+
+
+def _step_table(runs):
+    """{first, middle, last}: the column medians of each run's first, middle and last step."""
+    def cols(rows):
+        return [_med([r[i] for r in rows]) for i in range(8)] if rows else [float("nan")] * 8
+    return dict(first=cols([r[0] for r in runs if r]),
+                middle=cols([r[len(r) // 2] for r in runs if len(r) > 2]),
+                last=cols([r[-1] for r in runs if r]))
+
+
 def _clock_ghz(tl, warpgroups):
     """The SM clock from each CTA's %clock against %globaltimer over its life (median)."""
     rates = []
@@ -136,33 +159,20 @@ def analyse_bwd(tl):
     """The backward's medians (clocks); see the module's docstring."""
     out = {"clock_ghz": _clock_ghz(tl, 3)}
     for w in (1, 2):
-        first, mid, last, step_len, ctas = [], [], [], [], []
+        runs, step_len, ctas = [], [], []
         for c in range(CTAS):
             t = tl[c, w, 0, TILE_SLOT]
             if UNSET in (t[0], t[6], t[7]):
                 continue
             n = int(t[7])
-            steps = []
-            for it in range(min(n, CTA_SLOT)):
-                s = tl[c, w, 0, it]
-                if UNSET in s:
-                    break
-                steps.append([_d(s[i], s[i + 1]) for i in range(7)] + [_d(s[0], s[7])])
-            for it in range(len(steps) - 1):
-                step_len.append(_d(tl[c, w, 0, it][0], tl[c, w, 0, it + 1][0]))
-            if steps:
-                first.append(steps[0])
-                last.append(steps[-1])
-                if len(steps) > 2:
-                    mid.append(steps[len(steps) // 2])
+            steps, lens = _steps(tl, c, w, 0, n)
+            runs.append(steps)
+            step_len += lens
             ctas.append(dict(steps=n, kv=_d(t[0], t[1]), walk=_d(t[1], t[4]),
                              tail=_d(t[4], t[5]), epilogue=_d(t[5], t[6]), span=_d(t[0], t[6])))
         step = _med(step_len)
-
-        def cols(rows):
-            return [_med([r[i] for r in rows]) for i in range(8)] if rows else [float("nan")] * 8
         out[f"consumer{w}"] = dict(
-            step_clocks=step, first=cols(first), middle=cols(mid), last=cols(last),
+            step_clocks=step, **_step_table(runs),
             cta={k: _med([x[k] for x in ctas]) for k in ("steps", "kv", "walk", "tail",
                                                           "epilogue", "span")},
             fixed_steps=_med([x["span"] / step - x["steps"] for x in ctas]) if step else None,
@@ -200,26 +210,16 @@ def analyse(tl, consumers):
     """Medians (clocks) of the schedule's intervals; see the module's docstring."""
     out = {"clock_ghz": _clock_ghz(tl, 1 + consumers)}
     for w in range(1, 1 + consumers):
-        first, mid, last, step_len, tiles = [], [], [], [], []
+        runs, step_len, tiles = [], [], []
         for c in range(CTAS):
             for u in range(TILES):
                 t = tl[c, w, u, TILE_SLOT]
                 if UNSET in (t[0], t[6], t[7]):
                     continue
                 nblk = int(t[7])
-                steps = []
-                for it in range(min(nblk - 1, TILE_SLOT - 1)):
-                    s = tl[c, w, u, it]
-                    if UNSET in s:
-                        break
-                    steps.append([_d(s[i], s[i + 1]) for i in range(7)] + [_d(s[0], s[7])])
-                for it in range(len(steps) - 1):
-                    step_len.append(_d(tl[c, w, u, it][0], tl[c, w, u, it + 1][0]))
-                if steps:
-                    first.append(steps[0])
-                    last.append(steps[-1])
-                    if len(steps) > 2:
-                        mid.append(steps[len(steps) // 2])
+                steps, lens = _steps(tl, c, w, u, nblk - 1)   # (every block but the last)
+                runs.append(steps)
+                step_len += lens
                 nxt = tl[c, w, u + 1, TILE_SLOT] if u + 1 < TILES else None
                 tiles.append(dict(
                     blocks=nblk, q=_d(t[0], t[1]), s0=_d(t[1], t[2]), softmax0=_d(t[2], t[3]),
@@ -228,12 +228,9 @@ def analyse(tl, consumers):
                     to_next=(_d(t[6], nxt[0]) if nxt is not None and nxt[0] != UNSET else None),
                     tile=(_d(t[0], nxt[0]) if nxt is not None and nxt[0] != UNSET else None)))
         step = _med(step_len)
-
-        def cols(rows):
-            return [_med([r[i] for r in rows]) for i in range(8)] if rows else [float("nan")] * 8
         whole = [t for t in tiles if t["tile"] is not None]
         out[f"consumer{w}"] = dict(
-            step_clocks=step, first=cols(first), middle=cols(mid), last=cols(last),
+            step_clocks=step, **_step_table(runs),
             prologue={k: _med([t[k] for t in tiles]) for k in ("q", "s0", "softmax0")},
             epilogue={k: _med([t[k] for t in tiles if t[k] is not None])
                       for k in ("last_pv", "epilogue", "to_next")},
