@@ -303,6 +303,53 @@ def test_skipped_rescale_gives_the_same_bits(d, causal):
     assert cp.array_equal(o0.view(cp.uint16), o1.view(cp.uint16)) and cp.array_equal(l0, l1)
 
 
+@pytest.mark.parametrize("define", ["FC_DIAG_SOFTMAX_FENCE", "FC_DIAG_PP_CHAIN",
+                                    "FC_DIAG_TIMELINE"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_schedule_only_defines_give_the_same_bits(define, causal):
+    """Builds that move work and leave the arithmetic alone (the softmax kept ahead of the wait
+    for P V, ping-pong's turns chained through a CTA's tiles, the timeline's stamps): the
+    warp-specialised forward's output and LSE (bf16 at head dims 64, 128 and 256; FP8 at 128
+    and 256) and, for the timeline, the dK/dV kernel's dK and dV, bit for bit those of the
+    default build, on enough query tiles (8 x 18 x 4 a call) that every persistent CTA takes
+    several, so that the chain's hand-overs between tiles are exercised."""
+    if _VARIANT["name"] != "ws":
+        pytest.skip("the warp-specialised kernel as by default")
+    import cupy as cp
+    import flashcore
+    from refutils import to_dev
+    seed = int(np.random.SeedSequence().entropy % 2**32)     # fresh data every run
+    rng = np.random.default_rng(seed)
+    calls = []
+    for d in (64, 128, 256):
+        q, k, v, do = (to_dev(rng.standard_normal((4, n, 8, d)).astype(np.float32), "bfloat16")
+                       for n in (2200, 2300, 2300, 2200))
+        calls.append(lambda q=q, k=k, v=v: flashcore.attention_forward(q, k, v, causal=causal))
+        if d != 256:
+            calls.append(lambda q=q, k=k, v=v, do=do: flashcore.attention_backward(
+                do, q, k, v, *flashcore.attention_forward(q, k, v, causal=causal),
+                causal=causal)[1:])                               # dK, dV
+        if d != 64:
+            # e4m3 bytes of magnitude at most 3.75 (0x47), either sign
+            q8, k8, v8 = (cp.asarray(rng.integers(0, 0x48, x.shape, dtype=np.uint8) |
+                                     (rng.integers(0, 2, x.shape, dtype=np.uint8) << 7))
+                          for x in (q, k, v))
+            one = cp.ones((4, 8), cp.float32)
+            calls.append(lambda q8=q8, k8=k8, v8=v8, one=one: flashcore.attention_forward(
+                q8, k8, v8, causal=causal, q_descale=one, k_descale=0.5 * one,
+                v_descale=one))
+
+    def run():
+        return [x.copy() for c in calls for x in c()]
+
+    a = run()
+    b = _under_defines((f"-D{define}",), run, "flash_")
+    assert len(a) == len(b) == 14
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert not np.isnan(cp.asnumpy(x).astype(np.float32)).any(), (i, seed)
+        assert cp.array_equal(x.view(cp.uint8), y.view(cp.uint8)), (define, i, seed)
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_descriptors_either_way_give_the_same_bits(d, causal):
