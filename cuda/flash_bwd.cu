@@ -506,6 +506,8 @@ template <int kHeadDim, int kBlockM, int kBlockN, int kNT, bool Is_local, bool H
           bool Is_even_d>
 struct BwdKeyBlockWalk {
     int h, m_block;                    // this step's query head and block
+    // (m_next before h_next, ds_next before nl_next: the order in which the kernels' PTX comes
+    // out as it did with these as locals)
     int m_next, h_next, buf;
     bool has_next;
     float ds_next, nl_next;            // the next step's row statistics (threads < kBlockM)
