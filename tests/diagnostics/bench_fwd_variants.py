@@ -18,9 +18,10 @@ from the registers instead of through the O buffers and TMA (``FC_DIAG_O_STG``),
 rescaled after every key block (``FC_DIAG_RESCALE_ALWAYS``), ``ws-ppchain`` ping-pong's turns
 chained through each CTA's tiles as FlashAttention-3 orders them (``FC_DIAG_PP_CHAIN``),
 ``ws-fence`` the softmax kept ahead of the wait for the warpgroup's own P V product
-(``FC_DIAG_SOFTMAX_FENCE``; ``ws-fence-ppchain`` both), ``ws-thr8`` O rescaled only where a
-row's maximum passes its reference by more than 2^8 in P (``FC_DIAG_RESCALE_THRESHOLD=8``;
-``ws-fence-thr8`` with the fence), ``ws-desc`` the wgmma descriptors
+(``FC_DIAG_SOFTMAX_FENCE``), ``ws-thr8`` O rescaled only where a row's maximum passes its
+reference by more than 2^8 in P (``FC_DIAG_RESCALE_THRESHOLD=8``); any of them followed by
+``+DEFINE[=VALUE]`` parts adds those NVRTC defines (e.g. ``ws-fence+FC_DIAG_PP_CHAIN``,
+``ws-bn128+FC_DIAG_SOFTMAX_FENCE``), ``ws-desc`` the wgmma descriptors
 built whole for every product (``FC_DIAG_DESC_PER_PRODUCT``, the backward's too), ``ws-bcp``
 the defaults with the cp.async dK/dV kernel instead of the warp-specialised one, ``v1`` / ``v0`` the cp.async kernels,
 ``ampere`` the mma.sync kernel, ``ws-1t`` one tile per CTA, ``ws-pers`` persistent CTAs
@@ -69,16 +70,11 @@ VARIANTS = {
     # the last P V outside the turns; FC_DIAG_PP_CHAIN)
     "ws-ppchain": (dict(_WS, sm90_defines=("-DFC_DIAG_PP_CHAIN",)), {}),
     # the softmax kept ahead of the wait for the warpgroup's own P V product (ptxas otherwise
-    # waits first; FC_DIAG_SOFTMAX_FENCE), alone and with the chained turns
+    # waits first; FC_DIAG_SOFTMAX_FENCE)
     "ws-fence": (dict(_WS, sm90_defines=("-DFC_DIAG_SOFTMAX_FENCE",)), {}),
-    "ws-fence-ppchain": (dict(_WS, sm90_defines=("-DFC_DIAG_SOFTMAX_FENCE",
-                                                 "-DFC_DIAG_PP_CHAIN")), {}),
     # O rescaled only where a row's maximum passes its reference by more than 2^8 in P
-    # (FlashAttention-4's conditional rescale; FC_DIAG_RESCALE_THRESHOLD=8), alone and with the
-    # fence
+    # (FlashAttention-4's conditional rescale; FC_DIAG_RESCALE_THRESHOLD=8)
     "ws-thr8": (dict(_WS, sm90_defines=("-DFC_DIAG_RESCALE_THRESHOLD=8",)), {}),
-    "ws-fence-thr8": (dict(_WS, sm90_defines=("-DFC_DIAG_SOFTMAX_FENCE",
-                                              "-DFC_DIAG_RESCALE_THRESHOLD=8")), {}),
     # every wgmma descriptor built whole from its address, as before one add a k-step on a
     # base built once (cuda/wgmma.cuh; the backward's too in fwdbwd mode)
     "ws-desc": (dict(_WS, sm90_defines=("-DFC_DIAG_DESC_PER_PRODUCT",)), {}),
@@ -88,13 +84,33 @@ VARIANTS = {
 }
 
 
+def _parse_variant(name):
+    """(settings, tiles) of a variant name: one of VARIANTS, optionally followed by
+    ``+DEFINE[=VALUE]`` parts, extra NVRTC defines on top of the variant's (e.g.
+    ``ws-bn128+FC_DIAG_SOFTMAX_FENCE``)."""
+    base, *extra = name.split("+")
+    if base not in VARIANTS:
+        raise argparse.ArgumentTypeError(
+            f"unknown variant {base!r} (expected one of {sorted(VARIANTS)}, then +DEFINE ...)")
+    settings, tiles = VARIANTS[base]
+    if extra:
+        settings = dict(settings, sm90_defines=tuple(settings.get("sm90_defines", ()))
+                        + tuple(f"-D{x}" for x in extra))
+    return settings, tiles
+
+
+def _variant_name(name):
+    _parse_variant(name)
+    return name
+
+
 @contextlib.contextmanager
 def variant(name):
     """The variant's settings and tiles for the block (launch plans dropped around it: a tile
     table change is no setting, so the plans' keys do not see it)."""
     from flashcore import config
     from flashcore.kernels import forward, plans
-    settings, tiles = VARIANTS[name]
+    settings, tiles = _parse_variant(name)
     saved = dict(forward._WS_TILES)
     forward._WS_TILES.update(tiles)
     plans.clear()
@@ -112,7 +128,9 @@ def main(argv=None):
     p.add_argument("--seqlen", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--headdim", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
-    p.add_argument("--variants", nargs="+", default=["ws", "ws-nopp", "v1"], choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=["ws", "ws-nopp", "v1"], type=_variant_name,
+                   help="names from VARIANTS, each optionally with +DEFINE[=VALUE] parts "
+                        "(extra NVRTC defines on top of the variant's)")
     p.add_argument("--mode", nargs="+", default=["fwd"], choices=["fwd", "fwdbwd"])
     p.add_argument("--rounds", type=int, default=1,
                    help="time every implementation of a cell this many times, in turn, and "
