@@ -141,6 +141,21 @@ def _step_table(runs):
                 last=cols([r[-1] for r in runs if r]))
 
 
+def _producer(tl, tiles, events):
+    """Medians of the gaps between the producer's first ``events`` stamps of a step, over the
+    first ``tiles`` tiles of every CTA (from each tile's second step: the first carries the
+    tile's start)."""
+    rows = []
+    for c in range(CTAS):
+        for u in range(tiles):
+            for it in range(1, CTA_SLOT):
+                s = tl[c, 0, u, it]
+                if UNSET in s[:events]:
+                    break
+                rows.append([_d(s[i], s[i + 1]) for i in range(events - 1)])
+    return [_med([r[i] for r in rows]) for i in range(events - 1)] if rows else None
+
+
 def _clock_ghz(tl, warpgroups):
     """The SM clock from each CTA's %clock against %globaltimer over its life (median)."""
     rates = []
@@ -177,14 +192,7 @@ def analyse_bwd(tl):
                                                           "epilogue", "span")},
             fixed_steps=_med([x["span"] / step - x["steps"] for x in ctas]) if step else None,
             ctas=len(ctas))
-    prod = []
-    for c in range(CTAS):
-        for it in range(1, CTA_SLOT):
-            s = tl[c, 0, 0, it]
-            if UNSET in s[:3]:
-                break
-            prod.append([_d(s[0], s[1]), _d(s[1], s[2])])
-    out["producer"] = [_med([p[i] for p in prod]) for i in range(2)] if prod else None
+    out["producer"] = _producer(tl, 1, 3)
     return out
 
 
@@ -241,15 +249,7 @@ def analyse(tl, consumers):
             span_clocks=_med([t["span"] for t in tiles]),
             span_fixed_blocks=_med([t["span"] / step - t["blocks"] for t in tiles]) if step else None,
             tiles=len(tiles))
-    prod = []
-    for c in range(CTAS):
-        for u in range(TILES):
-            for it in range(1, TILE_SLOT - 1):
-                s = tl[c, 0, u, it]
-                if UNSET in s[:4]:
-                    break
-                prod.append([_d(s[0], s[1]), _d(s[1], s[2]), _d(s[2], s[3])])
-    out["producer"] = [_med([p[i] for p in prod]) for i in range(3)] if prod else None
+    out["producer"] = _producer(tl, TILES, 4)
     return out
 
 
