@@ -14,8 +14,10 @@
 // what the diagnostic put there before the launch. tests/diagnostics/probe_timeline.py reads
 // it (cuModuleGetGlobal) and says what each event of the Hopper forward and of the
 // warp-specialised dK/dV kernel means.
-// Timing only: a stamp is a clock read and a global store, and the "memory" clobber keeps it
-// in program order against the kernel's other volatile asm (wgmma, mbarriers, barriers).
+// Timing only: a stamp is a clock read and a global store, kept in program order against the
+// kernel's other volatile asm (wgmma, mbarriers, barriers) by its "memory" clobber; ptxas still
+// moves register-only arithmetic across it, so an interval holds what the SASS puts between
+// its two stamps.
 #pragma once
 
 #ifndef FC_TL_CTAS
@@ -64,12 +66,9 @@ __device__ __forceinline__ void fc_tl_cta_mark(int wg, int e0) {
 }
 __device__ __forceinline__ void fc_tl_cta_begin(int wg) { fc_tl_cta_mark(wg, 0); }
 __device__ __forceinline__ void fc_tl_cta_end(int wg) { fc_tl_cta_mark(wg, 3); }
-// a value instead of a clock (the tile's step count, its number)
-__device__ __forceinline__ void fc_tl_value(int wg, int u, int it, int e, unsigned int v) {
-    fc_tl_put(wg, u, it, e, v);
-}
 #define FC_TL_STAMP(wg, u, it, e) fc_tl_stamp((wg), (u), (it), (e))
-#define FC_TL_VALUE(wg, u, it, e, v) fc_tl_value((wg), (u), (it), (e), (unsigned int)(v))
+// a value instead of a clock (the tile's step count, its number)
+#define FC_TL_VALUE(wg, u, it, e, v) fc_tl_put((wg), (u), (it), (e), (unsigned int)(v))
 #define FC_TL_CTA_BEGIN(wg) fc_tl_cta_begin(wg)
 #define FC_TL_CTA_END(wg) fc_tl_cta_end(wg)
 #else
