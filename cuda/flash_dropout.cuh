@@ -165,6 +165,51 @@ FC_HD void fc_dropout_lane(const FcDropout& d, int bh, int q0, int k0, int g, in
     }
 }
 
+#ifdef FC_DIAG_DROPOUT_SWAR
+// (the candidate, off until measured: the same masks in 24 instructions a call besides
+// Philox's where the form below takes 30) The keep flags of a word's four probabilities at
+// once: bit 7 of each byte set iff that byte is >= threshold (1 .. 255). t = (x | 0x80..) -
+// (threshold & 0x7F) per byte borrows nothing across bytes and has bit 7 iff x's low 7 bits
+// reach threshold's; then x >= threshold iff (bit 7 of x or of t) where threshold < 128, (bit 7
+// of x and of t) where it is >= 128: the majority of x, t and 0x80.. or 0 (one LOP3).
+FC_HD unsigned int fc_dropout_flags(const FcDropout& d, unsigned int x) {
+    const unsigned int lo = (d.threshold & 0x7Fu) * 0x01010101u;
+    const unsigned int k = d.threshold < 128u ? 0x80808080u : 0u;
+    const unsigned int t = (x | 0x80808080u) - lo;
+    return (x & t) | (k & (x | t));
+}
+
+// The forward's form of a lane's draw (S: rows = queries; the call of fc_dropout_lane for the
+// tile at (q0, k0)): `flags` the keep flags of the call's four words (fc_dropout_flags: bit 7
+// of each byte), and `theirs` the bytes of lane ^ 4 (bytes 2 b', 2 b' + 1 of each word, b' its g
+// & 1), words 2j and 2j + 1 in register j.
+FC_HD void fc_dropout_lane_flags(const FcDropout& d, int bh, int q0, int k0, int g, int t,
+                                 unsigned int (&flags)[4], unsigned int (&theirs)[2]) {
+    const FcPhilox4 w = fc_dropout_words(d, bh, q0 + g, k0 + 2 * t);
+    flags[0] = fc_dropout_flags(d, w.x);
+    flags[1] = fc_dropout_flags(d, w.y);
+    flags[2] = fc_dropout_flags(d, w.z);
+    flags[3] = fc_dropout_flags(d, w.w);
+    const unsigned int sel = (g & 1) ? 0x5410u : 0x7632u;   // lane ^ 4's bytes of two words
+    theirs[0] = fc_perm(flags[0], flags[1], sel);
+    theirs[1] = fc_perm(flags[2], flags[3], sel);
+}
+
+// From a lane's flags and `other` (what lane ^ 4 drew for it: fc_dropout_lane_flags' theirs),
+// the masks of tiles A and B as below: a sign-replicating byte permutation each, from the
+// lane's own word (bytes 2 b, 2 b + 1) or from the neighbour's register (word 2j's bytes at 4,
+// 5, word 2j + 1's at 6, 7); A is the tile an even lane drew itself, B an odd lane's.
+FC_HD void fc_dropout_pair_masks(const unsigned int (&flags)[4], const unsigned int (&other)[2],
+                                 bool odd, unsigned int (&mask_a)[4], unsigned int (&mask_b)[4]) {
+    const unsigned int own = odd ? 0xBBAAu : 0x9988u;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+        const unsigned int drawn = (w & 1) ? 0xFFEEu : 0xDDCCu;
+        mask_a[w] = fc_perm(flags[w], other[w >> 1], odd ? drawn : own);
+        mask_b[w] = fc_perm(flags[w], other[w >> 1], odd ? own : drawn);
+    }
+}
+#else
 // The forward's form of a lane's draw (S: rows = queries; the call of fc_dropout_lane for the
 // tile at (q0, k0)): keep flags as the top bits of bytes, two words a register, byte 2 (w & 1)
 // + e of register w >> 1 for word w, column e; `mine` the lane's own, `theirs` lane ^ 4's. Each
@@ -197,6 +242,8 @@ FC_HD void fc_dropout_pair_masks(const unsigned int (&mine)[2], const unsigned i
     }
 }
 
+#endif
+
 #ifdef __CUDACC__
 // The keep masks of two 16 x 16 tiles, A at (qa, ka) and B at (qb, kb) (B may be A), for this
 // lane's fragment (S or S^T), one Philox call per lane: lanes with even g draw A's group, odd g
@@ -221,7 +268,11 @@ __device__ __forceinline__ void fc_dropout_masks2(const FcDropout& d, int bh, in
                                                   unsigned int (&mask_a)[4],
                                                   unsigned int (&mask_b)[4]) {
     const bool odd = (g & 1) != 0;
+#ifdef FC_DIAG_DROPOUT_SWAR
+    unsigned int mine[4], theirs[2], other[2];
+#else
     unsigned int mine[2], theirs[2], other[2];
+#endif
     fc_dropout_lane_flags(d, bh, odd ? qb : qa, odd ? kb : ka, g, t, mine, theirs);
     other[0] = __shfl_xor_sync(0xFFFFFFFFu, theirs[0], 4);
     other[1] = __shfl_xor_sync(0xFFFFFFFFu, theirs[1], 4);

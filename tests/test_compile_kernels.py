@@ -132,6 +132,26 @@ def test_forward_timeline_compiles():
         assert b"fc_diag_tl" not in cubin, name
 
 
+def test_dropout_mask_candidate_compiles():
+    """The Hopper forward's bf16 dropout instantiations under FC_DIAG_DROPOUT_SWAR (the per-byte
+    compare of the dropout masks, off until measured: cuda/flash_dropout.cuh) compile within
+    the default build's spill allowance; the masks themselves are checked on the host
+    (tests/test_dropout.py) and, on the GPU, bit for bit against the default build."""
+    _nvrtc_or_skip()
+    from flashcore.kernels import forward
+    names = [n for n in forward.sm90_instantiations()
+             if n.startswith("flash_fwd_sm90_ws_kernel<fc_bf16,") and
+             re.search(r"<[^,]+, \d+, \d+, \d+, (true|false), true,", n)]
+    assert names
+    cubin, log = jit.compile_check("flash_fwd_sm90.cu", names, "sm_90a",
+                                   ("-DFC_DIAG_DROPOUT_SWAR",), want_log=True)
+    assert len(cubin) > 0
+    spills = _spills_by_kernel(log)
+    assert len(spills) == len(names), log
+    for mangled, stores in spills.items():
+        assert stores <= _spill_allowance(mangled), f"spills in {mangled}\n{log}"
+
+
 def _spill_allowance(mangled: str) -> int:
     """Spill bytes allowed for a Hopper kernel, from its mangled template arguments."""
     bools = re.findall(r"Lb([01])E", mangled)

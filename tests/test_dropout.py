@@ -166,9 +166,12 @@ def test_refusals_name_the_argument(kw, exc, words):
         flashcore.attention_forward(q, q, q, **kw)
 
 
-def test_the_cuda_header_draws_the_same_stream(tmp_path):
+@pytest.mark.parametrize("defines", [(), ("-DFC_DIAG_DROPOUT_SWAR",)])
+def test_the_cuda_header_draws_the_same_stream(tmp_path, defines):
     """cuda/flash_dropout.cuh (compiled for the host here) against flashcore.dropout: the
-    stream, the fragment helpers' bits in both orientations, the forward's packed masks."""
+    stream, the fragment helpers' bits in both orientations, the forward's packed masks (as
+    built and, FC_DIAG_DROPOUT_SWAR, the candidate's), at thresholds on both sides of 128 and
+    at the ends of their range."""
     import shutil
     import subprocess
     from flashcore.jit import cuda_dir
@@ -196,7 +199,11 @@ int main(int, char** argv) {{
     for (int tr = 0; tr < 2; ++tr)
         for (int pi = 0; pi < 3; ++pi) {{
             const int* pr = pairs[pi];
+#ifdef FC_DIAG_DROPOUT_SWAR
+            unsigned int mine[32], theirs[32], fm[32][4], ft[32][2];
+#else
             unsigned int mine[32], theirs[32], fm[32][2], ft[32][2];
+#endif
             for (int lane = 0; lane < 32; ++lane) {{
                 const int g = lane >> 2, t = lane & 3, odd = g & 1;
                 fc_dropout_lane(d, 1, odd ? pr[2] : pr[0], odd ? pr[3] : pr[1], g, t, tr != 0,
@@ -245,20 +252,24 @@ int main(int, char** argv) {{
 }}
 ''')
     exe = tmp_path / "t"
-    r = subprocess.run([cxx, "-O1", "-o", str(exe), str(src)], capture_output=True, text=True)
+    r = subprocess.run([cxx, "-O1", *defines, "-o", str(exe), str(src)], capture_output=True,
+                       text=True)
     assert r.returncode == 0, r.stderr[-3000:]
-    seed, offset, p = -1234567890123, (3 << 32) + 987654321, 0.3
-    got = subprocess.run([str(exe), str(seed), str(offset), str(D.threshold(p))], check=True,
-                         capture_output=True, text=True).stdout.split()
+    seed, offset = -1234567890123, (3 << 32) + 987654321
     st = np.array([seed, offset], np.int64)
-    m = D.keep_mask(st, p, np.arange(3), 7 * np.arange(5), np.arange(70)).reshape(15, 70)
-    assert got[:15] == ["".join("1" if x else "0" for x in row) for row in m]
-    # every element of the block written exactly once by the fragment helpers (a count of 1 or
-    # 2 printed as 0 or 1), both orientations equal to the stream
-    block = D.keep_mask(st, p, np.array([1]), np.arange(16, 48), np.arange(32, 64))[0]
-    want = "".join("1" if x else "0" for x in np.asarray(block).ravel())
-    assert [len(x) for x in got[15:]] == [32] * 64 and "".join(got[15::2]) == want
-    assert "".join(got[16::2]) == want
+    for p in (0.3, 0.7, 0.5, 1 / 256, 255 / 256):
+        thr = D.threshold(p)
+        got = subprocess.run([str(exe), str(seed), str(offset), str(thr)], check=True,
+                             capture_output=True, text=True).stdout.split()
+        m = D.keep_mask(st, p, np.arange(3), 7 * np.arange(5), np.arange(70)).reshape(15, 70)
+        assert 0 < m.mean() < 1 or thr in (1, 255)
+        assert got[:15] == ["".join("1" if x else "0" for x in row) for row in m], p
+        # every element of the block written exactly once by the fragment helpers (a count of
+        # 1 or 2 printed as 0 or 1), both orientations equal to the stream
+        block = D.keep_mask(st, p, np.array([1]), np.arange(16, 48), np.arange(32, 64))[0]
+        want = "".join("1" if x else "0" for x in np.asarray(block).ravel())
+        assert [len(x) for x in got[15:]] == [32] * 64 and "".join(got[15::2]) == want, p
+        assert "".join(got[16::2]) == want, p
 
 
 def test_return_attn_probs_encodes_the_dropout_the_way_flash_attn_tests_read_it():
