@@ -149,6 +149,50 @@ FC_HD void fc_dropout_spread(const FcDropout& d, int bh, int q0, int k0, int g, 
     }
 }
 
+// FC_DIAG_DROPOUT_SWAR: the candidate (off until measured) that builds the masks below from
+// per-byte compares, with the same bits: the forward's pair masks in 24 instructions a call
+// besides Philox's where the default form takes 30, fc_dropout_lane's in about 25 where it
+// takes about 43 (nvcc 13 SASS, session 36 of the performance log).
+// The keep flags of a word's four probabilities at once: bit 7 of each byte set iff that byte is >= threshold (1 .. 255). t = (x | 0x80..) -
+// (threshold & 0x7F) per byte borrows nothing across bytes and has bit 7 iff x's low 7 bits
+// reach threshold's; then x >= threshold iff (bit 7 of x or of t) where threshold < 128, (bit 7
+// of x and of t) where it is >= 128: the majority of x, t and 0x80.. or 0 (one LOP3).
+FC_HD unsigned int fc_dropout_flags(const FcDropout& d, unsigned int x) {
+    const unsigned int lo = (d.threshold & 0x7Fu) * 0x01010101u;
+    const unsigned int k = d.threshold < 128u ? 0x80808080u : 0u;
+    const unsigned int t = (x | 0x80808080u) - lo;
+    return (x & t) | (k & (x | t));
+}
+
+#ifdef FC_DIAG_DROPOUT_SWAR
+// What one lane draws, as two masks in the layout above: `mine`, its own 8 probabilities of
+// that tile, and `theirs`, those of lane ^ 4 (bits outside 0-3 and 16-19 are left undefined:
+// fc_dropout_keep_factor reads those only). A side's bytes of column e (S: 2 b + e, S^T: 2 e + b)
+// of words 0, 1 (and 2, 3) go into one register by a sign-replicating permutation, bytes
+// [w0 e0, w1 e0, w0 e1, w1 e1] each 0 or 0xFF, so that bits 7, 8, 23 and 24 hold word 0's and 1's
+// flags: shifted right by 7 they are bits 0, 1, 16, 17, and words 2, 3 shifted by 5 bits 2, 3,
+// 18, 19 (one LOP3 merges the two).
+FC_HD void fc_dropout_lane(const FcDropout& d, int bh, int q0, int k0, int g, int t,
+                           bool transposed, unsigned int& mine, unsigned int& theirs) {
+    const FcPhilox4 w = transposed ? fc_dropout_words(d, bh, q0 + 2 * t, k0 + g)
+                                   : fc_dropout_words(d, bh, q0 + g, k0 + 2 * t);
+    const unsigned int f0 = fc_dropout_flags(d, w.x), f1 = fc_dropout_flags(d, w.y);
+    const unsigned int f2 = fc_dropout_flags(d, w.z), f3 = fc_dropout_flags(d, w.w);
+    const unsigned int b = (unsigned int)g & 1u;
+    unsigned int out[2];
+#pragma unroll
+    for (int side = 0; side < 2; ++side) {
+        const unsigned int bb = side ? 1u - b : b;
+        const unsigned int c0 = transposed ? bb : 2u * bb, c1 = c0 + (transposed ? 2u : 1u);
+        const unsigned int sel = (c0 | 8u) | ((c0 + 4u) | 8u) << 4 | (c1 | 8u) << 8 |
+                                 ((c1 + 4u) | 8u) << 12;
+        const unsigned int x = fc_perm(f0, f1, sel), y = fc_perm(f2, f3, sel);
+        out[side] = ((x >> 7) & 0x00030003u) | ((y >> 5) & ~0x00030003u);
+    }
+    mine = out[0];
+    theirs = out[1];
+}
+#else
 // What one lane draws (fc_dropout_spread), as two masks in the layout above: `mine`, its own 8
 // probabilities of that tile, and `theirs`, those of lane ^ 4. Adding 256 - threshold to each
 // 16-bit half sets its bit 8 iff its byte + 256 - threshold >= 256, i.e. iff the probability is
@@ -164,21 +208,9 @@ FC_HD void fc_dropout_lane(const FcDropout& d, int bh, int q0, int k0, int g, in
         theirs |= ((o[wi] >> 8) & 0x00010001u) << wi;
     }
 }
+#endif
 
 #ifdef FC_DIAG_DROPOUT_SWAR
-// (the candidate, off until measured: the same masks in 24 instructions a call besides
-// Philox's where the form below takes 30) The keep flags of a word's four probabilities at
-// once: bit 7 of each byte set iff that byte is >= threshold (1 .. 255). t = (x | 0x80..) -
-// (threshold & 0x7F) per byte borrows nothing across bytes and has bit 7 iff x's low 7 bits
-// reach threshold's; then x >= threshold iff (bit 7 of x or of t) where threshold < 128, (bit 7
-// of x and of t) where it is >= 128: the majority of x, t and 0x80.. or 0 (one LOP3).
-FC_HD unsigned int fc_dropout_flags(const FcDropout& d, unsigned int x) {
-    const unsigned int lo = (d.threshold & 0x7Fu) * 0x01010101u;
-    const unsigned int k = d.threshold < 128u ? 0x80808080u : 0u;
-    const unsigned int t = (x | 0x80808080u) - lo;
-    return (x & t) | (k & (x | t));
-}
-
 // The forward's form of a lane's draw (S: rows = queries; the call of fc_dropout_lane for the
 // tile at (q0, k0)): `flags` the keep flags of the call's four words (fc_dropout_flags: bit 7
 // of each byte), and `theirs` the bytes of lane ^ 4 (bytes 2 b', 2 b' + 1 of each word, b' its g
