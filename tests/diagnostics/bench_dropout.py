@@ -1,12 +1,16 @@
 """What attention dropout costs (issue: the flash-attn drop-in, "dropout throughput >= 0.9x the
 no-dropout path"), through the public API on torch tensors, at the ANCHORS sizes.
-With --defines, a column `fc_defs`: flashcore with dropout p and those NVRTC options on its
-Hopper kernels (-DNAME=V each, config ``sm90_defines``; e.g. FC_DIAG_PHILOX_ROUNDS=0, timing
-only: what the random stream itself costs), and its ratio p0/defs; first, whether they change
-the outputs' bits (dq is summed with atomics, so its bits may differ run to run anyway).
+With --defines, one column per variant (`v1`, `v2`, ...): flashcore with dropout p and that
+variant's NVRTC options on its Hopper kernels (a variant is NAME[=V] or several joined by `+`,
+each -DNAME[=V], config ``sm90_defines``; e.g. FC_DIAG_PHILOX_ROUNDS=0, timing only: what the
+random stream itself costs), and its ratio p0/variant; first, whether each changes the outputs'
+bits (dq is summed with atomics, so its bits may differ run to run anyway).
 
     python tests/diagnostics/bench_dropout.py [--seqlen 4096 16384] [--headdim 64 128]
-                                              [--p 0.1] [--json F] [--defines NAME=V ...]
+                                              [--p 0.1] [--json F] [--defines VARIANT ...]
+
+e.g. ``--defines FC_DIAG_DROPOUT_SWAR FC_DIAG_SOFTMAX_FENCE_DROPOUT
+FC_DIAG_DROPOUT_SWAR+FC_DIAG_SOFTMAX_FENCE_DROPOUT`` (three columns).
 
 For each cell (16k tokens per batch, hidden 2048, bf16, causal and not): GPU time of the
 forward (no grad) and of forward+backward through autograd, for flashcore with dropout p,
@@ -57,18 +61,21 @@ def main(argv=None):
     ap.add_argument("--headdim", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--p", type=float, default=0.1)
     ap.add_argument("--json")
-    ap.add_argument("--defines", nargs="+", default=[])
+    ap.add_argument("--defines", nargs="+", default=[],
+                    help="variants: NAME[=V], several joined by '+'; a column each")
     a = ap.parse_args(argv)
     rows = []
     impls = (("fc", "torch", a.p), ("fc_p0", "torch", 0.0), ("flash", "sdpa_flash", a.p),
              ("cudnn", "sdpa_cudnn", a.p))
-    if a.defines:
-        impls += (("fc_defs", "torch", a.p),)
+    variants = {f"v{i + 1}": tuple(f"-D{x}" for x in v.split("+"))
+                for i, v in enumerate(a.defines)}
+    impls += tuple((n, "torch", a.p) for n in variants)
+    for n, defs in variants.items():
+        print(f"# {n}: {' '.join(defs)}")
     print(f"{'cell':24s} {'pass':8s} " + " ".join(f"{n:>8s}" for n, *_ in impls)
-          + "   p0/p  flash/fc cudnn/fc")
-    defines = tuple(f"-D{x}" for x in a.defines)
-    if defines:
-        same_outputs(a.headdim, a.p, defines)
+          + "   p0/p  flash/fc cudnn/fc" + "".join(f"  p0/{n}" for n in variants))
+    for defs in variants.values():
+        same_outputs(a.headdim, a.p, defs)
     for s in a.seqlen:
         for d in a.headdim:
             for causal in (False, True):
@@ -76,7 +83,7 @@ def main(argv=None):
                 ms = {}
                 for name, impl, p in impls:
                     try:
-                        with config.override(sm90_defines=defines if name == "fc_defs" else ()):
+                        with config.override(sm90_defines=variants.get(name, ())):
                             prob = AttentionProblem(impl, *shape, causal, dropout_p=p)
                             ms[name] = {w: prob.seconds(w) * 1e3 for w in ("forward",
                                                                            "forward_backward")}
@@ -92,7 +99,7 @@ def main(argv=None):
                     print(f"{cell:24s} {w[:8]:8s} " + " ".join(f"{t[n]:8.3f}" for n, *_ in impls)
                           + f"   {t['fc_p0'] / t['fc']:.2f}  {t['flash'] / t['fc']:.2f}"
                           f"     {t['cudnn'] / t['fc']:.2f}"
-                          + (f"   p0/defs {t['fc_p0'] / t['fc_defs']:.2f}" if a.defines else ""),
+                          + "".join(f"   {t['fc_p0'] / t[n]:5.2f}" for n in variants),
                           flush=True)
     if a.json:
         with open(a.json, "w") as f:

@@ -8,7 +8,10 @@
 # Two device calls (each under 10 minutes):
 #     STEPS="tests probe" bash tests/diagnostics/triage.sh       (the default)
 #     STEPS="overhead bench decode" bash tests/diagnostics/triage.sh
-# Other steps: sanitize (tests/diagnostics/sanitize.sh), profile (cProfile of the per-call host path).
+# Other steps: sanitize (tests/diagnostics/sanitize.sh), profile (cProfile of the per-call host path),
+# candidates (the timing-only candidate defines against the default build, one A/B each, the
+# most telling first: the Hopper forward's variants, dropout, FP8, then the timelines; about 9
+# minutes, each command under its own limit: STEPS=candidates bash tests/diagnostics/triage.sh).
 set -uo pipefail
 final=${OUT:-triage-out}
 out=$(mktemp -d)
@@ -55,6 +58,28 @@ for step in $steps; do
   decode)
     timeout 90 python3 tests/diagnostics/bench_decode.py > "$out/decode.txt" 2>&1
     note "decode"; tail -12 "$out/decode.txt" >> "$sum"
+    ;;
+  candidates)
+    # (name, limit in s, lines of its output kept in the summary, command)
+    cand() {
+      local name=$1 limit=$2 lines=$3; shift 3
+      timeout "$limit" "$@" > "$out/$name.txt" 2>&1
+      note "$name (rc $?)"; tail -"$lines" "$out/$name.txt" >> "$sum"
+    }
+    cand fwd_variants 200 60 python3 tests/diagnostics/bench_fwd_variants.py \
+        --seqlen 2048 4096 16384 --headdim 64 128 256 --rounds 2 --variants ws ws-fence \
+        ws-ppchain ws-fence+FC_DIAG_PP_CHAIN ws-thr8 ws-fence+FC_DIAG_RESCALE_THRESHOLD=8
+    cand dropout 150 40 python3 tests/diagnostics/bench_dropout.py --defines FC_DIAG_DROPOUT_SWAR \
+        FC_DIAG_SOFTMAX_FENCE_DROPOUT FC_DIAG_DROPOUT_SWAR+FC_DIAG_SOFTMAX_FENCE_DROPOUT
+    cand fp8 100 30 python3 tests/diagnostics/bench_fp8_forward.py --pingpong on --headdims \
+        128,256 --seqlens 4096,16384 \
+        --defines FC_DIAG_SOFTMAX_FENCE,FC_DIAG_SOFTMAX_FENCE+FC_DIAG_RESCALE_THRESHOLD=8
+    cand timeline 60 40 python3 tests/diagnostics/probe_timeline.py --headdim 64 128 \
+        --seqlen 2048 16384
+    cand timeline_fence 60 40 python3 tests/diagnostics/probe_timeline.py --headdim 64 128 \
+        --seqlen 2048 16384 --defines FC_DIAG_SOFTMAX_FENCE
+    cand timeline_bwd 60 40 python3 tests/diagnostics/probe_timeline.py --backward \
+        --headdim 128 --seqlen 4096 16384 --causal both
     ;;
   esac
 done
