@@ -815,15 +815,6 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     const float v_scale = Is_fp8 && params.v_descale != nullptr
                           ? params.v_descale[(long long)b * params.nheads_k + hk] : 1.f;
 
-    // O's rescale skipped after blocks where no row of a warp took a new maximum (the correction
-    // exact: fc_online_softmax's kExact, kSkip). FC_DIAG_RESCALE_ALWAYS: after every block
-    // (timing only; the same corrections, so the same bits).
-#ifdef FC_DIAG_RESCALE_ALWAYS
-    constexpr bool kSkipRescale = false;
-#else
-    constexpr bool kSkipRescale = true;
-#endif
-
     // ---- main loop ------------------------------------------------------------------------
     // In two copies (fc_mask_copies), with and without a key mask (keyed: the caller's
     // key_mask), and each block's mask and softmax in two, a boundary block's (or a keyed one's)
@@ -946,8 +937,7 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
                     fc_mask_scores<kMT, kNT, kBlockN>(s, pos_of, sk - kc0, left_bounded,
                                                       right_bounded, win_l, win_r);
                 if (masked && keyed) fc_apply_key_mask(s, keep_bits);
-                fc_online_softmax<kMT, kNT, kDT, true, kSkipRescale>(s, row_max, row_sum,
-                                                                    acc_o, mult);
+                fc_online_softmax<kMT, kNT, kDT, true>(s, row_max, row_sum, acc_o, mult);
             };
             fc_mask_copies(boundary || keyed, softmax_step);
 

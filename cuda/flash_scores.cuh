@@ -164,20 +164,16 @@ __device__ __forceinline__ void fc_apply_key_mask(float (&s)[kMT][kNT][4], unsig
 // -inf - (-inf) never happens), P = 2^-inf = 0, and the stored max stays -inf. The partial sums
 // stay per lane (each lane's 2 columns per tile); the quad is reduced once at the end, which is
 // valid since the correction is quad-uniform.
-// kExact: the correction from the difference, (m - m') mult, exactly 1 where the maximum did not
-// move (m mult - m' mult, contracted into one FFMA, leaves the rounding of m' mult). kSkip (with
-// kExact; the decode kernel): O's rescale skipped where no row of the warp took a new maximum
-// (a multiply by 1: the same bits, but for subnormal O values, which the flush-to-zero multiply
-// would zero; the Hopper forward skips it the same way): 4 kDT multiplies a row pair (64 of the
-// d128 FP8 decode block's 663 instructions) against a vote.
-template <int kMT, int kNT, int kDT, bool kExact = false, bool kSkip = false>
+// kExact (the decode kernel): the correction from the difference, (m - m') mult, exactly 1
+// where the maximum did not move (m mult - m' mult, contracted into one FFMA, leaves the
+// rounding of m' mult). (Decoding skipped O's rescale where no row of a warp took a new
+// maximum, with this exact correction, until run 110 of the performance log measured the skip
+// level with or 1% behind the rescale after every block, which it now does.)
+template <int kMT, int kNT, int kDT, bool kExact = false>
 __device__ __forceinline__ void fc_online_softmax(float (&s)[kMT][kNT][4],
                                                   float (&row_max)[kMT][2],
                                                   float (&row_sum)[kMT][2],
                                                   float (&acc_o)[kMT][kDT][4], float mult) {
-    static_assert(kExact || !kSkip, "the skip needs the exact correction");
-    float corr[kMT][2];
-    bool grew = false;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -189,13 +185,10 @@ __device__ __forceinline__ void fc_online_softmax(float (&s)[kMT][kNT][4],
             mx = quad_max(mx);
             const float m_scaled = (mx == -INFINITY) ? 0.f : mx * mult;
             float c;
-            if constexpr (kExact) {
+            if constexpr (kExact)
                 c = mx == -INFINITY ? 0.f : fc_exp2((row_max[mt][r] - mx) * mult);
-                grew |= mx != row_max[mt][r];
-            } else {
+            else
                 c = fc_exp2(row_max[mt][r] * mult - m_scaled);   // 0 if old was -inf
-            }
-            corr[mt][r] = c;
             row_max[mt][r] = mx;
             float sum = 0.f;
 #pragma unroll
@@ -207,22 +200,10 @@ __device__ __forceinline__ void fc_online_softmax(float (&s)[kMT][kNT][4],
                     sum += p;
                 }
             row_sum[mt][r] = row_sum[mt][r] * c + sum;
-            if constexpr (!kSkip) {
 #pragma unroll
-                for (int j = 0; j < kDT; ++j) {
-                    acc_o[mt][j][2 * r] *= c;
-                    acc_o[mt][j][2 * r + 1] *= c;
-                }
+            for (int j = 0; j < kDT; ++j) {
+                acc_o[mt][j][2 * r] *= c;
+                acc_o[mt][j][2 * r + 1] *= c;
             }
         }
-    if constexpr (kSkip) {
-        if (__any_sync(0xFFFFFFFFu, grew)) {
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-                for (int j = 0; j < kDT; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc_o[mt][j][e] *= corr[mt][e >> 1];
-        }
-    }
 }
