@@ -937,7 +937,7 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
                     fc_mask_scores<kMT, kNT, kBlockN>(s, pos_of, sk - kc0, left_bounded,
                                                       right_bounded, win_l, win_r);
                 if (masked && keyed) fc_apply_key_mask(s, keep_bits);
-                fc_online_softmax<kMT, kNT, kDT, true>(s, row_max, row_sum, acc_o, mult);
+                fc_online_softmax(s, row_max, row_sum, acc_o, mult);
             };
             fc_mask_copies(boundary || keyed, softmax_step);
 

@@ -164,12 +164,10 @@ __device__ __forceinline__ void fc_apply_key_mask(float (&s)[kMT][kNT][4], unsig
 // -inf - (-inf) never happens), P = 2^-inf = 0, and the stored max stays -inf. The partial sums
 // stay per lane (each lane's 2 columns per tile); the quad is reduced once at the end, which is
 // valid since the correction is quad-uniform.
-// kExact (the decode kernel): the correction from the difference, (m - m') mult, exactly 1
-// where the maximum did not move (m mult - m' mult, contracted into one FFMA, leaves the
-// rounding of m' mult). (Decoding skipped O's rescale where no row of a warp took a new
-// maximum, with this exact correction, until run 110 of the performance log measured the skip
-// level with or 1% behind the rescale after every block, which it now does.)
-template <int kMT, int kNT, int kDT, bool kExact = false>
+// (Decoding skipped O's rescale where no row of a warp took a new maximum, with a correction
+// computed from the difference (m - m') mult so that it was exactly 1 there, until run 110 of
+// the performance log measured the skip level with or 1% behind the rescale after every block.)
+template <int kMT, int kNT, int kDT>
 __device__ __forceinline__ void fc_online_softmax(float (&s)[kMT][kNT][4],
                                                   float (&row_max)[kMT][2],
                                                   float (&row_sum)[kMT][2],
@@ -184,11 +182,7 @@ __device__ __forceinline__ void fc_online_softmax(float (&s)[kMT][kNT][4],
                 mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
             mx = quad_max(mx);
             const float m_scaled = (mx == -INFINITY) ? 0.f : mx * mult;
-            float c;
-            if constexpr (kExact)
-                c = mx == -INFINITY ? 0.f : fc_exp2((row_max[mt][r] - mx) * mult);
-            else
-                c = fc_exp2(row_max[mt][r] * mult - m_scaled);   // 0 if old was -inf
+            const float c = fc_exp2(row_max[mt][r] * mult - m_scaled);   // 0 if old was -inf
             row_max[mt][r] = mx;
             float sum = 0.f;
 #pragma unroll
