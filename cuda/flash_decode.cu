@@ -57,10 +57,6 @@ namespace fc_dec {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-__device__ __forceinline__ void stg128(void* p, const fc_u32 (&r)[4]) {
-    asm volatile("st.global.v4.b32 [%0], {%1,%2,%3,%4};\n"
-                 :: "l"(p), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
-}
 __device__ __forceinline__ void stg128f(float* p, float a, float b, float c, float d) {
     asm volatile("st.global.v4.f32 [%0], {%1,%2,%3,%4};\n"
                  :: "l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
@@ -75,17 +71,6 @@ __device__ __forceinline__ void sts128f(fc_u32 addr, float a, float b, float c, 
 __device__ __forceinline__ void lds128f(float (&r)[4], fc_u32 addr) {
     asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n"
                  : "=f"(r[0]), "=f"(r[1]), "=f"(r[2]), "=f"(r[3]) : "r"(addr));
-}
-
-// Element offset of (row, col) in a ROWS x D tile stored as [D / W][ROWS][W], swizzled
-// (same layout as flash_fwd.cu).
-template <int W, int ROWS>
-__device__ __forceinline__ int tile_off(int row, int col) {
-    return (col / W) * (ROWS * W) + swz<W>(row, col % W);
-}
-template <int W>
-__device__ __forceinline__ int lane_off(int lr, int hc, int j) {
-    return swz<W>(lr, j * 16 + hc * 8);
 }
 
 // Loads of the split partials, through L2 only (.cg): in the fused combine they were written by
@@ -749,17 +734,9 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
         __syncthreads();
     }
 
-    // ---- per-lane ldmatrix offsets (see flash_fwd.cu for the fragment layouts) --------------
+    // ---- per-lane ldmatrix offsets (fc_ldmatrix_offsets: the fragment layouts) -------------
     int a_off[kJW], k_off[kJW];
-    {
-        const int a_lr = lane & 15, a_hc = lane >> 4;
-        const int k_lr = (lane & 7) + ((lane >> 4) << 3), k_hc = (lane >> 3) & 1;
-#pragma unroll
-        for (int j = 0; j < kJW; ++j) {
-            a_off[j] = lane_off<kW>(a_lr, a_hc, j);
-            k_off[j] = lane_off<kW>(k_lr, k_hc, j);
-        }
-    }
+    fc_ldmatrix_offsets<kW>(lane, a_off, k_off);
     auto q_addr = [&](int mt, int kk) -> fc_u32 {
         return sQ + 2u * ((kk / kJW) * (kBlockM * kW) + mt * 16 * kW + a_off[kk % kJW]);
     };
@@ -843,13 +820,13 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
 
             // S = Q K^T over this warp's kWN keys
             float s[kMT][kNT][4];
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
             if constexpr (Is_fp8) {
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
                 // The FP8 tile: a key row is kHeadDim bytes (kLD 16-bit units in the swizzled
                 // layout); its 16-byte chunk c holds dims 16c .. 16c + 15. One x4 ldmatrix per
                 // pair of chunks (2kp, 2kp + 1) and pair of key octets (k_off's lane order):
@@ -890,33 +867,7 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
                     }
                 }
             } else {
-#pragma unroll
-                for (int kk = 0; kk < kKD; ++kk) {
-                    fc_u32 qa[kMT][4];
-#pragma unroll
-                    for (int mt = 0; mt < kMT; ++mt) {
-                        if constexpr (kQInRegs) {
-#pragma unroll
-                            for (int e = 0; e < 4; ++e)
-                                qa[mt][e] = qf[kQInRegs ? mt : 0][kQInRegs ? kk : 0][e];
-                        } else {
-                            ldmatrix_x4(qa[mt], q_addr(mt, kk));
-                        }
-                    }
-#pragma unroll
-                    for (int np = 0; np < kNT / 2; ++np) {
-                        fc_u32 kb[4];
-                        ldmatrix_x4(kb, sKb + 2u * ((kk / kJW) * (kBlockN * kW)
-                                                    + (wn0 + np * 16) * kW + k_off[kk % kJW]));
-                        const fc_u32 b0[2] = {kb[0], kb[1]};
-                        const fc_u32 b1[2] = {kb[2], kb[3]};
-#pragma unroll
-                        for (int mt = 0; mt < kMT; ++mt) {
-                            EM::mma(s[mt][2 * np], qa[mt], b0);
-                            EM::mma(s[mt][2 * np + 1], qa[mt], b1);
-                        }
-                    }
-                }
+                fc_qk_product<EM, kKD, kBlockN, kW, kQInRegs>(s, qf, q_addr, sKb, wn0, k_off);
             }
 
             if constexpr (Is_fp8)   // the keys' descale (the scores of K's stored values)
@@ -942,11 +893,11 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
             fc_mask_copies(boundary || keyed, softmax_step);
 
             // O += P V over this warp's keys (P straight from the S accumulators)
+            if constexpr (Is_fp8) {
 #pragma unroll
-            for (int kk = 0; kk < kWN / 16; ++kk) {
-                fc_u32 pa[kMT][4];
-                fc_pack_p<EM>(s, kk, pa);
-                if constexpr (Is_fp8) {
+                for (int kk = 0; kk < kWN / 16; ++kk) {
+                    fc_u32 pa[kMT][4];
+                    fc_pack_p<EM>(s, kk, pa);
                     // One x4 ldmatrix.trans per pair of 16-byte chunks (2cp, 2cp + 1) of the
                     // warp's 16 keys (a_off's lane order): vb[2h] keys 0-7 and vb[2h + 1] keys
                     // 8-15 of chunk c = 2cp + h. Lane 4g + t gets the 16-bit units (key 2t, unit
@@ -977,22 +928,9 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
                             }
                         }
                     }
-                } else {
-#pragma unroll
-                    for (int dp = 0; dp < kHeadDim / 16; ++dp) {
-                        fc_u32 vb[4];
-                        ldmatrix_x4_trans(vb, sVb + 2u * ((dp / kJW) * (kBlockN * kW)
-                                                          + (wn0 + kk * 16) * kW
-                                                          + a_off[dp % kJW]));
-                        const fc_u32 b0[2] = {vb[0], vb[1]};
-                        const fc_u32 b1[2] = {vb[2], vb[3]};
-#pragma unroll
-                        for (int mt = 0; mt < kMT; ++mt) {
-                            EM::mma(acc_o[mt][2 * dp], pa[mt], b0);
-                            EM::mma(acc_o[mt][2 * dp + 1], pa[mt], b1);
-                        }
-                    }
                 }
+            } else {
+                fc_pv_product<EM, kBlockN, kW>(acc_o, s, sVb, wn0, a_off);
             }
         }
     };

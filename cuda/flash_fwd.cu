@@ -44,27 +44,8 @@ namespace fc_fwd {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-// 16-byte global store (no vector-type headers needed; lds128 is ptx.cuh's).
-__device__ __forceinline__ void stg128(void* p, const fc_u32 (&r)[4]) {
-    asm volatile("st.global.v4.b32 [%0], {%1,%2,%3,%4};\n"
-                 :: "l"(p), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
-}
 __device__ __forceinline__ void sts32(fc_u32 addr, fc_u32 v) {
     asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
-}
-
-// Element offset of (row, col) in a ROWS x D tile stored as [D / W][ROWS][W], swizzled.
-template <int W, int ROWS>
-__device__ __forceinline__ int tile_off(int row, int col) {
-    return (col / W) * (ROWS * W) + swz<W>(row, col % W);
-}
-
-// The lane-dependent part of an ldmatrix address inside one column block: lane row lr (the
-// row within a 16-row group; group bases are multiples of 16, so they do not change the XOR)
-// and lane half hc (0: columns 0-7 of the 16-column step j, 1: columns 8-15).
-template <int W>
-__device__ __forceinline__ int lane_off(int lr, int hc, int j) {
-    return swz<W>(lr, j * 16 + hc * 8);
 }
 
 // Copy a ROWS x D tile (rows of `row_stride` elements starting at gsrc) into a swizzled shared
@@ -267,25 +248,9 @@ flash_fwd_kernel(const FlashParams params) {
         cp_async_commit();
     }
 
-    // ---- per-lane ldmatrix offsets --------------------------------------------------------
-    // A operand (Q) and V^T (ldmatrix.trans) use the same lane pattern: lanes 0-15 give rows
-    // 0-15 of the left 8 columns, lanes 16-31 rows 0-15 of the right 8 columns. For Q this
-    // yields a0..a3 = (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15),
-    // (rows 8-15, k 8-15); for V (rows = keys) the transposed matrices are b0/b1 of d-tile 0,
-    // then b0/b1 of d-tile 1.
-    // K (B operand of Q K^T, non-transposed, rows = keys): lanes 0-7 keys 0-7 / d 0-7, 8-15
-    // keys 0-7 / d 8-15, 16-23 keys 8-15 / d 0-7, 24-31 keys 8-15 / d 8-15, giving b0/b1 of
-    // key-tile 0, then b0/b1 of key-tile 1.
+    // ---- per-lane ldmatrix offsets (fc_ldmatrix_offsets: the fragment layouts) -------------
     int a_off[kJW], k_off[kJW];
-    {
-        const int a_lr = lane & 15, a_hc = lane >> 4;
-        const int k_lr = (lane & 7) + ((lane >> 4) << 3), k_hc = (lane >> 3) & 1;
-#pragma unroll
-        for (int j = 0; j < kJW; ++j) {
-            a_off[j] = lane_off<kW>(a_lr, a_hc, j);
-            k_off[j] = lane_off<kW>(k_lr, k_hc, j);
-        }
-    }
+    fc_ldmatrix_offsets<kW>(lane, a_off, k_off);
     const int warp_row0 = warp * 16 * kMT;   // first tile row owned by this warp
     const fc_u32 sQw = sQ + 2u * warp_row0 * kW;
 
@@ -368,39 +333,7 @@ flash_fwd_kernel(const FlashParams params) {
 
         // S = Q K^T  (fp32 accumulators, kMT x kNT n8 tiles)
         float s[kMT][kNT][4];
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
-        const fc_u32 sKb = sK + buf;
-#pragma unroll
-        for (int kk = 0; kk < kKD; ++kk) {
-            fc_u32 qa[kMT][4];
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt) {
-                if constexpr (kQInRegs) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) qa[mt][e] = qf[kQInRegs ? mt : 0][kQInRegs ? kk : 0][e];
-                } else {
-                    ldmatrix_x4(qa[mt], q_addr(mt, kk));
-                }
-            }
-#pragma unroll
-            for (int np = 0; np < kNT / 2; ++np) {
-                fc_u32 kb[4];
-                ldmatrix_x4(kb, sKb + 2u * ((kk / kJW) * (kBlockN * kW) + np * 16 * kW
-                                            + k_off[kk % kJW]));
-                const fc_u32 b0[2] = {kb[0], kb[1]};
-                const fc_u32 b1[2] = {kb[2], kb[3]};
-#pragma unroll
-                for (int mt = 0; mt < kMT; ++mt) {
-                    Elem::mma(s[mt][2 * np], qa[mt], b0);
-                    Elem::mma(s[mt][2 * np + 1], qa[mt], b1);
-                }
-            }
-        }
+        fc_qk_product<Elem, kKD, kBlockN, kW, kQInRegs>(s, qf, q_addr, sK + buf, 0, k_off);
 
         // Score modifications, in the order of DESIGN.md: scale, softcap, ALiBi, mask; then the
         // online softmax step (flash_scores.cuh). A row's position relative to this lane's
@@ -445,26 +378,8 @@ flash_fwd_kernel(const FlashParams params) {
         cp_async_wait<2>();   // V[it] landed (K[it+1], V[it+1] may still be in flight)
         __syncthreads();
 
-        // O += P V, P straight from the S accumulators (fc_pack_p)
-        const fc_u32 sVb = sV + buf;
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) {
-            fc_u32 pa[kMT][4];
-            fc_pack_p<Elem>(s, kk, pa);
-#pragma unroll
-            for (int dp = 0; dp < kHeadDim / 16; ++dp) {
-                fc_u32 vb[4];
-                ldmatrix_x4_trans(vb, sVb + 2u * ((dp / kJW) * (kBlockN * kW) + kk * 16 * kW
-                                                  + a_off[dp % kJW]));
-                const fc_u32 b0[2] = {vb[0], vb[1]};
-                const fc_u32 b1[2] = {vb[2], vb[3]};
-#pragma unroll
-                for (int mt = 0; mt < kMT; ++mt) {
-                    Elem::mma(acc_o[mt][2 * dp], pa[mt], b0);
-                    Elem::mma(acc_o[mt][2 * dp + 1], pa[mt], b1);
-                }
-            }
-        }
+        // O += P V, P straight from the S accumulators
+        fc_pv_product<Elem, kBlockN, kW>(acc_o, s, sV + buf, 0, a_off);
     }
     // Every group still pending is an empty one from the last iteration.
 

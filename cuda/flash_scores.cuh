@@ -54,6 +54,80 @@ __device__ __forceinline__ void fc_pack_p(const float (&s)[kMT][kNT][4], int kk,
     }
 }
 
+// S = Q K^T over one key block, 16-bit operands (m16n8k16): s (kMT m16 by kNT n8 tiles)
+// zeroed, then for each of the kKD k16 steps of the head dim, Q's A fragments (kQInRegs: qf,
+// loaded once; else by ldmatrix at q_addr(mt, kk)) against K's B fragments, one x4 ldmatrix per
+// pair of n8 tiles from the tile_off tile of kRows keys at sK (column blocks of kW; this warp's
+// keys from row krow0; k_off: fc_ldmatrix_offsets). The FlashAttention-2-class forward and the
+// decode kernel's 16-bit caches.
+template <typename Elem, int kKD, int kRows, int kW, bool kQInRegs, int kMT, int kNT, int kQM,
+          int kQK, typename QAddr>
+__device__ __forceinline__ void fc_qk_product(float (&s)[kMT][kNT][4],
+                                              const fc_u32 (&qf)[kQM][kQK][4], QAddr&& q_addr,
+                                              fc_u32 sK, int krow0, const int (&k_off)[kW / 16]) {
+    constexpr int kJW = kW / 16;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kKD; ++kk) {
+        fc_u32 qa[kMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+            if constexpr (kQInRegs) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) qa[mt][e] = qf[kQInRegs ? mt : 0][kQInRegs ? kk : 0][e];
+            } else {
+                ldmatrix_x4(qa[mt], q_addr(mt, kk));
+            }
+        }
+#pragma unroll
+        for (int np = 0; np < kNT / 2; ++np) {
+            fc_u32 kb[4];
+            ldmatrix_x4(kb, sK + 2u * ((kk / kJW) * (kRows * kW) + (krow0 + np * 16) * kW
+                                       + k_off[kk % kJW]));
+            const fc_u32 b0[2] = {kb[0], kb[1]};
+            const fc_u32 b1[2] = {kb[2], kb[3]};
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+                Elem::mma(s[mt][2 * np], qa[mt], b0);
+                Elem::mma(s[mt][2 * np + 1], qa[mt], b1);
+            }
+        }
+    }
+}
+
+// O += P V over one key block, 16-bit operands: P straight from the S accumulators (fc_pack_p),
+// V^T's B fragments by x4 ldmatrix.trans from the tile_off tile of kRows keys at sV (column
+// blocks of kW; this warp's keys from row vrow0; a_off: fc_ldmatrix_offsets).
+template <typename Elem, int kRows, int kW, int kMT, int kNT, int kDT>
+__device__ __forceinline__ void fc_pv_product(float (&acc_o)[kMT][kDT][4],
+                                              const float (&s)[kMT][kNT][4], fc_u32 sV, int vrow0,
+                                              const int (&a_off)[kW / 16]) {
+    constexpr int kJW = kW / 16;
+#pragma unroll
+    for (int kk = 0; kk < kNT / 2; ++kk) {
+        fc_u32 pa[kMT][4];
+        fc_pack_p<Elem>(s, kk, pa);
+#pragma unroll
+        for (int dp = 0; dp < kDT / 2; ++dp) {
+            fc_u32 vb[4];
+            ldmatrix_x4_trans(vb, sV + 2u * ((dp / kJW) * (kRows * kW) + (vrow0 + kk * 16) * kW
+                                             + a_off[dp % kJW]));
+            const fc_u32 b0[2] = {vb[0], vb[1]};
+            const fc_u32 b1[2] = {vb[2], vb[3]};
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+                Elem::mma(acc_o[mt][2 * dp], pa[mt], b0);
+                Elem::mma(acc_o[mt][2 * dp + 1], pa[mt], b1);
+            }
+        }
+    }
+}
+
 // x *= factor, every element of a fragment (scores, or O's accumulators).
 template <int kMT, int kNT>
 __device__ __forceinline__ void fc_mul_fragment(float (&s)[kMT][kNT][4], float factor) {

@@ -206,3 +206,45 @@ __device__ __forceinline__ int swz(int row, int col) {  // element offset of (ro
     }
     return row * COLS + (sw << 3) + (col & 7);
 }
+
+// Element offset of (row, col) in a ROWS x D tile stored as [D / W][ROWS][W], swizzled: the
+// mma.sync kernels' shared tiles (flash_fwd.cu, flash_decode.cu). Column blocks make head dims
+// 96 and 192 (not a multiple of 64) swizzle without leaving the row.
+template <int W, int ROWS>
+__device__ __forceinline__ int tile_off(int row, int col) {
+    return (col / W) * (ROWS * W) + swz<W>(row, col % W);
+}
+
+// The lane-dependent part of an ldmatrix address inside one column block: lane row lr (the
+// row within a 16-row group; group bases are multiples of 16, so they do not change the XOR)
+// and lane half hc (0: columns 0-7 of the 16-column step j, 1: columns 8-15).
+template <int W>
+__device__ __forceinline__ int lane_off(int lr, int hc, int j) {
+    return swz<W>(lr, j * 16 + hc * 8);
+}
+
+// A lane's ldmatrix offsets in a tile_off tile, per 16-column step j of a column block.
+// a_off: the A operand (Q) and V^T (ldmatrix.trans) share the lane pattern: lanes 0-15 give
+// rows 0-15 of the left 8 columns, lanes 16-31 rows 0-15 of the right 8 columns. For Q this
+// yields a0..a3 = (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15),
+// (rows 8-15, k 8-15); for V (rows = keys) the transposed matrices are b0/b1 of d-tile 0,
+// then b0/b1 of d-tile 1. k_off: K (B operand of Q K^T, non-transposed, rows = keys): lanes
+// 0-7 keys 0-7 / d 0-7, 8-15 keys 0-7 / d 8-15, 16-23 keys 8-15 / d 0-7, 24-31 keys 8-15 /
+// d 8-15, giving b0/b1 of key-tile 0, then b0/b1 of key-tile 1.
+template <int W>
+__device__ __forceinline__ void fc_ldmatrix_offsets(int lane, int (&a_off)[W / 16],
+                                                    int (&k_off)[W / 16]) {
+    const int a_lr = lane & 15, a_hc = lane >> 4;
+    const int k_lr = (lane & 7) + ((lane >> 4) << 3), k_hc = (lane >> 3) & 1;
+#pragma unroll
+    for (int j = 0; j < W / 16; ++j) {
+        a_off[j] = lane_off<W>(a_lr, a_hc, j);
+        k_off[j] = lane_off<W>(k_lr, k_hc, j);
+    }
+}
+
+// 16-byte global store (no vector-type headers needed).
+__device__ __forceinline__ void stg128(void* p, const fc_u32 (&r)[4]) {
+    asm volatile("st.global.v4.b32 [%0], {%1,%2,%3,%4};\n"
+                 :: "l"(p), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
