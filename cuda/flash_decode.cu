@@ -753,12 +753,7 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     // ---- per-row state ---------------------------------------------------------------------
     // Thread rows: slice mt, half r -> tile row mt * 16 + g + 8r (the same for every warp).
     float acc_o[kMT][kDT][4];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int j = 0; j < kDT; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_o[mt][j][e] = 0.f;
+    fc_zero_fragment(acc_o);
     float row_max[kMT][2], row_sum[kMT][2];
     int row_pos[kMT][2];          // i + sk - sq of the row's query
     float slope[kMT][2];
@@ -821,12 +816,7 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
             // S = Q K^T over this warp's kWN keys
             float s[kMT][kNT][4];
             if constexpr (Is_fp8) {
-#pragma unroll
-                for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-                    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+                fc_zero_fragment(s);
                 // The FP8 tile: a key row is kHeadDim bytes (kLD 16-bit units in the swizzled
                 // layout); its 16-byte chunk c holds dims 16c .. 16c + 15. One x4 ldmatrix per
                 // pair of chunks (2kp, 2kp + 1) and pair of key octets (k_off's lane order):
@@ -839,16 +829,8 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
 #pragma unroll
                     for (int h = 0; h < 2; ++h)
 #pragma unroll
-                        for (int mt = 0; mt < kMT; ++mt) {
-                            if constexpr (kQInRegs) {
-#pragma unroll
-                                for (int e = 0; e < 4; ++e)
-                                    qa[h][mt][e] =
-                                        qf[kQInRegs ? mt : 0][kQInRegs ? 2 * kp + h : 0][e];
-                            } else {
-                                ldmatrix_x4(qa[h][mt], q_addr(mt, 2 * kp + h));
-                            }
-                        }
+                        for (int mt = 0; mt < kMT; ++mt)
+                            fc_q_frag<kQInRegs>(qa[h][mt], qf, q_addr, mt, 2 * kp + h);
 #pragma unroll
                     for (int np = 0; np < kNT / 2; ++np) {
                         fc_u32 kb[4];

@@ -272,12 +272,7 @@ flash_fwd_kernel(const FlashParams params) {
     // ---- per-row state --------------------------------------------------------------------
     // Thread rows: slice mt, half r -> tile row warp_row0 + mt*16 + g + 8r.
     float acc_o[kMT][kDT][4];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int j = 0; j < kDT; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_o[mt][j][e] = 0.f;
+    fc_zero_fragment(acc_o);
     float row_max[kMT][2], row_sum[kMT][2];
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)

@@ -54,6 +54,30 @@ __device__ __forceinline__ void fc_pack_p(const float (&s)[kMT][kNT][4], int kk,
     }
 }
 
+// Every element of a fragment (scores, or O's accumulators) zeroed.
+template <int kMT, int kNT>
+__device__ __forceinline__ void fc_zero_fragment(float (&s)[kMT][kNT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+}
+
+// Q's A fragment of m16 tile mt and k16 step kk: from qf (kQInRegs: loaded once) or by ldmatrix
+// at q_addr(mt, kk).
+template <bool kQInRegs, int kQM, int kQK, typename QAddr>
+__device__ __forceinline__ void fc_q_frag(fc_u32 (&qa)[4], const fc_u32 (&qf)[kQM][kQK][4],
+                                          QAddr&& q_addr, int mt, int kk) {
+    if constexpr (kQInRegs) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) qa[e] = qf[mt][kk][e];
+    } else {
+        ldmatrix_x4(qa, q_addr(mt, kk));
+    }
+}
+
 // S = Q K^T over one key block, 16-bit operands (m16n8k16): s (kMT m16 by kNT n8 tiles)
 // zeroed, then for each of the kKD k16 steps of the head dim, Q's A fragments (kQInRegs: qf,
 // loaded once; else by ldmatrix at q_addr(mt, kk)) against K's B fragments, one x4 ldmatrix per
@@ -66,24 +90,12 @@ __device__ __forceinline__ void fc_qk_product(float (&s)[kMT][kNT][4],
                                               const fc_u32 (&qf)[kQM][kQK][4], QAddr&& q_addr,
                                               fc_u32 sK, int krow0, const int (&k_off)[kW / 16]) {
     constexpr int kJW = kW / 16;
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+    fc_zero_fragment(s);
 #pragma unroll
     for (int kk = 0; kk < kKD; ++kk) {
         fc_u32 qa[kMT][4];
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-            if constexpr (kQInRegs) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) qa[mt][e] = qf[kQInRegs ? mt : 0][kQInRegs ? kk : 0][e];
-            } else {
-                ldmatrix_x4(qa[mt], q_addr(mt, kk));
-            }
-        }
+        for (int mt = 0; mt < kMT; ++mt) fc_q_frag<kQInRegs>(qa[mt], qf, q_addr, mt, kk);
 #pragma unroll
         for (int np = 0; np < kNT / 2; ++np) {
             fc_u32 kb[4];
