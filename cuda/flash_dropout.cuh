@@ -151,12 +151,14 @@ FC_HD void fc_dropout_spread(const FcDropout& d, int bh, int q0, int k0, int g, 
 
 // FC_DIAG_DROPOUT_SWAR: the candidate (off until measured) that builds the masks below from
 // per-byte compares, with the same bits: the forward's pair masks in 24 instructions a call
-// besides Philox's where the default form takes 30, fc_dropout_lane's in about 25 where it
-// takes about 43 (nvcc 13 SASS, session 36 of the performance log).
-// The keep flags of a word's four probabilities at once: bit 7 of each byte set iff that byte is >= threshold (1 .. 255). t = (x | 0x80..) -
-// (threshold & 0x7F) per byte borrows nothing across bytes and has bit 7 iff x's low 7 bits
-// reach threshold's; then x >= threshold iff (bit 7 of x or of t) where threshold < 128, (bit 7
-// of x and of t) where it is >= 128: the majority of x, t and 0x80.. or 0 (one LOP3).
+// besides Philox's where the default form takes 30, fc_dropout_lane's a few fewer too (nvcc 13
+// SASS: -40 / -25 a block in the d128 / d64 dropout forward, -13 a step in the d128 dK/dV
+// kernel; session 36 of the performance log).
+// The keep flags of a word's four probabilities at once: bit 7 of each byte set iff that byte
+// is >= threshold (1 .. 255). t = (x | 0x80..) - (threshold & 0x7F) per byte borrows nothing
+// across bytes and has bit 7 iff x's low 7 bits reach threshold's; then x >= threshold iff (bit
+// 7 of x or of t) where threshold < 128, (bit 7 of x and of t) where it is >= 128: the majority
+// of x, t and 0x80.. or 0 (one LOP3).
 FC_HD unsigned int fc_dropout_flags(const FcDropout& d, unsigned int x) {
     const unsigned int lo = (d.threshold & 0x7Fu) * 0x01010101u;
     const unsigned int k = d.threshold < 128u ? 0x80808080u : 0u;
@@ -167,11 +169,11 @@ FC_HD unsigned int fc_dropout_flags(const FcDropout& d, unsigned int x) {
 #ifdef FC_DIAG_DROPOUT_SWAR
 // What one lane draws, as two masks in the layout above: `mine`, its own 8 probabilities of
 // that tile, and `theirs`, those of lane ^ 4 (bits outside 0-3 and 16-19 are left undefined:
-// fc_dropout_keep_factor reads those only). A side's bytes of column e (S: 2 b + e, S^T: 2 e + b)
-// of words 0, 1 (and 2, 3) go into one register by a sign-replicating permutation, bytes
-// [w0 e0, w1 e0, w0 e1, w1 e1] each 0 or 0xFF, so that bits 7, 8, 23 and 24 hold word 0's and 1's
-// flags: shifted right by 7 they are bits 0, 1, 16, 17, and words 2, 3 shifted by 5 bits 2, 3,
-// 18, 19 (one LOP3 merges the two).
+// fc_dropout_keep_factor reads those only). A side's bytes of column e (S: 2 b + e, S^T:
+// 2 e + b) of words 0, 1 (and 2, 3) go into one register by a sign-replicating permutation,
+// bytes [w0 e0, w1 e0, w0 e1, w1 e1] each 0 or 0xFF, so that bits 7, 8, 23 and 24 hold word 0's
+// and 1's flags: shifted right by 7 they are bits 0, 1, 16, 17, and words 2, 3 shifted by 5
+// bits 2, 3, 18, 19 (one LOP3 merges the two).
 FC_HD void fc_dropout_lane(const FcDropout& d, int bh, int q0, int k0, int g, int t,
                            bool transposed, unsigned int& mine, unsigned int& theirs) {
     const FcPhilox4 w = transposed ? fc_dropout_words(d, bh, q0 + 2 * t, k0 + g)
