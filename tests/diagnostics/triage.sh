@@ -73,7 +73,7 @@ for step in $steps; do
         FC_DIAG_SOFTMAX_FENCE_DROPOUT FC_DIAG_DROPOUT_SWAR+FC_DIAG_SOFTMAX_FENCE_DROPOUT
     cand fp8 100 30 python3 tests/diagnostics/bench_fp8_forward.py --pingpong on --headdims \
         128,256 --seqlens 4096,16384 \
-        --defines FC_DIAG_SOFTMAX_FENCE,FC_DIAG_SOFTMAX_FENCE+FC_DIAG_RESCALE_THRESHOLD=8
+        --defines FC_DIAG_SOFTMAX_FENCE,FC_DIAG_SOFTMAX_FENCE+FC_DIAG_RESCALE_THRESHOLD=8,FC_DIAG_SOFTMAX_FENCE+FC_DIAG_POLY_EVERY=4
     cand timeline 60 40 python3 tests/diagnostics/probe_timeline.py --headdim 64 128 \
         --seqlen 2048 16384
     cand timeline_fence 60 40 python3 tests/diagnostics/probe_timeline.py --headdim 64 128 \
