@@ -4,14 +4,16 @@
 # Hopper forward, the torch per-call cost, the benchmark with and without the Hopper
 # kernels (same run, peers included), and decoding. $OUT receives two files (the device tool
 # returns at most 8): summary.txt, appended after every step (so a time limit loses only the
-# step in flight), and logs.tgz with every log at the end.
+# step in flight), and logs.tgz with every log at the end (the candidates' steps also copy
+# each command's whole log there as it ends).
 # Two device calls (each under 10 minutes):
 #     STEPS="tests probe" bash tests/diagnostics/triage.sh       (the default)
 #     STEPS="overhead bench decode" bash tests/diagnostics/triage.sh
 # Other steps: sanitize (tests/diagnostics/sanitize.sh), profile (cProfile of the per-call host path),
-# candidates (the timing-only candidate defines against the default build, one A/B each, the
-# most telling first: the Hopper forward's variants, dropout, FP8, then the timelines; about 9
-# minutes, each command under its own limit: STEPS=candidates bash tests/diagnostics/triage.sh).
+# candidates and candidates2 (the timing-only candidate defines against the default build, one
+# A/B each, each step one device call of at most 9 minutes with every command under its own
+# limit: candidates the Hopper forward's variants and dropout, candidates2 FP8 and the
+# timelines: STEPS=candidates bash tests/diagnostics/triage.sh, then STEPS=candidates2).
 set -uo pipefail
 final=${OUT:-triage-out}
 out=$(mktemp -d)
@@ -22,6 +24,13 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 steps=${STEPS:-tests probe}
 t0=$(date +%s)
 note() { echo "[$(( $(date +%s) - t0 )) s] $*" >> "$sum"; }
+# (name, limit in s, lines of its output kept in the summary, command): the candidates' steps
+cand() {
+  local name=$1 limit=$2 lines=$3; shift 3
+  timeout "$limit" "$@" > "$out/$name.txt" 2>&1
+  note "$name (rc $?)"; tail -"$lines" "$out/$name.txt" >> "$sum"
+  cp "$out/$name.txt" "$final/$name.txt" 2>/dev/null   # (whole, in case the call's limit cuts the tarball)
+}
 
 for step in $steps; do
   case $step in
@@ -60,25 +69,21 @@ for step in $steps; do
     note "decode"; tail -12 "$out/decode.txt" >> "$sum"
     ;;
   candidates)
-    # (name, limit in s, lines of its output kept in the summary, command)
-    cand() {
-      local name=$1 limit=$2 lines=$3; shift 3
-      timeout "$limit" "$@" > "$out/$name.txt" 2>&1
-      note "$name (rc $?)"; tail -"$lines" "$out/$name.txt" >> "$sum"
-    }
-    cand fwd_variants 200 60 python3 tests/diagnostics/bench_fwd_variants.py \
+    cand fwd_variants 330 60 python3 tests/diagnostics/bench_fwd_variants.py \
         --seqlen 2048 4096 16384 --headdim 64 128 256 --rounds 2 --variants ws ws-fence \
         ws-ppchain ws-fence+FC_DIAG_PP_CHAIN ws-thr8 ws-fence+FC_DIAG_RESCALE_THRESHOLD=8
-    cand dropout 150 40 python3 tests/diagnostics/bench_dropout.py --defines FC_DIAG_DROPOUT_SWAR \
+    cand dropout 200 40 python3 tests/diagnostics/bench_dropout.py --defines FC_DIAG_DROPOUT_SWAR \
         FC_DIAG_SOFTMAX_FENCE_DROPOUT FC_DIAG_DROPOUT_SWAR+FC_DIAG_SOFTMAX_FENCE_DROPOUT
-    cand fp8 100 30 python3 tests/diagnostics/bench_fp8_forward.py --pingpong on --headdims \
+    ;;
+  candidates2)
+    cand fp8 200 30 python3 tests/diagnostics/bench_fp8_forward.py --pingpong on --headdims \
         128,256 --seqlens 4096,16384 \
         --defines FC_DIAG_SOFTMAX_FENCE,FC_DIAG_SOFTMAX_FENCE+FC_DIAG_RESCALE_THRESHOLD=8,FC_DIAG_SOFTMAX_FENCE+FC_DIAG_POLY_EVERY=4
-    cand timeline 60 40 python3 tests/diagnostics/probe_timeline.py --headdim 64 128 \
+    cand timeline 100 40 python3 tests/diagnostics/probe_timeline.py --headdim 64 128 \
         --seqlen 2048 16384
-    cand timeline_fence 60 40 python3 tests/diagnostics/probe_timeline.py --headdim 64 128 \
+    cand timeline_fence 100 40 python3 tests/diagnostics/probe_timeline.py --headdim 64 128 \
         --seqlen 2048 16384 --defines FC_DIAG_SOFTMAX_FENCE
-    cand timeline_bwd 60 40 python3 tests/diagnostics/probe_timeline.py --backward \
+    cand timeline_bwd 100 40 python3 tests/diagnostics/probe_timeline.py --backward \
         --headdim 128 --seqlen 4096 16384 --causal both
     ;;
   esac
