@@ -761,19 +761,24 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     // across WARPGROUP.DEPBAR and barriers, and left alone it puts the wait for P_i V_i
     // before the whole softmax: in every instantiation read (nvcc 13.0, 16-bit and FP8, head
     // dims 64 / 128 / 256; the PTX has the exponentials before the wait), so the softmax
-    // starts only once the product is done. FC_DIAG_SOFTMAX_FENCE (the candidate, measured
-    // against the default before it becomes one) ends the basic block after the softmax with a
-    // branch on the row sums (schedule_after), above which ptxas does not hoist the wait: the
-    // exponentials then all precede it. Not with dropout (its d128 kernel spills 28 bytes
-    // with it under nvcc 13; FC_DIAG_SOFTMAX_FENCE_DROPOUT: with dropout too, for its A/B)
-    // nor in the FP8 softcap kernels at head dim 256 (4-12 bytes under NVRTC 12); no other
-    // instantiation spills with it.
-#if defined(FC_DIAG_SOFTMAX_FENCE_DROPOUT)   // (and with dropout)
+    // starts only once the product is done. The fence ends the basic block after the softmax
+    // with a branch on the row sums (schedule_after), above which ptxas does not hoist the
+    // wait: the exponentials then all precede it. On by default in the 16-bit kernels at head
+    // dims 64 and 256 without dropout (session 36 of the performance log, H100, same run: d64
+    // +1-5% but a level 2k causal cell, d256 +2-13%; at d128 -3% to +2%, FP8 d128 -5 to -8%,
+    // FP8 d256 level: off there). Not with dropout (its d128 kernel spills 28 bytes with it
+    // under nvcc 13) nor in the FP8 softcap kernels at head dim 256 (4-12 bytes under NVRTC
+    // 12). FC_DIAG_SOFTMAX_FENCE: wherever it fits (all 16-bit and FP8 kernels but those),
+    // FC_DIAG_SOFTMAX_FENCE_DROPOUT: with dropout too, FC_DIAG_NO_SOFTMAX_FENCE: nowhere (the
+    // A/Bs; timing only, the same bits).
+#if defined(FC_DIAG_NO_SOFTMAX_FENCE)
+    constexpr bool kSoftmaxFence = false;
+#elif defined(FC_DIAG_SOFTMAX_FENCE_DROPOUT)   // (and with dropout)
     constexpr bool kSoftmaxFence = !(Has_softcap && kD == 256);
 #elif defined(FC_DIAG_SOFTMAX_FENCE)
     constexpr bool kSoftmaxFence = !Is_dropout && !(Has_softcap && kD == 256);
 #else
-    constexpr bool kSoftmaxFence = false;
+    constexpr bool kSoftmaxFence = !Is_fp8 && !Is_dropout && (kD == 64 || kD == 256);
 #endif
     static_assert(!(Is_fp8 && Is_dropout), "FP8 attention is forward only, without dropout");
     static_assert(!Is_varlen || !kPersistent, "varlen: one tile a CTA");
