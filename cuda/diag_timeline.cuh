@@ -9,8 +9,10 @@
 //
 // cta: the CTA's linear index (only the first FC_TL_CTAS record), wg: its warpgroup (0 the
 // producer), u: the CTA's tile number (the first FC_TL_TILES), it: a step within the tile (the
-// first FC_TL_ITERS - 2; FC_TL_TILE_SLOT holds the tile's own events, FC_TL_CTA_SLOT the
-// CTA's: fc_tl_cta_begin / fc_tl_cta_end), e: the event (0 .. 7). Slots never written keep
+// first FC_TL_ITERS - 2; a later step's stamps are dropped, so that a long tile's steps do not
+// overwrite the two slots after them: FC_TL_TILE_SLOT, stored at it = FC_TL_ITERS - 1, holds
+// the tile's own events, FC_TL_CTA_SLOT, at FC_TL_ITERS - 2, the CTA's: fc_tl_cta_begin /
+// fc_tl_cta_end), e: the event (0 .. 7). Slots never written keep
 // what the diagnostic put there before the launch. tests/diagnostics/probe_timeline.py reads
 // it (cuModuleGetGlobal) and says what each event of the Hopper forward and of the
 // warp-specialised dK/dV kernel means.
@@ -25,8 +27,8 @@
 #endif
 #define FC_TL_TILES 8
 #define FC_TL_ITERS 128
-#define FC_TL_TILE_SLOT (FC_TL_ITERS - 1)
-#define FC_TL_CTA_SLOT (FC_TL_ITERS - 2)
+#define FC_TL_TILE_SLOT (-1)          // (stored at it = FC_TL_ITERS - 1)
+#define FC_TL_CTA_SLOT (-2)           // (stored at it = FC_TL_ITERS - 2)
 
 #ifdef FC_DIAG_TIMELINE
 __device__ unsigned int fc_diag_tl[FC_TL_CTAS * 4 * FC_TL_TILES * FC_TL_ITERS * 8];
@@ -36,8 +38,10 @@ __device__ __forceinline__ unsigned int fc_tl_cta() {
 }
 __device__ __forceinline__ void fc_tl_put(int wg, int u, int it, int e, unsigned int v) {
     const unsigned int cta = fc_tl_cta();
-    if ((threadIdx.x & 127) != 0 || cta >= FC_TL_CTAS || u >= FC_TL_TILES || it >= FC_TL_ITERS)
+    if ((threadIdx.x & 127) != 0 || cta >= FC_TL_CTAS || u >= FC_TL_TILES ||
+        it >= FC_TL_ITERS - 2)
         return;
+    if (it < 0) it += FC_TL_ITERS;          // the tile's and the CTA's slots
     const unsigned int i = (((cta * 4u + (unsigned)wg) * FC_TL_TILES + (unsigned)u) * FC_TL_ITERS
                             + (unsigned)it) * 8u + (unsigned)e;
     asm volatile("st.global.u32 [%0], %1;\n" :: "l"(fc_diag_tl + i), "r"(v) : "memory");
