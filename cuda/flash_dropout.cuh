@@ -149,6 +149,7 @@ FC_HD void fc_dropout_spread(const FcDropout& d, int bh, int q0, int k0, int g, 
     }
 }
 
+#ifdef FC_DIAG_DROPOUT_SWAR
 // FC_DIAG_DROPOUT_SWAR: the candidate (off until measured) that builds the masks below from
 // per-byte compares, with the same bits: the forward's pair masks in 24 instructions a call
 // besides Philox's where the default form takes 30, fc_dropout_lane's a few fewer too (nvcc 13
@@ -166,7 +167,6 @@ FC_HD unsigned int fc_dropout_flags(const FcDropout& d, unsigned int x) {
     return (x & t) | (k & (x | t));
 }
 
-#ifdef FC_DIAG_DROPOUT_SWAR
 // What one lane draws, as two masks in the layout above: `mine`, its own 8 probabilities of
 // that tile, and `theirs`, those of lane ^ 4 (bits outside 0-3 and 16-19 are left undefined:
 // fc_dropout_keep_factor reads those only). A side's bytes of column e (S: 2 b + e, S^T:

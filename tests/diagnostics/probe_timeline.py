@@ -196,6 +196,13 @@ def analyse_bwd(tl):
     return out
 
 
+def _print_steps(r, names):
+    """A warpgroup's first, middle and last step, interval by interval (median clocks)."""
+    print("  step      " + " ".join(f"{n:>12}" for n in names + ["total"]))
+    for k in ("first", "middle", "last"):
+        print(f"  {k:<9} " + " ".join(f"{x:>12.0f}" for x in r[k]))
+
+
 def report_bwd(label, res, ms_plain, ms_stamped):
     ghz = res["clock_ghz"]
     print(f"\n## {label}: forward+backward {ms_plain:.3f} ms plain, {ms_stamped:.3f} ms stamped; "
@@ -206,9 +213,7 @@ def report_bwd(label, res, ms_plain, ms_stamped):
               f" over {r['ctas']} CTAs; a CTA: " + ", ".join(
                   f"{k} {v:.0f}" for k, v in r["cta"].items())
               + f"; beyond its steps {r['fixed_steps']:.2f} step-times")
-        print("  step      " + " ".join(f"{n:>12}" for n in BWD_STEP_NAMES + ["total"]))
-        for k in ("first", "middle", "last"):
-            print(f"  {k:<9} " + " ".join(f"{x:>12.0f}" for x in r[k]))
+        _print_steps(r, BWD_STEP_NAMES)
     if res["producer"]:
         print("producer (median a step, clk): stage wait {:.0f}, loads and statistics {:.0f}"
               .format(*res["producer"]))
@@ -265,9 +270,7 @@ def report(label, res, ms_plain, ms_stamped):
               f"({r['fixed_blocks'] * r['step_clocks'] / ghz / 1e3:.2f} µs) over {r['tiles']} tiles")
         print(f"  a tile's own span (received to epilogue issued): {r['span_clocks']:.0f} clk, "
               f"{r['span_fixed_blocks']:.2f} block-times beyond its blocks")
-        print("  step      " + " ".join(f"{n:>12}" for n in STEP_NAMES + ["total"]))
-        for k in ("first", "middle", "last"):
-            print(f"  {k:<9} " + " ".join(f"{x:>12.0f}" for x in r[k]))
+        _print_steps(r, STEP_NAMES)
         print("  prologue  " + ", ".join(f"{k} {v:.0f}" for k, v in r["prologue"].items()))
         print("  epilogue  " + ", ".join(f"{k} {v:.0f}" for k, v in r["epilogue"].items()))
     if res["producer"]:
