@@ -150,6 +150,15 @@ struct FwdBlock {
     }
 };
 
+// FC_DIAG_RESCALE_THRESHOLD=T (timing and tests): the conditional rescale (FwdRows::softmax)
+// at threshold T in every forward kernel, FP8 and the v0 / v1 kernels included; by default the
+// warp-specialised kernel picks its own (kRescaleThreshold there).
+#ifdef FC_DIAG_RESCALE_THRESHOLD
+constexpr int kFcRescaleThreshold = FC_DIAG_RESCALE_THRESHOLD;
+#else
+constexpr int kFcRescaleThreshold = 0;
+#endif
+
 // One consumer thread's rows (64 wg + 16 (warp % 4) + g + 8 r, r = 0, 1 of the tile, ct its
 // index among the 256 consumer threads) and their state: O's accumulators, the running row
 // max and sum; and the steps of one key block on them.
@@ -216,7 +225,15 @@ struct FwdRows {
     // the same way).
     // kPolyEvery: every kPolyEvery-th n8 tile's exponentials on the FMA pipe (fc_exp2_poly),
     // 0: none. kExact: corr exactly 1 where a maximum did not move (the callers that skip).
-    template <int kPolyEvery = 0, bool kExact = false>
+    // kThreshold > 0: FlashAttention-4's conditional rescale. The row's reference maximum
+    // moves only where the block's maximum passes it by more than 2^kThreshold in P (or it is
+    // still -inf); P <= 2^kThreshold otherwise, the same relative rounding in 16 bits. Where no
+    // row of a warp moved, corr is exactly 1 and the caller skips O's rescale; the epilogue's
+    // lse takes the reference, with which the row sum agrees. (Not with FP8: P up to 2^8 in
+    // e4m3 passes 448 only above 8, but the FP8 GPU tests fail the flash-attn rule with it,
+    // 2.5-4x the emulated error (run 120 of the performance log): consistent with the FP8
+    // wgmma's narrower accumulation, where the earlier blocks' O sits 2^8 below the new terms.)
+    template <int kPolyEvery = 0, bool kExact = false, int kThreshold = kFcRescaleThreshold>
     __device__ __forceinline__ bool softmax(float (&s)[kNT * 4], float (&corr)[2]) {
         bool grew = false;
 #pragma unroll
@@ -225,35 +242,28 @@ struct FwdRows {
 #pragma unroll
             for (int j = 0; j < kNT; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
             mx = quad_max(mx);
-#ifdef FC_DIAG_RESCALE_THRESHOLD
-            // (the candidate: FlashAttention-4's conditional rescale) The row's reference
-            // maximum moves only where the block's maximum passes it by more than
-            // 2^FC_DIAG_RESCALE_THRESHOLD in P (or it is still -inf); P <= 2^T otherwise, the
-            // same relative rounding in 16 bits and, for T <= 8, within e4m3's 448. Where no
-            // row of a warp moved, corr is exactly 1 and the caller skips O's rescale; the
-            // epilogue's lse takes the reference, with which the row sum agrees.
-            {
+            float m_scaled;
+            if constexpr (kThreshold > 0) {
                 const bool move = row_max[r] == -INFINITY ||
-                                  (mx - row_max[r]) * mult > (float)FC_DIAG_RESCALE_THRESHOLD;
+                                  (mx - row_max[r]) * mult > (float)kThreshold;
                 grew |= move;
                 const float ref = move ? mx : row_max[r];
                 corr[r] = !move ? 1.f
                           : row_max[r] == -INFINITY ? 0.f : fc_exp2((row_max[r] - ref) * mult);
                 mx = ref;
+                m_scaled = (mx == -INFINITY) ? 0.f : mx * mult;
+            } else {
+                grew |= mx != row_max[r];
+                m_scaled = (mx == -INFINITY) ? 0.f : mx * mult;
+                // kExact: the difference first, exactly 1 for an unchanged maximum (for the
+                // skip: row_max * mult - m_scaled, contracted into one FFMA, leaves m_scaled's
+                // rounding, and 2^that is a few ulps off 1; where nothing skips, the register or
+                // so that this costs spilled the FP8 d128 softcap kernel)
+                if constexpr (kExact)
+                    corr[r] = mx == -INFINITY ? 0.f : fc_exp2((row_max[r] - mx) * mult);
+                else
+                    corr[r] = fc_exp2(row_max[r] * mult - m_scaled);
             }
-            const float m_scaled = (mx == -INFINITY) ? 0.f : mx * mult;
-#else
-            grew |= mx != row_max[r];
-            const float m_scaled = (mx == -INFINITY) ? 0.f : mx * mult;
-            // kExact: the difference first, exactly 1 for an unchanged maximum (for the skip:
-            // row_max * mult - m_scaled, contracted into one FFMA, leaves m_scaled's rounding,
-            // and 2^that is a few ulps off 1; where nothing skips, the register or so that
-            // this costs spilled the FP8 d128 softcap kernel)
-            if constexpr (kExact)
-                corr[r] = mx == -INFINITY ? 0.f : fc_exp2((row_max[r] - mx) * mult);
-            else
-                corr[r] = fc_exp2(row_max[r] * mult - m_scaled);
-#endif
             row_max[r] = mx;
             float sum = 0.f;
 #pragma unroll
@@ -736,13 +746,21 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     // at 128 the branch cost more than the multiplies (bf16 -8% to +1%, FP8 with the FMA-pipe
     // exponentials -2 to -6%).
     // FC_DIAG_RESCALE_ALWAYS: after every block (timing; the same corr, so the same bits).
+    // The conditional rescale (FwdRows::softmax's kThreshold: the reference maximum moves only
+    // past 2^8 in P, so that O's rescale is skipped for most blocks) in the 16-bit kernels at
+    // head dim 256: runs 116 and 119 of the performance log (H100, same process, over the
+    // default): +1-6% in 4 of 6 and +2-5% in 5 of 6 d256 cells (-1% in the other), but d128
+    // -2 to -4% and d64 mixed (-6% to +1%); not with FP8 (see softmax).
+#ifdef FC_DIAG_RESCALE_THRESHOLD
+    constexpr int kRescaleThreshold = FC_DIAG_RESCALE_THRESHOLD;
+#else
+    constexpr int kRescaleThreshold = !Is_fp8 && kD == 256 ? 8 : 0;
+#endif
     constexpr bool kExactCorr = kD != 128;
 #ifdef FC_DIAG_RESCALE_ALWAYS
     constexpr bool kSkipRescale = false;
-#elif defined(FC_DIAG_RESCALE_THRESHOLD)   // (FwdRows::softmax: corr is 1 where no row moved)
-    constexpr bool kSkipRescale = true;
 #else
-    constexpr bool kSkipRescale = kExactCorr;
+    constexpr bool kSkipRescale = kExactCorr || kRescaleThreshold > 0;   // (corr 1: no row moved)
 #endif
     // Ping-pong's turns: per tile (the last consumer opens the tile's first turn after its
     // first softmax and skips its last hand-over), or, FC_DIAG_PP_CHAIN (timing: the A/B of
@@ -1120,7 +1138,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         mbar_arrive(empty_k(stage_of(0)));
         cap();
         rows.mask(s, nb * kBlockN);
-        rows.template softmax<kPolyEvery, kExactCorr>(s, corr);   // O is 0: no rescale
+        rows.template softmax<kPolyEvery, kExactCorr, kRescaleThreshold>(s, corr);   // O is 0
         pack(nb * kBlockN);
         if constexpr (Is_varlen && !Is_fp8) {
             // the walk's first block, the last of the tile's keys: past the sequence's end?
@@ -1163,7 +1181,8 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             mbar_arrive(empty_k(st1));
             cap();
             rows.mask(s, (nb - 1) * kBlockN);
-            const bool grew = rows.template softmax<kPolyEvery, kExactCorr>(s, corr);
+            const bool grew =
+                rows.template softmax<kPolyEvery, kExactCorr, kRescaleThreshold>(s, corr);
             if constexpr (kSoftmaxFence)
                 schedule_after(rows.row_sum[0] + rows.row_sum[1]);   // (see kSoftmaxFence)
             FC_TL_STAMP(1 + cw, nq, it, 5);

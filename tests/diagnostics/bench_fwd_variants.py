@@ -18,8 +18,9 @@ from the registers instead of through the O buffers and TMA (``FC_DIAG_O_STG``),
 rescaled after every key block (``FC_DIAG_RESCALE_ALWAYS``), ``ws-ppchain`` ping-pong's turns
 chained through each CTA's tiles as FlashAttention-3 orders them (``FC_DIAG_PP_CHAIN``),
 ``ws-fence`` the softmax kept ahead of the wait for the warpgroup's own P V product
-(``FC_DIAG_SOFTMAX_FENCE``), ``ws-thr8`` O rescaled only where a row's maximum passes its
-reference by more than 2^8 in P (``FC_DIAG_RESCALE_THRESHOLD=8``); any of them followed by
+(``FC_DIAG_SOFTMAX_FENCE``, everywhere it fits), ``ws-thr8`` O rescaled only where a row's
+maximum passes its reference by more than 2^8 in P (``FC_DIAG_RESCALE_THRESHOLD=8``) in every
+kernel (by default only the 16-bit ones at head dim 256); any of them followed by
 ``+DEFINE[=VALUE]`` parts adds those NVRTC defines (e.g. ``ws-fence+FC_DIAG_PP_CHAIN``,
 ``ws-bn128+FC_DIAG_SOFTMAX_FENCE``), ``ws-desc`` the wgmma descriptors
 built whole for every product (``FC_DIAG_DESC_PER_PRODUCT``, the backward's too), ``ws-bcp``
@@ -73,7 +74,8 @@ VARIANTS = {
     # waits first; FC_DIAG_SOFTMAX_FENCE)
     "ws-fence": (dict(_WS, sm90_defines=("-DFC_DIAG_SOFTMAX_FENCE",)), {}),
     # O rescaled only where a row's maximum passes its reference by more than 2^8 in P
-    # (FlashAttention-4's conditional rescale; FC_DIAG_RESCALE_THRESHOLD=8)
+    # (FlashAttention-4's conditional rescale; FC_DIAG_RESCALE_THRESHOLD=8), in every kernel
+    # (by default the 16-bit ones at head dim 256 only)
     "ws-thr8": (dict(_WS, sm90_defines=("-DFC_DIAG_RESCALE_THRESHOLD=8",)), {}),
     # every wgmma descriptor built whole from its address, as before one add a k-step on a
     # base built once (cuda/wgmma.cuh; the backward's too in fwdbwd mode)
