@@ -61,7 +61,6 @@ FC_HD FcPhilox4 fc_philox(unsigned int c0, unsigned int c1, unsigned int c2, uns
 struct FcDropout {
     unsigned int k0, k1, off;   // key and counter word 3 (see flashcore/dropout.py)
     unsigned int threshold;     // r8 < threshold drops (0: no dropout)
-    unsigned int add2;          // (256 - threshold) in both 16-bit halves (fc_dropout_keep2)
     float scale;                // 1 / (1 - p)
 };
 
@@ -74,7 +73,6 @@ FC_HD FcDropout fc_dropout_setup(const void* rng_state, int threshold, float sca
     d.k1 = (unsigned int)(seed >> 32) ^ (unsigned int)(offset >> 32);
     d.off = (unsigned int)offset;
     d.threshold = (unsigned int)threshold;
-    d.add2 = (256u - (unsigned int)threshold) * 0x00010001u;
     d.scale = scale;
     return d;
 }
@@ -126,35 +124,13 @@ FC_HD unsigned int fc_perm(unsigned int a, unsigned int b, unsigned int sel) {
 #endif
 }
 
-// The bytes one lane draws: the call of the tile at (query q0, key k0) (multiples of 16) that
-// holds its half of the group (lane g, t; g & 1 = b), word by word, `mine` its own 2 bytes of
-// each word and `theirs` those of lane ^ 4 (whose g differs in bit 0): the byte of column e
-// (e = 0, 1) in the low byte of 16-bit half e, plus `add` in each half. The lane's bytes of a
-// word: S (rows = queries): 2 b + e (query bit 0 = b, key bit 0 = e); S^T: 2 e + b.
-FC_HD void fc_dropout_spread(const FcDropout& d, int bh, int q0, int k0, int g, int t,
-                             bool transposed, unsigned int add, unsigned int (&mine)[4],
-                             unsigned int (&theirs)[4]) {
-    const unsigned int b = (unsigned int)g & 1u;
-    const FcPhilox4 w = transposed ? fc_dropout_words(d, bh, q0 + 2 * t, k0 + g)
-                                   : fc_dropout_words(d, bh, q0 + g, k0 + 2 * t);
-    const unsigned int words[4] = {w.x, w.y, w.z, w.w};
-    // byte selectors (nibble 4: a zero byte): bytes (e = 0, e = 1) into bits 0-7 and 16-23
-    const unsigned int e1 = transposed ? 2u : 1u, bb = transposed ? 1u : 2u;
-    const unsigned int sel_mine = (b * bb) | 0x40u | ((b * bb + e1) << 8) | 0x4000u;
-    const unsigned int sel_theirs = ((1u - b) * bb) | 0x40u | (((1u - b) * bb + e1) << 8) | 0x4000u;
-#pragma unroll
-    for (int wi = 0; wi < 4; ++wi) {
-        mine[wi] = fc_perm(words[wi], 0u, sel_mine) + add;
-        theirs[wi] = fc_perm(words[wi], 0u, sel_theirs) + add;
-    }
-}
-
-#ifdef FC_DIAG_DROPOUT_SWAR
-// FC_DIAG_DROPOUT_SWAR: the candidate (off until measured) that builds the masks below from
-// per-byte compares, with the same bits: the forward's pair masks in 24 instructions a call
-// besides Philox's where the default form takes 30, fc_dropout_lane's a few fewer too (nvcc 13
-// SASS: -40 / -25 a block in the d128 / d64 dropout forward, -13 a step in the d128 dK/dV
-// kernel; session 36 of the performance log).
+// The masks below come from per-byte compares, four probabilities an instruction: the
+// forward's pair masks in 24 instructions a call besides Philox's (30 in the earlier form that
+// added 256 - threshold to each byte spread into a 16-bit half), fc_dropout_lane's a few fewer
+// too (nvcc 13 SASS: -40 / -25 a block in the d128 / d64 dropout forward, -13 a step in the d128
+// dK/dV kernel). Measured (runs 116 and 119 of the performance log, H100, the same bits): the
+// d128 forward with dropout +1-11%, its forward+backward +1-6%; d64 forward 1-3% slower,
+// forward+backward level.
 // The keep flags of a word's four probabilities at once: bit 7 of each byte set iff that byte
 // is >= threshold (1 .. 255). t = (x | 0x80..) - (threshold & 0x7F) per byte borrows nothing
 // across bytes and has bit 7 iff x's low 7 bits reach threshold's; then x >= threshold iff (bit
@@ -194,25 +170,7 @@ FC_HD void fc_dropout_lane(const FcDropout& d, int bh, int q0, int k0, int g, in
     mine = out[0];
     theirs = out[1];
 }
-#else
-// What one lane draws (fc_dropout_spread), as two masks in the layout above: `mine`, its own 8
-// probabilities of that tile, and `theirs`, those of lane ^ 4. Adding 256 - threshold to each
-// 16-bit half sets its bit 8 iff its byte + 256 - threshold >= 256, i.e. iff the probability is
-// kept; word wi gives fragment bits 2 wi (e = 0) and 2 wi + 1 (e = 1).
-FC_HD void fc_dropout_lane(const FcDropout& d, int bh, int q0, int k0, int g, int t,
-                           bool transposed, unsigned int& mine, unsigned int& theirs) {
-    unsigned int m[4], o[4];
-    fc_dropout_spread(d, bh, q0, k0, g, t, transposed, d.add2, m, o);
-    mine = theirs = 0;
-#pragma unroll
-    for (int wi = 0; wi < 4; ++wi) {
-        mine |= ((m[wi] >> 8) & 0x00010001u) << wi;
-        theirs |= ((o[wi] >> 8) & 0x00010001u) << wi;
-    }
-}
-#endif
 
-#ifdef FC_DIAG_DROPOUT_SWAR
 // The forward's form of a lane's draw (S: rows = queries; the call of fc_dropout_lane for the
 // tile at (q0, k0)): `flags` the keep flags of the call's four words (fc_dropout_flags: bit 7
 // of each byte), and `theirs` the bytes of lane ^ 4 (bytes 2 b', 2 b' + 1 of each word, b' its g
@@ -243,40 +201,6 @@ FC_HD void fc_dropout_pair_masks(const unsigned int (&flags)[4], const unsigned 
         mask_b[w] = fc_perm(flags[w], other[w >> 1], odd ? own : drawn);
     }
 }
-#else
-// The forward's form of a lane's draw (S: rows = queries; the call of fc_dropout_lane for the
-// tile at (q0, k0)): keep flags as the top bits of bytes, two words a register, byte 2 (w & 1)
-// + e of register w >> 1 for word w, column e; `mine` the lane's own, `theirs` lane ^ 4's. Each
-// byte goes into the low byte of a 16-bit half, plus 0x8000 - threshold: bit 15 of the half
-// (the top bit of its high byte) is set iff the byte is >= threshold, i.e. kept.
-FC_HD void fc_dropout_lane_flags(const FcDropout& d, int bh, int q0, int k0, int g, int t,
-                                 unsigned int (&mine)[2], unsigned int (&theirs)[2]) {
-    unsigned int ym[4], yo[4];
-    fc_dropout_spread(d, bh, q0, k0, g, t, false, (0x8000u - d.threshold) * 0x00010001u, ym, yo);
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {      // the high bytes of words 2j and 2j + 1
-        mine[j] = fc_perm(ym[2 * j], ym[2 * j + 1], 0x7531u);
-        theirs[j] = fc_perm(yo[2 * j], yo[2 * j + 1], 0x7531u);
-    }
-}
-
-// From a lane's flags (`mine`) and those its neighbour drew for it (`other`), the masks of
-// tiles A and B: mask[w] holds 0xFFFF in the 16-bit half e where word w's probability of
-// column e is kept, 0 where dropped, to AND with the packed pair of P (fc_dropout_masks2). A
-// is the tile an even lane drew itself, B an odd lane's: one selector picks the register.
-FC_HD void fc_dropout_pair_masks(const unsigned int (&mine)[2], const unsigned int (&other)[2],
-                                 bool odd, unsigned int (&mask_a)[4], unsigned int (&mask_b)[4]) {
-    const unsigned int sa = odd ? 0xDDCCu : 0x9988u, sb = sa ^ 0x4444u;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-        mask_a[2 * j] = fc_perm(mine[j], other[j], sa);
-        mask_a[2 * j + 1] = fc_perm(mine[j], other[j], sa + 0x2222u);
-        mask_b[2 * j] = fc_perm(mine[j], other[j], sb);
-        mask_b[2 * j + 1] = fc_perm(mine[j], other[j], sb + 0x2222u);
-    }
-}
-
-#endif
 
 #ifdef __CUDACC__
 // The keep masks of two 16 x 16 tiles, A at (qa, ka) and B at (qb, kb) (B may be A), for this
@@ -294,19 +218,15 @@ __device__ __forceinline__ void fc_dropout_keep2(const FcDropout& d, int bh, int
 }
 
 // The same draw as fc_dropout_keep2 in S (transposed = false), as the forward's masks of P's
-// packed pairs (fc_dropout_pair_masks): 30 instructions a call besides Philox's (4 a word, 4
-// registers merged, 2 shuffles, 8 masks), where unpacking fc_dropout_keep2's bits into masks
-// took about 60. Warp-synchronous.
+// packed pairs (fc_dropout_pair_masks): 24 instructions a call besides Philox's (the flags, 2
+// merges, 2 shuffles, 8 masks), where unpacking fc_dropout_keep2's bits into masks took about
+// 60. Warp-synchronous.
 __device__ __forceinline__ void fc_dropout_masks2(const FcDropout& d, int bh, int qa, int ka,
                                                   int qb, int kb, int g, int t,
                                                   unsigned int (&mask_a)[4],
                                                   unsigned int (&mask_b)[4]) {
     const bool odd = (g & 1) != 0;
-#ifdef FC_DIAG_DROPOUT_SWAR
     unsigned int mine[4], theirs[2], other[2];
-#else
-    unsigned int mine[2], theirs[2], other[2];
-#endif
     fc_dropout_lane_flags(d, bh, odd ? qb : qa, odd ? kb : ka, g, t, mine, theirs);
     other[0] = __shfl_xor_sync(0xFFFFFFFFu, theirs[0], 4);
     other[1] = __shfl_xor_sync(0xFFFFFFFFu, theirs[1], 4);

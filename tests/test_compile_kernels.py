@@ -132,42 +132,6 @@ def test_forward_timeline_compiles():
         assert b"fc_diag_tl" not in cubin, name
 
 
-def test_dropout_mask_candidate_compiles():
-    """The dropout kernels under FC_DIAG_DROPOUT_SWAR (the dropout masks from per-byte compares,
-    off until measured: cuda/flash_dropout.cuh) compile: the Hopper forward's and dK/dV kernels'
-    bf16 dropout instantiations within the default build's spill allowance, a sample of the
-    Ampere-class forward and backward ones for sm_80 within test_kernels_compile's bound. The
-    masks themselves are checked on the host (tests/test_dropout.py) and, on the GPU, bit for
-    bit against the default build."""
-    _nvrtc_or_skip()
-    from flashcore.kernels import backward, forward
-    define = ("-DFC_DIAG_DROPOUT_SWAR",)
-    hopper = [("flash_fwd_sm90.cu", [n for n in forward.sm90_instantiations()
-                                     if n.startswith("flash_fwd_sm90_ws_kernel<fc_bf16,") and
-                                     re.search(r"<[^,]+, \d+, \d+, \d+, (true|false), true,", n)]),
-              ("flash_bwd_sm90.cu", [n for n in backward.sm90_instantiations()
-                                     if n.startswith("flash_bwd_dkdv_sm90_ws_kernel<fc_bf16,") and
-                                     re.search(r"<[^,]+, \d+, \d+, (true|false), true", n)])]
-    for source, names in hopper:
-        assert names, source
-        cubin, log = jit.compile_check(source, names, "sm_90a", define, want_log=True)
-        assert len(cubin) > 0
-        spills = _spills_by_kernel(log)
-        assert len(spills) == len(names), log
-        for mangled, stores in spills.items():
-            assert stores <= _spill_allowance(mangled), f"spills in {mangled}\n{log}"
-    for source in ("flash_fwd.cu", "flash_bwd.cu"):
-        names = _sample([n for n in _portable(source) if n.endswith(", true>") and
-                         n.startswith(("flash_fwd_kernel<fc_bf16", "flash_bwd_dkdv_kernel<fc_bf16",
-                                       "flash_bwd_dkdv2_kernel<fc_bf16",
-                                       "flash_bwd_dq_kernel<fc_bf16"))], 6)
-        assert names, source
-        cubin, log = jit.compile_check(source, names, "sm_80", define, want_log=True)
-        assert len(cubin) > 0
-        for m in re.finditer(r"(\d+) bytes stack frame, (\d+) bytes spill stores", log):
-            assert int(m.group(2)) <= 2048, f"{source}: heavy spills\n{log}"
-
-
 def _spill_allowance(mangled: str) -> int:
     """Spill bytes allowed for a Hopper kernel, from its mangled template arguments."""
     bools = re.findall(r"Lb([01])E", mangled)

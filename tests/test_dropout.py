@@ -166,12 +166,11 @@ def test_refusals_name_the_argument(kw, exc, words):
         flashcore.attention_forward(q, q, q, **kw)
 
 
-@pytest.mark.parametrize("defines", [(), ("-DFC_DIAG_DROPOUT_SWAR",)])
-def test_the_cuda_header_draws_the_same_stream(tmp_path, defines):
+def test_the_cuda_header_draws_the_same_stream(tmp_path):
     """cuda/flash_dropout.cuh (compiled for the host here) against flashcore.dropout: the
-    stream, the fragment helpers' bits in both orientations, the forward's packed masks (as
-    built and, FC_DIAG_DROPOUT_SWAR, the candidate's), at thresholds on both sides of 128 and
-    at the ends of their range."""
+    stream, the fragment helpers' bits in both orientations, the forward's packed masks, at
+    thresholds on both sides of 128 (the per-byte compare's two cases) and at the ends of
+    their range."""
     import shutil
     import subprocess
     from flashcore.jit import cuda_dir
@@ -199,11 +198,7 @@ int main(int, char** argv) {{
     for (int tr = 0; tr < 2; ++tr)
         for (int pi = 0; pi < 3; ++pi) {{
             const int* pr = pairs[pi];
-#ifdef FC_DIAG_DROPOUT_SWAR
             unsigned int mine[32], theirs[32], fm[32][4], ft[32][2];
-#else
-            unsigned int mine[32], theirs[32], fm[32][2], ft[32][2];
-#endif
             for (int lane = 0; lane < 32; ++lane) {{
                 const int g = lane >> 2, t = lane & 3, odd = g & 1;
                 fc_dropout_lane(d, 1, odd ? pr[2] : pr[0], odd ? pr[3] : pr[1], g, t, tr != 0,
@@ -252,7 +247,7 @@ int main(int, char** argv) {{
 }}
 ''')
     exe = tmp_path / "t"
-    r = subprocess.run([cxx, "-O1", *defines, "-o", str(exe), str(src)], capture_output=True,
+    r = subprocess.run([cxx, "-O1", "-o", str(exe), str(src)], capture_output=True,
                        text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     seed, offset = -1234567890123, (3 << 32) + 987654321

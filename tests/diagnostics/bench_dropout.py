@@ -9,8 +9,8 @@ bits (dq is summed with atomics, so its bits may differ run to run anyway).
     python tests/diagnostics/bench_dropout.py [--seqlen 4096 16384] [--headdim 64 128]
                                               [--p 0.1] [--json F] [--defines VARIANT ...]
 
-e.g. ``--defines FC_DIAG_DROPOUT_SWAR FC_DIAG_SOFTMAX_FENCE_DROPOUT
-FC_DIAG_DROPOUT_SWAR+FC_DIAG_SOFTMAX_FENCE_DROPOUT`` (three columns).
+e.g. ``--defines FC_DIAG_SOFTMAX_FENCE_DROPOUT FC_DIAG_PHILOX_ROUNDS=0
+FC_DIAG_SOFTMAX_FENCE_DROPOUT+FC_DIAG_PHILOX_ROUNDS=0`` (three columns).
 
 For each cell (16k tokens per batch, hidden 2048, bf16, causal and not): GPU time of the
 forward (no grad) and of forward+backward through autograd, for flashcore with dropout p,

@@ -70,15 +70,15 @@ for step in $steps; do
     ;;
   candidates)
     cand fwd_variants 330 60 python3 tests/diagnostics/bench_fwd_variants.py \
-        --seqlen 2048 4096 16384 --headdim 64 128 256 --rounds 2 --variants ws ws-fence \
-        ws-ppchain ws-fence+FC_DIAG_PP_CHAIN ws-thr8 ws-fence+FC_DIAG_RESCALE_THRESHOLD=8
-    cand dropout 200 40 python3 tests/diagnostics/bench_dropout.py --defines FC_DIAG_DROPOUT_SWAR \
-        FC_DIAG_SOFTMAX_FENCE_DROPOUT FC_DIAG_DROPOUT_SWAR+FC_DIAG_SOFTMAX_FENCE_DROPOUT
+        --seqlen 2048 4096 16384 --headdim 64 128 256 --rounds 2 --variants ws \
+        ws+FC_DIAG_NO_SOFTMAX_FENCE ws-fence ws-ppchain ws-thr8
+    cand dropout 200 40 python3 tests/diagnostics/bench_dropout.py --defines \
+        FC_DIAG_SOFTMAX_FENCE_DROPOUT
     ;;
   candidates2)
     cand fp8 200 30 python3 tests/diagnostics/bench_fp8_forward.py --pingpong on --headdims \
         128,256 --seqlens 4096,16384 \
-        --defines FC_DIAG_SOFTMAX_FENCE,FC_DIAG_SOFTMAX_FENCE+FC_DIAG_RESCALE_THRESHOLD=8,FC_DIAG_SOFTMAX_FENCE+FC_DIAG_POLY_EVERY=4
+        --defines FC_DIAG_SOFTMAX_FENCE,FC_DIAG_SOFTMAX_FENCE+FC_DIAG_POLY_EVERY=4
     cand timeline 100 40 python3 tests/diagnostics/probe_timeline.py --headdim 64 128 \
         --seqlen 2048 16384
     cand timeline_fence 100 40 python3 tests/diagnostics/probe_timeline.py --headdim 64 128 \
