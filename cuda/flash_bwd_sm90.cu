@@ -289,8 +289,8 @@ struct DkdvWarpgroup {
             }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                pa[kk][e] = Elem::pack2(acc_s[8 * kk + 2 * e], acc_s[8 * kk + 2 * e + 1]);
-                dsa[kk][e] = Elem::pack2(acc_dp[8 * kk + 2 * e], acc_dp[8 * kk + 2 * e + 1]);
+                pa[kk][e] = Elem::pack2_p(acc_s[8 * kk + 2 * e], acc_s[8 * kk + 2 * e + 1]);
+                dsa[kk][e] = Elem::pack2_p(acc_dp[8 * kk + 2 * e], acc_dp[8 * kk + 2 * e + 1]);
             }
         }
     }
@@ -962,8 +962,8 @@ struct Dkdv256Warpgroup {
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const fc_u32 o = 2u * (fc_u32)swz<64>(key0 + 8 * r, qc);
-                sts32(sPb + o, Elem::pack2(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
-                sts32(sdSb + o, Elem::pack2(acc_dp[4 * j + 2 * r], acc_dp[4 * j + 2 * r + 1]));
+                sts32(sPb + o, Elem::pack2_p(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
+                sts32(sdSb + o, Elem::pack2_p(acc_dp[4 * j + 2 * r], acc_dp[4 * j + 2 * r + 1]));
             }
         }
     }

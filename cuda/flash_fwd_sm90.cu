@@ -303,15 +303,15 @@ struct FwdRows {
                                       m0 + warp_row0, n0 + 16 * kb, g, t, mask[0], mask[1]);
                 }
                 const unsigned int (&m)[4] = mask[kk & 1];
-                pa[kk][0] = Elem::pack2(s[8 * kk + 0], s[8 * kk + 1]) & m[0];
-                pa[kk][1] = Elem::pack2(s[8 * kk + 2], s[8 * kk + 3]) & m[2];
-                pa[kk][2] = Elem::pack2(s[8 * kk + 4], s[8 * kk + 5]) & m[1];
-                pa[kk][3] = Elem::pack2(s[8 * kk + 6], s[8 * kk + 7]) & m[3];
+                pa[kk][0] = Elem::pack2_p(s[8 * kk + 0], s[8 * kk + 1]) & m[0];
+                pa[kk][1] = Elem::pack2_p(s[8 * kk + 2], s[8 * kk + 3]) & m[2];
+                pa[kk][2] = Elem::pack2_p(s[8 * kk + 4], s[8 * kk + 5]) & m[1];
+                pa[kk][3] = Elem::pack2_p(s[8 * kk + 6], s[8 * kk + 7]) & m[3];
             } else {
-                pa[kk][0] = Elem::pack2(s[8 * kk + 0], s[8 * kk + 1]);
-                pa[kk][1] = Elem::pack2(s[8 * kk + 2], s[8 * kk + 3]);
-                pa[kk][2] = Elem::pack2(s[8 * kk + 4], s[8 * kk + 5]);
-                pa[kk][3] = Elem::pack2(s[8 * kk + 6], s[8 * kk + 7]);
+                pa[kk][0] = Elem::pack2_p(s[8 * kk + 0], s[8 * kk + 1]);
+                pa[kk][1] = Elem::pack2_p(s[8 * kk + 2], s[8 * kk + 3]);
+                pa[kk][2] = Elem::pack2_p(s[8 * kk + 4], s[8 * kk + 5]);
+                pa[kk][3] = Elem::pack2_p(s[8 * kk + 6], s[8 * kk + 7]);
             }
         }
     }

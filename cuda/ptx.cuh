@@ -59,6 +59,23 @@ struct fc_bf16 {
     static __device__ __forceinline__ fc_u16 from_float(float x) {
         return static_cast<fc_u16>(pack2(x, 0.f) & 0xffffu);
     }
+    // The Hopper kernels' pack of P (forward) and of P and dS (dK/dV), finite values.
+    // FC_DIAG_PACK_INT (the candidate, off until measured): rounded to nearest with ties away
+    // from zero (RNE's result but for exact ties, one value in 2^16; the bits are sign and
+    // magnitude, so the add rounds either sign's magnitude) by an integer add per value and one
+    // byte permute taking the high halves, in place of cvt (F2FP), which is taken to share a
+    // quarter-rate unit with the exponentials (MUFU.EX2): the question the A/B answers
+    // (session 37 of the performance log).
+    static __device__ __forceinline__ fc_u32 pack2_p(float lo, float hi) {
+#ifdef FC_DIAG_PACK_INT
+        fc_u32 r;
+        asm("prmt.b32 %0, %1, %2, 0x7632;"
+            : "=r"(r) : "r"(__float_as_uint(lo) + 0x8000u), "r"(__float_as_uint(hi) + 0x8000u));
+        return r;
+#else
+        return pack2(lo, hi);
+#endif
+    }
     // d += a * b, m16n8k16, fp32 accumulators.
     static __device__ __forceinline__ void mma(float (&d)[4], const fc_u32 (&a)[4],
                                                const fc_u32 (&b)[2]) {
@@ -82,6 +99,9 @@ struct fc_fp16 {
         asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
         return r;
     }
+    // (fp16 has no such shortcut: its exponent must be rebiased and P's small values are its
+    // subnormals)
+    static __device__ __forceinline__ fc_u32 pack2_p(float lo, float hi) { return pack2(lo, hi); }
     static __device__ __forceinline__ fc_u16 from_float(float x) {
         return static_cast<fc_u16>(pack2(x, 0.f) & 0xffffu);
     }

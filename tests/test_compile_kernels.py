@@ -132,6 +132,49 @@ def test_forward_timeline_compiles():
         assert b"fc_diag_tl" not in cubin, name
 
 
+def test_p_pack_candidate_compiles():
+    """The Hopper kernels under FC_DIAG_PACK_INT (the candidate, off until measured: P, and
+    in the dK/dV kernels dS, packed to bf16 by integer rounding and a byte permute instead of
+    cvt; cuda/ptx.cuh's pack2_p) compile: stratified samples of the bf16 warp-specialised
+    forward (dropout and varlen included) and dK/dV instantiations, within the default
+    build's spill allowance; the define changes their code and leaves fp16's (cvt kept)."""
+    _nvrtc_or_skip()
+    from flashcore.kernels import backward, forward
+    define = ("-DFC_DIAG_PACK_INT",)
+    for source, listed, prefix, fp16 in (
+            ("flash_fwd_sm90.cu", forward.sm90_instantiations(), "flash_fwd_sm90_ws_kernel<",
+             forward.sm90_ws_kernel_name("float16", 128, False)),
+            ("flash_bwd_sm90.cu", backward.sm90_instantiations(), "flash_bwd_dkdv_sm90",
+             "flash_bwd_dkdv_sm90_d256_kernel<fc_fp16, false, false>")):
+        names = _sample([n for n in listed if n.startswith(prefix) and "<fc_bf16," in n], 8)
+        assert names, source
+        cubin, log = jit.compile_check(source, names, "sm_90a", define, want_log=True)
+        spills = _spills_by_kernel(log)
+        assert len(spills) == len(names), log
+        for mangled, stores in spills.items():
+            assert stores <= _spill_allowance(mangled), f"{source}: spills in {mangled}\n{log}"
+        for name, changes in ((names[0], True), (fp16, False)):
+            code = [_text_sections(jit.compile_check(source, [name], "sm_90a", opts)[0])
+                    for opts in (define, ())]
+            assert code[0] and (code[0] != code[1]) == changes, name
+
+
+def _text_sections(cubin: bytes) -> dict:
+    """The machine code of an ELF64 cubin: {section name: bytes} of its .text sections (the
+    rest of the file also records the compile options, so that whole cubins always differ)."""
+    import struct
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    strtab = heads[shstrndx][4]
+    out = {}
+    for name_off, _type, _flags, _addr, off, size in heads:
+        name = cubin[strtab + name_off:cubin.index(b"\0", strtab + name_off)].decode()
+        if name.startswith(".text."):
+            out[name] = cubin[off:off + size]
+    return out
+
+
 def _spill_allowance(mangled: str) -> int:
     """Spill bytes allowed for a Hopper kernel, from its mangled template arguments."""
     bools = re.findall(r"Lb([01])E", mangled)

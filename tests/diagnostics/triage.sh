@@ -71,8 +71,10 @@ for step in $steps; do
   candidates)
     cand fwd_variants 330 60 python3 tests/diagnostics/bench_fwd_variants.py \
         --seqlen 2048 4096 16384 --headdim 64 128 256 --rounds 2 --variants ws \
-        ws+FC_DIAG_NO_SOFTMAX_FENCE ws-fence ws-ppchain ws-thr8
-    cand dropout 200 40 python3 tests/diagnostics/bench_dropout.py --defines \
+        ws+FC_DIAG_PACK_INT ws-fence+FC_DIAG_PACK_INT ws+FC_DIAG_NO_SOFTMAX_FENCE
+    cand fwdbwd 150 20 python3 tests/diagnostics/bench_fwd_variants.py --mode fwdbwd \
+        --seqlen 4096 16384 --headdim 64 128 256 --causal no --variants ws ws+FC_DIAG_PACK_INT
+    cand dropout 200 40 python3 tests/diagnostics/bench_dropout.py --defines FC_DIAG_PACK_INT \
         FC_DIAG_SOFTMAX_FENCE_DROPOUT
     ;;
   candidates2)
