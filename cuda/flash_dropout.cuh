@@ -128,9 +128,10 @@ FC_HD unsigned int fc_perm(unsigned int a, unsigned int b, unsigned int sel) {
 // forward's pair masks in 24 instructions a call besides Philox's (30 in the earlier form that
 // added 256 - threshold to each byte spread into a 16-bit half), fc_dropout_lane's a few fewer
 // too (nvcc 13 SASS: -40 / -25 a block in the d128 / d64 dropout forward, -13 a step in the d128
-// dK/dV kernel). Measured (runs 116 and 119 of the performance log, H100, the same bits): the
-// d128 forward with dropout +1-11%, its forward+backward +1-6%; d64 forward 1-3% slower,
-// forward+backward level.
+// dK/dV kernel). Measured (runs 116 and 119 of the performance log, H100, the same bits; run
+// 119 two A/Bs in one process): the d128 forward with dropout level to +11% (+9-11% in 3 of 8
+// cells), its forward+backward +1.5-6% in 6 of 8 cells, -6% in one; d64 forward 0.2-2.6%
+// slower, forward+backward within 3% either way.
 // The keep flags of a word's four probabilities at once: bit 7 of each byte set iff that byte
 // is >= threshold (1 .. 255). t = (x | 0x80..) - (threshold & 0x7F) per byte borrows nothing
 // across bytes and has bit 7 iff x's low 7 bits reach threshold's; then x >= threshold iff (bit
