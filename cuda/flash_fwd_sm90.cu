@@ -774,6 +774,15 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 #else
     constexpr bool kPPChain = false;
 #endif
+    // Q's buffer handed back to the producer as soon as the tile's last S product is done (in
+    // the last key block's step, before its softmax) instead of after that softmax: the next
+    // tile's Q load starts a softmax phase earlier (run 118's timeline: a tile's consumers wait
+    // 811 clocks for Q at d128 2k). FC_DIAG_EARLY_Q, the candidate, off until measured.
+#ifdef FC_DIAG_EARLY_Q
+    constexpr bool kEarlyQ = true;
+#else
+    constexpr bool kEarlyQ = false;
+#endif
     // The softmax of S_{i+1} is written to run under this warpgroup's own P_i V_i (between
     // wgmma_wait<1> and wgmma_wait<0>), but ptxas schedules register-only arithmetic freely
     // across WARPGROUP.DEPBAR and barriers, and left alone it puts the wait for P_i V_i
@@ -1136,6 +1145,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         settle(s);
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 2);
         mbar_arrive(empty_k(stage_of(0)));
+        if (kEarlyQ && n_iter == 1) mbar_arrive(empty_q);   // (the tile's only S is done)
         cap();
         rows.mask(s, nb * kBlockN);
         rows.template softmax<kPolyEvery, kExactCorr, kRescaleThreshold>(s, corr);   // O is 0
@@ -1179,6 +1189,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             settle(s);
             FC_TL_STAMP(1 + cw, nq, it, 4);
             mbar_arrive(empty_k(st1));
+            if (kEarlyQ && it == n_iter - 2) mbar_arrive(empty_q);   // (the tile's last S done)
             cap();
             rows.mask(s, (nb - 1) * kBlockN);
             const bool grew =
@@ -1196,7 +1207,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             FC_TL_STAMP(1 + cw, nq, it, 7);
         }
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 4);
-        mbar_arrive(empty_q);                      // every S of the tile is done: Q is free
+        if (!kEarlyQ) mbar_arrive(empty_q);        // every S of the tile is done: Q is free
         {
             const int last = n_iter - 1;
             mbar_wait(full_v(stage_of(last)), parity_of(last));

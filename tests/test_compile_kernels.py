@@ -159,6 +159,28 @@ def test_p_pack_candidate_compiles():
             assert code[0] and (code[0] != code[1]) == changes, name
 
 
+def test_early_q_candidate_compiles():
+    """The Hopper forward under FC_DIAG_EARLY_Q (the candidate, off until measured: Q's buffer
+    handed back after the tile's last S product instead of after its softmax) compiles, 16-bit
+    and FP8, within the default build's spill allowance, and changes the code. (Its outputs
+    must equal the default build's bit for bit: test_schedule_only_defines_give_the_same_bits
+    on the GPU.)"""
+    _nvrtc_or_skip()
+    from flashcore.kernels import forward
+    names = _sample([n for n in forward.sm90_instantiations()
+                     if n.startswith(("flash_fwd_sm90_ws_kernel<", "flash_fwd_sm90_fp8_kernel<"))],
+                    8)
+    define = ("-DFC_DIAG_EARLY_Q",)
+    cubin, log = jit.compile_check("flash_fwd_sm90.cu", names, "sm_90a", define, want_log=True)
+    spills = _spills_by_kernel(log)
+    assert len(spills) == len(names), log
+    for mangled, stores in spills.items():
+        assert stores <= _spill_allowance(mangled), f"spills in {mangled}\n{log}"
+    code = [_text_sections(jit.compile_check("flash_fwd_sm90.cu", names[:1], "sm_90a", opts)[0])
+            for opts in (define, ())]
+    assert code[0] and code[0] != code[1]
+
+
 def _text_sections(cubin: bytes) -> dict:
     """The machine code of an ELF64 cubin: {section name: bytes} of its .text sections (the
     rest of the file also records the compile options, so that whole cubins always differ)."""

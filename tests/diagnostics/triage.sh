@@ -69,22 +69,25 @@ for step in $steps; do
     note "decode"; tail -12 "$out/decode.txt" >> "$sum"
     ;;
   candidates)
-    cand fwd_variants 330 60 python3 tests/diagnostics/bench_fwd_variants.py \
+    cand fwd_variants 240 60 python3 tests/diagnostics/bench_fwd_variants.py \
         --seqlen 2048 4096 16384 --headdim 64 128 256 --rounds 2 --variants ws \
-        ws+FC_DIAG_PACK_INT ws-fence+FC_DIAG_PACK_INT ws+FC_DIAG_NO_SOFTMAX_FENCE
-    cand fwdbwd 150 20 python3 tests/diagnostics/bench_fwd_variants.py --mode fwdbwd \
+        ws+FC_DIAG_PACK_INT ws-fence+FC_DIAG_PACK_INT ws+FC_DIAG_EARLY_Q \
+        ws+FC_DIAG_PACK_INT+FC_DIAG_EARLY_Q
+    cand fwdbwd 120 20 python3 tests/diagnostics/bench_fwd_variants.py --mode fwdbwd \
         --seqlen 4096 16384 --headdim 64 128 256 --causal no --variants ws ws+FC_DIAG_PACK_INT
-    cand dropout 200 40 python3 tests/diagnostics/bench_dropout.py --defines FC_DIAG_PACK_INT \
+    cand dropout 150 40 python3 tests/diagnostics/bench_dropout.py --defines FC_DIAG_PACK_INT \
         FC_DIAG_SOFTMAX_FENCE_DROPOUT
     ;;
   candidates2)
     cand fp8 200 30 python3 tests/diagnostics/bench_fp8_forward.py --pingpong on --headdims \
         128,256 --seqlens 4096,16384 \
-        --defines FC_DIAG_SOFTMAX_FENCE,FC_DIAG_SOFTMAX_FENCE+FC_DIAG_POLY_EVERY=4
-    cand timeline 100 40 python3 tests/diagnostics/probe_timeline.py --headdim 64 128 \
+        --defines FC_DIAG_EARLY_Q,FC_DIAG_SOFTMAX_FENCE,FC_DIAG_SOFTMAX_FENCE+FC_DIAG_POLY_EVERY=4
+    cand timeline 80 40 python3 tests/diagnostics/probe_timeline.py --headdim 128 \
         --seqlen 2048 16384
-    cand timeline_fence 100 40 python3 tests/diagnostics/probe_timeline.py --headdim 64 128 \
-        --seqlen 2048 16384 --defines FC_DIAG_SOFTMAX_FENCE
+    cand timeline_packint 80 40 python3 tests/diagnostics/probe_timeline.py --headdim 128 \
+        --seqlen 2048 16384 --defines FC_DIAG_PACK_INT
+    cand timeline_earlyq 80 40 python3 tests/diagnostics/probe_timeline.py --headdim 128 \
+        --seqlen 2048 16384 --defines FC_DIAG_EARLY_Q
     cand timeline_bwd 100 40 python3 tests/diagnostics/probe_timeline.py --backward \
         --headdim 128 --seqlen 4096 16384 --causal both
     ;;
