@@ -151,8 +151,9 @@ struct FwdBlock {
 };
 
 // FC_DIAG_RESCALE_THRESHOLD=T (timing and tests): the conditional rescale (FwdRows::softmax)
-// at threshold T in every forward kernel, FP8 and the v0 / v1 kernels included; by default the
-// warp-specialised kernel picks its own (kRescaleThreshold there).
+// at threshold T in every forward kernel, FP8 and the v0 / v1 kernels included, and T = 0 off
+// in all of them, head dim 256 too (the A/B's baseline); by default the warp-specialised kernel
+// picks its own (kRescaleThreshold there).
 #ifdef FC_DIAG_RESCALE_THRESHOLD
 constexpr int kFcRescaleThreshold = FC_DIAG_RESCALE_THRESHOLD;
 #else
@@ -294,6 +295,7 @@ struct FwdRows {
     __device__ __forceinline__ void pack(const float (&s)[kNT * 4], fc_u32 (&pa)[kBlockN / 16][4],
                                          int n0) const {
         unsigned int mask[2][4] = {};
+        auto pack_p = [](float lo, float hi) { return Elem::template pack2_p<false>(lo, hi); };
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
             if constexpr (Is_dropout) {
@@ -303,15 +305,15 @@ struct FwdRows {
                                       m0 + warp_row0, n0 + 16 * kb, g, t, mask[0], mask[1]);
                 }
                 const unsigned int (&m)[4] = mask[kk & 1];
-                pa[kk][0] = Elem::pack2_p(s[8 * kk + 0], s[8 * kk + 1]) & m[0];
-                pa[kk][1] = Elem::pack2_p(s[8 * kk + 2], s[8 * kk + 3]) & m[2];
-                pa[kk][2] = Elem::pack2_p(s[8 * kk + 4], s[8 * kk + 5]) & m[1];
-                pa[kk][3] = Elem::pack2_p(s[8 * kk + 6], s[8 * kk + 7]) & m[3];
+                pa[kk][0] = pack_p(s[8 * kk + 0], s[8 * kk + 1]) & m[0];
+                pa[kk][1] = pack_p(s[8 * kk + 2], s[8 * kk + 3]) & m[2];
+                pa[kk][2] = pack_p(s[8 * kk + 4], s[8 * kk + 5]) & m[1];
+                pa[kk][3] = pack_p(s[8 * kk + 6], s[8 * kk + 7]) & m[3];
             } else {
-                pa[kk][0] = Elem::pack2_p(s[8 * kk + 0], s[8 * kk + 1]);
-                pa[kk][1] = Elem::pack2_p(s[8 * kk + 2], s[8 * kk + 3]);
-                pa[kk][2] = Elem::pack2_p(s[8 * kk + 4], s[8 * kk + 5]);
-                pa[kk][3] = Elem::pack2_p(s[8 * kk + 6], s[8 * kk + 7]);
+                pa[kk][0] = pack_p(s[8 * kk + 0], s[8 * kk + 1]);
+                pa[kk][1] = pack_p(s[8 * kk + 2], s[8 * kk + 3]);
+                pa[kk][2] = pack_p(s[8 * kk + 4], s[8 * kk + 5]);
+                pa[kk][3] = pack_p(s[8 * kk + 6], s[8 * kk + 7]);
             }
         }
     }

@@ -353,6 +353,45 @@ def test_schedule_only_defines_give_the_same_bits(define, causal):
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
+def test_integer_pack_candidate(d, causal):
+    """FC_DIAG_PACK_INT (the candidate, off until measured: P, and in the dK/dV kernels dS,
+    packed to bf16 by integer rounding instead of cvt; cuda/ptx.cuh's pack2_p): the Hopper
+    forward and dK/dV kernels built with it against the float64 oracle with the flash-attn rule
+    (run_case; and with dropout, test_cupy_gpu's dropout check), and a NaN in q, k and v leaves
+    NaN in the same places of out, lse, dq, dk and dv as the default build does (the integer
+    add would carry the canonical NaN into a zero; the dK/dV kernels clamp first)."""
+    if _VARIANT["name"] != "ws":
+        pytest.skip("the warp-specialised kernel as by default")
+    import cupy as cp
+    import flashcore
+    from refutils import to_dev
+    from test_cupy_gpu import test_dropout_against_the_reference
+    define = ("-DFC_DIAG_PACK_INT",)
+    _under_defines(define, lambda: run_case("bfloat16", 2, 203, 517, 4, 2, d, causal=causal,
+                                            seed=d + causal), "flash_fwd_sm90_ws")
+    _under_defines(define, lambda: test_dropout_against_the_reference(
+        d, 130, 257, dict(causal=causal), 0.17), "flash_bwd_dkdv_sm90")
+    rng = np.random.default_rng(3 * d + causal)
+    host = [rng.standard_normal((2, 600, 4, d)).astype(np.float32) for _ in range(4)]
+    host[0][1, 5, 0, 3] = np.nan        # a query row
+    host[1][0, 17, 2, 1] = np.nan       # a key
+    host[2][1, 550, 3, 0] = np.nan      # a value row
+    q, k, v, do = (to_dev(x, "bfloat16") for x in host)
+
+    def run():
+        out, lse = flashcore.attention_forward(q, k, v, causal=causal)
+        grads = flashcore.attention_backward(do, q, k, v, out, lse, causal=causal)
+        return [x.copy() for x in (out, lse, *grads)]
+
+    a = run()
+    b = _under_defines(define, run, "flash_bwd_dkdv_sm90")
+    for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), a, b):
+        nx, ny = (np.isnan(cp.asnumpy(z).astype(np.float32)) for z in (x, y))
+        assert nx.any() and (nx == ny).all(), (name, int(nx.sum()), int(ny.sum()))
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
 def test_descriptors_either_way_give_the_same_bits(d, causal):
     """wgmma_desc's low word as one add on base >> 4 (cuda/wgmma.cuh) equals the old
     ((base + off) & 0x3FFFF) >> 4 | LBO on the device, for every descriptor the warp-specialised
