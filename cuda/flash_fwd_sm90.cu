@@ -230,10 +230,10 @@ struct FwdRows {
     // moves only where the block's maximum passes it by more than 2^kThreshold in P (or it is
     // still -inf); P <= 2^kThreshold otherwise, the same relative rounding in 16 bits. Where no
     // row of a warp moved, corr is exactly 1 and the caller skips O's rescale; the epilogue's
-    // lse takes the reference, with which the row sum agrees. (Not with FP8: P up to 2^8 in
-    // e4m3 passes 448 only above 8, but the FP8 GPU tests fail the flash-attn rule with it,
-    // 2.5-4x the emulated error (run 120 of the performance log): consistent with the FP8
-    // wgmma's narrower accumulation, where the earlier blocks' O sits 2^8 below the new terms.)
+    // lse takes the reference, with which the row sum agrees. (Not with FP8: P up to 2^8 stays
+    // within e4m3's 448, yet the FP8 GPU tests fail the flash-attn rule with it at 2.5-4x the
+    // emulated error (run 120 of the performance log): consistent with the FP8 wgmma's
+    // narrower accumulation, where the earlier blocks' O sits up to 2^8 below the new terms.)
     template <int kPolyEvery = 0, bool kExact = false, int kThreshold = kFcRescaleThreshold>
     __device__ __forceinline__ bool softmax(float (&s)[kNT * 4], float (&corr)[2]) {
         bool grew = false;
