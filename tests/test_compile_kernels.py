@@ -140,23 +140,13 @@ def test_p_pack_candidate_compiles():
     build's spill allowance; the define changes their code and leaves fp16's (cvt kept)."""
     _nvrtc_or_skip()
     from flashcore.kernels import backward, forward
-    define = ("-DFC_DIAG_PACK_INT",)
     for source, listed, prefix, fp16 in (
             ("flash_fwd_sm90.cu", forward.sm90_instantiations(), "flash_fwd_sm90_ws_kernel<",
              forward.sm90_ws_kernel_name("float16", 128, False)),
             ("flash_bwd_sm90.cu", backward.sm90_instantiations(), "flash_bwd_dkdv_sm90",
              "flash_bwd_dkdv_sm90_d256_kernel<fc_fp16, false, false>")):
         names = _sample([n for n in listed if n.startswith(prefix) and "<fc_bf16," in n], 8)
-        assert names, source
-        cubin, log = jit.compile_check(source, names, "sm_90a", define, want_log=True)
-        spills = _spills_by_kernel(log)
-        assert len(spills) == len(names), log
-        for mangled, stores in spills.items():
-            assert stores <= _spill_allowance(mangled), f"{source}: spills in {mangled}\n{log}"
-        for name, changes in ((names[0], True), (fp16, False)):
-            code = [_text_sections(jit.compile_check(source, [name], "sm_90a", opts)[0])
-                    for opts in (define, ())]
-            assert code[0] and (code[0] != code[1]) == changes, name
+        _check_candidate(source, names, ("-DFC_DIAG_PACK_INT",), unchanged=fp16)
 
 
 def test_early_q_candidate_compiles():
@@ -170,15 +160,22 @@ def test_early_q_candidate_compiles():
     names = _sample([n for n in forward.sm90_instantiations()
                      if n.startswith(("flash_fwd_sm90_ws_kernel<", "flash_fwd_sm90_fp8_kernel<"))],
                     8)
-    define = ("-DFC_DIAG_EARLY_Q",)
-    cubin, log = jit.compile_check("flash_fwd_sm90.cu", names, "sm_90a", define, want_log=True)
+    _check_candidate("flash_fwd_sm90.cu", names, ("-DFC_DIAG_EARLY_Q",))
+
+
+def _check_candidate(source, names, define, unchanged=None):
+    """A candidate define's sm_90a build of `names` (a sample) stays within the default build's
+    spill allowance, and its machine code differs from the default build's for names[0] and,
+    for the instantiation `unchanged`, does not."""
+    cubin, log = jit.compile_check(source, names, "sm_90a", define, want_log=True)
     spills = _spills_by_kernel(log)
     assert len(spills) == len(names), log
     for mangled, stores in spills.items():
-        assert stores <= _spill_allowance(mangled), f"spills in {mangled}\n{log}"
-    code = [_text_sections(jit.compile_check("flash_fwd_sm90.cu", names[:1], "sm_90a", opts)[0])
-            for opts in (define, ())]
-    assert code[0] and code[0] != code[1]
+        assert stores <= _spill_allowance(mangled), f"{source}: spills in {mangled}\n{log}"
+    for name, changes in [(names[0], True)] + ([(unchanged, False)] if unchanged else []):
+        code = [_text_sections(jit.compile_check(source, [name], "sm_90a", opts)[0])
+                for opts in (define, ())]
+        assert code[0] and (code[0] != code[1]) == changes, name
 
 
 def _text_sections(cubin: bytes) -> dict:
