@@ -234,7 +234,10 @@ struct FwdRows {
     // within e4m3's 448, yet the FP8 GPU tests fail the flash-attn rule with it at 2.5-4x the
     // emulated error (run 120 of the performance log): consistent with the FP8 wgmma's
     // narrower accumulation, where the earlier blocks' O sits up to 2^8 below the new terms.)
-    template <int kPolyEvery = 0, bool kExact = false, int kThreshold = kFcRescaleThreshold>
+    // kSum: the row sums here (false: the caller takes them from the tensor cores, issue_pv's
+    // acc_l, and row_sum stays 0).
+    template <int kPolyEvery = 0, bool kExact = false, int kThreshold = kFcRescaleThreshold,
+              bool kSum = true>
     __device__ __forceinline__ bool softmax(float (&s)[kNT * 4], float (&corr)[2]) {
         bool grew = false;
 #pragma unroll
@@ -277,7 +280,7 @@ struct FwdRows {
                     s[4 * j + e] = pr;
                     sum += pr;
                 }
-            row_sum[r] = row_sum[r] * corr[r] + sum;
+            if constexpr (kSum) row_sum[r] = row_sum[r] * corr[r] + sum;
         }
         return grew;
     }
@@ -453,6 +456,24 @@ __device__ __forceinline__ void issue_pv(float (&acc_o)[kNO], fc_u32 (&pa)[kBloc
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk)
         Wgmma<Elem>::rs_tb(acc_o, pa[kk], wgmma_desc_mn(sVb, (fc_u32)kk * 16u * 128u, kKVBlock), 1);
+    wgmma_commit();
+}
+// The same with P's row sums on the tensor cores (FC_DIAG_SUM_MMA, the candidate): each k-step
+// also adds P times a 16 x 8 tile of ones (`ones`, its descriptor: every address it reads holds
+// a one) into acc_l, in the same group, so that every column of acc_l is P's row sum.
+template <typename Elem, int kBlockN, int kNO>
+__device__ __forceinline__ void issue_pv(float (&acc_o)[kNO], fc_u32 (&pa)[kBlockN / 16][4],
+                                         fc_u32 sVb, float (&acc_l)[4], fc_u64 ones) {
+    constexpr fc_u32 kKVBlock = (fc_u32)kBlockN * 128u;
+    settle(acc_o);
+    settle(acc_l);
+    settle(pa);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        Wgmma<Elem>::rs_tb(acc_o, pa[kk], wgmma_desc_mn(sVb, (fc_u32)kk * 16u * 128u, kKVBlock), 1);
+        Wgmma<Elem>::rs_tb(acc_l, pa[kk], ones, 1);
+    }
     wgmma_commit();
 }
 
@@ -809,6 +830,18 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 #else
     constexpr bool kSoftmaxFence = !Is_fp8 && !Is_dropout && (kD == 64 || kD == 256);
 #endif
+    // P's row sums on the tensor cores (FC_DIAG_SUM_MMA, the candidate, off until measured):
+    // each k-step of P V also multiplies P by a tile of ones (issue_pv), and the softmax drops
+    // its adds (one FADD a score, 88 a block a thread at d128, off the softmax phase that bounds
+    // the kernel) for an m64n8k16 product a k-step (N = 8 beside the P V product's kD: +3-6%
+    // tensor work) and 4 multiplies a rescale. The sums are then those of P as rounded to 16
+    // bits, as O's are. Not with dropout (the sums are of the undropped P), FP8, or the fence
+    // (whose ordering point is the row sums).
+#ifdef FC_DIAG_SUM_MMA
+    constexpr bool kSumMma = !Is_fp8 && !Is_dropout && !kSoftmaxFence;
+#else
+    constexpr bool kSumMma = false;
+#endif
     static_assert(!(Is_fp8 && Is_dropout), "FP8 attention is forward only, without dropout");
     static_assert(!Is_varlen || !kPersistent, "varlen: one tile a CTA");
     static_assert(kOBufs == 0 || kOBufs == kCons || (kOBufs == 1 && kCons == 2),
@@ -1074,6 +1107,20 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     const fc_u32 sQwg = Is_fp8 ? sQ + (fc_u32)cw * 64u * 128u
                                : warp_uniform(sQ + (fc_u32)cw * 64u * 128u);
     FC_TL_CTA_BEGIN(1 + cw);
+    // (FC_DIAG_SUM_MMA) the ones that issue_pv's row-sum products read: 256 bytes of 16-bit
+    // ones in static shared memory (the dynamic allocation's 1024 bytes of alignment slack
+    // absorb the shift), one 16 x 8 B operand of 8 x 8 core matrices 128 bytes apart, no
+    // swizzle; consumer warpgroup 0 writes them, all consumers meet at named barrier 4 (as
+    // varlen's V zeroing does) before their first product
+    fc_u64 ones_desc = 0;
+    if constexpr (kSumMma) {
+        __shared__ __align__(256) fc_u16 ones[128];
+        if (cw == 0) ones[tid & 127] = Elem::from_float(1.f);
+        fence_proxy_async();
+        named_sync(4, (int)kConsumers);
+        const fc_u32 base = smem_u32(ones);
+        ones_desc = ((fc_u64)(128u >> 4) << 32) | (fc_u64)((base >> 4) | ((128u >> 4) << 16));
+    }
     if (kPPChain && cw == kCons - 1) named_arrive(1, 256);
     for (int u = 0;; ++u) {
         const int tile = kPersistent ? receive(u) : u;
@@ -1130,9 +1177,12 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             else
                 rows.pack(s, pa, n0);
         };
+        float acc_l[4] = {0.f, 0.f, 0.f, 0.f};   // (FC_DIAG_SUM_MMA) P's row sums, any column
         auto issue_pv_ = [&](fc_u32 sVb) {
             if constexpr (Is_fp8)
                 issue_pv_e4m3<kD, kBlockN>(rows.acc_o, pa, sVb);
+            else if constexpr (kSumMma)
+                issue_pv<Elem, kBlockN>(rows.acc_o, pa, sVb, acc_l, ones_desc);
             else
                 issue_pv<Elem, kBlockN>(rows.acc_o, pa, sVb);
         };
@@ -1150,7 +1200,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         if (kEarlyQ && n_iter == 1) mbar_arrive(empty_q);   // (the tile's only S is done)
         cap();
         rows.mask(s, nb * kBlockN);
-        rows.template softmax<kPolyEvery, kExactCorr, kRescaleThreshold>(s, corr);   // O is 0
+        rows.template softmax<kPolyEvery, kExactCorr, kRescaleThreshold, !kSumMma>(s, corr);
         pack(nb * kBlockN);
         if constexpr (Is_varlen && !Is_fp8) {
             // the walk's first block, the last of the tile's keys: past the sequence's end?
@@ -1195,16 +1245,23 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             cap();
             rows.mask(s, (nb - 1) * kBlockN);
             const bool grew =
-                rows.template softmax<kPolyEvery, kExactCorr, kRescaleThreshold>(s, corr);
+                rows.template softmax<kPolyEvery, kExactCorr, kRescaleThreshold, !kSumMma>(s, corr);
             if constexpr (kSoftmaxFence)
                 schedule_after(rows.row_sum[0] + rows.row_sum[1]);   // (see kSoftmaxFence)
             FC_TL_STAMP(1 + cw, nq, it, 5);
             wgmma_wait<0>();
             settle(rows.acc_o);
+            if constexpr (kSumMma) settle(acc_l);
             settle(pa);
             FC_TL_STAMP(1 + cw, nq, it, 6);
             mbar_arrive(empty_v(st0));
-            if (!kSkipRescale || __any_sync(0xFFFFFFFFu, grew)) rows.rescale(corr);
+            if (!kSkipRescale || __any_sync(0xFFFFFFFFu, grew)) {
+                rows.rescale(corr);
+                if constexpr (kSumMma) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc_l[e] *= corr[e >> 1];
+                }
+            }
             pack((nb - 1) * kBlockN);
             FC_TL_STAMP(1 + cw, nq, it, 7);
         }
@@ -1216,7 +1273,14 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             issue_pv_(sV + (fc_u32)stage_of(last) * kVtTile);
             wgmma_wait<0>();
             settle(rows.acc_o);
+            if constexpr (kSumMma) settle(acc_l);
             settle(pa);
+            if constexpr (kSumMma) {
+                // the whole row's sum in every lane of its quad: a quarter each, so that the
+                // epilogue's quad sum (exact: equal powers-of-two multiples) gives it back
+                rows.row_sum[0] = 0.25f * acc_l[0];
+                rows.row_sum[1] = 0.25f * acc_l[2];
+            }
             mbar_arrive(empty_v(stage_of(last)));
         }
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 5);

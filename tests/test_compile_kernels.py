@@ -163,6 +163,25 @@ def test_early_q_candidate_compiles():
     _check_candidate("flash_fwd_sm90.cu", names, ("-DFC_DIAG_EARLY_Q",))
 
 
+def test_sum_mma_candidate_compiles():
+    """The Hopper forward under FC_DIAG_SUM_MMA (the candidate, off until measured: P's row
+    sums on the tensor cores, an m64n8k16 product against a tile of ones a k-step) compiles:
+    the 16-bit warp-specialised kernels at head dim 128 (where the fence is off by default)
+    and, with FC_DIAG_NO_SOFTMAX_FENCE, a sample of all head dims, within the default build's
+    spill allowance; it changes the d128 kernel and leaves the dropout one (whose sums are
+    those of the undropped P) as it was."""
+    _nvrtc_or_skip()
+    from flashcore.kernels import forward
+    d128 = forward.sm90_ws_kernel_name("bfloat16", 128, False)
+    _check_candidate("flash_fwd_sm90.cu", [d128, forward.sm90_ws_kernel_name("float16", 128, True)],
+                     ("-DFC_DIAG_SUM_MMA",),
+                     unchanged=forward.sm90_ws_kernel_name("bfloat16", 128, False, dropout=True))
+    names = _sample([n for n in forward.sm90_instantiations()
+                     if n.startswith("flash_fwd_sm90_ws_kernel<")], 8)
+    _check_candidate("flash_fwd_sm90.cu", [d128] + names,
+                     ("-DFC_DIAG_SUM_MMA", "-DFC_DIAG_NO_SOFTMAX_FENCE"))
+
+
 def _check_candidate(source, names, define, unchanged=None):
     """A candidate define's sm_90a build of `names` (a sample) stays within the default build's
     spill allowance, and its machine code differs from the default build's for names[0] and,

@@ -69,10 +69,10 @@ for step in $steps; do
     note "decode"; tail -12 "$out/decode.txt" >> "$sum"
     ;;
   candidates)
-    cand fwd_variants 240 60 python3 tests/diagnostics/bench_fwd_variants.py \
+    cand fwd_variants 260 60 python3 tests/diagnostics/bench_fwd_variants.py \
         --seqlen 2048 4096 16384 --headdim 64 128 256 --rounds 2 --variants ws \
-        ws+FC_DIAG_PACK_INT ws-fence+FC_DIAG_PACK_INT ws+FC_DIAG_EARLY_Q \
-        ws+FC_DIAG_PACK_INT+FC_DIAG_EARLY_Q
+        ws+FC_DIAG_PACK_INT ws+FC_DIAG_EARLY_Q ws+FC_DIAG_SUM_MMA \
+        ws+FC_DIAG_SUM_MMA+FC_DIAG_NO_SOFTMAX_FENCE ws+FC_DIAG_SUM_MMA+FC_DIAG_PACK_INT
     cand fwdbwd 120 20 python3 tests/diagnostics/bench_fwd_variants.py --mode fwdbwd \
         --seqlen 4096 16384 --headdim 64 128 256 --causal no --variants ws ws+FC_DIAG_PACK_INT
     cand dropout 150 40 python3 tests/diagnostics/bench_dropout.py --defines FC_DIAG_PACK_INT \
@@ -88,8 +88,8 @@ for step in $steps; do
         --seqlen 2048 16384 --defines FC_DIAG_PACK_INT
     cand timeline_earlyq 80 40 python3 tests/diagnostics/probe_timeline.py --headdim 128 \
         --seqlen 2048 16384 --defines FC_DIAG_EARLY_Q
-    cand timeline_bwd 100 40 python3 tests/diagnostics/probe_timeline.py --backward \
-        --headdim 128 --seqlen 4096 16384 --causal both
+    cand timeline_summma 100 40 python3 tests/diagnostics/probe_timeline.py --headdim 128 \
+        --seqlen 2048 16384 --defines FC_DIAG_SUM_MMA
     ;;
   esac
 done

@@ -351,26 +351,35 @@ def test_schedule_only_defines_give_the_same_bits(define, causal):
         assert cp.array_equal(x.view(cp.uint8), y.view(cp.uint8)), (define, i, seed)
 
 
+NUMERIC_CANDIDATES = [(("-DFC_DIAG_PACK_INT",), "flash_bwd_dkdv_sm90"),
+                      (("-DFC_DIAG_SUM_MMA", "-DFC_DIAG_NO_SOFTMAX_FENCE"), "flash_fwd_sm90_ws")]
+
+
+@pytest.mark.parametrize("defines, kernel", NUMERIC_CANDIDATES,
+                         ids=[c[0][0][2:] for c in NUMERIC_CANDIDATES])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_integer_pack_candidate(d, causal):
-    """FC_DIAG_PACK_INT (the candidate, off until measured: P, and in the dK/dV kernels dS,
-    packed to bf16 by integer rounding instead of cvt; cuda/ptx.cuh's pack2_p): the Hopper
-    forward and dK/dV kernels built with it against the float64 oracle with the flash-attn rule
-    (run_case; and with dropout, test_cupy_gpu's dropout check), and a NaN in q, k and v leaves
-    NaN in the same places of out, lse, dq, dk and dv as the default build does (the integer
-    add would carry the canonical NaN into a zero; the dK/dV kernels clamp first)."""
+def test_numeric_candidates(defines, kernel, d, causal):
+    """The candidates that change the arithmetic (off until measured): FC_DIAG_PACK_INT (P,
+    and in the dK/dV kernels dS, packed to bf16 by integer rounding instead of cvt;
+    cuda/ptx.cuh's pack2_p) and FC_DIAG_SUM_MMA (P's row sums on the tensor cores; with
+    FC_DIAG_NO_SOFTMAX_FENCE so that it reaches head dims 64 and 256 too). Built with them, the
+    Hopper kernels against the float64 oracle with the flash-attn rule (run_case, forward and
+    backward, with rows that see no key; and test_cupy_gpu's dropout check), and a NaN in q, k
+    and v leaves NaN in the same places of out, lse, dq, dk and dv as the default build does
+    (the integer add would carry the canonical NaN into a zero; the dK/dV kernels clamp
+    first)."""
     if _VARIANT["name"] != "ws":
         pytest.skip("the warp-specialised kernel as by default")
     import cupy as cp
     import flashcore
     from refutils import to_dev
     from test_cupy_gpu import test_dropout_against_the_reference
-    define = ("-DFC_DIAG_PACK_INT",)
-    _under_defines(define, lambda: run_case("bfloat16", 2, 203, 517, 4, 2, d, causal=causal,
-                                            seed=d + causal), "flash_fwd_sm90_ws")
-    _under_defines(define, lambda: test_dropout_against_the_reference(
-        d, 130, 257, dict(causal=causal), 0.17), "flash_bwd_dkdv_sm90")
+    for sq, sk in ((203, 517), (517, 203)):      # causal 517 x 203: 314 rows see no key
+        _under_defines(defines, lambda: run_case("bfloat16", 2, sq, sk, 4, 2, d, causal=causal,
+                                                 seed=d + causal + sq), kernel)
+    _under_defines(defines, lambda: test_dropout_against_the_reference(
+        d, 130, 257, dict(causal=causal), 0.17))
     rng = np.random.default_rng(3 * d + causal)
     host = [rng.standard_normal((2, 600, 4, d)).astype(np.float32) for _ in range(4)]
     host[0][1, 5, 0, 3] = np.nan        # a query row
@@ -384,7 +393,7 @@ def test_integer_pack_candidate(d, causal):
         return [x.copy() for x in (out, lse, *grads)]
 
     a = run()
-    b = _under_defines(define, run, "flash_bwd_dkdv_sm90")
+    b = _under_defines(defines, run, kernel)
     for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), a, b):
         nx, ny = (np.isnan(cp.asnumpy(z).astype(np.float32)) for z in (x, y))
         assert nx.any() and (nx == ny).all(), (name, int(nx.sum()), int(ny.sum()))
