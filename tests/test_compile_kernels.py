@@ -178,8 +178,13 @@ def test_sum_mma_candidate_compiles():
                      unchanged=forward.sm90_ws_kernel_name("bfloat16", 128, False, dropout=True))
     names = _sample([n for n in forward.sm90_instantiations()
                      if n.startswith("flash_fwd_sm90_ws_kernel<")], 8)
-    _check_candidate("flash_fwd_sm90.cu", [d128] + names,
-                     ("-DFC_DIAG_SUM_MMA", "-DFC_DIAG_NO_SOFTMAX_FENCE"))
+    nofence = ("-DFC_DIAG_NO_SOFTMAX_FENCE",)
+    _check_candidate("flash_fwd_sm90.cu", [d128] + names, ("-DFC_DIAG_SUM_MMA",) + nofence)
+    for d in (64, 256):     # (their fence off, the candidate reaches them)
+        name = [forward.sm90_ws_kernel_name("bfloat16", d, False)]
+        code = [_text_sections(jit.compile_check("flash_fwd_sm90.cu", name, "sm_90a", opts)[0])
+                for opts in (("-DFC_DIAG_SUM_MMA",) + nofence, nofence)]
+        assert code[0] and code[0] != code[1], name
 
 
 def _check_candidate(source, names, define, unchanged=None):

@@ -365,7 +365,8 @@ def test_numeric_candidates(defines, kernel, d, causal):
     cuda/ptx.cuh's pack2_p) and FC_DIAG_SUM_MMA (P's row sums on the tensor cores; with
     FC_DIAG_NO_SOFTMAX_FENCE so that it reaches head dims 64 and 256 too). Built with them, the
     Hopper kernels against the float64 oracle with the flash-attn rule (run_case, forward and
-    backward, with rows that see no key; and test_cupy_gpu's dropout check), and a NaN in q, k
+    backward, bf16 and fp16, with rows that see no key; and test_cupy_gpu's dropout check, which
+    the row sums' candidate leaves to the default kernels), and a NaN in q, k
     and v leaves NaN in the same places of out, lse, dq, dk and dv as the default build does
     (the integer add would carry the canonical NaN into a zero; the dK/dV kernels clamp
     first)."""
@@ -375,8 +376,10 @@ def test_numeric_candidates(defines, kernel, d, causal):
     import flashcore
     from refutils import to_dev
     from test_cupy_gpu import test_dropout_against_the_reference
-    for sq, sk in ((203, 517), (517, 203)):      # causal 517 x 203: 314 rows see no key
-        _under_defines(defines, lambda: run_case("bfloat16", 2, sq, sk, 4, 2, d, causal=causal,
+    # (keys >= 512, so that head dim 64 takes the Hopper forward too; causal 1100 x 600: 500
+    # rows see no key)
+    for dtype, sq, sk in (("bfloat16", 203, 517), ("float16", 203, 517), ("bfloat16", 1100, 600)):
+        _under_defines(defines, lambda: run_case(dtype, 2, sq, sk, 4, 2, d, causal=causal,
                                                  seed=d + causal + sq), kernel)
     _under_defines(defines, lambda: test_dropout_against_the_reference(
         d, 130, 257, dict(causal=causal), 0.17))
