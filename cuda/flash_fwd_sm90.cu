@@ -446,33 +446,22 @@ __device__ __forceinline__ void issue_s(float (&s)[kNS], fc_u32 sQwg, fc_u32 sKb
 }
 // O += P V (asynchronous, one group). B = V (keys x d), N-major: 64-column blocks of d are
 // kKVBlock apart (LBO), groups of 8 keys 1024 bytes apart (SBO); k-step kk starts at key 16 kk.
+// With acc_l (P's row sums on the tensor cores, FC_DIAG_SUM_MMA, the candidate): each k-step
+// also adds P times a 16 x 8 tile of ones (`ones`, its descriptor: every address it reads
+// holds a one) into *acc_l, in the same group, so that every column of it is P's row sum.
 template <typename Elem, int kBlockN, int kNO>
 __device__ __forceinline__ void issue_pv(float (&acc_o)[kNO], fc_u32 (&pa)[kBlockN / 16][4],
-                                         fc_u32 sVb) {
+                                         fc_u32 sVb, float (*acc_l)[4] = nullptr,
+                                         fc_u64 ones = 0) {
     constexpr fc_u32 kKVBlock = (fc_u32)kBlockN * 128u;
     settle(acc_o);
-    settle(pa);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk)
-        Wgmma<Elem>::rs_tb(acc_o, pa[kk], wgmma_desc_mn(sVb, (fc_u32)kk * 16u * 128u, kKVBlock), 1);
-    wgmma_commit();
-}
-// The same with P's row sums on the tensor cores (FC_DIAG_SUM_MMA, the candidate): each k-step
-// also adds P times a 16 x 8 tile of ones (`ones`, its descriptor: every address it reads holds
-// a one) into acc_l, in the same group, so that every column of acc_l is P's row sum.
-template <typename Elem, int kBlockN, int kNO>
-__device__ __forceinline__ void issue_pv(float (&acc_o)[kNO], fc_u32 (&pa)[kBlockN / 16][4],
-                                         fc_u32 sVb, float (&acc_l)[4], fc_u64 ones) {
-    constexpr fc_u32 kKVBlock = (fc_u32)kBlockN * 128u;
-    settle(acc_o);
-    settle(acc_l);
+    if (acc_l) settle(*acc_l);
     settle(pa);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
         Wgmma<Elem>::rs_tb(acc_o, pa[kk], wgmma_desc_mn(sVb, (fc_u32)kk * 16u * 128u, kKVBlock), 1);
-        Wgmma<Elem>::rs_tb(acc_l, pa[kk], ones, 1);
+        if (acc_l) Wgmma<Elem>::rs_tb(*acc_l, pa[kk], ones, 1);
     }
     wgmma_commit();
 }
@@ -1182,7 +1171,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             if constexpr (Is_fp8)
                 issue_pv_e4m3<kD, kBlockN>(rows.acc_o, pa, sVb);
             else if constexpr (kSumMma)
-                issue_pv<Elem, kBlockN>(rows.acc_o, pa, sVb, acc_l, ones_desc);
+                issue_pv<Elem, kBlockN>(rows.acc_o, pa, sVb, &acc_l, ones_desc);
             else
                 issue_pv<Elem, kBlockN>(rows.acc_o, pa, sVb);
         };
