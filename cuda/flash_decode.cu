@@ -899,15 +899,9 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
                         for (int h = 0; h < 2; ++h) {
                             const fc_u32 x0 = fc_prmt(vb[2 * h], 0x3120u);
                             const fc_u32 x1 = fc_prmt(vb[2 * h + 1], 0x3120u);
-                            const fc_u32 be[2] = {fc_e4m3x2_to_f16x2(x0), fc_e4m3x2_to_f16x2(x1)};
-                            const fc_u32 bo[2] = {fc_e4m3x2_hi_to_f16x2(x0),
-                                                  fc_e4m3x2_hi_to_f16x2(x1)};
-                            const int c = 2 * cp + h;
-#pragma unroll
-                            for (int mt = 0; mt < kMT; ++mt) {
-                                EM::mma(acc_o[mt][2 * c], pa[mt], be);
-                                EM::mma(acc_o[mt][2 * c + 1], pa[mt], bo);
-                            }
+                            fc_mma_pair<EM>(acc_o, 2 * (2 * cp + h), pa,
+                                            fc_e4m3x2_to_f16x2(x0), fc_e4m3x2_to_f16x2(x1),
+                                            fc_e4m3x2_hi_to_f16x2(x0), fc_e4m3x2_hi_to_f16x2(x1));
                         }
                     }
                 }

@@ -78,6 +78,21 @@ __device__ __forceinline__ void fc_q_frag(fc_u32 (&qa)[4], const fc_u32 (&qf)[kQ
     }
 }
 
+// Two n8 tiles, acc[.][n] and acc[.][n + 1], += every m-tile's A fragment times the B
+// fragments b[0..1] and b[2..3] (an x4 ldmatrix's, or the FP8 cache's converted ones).
+template <typename Elem, int kMT, int kN>
+__device__ __forceinline__ void fc_mma_pair(float (&acc)[kMT][kN][4], int n,
+                                            const fc_u32 (&a)[kMT][4], fc_u32 b00, fc_u32 b01,
+                                            fc_u32 b10, fc_u32 b11) {
+    const fc_u32 b0[2] = {b00, b01};
+    const fc_u32 b1[2] = {b10, b11};
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+        Elem::mma(acc[mt][n], a[mt], b0);
+        Elem::mma(acc[mt][n + 1], a[mt], b1);
+    }
+}
+
 // S = Q K^T over one key block, 16-bit operands (m16n8k16): s (kMT m16 by kNT n8 tiles)
 // zeroed, then for each of the kKD k16 steps of the head dim, Q's A fragments (kQInRegs: qf,
 // loaded once; else by ldmatrix at q_addr(mt, kk)) against K's B fragments, one x4 ldmatrix per
@@ -101,13 +116,7 @@ __device__ __forceinline__ void fc_qk_product(float (&s)[kMT][kNT][4],
             fc_u32 kb[4];
             ldmatrix_x4(kb, sK + 2u * ((kk / kJW) * (kRows * kW) + (krow0 + np * 16) * kW
                                        + k_off[kk % kJW]));
-            const fc_u32 b0[2] = {kb[0], kb[1]};
-            const fc_u32 b1[2] = {kb[2], kb[3]};
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt) {
-                Elem::mma(s[mt][2 * np], qa[mt], b0);
-                Elem::mma(s[mt][2 * np + 1], qa[mt], b1);
-            }
+            fc_mma_pair<Elem>(s, 2 * np, qa, kb[0], kb[1], kb[2], kb[3]);
         }
     }
 }
@@ -129,13 +138,7 @@ __device__ __forceinline__ void fc_pv_product(float (&acc_o)[kMT][kDT][4],
             fc_u32 vb[4];
             ldmatrix_x4_trans(vb, sV + 2u * ((dp / kJW) * (kRows * kW) + (vrow0 + kk * 16) * kW
                                              + a_off[dp % kJW]));
-            const fc_u32 b0[2] = {vb[0], vb[1]};
-            const fc_u32 b1[2] = {vb[2], vb[3]};
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt) {
-                Elem::mma(acc_o[mt][2 * dp], pa[mt], b0);
-                Elem::mma(acc_o[mt][2 * dp + 1], pa[mt], b1);
-            }
+            fc_mma_pair<Elem>(acc_o, 2 * dp, pa, vb[0], vb[1], vb[2], vb[3]);
         }
     }
 }
