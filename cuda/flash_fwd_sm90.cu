@@ -795,6 +795,17 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 #else
     constexpr bool kEarlyQ = false;
 #endif
+    // The next tile's first S product issued before this tile's epilogue (persistent kernels:
+    // the next tile is received from the scheduler's slot early, its Q and first K awaited),
+    // so that O's normalisation, stores and TMA store run while the tensor cores compute it,
+    // not between two tiles' products (run 118's timeline: a d128 tile costs ~1.1 block-times
+    // more than its blocks at 2k). FC_DIAG_NEXT_S0, the candidate, off until measured; the
+    // same bits (only the product's issue moves).
+#ifdef FC_DIAG_NEXT_S0
+    constexpr bool kNextS0 = kPersistent;
+#else
+    constexpr bool kNextS0 = false;
+#endif
     // The softmax of S_{i+1} is written to run under this warpgroup's own P_i V_i (between
     // wgmma_wait<1> and wgmma_wait<0>), but ptxas schedules register-only arithmetic freely
     // across WARPGROUP.DEPBAR and barriers, and left alone it puts the wait for P_i V_i
@@ -1111,8 +1122,20 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         ones_desc = ((fc_u64)(128u >> 4) << 32) | (fc_u64)((base >> 4) | ((128u >> 4) << 16));
     }
     if (kPPChain && cw == kCons - 1) named_arrive(1, 256);
+    // (kNextS0) the next tile, received before this tile's epilogue, and whether its first S
+    // went out then (into s: only a tile that runs has one)
+    int pre_tile = -1;
+    bool pre_s0 = false;
+#ifdef FC_DIAG_NEXT_S0
+    float s[kNT * 4];          // (declared per tile otherwise: the default build's PTX as it was)
+#pragma unroll
+    for (int i = 0; i < kNT * 4; ++i) s[i] = 0.f;
+#endif
     for (int u = 0;; ++u) {
-        const int tile = kPersistent ? receive(u) : u;
+        const int tile = pre_tile >= 0 ? pre_tile : (kPersistent ? receive(u) : u);
+        const bool s0_issued = pre_s0;
+        pre_tile = -1;
+        pre_s0 = false;
         if (tile >= n_tiles) break;
         // (the timeline's tile number: Q tiles so far, as the producer's)
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 0);
@@ -1140,9 +1163,11 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             else
                 rows.mult *= s_scale;
         }
-        float s[kNT * 4];
+#ifndef FC_DIAG_NEXT_S0
+        float s[kNT * 4];                          // the scores of a block
 #pragma unroll
         for (int i = 0; i < kNT * 4; ++i) s[i] = 0.f;
+#endif
         // the score modifications before the mask (DESIGN.md's order: scale, softcap, mask;
         // the softcap's factor is in rows.mult)
         auto cap = [&]() {
@@ -1178,10 +1203,12 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 
         int nb = blk.n_block_max - 1;
         FC_TL_VALUE(1 + cw, nq, FC_TL_TILE_SLOT, 7, n_iter);
-        mbar_wait(bar_q, (fc_u32)nq & 1u);
-        FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 1);
-        mbar_wait(full_k(stage_of(0)), parity_of(0));
-        issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)stage_of(0) * kTile);
+        if (!s0_issued) {              // (kNextS0: issued before the last tile's epilogue)
+            mbar_wait(bar_q, (fc_u32)nq & 1u);
+            FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 1);
+            mbar_wait(full_k(stage_of(0)), parity_of(0));
+            issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)stage_of(0) * kTile);
+        }
         wgmma_wait<0>();
         settle(s);
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 2);
@@ -1271,6 +1298,20 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                 rows.row_sum[1] = 0.25f * acc_l[2];
             }
             mbar_arrive(empty_v(stage_of(last)));
+        }
+        if constexpr (kNextS0) {
+            // the next tile's first S, under this tile's epilogue: its Q (the producer loads it
+            // once every consumer has arrived on empty_q, which each did above) and its first K
+            // (ring position kv + n_iter)
+            pre_tile = receive(u + 1);
+            if (pre_tile < n_tiles && runs(tile_block(pre_tile))) {
+                const int pos = kv + n_iter;
+                mbar_wait(bar_q, (fc_u32)(nq + 1) & 1u);
+                FC_TL_STAMP(1 + cw, nq + 1, FC_TL_TILE_SLOT, 1);
+                mbar_wait(full_k(pos % kStages), (fc_u32)(pos / kStages) & 1u);
+                issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)(pos % kStages) * kTile);
+                pre_s0 = true;
+            }
         }
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 5);
         // the epilogue (see above): O through this warpgroup's buffer and a TMA store, or

@@ -163,6 +163,26 @@ def test_early_q_candidate_compiles():
     _check_candidate("flash_fwd_sm90.cu", names, ("-DFC_DIAG_EARLY_Q",))
 
 
+def test_next_s0_candidate_compiles():
+    """The Hopper forward under FC_DIAG_NEXT_S0 (the candidate, off until measured: a
+    persistent CTA issues its next tile's first S product before this tile's epilogue)
+    compiles: a sample of the persistent 16-bit and FP8 instantiations, within the default
+    build's spill allowance, with its code changed. (Its outputs must equal the default
+    build's bit for bit: test_schedule_only_defines_give_the_same_bits on the GPU.)"""
+    _nvrtc_or_skip()
+    from flashcore.kernels import forward
+
+    def persistent(name):      # (kPersistent: template argument 8 of ws, 6 of fp8)
+        args = [a.strip() for a in re.search(r"<(.*)>", name).group(1).split(",")]
+        return args[8 if "_ws_" in name else 6] == "true"
+
+    names = _sample([n for n in forward.sm90_instantiations()
+                     if n.startswith(("flash_fwd_sm90_ws_kernel<", "flash_fwd_sm90_fp8_kernel<"))
+                     and persistent(n)], 8)
+    assert len(names) >= 4
+    _check_candidate("flash_fwd_sm90.cu", names, ("-DFC_DIAG_NEXT_S0",))
+
+
 def test_sum_mma_candidate_compiles():
     """The Hopper forward under FC_DIAG_SUM_MMA (the candidate, off until measured: P's row
     sums on the tensor cores, an m64n8k16 product against a tile of ones a k-step) compiles:

@@ -12,8 +12,9 @@
 # Other steps: sanitize (tests/diagnostics/sanitize.sh), profile (cProfile of the per-call host path),
 # candidates and candidates2 (the timing-only candidate defines against the default build, one
 # A/B each, each step one device call of at most 9 minutes with every command under its own
-# limit: candidates the Hopper forward's variants and dropout, candidates2 FP8 and the
-# timelines: STEPS=candidates bash tests/diagnostics/triage.sh, then STEPS=candidates2).
+# limit: candidates the schedule-only candidates' bits and the Hopper forward's variants,
+# candidates2 dropout, FP8 and the timelines: STEPS=candidates bash tests/diagnostics/triage.sh,
+# then STEPS=candidates2).
 set -uo pipefail
 final=${OUT:-triage-out}
 out=$(mktemp -d)
@@ -69,16 +70,18 @@ for step in $steps; do
     note "decode"; tail -12 "$out/decode.txt" >> "$sum"
     ;;
   candidates)
-    cand fwd_variants 260 60 python3 tests/diagnostics/bench_fwd_variants.py \
+    cand bits 150 6 python3 -m pytest tests/gpu/test_sm90_gpu.py -m gpu -q -p no:cacheprovider \
+        -k "schedule_only and (NEXT_S0 or EARLY_Q)"
+    cand fwd_variants 280 70 python3 tests/diagnostics/bench_fwd_variants.py \
         --seqlen 2048 4096 16384 --headdim 64 128 256 --rounds 2 --variants ws \
-        ws+FC_DIAG_PACK_INT ws+FC_DIAG_EARLY_Q ws+FC_DIAG_SUM_MMA \
-        ws+FC_DIAG_SUM_MMA+FC_DIAG_NO_SOFTMAX_FENCE ws+FC_DIAG_SUM_MMA+FC_DIAG_PACK_INT
+        ws+FC_DIAG_PACK_INT ws+FC_DIAG_EARLY_Q ws+FC_DIAG_SUM_MMA ws+FC_DIAG_NEXT_S0 \
+        ws+FC_DIAG_NEXT_S0+FC_DIAG_EARLY_Q
     cand fwdbwd 120 20 python3 tests/diagnostics/bench_fwd_variants.py --mode fwdbwd \
         --seqlen 4096 16384 --headdim 64 128 256 --causal no --variants ws ws+FC_DIAG_PACK_INT
-    cand dropout 150 40 python3 tests/diagnostics/bench_dropout.py --defines FC_DIAG_PACK_INT \
-        FC_DIAG_SOFTMAX_FENCE_DROPOUT
     ;;
   candidates2)
+    cand dropout 150 40 python3 tests/diagnostics/bench_dropout.py --defines FC_DIAG_PACK_INT \
+        FC_DIAG_SOFTMAX_FENCE_DROPOUT
     cand fp8 200 30 python3 tests/diagnostics/bench_fp8_forward.py --pingpong on --headdims \
         128,256 --seqlens 4096,16384 \
         --defines FC_DIAG_EARLY_Q,FC_DIAG_SOFTMAX_FENCE,FC_DIAG_SOFTMAX_FENCE+FC_DIAG_POLY_EVERY=4
