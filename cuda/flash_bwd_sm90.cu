@@ -101,13 +101,6 @@ __device__ __forceinline__ fc_pipe::FcTileXYZ bwd_block_order() {
 
 namespace fc_hb {
 
-// P's and dS's 16-bit pairs for the products (ptx.cuh's pack2_p: cvt, or under FC_DIAG_PACK_INT
-// integer rounding that keeps a NaN)
-template <typename Elem>
-__device__ __forceinline__ fc_u32 bwd_pack_p(float lo, float hi) {
-    return Elem::template pack2_p<true>(lo, hi);
-}
-
 // The dK/dV epilogue from the registers, for a consumer warpgroup holding dK and dV of 64 keys
 // (from `key0`) x kCols columns (from `col0`) in the wgmma accumulator layout (rows 16 wl + g +
 // 8 r, columns 8 j + 2 t; wt: the thread's index in the warpgroup): dK * softmax_scale and dV
@@ -296,8 +289,8 @@ struct DkdvWarpgroup {
             }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                pa[kk][e] = bwd_pack_p<Elem>(acc_s[8 * kk + 2 * e], acc_s[8 * kk + 2 * e + 1]);
-                dsa[kk][e] = bwd_pack_p<Elem>(acc_dp[8 * kk + 2 * e], acc_dp[8 * kk + 2 * e + 1]);
+                pa[kk][e] = Elem::pack2(acc_s[8 * kk + 2 * e], acc_s[8 * kk + 2 * e + 1]);
+                dsa[kk][e] = Elem::pack2(acc_dp[8 * kk + 2 * e], acc_dp[8 * kk + 2 * e + 1]);
             }
         }
     }
@@ -969,8 +962,8 @@ struct Dkdv256Warpgroup {
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const fc_u32 o = 2u * (fc_u32)swz<64>(key0 + 8 * r, qc);
-                sts32(sPb + o, bwd_pack_p<Elem>(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
-                sts32(sdSb + o, bwd_pack_p<Elem>(acc_dp[4 * j + 2 * r], acc_dp[4 * j + 2 * r + 1]));
+                sts32(sPb + o, Elem::pack2(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
+                sts32(sdSb + o, Elem::pack2(acc_dp[4 * j + 2 * r], acc_dp[4 * j + 2 * r + 1]));
             }
         }
     }

@@ -234,10 +234,7 @@ struct FwdRows {
     // within e4m3's 448, yet the FP8 GPU tests fail the flash-attn rule with it at 2.5-4x the
     // emulated error (run 120 of the performance log): consistent with the FP8 wgmma's
     // narrower accumulation, where the earlier blocks' O sits up to 2^8 below the new terms.)
-    // kSum: the row sums here (false: the caller takes them from the tensor cores, issue_pv's
-    // acc_l, and row_sum stays 0).
-    template <int kPolyEvery = 0, bool kExact = false, int kThreshold = kFcRescaleThreshold,
-              bool kSum = true>
+    template <int kPolyEvery = 0, bool kExact = false, int kThreshold = kFcRescaleThreshold>
     __device__ __forceinline__ bool softmax(float (&s)[kNT * 4], float (&corr)[2]) {
         bool grew = false;
 #pragma unroll
@@ -280,7 +277,7 @@ struct FwdRows {
                     s[4 * j + e] = pr;
                     sum += pr;
                 }
-            if constexpr (kSum) row_sum[r] = row_sum[r] * corr[r] + sum;
+            row_sum[r] = row_sum[r] * corr[r] + sum;
         }
         return grew;
     }
@@ -298,7 +295,6 @@ struct FwdRows {
     __device__ __forceinline__ void pack(const float (&s)[kNT * 4], fc_u32 (&pa)[kBlockN / 16][4],
                                          int n0) const {
         unsigned int mask[2][4] = {};
-        auto pack_p = [](float lo, float hi) { return Elem::template pack2_p<false>(lo, hi); };
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
             if constexpr (Is_dropout) {
@@ -308,15 +304,15 @@ struct FwdRows {
                                       m0 + warp_row0, n0 + 16 * kb, g, t, mask[0], mask[1]);
                 }
                 const unsigned int (&m)[4] = mask[kk & 1];
-                pa[kk][0] = pack_p(s[8 * kk + 0], s[8 * kk + 1]) & m[0];
-                pa[kk][1] = pack_p(s[8 * kk + 2], s[8 * kk + 3]) & m[2];
-                pa[kk][2] = pack_p(s[8 * kk + 4], s[8 * kk + 5]) & m[1];
-                pa[kk][3] = pack_p(s[8 * kk + 6], s[8 * kk + 7]) & m[3];
+                pa[kk][0] = Elem::pack2(s[8 * kk + 0], s[8 * kk + 1]) & m[0];
+                pa[kk][1] = Elem::pack2(s[8 * kk + 2], s[8 * kk + 3]) & m[2];
+                pa[kk][2] = Elem::pack2(s[8 * kk + 4], s[8 * kk + 5]) & m[1];
+                pa[kk][3] = Elem::pack2(s[8 * kk + 6], s[8 * kk + 7]) & m[3];
             } else {
-                pa[kk][0] = pack_p(s[8 * kk + 0], s[8 * kk + 1]);
-                pa[kk][1] = pack_p(s[8 * kk + 2], s[8 * kk + 3]);
-                pa[kk][2] = pack_p(s[8 * kk + 4], s[8 * kk + 5]);
-                pa[kk][3] = pack_p(s[8 * kk + 6], s[8 * kk + 7]);
+                pa[kk][0] = Elem::pack2(s[8 * kk + 0], s[8 * kk + 1]);
+                pa[kk][1] = Elem::pack2(s[8 * kk + 2], s[8 * kk + 3]);
+                pa[kk][2] = Elem::pack2(s[8 * kk + 4], s[8 * kk + 5]);
+                pa[kk][3] = Elem::pack2(s[8 * kk + 6], s[8 * kk + 7]);
             }
         }
     }
@@ -446,23 +442,16 @@ __device__ __forceinline__ void issue_s(float (&s)[kNS], fc_u32 sQwg, fc_u32 sKb
 }
 // O += P V (asynchronous, one group). B = V (keys x d), N-major: 64-column blocks of d are
 // kKVBlock apart (LBO), groups of 8 keys 1024 bytes apart (SBO); k-step kk starts at key 16 kk.
-// With acc_l (P's row sums on the tensor cores, FC_DIAG_SUM_MMA, the candidate): each k-step
-// also adds P times a 16 x 8 tile of ones (`ones`, its descriptor: every address it reads
-// holds a one) into *acc_l, in the same group, so that every column of it is P's row sum.
 template <typename Elem, int kBlockN, int kNO>
 __device__ __forceinline__ void issue_pv(float (&acc_o)[kNO], fc_u32 (&pa)[kBlockN / 16][4],
-                                         fc_u32 sVb, float (*acc_l)[4] = nullptr,
-                                         fc_u64 ones = 0) {
+                                         fc_u32 sVb) {
     constexpr fc_u32 kKVBlock = (fc_u32)kBlockN * 128u;
     settle(acc_o);
-    if (acc_l) settle(*acc_l);
     settle(pa);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
         Wgmma<Elem>::rs_tb(acc_o, pa[kk], wgmma_desc_mn(sVb, (fc_u32)kk * 16u * 128u, kKVBlock), 1);
-        if (acc_l) Wgmma<Elem>::rs_tb(*acc_l, pa[kk], ones, 1);
-    }
     wgmma_commit();
 }
 
@@ -786,26 +775,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 #else
     constexpr bool kPPChain = false;
 #endif
-    // Q's buffer handed back to the producer as soon as the tile's last S product is done (in
-    // the last key block's step, before its softmax) instead of after that softmax: the next
-    // tile's Q load starts a softmax phase earlier (run 118's timeline: a tile's consumers wait
-    // 811 clocks for Q at d128 2k). FC_DIAG_EARLY_Q, the candidate, off until measured.
-#ifdef FC_DIAG_EARLY_Q
-    constexpr bool kEarlyQ = true;
-#else
-    constexpr bool kEarlyQ = false;
-#endif
-    // The next tile's first S product issued before this tile's epilogue (persistent kernels:
-    // the next tile is received from the scheduler's slot early, its Q and first K awaited),
-    // so that O's normalisation, stores and TMA store run while the tensor cores compute it,
-    // not between two tiles' products (run 118's timeline: a d128 tile costs ~1.1 block-times
-    // more than its blocks at 2k). FC_DIAG_NEXT_S0, the candidate, off until measured; the
-    // same bits (only the product's issue moves).
-#ifdef FC_DIAG_NEXT_S0
-    constexpr bool kNextS0 = kPersistent;
-#else
-    constexpr bool kNextS0 = false;
-#endif
     // The softmax of S_{i+1} is written to run under this warpgroup's own P_i V_i (between
     // wgmma_wait<1> and wgmma_wait<0>), but ptxas schedules register-only arithmetic freely
     // across WARPGROUP.DEPBAR and barriers, and left alone it puts the wait for P_i V_i
@@ -829,18 +798,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     constexpr bool kSoftmaxFence = !Is_dropout && !(Has_softcap && kD == 256);
 #else
     constexpr bool kSoftmaxFence = !Is_fp8 && !Is_dropout && (kD == 64 || kD == 256);
-#endif
-    // P's row sums on the tensor cores (FC_DIAG_SUM_MMA, the candidate, off until measured):
-    // each k-step of P V also multiplies P by a tile of ones (issue_pv), and the softmax drops
-    // its adds (one FADD a score, 88 a block a thread at d128, off the softmax phase that bounds
-    // the kernel) for an m64n8k16 product a k-step (N = 8 beside the P V product's kD: +3-6%
-    // tensor work) and 4 multiplies a rescale. The sums are then those of P as rounded to 16
-    // bits, as O's are. Not with dropout (the sums are of the undropped P), FP8, or the fence
-    // (whose ordering point is the row sums).
-#ifdef FC_DIAG_SUM_MMA
-    constexpr bool kSumMma = !Is_fp8 && !Is_dropout && !kSoftmaxFence;
-#else
-    constexpr bool kSumMma = false;
 #endif
     static_assert(!(Is_fp8 && Is_dropout), "FP8 attention is forward only, without dropout");
     static_assert(!Is_varlen || !kPersistent, "varlen: one tile a CTA");
@@ -1107,35 +1064,9 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     const fc_u32 sQwg = Is_fp8 ? sQ + (fc_u32)cw * 64u * 128u
                                : warp_uniform(sQ + (fc_u32)cw * 64u * 128u);
     FC_TL_CTA_BEGIN(1 + cw);
-    // (FC_DIAG_SUM_MMA) the ones that issue_pv's row-sum products read: 256 bytes of 16-bit
-    // ones in static shared memory (the dynamic allocation's 1024 bytes of alignment slack
-    // absorb the shift), one 16 x 8 B operand of 8 x 8 core matrices 128 bytes apart, no
-    // swizzle; consumer warpgroup 0 writes them, all consumers meet at named barrier 4 (as
-    // varlen's V zeroing does) before their first product
-    fc_u64 ones_desc = 0;
-    if constexpr (kSumMma) {
-        __shared__ __align__(256) fc_u16 ones[128];
-        if (cw == 0) ones[tid & 127] = Elem::from_float(1.f);
-        fence_proxy_async();
-        named_sync(4, (int)kConsumers);
-        const fc_u32 base = smem_u32(ones);
-        ones_desc = ((fc_u64)(128u >> 4) << 32) | (fc_u64)((base >> 4) | ((128u >> 4) << 16));
-    }
     if (kPPChain && cw == kCons - 1) named_arrive(1, 256);
-    // (kNextS0) the next tile, received before this tile's epilogue, and whether its first S
-    // went out then (into s: only a tile that runs has one)
-    int pre_tile = -1;
-    bool pre_s0 = false;
-#ifdef FC_DIAG_NEXT_S0
-    float s[kNT * 4];          // (declared per tile otherwise: the default build's PTX as it was)
-#pragma unroll
-    for (int i = 0; i < kNT * 4; ++i) s[i] = 0.f;
-#endif
     for (int u = 0;; ++u) {
-        const int tile = pre_tile >= 0 ? pre_tile : (kPersistent ? receive(u) : u);
-        const bool s0_issued = pre_s0;
-        pre_tile = -1;
-        pre_s0 = false;
+        const int tile = kPersistent ? receive(u) : u;
         if (tile >= n_tiles) break;
         // (the timeline's tile number: Q tiles so far, as the producer's)
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 0);
@@ -1163,11 +1094,9 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             else
                 rows.mult *= s_scale;
         }
-#ifndef FC_DIAG_NEXT_S0
-        float s[kNT * 4];                          // the scores of a block
+        float s[kNT * 4];
 #pragma unroll
         for (int i = 0; i < kNT * 4; ++i) s[i] = 0.f;
-#endif
         // the score modifications before the mask (DESIGN.md's order: scale, softcap, mask;
         // the softcap's factor is in rows.mult)
         auto cap = [&]() {
@@ -1191,32 +1120,26 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             else
                 rows.pack(s, pa, n0);
         };
-        float acc_l[4] = {0.f, 0.f, 0.f, 0.f};   // (FC_DIAG_SUM_MMA) P's row sums, any column
         auto issue_pv_ = [&](fc_u32 sVb) {
             if constexpr (Is_fp8)
                 issue_pv_e4m3<kD, kBlockN>(rows.acc_o, pa, sVb);
-            else if constexpr (kSumMma)
-                issue_pv<Elem, kBlockN>(rows.acc_o, pa, sVb, &acc_l, ones_desc);
             else
                 issue_pv<Elem, kBlockN>(rows.acc_o, pa, sVb);
         };
 
         int nb = blk.n_block_max - 1;
         FC_TL_VALUE(1 + cw, nq, FC_TL_TILE_SLOT, 7, n_iter);
-        if (!s0_issued) {              // (kNextS0: issued before the last tile's epilogue)
-            mbar_wait(bar_q, (fc_u32)nq & 1u);
-            FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 1);
-            mbar_wait(full_k(stage_of(0)), parity_of(0));
-            issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)stage_of(0) * kTile);
-        }
+        mbar_wait(bar_q, (fc_u32)nq & 1u);
+        FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 1);
+        mbar_wait(full_k(stage_of(0)), parity_of(0));
+        issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)stage_of(0) * kTile);
         wgmma_wait<0>();
         settle(s);
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 2);
         mbar_arrive(empty_k(stage_of(0)));
-        if (kEarlyQ && n_iter == 1) mbar_arrive(empty_q);   // (the tile's only S is done)
         cap();
         rows.mask(s, nb * kBlockN);
-        rows.template softmax<kPolyEvery, kExactCorr, kRescaleThreshold, !kSumMma>(s, corr);
+        rows.template softmax<kPolyEvery, kExactCorr, kRescaleThreshold>(s, corr);   // O is 0
         pack(nb * kBlockN);
         if constexpr (Is_varlen && !Is_fp8) {
             // the walk's first block, the last of the tile's keys: past the sequence's end?
@@ -1257,61 +1180,32 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             settle(s);
             FC_TL_STAMP(1 + cw, nq, it, 4);
             mbar_arrive(empty_k(st1));
-            if (kEarlyQ && it == n_iter - 2) mbar_arrive(empty_q);   // (the tile's last S done)
             cap();
             rows.mask(s, (nb - 1) * kBlockN);
             const bool grew =
-                rows.template softmax<kPolyEvery, kExactCorr, kRescaleThreshold, !kSumMma>(s, corr);
+                rows.template softmax<kPolyEvery, kExactCorr, kRescaleThreshold>(s, corr);
             if constexpr (kSoftmaxFence)
                 schedule_after(rows.row_sum[0] + rows.row_sum[1]);   // (see kSoftmaxFence)
             FC_TL_STAMP(1 + cw, nq, it, 5);
             wgmma_wait<0>();
             settle(rows.acc_o);
-            if constexpr (kSumMma) settle(acc_l);
             settle(pa);
             FC_TL_STAMP(1 + cw, nq, it, 6);
             mbar_arrive(empty_v(st0));
-            if (!kSkipRescale || __any_sync(0xFFFFFFFFu, grew)) {
-                rows.rescale(corr);
-                if constexpr (kSumMma) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc_l[e] *= corr[e >> 1];
-                }
-            }
+            if (!kSkipRescale || __any_sync(0xFFFFFFFFu, grew)) rows.rescale(corr);
             pack((nb - 1) * kBlockN);
             FC_TL_STAMP(1 + cw, nq, it, 7);
         }
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 4);
-        if (!kEarlyQ) mbar_arrive(empty_q);        // every S of the tile is done: Q is free
+        mbar_arrive(empty_q);                      // every S of the tile is done: Q is free
         {
             const int last = n_iter - 1;
             mbar_wait(full_v(stage_of(last)), parity_of(last));
             issue_pv_(sV + (fc_u32)stage_of(last) * kVtTile);
             wgmma_wait<0>();
             settle(rows.acc_o);
-            if constexpr (kSumMma) settle(acc_l);
             settle(pa);
-            if constexpr (kSumMma) {
-                // the whole row's sum in every lane of its quad: a quarter each, so that the
-                // epilogue's quad sum (exact: equal powers-of-two multiples) gives it back
-                rows.row_sum[0] = 0.25f * acc_l[0];
-                rows.row_sum[1] = 0.25f * acc_l[2];
-            }
             mbar_arrive(empty_v(stage_of(last)));
-        }
-        if constexpr (kNextS0) {
-            // the next tile's first S, under this tile's epilogue: its Q (the producer loads it
-            // once every consumer has arrived on empty_q, which each did above) and its first K
-            // (ring position kv + n_iter)
-            pre_tile = receive(u + 1);
-            if (pre_tile < n_tiles && runs(tile_block(pre_tile))) {
-                const int pos = kv + n_iter;
-                mbar_wait(bar_q, (fc_u32)(nq + 1) & 1u);
-                FC_TL_STAMP(1 + cw, nq + 1, FC_TL_TILE_SLOT, 1);
-                mbar_wait(full_k(pos % kStages), (fc_u32)(pos / kStages) & 1u);
-                issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)(pos % kStages) * kTile);
-                pre_s0 = true;
-            }
         }
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 5);
         // the epilogue (see above): O through this warpgroup's buffer and a TMA store, or

@@ -59,33 +59,6 @@ struct fc_bf16 {
     static __device__ __forceinline__ fc_u16 from_float(float x) {
         return static_cast<fc_u16>(pack2(x, 0.f) & 0xffffu);
     }
-    // The Hopper kernels' pack of P (forward) and of P and dS (dK/dV). FC_DIAG_PACK_INT (the
-    // candidate, off until measured): rounded to nearest with ties away from zero (RNE's result
-    // but for ties whose truncation is even, about one value in 2^17; the bits are sign and
-    // magnitude, so the add rounds either sign's magnitude) by an integer add per value and one
-    // byte permute taking the high halves, in place of cvt (F2FP), which is taken to share a
-    // quarter-rate unit with the exponentials (MUFU.EX2): the question the A/B answers (session
-    // 37 of the performance log). The add would carry out of the canonical NaN (0x7FFFFFFF, what
-    // the arithmetic makes of any NaN) into a zero: kKeepNan (the dK/dV kernels, whose products
-    // would otherwise drop a NaN) clamps first with a signed min at 0x7FFF7FFF, which leaves
-    // every other value, negative ones included, as it is; the forward's P goes without (its
-    // fp32 row sums carry a NaN to O and the LSE).
-    template <bool kKeepNan>
-    static __device__ __forceinline__ fc_u32 pack2_p(float lo, float hi) {
-#ifdef FC_DIAG_PACK_INT
-        int a = __float_as_int(lo), b = __float_as_int(hi);
-        if constexpr (kKeepNan) {
-            a = min(a, 0x7FFF7FFF);
-            b = min(b, 0x7FFF7FFF);
-        }
-        fc_u32 r;
-        asm("prmt.b32 %0, %1, %2, 0x7632;"
-            : "=r"(r) : "r"((fc_u32)a + 0x8000u), "r"((fc_u32)b + 0x8000u));
-        return r;
-#else
-        return pack2(lo, hi);
-#endif
-    }
     // d += a * b, m16n8k16, fp32 accumulators.
     static __device__ __forceinline__ void mma(float (&d)[4], const fc_u32 (&a)[4],
                                                const fc_u32 (&b)[2]) {
@@ -109,10 +82,6 @@ struct fc_fp16 {
         asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
         return r;
     }
-    // (fp16 has no such shortcut: its exponent must be rebiased and P's small values are its
-    // subnormals)
-    template <bool kKeepNan>
-    static __device__ __forceinline__ fc_u32 pack2_p(float lo, float hi) { return pack2(lo, hi); }
     static __device__ __forceinline__ fc_u16 from_float(float x) {
         return static_cast<fc_u16>(pack2(x, 0.f) & 0xffffu);
     }

@@ -142,13 +142,12 @@ template <typename Elem> struct Wgmma;
 // 128 or 176 (chosen by the accumulator array's size); ss_n128<TA, TB>: N = 128 with either
 // operand read transposed (imm-trans-a / imm-trans-b)
 // D (64 x N, fp32) (+)= A (64 x 16, registers) * B (16 x N, shared, N-major): rs_tb, N = 256,
-// 128, 64 or 8 (chosen by the accumulator array's size)
+// 128 or 64 (chosen by the accumulator array's size)
 // D (64 x 64, fp32) (+)= A (64 x 16, shared) * B (16 x 64, shared): ss (both K-major) and
 // ss_tt (A M-major, B N-major: imm-trans-a = imm-trans-b = 1)
 // scale_d = 0 overwrites D, 1 accumulates.
 // One specialisation per element type; T is the PTX type name (bf16, f16).
 // The accumulator operands d[0] .. d[N - 1] of a wgmma ("+f": read and written), in runs of 8.
-#define FC_WGMMA_ACC4 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
 #define FC_WGMMA_ACC8(i) \
       "+f"(d[(i)]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3]), \
       "+f"(d[(i) + 4]), "+f"(d[(i) + 5]), "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
@@ -245,15 +244,6 @@ template <> struct Wgmma<ELEM> {                                                
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "                                                                   \
             "{%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"                             \
             : FC_WGMMA_ACC128                                                                \
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));        \
-    }                                                                                        \
-    static __device__ __forceinline__ void rs_tb(float (&d)[4], const fc_u32 (&a)[4],        \
-                                                 fc_u64 desc_b, int scale_d) {               \
-        asm volatile(                                                                        \
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"                                     \
-            "wgmma.mma_async.sync.aligned.m64n8k16.f32." #T "." #T " "                       \
-            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 1;\n}\n"                        \
-            : FC_WGMMA_ACC4                                                                  \
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));        \
     }                                                                                        \
     static __device__ __forceinline__ void rs_tb(float (&d)[32], const fc_u32 (&a)[4],       \

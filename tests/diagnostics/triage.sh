@@ -10,11 +10,10 @@
 #     STEPS="tests probe" bash tests/diagnostics/triage.sh       (the default)
 #     STEPS="overhead bench decode" bash tests/diagnostics/triage.sh
 # Other steps: sanitize (tests/diagnostics/sanitize.sh), profile (cProfile of the per-call host path),
-# candidates and candidates2 (the timing-only candidate defines against the default build, one
-# A/B each, each step one device call of at most 9 minutes with every command under its own
-# limit: candidates the schedule-only candidates' bits and the Hopper forward's variants,
-# candidates2 dropout, FP8 and the timelines: STEPS=candidates bash tests/diagnostics/triage.sh,
-# then STEPS=candidates2).
+# candidates and candidates2 (timing-only defines against the default build, each step one
+# device call of at most 9 minutes with every command under its own limit: candidates the
+# Hopper forward's and forward+backward's variants, FWD_VARIANTS / FWDBWD_VARIANTS naming them,
+# after the GPU bit tests BITS_K selects; candidates2 dropout, FP8 and the d128 timeline).
 set -uo pipefail
 final=${OUT:-triage-out}
 out=$(mktemp -d)
@@ -70,29 +69,27 @@ for step in $steps; do
     note "decode"; tail -12 "$out/decode.txt" >> "$sum"
     ;;
   candidates)
-    cand bits 150 6 python3 -m pytest tests/gpu/test_sm90_gpu.py -m gpu -q -p no:cacheprovider \
-        -k "schedule_only and (NEXT_S0 or EARLY_Q)"
+    # FWD_VARIANTS: the forward's builds to time against the default (ws+DEFINE[+DEFINE] each);
+    # BITS_K: a pytest -k expression selecting the GPU bit tests to run first (none if empty)
+    if [ -n "${BITS_K:-}" ]; then
+      cand bits 150 6 python3 -m pytest tests/gpu/test_sm90_gpu.py -m gpu -q -p no:cacheprovider \
+          -k "$BITS_K"
+    fi
     cand fwd_variants 280 70 python3 tests/diagnostics/bench_fwd_variants.py \
         --seqlen 2048 4096 16384 --headdim 64 128 256 --rounds 2 --variants ws \
-        ws+FC_DIAG_PACK_INT ws+FC_DIAG_EARLY_Q ws+FC_DIAG_SUM_MMA ws+FC_DIAG_NEXT_S0 \
-        ws+FC_DIAG_NEXT_S0+FC_DIAG_EARLY_Q
+        ${FWD_VARIANTS:-ws+FC_DIAG_NO_SOFTMAX_FENCE ws+FC_DIAG_PP_CHAIN}
     cand fwdbwd 120 20 python3 tests/diagnostics/bench_fwd_variants.py --mode fwdbwd \
-        --seqlen 4096 16384 --headdim 64 128 256 --causal no --variants ws ws+FC_DIAG_PACK_INT
+        --seqlen 4096 16384 --headdim 64 128 256 --causal no --variants ws \
+        ${FWDBWD_VARIANTS:-ws+FC_DIAG_NO_SOFTMAX_FENCE}
     ;;
   candidates2)
-    cand dropout 150 40 python3 tests/diagnostics/bench_dropout.py --defines FC_DIAG_PACK_INT \
+    cand dropout 150 40 python3 tests/diagnostics/bench_dropout.py --defines \
         FC_DIAG_SOFTMAX_FENCE_DROPOUT
     cand fp8 200 30 python3 tests/diagnostics/bench_fp8_forward.py --pingpong on --headdims \
         128,256 --seqlens 4096,16384 \
-        --defines FC_DIAG_EARLY_Q,FC_DIAG_SOFTMAX_FENCE,FC_DIAG_SOFTMAX_FENCE+FC_DIAG_POLY_EVERY=4
+        --defines FC_DIAG_SOFTMAX_FENCE,FC_DIAG_SOFTMAX_FENCE+FC_DIAG_POLY_EVERY=4
     cand timeline 80 40 python3 tests/diagnostics/probe_timeline.py --headdim 128 \
         --seqlen 2048 16384
-    cand timeline_packint 80 40 python3 tests/diagnostics/probe_timeline.py --headdim 128 \
-        --seqlen 2048 16384 --defines FC_DIAG_PACK_INT
-    cand timeline_earlyq 80 40 python3 tests/diagnostics/probe_timeline.py --headdim 128 \
-        --seqlen 2048 16384 --defines FC_DIAG_EARLY_Q
-    cand timeline_summma 100 40 python3 tests/diagnostics/probe_timeline.py --headdim 128 \
-        --seqlen 2048 16384 --defines FC_DIAG_SUM_MMA
     ;;
   esac
 done

@@ -304,16 +304,13 @@ def test_skipped_rescale_gives_the_same_bits(d, causal):
 
 
 @pytest.mark.parametrize("define", ["FC_DIAG_SOFTMAX_FENCE", "FC_DIAG_NO_SOFTMAX_FENCE",
-                                    "FC_DIAG_PP_CHAIN", "FC_DIAG_TIMELINE", "FC_DIAG_EARLY_Q",
-                                    "FC_DIAG_NEXT_S0"])
+                                    "FC_DIAG_PP_CHAIN", "FC_DIAG_TIMELINE"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_schedule_only_defines_give_the_same_bits(define, causal):
     """Builds that move work and leave the arithmetic alone (the softmax kept ahead of the wait
     for P V wherever it fits, or nowhere, ping-pong's turns chained through a CTA's tiles, the
-    timeline's stamps, Q's buffer handed back after the last S product, the next tile's
-    first S product issued before a tile's epilogue): the
-    warp-specialised forward's output and LSE (bf16 at head dims 64, 128 and 256; FP8 at 128
-    and 256) and, for the timeline, the dK/dV kernel's dK and dV, bit for bit those of the
+    timeline's stamps): the warp-specialised forward's output and LSE (bf16 at head dims 64,
+    128 and 256; FP8 at 128 and 256) and, for the timeline, the dK/dV kernel's dK and dV, bit for bit those of the
     default build, on enough query tiles (8 x 18 x 4 a call) that every persistent CTA takes
     several, so that the chain's hand-overs between tiles are exercised."""
     if _VARIANT["name"] != "ws":
@@ -351,57 +348,6 @@ def test_schedule_only_defines_give_the_same_bits(define, causal):
     for i, (x, y) in enumerate(zip(a, b)):
         assert not np.isnan(cp.asnumpy(x).astype(np.float32)).any(), (i, seed)
         assert cp.array_equal(x.view(cp.uint8), y.view(cp.uint8)), (define, i, seed)
-
-
-NUMERIC_CANDIDATES = [(("-DFC_DIAG_PACK_INT",), "flash_bwd_dkdv_sm90"),
-                      (("-DFC_DIAG_SUM_MMA", "-DFC_DIAG_NO_SOFTMAX_FENCE"), "flash_fwd_sm90_ws")]
-
-
-@pytest.mark.parametrize("defines, kernel", NUMERIC_CANDIDATES,
-                         ids=[c[0][0][2:] for c in NUMERIC_CANDIDATES])
-@pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("causal", [False, True])
-def test_numeric_candidates(defines, kernel, d, causal):
-    """The candidates that change the arithmetic (off until measured): FC_DIAG_PACK_INT (P,
-    and in the dK/dV kernels dS, packed to bf16 by integer rounding instead of cvt;
-    cuda/ptx.cuh's pack2_p) and FC_DIAG_SUM_MMA (P's row sums on the tensor cores; with
-    FC_DIAG_NO_SOFTMAX_FENCE so that it reaches head dims 64 and 256 too). Built with them, the
-    Hopper kernels against the float64 oracle with the flash-attn rule (run_case, forward and
-    backward, bf16 and fp16, with rows that see no key; and test_cupy_gpu's dropout check, which
-    the row sums' candidate leaves to the default kernels), and a NaN in q, k
-    and v leaves NaN in the same places of out, lse, dq, dk and dv as the default build does
-    (the integer add would carry the canonical NaN into a zero; the dK/dV kernels clamp
-    first)."""
-    if _VARIANT["name"] != "ws":
-        pytest.skip("the warp-specialised kernel as by default")
-    import cupy as cp
-    import flashcore
-    from refutils import to_dev
-    from test_cupy_gpu import test_dropout_against_the_reference
-    # (keys >= 512, so that head dim 64 takes the Hopper forward too; causal 1100 x 600: 500
-    # rows see no key)
-    for dtype, sq, sk in (("bfloat16", 203, 517), ("float16", 203, 517), ("bfloat16", 1100, 600)):
-        _under_defines(defines, lambda: run_case(dtype, 2, sq, sk, 4, 2, d, causal=causal,
-                                                 seed=d + causal + sq), kernel)
-    _under_defines(defines, lambda: test_dropout_against_the_reference(
-        d, 130, 257, dict(causal=causal), 0.17))
-    rng = np.random.default_rng(3 * d + causal)
-    host = [rng.standard_normal((2, 600, 4, d)).astype(np.float32) for _ in range(4)]
-    host[0][1, 5, 0, 3] = np.nan        # a query row
-    host[1][0, 17, 2, 1] = np.nan       # a key
-    host[2][1, 550, 3, 0] = np.nan      # a value row
-    q, k, v, do = (to_dev(x, "bfloat16") for x in host)
-
-    def run():
-        out, lse = flashcore.attention_forward(q, k, v, causal=causal)
-        grads = flashcore.attention_backward(do, q, k, v, out, lse, causal=causal)
-        return [x.copy() for x in (out, lse, *grads)]
-
-    a = run()
-    b = _under_defines(defines, run, kernel)
-    for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), a, b):
-        nx, ny = (np.isnan(cp.asnumpy(z).astype(np.float32)) for z in (x, y))
-        assert nx.any() and (nx == ny).all(), (name, int(nx.sum()), int(ny.sum()))
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
