@@ -29,7 +29,8 @@ cand() {
   local name=$1 limit=$2 lines=$3; shift 3
   timeout "$limit" "$@" > "$out/$name.txt" 2>&1
   note "$name (rc $?)"; tail -"$lines" "$out/$name.txt" >> "$sum"
-  cp "$out/$name.txt" "$final/$name.txt" 2>/dev/null   # (whole, in case the call's limit cuts the tarball)
+  # (the whole log, in case the call's limit cuts the tarball)
+  cp "$out/$name.txt" "$final/$name.txt" 2>/dev/null
 }
 
 for step in $steps; do
