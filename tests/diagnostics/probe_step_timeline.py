@@ -12,6 +12,13 @@ its GPU time (the device kept busy by a spin kernel first, so the host's enqueue
 GPU's execution are timed apart: flashcore.bench.enqueue_and_gpu_time) and the host's enqueue
 time per step, and the same steps with the engine's device threads off
 (``torch.autograd.set_multithreading_enabled(False)``: the backward on the calling thread).
+
+The flashcore step's two op bodies are stamped inside as well (by wrapping, for the probe only,
+the functions the ops' kernels call in turn): the op kernel entered (its ``config.get``), the
+launch-plan key built (``plans.lookup`` entered), looked up, the outputs allocated (``replay``
+entered), the first ``cuLaunchKernel`` entered, the last one returned, ``replay`` returned;
+each interval's median is printed for the forward (main thread) and the backward (the engine's
+device thread), so the two threads' costs of the same pieces can be compared.
 """
 from __future__ import annotations
 
@@ -24,7 +31,9 @@ import torch
 import torch.nn.functional as F
 
 import flashcore
+from flashcore import config
 from flashcore.backends import torch_ops
+from flashcore.kernels import device
 from flashcore.bench import enqueue_and_gpu_time, host_loop_us
 
 ns = time.perf_counter_ns
@@ -121,13 +130,40 @@ def main():
         return statistics.median(xs) if xs else float("nan")
 
     main_thread = threading.get_ident()
+
+    def side():      # "f" on the main thread (the forward), "b" on another (the backward)
+        return "f" if threading.get_ident() == main_thread else "b"
+
+    def stamped(fn, before, after=None):
+        def wrapper(*a, **kw):
+            T.setdefault(side() + before, ns())
+            r = fn(*a, **kw)
+            if after:
+                T[side() + after] = ns()
+            return r
+        return wrapper
+    drv = device.driver()
+    originals = (config.get, torch_ops.plans.lookup, torch_ops.replay, drv.launch)
+
+    def pieces(on):
+        if on:
+            config.get = stamped(originals[0], "_op")
+            torch_ops.plans.lookup = stamped(originals[1], "_key", "_lookup")
+            torch_ops.replay = stamped(originals[2], "_alloc", "_replay")
+            drv.launch = stamped(originals[3], "_l0", "_ln")
+        else:
+            config.get, torch_ops.plans.lookup, torch_ops.replay, drv.launch = originals
     out = []
     for name, step, wrap in (("flashcore", fc_step, True), ("nothing", nothing_step, False),
                              ("sdpa", sdpa_step, False)):
         if wrap:
             torch_ops._FUNCTION[0] = Timed
-        rows = timeline(step, args.steps)
-        torch_ops._FUNCTION[0] = FA
+            pieces(True)
+        try:
+            rows = timeline(step, args.steps)
+        finally:
+            torch_ops._FUNCTION[0] = FA
+            pieces(False)
         on_main = sum(r.get("b_thread") == main_thread for r in rows)
         line = (f"{name:10s} step {med(rows, 's0', 'g1'):7.1f} | call->f_in "
                 f"{med(rows, 's0', 'f_in'):6.1f} fwd body {med(rows, 'f_in', 'f_out'):6.1f} "
@@ -138,6 +174,14 @@ def main():
                 f"{on_main}/{len(rows)})")
         print(line, flush=True)
         out.append(line)
+        if wrap:
+            for p, body in (("f", ("f_in", "f_out")), ("b", ("b_in", "b_out"))):
+                marks = [body[0], p + "_op", p + "_key", p + "_lookup", p + "_alloc", p + "_l0",
+                         p + "_ln", p + "_replay", body[1]]
+                line = f"  {'forward' if p == 'f' else 'backward'} pieces (us): " + "  ".join(
+                    f"{a}->{b} {med(rows, a, b):.1f}" for a, b in zip(marks, marks[1:]))
+                print(line, flush=True)
+                out.append(line)
 
     # GPU time and host enqueue time apart: a spin kernel holds the device while the host
     # enqueues n steps; events then time the steps' GPU work back to back (L2 not flushed)

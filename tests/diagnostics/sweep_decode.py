@@ -1,11 +1,13 @@
 """Decode policy sweep (H200, a tuning aid): tile configuration (block_n, warps, stages) x split
 count x split merge (inside a thread-block cluster, or through global memory) at batch 1 and 8,
-caches 4k / 16k / 128k (32 q heads over 8 kv heads, d128, bf16, contiguous cache), GPU time as
-in bench_decode.py, with cuDNN's time on the same shape. Every variant's output is checked
-against the first variant's (the same math, so within bf16 rounding of it).
+caches 4k / 16k / 128k (32 q heads over 8 kv heads, d128, bf16, contiguous cache, or paged with
+``--page-size``), GPU time as in bench_decode.py, with cuDNN's time on the same shape (a
+contiguous cache: SDPA takes no paged one). Every variant's output is checked against the first
+variant's (the same math, so within bf16 rounding of it).
 
     python tests/diagnostics/sweep_decode.py [--top K] [--batches 1,8,64] [--more-configs]
                                              [--splits 8,16,33] [--caches 4096,131072]
+                                             [--page-size 256]
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ CONFIGS = [(64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3)]
 SPLITS = {1: (4, 8, 12, 16, 24, 32), 8: (2, 4, 8, 16), 64: (1, 2)}
 
 
-def main(top=6, batches=(1, 8), configs=None, splits=None, caches=(4096, 16384, 131072)):
+def main(top=6, batches=(1, 8), configs=None, splits=None, caches=(4096, 16384, 131072),
+         page_size=None):
     configs = configs or CONFIGS
     import torch
     from torch.nn.attention import SDPBackend
@@ -30,8 +33,12 @@ def main(top=6, batches=(1, 8), configs=None, splits=None, caches=(4096, 16384, 
     for b in batches:
         for sk in caches:
             pb = DecodeProblem(b, sk, h, hk, d)
-            nbytes, out, stream = pb.nbytes, pb.out, pb.stream
             t_cudnn = _time(lambda: pb.sdpa(SDPBackend.CUDNN_ATTENTION))
+            if page_size:
+                pb = None
+                torch.cuda.empty_cache()
+                pb = DecodeProblem(b, sk, h, hk, d, page_size=page_size)
+            nbytes, out, stream = pb.nbytes, pb.out, pb.stream
             call = pb.run
             res, ref, worst = [], None, 0.0
             with stream:
@@ -75,4 +82,5 @@ if __name__ == "__main__":
          tuple(int(x) for x in a[a.index("--splits") + 1].split(",")) if "--splits" in a
          else None,
          tuple(int(x) for x in a[a.index("--caches") + 1].split(",")) if "--caches" in a
-         else (4096, 16384, 131072))
+         else (4096, 16384, 131072),
+         int(a[a.index("--page-size") + 1]) if "--page-size" in a else None)

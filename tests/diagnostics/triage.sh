@@ -13,7 +13,11 @@
 # candidates and candidates2 (timing-only defines against the default build, each step one
 # device call of at most 9 minutes with every command under its own limit: candidates the
 # Hopper forward's and forward+backward's variants, FWD_VARIANTS / FWDBWD_VARIANTS naming them,
-# after the GPU bit tests BITS_K selects; candidates2 dropout, FP8 and the d128 timeline).
+# after the GPU bit tests BITS_K selects; candidates2 dropout, FP8 and the d128 timeline),
+# conformance (flash-attn's own test file FA_TEST, the cases of FA_CASES, written beforehand on
+# a CPU machine by flash_attn_conformance.py --write-cases), endtoend (bench_callpath.py's
+# E2E_SECTIONS, default "llama compile"), decodesweep (sweep_decode.py at batch 1 / 128k, paged
+# 256, the split counts of SWEEP_SPLITS) and steptimeline (probe_step_timeline.py).
 set -uo pipefail
 final=${OUT:-triage-out}
 out=$(mktemp -d)
@@ -91,6 +95,24 @@ for step in $steps; do
         --defines FC_DIAG_SOFTMAX_FENCE,FC_DIAG_SOFTMAX_FENCE+FC_DIAG_POLY_EVERY=4
     cand timeline 80 40 python3 tests/diagnostics/probe_timeline.py --headdim 128 \
         --seqlen 2048 16384
+    ;;
+  conformance)
+    cand conformance ${CONF_TIMEOUT:-330} 45 python3 tests/diagnostics/flash_attn_conformance.py \
+        "$FA_TEST" --cases "$FA_CASES" --out "$final/conformance" \
+        --timeout $(( ${CONF_TIMEOUT:-330} - 20 )) --case-timeout 120 \
+        --pytest-args -n ${CONF_WORKERS:-12}
+    ;;
+  endtoend)
+    cand endtoend ${E2E_TIMEOUT:-300} 30 python3 tests/diagnostics/bench_callpath.py \
+        ${E2E_SECTIONS:-llama compile}
+    ;;
+  decodesweep)
+    cand decodesweep 120 20 python3 tests/diagnostics/sweep_decode.py --batches 1 \
+        --caches 131072 --page-size 256 --more-configs --top 8 \
+        --splits ${SWEEP_SPLITS:-8,12,16,20,24,32,48}
+    ;;
+  steptimeline)
+    cand steptimeline 90 20 python3 tests/diagnostics/probe_step_timeline.py
     ;;
   esac
 done
