@@ -24,6 +24,11 @@ generate_static  the same with cache_implementation="static" (compiled by transf
           tokens after a warm-up generate.
 compile   torch.compile of the llama training step (batch 4 x 4k), flashcore vs "sdpa".
 profile   cProfile of the host side of a decode step and of the tiny forward and step.
+launch_gil  the tiny forward and step with the driver's calls made through ctypes prototypes
+          that release the GIL (CFUNCTYPE, flashcore's) and that hold it (PYFUNCTYPE), host
+          loops interleaved with SDPA's, and the same after a 64-bit ctypes call of nothing
+          (the GIL released and held) timed alone: whether handing the GIL over around each
+          cuLaunchKernel costs the host.
 
 The timers and problems are flashcore.bench's: ``host_loop_us`` and ``per_call_us_interleaved``
 (host loops), ``wall_time`` (a training step's loop, a generate call, a warm-up), ``tiny_calls``
@@ -328,6 +333,41 @@ def profile(n=300):
         st.sort_stats("cumulative").print_stats(14)
 
 
+def launch_gil():
+    import ctypes
+    from flashcore.kernels import device
+    drv = device.driver()
+    lib = device.libcuda()
+    released = dict(drv._fn)
+    held = {name: ctypes.PYFUNCTYPE(device._I, *args)((name, lib))
+            for name, args in drv._PROTOS.items()}
+
+    def use(table):
+        drv._fn = table
+        drv.launch = table["cuLaunchKernel"]
+    calls, _ = tiny_calls(peers=("sdpa",))
+    fns = {}
+    for tag, table in (("released", released), ("held", held)):
+        for name in ("torch_fwd", "torch_fwdbwd"):
+            def f(table=table, fn=calls[name]):
+                use(table)
+                fn()
+            fns[f"{name}_{tag}"] = f
+    fns["sdpa_fwd"], fns["sdpa_fwdbwd"] = calls["sdpa_fwd"], calls["sdpa_fwdbwd"]
+    try:
+        res = per_call_us_interleaved(fns, 2000, round_s=0.05)
+    finally:
+        use(released)
+    # a driver call that does nothing (cuCtxGetCurrent), each way, alone
+    out = ctypes.c_void_p()
+    addr = ctypes.addressof(out)
+    for tag, table in (("released", released), ("held", held)):
+        fn = table["cuCtxGetCurrent"]
+        res[f"ctx_get_{tag}"] = host_loop_us(lambda fn=fn: fn(addr), steps=20000, warmup=100,
+                                            sync=lambda: None)
+    emit(section="launch_gil", **res)
+
+
 def main(argv):
     if argv[:1] == ["--first"]:      # (a fresh process of tiny())
         print(_first_steps(argv[1], int(argv[2])))
@@ -343,7 +383,7 @@ def main(argv):
         try:
             {"decode": decode, "decode_host": decode_host, "tiny": tiny, "cupy": cupy_calls,
              "llama": llama, "generate": generate, "generate_static": generate_static,
-             "compile": compile_step, "profile": profile}[s]()
+             "compile": compile_step, "profile": profile, "launch_gil": launch_gil}[s]()
         except Exception as e:
             import traceback
             traceback.print_exc()
