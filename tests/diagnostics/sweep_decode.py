@@ -8,6 +8,13 @@ variant's (the same math, so within bf16 rounding of it).
     python tests/diagnostics/sweep_decode.py [--top K] [--batches 1,8,64] [--more-configs]
                                              [--splits 8,16,33] [--caches 4096,131072]
                                              [--page-size 256]
+    python tests/diagnostics/sweep_decode.py --ab "-DFC_DIAG_X" [--batches ..] [--caches ..]
+                                             [--page-size 256]
+
+``--ab DEFINES``: instead of the sweep, flashcore's default call (its own split count and tile)
+built as it is and with DEFINES (``flashcore.config``'s ``sm90_defines``), timed in turn over
+five rounds in one process, the median of each and cuDNN's, and whether the outputs are equal
+bit for bit.
 """
 from __future__ import annotations
 
@@ -73,8 +80,52 @@ def main(top=6, batches=(1, 8), configs=None, splits=None, caches=(4096, 16384, 
             torch.cuda.empty_cache()
 
 
+def ab(defines, batches, caches, page_size, rounds=5):
+    import statistics
+    import torch
+    from torch.nn.attention import SDPBackend
+    from flashcore import config
+    from flashcore.bench import DecodeProblem
+    print(f"batch cache | cuDNN TB/s | default TB/s | with {' '.join(defines)} TB/s | ratio | "
+          "bits equal")
+    for b in batches:
+        for sk in caches:
+            pb = DecodeProblem(b, sk, 32, 8, 128)
+            t_cudnn = _time(lambda: pb.sdpa(SDPBackend.CUDNN_ATTENTION))
+            if page_size:
+                pb = None
+                torch.cuda.empty_cache()
+                pb = DecodeProblem(b, sk, 32, 8, 128, page_size=page_size)
+            times = {(): [], tuple(defines): []}
+            outs = {}
+            with pb.stream:
+                for _ in range(rounds):
+                    for d in times:
+                        config.set(sm90_defines=d)
+                        pb.out.fill_(float("nan"))
+                        pb.run()
+                        outs[d] = pb.out.clone()
+                        times[d].append(_time(pb.run))
+            config.set(sm90_defines=())
+            t0, t1 = (statistics.median(v) for v in times.values())
+            same = torch.equal(*outs.values())
+            print(f"{b:5d} {sk // 1024:4d}k | {pb.nbytes / t_cudnn / 1e12:.3f} | "
+                  f"{pb.nbytes / t0 / 1e12:.3f} | {pb.nbytes / t1 / 1e12:.3f} | {t0 / t1:.3f} | "
+                  f"{same}", flush=True)
+            pb = None
+            torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     a = sys.argv
+    if "--ab" in a:
+        ab(a[a.index("--ab") + 1].split(),
+           tuple(int(x) for x in a[a.index("--batches") + 1].split(",")) if "--batches" in a
+           else (1, 8),
+           tuple(int(x) for x in a[a.index("--caches") + 1].split(",")) if "--caches" in a
+           else (16384, 131072),
+           int(a[a.index("--page-size") + 1]) if "--page-size" in a else None)
+        sys.exit(0)
     main(int(a[a.index("--top") + 1]) if "--top" in a else 6,
          tuple(int(x) for x in a[a.index("--batches") + 1].split(",")) if "--batches" in a
          else (1, 8),
