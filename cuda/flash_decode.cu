@@ -611,16 +611,6 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
             }
             // keep the table's next lines warm in L2 (page 16: a 128-byte line is 8 blocks)
             if (tid == 0) prefetch_l2(bt + min(wp + 32, bt_last));
-#ifdef FC_DIAG_PAGE_PREFETCH
-            // (a diagnostic's, off by default) where this block starts a page, the next page's
-            // first K and V row of this head into L2, a page ahead of its loads: its address
-            // translation is then cached before the copies need it (random page order)
-            if (tid == 0 && wr < kBlockN && wp + 1 <= bt_last) {
-                const long long nb_page = fc_pool_block(bt[wp + 1], params.num_blocks);
-                prefetch_l2(gK + nb_page * params.k_batch_stride);
-                prefetch_l2(gV + nb_page * params.v_batch_stride);
-            }
-#endif
             wp += bq;
             wr += br;
             if (wr >= page_size) {

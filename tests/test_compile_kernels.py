@@ -195,21 +195,6 @@ def test_decode_cluster_kernels_compile():
         assert all(f == ("0", "0") for f in frames), f"stack frame or spills\n{log}"
 
 
-def test_decode_page_prefetch_candidate_compiles():
-    """The decode candidate -DFC_DIAG_PAGE_PREFETCH (a paged cache's next page prefetched into L2
-    a page ahead; timed by tests/diagnostics/sweep_decode.py --ab) compiles into the paged split
-    and cluster kernels with no local-memory frame, as the default build does."""
-    _nvrtc_or_skip()
-    from flashcore.kernels import decode
-    names = [decode.kernel_name("bfloat16", 128, 1, True, False, False, False, True),
-             decode.cluster_kernel_name("bfloat16", 128, 1, True, False, False, False, 8)]
-    cubin, log = jit.compile_check("flash_decode.cu", names, "sm_90a",
-                                   ("-DFC_DIAG_PAGE_PREFETCH",), want_log=True)
-    assert len(cubin) > 0
-    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", log)
-    assert frames and all(f == ("0", "0") for f in frames), log
-
-
 def test_every_source_file_is_covered():
     """Every kernel source is a row of the one table (flashcore.kernels.catalog) and compiled
     by a test above; every header is included by one."""
