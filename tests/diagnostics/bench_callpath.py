@@ -26,8 +26,8 @@ compile   torch.compile of the llama training step (batch 4 x 4k), flashcore vs 
 profile   cProfile of the host side of a decode step and of the tiny forward and step.
 launch_gil  the tiny forward and step with the driver's calls made through ctypes prototypes
           that release the GIL (CFUNCTYPE, flashcore's) and that hold it (PYFUNCTYPE), host
-          loops interleaved with SDPA's, and the same after a 64-bit ctypes call of nothing
-          (the GIL released and held) timed alone: whether handing the GIL over around each
+          loops interleaved with SDPA's, and a driver call that does nothing
+          (cuCtxGetCurrent) each way, timed alone: whether handing the GIL over around each
           cuLaunchKernel costs the host.
 
 The timers and problems are flashcore.bench's: ``host_loop_us`` and ``per_call_us_interleaved``

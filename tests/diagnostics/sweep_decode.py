@@ -26,25 +26,32 @@ CONFIGS = [(64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3)]
 SPLITS = {1: (4, 8, 12, 16, 24, 32), 8: (2, 4, 8, 16), 64: (1, 2)}
 
 
+def _problem(b, sk, page_size):
+    """(cuDNN's GPU time on the contiguous cache of this shape, the DecodeProblem to time: that
+    cache, or a paged one of ``page_size`` made after the contiguous one is freed)."""
+    import torch
+    from torch.nn.attention import SDPBackend
+    from flashcore.bench import DecodeProblem
+    pb = DecodeProblem(b, sk, 32, 8, 128)
+    t_cudnn = _time(lambda: pb.sdpa(SDPBackend.CUDNN_ATTENTION))
+    if page_size:
+        pb = None
+        torch.cuda.empty_cache()
+        pb = DecodeProblem(b, sk, 32, 8, 128, page_size=page_size)
+    return t_cudnn, pb
+
+
 def main(top=6, batches=(1, 8), configs=None, splits=None, caches=(4096, 16384, 131072),
          page_size=None):
     configs = configs or CONFIGS
     import torch
-    from torch.nn.attention import SDPBackend
-    from flashcore.bench import DecodeProblem
     from flashcore.kernels import decode as dm
 
-    h, hk, d = 32, 8, 128
     print("batch cache | cuDNN TB/s | default TB/s (splits) | best variants: "
           "config/splits/merge TB/s")
     for b in batches:
         for sk in caches:
-            pb = DecodeProblem(b, sk, h, hk, d)
-            t_cudnn = _time(lambda: pb.sdpa(SDPBackend.CUDNN_ATTENTION))
-            if page_size:
-                pb = None
-                torch.cuda.empty_cache()
-                pb = DecodeProblem(b, sk, h, hk, d, page_size=page_size)
+            t_cudnn, pb = _problem(b, sk, page_size)
             nbytes, out, stream = pb.nbytes, pb.out, pb.stream
             call = pb.run
             res, ref, worst = [], None, 0.0
@@ -83,19 +90,12 @@ def main(top=6, batches=(1, 8), configs=None, splits=None, caches=(4096, 16384, 
 def ab(defines, batches, caches, page_size, rounds=5):
     import statistics
     import torch
-    from torch.nn.attention import SDPBackend
     from flashcore import config
-    from flashcore.bench import DecodeProblem
     print(f"batch cache | cuDNN TB/s | default TB/s | with {' '.join(defines)} TB/s | ratio | "
           "bits equal")
     for b in batches:
         for sk in caches:
-            pb = DecodeProblem(b, sk, 32, 8, 128)
-            t_cudnn = _time(lambda: pb.sdpa(SDPBackend.CUDNN_ATTENTION))
-            if page_size:
-                pb = None
-                torch.cuda.empty_cache()
-                pb = DecodeProblem(b, sk, 32, 8, 128, page_size=page_size)
+            t_cudnn, pb = _problem(b, sk, page_size)
             times = {(): [], tuple(defines): []}
             outs = {}
             with pb.stream:
@@ -118,20 +118,14 @@ def ab(defines, batches, caches, page_size, rounds=5):
 
 if __name__ == "__main__":
     a = sys.argv
+
+    def ints(flag, default):
+        return tuple(int(x) for x in a[a.index(flag) + 1].split(",")) if flag in a else default
+    page = int(a[a.index("--page-size") + 1]) if "--page-size" in a else None
     if "--ab" in a:
-        ab(a[a.index("--ab") + 1].split(),
-           tuple(int(x) for x in a[a.index("--batches") + 1].split(",")) if "--batches" in a
-           else (1, 8),
-           tuple(int(x) for x in a[a.index("--caches") + 1].split(",")) if "--caches" in a
-           else (16384, 131072),
-           int(a[a.index("--page-size") + 1]) if "--page-size" in a else None)
-        sys.exit(0)
-    main(int(a[a.index("--top") + 1]) if "--top" in a else 6,
-         tuple(int(x) for x in a[a.index("--batches") + 1].split(",")) if "--batches" in a
-         else (1, 8),
-         CONFIGS + [(64, 4, 2), (32, 2, 4)] if "--more-configs" in a else None,
-         tuple(int(x) for x in a[a.index("--splits") + 1].split(",")) if "--splits" in a
-         else None,
-         tuple(int(x) for x in a[a.index("--caches") + 1].split(",")) if "--caches" in a
-         else (4096, 16384, 131072),
-         int(a[a.index("--page-size") + 1]) if "--page-size" in a else None)
+        ab(a[a.index("--ab") + 1].split(), ints("--batches", (1, 8)),
+           ints("--caches", (16384, 131072)), page)
+    else:
+        main(int(a[a.index("--top") + 1]) if "--top" in a else 6, ints("--batches", (1, 8)),
+             CONFIGS + [(64, 4, 2), (32, 2, 4)] if "--more-configs" in a else None,
+             ints("--splits", None), ints("--caches", (4096, 16384, 131072)), page)
