@@ -20,6 +20,12 @@ cp.cuda.set_allocator(None)
 rng = np.random.default_rng(0)
 
 
+def mark(section):
+    """A line before each section, so that a tool's reports can be told apart by the section
+    that launched them (compute-sanitizer writes its reports into the same stream)."""
+    print(f"== section {section}", flush=True)
+
+
 def arr(shape, dtype):
     x = rng.standard_normal(shape).astype(np.float32)
     if dtype in ("bfloat16", "e4m3"):
@@ -199,6 +205,7 @@ from flashcore import config as _config
 from flashcore.kernels import backward as _bwd, forward as _fwd
 _was = _config.set(sm90_fwd=False, sm90_bwd=False)
 n = 0
+mark("ampere")
 for c in CASES:
     d, dt = c["d"], c["dtype"]
     kw = dict(causal=c.get("causal", False), window_size=c.get("window", (-1, -1)),
@@ -223,6 +230,7 @@ for c in CASES:
 # a window, varlen -- forward only (its backward is the one above).
 if int(cp.cuda.Device().compute_capability) == 90:
     # v0, v1, ws one tile per CTA, ws persistent (where such a kernel exists)
+    mark("hopper forward")
     for pipelined, ws, pers in ((False, False, True), (True, False, True), (True, True, False),
                                 (True, True, True)):
         _fwd.set_sm90(True, pipelined=pipelined, ws=ws)
@@ -236,6 +244,7 @@ if int(cp.cuda.Device().compute_capability) == 90:
         n += 1
     # varlen on the warp-specialised forward (head dim 64 from any key count): sequences ending
     # inside a key block, one empty, cu_seqlens past the rows, decreasing, negative
+    mark("hopper varlen forward, bad cu_seqlens")
     _fwd.set_sm90(True, pipelined=True, ws=True)
     with _config.override(sm90_fwd_d64_min_seqlen_k=0):
         for hd in (64, 128, 256):
@@ -251,6 +260,7 @@ if int(cp.cuda.Device().compute_capability) == 90:
     _fwd.set_sm90(False, pipelined=False, ws=False)
     _config.set(sm90_fwd_persistent=True)
     _bwd.set_sm90(True)                                # the Hopper dK/dV kernels
+    mark("hopper backward")
     n += run_backward_cases(HOPPER_BWD_CASES)
     # varlen cu_seqlens past the rows, decreasing, negative, on the Hopper kernel (each
     # sequence's dQ tiles at its own clamped offset)
@@ -278,6 +288,7 @@ for d, page, splits, sq, mode in ((128, None, 1, 1, "cluster"), (64, 16, 3, 1, "
                                   (128, None, 16, 1, "cluster"), (64, 16, 3, 1, "global"),
                                   (128, None, 40, 1, "global"), (64, 16, 3, 1, "two"),
                                   (128, 256, 40, 2, "two")):
+    mark(f"decode d{d} page {page} splits {splits} sq {sq} {mode}")
     _dec.set_fused_combine(mode != "two")
     _dec.set_cluster_merge(mode == "cluster")
     b, h, hk, cap = 3, 8, 2, 512
@@ -305,6 +316,7 @@ _dec.set_cluster_merge(_cluster_was)
 print(f"sanitize driver: {n} cases ran")
 
 # Odd head dims (padded to a multiple of 8 inside the CuPy backend), forward and backward.
+mark("odd head dims")
 for d in (59, 111):
     q, do = arr((2, 77, 4, d), "bfloat16"), arr((2, 77, 4, d), "bfloat16")
     k, v = arr((2, 93, 2, d), "bfloat16"), arr((2, 93, 2, d), "bfloat16")
@@ -315,6 +327,7 @@ for d in (59, 111):
 
 # Replays: the second call of a layout goes through its recorded launch plan (kernels/plans.py),
 # with new arrays at new addresses; forward, backward, decode.
+mark("replays")
 for _ in range(3):
     q, do = arr((2, 77, 4, 64), "bfloat16"), arr((2, 77, 4, 64), "bfloat16")
     k, v = arr((2, 93, 2, 64), "bfloat16"), arr((2, 93, 2, 64), "bfloat16")
@@ -328,6 +341,7 @@ for _ in range(3):
     n += 3
 
 # cache_leftpad: keys [leftpad, cache_seqlens + new) of each sequence, with append and rotary.
+mark("cache_leftpad")
 kc, vc = arr((3, 512, 2, 128), "bfloat16"), arr((3, 512, 2, 128), "bfloat16")
 ang = rng.uniform(0, 6.3, size=(512, 32)).astype(np.float32)
 import ml_dtypes
@@ -344,6 +358,7 @@ n += 1
 # Bad values in default mode (not read back on the host): lengths past the cache, negative
 # lengths, block indices past the pool or negative, leftpad past the length, cu_seqlens past
 # the arrays. The calls must touch nothing out of bounds; what they return is unspecified.
+mark("bad lengths")
 b, hk, d, cap, page = 3, 2, 128, 512, 16
 for lens, lp in (([600, -5, 512], None), ([10, 20, 30], [40, -3, 5000])):
     kc, vc = arr((b, cap, hk, d), "bfloat16"), arr((b, cap, hk, d), "bfloat16")
@@ -354,6 +369,7 @@ for lens, lp in (([600, -5, 512], None), ([10, 20, 30], [40, -3, 5000])):
                                      causal=True)
     cp.cuda.Device().synchronize()
     n += 1
+mark("bad block table")
 for splits in (1, 4):
     per = cap // page
     kc, vc = arr((b * per, page, hk, d), "bfloat16"), arr((b * per, page, hk, d), "bfloat16")
@@ -365,6 +381,7 @@ for splits in (1, 4):
                                      block_table=cp.asarray(table), causal=True, num_splits=splits)
     cp.cuda.Device().synchronize()
     n += 1
+mark("bad cu_seqlens")
 cu_q = cp.asarray(np.array([0, 5, 900, 141, -4], np.int32))
 cu_k = cp.asarray(np.array([0, 9, 13, 10**6, 100], np.int32))
 q, k, v = arr((141, 4, 64), "bfloat16"), arr((100, 2, 64), "bfloat16"), arr((100, 2, 64), "bfloat16")
@@ -375,6 +392,7 @@ n += 1
 # Varlen over a paged cache (the Ampere-class forward's page walk), with good values and with
 # table entries past the pool, negative ones and cu_seqlens_k past the table's capacity.
 for bad in (False, True):
+    mark(f"paged varlen, bad {bad}")
     page, hk, d = 128, 2, 128
     kc, vc = arr((9, page, hk, d), "bfloat16"), arr((9, page, hk, d), "bfloat16")
     table = np.array([[3, 1, 0], [8, 2, 4], [5, 6, 7]], np.int32)
@@ -391,6 +409,7 @@ for bad in (False, True):
 # d128, d256), and the Ampere-class forward (d64 at short keys) and dQ kernel (deterministic);
 # elsewhere all Ampere-class.
 for d, det in ((64, False), (256, False), (128, True), (128, False)):
+    mark(f"dropout d{d} deterministic {det}")
     q, do = arr((2, 77, 4, d), "bfloat16"), arr((2, 77, 4, d), "bfloat16")
     k, v = arr((2, 93, 2, d), "bfloat16"), arr((2, 93, 2, d), "bfloat16")
     st = cp.asarray(np.array([3, 4], np.int64))
