@@ -251,3 +251,46 @@ def test_a_hang_or_a_crash_still_leaves_a_summary(tmp_path, xdist):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["counts"]["failed"] == (3 if xdist else 2)
     assert (tmp_path / "out" / "events.jsonl.stacks.txt").read_text().count("ran past 3 s") == 1
+
+
+_GREEDY_SUITE = '''
+import os, pytest
+
+class OutOfMemoryError(RuntimeError):
+    pass
+
+@pytest.mark.parametrize("n", range(4))
+def test_big(n):
+    # out of memory only beside other workers, as flash-attn's 128k-key references are
+    if n % 2 and os.environ.get("PYTEST_XDIST_WORKER"):
+        raise OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+'''
+
+
+def test_cases_out_of_memory_beside_other_workers_are_run_again_alone(tmp_path):
+    pytest.importorskip("xdist", reason="pytest-xdist is not installed")
+    suite = tmp_path / "test_fake_flash_attn.py"
+    suite.write_text(_GREEDY_SUITE)
+    base = [sys.executable, str(TOOL), str(suite), "--timeout", "300"]
+    r = subprocess.run(base + ["--pytest-args", "-n", "2"], capture_output=True, text=True,
+                       timeout=600)
+    assert "SUMMARY 2 passed, 2 failed, 0 skipped (4 of 4 cases)" in r.stdout, r.stdout[-3000:]
+    assert "CUDA out of memory" in r.stdout
+    r = subprocess.run(base + ["--rerun-oom", "--out", str(tmp_path / "out"), "--pytest-args",
+                               "-n", "2"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "SUMMARY 4 passed, 0 failed, 0 skipped (4 of 4 cases)" in r.stdout, r.stdout[-3000:]
+    assert "2 cases that ran out of GPU memory beside other workers were run again" in r.stdout
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["rerun_out_of_memory"] == 2
+    listed = (tmp_path / "out" / "rerun_cases.txt").read_text().split("\n")
+    assert listed[1:3] == ["test_big[1]", "test_big[3]"], listed
+
+
+def test_the_rerun_drops_only_the_worker_count():
+    from importlib import util
+    spec = util.spec_from_file_location("conformance", TOOL)
+    mod = util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod._without_workers(["-n", "8", "-x", "-n4", "--numprocesses=3", "--tb=long",
+                                 "--numprocesses", "2", "-k", "n"]) == ["-x", "--tb=long", "-k", "n"]

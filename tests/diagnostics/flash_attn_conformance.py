@@ -35,6 +35,12 @@ unusable ends too. With pytest-xdist (``--pytest-args -n N``) the controller rep
 case as failed and starts a fresh worker for the rest; without it the run stops there and the
 cases not reached are counted as not run. ``--timeout`` bounds the whole run: pytest is then
 interrupted, and what finished is summarised.
+
+Several workers on one GPU can run it out of memory where one alone would not: flash-attn's
+float32 references of its largest cases (128k keys) take tens of GB each. ``--rerun-oom`` runs
+the cases that failed with ``torch.OutOfMemoryError`` again after the parallel run, one at a
+time in a single process (the rest of ``--pytest-args`` kept, ``-n`` left out), within what is
+left of ``--timeout``; a rerun case counts by its rerun, and the summary says how many there were.
 """
 from __future__ import annotations
 
@@ -337,6 +343,28 @@ def _run_pytest(cmd: list[str], env: dict, cwd: Path, log: Path, timeout: float)
 
 _GRACE_S = 20   # for an interrupted pytest to stop its workers and write its report
 
+_OOM = re.compile(r"OutOfMemoryError|CUDA out of memory")
+
+
+def _out_of_memory(events: list[dict], chosen: list[str]) -> list[str]:
+    """The chosen cases whose failed report says the GPU ran out of memory."""
+    oom = {e["case"] for e in events if e.get("event") == "report"
+           and e.get("outcome") == "failed" and _OOM.search(e.get("message") or "")}
+    return [c for c in chosen if c in oom]
+
+
+def _without_workers(args: list[str]) -> list[str]:
+    """pytest arguments less pytest-xdist's worker count (-n N, -nN, --numprocesses[=]N)."""
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in ("-n", "--numprocesses"):
+            skip = True
+        elif not re.fullmatch(r"-n\S+|--numprocesses=\S+", arg):
+            out.append(arg)
+    return out
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -350,6 +378,9 @@ def main(argv=None) -> int:
                    "what finished is summarised")
     p.add_argument("--case-timeout", type=float, default=0,
                    help="seconds for one case, after which its process is ended (0: no limit)")
+    p.add_argument("--rerun-oom", action="store_true",
+                   help="run the cases that failed out of GPU memory again, one at a time, "
+                   "after the parallel run (within --timeout)")
     p.add_argument("-k", dest="keyword", help="pytest -k expression applied at collection")
     p.add_argument("--write-cases", type=Path, metavar="FILE",
                    help="collect and sample, write the chosen case names to FILE, run nothing")
@@ -431,19 +462,44 @@ def main(argv=None) -> int:
               f"pytest's output: {log}", flush=True)
         t0 = time.perf_counter()
         rc = _run_pytest(cmd, _env(shim), work, log, a.timeout)
-        took = time.perf_counter() - t0
         found = read_events(events)
         if not any(e["event"] == "start" for e in found):
             tail = log.read_text(errors="replace")[-3000:] if log.is_file() else ""
             print(f"# pytest (exit {rc}) started no case; the end of its output:\n{tail}")
-        summary = summarise(found, [c.split("::", 1)[1] for c in chosen])
-        summary.update(collected=ids_count, run=len(chosen), seed=a.seed, pytest_exit=rc,
-                       seconds=round(took, 1))
+        names = [c.split("::", 1)[1] for c in chosen]
+        summary = summarise(found, names)
+        rerun = _out_of_memory(found, names) if a.rerun_oom else []
+        reran = 0
+        left = a.timeout - (time.perf_counter() - t0)
+        if rerun and left > _GRACE_S:
+            again = keep / "rerun_cases.txt"
+            again.write_text(f"# the {len(rerun)} cases that ran out of memory beside other "
+                             "workers\n" + "\n".join(rerun) + "\n")
+            ev2, log2 = keep / "events_rerun.jsonl", keep / "pytest_rerun.log"
+            ev2.unlink(missing_ok=True)
+            cmd2 = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short",
+                    *_plugin_args(again.resolve(), ev2, a.case_timeout),
+                    *_without_workers(a.pytest_args), test_file.name]
+            print(f"# {len(rerun)} cases ran out of GPU memory: running them again one at a "
+                  f"time ({left:.0f} s left); pytest's output: {log2}", flush=True)
+            _run_pytest(cmd2, _env(shim), work, log2, left)
+            second = read_events(ev2)
+            # a case the rerun started counts by the rerun; one it did not reach keeps its
+            # out-of-memory failure
+            redone = {e["case"] for e in second if e.get("event") == "start"}
+            found = [e for e in found if e.get("case") not in redone] + second
+            summary, reran = summarise(found, names), len(redone)
+        took = time.perf_counter() - t0
+        summary.update(rerun_out_of_memory=reran, collected=ids_count, run=len(chosen),
+                       seed=a.seed, pytest_exit=rc, seconds=round(took, 1))
         if a.out:
             (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
     c = summary["counts"]
     not_run = f", {c['not run']} not run" if c.get("not run") else ""
     print(f"# pytest ran {summary['seconds']:g} s (exit {summary['pytest_exit']})")
+    if summary["rerun_out_of_memory"]:
+        print(f"# {summary['rerun_out_of_memory']} cases that ran out of GPU memory beside other "
+              f"workers were run again one at a time; they count by that run")
     print(f"SUMMARY {c.get('passed', 0)} passed, {c.get('failed', 0)} failed, "
           f"{c.get('skipped', 0)} skipped{not_run} ({summary['run']} of {summary['collected']} "
           f"cases)")

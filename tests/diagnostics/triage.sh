@@ -100,7 +100,7 @@ for step in $steps; do
     cand conformance ${CONF_TIMEOUT:-330} 45 python3 tests/diagnostics/flash_attn_conformance.py \
         "${FA_TEST:?set FA_TEST to the path of flash-attn 2 tests/test_flash_attn.py}" \
         --cases "${FA_CASES:?set FA_CASES to a file of --write-cases}" --out "$final/conformance" \
-        --timeout $(( ${CONF_TIMEOUT:-330} - 20 )) --case-timeout ${CONF_CASE_TIMEOUT:-120} \
+        --timeout $(( ${CONF_TIMEOUT:-330} - 20 )) --case-timeout ${CONF_CASE_TIMEOUT:-120} --rerun-oom \
         --pytest-args -n ${CONF_WORKERS:-12}
     ;;
   endtoend)
