@@ -353,6 +353,16 @@ def _out_of_memory(events: list[dict], chosen: list[str]) -> list[str]:
     return [c for c in chosen if c in oom]
 
 
+def _pytest_cmd(test_name: str, cases: Path | None, events: Path, case_timeout: float,
+                extra: list[str]) -> list[str]:
+    """The pytest command of a run: short tracebacks (with the long ones, the default, a
+    thousand failures make a junit report and a log of tens of megabytes, slow to write and too
+    big to copy back from the GPU machine; ``--tb=long`` in ``extra`` overrides it), the plugin,
+    then ``extra`` and the test file."""
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short",
+            *_plugin_args(cases, events, case_timeout), *extra, test_name]
+
+
 def _without_workers(args: list[str]) -> list[str]:
     """pytest arguments less pytest-xdist's worker count (-n N, -nN, --numprocesses[=]N)."""
     out, skip = [], False
@@ -451,13 +461,9 @@ def main(argv=None) -> int:
         junit, events, log = keep / "junit.xml", keep / "events.jsonl", keep / "pytest.log"
         for old in (junit, events, log):
             old.unlink(missing_ok=True)
-        # Short tracebacks: with the long ones (the default) a thousand failures make a junit
-        # report and a log of tens of megabytes, slow to write and too big to copy back from
-        # the GPU machine. (--pytest-args --tb=long overrides it.)
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short",
-               f"--junitxml={junit}", "-o", "junit_family=xunit1",
-               *_plugin_args(cases_file, events, a.case_timeout), *a.pytest_args,
-               test_file.name] + (["-k", a.keyword] if a.keyword and not cases_file else [])
+        cmd = _pytest_cmd(test_file.name, cases_file, events, a.case_timeout,
+                          [f"--junitxml={junit}", "-o", "junit_family=xunit1", *a.pytest_args]
+                          + (["-k", a.keyword] if a.keyword and not cases_file else []))
         print(f"# {len(chosen)} of {ids_count} cases (seed {a.seed}) from {a.test_file}; "
               f"pytest's output: {log}", flush=True)
         t0 = time.perf_counter()
@@ -477,9 +483,8 @@ def main(argv=None) -> int:
                              "workers\n" + "\n".join(rerun) + "\n")
             ev2, log2 = keep / "events_rerun.jsonl", keep / "pytest_rerun.log"
             ev2.unlink(missing_ok=True)
-            cmd2 = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short",
-                    *_plugin_args(again.resolve(), ev2, a.case_timeout),
-                    *_without_workers(a.pytest_args), test_file.name]
+            cmd2 = _pytest_cmd(test_file.name, again.resolve(), ev2, a.case_timeout,
+                               _without_workers(a.pytest_args))
             print(f"# {len(rerun)} cases ran out of GPU memory: running them again one at a "
                   f"time ({left:.0f} s left); pytest's output: {log2}", flush=True)
             _run_pytest(cmd2, _env(shim), work, log2, left)
