@@ -224,25 +224,31 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, options, block_table
     key = None
     cfg = config.get()
     if q.is_cuda and not cfg.debug:     # (debug mode validates every call)
-        plain = (block_table is None and rotary_cos is None and rotary_sin is None
-                 and alibi_slopes is None and cache_leftpad is None and k_descale is None
-                 and v_descale is None and key_mask is None)
+        # a plain or a paged cache and nothing else (the common calls): the block table's
+        # layout, or None, stands for the optional tensors (a layout is a 5-tuple, the
+        # general case's an 8-tuple)
+        table_only = (rotary_cos is None and rotary_sin is None and alibi_slopes is None
+                      and cache_leftpad is None and k_descale is None and v_descale is None
+                      and key_mask is None)
         key = ("kvcache", layout(q), layout(k_cache), layout(v_cache),
                None if k is None else layout(k), None if v is None else layout(v),
                None if cache_seqlens is None else layout(cache_seqlens), tuple(options), cfg,
-               None if plain else tuple(map(layout, (block_table, rotary_cos, rotary_sin,
-                                                     alibi_slopes, cache_leftpad, k_descale,
-                                                     v_descale, key_mask))))
+               layout(block_table) if table_only else
+               tuple(map(layout, (block_table, rotary_cos, rotary_sin, alibi_slopes,
+                                  cache_leftpad, k_descale, v_descale, key_mask))))
         plan = plans.lookup(key)
         if plan is not None:
             out = _new_like(torch, q)
             lse = q.new_empty(*lse_shape(q.shape), dtype=torch.float32)
+            if table_only:
+                extra = _NO_POINTERS if block_table is None else \
+                    (block_table.data_ptr(),) + _NO_POINTERS[1:]
+            else:
+                extra = (_ptr(block_table), _ptr(alibi_slopes), _ptr(cache_leftpad),
+                         _ptr(k_descale), _ptr(v_descale), _ptr(key_mask))
             if replay(torch, plan, (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                     out.data_ptr(), lse.data_ptr(), cache_seqlens.data_ptr())
-                      + (_NO_POINTERS if plain else
-                         (_ptr(block_table), _ptr(alibi_slopes), _ptr(cache_leftpad),
-                          _ptr(k_descale), _ptr(v_descale), _ptr(key_mask))),
-                      q.device):
+                      + extra, q.device):
                 return out, lse
     cache_seqlens_int, rotary_interleaved, causal, softmax_scale, window_left, window_right, \
         softcap, num_splits = options
