@@ -29,6 +29,13 @@
 #define FC_TL_ITERS 128
 #define FC_TL_TILE_SLOT (-1)          // (stored at it = FC_TL_ITERS - 1)
 #define FC_TL_CTA_SLOT (-2)           // (stored at it = FC_TL_ITERS - 2)
+// (the forward's consumers: event 0 of step FC_TL_ITERS - 4 is the clock before a tile's wait
+// for Q; a tile of more than FC_TL_ITERS - 4 blocks overwrites it with that step's)
+#define FC_TL_QWAIT_STEP (FC_TL_ITERS - 4)
+// (and step FC_TL_ITERS - 5 the epilogue's points: 0 the O buffer free, 1 past the barrier
+// that follows, 2 O in the buffer (or stored), 3 past the barrier after the proxy fence, 4 the
+// TMA stores issued; slot 6 of the tile follows the wait for their reads of the buffer)
+#define FC_TL_EPI_STEP (FC_TL_ITERS - 5)
 
 #ifdef FC_DIAG_TIMELINE
 __device__ unsigned int fc_diag_tl[FC_TL_CTAS * 4 * FC_TL_TILES * FC_TL_ITERS * 8];

@@ -349,10 +349,20 @@ struct FwdRows {
                                           const FwdBlock<kBlockN, Is_local, kBM>& blk,
                                           float o_scale = 1.f, float s_scale = 1.f,
                                           bool to_smem = false, fc_u32 sO = 0u) const {
+        float inv[2];
+        finish<kCapped>(p, blk, o_scale, s_scale, to_smem, inv);
+        if (to_smem) stage_o(sO, inv);
+    }
+    // store's first part: the lse, O from the registers unless to_smem, and inv (O's factors,
+    // row halves 0 and 1) for pack_o
+    template <bool kCapped = false>
+    __device__ __forceinline__ void finish(const FlashParams& p,
+                                           const FwdBlock<kBlockN, Is_local, kBM>& blk,
+                                           float o_scale, float s_scale, bool to_smem,
+                                           float (&inv)[2]) const {
         if constexpr (Is_dropout) o_scale *= drop.scale;
         const long long oo = blk.o_off(p);
         float* lse = blk.lse_ptr(p);
-        float inv[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const float l = quad_sum(row_sum[r]);
@@ -380,7 +390,6 @@ struct FwdRows {
                                               + logf(l);
             }
         }
-        if (to_smem) stage_o(sO, inv);
     }
     // This thread's O rows times inv, as 16-bit elements, into the warpgroup's O buffer sO:
     // [kD / 64][64 rows][128 bytes] with TMA's 128-byte swizzle (16-byte chunk c of row r at
@@ -403,6 +412,26 @@ struct FwdRows {
                         Elem::pack2(acc_o[4 * j0 + 2] * inv[1], acc_o[4 * j0 + 3] * inv[1]),
                         Elem::pack2(acc_o[4 * j1] * inv[0], acc_o[4 * j1 + 1] * inv[0]),
                         Elem::pack2(acc_o[4 * j1 + 2] * inv[1], acc_o[4 * j1 + 3] * inv[1]));
+        }
+    }
+    // (FC_DIAG_O_PRESTAGE: stage_o in two halves, the values first (pack_o: n8 tile j's row
+    // halves at 2 j, 2 j + 1), the writes later)
+    __device__ __forceinline__ void pack_o(const float (&inv)[2], fc_u32 (&po)[kDT * 2]) const {
+#pragma unroll
+        for (int j = 0; j < kDT; ++j) {
+            po[2 * j] = Elem::pack2(acc_o[4 * j] * inv[0], acc_o[4 * j + 1] * inv[0]);
+            po[2 * j + 1] = Elem::pack2(acc_o[4 * j + 2] * inv[1], acc_o[4 * j + 3] * inv[1]);
+        }
+    }
+    __device__ __forceinline__ void stage_po(fc_u32 sO, const fc_u32 (&po)[kDT * 2]) const {
+        const int lane = 4 * g + t, mi = lane >> 3;
+        const int row = (warp_row0 & 63) + 8 * (mi & 1) + (lane & 7);   // in the warpgroup's 64
+#pragma unroll
+        for (int jj = 0; jj < kDT / 2; ++jj) {
+            const int chunk = 2 * jj + (mi >> 1);                        // 8 columns
+            const fc_u32 addr = sO + (fc_u32)(chunk >> 3) * (64u * 128u) + (fc_u32)row * 128u
+                                + ((fc_u32)((chunk & 7) ^ (row & 7)) << 4);
+            stmatrix_x4(addr, po[4 * jj], po[4 * jj + 1], po[4 * jj + 2], po[4 * jj + 3]);
         }
     }
 };
@@ -1065,6 +1094,24 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                                : warp_uniform(sQ + (fc_u32)cw * 64u * 128u);
     FC_TL_CTA_BEGIN(1 + cw);
     if (kPPChain && cw == kCons - 1) named_arrive(1, 256);
+    // FC_DIAG_O_LAZY (kOBufs = 1; timing until measured): the last consumer's store thread
+    // waits for its store to have read the O buffer, and hands the buffer on (o_free), only
+    // once it has issued the next tile's first S, not at the end of its epilogue. Nobody needs
+    // the buffer before then: consumer 0 takes it again only in its next epilogue, after turns
+    // that this consumer opens after that first S.
+#ifdef FC_DIAG_O_LAZY
+    constexpr bool kLazyO = kOBufs == 1;
+#else
+    constexpr bool kLazyO = false;
+#endif
+    bool o_owed = false;         // (warpgroup-uniform) this warpgroup's o_free arrival is owed
+    auto pay_o = [&]() {
+        if (kLazyO && o_owed) {
+            bulk_wait_read_if<0>((tid & 127) == 0);
+            mbar_arrive_if((tid & 127) == 0, o_free);
+            o_owed = false;
+        }
+    };
     for (int u = 0;; ++u) {
         const int tile = kPersistent ? receive(u) : u;
         if (tile >= n_tiles) break;
@@ -1129,10 +1176,12 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 
         int nb = blk.n_block_max - 1;
         FC_TL_VALUE(1 + cw, nq, FC_TL_TILE_SLOT, 7, n_iter);
+        FC_TL_STAMP(1 + cw, nq, FC_TL_QWAIT_STEP, 0);
         mbar_wait(bar_q, (fc_u32)nq & 1u);
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 1);
         mbar_wait(full_k(stage_of(0)), parity_of(0));
         issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)stage_of(0) * kTile);
+        pay_o();                                   // (FC_DIAG_O_LAZY: under the first S)
         wgmma_wait<0>();
         settle(s);
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 2);
@@ -1219,6 +1268,20 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         // sm90_pipeline.cuh)
         const bool issuer = (tid & 127) == 0;
         const fc_u32 sOwg = sO + (kOBufs == 1 ? 0u : (fc_u32)cw * kOTile);
+        // FC_DIAG_O_PRESTAGE (timing until measured): the lse and O's 16-bit values made
+        // before the wait for the O buffer, which then only takes the stmatrix writes (with
+        // one buffer the second consumer waits there for the first one's store to be read).
+#ifdef FC_DIAG_O_PRESTAGE
+        constexpr bool kPreStage = kOBufs > 0;
+#else
+        constexpr bool kPreStage = false;
+#endif
+        fc_u32 po[kPreStage ? kD / 4 : 1];
+        if (kPreStage && o_tma) {
+            float inv[2];
+            rows.template finish<Has_softcap>(params, blk, v_scale, s_scale, true, inv);
+            if constexpr (kPreStage) rows.pack_o(inv, po);
+        }
         if (o_tma) {
             if constexpr (kOBufs == 1) {
                 // use 2 nq + cw waits for the previous use's arrival; every thread of the
@@ -1230,24 +1293,33 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             } else {
                 bulk_wait_read_if<0>(issuer);      // the last tile's store has read the buffer
             }
+            FC_TL_STAMP(1 + cw, nq, FC_TL_EPI_STEP, 0);
             named_sync(8 + cw, 128);
         }
-        if constexpr (Is_fp8) {
-            rows.template store<Has_softcap>(params, blk, v_scale, s_scale, o_tma, sOwg);
+        FC_TL_STAMP(1 + cw, nq, FC_TL_EPI_STEP, 1);
+        if (kPreStage && o_tma) {
+            if constexpr (kPreStage) rows.stage_po(sOwg, po);
         } else {
-            rows.store(params, blk, 1.f, 1.f, o_tma, sOwg);
+            rows.template store<Has_softcap>(params, blk, v_scale, s_scale, o_tma, sOwg);
         }
+        FC_TL_STAMP(1 + cw, nq, FC_TL_EPI_STEP, 2);
         if (o_tma) {
             fence_proxy_async();                   // the buffer's stores, seen by the TMA unit
             named_sync(8 + cw, 128);
+            FC_TL_STAMP(1 + cw, nq, FC_TL_EPI_STEP, 3);
 #pragma unroll
             for (int c = 0; c < kD / 64; ++c)
                 tma_store_4d_if(issuer, maps.o, sOwg + (fc_u32)c * (64u * 128u), 64 * c,
                                 blk.m0 + 64 * cw, blk.h, blk.b);
             bulk_commit_if(issuer);
+            FC_TL_STAMP(1 + cw, nq, FC_TL_EPI_STEP, 4);
             if constexpr (kOBufs == 1) {
-                bulk_wait_read_if<0>(issuer);
-                mbar_arrive_if(issuer, o_free);
+                if (kLazyO && cw == kCons - 1) {
+                    o_owed = true;                 // (paid under the next tile's first S)
+                } else {
+                    bulk_wait_read_if<0>(issuer);
+                    mbar_arrive_if(issuer, o_free);
+                }
             }
         }
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 6);
@@ -1255,6 +1327,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         ++nq;
     }
     if (kPPChain && cw == 0) named_sync(1, 256);            // the chain's last hand-over
+    pay_o();
     if (kOBufs > 0) bulk_wait_if<0>((tid & 127) == 0);    // this warpgroup's stores done
     FC_TL_CTA_END(1 + cw);
 }

@@ -1,7 +1,7 @@
 """Where the Hopper kernels' time goes, step by step (#15, #17; needs a GPU).
 
     python tests/diagnostics/probe_timeline.py [--backward] [--headdim 128] [--seqlen 2048 16384]
-        [--causal no|yes|both] [--fp8] [--defines NAME ...] [--json FILE]
+        [--causal no|yes|both] [--fp8] [--defines NAME ...] [--json FILE] [--raw DIR]
 
 The warp-specialised forward (or, ``--backward``, the warp-specialised dK/dV kernel at head
 dims 64 / 128) compiled with ``-DFC_DIAG_TIMELINE`` (cuda/diag_timeline.cuh) writes the SM
@@ -31,7 +31,11 @@ is free (16-bit) / the loads of the next block (FP8), 1 K issued / loads issued,
 free, 3 V issued / transposed. Printed: the median of each interval in clocks, per consumer
 warpgroup, for the first step, a middle step and the last; the tile's prologue and epilogue;
 its time against (key blocks x the median step), i.e. the per-tile fixed cost, in key-block
-times and microseconds (the clock rate from %clock against %globaltimer over each CTA's life).
+times and microseconds (the clock rate from %clock against %globaltimer over each CTA's life);
+and the next tile's Q, from the consumers' release of the buffer (the later warpgroup's tile
+event 4) to the producer's load (its tile event 1) to the first consumer holding it (event 1
+of the next tile), all on the one SM's clock (``_q_path``); and the TMA-store epilogue by
+part (the stamps of step EPI_STEP, cuda/diag_timeline.cuh).
 An interval holds what the SASS puts between its two stamps, which is not always the source's
 order: ptxas moves register-only arithmetic across clock reads, stores, wgmma waits and
 barriers. Without ``FC_DIAG_SOFTMAX_FENCE`` it issues the wait for P V before the whole softmax
@@ -65,6 +69,9 @@ import numpy as np
 
 CTAS, TILES, ITERS = 132, 8, 128
 TILE_SLOT, CTA_SLOT = ITERS - 1, ITERS - 2
+QWAIT_STEP = ITERS - 4      # (the forward's consumers: event 0, the clock before the Q wait)
+EPI_STEP = ITERS - 5        # (and the epilogue's points, cuda/diag_timeline.cuh)
+EPI_NAMES = ["buffer free", "barrier", "O staged", "fence+barrier", "stores issued", "read wait"]
 UNSET = 0xFFFFFFFF
 STEP_NAMES = ["data", "turn", "issue", "wait S", "softmax", "wait PV", "rescale+pack"]
 BWD_STEP_NAMES = ["Q/dO wait", "stage dQ", "issue S,dP", "dQ handover", "grads", "dS^T meet",
@@ -123,7 +130,7 @@ def _steps(tl, c, w, u, n):
     stamped; each the 7 gaps between its events and its whole), and the clocks from each
     step's start to the next's."""
     steps = []
-    for it in range(min(n, CTA_SLOT)):
+    for it in range(min(n, EPI_STEP)):     # (steps from EPI_STEP on may hold the tile's stamps)
         s = tl[c, w, u, it]
         if UNSET in s:
             break
@@ -223,7 +230,7 @@ def analyse(tl, consumers):
     """Medians (clocks) of the schedule's intervals; see the module's docstring."""
     out = {"clock_ghz": _clock_ghz(tl, 1 + consumers)}
     for w in range(1, 1 + consumers):
-        runs, step_len, tiles = [], [], []
+        runs, step_len, tiles, epi_parts = [], [], [], []
         for c in range(CTAS):
             for u in range(TILES):
                 t = tl[c, w, u, TILE_SLOT]
@@ -233,6 +240,10 @@ def analyse(tl, consumers):
                 steps, lens = _steps(tl, c, w, u, nblk - 1)   # (every block but the last)
                 runs.append(steps)
                 step_len += lens
+                e = tl[c, w, u, EPI_STEP]
+                if nblk - 1 <= EPI_STEP and UNSET not in (t[5], *e[:5]):
+                    pts = [t[5], *e[:5], t[6]]
+                    epi_parts.append([_d(pts[i], pts[i + 1]) for i in range(6)])
                 nxt = tl[c, w, u + 1, TILE_SLOT] if u + 1 < TILES else None
                 tiles.append(dict(
                     blocks=nblk, q=_d(t[0], t[1]), s0=_d(t[1], t[2]), softmax0=_d(t[2], t[3]),
@@ -253,9 +264,56 @@ def analyse(tl, consumers):
             # (one tile a CTA: no next tile; the tile's own span, received to epilogue issued)
             span_clocks=_med([t["span"] for t in tiles]),
             span_fixed_blocks=_med([t["span"] / step - t["blocks"] for t in tiles]) if step else None,
+            epilogue_parts=({n: _med([x[i] for x in epi_parts]) for i, n in enumerate(EPI_NAMES)}
+                            if epi_parts else None),
             tiles=len(tiles))
     out["producer"] = _producer(tl, TILES, 4)
+    out["q_path"] = _q_path(tl, consumers)
     return out
+
+
+def _sd(a, b):
+    """b - a on the 32-bit clock, signed (both set)."""
+    return ((int(b) - int(a) + (1 << 31)) & 0xFFFFFFFF) - (1 << 31)
+
+
+def _q_path(tl, consumers):
+    """The next tile's Q, tile u >= 1 of each CTA (medians, clocks): from the consumers' release
+    of Q (the later warpgroup's "steps done", where it arrives on empty_q) to the producer's
+    issue of the next Q's load (its tile slot 1, after its wait on empty_q), from that issue to
+    the first consumer past its wait for Q (tile slot 1: an upper bound on the load's latency
+    where the consumer waited), from the producer's start of the tile (slot 0) to the issue,
+    from the later warpgroup's epilogue end (slot 6 of tile u - 1) to Q in hand, and (tiles of
+    at most QWAIT_STEP blocks, whose steps leave that slot alone) the wait itself, from the
+    clock just before it, and from the issue to the first consumer at the wait."""
+    rows = []
+    for c in range(CTAS):
+        for u in range(1, TILES):
+            prev = [tl[c, w, u - 1, TILE_SLOT] for w in range(1, 1 + consumers)]
+            cur = [tl[c, w, u, TILE_SLOT] for w in range(1, 1 + consumers)]
+            p = tl[c, 0, u, TILE_SLOT]
+            if UNSET in (p[0], p[1]) or any(UNSET in (t[4], t[6]) for t in prev) \
+                    or any(UNSET in (t[0], t[1]) for t in cur):
+                continue
+            r = prev[0][4]
+            release = max(_sd(r, t[4]) for t in prev)
+            epi_end = max(_sd(r, t[6]) for t in prev)
+            issue, start = _sd(r, p[1]), _sd(r, p[0])
+            ready = min(_sd(r, t[1]) for t in cur)
+            waited = min(_sd(t[0], t[1]) for t in cur)
+            row = dict(release_to_issue=issue - release, issue_to_ready=ready - issue,
+                       start_to_issue=issue - start, epilogue_end_to_ready=ready - epi_end,
+                       consumer_q_wait=waited)
+            # the wait alone (from the clock before it), where the tile's steps left it
+            before = [tl[c, w, u, QWAIT_STEP][0] for w in range(1, 1 + consumers)]
+            if all(t[7] != UNSET and int(t[7]) - 1 <= QWAIT_STEP for t in cur) \
+                    and UNSET not in before:
+                row.update(wait_alone=min(_sd(b, t[1]) for b, t in zip(before, cur)),
+                           issue_to_first_waiter=min(_sd(r, b) for b in before) - issue)
+            rows.append(row)
+    keys = dict.fromkeys(k for x in rows for k in x)
+    return {k: _med([x[k] for x in rows if k in x]) for k in keys} | {"tiles": len(rows)} \
+        if rows else None
 
 
 def report(label, res, ms_plain, ms_stamped):
@@ -273,6 +331,12 @@ def report(label, res, ms_plain, ms_stamped):
         _print_steps(r, STEP_NAMES)
         print("  prologue  " + ", ".join(f"{k} {v:.0f}" for k, v in r["prologue"].items()))
         print("  epilogue  " + ", ".join(f"{k} {v:.0f}" for k, v in r["epilogue"].items()))
+        if r.get("epilogue_parts"):
+            print("  epilogue by part (TMA-store epilogue; from the last P V's end)  " + ", ".join(
+                f"{k} {v:.0f}" for k, v in r["epilogue_parts"].items()))
+    if res.get("q_path"):
+        print("next tile's Q (median clk): " + ", ".join(
+            f"{k.replace('_', ' ')} {v:.0f}" for k, v in res["q_path"].items()))
     if res["producer"]:
         print("producer (median a key block, clk): " + ", ".join(
             f"{n} {v:.0f}" for n, v in zip(("K wait+issue", "V wait", "V issue/transpose"),
@@ -288,6 +352,8 @@ def main(argv=None):
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--defines", nargs="*", default=[])
     ap.add_argument("--json")
+    ap.add_argument("--raw", help="a folder for each call's stamps (NumPy .npz, uint32 "
+                                  "[CTA][warpgroup][tile][step][event])")
     args = ap.parse_args(argv)
 
     import torch
@@ -347,6 +413,11 @@ def main(argv=None):
                     res = analyse(tl, _consumers(name))
                     report(label, res, t_plain * 1e3, t_st * 1e3)
                 results[label] = dict(res, ms_plain=t_plain * 1e3, ms_stamped=t_st * 1e3)
+                if args.raw:
+                    import os
+                    os.makedirs(args.raw, exist_ok=True)
+                    tag = "_".join(label.split(" [")[0].split()).replace("-D", "")
+                    np.savez_compressed(os.path.join(args.raw, f"{tag}.npz"), tl=tl)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, default=float)
