@@ -29,12 +29,14 @@
 #define FC_TL_ITERS 128
 #define FC_TL_TILE_SLOT (-1)          // (stored at it = FC_TL_ITERS - 1)
 #define FC_TL_CTA_SLOT (-2)           // (stored at it = FC_TL_ITERS - 2)
-// (the forward's consumers: event 0 of step FC_TL_ITERS - 4 is the clock before a tile's wait
-// for Q; a tile of more than FC_TL_ITERS - 4 blocks overwrites it with that step's)
+// The forward's consumers reuse two step slots for tile events (a tile whose steps reach them,
+// one of more than FC_TL_ITERS - 4 key blocks, overwrites the first or mixes with the second;
+// the diagnostic reads them only for shorter tiles): event 0 of step FC_TL_ITERS - 4, the clock
+// before the tile's wait for Q; step FC_TL_ITERS - 5, the epilogue's points: 0 the O buffer
+// free, 1 past the barrier that follows, 2 O in the buffer (or stored), 3 past the barrier
+// after the proxy fence, 4 the TMA stores issued (slot 6 of the tile follows the wait for
+// their reads of the buffer).
 #define FC_TL_QWAIT_STEP (FC_TL_ITERS - 4)
-// (and step FC_TL_ITERS - 5 the epilogue's points: 0 the O buffer free, 1 past the barrier
-// that follows, 2 O in the buffer (or stored), 3 past the barrier after the proxy fence, 4 the
-// TMA stores issued; slot 6 of the tile follows the wait for their reads of the buffer)
 #define FC_TL_EPI_STEP (FC_TL_ITERS - 5)
 
 #ifdef FC_DIAG_TIMELINE

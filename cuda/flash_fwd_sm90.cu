@@ -981,6 +981,16 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             FC_TL_VALUE(0, nq, FC_TL_TILE_SLOT, 6, tile);
             tile = next;
             if (!runs(blk)) continue;
+#ifdef FC_DIAG_Q_PREFETCH
+            // (timing until measured, with FC_DIAG_O_PRESTAGE and FC_DIAG_O_LAZY: the tile's Q
+            // into L2 as the producer reaches the tile, ~3,000 clocks at d128 before its wait
+            // on empty_q lets it load Q; a load of Q from DRAM took ~3,200 clocks, session 41)
+            if constexpr (!Is_fp8 && !Is_varlen && kPersistent) {
+#pragma unroll
+                for (int c = 0; c < kD / kRowElems; ++c)
+                    tma_prefetch_l2_4d(maps.q, kRowElems * c, blk.m0, blk.h, blk.b);
+            }
+#endif
             const int n_iter = blk.n_block_max - blk.n_block_min;   // >= 1
             auto n0_of = [&](int it) { return (blk.n_block_max - 1 - it) * kBlockN; };
             auto load_q = [&]() {
@@ -1287,7 +1297,9 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                 // use 2 nq + cw waits for the previous use's arrival; every thread of the
                 // warpgroup waits (its own last arrival, two uses back, is done: the thread that
                 // made it took part in this tile's products since, so the parity cannot be a
-                // phase behind)
+                // phase behind; with FC_DIAG_O_LAZY the last consumer's was made in this tile,
+                // under its first S, and the issuer's exact wait before the barrier below is
+                // what guards the buffer)
                 const int use = 2 * nq + cw;
                 if (use > 0) mbar_wait(o_free, (fc_u32)(use - 1) & 1u);
             } else {
