@@ -215,6 +215,7 @@ def _bwd_impl(dout, q, k, v, out, lse, options, alibi_slopes=None, cu_seqlens_q=
 
 
 _NO_POINTERS = (0,) * 6     # a plain cache's optional tensors' addresses
+_NO_POINTERS_BUT_TABLE = (0,) * 5   # (a paged cache's, after the block table's)
 
 
 def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, options, block_table=None,
@@ -242,7 +243,7 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, options, block_table
             lse = q.new_empty(*lse_shape(q.shape), dtype=torch.float32)
             if table_only:
                 extra = _NO_POINTERS if block_table is None else \
-                    (block_table.data_ptr(),) + _NO_POINTERS[1:]
+                    (block_table.data_ptr(),) + _NO_POINTERS_BUT_TABLE
             else:
                 extra = (_ptr(block_table), _ptr(alibi_slopes), _ptr(cache_leftpad),
                          _ptr(k_descale), _ptr(v_descale), _ptr(key_mask))

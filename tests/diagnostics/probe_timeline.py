@@ -125,12 +125,12 @@ def _med(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def _steps(tl, c, w, u, n):
+def _steps(tl, c, w, u, n, limit=CTA_SLOT):
     """The intervals of steps 0 .. n - 1 of CTA c's tile u, warpgroup w (to the first one not
     stamped; each the 7 gaps between its events and its whole), and the clocks from each
     step's start to the next's."""
     steps = []
-    for it in range(min(n, EPI_STEP)):     # (steps from EPI_STEP on may hold the tile's stamps)
+    for it in range(min(n, limit)):
         s = tl[c, w, u, it]
         if UNSET in s:
             break
@@ -237,7 +237,8 @@ def analyse(tl, consumers):
                 if UNSET in (t[0], t[6], t[7]):
                     continue
                 nblk = int(t[7])
-                steps, lens = _steps(tl, c, w, u, nblk - 1)   # (every block but the last)
+                # (every block but the last; steps from EPI_STEP on may hold tile events)
+                steps, lens = _steps(tl, c, w, u, nblk - 1, EPI_STEP)
                 runs.append(steps)
                 step_len += lens
                 e = tl[c, w, u, EPI_STEP]
@@ -285,7 +286,8 @@ def _q_path(tl, consumers):
     where the consumer waited), from the producer's start of the tile (slot 0) to the issue,
     from the later warpgroup's epilogue end (slot 6 of tile u - 1) to Q in hand, and (tiles of
     at most QWAIT_STEP blocks, whose steps leave that slot alone) the wait itself, from the
-    clock just before it, and from the issue to the first consumer at the wait."""
+    clock just before it, and from the issue to the first consumer at the wait. (None for the
+    FP8 kernel, whose producer does not stamp its Q load.)"""
     rows = []
     for c in range(CTAS):
         for u in range(1, TILES):
