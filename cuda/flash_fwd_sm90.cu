@@ -1269,10 +1269,16 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 5);
         // the epilogue (see above): O through this warpgroup's buffer and a TMA store, or
         // from the registers
-#ifndef FC_DIAG_O_STG     // (timing only: O stored from the registers, as without O buffers)
-        const bool o_tma = kOBufs > 0 && !Is_varlen && params.o_tma;
-#else
+#if defined(FC_DIAG_O_STG)     // (timing only: O stored from the registers, as without O buffers)
         const bool o_tma = false;
+#elif defined(FC_DIAG_O_TMA_ONLY)
+        // (timing only, 16-bit outputs only: the TMA store as a compile-time fact, so that the
+        // register-store paths are not compiled in: whether the epilogue's code layout (its
+        // TMA path branches over the other two), rather than its few hundred instructions, is
+        // what its ~1,400 clocks of staging cost; performance log, session 41)
+        constexpr bool o_tma = kOBufs > 0 && !Is_varlen;
+#else
+        const bool o_tma = kOBufs > 0 && !Is_varlen && params.o_tma;
 #endif
         // (the one thread's bulk operations are guarded instructions, not branches: see
         // sm90_pipeline.cuh)
