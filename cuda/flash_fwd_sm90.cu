@@ -415,7 +415,9 @@ struct FwdRows {
         }
     }
     // (FC_DIAG_O_PRESTAGE: stage_o in two halves, the values first (pack_o: n8 tile j's row
-    // halves at 2 j, 2 j + 1), the writes later)
+    // halves at 2 j, 2 j + 1), the writes later, to stage_o's addresses. The address is not
+    // shared through a helper: that moved ptxas's schedule of the default kernels (d128, FP8)
+    // with no device run to re-measure them; merge the two when the candidate is decided.)
     __device__ __forceinline__ void pack_o(const float (&inv)[2], fc_u32 (&po)[kDT * 2]) const {
 #pragma unroll
         for (int j = 0; j < kDT; ++j) {
