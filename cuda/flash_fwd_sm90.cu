@@ -738,14 +738,15 @@ namespace fc_h {
 // block that holds them (the walk's first) are zeroed before any P V product reads them (the
 // masks already give their scores -inf; P = 0 times such a row, NaN possibly, would not be 0).
 //
-// The epilogue (kOBufs > 0, dense calls with a 16-bit output: params.o_tma) goes through shared
+// The epilogue (kOBufs > 0: the host launches an instantiation with O buffers only for dense
+// calls whose 16-bit output TMA can write, params.o_tma set) goes through shared
 // memory: each consumer warpgroup writes its 64 x kD rows of O into an O buffer (stage_o), and
 // one of its threads stores the buffer by TMA, the tensor map clipping the rows past the
 // sequence's end; with kOBufs = kCons each warpgroup has a buffer of its own (reused once its
 // last store has read it: bulk_wait_read), with kOBufs = 1 (two consumers, where shared memory
 // holds one buffer only) the two take it in turn, consumer 0 first, each store's thread
-// arriving on the mbarrier o_free once its store has read the buffer. kOBufs = 0, varlen calls
-// and float32 outputs store from the registers.
+// arriving on the mbarrier o_free once its store has read the buffer. kOBufs = 0 (varlen calls,
+// float32 outputs and outputs that TMA cannot write among them) stores from the registers.
 template <typename Elem, typename In, int kD, int kBM, int kBlockN, bool Is_local,
           bool Is_dropout, int kStages, bool kPingPong, bool kPersistent, bool Is_varlen = false,
           bool Has_softcap = false, int kOBufs = 0>
@@ -983,16 +984,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             FC_TL_VALUE(0, nq, FC_TL_TILE_SLOT, 6, tile);
             tile = next;
             if (!runs(blk)) continue;
-#ifdef FC_DIAG_Q_PREFETCH
-            // (timing until measured, with FC_DIAG_O_PRESTAGE and FC_DIAG_O_LAZY: the tile's Q
-            // into L2 as the producer reaches the tile, ~3,000 clocks at d128 before its wait
-            // on empty_q lets it load Q; a load of Q from DRAM took ~3,200 clocks, session 41)
-            if constexpr (!Is_fp8 && !Is_varlen && kPersistent) {
-#pragma unroll
-                for (int c = 0; c < kD / kRowElems; ++c)
-                    tma_prefetch_l2_4d(maps.q, kRowElems * c, blk.m0, blk.h, blk.b);
-            }
-#endif
             const int n_iter = blk.n_block_max - blk.n_block_min;   // >= 1
             auto n0_of = [&](int it) { return (blk.n_block_max - 1 - it) * kBlockN; };
             auto load_q = [&]() {
@@ -1274,10 +1265,10 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 #if defined(FC_DIAG_O_STG)     // (timing only: O stored from the registers, as without O buffers)
         const bool o_tma = false;
 #elif defined(FC_DIAG_O_TMA_ONLY)
-        // (timing only, 16-bit outputs only: the TMA store as a compile-time fact, so that the
-        // register-store paths are not compiled in: whether the epilogue's code layout (its
-        // TMA path branches over the other two), rather than its few hundred instructions, is
-        // what its ~1,400 clocks of staging cost; performance log, session 41)
+        // (candidate until the GPU tests have run with it: the TMA store as a compile-time
+        // fact, the register-store paths not compiled into the kernels with O buffers; the
+        // host launches those only with params.o_tma set. Performance log, session 42: +1-2%
+        // geomean over the default at d128)
         constexpr bool o_tma = kOBufs > 0 && !Is_varlen;
 #else
         const bool o_tma = kOBufs > 0 && !Is_varlen && params.o_tma;

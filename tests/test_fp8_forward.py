@@ -144,8 +144,9 @@ def test_the_v_transpose_reads_only_its_own_keys_and_columns():
 
 def test_instantiations_and_shared_memory_budget():
     names = forward.fp8_instantiations()
-    # (16 one tile a CTA, 8 persistent (head dim 128), 16 varlen) x with and without softcap
-    assert len(names) == 80
+    # (16 one tile a CTA, 8 persistent (head dim 128), 16 varlen) x with and without softcap,
+    # + head dim 128's 16 dense ones without O buffers (outputs that TMA cannot write)
+    assert len(names) == 96
     assert all(n.startswith("flash_fwd_sm90_fp8_kernel<fc_") for n in names)
     for d in forward.FP8_HEADDIMS:
         assert forward.fp8_smem(d) <= SMEM_LIMIT
@@ -153,8 +154,13 @@ def test_instantiations_and_shared_memory_budget():
     assert forward.fp8_o_buffers(128) == 2 and forward.fp8_o_buffers(128, softcap=True) == 0
     assert forward.fp8_o_buffers(256) == 0
     assert forward.fp8_smem(128, softcap=True) <= SMEM_LIMIT
-    assert forward.fp8_kernel_name("float32", 128, False, True) == \
+    assert forward.fp8_kernel_name("bfloat16", 128, False, True) == \
         "flash_fwd_sm90_fp8_kernel<fc_bf16, 128, 192, false, 2, true, true, false, false, 2>"
+    # a float32 output, or one that TMA cannot write: the instantiation without O buffers
+    for name in (forward.fp8_kernel_name("float32", 128, False, True),
+                 forward.fp8_kernel_name("bfloat16", 128, False, True, o_tma=False)):
+        assert name == "flash_fwd_sm90_fp8_kernel<fc_bf16, 128, 192, false, 2, true, true>"
+    assert forward.fp8_smem(128, o_tma=False) == forward.fp8_smem(128) - 2 * 128 * 128
     assert forward.fp8_kernel_name("float16", 256, True, False) == \
         "flash_fwd_sm90_fp8_kernel<fc_fp16, 256, 128, true, 2, false, false>"
     # no persistent kernel at head dim 256 (its consumers would spill in 232 registers)

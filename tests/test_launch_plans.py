@@ -1032,8 +1032,9 @@ def test_tensor_maps_follow_the_arrays(which):
 def test_output_tensor_map_where_the_kernel_has_o_buffers(d, causal, out_dtype, want):
     """The warp-specialised forward's fourth tensor map: the output's, with ``o_tma`` set,
     where the kernel has O buffers (head dims 64, 128, 256 with a window) and the output is
-    16-bit; else q's again (unused) and ``o_tma`` 0 (a float32 output, head dim 256 without a
-    window): the kernel then stores from the registers."""
+    16-bit; else q's again (unused), ``o_tma`` 0 and the instantiation without O buffers and
+    their shared memory (a float32 output, head dim 256 without a window): the kernel then
+    stores from the registers. A kernel with O buffers is never launched with ``o_tma`` 0."""
     from flashcore.kernels import forward
     q, k, v = _qkv(None, "float16", 2, 300, 333, 4, 2, d, False)
     out = fake_array(q.shape, out_dtype)
@@ -1043,7 +1044,9 @@ def test_output_tensor_map_where_the_kernel_has_o_buffers(d, causal, out_dtype, 
                                window_right=0 if causal else -1)
     (name, _, _, smem, raw), = LOG
     assert "_ws_kernel" in name and smem <= 232448
-    assert (forward.sm90_ws_o_buffers(d, causal) > 0) == (name.count(",") == 10)
+    assert want == (name.count(",") == 10)
+    assert smem == forward.sm90_ws_smem(d, causal, want)
+    assert name == forward.sm90_ws_kernel_name("float16", d, causal, seqlen_k=333, o_tma=want)
     n = params_dtype().itemsize
     o_tma = np.frombuffer(raw[:n], np.int32)[params_dtype().fields["o_tma"][1] // 4]
     fourth = struct.unpack_from("<Q", raw, n + 3 * tma.MAP_BYTES)[0]

@@ -292,10 +292,11 @@ def sm90_ws_o_buffers(headdim: int, is_local: bool) -> int:
                      headdim)
 
 
-def sm90_ws_smem(headdim: int, is_local: bool) -> int:
-    """Q + the K/V ring + the mbarriers + the O buffers (o_buffers) + alignment slack."""
-    return _ws_base_smem(headdim, is_local) + _o_bytes(sm90_ws_o_buffers(headdim, is_local),
-                                                       headdim)
+def sm90_ws_smem(headdim: int, is_local: bool, o_tma: bool = True) -> int:
+    """Q + the K/V ring + the mbarriers + the O buffers (o_buffers; none for a call whose
+    output TMA cannot write, ``o_tma`` False) + alignment slack."""
+    bufs = sm90_ws_o_buffers(headdim, is_local) if o_tma else 0
+    return _ws_base_smem(headdim, is_local) + _o_bytes(bufs, headdim)
 
 
 def sm90_ws_pingpong(headdim: int, seqlen_k: int, is_local: bool = False) -> bool:
@@ -346,7 +347,10 @@ def _ws_maps(qkv_rows, out, varlen: bool, bufs: int):
     """The tensor maps of a warp-specialised launch: q, k, v (``qkv_rows``: (array, box rows)
     each), then the output's (boxes of 64 rows) where the kernel has O buffers (``bufs``) and
     TMA can write ``out`` (a dense 16-bit array), else q's again (unused). Returns ``(maps,
-    specs, roles, o_tma)``, or None when TMA cannot read q, k or v."""
+    specs, roles, o_tma)``, or None when TMA cannot read q, k or v; where ``o_tma`` is False
+    the call launches the instantiation without O buffers (its name and shared memory take
+    ``o_tma``), so that a kernel with O buffers knows at compile time that it stores through
+    them."""
     from .tma import maps_for
     o_tma = bool(bufs) and not varlen and out.dtype.itemsize == 2
     ws = maps_for(*qkv_rows, (_as4(out, varlen), 64)) if o_tma else None
@@ -369,14 +373,18 @@ def _ws_piece(launch, params, ws, counter):
 
 def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool, dropout: bool = False,
                         seqlen_k: int = 0, pingpong: bool | None = None,
-                        persistent: bool | None = None, varlen: bool = False) -> str:
+                        persistent: bool | None = None, varlen: bool = False,
+                        o_tma: bool = True) -> str:
     """varlen: the instantiation for varlen calls (one tile a CTA, O stored from the
-    registers); the others take the O buffers that fit (sm90_ws_o_buffers)."""
+    registers); the others take the O buffers that fit (sm90_ws_o_buffers), except for an
+    output that TMA cannot write (``o_tma`` False: float32, or strides a tensor map cannot
+    take), which is stored from the registers by the instantiation without buffers: a kernel
+    with O buffers always stores through them (_ws_maps)."""
     block_m, block_n, stages = sm90_ws_tile(headdim, is_local)
     pp = sm90_ws_pingpong(headdim, seqlen_k, is_local) if pingpong is None else pingpong
     pers = False if varlen else (sm90_ws_persistent(headdim, is_local, dropout, pingpong=pp)
                                  if persistent is None else persistent)
-    bufs = 0 if varlen else sm90_ws_o_buffers(headdim, is_local)
+    bufs = 0 if varlen or not o_tma else sm90_ws_o_buffers(headdim, is_local)
     tail = ", true" if varlen else f", false, {bufs}" if bufs else ""
     return (f"flash_fwd_sm90_ws_kernel<{_elem_tag(dtype_name)}, {headdim}, {block_m}, {block_n}, "
             f"{_b(is_local)}, {_b(dropout)}, {stages}, {_b(pp)}, {_b(pers)}{tail}>")
@@ -388,9 +396,10 @@ def sm90_instantiations() -> list[str]:
     flags = (False, True)
     return sorted({sm90_kernel_name(dt, d, loc, pipe, drop) for dt in ("float16", "bfloat16")
                    for d in SM90_HEADDIMS for loc in flags for pipe in flags for drop in flags}
-                  | {sm90_ws_kernel_name(dt, d, loc, drop, pingpong=pp, persistent=pers)
+                  | {sm90_ws_kernel_name(dt, d, loc, drop, pingpong=pp, persistent=pers,
+                                         o_tma=ot)
                      for dt in ("float16", "bfloat16") for d in SM90_HEADDIMS for loc in flags
-                     for drop in flags for pp in flags for pers in flags
+                     for drop in flags for pp in flags for pers in flags for ot in flags
                      if ws_persistent_exists(d, loc, drop, pingpong=pp) or not pers}
                   | {sm90_ws_kernel_name(dt, d, loc, drop, pingpong=pp, varlen=True)
                      for dt in ("float16", "bfloat16") for d in SM90_HEADDIMS for loc in flags
@@ -432,12 +441,13 @@ def fp8_o_buffers(headdim: int, softcap: bool = False) -> int:
     return 0 if softcap else o_buffers(_fp8_base_smem(headdim), 128, headdim)
 
 
-def fp8_smem(headdim: int, softcap: bool = False) -> int:
+def fp8_smem(headdim: int, softcap: bool = False, o_tma: bool = True) -> int:
     """Q + the K and V^T rings + the raw V ring (2) + the mbarriers (2 Q, 4 per stage, 2 raw, 4
-    of the tile scheduler) and its two int32 slots + the O buffers (fp8_o_buffers) + alignment
-    slack, 1-byte elements. (A V^T stage holds whole 128-key chunks: 256 keys' room at 192-key
-    blocks.)"""
-    return _fp8_base_smem(headdim) + _o_bytes(fp8_o_buffers(headdim, softcap), headdim)
+    of the tile scheduler) and its two int32 slots + the O buffers (fp8_o_buffers; none for
+    an output that TMA cannot write, ``o_tma`` False) + alignment slack, 1-byte elements. (A
+    V^T stage holds whole 128-key chunks: 256 keys' room at 192-key blocks.)"""
+    bufs = fp8_o_buffers(headdim, softcap) if o_tma else 0
+    return _fp8_base_smem(headdim) + _o_bytes(bufs, headdim)
 
 
 def fp8_pingpong() -> bool:
@@ -451,15 +461,18 @@ def fp8_pingpong() -> bool:
 
 def fp8_kernel_name(out_dtype: str, headdim: int, is_local: bool,
                     pingpong: bool | None = None, persistent: bool | None = None,
-                    varlen: bool = False, softcap: bool = False) -> str:
+                    varlen: bool = False, softcap: bool = False, o_tma: bool = True) -> str:
     """``out_dtype``: bfloat16 or float16 (the kernel's Elem), or float32 (Elem unused: the
-    bfloat16 instantiation writes float32 with ``o_fp32``). Varlen calls: one tile a CTA."""
+    bfloat16 instantiation without O buffers writes float32 with ``o_fp32``). Varlen calls:
+    one tile a CTA. ``o_tma`` False: an output that TMA cannot write, stored from the
+    registers by the instantiation without O buffers (as sm90_ws_kernel_name)."""
     block_n, stages = fp8_tile(headdim)
     elem = _elem_tag("bfloat16" if out_dtype == "float32" else out_dtype)
     pp = fp8_pingpong() if pingpong is None else pingpong
     pers = False if varlen else (sm90_ws_persistent(headdim, is_local, fp8=True)
                                  if persistent is None else persistent)
-    bufs = 0 if varlen else fp8_o_buffers(headdim, softcap)
+    bufs = 0 if varlen or not o_tma or out_dtype == "float32" else fp8_o_buffers(headdim,
+                                                                                 softcap)
     tail = (f", false, {_b(softcap)}, {bufs}>" if bufs else
             f", {_b(varlen)}, true>" if softcap else ", true>" if varlen else ">")
     return (f"flash_fwd_sm90_fp8_kernel<{elem}, {headdim}, {block_n}, {_b(is_local)}, "
@@ -470,9 +483,10 @@ def fp8_instantiations() -> list[str]:
     """Every template name of the FP8 forward (dense: one tile a CTA or persistent; varlen;
     each with and without softcap)."""
     flags = (False, True)
-    return sorted({fp8_kernel_name(dt, d, loc, pp, pers, var, cap)
+    return sorted({fp8_kernel_name(dt, d, loc, pp, pers, var, cap, ot)
                    for dt in ("float16", "bfloat16") for d in FP8_HEADDIMS for loc in flags
                    for pp in flags for pers in flags for var in flags for cap in flags
+                   for ot in flags
                    if (ws_persistent_exists(d, loc, fp8=True) or not pers)
                    and not (var and pers)})
 
@@ -596,13 +610,13 @@ def launch_forward_fp8(q, k, v, out, lse, *, softmax_scale: float, window_left: 
     if ws is None:       # (cannot happen for the arrays _fp8_bytes makes)
         raise ValueError("the FP8 forward's tensor maps could not be encoded for these arrays")
     out_dtype = out.dtype.name
-    smem = fp8_smem(headdim, has_softcap)
+    smem = fp8_smem(headdim, has_softcap, ws[3])
     grid_m = math.ceil(seqlen_q / 128)
     persistent = not varlen and sm90_ws_persistent(headdim, is_local, fp8=True,
                                                    tiles=grid_m * nheads * batch)
     kernel = get_kernel(SM90_SOURCE, fp8_kernel_name(out_dtype, headdim, is_local,
                                                      persistent=persistent, varlen=varlen,
-                                                     softcap=has_softcap),
+                                                     softcap=has_softcap, o_tma=ws[3]),
                         device_id, cc, smem, config.get().sm90_defines)
     params = make_params(
         q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
@@ -702,7 +716,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
                           out, varlen, sm90_ws_o_buffers(headdim, is_local))
         grid_m = math.ceil(seqlen_q / (block_m if ws is not None else 128))
         if ws is not None:
-            smem = sm90_ws_smem(headdim, is_local)
+            smem = sm90_ws_smem(headdim, is_local, ws[3])
             pingpong = sm90_ws_pingpong(headdim, seqlen_k, is_local)
             persistent = not varlen and sm90_ws_persistent(headdim, is_local, dropout,
                                                            tiles=grid_m * nheads * batch,
@@ -710,7 +724,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
             kernel = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, is_local,
                                                                  dropout, seqlen_k, pingpong,
                                                                  persistent=persistent,
-                                                                 varlen=varlen),
+                                                                 varlen=varlen, o_tma=ws[3]),
                                 device_id, cc, smem, config.get().sm90_defines)
             block = (128 + 2 * block_m, 1, 1)
         else:
