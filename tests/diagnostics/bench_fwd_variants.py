@@ -153,8 +153,11 @@ def main(argv=None):
                 b, _, h, _ = shape_for(s, d)
                 row = {"headdim": d, "causal": causal, "seqlen": s, "batch": b, "nheads": h}
                 # every implementation's problem first, then the timings in rounds that visit
-                # them in turn (the median of the rounds): a drift of the GPU's clocks during
-                # the cell then reaches every implementation alike
+                # them in turn (the median of the rounds), each round starting one later: a
+                # drift of the GPU's clocks during the cell, or a place in the order, then
+                # reaches every implementation alike (session 42: three kernels of identical
+                # SASS visited in a fixed order timed 7% apart at one cell). A control for the
+                # spread: a variant under a define that nothing reads (ws+FC_DIAG_CONTROL)
                 impls = []
                 for peer in ("sdpa_flash", "sdpa_cudnn"):
                     try:
@@ -166,8 +169,9 @@ def main(argv=None):
                     impls.append((var, functools.partial(variant, var),
                                   AttentionProblem("torch", b, s, h, d, causal, seed=s + d)))
                 times = {(name, m): [] for name, _, _ in impls for m in a.mode}
-                for _ in range(a.rounds):
-                    for name, ctx, pb in list(impls):
+                for r in range(a.rounds):
+                    k = r % len(impls)
+                    for name, ctx, pb in impls[k:] + impls[:k]:
                         try:
                             with ctx():
                                 for m in a.mode:
