@@ -85,6 +85,7 @@ struct FwdBlock {
     int n_block_min, n_block_max;
     bool left_bounded, right_bounded;
 
+    FwdBlock() = default;
     __device__ __forceinline__ FwdBlock(const FlashParams& p, int m_block, int h_, int b_) {
         h = h_;
         b = b_;
@@ -1108,6 +1109,20 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     constexpr bool kLazyO = false;
 #endif
     bool o_owed = false;         // (warpgroup-uniform) this warpgroup's o_free arrival is owed
+    // FC_DIAG_BLK_EARLY (persistent kernels; candidate until measured): the next tile's number
+    // taken from the scheduler's slot, and its geometry worked out (tile_block: the divisions
+    // of the tile number, chunked_tile's with a window; ~600 clocks at d128 in session 41's
+    // timeline, between the epilogue and the Q wait), under the tile's last P V instead. The
+    // producer has published that tile long before: it publishes a tile as it starts its
+    // loads, kStages blocks ahead of the consumers. (Not FP8 with softcap: its persistent
+    // consumers spill 44 bytes with it.)
+#ifdef FC_DIAG_BLK_EARLY
+    constexpr bool kEarlyBlk = kPersistent && !(Is_fp8 && Has_softcap);
+#else
+    constexpr bool kEarlyBlk = false;
+#endif
+    int early_tile = -1;                       // the next tile's number, once taken early
+    FwdBlock<kBlockN, Is_local, kBM> early_blk;
     auto pay_o = [&]() {
         if (kLazyO && o_owed) {
             bulk_wait_read_if<0>((tid & 127) == 0);
@@ -1116,11 +1131,13 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         }
     };
     for (int u = 0;; ++u) {
-        const int tile = kPersistent ? receive(u) : u;
+        const bool early = kEarlyBlk && early_tile >= 0;
+        const int tile = early ? early_tile : kPersistent ? receive(u) : u;
         if (tile >= n_tiles) break;
         // (the timeline's tile number: Q tiles so far, as the producer's)
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 0);
-        const FwdBlock<kBlockN, Is_local, kBM> blk = tile_block(tile);
+        const FwdBlock<kBlockN, Is_local, kBM> blk = early ? early_blk : tile_block(tile);
+        early_tile = -1;
         if (blk.empty_rows()) continue;
         if (blk.no_keys()) {            // (persistent only: the one-tile CTA returned above)
             blk.store_empty(params, kD, tid - 128, (int)kConsumers);
@@ -1254,6 +1271,10 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             const int last = n_iter - 1;
             mbar_wait(full_v(stage_of(last)), parity_of(last));
             issue_pv_(sV + (fc_u32)stage_of(last) * kVtTile);
+            if constexpr (kEarlyBlk) {             // (under the product)
+                early_tile = receive(u + 1);
+                if (early_tile < n_tiles) early_blk = tile_block(early_tile);
+            }
             wgmma_wait<0>();
             settle(rows.acc_o);
             settle(pa);

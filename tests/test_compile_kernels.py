@@ -133,8 +133,8 @@ def test_forward_timeline_compiles():
 
 
 def test_forward_tile_boundary_candidates_compile():
-    """The tile boundary's candidates (FC_DIAG_O_PRESTAGE, FC_DIAG_O_LAZY, FC_DIAG_O_TMA_ONLY;
-    the performance log, sessions 41-42) build the kernels that they change
+    """The tile boundary's candidates (FC_DIAG_O_PRESTAGE, FC_DIAG_O_LAZY, FC_DIAG_O_TMA_ONLY,
+    FC_DIAG_BLK_EARLY; the performance log, sessions 41-42) build the kernels that they change
     (one O buffer at head dims 128 and 256, buffers of their own at 64, FP8) without spills or
     serialised wgmma."""
     _nvrtc_or_skip()
@@ -142,12 +142,13 @@ def test_forward_tile_boundary_candidates_compile():
     names = [forward.sm90_ws_kernel_name("bfloat16", 128, False, seqlen_k=2048),
              forward.sm90_ws_kernel_name("bfloat16", 256, True, seqlen_k=2048),
              forward.sm90_ws_kernel_name("float16", 64, False, seqlen_k=2048),
-             forward.fp8_kernel_name("bfloat16", 128, False)]
+             forward.fp8_kernel_name("bfloat16", 128, False),
+             forward.fp8_kernel_name("bfloat16", 128, False, softcap=True)]
     for n in names[:2]:     # (one O buffer, two consumers; persistent, and one tile a CTA)
         assert n.rstrip(">").endswith(", 1"), n
     _, log = jit.compile_check("flash_fwd_sm90.cu", names, "sm_90a",
                                ("-DFC_DIAG_O_PRESTAGE", "-DFC_DIAG_O_LAZY",
-                                "-DFC_DIAG_O_TMA_ONLY"), want_log=True)
+                                "-DFC_DIAG_O_TMA_ONLY", "-DFC_DIAG_BLK_EARLY"), want_log=True)
     spills = _spills_by_kernel(log)
     assert len(spills) == len(names), log
     assert not any(spills.values()), log
