@@ -1108,7 +1108,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 #else
     constexpr bool kLazyO = false;
 #endif
-    bool o_owed = false;         // (warpgroup-uniform) this warpgroup's o_free arrival is owed
     // FC_DIAG_BLK_EARLY (persistent kernels; candidate until measured): the next tile's number
     // taken from the scheduler's slot, and its geometry worked out (tile_block: the divisions
     // of the tile number, chunked_tile's with a window; ~600 clocks at d128 in session 41's
@@ -1123,8 +1122,27 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 #endif
     int early_tile = -1;                       // the next tile's number, once taken early
     FwdBlock<kBlockN, Is_local, kBM> early_blk;
+    // FC_DIAG_O_IN_K (d128's one-buffer kernels; candidate until measured): each consumer
+    // stages its O in its own half of the K stage of the tile's last key block instead of the
+    // one O buffer that the two take in turn, so that neither waits for the other's store
+    // (~1,700 clocks a tile, session 41). That stage is free once every consumer's last S of
+    // the tile is done (empty_q's phase of the tile); its empty_k arrival waits for the
+    // consumer's store to have read it, paid as FC_DIAG_O_LAZY's under the next tile's first
+    // S (which reads the other stage: the producer loads the next tile's second K block into
+    // this one).
+#ifdef FC_DIAG_O_IN_K
+    constexpr bool kOInK = kOBufs == 1 && !Is_fp8 && !Is_varlen && kTile >= (fc_u32)kCons * kOTile;
+#else
+    constexpr bool kOInK = false;
+#endif
+    bool o_owed = false;         // (warpgroup-uniform) this warpgroup's o_free arrival is owed
+    fc_u32 o_k_empty = 0;        // (kOInK) the empty_k barrier whose arrival is owed
     auto pay_o = [&]() {
-        if (kLazyO && o_owed) {
+        if (kOInK && o_owed) {
+            bulk_wait_read_if<0>((tid & 127) == 0);
+            mbar_arrive_count_if((tid & 127) == 0, o_k_empty, 128u);
+            o_owed = false;
+        } else if (kLazyO && o_owed) {
             bulk_wait_read_if<0>((tid & 127) == 0);
             mbar_arrive_if((tid & 127) == 0, o_free);
             o_owed = false;
@@ -1205,7 +1223,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         wgmma_wait<0>();
         settle(s);
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 2);
-        mbar_arrive(empty_k(stage_of(0)));
+        if (!kOInK || n_iter > 1) mbar_arrive(empty_k(stage_of(0)));   // (kOInK: O's stage)
         cap();
         rows.mask(s, nb * kBlockN);
         rows.template softmax<kPolyEvery, kExactCorr, kRescaleThreshold>(s, corr);   // O is 0
@@ -1248,7 +1266,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             wgmma_wait<1>();                       // S_{i+1} done (P_i V_i may still run)
             settle(s);
             FC_TL_STAMP(1 + cw, nq, it, 4);
-            mbar_arrive(empty_k(st1));
+            if (!kOInK || it + 1 < n_iter - 1) mbar_arrive(empty_k(st1));   // (kOInK: O's stage)
             cap();
             rows.mask(s, (nb - 1) * kBlockN);
             const bool grew =
@@ -1285,7 +1303,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         // from the registers
 #if defined(FC_DIAG_O_STG)     // (timing only: O stored from the registers, as without O buffers)
         const bool o_tma = false;
-#elif defined(FC_DIAG_O_TMA_ONLY)
+#elif defined(FC_DIAG_O_TMA_ONLY) || defined(FC_DIAG_O_IN_K)
         // (candidate until the GPU tests have run with it: the TMA store as a compile-time
         // fact, the register-store paths not compiled into the kernels with O buffers; the
         // host launches those only with params.o_tma set. Performance log, session 42: +1-2%
@@ -1297,7 +1315,8 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         // (the one thread's bulk operations are guarded instructions, not branches: see
         // sm90_pipeline.cuh)
         const bool issuer = (tid & 127) == 0;
-        const fc_u32 sOwg = sO + (kOBufs == 1 ? 0u : (fc_u32)cw * kOTile);
+        const fc_u32 sOwg = kOInK ? sK + (fc_u32)stage_of(n_iter - 1) * kTile + (fc_u32)cw * kOTile
+                                  : sO + (kOBufs == 1 ? 0u : (fc_u32)cw * kOTile);
         // FC_DIAG_O_PRESTAGE (timing until measured): the lse and O's 16-bit values made
         // before the wait for the O buffer, which then only takes the stmatrix writes (with
         // one buffer the second consumer waits there for the first one's store to be read).
@@ -1313,7 +1332,9 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             if constexpr (kPreStage) rows.pack_o(inv, po);
         }
         if (o_tma) {
-            if constexpr (kOBufs == 1) {
+            if constexpr (kOInK) {
+                mbar_wait(empty_q, (fc_u32)nq & 1u);   // every consumer's S of the tile done
+            } else if constexpr (kOBufs == 1) {
                 // use 2 nq + cw waits for the previous use's arrival; every thread of the
                 // warpgroup waits (its own last arrival, two uses back, is done: the thread that
                 // made it took part in this tile's products since, so the parity cannot be a
@@ -1345,7 +1366,10 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                                 blk.m0 + 64 * cw, blk.h, blk.b);
             bulk_commit_if(issuer);
             FC_TL_STAMP(1 + cw, nq, FC_TL_EPI_STEP, 4);
-            if constexpr (kOBufs == 1) {
+            if constexpr (kOInK) {
+                o_owed = true;                     // (paid under the next tile's first S)
+                o_k_empty = empty_k(stage_of(n_iter - 1));
+            } else if constexpr (kOBufs == 1) {
                 if (kLazyO && cw == kCons - 1) {
                     o_owed = true;                 // (paid under the next tile's first S)
                 } else {

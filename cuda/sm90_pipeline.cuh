@@ -97,6 +97,13 @@ __device__ __forceinline__ void mbar_arrive_if(bool pred, fc_u32 bar) {
                  "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n"
                  :: "r"(bar), "r"((int)pred) : "memory");
 }
+// `count` arrivals at once, by the one thread of `pred` (for a warpgroup whose arrival waits
+// on that thread's bulk operation)
+__device__ __forceinline__ void mbar_arrive_count_if(bool pred, fc_u32 bar, fc_u32 count) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n"
+                 "@p mbarrier.arrive.shared::cta.b64 _, [%0], %2;\n}\n"
+                 :: "r"(bar), "r"((int)pred), "r"(count) : "memory");
+}
 __device__ __forceinline__ void tma_prefetch_map(const FcTensorMap& map) {
     asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<fc_u64>(&map)) : "memory");
 }
