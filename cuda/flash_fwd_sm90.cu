@@ -1130,11 +1130,14 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     // consumer's store to have read it, paid as FC_DIAG_O_LAZY's under the next tile's first
     // S (which reads the other stage: the producer loads the next tile's second K block into
     // this one).
-#ifdef FC_DIAG_O_IN_K
+    // (not with FC_DIAG_O_STG: O from the registers, no store to pay the arrival after)
+#if defined(FC_DIAG_O_IN_K) && !defined(FC_DIAG_O_STG)
     constexpr bool kOInK = kOBufs == 1 && !Is_fp8 && !Is_varlen && kTile >= (fc_u32)kCons * kOTile;
 #else
     constexpr bool kOInK = false;
 #endif
+    // (the next tile's first K block must go to another stage: its S precedes the payment)
+    static_assert(!kOInK || kStages >= 2, "FC_DIAG_O_IN_K: two stages or more");
     bool o_owed = false;         // (warpgroup-uniform) this warpgroup's o_free arrival is owed
     fc_u32 o_k_empty = 0;        // (kOInK) the empty_k barrier whose arrival is owed
     auto pay_o = [&]() {
@@ -1303,14 +1306,14 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         // from the registers
 #if defined(FC_DIAG_O_STG)     // (timing only: O stored from the registers, as without O buffers)
         const bool o_tma = false;
-#elif defined(FC_DIAG_O_TMA_ONLY) || defined(FC_DIAG_O_IN_K)
+#elif defined(FC_DIAG_O_TMA_ONLY)
         // (candidate until the GPU tests have run with it: the TMA store as a compile-time
         // fact, the register-store paths not compiled into the kernels with O buffers; the
         // host launches those only with params.o_tma set. Performance log, session 42: +1-2%
         // geomean over the default at d128)
         constexpr bool o_tma = kOBufs > 0 && !Is_varlen;
 #else
-        const bool o_tma = kOBufs > 0 && !Is_varlen && params.o_tma;
+        const bool o_tma = kOInK || (kOBufs > 0 && !Is_varlen && params.o_tma);
 #endif
         // (the one thread's bulk operations are guarded instructions, not branches: see
         // sm90_pipeline.cuh)
