@@ -985,6 +985,19 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             FC_TL_VALUE(0, nq, FC_TL_TILE_SLOT, 6, tile);
             tile = next;
             if (!runs(blk)) continue;
+#ifdef FC_DIAG_Q_PREFETCH
+            // (candidate again, with FC_DIAG_O_IN_K: the tile's Q into L2 as the producer
+            // reaches the tile, ~3,000 clocks at d128 before its wait on empty_q lets it load
+            // Q (~3,200 clocks from DRAM, session 41). Session 42, with O_PRESTAGE and O_LAZY
+            // only: level at 2k / 4k, where the epilogue, not Q, bounded the tile; -6.8% at
+            // full 16k, inside that run's 7% spread of identical kernels. Once O_IN_K takes
+            // consumer 2's wait out of the epilogue, Q is the longer of the two.)
+            if constexpr (!Is_fp8 && !Is_varlen && kPersistent) {
+#pragma unroll
+                for (int c = 0; c < kD / kRowElems; ++c)
+                    tma_prefetch_l2_4d(maps.q, kRowElems * c, blk.m0, blk.h, blk.b);
+            }
+#endif
             const int n_iter = blk.n_block_max - blk.n_block_min;   // >= 1
             auto n0_of = [&](int it) { return (blk.n_block_max - 1 - it) * kBlockN; };
             auto load_q = [&]() {

@@ -134,7 +134,8 @@ def test_forward_timeline_compiles():
 
 def test_forward_tile_boundary_candidates_compile():
     """The tile boundary's candidates (FC_DIAG_O_PRESTAGE, FC_DIAG_O_LAZY, FC_DIAG_O_TMA_ONLY,
-    FC_DIAG_BLK_EARLY, FC_DIAG_O_IN_K; the performance log, sessions 41-42) build the kernels that they change
+    FC_DIAG_BLK_EARLY, FC_DIAG_O_IN_K, FC_DIAG_Q_PREFETCH; the performance log, sessions
+    41-42) build the kernels that they change
     (one O buffer at head dims 128 and 256, buffers of their own at 64, FP8) without spills or
     serialised wgmma."""
     _nvrtc_or_skip()
@@ -148,8 +149,8 @@ def test_forward_tile_boundary_candidates_compile():
         assert n.rstrip(">").endswith(", 1"), n
     _, log = jit.compile_check("flash_fwd_sm90.cu", names, "sm_90a",
                                ("-DFC_DIAG_O_PRESTAGE", "-DFC_DIAG_O_LAZY",
-                                "-DFC_DIAG_O_TMA_ONLY", "-DFC_DIAG_BLK_EARLY", "-DFC_DIAG_O_IN_K"),
-                               want_log=True)
+                                "-DFC_DIAG_O_TMA_ONLY", "-DFC_DIAG_BLK_EARLY", "-DFC_DIAG_O_IN_K",
+                                "-DFC_DIAG_Q_PREFETCH"), want_log=True)
     spills = _spills_by_kernel(log)
     assert len(spills) == len(names), log
     assert not any(spills.values()), log
