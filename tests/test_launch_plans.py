@@ -492,6 +492,29 @@ def test_forward_fp8_varlen_and_softcap_launches(d):
     assert np.isclose(p["scale_log2"], 7.5 * 1.4426950408889634)
 
 
+@pytest.mark.parametrize("out_dtype,want", [("float16", True), ("float32", False)])
+def test_forward_fp8_output_route(out_dtype, want):
+    """The dense FP8 forward at head dim 128: a 16-bit output goes through the O buffers (the
+    output's tensor map, ``o_tma`` set, the buffered instantiation and its shared memory); a
+    float32 one takes the instantiation without buffers, stored from the registers (a kernel
+    with O buffers is never launched with ``o_tma`` 0)."""
+    from flashcore.kernels import forward
+    q, k, v = (fake_array((2, 300, h, 128), np.uint8) for h in (4, 2, 2))
+    out, lse = fake_array(q.shape, out_dtype), fake_array((2, 4, 300), np.float32)
+    LOG.clear()
+    forward.launch_forward_fp8(q, k, v, out, lse, softmax_scale=0.1, window_left=-1,
+                               window_right=-1)
+    (name, _, _, smem, raw), = LOG
+    assert name == forward.fp8_kernel_name(out_dtype, 128, False, o_tma=want)
+    assert name.endswith(", 2>") == want
+    assert smem == forward.fp8_smem(128, o_tma=want)
+    n = params_dtype().itemsize
+    o_tma = np.frombuffer(raw[:n], np.int32)[params_dtype().fields["o_tma"][1] // 4]
+    fourth = struct.unpack_from("<Q", raw, n + 3 * tma.MAP_BYTES)[0]
+    assert bool(o_tma) == want
+    assert fourth == (out.data.ptr if want else q.data.ptr)
+
+
 def test_scratch_is_fresh_and_never_filled(monkeypatch):
     made = []
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=np.float32, **k: (
