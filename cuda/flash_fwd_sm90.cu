@@ -991,11 +991,14 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             // Q (~3,200 clocks from DRAM, session 41). Session 42, with O_PRESTAGE and O_LAZY
             // only: level at 2k / 4k, where the epilogue, not Q, bounded the tile; -6.8% at
             // full 16k, inside that run's 7% spread of identical kernels. Once O_IN_K takes
-            // consumer 2's wait out of the epilogue, Q is the longer of the two.)
-            if constexpr (!Is_fp8 && !Is_varlen && kPersistent) {
+            // consumer 2's wait out of the epilogue, Q is the longer of the two. FP8: thread 0
+            // of the producer warpgroup, which issues its loads.)
+            if constexpr (!Is_varlen && kPersistent) {
+                if (!Is_fp8 || tid == 0) {
 #pragma unroll
-                for (int c = 0; c < kD / kRowElems; ++c)
-                    tma_prefetch_l2_4d(maps.q, kRowElems * c, blk.m0, blk.h, blk.b);
+                    for (int c = 0; c < kD / kRowElems; ++c)
+                        tma_prefetch_l2_4d(maps.q, kRowElems * c, blk.m0, blk.h, blk.b);
+                }
             }
 #endif
             const int n_iter = blk.n_block_max - blk.n_block_min;   // >= 1

@@ -5,7 +5,7 @@ the same process.
     python tests/diagnostics/bench_fp8_forward.py [--seqlens 4096,8192,16384] [--headdims 128,256]
                                                  [--pingpong both|on|off] [--no-check]
                                                  [--defines FC_DIAG_FP8_NO_TRANSPOSE,...]
-                                                 [--bn 128,224]
+                                                 [--bn 128,224] [--rounds N]
 
 First a correctness check on a few small cases (against the float64 attention of the
 dequantised inputs, with the flash-attn rule in FP8: error at most twice that of the NumPy
@@ -20,10 +20,16 @@ NVRTC defines (the ``sm90_defines`` setting; cuda/flash_fwd_sm90.cu's FC_DIAG_FP
 and FC_DIAG_FP8_NO_PACK leave a piece out: timing only, wrong results; A+B: both), one
 column each. ``--bn 128,224``: a column for each of these tiles at head dim 128 (128-key blocks
 with 3 stages, the tile before the 192-key default; 224-key blocks with 2), with the largest
-difference from the default kernel's output.
+difference from the default kernel's output. ``--rounds N``: every column but the ``--bn``
+ones timed N times, each round starting one column later (a place in a fixed order moved
+identical kernels by up to 7% in session 42 of the performance log), the median reported; a
+define that nothing reads (``FC_DIAG_CONTROL``) gives a control column of the default kernel.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import statistics
 import sys
 
 
@@ -109,6 +115,7 @@ def main(argv):
     headdims = [int(x) for x in _arg(argv, "--headdims", "128,256").split(",")]
     pp_modes = {"both": (True, False), "on": (True,), "off": (False,)}[
         _arg(argv, "--pingpong", "both")]
+    rounds = int(_arg(argv, "--rounds", "1"))
     print(f"# torch {torch.__version__}, {torch.cuda.get_device_name()}; 16k tokens, hidden "
           "2048; TFLOP/s (flash-attn's count), GPU time through the public API")
     if "--no-check" not in argv and not check(torch, flashcore):
@@ -127,31 +134,39 @@ def main(argv):
             xt = [x.transpose(1, 2) for x in x16]      # SDPA's (b, h, s, d)
             for causal in (False, True):
                 f = flops(b, s, h, d, causal)
-                row = []
-                for pp in pp_modes:
-                    with config.override(sm90_fwd_pingpong=pp):
-                        t = gpu_time(lambda: flashcore.attention_forward(
-                            *x8, causal=causal, q_descale=desc[0], k_descale=desc[1],
-                            v_descale=desc[2]))
-                    row.append(f / t / 1e12)
-                for d_ in defines:
-                    with config.override(sm90_defines=tuple(f"-D{x}" for x in d_.split("+"))):
-                        t = gpu_time(lambda: flashcore.attention_forward(
-                            *x8, causal=causal, q_descale=desc[0], k_descale=desc[1],
-                            v_descale=desc[2]))
-                    row.append(f / t / 1e12)
-                for bn in bns:
-                    row.append(_other_tile(flashcore, x8, desc, causal, d, f, gpu_time, bn))
-                t = gpu_time(lambda: flashcore.attention_forward(*x16, causal=causal))
-                row.append(f / t / 1e12)
-                try:
-                    with sdpa_pinned("sdpa_cudnn"):
-                        t = gpu_time(lambda: F.scaled_dot_product_attention(*xt,
-                                                                            is_causal=causal))
-                    row.append(f / t / 1e12)
-                except Exception as e:   # no cuDNN attention in this torch / for this shape
-                    print(f"# cuDNN: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
-                    row.append(float("nan"))
+
+                def fp8_call(causal=causal):
+                    return flashcore.attention_forward(*x8, causal=causal, q_descale=desc[0],
+                                                       k_descale=desc[1], v_descale=desc[2])
+                # (settings, call) of each column timed in rounds: the FP8 kernel per ping-pong
+                # mode and per define set, flashcore's bf16 forward, SDPA cuDNN's
+                impls = [(functools.partial(config.override, sm90_fwd_pingpong=pp), fp8_call)
+                         for pp in pp_modes]
+                impls += [(functools.partial(config.override, sm90_defines=tuple(
+                    f"-D{x}" for x in d_.split("+"))), fp8_call) for d_ in defines]
+                impls.append((contextlib.nullcontext,
+                              lambda causal=causal: flashcore.attention_forward(
+                                  *x16, causal=causal)))
+                impls.append((functools.partial(sdpa_pinned, "sdpa_cudnn"),
+                              lambda causal=causal: F.scaled_dot_product_attention(
+                                  *xt, is_causal=causal)))
+                times = [[] for _ in impls]
+                for r in range(rounds):     # each round starts one column later (see above)
+                    k = r % len(impls)
+                    for i in list(range(k, len(impls))) + list(range(k)):
+                        ctx, call = impls[i]
+                        try:
+                            with ctx():
+                                times[i].append(gpu_time(call))
+                        except Exception as e:   # no cuDNN attention in this torch / shape
+                            if i != len(impls) - 1:
+                                raise
+                            print(f"# cuDNN: {type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:100]}")
+                            times[i].append(float("nan"))
+                tf = [f / statistics.median(ts) / 1e12 for ts in times]
+                row = tf[:-2] + [_other_tile(flashcore, x8, desc, causal, d, f, gpu_time, bn)
+                                 for bn in bns] + tf[-2:]
                 row.append(max(row[:len(pp_modes)]) / row[-1])
                 print(f"{d:>4} {s:>6} {str(causal):>6} | "
                       + " | ".join(f"{v:>14.1f}" for v in row[:-1]) + f" | {row[-1]:>14.2f}")
