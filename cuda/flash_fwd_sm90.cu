@@ -1154,16 +1154,15 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 #endif
     // (the next tile's first K block must go to another stage: its S precedes the payment)
     static_assert(!kOInK || kStages >= 2, "FC_DIAG_O_IN_K: two stages or more");
-    bool o_owed = false;         // (warpgroup-uniform) this warpgroup's o_free arrival is owed
-    fc_u32 o_k_empty = 0;        // (kOInK) the empty_k barrier whose arrival is owed
+    // (warpgroup-uniform) an arrival owed once this warpgroup's store has read its O: on
+    // o_free (FC_DIAG_O_LAZY: one, its count) or on the O stage's empty_k (kOInK: the
+    // warpgroup's 128)
+    bool o_owed = false;
+    fc_u32 o_owed_bar = o_free;
     auto pay_o = [&]() {
-        if (kOInK && o_owed) {
+        if ((kLazyO || kOInK) && o_owed) {
             bulk_wait_read_if<0>((tid & 127) == 0);
-            mbar_arrive_count_if((tid & 127) == 0, o_k_empty, 128u);
-            o_owed = false;
-        } else if (kLazyO && o_owed) {
-            bulk_wait_read_if<0>((tid & 127) == 0);
-            mbar_arrive_if((tid & 127) == 0, o_free);
+            mbar_arrive_count_if((tid & 127) == 0, o_owed_bar, kOInK ? 128u : 1u);
             o_owed = false;
         }
     };
@@ -1387,7 +1386,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             FC_TL_STAMP(1 + cw, nq, FC_TL_EPI_STEP, 4);
             if constexpr (kOInK) {
                 o_owed = true;                     // (paid under the next tile's first S)
-                o_k_empty = empty_k(stage_of(n_iter - 1));
+                o_owed_bar = empty_k(stage_of(n_iter - 1));
             } else if constexpr (kOBufs == 1) {
                 if (kLazyO && cw == kCons - 1) {
                     o_owed = true;                 // (paid under the next tile's first S)
