@@ -203,6 +203,80 @@ FC_HD void fc_dropout_pair_masks(const unsigned int (&flags)[4], const unsigned 
     }
 }
 
+// FC_DIAG_DROPOUT_PRODUCER (candidate, off): the Hopper forward's producer warpgroup draws the
+// stream and leaves each consumer thread a byte of keep flags per 16 x 16 tile in shared memory,
+// so that Philox leaves the consumers' softmax. Bit 2 wi + e of lane (g, t)'s byte of tile kk is
+// the flag of word wi (row half wi >> 1, key half wi & 1) of that tile's call, byte 2 (g & 1) + e
+// (fc_dropout_bits), i.e. of query row0 + g + 8 (wi >> 1), key 16 kk + 2 t + 8 (wi & 1) + e; a
+// mask word holds tiles 4 w .. 4 w + 3, tile kk in byte kk & 3.
+// One unit of the producer's work: consumer thread ct (lane (g, t), g even) and its neighbour
+// ct + 4 (g + 1), their query row in the tile (that of g), and which of their mask words.
+struct FcMaskItem {
+    int ct, row, t, word;
+};
+FC_HD FcMaskItem fc_dropout_mask_item(int item, int n_pairs) {
+    const int pair = item % n_pairs, word = item / n_pairs;
+    const int cw = pair >> 6, warp = (pair >> 4) & 3, pp = pair & 15;
+    const int g = 2 * (pp >> 2), t = pp & 3;
+    FcMaskItem it;
+    it.ct = 128 * cw + 32 * warp + 4 * g + t;
+    it.row = 64 * cw + 16 * warp + g;
+    it.t = t;
+    it.word = word;
+    return it;
+}
+
+// One Philox call's two bytes of flags: lane g's (lo) and lane g + 1's (hi) for the tile at key
+// `key` (its first key + 2 t), rows from q (the even lane's query): the flags (bit 7 of each
+// byte) of words 0, 1 and 2, 3 gathered per lane by a byte permutation, then their top bits
+// packed into one byte by one multiply (the partial products land on distinct bits, so nothing
+// carries: bits 21-28 hold the 8 flags).
+FC_HD void fc_dropout_pair_bytes(const FcDropout& d, int bh, int q, int key, unsigned int& lo,
+                                 unsigned int& hi) {
+    const FcPhilox4 w = fc_dropout_words(d, bh, q, key);
+    const unsigned int f0 = fc_dropout_flags(d, w.x), f1 = fc_dropout_flags(d, w.y);
+    const unsigned int f2 = fc_dropout_flags(d, w.z), f3 = fc_dropout_flags(d, w.w);
+    unsigned int out[2];
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+        const unsigned int sel = b ? 0x7632u : 0x5410u;
+        const unsigned int a = fc_perm(f0, f1, sel), c = fc_perm(f2, f3, sel);
+        const unsigned int x = ((a >> 7) & 0x01010101u) | ((c >> 3) & 0x10101010u);
+        out[b] = ((x * 0x00204081u) >> 21) & 0xFFu;
+    }
+    lo = out[0];
+    hi = out[1];
+}
+
+// The item's two mask words (lo: lane g's, hi: lane g + 1's): tiles 4 word .. (those below
+// n_tiles) of the key block at n0, one call a tile.
+FC_HD void fc_dropout_pair_words(const FcDropout& d, int bh, int q, int n0, int t, int word,
+                                 int n_tiles, unsigned int& lo, unsigned int& hi) {
+    lo = hi = 0u;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int kk = 4 * word + j;
+        if (kk < n_tiles) {
+            unsigned int a, b;
+            fc_dropout_pair_bytes(d, bh, q, n0 + 16 * kk + 2 * t, a, b);
+            lo |= a << (8 * j);
+            hi |= b << (8 * j);
+        }
+    }
+}
+
+// The consumer's side: the AND mask of P's packed pair j of tile kk (pa[kk][j]: row half j & 1,
+// key half j >> 1, i.e. word wi = 2 (j & 1) + (j >> 1)) from the mask word holding tile kk. The
+// word shifted brings flag 2 wi (and 2 wi + 1) to bit 7 of every byte; a sign-replicating byte
+// permutation spreads tile kk's over each 16-bit half. With kk and j known at compile time the
+// shifts are shared by the word's four tiles: 1.5 instructions a pair.
+FC_HD unsigned int fc_dropout_word_mask(unsigned int word, int kk, int j) {
+    const int wi = 2 * (j & 1) + (j >> 1);
+    const unsigned int y = word << (7 - 2 * wi), z = word << (6 - 2 * wi);
+    const unsigned int b = (unsigned int)(kk & 3);
+    return fc_perm(y, z, (b | 8u) | (b | 8u) << 4 | ((b + 4u) | 8u) << 8 | ((b + 4u) | 8u) << 12);
+}
+
 #ifdef __CUDACC__
 // The keep masks of two 16 x 16 tiles, A at (qa, ka) and B at (qb, kb) (B may be A), for this
 // lane's fragment (S or S^T), one Philox call per lane: lanes with even g draw A's group, odd g

@@ -317,6 +317,19 @@ struct FwdRows {
             }
         }
     }
+    // pack's dropout form from the producer's mask words (FC_DIAG_DROPOUT_PRODUCER: tile kk
+    // in byte kk & 3 of word kk >> 2; fc_dropout_word_mask)
+    template <int kMW>
+    __device__ __forceinline__ void pack_words(const float (&s)[kNT * 4],
+                                               fc_u32 (&pa)[kBlockN / 16][4],
+                                               const fc_u32 (&mw)[kMW]) const {
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                pa[kk][j] = Elem::pack2(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]) &
+                            fc_dropout_word_mask(mw[kk >> 2], kk, j);
+    }
     // P (fp32, in [0, 1]) as the e4m3 A operand of the FP8 P V product, k-step kk (keys
     // n0 + 32 kk ..: the n8 tiles 4kk .. 4kk + 3, in s[16 kk ..]). The FP8 A fragment wants
     // columns 4t .. 4t + 3 (and 16 + 4t ..) of each k32 step where this thread holds columns
@@ -833,6 +846,23 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     constexpr bool kSoftmaxFence = !Is_fp8 && !Is_dropout && (kD == 64 || kD == 256);
 #endif
     static_assert(!(Is_fp8 && Is_dropout), "FP8 attention is forward only, without dropout");
+    // FC_DIAG_DROPOUT_PRODUCER (candidate until measured; head dims 64 and 128, whose shared
+    // memory holds the masks): warps 1-3 of the producer warpgroup draw dropout's stream for
+    // every key block, kStages blocks ahead as the loads go, and leave each consumer thread its
+    // keep flags, a byte a 16 x 16 tile (flash_dropout.cuh), in a ring of kStages mask stages;
+    // the consumers read them with one vector load a block (full_m; the stage is free again
+    // once every consumer's P V of the block is done: empty_v) instead of running Philox in
+    // their softmax (~300 instructions a block a thread at d128, session 40's count).
+#ifdef FC_DIAG_DROPOUT_PRODUCER
+    constexpr bool kDropProd = Is_dropout && !Is_fp8 && kD <= 128;
+#else
+    constexpr bool kDropProd = false;
+#endif
+    constexpr int kMaskTiles = kBlockN / 16;
+    constexpr int kMaskWordsUsed = (kMaskTiles + 3) / 4;
+    constexpr int kMaskWords = kMaskWordsUsed <= 1 ? 1 : kMaskWordsUsed <= 2 ? 2 : 4;   // (a vector)
+    static_assert(!kDropProd || kMaskWordsUsed <= 4, "FC_DIAG_DROPOUT_PRODUCER: 256 keys a block at most");
+    constexpr int kMaskThreads = 96;                          // warps 1-3 of the producer warpgroup
     static_assert(!Is_varlen || !kPersistent, "varlen: one tile a CTA");
     static_assert(kOBufs == 0 || kOBufs == kCons || (kOBufs == 1 && kCons == 2),
                   "an O buffer per consumer warpgroup, or one that two consumers take in turn");
@@ -844,8 +874,14 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     // producer transposes V within the same 24. The persistent producer's tile loop needs
     // more than 24 (ptxas spills it): 40 / 232 there, and 32 / 160 with 3 consumers.
     constexpr int kEntryRegs = (65536 / kThreads) / 8 * 8;
-    constexpr int kProducerRegs = kPersistent ? (kCons == 3 ? 32 : 40) : 24;
-    constexpr int kConsumerRegs = kCons == 3 ? 160 : (kPersistent ? 232 : 240);
+    // FC_DIAG_DROPOUT_PRODUCER's mask threads run Philox: 56 / 224 where the windowed or
+    // one-tile kernels' producer would spill in 40 / 24 (the 2-consumer persistent kernel
+    // without a window fits 40 / 232; the 3-consumer d64 kernels keep 32 / 160: at 40 / 152
+    // the consumers spill in the main loop, at 32 the mask threads spill 16-48 bytes of their
+    // tile and block counters, a few local accesses a block, off the consumers' path).
+    constexpr bool kDropRegs = kDropProd && kCons == 2 && (Is_local || !kPersistent);
+    constexpr int kProducerRegs = kDropRegs ? 56 : kPersistent ? (kCons == 3 ? 32 : 40) : 24;
+    constexpr int kConsumerRegs = kDropRegs ? 224 : kCons == 3 ? 160 : (kPersistent ? 232 : 240);
     static_assert(128 * kProducerRegs + (int)kConsumers * kConsumerRegs <= kThreads * kEntryRegs,
                   "the register split overdraws the block's registers");
 
@@ -874,8 +910,13 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     auto slot_empty = [&](int j) { return sched + 16u + 8u * (fc_u32)j; };
     auto slot = [&](int j) { return sched + 32u + 4u * (fc_u32)j; };
     const fc_u32 o_free = sched + 40u;
+    // (kDropProd) the mask ring's full barriers, then its stages: [consumer thread][kMaskWords]
+    auto full_m = [&](int st) { return sched + 48u + 8u * (fc_u32)st; };
+    const fc_u32 sMask = (sched + 48u + 8u * (fc_u32)kStages + 15u) & ~15u;
+    constexpr fc_u32 kMaskStage = kConsumers * 4u * (fc_u32)kMaskWords;
     // the threads that read the slots: the consumers, and the FP8 producer's other 127
-    constexpr fc_u32 kSlotReaders = Is_fp8 ? kConsumers + 127u : kConsumers;
+    constexpr fc_u32 kSlotReaders =
+        Is_fp8 ? kConsumers + 127u : kDropProd ? kConsumers + (fc_u32)kMaskThreads : kConsumers;
 
     // The CTA's tiles. One per CTA (the grid is (query blocks, heads, batch)), or, persistent,
     // a dynamic schedule: the first tile is blockIdx.x, then producer thread 0 takes the next
@@ -955,6 +996,8 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             mbar_init(slot_empty(j), kSlotReaders);
         }
         if (kOBufs == 1) mbar_init(o_free, 1);
+        if constexpr (kDropProd)
+            for (int st = 0; st < kStages; ++st) mbar_init(full_m(st), kMaskThreads);
         fence_barrier_init();
     }
     __syncthreads();
@@ -966,7 +1009,75 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     if (wg == 0) {
         // ---- producer ----------------------------------------------------------------
         setmaxnreg_dec<kProducerRegs>();
-        if (!Is_fp8 && tid != 0) return;    // (16-bit: thread 0 issues every load)
+        if (!Is_fp8 && !kDropProd && tid != 0) return;   // (16-bit: thread 0 issues every load)
+        if constexpr (kDropProd) {
+            if (tid != 0 && tid < 32) return;
+            if (tid >= 32) {
+                // the dropout masks (see kDropProd): the tiles and blocks as thread 0 loads them
+                const FcDropout drop =
+                    fc_dropout_setup(params.dropout_rng, params.dropout_threshold, params.dropout_scale);
+                const int mt = tid - 32;
+                int tile = kPersistent ? (int)blockIdx.x : 0;
+                for (int u = 0;; ++u) {
+                    if constexpr (kPersistent) tile = receive(u);
+                    if (tile >= n_tiles) break;
+                    const FwdBlock<kBlockN, Is_local, kBM> blk = tile_block(tile);
+                    if (!kPersistent) tile = n_tiles;
+                    if (!runs(blk)) continue;
+                    const int n_iter = blk.n_block_max - blk.n_block_min;
+                    const int bh = blk.b * params.nheads + blk.h;
+                    for (int it = 0; it < n_iter; ++it) {
+                        const int uu = kv + it, st = uu % kStages;
+                        if (uu >= kStages) mbar_wait(empty_v(st), ((fc_u32)(uu / kStages) & 1u) ^ 1u);
+                        const int n0 = (blk.n_block_max - 1 - it) * kBlockN;
+                        const fc_u32 base = sMask + (fc_u32)st * kMaskStage;
+                        // (the round keys formed again for each call's item, not hoisted
+                        // into 14 registers of the producer's 32-40: ptxas spilled the loop's
+                        // counters with them)
+                        constexpr int kPairs = (int)(kConsumers / 2);   // lanes g, g + 1
+                        constexpr fc_u32 kPartner = 16u * (fc_u32)kMaskWords;   // (lane g + 1)
+                        if constexpr (kProducerRegs >= 40) {
+                            // an item: a word of a pair of lanes (4 calls), the items dealt
+                            // round the 96 threads (d128: 4 each)
+#pragma unroll 1
+                            for (int item = mt; item < kPairs * kMaskWordsUsed; item += kMaskThreads) {
+                                const FcMaskItem mi = fc_dropout_mask_item(item, kPairs);
+                                FcDropout dd = drop;
+                                asm volatile("" : "+r"(dd.k0), "+r"(dd.k1));
+                                fc_u32 lo, hi;
+                                fc_dropout_pair_words(dd, bh, blk.m0 + mi.row, n0, mi.t, mi.word,
+                                                      kMaskTiles, lo, hi);
+                                const fc_u32 a = base + (fc_u32)(mi.ct * kMaskWords + mi.word) * 4u;
+                                asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(a), "r"(lo) : "memory");
+                                asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(a + kPartner), "r"(hi)
+                                             : "memory");
+                            }
+                        } else {
+                            // (the 3-consumer kernels' 32 registers) an item: a tile of a pair
+                            // of lanes, a call and two byte stores (d64: 16 each)
+#pragma unroll 1
+                            for (int item = mt; item < kPairs * kMaskTiles; item += kMaskThreads) {
+                                const FcMaskItem mi = fc_dropout_mask_item(item, kPairs);   // (word: the tile)
+                                FcDropout dd = drop;
+                                int bb = bh;
+                                asm volatile("" : "+r"(dd.k0), "+r"(dd.k1), "+r"(dd.off),
+                                             "+r"(dd.threshold), "+r"(bb));
+                                fc_u32 lo, hi;
+                                fc_dropout_pair_bytes(dd, bb, blk.m0 + mi.row,
+                                                      n0 + 16 * mi.word + 2 * mi.t, lo, hi);
+                                const fc_u32 a = base + (fc_u32)(mi.ct * kMaskWords * 4 + mi.word);
+                                asm volatile("st.shared.u8 [%0], %1;\n" :: "r"(a), "r"(lo) : "memory");
+                                asm volatile("st.shared.u8 [%0], %1;\n" :: "r"(a + kPartner), "r"(hi)
+                                             : "memory");
+                            }
+                        }
+                        mbar_arrive(full_m(st));
+                    }
+                    kv += n_iter;
+                }
+                return;
+            }
+        }
         FC_TL_CTA_BEGIN(0);
         int tile = kPersistent ? (int)blockIdx.x : 0;
         for (int u = 0;; ++u) {
@@ -1212,7 +1323,29 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         float corr[2];
         auto stage_of = [&](int it) { return (kv + it) % kStages; };
         auto parity_of = [&](int it) { return (fc_u32)((kv + it) / kStages) & 1u; };
+        // (kDropProd) this thread's mask words of a block (the producer's), loaded as its S
+        // completes, applied at pack
+        fc_u32 mw[kMaskWords];
+        auto load_masks = [&](int it) {
+            if constexpr (kDropProd) {
+                mbar_wait(full_m(stage_of(it)), parity_of(it));
+                const fc_u32 a = sMask + (fc_u32)stage_of(it) * kMaskStage +
+                                 (fc_u32)(tid - 128) * (4u * kMaskWords);
+                if constexpr (kMaskWords == 4)
+                    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                                 : "=r"(mw[0]), "=r"(mw[1]), "=r"(mw[2]), "=r"(mw[3]) : "r"(a) : "memory");
+                else if constexpr (kMaskWords == 2)
+                    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n"
+                                 : "=r"(mw[0]), "=r"(mw[1]) : "r"(a) : "memory");
+                else
+                    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(mw[0]) : "r"(a) : "memory");
+            }
+        };
         auto pack = [&](int n0) {
+            if constexpr (kDropProd) {
+                rows.pack_words(s, pa, mw);
+                return;
+            }
             if constexpr (Is_fp8) {
 #ifndef FC_DIAG_FP8_NO_PACK           // (timing only: P's registers as they were, wrong results)
                 rows.pack_e4m3(s, pa);
@@ -1242,6 +1375,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         settle(s);
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 2);
         if (!kOInK || n_iter > 1) mbar_arrive(empty_k(stage_of(0)));   // (kOInK: O's stage)
+        load_masks(0);
         cap();
         rows.mask(s, nb * kBlockN);
         rows.template softmax<kPolyEvery, kExactCorr, kRescaleThreshold>(s, corr);   // O is 0
@@ -1285,6 +1419,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             settle(s);
             FC_TL_STAMP(1 + cw, nq, it, 4);
             if (!kOInK || it + 1 < n_iter - 1) mbar_arrive(empty_k(st1));   // (kOInK: O's stage)
+            load_masks(it + 1);
             cap();
             rows.mask(s, (nb - 1) * kBlockN);
             const bool grew =

@@ -267,6 +267,90 @@ int main(int, char** argv) {{
         assert "".join(got[16::2]) == want, p
 
 
+def test_the_producers_mask_bytes_are_the_stream(tmp_path):
+    """FC_DIAG_DROPOUT_PRODUCER's two halves of cuda/flash_dropout.cuh, compiled for the host:
+    the producer's items (fc_dropout_mask_item, words of four calls and single calls' bytes,
+    as the Hopper forward's mask threads write them) into a shared-memory image, and each
+    consumer thread's masks of P's packed pairs read back from it (fc_dropout_word_mask, as
+    FwdRows::pack_words applies them), against flashcore.dropout: a 128 x 176 block (two
+    consumer warpgroups, 11 tiles: words of 4, 4, 3) and a 192 x 128 one (three, 8 tiles), at
+    a query and key block not at the origin."""
+    import shutil
+    import subprocess
+    from flashcore.jit import cuda_dir
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler on this machine")
+    src = tmp_path / "m.cpp"
+    src.write_text(f'''#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include "{cuda_dir() / "flash_dropout.cuh"}"
+int main(int, char** argv) {{
+    long long st[2] = {{atoll(argv[1]), atoll(argv[2])}};
+    FcDropout d = fc_dropout_setup(st, atoi(argv[3]), 1.f);
+    const int cons = atoi(argv[4]), block_n = atoi(argv[5]), item_tiles = atoi(argv[6]);
+    const int m0 = atoi(argv[7]), n0 = atoi(argv[8]), bh = 5;
+    const int tiles = block_n / 16, used = (tiles + 3) / 4, words = used <= 1 ? 1 : used <= 2 ? 2 : 4;
+    const int pairs = cons * 64, per_pair = item_tiles == 4 ? used : tiles;
+    static unsigned int img[384 * 4];
+    std::memset(img, 0xA5, sizeof img);          // (poison: every byte read must be written)
+    for (int item = 0; item < pairs * per_pair; ++item) {{
+        const FcMaskItem mi = fc_dropout_mask_item(item, pairs);
+        unsigned int lo, hi;
+        if (item_tiles == 4) {{
+            fc_dropout_pair_words(d, bh, m0 + mi.row, n0, mi.t, mi.word, tiles, lo, hi);
+            img[mi.ct * words + mi.word] = lo;
+            img[(mi.ct + 4) * words + mi.word] = hi;
+        }} else {{
+            fc_dropout_pair_bytes(d, bh, m0 + mi.row, n0 + 16 * mi.word + 2 * mi.t, lo, hi);
+            reinterpret_cast<unsigned char*>(img + mi.ct * words)[mi.word] = (unsigned char)lo;
+            reinterpret_cast<unsigned char*>(img + (mi.ct + 4) * words)[mi.word] = (unsigned char)hi;
+        }}
+    }}
+    static int keep[192][176];
+    std::memset(keep, 0xFF, sizeof keep);
+    for (int ct = 0; ct < cons * 128; ++ct) {{
+        const int warp = ct >> 5, g = (ct & 31) >> 2, t = ct & 3;
+        const int row0 = 64 * (warp >> 2) + 16 * (warp & 3) + g;
+        for (int kk = 0; kk < tiles; ++kk)
+            for (int j = 0; j < 4; ++j) {{
+                const unsigned int m = fc_dropout_word_mask(img[ct * words + (kk >> 2)], kk, j);
+                for (int e = 0; e < 2; ++e) {{
+                    const unsigned int half = (m >> (16 * e)) & 0xFFFFu;
+                    if (half != 0u && half != 0xFFFFu) return 3;
+                    int& k = keep[row0 + 8 * (j & 1)][16 * kk + 8 * (j >> 1) + 2 * t + e];
+                    if (k != -1) return 4;               // (each element once)
+                    k = half != 0u;
+                }}
+            }}
+    }}
+    for (int r = 0; r < cons * 64; ++r) {{
+        for (int c = 0; c < block_n; ++c) std::printf("%d", keep[r][c]);
+        std::printf("\\n");
+    }}
+}}
+''')
+    exe = tmp_path / "m"
+    r = subprocess.run([cxx, "-O1", "-o", str(exe), str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    seed, offset = 987654321987, (7 << 32) + 123456789
+    st = np.array([seed, offset], np.int64)
+    for p in (0.3, 0.7, 1 / 256, 255 / 256):
+        thr = D.threshold(p)
+        for cons, block_n, m0, n0 in ((2, 176, 384, 352), (3, 128, 576, 256)):
+            want = D.keep_mask(st, p, np.array([5]), m0 + np.arange(64 * cons),
+                               n0 + np.arange(block_n))[0]
+            rows = ["".join("1" if x else "0" for x in row) for row in want]
+            assert 0 < want.mean() < 1
+            for item_tiles in (4, 1):
+                got = subprocess.run([str(exe), str(seed), str(offset), str(thr), str(cons),
+                                      str(block_n), str(item_tiles), str(m0), str(n0)],
+                                     capture_output=True, text=True)
+                assert got.returncode == 0, (p, cons, item_tiles, got.returncode)
+                assert got.stdout.split() == rows, (p, cons, item_tiles)
+
+
 def test_return_attn_probs_encodes_the_dropout_the_way_flash_attn_tests_read_it():
     """flash_attn_func(..., return_attn_probs=True) with dropout: the signs are the mask the
     call used (rebuilding the output from them gives the output), and flash-attn's own test

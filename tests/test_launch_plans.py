@@ -1120,6 +1120,42 @@ def test_warp_specialised_forward_grid(d, causal, dropout, sq, h, want_block, wa
                 and grid == (-(-sq // bm), h, 2))
 
 
+@pytest.mark.parametrize("d,causal,mask_bytes", [(128, False, 8 + 16 + 16 + 2 * 256 * 16),
+                                                  (128, True, 8 + 16 + 16 + 2 * 256 * 8),
+                                                  (64, False, 8 + 24 + 16 + 3 * 384 * 8),
+                                                  (256, False, 0)])
+def test_dropout_masks_from_the_producer_take_their_ring(d, causal, mask_bytes):
+    """With the candidate -DFC_DIAG_DROPOUT_PRODUCER (head dims 64 and 128), the dropout
+    launch's shared memory holds the producer's mask ring (a barrier and a word per 4 key
+    tiles per consumer thread a stage), within the opt-in limit: at head dim 128 without a
+    window it leaves no room for the O buffer, so the instantiation without buffers runs;
+    head dim 256 and calls without dropout are unchanged."""
+    from flashcore.kernels import forward
+    q, k, v = _qkv(None, "float16", 2, 300, 333, 4, 2, d, False)
+    out = fake_array(q.shape, "float16")
+    lse = fake_array((2, 4, 300), np.float32)
+    rng = fake_array((2,), np.int64)
+    got = {}
+    for defs in ((), ("-DFC_DIAG_DROPOUT_PRODUCER",)):
+        for p in (0.0, 0.1):
+            LOG.clear()
+            with config.override(sm90_fwd_d64_min_seqlen_k=0, sm90_defines=defs):
+                forward.launch_forward(q, k, v, out, lse, softmax_scale=0.1, window_left=-1,
+                                       window_right=0 if causal else -1, dropout_p=p,
+                                       rng_state=rng if p else None)
+                (name, _, _, smem, _), = LOG
+                assert smem <= 232448 and smem == forward.sm90_ws_smem(d, causal, True, p > 0)
+                got[bool(defs), p] = name, smem
+    assert got[True, 0.0] == got[False, 0.0]
+    base = forward._ws_base_smem(d, causal)
+    assert forward._ws_base_smem(d, causal, True) - base == 0
+    with config.override(sm90_defines=("-DFC_DIAG_DROPOUT_PRODUCER=1",)):
+        assert forward._ws_base_smem(d, causal, True) - base == mask_bytes
+    bufs = {(128, False): 0, (128, True): 2, (64, False): 3, (256, False): 0}[d, causal]
+    assert got[True, 0.1][0].count(",") == (10 if bufs else 8), got[True, 0.1][0]
+    assert got[True, 0.1][0].endswith(f", {bufs}>" if bufs else "true, true>")
+
+
 def test_warp_specialised_tiles_fit_shared_memory():
     for (d, local) in forward._WS_TILES:
         assert forward.sm90_ws_smem(d, local) <= 232448, (d, local)

@@ -278,25 +278,41 @@ def _o_bytes(bufs: int, headdim: int) -> int:
     return bufs * 128 * headdim + (8 if bufs == 1 else 0)
 
 
-def _ws_base_smem(headdim: int, is_local: bool) -> int:
+def _drop_masks(headdim: int, dropout: bool) -> bool:
+    """Whether the dropout kernel's producer draws the masks (the default-off candidate
+    ``-DFC_DIAG_DROPOUT_PRODUCER`` among the sm90_defines; head dims 64 and 128: kDropProd in
+    cuda/flash_fwd_sm90.cu)."""
+    return (dropout and headdim <= 128
+            and any(o.split("=")[0] == "-DFC_DIAG_DROPOUT_PRODUCER"
+                    for o in config.get().sm90_defines))
+
+
+def _ws_base_smem(headdim: int, is_local: bool, dropout: bool = False) -> int:
     """Q + the K/V ring + the mbarriers (8 bytes each: Q full and empty, 4 per stage, 4 of the
-    tile scheduler) and its two int32 slots + alignment slack."""
+    tile scheduler) and its two int32 slots + alignment slack; with the producer's dropout
+    masks (_drop_masks) their ring: a full barrier a stage and a 4-byte word per 4 key tiles
+    (rounded to 1, 2 or 4) per consumer thread a stage, 16-byte aligned."""
     block_m, block_n, stages = sm90_ws_tile(headdim, is_local)
-    return (2 * block_m * headdim + stages * 2 * (2 * block_n * headdim) + 8 * (7 + 4 * stages)
+    base = (2 * block_m * headdim + stages * 2 * (2 * block_n * headdim) + 8 * (7 + 4 * stages)
             + 1024)
+    if _drop_masks(headdim, dropout):
+        used = (block_n // 16 + 3) // 4
+        words = 1 if used <= 1 else 2 if used <= 2 else 4
+        base += 8 + 8 * stages + 16 + stages * 2 * block_m * 4 * words
+    return base
 
 
-def sm90_ws_o_buffers(headdim: int, is_local: bool) -> int:
+def sm90_ws_o_buffers(headdim: int, is_local: bool, dropout: bool = False) -> int:
     """The 16-bit warp-specialised kernel's O buffers (o_buffers)."""
-    return o_buffers(_ws_base_smem(headdim, is_local), sm90_ws_tile(headdim, is_local)[0],
-                     headdim)
+    return o_buffers(_ws_base_smem(headdim, is_local, dropout),
+                     sm90_ws_tile(headdim, is_local)[0], headdim)
 
 
-def sm90_ws_smem(headdim: int, is_local: bool, o_tma: bool = True) -> int:
+def sm90_ws_smem(headdim: int, is_local: bool, o_tma: bool = True, dropout: bool = False) -> int:
     """Q + the K/V ring + the mbarriers + the O buffers (o_buffers; none for a call whose
     output TMA cannot write, ``o_tma`` False) + alignment slack."""
-    bufs = sm90_ws_o_buffers(headdim, is_local) if o_tma else 0
-    return _ws_base_smem(headdim, is_local) + _o_bytes(bufs, headdim)
+    bufs = sm90_ws_o_buffers(headdim, is_local, dropout) if o_tma else 0
+    return _ws_base_smem(headdim, is_local, dropout) + _o_bytes(bufs, headdim)
 
 
 def sm90_ws_pingpong(headdim: int, seqlen_k: int, is_local: bool = False) -> bool:
@@ -384,7 +400,7 @@ def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool, dropout: 
     pp = sm90_ws_pingpong(headdim, seqlen_k, is_local) if pingpong is None else pingpong
     pers = False if varlen else (sm90_ws_persistent(headdim, is_local, dropout, pingpong=pp)
                                  if persistent is None else persistent)
-    bufs = 0 if varlen or not o_tma else sm90_ws_o_buffers(headdim, is_local)
+    bufs = 0 if varlen or not o_tma else sm90_ws_o_buffers(headdim, is_local, dropout)
     tail = ", true" if varlen else f", false, {bufs}" if bufs else ""
     return (f"flash_fwd_sm90_ws_kernel<{_elem_tag(dtype_name)}, {headdim}, {block_m}, {block_n}, "
             f"{_b(is_local)}, {_b(dropout)}, {stages}, {_b(pp)}, {_b(pers)}{tail}>")
@@ -713,10 +729,10 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
             block_m, block_n, _ = sm90_ws_tile(headdim, is_local)
             ws = _ws_maps(tuple((_as4(a, varlen), rows)
                                 for a, rows in ((q, block_m), (k, block_n), (v, block_n))),
-                          out, varlen, sm90_ws_o_buffers(headdim, is_local))
+                          out, varlen, sm90_ws_o_buffers(headdim, is_local, dropout))
         grid_m = math.ceil(seqlen_q / (block_m if ws is not None else 128))
         if ws is not None:
-            smem = sm90_ws_smem(headdim, is_local, ws[3])
+            smem = sm90_ws_smem(headdim, is_local, ws[3], dropout)
             pingpong = sm90_ws_pingpong(headdim, seqlen_k, is_local)
             persistent = not varlen and sm90_ws_persistent(headdim, is_local, dropout,
                                                            tiles=grid_m * nheads * batch,
