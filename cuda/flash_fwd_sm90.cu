@@ -846,15 +846,15 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     constexpr bool kSoftmaxFence = !Is_fp8 && !Is_dropout && (kD == 64 || kD == 256);
 #endif
     static_assert(!(Is_fp8 && Is_dropout), "FP8 attention is forward only, without dropout");
-    // FC_DIAG_DROPOUT_PRODUCER (candidate until measured; head dims 64 and 128, whose shared
-    // memory holds the masks): warps 1-3 of the producer warpgroup draw dropout's stream for
+    // FC_DIAG_DROPOUT_PRODUCER (candidate until measured; head dims 64 and 128, and 256 with
+    // 64-key blocks, where shared memory holds the masks): warps 1-3 of the producer warpgroup draw dropout's stream for
     // every key block, kStages blocks ahead as the loads go, and leave each consumer thread its
     // keep flags, a byte a 16 x 16 tile (flash_dropout.cuh), in a ring of kStages mask stages;
     // the consumers read them with one vector load a block (full_m; the stage is free again
     // once every consumer's P V of the block is done: empty_v) instead of running Philox in
     // their softmax (~300 instructions a block a thread at d128, session 40's count).
 #ifdef FC_DIAG_DROPOUT_PRODUCER
-    constexpr bool kDropProd = Is_dropout && !Is_fp8 && kD <= 128;
+    constexpr bool kDropProd = Is_dropout && !Is_fp8 && (kD <= 128 || kBlockN <= 64);
 #else
     constexpr bool kDropProd = false;
 #endif
@@ -874,14 +874,18 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     // producer transposes V within the same 24. The persistent producer's tile loop needs
     // more than 24 (ptxas spills it): 40 / 232 there, and 32 / 160 with 3 consumers.
     constexpr int kEntryRegs = (65536 / kThreads) / 8 * 8;
-    // FC_DIAG_DROPOUT_PRODUCER's mask threads run Philox: 56 / 224 where the windowed or
-    // one-tile kernels' producer would spill in 40 / 24 (the 2-consumer persistent kernel
-    // without a window fits 40 / 232; the 3-consumer d64 kernels keep 32 / 160: at 40 / 152
-    // the consumers spill in the main loop, at 32 the mask threads spill 16-48 bytes of their
-    // tile and block counters, a few local accesses a block, off the consumers' path).
+    // FC_DIAG_DROPOUT_PRODUCER's mask threads run Philox. Where the producer would spill in
+    // 40 / 24 (the windowed and one-tile 2-consumer kernels) they take 56 / 224, at head dim
+    // 256 40 / 232 (its consumers spill 20 bytes in 224 under NVRTC 12). The persistent
+    // 2-consumer kernels without a window fit 40 / 232. The 3-consumer d64 kernels keep
+    // 32 / 160: at 40 / 152 their consumers spill in the main loop, at 32 the mask threads
+    // spill 16-48 bytes of their tile and block counters (a few local accesses a block, off
+    // the consumers' path).
     constexpr bool kDropRegs = kDropProd && kCons == 2 && (Is_local || !kPersistent);
-    constexpr int kProducerRegs = kDropRegs ? 56 : kPersistent ? (kCons == 3 ? 32 : 40) : 24;
-    constexpr int kConsumerRegs = kDropRegs ? 224 : kCons == 3 ? 160 : (kPersistent ? 232 : 240);
+    constexpr int kProducerRegs = kDropRegs ? (kD == 256 ? 40 : 56)
+                                            : kPersistent ? (kCons == 3 ? 32 : 40) : 24;
+    constexpr int kConsumerRegs = kDropRegs ? (kD == 256 ? 232 : 224)
+                                            : kCons == 3 ? 160 : (kPersistent ? 232 : 240);
     static_assert(128 * kProducerRegs + (int)kConsumers * kConsumerRegs <= kThreads * kEntryRegs,
                   "the register split overdraws the block's registers");
 

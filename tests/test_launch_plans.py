@@ -1123,13 +1123,14 @@ def test_warp_specialised_forward_grid(d, causal, dropout, sq, h, want_block, wa
 @pytest.mark.parametrize("d,causal,mask_bytes", [(128, False, 8 + 16 + 16 + 2 * 256 * 16),
                                                   (128, True, 8 + 16 + 16 + 2 * 256 * 8),
                                                   (64, False, 8 + 24 + 16 + 3 * 384 * 8),
-                                                  (256, False, 0)])
+                                                  (256, False, 8 + 16 + 16 + 2 * 256 * 4),
+                                                  (256, True, 8 + 16 + 16 + 2 * 256 * 4)])
 def test_dropout_masks_from_the_producer_take_their_ring(d, causal, mask_bytes):
-    """With the candidate -DFC_DIAG_DROPOUT_PRODUCER (head dims 64 and 128), the dropout
-    launch's shared memory holds the producer's mask ring (a barrier and a word per 4 key
-    tiles per consumer thread a stage), within the opt-in limit: at head dim 128 without a
-    window it leaves no room for the O buffer, so the instantiation without buffers runs;
-    head dim 256 and calls without dropout are unchanged."""
+    """With the candidate -DFC_DIAG_DROPOUT_PRODUCER, the dropout launch's shared memory holds
+    the producer's mask ring (a barrier and a word per 4 key tiles per consumer thread a
+    stage), within the opt-in limit: at head dim 128 without a window and at 256 it leaves no
+    room for an O buffer, so the instantiation without buffers runs; head dim 256 takes the
+    windowed tile's 64-key blocks; calls without dropout are unchanged."""
     from flashcore.kernels import forward
     q, k, v = _qkv(None, "float16", 2, 300, 333, 4, 2, d, False)
     out = fake_array(q.shape, "float16")
@@ -1147,13 +1148,17 @@ def test_dropout_masks_from_the_producer_take_their_ring(d, causal, mask_bytes):
                 assert smem <= 232448 and smem == forward.sm90_ws_smem(d, causal, True, p > 0)
                 got[bool(defs), p] = name, smem
     assert got[True, 0.0] == got[False, 0.0]
-    base = forward._ws_base_smem(d, causal)
-    assert forward._ws_base_smem(d, causal, True) - base == 0
+    tile_local = causal or d == 256
+    base = forward._ws_base_smem(d, tile_local)
+    assert forward._ws_base_smem(d, causal, True) == forward._ws_base_smem(d, causal)
     with config.override(sm90_defines=("-DFC_DIAG_DROPOUT_PRODUCER=1",)):
         assert forward._ws_base_smem(d, causal, True) - base == mask_bytes
-    bufs = {(128, False): 0, (128, True): 2, (64, False): 3, (256, False): 0}[d, causal]
-    assert got[True, 0.1][0].count(",") == (10 if bufs else 8), got[True, 0.1][0]
-    assert got[True, 0.1][0].endswith(f", {bufs}>" if bufs else "true, true>")
+        assert forward.sm90_ws_tile(d, causal, True) == forward.sm90_ws_tile(d, tile_local)
+    bufs = {(128, False): 0, (128, True): 2, (64, False): 3}.get((d, causal), 0)
+    name = got[True, 0.1][0]
+    assert name.count(",") == (10 if bufs else 8), name
+    assert name.endswith(f", {bufs}>") if bufs else name.split(", ")[-1] in ("true>", "false>")
+    assert d != 256 or name.split(", ")[3] == "64", name
 
 
 def test_warp_specialised_tiles_fit_shared_memory():

@@ -233,11 +233,15 @@ _WS_TILES = {(64, False): (192, 128, 3), (64, True): (192, 128, 3), (128, False)
              (128, True): (128, 128, 2), (256, False): (128, 80, 2), (256, True): (128, 64, 2)}
 
 
-def sm90_ws_tile(headdim: int, is_local: bool) -> tuple[int, int, int]:
+def sm90_ws_tile(headdim: int, is_local: bool, dropout: bool = False) -> tuple[int, int, int]:
     """(block_m, block_n, stages) of the warp-specialised kernel, with dropout or without (with
     fc_dropout_masks2 the dropout kernel fits three warpgroups' 160 registers at head dim 64
     without spills, NVRTC 12 and nvcc 13; measured on the H200, session 30 of the performance
-    log: 1.12-1.19x the two-warpgroup tile it had)."""
+    log: 1.12-1.19x the two-warpgroup tile it had). With the producer's dropout masks
+    (_drop_masks) head dim 256 takes the windowed tile's 64-key blocks, beside which the masks'
+    ring fits (the 80-key blocks leave 2 KiB)."""
+    if headdim == 256 and _drop_masks(headdim, dropout):
+        return _WS_TILES[(256, True)]
     return _WS_TILES[(headdim, bool(is_local))]
 
 
@@ -280,9 +284,9 @@ def _o_bytes(bufs: int, headdim: int) -> int:
 
 def _drop_masks(headdim: int, dropout: bool) -> bool:
     """Whether the dropout kernel's producer draws the masks (the default-off candidate
-    ``-DFC_DIAG_DROPOUT_PRODUCER`` among the sm90_defines; head dims 64 and 128: kDropProd in
-    cuda/flash_fwd_sm90.cu)."""
-    return (dropout and headdim <= 128
+    ``-DFC_DIAG_DROPOUT_PRODUCER`` among the sm90_defines: kDropProd in
+    cuda/flash_fwd_sm90.cu; head dim 256 with 64-key blocks, sm90_ws_tile)."""
+    return (dropout and headdim in (64, 128, 256)
             and any(o.split("=")[0] == "-DFC_DIAG_DROPOUT_PRODUCER"
                     for o in config.get().sm90_defines))
 
@@ -292,7 +296,7 @@ def _ws_base_smem(headdim: int, is_local: bool, dropout: bool = False) -> int:
     tile scheduler) and its two int32 slots + alignment slack; with the producer's dropout
     masks (_drop_masks) their ring: a full barrier a stage and a 4-byte word per 4 key tiles
     (rounded to 1, 2 or 4) per consumer thread a stage, 16-byte aligned."""
-    block_m, block_n, stages = sm90_ws_tile(headdim, is_local)
+    block_m, block_n, stages = sm90_ws_tile(headdim, is_local, dropout)
     base = (2 * block_m * headdim + stages * 2 * (2 * block_n * headdim) + 8 * (7 + 4 * stages)
             + 1024)
     if _drop_masks(headdim, dropout):
@@ -305,7 +309,7 @@ def _ws_base_smem(headdim: int, is_local: bool, dropout: bool = False) -> int:
 def sm90_ws_o_buffers(headdim: int, is_local: bool, dropout: bool = False) -> int:
     """The 16-bit warp-specialised kernel's O buffers (o_buffers)."""
     return o_buffers(_ws_base_smem(headdim, is_local, dropout),
-                     sm90_ws_tile(headdim, is_local)[0], headdim)
+                     sm90_ws_tile(headdim, is_local, dropout)[0], headdim)
 
 
 def sm90_ws_smem(headdim: int, is_local: bool, o_tma: bool = True, dropout: bool = False) -> int:
@@ -396,7 +400,7 @@ def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool, dropout: 
     output that TMA cannot write (``o_tma`` False: float32, or strides a tensor map cannot
     take), which is stored from the registers by the instantiation without buffers: a kernel
     with O buffers always stores through them (_ws_maps)."""
-    block_m, block_n, stages = sm90_ws_tile(headdim, is_local)
+    block_m, block_n, stages = sm90_ws_tile(headdim, is_local, dropout)
     pp = sm90_ws_pingpong(headdim, seqlen_k, is_local) if pingpong is None else pingpong
     pers = False if varlen else (sm90_ws_persistent(headdim, is_local, dropout, pingpong=pp)
                                  if persistent is None else persistent)
@@ -726,7 +730,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     if not paged and sm90_applies(cc, headdim, has_softcap, has_alibi, seqlen_k):
         cfg_ = config.get()
         if cfg_.sm90_fwd_ws:
-            block_m, block_n, _ = sm90_ws_tile(headdim, is_local)
+            block_m, block_n, _ = sm90_ws_tile(headdim, is_local, dropout)
             ws = _ws_maps(tuple((_as4(a, varlen), rows)
                                 for a, rows in ((q, block_m), (k, block_n), (v, block_n))),
                           out, varlen, sm90_ws_o_buffers(headdim, is_local, dropout))

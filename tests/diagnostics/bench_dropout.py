@@ -7,7 +7,8 @@ random stream itself costs), and its ratio p0/variant; first, whether each chang
 bits (dq is summed with atomics, so its bits may differ run to run anyway).
 
     python tests/diagnostics/bench_dropout.py [--seqlen 4096 16384] [--headdim 64 128]
-                                              [--p 0.1] [--json F] [--defines VARIANT ...]
+                                              [--p 0.1] [--rounds 3] [--json F]
+                                              [--defines VARIANT ...]
 
 e.g. ``--defines FC_DIAG_SOFTMAX_FENCE_DROPOUT FC_DIAG_PHILOX_ROUNDS=0
 FC_DIAG_SOFTMAX_FENCE_DROPOUT+FC_DIAG_PHILOX_ROUNDS=0`` (three columns).
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 
 from flashcore import config
@@ -60,6 +62,10 @@ def main(argv=None):
     ap.add_argument("--seqlen", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--headdim", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--p", type=float, default=0.1)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every implementation of a cell this many times, in turn, the "
+                         "order rotated by one each round, and report the median (3 or more "
+                         "when variants differ by a few percent)")
     ap.add_argument("--json")
     ap.add_argument("--defines", nargs="+", default=[],
                     help="variants: NAME[=V], several joined by '+'; a column each")
@@ -80,17 +86,27 @@ def main(argv=None):
         for d in a.headdim:
             for causal in (False, True):
                 shape = shape_for(s, d)
-                ms = {}
+                probs, runs = {}, {}
                 for name, impl, p in impls:
                     try:
                         with config.override(sm90_defines=variants.get(name, ())):
-                            prob = AttentionProblem(impl, *shape, causal, dropout_p=p)
-                            ms[name] = {w: prob.seconds(w) * 1e3 for w in ("forward",
-                                                                           "forward_backward")}
-                            del prob
+                            probs[name] = AttentionProblem(impl, *shape, causal, dropout_p=p)
+                            runs[name] = []
                     except (NotImplementedError, RuntimeError) as e:
-                        ms[name] = None
                         print(f"# {name} at {shape} causal={causal}: {str(e)[:120]}")
+                names = list(probs)
+                for r in range(max(1, a.rounds)):
+                    for name in names[r % len(names):] + names[:r % len(names)]:
+                        try:
+                            with config.override(sm90_defines=variants.get(name, ())):
+                                runs[name].append({w: probs[name].seconds(w) * 1e3
+                                                   for w in ("forward", "forward_backward")})
+                        except (NotImplementedError, RuntimeError) as e:
+                            print(f"# {name} at {shape} causal={causal}: {str(e)[:120]}")
+                probs.clear()
+                ms = {n: ({w: statistics.median(x[w] for x in runs[n])
+                           for w in ("forward", "forward_backward")} if runs.get(n) else None)
+                      for n, *_ in impls}
                 for w in ("forward", "forward_backward"):
                     t = {n: (ms[n][w] if ms[n] else float("nan")) for n, *_ in impls}
                     row = dict(seqlen=s, headdim=d, causal=causal, which=w, **t)
