@@ -226,20 +226,24 @@ FC_HD FcMaskItem fc_dropout_mask_item(int item, int n_pairs) {
     return it;
 }
 
-// One Philox call's two bytes of flags: lane g's (lo) and lane g + 1's (hi) for the tile at key
-// `key` (its first key + 2 t), rows from q (the even lane's query): the flags (bit 7 of each
-// byte) of words 0, 1 and 2, 3 gathered per lane by a byte permutation, then their top bits
-// packed into one byte by one multiply (the partial products land on distinct bits, so nothing
-// carries: bits 21-28 hold the 8 flags).
+// One Philox call's two bytes of flags: lane g's (lo) and lane g + 1's (hi), of the group at
+// (query q, key `key`): S (the forward; q the even lane's row, key the tile's first + 2 t) or,
+// transposed, S^T (the backward's rows = keys: q the tile's first query + 2 t, key the even
+// lane's row). Bit 2 wi + e of a lane's byte is word wi's flag of byte 2 b + e (S) or 2 e + b
+// (S^T), b the lane's g & 1: in both, row half (or key half for S^T's rows) and column
+// half make wi, and e is the column's low bit. The flags (bit 7 of each byte) of words 0, 1
+// and 2, 3 are gathered per lane by a byte permutation, then their top bits packed into one
+// byte by one multiply (the partial products land on distinct bits, so nothing carries: bits
+// 21-28 hold the 8 flags).
 FC_HD void fc_dropout_pair_bytes(const FcDropout& d, int bh, int q, int key, unsigned int& lo,
-                                 unsigned int& hi) {
+                                 unsigned int& hi, bool transposed = false) {
     const FcPhilox4 w = fc_dropout_words(d, bh, q, key);
     const unsigned int f0 = fc_dropout_flags(d, w.x), f1 = fc_dropout_flags(d, w.y);
     const unsigned int f2 = fc_dropout_flags(d, w.z), f3 = fc_dropout_flags(d, w.w);
     unsigned int out[2];
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
-        const unsigned int sel = b ? 0x7632u : 0x5410u;
+        const unsigned int sel = transposed ? (b ? 0x7531u : 0x6420u) : (b ? 0x7632u : 0x5410u);
         const unsigned int a = fc_perm(f0, f1, sel), c = fc_perm(f2, f3, sel);
         const unsigned int x = ((a >> 7) & 0x01010101u) | ((c >> 3) & 0x10101010u);
         out[b] = ((x * 0x00204081u) >> 21) & 0xFFu;
@@ -249,20 +253,31 @@ FC_HD void fc_dropout_pair_bytes(const FcDropout& d, int bh, int q, int key, uns
 }
 
 // The item's two mask words (lo: lane g's, hi: lane g + 1's): tiles 4 word .. (those below
-// n_tiles) of the key block at n0, one call a tile.
-FC_HD void fc_dropout_pair_words(const FcDropout& d, int bh, int q, int n0, int t, int word,
-                                 int n_tiles, unsigned int& lo, unsigned int& hi) {
+// n_tiles) of the block whose columns start at col0, one call a tile; `row` the even lane's
+// row. S: rows are queries, columns keys; transposed (S^T): rows are keys, columns queries.
+FC_HD void fc_dropout_pair_words(const FcDropout& d, int bh, int row, int col0, int t, int word,
+                                 int n_tiles, unsigned int& lo, unsigned int& hi,
+                                 bool transposed = false) {
     lo = hi = 0u;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         const int kk = 4 * word + j;
         if (kk < n_tiles) {
             unsigned int a, b;
-            fc_dropout_pair_bytes(d, bh, q, n0 + 16 * kk + 2 * t, a, b);
+            const int col = col0 + 16 * kk + 2 * t;
+            fc_dropout_pair_bytes(d, bh, transposed ? col : row, transposed ? row : col, a, b,
+                                  transposed);
             lo |= a << (8 * j);
             hi |= b << (8 * j);
         }
     }
+}
+
+// The backward's side (S^T, rows = keys): the factor (0 or 1 / (1 - p)) of fragment bit k =
+// 4 hi + 2 mid + e (query col0 + 8 hi + 2 t + e, key row0 + g + 8 mid: fc_dropout_keep_factor's
+// naming) of tile kk, from the mask word holding it (bit 2 wi + e with wi = 2 hi + mid, i.e. k).
+FC_HD float fc_dropout_byte_factor(const FcDropout& d, unsigned int word, int kk, int k) {
+    return (word >> (8 * (kk & 3) + k)) & 1u ? d.scale : 0.f;
 }
 
 // The consumer's side: the AND mask of P's packed pair j of tile kk (pa[kk][j]: row half j & 1,

@@ -274,7 +274,8 @@ def test_the_producers_mask_bytes_are_the_stream(tmp_path):
     consumer thread's masks of P's packed pairs read back from it (fc_dropout_word_mask, as
     FwdRows::pack_words applies them), against flashcore.dropout: a 128 x 176 block (two
     consumer warpgroups, 11 tiles: words of 4, 4, 3) and a 192 x 128 one (three, 8 tiles), at
-    a query and key block not at the origin."""
+    a query and key block not at the origin; and the backward's (S^T: 128 keys, the same
+    query columns; fc_dropout_byte_factor as the dK/dV kernel's consumers read it)."""
     import shutil
     import subprocess
     from flashcore.jit import cuda_dir
@@ -329,6 +330,36 @@ int main(int, char** argv) {{
         for (int c = 0; c < block_n; ++c) std::printf("%d", keep[r][c]);
         std::printf("\\n");
     }}
+    // the backward's (S^T: rows = 128 keys from n0 (argv[8]), columns block_n queries from m0
+    // (argv[7])): words of four calls, factors by fragment bit k = 4 hi + 2 mid + e
+    std::memset(img, 0xA5, sizeof img);
+    for (int item = 0; item < 128 * used; ++item) {{
+        const FcMaskItem mi = fc_dropout_mask_item(item, 128);
+        unsigned int lo, hi;
+        fc_dropout_pair_words(d, bh, n0 + mi.row, m0, mi.t, mi.word, tiles, lo, hi, true);
+        img[mi.ct * words + mi.word] = lo;
+        img[(mi.ct + 4) * words + mi.word] = hi;
+    }}
+    static int keep_t[176][128];
+    std::memset(keep_t, 0xFF, sizeof keep_t);
+    FcDropout d1 = d;
+    d1.scale = 2.f;
+    for (int ct = 0; ct < 256; ++ct) {{
+        const int warp = ct >> 5, g = (ct & 31) >> 2, t = ct & 3;
+        const int key0 = 64 * (warp >> 2) + 16 * (warp & 3) + g;
+        for (int kk = 0; kk < tiles; ++kk)
+            for (int k = 0; k < 8; ++k) {{
+                const float f = fc_dropout_byte_factor(d1, img[ct * words + (kk >> 2)], kk, k);
+                if (f != 0.f && f != 2.f) return 5;
+                int& x = keep_t[16 * kk + 8 * (k >> 2) + 2 * t + (k & 1)][key0 + 8 * ((k >> 1) & 1)];
+                if (x != -1) return 6;
+                x = f != 0.f;
+            }}
+    }}
+    for (int qq = 0; qq < block_n; ++qq) {{
+        for (int c = 0; c < 128; ++c) std::printf("%d", keep_t[qq][c]);
+        std::printf("\\n");
+    }}
 }}
 ''')
     exe = tmp_path / "m"
@@ -343,12 +374,17 @@ int main(int, char** argv) {{
                                n0 + np.arange(block_n))[0]
             rows = ["".join("1" if x else "0" for x in row) for row in want]
             assert 0 < want.mean() < 1
+            want_t = D.keep_mask(st, p, np.array([5]), m0 + np.arange(block_n),
+                                 n0 + np.arange(128))[0]
+            rows_t = ["".join("1" if x else "0" for x in row) for row in want_t]
             for item_tiles in (4, 1):
                 got = subprocess.run([str(exe), str(seed), str(offset), str(thr), str(cons),
                                       str(block_n), str(item_tiles), str(m0), str(n0)],
                                      capture_output=True, text=True)
                 assert got.returncode == 0, (p, cons, item_tiles, got.returncode)
-                assert got.stdout.split() == rows, (p, cons, item_tiles)
+                out = got.stdout.split()
+                assert out[:64 * cons] == rows, (p, cons, item_tiles)
+                assert out[64 * cons:] == rows_t, (p, cons, item_tiles)
 
 
 def test_return_attn_probs_encodes_the_dropout_the_way_flash_attn_tests_read_it():

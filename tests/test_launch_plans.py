@@ -354,6 +354,21 @@ def test_dq_tiled_launches(d):
         assert LOG[1][3] == smem and smem <= 232448
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_dropout_masks_take_their_ring(d):
+    """With the candidate -DFC_DIAG_DROPOUT_PRODUCER the Hopper dK/dV kernel's shared memory
+    holds the producer's mask ring (2 barriers, 2 stages of a word per 4 query tiles per
+    consumer thread), within the opt-in limit; without dropout, or without the define, it is
+    unchanged."""
+    bm = backward.sm90_ws_block_m(d)
+    plain = backward.sm90_ws_smem(d, bm)
+    assert backward.sm90_ws_smem(d, bm, True) == plain
+    with config.override(sm90_defines=("-DFC_DIAG_DROPOUT_PRODUCER",)):
+        assert backward.sm90_ws_smem(d, bm) == plain
+        got = backward.sm90_ws_smem(d, bm, True)
+    assert got - plain == 16 + 2 * 256 * 4 * (bm // 64) and got <= 232448
+
+
 _VARLEN_LENS = [70, 0, 257, 33]      # one empty sequence, none a multiple of the tile
 
 

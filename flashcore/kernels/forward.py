@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from .common import (_as_input, _int64_pair, _strides, _used_strides_ok, elem_tag as _elem_tag,
+from .common import (_as_input, _int64_pair, _strides, _used_strides_ok,
+                     dropout_masks_from_producer, elem_tag as _elem_tag,
                      kernel_dtype_name as _dtype_name, smallest_tile, tpl_bool as _b,
                      window_arg as _window)
 import numpy as np
@@ -283,12 +284,9 @@ def _o_bytes(bufs: int, headdim: int) -> int:
 
 
 def _drop_masks(headdim: int, dropout: bool) -> bool:
-    """Whether the dropout kernel's producer draws the masks (the default-off candidate
-    ``-DFC_DIAG_DROPOUT_PRODUCER`` among the sm90_defines: kDropProd in
-    cuda/flash_fwd_sm90.cu; head dim 256 with 64-key blocks, sm90_ws_tile)."""
-    return (dropout and headdim in (64, 128, 256)
-            and any(o.split("=")[0] == "-DFC_DIAG_DROPOUT_PRODUCER"
-                    for o in config.get().sm90_defines))
+    """Whether the dropout kernel's producer draws the masks (common.dropout_masks_from_producer;
+    head dim 256 with 64-key blocks, sm90_ws_tile)."""
+    return headdim in (64, 128, 256) and dropout_masks_from_producer(dropout)
 
 
 def _ws_base_smem(headdim: int, is_local: bool, dropout: bool = False) -> int:
