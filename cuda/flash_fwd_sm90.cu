@@ -1328,11 +1328,15 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         auto stage_of = [&](int it) { return (kv + it) % kStages; };
         auto parity_of = [&](int it) { return (fc_u32)((kv + it) / kStages) & 1u; };
         // (kDropProd) this thread's mask words of a block (the producer's), loaded as its S
-        // completes, applied at pack
+        // completes, applied at pack; their stage waited for beside the block's K (a wait
+        // after the products made ptxas move the products' descriptors out of the uniform
+        // registers: +46 R2UR a block)
         fc_u32 mw[kMaskWords];
+        auto wait_masks = [&](int it) {
+            if constexpr (kDropProd) mbar_wait(full_m(stage_of(it)), parity_of(it));
+        };
         auto load_masks = [&](int it) {
             if constexpr (kDropProd) {
-                mbar_wait(full_m(stage_of(it)), parity_of(it));
                 const fc_u32 a = sMask + (fc_u32)stage_of(it) * kMaskStage +
                                  (fc_u32)(tid - 128) * (4u * kMaskWords);
                 if constexpr (kMaskWords == 4)
@@ -1373,6 +1377,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         mbar_wait(bar_q, (fc_u32)nq & 1u);
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 1);
         mbar_wait(full_k(stage_of(0)), parity_of(0));
+        wait_masks(0);
         issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)stage_of(0) * kTile);
         pay_o();                                   // (FC_DIAG_O_LAZY: under the first S)
         wgmma_wait<0>();
@@ -1410,6 +1415,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             const int st0 = stage_of(it), st1 = stage_of(it + 1);
             FC_TL_STAMP(1 + cw, nq, it, 0);
             mbar_wait(full_k(st1), parity_of(it + 1));
+            wait_masks(it + 1);
             mbar_wait(full_v(st0), parity_of(it));
             FC_TL_STAMP(1 + cw, nq, it, 1);
             if (kPingPong) named_sync(1 + cw, 256);
