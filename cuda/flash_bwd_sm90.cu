@@ -806,7 +806,7 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
     // grads at d128 (nvcc 13: no spills), as soon as the stage is full at d64, whose consumers
     // spill in either split: 44 / 48 bytes full / causal, against the default's 40 / 64;
     // loaded before grads, 68 / 80, or with 24 / 240 and the mask threads drawing a call an
-    // item, 48 / 76. The item code below keeps both forms.)
+    // item, 48 / 76.)
     constexpr int kProdRegs = kDropProd ? 40 : 24;
     constexpr bool kMasksEarly = kD == 64;
     if (!bwd_ws_start<kD, kBlockM, kBlockN, kStages, Is_varlen, kProdRegs,
@@ -825,36 +825,20 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
                     const fc_u32 base_m = sMask + (fc_u32)st * kMaskStage;
                     const int bh = b * p.nheads + h, m0 = m_block * kBlockM;
                     // an item: a word (4 calls) of a pair of lanes (g, g + 1): keys n0 +
-                    // 64 wg + 16 wl + g, the step's query tiles 4 word ..; within 24
-                    // registers a tile (a call, two byte stores). (The round keys formed
-                    // again for each item, not hoisted into registers.)
-                    constexpr int kItemTiles = kProdRegs >= 40 ? 4 : 1;
-                    constexpr int kItems = 128 * (kItemTiles == 4 ? kMWords : kBlockM / 16);
-                    constexpr fc_u32 kPartner = 16u * (fc_u32)kMWords;   // (lane g + 1)
+                    // 64 wg + 16 wl + g, the step's query tiles 4 word .. (The round keys
+                    // formed again for each item, not hoisted into registers.)
 #pragma unroll 1
-                    for (int item = mt; item < kItems; item += kMaskThreads) {
+                    for (int item = mt; item < 128 * kMWords; item += kMaskThreads) {
                         const FcMaskItem mi = fc_dropout_mask_item(item, 128);
                         FcDropout dd = drop;
-                        int bb = bh;
-                        asm volatile("" : "+r"(dd.k0), "+r"(dd.k1), "+r"(dd.off),
-                                     "+r"(dd.threshold), "+r"(bb));
+                        asm volatile("" : "+r"(dd.k0), "+r"(dd.k1));
                         fc_u32 lo, hi;
-                        const fc_u32 a = base_m + (fc_u32)(mi.ct * kMWords) * 4u;
-                        if constexpr (kItemTiles == 4) {
-                            fc_dropout_pair_words(dd, bb, n0 + mi.row, m0, mi.t, mi.word,
-                                                  kBlockM / 16, lo, hi, true);
-                            const fc_u32 aw = a + 4u * (fc_u32)mi.word;
-                            asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(aw), "r"(lo) : "memory");
-                            asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(aw + kPartner), "r"(hi)
-                                         : "memory");
-                        } else {                            // (mi.word: the tile)
-                            fc_dropout_pair_bytes(dd, bb, m0 + 16 * mi.word + 2 * mi.t,
-                                                  n0 + mi.row, lo, hi, true);
-                            const fc_u32 ab = a + (fc_u32)mi.word;
-                            asm volatile("st.shared.u8 [%0], %1;\n" :: "r"(ab), "r"(lo) : "memory");
-                            asm volatile("st.shared.u8 [%0], %1;\n" :: "r"(ab + kPartner), "r"(hi)
-                                         : "memory");
-                        }
+                        fc_dropout_pair_words(dd, bh, n0 + mi.row, m0, mi.t, mi.word,
+                                              kBlockM / 16, lo, hi, true);
+                        const fc_u32 a = base_m + (fc_u32)(mi.ct * kMWords + mi.word) * 4u;
+                        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(a), "r"(lo) : "memory");
+                        asm volatile("st.shared.b32 [%0], %1;\n"
+                                     :: "r"(a + 16u * (fc_u32)kMWords), "r"(hi) : "memory");
                     }
                     mbar_arrive(full_m(st));
                     bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);

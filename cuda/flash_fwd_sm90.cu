@@ -877,13 +877,15 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     // FC_DIAG_DROPOUT_PRODUCER's mask threads run Philox. Where the producer would spill in
     // 40 / 24 (the windowed and one-tile 2-consumer kernels) they take 56 / 224, at head dim
     // 256 40 / 232 (its consumers spill 20 bytes in 224 under NVRTC 12). The persistent
-    // 2-consumer kernels without a window fit 40 / 232. The 3-consumer d64 kernels keep
-    // 32 / 160: at 40 / 152 their consumers spill in the main loop, at 32 the mask threads
-    // spill 16-48 bytes of their tile and block counters (a few local accesses a block, off
-    // the consumers' path).
+    // 2-consumer kernels without a window keep 40 / 232 (nvcc 13: 8 bytes of entry values in
+    // local memory at d128, 4 at d256, loaded once a CTA). The 3-consumer d64 kernels take
+    // 32 / 160, one-tile ones included (24 spilled more): at 40 / 152 their consumers spill in
+    // the main loop, at 32 the mask threads spill 16-48 bytes of their tile and block counters
+    // (a few local accesses a block, off the consumers' path).
     constexpr bool kDropRegs = kDropProd && kCons == 2 && (Is_local || !kPersistent);
     constexpr int kProducerRegs = kDropRegs ? (kD == 256 ? 40 : 56)
-                                            : kPersistent ? (kCons == 3 ? 32 : 40) : 24;
+                                  : kDropProd && kCons == 3 ? 32
+                                  : kPersistent ? (kCons == 3 ? 32 : 40) : 24;
     constexpr int kConsumerRegs = kDropRegs ? (kD == 256 ? 232 : 224)
                                             : kCons == 3 ? 160 : (kPersistent ? 232 : 240);
     static_assert(128 * kProducerRegs + (int)kConsumers * kConsumerRegs <= kThreads * kEntryRegs,
@@ -1339,10 +1341,15 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             if constexpr (kDropProd) {
                 const fc_u32 a = sMask + (fc_u32)stage_of(it) * kMaskStage +
                                  (fc_u32)(tid - 128) * (4u * kMaskWords);
-                if constexpr (kMaskWords == 4)
+                if constexpr (kMaskWordsUsed == 4)
                     asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                                  : "=r"(mw[0]), "=r"(mw[1]), "=r"(mw[2]), "=r"(mw[3]) : "r"(a) : "memory");
-                else if constexpr (kMaskWords == 2)
+                else if constexpr (kMaskWordsUsed == 3) {   // (the fourth word: padding, unwritten)
+                    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n"
+                                 : "=r"(mw[0]), "=r"(mw[1]) : "r"(a) : "memory");
+                    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(mw[2]) : "r"(a + 8u) : "memory");
+                    mw[kMaskWords - 1] = 0u;
+                } else if constexpr (kMaskWords == 2)
                     asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n"
                                  : "=r"(mw[0]), "=r"(mw[1]) : "r"(a) : "memory");
                 else

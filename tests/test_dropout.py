@@ -272,10 +272,11 @@ def test_the_producers_mask_bytes_are_the_stream(tmp_path):
     the producer's items (fc_dropout_mask_item, words of four calls and single calls' bytes,
     as the Hopper forward's mask threads write them) into a shared-memory image, and each
     consumer thread's masks of P's packed pairs read back from it (fc_dropout_word_mask, as
-    FwdRows::pack_words applies them), against flashcore.dropout: a 128 x 176 block (two
-    consumer warpgroups, 11 tiles: words of 4, 4, 3) and a 192 x 128 one (three, 8 tiles), at
-    a query and key block not at the origin; and the backward's (S^T: 128 keys, the same
-    query columns; fc_dropout_byte_factor as the dK/dV kernel's consumers read it)."""
+    FwdRows::pack_words applies them), against flashcore.dropout: 128 x 176 blocks (two
+    consumer warpgroups, 11 tiles: words of 4, 4, 3), 192 x 128 (three), 128 x 128 and
+    128 x 64 (one word), at query and key blocks not at the origin; and the backward's (S^T:
+    128 keys, the same query columns; fc_dropout_byte_factor as the dK/dV kernel's consumers
+    read it)."""
     import shutil
     import subprocess
     from flashcore.jit import cuda_dir
@@ -367,9 +368,13 @@ int main(int, char** argv) {{
     assert r.returncode == 0, r.stderr[-3000:]
     seed, offset = 987654321987, (7 << 32) + 123456789
     st = np.array([seed, offset], np.int64)
+    # (consumer warpgroups, keys a block): the forward's d128 (176 and, windowed, 128 keys),
+    # d64 (three warpgroups), d256 (64 keys); the same runs give the backward's S^T blocks of
+    # 176, 128 and 64 queries (64: d128's dK/dV steps, 128: d64's)
+    configs = ((2, 176, 384, 352), (3, 128, 576, 256), (2, 128, 128, 640), (2, 64, 192, 64))
     for p in (0.3, 0.7, 1 / 256, 255 / 256):
         thr = D.threshold(p)
-        for cons, block_n, m0, n0 in ((2, 176, 384, 352), (3, 128, 576, 256)):
+        for cons, block_n, m0, n0 in configs:
             want = D.keep_mask(st, p, np.array([5]), m0 + np.arange(64 * cons),
                                n0 + np.arange(block_n))[0]
             rows = ["".join("1" if x else "0" for x in row) for row in want]
@@ -381,10 +386,10 @@ int main(int, char** argv) {{
                 got = subprocess.run([str(exe), str(seed), str(offset), str(thr), str(cons),
                                       str(block_n), str(item_tiles), str(m0), str(n0)],
                                      capture_output=True, text=True)
-                assert got.returncode == 0, (p, cons, item_tiles, got.returncode)
+                assert got.returncode == 0, (p, cons, block_n, item_tiles, got.returncode)
                 out = got.stdout.split()
-                assert out[:64 * cons] == rows, (p, cons, item_tiles)
-                assert out[64 * cons:] == rows_t, (p, cons, item_tiles)
+                assert out[:64 * cons] == rows, (p, cons, block_n, item_tiles)
+                assert out[64 * cons:] == rows_t, (p, cons, block_n, item_tiles)
 
 
 def test_return_attn_probs_encodes_the_dropout_the_way_flash_attn_tests_read_it():

@@ -350,6 +350,83 @@ def test_schedule_only_defines_give_the_same_bits(define, causal):
         assert cp.array_equal(x.view(cp.uint8), y.view(cp.uint8)), (define, i, seed)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_masks_from_the_producer_give_the_same_bits(d, causal):
+    """The candidate FC_DIAG_DROPOUT_PRODUCER (the producer warpgroup draws dropout's flags,
+    the consumers read them: cuda/flash_dropout.cuh) moves work and keeps the stream: the
+    dropout forward's output and LSE and the dK/dV kernel's dK and dV bit for bit those of the
+    default build (dQ, summed by bulk reduce-adds in no fixed order, to fp32 rounding), with
+    persistent CTAs taking several tiles and with one tile a CTA, a varlen call, GQA 8 / 4, on
+    fresh data. (Head dim 256 takes other key blocks with the define: the oracle test below.)"""
+    if _VARIANT["name"] != "ws":
+        pytest.skip("the warp-specialised kernel as by default")
+    import cupy as cp
+    import flashcore
+    from flashcore import config
+    from refutils import to_dev
+    seed = int(np.random.SeedSequence().entropy % 2**32)     # fresh data every run
+    rng = np.random.default_rng(seed)
+    q, do = (to_dev(rng.standard_normal((3, 1500, 8, d)).astype(np.float32), "bfloat16")
+             for _ in range(2))
+    k, v = (to_dev(rng.standard_normal((3, 1700, 4, d)).astype(np.float32), "bfloat16")
+            for _ in range(2))
+    st = cp.asarray(np.array([seed, 77], np.int64))
+    lens = [700, 0, 1500]                                   # (an empty sequence)
+    cu = cp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    qv, kv_, vv = (x[:, :1500].reshape(-1, x.shape[2], d)[:sum(lens)] for x in (q, k, v))
+
+    def run():
+        res = []
+        for persistent in (True, False):
+            with config.override(sm90_fwd_persistent=persistent):
+                out, lse = flashcore.attention_forward(q, k, v, causal=causal, dropout_p=0.17,
+                                                       rng_state=st)
+                grads = flashcore.attention_backward(do, q, k, v, out, lse, causal=causal,
+                                                     dropout_p=0.17, rng_state=st)
+                res += [out.copy(), lse.copy()] + [g.copy() for g in grads]
+        out, lse = flashcore.varlen_attention_forward(qv, kv_, vv, cu, cu, 1500, 1500,
+                                                      causal=causal, dropout_p=0.17,
+                                                      rng_state=st)
+        return res + [out.copy(), lse.copy()]
+
+    from flashcore import jit
+
+    def ran(defines):     # the dropout forward (ws) and dK/dV (ws) kernels of head dim d
+        names = {k[3] for k in jit._kernels if k[4] == config.get().sm90_defines + defines}
+        return (any(n.startswith(f"flash_fwd_sm90_ws_kernel<fc_bf16, {d},")
+                    and n.split(", ")[5] == "true" for n in names)
+                and any(n.startswith(f"flash_bwd_dkdv_sm90_ws_kernel<fc_bf16, {d},")
+                        and n.split(", ")[4].startswith("true") for n in names))
+
+    a = run()
+    b = _under_defines(("-DFC_DIAG_DROPOUT_PRODUCER",), run, "flash_")
+    assert ran(()) and ran(("-DFC_DIAG_DROPOUT_PRODUCER",))
+    assert len(a) == len(b) == 12
+    for i, (x, y) in enumerate(zip(a, b)):
+        x64, y64 = (cp.asnumpy(z).astype(np.float64) for z in (x, y))
+        assert not np.isnan(x64).any(), (i, seed)
+        if i in (2, 7):                                     # dQ
+            assert np.abs(x64 - y64).max() <= 1e-2 * max(1.0, np.abs(x64).max()), (i, seed)
+        else:
+            assert cp.array_equal(x.view(cp.uint8), y.view(cp.uint8)), (i, seed)
+
+
+@pytest.mark.parametrize("d, sq, sk, kw", [(256, 203, 517, dict()),
+                                          (256, 300, 211, dict(causal=True)),
+                                          (128, 77, 130, dict(window_size=(40, 5))),
+                                          (64, 413, 203, dict(causal=True))])
+def test_dropout_masks_from_the_producer_against_the_reference(d, sq, sk, kw):
+    """FC_DIAG_DROPOUT_PRODUCER (candidate) against the float64 oracle (test_cupy_gpu's dropout
+    check): head dim 256 with the define runs other key blocks (64), so its bits are not the
+    default's."""
+    if _VARIANT["name"] != "ws":
+        pytest.skip("the warp-specialised kernel as by default")
+    from test_cupy_gpu import test_dropout_against_the_reference as dropout_check
+    _under_defines(("-DFC_DIAG_DROPOUT_PRODUCER",), lambda: dropout_check(d, sq, sk, kw, 0.17),
+                   "flash_fwd_sm90_ws")
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_descriptors_either_way_give_the_same_bits(d, causal):
