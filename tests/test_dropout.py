@@ -166,67 +166,78 @@ def test_refusals_name_the_argument(kw, exc, words):
         flashcore.attention_forward(q, q, q, **kw)
 
 
-def test_the_cuda_header_draws_the_same_stream(tmp_path):
-    """cuda/flash_dropout.cuh (compiled for the host here) against flashcore.dropout: the
-    stream, the fragment helpers' bits in both orientations, the forward's packed masks, at
-    thresholds on both sides of 128 (the per-byte compare's two cases) and at the ends of
-    their range."""
+def _host_program(tmp_path, name, source):
+    """The C++ program ``source`` (which includes cuda/flash_dropout.cuh through the {header}
+    placeholder) compiled for this machine's CPU; skips where there is no C++ compiler."""
     import shutil
     import subprocess
     from flashcore.jit import cuda_dir
     cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no C++ compiler on this machine")
-    src = tmp_path / "t.cpp"
-    src.write_text(f'''#include <cstdio>
+    src = tmp_path / f"{name}.cpp"
+    src.write_text(source.replace("{header}", str(cuda_dir() / "flash_dropout.cuh")))
+    exe = tmp_path / name
+    r = subprocess.run([cxx, "-O1", "-o", str(exe), str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return exe
+
+
+def test_the_cuda_header_draws_the_same_stream(tmp_path):
+    """cuda/flash_dropout.cuh (compiled for the host here) against flashcore.dropout: the
+    stream, the fragment helpers' bits in both orientations, the forward's packed masks, at
+    thresholds on both sides of 128 (the per-byte compare's two cases) and at the ends of
+    their range."""
+    import subprocess
+    exe = _host_program(tmp_path, "t", '''#include <cstdio>
 #include <cstdlib>
-#include "{cuda_dir() / "flash_dropout.cuh"}"
-int main(int, char** argv) {{
-    long long st[2] = {{atoll(argv[1]), atoll(argv[2])}};
+#include "{header}"
+int main(int, char** argv) {
+    long long st[2] = {atoll(argv[1]), atoll(argv[2])};
     FcDropout d = fc_dropout_setup(st, atoi(argv[3]), 1.f);
     for (int bh = 0; bh < 3; ++bh)
-        for (int i = 0; i < 5; ++i) {{
+        for (int i = 0; i < 5; ++i) {
             for (int j = 0; j < 70; ++j)
                 std::printf("%d", fc_dropout_bits(fc_dropout_words(d, bh, 7 * i, j), 7 * i, j) >= d.threshold);
             std::printf("\\n");
-        }}
+        }
     // the fragment helpers: a 32 x 32 block at (16, 32) of head 1, as the 32 lanes of a warp
     // hold it in S (rows = queries) and in S^T (rows = keys), drawn by fc_dropout_keep2 with
     // its lane ^ 4 exchange emulated: tiles paired (A, B) and alone (A = B)
-    int cnt[2][32][32] = {{}};
-    const int pairs[3][4] = {{{{16, 32, 16, 48}}, {{32, 32, 32, 32}}, {{32, 48, 32, 48}}}};
+    int cnt[2][32][32] = {};
+    const int pairs[3][4] = {{16, 32, 16, 48}, {32, 32, 32, 32}, {32, 48, 32, 48}};
     for (int tr = 0; tr < 2; ++tr)
-        for (int pi = 0; pi < 3; ++pi) {{
+        for (int pi = 0; pi < 3; ++pi) {
             const int* pr = pairs[pi];
             unsigned int mine[32], theirs[32], fm[32][4], ft[32][2];
-            for (int lane = 0; lane < 32; ++lane) {{
+            for (int lane = 0; lane < 32; ++lane) {
                 const int g = lane >> 2, t = lane & 3, odd = g & 1;
                 fc_dropout_lane(d, 1, odd ? pr[2] : pr[0], odd ? pr[3] : pr[1], g, t, tr != 0,
                                 mine[lane], theirs[lane]);
                 if (!tr)    // the forward's masks (fc_dropout_masks2), from the same call
                     fc_dropout_lane_flags(d, 1, odd ? pr[2] : pr[0], odd ? pr[3] : pr[1], g, t,
                                           fm[lane], ft[lane]);
-            }}
-            for (int lane = 0; lane < 32 && !tr; ++lane) {{
-                const unsigned int other[2] = {{ft[lane ^ 4][0], ft[lane ^ 4][1]}};
+            }
+            for (int lane = 0; lane < 32 && !tr; ++lane) {
+                const unsigned int other[2] = {ft[lane ^ 4][0], ft[lane ^ 4][1]};
                 unsigned int ma[4], mb[4];
                 fc_dropout_pair_masks(fm[lane], other, ((lane >> 2) & 1) != 0, ma, mb);
                 const unsigned int keep_a = (lane >> 2) & 1 ? theirs[lane ^ 4] : mine[lane];
                 const unsigned int keep_b = (lane >> 2) & 1 ? mine[lane] : theirs[lane ^ 4];
                 for (int w = 0; w < 4; ++w)
-                    for (int e = 0; e < 2; ++e) {{
+                    for (int e = 0; e < 2; ++e) {
                         const unsigned int half = 0xFFFFu << (16 * e), bit = 16 * e + w;
                         if ((ma[w] & half) != (((keep_a >> bit) & 1) ? half : 0u)) return 4;
                         if ((mb[w] & half) != (((keep_b >> bit) & 1) ? half : 0u)) return 4;
-                    }}
-            }}
-            for (int lane = 0; lane < 32; ++lane) {{
+                    }
+            }
+            for (int lane = 0; lane < 32; ++lane) {
                 const int g = lane >> 2, t = lane & 3, odd = g & 1;
-                const unsigned int keep[2] = {{odd ? theirs[lane ^ 4] : mine[lane],
-                                               odd ? mine[lane] : theirs[lane ^ 4]}};
-                for (int x = 0; x < (pr[0] == pr[2] && pr[1] == pr[3] ? 1 : 2); ++x) {{
+                const unsigned int keep[2] = {odd ? theirs[lane ^ 4] : mine[lane],
+                                               odd ? mine[lane] : theirs[lane ^ 4]};
+                for (int x = 0; x < (pr[0] == pr[2] && pr[1] == pr[3] ? 1 : 2); ++x) {
                     const int q0 = pr[2 * x], k0 = pr[2 * x + 1];
-                    for (int k = 0; k < 8; ++k) {{
+                    for (int k = 0; k < 8; ++k) {
                         const int hi = k >> 2, mid = (k >> 1) & 1, e = k & 1;
                         const int qq = tr ? q0 + 8 * hi + 2 * t + e : q0 + g + 8 * hi;
                         const int kk = tr ? k0 + g + 8 * mid : k0 + 8 * mid + 2 * t + e;
@@ -234,22 +245,18 @@ int main(int, char** argv) {{
                         cnt[tr][qq - 16][kk - 32] += 1 + bit;
                         // the factor helper reads the same bit
                         if ((fc_dropout_keep_factor(d, keep[x], k) != 0.f) != (bit != 0)) return 3;
-                    }}
-                }}
-            }}
-        }}
-    for (int i = 0; i < 32; ++i) {{
+                    }
+                }
+            }
+        }
+    for (int i = 0; i < 32; ++i) {
         for (int j = 0; j < 32; ++j) std::printf("%d", cnt[0][i][j] - 1);
         std::printf(" ");
         for (int j = 0; j < 32; ++j) std::printf("%d", cnt[1][i][j] - 1);
         std::printf("\\n");
-    }}
-}}
+    }
+}
 ''')
-    exe = tmp_path / "t"
-    r = subprocess.run([cxx, "-O1", "-o", str(exe), str(src)], capture_output=True,
-                       text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
     seed, offset = -1234567890123, (3 << 32) + 987654321
     st = np.array([seed, offset], np.int64)
     for p in (0.3, 0.7, 0.5, 1 / 256, 255 / 256):
@@ -277,19 +284,13 @@ def test_the_producers_mask_bytes_are_the_stream(tmp_path):
     128 x 64 (one word), at query and key blocks not at the origin; and the backward's (S^T:
     128 keys, the same query columns; fc_dropout_byte_factor as the dK/dV kernel's consumers
     read it)."""
-    import shutil
     import subprocess
-    from flashcore.jit import cuda_dir
-    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no C++ compiler on this machine")
-    src = tmp_path / "m.cpp"
-    src.write_text(f'''#include <cstdio>
+    exe = _host_program(tmp_path, "m", '''#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include "{cuda_dir() / "flash_dropout.cuh"}"
-int main(int, char** argv) {{
-    long long st[2] = {{atoll(argv[1]), atoll(argv[2])}};
+#include "{header}"
+int main(int, char** argv) {
+    long long st[2] = {atoll(argv[1]), atoll(argv[2])};
     FcDropout d = fc_dropout_setup(st, atoi(argv[3]), 1.f);
     const int cons = atoi(argv[4]), block_n = atoi(argv[5]), item_tiles = atoi(argv[6]);
     const int m0 = atoi(argv[7]), n0 = atoi(argv[8]), bh = 5;
@@ -297,75 +298,72 @@ int main(int, char** argv) {{
     const int pairs = cons * 64, per_pair = item_tiles == 4 ? used : tiles;
     static unsigned int img[384 * 4];
     std::memset(img, 0xA5, sizeof img);          // (poison: every byte read must be written)
-    for (int item = 0; item < pairs * per_pair; ++item) {{
+    for (int item = 0; item < pairs * per_pair; ++item) {
         const FcMaskItem mi = fc_dropout_mask_item(item, pairs);
         unsigned int lo, hi;
-        if (item_tiles == 4) {{
+        if (item_tiles == 4) {
             fc_dropout_pair_words(d, bh, m0 + mi.row, n0, mi.t, mi.word, tiles, lo, hi);
             img[mi.ct * words + mi.word] = lo;
             img[(mi.ct + 4) * words + mi.word] = hi;
-        }} else {{
+        } else {
             fc_dropout_pair_bytes(d, bh, m0 + mi.row, n0 + 16 * mi.word + 2 * mi.t, lo, hi);
             reinterpret_cast<unsigned char*>(img + mi.ct * words)[mi.word] = (unsigned char)lo;
             reinterpret_cast<unsigned char*>(img + (mi.ct + 4) * words)[mi.word] = (unsigned char)hi;
-        }}
-    }}
+        }
+    }
     static int keep[192][176];
     std::memset(keep, 0xFF, sizeof keep);
-    for (int ct = 0; ct < cons * 128; ++ct) {{
+    for (int ct = 0; ct < cons * 128; ++ct) {
         const int warp = ct >> 5, g = (ct & 31) >> 2, t = ct & 3;
         const int row0 = 64 * (warp >> 2) + 16 * (warp & 3) + g;
         for (int kk = 0; kk < tiles; ++kk)
-            for (int j = 0; j < 4; ++j) {{
+            for (int j = 0; j < 4; ++j) {
                 const unsigned int m = fc_dropout_word_mask(img[ct * words + (kk >> 2)], kk, j);
-                for (int e = 0; e < 2; ++e) {{
+                for (int e = 0; e < 2; ++e) {
                     const unsigned int half = (m >> (16 * e)) & 0xFFFFu;
                     if (half != 0u && half != 0xFFFFu) return 3;
                     int& k = keep[row0 + 8 * (j & 1)][16 * kk + 8 * (j >> 1) + 2 * t + e];
                     if (k != -1) return 4;               // (each element once)
                     k = half != 0u;
-                }}
-            }}
-    }}
-    for (int r = 0; r < cons * 64; ++r) {{
+                }
+            }
+    }
+    for (int r = 0; r < cons * 64; ++r) {
         for (int c = 0; c < block_n; ++c) std::printf("%d", keep[r][c]);
         std::printf("\\n");
-    }}
+    }
     // the backward's (S^T: rows = 128 keys from n0 (argv[8]), columns block_n queries from m0
     // (argv[7])): words of four calls, factors by fragment bit k = 4 hi + 2 mid + e
     std::memset(img, 0xA5, sizeof img);
-    for (int item = 0; item < 128 * used; ++item) {{
+    for (int item = 0; item < 128 * used; ++item) {
         const FcMaskItem mi = fc_dropout_mask_item(item, 128);
         unsigned int lo, hi;
         fc_dropout_pair_words(d, bh, n0 + mi.row, m0, mi.t, mi.word, tiles, lo, hi, true);
         img[mi.ct * words + mi.word] = lo;
         img[(mi.ct + 4) * words + mi.word] = hi;
-    }}
+    }
     static int keep_t[176][128];
     std::memset(keep_t, 0xFF, sizeof keep_t);
     FcDropout d1 = d;
     d1.scale = 2.f;
-    for (int ct = 0; ct < 256; ++ct) {{
+    for (int ct = 0; ct < 256; ++ct) {
         const int warp = ct >> 5, g = (ct & 31) >> 2, t = ct & 3;
         const int key0 = 64 * (warp >> 2) + 16 * (warp & 3) + g;
         for (int kk = 0; kk < tiles; ++kk)
-            for (int k = 0; k < 8; ++k) {{
+            for (int k = 0; k < 8; ++k) {
                 const float f = fc_dropout_byte_factor(d1, img[ct * words + (kk >> 2)], kk, k);
                 if (f != 0.f && f != 2.f) return 5;
                 int& x = keep_t[16 * kk + 8 * (k >> 2) + 2 * t + (k & 1)][key0 + 8 * ((k >> 1) & 1)];
                 if (x != -1) return 6;
                 x = f != 0.f;
-            }}
-    }}
-    for (int qq = 0; qq < block_n; ++qq) {{
+            }
+    }
+    for (int qq = 0; qq < block_n; ++qq) {
         for (int c = 0; c < 128; ++c) std::printf("%d", keep_t[qq][c]);
         std::printf("\\n");
-    }}
-}}
+    }
+}
 ''')
-    exe = tmp_path / "m"
-    r = subprocess.run([cxx, "-O1", "-o", str(exe), str(src)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
     seed, offset = 987654321987, (7 << 32) + 123456789
     st = np.array([seed, offset], np.int64)
     # (consumer warpgroups, keys a block): the forward's d128 (176 and, windowed, 128 keys),
