@@ -850,9 +850,12 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     // 64-key blocks, where shared memory holds the masks): warps 1-3 of the producer warpgroup draw dropout's stream for
     // every key block, kStages blocks ahead as the loads go, and leave each consumer thread its
     // keep flags, a byte a 16 x 16 tile (flash_dropout.cuh), in a ring of kStages mask stages;
-    // the consumers read them with one vector load a block (full_m; the stage is free again
-    // once every consumer's P V of the block is done: empty_v) instead of running Philox in
-    // their softmax (~300 instructions a block a thread at d128, session 40's count).
+    // the consumers read them with one vector load a block (full_m) instead of running Philox
+    // in their softmax (~300 instructions a block a thread at d128, session 40's count), and
+    // free the stage as soon as they hold the words (empty_m): the consumers wait for a
+    // block's masks before its S, a block ahead of their P V (the intra-warpgroup overlap),
+    // so a stage freed only with the block's V (empty_v) would leave the mask threads no time
+    // to draw the block after next.
 #ifdef FC_DIAG_DROPOUT_PRODUCER
     constexpr bool kDropProd = Is_dropout && !Is_fp8 && (kD <= 128 || kBlockN <= 64);
 #else
@@ -916,9 +919,11 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     auto slot_empty = [&](int j) { return sched + 16u + 8u * (fc_u32)j; };
     auto slot = [&](int j) { return sched + 32u + 4u * (fc_u32)j; };
     const fc_u32 o_free = sched + 40u;
-    // (kDropProd) the mask ring's full barriers, then its stages: [consumer thread][kMaskWords]
+    // (kDropProd) the mask ring's full and empty barriers, then its stages:
+    // [consumer thread][kMaskWords]
     auto full_m = [&](int st) { return sched + 48u + 8u * (fc_u32)st; };
-    const fc_u32 sMask = (sched + 48u + 8u * (fc_u32)kStages + 15u) & ~15u;
+    auto empty_m = [&](int st) { return sched + 48u + 8u * (fc_u32)(kStages + st); };
+    const fc_u32 sMask = (sched + 48u + 16u * (fc_u32)kStages + 15u) & ~15u;
     constexpr fc_u32 kMaskStage = kConsumers * 4u * (fc_u32)kMaskWords;
     // the threads that read the slots: the consumers, and the FP8 producer's other 127
     constexpr fc_u32 kSlotReaders =
@@ -1003,7 +1008,10 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         }
         if (kOBufs == 1) mbar_init(o_free, 1);
         if constexpr (kDropProd)
-            for (int st = 0; st < kStages; ++st) mbar_init(full_m(st), kMaskThreads);
+            for (int st = 0; st < kStages; ++st) {
+                mbar_init(full_m(st), kMaskThreads);
+                mbar_init(empty_m(st), kConsumers);
+            }
         fence_barrier_init();
     }
     __syncthreads();
@@ -1034,7 +1042,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                     const int bh = blk.b * params.nheads + blk.h;
                     for (int it = 0; it < n_iter; ++it) {
                         const int uu = kv + it, st = uu % kStages;
-                        if (uu >= kStages) mbar_wait(empty_v(st), ((fc_u32)(uu / kStages) & 1u) ^ 1u);
+                        if (uu >= kStages) mbar_wait(empty_m(st), ((fc_u32)(uu / kStages) & 1u) ^ 1u);
                         const int n0 = (blk.n_block_max - 1 - it) * kBlockN;
                         const fc_u32 base = sMask + (fc_u32)st * kMaskStage;
                         // (the round keys formed again for each call's item, not hoisted
@@ -1354,6 +1362,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                                  : "=r"(mw[0]), "=r"(mw[1]) : "r"(a) : "memory");
                 else
                     asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(mw[0]) : "r"(a) : "memory");
+                mbar_arrive(empty_m(stage_of(it)));    // (release: the loads are done)
             }
         };
         auto pack = [&](int n0) {

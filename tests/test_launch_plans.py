@@ -1135,14 +1135,14 @@ def test_warp_specialised_forward_grid(d, causal, dropout, sq, h, want_block, wa
                 and grid == (-(-sq // bm), h, 2))
 
 
-@pytest.mark.parametrize("d,causal,mask_bytes", [(128, False, 8 + 16 + 16 + 2 * 256 * 16),
-                                                  (128, True, 8 + 16 + 16 + 2 * 256 * 8),
-                                                  (64, False, 8 + 24 + 16 + 3 * 384 * 8),
-                                                  (256, False, 8 + 16 + 16 + 2 * 256 * 4),
-                                                  (256, True, 8 + 16 + 16 + 2 * 256 * 4)])
+@pytest.mark.parametrize("d,causal,mask_bytes", [(128, False, 8 + 32 + 16 + 2 * 256 * 16),
+                                                  (128, True, 8 + 32 + 16 + 2 * 256 * 8),
+                                                  (64, False, 8 + 48 + 16 + 3 * 384 * 8),
+                                                  (256, False, 8 + 32 + 16 + 2 * 256 * 4),
+                                                  (256, True, 8 + 32 + 16 + 2 * 256 * 4)])
 def test_dropout_masks_from_the_producer_take_their_ring(d, causal, mask_bytes):
     """With the candidate -DFC_DIAG_DROPOUT_PRODUCER, the dropout launch's shared memory holds
-    the producer's mask ring (a barrier and a word per 4 key tiles per consumer thread a
+    the producer's mask ring (two barriers and a word per 4 key tiles per consumer thread a
     stage), within the opt-in limit: at head dim 128 without a window and at 256 it leaves no
     room for an O buffer, so the instantiation without buffers runs; head dim 256 takes the
     windowed tile's 64-key blocks; calls without dropout are unchanged."""

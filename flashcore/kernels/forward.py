@@ -292,15 +292,15 @@ def _drop_masks(headdim: int, dropout: bool) -> bool:
 def _ws_base_smem(headdim: int, is_local: bool, dropout: bool = False) -> int:
     """Q + the K/V ring + the mbarriers (8 bytes each: Q full and empty, 4 per stage, 4 of the
     tile scheduler) and its two int32 slots + alignment slack; with the producer's dropout
-    masks (_drop_masks) their ring: a full barrier a stage and a 4-byte word per 4 key tiles
-    (rounded to 1, 2 or 4) per consumer thread a stage, 16-byte aligned."""
+    masks (_drop_masks) their ring: a full and an empty barrier a stage and a 4-byte word per
+    4 key tiles (rounded to 1, 2 or 4) per consumer thread a stage, 16-byte aligned."""
     block_m, block_n, stages = sm90_ws_tile(headdim, is_local, dropout)
     base = (2 * block_m * headdim + stages * 2 * (2 * block_n * headdim) + 8 * (7 + 4 * stages)
             + 1024)
     if _drop_masks(headdim, dropout):
         used = (block_n // 16 + 3) // 4
         words = 1 if used <= 1 else 2 if used <= 2 else 4
-        base += 8 + 8 * stages + 16 + stages * 2 * block_m * 4 * words
+        base += 8 + 16 * stages + 16 + stages * 2 * block_m * 4 * words
     return base
 
 
