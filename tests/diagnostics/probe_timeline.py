@@ -352,6 +352,9 @@ def main(argv=None):
     ap.add_argument("--seqlen", type=int, nargs="+", default=[2048, 16384])
     ap.add_argument("--causal", choices=("no", "yes", "both"), default="no")
     ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--dropout", type=float, default=0.0,
+                    help="attention dropout p (a fixed random state: the stamped and plain "
+                         "calls draw the same masks)")
     ap.add_argument("--defines", nargs="*", default=[])
     ap.add_argument("--json")
     ap.add_argument("--raw", help="a folder for each call's stamps (NumPy .npz, uint32 "
@@ -365,6 +368,8 @@ def main(argv=None):
 
     if args.backward and args.fp8:
         ap.error("--backward: the FP8 forward has no backward")
+    if args.fp8 and args.dropout:
+        ap.error("--dropout: FP8 attention has no dropout")
     results = {}
     for d in args.headdim:
         for s in args.seqlen:
@@ -376,11 +381,18 @@ def main(argv=None):
                     x, ds = zip(*(fp8_quantise(t) for t in x))
                     kw.update(q_descale=ds[0], k_descale=ds[1], v_descale=ds[2])
 
+                if args.dropout and not args.backward:
+                    kw.update(dropout_p=args.dropout,
+                              rng_state=torch.tensor([s, d], dtype=torch.int64, device="cuda"))
                 if args.backward:
                     x = [t.detach().requires_grad_() for t in x]
                     grad = torch.randn_like(x[0])
+                    if args.dropout:
+                        kw.update(dropout_p=args.dropout)
 
                     def call():
+                        if args.dropout:
+                            torch.manual_seed(s + d)     # (the same masks every call)
                         out = flashcore.attention(*x, **kw)
                         return torch.autograd.grad(out, x, grad)
                 else:
@@ -406,7 +418,9 @@ def main(argv=None):
                     call()
                     torch.cuda.synchronize()
                     tl = _read(ptr, size)
-                label = (f"{'fp8 ' if args.fp8 else ''}{' '.join(args.defines)} d{d} s{s} b{b} h{h} "
+                label = (f"{'fp8 ' if args.fp8 else ''}"
+                         f"{f'dropout {args.dropout} ' if args.dropout else ''}"
+                         f"{' '.join(args.defines)} d{d} s{s} b{b} h{h} "
                          f"{'causal' if causal else 'full'} [{name}]")
                 if args.backward:
                     res = analyse_bwd(tl)
