@@ -239,9 +239,9 @@ def sm90_ws_tile(headdim: int, is_local: bool, dropout: bool = False) -> tuple[i
     fc_dropout_masks2 the dropout kernel fits three warpgroups' 160 registers at head dim 64
     without spills, NVRTC 12 and nvcc 13; measured on the H200, session 30 of the performance
     log: 1.12-1.19x the two-warpgroup tile it had). With the producer's dropout masks
-    (_drop_masks) head dim 256 takes the windowed tile's 64-key blocks, beside which the masks'
-    ring fits (the 80-key blocks leave 2 KiB)."""
-    if headdim == 256 and _drop_masks(headdim, dropout):
+    (common.dropout_masks_from_producer) head dim 256 takes the windowed tile's 64-key blocks,
+    beside which the masks' ring fits (the 80-key blocks leave 2 KiB)."""
+    if headdim == 256 and dropout_masks_from_producer(dropout):
         return _WS_TILES[(256, True)]
     return _WS_TILES[(headdim, bool(is_local))]
 
@@ -283,21 +283,16 @@ def _o_bytes(bufs: int, headdim: int) -> int:
     return bufs * 128 * headdim + (8 if bufs == 1 else 0)
 
 
-def _drop_masks(headdim: int, dropout: bool) -> bool:
-    """Whether the dropout kernel's producer draws the masks (common.dropout_masks_from_producer;
-    head dim 256 with 64-key blocks, sm90_ws_tile)."""
-    return headdim in (64, 128, 256) and dropout_masks_from_producer(dropout)
-
-
 def _ws_base_smem(headdim: int, is_local: bool, dropout: bool = False) -> int:
     """Q + the K/V ring + the mbarriers (8 bytes each: Q full and empty, 4 per stage, 4 of the
     tile scheduler) and its two int32 slots + alignment slack; with the producer's dropout
-    masks (_drop_masks) their ring: a full and an empty barrier a stage and a 4-byte word per
-    4 key tiles (rounded to 1, 2 or 4) per consumer thread a stage, 16-byte aligned."""
+    masks (common.dropout_masks_from_producer) their ring: a full and an empty barrier a
+    stage and a 4-byte word per 4 key tiles (rounded to 1, 2 or 4) per consumer thread a
+    stage, 16-byte aligned."""
     block_m, block_n, stages = sm90_ws_tile(headdim, is_local, dropout)
     base = (2 * block_m * headdim + stages * 2 * (2 * block_n * headdim) + 8 * (7 + 4 * stages)
             + 1024)
-    if _drop_masks(headdim, dropout):
+    if dropout_masks_from_producer(dropout):
         used = (block_n // 16 + 3) // 4
         words = 1 if used <= 1 else 2 if used <= 2 else 4
         base += 8 + 16 * stages + 16 + stages * 2 * block_m * 4 * words
