@@ -961,40 +961,30 @@ __global__ void __launch_bounds__(kNWarps * 32, 1) flash_bwd_dkdv2_kernel(const 
                 for (int nt = 0; nt < kSNt; ++nt)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) acc_s[mi][nt][e] = acc_dp[mi][nt][e] = 0.f;
+            // acc += A B^T over the head dim: A's rows (V or K) this warp's keys, B's (dO or Q)
+            // its queries
+            auto keys_x_queries = [&](float (&acc)[kSMi][kSNt][4], fc_u32 uA, fc_u32 uB) {
 #pragma unroll
-            for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-                fc_u32 a[kSMi][4];
+                for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+                    fc_u32 a[kSMi][4];
 #pragma unroll
-                for (int mi = 0; mi < kSMi; ++mi) ldmatrix_x4(a[mi], uV + ldA(sk0 + 16 * mi, kk));
+                    for (int mi = 0; mi < kSMi; ++mi)
+                        ldmatrix_x4(a[mi], uA + ldA(sk0 + 16 * mi, kk));
 #pragma unroll
-                for (int nt = 0; nt < kSNt; nt += 2) {
-                    fc_u32 bb[4];
-                    ldmatrix_x4(bb, udOb + ldB(sq0 + nt * 8, kk));
-                    const fc_u32 b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
+                    for (int nt = 0; nt < kSNt; nt += 2) {
+                        fc_u32 bb[4];
+                        ldmatrix_x4(bb, uB + ldB(sq0 + nt * 8, kk));
+                        const fc_u32 b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
 #pragma unroll
-                    for (int mi = 0; mi < kSMi; ++mi) {
-                        Elem::mma(acc_dp[mi][nt], a[mi], b0);
-                        Elem::mma(acc_dp[mi][nt + 1], a[mi], b1);
+                        for (int mi = 0; mi < kSMi; ++mi) {
+                            Elem::mma(acc[mi][nt], a[mi], b0);
+                            Elem::mma(acc[mi][nt + 1], a[mi], b1);
+                        }
                     }
                 }
-            }
-#pragma unroll
-            for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-                fc_u32 a[kSMi][4];
-#pragma unroll
-                for (int mi = 0; mi < kSMi; ++mi) ldmatrix_x4(a[mi], uK + ldA(sk0 + 16 * mi, kk));
-#pragma unroll
-                for (int nt = 0; nt < kSNt; nt += 2) {
-                    fc_u32 bb[4];
-                    ldmatrix_x4(bb, uQb + ldB(sq0 + nt * 8, kk));
-                    const fc_u32 b0[2] = {bb[0], bb[1]}, b1[2] = {bb[2], bb[3]};
-#pragma unroll
-                    for (int mi = 0; mi < kSMi; ++mi) {
-                        Elem::mma(acc_s[mi][nt], a[mi], b0);
-                        Elem::mma(acc_s[mi][nt + 1], a[mi], b1);
-                    }
-                }
-            }
+            };
+            keys_x_queries(acc_dp, uV, udOb);
+            keys_x_queries(acc_s, uK, uQb);
 
             // ---- P, dS; (mi, nt, e): key sk0 + 16 mi + g + 8 (e>>1), query sq0 + nt*8 + 2t + (e&1)
             // Stored as 16-bit P^T / dS^T [key][query]: two adjacent queries are one 32-bit word.
