@@ -492,12 +492,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     return_lse = as_flag("return_lse", return_lse)
     if out is None and lse is None and library_of(q) == "torch":
         out, lse = torch_ops.kvcache_attention(
-            q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
-            rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-            causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-            alibi_slopes=alibi_slopes, num_splits=num_splits, backend=backend,
-            cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale,
-            key_mask=key_mask)
+            q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
+            rotary_interleaved, causal, softmax_scale, window_size, softcap, alibi_slopes,
+            num_splits, backend, cache_leftpad, k_descale, v_descale, key_mask)
         return (out, lse) if return_lse else out
     if k_descale is not None or v_descale is not None:
         # (what the backends take: contiguous float32 (batch, nheads_k); validated below)

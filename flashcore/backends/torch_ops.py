@@ -622,17 +622,17 @@ def _plain_options(q, varlen, causal, softmax_scale, window_size, softcap, deter
             right, cap, deterministic)
 
 
-def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
-                      rotary_cos=None, rotary_sin=None, rotary_interleaved=False, causal=False,
-                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                      num_splits=0, backend=None, cache_leftpad=None, k_descale=None,
-                      v_descale=None, key_mask=None):
+def kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos,
+                      rotary_sin, rotary_interleaved, causal, softmax_scale, window_size,
+                      softcap, alibi_slopes, num_splits, backend, cache_leftpad, k_descale,
+                      v_descale, key_mask):
     """flashcore.attention_with_kvcache on torch tensors, through the ``flashcore::kvcache`` op,
     eagerly and under torch.compile alike. Plain option values and a tensor ``cache_seqlens``
     go to the op as they are (validated by the op's kernel when its layout is new, see
     :func:`autograd_attention`); otherwise the call is validated here first. FP8 caches'
     descales go to ``flashcore::kvcache_read`` (nothing is appended to an FP8 cache) as
-    contiguous float32 (batch, nheads_k) tensors."""
+    contiguous float32 (batch, nheads_k) tensors. The arguments are attention_with_kvcache's,
+    in its order, all positional (twenty keywords passed on cost a decoding step ~0.6 us)."""
     import torch
     args = None
     descaled = k_descale is not None or v_descale is not None
@@ -640,7 +640,7 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, blo
         from ..spec import exact_descale
         k_descale, v_descale = (exact_descale(d, q.shape[0], k_cache.shape[2])
                                 for d in (k_descale, v_descale))
-    if backend is None and not _compiling() and library_of(cache_seqlens) == "torch" \
+    if backend is None and not _compiling() and isinstance(cache_seqlens, torch.Tensor) \
             and type(rotary_interleaved) is bool and type(num_splits) is int and num_splits >= 0 \
             and (k is not None or (rotary_cos is None and rotary_sin is None)) \
             and (k is None or not descaled) \
