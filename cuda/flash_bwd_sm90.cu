@@ -194,7 +194,7 @@ __device__ __forceinline__ bool dkdv_store_staged(const FlashParams& p, const Bw
 // false where a second copy's registers made ptxas spill (the cp.async kernel; the warp-
 // specialised d64 kernel with dropout: 44-100 -> 116-176 bytes).
 template <typename Elem, int kD, int kBlockM, bool Is_local, bool Is_dropout,
-          bool kSplitMask = true, bool kDropWords = false>
+          bool kSplitMask = true>
 struct DkdvWarpgroup {
     static constexpr int kAcc = kD / 2;          // dK, dV of 64 keys x kD per warpgroup
     static constexpr int kSAcc = kBlockM / 2;    // S^T, dP^T: 64 keys x kBlockM queries
@@ -204,9 +204,6 @@ struct DkdvWarpgroup {
     fc_u32 pa[kBlockM / 16][4], dsa[kBlockM / 16][4];   // P^T, dS^T as A operands of dV, dK
     int wg, wl, g, t, key0;
     fc_u32 kw_off;                                        // the slice's rows inside K / V blocks
-    // (kDropWords: FC_DIAG_DROPOUT_PRODUCER) this step's dropout flags from the producer, a
-    // byte a 16 x 16 tile (fc_dropout_byte_factor), set by the kernel before grads
-    fc_u32 mw[kBlockM / 64];
 
     __device__ __forceinline__ explicit DkdvWarpgroup(int ct) {
         const int lane = ct & 31, warp = ct >> 5;
@@ -270,7 +267,7 @@ struct DkdvWarpgroup {
         unsigned int keep2[2] = {0u, 0u};   // tiles kk (even) and kk + 1: one call per lane
 #pragma unroll
         for (int kk = 0; kk < kBlockM / 16; ++kk) {
-            if constexpr (Is_dropout && !kDropWords) {
+            if constexpr (Is_dropout) {
                 if ((kk & 1) == 0)
                     sm.keep2_st(m0 + 16 * kk, n0 + key0 - g,
                                 m0 + 16 * (kk + 1 < kBlockM / 16 ? kk + 1 : kk), n0 + key0 - g,
@@ -288,10 +285,7 @@ struct DkdvWarpgroup {
                         acc_s[4 * j + e], acc_dp[4 * j + e], m0 + qc + (e & 1),
                         n0 + key0 + 8 * (e >> 1), (e & 1) ? nl.y : nl.x, (e & 1) ? dd.y : dd.x,
                         masked,
-                        !Is_dropout ? 1.f
-                        : kDropWords ? fc_dropout_byte_factor(sm.drop, mw[kk >> 2], kk,
-                                                              4 * (j & 1) + e)
-                                     : sm.keep_factor(keep, 4 * (j & 1) + e));
+                        Is_dropout ? sm.keep_factor(keep, 4 * (j & 1) + e) : 1.f);
             }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -680,8 +674,7 @@ __device__ __forceinline__ void bwd_produce(const FlashParams& p, const BwdSeq& 
 // tensor maps and initialises the barriers at `bars` (the K/V barrier, kStages full, kStages
 // empty), then warpgroup 0 gives its registers back and its warp 0 runs the producer. Returns
 // true in the two consumer warpgroups (their registers raised), false in the producer's.
-template <int kD, int kBlockM, int kBlockN, int kStages, bool Is_varlen = false,
-          int kProducerRegs = 24, int kConsumerRegs = 240>
+template <int kD, int kBlockM, int kBlockN, int kStages, bool Is_varlen = false>
 __device__ __forceinline__ bool bwd_ws_start(const FlashParams& p, const BwdSeq& seq,
                                              const FcBwdMaps& maps, const BwdKeyWalk& kw, int b,
                                              int hk, int n0, fc_u32 sK, fc_u32 sV, fc_u32 sQ,
@@ -702,17 +695,15 @@ __device__ __forceinline__ bool bwd_ws_start(const FlashParams& p, const BwdSeq&
         fence_barrier_init();
     }
     __syncthreads();
-    static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 384 * 168,
-                  "the register split overdraws the block's registers");
     if (tid < 128) {
-        setmaxnreg_dec<kProducerRegs>();
+        setmaxnreg_dec<24>();
         if (tid < 32)
             bwd_produce<kD, kBlockM, kBlockN, kStages, Is_varlen>(p, seq, maps, kw, b, hk, n0,
                                                                   tid & 31, sK, sV, sQ, sdO,
                                                                   sLse, sDsum, bars);
         return false;
     }
-    setmaxnreg_inc<kConsumerRegs>();
+    setmaxnreg_inc<240>();
     return true;
 }
 
@@ -742,22 +733,8 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
     using namespace fc_pipe;
     static_assert(kD == 64 || kD == 128, "the Hopper dK/dV kernel covers head dims 64 and 128");
     static_assert(kBlockM == 64 || (kBlockM == 128 && kD == 64), "query blocks: 64, or 128 at d64");
-    // FC_DIAG_DROPOUT_PRODUCER (candidate until measured): warps 1-3 of the producer warpgroup
-    // draw dropout's stream for every step, a stage ahead as the loads go, and leave each
-    // consumer thread its keep flags (a byte a 16 x 16 tile of its S^T fragment,
-    // flash_dropout.cuh) in a ring of kStages mask stages (full_m; a stage is free again with
-    // the step's Q / dO: bar.empty); the consumers read their words with one load a step
-    // instead of running Philox (2 calls a step a thread at d128, 4 at d64, with their
-    // exchanges).
-#ifdef FC_DIAG_DROPOUT_PRODUCER
-    constexpr bool kDropProd = Is_dropout;
-#else
-    constexpr bool kDropProd = false;
-#endif
-    constexpr int kMWords = kBlockM / 64;                // mask words a consumer thread a step
-    constexpr int kMaskThreads = 96;
     using Consumer = DkdvWarpgroup<Elem, kD, kBlockM, Is_local, Is_dropout,
-                                   !(kD == 64 && Is_dropout), kDropProd>;
+                                   !(kD == 64 && Is_dropout)>;
     constexpr int kStages = 2;
     constexpr fc_u32 kKT = kKTile<kD>, kQT = kQTile<kD, kBlockM>;
     constexpr fc_u32 kQBlock = (fc_u32)kBlockM * 128u;
@@ -776,13 +753,6 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
     // each consumer warpgroup's dQ staging tile (64 x 64 fp32), after the 5 barriers
     const fc_u32 sDq = (bars + BwdBars<kStages>::kBytes + 127u) & ~127u;
     const BwdBars<kStages> bar{bars};
-    // (kDropProd) after the staging tiles: the mask ring's full barriers, then its stages
-    // ([consumer thread][kMWords] words)
-    const fc_u32 mbars = sDq + 2u * (64u * 64u * 4u);
-    auto full_m = [&](int st) { return mbars + 8u * (fc_u32)st; };
-    const fc_u32 sMask = mbars + 16u;
-    constexpr fc_u32 kMaskStage = 256u * 4u * (fc_u32)kMWords;
-    static_assert(kStages == 2, "the mask ring's barriers: 16 bytes");
 
     const fc_pipe::FcTileXYZ blk_xyz = bwd_block_order<Is_local>();
     const int n_block = blk_xyz.x, hk = blk_xyz.y, b = blk_xyz.z;
@@ -798,55 +768,9 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
         return;
     }
 
-    if constexpr (kDropProd) {      // (bwd_ws_start fences the inits with its own)
-        if (tid == 0)
-            for (int st = 0; st < kStages; ++st) mbar_init(full_m(st), kMaskThreads);
-    }
-    // (the mask threads' registers: 40 / 232. The consumers load their flags just before
-    // grads at d128 (nvcc 13: no spills), as soon as the stage is full at d64, whose consumers
-    // spill in either split: 44 / 48 bytes full / causal, against the default's 40 / 64;
-    // loaded before grads, 68 / 80, or with 24 / 240 and the mask threads drawing a call an
-    // item, 48 / 76.)
-    constexpr int kProdRegs = kDropProd ? 40 : 24;
-    constexpr bool kMasksEarly = kD == 64;
-    if (!bwd_ws_start<kD, kBlockM, kBlockN, kStages, Is_varlen, kProdRegs,
-                      kProdRegs == 40 ? 232 : 240>(p, seq, maps, kw, b, hk, n0, sK, sV, sQ, sdO,
-                                                   sLse, sDsum, bars)) {
-        if constexpr (kDropProd) {
-            if (tid >= 32 && tid < 128) {
-                // the dropout masks of every step (see kDropProd): the walk as the loads go
-                const FcDropout drop =
-                    fc_dropout_setup(p.dropout_rng, p.dropout_threshold, p.dropout_scale);
-                const int mt = tid - 32;
-                int h = kw.h0, m_block = kw.m_begin;
-                for (int it = 0; it < n_iter; ++it) {
-                    const int st = it % kStages;
-                    if (it >= kStages) mbar_wait(bar.empty(st), ((fc_u32)(it / kStages) & 1u) ^ 1u);
-                    const fc_u32 base_m = sMask + (fc_u32)st * kMaskStage;
-                    const int bh = b * p.nheads + h, m0 = m_block * kBlockM;
-                    // an item: a word (4 calls) of a pair of lanes (g, g + 1): keys n0 +
-                    // 64 wg + 16 wl + g, the step's query tiles 4 word .. (The round keys
-                    // formed again for each item, not hoisted into registers.)
-#pragma unroll 1
-                    for (int item = mt; item < 128 * kMWords; item += kMaskThreads) {
-                        const FcMaskItem mi = fc_dropout_mask_item(item, 128);
-                        FcDropout dd = drop;
-                        asm volatile("" : "+r"(dd.k0), "+r"(dd.k1));
-                        fc_u32 lo, hi;
-                        fc_dropout_pair_words(dd, bh, n0 + mi.row, m0, mi.t, mi.word,
-                                              kBlockM / 16, lo, hi, true);
-                        const fc_u32 a = base_m + (fc_u32)(mi.ct * kMWords + mi.word) * 4u;
-                        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(a), "r"(lo) : "memory");
-                        asm volatile("st.shared.b32 [%0], %1;\n"
-                                     :: "r"(a + 16u * (fc_u32)kMWords), "r"(hi) : "memory");
-                    }
-                    mbar_arrive(full_m(st));
-                    bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
-                }
-            }
-        }
+    if (!bwd_ws_start<kD, kBlockM, kBlockN, kStages, Is_varlen>(p, seq, maps, kw, b, hk, n0, sK,
+                                                                sV, sQ, sdO, sLse, sDsum, bars))
         return;
-    }
 
     // ---- consumers -------------------------------------------------------------------------
     Consumer w(tid - 128);
@@ -881,16 +805,6 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
         if constexpr (Is_varlen)   // (m0 < sq on the walk)
             zero_rows_past<kD, kBlockM>(sQ + (fc_u32)st * kQT, sdO + (fc_u32)st * kQT,
                                         seq.sq - m0, tid - 128);
-        auto load_masks = [&]() {   // this thread's dropout flags of the step (the producer's)
-            mbar_wait(full_m(st), (fc_u32)(it / kStages) & 1u);
-            const fc_u32 a = sMask + (fc_u32)st * kMaskStage + (fc_u32)(tid - 128) * (4u * kMWords);
-            if constexpr (kMWords == 2)
-                asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n"
-                             : "=r"(w.mw[0]), "=r"(w.mw[kMWords - 1]) : "r"(a) : "memory");
-            else
-                asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(w.mw[0]) : "r"(a) : "memory");
-        };
-        if constexpr (kDropProd && kMasksEarly) load_masks();
         if (it > 0) stage_dq(it);
         FC_TL_STAMP(wg, 0, it, 2);
 #ifdef FC_DIAG_BWD_NO_OVERLAP     // (timing only: the step before's tile handed over first)
@@ -902,7 +816,6 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
         if (it > 0) dq_tile_commit<32>(sDqw, dq_tile, tid - 128, 3 + w.wg, dq_tile != nullptr);
 #endif
         FC_TL_STAMP(wg, 0, it, 4);
-        if constexpr (kDropProd && !kMasksEarly) load_masks();   // (under S^T and dP^T)
         w.grads(p, seq, b, h, m0, n0, kw.off, sQ + (fc_u32)st * kQT, sdO + (fc_u32)st * kQT,
                 sLse + st * kBlockM, sDsum + st * kBlockM, sdSb);
         FC_TL_STAMP(wg, 0, it, 5);

@@ -85,7 +85,6 @@ struct FwdBlock {
     int n_block_min, n_block_max;
     bool left_bounded, right_bounded;
 
-    FwdBlock() = default;
     __device__ __forceinline__ FwdBlock(const FlashParams& p, int m_block, int h_, int b_) {
         h = h_;
         b = b_;
@@ -317,19 +316,6 @@ struct FwdRows {
             }
         }
     }
-    // pack's dropout form from the producer's mask words (FC_DIAG_DROPOUT_PRODUCER: tile kk
-    // in byte kk & 3 of word kk >> 2; fc_dropout_word_mask)
-    template <int kMW>
-    __device__ __forceinline__ void pack_words(const float (&s)[kNT * 4],
-                                               fc_u32 (&pa)[kBlockN / 16][4],
-                                               const fc_u32 (&mw)[kMW]) const {
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk)
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-                pa[kk][j] = Elem::pack2(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]) &
-                            fc_dropout_word_mask(mw[kk >> 2], kk, j);
-    }
     // P (fp32, in [0, 1]) as the e4m3 A operand of the FP8 P V product, k-step kk (keys
     // n0 + 32 kk ..: the n8 tiles 4kk .. 4kk + 3, in s[16 kk ..]). The FP8 A fragment wants
     // columns 4t .. 4t + 3 (and 16 + 4t ..) of each k32 step where this thread holds columns
@@ -363,20 +349,10 @@ struct FwdRows {
                                           const FwdBlock<kBlockN, Is_local, kBM>& blk,
                                           float o_scale = 1.f, float s_scale = 1.f,
                                           bool to_smem = false, fc_u32 sO = 0u) const {
-        float inv[2];
-        finish<kCapped>(p, blk, o_scale, s_scale, to_smem, inv);
-        if (to_smem) stage_o(sO, inv);
-    }
-    // store's first part: the lse, O from the registers unless to_smem, and inv (O's factors,
-    // row halves 0 and 1) for pack_o
-    template <bool kCapped = false>
-    __device__ __forceinline__ void finish(const FlashParams& p,
-                                           const FwdBlock<kBlockN, Is_local, kBM>& blk,
-                                           float o_scale, float s_scale, bool to_smem,
-                                           float (&inv)[2]) const {
         if constexpr (Is_dropout) o_scale *= drop.scale;
         const long long oo = blk.o_off(p);
         float* lse = blk.lse_ptr(p);
+        float inv[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const float l = quad_sum(row_sum[r]);
@@ -404,6 +380,7 @@ struct FwdRows {
                                               + logf(l);
             }
         }
+        if (to_smem) stage_o(sO, inv);
     }
     // This thread's O rows times inv, as 16-bit elements, into the warpgroup's O buffer sO:
     // [kD / 64][64 rows][128 bytes] with TMA's 128-byte swizzle (16-byte chunk c of row r at
@@ -426,28 +403,6 @@ struct FwdRows {
                         Elem::pack2(acc_o[4 * j0 + 2] * inv[1], acc_o[4 * j0 + 3] * inv[1]),
                         Elem::pack2(acc_o[4 * j1] * inv[0], acc_o[4 * j1 + 1] * inv[0]),
                         Elem::pack2(acc_o[4 * j1 + 2] * inv[1], acc_o[4 * j1 + 3] * inv[1]));
-        }
-    }
-    // (FC_DIAG_O_PRESTAGE: stage_o in two halves, the values first (pack_o: n8 tile j's row
-    // halves at 2 j, 2 j + 1), the writes later, to stage_o's addresses. The address is not
-    // shared through a helper: that moved ptxas's schedule of the default kernels (d128, FP8)
-    // with no device run to re-measure them; merge the two when the candidate is decided.)
-    __device__ __forceinline__ void pack_o(const float (&inv)[2], fc_u32 (&po)[kDT * 2]) const {
-#pragma unroll
-        for (int j = 0; j < kDT; ++j) {
-            po[2 * j] = Elem::pack2(acc_o[4 * j] * inv[0], acc_o[4 * j + 1] * inv[0]);
-            po[2 * j + 1] = Elem::pack2(acc_o[4 * j + 2] * inv[1], acc_o[4 * j + 3] * inv[1]);
-        }
-    }
-    __device__ __forceinline__ void stage_po(fc_u32 sO, const fc_u32 (&po)[kDT * 2]) const {
-        const int lane = 4 * g + t, mi = lane >> 3;
-        const int row = (warp_row0 & 63) + 8 * (mi & 1) + (lane & 7);   // in the warpgroup's 64
-#pragma unroll
-        for (int jj = 0; jj < kDT / 2; ++jj) {
-            const int chunk = 2 * jj + (mi >> 1);                        // 8 columns
-            const fc_u32 addr = sO + (fc_u32)(chunk >> 3) * (64u * 128u) + (fc_u32)row * 128u
-                                + ((fc_u32)((chunk & 7) ^ (row & 7)) << 4);
-            stmatrix_x4(addr, po[4 * jj], po[4 * jj + 1], po[4 * jj + 2], po[4 * jj + 3]);
         }
     }
 };
@@ -846,26 +801,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     constexpr bool kSoftmaxFence = !Is_fp8 && !Is_dropout && (kD == 64 || kD == 256);
 #endif
     static_assert(!(Is_fp8 && Is_dropout), "FP8 attention is forward only, without dropout");
-    // FC_DIAG_DROPOUT_PRODUCER (candidate until measured; head dims 64 and 128, and 256 with
-    // 64-key blocks, where shared memory holds the masks): warps 1-3 of the producer warpgroup draw dropout's stream for
-    // every key block, kStages blocks ahead as the loads go, and leave each consumer thread its
-    // keep flags, a byte a 16 x 16 tile (flash_dropout.cuh), in a ring of kStages mask stages;
-    // the consumers read them with one vector load a block (full_m) instead of running Philox
-    // in their softmax (~300 instructions a block a thread at d128, session 40's count), and
-    // free the stage as soon as they hold the words (empty_m): the consumers wait for a
-    // block's masks before its S, a block ahead of their P V (the intra-warpgroup overlap),
-    // so a stage freed only with the block's V (empty_v) would leave the mask threads no time
-    // to draw the block after next.
-#ifdef FC_DIAG_DROPOUT_PRODUCER
-    constexpr bool kDropProd = Is_dropout && !Is_fp8 && (kD <= 128 || kBlockN <= 64);
-#else
-    constexpr bool kDropProd = false;
-#endif
-    constexpr int kMaskTiles = kBlockN / 16;
-    constexpr int kMaskWordsUsed = (kMaskTiles + 3) / 4;
-    constexpr int kMaskWords = kMaskWordsUsed <= 1 ? 1 : kMaskWordsUsed <= 2 ? 2 : 4;   // (a vector)
-    static_assert(!kDropProd || kMaskWordsUsed <= 4, "FC_DIAG_DROPOUT_PRODUCER: 256 keys a block at most");
-    constexpr int kMaskThreads = 96;                          // warps 1-3 of the producer warpgroup
     static_assert(!Is_varlen || !kPersistent, "varlen: one tile a CTA");
     static_assert(kOBufs == 0 || kOBufs == kCons || (kOBufs == 1 && kCons == 2),
                   "an O buffer per consumer warpgroup, or one that two consumers take in turn");
@@ -877,20 +812,8 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     // producer transposes V within the same 24. The persistent producer's tile loop needs
     // more than 24 (ptxas spills it): 40 / 232 there, and 32 / 160 with 3 consumers.
     constexpr int kEntryRegs = (65536 / kThreads) / 8 * 8;
-    // FC_DIAG_DROPOUT_PRODUCER's mask threads run Philox. Where the producer would spill in
-    // 40 / 24 (the windowed and one-tile 2-consumer kernels) they take 56 / 224, at head dim
-    // 256 40 / 232 (its consumers spill 20 bytes in 224 under NVRTC 12). The persistent
-    // 2-consumer kernels without a window keep 40 / 232 (nvcc 13: 8 bytes of entry values in
-    // local memory at d128, 4 at d256, loaded once a CTA). The 3-consumer d64 kernels take
-    // 32 / 160, one-tile ones included (24 spilled more): at 40 / 152 their consumers spill in
-    // the main loop, at 32 the mask threads spill 16-48 bytes of their tile and block counters
-    // (a few local accesses a block, off the consumers' path).
-    constexpr bool kDropRegs = kDropProd && kCons == 2 && (Is_local || !kPersistent);
-    constexpr int kProducerRegs = kDropRegs ? (kD == 256 ? 40 : 56)
-                                  : kDropProd && kCons == 3 ? 32
-                                  : kPersistent ? (kCons == 3 ? 32 : 40) : 24;
-    constexpr int kConsumerRegs = kDropRegs ? (kD == 256 ? 232 : 224)
-                                            : kCons == 3 ? 160 : (kPersistent ? 232 : 240);
+    constexpr int kProducerRegs = kPersistent ? (kCons == 3 ? 32 : 40) : 24;
+    constexpr int kConsumerRegs = kCons == 3 ? 160 : (kPersistent ? 232 : 240);
     static_assert(128 * kProducerRegs + (int)kConsumers * kConsumerRegs <= kThreads * kEntryRegs,
                   "the register split overdraws the block's registers");
 
@@ -919,15 +842,8 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     auto slot_empty = [&](int j) { return sched + 16u + 8u * (fc_u32)j; };
     auto slot = [&](int j) { return sched + 32u + 4u * (fc_u32)j; };
     const fc_u32 o_free = sched + 40u;
-    // (kDropProd) the mask ring's full and empty barriers, then its stages:
-    // [consumer thread][kMaskWords]
-    auto full_m = [&](int st) { return sched + 48u + 8u * (fc_u32)st; };
-    auto empty_m = [&](int st) { return sched + 48u + 8u * (fc_u32)(kStages + st); };
-    const fc_u32 sMask = (sched + 48u + 16u * (fc_u32)kStages + 15u) & ~15u;
-    constexpr fc_u32 kMaskStage = kConsumers * 4u * (fc_u32)kMaskWords;
     // the threads that read the slots: the consumers, and the FP8 producer's other 127
-    constexpr fc_u32 kSlotReaders =
-        Is_fp8 ? kConsumers + 127u : kDropProd ? kConsumers + (fc_u32)kMaskThreads : kConsumers;
+    constexpr fc_u32 kSlotReaders = Is_fp8 ? kConsumers + 127u : kConsumers;
 
     // The CTA's tiles. One per CTA (the grid is (query blocks, heads, batch)), or, persistent,
     // a dynamic schedule: the first tile is blockIdx.x, then producer thread 0 takes the next
@@ -1007,11 +923,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             mbar_init(slot_empty(j), kSlotReaders);
         }
         if (kOBufs == 1) mbar_init(o_free, 1);
-        if constexpr (kDropProd)
-            for (int st = 0; st < kStages; ++st) {
-                mbar_init(full_m(st), kMaskThreads);
-                mbar_init(empty_m(st), kConsumers);
-            }
         fence_barrier_init();
     }
     __syncthreads();
@@ -1023,75 +934,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     if (wg == 0) {
         // ---- producer ----------------------------------------------------------------
         setmaxnreg_dec<kProducerRegs>();
-        if (!Is_fp8 && !kDropProd && tid != 0) return;   // (16-bit: thread 0 issues every load)
-        if constexpr (kDropProd) {
-            if (tid != 0 && tid < 32) return;
-            if (tid >= 32) {
-                // the dropout masks (see kDropProd): the tiles and blocks as thread 0 loads them
-                const FcDropout drop =
-                    fc_dropout_setup(params.dropout_rng, params.dropout_threshold, params.dropout_scale);
-                const int mt = tid - 32;
-                int tile = kPersistent ? (int)blockIdx.x : 0;
-                for (int u = 0;; ++u) {
-                    if constexpr (kPersistent) tile = receive(u);
-                    if (tile >= n_tiles) break;
-                    const FwdBlock<kBlockN, Is_local, kBM> blk = tile_block(tile);
-                    if (!kPersistent) tile = n_tiles;
-                    if (!runs(blk)) continue;
-                    const int n_iter = blk.n_block_max - blk.n_block_min;
-                    const int bh = blk.b * params.nheads + blk.h;
-                    for (int it = 0; it < n_iter; ++it) {
-                        const int uu = kv + it, st = uu % kStages;
-                        if (uu >= kStages) mbar_wait(empty_m(st), ((fc_u32)(uu / kStages) & 1u) ^ 1u);
-                        const int n0 = (blk.n_block_max - 1 - it) * kBlockN;
-                        const fc_u32 base = sMask + (fc_u32)st * kMaskStage;
-                        // (the round keys formed again for each call's item, not hoisted
-                        // into 14 registers of the producer's 32-40: ptxas spilled the loop's
-                        // counters with them)
-                        constexpr int kPairs = (int)(kConsumers / 2);   // lanes g, g + 1
-                        constexpr fc_u32 kPartner = 16u * (fc_u32)kMaskWords;   // (lane g + 1)
-                        if constexpr (kProducerRegs >= 40) {
-                            // an item: a word of a pair of lanes (4 calls), the items dealt
-                            // round the 96 threads (d128: 4 each)
-#pragma unroll 1
-                            for (int item = mt; item < kPairs * kMaskWordsUsed; item += kMaskThreads) {
-                                const FcMaskItem mi = fc_dropout_mask_item(item, kPairs);
-                                FcDropout dd = drop;
-                                asm volatile("" : "+r"(dd.k0), "+r"(dd.k1));
-                                fc_u32 lo, hi;
-                                fc_dropout_pair_words(dd, bh, blk.m0 + mi.row, n0, mi.t, mi.word,
-                                                      kMaskTiles, lo, hi);
-                                const fc_u32 a = base + (fc_u32)(mi.ct * kMaskWords + mi.word) * 4u;
-                                asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(a), "r"(lo) : "memory");
-                                asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(a + kPartner), "r"(hi)
-                                             : "memory");
-                            }
-                        } else {
-                            // (the 3-consumer kernels' 32 registers) an item: a tile of a pair
-                            // of lanes, a call and two byte stores (d64: 16 each)
-#pragma unroll 1
-                            for (int item = mt; item < kPairs * kMaskTiles; item += kMaskThreads) {
-                                const FcMaskItem mi = fc_dropout_mask_item(item, kPairs);   // (word: the tile)
-                                FcDropout dd = drop;
-                                int bb = bh;
-                                asm volatile("" : "+r"(dd.k0), "+r"(dd.k1), "+r"(dd.off),
-                                             "+r"(dd.threshold), "+r"(bb));
-                                fc_u32 lo, hi;
-                                fc_dropout_pair_bytes(dd, bb, blk.m0 + mi.row,
-                                                      n0 + 16 * mi.word + 2 * mi.t, lo, hi);
-                                const fc_u32 a = base + (fc_u32)(mi.ct * kMaskWords * 4 + mi.word);
-                                asm volatile("st.shared.u8 [%0], %1;\n" :: "r"(a), "r"(lo) : "memory");
-                                asm volatile("st.shared.u8 [%0], %1;\n" :: "r"(a + kPartner), "r"(hi)
-                                             : "memory");
-                            }
-                        }
-                        mbar_arrive(full_m(st));
-                    }
-                    kv += n_iter;
-                }
-                return;
-            }
-        }
+        if (!Is_fp8 && tid != 0) return;    // (16-bit: thread 0 issues every load)
         FC_TL_CTA_BEGIN(0);
         int tile = kPersistent ? (int)blockIdx.x : 0;
         for (int u = 0;; ++u) {
@@ -1110,22 +953,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             FC_TL_VALUE(0, nq, FC_TL_TILE_SLOT, 6, tile);
             tile = next;
             if (!runs(blk)) continue;
-#ifdef FC_DIAG_Q_PREFETCH
-            // (candidate again, with FC_DIAG_O_IN_K: the tile's Q into L2 as the producer
-            // reaches the tile, ~3,000 clocks at d128 before its wait on empty_q lets it load
-            // Q (~3,200 clocks from DRAM, session 41). Session 42, with O_PRESTAGE and O_LAZY
-            // only: level at 2k / 4k, where the epilogue, not Q, bounded the tile; -6.8% at
-            // full 16k, inside that run's 7% spread of identical kernels. Once O_IN_K takes
-            // consumer 2's wait out of the epilogue, Q is the longer of the two. FP8: thread 0
-            // of the producer warpgroup, which issues its loads.)
-            if constexpr (!Is_varlen && kPersistent) {
-                if (!Is_fp8 || tid == 0) {
-#pragma unroll
-                    for (int c = 0; c < kD / kRowElems; ++c)
-                        tma_prefetch_l2_4d(maps.q, kRowElems * c, blk.m0, blk.h, blk.b);
-                }
-            }
-#endif
             const int n_iter = blk.n_block_max - blk.n_block_min;   // >= 1
             auto n0_of = [&](int it) { return (blk.n_block_max - 1 - it) * kBlockN; };
             auto load_q = [&]() {
@@ -1239,66 +1066,12 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                                : warp_uniform(sQ + (fc_u32)cw * 64u * 128u);
     FC_TL_CTA_BEGIN(1 + cw);
     if (kPPChain && cw == kCons - 1) named_arrive(1, 256);
-    // FC_DIAG_O_LAZY (kOBufs = 1; timing until measured): the last consumer's store thread
-    // waits for its store to have read the O buffer, and hands the buffer on (o_free), only
-    // once it has issued the next tile's first S, not at the end of its epilogue. Nobody needs
-    // the buffer before then: consumer 0 takes it again only in its next epilogue, after turns
-    // that this consumer opens after that first S.
-#ifdef FC_DIAG_O_LAZY
-    constexpr bool kLazyO = kOBufs == 1;
-#else
-    constexpr bool kLazyO = false;
-#endif
-    // FC_DIAG_BLK_EARLY (persistent kernels; candidate until measured): the next tile's number
-    // taken from the scheduler's slot, and its geometry worked out (tile_block: the divisions
-    // of the tile number, chunked_tile's with a window; ~600 clocks at d128 in session 41's
-    // timeline, between the epilogue and the Q wait), under the tile's last P V instead. The
-    // producer has published that tile long before: it publishes a tile as it starts its
-    // loads, kStages blocks ahead of the consumers. (Not FP8 with softcap: its persistent
-    // consumers spill 44 bytes with it.)
-#ifdef FC_DIAG_BLK_EARLY
-    constexpr bool kEarlyBlk = kPersistent && !(Is_fp8 && Has_softcap);
-#else
-    constexpr bool kEarlyBlk = false;
-#endif
-    int early_tile = -1;                       // the next tile's number, once taken early
-    FwdBlock<kBlockN, Is_local, kBM> early_blk;
-    // FC_DIAG_O_IN_K (d128's one-buffer kernels; candidate until measured): each consumer
-    // stages its O in its own half of the K stage of the tile's last key block instead of the
-    // one O buffer that the two take in turn, so that neither waits for the other's store
-    // (~1,700 clocks a tile, session 41). That stage is free once every consumer's last S of
-    // the tile is done (empty_q's phase of the tile); its empty_k arrival waits for the
-    // consumer's store to have read it, paid as FC_DIAG_O_LAZY's under the next tile's first
-    // S (which reads the other stage: the producer loads the next tile's second K block into
-    // this one).
-    // (not with FC_DIAG_O_STG: O from the registers, no store to pay the arrival after)
-#if defined(FC_DIAG_O_IN_K) && !defined(FC_DIAG_O_STG)
-    constexpr bool kOInK = kOBufs == 1 && !Is_fp8 && !Is_varlen && kTile >= (fc_u32)kCons * kOTile;
-#else
-    constexpr bool kOInK = false;
-#endif
-    // (the next tile's first K block must go to another stage: its S precedes the payment)
-    static_assert(!kOInK || kStages >= 2, "FC_DIAG_O_IN_K: two stages or more");
-    // (warpgroup-uniform) an arrival owed once this warpgroup's store has read its O: on
-    // o_free (FC_DIAG_O_LAZY: one, its count) or on the O stage's empty_k (kOInK: the
-    // warpgroup's 128)
-    bool o_owed = false;
-    fc_u32 o_owed_bar = o_free;
-    auto pay_o = [&]() {
-        if ((kLazyO || kOInK) && o_owed) {
-            bulk_wait_read_if<0>((tid & 127) == 0);
-            mbar_arrive_count_if((tid & 127) == 0, o_owed_bar, kOInK ? 128u : 1u);
-            o_owed = false;
-        }
-    };
     for (int u = 0;; ++u) {
-        const bool early = kEarlyBlk && early_tile >= 0;
-        const int tile = early ? early_tile : kPersistent ? receive(u) : u;
+        const int tile = kPersistent ? receive(u) : u;
         if (tile >= n_tiles) break;
         // (the timeline's tile number: Q tiles so far, as the producer's)
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 0);
-        const FwdBlock<kBlockN, Is_local, kBM> blk = early ? early_blk : tile_block(tile);
-        early_tile = -1;
+        const FwdBlock<kBlockN, Is_local, kBM> blk = tile_block(tile);
         if (blk.empty_rows()) continue;
         if (blk.no_keys()) {            // (persistent only: the one-tile CTA returned above)
             blk.store_empty(params, kD, tid - 128, (int)kConsumers);
@@ -1337,39 +1110,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         float corr[2];
         auto stage_of = [&](int it) { return (kv + it) % kStages; };
         auto parity_of = [&](int it) { return (fc_u32)((kv + it) / kStages) & 1u; };
-        // (kDropProd) this thread's mask words of a block (the producer's), loaded as its S
-        // completes, applied at pack; their stage waited for beside the block's K (a wait
-        // after the products made ptxas move the products' descriptors out of the uniform
-        // registers: +46 R2UR a block)
-        fc_u32 mw[kMaskWords];
-        auto wait_masks = [&](int it) {
-            if constexpr (kDropProd) mbar_wait(full_m(stage_of(it)), parity_of(it));
-        };
-        auto load_masks = [&](int it) {
-            if constexpr (kDropProd) {
-                const fc_u32 a = sMask + (fc_u32)stage_of(it) * kMaskStage +
-                                 (fc_u32)(tid - 128) * (4u * kMaskWords);
-                if constexpr (kMaskWordsUsed == 4)
-                    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                                 : "=r"(mw[0]), "=r"(mw[1]), "=r"(mw[2]), "=r"(mw[3]) : "r"(a) : "memory");
-                else if constexpr (kMaskWordsUsed == 3) {   // (the fourth word: padding, unwritten)
-                    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n"
-                                 : "=r"(mw[0]), "=r"(mw[1]) : "r"(a) : "memory");
-                    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(mw[2]) : "r"(a + 8u) : "memory");
-                    mw[kMaskWords - 1] = 0u;
-                } else if constexpr (kMaskWords == 2)
-                    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n"
-                                 : "=r"(mw[0]), "=r"(mw[1]) : "r"(a) : "memory");
-                else
-                    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(mw[0]) : "r"(a) : "memory");
-                mbar_arrive(empty_m(stage_of(it)));    // (release: the loads are done)
-            }
-        };
         auto pack = [&](int n0) {
-            if constexpr (kDropProd) {
-                rows.pack_words(s, pa, mw);
-                return;
-            }
             if constexpr (Is_fp8) {
 #ifndef FC_DIAG_FP8_NO_PACK           // (timing only: P's registers as they were, wrong results)
                 rows.pack_e4m3(s, pa);
@@ -1393,14 +1134,11 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         mbar_wait(bar_q, (fc_u32)nq & 1u);
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 1);
         mbar_wait(full_k(stage_of(0)), parity_of(0));
-        wait_masks(0);
         issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)stage_of(0) * kTile);
-        pay_o();                                   // (FC_DIAG_O_LAZY: under the first S)
         wgmma_wait<0>();
         settle(s);
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 2);
-        if (!kOInK || n_iter > 1) mbar_arrive(empty_k(stage_of(0)));   // (kOInK: O's stage)
-        load_masks(0);
+        mbar_arrive(empty_k(stage_of(0)));
         cap();
         rows.mask(s, nb * kBlockN);
         rows.template softmax<kPolyEvery, kExactCorr, kRescaleThreshold>(s, corr);   // O is 0
@@ -1431,7 +1169,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             const int st0 = stage_of(it), st1 = stage_of(it + 1);
             FC_TL_STAMP(1 + cw, nq, it, 0);
             mbar_wait(full_k(st1), parity_of(it + 1));
-            wait_masks(it + 1);
             mbar_wait(full_v(st0), parity_of(it));
             FC_TL_STAMP(1 + cw, nq, it, 1);
             if (kPingPong) named_sync(1 + cw, 256);
@@ -1444,8 +1181,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             wgmma_wait<1>();                       // S_{i+1} done (P_i V_i may still run)
             settle(s);
             FC_TL_STAMP(1 + cw, nq, it, 4);
-            if (!kOInK || it + 1 < n_iter - 1) mbar_arrive(empty_k(st1));   // (kOInK: O's stage)
-            load_masks(it + 1);
+            mbar_arrive(empty_k(st1));
             cap();
             rows.mask(s, (nb - 1) * kBlockN);
             const bool grew =
@@ -1468,10 +1204,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             const int last = n_iter - 1;
             mbar_wait(full_v(stage_of(last)), parity_of(last));
             issue_pv_(sV + (fc_u32)stage_of(last) * kVtTile);
-            if constexpr (kEarlyBlk) {             // (under the product)
-                early_tile = receive(u + 1);
-                if (early_tile < n_tiles) early_blk = tile_block(early_tile);
-            }
             wgmma_wait<0>();
             settle(rows.acc_o);
             settle(pa);
@@ -1480,46 +1212,21 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 5);
         // the epilogue (see above): O through this warpgroup's buffer and a TMA store, or
         // from the registers
-#if defined(FC_DIAG_O_STG)     // (timing only: O stored from the registers, as without O buffers)
-        const bool o_tma = false;
-#elif defined(FC_DIAG_O_TMA_ONLY)
-        // (candidate until the GPU tests have run with it: the TMA store as a compile-time
-        // fact, the register-store paths not compiled into the kernels with O buffers; the
-        // host launches those only with params.o_tma set. Performance log, session 42: +1-2%
-        // geomean over the default at d128)
-        constexpr bool o_tma = kOBufs > 0 && !Is_varlen;
+#ifndef FC_DIAG_O_STG     // (timing only: O stored from the registers, as without O buffers)
+        const bool o_tma = kOBufs > 0 && !Is_varlen && params.o_tma;
 #else
-        const bool o_tma = kOInK || (kOBufs > 0 && !Is_varlen && params.o_tma);
+        const bool o_tma = false;
 #endif
         // (the one thread's bulk operations are guarded instructions, not branches: see
         // sm90_pipeline.cuh)
         const bool issuer = (tid & 127) == 0;
-        const fc_u32 sOwg = kOInK ? sK + (fc_u32)stage_of(n_iter - 1) * kTile + (fc_u32)cw * kOTile
-                                  : sO + (kOBufs == 1 ? 0u : (fc_u32)cw * kOTile);
-        // FC_DIAG_O_PRESTAGE (timing until measured): the lse and O's 16-bit values made
-        // before the wait for the O buffer, which then only takes the stmatrix writes (with
-        // one buffer the second consumer waits there for the first one's store to be read).
-#ifdef FC_DIAG_O_PRESTAGE
-        constexpr bool kPreStage = kOBufs > 0;
-#else
-        constexpr bool kPreStage = false;
-#endif
-        fc_u32 po[kPreStage ? kD / 4 : 1];
-        if (kPreStage && o_tma) {
-            float inv[2];
-            rows.template finish<Has_softcap>(params, blk, v_scale, s_scale, true, inv);
-            if constexpr (kPreStage) rows.pack_o(inv, po);
-        }
+        const fc_u32 sOwg = sO + (kOBufs == 1 ? 0u : (fc_u32)cw * kOTile);
         if (o_tma) {
-            if constexpr (kOInK) {
-                mbar_wait(empty_q, (fc_u32)nq & 1u);   // every consumer's S of the tile done
-            } else if constexpr (kOBufs == 1) {
+            if constexpr (kOBufs == 1) {
                 // use 2 nq + cw waits for the previous use's arrival; every thread of the
                 // warpgroup waits (its own last arrival, two uses back, is done: the thread that
                 // made it took part in this tile's products since, so the parity cannot be a
-                // phase behind; with FC_DIAG_O_LAZY the last consumer's was made in this tile,
-                // under its first S, and the issuer's exact wait before the barrier below is
-                // what guards the buffer)
+                // phase behind)
                 const int use = 2 * nq + cw;
                 if (use > 0) mbar_wait(o_free, (fc_u32)(use - 1) & 1u);
             } else {
@@ -1529,11 +1236,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             named_sync(8 + cw, 128);
         }
         FC_TL_STAMP(1 + cw, nq, FC_TL_EPI_STEP, 1);
-        if (kPreStage && o_tma) {
-            if constexpr (kPreStage) rows.stage_po(sOwg, po);
-        } else {
-            rows.template store<Has_softcap>(params, blk, v_scale, s_scale, o_tma, sOwg);
-        }
+        rows.template store<Has_softcap>(params, blk, v_scale, s_scale, o_tma, sOwg);
         FC_TL_STAMP(1 + cw, nq, FC_TL_EPI_STEP, 2);
         if (o_tma) {
             fence_proxy_async();                   // the buffer's stores, seen by the TMA unit
@@ -1545,16 +1248,9 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                                 blk.m0 + 64 * cw, blk.h, blk.b);
             bulk_commit_if(issuer);
             FC_TL_STAMP(1 + cw, nq, FC_TL_EPI_STEP, 4);
-            if constexpr (kOInK) {
-                o_owed = true;                     // (paid under the next tile's first S)
-                o_owed_bar = empty_k(stage_of(n_iter - 1));
-            } else if constexpr (kOBufs == 1) {
-                if (kLazyO && cw == kCons - 1) {
-                    o_owed = true;                 // (paid under the next tile's first S)
-                } else {
-                    bulk_wait_read_if<0>(issuer);
-                    mbar_arrive_if(issuer, o_free);
-                }
+            if constexpr (kOBufs == 1) {
+                bulk_wait_read_if<0>(issuer);
+                mbar_arrive_if(issuer, o_free);
             }
         }
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 6);
@@ -1562,7 +1258,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         ++nq;
     }
     if (kPPChain && cw == 0) named_sync(1, 256);            // the chain's last hand-over
-    pay_o();
     if (kOBufs > 0) bulk_wait_if<0>((tid & 127) == 0);    // this warpgroup's stores done
     FC_TL_CTA_END(1 + cw);
 }

@@ -97,21 +97,6 @@ __device__ __forceinline__ void mbar_arrive_if(bool pred, fc_u32 bar) {
                  "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n"
                  :: "r"(bar), "r"((int)pred) : "memory");
 }
-// The box at these coordinates into L2 (no shared memory, no barrier): a later tma_load_4d of
-// it then reads L2
-__device__ __forceinline__ void tma_prefetch_l2_4d(const FcTensorMap& map, int c0, int c1, int c2,
-                                                   int c3) {
-    asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n"
-                 :: "l"(reinterpret_cast<fc_u64>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-                 : "memory");
-}
-// `count` arrivals at once, by the one thread of `pred` (for a warpgroup whose arrival waits
-// on that thread's bulk operation)
-__device__ __forceinline__ void mbar_arrive_count_if(bool pred, fc_u32 bar, fc_u32 count) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n"
-                 "@p mbarrier.arrive.shared::cta.b64 _, [%0], %2;\n}\n"
-                 :: "r"(bar), "r"((int)pred), "r"(count) : "memory");
-}
 __device__ __forceinline__ void tma_prefetch_map(const FcTensorMap& map) {
     asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<fc_u64>(&map)) : "memory");
 }

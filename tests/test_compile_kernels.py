@@ -132,31 +132,6 @@ def test_forward_timeline_compiles():
         assert b"fc_diag_tl" not in cubin, name
 
 
-def test_forward_tile_boundary_candidates_compile():
-    """The tile boundary's candidates (FC_DIAG_O_PRESTAGE, FC_DIAG_O_LAZY, FC_DIAG_O_TMA_ONLY,
-    FC_DIAG_BLK_EARLY, FC_DIAG_O_IN_K, FC_DIAG_Q_PREFETCH; the performance log, sessions
-    41-42) build the kernels that they change
-    (one O buffer at head dims 128 and 256, buffers of their own at 64, FP8) without spills or
-    serialised wgmma."""
-    _nvrtc_or_skip()
-    from flashcore.kernels import forward
-    names = [forward.sm90_ws_kernel_name("bfloat16", 128, False, seqlen_k=2048),
-             forward.sm90_ws_kernel_name("bfloat16", 256, True, seqlen_k=2048),
-             forward.sm90_ws_kernel_name("float16", 64, False, seqlen_k=2048),
-             forward.fp8_kernel_name("bfloat16", 128, False),
-             forward.fp8_kernel_name("bfloat16", 128, False, softcap=True)]
-    for n in names[:2]:     # (one O buffer, two consumers; persistent, and one tile a CTA)
-        assert n.rstrip(">").endswith(", 1"), n
-    _, log = jit.compile_check("flash_fwd_sm90.cu", names, "sm_90a",
-                               ("-DFC_DIAG_O_PRESTAGE", "-DFC_DIAG_O_LAZY",
-                                "-DFC_DIAG_O_TMA_ONLY", "-DFC_DIAG_BLK_EARLY", "-DFC_DIAG_O_IN_K",
-                                "-DFC_DIAG_Q_PREFETCH"), want_log=True)
-    spills = _spills_by_kernel(log)
-    assert len(spills) == len(names), log
-    assert not any(spills.values()), log
-    assert "serializ" not in log.lower(), log
-
-
 def _spill_allowance(mangled: str) -> int:
     """Spill bytes allowed for a Hopper kernel, from its mangled template arguments."""
     bools = re.findall(r"Lb([01])E", mangled)

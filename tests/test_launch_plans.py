@@ -354,21 +354,6 @@ def test_dq_tiled_launches(d):
         assert LOG[1][3] == smem and smem <= 232448
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_backward_dropout_masks_take_their_ring(d):
-    """With the candidate -DFC_DIAG_DROPOUT_PRODUCER the Hopper dK/dV kernel's shared memory
-    holds the producer's mask ring (2 barriers, 2 stages of a word per 4 query tiles per
-    consumer thread), within the opt-in limit; without dropout, or without the define, it is
-    unchanged."""
-    bm = backward.sm90_ws_block_m(d)
-    plain = backward.sm90_ws_smem(d, bm)
-    assert backward.sm90_ws_smem(d, bm, True) == plain
-    with config.override(sm90_defines=("-DFC_DIAG_DROPOUT_PRODUCER",)):
-        assert backward.sm90_ws_smem(d, bm) == plain
-        got = backward.sm90_ws_smem(d, bm, True)
-    assert got - plain == 16 + 2 * 256 * 4 * (bm // 64) and got <= 232448
-
-
 _VARLEN_LENS = [70, 0, 257, 33]      # one empty sequence, none a multiple of the tile
 
 
@@ -1135,45 +1120,30 @@ def test_warp_specialised_forward_grid(d, causal, dropout, sq, h, want_block, wa
                 and grid == (-(-sq // bm), h, 2))
 
 
-@pytest.mark.parametrize("d,causal,mask_bytes", [(128, False, 8 + 32 + 16 + 2 * 256 * 16),
-                                                  (128, True, 8 + 32 + 16 + 2 * 256 * 8),
-                                                  (64, False, 8 + 48 + 16 + 3 * 384 * 8),
-                                                  (256, False, 8 + 32 + 16 + 2 * 256 * 4),
-                                                  (256, True, 8 + 32 + 16 + 2 * 256 * 4)])
-def test_dropout_masks_from_the_producer_take_their_ring(d, causal, mask_bytes):
-    """With the candidate -DFC_DIAG_DROPOUT_PRODUCER, the dropout launch's shared memory holds
-    the producer's mask ring (two barriers and a word per 4 key tiles per consumer thread a
-    stage), within the opt-in limit: at head dim 128 without a window and at 256 it leaves no
-    room for an O buffer, so the instantiation without buffers runs; head dim 256 takes the
-    windowed tile's 64-key blocks; calls without dropout are unchanged."""
+@pytest.mark.parametrize("d,causal", [(128, False), (128, True), (64, False), (256, False),
+                                      (256, True)])
+def test_dropout_takes_the_tile_and_shared_memory_of_the_call_without(d, causal):
+    """The warp-specialised forward with dropout: the tile, O buffers and shared memory of the
+    same call without dropout (sm90_ws_smem), within the opt-in limit; the instantiation
+    differs in its dropout flag alone."""
     from flashcore.kernels import forward
     q, k, v = _qkv(None, "float16", 2, 300, 333, 4, 2, d, False)
     out = fake_array(q.shape, "float16")
     lse = fake_array((2, 4, 300), np.float32)
     rng = fake_array((2,), np.int64)
     got = {}
-    for defs in ((), ("-DFC_DIAG_DROPOUT_PRODUCER",)):
-        for p in (0.0, 0.1):
-            LOG.clear()
-            with config.override(sm90_fwd_d64_min_seqlen_k=0, sm90_defines=defs):
-                forward.launch_forward(q, k, v, out, lse, softmax_scale=0.1, window_left=-1,
-                                       window_right=0 if causal else -1, dropout_p=p,
-                                       rng_state=rng if p else None)
-                (name, _, _, smem, _), = LOG
-                assert smem <= 232448 and smem == forward.sm90_ws_smem(d, causal, True, p > 0)
-                got[bool(defs), p] = name, smem
-    assert got[True, 0.0] == got[False, 0.0]
-    tile_local = causal or d == 256
-    base = forward._ws_base_smem(d, tile_local)
-    assert forward._ws_base_smem(d, causal, True) == forward._ws_base_smem(d, causal)
-    with config.override(sm90_defines=("-DFC_DIAG_DROPOUT_PRODUCER=1",)):
-        assert forward._ws_base_smem(d, causal, True) - base == mask_bytes
-        assert forward.sm90_ws_tile(d, causal, True) == forward.sm90_ws_tile(d, tile_local)
-    bufs = {(128, False): 0, (128, True): 2, (64, False): 3}.get((d, causal), 0)
-    name = got[True, 0.1][0]
-    assert name.count(",") == (10 if bufs else 8), name
-    assert name.endswith(f", {bufs}>") if bufs else name.split(", ")[-1] in ("true>", "false>")
-    assert d != 256 or name.split(", ")[3] == "64", name
+    for p in (0.0, 0.1):
+        LOG.clear()
+        with config.override(sm90_fwd_d64_min_seqlen_k=0):
+            forward.launch_forward(q, k, v, out, lse, softmax_scale=0.1, window_left=-1,
+                                   window_right=0 if causal else -1, dropout_p=p,
+                                   rng_state=rng if p else None)
+        (name, _, _, smem, _), = LOG
+        assert smem <= 232448 and smem == forward.sm90_ws_smem(d, causal), (p, smem)
+        got[p] = name.split(", ")
+    plain, drop = got[0.0], got[0.1]
+    assert plain[5] == "false" and drop[5] == "true", drop
+    assert plain[:5] + plain[6:] == drop[:5] + drop[6:], (plain, drop)
 
 
 def test_warp_specialised_tiles_fit_shared_memory():

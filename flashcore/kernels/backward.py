@@ -19,8 +19,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-from .common import (ELEM_TAGS, _as_input, _as_output, _int64_pair, _strides,
-                     dropout_masks_from_producer, smallest_tile,
+from .common import (ELEM_TAGS, _as_input, _as_output, _int64_pair, _strides, smallest_tile,
                      tpl_bool as _b, window_arg as _window)
 import numpy as np
 
@@ -251,15 +250,12 @@ def sm90_convert_tiled_name(dtype_name: str, headdim: int) -> str:
             f"{1 if headdim == 64 else 2}>")
 
 
-def sm90_ws_smem(headdim: int, block_m: int, dropout: bool = False) -> int:
+def sm90_ws_smem(headdim: int, block_m: int) -> int:
     """K, V (128 x d), Q and dO (2 stages of block_m x d), dS^T (2 buffers of 128 x block_m),
     lse and D (2 stages of block_m each), 5 mbarriers, + alignment; a 64 x 64 fp32 dQ staging
-    tile per consumer warpgroup (128-byte aligned); with the producer's dropout masks
-    (common.dropout_masks_from_producer) their ring: 2 barriers, 2 stages of a word per 4 query
-    tiles per consumer thread."""
-    masks = 16 + 2 * 256 * 4 * (block_m // 64) if dropout_masks_from_producer(dropout) else 0
+    tile per consumer warpgroup (128-byte aligned)."""
     return (2 * (2 * 128 * headdim) + 2 * 2 * (2 * block_m * headdim) + 2 * 2 * 128 * block_m
-            + 2 * 2 * block_m * 4 + 8 * 5 + 1024 + 128 + 2 * 64 * 64 * 4 + masks)
+            + 2 * 2 * block_m * 4 + 8 * 5 + 1024 + 128 + 2 * 64 * 64 * 4)
 
 
 # Head dim 256: its own warp-specialised kernel (64 keys per CTA, every product split between
@@ -497,7 +493,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
             launch(kern, (_cdiv(seqlen_k, SM90_D256_BLOCK), nheads_k, batch), (384,), smem,
                    (ws[0].arg(),))
         elif hopper == "ws":
-            smem = sm90_ws_smem(headdim, sm90_ws_block_m(headdim), dropout)
+            smem = sm90_ws_smem(headdim, sm90_ws_block_m(headdim))
             kern = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, is_local,
                                                                dropout, varlen),
                               device_id, cc, smem, defines)

@@ -7,16 +7,6 @@ from .device import lib_of
 from .params import WINDOW_NONE
 
 
-def dropout_masks_from_producer(dropout: bool) -> bool:
-    """Whether the Hopper kernels' producer warpgroup draws dropout's masks (the default-off
-    candidate ``-DFC_DIAG_DROPOUT_PRODUCER`` among the sm90_defines; kDropProd in
-    cuda/flash_fwd_sm90.cu and cuda/flash_bwd_sm90.cu): their shared memory holds the masks'
-    ring then."""
-    from .. import config
-    return dropout and any(o.split("=")[0] == "-DFC_DIAG_DROPOUT_PRODUCER"
-                           for o in config.get().sm90_defines)
-
-
 def window_arg(w) -> int:
     """A window side as the kernels take it: WINDOW_NONE for unbounded (None, -1, or wider)."""
     return WINDOW_NONE if w is None or w < 0 or w >= WINDOW_NONE else int(w)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from .common import (_as_input, _int64_pair, _strides, _used_strides_ok,
-                     dropout_masks_from_producer, elem_tag as _elem_tag,
+from .common import (_as_input, _int64_pair, _strides, _used_strides_ok, elem_tag as _elem_tag,
                      kernel_dtype_name as _dtype_name, smallest_tile, tpl_bool as _b,
                      window_arg as _window)
 import numpy as np
@@ -234,15 +233,11 @@ _WS_TILES = {(64, False): (192, 128, 3), (64, True): (192, 128, 3), (128, False)
              (128, True): (128, 128, 2), (256, False): (128, 80, 2), (256, True): (128, 64, 2)}
 
 
-def sm90_ws_tile(headdim: int, is_local: bool, dropout: bool = False) -> tuple[int, int, int]:
+def sm90_ws_tile(headdim: int, is_local: bool) -> tuple[int, int, int]:
     """(block_m, block_n, stages) of the warp-specialised kernel, with dropout or without (with
     fc_dropout_masks2 the dropout kernel fits three warpgroups' 160 registers at head dim 64
     without spills, NVRTC 12 and nvcc 13; measured on the H200, session 30 of the performance
-    log: 1.12-1.19x the two-warpgroup tile it had). With the producer's dropout masks
-    (common.dropout_masks_from_producer) head dim 256 takes the windowed tile's 64-key blocks,
-    beside which the masks' ring fits (the 80-key blocks leave 2 KiB)."""
-    if headdim == 256 and dropout_masks_from_producer(dropout):
-        return _WS_TILES[(256, True)]
+    log: 1.12-1.19x the two-warpgroup tile it had)."""
     return _WS_TILES[(headdim, bool(is_local))]
 
 
@@ -283,33 +278,25 @@ def _o_bytes(bufs: int, headdim: int) -> int:
     return bufs * 128 * headdim + (8 if bufs == 1 else 0)
 
 
-def _ws_base_smem(headdim: int, is_local: bool, dropout: bool = False) -> int:
+def _ws_base_smem(headdim: int, is_local: bool) -> int:
     """Q + the K/V ring + the mbarriers (8 bytes each: Q full and empty, 4 per stage, 4 of the
-    tile scheduler) and its two int32 slots + alignment slack; with the producer's dropout
-    masks (common.dropout_masks_from_producer) their ring: a full and an empty barrier a
-    stage and a 4-byte word per 4 key tiles (rounded to 1, 2 or 4) per consumer thread a
-    stage, 16-byte aligned."""
-    block_m, block_n, stages = sm90_ws_tile(headdim, is_local, dropout)
-    base = (2 * block_m * headdim + stages * 2 * (2 * block_n * headdim) + 8 * (7 + 4 * stages)
+    tile scheduler) and its two int32 slots + alignment slack."""
+    block_m, block_n, stages = sm90_ws_tile(headdim, is_local)
+    return (2 * block_m * headdim + stages * 2 * (2 * block_n * headdim) + 8 * (7 + 4 * stages)
             + 1024)
-    if dropout_masks_from_producer(dropout):
-        used = (block_n // 16 + 3) // 4
-        words = 1 if used <= 1 else 2 if used <= 2 else 4
-        base += 8 + 16 * stages + 16 + stages * 2 * block_m * 4 * words
-    return base
 
 
-def sm90_ws_o_buffers(headdim: int, is_local: bool, dropout: bool = False) -> int:
+def sm90_ws_o_buffers(headdim: int, is_local: bool) -> int:
     """The 16-bit warp-specialised kernel's O buffers (o_buffers)."""
-    return o_buffers(_ws_base_smem(headdim, is_local, dropout),
-                     sm90_ws_tile(headdim, is_local, dropout)[0], headdim)
+    return o_buffers(_ws_base_smem(headdim, is_local), sm90_ws_tile(headdim, is_local)[0],
+                     headdim)
 
 
-def sm90_ws_smem(headdim: int, is_local: bool, o_tma: bool = True, dropout: bool = False) -> int:
+def sm90_ws_smem(headdim: int, is_local: bool, o_tma: bool = True) -> int:
     """Q + the K/V ring + the mbarriers + the O buffers (o_buffers; none for a call whose
     output TMA cannot write, ``o_tma`` False) + alignment slack."""
-    bufs = sm90_ws_o_buffers(headdim, is_local, dropout) if o_tma else 0
-    return _ws_base_smem(headdim, is_local, dropout) + _o_bytes(bufs, headdim)
+    bufs = sm90_ws_o_buffers(headdim, is_local) if o_tma else 0
+    return _ws_base_smem(headdim, is_local) + _o_bytes(bufs, headdim)
 
 
 def sm90_ws_pingpong(headdim: int, seqlen_k: int, is_local: bool = False) -> bool:
@@ -393,11 +380,11 @@ def sm90_ws_kernel_name(dtype_name: str, headdim: int, is_local: bool, dropout: 
     output that TMA cannot write (``o_tma`` False: float32, or strides a tensor map cannot
     take), which is stored from the registers by the instantiation without buffers: a kernel
     with O buffers always stores through them (_ws_maps)."""
-    block_m, block_n, stages = sm90_ws_tile(headdim, is_local, dropout)
+    block_m, block_n, stages = sm90_ws_tile(headdim, is_local)
     pp = sm90_ws_pingpong(headdim, seqlen_k, is_local) if pingpong is None else pingpong
     pers = False if varlen else (sm90_ws_persistent(headdim, is_local, dropout, pingpong=pp)
                                  if persistent is None else persistent)
-    bufs = 0 if varlen or not o_tma else sm90_ws_o_buffers(headdim, is_local, dropout)
+    bufs = 0 if varlen or not o_tma else sm90_ws_o_buffers(headdim, is_local)
     tail = ", true" if varlen else f", false, {bufs}" if bufs else ""
     return (f"flash_fwd_sm90_ws_kernel<{_elem_tag(dtype_name)}, {headdim}, {block_m}, {block_n}, "
             f"{_b(is_local)}, {_b(dropout)}, {stages}, {_b(pp)}, {_b(pers)}{tail}>")
@@ -723,13 +710,13 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     if not paged and sm90_applies(cc, headdim, has_softcap, has_alibi, seqlen_k):
         cfg_ = config.get()
         if cfg_.sm90_fwd_ws:
-            block_m, block_n, _ = sm90_ws_tile(headdim, is_local, dropout)
+            block_m, block_n, _ = sm90_ws_tile(headdim, is_local)
             ws = _ws_maps(tuple((_as4(a, varlen), rows)
                                 for a, rows in ((q, block_m), (k, block_n), (v, block_n))),
-                          out, varlen, sm90_ws_o_buffers(headdim, is_local, dropout))
+                          out, varlen, sm90_ws_o_buffers(headdim, is_local))
         grid_m = math.ceil(seqlen_q / (block_m if ws is not None else 128))
         if ws is not None:
-            smem = sm90_ws_smem(headdim, is_local, ws[3], dropout)
+            smem = sm90_ws_smem(headdim, is_local, ws[3])
             pingpong = sm90_ws_pingpong(headdim, seqlen_k, is_local)
             persistent = not varlen and sm90_ws_persistent(headdim, is_local, dropout,
                                                            tiles=grid_m * nheads * batch,
