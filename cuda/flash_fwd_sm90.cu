@@ -1185,10 +1185,10 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 
         int nb = blk.n_block_max - 1;
         FC_TL_VALUE(1 + cw, nq, FC_TL_TILE_SLOT, 7, n_iter);
+        draw(nb * kBlockN);                        // (while Q and K arrive)
         FC_TL_STAMP(1 + cw, nq, FC_TL_QWAIT_STEP, 0);
         mbar_wait(bar_q, (fc_u32)nq & 1u);
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 1);
-        draw(nb * kBlockN);
         mbar_wait(full_k(stage_of(0)), parity_of(0));
         issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)stage_of(0) * kTile);
         wgmma_wait<0>();
