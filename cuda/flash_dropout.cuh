@@ -124,21 +124,6 @@ FC_HD unsigned int fc_perm(unsigned int a, unsigned int b, unsigned int sel) {
 #endif
 }
 
-// Keep bits of up to four tiles in one register (the forward's early draw, FwdRows::draw_keeps
-// in flash_fwd_sm90.cu): fc_dropout_keep2's 8 bits of a tile (bits 0-3 and 16-19; bit 16 e + w
-// for pair word w, element e) at slot s (0-3) of the register take bits 4 s + w and 16 + 4 s + w.
-FC_HD unsigned int fc_dropout_stash(unsigned int keep, int slot) {
-    return (keep & 0x000F000Fu) << (4 * slot);
-}
-
-// Pair word w's AND mask (fc_dropout_pair_masks' form) from such a register: its two bits
-// shifted to bits 15 and 31, each replicated over its 16-bit half by a sign-replicating byte
-// permutation (two instructions).
-FC_HD unsigned int fc_dropout_word_mask(unsigned int stash, int slot, int w) {
-    const unsigned int x = stash << (15 - 4 * slot - w);
-    return fc_perm(x, x, 0xBB99u);
-}
-
 // The masks below come from per-byte compares, four probabilities an instruction: the
 // forward's pair masks in 24 instructions a call besides Philox's (30 in the earlier form that
 // added 256 - threshold to each byte spread into a 16-bit half), fc_dropout_lane's a few fewer

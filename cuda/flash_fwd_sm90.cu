@@ -316,40 +316,6 @@ struct FwdRows {
             }
         }
     }
-    // Dropout's keep bits drawn ahead of the block's products (FC_DIAG_DROPOUT_EARLY; the same
-    // calls and bits as pack's): the warp-specialised consumer draws block n0's before it
-    // issues S of that block, where the issue itself would otherwise wait on the tensor
-    // pipe behind the other warpgroup's products, so that the Philox rounds leave the path
-    // from the softmax to the next issue. Tile kk's bits sit in slot kk % 4 of keeps[kk / 4]
-    // (fc_dropout_stash); pack_early makes each pair word's mask from them in two
-    // instructions (fc_dropout_word_mask).
-    static constexpr int kTiles = kBlockN / 16;
-    static constexpr int kKeepRegs = (kTiles + 3) / 4;
-    __device__ __forceinline__ void draw_keeps(unsigned int (&keeps)[kKeepRegs], int n0) const {
-#pragma unroll
-        for (int r = 0; r < kKeepRegs; ++r) keeps[r] = 0u;
-#pragma unroll
-        for (int kk = 0; kk < kTiles; kk += 2) {
-            const int kb = kk + 1 < kTiles ? kk + 1 : kk;
-            unsigned int ka_bits, kb_bits;
-            fc_dropout_keep2(drop, drop_bh, m0 + warp_row0, n0 + 16 * kk, m0 + warp_row0,
-                             n0 + 16 * kb, g, t, false, ka_bits, kb_bits);
-            keeps[kk / 4] |= fc_dropout_stash(ka_bits, kk % 4);
-            if (kk + 1 < kTiles) keeps[(kk + 1) / 4] |= fc_dropout_stash(kb_bits, (kk + 1) % 4);
-        }
-    }
-    __device__ __forceinline__ void pack_early(const float (&s)[kNT * 4],
-                                               fc_u32 (&pa)[kBlockN / 16][4],
-                                               const unsigned int (&keeps)[kKeepRegs]) const {
-#pragma unroll
-        for (int kk = 0; kk < kTiles; ++kk) {
-            auto m = [&](int w) { return fc_dropout_word_mask(keeps[kk / 4], kk % 4, w); };
-            pa[kk][0] = Elem::pack2(s[8 * kk + 0], s[8 * kk + 1]) & m(0);
-            pa[kk][1] = Elem::pack2(s[8 * kk + 2], s[8 * kk + 3]) & m(2);
-            pa[kk][2] = Elem::pack2(s[8 * kk + 4], s[8 * kk + 5]) & m(1);
-            pa[kk][3] = Elem::pack2(s[8 * kk + 6], s[8 * kk + 7]) & m(3);
-        }
-    }
     // P (fp32, in [0, 1]) as the e4m3 A operand of the FP8 P V product, k-step kk (keys
     // n0 + 32 kk ..: the n8 tiles 4kk .. 4kk + 3, in s[16 kk ..]). The FP8 A fragment wants
     // columns 4t .. 4t + 3 (and 16 + 4t ..) of each k32 step where this thread holds columns
@@ -835,13 +801,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     constexpr bool kSoftmaxFence = !Is_fp8 && !Is_dropout && (kD == 64 || kD == 256);
 #endif
     static_assert(!(Is_fp8 && Is_dropout), "FP8 attention is forward only, without dropout");
-    // Dropout's keep bits drawn at the top of each step, before the products' issue
-    // (FwdRows::draw_keeps; FC_DIAG_DROPOUT_EARLY, timing: the same bits).
-#ifdef FC_DIAG_DROPOUT_EARLY
-    constexpr bool kEarlyKeeps = Is_dropout;
-#else
-    constexpr bool kEarlyKeeps = false;
-#endif
     static_assert(!Is_varlen || !kPersistent, "varlen: one tile a CTA");
     static_assert(kOBufs == 0 || kOBufs == kCons || (kOBufs == 1 && kCons == 2),
                   "an O buffer per consumer warpgroup, or one that two consumers take in turn");
@@ -1149,18 +1108,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         };
         fc_u32 pa[Is_fp8 ? kBlockN / 32 : kBlockN / 16][4];
         float corr[2];
-        unsigned int keeps[decltype(rows)::kKeepRegs];
-        // (the draw issued before what follows: a branch on its bits ends the block, so that
-        // ptxas neither sinks it below the products' issue nor hoists a wait above it)
-        auto draw = [&](int n0) {
-            if constexpr (kEarlyKeeps) {
-                rows.draw_keeps(keeps, n0);
-                unsigned int any = 0u;
-#pragma unroll
-                for (int r = 0; r < decltype(rows)::kKeepRegs; ++r) any |= keeps[r];
-                if (any == 0x5A5A5A5Au) asm volatile("nanosleep.u32 0;\n");
-            }
-        };
         auto stage_of = [&](int it) { return (kv + it) % kStages; };
         auto parity_of = [&](int it) { return (fc_u32)((kv + it) / kStages) & 1u; };
         auto pack = [&](int n0) {
@@ -1171,8 +1118,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                 if (n0 == (blk.n_block_max - 1) * kBlockN) rows.pack_e4m3(s, pa);
 #endif
             }
-            else if constexpr (kEarlyKeeps)
-                rows.pack_early(s, pa, keeps);
             else
                 rows.pack(s, pa, n0);
         };
@@ -1185,7 +1130,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 
         int nb = blk.n_block_max - 1;
         FC_TL_VALUE(1 + cw, nq, FC_TL_TILE_SLOT, 7, n_iter);
-        draw(nb * kBlockN);                        // (while Q and K arrive)
         FC_TL_STAMP(1 + cw, nq, FC_TL_QWAIT_STEP, 0);
         mbar_wait(bar_q, (fc_u32)nq & 1u);
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 1);
@@ -1224,7 +1168,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         for (int it = 0; it < n_iter - 1; ++it, --nb) {   // every block but the last
             const int st0 = stage_of(it), st1 = stage_of(it + 1);
             FC_TL_STAMP(1 + cw, nq, it, 0);
-            draw((nb - 1) * kBlockN);
             mbar_wait(full_k(st1), parity_of(it + 1));
             mbar_wait(full_v(st0), parity_of(it));
             FC_TL_STAMP(1 + cw, nq, it, 1);
