@@ -27,7 +27,7 @@ import sys
 import threading
 
 from .. import config
-from .._arrays import dtype_name, library_of
+from .._arrays import dtype_name
 from ..kernels import plans
 from ..spec import backward_spec, forward_spec, lse_shape, out_fp32
 from .base import choose, choose_kvcache
