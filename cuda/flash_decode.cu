@@ -361,14 +361,19 @@ __device__ __forceinline__ void cluster_merge(const FlashParams& params, int b, 
 //   kBlockN     keys per pipeline stage;  kNWarps warps, each owning kBlockN / kNWarps keys
 //   kStages     cp.async ring depth (K + V of one key block per stage)
 //   kMT         m16 slices per CTA: kBlockM = 16 * kMT packed rows
-//   Is_paged    block_table addressing;  Is_local: any window side bounded (causal included)
+//   kPaged      0: a contiguous cache; 1: block_table addressing, any page size (a block's
+//               rows may span pages); 2: the same where the page size is a multiple of kBlockN
+//               (a block lies in one page: the per-row page walk is compiled out, which halves
+//               the main loop's code; a loop of twice the size missed in the instruction cache
+//               and cost ~8 us of a batch-1 / 4k step with a cold L2, performance log session 48)
+//   Is_local    any window side bounded (causal included)
 //   Has_softcap, Has_alibi, Is_even_d (headdim == kHeadDim)
 //   Is_split    write fp32 partials to o_accum / lse_accum for the combine kernel
 //   kCluster    0, or (sm_90+, Is_split) the split count, merged inside the cluster of the
 //               group's kCluster CTAs (flash_decode_cluster_kernel) instead of through global
 //               scratch
 template <typename Elem, int kHeadDim, int kBlockN, int kNWarps, int kStages, int kMT,
-          bool Is_paged, bool Is_local, bool Has_softcap, bool Has_alibi, bool Is_even_d,
+          int kPaged, bool Is_local, bool Has_softcap, bool Has_alibi, bool Is_even_d,
           bool Is_split, int kCluster, bool Is_fp8>
 __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     using namespace fc_dec;
@@ -376,6 +381,9 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     // per two cache values, from the bytes in registers: no 16-bit copy of the cache in shared
     // memory; q is converted once, see the Q tile below)
     using EM = typename fc_mma_elem<Elem, Is_fp8>::type;
+    constexpr bool Is_paged = kPaged != 0;
+    constexpr bool kInPage = kPaged == 2;           // page_size % kBlockN == 0 (the launcher's)
+    static_assert(kPaged >= 0 && kPaged <= 2, "kPaged: 0, 1 or 2");
     static_assert(kCluster == 0 || Is_split, "a cluster merge merges splits");
     static_assert(!Is_fp8 || (Is_even_d && kHeadDim >= 128), "FP8 caches: head dims 128, 256");
     constexpr int kNThreads = kNWarps * 32;
@@ -589,7 +597,7 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     // A thread's rows of a block lie in one page when r0 + (kRPT - 1) * kRS < page_size (always
     // when kBlockN divides page_size, e.g. 256): one table entry, and the rows' offsets are the
     // first one's plus multiples of kRS rows, as for a contiguous cache.
-    auto one_page = [&](int r0) { return r0 + (kRPT - 1) * kRS < page_size; };
+    auto one_page = [&](int r0) { return kInPage || r0 + (kRPT - 1) * kRS < page_size; };
     auto fetch_pages = [&](int (&pg)[kPg], int& r0) {   // the block after the last fetched one
         if constexpr (Is_paged) {
             int p = wp, r = wr;
@@ -1031,11 +1039,11 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
 
 // Is_fp8: the cache is float8_e4m3fn (Elem is q's type), with params.k_descale / v_descale.
 template <typename Elem, int kHeadDim, int kBlockN, int kNWarps, int kStages, int kMT,
-          bool Is_paged, bool Is_local, bool Has_softcap, bool Has_alibi, bool Is_even_d,
+          int kPaged, bool Is_local, bool Has_softcap, bool Has_alibi, bool Is_even_d,
           bool Is_split, bool Is_fp8>
 __global__ void __launch_bounds__(kNWarps * 32, 2)
 flash_decode_kernel(const FlashParams params) {
-    flash_decode_body<Elem, kHeadDim, kBlockN, kNWarps, kStages, kMT, Is_paged, Is_local,
+    flash_decode_body<Elem, kHeadDim, kBlockN, kNWarps, kStages, kMT, kPaged, Is_local,
                       Has_softcap, Has_alibi, Is_even_d, Is_split, 0, Is_fp8>(params);
 }
 
@@ -1045,11 +1053,11 @@ flash_decode_kernel(const FlashParams params) {
 // (__cluster_dims__ does not compile there; the launcher never asks for it below sm_90).
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 template <typename Elem, int kHeadDim, int kBlockN, int kNWarps, int kStages, int kMT,
-          bool Is_paged, bool Is_local, bool Has_softcap, bool Has_alibi, bool Is_even_d,
+          int kPaged, bool Is_local, bool Has_softcap, bool Has_alibi, bool Is_even_d,
           int kCluster, bool Is_fp8>
 __global__ void __cluster_dims__(1, 1, kCluster) __launch_bounds__(kNWarps * 32, 2)
 flash_decode_cluster_kernel(const FlashParams params) {
-    flash_decode_body<Elem, kHeadDim, kBlockN, kNWarps, kStages, kMT, Is_paged, Is_local,
+    flash_decode_body<Elem, kHeadDim, kBlockN, kNWarps, kStages, kMT, kPaged, Is_local,
                       Has_softcap, Has_alibi, Is_even_d, true, kCluster, Is_fp8>(params);
 }
 #endif

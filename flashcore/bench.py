@@ -182,10 +182,15 @@ class _Cuda:
             self.cupy.cuda.Device().synchronize()
 
     def flush(self):
+        # Read the buffer through (a sum): the L2 then holds its lines, clean. Writing it (as
+        # triton's do_bench does) would leave the L2 full of dirty lines, whose write-back to
+        # HBM then runs inside the timed call as its own reads evict them: about 10 us of a
+        # decoding step on an H100 (tests/diagnostics/probe_flush.py, performance log session
+        # 48), the harness's cost and not the call's.
         if self.lib == "torch":
-            self.flush_buf.zero_()
+            self.flush_buf.view(self.torch.int64).sum()
         else:
-            self.flush_buf.fill(0)
+            self.flush_buf.view(self.cupy.int64).sum()
 
     def spin(self):
         if self.lib == "torch":
@@ -216,26 +221,35 @@ def gpu_time(fn, lib: str = "torch", reps: int | None = None, warmup: int = 3,
     After ``warmup`` calls, ``reps`` repetitions (default: as many as fill ``target_s``, within
     [min_reps, max_reps]) are queued behind a spin kernel that holds the GPU while the host
     enqueues them, so that calls shorter than their Python launch (decoding steps) are timed on
-    the device, not on the host. Before every repetition the L2 is overwritten (256 MB, outside
-    the timed interval, as triton's do_bench does: inputs of a few MB would otherwise be read
-    from L2 rather than HBM); each repetition has its own pair of CUDA events on the current
-    stream of ``lib`` ('torch' or 'cupy'). ``fn`` must not synchronise with the host."""
+    the device, not on the host. Before every repetition a 256 MB buffer is read through, outside
+    the timed interval, so that the call's inputs are not in the L2 (inputs of a few MB would
+    otherwise be read from L2 rather than HBM) and the L2's lines are clean: no write-back of
+    the flush's own data runs inside the timed call. Each repetition has its own pair of CUDA
+    events on the current stream of ``lib`` ('torch' or 'cupy'). ``fn`` must not synchronise
+    with the host."""
     cu = _cuda(lib)
     for _ in range(warmup):
         fn()
     cu.sync()
     a, b = cu.event(), cu.event()
     a.record()
-    t0 = time.perf_counter()
     for _ in range(3):
         fn()
-    host = (time.perf_counter() - t0) / 3          # the host's time to issue one call
     b.record()
     cu.sync()
     if reps is None:
         estimate = max(cu.seconds(a, b) / 3, 1e-6)
         reps = int(min(max(math.ceil(target_s / estimate), min_reps), max_reps))
     events = [(cu.event(), cu.event()) for _ in range(reps)]
+    # the host's time to issue one repetition: the flush, two events and the call
+    t0 = time.perf_counter()
+    for x, y in events[:3]:
+        cu.flush()
+        x.record()
+        fn()
+        y.record()
+    host = (time.perf_counter() - t0) / min(3, reps)
+    cu.sync()
     _hold(cu, reps, host)
     for a, b in events:
         cu.flush()

@@ -226,25 +226,33 @@ def smem_bytes(headdim: int, m_tiles: int, cluster: bool = False,
             + (2 * cfg.n_warps + 1) * block_m * 4)
 
 
-def kernel_name(dtype_name: str, headdim: int, m_tiles: int, paged: bool, is_local: bool,
+def paged_kind(page_size: int, block_n: int) -> int:
+    """The kernels' kPaged: 0 a contiguous cache (``page_size`` 0), 2 pages of a multiple of
+    ``block_n`` rows (a key block lies in one page), else 1 (any page size)."""
+    return 0 if not page_size else (2 if page_size % block_n == 0 else 1)
+
+
+def kernel_name(dtype_name: str, headdim: int, m_tiles: int, paged: int, is_local: bool,
                 has_softcap: bool, has_alibi: bool, is_split: bool,
                 cfg: DecodeConfig | None = None, fp8: bool = False) -> str:
-    """``fp8``: the cache is float8_e4m3fn (``dtype_name`` is q's)."""
+    """``paged``: the kernel's kPaged (paged_kind; False / True stand for 0 / 1). ``fp8``: the
+    cache is float8_e4m3fn (``dtype_name`` is q's)."""
     d = headdim_tile(headdim)
     cfg = cfg or decode_config(headdim, fp8=fp8)
     return (f"flash_decode_kernel<{_elem_tag(dtype_name)}, {d}, {cfg.block_n}, {cfg.n_warps}, "
-            f"{cfg.stages}, {m_tiles}, {_b(paged)}, {_b(is_local)}, {_b(has_softcap)}, "
+            f"{cfg.stages}, {m_tiles}, {int(paged)}, {_b(is_local)}, {_b(has_softcap)}, "
             f"{_b(has_alibi)}, {_b(headdim == d)}, {_b(is_split)}, {_b(fp8)}>")
 
 
-def cluster_kernel_name(dtype_name: str, headdim: int, m_tiles: int, paged: bool,
+def cluster_kernel_name(dtype_name: str, headdim: int, m_tiles: int, paged: int,
                         is_local: bool, has_softcap: bool, has_alibi: bool, splits: int,
                         fp8: bool = False) -> str:
-    """The split kernel whose ``splits`` CTAs per group merge inside their cluster (sm_90+)."""
+    """The split kernel whose ``splits`` CTAs per group merge inside their cluster (sm_90+);
+    ``paged`` as in kernel_name."""
     d = headdim_tile(headdim)
     cfg = decode_config(headdim, True, m_tiles, fp8=fp8)
     return (f"flash_decode_cluster_kernel<{_elem_tag(dtype_name)}, {d}, {cfg.block_n}, "
-            f"{cfg.n_warps}, {cfg.stages}, {m_tiles}, {_b(paged)}, {_b(is_local)}, "
+            f"{cfg.n_warps}, {cfg.stages}, {m_tiles}, {int(paged)}, {_b(is_local)}, "
             f"{_b(has_softcap)}, {_b(has_alibi)}, {_b(headdim == d)}, {splits}, {_b(fp8)}>")
 
 
@@ -259,13 +267,15 @@ def append_name(dtype_name: str, paged: bool, rotary: bool, interleaved: bool) -
 
 def _variants(dtype_names=("float16", "bfloat16")):
     """(dtype, headdim, m_tiles, paged, is_local, has_softcap, has_alibi) for every head-dim
-    tile (and a smaller head dim in it), both m-slice counts where they exist, every flag."""
+    tile (and a smaller head dim in it), both m-slice counts where they exist, every flag
+    (``paged`` every kPaged: 0, 1, 2)."""
     for dt in dtype_names:
         for d in HEADDIM_TILES:
             for hd in (d, d - 8):
                 for mt in ((1, 2) if d <= 128 else (1,)):
-                    for flags in itertools.product((False, True), repeat=4):
-                        yield (dt, hd, mt) + flags
+                    for paged in (0, 1, 2):
+                        for flags in itertools.product((False, True), repeat=3):
+                            yield (dt, hd, mt, paged) + flags
 
 
 def instantiations() -> list[str]:
@@ -599,8 +609,10 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
     cluster = is_split and cluster_ok and not cluster_declined and num_splits <= MAX_CLUSTER
     cname = None
     if cluster:
-        cname = cluster_kernel_name(dtype_name, headdim, m_tiles, paged, is_local, has_softcap,
-                                    has_alibi, num_splits, fp8)
+        cname = cluster_kernel_name(
+            dtype_name, headdim, m_tiles,
+            paged_kind(page_size, decode_config(headdim, True, m_tiles, fp8=fp8).block_n),
+            is_local, has_softcap, has_alibi, num_splits, fp8)
         cluster = ((device_id, cname) not in _CLUSTER_REFUSED
                    and _cluster_layout_fits(headdim, m_tiles,
                                             decode_config(headdim, True, m_tiles, fp8=fp8), fp8))
@@ -612,7 +624,8 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
     if cluster:
         kernel = get_kernel(SOURCE, cname, device_id, cc, smem, defines)
     else:
-        kernel = get_kernel(SOURCE, kernel_name(dtype_name, headdim, m_tiles, paged, is_local,
+        kernel = get_kernel(SOURCE, kernel_name(dtype_name, headdim, m_tiles,
+                                                paged_kind(page_size, cfg.block_n), is_local,
                                                 has_softcap, has_alibi, is_split, cfg, fp8),
                             device_id, cc, smem, defines)
 

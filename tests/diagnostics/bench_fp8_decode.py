@@ -12,7 +12,8 @@ int32 tensor, per-(batch, kv head) descales for the FP8 cache; the bf16 problem 
 ``flashcore.bench.DecodeProblem``'s, the FP8 cache ``fp8_quantise`` of it), timed by
 ``flashcore.bench.gpu_time`` (CUDA events, L2 flushed, median). ``--splits``: the FP8 call also
 with these ``num_splits`` (0: flashcore's choice). Prints GPU time, the ratio bf16 / fp8 (the
-tokens/s ratio) and the FP8 cache's bytes per second. ``--paged``: both caches paged (pages of
+tokens/s ratio), the FP8 cache's bytes per second and the largest difference of any FP8
+variant's output from the first one's. ``--paged``: both caches paged (pages of
 PAGE_SIZE tokens in a shuffled order named by an int32 ``block_table``). ``--fp8-cfg``: the
 FP8 calls also with these decode tiles (block_n, n_warps, stages; ``decode.set_config_override``
 for head dim 128 around the FP8 calls only; the bf16 call keeps the default tiles), one column
@@ -81,13 +82,20 @@ def main(argv):
         t16 = gpu_time(lambda: flashcore.attention_with_kvcache(q, k16, v16, cache_seqlens=lens,
                                                                 **pg))
         cells_out = []
+        ref8, worst = None, 0.0       # every FP8 variant's output against the first one's
         for s, c, dfs in runs:
             dm.set_config_override(d, c)
             try:
                 with config.override(sm90_defines=dfs):
-                    t8 = gpu_time(lambda: flashcore.attention_with_kvcache(
-                        q, k8, v8, cache_seqlens=lens, k_descale=kd, v_descale=vd, num_splits=s,
-                        **pg))
+                    def call8():
+                        return flashcore.attention_with_kvcache(
+                            q, k8, v8, cache_seqlens=lens, k_descale=kd, v_descale=vd,
+                            num_splits=s, **pg)
+                    o8 = call8().float()
+                    if ref8 is None:
+                        ref8 = o8
+                    worst = max(worst, float((o8 - ref8).abs().max()))
+                    t8 = gpu_time(call8)
                     t16d = gpu_time(lambda: flashcore.attention_with_kvcache(
                         q, k16, v16, cache_seqlens=lens, **pg)) if dfs else None
             finally:
@@ -95,7 +103,8 @@ def main(argv):
             tb = 2 * b * sk * hk * d / t8 / 1e12
             cells_out.append(f"{t8 * 1e6:8.1f} ({t16 / t8:4.2f}, {tb:4.2f}"
                              + (f"; {t16d * 1e6:.1f})" if dfs else ")"))
-        print(f"{b:5d} {sk:6d} | {t16 * 1e6:10.1f} | " + " | ".join(cells_out), flush=True)
+        print(f"{b:5d} {sk:6d} | {t16 * 1e6:10.1f} | " + " | ".join(cells_out)
+              + f" | max diff {worst:.1e}", flush=True)
         del k16, v16, k8, v8
         torch.cuda.empty_cache()
     return 0

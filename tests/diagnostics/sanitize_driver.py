@@ -370,11 +370,11 @@ for lens, lp in (([600, -5, 512], None), ([10, 20, 30], [40, -3, 5000])):
     cp.cuda.Device().synchronize()
     n += 1
 mark("bad block table")
-for splits in (1, 4):
+for page, splits in ((16, 1), (16, 4), (256, 1), (256, 4)):   # (256: blocks inside a page)
     per = cap // page
     kc, vc = arr((b * per, page, hk, d), "bfloat16"), arr((b * per, page, hk, d), "bfloat16")
     table = np.arange(b * per, dtype=np.int32).reshape(b, per)
-    table[0, 3], table[1, 0], table[2, -1] = 10**6, -7, b * per
+    table[0, min(3, per - 1)], table[1, 0], table[2, -1] = 10**6, -7, b * per
     flashcore.attention_with_kvcache(arr((b, 1, 8, d), "bfloat16"), kc, vc,
                                      arr((b, 1, hk, d), "bfloat16"), arr((b, 1, hk, d), "bfloat16"),
                                      cache_seqlens=cp.asarray(np.array([100, 5, 600], np.int32)),

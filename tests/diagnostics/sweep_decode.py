@@ -7,11 +7,12 @@ variant's (the same math, so within bf16 rounding of it).
 
     python tests/diagnostics/sweep_decode.py [--top K] [--batches 1,8,64] [--more-configs]
                                              [--splits 8,16,33] [--caches 4096,131072]
-                                             [--page-size 256]
+                                             [--page-size 256] [--configs 128,8,3/256,8,3]
     python tests/diagnostics/sweep_decode.py --ab "-DFC_DIAG_X" [--batches ..] [--caches ..]
                                              [--page-size 256]
 
-``--ab DEFINES``: instead of the sweep, flashcore's default call (its own split count and tile)
+``--configs``: these tile configurations (block_n,n_warps,stages, slash-separated) instead of
+the default list. ``--ab DEFINES``: instead of the sweep, flashcore's default call (its own split count and tile)
 built as it is and with DEFINES (``flashcore.config``'s ``sm90_defines``), timed in turn over
 five rounds in one process, the median of each and cuDNN's, and whether the outputs are equal
 bit for bit.
@@ -126,6 +127,12 @@ if __name__ == "__main__":
         ab(a[a.index("--ab") + 1].split(), ints("--batches", (1, 8)),
            ints("--caches", (16384, 131072)), page)
     else:
+        cfgs = None
+        if "--configs" in a:
+            cfgs = [tuple(int(x) for x in c.split(","))
+                    for c in a[a.index("--configs") + 1].split("/")]
+        elif "--more-configs" in a:
+            cfgs = CONFIGS + [(64, 4, 2), (32, 2, 4)]
         main(int(a[a.index("--top") + 1]) if "--top" in a else 6, ints("--batches", (1, 8)),
-             CONFIGS + [(64, 4, 2), (32, 2, 4)] if "--more-configs" in a else None,
+             cfgs,
              ints("--splits", None), ints("--caches", (4096, 16384, 131072)), page)
