@@ -609,13 +609,12 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
     cluster = is_split and cluster_ok and not cluster_declined and num_splits <= MAX_CLUSTER
     cname = None
     if cluster:
-        cname = cluster_kernel_name(
-            dtype_name, headdim, m_tiles,
-            paged_kind(page_size, decode_config(headdim, True, m_tiles, fp8=fp8).block_n),
-            is_local, has_softcap, has_alibi, num_splits, fp8)
+        cl_cfg = decode_config(headdim, True, m_tiles, fp8=fp8)
+        cname = cluster_kernel_name(dtype_name, headdim, m_tiles,
+                                    paged_kind(page_size, cl_cfg.block_n), is_local, has_softcap,
+                                    has_alibi, num_splits, fp8)
         cluster = ((device_id, cname) not in _CLUSTER_REFUSED
-                   and _cluster_layout_fits(headdim, m_tiles,
-                                            decode_config(headdim, True, m_tiles, fp8=fp8), fp8))
+                   and _cluster_layout_fits(headdim, m_tiles, cl_cfg, fp8))
     cfg = decode_config(headdim, cluster, m_tiles,
                         single_ctas=0 if is_split or not hopper else batch * nheads_k * m_blocks,
                         num_sms=_sm_count(device_id), keys=span_keys, fp8=fp8)
