@@ -20,12 +20,14 @@
 //     CTAs, one cluster, merge them through DSMEM (see cluster_merge). Otherwise the CTA writes
 //     the 16-bit output and the LSE directly.
 //   * Paged cache: token t lives at block block_table[b, t / page_size], row t % page_size.
-//     Every thread loads the rows it copies, so a key block may straddle pages (page_size 16
-//     with kBlockN 64 or 128). The block-table entries of the next key block are read one
-//     block ahead into registers, so their latency hides behind a block of compute; the page
-//     walk is incremental (one division per CTA, not two per row and block: the divisions
-//     were half of the paged main loop's instructions), and the prologue requests the entries
-//     of its second block before it waits for those of its first.
+//     A key block may span pages (page_size 16 with kBlockN 64 or 128), but the kRPT rows a
+//     thread copies of a block are consecutive tokens starting at a multiple of kRPT (which
+//     divides 16, and so every page size): they lie in one page, so a thread reads one
+//     block-table entry a block and addresses its rows as in a contiguous cache, whatever
+//     the page size. The entries of the next key block are read one block ahead into
+//     registers, so their latency hides behind a block of compute; the walk from block to
+//     block is incremental (one division per CTA), and the prologue requests the entries of
+//     its second block before it waits for those of its first.
 //
 // Masking and alignment are exactly those of flash_fwd.cu (bottom-right causal, windows,
 // softcap, ALiBi; rows that see no key get O = 0 and lse = -inf).
@@ -361,11 +363,10 @@ __device__ __forceinline__ void cluster_merge(const FlashParams& params, int b, 
 //   kBlockN     keys per pipeline stage;  kNWarps warps, each owning kBlockN / kNWarps keys
 //   kStages     cp.async ring depth (K + V of one key block per stage)
 //   kMT         m16 slices per CTA: kBlockM = 16 * kMT packed rows
-//   kPaged      0: a contiguous cache; 1: block_table addressing, any page size (a block's
-//               rows may span pages); 2: the same where the page size is a multiple of kBlockN
-//               (a block lies in one page: the per-row page walk is compiled out, which halves
-//               the main loop's code; a loop of twice the size missed in the instruction cache
-//               and cost ~8 us of a batch-1 / 4k step with a cold L2, performance log session 48)
+//   kPaged      0: a contiguous cache; 1: block_table addressing (any page size: see above).
+//               (Session 48's kPaged 2 for pages of a multiple of kBlockN is this path now: a
+//               per-row page walk for blocks that span pages doubled the main loop's code,
+//               which missed in the instruction cache, performance log sessions 48-49.)
 //   Is_local    any window side bounded (causal included)
 //   Has_softcap, Has_alibi, Is_even_d (headdim == kHeadDim)
 //   Is_split    write fp32 partials to o_accum / lse_accum for the combine kernel
@@ -382,8 +383,7 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     // memory; q is converted once, see the Q tile below)
     using EM = typename fc_mma_elem<Elem, Is_fp8>::type;
     constexpr bool Is_paged = kPaged != 0;
-    constexpr bool kInPage = kPaged == 2;           // page_size % kBlockN == 0 (the launcher's)
-    static_assert(kPaged >= 0 && kPaged <= 2, "kPaged: 0, 1 or 2");
+    static_assert(kPaged == 0 || kPaged == 1, "kPaged: 0 or 1");
     static_assert(kCluster == 0 || Is_split, "a cluster merge merges splits");
     static_assert(!Is_fp8 || (Is_even_d && kHeadDim >= 128), "FP8 caches: head dims 128, 256");
     constexpr int kNThreads = kNWarps * 32;
@@ -420,7 +420,7 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     static_assert(kRedBytes <= kRingBytes, "reduction slabs must fit in the K/V ring");
     static_assert((fc_u32)kNWarps * kMaxSplits * 4 <= kRingBytes && kQBytes >= 4,
                   "fused combine: weight tables in the ring, the flag in the Q tile");
-    static_assert(kRS <= 16, "page walk: a thread's rows advance by less than a page (>= 16)");
+    static_assert(!Is_paged || 16 % kRPT == 0, "paged: a thread's rows of a block in one page");
     static_assert(kCluster == 0
                   || kRedBytes + 4u * kBlockM * kHeadDim + 4u * kBlockM <= kRingBytes,
                   "cluster merge: the partial O and lse after the reduction slabs, in the ring");
@@ -553,10 +553,13 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     }
 
     // ---- K/V block loads ---------------------------------------------------------------------
-    // Thread owns 16-byte column chunk lc of rows lr0 + i * kRS (i < kRPT): 16 (d128) threads
-    // cover one row, so each warp reads whole contiguous rows.
+    // Thread owns 16-byte column chunk lc of rows row_of(i), i < kRPT: 16 (d128) threads cover
+    // one row, so each warp reads whole contiguous rows; a contiguous cache interleaves the
+    // threads' rows (lr0 + i kRS), a paged one gives each row group kRPT consecutive rows
+    // (lr0 kRPT + i: one page, see above).
     const int lr0 = tid / kLCPR;
     const int lc = tid % kLCPR;
+    auto row_of = [&](int i) { return Is_paged ? lr0 * kRPT + i : lr0 + i * kRS; };
     const bool col_ok = Is_even_d || lc * 8 < headdim;
     const fc_u16* gK = static_cast<const fc_u16*>(params.k) + (long long)hk * params.k_head_stride
                        + (Is_paged ? 0ll : (long long)b * params.k_batch_stride
@@ -567,56 +570,30 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
     const int* bt = Is_paged ? params.block_table + (long long)b * params.block_table_batch_stride
                              : nullptr;
     const int page_size = params.page_size;
-    // Paged: the page walk of this thread's rows without a division per row. (wp, wr): page
-    // index and row in page of the thread's first row (lr0) of the next block to fetch; a block
-    // advances it by kBlockN = bq pages + br rows, and the thread's next row lies kRS <= 16 <=
-    // page_size rows further (at most one page step). Table entries are read at min(index,
-    // bt_last): always inside the table row, so no predicate; an entry past the sequence's
-    // pages is never used (its rows fail tok < sk).
+    // Paged: the page walk of this thread's rows without a division per block. (wp, wr): page
+    // index and row in page of the thread's first row (row_of(0)) of the next block to fetch;
+    // a block advances it by kBlockN = bq pages + br rows. Table entries are read at
+    // min(index, bt_last): always inside the table row, so no predicate; an entry past the
+    // sequence's pages is never used (its rows fail tok < sk).
     int wp = 0, wr = 0, bq = 0, br = 0, bt_last = 0;
     if constexpr (Is_paged) {
-        const int tok0 = nb_begin * kBlockN + lr0;
+        const int tok0 = nb_begin * kBlockN + row_of(0);
         wp = tok0 / page_size;
         wr = tok0 - wp * page_size;
         bq = kBlockN / page_size;
         br = kBlockN - bq * page_size;
         bt_last = max(params.seqlen_k / page_size - 1, 0);
     }
-    // Table entries (physical blocks) of this thread's rows of a fetched block, and the row in
+    // The table entry (physical block) of this thread's rows of a fetched block, and the row in
     // page of its first row. Two sets: the prologue fetches block s + 1 before it issues the
-    // copies of block s (whose entries it then waits for), so the table reads of the first
-    // blocks overlap; the main loop reads the entries of block nb + kStages one block ahead.
-    constexpr int kPg = Is_paged ? kRPT : 1;
-    int pgs[2][kPg];
+    // copies of block s (whose entry it then waits for), so the table reads of the first
+    // blocks overlap; the main loop reads the entry of block nb + kStages one block ahead.
+    int pgs[2] = {0, 0};
     int pr0[2] = {0, 0};
-#pragma unroll
-    for (int u = 0; u < 2; ++u)
-#pragma unroll
-        for (int i = 0; i < kPg; ++i) pgs[u][i] = 0;
-
-    // A thread's rows of a block lie in one page when r0 + (kRPT - 1) * kRS < page_size (always
-    // when kBlockN divides page_size, e.g. 256): one table entry, and the rows' offsets are the
-    // first one's plus multiples of kRS rows, as for a contiguous cache.
-    auto one_page = [&](int r0) { return kInPage || r0 + (kRPT - 1) * kRS < page_size; };
-    auto fetch_pages = [&](int (&pg)[kPg], int& r0) {   // the block after the last fetched one
+    auto fetch_pages = [&](int& pg, int& r0) {   // the block after the last fetched one
         if constexpr (Is_paged) {
-            int p = wp, r = wr;
-            r0 = r;
-            if (one_page(r)) {
-                pg[0] = fc_pool_block(bt[min(p, bt_last)], params.num_blocks);
-            } else {
-#pragma unroll
-                for (int i = 0; i < kRPT; ++i) {
-                    if (i > 0) {
-                        r += kRS;
-                        if (r >= page_size) {
-                            r -= page_size;
-                            ++p;
-                        }
-                    }
-                    pg[i] = fc_pool_block(bt[min(p, bt_last)], params.num_blocks);
-                }
-            }
+            r0 = wr;
+            pg = fc_pool_block(bt[min(wp, bt_last)], params.num_blocks);
             // keep the table's next lines warm in L2 (page 16: a 128-byte line is 8 blocks)
             if (tid == 0) prefetch_l2(bt + min(wp + 32, bt_last));
             wp += bq;
@@ -628,11 +605,11 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
         }
     };
     // keyed: a key mask is given (key_keep != nullptr; the main loop's copies pass a constant)
-    auto load_kv = [&](int nb, int stage, const int (&pg)[kPg], int r0, bool keyed) {
+    auto load_kv = [&](int nb, int stage, int pg, int r0, bool keyed) {
         const fc_u32 sK = sKV + (fc_u32)stage * kStageBytes;
         const fc_u32 sV = sK + kTileBytes;
         auto issue = [&](int i, long long ko, long long vo) {
-            const int row = lr0 + i * kRS;
+            const int row = row_of(i);
             const int tok = nb * kBlockN + row;
             const bool pred = col_ok && tok < sk && (!keyed || __ldg(key_keep + tok));
             const fc_u32 so = 2u * (fc_u32)tile_off<kW, kBlockN>(row, lc * 8);   // (kLD columns)
@@ -640,33 +617,18 @@ __device__ __forceinline__ void flash_decode_body(const FlashParams& params) {
             cp_async_16(sV + so, pred ? gV + vo : gV, pred);
         };
         if constexpr (Is_paged) {
-            if (one_page(r0)) {
-                const long long kb = (long long)pg[0] * params.k_batch_stride
-                                     + (long long)r0 * params.k_row_stride;
-                const long long vb = (long long)pg[0] * params.v_batch_stride
-                                     + (long long)r0 * params.v_row_stride;
+            const long long kb = (long long)pg * params.k_batch_stride
+                                 + (long long)r0 * params.k_row_stride;
+            const long long vb = (long long)pg * params.v_batch_stride
+                                 + (long long)r0 * params.v_row_stride;
 #pragma unroll
-                for (int i = 0; i < kRPT; ++i)
-                    issue(i, kb + (long long)(i * kRS) * params.k_row_stride,
-                          vb + (long long)(i * kRS) * params.v_row_stride);
-            } else {
-                int in_page = r0;
-#pragma unroll
-                for (int i = 0; i < kRPT; ++i) {
-                    if (i > 0) {
-                        in_page += kRS;
-                        if (in_page >= page_size) in_page -= page_size;
-                    }
-                    issue(i, (long long)pg[i] * params.k_batch_stride
-                                 + (long long)in_page * params.k_row_stride,
-                          (long long)pg[i] * params.v_batch_stride
-                                 + (long long)in_page * params.v_row_stride);
-                }
-            }
+            for (int i = 0; i < kRPT; ++i)
+                issue(i, kb + (long long)i * params.k_row_stride,
+                      vb + (long long)i * params.v_row_stride);
         } else {
 #pragma unroll
             for (int i = 0; i < kRPT; ++i) {
-                const long long tok = nb * kBlockN + lr0 + i * kRS;
+                const long long tok = nb * kBlockN + row_of(i);
                 issue(i, tok * params.k_row_stride, tok * params.v_row_stride);
             }
         }

@@ -110,7 +110,8 @@ LAYOUTS = {
     "contiguous": dict(page_size=None, capacity=80, before=(5, 0, 37)),
     "paged16": dict(page_size=16, capacity=80, before=(5, 0, 37)),      # 37 = 2 pages + 5
     "paged64": dict(page_size=64, capacity=200, before=(130, 1, 64)),
-}
+    "paged48": dict(page_size=48, capacity=200, before=(100, 1, 47)),   # neither divides a key
+}                                                                       # block nor a multiple
 
 CASES = {
     "plain": dict(),

@@ -88,13 +88,17 @@ _CONFIG_OVERRIDE: dict = {}
 def set_config_override(headdim_tile_: int, cfg: DecodeConfig | None) -> None:
     """Use ``cfg`` (block_n, n_warps, stages) instead of the default for a head-dim tile (None:
     back to the default); a tuning aid (tests/diagnostics/sweep_decode.py). block_n / n_warps must be a
-    multiple of 16. Recorded launch plans are dropped."""
+    multiple of 16, and the rows a thread copies of a block (block_n * tile / (256 n_warps))
+    must divide 16 (so that they lie in one page of a paged cache). Recorded launch plans are
+    dropped."""
     if cfg is None:
         _CONFIG_OVERRIDE.pop(headdim_tile_, None)
     else:
         cfg = DecodeConfig(*cfg)
-        if cfg.block_n % (16 * cfg.n_warps) or cfg.stages < 2:
-            raise ValueError(f"cfg: block_n / n_warps must be a multiple of 16 and stages >= 2, "
+        rows = cfg.block_n * headdim_tile_ // (256 * cfg.n_warps)
+        if cfg.block_n % (16 * cfg.n_warps) or cfg.stages < 2 or rows < 1 or 16 % rows:
+            raise ValueError(f"cfg: block_n / n_warps must be a multiple of 16, block_n * "
+                             f"{headdim_tile_} / (256 n_warps) must divide 16 and stages >= 2, "
                              f"got {cfg}")
         _CONFIG_OVERRIDE[headdim_tile_] = cfg
     plans.clear()
@@ -226,17 +230,11 @@ def smem_bytes(headdim: int, m_tiles: int, cluster: bool = False,
             + (2 * cfg.n_warps + 1) * block_m * 4)
 
 
-def paged_kind(page_size: int, block_n: int) -> int:
-    """The kernels' kPaged: 0 a contiguous cache (``page_size`` 0), 2 pages of a multiple of
-    ``block_n`` rows (a key block lies in one page), else 1 (any page size)."""
-    return 0 if not page_size else (2 if page_size % block_n == 0 else 1)
-
-
-def kernel_name(dtype_name: str, headdim: int, m_tiles: int, paged: int, is_local: bool,
+def kernel_name(dtype_name: str, headdim: int, m_tiles: int, paged: bool, is_local: bool,
                 has_softcap: bool, has_alibi: bool, is_split: bool,
                 cfg: DecodeConfig | None = None, fp8: bool = False) -> str:
-    """``paged``: the kernel's kPaged (paged_kind; False / True stand for 0 / 1). ``fp8``: the
-    cache is float8_e4m3fn (``dtype_name`` is q's)."""
+    """``paged``: a block_table addresses the cache (the kernel's kPaged 1; any page size).
+    ``fp8``: the cache is float8_e4m3fn (``dtype_name`` is q's)."""
     d = headdim_tile(headdim)
     cfg = cfg or decode_config(headdim, fp8=fp8)
     return (f"flash_decode_kernel<{_elem_tag(dtype_name)}, {d}, {cfg.block_n}, {cfg.n_warps}, "
@@ -244,7 +242,7 @@ def kernel_name(dtype_name: str, headdim: int, m_tiles: int, paged: int, is_loca
             f"{_b(has_alibi)}, {_b(headdim == d)}, {_b(is_split)}, {_b(fp8)}>")
 
 
-def cluster_kernel_name(dtype_name: str, headdim: int, m_tiles: int, paged: int,
+def cluster_kernel_name(dtype_name: str, headdim: int, m_tiles: int, paged: bool,
                         is_local: bool, has_softcap: bool, has_alibi: bool, splits: int,
                         fp8: bool = False) -> str:
     """The split kernel whose ``splits`` CTAs per group merge inside their cluster (sm_90+);
@@ -268,12 +266,12 @@ def append_name(dtype_name: str, paged: bool, rotary: bool, interleaved: bool) -
 def _variants(dtype_names=("float16", "bfloat16")):
     """(dtype, headdim, m_tiles, paged, is_local, has_softcap, has_alibi) for every head-dim
     tile (and a smaller head dim in it), both m-slice counts where they exist, every flag
-    (``paged`` every kPaged: 0, 1, 2)."""
+    (``paged`` both ways)."""
     for dt in dtype_names:
         for d in HEADDIM_TILES:
             for hd in (d, d - 8):
                 for mt in ((1, 2) if d <= 128 else (1,)):
-                    for paged in (0, 1, 2):
+                    for paged in (False, True):
                         for flags in itertools.product((False, True), repeat=3):
                             yield (dt, hd, mt, paged) + flags
 
@@ -611,7 +609,7 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
     if cluster:
         cl_cfg = decode_config(headdim, True, m_tiles, fp8=fp8)
         cname = cluster_kernel_name(dtype_name, headdim, m_tiles,
-                                    paged_kind(page_size, cl_cfg.block_n), is_local, has_softcap,
+                                    bool(page_size), is_local, has_softcap,
                                     has_alibi, num_splits, fp8)
         cluster = ((device_id, cname) not in _CLUSTER_REFUSED
                    and _cluster_layout_fits(headdim, m_tiles, cl_cfg, fp8))
@@ -624,7 +622,7 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
         kernel = get_kernel(SOURCE, cname, device_id, cc, smem, defines)
     else:
         kernel = get_kernel(SOURCE, kernel_name(dtype_name, headdim, m_tiles,
-                                                paged_kind(page_size, cfg.block_n), is_local,
+                                                bool(page_size), is_local,
                                                 has_softcap, has_alibi, is_split, cfg, fp8),
                             device_id, cc, smem, defines)
 

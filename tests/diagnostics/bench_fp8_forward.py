@@ -7,7 +7,8 @@ the same process.
                                                  [--defines FC_DIAG_FP8_NO_TRANSPOSE,...]
                                                  [--bn 128,224] [--rounds N]
 
-First a correctness check on a few small cases (against the float64 attention of the
+First a correctness check on a few small cases, of the default build and then of each
+``--defines`` candidate's but the timing-only probes' (against the float64 attention of the
 dequantised inputs, with the flash-attn rule in FP8: error at most twice that of the NumPy
 emulation, flashcore.reference.fp8_forward, plus the bfloat16 output's rounding). Then, through
 the public API on torch CUDA tensors (torch.float8_e4m3fn q, k, v with per-(batch, key head)
@@ -118,9 +119,17 @@ def main(argv):
     rounds = int(_arg(argv, "--rounds", "1"))
     print(f"# torch {torch.__version__}, {torch.cuda.get_device_name()}; 16k tokens, hidden "
           "2048; TFLOP/s (flash-attn's count), GPU time through the public API")
-    if "--no-check" not in argv and not check(torch, flashcore):
-        print("# correctness check FAILED: the timings below are of a wrong kernel")
     defines = [x for x in _arg(argv, "--defines", "").split(",") if x]
+    if "--no-check" not in argv:
+        if not check(torch, flashcore):
+            print("# correctness check FAILED: the timings below are of a wrong kernel")
+        for d_ in defines:          # the candidates too (not the timing-only probes)
+            if "NO_TRANSPOSE" in d_ or "NO_PACK" in d_:
+                continue
+            print(f"# check with {d_}:")
+            with config.override(sm90_defines=tuple(f"-D{x}" for x in d_.split("+"))):
+                if not check(torch, flashcore):
+                    print(f"# correctness check FAILED with {d_}")
     bns = [int(x) for x in _arg(argv, "--bn", "").split(",") if x]
     cols = [f"fp8 pp={'on' if p else 'off'}" for p in pp_modes] + [
         d_.replace("FC_DIAG_FP8_", "-") for d_ in defines] + [f"bn{bn}" for bn in bns] + [

@@ -161,10 +161,12 @@ DTYPES = ["float16", "bfloat16"]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("page_size", [None, 16, 256])
+@pytest.mark.parametrize("page_size", [None, 16, 48, 256])
 @pytest.mark.parametrize("num_splits", [1, 3, 0])
 def test_decode_gqa_one_token(dtype, d, page_size, num_splits):
-    lens = [1000, 37, 0, 513]   # not multiples of the page size, one empty sequence
+    # lengths not multiples of the page size, one empty sequence; pages of 48 neither divide a
+    # key block nor are a multiple of one (a thread's rows of a block still lie in one page)
+    lens = [1000, 37, 0, 513]
     run_decode(dtype, 4, 1, 32, 8, d, lens, page_size=page_size, max_len=1100,
                num_splits=num_splits, seed=d + (page_size or 1) + num_splits)
 
