@@ -287,7 +287,7 @@ for d, page, splits, sq, mode in ((128, None, 1, 1, "cluster"), (64, 16, 3, 1, "
                                   (128, 256, 0, 4, "cluster"), (72, 16, 2, 2, "cluster"),
                                   (128, None, 16, 1, "cluster"), (64, 16, 3, 1, "global"),
                                   (128, None, 40, 1, "global"), (64, 16, 3, 1, "two"),
-                                  (128, 256, 40, 2, "two")):
+                                  (128, 256, 40, 2, "two"), (128, 48, 3, 1, "cluster")):
     mark(f"decode d{d} page {page} splits {splits} sq {sq} {mode}")
     _dec.set_fused_combine(mode != "two")
     _dec.set_cluster_merge(mode == "cluster")
@@ -370,7 +370,7 @@ for lens, lp in (([600, -5, 512], None), ([10, 20, 30], [40, -3, 5000])):
     cp.cuda.Device().synchronize()
     n += 1
 mark("bad block table")
-for page, splits in ((16, 1), (16, 4), (256, 1), (256, 4)):   # (256: blocks inside a page)
+for page, splits in ((16, 1), (16, 4), (48, 1), (48, 4), (256, 1), (256, 4)):
     per = cap // page
     kc, vc = arr((b * per, page, hk, d), "bfloat16"), arr((b * per, page, hk, d), "bfloat16")
     table = np.arange(b * per, dtype=np.int32).reshape(b, per)
