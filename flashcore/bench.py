@@ -947,6 +947,9 @@ def main(argv=None):
                    help="--decode: batch sizes (default 1 8 64)")
     p.add_argument("--cache", type=int, nargs="+", default=list(DECODE_CACHES),
                    help="--decode: cache lengths (default 4096 16384 131072)")
+    p.add_argument("--page-size", type=int, default=DECODE_PAGE_SIZE,
+                   help=f"--decode: the paged rows' page size (default {DECODE_PAGE_SIZE}; a "
+                        "multiple of 16 that divides the cache lengths, e.g. 16 as vLLM's)")
     a = p.parse_args(argv)
     why = why_no_gpu()
     if why:
@@ -960,7 +963,7 @@ def main(argv=None):
     if a.overhead:
         rows = overhead()
     elif a.decode:
-        rows = decode(a.batch, a.cache)
+        rows = decode(a.batch, a.cache, a.page_size)
     else:
         causals = {"both": [False, True], "yes": [True], "no": [False]}[a.causal]
         rows = run(a.seqlen, a.headdim, causals, a.mode, a.dtype, impls=tuple(a.impl))

@@ -66,7 +66,8 @@ def test_parameters_are_fixed_values(suite):
     """asv compares results across commits by parameters: they never depend on what is
     installed (a missing backend skips, it does not disappear)."""
     d = suite["bench_decode_gpu"]
-    assert d.DecodeWallClock.params == [["flashcore", "flashcore_paged", "sdpa_cudnn"],
+    assert d.DecodeWallClock.params == [["flashcore", "flashcore_paged", "flashcore_paged16",
+                                         "sdpa_cudnn"],
                                         [1, 8, 64], [4096, 16384, 131072]]
     assert d.DecodeGraphReplay.params == d.DecodeWallClock.params
     a = suite["bench_attention_gpu"]

@@ -14,7 +14,7 @@ is read by everyone.
 
 Beside these GPU-time groups, what a user's decoding loop pays, through the public API
 (``flashcore.attention_with_kvcache`` with ``cache_seqlens`` a CUDA int32 tensor), contiguous
-and paged (pages of 256), against SDPA's cuDNN backend on the contiguous cache:
+and paged (pages of 256, and of 16), against SDPA's cuDNN backend on the contiguous cache:
 
 * ``DecodeWallClock``: host wall-clock per step of a loop of steps ended by one
   synchronisation (flashcore.bench.host_loop_us);
@@ -32,8 +32,10 @@ from .common import (
 H, HK, D = DECODE_HEADS, DECODE_HEADS_K, DECODE_HEADDIM
 BATCHES = list(DECODE_BATCHES)
 CACHES = list(DECODE_CACHES)
-#: the public API on a contiguous and on a paged cache, and SDPA's cuDNN kernel
-API_IMPLS = ["flashcore", "flashcore_paged", "sdpa_cudnn"]
+#: the public API on a contiguous and on a paged cache (pages of 256, and of 16 as vLLM's),
+#: and SDPA's cuDNN kernel
+API_IMPLS = ["flashcore", "flashcore_paged", "flashcore_paged16", "sdpa_cudnn"]
+PAGE_SIZES = {"flashcore_paged": DECODE_PAGE_SIZE, "flashcore_paged16": 16}
 
 
 class _Decode:
@@ -86,7 +88,8 @@ class DecodeRatio(_Decode):
 
 class _DecodeAPI:
     """The shared setup of the public-API groups: one DecodeProblem of the implementation's
-    layout (paged for 'flashcore_paged'), its step, and the SDPA kernel pinned for a peer."""
+    layout (paged for 'flashcore_paged' and 'flashcore_paged16'), its step, and the SDPA kernel
+    pinned for a peer."""
 
     timeout = 240
     rounds = 1          # see _Decode
@@ -95,7 +98,7 @@ class _DecodeAPI:
         from flashcore.bench import DecodeProblem
         require_gpu_backend("torch" if impl.startswith("flashcore") else impl)
         self.pb = DecodeProblem(batch, cache, H, HK, D, seed=batch * 100003 + cache,
-                                page_size=DECODE_PAGE_SIZE if impl == "flashcore_paged" else None)
+                                page_size=PAGE_SIZES.get(impl))
         self.impl = impl
         self.peer = None if impl.startswith("flashcore") else impl
         try:        # the first step compiles flashcore's kernels, outside the timing
