@@ -89,6 +89,56 @@ __device__ __forceinline__ void load_tile(fc_u32 sdst, const fc_u16* gsrc, long 
     }
 }
 
+// load_tile for the keys n0 .. n0 + ROWS - 1 of a paged cache: key t is row t % page_size of
+// pool block bt[t / page_size] (clamped into the pool), gsrc the head's base in block 0;
+// page_size any multiple of 16. Where the threads split the tile's rows evenly, a thread copies
+// kRPT consecutive rows (a divisor of 16) starting at a multiple of kRPT: they lie in one
+// page, so a thread reads one table entry and does one division a tile. Otherwise (head dims
+// 96 and 192: few chunks a thread) each chunk looks up its own row. A row past rows_valid is
+// not copied (zero-filled) and its table entry not read: rows_valid = sk - n0 with sk at most
+// the table's capacity keeps every index read inside the table's row.
+template <int ROWS, int D, int W, int NT, bool Is_even_d>
+__device__ __forceinline__ void load_tile_paged(fc_u32 sdst, const fc_u16* gsrc, const int* bt,
+                                                int n0, int page_size, int num_blocks,
+                                                long long block_stride, long long row_stride,
+                                                int rows_valid, int headdim, int tid) {
+    constexpr int kCPR = D / 8;             // 16-byte chunks per row
+    if constexpr (NT % kCPR == 0 && (ROWS * kCPR) % NT == 0 && 16 % (ROWS * kCPR / NT) == 0) {
+        constexpr int kRPT = ROWS * kCPR / NT;
+        const int r0 = (tid / kCPR) * kRPT;
+        const int c = tid % kCPR;
+        const bool col_ok = Is_even_d || c * 8 < headdim;
+        const int t0 = n0 + min(r0, rows_valid - 1);   // (rows_valid >= 1)
+        const int pg = t0 / page_size;
+        const fc_u16* src = gsrc + (long long)fc_pool_block(bt[pg], num_blocks) * block_stride
+                            + (long long)(n0 + r0 - pg * page_size) * row_stride + c * 8;
+#pragma unroll
+        for (int i = 0; i < kRPT; ++i) {
+            const bool pred = col_ok && r0 + i < rows_valid;
+            cp_async_16(sdst + 2u * (fc_u32)tile_off<W, ROWS>(r0 + i, c * 8),
+                        pred ? src + (long long)i * row_stride : gsrc, pred);
+        }
+    } else {
+        constexpr int kTotal = ROWS * kCPR;
+        constexpr int kIters = (kTotal + NT - 1) / NT;
+#pragma unroll
+        for (int it = 0; it < kIters; ++it) {
+            const int idx = tid + it * NT;
+            if (kTotal % NT != 0 && idx >= kTotal) break;
+            const int r = idx / kCPR;
+            const int c = idx % kCPR;
+            const bool pred = r < rows_valid && (Is_even_d || c * 8 < headdim);
+            const fc_u16* src = gsrc;
+            if (pred) {
+                const int t = n0 + r, pg = t / page_size;
+                src += (long long)fc_pool_block(bt[pg], num_blocks) * block_stride
+                       + (long long)(t - pg * page_size) * row_stride + c * 8;
+            }
+            cp_async_16(sdst + 2u * (fc_u32)tile_off<W, ROWS>(r, c * 8), src, pred);
+        }
+    }
+}
+
 }  // namespace fc_fwd
 
 // Template parameters (all compile-time):
@@ -100,8 +150,10 @@ __device__ __forceinline__ void load_tile(fc_u32 sdst, const fc_u16* gsrc, long 
 //   Has_softcap s -> softcap * tanh(s * scale / softcap)
 //   Has_alibi   s -> s - slope * |i + sk - sq - j|
 //   Is_even_d   real headdim == kHeadDim (no column predicates)
+//   Is_paged    varlen over a paged cache (params.block_table; load_tile_paged)
 template <typename Elem, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool kQInRegs,
-          bool Is_local, bool Has_softcap, bool Has_alibi, bool Is_even_d, bool Is_dropout>
+          bool Is_local, bool Has_softcap, bool Has_alibi, bool Is_even_d, bool Is_dropout,
+          bool Is_paged = false>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 flash_fwd_kernel(const FlashParams params) {
     using namespace fc_fwd;
@@ -149,7 +201,7 @@ flash_fwd_kernel(const FlashParams params) {
     // Paged K/V (varlen over a paged cache, block_table given): sequence b's key t is row
     // t % page_size of pool block block_table[b][t / page_size]; cu_seqlens_k gives only the
     // lengths (its rows are not packed anywhere), so the sequence starts at row 0 of its pages.
-    const bool paged = params.block_table != nullptr;
+    constexpr bool paged = Is_paged;
     if (params.cu_seqlens_k != nullptr) {
         const FcSeqRange r = fc_seq_range(params.cu_seqlens_k, b, params.total_k, params.seqlen_k);
         k_row0 = paged ? 0 : r.row0;
@@ -168,21 +220,21 @@ flash_fwd_kernel(const FlashParams params) {
     const fc_u16* gV = static_cast<const fc_u16*>(params.v) + (long long)hk * params.v_head_stride
                        + (paged ? 0ll : (long long)b * params.v_batch_stride
                                         + k_row0 * params.v_row_stride);
-    // Element offsets of key block row n0 (a multiple of kBlockN) in K and V. Paged: the
-    // launcher requires page_size % kBlockN == 0, so a block lies inside one page; the table
-    // entry is clamped into the pool, and n0 < seqlen_k <= max_blocks * page_size keeps the
-    // table index inside its row.
+    // The K and V tiles of key block row n0 (a multiple of kBlockN), rows past sk zero-filled.
+    // Paged: any page size (a multiple of 16), load_tile_paged; the table entries are clamped
+    // into the pool, and sk <= seqlen_k <= max_blocks * page_size keeps every table index read
+    // inside its row.
     const int* bt = paged ? params.block_table + (long long)b * params.block_table_batch_stride
                           : nullptr;
-    auto k_block = [&](int n0) -> long long {
-        if (!paged) return (long long)n0 * params.k_row_stride;
-        const long long blk = fc_pool_block(bt[n0 / params.page_size], params.num_blocks);
-        return blk * params.k_batch_stride + (long long)(n0 % params.page_size) * params.k_row_stride;
-    };
-    auto v_block = [&](int n0) -> long long {
-        if (!paged) return (long long)n0 * params.v_row_stride;
-        const long long blk = fc_pool_block(bt[n0 / params.page_size], params.num_blocks);
-        return blk * params.v_batch_stride + (long long)(n0 % params.page_size) * params.v_row_stride;
+    auto load_kv = [&](fc_u32 sdst, const fc_u16* g, int n0, long long block_stride,
+                       long long row_stride) {
+        if constexpr (paged)
+            load_tile_paged<kBlockN, kHeadDim, kW, kNThreads, Is_even_d>(
+                sdst, g, bt, n0, params.page_size, params.num_blocks, block_stride, row_stride,
+                sk - n0, params.headdim, tid);
+        else
+            load_tile<kBlockN, kHeadDim, kW, kNThreads, Is_even_d>(
+                sdst, g + (long long)n0 * row_stride, row_stride, sk - n0, params.headdim, tid);
     };
     fc_u16* gO = static_cast<fc_u16*>(params.o) + (long long)b * params.o_batch_stride
                  + (q_row0 + m0) * params.o_row_stride + (long long)h * params.o_head_stride;
@@ -240,11 +292,9 @@ flash_fwd_kernel(const FlashParams params) {
     cp_async_commit();
     {
         const int n0 = n_block * kBlockN;
-        load_tile<kBlockN, kHeadDim, kW, kNThreads, Is_even_d>(
-            sK, gK + k_block(n0), params.k_row_stride, sk - n0, headdim, tid);
+        load_kv(sK, gK, n0, params.k_batch_stride, params.k_row_stride);
         cp_async_commit();
-        load_tile<kBlockN, kHeadDim, kW, kNThreads, Is_even_d>(
-            sV, gV + v_block(n0), params.v_row_stride, sk - n0, headdim, tid);
+        load_kv(sV, gV, n0, params.v_batch_stride, params.v_row_stride);
         cp_async_commit();
     }
 
@@ -315,11 +365,9 @@ flash_fwd_kernel(const FlashParams params) {
         if (n_block - 1 >= n_block_min) {   // prefetch the next block into the other buffers
             const int n1 = n0 - kBlockN;
             const fc_u32 nbuf = kKVBytes - buf;
-            load_tile<kBlockN, kHeadDim, kW, kNThreads, Is_even_d>(
-                sK + nbuf, gK + k_block(n1), params.k_row_stride, sk - n1, headdim, tid);
+            load_kv(sK + nbuf, gK, n1, params.k_batch_stride, params.k_row_stride);
             cp_async_commit();
-            load_tile<kBlockN, kHeadDim, kW, kNThreads, Is_even_d>(
-                sV + nbuf, gV + v_block(n1), params.v_row_stride, sk - n1, headdim, tid);
+            load_kv(sV + nbuf, gV, n1, params.v_batch_stride, params.v_row_stride);
             cp_async_commit();
         } else {
             cp_async_commit();

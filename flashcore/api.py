@@ -352,7 +352,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=N
 
     Over a paged KV cache (prefill or chunked prefill into a paged cache, flash-attn's
     ``block_table``): k, v are ``(num_blocks, page_size, nheads_k, headdim)`` with page_size a
-    multiple of 128, ``block_table`` int32 ``(batch, max_blocks_per_seq)``; key t of sequence
+    multiple of 16, ``block_table`` int32 ``(batch, max_blocks_per_seq)``; key t of sequence
     b is row ``t % page_size`` of block ``block_table[b, t // page_size]``, and
     ``cu_seqlens_k`` gives only the key lengths (``cu_seqlens_k[b+1] - cu_seqlens_k[b]``).
     Forward only (there is no backward over a paged cache, as in flash-attn).

@@ -190,7 +190,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             sequence b holds rows cu_seqlens[b]:cu_seqlens[b+1].
         max_seqlen_q, max_seqlen_k: int, the longest query / key sequence.
         block_table: optional int32 (batch_size, max_blocks_per_seq): k and v are then a paged
-            KV cache (num_blocks, page_size, nheads_k, headdim), page_size a multiple of 128,
+            KV cache (num_blocks, page_size, nheads_k, headdim), page_size a multiple of 16,
             and cu_seqlens_k gives the key lengths; forward only (as in flash-attn).
         alibi_slopes: (nheads,) or (batch_size, nheads), float32.
 

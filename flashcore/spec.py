@@ -365,8 +365,9 @@ def _dropout(dropout_p, rng_state, spec) -> float:
     return p
 
 
-# Varlen over a paged cache: the forward reads a whole key tile (up to 128 rows) from one page.
-PAGED_VARLEN_PAGE_MULTIPLE = 128
+# Varlen over a paged cache: pages of any multiple of 16 rows, as the decode's (a thread of the
+# forward copies at most 16 consecutive keys of a tile, which then lie in one page).
+PAGED_VARLEN_PAGE_MULTIPLE = 16
 
 
 def _forward_spec(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi_slopes,

@@ -131,17 +131,18 @@ def smem_bytes(d: int, cfg: TileConfig) -> int:
 
 
 def kernel_name(dtype_name: str, headdim: int, is_local: bool, has_softcap: bool,
-                has_alibi: bool, dropout: bool = False) -> str:
+                has_alibi: bool, dropout: bool = False, paged: bool = False) -> str:
     """The NVRTC name expression of the kernel for these settings.
 
     ``headdim`` is the real head dim; the tile is the next size up and ``Is_even_d`` says
-    whether they are equal.
+    whether they are equal. ``paged``: varlen over a paged cache (Is_paged).
     """
     d = headdim_tile(headdim)
     cfg = tile_config(d, is_local, has_softcap or dropout, has_alibi, headdim == d)
     return (f"flash_fwd_kernel<{_elem_tag(dtype_name)}, {d}, {cfg.block_m}, {cfg.block_n}, "
             f"{cfg.n_warps}, {_b(cfg.q_in_regs)}, {_b(is_local)}, {_b(has_softcap)}, "
-            f"{_b(has_alibi)}, {_b(headdim == d)}, {_b(dropout)}>")
+            f"{_b(has_alibi)}, {_b(headdim == d)}, {_b(dropout)}"
+            + (", true>" if paged else ">"))
 
 
 def instantiations() -> list[str]:
@@ -155,7 +156,8 @@ def instantiations() -> list[str]:
                     for cap in (False, True):
                         for ali in (False, True):
                             for drop in (False, True):
-                                names.append(kernel_name(dt, hd, loc, cap, ali, drop))
+                                for paged in (False, True):
+                                    names.append(kernel_name(dt, hd, loc, cap, ali, drop, paged))
     return names
 
 
@@ -659,7 +661,7 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     q, k, v, out: (b, s, h, d) or, varlen, (total, h, d) with int32 ``cu_seqlens_*`` (b + 1,).
     Varlen over a paged cache: k, v (num_blocks, page_size, h_k, d) with an int32
     ``block_table`` (b, max_blocks); cu_seqlens_k then gives the key lengths only (Ampere-class
-    kernels; page_size a multiple of the key tile). Dropout (``dropout_p`` > 0): ``rng_state``
+    kernels; page_size a multiple of 16). Dropout (``dropout_p`` > 0): ``rng_state``
     an int64 (seed, offset) CuPy array, the stream of flashcore.dropout (both families).
     lse: float32 (b, h, sq) or, varlen, (h, total_q), contiguous. Windows use -1 for unbounded.
     ``out`` may be float32 (16-bit inputs): the output is then written unrounded.
@@ -736,13 +738,11 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     else:
         d = headdim_tile(headdim)
         cfg = tile_config(d, is_local, has_softcap or dropout, has_alibi, headdim == d)
-        name = kernel_name(dtype_name, headdim, is_local, has_softcap, has_alibi, dropout)
+        name = kernel_name(dtype_name, headdim, is_local, has_softcap, has_alibi, dropout,
+                           paged)
         smem = smem_bytes(d, cfg)
         kernel = get_kernel(SOURCE, name, device_id, cc, smem)
         grid_m, block = math.ceil(seqlen_q / cfg.block_m), (cfg.n_warps * 32, 1, 1)
-        if paged and int(k.shape[1]) % cfg.block_n:
-            raise ValueError(f"page_size {int(k.shape[1])} is not a multiple of the forward's key "
-                             f"tile ({cfg.block_n} rows) for head dim {headdim}")
 
     alibi_bs = 0
     if has_alibi and alibi_slopes.ndim == 2:

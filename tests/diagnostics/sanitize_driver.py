@@ -391,14 +391,17 @@ cp.cuda.Device().synchronize()
 n += 1
 # Varlen over a paged cache (the Ampere-class forward's page walk), with good values and with
 # table entries past the pool, negative ones and cu_seqlens_k past the table's capacity.
-for bad in (False, True):
-    mark(f"paged varlen, bad {bad}")
-    page, hk, d = 128, 2, 128
-    kc, vc = arr((9, page, hk, d), "bfloat16"), arr((9, page, hk, d), "bfloat16")
-    table = np.array([[3, 1, 0], [8, 2, 4], [5, 6, 7]], np.int32)
+# Pages of 16 and 48 (smaller than the key tile) at head dims 128 (a thread's rows in one
+# page) and 96 (a lookup per chunk).
+for bad, page, d in ((False, 128, 128), (True, 128, 128), (False, 16, 128), (True, 16, 128),
+                     (True, 48, 96)):
+    mark(f"paged varlen, bad {bad}, page {page}, d{d}")
+    hk, per = 2, 3 * 128 // page
+    kc, vc = arr((3 * per, page, hk, d), "bfloat16"), arr((3 * per, page, hk, d), "bfloat16")
+    table = np.random.default_rng(page).permutation(3 * per).astype(np.int32).reshape(3, per)
     cu_k = np.array([0, 300, 301, 650], np.int32)
     if bad:
-        table[0, 1], table[2, 2] = 10**6, -3
+        table[0, 1], table[2, per - 1] = 10**6, -3
         cu_k = np.array([0, 300, 10**6, 50], np.int32)
     q = arr((40, 8, d), "bfloat16")
     flashcore.varlen_attention_forward(q, kc, vc, cp.asarray(np.array([0, 20, 21, 40], np.int32)),

@@ -379,6 +379,10 @@ def test_dq_accumulator_is_zeroed_by_preprocess_varlen():
     (128, 128, dict(causal=True)), (64, 256, dict()), (96, 128, dict(window_size=(100, 7))),
     (128, 256, dict(softcap=4.0, causal=True)), (256, 128, dict(causal=True)),
     (40, 128, dict(causal=True)),
+    # pages smaller than the key tile, or no multiple of it: one page per thread's rows (d128,
+    # d64, d256, d40), a lookup per chunk (d96, d192)
+    (128, 16, dict(causal=True)), (64, 48, dict()), (96, 16, dict(window_size=(100, 7))),
+    (192, 48, dict(causal=True)), (256, 16, dict(softcap=4.0)), (40, 16, dict(causal=True)),
 ])
 @pytest.mark.parametrize("api", ["cupy", "torch"])
 def test_varlen_over_a_paged_cache(d, page, kw, api):
