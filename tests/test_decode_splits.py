@@ -93,3 +93,25 @@ def test_two_splits_only_for_ragged_waves_of_long_caches():
     # two m16 slices, or a head dim without candidates: the cluster rule alone
     assert sm90_num_splits(400, 132, blocks(16384), 128, 2, 16384) == 1
     assert sm90_num_splits(400, 132, blocks(16384), 64, 1, 16384) == 1
+
+
+@pytest.mark.parametrize("tile, cfg, ok", [
+    (128, (64, 4, 3), True), (128, (128, 4, 3), True), (128, (256, 8, 3), True),
+    (64, (128, 4, 3), True), (256, (64, 4, 3), True), (128, (16, 1, 2), True),
+    # a thread would copy 32 rows of a block: they could span pages of 16
+    (128, (256, 4, 3), False), (256, (128, 4, 3), False),
+    (128, (64, 4, 1), False), (128, (48, 4, 3), False),
+])
+def test_config_override_keeps_a_threads_rows_in_one_page(tile, cfg, ok):
+    """The decode kernels copy rows block_n * tile / (256 n_warps) a thread, consecutive in a
+    paged cache: an override must make that a divisor of 16, or it is refused by name."""
+    from flashcore.kernels import decode
+    try:
+        if ok:
+            decode.set_config_override(tile, cfg)
+            assert decode.decode_config(tile) == DecodeConfig(*cfg)
+        else:
+            with pytest.raises(ValueError, match="cfg: block_n"):
+                decode.set_config_override(tile, cfg)
+    finally:
+        decode.set_config_override(tile, None)
