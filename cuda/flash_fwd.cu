@@ -48,6 +48,27 @@ __device__ __forceinline__ void sts32(fc_u32 addr, fc_u32 v) {
     asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
 }
 
+// The generic copy of load_tile and load_tile_paged (16-byte chunks that do not split into whole
+// rows a thread: head dims 96 and 192), chunk by chunk; off(r, c): the element offset from gsrc
+// of row r's chunk c, taken only for the chunks copied (the others are zero-filled).
+template <int ROWS, int D, int W, int NT, bool Is_even_d, typename Off>
+__device__ __forceinline__ void copy_chunks(fc_u32 sdst, const fc_u16* gsrc, int rows_valid,
+                                            int headdim, int tid, Off off) {
+    constexpr int kCPR = D / 8;
+    constexpr int kTotal = ROWS * kCPR;
+    constexpr int kIters = (kTotal + NT - 1) / NT;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+        const int idx = tid + it * NT;
+        if (kTotal % NT != 0 && idx >= kTotal) break;
+        const int r = idx / kCPR;
+        const int c = idx % kCPR;
+        const bool pred = r < rows_valid && (Is_even_d || c * 8 < headdim);
+        const fc_u16* src = pred ? gsrc + off(r, c) : gsrc;
+        cp_async_16(sdst + 2u * (fc_u32)tile_off<W, ROWS>(r, c * 8), src, pred);
+    }
+}
+
 // Copy a ROWS x D tile (rows of `row_stride` elements starting at gsrc) into a swizzled shared
 // tile. Rows >= rows_valid and columns >= headdim are zero-filled by cp.async (src-size 0), so
 // padded keys give S = 0 before masking and padded V rows / columns contribute exactly 0.
@@ -74,18 +95,8 @@ __device__ __forceinline__ void load_tile(fc_u32 sdst, const fc_u16* gsrc, long 
             src += step;
         }
     } else {
-        constexpr int kTotal = ROWS * kCPR;
-        constexpr int kIters = (kTotal + NT - 1) / NT;
-#pragma unroll
-        for (int it = 0; it < kIters; ++it) {
-            const int idx = tid + it * NT;
-            if (kTotal % NT != 0 && idx >= kTotal) break;
-            const int r = idx / kCPR;
-            const int c = idx % kCPR;
-            const bool pred = r < rows_valid && (Is_even_d || c * 8 < headdim);
-            const fc_u16* src = pred ? gsrc + (long long)r * row_stride + c * 8 : gsrc;
-            cp_async_16(sdst + 2u * (fc_u32)tile_off<W, ROWS>(r, c * 8), src, pred);
-        }
+        copy_chunks<ROWS, D, W, NT, Is_even_d>(sdst, gsrc, rows_valid, headdim, tid,
+            [=](int r, int c) { return (long long)r * row_stride + c * 8; });
     }
 }
 
@@ -119,23 +130,12 @@ __device__ __forceinline__ void load_tile_paged(fc_u32 sdst, const fc_u16* gsrc,
                         pred ? src + (long long)i * row_stride : gsrc, pred);
         }
     } else {
-        constexpr int kTotal = ROWS * kCPR;
-        constexpr int kIters = (kTotal + NT - 1) / NT;
-#pragma unroll
-        for (int it = 0; it < kIters; ++it) {
-            const int idx = tid + it * NT;
-            if (kTotal % NT != 0 && idx >= kTotal) break;
-            const int r = idx / kCPR;
-            const int c = idx % kCPR;
-            const bool pred = r < rows_valid && (Is_even_d || c * 8 < headdim);
-            const fc_u16* src = gsrc;
-            if (pred) {
+        copy_chunks<ROWS, D, W, NT, Is_even_d>(sdst, gsrc, rows_valid, headdim, tid,
+            [=](int r, int c) {
                 const int t = n0 + r, pg = t / page_size;
-                src += (long long)fc_pool_block(bt[pg], num_blocks) * block_stride
+                return (long long)fc_pool_block(bt[pg], num_blocks) * block_stride
                        + (long long)(t - pg * page_size) * row_stride + c * 8;
-            }
-            cp_async_16(sdst + 2u * (fc_u32)tile_off<W, ROWS>(r, c * 8), src, pred);
-        }
+            });
     }
 }
 
