@@ -17,8 +17,9 @@
 //    O += P_i V_i together, then runs the softmax of S_{i+1} while P_i V_i is on the tensor
 //    cores (intra-warpgroup overlap). With ping-pong, two named barriers make the consumers
 //    issue their products in turn, so that one's softmax runs under the other's products.
-//    Loads need 16-byte-aligned bases and row/head/batch strides (TMA); paged calls and
-//    other strides take flash_fwd_sm90_kernel; varlen calls run one tile a CTA (Is_varlen).
+//    Loads need 16-byte-aligned bases and row/head/batch strides (TMA); other strides take
+//    flash_fwd_sm90_kernel; varlen calls run one tile a CTA (Is_varlen), over a packed or
+//    (16-bit) a paged cache.
 //  * flash_fwd_sm90_kernel (v0 / v1): the two warpgroups load their own tiles with cp.async
 //    and meet at __syncthreads between key blocks; v1 keeps a 3-stage ring and overlaps
 //    the softmax of block i+1 with P_i V_i as above.
@@ -50,7 +51,7 @@
 // block skipping, varlen, GQA; rows that see no key get O = 0 and lse = -inf; NaN propagates).
 // Dropout as flash_fwd.cu draws it (one Philox call per 16 x 16 tile of P, after the row sums:
 // the lse is the undropped one's). Not here (the launcher routes them to flash_fwd.cu): other
-// head dims, softcap, ALiBi, paged K/V.
+// head dims, softcap, ALiBi, and paged K/V outside varlen.
 #include "flash_dropout.cuh"
 #include "diag_timeline.cuh"
 #include "flash_params.cuh"
@@ -706,6 +707,9 @@ namespace fc_h {
 // a tile's rows from its sequence's offsets; V rows past the sequence's end in the one key
 // block that holds them (the walk's first) are zeroed before any P V product reads them (the
 // masks already give their scores -inf; P = 0 times such a row, NaN possibly, would not be 0).
+// Over a paged cache (16-bit varlen with params.block_table; the windowed instantiation) the
+// producer reads each key block from its page by TMA, or, for pages that do not hold whole
+// key blocks, copies it with cp.async (see `paged` below).
 //
 // The epilogue (kOBufs > 0: the host launches an instantiation with O buffers only for dense
 // calls whose 16-bit output TMA can write, params.o_tma set) goes through shared
@@ -812,6 +816,10 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     // producer transposes V within the same 24. The persistent producer's tile loop needs
     // more than 24 (ptxas spills it): 40 / 232 there, and 32 / 160 with 3 consumers.
     constexpr int kEntryRegs = (65536 / kThreads) / 8 * 8;
+    constexpr int kPagedCh = kD / 8;                                // 16-byte chunks a row
+    constexpr int kPagedRPT = kBlockN * kPagedCh / 128;             // rows a producer thread
+    constexpr bool kPagedOk = Is_varlen && !Is_fp8 && Is_local && kBlockN * kPagedCh % 128 == 0
+                              && kPagedRPT >= 1 && 16 % kPagedRPT == 0;
     constexpr int kProducerRegs = kPersistent ? (kCons == 3 ? 32 : 40) : 24;
     constexpr int kConsumerRegs = kCons == 3 ? 160 : (kPersistent ? 232 : 240);
     static_assert(128 * kProducerRegs + (int)kConsumers * kConsumerRegs <= kThreads * kEntryRegs,
@@ -896,6 +904,14 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 
     const int tid = threadIdx.x;
     const int wg = tid >> 7;
+    // Varlen over a paged cache (16-bit, params.block_table set; the host launches the
+    // windowed instantiation, whose key blocks, 128 keys at head dims 64 and 128 and 64 at
+    // 256, divide pages of 128 and 256 and split into runs of kPagedRPT rows that divide 16).
+    // The maps of k and v see the pool (num_blocks, page_size, h_k, d). Pages that hold whole
+    // key blocks are read by TMA, one box per column block; others (paged_cp) are copied by
+    // the producer warpgroup with cp.async (the producer says how).
+    const bool paged = kPagedOk && params.block_table != nullptr;
+    const bool paged_cp = paged && params.page_size % kBlockN != 0;
     if constexpr (!kPersistent) {
         const FwdBlock<kBlockN, Is_local, kBM> blk = tile_block(0);
         if (blk.empty_rows()) return;
@@ -912,8 +928,8 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         mbar_init(bar_q, 1);
         mbar_init(empty_q, kConsumers);
         for (int st = 0; st < kStages; ++st) {
-            mbar_init(full_k(st), 1);
-            mbar_init(full_v(st), Is_fp8 ? 128 : 1);
+            mbar_init(full_k(st), paged_cp ? 128 : 1);
+            mbar_init(full_v(st), Is_fp8 || paged_cp ? 128 : 1);
             mbar_init(empty_k(st), kConsumers);
             mbar_init(empty_v(st), kConsumers);
         }
@@ -934,7 +950,9 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     if (wg == 0) {
         // ---- producer ----------------------------------------------------------------
         setmaxnreg_dec<kProducerRegs>();
-        if (!Is_fp8 && tid != 0) return;    // (16-bit: thread 0 issues every load)
+        // (16-bit: thread 0 issues every load; over a paged cache of pages that do not hold
+        // whole key blocks the warpgroup copies K and V, see below)
+        if (!Is_fp8 && !paged_cp && tid != 0) return;
         FC_TL_CTA_BEGIN(0);
         int tile = kPersistent ? (int)blockIdx.x : 0;
         for (int u = 0;; ++u) {
@@ -964,6 +982,16 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                                 (Is_varlen ? (int)blk.q_row0 : 0) + blk.m0, blk.h,
                                 Is_varlen ? 0 : blk.b);
             };
+            // Paged (see the top of ws_forward). Pages that hold whole key blocks: TMA reads a
+            // block as one box per column block at (row in page, pool block), thread 0 reading
+            // the table entry of the next block one block ahead (page_at).
+            const int* bt = params.block_table + (long long)blk.b * params.block_table_batch_stride;
+            int pg = 0, prow = 0;     // (the block being loaded: pool block, row in it)
+            auto page_at = [&](int it, int& row) {
+                const int n0 = n0_of(it), q = n0 / params.page_size;
+                row = n0 - q * params.page_size;
+                return fc_pool_block(bt[q], params.num_blocks);
+            };
             auto load_k = [&](int it) {
                 const int u = kv + it, st = u % kStages;
                 if (u >= kStages) mbar_wait(empty_k(st), ((fc_u32)(u / kStages) & 1u) ^ 1u);
@@ -974,8 +1002,9 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 #pragma unroll
                 for (int c = 0; c < kD / kRowElems; ++c)
                     tma_load_4d(sK + (fc_u32)st * kTile + (fc_u32)c * kKVBlock, maps.k, full_k(st),
-                                kRowElems * c, (Is_varlen ? (int)blk.k_row0 : 0) + n0_of(it),
-                                blk.hk, Is_varlen ? 0 : blk.b);
+                                kRowElems * c,
+                                paged ? prow : (Is_varlen ? (int)blk.k_row0 : 0) + n0_of(it),
+                                blk.hk, paged ? pg : Is_varlen ? 0 : blk.b);
             };
             // V of block it into `dst`, completing on `bar`
             auto load_v = [&](int it, fc_u32 dst, fc_u32 bar) {
@@ -986,15 +1015,68 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 #pragma unroll
                 for (int c = 0; c < kD / kRowElems; ++c)
                     tma_load_4d(dst + (fc_u32)c * kKVBlock, maps.v, bar, kRowElems * c,
-                                (Is_varlen ? (int)blk.k_row0 : 0) + n0_of(it), blk.hk,
-                                Is_varlen ? 0 : blk.b);
+                                paged ? prow : (Is_varlen ? (int)blk.k_row0 : 0) + n0_of(it),
+                                blk.hk, paged ? pg : Is_varlen ? 0 : blk.b);
             };
-            if constexpr (!Is_fp8) {
+            if (paged_cp) {
+                // Pages that do not hold whole key blocks (pages of 16, vLLM's): the warpgroup
+                // copies each block with cp.async, thread t kRPT consecutive rows of 16-byte
+                // column chunk t % kCh from row (t / kCh) kRPT on. kRPT divides 16 (kPagedOk) and
+                // pages are multiples of 16, so a thread's rows lie in one page: one table entry
+                // a block. Rows past the sequence's end are zero-filled. The full barriers count
+                // the 128 threads, each arriving once its copies have landed
+                // (cp.async.mbarrier.arrive, FlashAttention-3's paged producer's arrival; the
+                // thread goes on at once).
+                const int pc = tid % kPagedCh, pr0 = (tid / kPagedCh) * kPagedRPT;
+                auto copy_block = [&](int it, fc_u32 dst, const void* base, long long block_stride,
+                                      long long row_stride, long long head_stride) {
+                    const int t0 = n0_of(it) + pr0;
+                    const int valid = blk.sk - t0;        // rows of this thread's run with keys
+                    const fc_u16* src = static_cast<const fc_u16*>(base)
+                                        + (long long)blk.hk * head_stride + pc * 8;
+                    if (valid > 0) {          // (else nothing is read: the pool's first row)
+                        const int q = t0 / params.page_size;
+                        src += (long long)fc_pool_block(bt[q], params.num_blocks) * block_stride
+                               + (long long)(t0 - q * params.page_size) * row_stride;
+                    }
+                    // (row pr0 + i's chunk pc & 7 at (pc ^ i) & 7 of its 128 bytes: pr0 % 8 = 0;
+                    // the run's rows past the sequence's end lie in its page and are not read)
+                    fc_u32 d = dst + (fc_u32)(pc >> 3) * kKVBlock + (fc_u32)pr0 * 128u;
+                    const fc_u32 cx = (fc_u32)(pc & 7) * 16u;
+#pragma unroll 1
+                    for (int i = 0; i < kPagedRPT; ++i) {
+                        cp_async_16(d + (cx ^ (fc_u32)((i & 7) * 16)), src, i < valid);
+                        src += row_stride;
+                        d += 128u;
+                    }
+                };
+                for (int it = 0; it < n_iter; ++it) {
+                    const int u = kv + it, st = u % kStages;
+                    if (u >= kStages) mbar_wait(empty_k(st), ((fc_u32)(u / kStages) & 1u) ^ 1u);
+                    copy_block(it, sK + (fc_u32)st * kTile, params.k, params.k_batch_stride,
+                               params.k_row_stride, params.k_head_stride);
+                    cp_async_mbar_arrive(full_k(st));
+                    if (it == 0 && tid == 0) load_q();
+                    if (u >= kStages) mbar_wait(empty_v(st), ((fc_u32)(u / kStages) & 1u) ^ 1u);
+                    copy_block(it, sV + (fc_u32)st * kTile, params.v, params.v_batch_stride,
+                               params.v_row_stride, params.v_head_stride);
+                    cp_async_mbar_arrive(full_v(st));
+                }
+                cp_async_commit();         // (the thread's copies landed before it exits)
+                cp_async_wait<0>();
+            } else if constexpr (!Is_fp8) {
                 // K of the first block before Q: its stage frees while the last tile's S
                 // products run, Q's only once the last of them is done
+                int pg_next = 0, prow_next = 0;
+                if (paged) pg_next = page_at(0, prow_next);
                 for (int it = 0; it < n_iter; ++it) {
                     const int u = kv + it, st = u % kStages;
                     FC_TL_STAMP(0, nq, it, 0);
+                    if (paged) {
+                        pg = pg_next;
+                        prow = prow_next;
+                        if (it + 1 < n_iter) pg_next = page_at(it + 1, prow_next);   // (one ahead)
+                    }
                     load_k(it);
                     FC_TL_STAMP(0, nq, it, 1);
                     if (it == 0) load_q();

@@ -37,6 +37,11 @@ __device__ __forceinline__ void mbar_expect_tx(fc_u32 bar, fc_u32 bytes) {
 __device__ __forceinline__ void mbar_arrive(fc_u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
 }
+// An arrival on `bar` once every cp.async this thread has issued so far has landed (the
+// barrier's count includes it: .noinc), without waiting for them here.
+__device__ __forceinline__ void cp_async_mbar_arrive(fc_u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
+}
 __device__ __forceinline__ void mbar_wait(fc_u32 bar, fc_u32 parity) {
     fc_u32 done;
     do {

@@ -7,8 +7,9 @@ so each commit's results carry the peers of that run, and ``TimeRatio`` measures
 a peer in one process.
 """
 from .common import (
-    BACKENDS, CAUSAL, GPU_BACKENDS, HEADDIMS, PEERS, SEQLENS, Attention, flops, host_loop_us,
-    median_ms, require_gpu_backend, sdpa_pinned, shape_for, tiny_calls, torch, cupy,
+    BACKENDS, CAUSAL, GPU_BACKENDS, HEADDIMS, PEERS, SEQLENS, TOKENS_PER_BATCH, Attention, flops,
+    host_loop_us, median_ms, require_gpu_backend, sdpa_pinned, shape_for, tiny_calls, torch,
+    cupy,
 )
 
 
@@ -236,3 +237,47 @@ def _PeakHook():
 # the GPU backends listed for readers of this module; the parameters above use BACKENDS so
 # that the NumPy backend shows up as "skipped on the GPU" rather than disappearing
 __all__ = ["Throughput", "Ratio", "PeakMemory", "TrainStepWallClock", "GPU_BACKENDS"]
+
+
+class PagedPrefillRatio:
+    """Prefill over a paged KV cache (``flash_attn_varlen_func`` with ``block_table``, torch
+    tensors, device ``cu_seqlens``): the same call over the packed keys divided by the paged
+    call's time (1: pages cost nothing). Sequences of random lengths around ``seqlen``, ~16k
+    tokens, hidden 2048, bf16; the pages in a shuffled order of the pool. Pages of 16 (vLLM's)
+    and 256 (flash-attn's). No SDPA kernel reads a paged cache: the packed call is the peer."""
+
+    params = [[16, 256], [4096], [128], CAUSAL]
+    param_names = ["page", "seqlen", "headdim", "causal"]
+    unit = "ratio"
+    timeout = 180
+    rounds = 1          # see Throughput
+
+    def setup(self, page, seqlen, headdim, causal):
+        require_gpu_backend("torch")
+        import numpy as np
+        from flashcore.flash_attn import flash_attn_varlen_func
+        _, _, h, d = shape_for(seqlen, headdim)
+        rng = np.random.default_rng(0)
+        lens = []
+        while sum(lens) < TOKENS_PER_BATCH - seqlen // 2:
+            lens.append(int(rng.integers(seqlen // 2, 3 * seqlen // 2)) | 1)
+        total, dev = sum(lens), "cuda"
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device=dev)
+        q, k, v = (torch.randn(total, h, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
+        per = max(-(-n // page) for n in lens)
+        table = torch.from_numpy(rng.permutation(len(lens) * per).astype(np.int32)).to(dev)
+        table = table.view(len(lens), per)
+        kc, vc = (torch.zeros(len(lens) * per, page, h, d, device=dev, dtype=torch.bfloat16)
+                  for _ in range(2))
+        for i, n in enumerate(lens):
+            t = torch.arange(n, device=dev)
+            a = int(cu[i])
+            kc[table[i, t // page], t % page] = k[a:a + n]
+            vc[table[i, t // page], t % page] = v[a:a + n]
+        s = max(lens)
+        self.packed = lambda: flash_attn_varlen_func(q, k, v, cu, cu, s, s, causal=causal)
+        self.paged = lambda: flash_attn_varlen_func(q, kc, vc, cu, cu, s, s, causal=causal,
+                                                    block_table=table)
+
+    def track_ratio(self, *params):
+        return median_ms("torch", self.packed) / median_ms("torch", self.paged)

@@ -709,21 +709,31 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     cc = device_facts(device_id)[0]
     ws = None     # (maps, specs, roles, o_tma): the warp-specialised Hopper kernel
     persistent = False
-    if not paged and sm90_applies(cc, headdim, has_softcap, has_alibi, seqlen_k):
-        cfg_ = config.get()
-        if cfg_.sm90_fwd_ws:
-            block_m, block_n, _ = sm90_ws_tile(headdim, is_local)
-            ws = _ws_maps(tuple((_as4(a, varlen), rows)
-                                for a, rows in ((q, block_m), (k, block_n), (v, block_n))),
-                          out, varlen, sm90_ws_o_buffers(headdim, is_local))
+    # Paged K/V (varlen): the warp-specialised kernel's windowed varlen instantiation (its key
+    # blocks divide pages of 128 and 256, which TMA reads a block at a time; other pages its
+    # producer copies with cp.async; no window bounds the keys unless the call's does); the
+    # Ampere-class kernel where the warp-specialised one is off or TMA cannot read the arrays.
+    use_sm90 = sm90_applies(cc, headdim, has_softcap, has_alibi, seqlen_k) \
+        and (not paged or config.get().sm90_fwd_ws)
+    ws_local = is_local or paged
+    if use_sm90 and config.get().sm90_fwd_ws:
+        block_m, block_n, _ = sm90_ws_tile(headdim, ws_local)
+        # (a paged map's boxes: whole key blocks, or, where the producer copies, unused)
+        kv_rows = block_n if not paged or int(k.shape[1]) % block_n == 0 else 16
+        ws = _ws_maps(((_as4(q, varlen), block_m),
+                       (k if paged else _as4(k, varlen), kv_rows),
+                       (v if paged else _as4(v, varlen), kv_rows)),
+                      out, varlen, sm90_ws_o_buffers(headdim, ws_local))
+        use_sm90 = ws is not None or not paged
+    if use_sm90:
         grid_m = math.ceil(seqlen_q / (block_m if ws is not None else 128))
         if ws is not None:
-            smem = sm90_ws_smem(headdim, is_local, ws[3])
-            pingpong = sm90_ws_pingpong(headdim, seqlen_k, is_local)
+            smem = sm90_ws_smem(headdim, ws_local, ws[3])
+            pingpong = sm90_ws_pingpong(headdim, seqlen_k, ws_local)
             persistent = not varlen and sm90_ws_persistent(headdim, is_local, dropout,
                                                            tiles=grid_m * nheads * batch,
                                                            pingpong=pingpong)
-            kernel = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, is_local,
+            kernel = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, ws_local,
                                                                  dropout, seqlen_k, pingpong,
                                                                  persistent=persistent,
                                                                  varlen=varlen, o_tma=ws[3]),

@@ -12,7 +12,9 @@ Variants: ``default`` (the warp-specialised kernels' varlen instantiations where
 ``cpasync`` (``sm90_fwd_ws`` and ``sm90_bwd_ws`` off: the cp.async Hopper kernels, the
 Ampere-class dK/dV kernel at head dim 256). ``--pages``: the forward also over a paged cache of
 these page sizes (prefill reading the same keys from pages in a shuffled order of the pool,
-``block_table``; the Ampere-class kernel), with its largest difference from the packed call.
+``block_table``; on sm_90 the warp-specialised kernel's varlen instantiation, and the
+Ampere-class kernel beside it as ``fa2-class``), with its largest difference from the packed
+call.
 """
 from __future__ import annotations
 
@@ -76,6 +78,8 @@ def varlen_row(s, d, causal, variants, seed=0, pages=()):
         diff = float(cupy.abs(paged_fwd()[0].astype(cupy.float32) - ref.astype(cupy.float32)).max())
         row[f"paged{page} fwd"] = f["forward"] / gpu_time(paged_fwd, "cupy") / 1e12
         row[f"paged{page} maxdiff"] = diff
+        with config.override(sm90_fwd_ws=False):     # (the Ampere-class kernel's, as before)
+            row[f"paged{page} fa2-class"] = f["forward"] / gpu_time(paged_fwd, "cupy") / 1e12
     return len(lens), row
 
 

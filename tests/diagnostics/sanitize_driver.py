@@ -389,14 +389,18 @@ out, lse = flashcore.varlen_attention_forward(q, k, v, cu_q, cu_k, causal=True)
 flashcore.varlen_attention_backward(arr((141, 4, 64), "bfloat16"), q, k, v, out, lse, cu_q, cu_k, causal=True)
 cp.cuda.Device().synchronize()
 n += 1
-# Varlen over a paged cache (the Ampere-class forward's page walk), with good values and with
-# table entries past the pool, negative ones and cu_seqlens_k past the table's capacity.
-# Pages of 16 and 48 (smaller than the key tile) at head dims 128 (a thread's rows in one
-# page) and 96 (a lookup per chunk).
-for bad, page, d in ((False, 128, 128), (True, 128, 128), (False, 16, 128), (True, 16, 128),
-                     (True, 48, 96)):
-    mark(f"paged varlen, bad {bad}, page {page}, d{d}")
-    hk, per = 2, 3 * 128 // page
+# Varlen over a paged cache, with good values and with table entries past the pool, negative
+# ones and cu_seqlens_k past the table's capacity. On an H100/H200 head dims 64, 128 and 256
+# take the warp-specialised forward (pages of whole key blocks by TMA: 128 and 256 at d128;
+# others copied by its producer: 16, 48), head dim 96 the Ampere-class kernel (a lookup per
+# chunk); elsewhere all Ampere-class (a thread's rows in one page at d128).
+for bad, page, d, causal in ((False, 128, 128, True), (True, 128, 128, True),
+                             (False, 16, 128, True), (True, 16, 128, True), (True, 48, 96, True),
+                             (False, 256, 128, False), (True, 256, 128, False),
+                             (True, 16, 256, False), (False, 48, 64, False),
+                             (True, 32, 64, True)):
+    mark(f"paged varlen, bad {bad}, page {page}, d{d}, causal {causal}")
+    hk, per = 2, 3 * 256 // page     # (768 keys a sequence: head dim 64 takes the Hopper kernel)
     kc, vc = arr((3 * per, page, hk, d), "bfloat16"), arr((3 * per, page, hk, d), "bfloat16")
     table = np.random.default_rng(page).permutation(3 * per).astype(np.int32).reshape(3, per)
     cu_k = np.array([0, 300, 301, 650], np.int32)
@@ -405,7 +409,8 @@ for bad, page, d in ((False, 128, 128), (True, 128, 128), (False, 16, 128), (Tru
         cu_k = np.array([0, 300, 10**6, 50], np.int32)
     q = arr((40, 8, d), "bfloat16")
     flashcore.varlen_attention_forward(q, kc, vc, cp.asarray(np.array([0, 20, 21, 40], np.int32)),
-                                       cp.asarray(cu_k), causal=True, block_table=cp.asarray(table))
+                                       cp.asarray(cu_k), causal=causal,
+                                       block_table=cp.asarray(table))
     cp.cuda.Device().synchronize()
     n += 1
 # Dropout forward and backward: on an H100/H200 the Hopper forward (d128, d256) and dK/dV (d64,

@@ -383,16 +383,27 @@ def test_dq_accumulator_is_zeroed_by_preprocess_varlen():
     # d64, d256, d40), a lookup per chunk (d96, d192)
     (128, 16, dict(causal=True)), (64, 48, dict()), (96, 16, dict(window_size=(100, 7))),
     (192, 48, dict(causal=True)), (256, 16, dict(softcap=4.0)), (40, 16, dict(causal=True)),
+    # on sm_90 the warp-specialised kernel (windowed instantiation, 128-key blocks at d64 and
+    # d128, 64 at d256): pages of whole blocks by TMA, others copied by its producer
+    (128, 256, dict()), (128, 48, dict()), (256, 48, dict()), (64, 32, dict(causal=True)),
+    (128, 64, dict(window_size=(100, 7))), (256, 64, dict()), (64, 128, dict(causal=True)),
 ])
 @pytest.mark.parametrize("api", ["cupy", "torch"])
 def test_varlen_over_a_paged_cache(d, page, kw, api):
     """Chunked prefill over a paged cache (block_table, pages in a random order of a larger
     pool, an empty sequence, lengths not multiples of anything) against the float64 oracle on
     the keys gathered into packed rows, with the flash-attn rule; the second call (a launch
-    plan's replay) equals the first bit for bit. (The outputs are new arrays: nothing to
-    poison; a row left unwritten would not be finite or would miss the rule.)"""
+    plan's replay) equals the first bit for bit. The pages' rows past each sequence's end, and
+    the pool's blocks no table entry names, hold NaN: a kernel must not let them into the
+    output. On sm_90 the head dims of the warp-specialised kernel run its varlen
+    instantiation (TMA boxes within pages). (The outputs are new arrays: nothing to poison; a
+    row left unwritten would not be finite or would miss the rule.)"""
     cp = _cp()
     import flashcore
+    from flashcore import jit
+    from flashcore.kernels import forward, plans
+    jit.clear_memory_cache()
+    plans.clear()
     rng = np.random.default_rng(d + page)
     dtype = "bfloat16"
     lens_q, lens_k = [37, 0, 1, 200], [301, 0, 129, 700]
@@ -408,7 +419,12 @@ def test_varlen_over_a_paged_cache(d, page, kw, api):
     rows = np.concatenate([table[i, np.arange(n) // page] * page + np.arange(n) % page
                            for i, n in enumerate(lens_k)])
     kp32, vp32 = kc32.reshape(-1, hk, d)[rows], vc32.reshape(-1, hk, d)[rows]
-    q, kc, vc = (to_dev(x, dtype) for x in (q32, kc32, vc32))
+    poisoned = np.ones(pool * page, bool)
+    poisoned[rows] = False
+    kc_dev, vc_dev = kc32.copy(), vc32.copy()
+    kc_dev.reshape(-1, hk, d)[poisoned] = np.nan
+    vc_dev.reshape(-1, hk, d)[poisoned] = np.nan
+    q, kc, vc = (to_dev(x, dtype) for x in (q32, kc_dev, vc_dev))
     args = (cp.asarray(cu_q), cp.asarray(cu_k))
     if api == "torch":
         torch = pytest.importorskip("torch")
@@ -427,6 +443,13 @@ def test_varlen_over_a_paged_cache(d, page, kw, api):
                                                      block_table=cp.asarray(table), **kw)
         got = to_host64(out)
         assert bool((out == out2).all())
+    from flashcore import config
+    if forward.sm90_applies(jit.device_facts(0)[0], d, "softcap" in kw, False, max(lens_k)) \
+            and config.get().sm90_fwd_ws:
+        want = forward.sm90_ws_kernel_name(dtype, d, True, varlen=True)   # (windowed: paged)
+        ran = {k[3] for k in jit._kernels if k[2] == forward.SM90_SOURCE}
+        assert any(n.split(",")[:6] == want.split(",")[:6] and n.endswith(", true>")
+                   for n in ran), ran
     ro = np.zeros(got.shape)
     lo = np.zeros(got.shape)
     for i in range(b):      # per sequence: float64, and the same computation in bf16
