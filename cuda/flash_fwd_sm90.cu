@@ -814,14 +814,18 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     // what the block holds (a consumer's setmaxnreg.inc waits until the pool has the
     // registers: an overdrawn split hangs, as the FP8 kernel's first 32 / 240 did). FP8's
     // producer transposes V within the same 24. The persistent producer's tile loop needs
-    // more than 24 (ptxas spills it): 40 / 232 there, and 32 / 160 with 3 consumers.
+    // more than 24 (ptxas spills it): 40 / 232 there, and 32 / 160 with 3 consumers; so does
+    // the paged producer's unrolled copy (kPagedOk: the windowed varlen instantiations; the
+    // loop rolled up within 24 took 1.16-1.23x as long at pages of 16, run 179).
+    // (kPagedOk: varlen over a paged cache, see `paged` below)
     constexpr int kEntryRegs = (65536 / kThreads) / 8 * 8;
     constexpr int kPagedCh = kD / 8;                                // 16-byte chunks a row
     constexpr int kPagedRPT = kBlockN * kPagedCh / 128;             // rows a producer thread
     constexpr bool kPagedOk = Is_varlen && !Is_fp8 && Is_local && kBlockN * kPagedCh % 128 == 0
                               && kPagedRPT >= 1 && 16 % kPagedRPT == 0;
-    constexpr int kProducerRegs = kPersistent ? (kCons == 3 ? 32 : 40) : 24;
-    constexpr int kConsumerRegs = kCons == 3 ? 160 : (kPersistent ? 232 : 240);
+    constexpr bool kRichProducer = kPersistent || kPagedOk;
+    constexpr int kProducerRegs = kRichProducer ? (kCons == 3 ? 32 : 40) : 24;
+    constexpr int kConsumerRegs = kCons == 3 ? 160 : (kRichProducer ? 232 : 240);
     static_assert(128 * kProducerRegs + (int)kConsumers * kConsumerRegs <= kThreads * kEntryRegs,
                   "the register split overdraws the block's registers");
 
@@ -1043,7 +1047,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                     // the run's rows past the sequence's end lie in its page and are not read)
                     fc_u32 d = dst + (fc_u32)(pc >> 3) * kKVBlock + (fc_u32)pr0 * 128u;
                     const fc_u32 cx = (fc_u32)(pc & 7) * 16u;
-#pragma unroll 1
+#pragma unroll
                     for (int i = 0; i < kPagedRPT; ++i) {
                         cp_async_16(d + (cx ^ (fc_u32)((i & 7) * 16)), src, i < valid);
                         src += row_stride;
