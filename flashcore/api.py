@@ -35,6 +35,7 @@ from . import config
 from ._arrays import library_of
 from .backends import torch_ops   # (imports no torch: the torch route, bound once)
 from .backends.base import all_backends, choose, choose_kvcache
+from .backends.cupy_backend import raise_oom
 from .kernels import plans
 from .reference import merge_states
 from .spec import (FP8_DTYPES, _arg_error, _scalar_key, as_flag, backward_spec, check_outputs,
@@ -163,11 +164,17 @@ def _forward(q, k, v, backend, varlen, out=None, lse=None, out_dtype=None, **kw)
         plan = plans.lookup(key)
         if plan is not None and plans.enter(plan):
             import cupy     # (the current device is the plan's: outputs are allocated there)
-            o = cupy.empty(q.shape, plan.result if plan.result is not None else q.dtype) \
-                if out is None else out
-            l_ = cupy.empty(lse_shape(q.shape, varlen), cupy.float32) if lse is None else lse
-            if _cupy_replay(plan, (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l_.data.ptr,
-                                   _ptr(alibi), _ptr(cu_q), _ptr(cu_k), _ptr(bt), _ptr(rng))):
+            try:
+                o = cupy.empty(q.shape, plan.result if plan.result is not None else q.dtype) \
+                    if out is None else out
+                l_ = cupy.empty(lse_shape(q.shape, varlen), cupy.float32) if lse is None else lse
+                ok = _cupy_replay(plan, (q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr,
+                                         l_.data.ptr, _ptr(alibi), _ptr(cu_q), _ptr(cu_k),
+                                         _ptr(bt), _ptr(rng)))
+            except Exception as e:
+                raise_oom(e, "forward")
+                raise
+            if ok:
                 return o, l_
     spec = forward_spec(q, k, v, varlen=varlen, **kw)
     if spec.dtype in FP8_DTYPES:
@@ -218,13 +225,18 @@ def _backward(dout, q, k, v, out, lse, backend, varlen, dq=None, dk=None, dv=Non
         plan = plans.lookup(key)
         if plan is not None and plans.enter(plan):
             import cupy     # (the current device is the plan's: outputs are allocated there)
-            gq = cupy.empty(q.shape, q.dtype) if dq is None else dq
-            gk = cupy.empty(k.shape, k.dtype) if dk is None else dk
-            gv = cupy.empty(v.shape, v.dtype) if dv is None else dv
-            if _cupy_replay(plan, (dout.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr,
-                                   out.data.ptr, lse.data.ptr, gq.data.ptr, gk.data.ptr,
-                                   gv.data.ptr, _ptr(alibi), _ptr(cu_q), _ptr(cu_k),
-                                   _ptr(rng))):
+            try:
+                gq = cupy.empty(q.shape, q.dtype) if dq is None else dq
+                gk = cupy.empty(k.shape, k.dtype) if dk is None else dk
+                gv = cupy.empty(v.shape, v.dtype) if dv is None else dv
+                ok = _cupy_replay(plan, (dout.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr,
+                                         out.data.ptr, lse.data.ptr, gq.data.ptr, gk.data.ptr,
+                                         gv.data.ptr, _ptr(alibi), _ptr(cu_q), _ptr(cu_k),
+                                         _ptr(rng)))
+            except Exception as e:
+                raise_oom(e, "backward")
+                raise
+            if ok:
                 return gq, gk, gv
     spec = backward_spec(dout, q, k, v, out, lse, varlen=varlen, **kw)
     b = choose(spec, backend, backward=True)
@@ -510,12 +522,18 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         plan = plans.lookup(key)
         if plan is not None and plans.enter(plan):
             import cupy     # (the current device is the plan's: outputs are allocated there)
-            o = cupy.empty(q.shape, q.dtype) if out is None else out
-            l_ = cupy.empty(lse_shape(q.shape), cupy.float32) if lse is None else lse
-            if _cupy_replay(plan, (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, o.data.ptr,
-                                   l_.data.ptr, cache_seqlens.data.ptr, _ptr(block_table),
-                                   _ptr(alibi_slopes), _ptr(cache_leftpad), _ptr(k_descale),
-                                   _ptr(v_descale), _ptr(key_mask))):
+            try:
+                o = cupy.empty(q.shape, q.dtype) if out is None else out
+                l_ = cupy.empty(lse_shape(q.shape), cupy.float32) if lse is None else lse
+                ok = _cupy_replay(plan, (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr,
+                                         o.data.ptr, l_.data.ptr, cache_seqlens.data.ptr,
+                                         _ptr(block_table), _ptr(alibi_slopes),
+                                         _ptr(cache_leftpad), _ptr(k_descale), _ptr(v_descale),
+                                         _ptr(key_mask)))
+            except Exception as e:
+                raise_oom(e, "decode")
+                raise
+            if ok:
                 return (o, l_) if return_lse else o
     spec = kvcache_spec(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                         block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin,

@@ -172,3 +172,19 @@ def test_varlen_rows_past_the_last_sequence_are_ignored():
     o2, lse2 = flashcore.varlen_attention_forward(q[:6], k[:7], v[:7], cu_q, cu_k)
     np.testing.assert_array_equal(o[:6], o2)
     np.testing.assert_array_equal(lse[:, :6], lse2)
+
+
+def test_out_of_memory_errors_become_device_memory_errors():
+    """raise_oom (the full calls' and the launch plans' replays' path): an allocator's
+    OutOfMemoryError (CuPy's or torch's, by class name) becomes DeviceMemoryError with the
+    failed allocation's size; any other error is left to the caller."""
+    from flashcore import DeviceMemoryError
+    from flashcore.backends.cupy_backend import raise_oom
+
+    class OutOfMemoryError(Exception):
+        pass
+    with pytest.raises(DeviceMemoryError) as e:
+        raise_oom(OutOfMemoryError("Out of memory allocating 8,388,608 bytes (allocated so "
+                                   "far: 0 bytes, limit set to: 4,096 bytes)."), "forward")
+    assert e.value.nbytes == 8_388_608 and "forward" in str(e.value)
+    assert raise_oom(ValueError("allocating 8 bytes"), "forward") is None

@@ -35,15 +35,22 @@ class DeviceMemoryError(MemoryError):
 def _translate_oom(what):
     try:
         yield
-    except Exception as e:     # CuPy's and torch's out-of-memory errors share the class name
-        if type(e).__name__ != "OutOfMemoryError":
-            raise
-        m = re.search(r"allocating ([\d,]+) bytes", str(e))
-        nbytes = int(m.group(1).replace(",", "")) if m else None
-        raise DeviceMemoryError(
-            f"flashcore {what}: out of GPU memory while allocating "
-            f"{nbytes if nbytes is not None else 'an unknown number of'} bytes ({e})",
-            nbytes) from None
+    except Exception as e:
+        raise_oom(e, what)
+        raise
+
+
+def raise_oom(e: Exception, what: str) -> None:
+    """Raise ``e`` as a :class:`DeviceMemoryError` if it is an out-of-memory error (CuPy's and
+    torch's share the class name); return otherwise (the caller re-raises ``e``)."""
+    if type(e).__name__ != "OutOfMemoryError":
+        return
+    m = re.search(r"allocating ([\d,]+) bytes", str(e))
+    nbytes = int(m.group(1).replace(",", "")) if m else None
+    raise DeviceMemoryError(
+        f"flashcore {what}: out of GPU memory while allocating "
+        f"{nbytes if nbytes is not None else 'an unknown number of'} bytes ({e})",
+        nbytes) from None
 
 
 @functools.lru_cache(maxsize=None)
