@@ -12,8 +12,7 @@ from .api import (
     varlen_attention_backward,
     varlen_attention_forward,
 )
-from .backends.base import NotSupportedError
-from .backends.cupy_backend import DeviceMemoryError
+from .backends.base import DeviceMemoryError, NotSupportedError
 
 from ._version import __version__
 

@@ -34,8 +34,7 @@ from __future__ import annotations
 from . import config
 from ._arrays import library_of
 from .backends import torch_ops   # (imports no torch: the torch route, bound once)
-from .backends.base import all_backends, choose, choose_kvcache
-from .backends.cupy_backend import raise_oom
+from .backends.base import all_backends, choose, choose_kvcache, raise_oom
 from .kernels import plans
 from .reference import merge_states
 from .spec import (FP8_DTYPES, _arg_error, _scalar_key, as_flag, backward_spec, check_outputs,

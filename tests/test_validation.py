@@ -179,7 +179,7 @@ def test_out_of_memory_errors_become_device_memory_errors():
     OutOfMemoryError (CuPy's or torch's, by class name) becomes DeviceMemoryError with the
     failed allocation's size; any other error is left to the caller."""
     from flashcore import DeviceMemoryError
-    from flashcore.backends.cupy_backend import raise_oom
+    from flashcore.backends.base import raise_oom
 
     class OutOfMemoryError(Exception):
         pass

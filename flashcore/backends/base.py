@@ -6,16 +6,38 @@ the user sees each backend's reasons at once.
 """
 from __future__ import annotations
 
+import re
 from typing import ClassVar
 
 from ..spec import AttentionSpec, KVCacheSpec
 
-__all__ = ["Backend", "NotSupportedError", "register", "get_backend", "all_backends", "choose",
-           "choose_kvcache"]
+__all__ = ["Backend", "NotSupportedError", "DeviceMemoryError", "raise_oom", "register",
+           "get_backend", "all_backends", "choose", "choose_kvcache"]
 
 
 class NotSupportedError(ValueError):
     """No backend can run this call; the message lists every backend's reasons."""
+
+
+class DeviceMemoryError(MemoryError):
+    """The GPU ran out of memory; ``nbytes`` is the size of the allocation that failed."""
+
+    def __init__(self, msg, nbytes=None):
+        super().__init__(msg)
+        self.nbytes = nbytes
+
+
+def raise_oom(e: Exception, what: str) -> None:
+    """Raise ``e`` as a :class:`DeviceMemoryError` if it is an out-of-memory error (CuPy's and
+    torch's share the class name); return otherwise (the caller re-raises ``e``)."""
+    if type(e).__name__ != "OutOfMemoryError":
+        return
+    m = re.search(r"allocating ([\d,]+) bytes", str(e))
+    nbytes = int(m.group(1).replace(",", "")) if m else None
+    raise DeviceMemoryError(
+        f"flashcore {what}: out of GPU memory while allocating "
+        f"{nbytes if nbytes is not None else 'an unknown number of'} bytes ({e})",
+        nbytes) from None
 
 
 class Backend:

@@ -11,24 +11,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import re
 
 import numpy as np
 
 from ..spec import AttentionSpec
 from ..kernels import plans
 from ..kernels.device import lib_of, scope
-from .base import Backend, register
+from .base import Backend, raise_oom, register
 
 MIN_COMPUTE_CAPABILITY = 80
-
-
-class DeviceMemoryError(MemoryError):
-    """The GPU ran out of memory; ``nbytes`` is the size of the allocation that failed."""
-
-    def __init__(self, msg, nbytes=None):
-        super().__init__(msg)
-        self.nbytes = nbytes
 
 
 @contextlib.contextmanager
@@ -38,19 +29,6 @@ def _translate_oom(what):
     except Exception as e:
         raise_oom(e, what)
         raise
-
-
-def raise_oom(e: Exception, what: str) -> None:
-    """Raise ``e`` as a :class:`DeviceMemoryError` if it is an out-of-memory error (CuPy's and
-    torch's share the class name); return otherwise (the caller re-raises ``e``)."""
-    if type(e).__name__ != "OutOfMemoryError":
-        return
-    m = re.search(r"allocating ([\d,]+) bytes", str(e))
-    nbytes = int(m.group(1).replace(",", "")) if m else None
-    raise DeviceMemoryError(
-        f"flashcore {what}: out of GPU memory while allocating "
-        f"{nbytes if nbytes is not None else 'an unknown number of'} bytes ({e})",
-        nbytes) from None
 
 
 @functools.lru_cache(maxsize=None)
