@@ -660,8 +660,8 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
 
     q, k, v, out: (b, s, h, d) or, varlen, (total, h, d) with int32 ``cu_seqlens_*`` (b + 1,).
     Varlen over a paged cache: k, v (num_blocks, page_size, h_k, d) with an int32
-    ``block_table`` (b, max_blocks); cu_seqlens_k then gives the key lengths only (Ampere-class
-    kernels; page_size a multiple of 16). Dropout (``dropout_p`` > 0): ``rng_state``
+    ``block_table`` (b, max_blocks); cu_seqlens_k then gives the key lengths only (both
+    families; page_size a multiple of 16). Dropout (``dropout_p`` > 0): ``rng_state``
     an int64 (seed, offset) CuPy array, the stream of flashcore.dropout (both families).
     lse: float32 (b, h, sq) or, varlen, (h, total_q), contiguous. Windows use -1 for unbounded.
     ``out`` may be float32 (16-bit inputs): the output is then written unrounded.
