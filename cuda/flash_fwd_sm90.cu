@@ -817,7 +817,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     // more than 24 (ptxas spills it): 40 / 232 there, and 32 / 160 with 3 consumers; so does
     // the paged producer's unrolled copy (kPagedOk: the windowed varlen instantiations; the
     // loop rolled up within 24 took 1.16-1.23x as long at pages of 16, run 179).
-    // (kPagedOk: varlen over a paged cache, see `paged` below)
     constexpr int kEntryRegs = (65536 / kThreads) / 8 * 8;
     constexpr int kPagedCh = kD / 8;                                // 16-byte chunks a row
     constexpr int kPagedRPT = kBlockN * kPagedCh / 128;             // rows a producer thread

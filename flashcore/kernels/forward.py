@@ -713,10 +713,11 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
     # blocks divide pages of 128 and 256, which TMA reads a block at a time; other pages its
     # producer copies with cp.async; no window bounds the keys unless the call's does); the
     # Ampere-class kernel where the warp-specialised one is off or TMA cannot read the arrays.
+    cfg_ = config.get()
     use_sm90 = sm90_applies(cc, headdim, has_softcap, has_alibi, seqlen_k) \
-        and (not paged or config.get().sm90_fwd_ws)
+        and (not paged or cfg_.sm90_fwd_ws)
     ws_local = is_local or paged
-    if use_sm90 and config.get().sm90_fwd_ws:
+    if use_sm90 and cfg_.sm90_fwd_ws:
         block_m, block_n, _ = sm90_ws_tile(headdim, ws_local)
         # (a paged map's boxes: whole key blocks, or, where the producer copies, unused)
         kv_rows = block_n if not paged or int(k.shape[1]) % block_n == 0 else 16
@@ -737,13 +738,13 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, window_left: int,
                                                                  dropout, seqlen_k, pingpong,
                                                                  persistent=persistent,
                                                                  varlen=varlen, o_tma=ws[3]),
-                                device_id, cc, smem, config.get().sm90_defines)
+                                device_id, cc, smem, cfg_.sm90_defines)
             block = (128 + 2 * block_m, 1, 1)
         else:
-            smem = sm90_smem(headdim, config.get().sm90_fwd_pipelined)
+            smem = sm90_smem(headdim, cfg_.sm90_fwd_pipelined)
             kernel = get_kernel(SM90_SOURCE, sm90_kernel_name(dtype_name, headdim, is_local,
                                                               dropout=dropout),
-                                device_id, cc, smem, config.get().sm90_defines)
+                                device_id, cc, smem, cfg_.sm90_defines)
             block = (256, 1, 1)
     else:
         d = headdim_tile(headdim)
