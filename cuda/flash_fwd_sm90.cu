@@ -1213,44 +1213,81 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
                 issue_pv<Elem, kBlockN>(rows.acc_o, pa, sVb);
         };
 
-        int nb = blk.n_block_max - 1;
+        // Causal (a right-bounded window): the walk's first `skip` blocks may lie wholly past
+        // the last key that this warpgroup's rows see (the tile's later rows see them; at head
+        // dim 64's 192-row tiles 10% of the (warpgroup, block) steps at 2k keys, 8% at 4k). The
+        // warpgroup releases their stages and passes their ping-pong turns without a product,
+        // so that every barrier still sees its arrivals; its walk starts at block `skip`. The
+        // tile's last warpgroup never skips (its rows are the tile's last). At least one block
+        // is walked. (FC_DIAG_NO_WG_SKIP: every block walked, the A/B's control.)
+        int skip = 0;
+#ifndef FC_DIAG_NO_WG_SKIP
+        if constexpr (Is_local) {
+            if (blk.right_bounded) {
+                const long long hi = (long long)blk.m0 + min(64 * cw + 63, blk.rows_q - 1)
+                                     + blk.off + params.window_right + 1;   // keys < hi seen
+                const long long nb_wg = hi <= 0 ? 0 : (hi + kBlockN - 1) / kBlockN;
+                skip = (int)max(0LL, min((long long)blk.n_block_max - nb_wg, (long long)n_iter - 1));
+                skip = (int)warp_uniform((fc_u32)skip);   // (the stages' addresses stay uniform)
+            }
+        }
+#endif
+        // varlen: the walk's first block, the last of the tile's keys: past the sequence's end?
+        // (tile-uniform; FP8: the producer zeroes the raw V instead) Consumer warpgroup 0 zeroes
+        // those V rows, all consumers meet at named barrier 4 (the ping-pong's are 1 .. kCons)
+        // before any P V product (after S_0, so that S_0 does not wait for V_0; a warpgroup
+        // that skips block 0 meets it while it passes that block)
+        auto zero_v0 = [&]() {
+            if constexpr (Is_varlen && !Is_fp8) {
+                const int valid = blk.sk - (blk.n_block_max - 1) * kBlockN;
+                if (valid < kBlockN) {
+                    mbar_wait(full_v(stage_of(0)), parity_of(0));
+                    if (cw == 0)
+                        zero_tile_rows<kD / kRowElems, kBlockN>(sV + (fc_u32)stage_of(0) * kTile,
+                                                                valid, tid - 128, 128);
+                    fence_proxy_async();
+                    named_sync(4, (int)kConsumers);
+                }
+            }
+        };
+        for (int j = 0; j < skip; ++j) {
+            mbar_wait(full_k(stage_of(j)), parity_of(j));
+            mbar_arrive(empty_k(stage_of(j)));
+            mbar_wait(full_v(stage_of(j)), parity_of(j));
+            if (j == 0) zero_v0();
+            mbar_arrive(empty_v(stage_of(j)));
+        }
+        if (kPingPong) {
+            for (int j = 0; j < skip; ++j) {      // (turns j of the loop below, passed)
+                named_sync(1 + cw, 256);
+                if (kPPChain || !(cw == kCons - 1 && j == n_iter - 2))
+                    named_arrive(1 + (cw + 1) % kCons, 256);
+            }
+        }
+
+        int nb = blk.n_block_max - 1 - skip;
         FC_TL_VALUE(1 + cw, nq, FC_TL_TILE_SLOT, 7, n_iter);
         FC_TL_STAMP(1 + cw, nq, FC_TL_QWAIT_STEP, 0);
         mbar_wait(bar_q, (fc_u32)nq & 1u);
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 1);
-        mbar_wait(full_k(stage_of(0)), parity_of(0));
-        issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)stage_of(0) * kTile);
+        mbar_wait(full_k(stage_of(skip)), parity_of(skip));
+        issue_s<In, kD, kBlockN, kBM>(s, sQwg, sK + (fc_u32)stage_of(skip) * kTile);
         wgmma_wait<0>();
         settle(s);
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 2);
-        mbar_arrive(empty_k(stage_of(0)));
+        mbar_arrive(empty_k(stage_of(skip)));
         cap();
         rows.mask(s, nb * kBlockN);
         rows.template softmax<kPolyEvery, kExactCorr, kRescaleThreshold>(s, corr);   // O is 0
         pack(nb * kBlockN);
-        if constexpr (Is_varlen && !Is_fp8) {
-            // the walk's first block, the last of the tile's keys: past the sequence's end?
-            // (tile-uniform; FP8: the producer zeroes the raw V instead) Consumer warpgroup 0
-            // zeroes those V rows, all consumers meet at
-            // named barrier 4 (the ping-pong's are 1 .. kCons) before any P V product (after
-            // S_0, so that S_0 does not wait for V_0)
-            const int valid = blk.sk - nb * kBlockN;
-            if (valid < kBlockN) {
-                mbar_wait(full_v(stage_of(0)), parity_of(0));
-                if (cw == 0)
-                    zero_tile_rows<kD / kRowElems, kBlockN>(sV + (fc_u32)stage_of(0) * kTile,
-                                                            valid, tid - 128, 128);
-                fence_proxy_async();
-                named_sync(4, (int)kConsumers);
-            }
-        }
+        if (skip == 0) zero_v0();
         // Ping-pong: consumer cw issues its products after named barrier 1 + cw, then hands
         // the turn to the next (cw + 1, the last to consumer 0). The last consumer opens the
         // first turn for consumer 0 and skips its last hand-over, so that every barrier sees
         // as many arrivals as waits within a tile.
         FC_TL_STAMP(1 + cw, nq, FC_TL_TILE_SLOT, 3);
         if (kPingPong && !kPPChain && cw == kCons - 1 && n_iter > 1) named_arrive(1, 256);
-        for (int it = 0; it < n_iter - 1; ++it, --nb) {   // every block but the last
+        for (int it = skip; it < n_iter - 1; ++it, --nb) {   // every block but the last
             const int st0 = stage_of(it), st1 = stage_of(it + 1);
             FC_TL_STAMP(1 + cw, nq, it, 0);
             mbar_wait(full_k(st1), parity_of(it + 1));
