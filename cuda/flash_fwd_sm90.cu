@@ -164,16 +164,11 @@ constexpr int kFcRescaleThreshold = 0;
 // One consumer thread's rows (64 wg + 16 (warp % 4) + g + 8 r, r = 0, 1 of the tile, ct its
 // index among the 256 consumer threads) and their state: O's accumulators, the running row
 // max and sum; and the steps of one key block on them.
-// kSumMma: the row sums come from the tensor cores (P times a column of ones, into acc_l, an
-// n8 accumulator whose every column is the sum: lane (g, t) holds row g in acc_l[0] and row
-// g + 8 in acc_l[2]) instead of the softmax's additions; row_sum is then unused.
-template <typename Elem, int kD, int kBlockN, bool Is_local, bool Is_dropout, int kBM = kBlockM,
-          bool kSumMma = false>
+template <typename Elem, int kD, int kBlockN, bool Is_local, bool Is_dropout, int kBM = kBlockM>
 struct FwdRows {
     static constexpr int kNT = kBlockN / 8;    // n8 tiles of S
     static constexpr int kDT = kD / 8;         // n8 tiles of O
     float acc_o[kDT * 4];
-    float acc_l[4];
     float row_max[2], row_sum[2];
     int warp_row0, g, t, row_pos0, win_r, win_l, blk_hi, blk_lo, sk, m0, drop_bh;
     bool left_bounded, right_bounded;
@@ -187,8 +182,6 @@ struct FwdRows {
         t = lane & 3;
 #pragma unroll
         for (int i = 0; i < kDT * 4; ++i) acc_o[i] = 0.f;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc_l[i] = 0.f;
         row_max[0] = row_max[1] = -INFINITY;
         row_sum[0] = row_sum[1] = 0.f;
         warp_row0 = 64 * (warp >> 2) + 16 * (warp & 3);
@@ -283,9 +276,9 @@ struct FwdRows {
                     const float pr = kPolyEvery > 0 && j % kPolyEvery == kPolyEvery - 1
                                          ? fc_exp2_poly(x) : fc_exp2(x);
                     s[4 * j + e] = pr;
-                    if constexpr (!kSumMma) sum += pr;
+                    sum += pr;
                 }
-            if constexpr (!kSumMma) row_sum[r] = row_sum[r] * corr[r] + sum;
+            row_sum[r] = row_sum[r] * corr[r] + sum;
         }
         return grew;
     }
@@ -294,10 +287,6 @@ struct FwdRows {
         for (int j = 0; j < kDT; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[4 * j + e] *= corr[e >> 1];
-        if constexpr (kSumMma) {
-            acc_l[0] *= corr[0];
-            acc_l[2] *= corr[1];
-        }
     }
     // P (16-bit) as the A operand of k-step kk (keys n0 + 16 kk ..): tiles 2kk, 2kk+1. With
     // dropout, the packed pairs ANDed with the masks of that 16 x 16 tile (word w: row half
@@ -367,7 +356,7 @@ struct FwdRows {
         float inv[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const float l = kSumMma ? acc_l[2 * r] : quad_sum(row_sum[r]);
+            const float l = quad_sum(row_sum[r]);
             inv[r] = l == 0.f ? 0.f : o_scale / l;
             const int row = warp_row0 + g + 8 * r;
             if (row < blk.rows_q) {
@@ -471,22 +460,17 @@ __device__ __forceinline__ void issue_pv(float (&acc_o)[kNO], fc_u32 (&pa)[kBloc
 // memory, K-major (FP8 wgmma has no transposed B): sVt holds [kBlockN / 128][kD][128] bytes,
 // row n = head-dim column n, its 128 bytes the keys of one 128-key block in transpose_v's
 // order; k-step kk (32 keys) is block kk / 4 at byte offset 32 (kk % 4); N = kD.
-template <int kD, int kBlockN, bool kSumMma, int kNO>
+template <int kD, int kBlockN, int kNO>
 __device__ __forceinline__ void issue_pv_e4m3(float (&acc_o)[kNO], fc_u32 (&pa)[kBlockN / 32][4],
-                                              fc_u32 sVt, float (&acc_l)[4], fc_u32 sOnes) {
+                                              fc_u32 sVt) {
     static_assert(kNO == kD / 2, "O is 64 x kD per warpgroup");
     settle(acc_o);
     settle(pa);
-    if constexpr (kSumMma) settle(acc_l);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 32; ++kk) {
         const fc_u32 voff = (fc_u32)(kk >> 2) * (fc_u32)(kD * 128) + (fc_u32)(kk & 3) * 32u;
         Wgmma<fc_e4m3>::rs(acc_o, pa[kk], wgmma_desc_k(sVt, voff), 1);
-        // (kSumMma: the row sums, P times ones: sOnes is one 8 x 128-byte atom of e4m3 1.0,
-        // the same bytes at every offset)
-        if constexpr (kSumMma)
-            Wgmma<fc_e4m3>::rs(acc_l, pa[kk], wgmma_desc_k(sOnes, (fc_u32)(kk & 3) * 32u), 1);
     }
     wgmma_commit();
 }
@@ -758,14 +742,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     // pipe (fc_exp2_poly: 9 issue slots for a MUFU op's 8 clocks): +0-6% (runs 102-103 of the
     // performance log; every 4th or 2nd tile slower); not with softcap (not measured there).
     // FC_DIAG_POLY_EVERY overrides (timing; 0: none).
-    // FC_DIAG_SUM_MMA: the FP8 kernel's row sums by the tensor cores (FwdRows' kSumMma: P times
-    // a column of ones, 6 n8 products a 192-key block against 96 additions a thread; not with
-    // softcap, whose persistent kernel spills 72 bytes with it).
-#ifdef FC_DIAG_SUM_MMA
-    constexpr bool kSumMma = Is_fp8 && kD == 128 && !Has_softcap;
-#else
-    constexpr bool kSumMma = false;
-#endif
 #ifdef FC_DIAG_POLY_EVERY
     constexpr int kPolyEvery = FC_DIAG_POLY_EVERY;
 #else
@@ -865,8 +841,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
     // mbarriers after the tiles: full Q, empty Q, then full K, full V, empty K, empty V (one
     // per stage each), then (FP8) the raw V ring's full barriers, then the tile scheduler's
     // two slots (full, empty each), the slots themselves (two int32) and (kOBufs = 1) o_free
-    const fc_u32 sOnes = sO + (fc_u32)kOBufs * kOTile;    // (kSumMma) 1024 bytes of e4m3 1.0
-    const fc_u32 bars = sOnes + (kSumMma ? 1024u : 0u);
+    const fc_u32 bars = sO + (fc_u32)kOBufs * kOTile;
     const fc_u32 bar_q = bars, empty_q = bars + 8u;
     auto full_k = [&](int st) { return bars + 8u * (fc_u32)(2 + st); };
     auto full_v = [&](int st) { return bars + 8u * (fc_u32)(2 + kStages + st); };
@@ -968,11 +943,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         }
         if (kOBufs == 1) mbar_init(o_free, 1);
         fence_barrier_init();
-    }
-    if constexpr (kSumMma) {
-        if (tid < 256)
-            asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(sOnes + 4u * (fc_u32)tid), "r"(0x38383838u) : "memory");
-        fence_proxy_async();       // (read by the tensor cores)
     }
     __syncthreads();
 
@@ -1193,7 +1163,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             continue;
         }
         const int n_iter = blk.n_block_max - blk.n_block_min;   // >= 1
-        FwdRows<Elem, kD, kBlockN, Is_local, Is_dropout, kBM, kSumMma> rows(params, blk, tid - 128);
+        FwdRows<Elem, kD, kBlockN, Is_local, Is_dropout, kBM> rows(params, blk, tid - 128);
         float s_scale = 1.f;                       // FP8: q_descale * k_descale
         float v_scale = 1.f;                       // FP8: v_descale (the epilogue's)
         float cap_in = 0.f;                        // softcap: s -> tanh(s cap_in)
@@ -1238,7 +1208,7 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
         };
         auto issue_pv_ = [&](fc_u32 sVb) {
             if constexpr (Is_fp8)
-                issue_pv_e4m3<kD, kBlockN, kSumMma>(rows.acc_o, pa, sVb, rows.acc_l, sOnes);
+                issue_pv_e4m3<kD, kBlockN>(rows.acc_o, pa, sVb);
             else
                 issue_pv<Elem, kBlockN>(rows.acc_o, pa, sVb);
         };
@@ -1347,7 +1317,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             FC_TL_STAMP(1 + cw, nq, it, 5);
             wgmma_wait<0>();
             settle(rows.acc_o);
-            if constexpr (kSumMma) settle(rows.acc_l);
             settle(pa);
             FC_TL_STAMP(1 + cw, nq, it, 6);
             mbar_arrive(empty_v(st0));
@@ -1363,7 +1332,6 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             issue_pv_(sV + (fc_u32)stage_of(last) * kVtTile);
             wgmma_wait<0>();
             settle(rows.acc_o);
-            if constexpr (kSumMma) settle(rows.acc_l);
             settle(pa);
             mbar_arrive(empty_v(stage_of(last)));
         }

@@ -353,15 +353,6 @@ template <> struct Wgmma<fc_e4m3> {
             : FC_WGMMA_ACC64
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
     }
-    static __device__ __forceinline__ void rs(float (&d)[4], const fc_u32 (&a)[4],
-                                              fc_u64 desc_b, int scale_d) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 "
-            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-    }
     static __device__ __forceinline__ void rs(float (&d)[128], const fc_u32 (&a)[4],
                                               fc_u64 desc_b, int scale_d) {
         asm volatile(

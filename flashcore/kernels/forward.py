@@ -434,7 +434,7 @@ def _fp8_base_smem(headdim: int) -> int:
     block_n, stages = fp8_tile(headdim)
     vt_keys = -(-block_n // 128) * 128
     return (128 * headdim + (stages + 2) * block_n * headdim + stages * vt_keys * headdim
-            + 8 * (9 + 4 * stages) + 1024 + (1024 if headdim == 128 else 0))
+            + 8 * (9 + 4 * stages) + 1024)
 
 
 def fp8_o_buffers(headdim: int, softcap: bool = False) -> int:
