@@ -111,15 +111,18 @@ struct FwdBlock {
         right_bounded = Is_local && p.window_right < FC_WINDOW_NONE;
         n_block_max = (sk + kBlockN - 1) / kBlockN;
         n_block_min = 0;
-        if (right_bounded) {
-            const long long hi = (long long)(m0 + rows_q - 1) + off + p.window_right + 1;
-            const int nb = hi <= 0 ? 0 : (int)min((hi + kBlockN - 1) / kBlockN, (long long)n_block_max);
-            n_block_max = min(n_block_max, nb);
-        }
+        if (right_bounded) n_block_max = min(n_block_max, blocks_seen(p, m0 + rows_q - 1));
         if (left_bounded) {
             const long long lo = (long long)m0 + off - p.window_left;
             if (lo > 0) n_block_min = (int)min(lo / kBlockN, (long long)n_block_max);
         }
+    }
+    // Right-bounded window: the key blocks that rows m0 .. last_row see (keys < last_row + off
+    // + window_right + 1), at most all of the sequence's (after sk and off are set).
+    __device__ __forceinline__ int blocks_seen(const FlashParams& p, int last_row) const {
+        const long long hi = (long long)last_row + off + p.window_right + 1;
+        const int all = (sk + kBlockN - 1) / kBlockN;
+        return hi <= 0 ? 0 : (int)min((hi + kBlockN - 1) / kBlockN, (long long)all);
     }
     __device__ __forceinline__ bool empty_rows() const { return m0 >= sq; }
     __device__ __forceinline__ bool no_keys() const { return n_block_max <= n_block_min; }
@@ -1228,10 +1231,8 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
 #ifndef FC_DIAG_NO_WG_SKIP
         if constexpr (Is_local && kCons == 3) {
             if (blk.right_bounded) {
-                const long long hi = (long long)blk.m0 + min(64 * cw + 63, blk.rows_q - 1)
-                                     + blk.off + params.window_right + 1;   // keys < hi seen
-                const long long nb_wg = hi <= 0 ? 0 : (hi + kBlockN - 1) / kBlockN;
-                skip = (int)max(0LL, min((long long)blk.n_block_max - nb_wg, (long long)n_iter - 1));
+                const int seen = blk.blocks_seen(params, blk.m0 + min(64 * cw + 63, blk.rows_q - 1));
+                skip = min(blk.n_block_max - seen, n_iter - 1);   // (seen <= n_block_max)
                 skip = (int)warp_uniform((fc_u32)skip);   // (the stages' addresses stay uniform)
             }
         }
@@ -1260,12 +1261,9 @@ __device__ __forceinline__ void ws_forward(const FlashParams& params, const FcFw
             mbar_wait(full_v(stage_of(j)), parity_of(j));
             if (j == 0) zero_v0();
             mbar_arrive(empty_v(stage_of(j)));
-        }
-        if (kPingPong) {
-            for (int j = 0; j < skip; ++j) {      // (turns j of the loop below, passed)
-                named_sync(1 + cw, 256);
-                if (kPPChain || !(cw == kCons - 1 && j == n_iter - 2))
-                    named_arrive(1 + (cw + 1) % kCons, 256);
+            if (kPingPong) {                      // (turn j of the loop below, passed; the last
+                named_sync(1 + cw, 256);          // warpgroup, whose last hand-over is left out,
+                named_arrive(1 + (cw + 1) % kCons, 256);   // never skips)
             }
         }
 
