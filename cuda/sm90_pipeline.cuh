@@ -180,11 +180,7 @@ struct FcTileXYZ {
     int x, y, z;
 };
 __device__ __forceinline__ FcTileXYZ chunked_tile(int linear, int nx, int ny, int nz) {
-#ifdef FC_DIAG_TILE_ORDER_X      // (timing only: x fastest, as before)
-    const int c = nx;
-#else
     const int c = max(4, nx / 8);
-#endif
     const int g_count = ny * nz, full = nx / c, per = c * g_count;
     int x, g;
     if (linear / per < full) {

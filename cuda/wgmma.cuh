@@ -68,11 +68,7 @@ __device__ __forceinline__ void load_tile(fc_u32 sdst, const fc_u16* gsrc, long 
 // carry into LBO.
 __device__ __forceinline__ fc_u64 wgmma_desc(fc_u32 base, fc_u32 off, fc_u32 lbo_bytes,
                                              fc_u32 sbo_bytes) {
-#ifdef FC_DIAG_DESC_PER_PRODUCT   // (timing only, same results: each built whole, as before)
-    const fc_u32 lo = (((base + off) & 0x3FFFFu) >> 4) | ((lbo_bytes >> 4) << 16);
-#else
     const fc_u32 lo = (base >> 4) + (((lbo_bytes >> 4) << 16) + (off >> 4));
-#endif
     const fc_u32 hi = (sbo_bytes >> 4) | (1u << 30);
     return ((fc_u64)hi << 32) | lo;
 }
@@ -101,11 +97,7 @@ __device__ __forceinline__ fc_u64 wgmma_desc_mn(fc_u32 base, fc_u32 off, fc_u32 
 // kernels: 4-8% fewer instructions a step; the 16-bit forward's Q base, 1-3%). (The warpgroup
 // index itself made so moved ptxas to spill in several kernels.)
 __device__ __forceinline__ fc_u32 warp_uniform(fc_u32 x) {
-#ifdef FC_DIAG_DESC_PER_PRODUCT
-    return x;
-#else
     return __shfl_sync(0xFFFFFFFFu, x, 0);
-#endif
 }
 
 __device__ __forceinline__ void wgmma_fence() {

@@ -11,7 +11,7 @@ At batch 1 and 8 the split-KV merge is also timed both ways: fused into the deco
 default, one launch) and with the separate combine kernel (FLASHCORE_DECODE_FUSED_COMBINE=0).
 
     python tests/diagnostics/bench_decode.py
-    python tests/diagnostics/bench_decode.py --defines FC_DIAG_MASK_ONE_COPY [--rounds 3]
+    python tests/diagnostics/bench_decode.py --defines NAME[=VALUE] ... [--rounds 3]
 
 ``--defines``: instead, the decode kernels built with each of the NVRTC defines (timing-only
 diagnostics, through the ``sm90_defines`` setting) against the default build, through the public

@@ -22,9 +22,7 @@ chained through each CTA's tiles as FlashAttention-3 orders them (``FC_DIAG_PP_C
 maximum passes its reference by more than 2^8 in P (``FC_DIAG_RESCALE_THRESHOLD=8``) in every
 kernel (by default only the 16-bit ones at head dim 256); any of them followed by
 ``+DEFINE[=VALUE]`` parts adds those NVRTC defines (e.g. ``ws-fence+FC_DIAG_PP_CHAIN``,
-``ws-bn128+FC_DIAG_SOFTMAX_FENCE``), ``ws-desc`` the wgmma descriptors
-built whole for every product (``FC_DIAG_DESC_PER_PRODUCT``, the backward's too), ``ws-bcp``
-the defaults with the cp.async dK/dV kernel instead of the warp-specialised one, ``v1`` / ``v0`` the cp.async kernels,
+``ws-bn128+FC_DIAG_SOFTMAX_FENCE``), ``ws-bcp`` the defaults with the cp.async dK/dV kernel instead of the warp-specialised one, ``v1`` / ``v0`` the cp.async kernels,
 ``ampere`` the mma.sync kernel, ``ws-1t`` one tile per CTA, ``ws-pers`` persistent CTAs
 wherever such a kernel exists (``-pp`` / ``-nopp``: with / without ping-pong), ``ws-bm128``
 128-row tiles (two consumer warpgroups) at head dim 64 (``-1t``: one tile per CTA). Each variant's output is compared with the first variant's (max abs difference), a
@@ -61,9 +59,6 @@ VARIANTS = {
     "ws-kvhalf": (dict(_WS, sm90_defines=("-DFC_DIAG_KV_HALF",)), {}),
     # O stored from the registers where the kernels have O buffers (the epilogue before them)
     "ws-ostg": (dict(_WS, sm90_defines=("-DFC_DIAG_O_STG",)), {}),
-    # causal / windowed grids handed out x fastest, as before fc_pipe::chunked_tile (the
-    # backward's kernels too, in fwdbwd mode)
-    "ws-xorder": (dict(_WS, sm90_defines=("-DFC_DIAG_TILE_ORDER_X",)), {}),
     # O rescaled after every key block, as before the skip where no row of a warp took a new
     # maximum (head dims 64 and 256)
     "ws-rescale": (dict(_WS, sm90_defines=("-DFC_DIAG_RESCALE_ALWAYS",)), {}),
@@ -77,9 +72,6 @@ VARIANTS = {
     # (FlashAttention-4's conditional rescale; FC_DIAG_RESCALE_THRESHOLD=8), in every kernel
     # (by default the 16-bit ones at head dim 256 only)
     "ws-thr8": (dict(_WS, sm90_defines=("-DFC_DIAG_RESCALE_THRESHOLD=8",)), {}),
-    # every wgmma descriptor built whole from its address, as before one add a k-step on a
-    # base built once (cuda/wgmma.cuh; the backward's too in fwdbwd mode)
-    "ws-desc": (dict(_WS, sm90_defines=("-DFC_DIAG_DESC_PER_PRODUCT",)), {}),
     "v1": (dict(sm90_fwd=True, sm90_fwd_ws=False, sm90_fwd_pipelined=True), {}),
     "v0": (dict(sm90_fwd=True, sm90_fwd_ws=False, sm90_fwd_pipelined=False), {}),
     "ampere": (dict(sm90_fwd=False), {}),

@@ -25,25 +25,13 @@ VARIANTS = {"as is": {},
             # bulk copy, not before; head dim 256: that tile handed over at its step's end and
             # the stage released at the top of the step after, the order before 2026-12-04)
             "no overlap": {"sm90_defines": ("-DFC_DIAG_BWD_NO_OVERLAP",)},
-            # (causal / windowed: the key blocks handed out x fastest, before chunked_tile)
-            "x order": {"sm90_defines": ("-DFC_DIAG_TILE_ORDER_X",)},
             # (dK and dV written from the registers, 4 bytes a thread, not staged in shared
             # memory and written 16 bytes a thread)
             "register stores": {"sm90_defines": ("-DFC_DIAG_BWD_REG_STORE",)},
-            # (every wgmma descriptor built whole from its address, as before one add a
-            # k-step on a base built once)
-            "descriptors per product": {"sm90_defines": ("-DFC_DIAG_DESC_PER_PRODUCT",)},
-            # (one copy of a step's elementwise code, the mask's compares predicated in every
-            # step, as before the masked and unmasked copies)
-            "mask every step": {"sm90_defines": ("-DFC_DIAG_MASK_ONE_COPY",)},
             # (head dims 64 and 128: the cp.async kernel in place of the warp-specialised one)
             "cp.async": {"sm90_bwd_ws": False},
-            # (the Ampere-class kernels, flash_bwd.cu, as on an A100 or at other head dims;
-            # and those with one copy of the elementwise code, as before: they split it with a
-            # causal mask or a window only, so the two differ with --causal alone)
-            "Ampere-class": {"sm90_bwd": False},
-            "Ampere-class, mask every step": {"sm90_bwd": False, "sm90_defines":
-                                              ("-DFC_DIAG_MASK_ONE_COPY",)}}
+            # (the Ampere-class kernels, flash_bwd.cu, as on an A100 or at other head dims)
+            "Ampere-class": {"sm90_bwd": False}}
 
 
 def main():
