@@ -21,8 +21,8 @@
 // predicated-off instruction still takes its issue slot: nvcc 13 put 155 of them in every step of
 // the d128 causal dK/dV loop (737 instructions a step, 532 with two copies), and the d128 decode
 // kernel's key-mask loads and mask selects were ~170 of each block's 896. kSplit false (where a
-// second copy's registers made ptxas spill): body(masked), the one copy. Used by the backward (flash_bwd.cu,
-// flash_bwd_sm90.cu) and the decode kernel.
+// second copy's registers made ptxas spill): body(masked), the one copy. Used by the backward
+// (flash_bwd.cu, flash_bwd_sm90.cu) and the decode kernel.
 template <bool kSplit = true, typename Body>
 __device__ __forceinline__ void fc_mask_copies(bool masked, Body&& body) {
     if (kSplit) {

@@ -22,8 +22,9 @@ chained through each CTA's tiles as FlashAttention-3 orders them (``FC_DIAG_PP_C
 maximum passes its reference by more than 2^8 in P (``FC_DIAG_RESCALE_THRESHOLD=8``) in every
 kernel (by default only the 16-bit ones at head dim 256); any of them followed by
 ``+DEFINE[=VALUE]`` parts adds those NVRTC defines (e.g. ``ws-fence+FC_DIAG_PP_CHAIN``,
-``ws-bn128+FC_DIAG_SOFTMAX_FENCE``), ``ws-bcp`` the defaults with the cp.async dK/dV kernel instead of the warp-specialised one, ``v1`` / ``v0`` the cp.async kernels,
-``ampere`` the mma.sync kernel, ``ws-1t`` one tile per CTA, ``ws-pers`` persistent CTAs
+``ws-bn128+FC_DIAG_SOFTMAX_FENCE``), ``ws-bcp`` the defaults with the cp.async dK/dV kernel
+instead of the warp-specialised one, ``v1`` / ``v0`` the cp.async kernels, ``ampere`` the
+mma.sync kernel, ``ws-1t`` one tile per CTA, ``ws-pers`` persistent CTAs
 wherever such a kernel exists (``-pp`` / ``-nopp``: with / without ping-pong), ``ws-bm128``
 128-row tiles (two consumer warpgroups) at head dim 64 (``-1t``: one tile per CTA). Each variant's output is compared with the first variant's (max abs difference), a
 cross-check only: the GPU tests hold the correctness checks against the float64 oracle.
