@@ -4,7 +4,7 @@
         [--causal no|yes|both] [--fp8] [--defines NAME ...] [--json FILE] [--raw DIR]
 
 The warp-specialised forward (or, ``--backward``, the warp-specialised dK/dV kernel at head
-dims 64 / 128) compiled with ``-DFC_DIAG_TIMELINE`` (cuda/diag_timeline.cuh) writes the SM
+dims 64 / 128, or the head-dim-256 one) compiled with ``-DFC_DIAG_TIMELINE`` (cuda/diag_timeline.cuh) writes the SM
 clock at fixed points of its schedule, thread 0 of each warpgroup, for the first 132 CTAs and
 the first 8 tiles of each. The call goes through the public API (torch CUDA tensors at the
 ANCHORS.md sizes: 16k tokens, hidden 2048; the forward alone, FP8 inputs with per-head
@@ -54,7 +54,10 @@ query block) of the CTA's walk):
     7 dQ = dS K issued and every product of the step waited
 
 and of the CTA: 0 start, 1 K and V in shared memory, 4 the steps done, 5 the last dQ tile
-handed over, 6 dK and dV stored; 7 holds the step count. Producer (thread 0) per step: 0 before
+handed over, 6 dK and dV stored; 7 holds the step count. The head-dim-256 kernel stamps the
+same points of its own order: 5 is P^T and dS^T stored (its S^T and dP^T waited), 6 the
+consumers met, 7 dV, dK and dQ issued and waited; the second meeting (the stage free for the
+dQ tiles) lies between a step's 7 and the next step's 0. Producer (thread 0) per step: 0 before
 the stage is free, 1 free, 2 loads issued and statistics stored.
 """
 from __future__ import annotations
@@ -398,7 +401,8 @@ def main(argv=None):
                 else:
                     def call():
                         return flashcore.attention_forward(*x, **kw)
-                prefix = "flash_bwd_dkdv_sm90_ws" if args.backward else "flash_fwd_sm90"
+                prefix = ("flash_fwd_sm90" if not args.backward else
+                          "flash_bwd_dkdv_sm90_d256" if d == 256 else "flash_bwd_dkdv_sm90_ws")
                 pick = 1 if args.backward else 0     # dK (dQ's reduce-adds may vary in order)
                 extra = tuple(f"-D{n}" for n in args.defines)
                 with config.override(sm90_defines=extra):
