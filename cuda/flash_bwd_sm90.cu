@@ -867,6 +867,7 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
 //                                              one bulk copy
 // A step's S^T and dP^T are issued once the step before's dQ tiles are staged, and run while
 // those are handed to their bulk copies (the kernel's loop, below).
+// (FC_DIAG_BWD256_SPLIT, a candidate: S^T and dP^T split by kind instead, issue_scores below.)
 // Registers: dK, dV 64 + 64, dQ 64 (S^T, dP^T, 16 + 16, are dead by then). Shared memory:
 // K, V 32 KiB each, Q and dO 2 stages x 32 KiB each, P^T and dS^T 2 x 8 KiB each: 224 KiB.
 namespace fc_hb {
@@ -954,10 +955,11 @@ struct Dkdv256Warpgroup {
     }
 
     // Warpgroup 0: P^T of all 64 queries from S^T (element e of n8 tile j: key key0 + 8 (e >>
-    // 1), query 8 j + 2 t + (e & 1)): P^T (dropout: P^T o Z) to sPb in Elem for dV, and P^T as
-    // fp16 to sdSb for warpgroup 1 (2^-11 relative: dS^T's error stays that of an fp32 P^T,
-    // where a bf16 P^T raised it up to 3.5x in a NumPy emulation; dropout: a dropped element's
-    // P^T negated, its sign bit the keep bit).
+    // 1), query 8 j + 2 t + (e & 1)): P^T (dropout: P^T o Z) to sPb in Elem for dV, and
+    // 2^15 P^T as fp16 to sdSb for warpgroup 1 (dropout: a dropped element's negated, its sign
+    // bit the keep bit). fp16 keeps 2^-11 of P^T where 2^15 P^T is a normal number (P^T >=
+    // 2^-29) and fades to zero below 2^-39; a bf16 P^T (2^-9) raised dK's error up to 3.5x in a
+    // NumPy emulation, an unscaled fp16 one lost the keys whose P^T stays below 2^-14.
     __device__ __forceinline__ void p_only(const BwdScoreMath& sm, int m0, int n0,
                                            const float* sLb, fc_u32 sPb, fc_u32 sdSb,
                                            bool masked) {
@@ -982,9 +984,10 @@ struct Dkdv256Warpgroup {
                 if constexpr (Is_dropout) {
                     const float zf = sm.keep_factor(keep4[j >> 1], 4 * (j & 1) + e);
                     pz[e] = pr * zf;
-                    pe[e] = zf != 0.f ? pr : -pr;
+                    pe[e] = (zf != 0.f ? 32768.f : -32768.f) * pr;
                 } else {
-                    pz[e] = pe[e] = pr;
+                    pz[e] = pr;
+                    pe[e] = 32768.f * pr;
                 }
             }
 #pragma unroll
@@ -997,12 +1000,15 @@ struct Dkdv256Warpgroup {
     }
 
     // Warpgroup 1: dS^T = P^T o (dP^T - D) (dropout: P^T o (dP^T o Z - D)) from dP^T (its
-    // acc_x) and warpgroup 0's fp16 P^T in sdSb, written over it in Elem.
+    // acc_x) and warpgroup 0's 2^15 P^T in sdSb (the 2^-15 exact, folded into dP^T and D),
+    // written over it in Elem.
     __device__ __forceinline__ void ds_from_p(const float* sDb, fc_u32 sdSb, float zscale) {
+        const float dp_scale = (Is_dropout ? zscale : 1.f) * (1.f / 32768.f);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             const int qc = 8 * j + 2 * t;
             const float2 dd = *reinterpret_cast<const float2*>(sDb + qc);
+            const float dsum2[2] = {dd.x * (1.f / 32768.f), dd.y * (1.f / 32768.f)};
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const fc_u32 o = 2u * (fc_u32)swz<64>(key0 + 8 * r, qc);
@@ -1010,12 +1016,12 @@ struct Dkdv256Warpgroup {
                 fc_fp16::unpack2(lds32(sdSb + o), pe[0], pe[1]);
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const float dp = acc_x[4 * j + 2 * r + e], dsum = e ? dd.y : dd.x;
+                    const float dp = acc_x[4 * j + 2 * r + e];
                     if constexpr (Is_dropout) {
                         const bool kept = (__float_as_uint(pe[e]) >> 31) == 0u;
-                        ds[e] = fabsf(pe[e]) * ((kept ? dp * zscale : 0.f) - dsum);
+                        ds[e] = fabsf(pe[e]) * (kept ? fmaf(dp, dp_scale, -dsum2[e]) : -dsum2[e]);
                     } else {
-                        ds[e] = pe[e] * (dp - dsum);
+                        ds[e] = pe[e] * fmaf(dp, dp_scale, -dsum2[e]);
                     }
                 }
                 sts32(sdSb + o, Elem::pack2(ds[0], ds[1]));
