@@ -867,7 +867,6 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
 //                                              one bulk copy
 // A step's S^T and dP^T are issued once the step before's dQ tiles are staged, and run while
 // those are handed to their bulk copies (the kernel's loop, below).
-// (FC_DIAG_BWD256_SPLIT, a candidate: S^T and dP^T split by kind instead, issue_scores below.)
 // Registers: dK, dV 64 + 64, dQ 64 (S^T, dP^T, 16 + 16, are dead by then). Shared memory:
 // K, V 32 KiB each, Q and dO 2 stages x 32 KiB each, P^T and dS^T 2 x 8 KiB each: 224 KiB.
 namespace fc_hb {
@@ -877,11 +876,7 @@ struct Dkdv256Warpgroup {
     static constexpr int kD = 256, kBM = 64, kBN = 64;
     static constexpr fc_u32 kBlk = 64u * 128u;     // one [64 rows][64 cols] block
     float acc_dk[64], acc_dv[64];                  // keys 16 wl + g + 8 r, columns 128 wg + ..
-#ifdef FC_DIAG_BWD256_SPLIT
-    float acc_x[32];                               // S^T (warpgroup 0) or dP^T (1) of a step
-#else
     float acc_s[16], acc_dp[16];                   // S^T, dP^T of a step (issue_scores)
-#endif
     int wg, wl, g, t, key0;
 
     __device__ __forceinline__ explicit Dkdv256Warpgroup(int ct) {
@@ -906,135 +901,6 @@ struct Dkdv256Warpgroup {
     // handed to its bulk copy). finish_scores: once they are done, P^T and dS^T from them, both
     // stored to sPb and sdSb. The caller fences the stores for the async proxy and synchronises
     // the consumers.
-#ifdef FC_DIAG_BWD256_SPLIT
-    // FC_DIAG_BWD256_SPLIT (a candidate): the step's two score products split by kind rather
-    // than by queries. Warpgroup 0 issues S^T = K Q^T, warpgroup 1 dP^T = V dO^T, each over all
-    // 64 queries (m64n64k16: 4 KiB of shared operands a 131k-FLOP product, against 3 KiB a
-    // 65k-FLOP m64n32k16), and warpgroup 1 issues after warpgroup 0 (named barrier 6), so that
-    // S^T is done first and P^T is computed while dP^T runs. Warpgroup 0 then writes P^T
-    // (p_only) and warpgroup 1, past named barrier 5, reads it in its identical fragment
-    // positions and writes dS^T (ds_from_p).
-    __device__ __forceinline__ void issue_scores(fc_u32 sK, fc_u32 sV, fc_u32 sQb, fc_u32 sdOb) {
-        const fc_u32 sA = wg == 0 ? sK : sV, sB = wg == 0 ? sQb : sdOb;
-#pragma unroll
-        for (int i = 0; i < 32; ++i) acc_x[i] = 0.f;
-        pin(acc_x);
-#ifndef FC_DIAG_BWD256_NO_ORDER
-        if (wg == 1) fc_pipe::named_sync(6, 256); // warpgroup 0's S^T issued first
-#endif
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kD / 16; ++kk) {
-            const fc_u32 ko = (fc_u32)(kk >> 2) * kBlk + (fc_u32)(kk & 3) * 32u;
-            Wgmma<Elem>::ss(acc_x, wgmma_desc_k(sA, ko), wgmma_desc_k(sB, ko), kk > 0 ? 1 : 0);
-        }
-        wgmma_commit();
-#ifndef FC_DIAG_BWD256_NO_ORDER
-        if (wg == 0) fc_pipe::named_arrive(6, 256);
-#endif
-        pin(acc_x);
-    }
-
-    __device__ __forceinline__ void finish_scores(const FlashParams& p, const BwdSeq& seq, int b,
-                                                  int h, int m0, int n0, int off,
-                                                  const float* sLb, const float* sDb, fc_u32 sPb,
-                                                  fc_u32 sdSb) {
-        wgmma_wait<0>();
-        pin(acc_x);
-        if (wg == 0) {
-            const BwdScoreMath sm = bwd_score_math(p, b, h, seq, false);
-            const bool need_mask = bwd_need_mask<Is_local, kBM, kBN>(p, seq, m0, n0, off);
-            fc_mask_copies(need_mask, [&](const bool masked) {
-                p_only(sm, m0, n0, sLb, sPb, sdSb, masked);
-            });
-            fc_pipe::named_arrive(5, 256);        // P^T written
-        } else {
-            fc_pipe::named_sync(5, 256);
-            ds_from_p(sDb, sdSb, p.dropout_scale);
-        }
-    }
-
-    // Warpgroup 0: P^T of all 64 queries from S^T (element e of n8 tile j: key key0 + 8 (e >>
-    // 1), query 8 j + 2 t + (e & 1)): P^T (dropout: P^T o Z) to sPb in Elem for dV, and
-    // 2^15 P^T as fp16 to sdSb for warpgroup 1 (dropout: a dropped element's negated, its sign
-    // bit the keep bit). fp16 keeps 2^-11 of P^T where 2^15 P^T is a normal number (P^T >=
-    // 2^-29) and fades to zero below 2^-39; a bf16 P^T (2^-9) raised dK's error up to 3.5x in a
-    // NumPy emulation, an unscaled fp16 one lost the keys whose P^T stays below 2^-14.
-    __device__ __forceinline__ void p_only(const BwdScoreMath& sm, int m0, int n0,
-                                           const float* sLb, fc_u32 sPb, fc_u32 sdSb,
-                                           bool masked) {
-        unsigned int keep4[4] = {0u, 0u, 0u, 0u};
-        if constexpr (Is_dropout) {
-            sm.keep2_st(m0, n0 + key0 - g, m0 + 16, n0 + key0 - g, g, t, keep4[0], keep4[1]);
-            sm.keep2_st(m0 + 32, n0 + key0 - g, m0 + 48, n0 + key0 - g, g, t, keep4[2],
-                        keep4[3]);
-        }
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int qc = 8 * j + 2 * t;
-            const float2 nl = *reinterpret_cast<const float2*>(sLb + qc);
-            float pz[4], pe[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float unused = 0.f;
-                sm.template apply<false, false, Is_local, false>(
-                    acc_x[4 * j + e], unused, m0 + qc + (e & 1), n0 + key0 + 8 * (e >> 1),
-                    (e & 1) ? nl.y : nl.x, 0.f, masked);
-                const float pr = acc_x[4 * j + e];
-                if constexpr (Is_dropout) {
-                    const float zf = sm.keep_factor(keep4[j >> 1], 4 * (j & 1) + e);
-                    pz[e] = pr * zf;
-                    pe[e] = (zf != 0.f ? 32768.f : -32768.f) * pr;
-                } else {
-                    pz[e] = pr;
-                    pe[e] = 32768.f * pr;
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const fc_u32 o = 2u * (fc_u32)swz<64>(key0 + 8 * r, qc);
-                sts32(sPb + o, Elem::pack2(pz[2 * r], pz[2 * r + 1]));
-                sts32(sdSb + o, fc_fp16::pack2(pe[2 * r], pe[2 * r + 1]));
-            }
-        }
-    }
-
-    // Warpgroup 1: dS^T = P^T o (dP^T - D) (dropout: P^T o (dP^T o Z - D)) from dP^T (its
-    // acc_x) and warpgroup 0's 2^15 P^T in sdSb (the 2^-15 exact, folded into dP^T and D),
-    // written over it in Elem.
-    __device__ __forceinline__ void ds_from_p(const float* sDb, fc_u32 sdSb, float zscale) {
-        const float dp_scale = (Is_dropout ? zscale : 1.f) * (1.f / 32768.f);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int qc = 8 * j + 2 * t;
-            const float2 dd = *reinterpret_cast<const float2*>(sDb + qc);
-            const float dsum2[2] = {dd.x * (1.f / 32768.f), dd.y * (1.f / 32768.f)};
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const fc_u32 o = 2u * (fc_u32)swz<64>(key0 + 8 * r, qc);
-                float pe[2], ds[2];
-                fc_fp16::unpack2(lds32(sdSb + o), pe[0], pe[1]);
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float dp = acc_x[4 * j + 2 * r + e];
-                    if constexpr (Is_dropout) {
-                        const bool kept = (__float_as_uint(pe[e]) >> 31) == 0u;
-                        ds[e] = fabsf(pe[e]) * (kept ? fmaf(dp, dp_scale, -dsum2[e]) : -dsum2[e]);
-                    } else {
-                        ds[e] = pe[e] * fmaf(dp, dp_scale, -dsum2[e]);
-                    }
-                }
-                sts32(sdSb + o, Elem::pack2(ds[0], ds[1]));
-            }
-        }
-    }
-
-    __device__ __forceinline__ static fc_u32 lds32(fc_u32 addr) {
-        fc_u32 v;
-        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
-        return v;
-    }
-#else
     __device__ __forceinline__ void issue_scores(fc_u32 sK, fc_u32 sV, fc_u32 sQb, fc_u32 sdOb) {
         const fc_u32 q0o = warp_uniform((fc_u32)(32 * wg) * 128u);   // this warpgroup's queries
 #pragma unroll
@@ -1101,7 +967,6 @@ struct Dkdv256Warpgroup {
             }
         }
     }
-#endif  // FC_DIAG_BWD256_SPLIT
 
     // Once both warpgroups' P^T and dS^T are in shared memory: dV and dK of this warpgroup's
     // columns (issued), dQ of its columns over the 64 keys into acc_dq (rows: queries 16 wl + g
@@ -1245,9 +1110,15 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
             zero_rows_past<kD, kBlockM>(sQb, sdOb, seq.sq - m0, tid - 128);
         if (kOverlap && it > 0) dq_tile_store<64>(acc_dq, sDqw, tid - 128);
         FC_TL_STAMP(wg, 0, it, 2);
+#ifdef FC_DIAG_BWD256_EARLY_DQ    // (a candidate: the tile handed over before the issue)
+        if (kOverlap && it > 0) dq_tile_commit<64>(sDqw, dq_tile, tid - 128, 3 + w.wg, true);
+        w.issue_scores(sK, sV, sQb, sdOb);
+        FC_TL_STAMP(wg, 0, it, 3);
+#else
         w.issue_scores(sK, sV, sQb, sdOb);
         FC_TL_STAMP(wg, 0, it, 3);
         if (kOverlap && it > 0) dq_tile_commit<64>(sDqw, dq_tile, tid - 128, 3 + w.wg, true);
+#endif
         FC_TL_STAMP(wg, 0, it, 4);
         w.finish_scores(p, seq, b, h, m0, n0, kw.off, sLse + st * kBlockM, sDsum + st * kBlockM,
                         sP + buf, sdS + buf);

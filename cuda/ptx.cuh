@@ -59,11 +59,6 @@ struct fc_bf16 {
     static __device__ __forceinline__ fc_u16 from_float(float x) {
         return static_cast<fc_u16>(pack2(x, 0.f) & 0xffffu);
     }
-    // pack2's inverse: the low and the high half as floats.
-    static __device__ __forceinline__ void unpack2(fc_u32 x, float& lo, float& hi) {
-        lo = __uint_as_float(x << 16);
-        hi = __uint_as_float(x & 0xffff0000u);
-    }
     // d += a * b, m16n8k16, fp32 accumulators.
     static __device__ __forceinline__ void mma(float (&d)[4], const fc_u32 (&a)[4],
                                                const fc_u32 (&b)[2]) {
@@ -89,10 +84,6 @@ struct fc_fp16 {
     }
     static __device__ __forceinline__ fc_u16 from_float(float x) {
         return static_cast<fc_u16>(pack2(x, 0.f) & 0xffffu);
-    }
-    static __device__ __forceinline__ void unpack2(fc_u32 x, float& lo, float& hi) {
-        lo = to_float(static_cast<fc_u16>(x & 0xffffu));
-        hi = to_float(static_cast<fc_u16>(x >> 16));
     }
     static __device__ __forceinline__ void mma(float (&d)[4], const fc_u32 (&a)[4],
                                                const fc_u32 (&b)[2]) {

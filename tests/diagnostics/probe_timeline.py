@@ -57,8 +57,7 @@ and of the CTA: 0 start, 1 K and V in shared memory, 4 the steps done, 5 the las
 handed over, 6 dK and dV stored; 7 holds the step count. The head-dim-256 kernel stamps the
 same points of its own order: 5 is P^T and dS^T stored (its S^T and dP^T waited), 6 the
 consumers met, 7 dV, dK and dQ issued and waited; the second meeting (the stage free for the
-dQ tiles) lies between a step's 7 and the next step's 0 (under ``FC_DIAG_BWD256_SPLIT``, 5 is
-P^T written for consumer 1 and dS^T written for consumer 2). Producer (thread 0) per step: 0 before
+dQ tiles) lies between a step's 7 and the next step's 0. Producer (thread 0) per step: 0 before
 the stage is free, 1 free, 2 loads issued and statistics stored.
 """
 from __future__ import annotations
