@@ -1086,6 +1086,14 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
 #else
     constexpr bool kOverlap = true;
 #endif
+    // (FC_DIAG_BWD256_EARLY_DQ, a candidate: the step before's tiles handed over before the
+    // issue of this step's S^T and dP^T rather than after, giving their copies the issue's time
+    // before release_prev waits for their reads.)
+#ifdef FC_DIAG_BWD256_EARLY_DQ
+    constexpr bool kEarlyDq = true;
+#else
+    constexpr bool kEarlyDq = false;
+#endif
     // The step before's stage, holding its dQ tiles: back to the producer once the bulk copy
     // has read this warpgroup's (its issuing thread waits; the phase needs every consumer's
     // arrival, so it cannot complete before both copies have read).
@@ -1110,15 +1118,12 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
             zero_rows_past<kD, kBlockM>(sQb, sdOb, seq.sq - m0, tid - 128);
         if (kOverlap && it > 0) dq_tile_store<64>(acc_dq, sDqw, tid - 128);
         FC_TL_STAMP(wg, 0, it, 2);
-#ifdef FC_DIAG_BWD256_EARLY_DQ    // (a candidate: the tile handed over before the issue)
-        if (kOverlap && it > 0) dq_tile_commit<64>(sDqw, dq_tile, tid - 128, 3 + w.wg, true);
+        if (kEarlyDq && kOverlap && it > 0)
+            dq_tile_commit<64>(sDqw, dq_tile, tid - 128, 3 + w.wg, true);
         w.issue_scores(sK, sV, sQb, sdOb);
         FC_TL_STAMP(wg, 0, it, 3);
-#else
-        w.issue_scores(sK, sV, sQb, sdOb);
-        FC_TL_STAMP(wg, 0, it, 3);
-        if (kOverlap && it > 0) dq_tile_commit<64>(sDqw, dq_tile, tid - 128, 3 + w.wg, true);
-#endif
+        if (!kEarlyDq && kOverlap && it > 0)
+            dq_tile_commit<64>(sDqw, dq_tile, tid - 128, 3 + w.wg, true);
         FC_TL_STAMP(wg, 0, it, 4);
         w.finish_scores(p, seq, b, h, m0, n0, kw.off, sLse + st * kBlockM, sDsum + st * kBlockM,
                         sP + buf, sdS + buf);

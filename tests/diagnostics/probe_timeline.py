@@ -4,9 +4,9 @@
         [--causal no|yes|both] [--fp8] [--defines NAME ...] [--json FILE] [--raw DIR]
 
 The warp-specialised forward (or, ``--backward``, the warp-specialised dK/dV kernel at head
-dims 64 / 128, or the head-dim-256 one) compiled with ``-DFC_DIAG_TIMELINE`` (cuda/diag_timeline.cuh) writes the SM
-clock at fixed points of its schedule, thread 0 of each warpgroup, for the first 132 CTAs and
-the first 8 tiles of each. The call goes through the public API (torch CUDA tensors at the
+dims 64 / 128, or the head-dim-256 one) compiled with ``-DFC_DIAG_TIMELINE``
+(cuda/diag_timeline.cuh) writes the SM clock at fixed points of its schedule, thread 0 of each
+warpgroup, for the first 132 CTAs and the first 8 tiles of each. The call goes through the public API (torch CUDA tensors at the
 ANCHORS.md sizes: 16k tokens, hidden 2048; the forward alone, FP8 inputs with per-head
 descales with ``--fp8``; forward and backward through autograd with ``--backward``); the
 stamped kernel's GPU time (the call's) is printed beside the plain one's, since the stamps
