@@ -1088,7 +1088,8 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
 #endif
     // (FC_DIAG_BWD256_EARLY_DQ, a candidate: the step before's tiles handed over before the
     // issue of this step's S^T and dP^T rather than after, giving their copies the issue's time
-    // before release_prev waits for their reads.)
+    // before release_prev waits for their reads; the d64 / d128 kernel's FC_DIAG_BWD_NO_OVERLAP
+    // order, which measured 3-5% slower there.)
 #ifdef FC_DIAG_BWD256_EARLY_DQ
     constexpr bool kEarlyDq = true;
 #else
