@@ -424,7 +424,9 @@ __device__ __forceinline__ void dq_tile_commit(fc_u32 region, float* gtile, int 
     fence_proxy_async();          // the stores, for the bulk copy's async-proxy read
     named_sync(bar, 128);
     if ((ct & 127) == 0) {
-#ifndef FC_DIAG_BWD_NO_DQ       // (timing only: dQ computed, never added, wrong results)
+#if defined(FC_DIAG_BWD_HALF_DQ)  // (timing only: half of each tile added, wrong results)
+        if (add) bulk_reduce_add_f32(gtile, region, (fc_u32)kN * 64u * 4u);
+#elif !defined(FC_DIAG_BWD_NO_DQ) // (timing only: dQ computed, never added, wrong results)
         if (add) bulk_reduce_add_f32(gtile, region, (fc_u32)kN * 128u * 4u);
 #endif
         bulk_commit();

@@ -1,8 +1,9 @@
 """What bounds the Hopper dK/dV kernels: the backward alone (TFLOP/s, GPU time, L2 flushed) of
-the d128 and d256 kernels as they are, and with two timing-only defines that give wrong
-results (cuda/flash_bwd_sm90.cu): FC_DIAG_BWD_NO_DQ (dQ computed, never added to dq_accum:
-no bulk reduce-add) and FC_DIAG_BWD_NO_QLOAD (Q and dO loaded for the first
-two steps only: no L2 -> shared traffic after them), and both; and the other VARIANTS below.
+the d128 and d256 kernels as they are, and with timing-only defines that give wrong results
+(cuda/flash_bwd_sm90.cu): FC_DIAG_BWD_NO_DQ (dQ computed, never added to dq_accum: no bulk
+reduce-add), FC_DIAG_BWD_HALF_DQ (half of each dQ tile added), FC_DIAG_BWD_NO_QLOAD (Q and dO
+loaded for the first two steps only: no L2 -> shared traffic after them), and the first and
+last together; and the other VARIANTS below.
 Against SDPA cuDNN's and flash's backward in the same run. Needs an H100/H200. (The
 element-wise dQ reduction that the tile-ordered one replaced: run 36 in
 docs/performance-log.md; varlen calls: tests/diagnostics/bench_varlen.py.)
@@ -19,6 +20,9 @@ from flashcore.bench import AttentionProblem as Problem, flops, shape_for
 
 VARIANTS = {"as is": {},
             "no dQ adds": {"sm90_defines": ("-DFC_DIAG_BWD_NO_DQ",)},
+            # (half of each dQ tile added: what halving the reduce-add traffic would give,
+            # e.g. two CTAs of a cluster adding their tiles in shared memory first)
+            "half dQ adds": {"sm90_defines": ("-DFC_DIAG_BWD_HALF_DQ",)},
             "no Q/dO reloads": {"sm90_defines": ("-DFC_DIAG_BWD_NO_QLOAD",)},
             "neither": {"sm90_defines": ("-DFC_DIAG_BWD_NO_DQ", "-DFC_DIAG_BWD_NO_QLOAD")},
             # (each step's S^T, dP^T issued after the step before's dQ tile is handed to its
