@@ -433,18 +433,6 @@ __device__ __forceinline__ void dq_tile_commit(fc_u32 region, float* gtile, int 
     }
 }
 
-// (FC_DIAG_BWD256_RED_DQ, a candidate: the same tile-order addresses added from the registers,
-// one red.global.add.v4.f32 a float4, a warp's 512 contiguous bytes; no staging, no copy)
-template <int kN>
-__device__ __forceinline__ void dq_tile_red(const float (&acc)[kN], float* gtile, int ct) {
-    const int c = ct & 127;
-#pragma unroll
-    for (int k = 0; k < kN / 4; ++k)
-        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n"
-                     :: "l"(gtile + (128 * k + c) * 4), "f"(acc[4 * k]), "f"(acc[4 * k + 1]),
-                        "f"(acc[4 * k + 2]), "f"(acc[4 * k + 3]) : "memory");
-}
-
 template <int kN>
 __device__ __forceinline__ void dq_tile_add(const float (&acc)[kN], fc_u32 region, float* gtile,
                                             int ct, int bar, bool add = true) {
@@ -1089,32 +1077,27 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
     FC_TL_STAMP(wg, 0, FC_TL_TILE_SLOT, 1);
     if constexpr (Is_varlen) zero_rows_past<kD, kBlockN>(sK, sV, seq.sk - n0, tid - 128);
     // Step it's S^T and dP^T are issued as soon as its stage is full and the step before's dQ
-    // tiles are in that step's Q / dO tiles: their bulk reduce-adds are handed over while the
-    // products run (as the d64 / d128 kernel does; S^T and dP^T, 32 registers a thread, are
-    // live where the step before's dQ, 64, no longer is). That stage goes back to the producer
-    // once the copies have read it, after this step's scores. (FC_DIAG_BWD_NO_OVERLAP, timing
-    // only: the order before, each step's tiles handed over at its end, its stage released at
-    // the top of the step after.)
+    // tiles are in that step's Q / dO tiles: their bulk reduce-adds run while the products do
+    // (S^T and dP^T, 32 registers a thread, are live where the step before's dQ, 64, no
+    // longer is; kEarlyDq below: handed over just before the issue). That stage goes back to
+    // the producer once the copies have read it, after this step's scores.
+    // (FC_DIAG_BWD_NO_OVERLAP, timing only: the order before, each step's tiles handed over at
+    // its end, its stage released at the top of the step after.)
 #ifdef FC_DIAG_BWD_NO_OVERLAP
     constexpr bool kOverlap = false;
 #else
     constexpr bool kOverlap = true;
 #endif
-    // (FC_DIAG_BWD256_EARLY_DQ, a candidate: the step before's tiles handed over before the
-    // issue of this step's S^T and dP^T rather than after, giving their copies the issue's time
-    // before release_prev waits for their reads; the d64 / d128 kernel's FC_DIAG_BWD_NO_OVERLAP
-    // order, which measured 3-5% slower there.)
-#ifdef FC_DIAG_BWD256_EARLY_DQ
-    constexpr bool kEarlyDq = true;
-#else
+    // The step before's dQ tiles are handed to their bulk copies before this step's S^T and
+    // dP^T are issued, which gives the copies the issue's ~1,500 clocks before release_prev
+    // waits for their reads (at head dim 256 that read, 64 KiB of reduce-adds a CTA a step, is
+    // the longest wait of the step; fwd+bwd +2-3%, 2026-12-06, run 200). (FC_DIAG_BWD256_LATE_DQ,
+    // timing only: handed over after the issue, the order before; the d64 / d128 kernel keeps
+    // that order, its FC_DIAG_BWD_NO_OVERLAP being this one and 3-5% slower there.)
+#ifdef FC_DIAG_BWD256_LATE_DQ
     constexpr bool kEarlyDq = false;
-#endif
-    // (FC_DIAG_BWD256_RED_DQ, a candidate: each step's dQ added from the registers at its end
-    // (dq_tile_red) and its stage released there, a step before the copy would free it.)
-#ifdef FC_DIAG_BWD256_RED_DQ
-    constexpr bool kRedDq = true;
 #else
-    constexpr bool kRedDq = false;
+    constexpr bool kEarlyDq = true;
 #endif
     // The step before's stage, holding its dQ tiles: back to the producer once the bulk copy
     // has read this warpgroup's (its issuing thread waits; the phase needs every consumer's
@@ -1133,24 +1116,24 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
         const int m0 = m_block * kBlockM;
         const fc_u32 sQb = sQ + (fc_u32)st * kTile, sdOb = sdO + (fc_u32)st * kTile;
         FC_TL_STAMP(wg, 0, it, 0);
-        if (!kRedDq && !kOverlap && it > 0) release_prev(it);
+        if (!kOverlap && it > 0) release_prev(it);
         mbar_wait(bar.full(st), (fc_u32)(it / kStages) & 1u);
         FC_TL_STAMP(wg, 0, it, 1);
         if constexpr (Is_varlen)   // (m0 < sq on the walk)
             zero_rows_past<kD, kBlockM>(sQb, sdOb, seq.sq - m0, tid - 128);
-        if (!kRedDq && kOverlap && it > 0) dq_tile_store<64>(acc_dq, sDqw, tid - 128);
+        if (kOverlap && it > 0) dq_tile_store<64>(acc_dq, sDqw, tid - 128);
         FC_TL_STAMP(wg, 0, it, 2);
-        if (!kRedDq && kEarlyDq && kOverlap && it > 0)
+        if (kEarlyDq && kOverlap && it > 0)
             dq_tile_commit<64>(sDqw, dq_tile, tid - 128, 3 + w.wg, true);
         w.issue_scores(sK, sV, sQb, sdOb);
         FC_TL_STAMP(wg, 0, it, 3);
-        if (!kRedDq && !kEarlyDq && kOverlap && it > 0)
+        if (!kEarlyDq && kOverlap && it > 0)
             dq_tile_commit<64>(sDqw, dq_tile, tid - 128, 3 + w.wg, true);
         FC_TL_STAMP(wg, 0, it, 4);
         w.finish_scores(p, seq, b, h, m0, n0, kw.off, sLse + st * kBlockM, sDsum + st * kBlockM,
                         sP + buf, sdS + buf);
         FC_TL_STAMP(wg, 0, it, 5);
-        if (!kRedDq && kOverlap && it > 0) release_prev(it);
+        if (kOverlap && it > 0) release_prev(it);
         fence_proxy_async();      // the P^T / dS^T stores, for the products' async-proxy reads
         // Both halves of P^T and dS^T are written; and (double-buffered) both warpgroups are
         // past the previous step, whose products read the buffers the next step writes.
@@ -1162,16 +1145,11 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
         named_sync(2, 256);
         sDqw = w.wg == 0 ? sQb : sdOb;
         dq_tile = dq_accum_row(p, seq, b, h, m0) + w.wg * 64 * 128;
-        if (kRedDq) {
-            dq_tile_red<64>(acc_dq, dq_tile, tid - 128);
-            mbar_arrive(bar.empty(st));
-        } else if (!kOverlap) {
-            dq_tile_add<64>(acc_dq, sDqw, dq_tile, tid - 128, 3 + w.wg);
-        }
+        if (!kOverlap) dq_tile_add<64>(acc_dq, sDqw, dq_tile, tid - 128, 3 + w.wg);
         bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
     }
     FC_TL_STAMP(wg, 0, FC_TL_TILE_SLOT, 4);
-    if (!kRedDq && kOverlap) dq_tile_add<64>(acc_dq, sDqw, dq_tile, tid - 128, 3 + w.wg);
+    if (kOverlap) dq_tile_add<64>(acc_dq, sDqw, dq_tile, tid - 128, 3 + w.wg);
     FC_TL_STAMP(wg, 0, FC_TL_TILE_SLOT, 5);
 #ifdef FC_DIAG_BWD_REG_STORE      // (timing: dK and dV stored from the registers, 4 bytes a thread)
     w.store(p, seq, b, hk, n0);

@@ -23,8 +23,6 @@ VARIANTS = {"as is": {},
             # (half of each dQ tile added: what halving the reduce-add traffic would give,
             # e.g. two CTAs of a cluster adding their tiles in shared memory first)
             "half dQ adds": {"sm90_defines": ("-DFC_DIAG_BWD_HALF_DQ",)},
-            # (head dim 256: dQ added from the registers, red.global.add.v4.f32, no staging)
-            "register dQ adds": {"sm90_defines": ("-DFC_DIAG_BWD256_RED_DQ",)},
             "no Q/dO reloads": {"sm90_defines": ("-DFC_DIAG_BWD_NO_QLOAD",)},
             "neither": {"sm90_defines": ("-DFC_DIAG_BWD_NO_DQ", "-DFC_DIAG_BWD_NO_QLOAD")},
             # (each step's S^T, dP^T issued after the step before's dQ tile is handed to its

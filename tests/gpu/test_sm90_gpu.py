@@ -304,13 +304,15 @@ def test_skipped_rescale_gives_the_same_bits(d, causal):
 
 
 @pytest.mark.parametrize("define", ["FC_DIAG_SOFTMAX_FENCE", "FC_DIAG_NO_SOFTMAX_FENCE",
-                                    "FC_DIAG_PP_CHAIN", "FC_DIAG_TIMELINE", "FC_DIAG_NO_WG_SKIP"])
+                                    "FC_DIAG_PP_CHAIN", "FC_DIAG_TIMELINE", "FC_DIAG_NO_WG_SKIP",
+                                    "FC_DIAG_BWD256_LATE_DQ"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_schedule_only_defines_give_the_same_bits(define, causal):
     """Builds that move work and leave the arithmetic alone (the softmax kept ahead of the wait
     for P V wherever it fits, or nowhere, ping-pong's turns chained through a CTA's tiles, the
     timeline's stamps, causal key blocks that lie past all of a consumer warpgroup's rows walked
-    instead of passed): the warp-specialised forward's output and LSE (bf16 at head dims 64,
+    instead of passed, the d256 backward's dQ tiles handed over after its score products'
+    issue): the warp-specialised forward's output and LSE (bf16 at head dims 64,
     128 and 256; FP8 at 128 and 256) and the dK/dV kernels' dK and dV (head dims 64, 128 and
     256: the timeline stamps them), bit for bit those of the default build, on enough query
     tiles (8 x 18 x 4 a call) that every persistent CTA takes several, so that the chain's
