@@ -1091,9 +1091,10 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
     // The step before's dQ tiles are handed to their bulk copies before this step's S^T and
     // dP^T are issued, which gives the copies the issue's ~1,500 clocks before release_prev
     // waits for their reads (at head dim 256 that read, 64 KiB of reduce-adds a CTA a step, is
-    // the longest wait of the step; fwd+bwd +2-3%, 2026-12-06, run 200). (FC_DIAG_BWD256_LATE_DQ,
-    // timing only: handed over after the issue, the order before; the d64 / d128 kernel keeps
-    // that order, its FC_DIAG_BWD_NO_OVERLAP being this one and 3-5% slower there.)
+    // the longest wait of the step; the step -14% in clocks, fwd+bwd +4%: runs 200 and 202 in
+    // docs/performance-log.md). (FC_DIAG_BWD256_LATE_DQ, timing only: handed over after the
+    // issue, the order before; the d64 / d128 kernel keeps that order, its
+    // FC_DIAG_BWD_NO_OVERLAP being this one and 3-5% slower there.)
 #ifdef FC_DIAG_BWD256_LATE_DQ
     constexpr bool kEarlyDq = false;
 #else
