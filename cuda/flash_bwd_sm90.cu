@@ -1029,8 +1029,18 @@ struct Dkdv256Warpgroup {
 // The head-dim-256 dK/dV kernel (see above): 384 threads, warpgroup 0 produces (bwd_produce,
 // boxes of 64 rows), 1 and 2 consume. Dense calls, or (Is_varlen) varlen calls as the d128
 // warp-specialised kernel takes them.
+// (FC_DIAG_BWD256_PAIR_COST, timing only, wrong results: what a pair of CTAs summing their dQ
+// tiles in distributed shared memory would cost. Clusters of two CTAs along x; in each, one
+// warpgroup (rank 0: warpgroup 0, rank 1: warpgroup 1) reads the partner's tile at the same
+// shared offset (its whole 32 KiB, whatever it holds), adds it and reduce-adds its own tile;
+// the other stages its tile and adds nothing. Half the reduce-add bytes, plus the reads.)
+#ifdef FC_DIAG_BWD256_PAIR_COST
+#define FC_BWD256_CLUSTER __cluster_dims__(2, 1, 1)
+#else
+#define FC_BWD256_CLUSTER
+#endif
 template <typename Elem, bool Is_local, bool Is_dropout, bool Is_varlen = false>
-__global__ void __launch_bounds__(384, 1)
+__global__ void FC_BWD256_CLUSTER __launch_bounds__(384, 1)
 flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcBwdMaps maps) {
     using namespace fc_hb;
     using namespace fc_pipe;
@@ -1122,10 +1132,26 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
         FC_TL_STAMP(wg, 0, it, 1);
         if constexpr (Is_varlen)   // (m0 < sq on the walk)
             zero_rows_past<kD, kBlockM>(sQb, sdOb, seq.sq - m0, tid - 128);
+#ifdef FC_DIAG_BWD256_PAIR_COST
+        const bool pair_add = (int)cluster_ctarank() == w.wg;
+        if (pair_add && it > 0) {
+            const fc_u32 remote = mapa_rank(sDqw, cluster_ctarank() ^ 1u);
+            const int c = (tid - 128) & 127;
+#pragma unroll
+            for (int k = 0; k < 16; ++k) {
+                float x[4];
+                ld_dsmem_f32x4(x, remote + (fc_u32)(128 * k + c) * 16u);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_dq[4 * k + e] += x[e];
+            }
+        }
+#else
+        constexpr bool pair_add = true;
+#endif
         if (kOverlap && it > 0) dq_tile_store<64>(acc_dq, sDqw, tid - 128);
         FC_TL_STAMP(wg, 0, it, 2);
         if (kEarlyDq && kOverlap && it > 0)
-            dq_tile_commit<64>(sDqw, dq_tile, tid - 128, 3 + w.wg, true);
+            dq_tile_commit<64>(sDqw, dq_tile, tid - 128, 3 + w.wg, pair_add);
         w.issue_scores(sK, sV, sQb, sdOb);
         FC_TL_STAMP(wg, 0, it, 3);
         if (!kEarlyDq && kOverlap && it > 0)
@@ -1162,4 +1188,7 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
     FC_TL_CTA_END(wg);
     // (shared memory stays until the last bulk copy has read it)
     if ((threadIdx.x & 127) == 0) bulk_wait<0>();
+#ifdef FC_DIAG_BWD256_PAIR_COST
+    cluster_sync_all();       // (the partner's reads of this CTA's shared memory are done)
+#endif
 }

@@ -490,8 +490,10 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
             kern = get_kernel(SM90_SOURCE, sm90_d256_kernel_name(dtype_name, is_local, dropout,
                                                                  varlen),
                               device_id, cc, smem, defines)
-            launch(kern, (_cdiv(seqlen_k, SM90_D256_BLOCK), nheads_k, batch), (384,), smem,
-                   (ws[0].arg(),))
+            nx = _cdiv(seqlen_k, SM90_D256_BLOCK)
+            if "-DFC_DIAG_BWD256_PAIR_COST" in defines:   # (clusters of 2 along x: timing only)
+                nx += nx & 1
+            launch(kern, (nx, nheads_k, batch), (384,), smem, (ws[0].arg(),))
         elif hopper == "ws":
             smem = sm90_ws_smem(headdim, sm90_ws_block_m(headdim))
             kern = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, is_local,

@@ -23,6 +23,9 @@ VARIANTS = {"as is": {},
             # (half of each dQ tile added: what halving the reduce-add traffic would give,
             # e.g. two CTAs of a cluster adding their tiles in shared memory first)
             "half dQ adds": {"sm90_defines": ("-DFC_DIAG_BWD_HALF_DQ",)},
+            # (head dim 256: half dQ adds plus what a CTA pair summing its tiles in distributed
+            # shared memory would read, 32 KiB a CTA a step; clusters of two CTAs)
+            "pair cost": {"sm90_defines": ("-DFC_DIAG_BWD256_PAIR_COST",)},
             "no Q/dO reloads": {"sm90_defines": ("-DFC_DIAG_BWD_NO_QLOAD",)},
             "neither": {"sm90_defines": ("-DFC_DIAG_BWD_NO_DQ", "-DFC_DIAG_BWD_NO_QLOAD")},
             # (each step's S^T, dP^T issued after the step before's dQ tile is handed to its
