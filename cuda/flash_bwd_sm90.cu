@@ -424,6 +424,9 @@ __device__ __forceinline__ void dq_tile_commit(fc_u32 region, float* gtile, int 
     fence_proxy_async();          // the stores, for the bulk copy's async-proxy read
     named_sync(bar, 128);
     if ((ct & 127) == 0) {
+#if defined(FC_DIAG_BWD_HALF_DQ) && defined(FC_DIAG_BWD_NO_DQ)
+#error "FC_DIAG_BWD_HALF_DQ and FC_DIAG_BWD_NO_DQ: one at a time"
+#endif
 #if defined(FC_DIAG_BWD_HALF_DQ)  // (timing only: half of each tile added, wrong results)
         if (add) bulk_reduce_add_f32(gtile, region, (fc_u32)kN * 64u * 4u);
 #elif !defined(FC_DIAG_BWD_NO_DQ) // (timing only: dQ computed, never added, wrong results)
@@ -876,8 +879,8 @@ flash_bwd_dkdv_sm90_ws_kernel(const FlashParams p, const __grid_constant__ FcBwd
 //                                              rows: queries, staged in the step's Q (w = 0)
 //                                              or dO (w = 1) tile and added to dq_accum as
 //                                              one bulk copy
-// A step's S^T and dP^T are issued once the step before's dQ tiles are staged, and run while
-// those are handed to their bulk copies (the kernel's loop, below).
+// A step's S^T and dP^T are issued once the step before's dQ tiles are staged and handed to
+// their bulk copies, which run under them (the kernel's loop, below).
 // Registers: dK, dV 64 + 64, dQ 64 (S^T, dP^T, 16 + 16, are dead by then). Shared memory:
 // K, V 32 KiB each, Q and dO 2 stages x 32 KiB each, P^T and dS^T 2 x 8 KiB each: 224 KiB.
 namespace fc_hb {
@@ -908,8 +911,8 @@ struct Dkdv256Warpgroup {
     }
 
     // issue_scores: S^T, dP^T of this warpgroup's 32 queries issued into acc_s, acc_dp (one
-    // commit group, not waited: the kernel issues a step's while the step before's dQ tile is
-    // handed to its bulk copy). finish_scores: once they are done, P^T and dS^T from them, both
+    // commit group, not waited: they run under the step before's dQ copies, handed over just
+    // before). finish_scores: once they are done, P^T and dS^T from them, both
     // stored to sPb and sdSb. The caller fences the stores for the async proxy and synchronises
     // the consumers.
     __device__ __forceinline__ void issue_scores(fc_u32 sK, fc_u32 sV, fc_u32 sQb, fc_u32 sdOb) {
@@ -1075,7 +1078,12 @@ __device__ __forceinline__ void dq_pair_receive(float (&acc)[64], fc_u32 ready, 
 // tiles in distributed shared memory would cost. Clusters of two CTAs along x; in each, one
 // warpgroup (rank 0: warpgroup 0, rank 1: warpgroup 1) reads the partner's tile at the same
 // shared offset (its whole 32 KiB, whatever it holds), adds it and reduce-adds its own tile;
-// the other stages its tile and adds nothing. Half the reduce-add bytes, plus the reads.)
+// the other stages its tile and adds nothing. Half the reduce-add bytes, plus the reads; the
+// last step's tiles are added whole, and a CTA without a partner adds half. Clusters of two
+// may leave an SM of a GPC with an odd count idle, as DQ_PAIR's would.)
+#if defined(FC_DIAG_BWD256_PAIR_COST) && defined(FC_DIAG_BWD256_DQ_PAIR)
+#error "FC_DIAG_BWD256_PAIR_COST and FC_DIAG_BWD256_DQ_PAIR: one at a time"
+#endif
 #if defined(FC_DIAG_BWD256_PAIR_COST) || defined(FC_DIAG_BWD256_DQ_PAIR)
 #define FC_BWD256_CLUSTER __cluster_dims__(2, 1, 1)
 #else
@@ -1108,8 +1116,13 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
 #else
     constexpr bool kPair = false;
 #endif
+#ifdef FC_DIAG_BWD256_PAIR_COST
+    constexpr bool kCluster = true;     // (the pairs and their start, without the protocol)
+#else
+    constexpr bool kCluster = kPair;
+#endif
     fc_pipe::FcTileXYZ blk_xyz;
-    if constexpr (kPair) {
+    if constexpr (kCluster) {
         const fc_u32 rank = cluster_ctarank();
         if constexpr (Is_local) {
             blk_xyz = fc_pipe::chunked_tile(fc_pipe::linear_block() >> 1, (int)gridDim.x >> 1,
@@ -1134,7 +1147,7 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
         return;
     }
 
-    if (!bwd_ws_start<kD, kBlockM, kBlockN, kStages, Is_varlen, kPair>(
+    if (!bwd_ws_start<kD, kBlockM, kBlockN, kStages, Is_varlen, kCluster>(
             p, seq, maps, kw, b, hk, n0, sK, sV, sQ, sdO, sLse, sDsum, bars))
         return;
 
@@ -1160,7 +1173,7 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
     // The step before's dQ tiles are handed to their bulk copies before this step's S^T and
     // dP^T are issued, which gives the copies the issue's ~1,500 clocks before release_prev
     // waits for their reads (at head dim 256 that read, 64 KiB of reduce-adds a CTA a step, is
-    // the longest wait of the step; the step -14% in clocks, fwd+bwd +4%: runs 200 and 202 in
+    // the longest wait of the step; the step -14% in clocks, fwd+bwd +4%: runs 199 and 202 in
     // docs/performance-log.md). (FC_DIAG_BWD256_LATE_DQ, timing only: handed over after the
     // issue, the order before; the d64 / d128 kernel keeps that order, its
     // FC_DIAG_BWD_NO_OVERLAP being this one and 3-5% slower there.)
@@ -1176,11 +1189,11 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
     // step before's dQ: on a shared step (sh_prev), its index among them (k_prev) and the
     // partner's stage for it (pst_prev).)
     static_assert(!kPair || (kOverlap && kEarlyDq), "the CTA pair takes the default order");
-    const fc_u32 peer = kPair ? cluster_ctarank() ^ 1u : 0u;
+    const fc_u32 peer = kCluster ? cluster_ctarank() ^ 1u : 0u;
     const bool recv = kPair && (int)(peer ^ 1u) == w.wg;
     const fc_u32 bar_ready = bars + BwdBars<kStages>::kBytes, bar_read = bar_ready + 8u;
     int pmb = 0, pme = 0;
-    if (kPair && (n0 ^ kBlockN) < seq.sk)
+    if (kCluster && (n0 ^ kBlockN) < seq.sk)
         bwd_query_blocks<Is_local, kBlockM, kBlockN>(p, seq, n0 ^ kBlockN, kw.off, pmb, pme);
     const int smb = max(kw.m_begin, pmb), sme = min(kw.m_end, pme);
     bool sh_prev = false;
@@ -1213,9 +1226,9 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
         if constexpr (Is_varlen)   // (m0 < sq on the walk)
             zero_rows_past<kD, kBlockM>(sQb, sdOb, seq.sq - m0, tid - 128);
 #ifdef FC_DIAG_BWD256_PAIR_COST
-        const bool pair_add = (int)cluster_ctarank() == w.wg;
-        if (pair_add && it > 0) {
-            const fc_u32 remote = mapa_rank(sDqw, cluster_ctarank() ^ 1u);
+        const bool pair_add = (int)(peer ^ 1u) == w.wg;
+        if (pair_add && it > 0 && pme > pmb) {    // (a partner that ran and still runs)
+            const fc_u32 remote = mapa_rank(sDqw, peer);
             const int c = (tid - 128) & 127;
 #pragma unroll
             for (int k = 0; k < 16; ++k) {
@@ -1265,6 +1278,7 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
                 pst_prev = (fc_u32)((h - kw.h0) * (pme - pmb) + (m_block - pmb)) % kStages;
                 if (!recv) {      // the sender: its tile staged now, for the partner to read
                     dq_tile_store<64>(acc_dq, sDqw, tid - 128);
+                    fence_proxy_async();  // (before the stage goes back to the producer's TMA)
                     mbar_arrive_remote(bar_ready, peer);
                 }
             }

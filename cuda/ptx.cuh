@@ -1,5 +1,6 @@
 // flashcore: thin wrappers over the PTX instructions the Ampere-class kernels use
-// (mma.sync, ldmatrix, cp.async, ex2) and our own 16-bit element types.
+// (mma.sync, ldmatrix, cp.async, ex2), our own 16-bit element types, and (at the end) the
+// thread-block-cluster helpers that sm_90 kernels share.
 //
 // No CUDA header is included on purpose: cuda_fp16.h / cuda_bf16.h are not shipped with CuPy,
 // and every source must compile under bare NVRTC on a machine with no GPU (CI does that).

@@ -491,7 +491,8 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
                                                                  varlen),
                               device_id, cc, smem, defines)
             nx = _cdiv(seqlen_k, SM90_D256_BLOCK)
-            if {"-DFC_DIAG_BWD256_PAIR_COST", "-DFC_DIAG_BWD256_DQ_PAIR"} & set(defines):
+            if {"FC_DIAG_BWD256_PAIR_COST", "FC_DIAG_BWD256_DQ_PAIR"} & {
+                    d[2:].split("=", 1)[0] for d in defines}:
                 nx += nx & 1      # (candidates: clusters of two CTAs along x)
             launch(kern, (nx, nheads_k, batch), (384,), smem, (ws[0].arg(),))
         elif hopper == "ws":
