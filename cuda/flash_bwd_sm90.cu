@@ -1038,14 +1038,10 @@ struct Dkdv256Warpgroup {
 
 }  // namespace fc_hb
 
-// FC_DIAG_BWD256_DQ_PAIR's receiver (see below): once the partner's sender has staged its tile
-// (phase `parity` of `ready`), that tile, at shared offset `tile` of the CTA of rank `peer`,
-// added to this warpgroup's dQ (thread `ct` of the consumers: its float4s in tile order, as
-// dq_tile_store put them there), and the partner's `read` told.
-__device__ __forceinline__ void dq_pair_receive(float (&acc)[64], fc_u32 ready, fc_u32 read,
-                                                fc_u32 tile, fc_u32 peer, fc_u32 parity,
-                                                int ct) {
-    mbar_wait_cluster(ready, parity);
+// The tile at shared offset `tile` of the CTA of rank `peer` (a warpgroup's dQ in tile order,
+// as dq_tile_store put it there) added to this warpgroup's dQ (thread `ct` of the consumers).
+__device__ __forceinline__ void dq_add_partner_tile(float (&acc)[64], fc_u32 tile, fc_u32 peer,
+                                                    int ct) {
     const fc_u32 src = mapa_rank(tile, peer);
     const int c = ct & 127;
 #pragma unroll
@@ -1055,6 +1051,16 @@ __device__ __forceinline__ void dq_pair_receive(float (&acc)[64], fc_u32 ready, 
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[4 * k + e] += x[e];
     }
+}
+
+// FC_DIAG_BWD256_DQ_PAIR's receiver (see below): once the partner's sender has staged its tile
+// (phase `parity` of `ready`), that tile added to this warpgroup's dQ, and the partner's
+// `read` told.
+__device__ __forceinline__ void dq_pair_receive(float (&acc)[64], fc_u32 ready, fc_u32 read,
+                                                fc_u32 tile, fc_u32 peer, fc_u32 parity,
+                                                int ct) {
+    mbar_wait_cluster(ready, parity);
+    dq_add_partner_tile(acc, tile, peer, ct);
     mbar_arrive_remote(read, peer);
 }
 
@@ -1227,17 +1233,8 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
             zero_rows_past<kD, kBlockM>(sQb, sdOb, seq.sq - m0, tid - 128);
 #ifdef FC_DIAG_BWD256_PAIR_COST
         const bool pair_add = (int)(peer ^ 1u) == w.wg;
-        if (pair_add && it > 0 && pme > pmb) {    // (a partner that ran and still runs)
-            const fc_u32 remote = mapa_rank(sDqw, peer);
-            const int c = (tid - 128) & 127;
-#pragma unroll
-            for (int k = 0; k < 16; ++k) {
-                float x[4];
-                ld_dsmem_f32x4(x, remote + (fc_u32)(128 * k + c) * 16u);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_dq[4 * k + e] += x[e];
-            }
-        }
+        if (pair_add && it > 0 && pme > pmb)      // (a partner that ran and still runs)
+            dq_add_partner_tile(acc_dq, sDqw, peer, tid - 128);
 #else
         constexpr bool pair_add = true;
 #endif
