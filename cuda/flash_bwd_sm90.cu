@@ -90,13 +90,22 @@ struct BwdBars {
 // The CTA's (key block, kv head, batch): from the grid as launched or, with a window (causal:
 // a key block's walk is longer the earlier the block), chunk by chunk over the key blocks,
 // the longest first (fc_pipe::chunked_tile).
-template <bool Is_local>
+// (Pairs: clusters of two CTAs along x, launched with an even grid x, hand out key-block
+// pairs 2c, 2c + 1 of one kv head, the CTA of rank r taking 2c + r: FC_DIAG_BWD256_DQ_PAIR.)
+template <bool Is_local, bool Pairs = false>
 __device__ __forceinline__ fc_pipe::FcTileXYZ bwd_block_order() {
-    if constexpr (Is_local)
+    if constexpr (Is_local && Pairs) {
+        fc_pipe::FcTileXYZ t = fc_pipe::chunked_tile(fc_pipe::linear_block() >> 1,
+                                                     (int)gridDim.x >> 1, (int)gridDim.y,
+                                                     (int)gridDim.z);
+        t.x = 2 * t.x + (int)cluster_ctarank();
+        return t;
+    } else if constexpr (Is_local) {
         return fc_pipe::chunked_tile(fc_pipe::linear_block(), (int)gridDim.x, (int)gridDim.y,
                                      (int)gridDim.z);
-    else
+    } else {
         return fc_pipe::FcTileXYZ{(int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z};
+    }
 }
 
 namespace fc_hb {
@@ -1059,9 +1068,9 @@ __device__ __forceinline__ void dq_add_partner_tile(float (&acc)[64], fc_u32 til
 __device__ __forceinline__ void dq_pair_receive(float (&acc)[64], fc_u32 ready, fc_u32 read,
                                                 fc_u32 tile, fc_u32 peer, fc_u32 parity,
                                                 int ct) {
-    mbar_wait_cluster(ready, parity);
+    fc_pipe::mbar_wait<true>(ready, parity);
     dq_add_partner_tile(acc, tile, peer, ct);
-    mbar_arrive_remote(read, peer);
+    fc_pipe::mbar_arrive_remote(read, peer);
 }
 
 // The head-dim-256 dK/dV kernel (see above): 384 threads, warpgroup 0 produces (bwd_produce,
@@ -1127,19 +1136,7 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
 #else
     constexpr bool kCluster = kPair;
 #endif
-    fc_pipe::FcTileXYZ blk_xyz;
-    if constexpr (kCluster) {
-        const fc_u32 rank = cluster_ctarank();
-        if constexpr (Is_local) {
-            blk_xyz = fc_pipe::chunked_tile(fc_pipe::linear_block() >> 1, (int)gridDim.x >> 1,
-                                            (int)gridDim.y, (int)gridDim.z);
-            blk_xyz.x = 2 * blk_xyz.x + (int)rank;
-        } else {
-            blk_xyz = fc_pipe::FcTileXYZ{(int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z};
-        }
-    } else {
-        blk_xyz = bwd_block_order<Is_local>();
-    }
+    const fc_pipe::FcTileXYZ blk_xyz = bwd_block_order<Is_local, kCluster>();
     const int n_block = blk_xyz.x, hk = blk_xyz.y, b = blk_xyz.z;
     const int tid = threadIdx.x;
     const int wg = tid >> 7;
@@ -1210,7 +1207,7 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
     auto release_prev = [&](int it, bool pair_read, fc_u32 parity) {
         if ((threadIdx.x & 127) == 0) {
             if (pair_read)
-                mbar_wait_cluster(bar_read, parity);
+                mbar_wait<true>(bar_read, parity);
             else
                 bulk_wait_read<0>();
         }
@@ -1285,7 +1282,7 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
     FC_TL_STAMP(wg, 0, FC_TL_TILE_SLOT, 4);
     if constexpr (kPair) {
         if (sh_prev && !recv) {   // (the partner reads this CTA's shared memory until it arrives)
-            if ((threadIdx.x & 127) == 0) mbar_wait_cluster(bar_read, (fc_u32)k_prev & 1u);
+            if ((threadIdx.x & 127) == 0) mbar_wait<true>(bar_read, (fc_u32)k_prev & 1u);
         } else {
             if (sh_prev)
                 dq_pair_receive(acc_dq, bar_ready, bar_read,

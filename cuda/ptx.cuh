@@ -277,20 +277,3 @@ __device__ __forceinline__ void ld_dsmem_f32x4(float (&x)[4], fc_u32 addr) {
     asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n"
                  : "=f"(x[0]), "=f"(x[1]), "=f"(x[2]), "=f"(x[3]) : "r"(addr) : "memory");
 }
-// An arrival on the mbarrier at shared offset `bar` of the CTA of rank `rank`, releasing at
-// cluster scope this thread's earlier memory accesses (its shared stores, its loads of the
-// partner's shared memory); a wait for the phase of parity `parity` of this CTA's barrier
-// `bar` that acquires at cluster scope what such arrivals released.
-__device__ __forceinline__ void mbar_arrive_remote(fc_u32 bar, fc_u32 rank) {
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n"
-                 :: "r"(mapa_rank(bar, rank)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait_cluster(fc_u32 bar, fc_u32 parity) {
-    fc_u32 done;
-    do {
-        asm volatile("{\n.reg .pred p;\n"
-                     "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    } while (!done);
-}
