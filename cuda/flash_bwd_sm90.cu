@@ -90,22 +90,13 @@ struct BwdBars {
 // The CTA's (key block, kv head, batch): from the grid as launched or, with a window (causal:
 // a key block's walk is longer the earlier the block), chunk by chunk over the key blocks,
 // the longest first (fc_pipe::chunked_tile).
-// (Pairs: clusters of two CTAs along x, launched with an even grid x, hand out key-block
-// pairs 2c, 2c + 1 of one kv head, the CTA of rank r taking 2c + r: FC_DIAG_BWD256_DQ_PAIR.)
-template <bool Is_local, bool Pairs = false>
+template <bool Is_local>
 __device__ __forceinline__ fc_pipe::FcTileXYZ bwd_block_order() {
-    if constexpr (Is_local && Pairs) {
-        fc_pipe::FcTileXYZ t = fc_pipe::chunked_tile(fc_pipe::linear_block() >> 1,
-                                                     (int)gridDim.x >> 1, (int)gridDim.y,
-                                                     (int)gridDim.z);
-        t.x = 2 * t.x + (int)cluster_ctarank();
-        return t;
-    } else if constexpr (Is_local) {
+    if constexpr (Is_local)
         return fc_pipe::chunked_tile(fc_pipe::linear_block(), (int)gridDim.x, (int)gridDim.y,
                                      (int)gridDim.z);
-    } else {
+    else
         return fc_pipe::FcTileXYZ{(int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z};
-    }
 }
 
 namespace fc_hb {
@@ -688,11 +679,7 @@ __device__ __forceinline__ void bwd_produce(const FlashParams& p, const BwdSeq& 
 // tensor maps and initialises the barriers at `bars` (the K/V barrier, kStages full, kStages
 // empty), then warpgroup 0 gives its registers back and its warp 0 runs the producer. Returns
 // true in the two consumer warpgroups (their registers raised), false in the producer's.
-// (Pair_bars: two more barriers after those, each of 128 arrivals, initialised too, and the
-// CTAs of the cluster meet once every one has initialised its own, before any arrives on a
-// partner's: FC_DIAG_BWD256_DQ_PAIR.)
-template <int kD, int kBlockM, int kBlockN, int kStages, bool Is_varlen = false,
-          bool Pair_bars = false>
+template <int kD, int kBlockM, int kBlockN, int kStages, bool Is_varlen = false>
 __device__ __forceinline__ bool bwd_ws_start(const FlashParams& p, const BwdSeq& seq,
                                              const FcBwdMaps& maps, const BwdKeyWalk& kw, int b,
                                              int hk, int n0, fc_u32 sK, fc_u32 sV, fc_u32 sQ,
@@ -710,14 +697,9 @@ __device__ __forceinline__ bool bwd_ws_start(const FlashParams& p, const BwdSeq&
             mbar_init(bar.full(st), 1 + 32);   // the TMA's expect_tx + the warp's lse / D stores
             mbar_init(bar.empty(st), 256);
         }
-        if constexpr (Pair_bars) {
-            mbar_init(bars + BwdBars<kStages>::kBytes, 128);
-            mbar_init(bars + BwdBars<kStages>::kBytes + 8u, 128);
-        }
         fence_barrier_init();
     }
     __syncthreads();
-    if constexpr (Pair_bars) cluster_sync_all();
     if (tid < 128) {
         setmaxnreg_dec<24>();
         if (tid < 32)
@@ -1047,65 +1029,11 @@ struct Dkdv256Warpgroup {
 
 }  // namespace fc_hb
 
-// The tile at shared offset `tile` of the CTA of rank `peer` (a warpgroup's dQ in tile order,
-// as dq_tile_store put it there) added to this warpgroup's dQ (thread `ct` of the consumers).
-__device__ __forceinline__ void dq_add_partner_tile(float (&acc)[64], fc_u32 tile, fc_u32 peer,
-                                                    int ct) {
-    const fc_u32 src = mapa_rank(tile, peer);
-    const int c = ct & 127;
-#pragma unroll
-    for (int k = 0; k < 16; ++k) {
-        float x[4];
-        ld_dsmem_f32x4(x, src + (fc_u32)(128 * k + c) * 16u);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[4 * k + e] += x[e];
-    }
-}
-
-// FC_DIAG_BWD256_DQ_PAIR's receiver (see below): once the partner's sender has staged its tile
-// (phase `parity` of `ready`), that tile added to this warpgroup's dQ, and the partner's
-// `read` told.
-__device__ __forceinline__ void dq_pair_receive(float (&acc)[64], fc_u32 ready, fc_u32 read,
-                                                fc_u32 tile, fc_u32 peer, fc_u32 parity,
-                                                int ct) {
-    fc_pipe::mbar_wait<true>(ready, parity);
-    dq_add_partner_tile(acc, tile, peer, ct);
-    fc_pipe::mbar_arrive_remote(read, peer);
-}
-
 // The head-dim-256 dK/dV kernel (see above): 384 threads, warpgroup 0 produces (bwd_produce,
 // boxes of 64 rows), 1 and 2 consume. Dense calls, or (Is_varlen) varlen calls as the d128
 // warp-specialised kernel takes them.
-// (FC_DIAG_BWD256_DQ_PAIR, a candidate: clusters of two CTAs on key blocks 2c and 2c + 1 of
-// the same kv head (with a window, chunked_tile hands out the pairs), which sum their dQ tiles
-// on the query blocks both walk before one reduce-add: per such step the CTA of rank r
-// reduce-adds columns 128 r .. 128 r + 127 (its warpgroup r, the "receiver", adds the
-// partner's tile of those columns, read from the partner's shared memory, to its own) and its
-// other warpgroup (the "sender") adds nothing: its tile, staged at the step's end, is the
-// partner's to read. Half the reduce-add bytes on shared steps. Two barriers a CTA, 128
-// arrivals each, complete once a shared step: `ready` (the partner's sender has staged the
-// tile: the receiver waits on its own CTA's) and `read` (the partner's receiver has read it:
-// the sender waits before its stage goes back to the producer, or before the CTA ends). Both
-// CTAs walk their shared query blocks in the same order, so the k-th phase of each barrier is
-// the k-th shared step of both. Each CTA derives its partner's walk (bwd_query_blocks), so a
-// partner past the keys or with no query blocks shares nothing.)
-// (FC_DIAG_BWD256_PAIR_COST, timing only, wrong results: what a pair of CTAs summing their dQ
-// tiles in distributed shared memory would cost. Clusters of two CTAs along x; in each, one
-// warpgroup (rank 0: warpgroup 0, rank 1: warpgroup 1) reads the partner's tile at the same
-// shared offset (its whole 32 KiB, whatever it holds), adds it and reduce-adds its own tile;
-// the other stages its tile and adds nothing. Half the reduce-add bytes, plus the reads; the
-// last step's tiles are added whole, and a CTA without a partner adds half. Clusters of two
-// may leave an SM of a GPC with an odd count idle, as DQ_PAIR's would.)
-#if defined(FC_DIAG_BWD256_PAIR_COST) && defined(FC_DIAG_BWD256_DQ_PAIR)
-#error "FC_DIAG_BWD256_PAIR_COST and FC_DIAG_BWD256_DQ_PAIR: one at a time"
-#endif
-#if defined(FC_DIAG_BWD256_PAIR_COST) || defined(FC_DIAG_BWD256_DQ_PAIR)
-#define FC_BWD256_CLUSTER __cluster_dims__(2, 1, 1)
-#else
-#define FC_BWD256_CLUSTER
-#endif
 template <typename Elem, bool Is_local, bool Is_dropout, bool Is_varlen = false>
-__global__ void FC_BWD256_CLUSTER __launch_bounds__(384, 1)
+__global__ void __launch_bounds__(384, 1)
 flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcBwdMaps maps) {
     using namespace fc_hb;
     using namespace fc_pipe;
@@ -1126,17 +1054,7 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
     const fc_u32 bars = sStats + (fc_u32)(2 * kStages * kBlockM) * 4u;
     const BwdBars<kStages> bar{bars};
 
-#ifdef FC_DIAG_BWD256_DQ_PAIR
-    constexpr bool kPair = true;
-#else
-    constexpr bool kPair = false;
-#endif
-#ifdef FC_DIAG_BWD256_PAIR_COST
-    constexpr bool kCluster = true;     // (the pairs and their start, without the protocol)
-#else
-    constexpr bool kCluster = kPair;
-#endif
-    const fc_pipe::FcTileXYZ blk_xyz = bwd_block_order<Is_local, kCluster>();
+    const fc_pipe::FcTileXYZ blk_xyz = bwd_block_order<Is_local>();
     const int n_block = blk_xyz.x, hk = blk_xyz.y, b = blk_xyz.z;
     const int tid = threadIdx.x;
     const int wg = tid >> 7;
@@ -1150,8 +1068,8 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
         return;
     }
 
-    if (!bwd_ws_start<kD, kBlockM, kBlockN, kStages, Is_varlen, kCluster>(
-            p, seq, maps, kw, b, hk, n0, sK, sV, sQ, sdO, sLse, sDsum, bars))
+    if (!bwd_ws_start<kD, kBlockM, kBlockN, kStages, Is_varlen>(p, seq, maps, kw, b, hk, n0, sK,
+                                                                sV, sQ, sdO, sLse, sDsum, bars))
         return;
 
     Wg w(tid - 128);
@@ -1188,29 +1106,8 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
     // The step before's stage, holding its dQ tiles: back to the producer once the bulk copy
     // has read this warpgroup's (its issuing thread waits; the phase needs every consumer's
     // arrival, so it cannot complete before both copies have read).
-    // (kPair: the partner's walk, the query blocks [smb, sme) both walk, the barriers; the
-    // step before's dQ: on a shared step (sh_prev), its index among them (k_prev) and the
-    // partner's stage for it (pst_prev).)
-    static_assert(!kPair || (kOverlap && kEarlyDq), "the CTA pair takes the default order");
-    const fc_u32 peer = kCluster ? cluster_ctarank() ^ 1u : 0u;
-    const bool recv = kPair && (int)(peer ^ 1u) == w.wg;
-    const fc_u32 bar_ready = bars + BwdBars<kStages>::kBytes, bar_read = bar_ready + 8u;
-    int pmb = 0, pme = 0;
-    if (kCluster && (n0 ^ kBlockN) < seq.sk)
-        bwd_query_blocks<Is_local, kBlockM, kBlockN>(p, seq, n0 ^ kBlockN, kw.off, pmb, pme);
-    const int smb = max(kw.m_begin, pmb), sme = min(kw.m_end, pme);
-    bool sh_prev = false;
-    int k_prev = 0, n_shared = 0;
-    fc_u32 pst_prev = 0;
-    // (kPair, `pair_read`: the sender's tile of a shared step, read by the partner's receiver
-    // when the phase of parity `parity` of `read` completes, in place of the bulk copy's read)
-    auto release_prev = [&](int it, bool pair_read, fc_u32 parity) {
-        if ((threadIdx.x & 127) == 0) {
-            if (pair_read)
-                mbar_wait<true>(bar_read, parity);
-            else
-                bulk_wait_read<0>();
-        }
+    auto release_prev = [&](int it) {
+        if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();
         mbar_arrive(bar.empty((it - 1) % kStages));
     };
     int h = kw.h0, m_block = kw.m_begin;
@@ -1223,27 +1120,15 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
         const int m0 = m_block * kBlockM;
         const fc_u32 sQb = sQ + (fc_u32)st * kTile, sdOb = sdO + (fc_u32)st * kTile;
         FC_TL_STAMP(wg, 0, it, 0);
-        if (!kOverlap && it > 0) release_prev(it, kPair && sh_prev && !recv, (fc_u32)k_prev & 1u);
+        if (!kOverlap && it > 0) release_prev(it);
         mbar_wait(bar.full(st), (fc_u32)(it / kStages) & 1u);
         FC_TL_STAMP(wg, 0, it, 1);
         if constexpr (Is_varlen)   // (m0 < sq on the walk)
             zero_rows_past<kD, kBlockM>(sQb, sdOb, seq.sq - m0, tid - 128);
-#ifdef FC_DIAG_BWD256_PAIR_COST
-        const bool pair_add = (int)(peer ^ 1u) == w.wg;
-        if (pair_add && it > 0 && pme > pmb)      // (a partner that ran and still runs)
-            dq_add_partner_tile(acc_dq, sDqw, peer, tid - 128);
-#else
-        constexpr bool pair_add = true;
-#endif
-        // (kPair: the sender's tile of a shared step is staged already, and not added here)
-        const bool own_add = !(kPair && sh_prev && !recv);
-        if (kPair && sh_prev && recv && it > 0)
-            dq_pair_receive(acc_dq, bar_ready, bar_read, (w.wg == 0 ? sQ : sdO) + pst_prev * kTile,
-                            peer, (fc_u32)k_prev & 1u, tid - 128);
-        if (kOverlap && it > 0 && own_add) dq_tile_store<64>(acc_dq, sDqw, tid - 128);
+        if (kOverlap && it > 0) dq_tile_store<64>(acc_dq, sDqw, tid - 128);
         FC_TL_STAMP(wg, 0, it, 2);
-        if (kEarlyDq && kOverlap && it > 0 && own_add)
-            dq_tile_commit<64>(sDqw, dq_tile, tid - 128, 3 + w.wg, pair_add);
+        if (kEarlyDq && kOverlap && it > 0)
+            dq_tile_commit<64>(sDqw, dq_tile, tid - 128, 3 + w.wg, true);
         w.issue_scores(sK, sV, sQb, sdOb);
         FC_TL_STAMP(wg, 0, it, 3);
         if (!kEarlyDq && kOverlap && it > 0)
@@ -1252,7 +1137,7 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
         w.finish_scores(p, seq, b, h, m0, n0, kw.off, sLse + st * kBlockM, sDsum + st * kBlockM,
                         sP + buf, sdS + buf);
         FC_TL_STAMP(wg, 0, it, 5);
-        if (kOverlap && it > 0) release_prev(it, kPair && sh_prev && !recv, (fc_u32)k_prev & 1u);
+        if (kOverlap && it > 0) release_prev(it);
         fence_proxy_async();      // the P^T / dS^T stores, for the products' async-proxy reads
         // Both halves of P^T and dS^T are written; and (double-buffered) both warpgroups are
         // past the previous step, whose products read the buffers the next step writes.
@@ -1265,34 +1150,10 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
         sDqw = w.wg == 0 ? sQb : sdOb;
         dq_tile = dq_accum_row(p, seq, b, h, m0) + w.wg * 64 * 128;
         if (!kOverlap) dq_tile_add<64>(acc_dq, sDqw, dq_tile, tid - 128, 3 + w.wg);
-        if constexpr (kPair) {
-            sh_prev = m_block >= smb && m_block < sme;
-            if (sh_prev) {
-                k_prev = n_shared++;
-                pst_prev = (fc_u32)((h - kw.h0) * (pme - pmb) + (m_block - pmb)) % kStages;
-                if (!recv) {      // the sender: its tile staged now, for the partner to read
-                    dq_tile_store<64>(acc_dq, sDqw, tid - 128);
-                    fence_proxy_async();  // (before the stage goes back to the producer's TMA)
-                    mbar_arrive_remote(bar_ready, peer);
-                }
-            }
-        }
         bwd_walk_next(h, m_block, kw.m_begin, kw.m_end, h, m_block);
     }
     FC_TL_STAMP(wg, 0, FC_TL_TILE_SLOT, 4);
-    if constexpr (kPair) {
-        if (sh_prev && !recv) {   // (the partner reads this CTA's shared memory until it arrives)
-            if ((threadIdx.x & 127) == 0) mbar_wait<true>(bar_read, (fc_u32)k_prev & 1u);
-        } else {
-            if (sh_prev)
-                dq_pair_receive(acc_dq, bar_ready, bar_read,
-                                (w.wg == 0 ? sQ : sdO) + pst_prev * kTile, peer,
-                                (fc_u32)k_prev & 1u, tid - 128);
-            dq_tile_add<64>(acc_dq, sDqw, dq_tile, tid - 128, 3 + w.wg);
-        }
-    } else if (kOverlap) {
-        dq_tile_add<64>(acc_dq, sDqw, dq_tile, tid - 128, 3 + w.wg);
-    }
+    if (kOverlap) dq_tile_add<64>(acc_dq, sDqw, dq_tile, tid - 128, 3 + w.wg);
     FC_TL_STAMP(wg, 0, FC_TL_TILE_SLOT, 5);
 #ifdef FC_DIAG_BWD_REG_STORE      // (timing: dK and dV stored from the registers, 4 bytes a thread)
     w.store(p, seq, b, hk, n0);
@@ -1304,7 +1165,4 @@ flash_bwd_dkdv_sm90_d256_kernel(const FlashParams p, const __grid_constant__ FcB
     FC_TL_CTA_END(wg);
     // (shared memory stays until the last bulk copy has read it)
     if ((threadIdx.x & 127) == 0) bulk_wait<0>();
-#ifdef FC_DIAG_BWD256_PAIR_COST
-    cluster_sync_all();       // (the partner's reads of this CTA's shared memory are done)
-#endif
 }

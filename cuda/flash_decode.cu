@@ -226,7 +226,29 @@ __device__ __forceinline__ void split_arrive_and_combine(const FlashParams& para
 // reading every split's partial through distributed shared memory, and a second barrier keeps
 // each CTA's shared memory alive until all reads of it are done. No global scratch, no fence,
 // no counter: the merge costs two cluster barriers and one round of DSMEM reads.
-// (the cluster helpers, cluster_ctarank .. ld_dsmem_f32x4: ptx.cuh)
+__device__ __forceinline__ fc_u32 cluster_ctarank() {
+    fc_u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void cluster_sync_all() {   // every thread of every CTA of the cluster
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ fc_u32 mapa_rank(fc_u32 addr, fc_u32 rank) {
+    fc_u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ float ld_dsmem_f32(fc_u32 addr) {
+    float x;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(x) : "r"(addr) : "memory");
+    return x;
+}
+__device__ __forceinline__ void ld_dsmem_f32x4(float (&x)[4], fc_u32 addr) {
+    asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=f"(x[0]), "=f"(x[1]), "=f"(x[2]), "=f"(x[3]) : "r"(addr) : "memory");
+}
 
 // The merge of one output chunk (packed row r of the group, columns [8c, 8c + 8)) from the
 // kCluster partials: sPartO (fp32 [kBlockM][kHeadDim]) and sPartL (fp32 [kBlockM]) at the same

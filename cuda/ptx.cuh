@@ -1,6 +1,5 @@
 // flashcore: thin wrappers over the PTX instructions the Ampere-class kernels use
-// (mma.sync, ldmatrix, cp.async, ex2), our own 16-bit element types, and (at the end) the
-// thread-block-cluster helpers that sm_90 kernels share.
+// (mma.sync, ldmatrix, cp.async, ex2) and our own 16-bit element types.
 //
 // No CUDA header is included on purpose: cuda_fp16.h / cuda_bf16.h are not shipped with CuPy,
 // and every source must compile under bare NVRTC on a machine with no GPU (CI does that).
@@ -248,32 +247,4 @@ __device__ __forceinline__ void fc_ldmatrix_offsets(int lane, int (&a_off)[W / 1
 __device__ __forceinline__ void stg128(void* p, const fc_u32 (&r)[4]) {
     asm volatile("st.global.v4.b32 [%0], {%1,%2,%3,%4};\n"
                  :: "l"(p), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
-}
-
-// ---- thread-block clusters (sm_90+; only kernels launched with cluster dimensions call these)
-// The CTA's rank in its cluster; a barrier of every thread of every CTA of the cluster (threads
-// that have exited do not hold it up); a shared address mapped to the same offset in the CTA
-// of rank `rank`; loads from such an address (distributed shared memory).
-__device__ __forceinline__ fc_u32 cluster_ctarank() {
-    fc_u32 r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ void cluster_sync_all() {   // every thread of every CTA of the cluster
-    asm volatile("barrier.cluster.arrive.release.aligned;\n"
-                 "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ fc_u32 mapa_rank(fc_u32 addr, fc_u32 rank) {
-    fc_u32 r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
-    return r;
-}
-__device__ __forceinline__ float ld_dsmem_f32(fc_u32 addr) {
-    float x;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(x) : "r"(addr) : "memory");
-    return x;
-}
-__device__ __forceinline__ void ld_dsmem_f32x4(float (&x)[4], fc_u32 addr) {
-    asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n"
-                 : "=f"(x[0]), "=f"(x[1]), "=f"(x[2]), "=f"(x[3]) : "r"(addr) : "memory");
 }

@@ -42,29 +42,14 @@ __device__ __forceinline__ void mbar_arrive(fc_u32 bar) {
 __device__ __forceinline__ void cp_async_mbar_arrive(fc_u32 bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
 }
-// The wait for the phase of parity `parity` of barrier `bar`; Cluster: acquiring at cluster
-// scope what arrivals from the other CTAs of a cluster released (mbar_arrive_remote).
-template <bool Cluster = false>
 __device__ __forceinline__ void mbar_wait(fc_u32 bar, fc_u32 parity) {
     fc_u32 done;
     do {
-        if constexpr (Cluster)
-            asm volatile("{\n.reg .pred p;\n"
-                         "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-                         "selp.u32 %0, 1, 0, p;\n}\n"
-                         : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-        else
-            asm volatile("{\n.reg .pred p;\n"
-                         "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                         "selp.u32 %0, 1, 0, p;\n}\n"
-                         : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+        asm volatile("{\n.reg .pred p;\n"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
     } while (!done);
-}
-// An arrival on the barrier at shared offset `bar` of the cluster's CTA of rank `rank`,
-// releasing at cluster scope this thread's earlier memory accesses.
-__device__ __forceinline__ void mbar_arrive_remote(fc_u32 bar, fc_u32 rank) {
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n"
-                 :: "r"(mapa_rank(bar, rank)) : "memory");
 }
 
 // One box of a rank-4 tensor map (coordinates innermost first, in elements; boxes reaching

@@ -273,9 +273,9 @@ def sm90_d256_kernel_name(dtype_name: str, is_local: bool, dropout: bool = False
 
 def sm90_d256_smem() -> int:
     """K, V, Q and dO stages (six 64 x 256 tiles), P^T and dS^T (2 buffers of 64 x 64 each),
-    lse and D (2 stages of 64 each), 7 mbarriers (2 for FC_DIAG_BWD256_DQ_PAIR's CTA pairs),
-    + alignment: 231,480 bytes (the H100/H200 opt-in limit is 232,448)."""
-    return 6 * 2 * 64 * 256 + 4 * 2 * 64 * 64 + 2 * 2 * 64 * 4 + 8 * 7 + 1024
+    lse and D (2 stages of 64 each), 5 mbarriers, + alignment: 231,464 bytes (the H100/H200
+    opt-in limit is 232,448)."""
+    return 6 * 2 * 64 * 256 + 4 * 2 * 64 * 64 + 2 * 2 * 64 * 4 + 8 * 5 + 1024
 
 
 def sm90_instantiations() -> list[str]:
@@ -490,11 +490,8 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float
             kern = get_kernel(SM90_SOURCE, sm90_d256_kernel_name(dtype_name, is_local, dropout,
                                                                  varlen),
                               device_id, cc, smem, defines)
-            nx = _cdiv(seqlen_k, SM90_D256_BLOCK)
-            if {"FC_DIAG_BWD256_PAIR_COST", "FC_DIAG_BWD256_DQ_PAIR"} & {
-                    d[2:].split("=", 1)[0] for d in defines}:
-                nx += nx & 1      # (candidates: clusters of two CTAs along x)
-            launch(kern, (nx, nheads_k, batch), (384,), smem, (ws[0].arg(),))
+            launch(kern, (_cdiv(seqlen_k, SM90_D256_BLOCK), nheads_k, batch), (384,), smem,
+                   (ws[0].arg(),))
         elif hopper == "ws":
             smem = sm90_ws_smem(headdim, sm90_ws_block_m(headdim))
             kern = get_kernel(SM90_SOURCE, sm90_ws_kernel_name(dtype_name, headdim, is_local,

@@ -23,9 +23,6 @@ VARIANTS = {"as is": {},
             # (half of each dQ tile added: what halving the reduce-add traffic would give,
             # e.g. two CTAs of a cluster adding their tiles in shared memory first)
             "half dQ adds": {"sm90_defines": ("-DFC_DIAG_BWD_HALF_DQ",)},
-            # (head dim 256: half dQ adds plus what a CTA pair summing its tiles in distributed
-            # shared memory would read, 32 KiB a CTA a step; clusters of two CTAs)
-            "pair cost": {"sm90_defines": ("-DFC_DIAG_BWD256_PAIR_COST",)},
             "no Q/dO reloads": {"sm90_defines": ("-DFC_DIAG_BWD_NO_QLOAD",)},
             "neither": {"sm90_defines": ("-DFC_DIAG_BWD_NO_DQ", "-DFC_DIAG_BWD_NO_QLOAD")},
             # (each step's S^T, dP^T issued after the step before's dQ tile is handed to its
@@ -39,8 +36,6 @@ VARIANTS = {"as is": {},
             "cp.async": {"sm90_bwd_ws": False},
             # (the Ampere-class kernels, flash_bwd.cu, as on an A100 or at other head dims)
             "Ampere-class": {"sm90_bwd": False}}
-
-HEADDIM_256_ONLY = ("pair cost",)     # (its define changes the head-dim-256 kernel alone)
 
 
 def main():
@@ -60,8 +55,6 @@ def main():
             for peer in ("sdpa_cudnn", "sdpa_flash"):
                 row[peer] = Problem(peer, b, s, h, d, a.causal).tflops("backward", f)
             for name, settings in variants.items():
-                if name in HEADDIM_256_ONLY and d != 256:
-                    continue
                 with config.override(**settings):
                     row[name] = Problem("cupy", b, s, h, d, a.causal).tflops("backward", f)
             print(f"d{d} s{s} " + "  ".join(f"{k}: {v:.0f}" for k, v in row.items()), flush=True)
