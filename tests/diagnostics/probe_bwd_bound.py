@@ -20,8 +20,9 @@ from flashcore.bench import AttentionProblem as Problem, flops, shape_for
 
 VARIANTS = {"as is": {},
             "no dQ adds": {"sm90_defines": ("-DFC_DIAG_BWD_NO_DQ",)},
-            # (half of each dQ tile added: what halving the reduce-add traffic would give,
-            # e.g. two CTAs of a cluster adding their tiles in shared memory first)
+            # (half of each dQ tile added: what halving the reduce-add traffic would give;
+            # CTA pairs summing their tiles in distributed shared memory first measured below
+            # the kernel as is, run 205 in docs/performance-log.md)
             "half dQ adds": {"sm90_defines": ("-DFC_DIAG_BWD_HALF_DQ",)},
             "no Q/dO reloads": {"sm90_defines": ("-DFC_DIAG_BWD_NO_QLOAD",)},
             "neither": {"sm90_defines": ("-DFC_DIAG_BWD_NO_DQ", "-DFC_DIAG_BWD_NO_QLOAD")},
