@@ -31,6 +31,7 @@ __all__ = [
     "compile_options",
     "arch_for",
     "device_facts",
+    "peak_memory_bandwidth",
     "get_kernel",
     "Kernel",
     "cache_dir",
@@ -76,6 +77,18 @@ def device_facts(device_id: int) -> tuple[int, int, int]:
     smem = attr(device.ATTR_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device_id)
     sms = attr(device.ATTR_MULTIPROCESSOR_COUNT, device_id)
     return major * 10 + minor, smem, sms
+
+
+@functools.lru_cache(maxsize=None)
+def peak_memory_bandwidth(device_id: int) -> float:
+    """A device's peak DRAM bandwidth in bytes/s (double data rate: 2 x the memory clock x
+    the bus width), from the driver's attributes, queried once: H100 SXM 3.35e12, H200
+    4.8e12."""
+    from .kernels import device
+    attr = device.driver().device_attribute
+    khz = attr(device.ATTR_MEMORY_CLOCK_RATE, device_id)
+    bits = attr(device.ATTR_GLOBAL_MEMORY_BUS_WIDTH, device_id)
+    return 2.0 * khz * 1e3 * bits / 8
 
 
 def arch_for(compute_capability: int | str) -> str:

@@ -48,6 +48,7 @@ from flashcore.kernels.decode import (  # noqa: E402
     DecodeConfig, single_config, sm90_num_splits, wave_efficiency)
 
 ONE, TWO, THREE = DecodeConfig(64, 4, 4), DecodeConfig(64, 4, 3), DecodeConfig(64, 4, 2)
+H100, H200 = 3.35e12, 4.8e12     # peak DRAM bandwidth, bytes/s
 
 
 @pytest.mark.parametrize("batch, tile", [
@@ -81,18 +82,22 @@ def test_wave_efficiency():
 def test_two_splits_only_for_ragged_waves_of_long_caches():
     blocks = lambda keys: keys // 128  # noqa: E731  (the cluster tile's 128-key blocks)
     # batch 50, 16k: ragged (0.76) and long -> 2; at 4k the unsplit tile stays
-    assert sm90_num_splits(400, 132, blocks(16384), 128, 1, 16384) == 2
-    assert sm90_num_splits(400, 132, blocks(4096), 128, 1, 4096) == 1
+    assert sm90_num_splits(400, 132, blocks(16384), 128, 1, 16384, H200) == 2
+    assert sm90_num_splits(400, 132, blocks(4096), 128, 1, 4096, H200) == 1
     # full waves stay unsplit at any length; the cluster rule's own counts are untouched
-    assert sm90_num_splits(512, 132, blocks(131072), 128, 1, 131072) == 1
-    assert sm90_num_splits(8, 132, blocks(16384), 128, 1, 16384) == 8
+    assert sm90_num_splits(512, 132, blocks(131072), 128, 1, 131072, H200) == 1
+    assert sm90_num_splits(8, 132, blocks(16384), 128, 1, 16384, H200) == 8
     # batch 1 at 128k: 8 cluster splits would walk 128 blocks each over half the SMs -> the
     # global rule (0)
-    assert sm90_num_splits(8, 132, blocks(131072), 128, 1, 131072) == 0
-    assert sm90_num_splits(64, 132, blocks(16384), 128, 1, 16384) == 2
+    assert sm90_num_splits(8, 132, blocks(131072), 128, 1, 131072, H200) == 0
+    # ... but not where the memory is slow enough for half the SMs: the H100 measured the
+    # cluster's 8 ahead there (run 212)
+    assert sm90_num_splits(8, 132, blocks(131072), 128, 1, 131072, H100) == 8
+    assert sm90_num_splits(8, 132, blocks(16384), 128, 1, 16384, H100) == 8
+    assert sm90_num_splits(64, 132, blocks(16384), 128, 1, 16384, H200) == 2
     # two m16 slices, or a head dim without candidates: the cluster rule alone
-    assert sm90_num_splits(400, 132, blocks(16384), 128, 2, 16384) == 1
-    assert sm90_num_splits(400, 132, blocks(16384), 64, 1, 16384) == 1
+    assert sm90_num_splits(400, 132, blocks(16384), 128, 2, 16384, H200) == 1
+    assert sm90_num_splits(400, 132, blocks(16384), 64, 1, 16384, H200) == 1
 
 
 @pytest.mark.parametrize("tile, cfg, ok", [

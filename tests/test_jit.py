@@ -219,3 +219,25 @@ def test_driver_calls_go_through_the_c_signatures():
         assert not plans.enter(plan) and seen["ctx"] == 0x5001
     finally:
         dmod.driver = real
+
+
+def test_peak_memory_bandwidth_from_the_driver_attributes(monkeypatch):
+    """2 x the memory clock x the bus width, each queried once per device (the H100 SXM's
+    attributes, then the H200's)."""
+    from flashcore.kernels import device
+    asked = []
+    facts = {0: {36: 2_619_000, 37: 5120}, 1: {36: 3_201_000, 37: 6144}}
+
+    class Driver:
+        def device_attribute(self, attribute, device_id):
+            asked.append((attribute, device_id))
+            return facts[device_id][attribute]
+    monkeypatch.setattr(device, "driver", lambda: Driver())
+    jit.peak_memory_bandwidth.cache_clear()
+    try:
+        assert jit.peak_memory_bandwidth(0) == pytest.approx(3.352e12, rel=1e-3)
+        assert jit.peak_memory_bandwidth(1) == pytest.approx(4.917e12, rel=1e-3)
+        assert jit.peak_memory_bandwidth(0) == pytest.approx(3.352e12, rel=1e-3)
+        assert sorted(asked) == [(36, 0), (36, 1), (37, 0), (37, 1)]
+    finally:
+        jit.peak_memory_bandwidth.cache_clear()

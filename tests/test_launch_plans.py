@@ -168,6 +168,7 @@ def no_gpu(monkeypatch):
     monkeypatch.setattr(jit, "get_kernel",
                         lambda src, name, *a, **k: kernels.setdefault(name, FakeKernel(name)))
     monkeypatch.setattr(jit, "device_facts", lambda i: (90, 232448, 132))
+    monkeypatch.setattr(jit, "peak_memory_bandwidth", lambda i: 4.8e12)     # (an H200)
     monkeypatch.setattr(device, "scope", FakeDevice)
     driver = DRIVER
     monkeypatch.setattr(device, "driver", lambda: DRIVER)

@@ -364,23 +364,29 @@ def cluster_num_splits(base_ctas: int, num_sms: int, num_n_blocks: int) -> int:
 
 
 # Where the cluster rule would leave at least half the SMs idle and each of its splits would
-# walk this many key blocks or more, the global-merge rule's larger split count pays (H200,
+# walk this many key blocks or more, the global-merge rule's larger split count pays on a
+# device whose memory is fast enough that half the SMs cannot draw it (H200, 4.8 TB/s peak;
 # batch 1, 8 kv heads, d128, 128k keys: paged (256) 16 splits merged through global memory took
 # 140 us against 149 for the cluster rule's 8, docs/performance-log.md session 8; contiguous,
 # 3.86 TB/s against 3.79, session 13). At 16k the cluster's 8 stayed best (paged 30.8 us
-# against 33.6; contiguous 2.30 against 2.10 TB/s).
+# against 33.6; contiguous 2.30 against 2.10 TB/s). On the H100 (3.35 TB/s) the cluster's 8
+# stays best at 128k too: 179.5 us against the global 16's 186.0 contiguous, 181.6 against
+# 187.1 paged, CUDA-graph replays alike (run 212); hence the bandwidth floor, between the two.
 _GLOBAL_MIN_BLOCKS_PER_SPLIT = 128
+_GLOBAL_MIN_PEAK_BANDWIDTH = 4.1e12      # bytes/s
 
 
 def sm90_num_splits(base_ctas: int, num_sms: int, num_n_blocks: int, headdim: int,
-                    m_tiles: int, max_seqlen_k: int) -> int:
+                    m_tiles: int, max_seqlen_k: int, peak_bandwidth: float) -> int:
     """The split count for ``num_splits=0`` on sm_90 (cluster merge available): the cluster rule
     (cluster_num_splits; 0 hands over to the global rule), and two splits where the rule says
     one but the best unsplit tile leaves a ragged last wave of long CTAs (_SPLIT2_MIN_KEYS).
-    Long walks over half-idle SMs go to the global rule (see above)."""
+    Long walks over half-idle SMs go to the global rule where the device's ``peak_bandwidth``
+    (bytes/s) is that of an H200 (see above)."""
     s = cluster_num_splits(base_ctas, num_sms, num_n_blocks)
     if (s > 1 and 2 * base_ctas * s <= num_sms
-            and num_n_blocks // s >= _GLOBAL_MIN_BLOCKS_PER_SPLIT):
+            and num_n_blocks // s >= _GLOBAL_MIN_BLOCKS_PER_SPLIT
+            and peak_bandwidth >= _GLOBAL_MIN_PEAK_BANDWIDTH):
         return 0
     if (s == 1 and m_tiles == 1 and max_seqlen_k >= _SPLIT2_MIN_KEYS and num_n_blocks >= 4
             and headdim_tile(headdim) in _SINGLE_CANDIDATES
@@ -538,7 +544,7 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
         raise ValueError("decode grid too large "
                          f"(batch * nheads_k = {batch * nheads_k}, m-blocks = {m_blocks})")
     device_id = q.device.id
-    from ..jit import device_facts, get_kernel
+    from ..jit import device_facts, get_kernel, peak_memory_bandwidth
     cc = device_facts(device_id)[0]
     if fp8 and (cc < 89 or headdim not in FP8_HEADDIMS):
         raise ValueError(
@@ -590,7 +596,8 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
         if cluster_ok:
             cl_cfg = decode_config(headdim, True, m_tiles, fp8=fp8)
             num_splits = sm90_num_splits(base_ctas, _sm_count(device_id), key_blocks(cl_cfg),
-                                         headdim, m_tiles, span_keys if hopper else 0)
+                                         headdim, m_tiles, span_keys if hopper else 0,
+                                         peak_memory_bandwidth(device_id))
             cluster_declined = num_splits == 0
         if not cluster_ok or cluster_declined:
             num_splits = choose_num_splits(base_ctas, _sm_count(device_id),
