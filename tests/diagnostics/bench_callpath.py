@@ -19,9 +19,11 @@ cupy      the same calls on CuPy arrays (forward, forward then backward, a decod
           batch 1 / 4k) against the torch calls, interleaved.
 llama     a transformers Llama (random init, 8 layers, hidden 2048, 16/4 heads, bf16) training
           step (forward with labels, backward), eager, flashcore vs "sdpa".
-generate  greedy generate of 128 tokens, batch 1 / prompt 512 and batch 8 / prompt 2k.
+generate  greedy generate of 128 tokens, batch 1 / prompt 512 and batch 8 / prompt 2k: the
+          three models ("sdpa", flashcore, flashcore with left padding) held together and
+          timed in turn, 3 rounds, median tokens/s.
 generate_static  the same with cache_implementation="static" (compiled by transformers), 64
-          tokens after a warm-up generate.
+          tokens after each model's warm-up generate, 5 rounds.
 compile   torch.compile of the llama training step (batch 4 x 4k), flashcore vs "sdpa".
 profile   cProfile of the host side of a decode step and of the tiny forward and step.
 launch_gil  the tiny forward and step with the driver's calls made through ctypes prototypes
@@ -237,67 +239,81 @@ def compile_step(batch=4, seqlen=4096):
          speedup=r["sdpa_ms"] / r["flashcore_ms"])
 
 
-def generate(shapes=((1, 512), (8, 2048)), new=128):
+_GEN_IMPLS = ("sdpa", "flashcore", "flashcore_lp")
+
+
+def _generate_rounds(models, ids, kw, rounds):
+    """Timed greedy generates of every model in turn, ``rounds`` times (a host that runs faster
+    or slower for a while then moves them alike: one timed generate each, in sequence, moved
+    by 40% between two runs of one tree, run 212): ``({impl: [seconds]}, {impl: the last
+    generated ids})``."""
+    times, outs = {impl: [] for impl in models}, {}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for impl, model in models.items():
+                gen = []
+                times[impl].append(wall_time(lambda: gen.append(model.generate(ids, **kw))))
+                outs[impl] = gen[0][:, ids.shape[1]:]
+    return times, outs
+
+
+def _generate_row(section, batch, prompt, new, r, times, outs):
+    import statistics
+    for impl, t in times.items():
+        r[impl + "_tok_s"] = batch * new / statistics.median(t)
+    print(f"# {section} {batch} x {prompt}, tokens/s by round: " + "; ".join(
+        f"{impl} " + " ".join(f"{batch * new / x:.1f}" for x in t) for impl, t in times.items()))
+    same = (outs["sdpa"] == outs["flashcore"]).int().cumprod(1).sum(1)
+    emit(section=section, batch=batch, prompt=prompt, **r,
+         ratio=r["flashcore_tok_s"] / r["sdpa_tok_s"],
+         ratio_left_padding=r["flashcore_lp_tok_s"] / r["sdpa_tok_s"],
+         equal_prefix_min=int(same.min()), equal_prefix_mean=float(same.float().mean()))
+
+
+def generate(shapes=((1, 512), (8, 2048)), new=128, rounds=3):
+    """Greedy generate of ``new`` tokens, the three models held together and timed in turn,
+    ``rounds`` times (median tokens/s); the first step's logits of sdpa and flashcore."""
     for batch, prompt in shapes:
-        r = {}
-        outs = {}
-        for impl in ("sdpa", "flashcore", "flashcore_lp"):
-            model = _llama(impl).eval()
-            ids = torch.randint(0, 32000, (batch, prompt), device="cuda",
-                                generator=torch.Generator(device="cuda").manual_seed(1))
-            gen = []
-            with torch.no_grad():
+        models = {impl: _llama(impl).eval() for impl in _GEN_IMPLS}
+        ids = torch.randint(0, 32000, (batch, prompt), device="cuda",
+                            generator=torch.Generator(device="cuda").manual_seed(1))
+        kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        with torch.no_grad():
+            for model in models.values():
                 model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-                t = wall_time(lambda: gen.append(model.generate(
-                    ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)))
-            r[impl + "_tok_s"] = batch * new / t
-            outs[impl] = gen[0][:, prompt:]
             # the first step's logits: how close the two are (greedy tokens of a random model
             # flip on near-ties)
-            with torch.no_grad():
-                r[impl + "_logits"] = model(ids).logits[:, -1].float()
-            del model
-            torch.cuda.empty_cache()
-        same = (outs["sdpa"] == outs["flashcore"]).int().cumprod(1).sum(1)
-        la, lb = r.pop("sdpa_logits"), r.pop("flashcore_logits")
-        r.pop("flashcore_lp_logits", None)
-        emit(section="generate", batch=batch, prompt=prompt, **r,
-             ratio=r["flashcore_tok_s"] / r["sdpa_tok_s"],
-             ratio_left_padding=r["flashcore_lp_tok_s"] / r["sdpa_tok_s"],
-             equal_prefix_min=int(same.min()), equal_prefix_mean=float(same.float().mean()),
-             logits_maxdiff=float((la - lb).abs().max()), logits_scale=float(la.abs().max()))
+            la, lb = (models[i](ids).logits[:, -1].float() for i in ("sdpa", "flashcore"))
+        times, outs = _generate_rounds(models, ids, kw, rounds)
+        r = dict(logits_maxdiff=float((la - lb).abs().max()), logits_scale=float(la.abs().max()))
+        _generate_row("generate", batch, prompt, new, r, times, outs)
+        del models, la, lb
+        torch.cuda.empty_cache()
 
 
-def generate_static(shapes=((1, 512), (8, 2048)), new=64):
+def generate_static(shapes=((1, 512), (8, 2048)), new=64, rounds=5):
     """Greedy generate with ``cache_implementation="static"`` (which transformers compiles):
-    tokens/s after a warm-up generate that compiles, flashcore vs "sdpa"; first tokens."""
+    each model's warm-up generate (which compiles) timed once, then timed generates of the
+    three models in turn, ``rounds`` times (median tokens/s); graphs compiled during the timed
+    rounds (recompiles: 0 when shapes stay static); the first tokens, sdpa's against
+    flashcore's."""
     for batch, prompt in shapes:
-        r, outs = {}, {}
-        for impl in ("sdpa", "flashcore", "flashcore_lp"):
-            torch._dynamo.reset()
-            model = _llama(impl).eval()
-            ids = torch.randint(0, 32000, (batch, prompt), device="cuda",
-                                generator=torch.Generator(device="cuda").manual_seed(1))
-            kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                      cache_implementation="static")
-            gen = []
-            with torch.no_grad():
+        torch._dynamo.reset()
+        models = {impl: _llama(impl).eval() for impl in _GEN_IMPLS}
+        ids = torch.randint(0, 32000, (batch, prompt), device="cuda",
+                            generator=torch.Generator(device="cuda").manual_seed(1))
+        kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                  cache_implementation="static")
+        r = {}
+        with torch.no_grad():
+            for impl, model in models.items():
                 r[impl + "_warm_s"] = wall_time(lambda: model.generate(ids, **kw))
-                graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-                t = wall_time(lambda: gen.append(model.generate(ids, **kw)))
-            r[impl + "_tok_s"] = batch * new / t
-            o = gen[0]
-            # graphs compiled during the timed run (recompiles): 0 when shapes stay static
-            r[impl + "_new_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
-            outs[impl] = o[:, prompt:]
-            del model
-            torch.cuda.empty_cache()
-        same = (outs["sdpa"] == outs["flashcore"]).int().cumprod(1).sum(1)
-        emit(section="generate_static", batch=batch, prompt=prompt, **r,
-             ratio=r["flashcore_tok_s"] / r["sdpa_tok_s"],
-             ratio_left_padding=r["flashcore_lp_tok_s"] / r["sdpa_tok_s"],
-             equal_prefix_min=int(same.min()),
-             equal_prefix_mean=float(same.float().mean()))
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        times, outs = _generate_rounds(models, ids, kw, rounds)
+        r["new_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+        _generate_row("generate_static", batch, prompt, new, r, times, outs)
+        del models
+        torch.cuda.empty_cache()
 
 
 def profile(n=300):
