@@ -197,14 +197,11 @@ def test_masks_over_a_cache_match_each_row(sq, window, route):
 
     class M(torch.nn.Module):
         is_causal = True
-    was = fct._SETTINGS["left_padding"]
-    fct._SETTINGS["left_padding"] = route == "left_padding"
-    try:
-        if route == "varlen":
-            q.requires_grad_(True)
-        out, _ = fct.flashcore_attention_forward(M(), q, k, v, mask, sliding_window=window)
-    finally:
-        fct._SETTINGS["left_padding"] = was
+    forward = (fct.flashcore_attention_forward_left_padded if route == "left_padding"
+               else fct.flashcore_attention_forward)
+    if route == "varlen":
+        q.requires_grad_(True)
+    out, _ = forward(M(), q, k, v, mask, sliding_window=window)
     qt, kt, vt = (x.detach().transpose(1, 2) for x in (q, k, v))
     for r in range(b):
         hkv = torch.repeat_interleave(torch.arange(hk), h // hk)
@@ -221,19 +218,27 @@ def test_masked_cache_route_refuses_holes_in_debug_mode():
 
     class M(torch.nn.Module):
         is_causal = True
-    was = fct._SETTINGS["left_padding"]
-    fct._SETTINGS["left_padding"] = True
-    try:
-        with torch.no_grad(), config.override(debug=True):
-            with pytest.raises(ValueError, match="argument 'attention_mask'.*holes"):
-                fct.flashcore_attention_forward(M(), q, k, k, mask)
-    finally:
-        fct._SETTINGS["left_padding"] = was
+    with torch.no_grad(), config.override(debug=True):
+        with pytest.raises(ValueError, match="argument 'attention_mask'.*holes"):
+            fct.flashcore_attention_forward_left_padded(M(), q, k, k, mask)
 
 
 def test_register_takes_left_padding_as_a_bool():
     with pytest.raises(TypeError, match="'left_padding'"):
         fct.register(left_padding="yes")
+
+
+@pytest.fixture(scope="module")
+def name_lp(name):
+    """A second name, registered with left_padding=True (the first keeps its own reading)."""
+    return fct.register(name + "_lp", left_padding=True)
+
+
+def test_left_padding_belongs_to_the_name(name, name_lp):
+    """Each name keeps the reading it was registered with, whichever was registered last."""
+    interface = transformers.AttentionInterface()
+    assert interface[name] is fct.flashcore_attention_forward
+    assert interface[name_lp] is fct.flashcore_attention_forward_left_padded
 
 
 def test_decoding_after_a_right_padded_prompt_matches_sdpa(name):
@@ -265,22 +270,17 @@ def test_decoding_after_a_right_padded_prompt_matches_sdpa(name):
 
 
 @pytest.mark.parametrize("left_padding", [False, True])
-def test_left_padded_static_cache_generate_matches_sdpa(name, left_padding):
+def test_left_padded_static_cache_generate_matches_sdpa(name, name_lp, left_padding):
     """Greedy generation with a static cache and a left-padded batch: the decoding steps take
     the decode kernel with the mask as its key_mask, or with left_padding=True over each
     row's kept run (cache_leftpad); the same tokens as sdpa either way."""
-    ours, ref = _models(name)
+    ours, ref = _models(name_lp if left_padding else name)
     ids = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(8))
     mask = torch.ones(2, 7, dtype=torch.long)
     mask[1, :3] = 0
     kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
               cache_implementation="static")
-    was = fct._SETTINGS["left_padding"]
-    fct._SETTINGS["left_padding"] = left_padding
-    try:
-        assert ours.generate(ids, **kw).tolist() == ref.generate(ids, **kw).tolist()
-    finally:
-        fct._SETTINGS["left_padding"] = was
+    assert ours.generate(ids, **kw).tolist() == ref.generate(ids, **kw).tolist()
 
 
 def test_dropout_in_training_drops_reproducibly(name):

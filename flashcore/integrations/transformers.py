@@ -60,7 +60,8 @@ from __future__ import annotations
 from .. import config
 from ..api import attention, attention_with_kvcache, varlen_attention
 
-__all__ = ["register", "flashcore_attention_forward", "padding_mask", "DEFAULT_NAME"]
+__all__ = ["register", "flashcore_attention_forward", "flashcore_attention_forward_left_padded",
+           "padding_mask", "DEFAULT_NAME"]
 
 
 DEFAULT_NAME = "flashcore"
@@ -87,11 +88,13 @@ def register(name: str | None = None, *, left_padding: bool = False) -> str:
     run of positions up to its end: prompts padded on the left, as generation wants them, or
     not padded at all); decoding steps with a mask then run the decode kernel over each row's
     kept run instead of under the mask (see the module docstring). Debug mode
-    (``FLASHCORE_DEBUG=1``) checks it.
+    (``FLASHCORE_DEBUG=1``) checks it. The declaration belongs to the name: it registers
+    :func:`flashcore_attention_forward_left_padded` instead of
+    :func:`flashcore_attention_forward`, so two names registered with and without it can serve
+    two models in one process.
     """
     if type(left_padding) is not bool:
         raise TypeError(f"argument 'left_padding': expected a bool, got {left_padding!r}")
-    _SETTINGS["left_padding"] = left_padding
     try:
         from transformers import AttentionInterface
     except ImportError as e:
@@ -103,7 +106,8 @@ def register(name: str | None = None, *, left_padding: bool = False) -> str:
         raise ValueError(f"argument 'name': this transformers version treats {name!r} as a "
                          "flash-attention kernel to load (names containing 'flash'); expected "
                          f"another name, e.g. {FALLBACK_NAME!r}")
-    AttentionInterface.register(name, flashcore_attention_forward)
+    AttentionInterface.register(name, flashcore_attention_forward_left_padded if left_padding
+                                else flashcore_attention_forward)
     try:   # transformers >= 4.53: masks are built per implementation
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError:
@@ -111,9 +115,6 @@ def register(name: str | None = None, *, left_padding: bool = False) -> str:
     else:
         AttentionMaskInterface.register(name, padding_mask)
     return name
-
-
-_SETTINGS = {"left_padding": False}
 
 
 def padding_mask(*args, attention_mask=None, kv_length=None, **kwargs):
@@ -185,7 +186,23 @@ def flashcore_attention_forward(module, query, key, value, attention_mask, scali
     """transformers attention function: (batch, heads, seq, dim) in, (batch, seq, heads, dim) out.
 
     Returns ``(attn_output, None)``: attn_output (batch, seq_q, heads, headdim) contiguous.
+    What :func:`register` installs (without ``left_padding``).
     """
+    return _attention_forward(module, query, key, value, attention_mask, scaling, dropout,
+                              sliding_window, softcap, is_causal, False, kwargs)
+
+
+def flashcore_attention_forward_left_padded(module, query, key, value, attention_mask,
+                                            scaling=None, dropout=0.0, sliding_window=None,
+                                            softcap=None, is_causal=None, **kwargs):
+    """:func:`flashcore_attention_forward` reading every 2D mask as left padding: what
+    ``register(left_padding=True)`` installs."""
+    return _attention_forward(module, query, key, value, attention_mask, scaling, dropout,
+                              sliding_window, softcap, is_causal, True, kwargs)
+
+
+def _attention_forward(module, query, key, value, attention_mask, scaling, dropout,
+                       sliding_window, softcap, is_causal, left_padding, kwargs):
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))   # (b, s, h, d) views
@@ -207,7 +224,7 @@ def flashcore_attention_forward(module, query, key, value, attention_mask, scali
         keep = _key_mask(attention_mask, k.shape[1])
         if q.shape[1] < k.shape[1] and q.shape[1] <= CACHE_ROUTE_MAX_QUERIES and no_grad \
                 and not drop:
-            out = (_left_padded_over_cache if _SETTINGS["left_padding"] else
+            out = (_left_padded_over_cache if left_padding else
                    _masked_over_cache)(q, k, v, keep, **kw)
         else:
             out = _padded_via_varlen(q, k, v, keep, **kw, **drop)

@@ -174,9 +174,14 @@ def cupy_calls():
 def _llama(impl, layers=8):
     from transformers import LlamaConfig, LlamaForCausalLM
     import flashcore.integrations.transformers as fct
-    # "flashcore_lp": register(left_padding=True), masked decoding steps on the decode kernel
-    name = fct.register(left_padding=impl == "flashcore_lp") if impl.startswith("flashcore") \
-        else impl
+    # "flashcore_lp": a second name, registered with left_padding=True (masked decoding steps
+    # on the decode kernel over each row's kept run); the reading belongs to the name, so the
+    # three models can be held together
+    name = impl
+    if impl.startswith("flashcore"):
+        name = fct.register()
+        if impl == "flashcore_lp":
+            name = fct.register(name + "_lp", left_padding=True)
     cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                       num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
                       max_position_embeddings=32768, attn_implementation=name)
@@ -244,9 +249,9 @@ _GEN_IMPLS = ("sdpa", "flashcore", "flashcore_lp")
 
 def _generate_rounds(models, ids, kw, rounds):
     """Timed greedy generates of every model in turn, ``rounds`` times (a host that runs faster
-    or slower for a while then moves them alike: one timed generate each, in sequence, moved
-    by 40% between two runs of one tree, run 212): ``({impl: [seconds]}, {impl: the last
-    generated ids})``."""
+    or slower for a while then moves them alike; timed once each, one model after the other,
+    static-cache generate at batch 1 read 0.87x "sdpa" in run 214 and 1.04x / 1.06x in run 215
+    on one tree): ``({impl: [seconds]}, {impl: the last generated ids})``."""
     times, outs = {impl: [] for impl in models}, {}
     with torch.no_grad():
         for _ in range(rounds):
