@@ -82,8 +82,8 @@ def device_facts(device_id: int) -> tuple[int, int, int]:
 @functools.lru_cache(maxsize=None)
 def peak_memory_bandwidth(device_id: int) -> float:
     """A device's peak DRAM bandwidth in bytes/s (double data rate: 2 x the memory clock x
-    the bus width), from the driver's attributes, queried once: H100 SXM 3.35e12, H200
-    4.8e12."""
+    the bus width), from the driver's attributes, queried once: 3.35e12 for an H100 SXM
+    (2619 MHz x 5120 bits); an H200's spec sheet says 4.8e12."""
     from .kernels import device
     attr = device.driver().device_attribute
     khz = attr(device.ATTR_MEMORY_CLOCK_RATE, device_id)

@@ -981,14 +981,23 @@ def test_decode_cluster_split_rule():
     (17, 4096, 8, 32, 1, ("plain", 1, 64, 3)),        # 136 CTAs: one wave of 2 per SM
     (1, 131072, 1, 8, 1, ("global", None, 64, 3)),    # MQA, one sequence: many splits
     (1, 4096, 8, 32, 5, ("cluster", 8, 64, 3)),       # 20 packed rows: two m16 slices
+    # one sequence, 8 kv heads, 128k keys: the H200 (the fixture's bandwidth) takes the global
+    # rule's 16 splits over the cluster's 8 long walks; the H100's slower memory (below) not
+    (1, 131072, 8, 32, 1, ("global16", 16, 64, 3)),
+    (1, 131072, 8, 32, 1, ("cluster", 8, 128, 3, 3.35e12)),
 ])
 def test_decode_default_split_and_tile(b, cap, hk, h, sq, want, monkeypatch):
     """num_splits=0 on sm_90: the cluster rule and its 128-key tile at d128 (one m16 slice),
-    the global rule where the cluster rule would leave the GPU idle."""
+    the global rule where the cluster rule would leave the GPU idle, or would walk long key
+    ranges on half the SMs of a device with an H200's memory bandwidth."""
     driver = DRIVER
     from flashcore.kernels import decode
     monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
     monkeypatch.setattr(driver, "set_function_attribute", lambda *a: None)
+    if len(want) > 4:       # another device's peak bandwidth
+        monkeypatch.setattr(jit, "peak_memory_bandwidth", lambda i, bw=want[4]: bw)
+        want = want[:4]
+    plans.clear()
     config.set(decode_cluster=True)
     rng = np.random.default_rng(9)
     c = _fused_case(b=b, cap=cap, hk=hk, h=h, sq=sq, splits=0)
@@ -1001,6 +1010,8 @@ def test_decode_default_split_and_tile(b, cap, hk, h, sq, want, monkeypatch):
         assert name.startswith("flash_decode_cluster_kernel<") and grid[2] == splits
     elif kind == "plain":
         assert name.startswith("flash_decode_kernel<") and grid[2] == 1
+    elif kind == "global16":
+        assert name.startswith("flash_decode_kernel<") and grid[2] == splits
     else:
         assert name.startswith("flash_decode_kernel<") and grid[2] > decode.MAX_CLUSTER
 

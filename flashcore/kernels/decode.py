@@ -370,8 +370,12 @@ def cluster_num_splits(base_ctas: int, num_sms: int, num_n_blocks: int) -> int:
 # 140 us against 149 for the cluster rule's 8, docs/performance-log.md session 8; contiguous,
 # 3.86 TB/s against 3.79, session 13). At 16k the cluster's 8 stayed best (paged 30.8 us
 # against 33.6; contiguous 2.30 against 2.10 TB/s). On the H100 (3.35 TB/s) the cluster's 8
-# stays best at 128k too: 179.5 us against the global 16's 186.0 contiguous, 181.6 against
-# 187.1 paged, CUDA-graph replays alike (run 212); hence the bandwidth floor, between the two.
+# stayed ahead at 128k too (run 212, GPU time / CUDA-graph replay: contiguous 179.4 / 179.5 us
+# against the global 16's 185.7 / 186.2, paged 181.6 / 181.4 against 187.0 / 187.3). Hence a
+# bandwidth floor between the two devices, the H200's measurements being from sessions 8 and
+# 13 (older kernels): memory bandwidth as the reason is a hypothesis that fits both, and
+# devices between them (H100 NVL ~3.9 TB/s, GH200 with HBM3 ~4.0) take the cluster rule
+# unmeasured.
 _GLOBAL_MIN_BLOCKS_PER_SPLIT = 128
 _GLOBAL_MIN_PEAK_BANDWIDTH = 4.1e12      # bytes/s
 

@@ -734,3 +734,11 @@ def test_decode_key_mask_all_true_equals_no_mask():
     b = flashcore.attention_with_kvcache(p.q_d, p.kc_d, p.vc_d, cache_seqlens=p.seqlens_d,
                                          causal=True, key_mask=m)
     assert bool((a == b).all())
+
+
+def test_peak_memory_bandwidth_of_this_device():
+    """What the split rule reads (jit.peak_memory_bandwidth, from the driver's memory clock and
+    bus width): a plausible peak for a GPU, 0.5-20 TB/s (H100 SXM 3.35, H200 4.8)."""
+    from flashcore import jit
+    bw = jit.peak_memory_bandwidth(_cp().cuda.Device().id)
+    assert 5e11 < bw < 2e13, bw
