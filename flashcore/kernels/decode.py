@@ -365,7 +365,7 @@ def cluster_num_splits(base_ctas: int, num_sms: int, num_n_blocks: int) -> int:
 
 # Where the cluster rule would leave at least half the SMs idle and each of its splits would
 # walk this many key blocks or more, the global-merge rule's larger split count pays on a
-# device whose memory is fast enough that half the SMs cannot draw it (H200, 4.8 TB/s peak;
+# device with an H200's memory bandwidth (4.8 TB/s peak; half the SMs may not draw it;
 # batch 1, 8 kv heads, d128, 128k keys: paged (256) 16 splits merged through global memory took
 # 140 us against 149 for the cluster rule's 8, docs/performance-log.md session 8; contiguous,
 # 3.86 TB/s against 3.79, session 13). At 16k the cluster's 8 stayed best (paged 30.8 us
