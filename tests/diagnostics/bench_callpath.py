@@ -21,7 +21,7 @@ llama     a transformers Llama (random init, 8 layers, hidden 2048, 16/4 heads, 
           step (forward with labels, backward), eager, flashcore vs "sdpa".
 generate  greedy generate of 128 tokens, batch 1 / prompt 512 and batch 8 / prompt 2k: the
           three models ("sdpa", flashcore, flashcore with left padding) held together and
-          timed in turn, 3 rounds, median tokens/s.
+          timed in turn after an untimed whole generate of each, 5 rounds, median tokens/s.
 generate_static  the same with cache_implementation="static" (compiled by transformers), 64
           tokens after each model's warm-up generate, 5 rounds.
 compile   torch.compile of the llama training step (batch 4 x 4k), flashcore vs "sdpa".
@@ -275,9 +275,12 @@ def _generate_row(section, batch, prompt, new, r, times, outs):
          equal_prefix_min=int(same.min()), equal_prefix_mean=float(same.float().mean()))
 
 
-def generate(shapes=((1, 512), (8, 2048)), new=128, rounds=3):
+def generate(shapes=((1, 512), (8, 2048)), new=128, rounds=5):
     """Greedy generate of ``new`` tokens, the three models held together and timed in turn,
-    ``rounds`` times (median tokens/s); the first step's logits of sdpa and flashcore."""
+    ``rounds`` times (median tokens/s), after a whole untimed generate of each (run 219: with
+    an 8-token warm-up, "sdpa"'s first timed round at batch 1 read 17.6 tokens/s and the
+    next two 116.8 and 85.1: the first round measured a cold start, not the loop); the first
+    step's logits of sdpa and flashcore."""
     for batch, prompt in shapes:
         models = {impl: _llama(impl).eval() for impl in _GEN_IMPLS}
         ids = torch.randint(0, 32000, (batch, prompt), device="cuda",
@@ -285,7 +288,7 @@ def generate(shapes=((1, 512), (8, 2048)), new=128, rounds=3):
         kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
         with torch.no_grad():
             for model in models.values():
-                model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+                model.generate(ids, **kw)
             # the first step's logits: how close the two are (greedy tokens of a random model
             # flip on near-ties)
             la, lb = (models[i](ids).logits[:, -1].float() for i in ("sdpa", "flashcore"))
