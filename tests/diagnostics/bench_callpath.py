@@ -21,7 +21,8 @@ llama     a transformers Llama (random init, 8 layers, hidden 2048, 16/4 heads, 
           step (forward with labels, backward), eager, flashcore vs "sdpa".
 generate  greedy generate of 128 tokens, batch 1 / prompt 512 and batch 8 / prompt 2k: the
           three models ("sdpa", flashcore, flashcore with left padding) held together and
-          timed in turn after an untimed whole generate of each, 5 rounds, median tokens/s.
+          timed in turn after an untimed whole generate of each, 5 rounds, median tokens/s;
+          then "sdpa" and flashcore over cache lengths new to both (2 rounds).
 generate_static  the same with cache_implementation="static" (compiled by transformers), 64
           tokens after each model's warm-up generate, 5 rounds.
 compile   torch.compile of the llama training step (batch 4 x 4k), flashcore vs "sdpa".
@@ -275,12 +276,35 @@ def _generate_row(section, batch, prompt, new, r, times, outs):
          equal_prefix_min=int(same.min()), equal_prefix_mean=float(same.float().mean()))
 
 
-def generate(shapes=((1, 512), (8, 2048)), new=128, rounds=5):
+def _generate_cold(models, batch, prompt, new, kw, rounds):
+    """Tokens/s of "sdpa" and flashcore (one generate each, in turn, ``rounds`` times) over
+    cache lengths that neither has seen in this process: prompts of prompt + j * new tokens, j
+    = 1 .. rounds (the warm rounds covered prompt .. prompt + new - 1). What a server pays for
+    a length the first time: flashcore runs such a call in full and records its launch plan
+    (a decode step's plan is keyed on the cache's length); "sdpa" pays whatever its backend
+    does for a new shape. (flashcore_lp would find flashcore's plans: not timed.)"""
+    import statistics
+    cold = {"sdpa": [], "flashcore": []}
+    with torch.no_grad():
+        for j in range(1, rounds + 1):
+            ids = torch.randint(0, 32000, (batch, prompt + j * new), device="cuda",
+                                generator=torch.Generator(device="cuda").manual_seed(1 + j))
+            for impl in cold:
+                cold[impl].append(wall_time(lambda: models[impl].generate(ids, **kw)))
+    print(f"# generate {batch} x {prompt}, new cache lengths, tokens/s by round: " + "; ".join(
+        f"{impl} " + " ".join(f"{batch * new / x:.1f}" for x in t) for impl, t in cold.items()))
+    out = {f"{impl}_cold_tok_s": batch * new / statistics.median(t) for impl, t in cold.items()}
+    out["ratio_cold"] = out["flashcore_cold_tok_s"] / out["sdpa_cold_tok_s"]
+    return out
+
+
+def generate(shapes=((1, 512), (8, 2048)), new=128, rounds=5, cold_rounds=2):
     """Greedy generate of ``new`` tokens, the three models held together and timed in turn,
     ``rounds`` times (median tokens/s), after a whole untimed generate of each (run 219: with
     an 8-token warm-up, "sdpa"'s first timed round at batch 1 read 17.6 tokens/s and the
-    next two 116.8 and 85.1: the first round measured a cold start, not the loop); the first
-    step's logits of sdpa and flashcore."""
+    next two 116.8 and 85.1: the first round measured a cold start, not the loop); then the
+    same over cache lengths new to both (:func:`_generate_cold`); the first step's logits of
+    sdpa and flashcore."""
     for batch, prompt in shapes:
         models = {impl: _llama(impl).eval() for impl in _GEN_IMPLS}
         ids = torch.randint(0, 32000, (batch, prompt), device="cuda",
@@ -294,6 +318,7 @@ def generate(shapes=((1, 512), (8, 2048)), new=128, rounds=5):
             la, lb = (models[i](ids).logits[:, -1].float() for i in ("sdpa", "flashcore"))
         times, outs = _generate_rounds(models, ids, kw, rounds)
         r = dict(logits_maxdiff=float((la - lb).abs().max()), logits_scale=float(la.abs().max()))
+        r.update(_generate_cold(models, batch, prompt, new, kw, cold_rounds))
         _generate_row("generate", batch, prompt, new, r, times, outs)
         del models, la, lb
         torch.cuda.empty_cache()
