@@ -1,7 +1,8 @@
 """What users pay per call, end to end, against torch SDPA and "sdpa" in the same run.
 
-    python tests/diagnostics/bench_callpath.py [decode] [decode_host] [tiny] [cupy] [llama]
-                                               [generate] [compile] [profile] [--json F]
+    python tests/diagnostics/bench_callpath.py [decode] [decode_host] [decode_lengths] [tiny]
+                                               [cupy] [llama] [generate] [generate_static]
+                                               [compile] [profile] [launch_gil] [--json F]
 
 decode    flashcore.bench.decode: attention_with_kvcache (cache_seqlens a CUDA int32 tensor,
           GQA 32/8, d128, bf16), contiguous and paged, batch 1/8/64 x cache 4k/16k/128k: GPU
@@ -26,6 +27,9 @@ generate  greedy generate of 128 tokens, batch 1 / prompt 512 and batch 8 / prom
 generate_static  the same with cache_implementation="static" (compiled by transformers), 64
           tokens after each model's warm-up generate, 5 rounds.
 compile   torch.compile of the llama training step (batch 4 x 4k), flashcore vs "sdpa".
+decode_lengths  the transformers attention functions at a decoding step, flashcore's against
+          sdpa's: a host loop at one cache length, and single calls at cache lengths new to
+          the process, then seen (a growing DynamicCache makes every step's length new).
 profile   cProfile of the host side of a decode step and of the tiny forward and step.
 launch_gil  the tiny forward and step with the driver's calls made through ctypes prototypes
           that release the GIL (CFUNCTYPE, flashcore's) and that hold it (PYFUNCTYPE), host
@@ -417,6 +421,59 @@ def launch_gil():
     emit(section="launch_gil", **res)
 
 
+def decode_lengths(shapes=((1, 576), (8, 2176)), lengths=40):
+    """The transformers attention functions at a decoding step (16 / 4 heads, d128, bf16; one
+    query over a (batch, heads, cache, dim) cache as DynamicCache holds it, position_ids given):
+    flashcore's registered function against transformers' sdpa_attention_forward, per call,
+    (a) in a host loop at one cache length, interleaved; (b) one call at each of ``lengths``
+    cache lengths that neither has seen (wall time with a synchronisation around each call,
+    median and max), then the same lengths again: a growing cache gives every decoding step a
+    length new to the process, and flashcore keys a decode step's launch plan on it."""
+    import statistics
+    import time
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    import flashcore.integrations.transformers as fct
+
+    class Layer(torch.nn.Module):      # what the functions read of the attention module
+        is_causal = True
+        num_key_value_groups = 4
+    layer = Layer()
+    scale = 128 ** -0.5
+
+    def step_of(impl, b, sk):
+        q = torch.randn(b, 16, 1, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, 4, sk, 128, device="cuda", dtype=torch.bfloat16)
+                for _ in range(2))
+        pos = torch.full((b, 1), sk - 1, device="cuda", dtype=torch.int64)
+        if impl == "flashcore":
+            return lambda: fct.flashcore_attention_forward(layer, q, k, v, None, scaling=scale,
+                                                           position_ids=pos)
+        return lambda: sdpa_attention_forward(layer, q, k, v, None, scaling=scale,
+                                              is_causal=False)
+    with torch.no_grad():
+        for b, sk in shapes:
+            fns = {impl: step_of(impl, b, sk) for impl in ("flashcore", "sdpa")}
+            for fn in fns.values():
+                for _ in range(30):
+                    fn()
+            torch.cuda.synchronize()
+            row = {f"{k}_loop_us": x for k, x in
+                   per_call_us_interleaved(fns, 2000, round_s=0.05).items()}
+            for impl, first in (("flashcore", sk + 8), ("sdpa", sk + 8 + 2 * lengths)):
+                for phase in ("new", "seen"):
+                    ts = []
+                    for n in range(first, first + lengths):
+                        fn = step_of(impl, b, n)
+                        torch.cuda.synchronize()
+                        t = time.perf_counter()
+                        fn()
+                        torch.cuda.synchronize()
+                        ts.append((time.perf_counter() - t) * 1e6)
+                    row[f"{impl}_{phase}_length_us"] = statistics.median(ts)
+                    row[f"{impl}_{phase}_length_max_us"] = max(ts)
+            emit(section="decode_lengths", batch=b, cache=sk, **row)
+
+
 def main(argv):
     if argv[:1] == ["--first"]:      # (a fresh process of tiny())
         print(_first_steps(argv[1], int(argv[2])))
@@ -432,7 +489,8 @@ def main(argv):
         try:
             {"decode": decode, "decode_host": decode_host, "tiny": tiny, "cupy": cupy_calls,
              "llama": llama, "generate": generate, "generate_static": generate_static,
-             "compile": compile_step, "profile": profile, "launch_gil": launch_gil}[s]()
+             "compile": compile_step, "profile": profile, "launch_gil": launch_gil,
+             "decode_lengths": decode_lengths}[s]()
         except Exception as e:
             import traceback
             traceback.print_exc()
