@@ -426,11 +426,10 @@ def decode_lengths(shapes=((1, 576), (8, 2176)), lengths=40):
     query over a (batch, heads, cache, dim) cache as DynamicCache holds it, position_ids given):
     flashcore's registered function against transformers' sdpa_attention_forward, per call,
     (a) in a host loop at one cache length, interleaved; (b) one call at each of ``lengths``
-    cache lengths that neither has seen (wall time with a synchronisation around each call,
+    cache lengths that neither has seen (``wall_time``: one call ended by a synchronisation,
     median and max), then the same lengths again: a growing cache gives every decoding step a
     length new to the process, and flashcore keys a decode step's launch plan on it."""
     import statistics
-    import time
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     import flashcore.integrations.transformers as fct
 
@@ -461,14 +460,8 @@ def decode_lengths(shapes=((1, 576), (8, 2176)), lengths=40):
                    per_call_us_interleaved(fns, 2000, round_s=0.05).items()}
             for impl, first in (("flashcore", sk + 8), ("sdpa", sk + 8 + 2 * lengths)):
                 for phase in ("new", "seen"):
-                    ts = []
-                    for n in range(first, first + lengths):
-                        fn = step_of(impl, b, n)
-                        torch.cuda.synchronize()
-                        t = time.perf_counter()
-                        fn()
-                        torch.cuda.synchronize()
-                        ts.append((time.perf_counter() - t) * 1e6)
+                    ts = [wall_time(step_of(impl, b, n)) * 1e6
+                          for n in range(first, first + lengths)]
                     row[f"{impl}_{phase}_length_us"] = statistics.median(ts)
                     row[f"{impl}_{phase}_length_max_us"] = max(ts)
             emit(section="decode_lengths", batch=b, cache=sk, **row)
