@@ -256,11 +256,13 @@ def _generate_rounds(models, ids, kw, rounds):
     """Timed greedy generates of every model in turn, ``rounds`` times (a host that runs faster
     or slower for a while then moves them alike; timed once each, one model after the other,
     static-cache generate at batch 1 read 0.87x "sdpa" in run 214 and 1.04x / 1.06x in run 215
-    on one tree): ``({impl: [seconds]}, {impl: the last generated ids})``."""
+    on one tree). The order turns by one model each round, so that no model always runs
+    first: ``({impl: [seconds]}, {impl: the last generated ids})``."""
     times, outs = {impl: [] for impl in models}, {}
+    order = list(models.items())
     with torch.no_grad():
-        for _ in range(rounds):
-            for impl, model in models.items():
+        for r in range(rounds):
+            for impl, model in order[r % len(order):] + order[:r % len(order)]:
                 gen = []
                 times[impl].append(wall_time(lambda: gen.append(model.generate(ids, **kw))))
                 outs[impl] = gen[0][:, ids.shape[1]:]
@@ -281,19 +283,20 @@ def _generate_row(section, batch, prompt, new, r, times, outs):
 
 
 def _generate_cold(models, batch, prompt, new, kw, rounds):
-    """Tokens/s of "sdpa" and flashcore (one generate each, in turn, ``rounds`` times) over
-    cache lengths that neither has seen in this process: prompts of prompt + j * new tokens, j
-    = 1 .. rounds (the warm rounds covered prompt .. prompt + new - 1). What a server pays for
-    a length the first time: flashcore runs such a call in full and records its launch plan
-    (a decode step's plan is keyed on the cache's length); "sdpa" pays whatever its backend
-    does for a new shape. (flashcore_lp would find flashcore's plans: not timed.)"""
+    """Tokens/s of "sdpa" and flashcore (one generate each, in turn, the order swapped each
+    round, ``rounds`` times) over cache lengths that neither has seen in this process: prompts
+    of prompt + j * new tokens, j = 1 .. rounds (the warm rounds covered prompt .. prompt +
+    new - 1). What a server pays for a length the first time: flashcore runs a step's first
+    call in full and records its launch plan, which the other layers replay (a decode step's
+    plan is keyed on the cache's length); "sdpa" pays whatever its backend does for a new
+    shape. (flashcore_lp would find flashcore's plans: not timed.)"""
     import statistics
     cold = {"sdpa": [], "flashcore": []}
     with torch.no_grad():
         for j in range(1, rounds + 1):
             ids = torch.randint(0, 32000, (batch, prompt + j * new), device="cuda",
                                 generator=torch.Generator(device="cuda").manual_seed(1 + j))
-            for impl in cold:
+            for impl in (("sdpa", "flashcore") if j % 2 else ("flashcore", "sdpa")):
                 cold[impl].append(wall_time(lambda: models[impl].generate(ids, **kw)))
     print(f"# generate {batch} x {prompt}, new cache lengths, tokens/s by round: " + "; ".join(
         f"{impl} " + " ".join(f"{batch * new / x:.1f}" for x in t) for impl, t in cold.items()))
