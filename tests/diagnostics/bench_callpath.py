@@ -269,12 +269,17 @@ def _generate_rounds(models, ids, kw, rounds):
     return times, outs
 
 
+def _by_round(batch, new, times):
+    """``times`` ({impl: [seconds]}) as tokens/s, round by round."""
+    return "; ".join(f"{impl} " + " ".join(f"{batch * new / x:.1f}" for x in t)
+                     for impl, t in times.items())
+
+
 def _generate_row(section, batch, prompt, new, r, times, outs):
     import statistics
     for impl, t in times.items():
         r[impl + "_tok_s"] = batch * new / statistics.median(t)
-    print(f"# {section} {batch} x {prompt}, tokens/s by round: " + "; ".join(
-        f"{impl} " + " ".join(f"{batch * new / x:.1f}" for x in t) for impl, t in times.items()))
+    print(f"# {section} {batch} x {prompt}, tokens/s by round: " + _by_round(batch, new, times))
     same = (outs["sdpa"] == outs["flashcore"]).int().cumprod(1).sum(1)
     emit(section=section, batch=batch, prompt=prompt, **r,
          ratio=r["flashcore_tok_s"] / r["sdpa_tok_s"],
@@ -292,14 +297,15 @@ def _generate_cold(models, batch, prompt, new, kw, rounds):
     shape. (flashcore_lp would find flashcore's plans: not timed.)"""
     import statistics
     cold = {"sdpa": [], "flashcore": []}
-    with torch.no_grad():
-        for j in range(1, rounds + 1):
-            ids = torch.randint(0, 32000, (batch, prompt + j * new), device="cuda",
-                                generator=torch.Generator(device="cuda").manual_seed(1 + j))
-            for impl in (("sdpa", "flashcore") if j % 2 else ("flashcore", "sdpa")):
-                cold[impl].append(wall_time(lambda: models[impl].generate(ids, **kw)))
-    print(f"# generate {batch} x {prompt}, new cache lengths, tokens/s by round: " + "; ".join(
-        f"{impl} " + " ".join(f"{batch * new / x:.1f}" for x in t) for impl, t in cold.items()))
+    for j in range(1, rounds + 1):
+        ids = torch.randint(0, 32000, (batch, prompt + j * new), device="cuda",
+                            generator=torch.Generator(device="cuda").manual_seed(1 + j))
+        pair = ("sdpa", "flashcore") if j % 2 else ("flashcore", "sdpa")
+        times, _ = _generate_rounds({impl: models[impl] for impl in pair}, ids, kw, 1)
+        for impl in pair:
+            cold[impl] += times[impl]
+    print(f"# generate {batch} x {prompt}, new cache lengths, tokens/s by round: "
+          + _by_round(batch, new, cold))
     out = {f"{impl}_cold_tok_s": batch * new / statistics.median(t) for impl, t in cold.items()}
     out["ratio_cold"] = out["flashcore_cold_tok_s"] / out["sdpa_cold_tok_s"]
     return out
