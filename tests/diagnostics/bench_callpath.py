@@ -437,7 +437,14 @@ def decode_lengths(shapes=((1, 576), (8, 2176)), lengths=40):
     (a) in a host loop at one cache length, interleaved; (b) one call at each of ``lengths``
     cache lengths that neither has seen (``wall_time``: one call ended by a synchronisation,
     median and max), then the same lengths again: a growing cache gives every decoding step a
-    length new to the process, and flashcore keys a decode step's launch plan on it."""
+    length new to the process, and flashcore keys a decode step's launch plan on it.
+
+    flashcore's calls come in three routes: ``flashcore`` with no mask (a model called without
+    ``attention_mask``), ``flashcore_mask`` with the all-ones (batch, cache) mask that
+    ``generate`` passes when no padding was given (``padding_mask`` hands it on without testing
+    it: the decode kernel under the mask), ``flashcore_lp`` the same under
+    ``register(left_padding=True)``. "sdpa" gets None: its mask function finds the all-ones mask
+    and drops it (a read to the host once a forward, before the layers)."""
     import statistics
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     import flashcore.integrations.transformers as fct
@@ -453,21 +460,31 @@ def decode_lengths(shapes=((1, 576), (8, 2176)), lengths=40):
         k, v = (torch.randn(b, 4, sk, 128, device="cuda", dtype=torch.bfloat16)
                 for _ in range(2))
         pos = torch.full((b, 1), sk - 1, device="cuda", dtype=torch.int64)
+        mask = fct.padding_mask(attention_mask=torch.ones(b, sk, device="cuda",
+                                                          dtype=torch.int64), kv_length=sk)
         if impl == "flashcore":
             return lambda: fct.flashcore_attention_forward(layer, q, k, v, None, scaling=scale,
                                                            position_ids=pos)
+        if impl == "flashcore_mask":
+            return lambda: fct.flashcore_attention_forward(layer, q, k, v, mask, scaling=scale,
+                                                           position_ids=pos)
+        if impl == "flashcore_lp":
+            return lambda: fct.flashcore_attention_forward_left_padded(
+                layer, q, k, v, mask, scaling=scale, position_ids=pos)
         return lambda: sdpa_attention_forward(layer, q, k, v, None, scaling=scale,
                                               is_causal=False)
+    impls = ("flashcore", "flashcore_mask", "flashcore_lp", "sdpa")
     with torch.no_grad():
         for b, sk in shapes:
-            fns = {impl: step_of(impl, b, sk) for impl in ("flashcore", "sdpa")}
+            fns = {impl: step_of(impl, b, sk) for impl in impls}
             for fn in fns.values():
                 for _ in range(30):
                     fn()
             torch.cuda.synchronize()
             row = {f"{k}_loop_us": x for k, x in
                    per_call_us_interleaved(fns, 2000, round_s=0.05).items()}
-            for impl, first in (("flashcore", sk + 8), ("sdpa", sk + 8 + 2 * lengths)):
+            for i, impl in enumerate(impls):
+                first = sk + 8 + 2 * lengths * i
                 for phase in ("new", "seen"):
                     ts = [wall_time(step_of(impl, b, n)) * 1e6
                           for n in range(first, first + lengths)]
