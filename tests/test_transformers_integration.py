@@ -385,3 +385,74 @@ def test_padding_mask_takes_every_transformers_signature():
                         attention_mask=m).shape == (2, 5)
     assert padding_mask(2, 4, 3, attention_mask=m).shape == (2, 3)
     assert padding_mask(batch_size=2, q_length=4, kv_length=4) is None
+
+
+@pytest.mark.parametrize("route", ["positions", "key_mask", "left_padding"])
+def test_layers_of_a_forward_share_the_cache_lengths(route, monkeypatch):
+    """The cache lengths a decoding step derives from position_ids or the mask are computed by
+    the forward's first layer and taken by the others (the same tensor objects); a tensor
+    changed in place, another shape or another tensor computes them again, and every call's
+    output is the one computed from scratch."""
+    computed = []
+    for fn in ("_lens_from_positions", "_cache_route_of"):
+        orig = getattr(fct, fn)
+        monkeypatch.setattr(fct, fn, lambda *a, _o=orig: computed.append(1) or _o(*a))
+    g = torch.Generator().manual_seed(3)
+    b, h, hk, sk, d = 3, 4, 2, 9, 8
+    q = torch.randn(b, h, 1, d, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(b, hk, sk, d, dtype=torch.float64, generator=g) for _ in range(2))
+    pos = torch.tensor([[6], [8], [7]])
+    given = torch.ones(b, sk, dtype=torch.long)
+    given[1, :2] = 0
+    mask = None if route == "positions" else fct.padding_mask(attention_mask=given, kv_length=sk)
+
+    class M(torch.nn.Module):
+        is_causal = True
+    forward = (fct.flashcore_attention_forward_left_padded if route == "left_padding"
+               else fct.flashcore_attention_forward)
+
+    def layer(kk=k, vv=v, m=None):
+        with torch.no_grad():
+            return forward(M(), q, kk, vv, mask if m is None else m, position_ids=pos)[0]
+
+    def fresh(kk=k, vv=v, m=None):
+        fct._SHARED.entries.clear()
+        n = len(computed)
+        out = layer(kk, vv, m)
+        del computed[n:]
+        fct._SHARED.entries.clear()
+        return out
+
+    fct._SHARED.entries.clear()
+    first = layer()
+    assert layer().equal(first) and layer().equal(first)
+    assert len(computed) == 1, "the second and third layers computed the lengths again"
+    # changed in place: computed again, and the output follows the new values
+    if route == "positions":
+        pos[0, 0] = 3
+    else:
+        mask[2, :4] = False
+    after = layer()
+    assert len(computed) == 2
+    assert after.equal(fresh()) and not after.equal(first)
+    # another cache length (a cache that grew): computed again
+    k2, v2 = (torch.cat([x, x[:, :, :1]], 2) for x in (k, v))
+    m2 = None if mask is None else torch.nn.functional.pad(mask, (0, 1), value=True)
+    grown = layer(k2, v2, m2)
+    assert len(computed) == 3 and grown.equal(fresh(k2, v2, m2))
+
+
+def test_per_forward_values_are_not_kept_while_compiling(monkeypatch):
+    """Under torch.compile each layer's ops are traced: nothing is kept or taken."""
+    calls = []
+    src = torch.zeros(2)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    for _ in range(3):
+        fct._per_forward(src, ("k",), lambda: calls.append(1))
+    assert len(calls) == 3
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    fct._SHARED.entries.clear()
+    for _ in range(3):
+        fct._per_forward(src, ("k",), lambda: calls.append(1))
+    assert len(calls) == 4
+    fct._SHARED.entries.clear()

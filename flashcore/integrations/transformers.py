@@ -57,6 +57,8 @@ transformers is imported only by :func:`register`.
 """
 from __future__ import annotations
 
+import threading
+
 from .. import config
 from ..api import attention, attention_with_kvcache, varlen_attention
 
@@ -215,19 +217,24 @@ def _attention_forward(module, query, key, value, attention_mask, scaling, dropo
     import torch
     position_ids = kwargs.get("position_ids")
     no_grad = not (torch.is_grad_enabled() and query.requires_grad)
-    if attention_mask is None and k.shape[1] > q.shape[1] and position_ids is not None \
-            and no_grad and not drop:
-        out = _decode_over_cache(q, k, v, position_ids, **kw)
+    sq, sk = q.shape[1], k.shape[1]
+    if attention_mask is None and sk > sq and position_ids is not None and no_grad and not drop:
+        lens = _per_forward(position_ids, ("lens", sk, q.shape[0]),
+                            lambda: _lens_from_positions(position_ids, q.shape[0], sk))
+        out = attention_with_kvcache(q, k, v, cache_seqlens=lens, **kw)
     elif attention_mask is None:
         out = attention(q, k, v, **kw, **drop)
     elif attention_mask.ndim == 2:
-        keep = _key_mask(attention_mask, k.shape[1])
-        if q.shape[1] < k.shape[1] and q.shape[1] <= CACHE_ROUTE_MAX_QUERIES and no_grad \
-                and not drop:
-            out = (_left_padded_over_cache if left_padding else
-                   _masked_over_cache)(q, k, v, keep, **kw)
+        if sq < sk and sq <= CACHE_ROUTE_MAX_QUERIES and no_grad and not drop:
+            # (the decoding steps: what the mask says of the cache, once a forward)
+            keep, first, end = _per_forward(
+                attention_mask, ("cache", sk, sq, left_padding),
+                lambda: _cache_route_of(attention_mask, sk, sq, left_padding))
+            out = (attention_with_kvcache(q, k, v, cache_seqlens=end, cache_leftpad=first, **kw)
+                   if left_padding else
+                   attention_with_kvcache(q, k, v, cache_seqlens=end, key_mask=keep, **kw))
         else:
-            out = _padded_via_varlen(q, k, v, keep, **kw, **drop)
+            out = _padded_via_varlen(q, k, v, _key_mask(attention_mask, sk), **kw, **drop)
     else:
         raise ValueError("flashcore attention: argument 'attention_mask': expected None, a 2D "
                          f"(batch, kv_len) padding mask or a 4D mask, got shape "
@@ -235,15 +242,52 @@ def _attention_forward(module, query, key, value, attention_mask, scaling, dropo
     return out.contiguous(), None
 
 
-def _decode_over_cache(q, k, v, position_ids, **kw):
-    """Queries against a KV cache that may hold slots not written yet (a static cache: keys
-    past the last position are garbage, and no mask says so when nothing is padded): the keys
-    of sequence b are its first ``position_ids[b, -1] + 1`` (at most the cache's length),
-    computed on the device and passed as ``cache_seqlens`` (no sync, traceable)."""
+class _Shared(threading.local):
+    def __init__(self):
+        self.entries = []       # [(source, its version, key, stream, value)], newest last
+
+
+_SHARED = _Shared()
+_SHARED_ENTRIES = 4     # (models whose layers take different masks, e.g. sliding and full)
+
+
+def _per_forward(source, key, compute):
+    """What the layers of one forward compute alike, computed by the first and taken by the
+    others: transformers hands every layer the same ``position_ids`` and mask tensors, and the
+    cache's lengths derived from them (a few small torch ops, 27-45 us of host time a layer on
+    the H200's host) are the same for all of them. A value is kept for ``source`` itself (the
+    same object, not changed in place since: its version), ``key`` (the shapes it was computed
+    for) and the current stream; a few entries a thread, the oldest dropped. Nothing is kept or
+    taken under torch.compile (the ops are traced) or during CUDA-graph capture (each layer's
+    ops must be captured: a replay runs them again)."""
     import torch
-    lens = (position_ids[:, -1] + 1).clamp(max=k.shape[1]).to(torch.int32)
-    lens = lens.expand(q.shape[0]).contiguous() if lens.shape[0] != q.shape[0] else lens
-    return attention_with_kvcache(q, k, v, cache_seqlens=lens, **kw)
+    if torch.compiler.is_compiling():
+        return compute()
+    stream = None
+    if source.is_cuda:
+        if torch.cuda.is_current_stream_capturing():
+            return compute()
+        stream = torch.cuda.current_stream(source.device).cuda_stream
+    entries = _SHARED.entries
+    version = source._version
+    for e in entries:
+        if e[0] is source and e[1] == version and e[2] == key and e[3] == stream:
+            return e[4]
+    value = compute()
+    entries.append((source, version, key, stream, value))
+    if len(entries) > _SHARED_ENTRIES:
+        del entries[0]
+    return value
+
+
+def _lens_from_positions(position_ids, batch, sk):
+    """The cache lengths of a call with no mask over a KV cache that may hold slots not written
+    yet (a static cache: keys past the last position are garbage, and no mask says so when
+    nothing is padded): the keys of sequence b are its first ``position_ids[b, -1] + 1`` (at
+    most the cache's length), computed on the device (no sync, traceable), int32 (batch,)."""
+    import torch
+    lens = (position_ids[:, -1] + 1).clamp(max=sk).to(torch.int32)
+    return lens.expand(batch).contiguous() if lens.shape[0] != batch else lens
 
 
 def _kept_run(mask):
@@ -256,23 +300,24 @@ def _kept_run(mask):
     return first.to(torch.int32), end.to(torch.int32)
 
 
-def _masked_over_cache(q, k, v, mask, **kw):
-    """Queries over a cache under any key mask: the decode kernel over the cache's first L
-    slots with the mask as its ``key_mask`` (one byte a key), the queries at slots L - sq ..
-    L - 1 (bottom-right causal), L = :func:`_written_end`, for every row."""
-    lens = _written_end(mask, q.shape[1]).expand(q.shape[0]).contiguous()
-    return attention_with_kvcache(q, k, v, cache_seqlens=lens, key_mask=mask, **kw)
+def _cache_route_of(attention_mask, sk, sq, left_padding):
+    """``(key mask, cache_leftpad, cache_seqlens)`` of the decode kernel's call for queries over
+    a cache under a 2D mask (see the module docstring's routes):
 
-
-def _left_padded_over_cache(q, k, v, mask, **kw):
-    """Queries over a cache whose key mask is, per row, left padding, the sequence, then slots
-    not written yet (``register(left_padding=True)`` declares it): the decode kernel over keys
-    [first kept, last kept] (``cache_leftpad``, ``cache_seqlens``), the queries at the last
-    positions of that run (bottom-right causal)."""
+    * any mask: the decode kernel over the cache's first L slots with the mask as its
+      ``key_mask`` (one byte a key), the queries at slots L - sq .. L - 1 (bottom-right causal),
+      L = :func:`_written_end` for every row; ``cache_leftpad`` None;
+    * ``left_padding``: each row is left padding, the sequence, then slots not written yet
+      (``register(left_padding=True)`` declares it): the kernel over keys [first kept, last
+      kept] (``cache_leftpad``, ``cache_seqlens``), the queries at the last positions of that
+      run (bottom-right causal); no key mask."""
     import torch
-    first, end = _kept_run(mask)
+    keep = _key_mask(attention_mask, sk)
+    if not left_padding:
+        return keep, None, _written_end(keep, sq).expand(keep.shape[0]).contiguous()
+    first, end = _kept_run(keep)
     if config.debug() and not torch.compiler.is_compiling():
-        holes = mask.sum(1, dtype=torch.int32) != end - first
+        holes = keep.sum(1, dtype=torch.int32) != end - first
         if bool(holes.any()):
             rows = holes.nonzero().flatten().tolist()
             raise ValueError(
@@ -280,7 +325,7 @@ def _left_padded_over_cache(q, k, v, mask, **kw):
                 "must keep one run of positions (left padding, the sequence, unwritten slots); "
                 f"rows {rows} have holes inside their run (debug-mode check; register without "
                 "left_padding to attend with any mask)")
-    return attention_with_kvcache(q, k, v, cache_seqlens=end, cache_leftpad=first, **kw)
+    return None, first, end
 
 
 def _padded_via_varlen(q, k, v, keep_k, **kw):

@@ -434,7 +434,8 @@ def decode_lengths(shapes=((1, 576), (8, 2176)), lengths=40):
     """The transformers attention functions at a decoding step (16 / 4 heads, d128, bf16; one
     query over a (batch, heads, cache, dim) cache as DynamicCache holds it, position_ids given):
     flashcore's registered function against transformers' sdpa_attention_forward, per call,
-    (a) in a host loop at one cache length, interleaved; (b) one call at each of ``lengths``
+    (a) in a host loop at one cache length, interleaved, each callable a forward's 8 layers
+    (``*_loop_us`` is per layer: the forward's time / 8); (b) one call at each of ``lengths``
     cache lengths that neither has seen (``wall_time``: one call ended by a synchronisation,
     median and max), then the same lengths again: a growing cache gives every decoding step a
     length new to the process, and flashcore keys a decode step's launch plan on it.
@@ -455,34 +456,40 @@ def decode_lengths(shapes=((1, 576), (8, 2176)), lengths=40):
     layer = Layer()
     scale = 128 ** -0.5
 
-    def step_of(impl, b, sk):
+    def step_of(impl, b, sk, layers=1):
+        """One forward's ``layers`` calls (the same query and cache: the host's cost), the
+        position_ids and mask new tensors each forward, as transformers makes them (the
+        layers of a forward share what flashcore derives from them)."""
         q = torch.randn(b, 16, 1, 128, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(b, 4, sk, 128, device="cuda", dtype=torch.bfloat16)
                 for _ in range(2))
-        pos = torch.full((b, 1), sk - 1, device="cuda", dtype=torch.int64)
-        mask = fct.padding_mask(attention_mask=torch.ones(b, sk, device="cuda",
-                                                          dtype=torch.int64), kv_length=sk)
-        if impl == "flashcore":
-            return lambda: fct.flashcore_attention_forward(layer, q, k, v, None, scaling=scale,
-                                                           position_ids=pos)
-        if impl == "flashcore_mask":
-            return lambda: fct.flashcore_attention_forward(layer, q, k, v, mask, scaling=scale,
-                                                           position_ids=pos)
-        if impl == "flashcore_lp":
-            return lambda: fct.flashcore_attention_forward_left_padded(
-                layer, q, k, v, mask, scaling=scale, position_ids=pos)
-        return lambda: sdpa_attention_forward(layer, q, k, v, None, scaling=scale,
-                                              is_causal=False)
+        pos0 = torch.full((b, 1), sk - 1, device="cuda", dtype=torch.int64)
+        mask0 = fct.padding_mask(attention_mask=torch.ones(b, sk, device="cuda",
+                                                           dtype=torch.int64), kv_length=sk)
+        fn = {"flashcore": fct.flashcore_attention_forward,
+              "flashcore_mask": fct.flashcore_attention_forward,
+              "flashcore_lp": fct.flashcore_attention_forward_left_padded}.get(impl)
+
+        def forward():
+            pos, mask = pos0.clone(), mask0.clone()
+            for _ in range(layers):
+                if fn is None:
+                    sdpa_attention_forward(layer, q, k, v, None, scaling=scale, is_causal=False)
+                else:
+                    fn(layer, q, k, v, None if impl == "flashcore" else mask, scaling=scale,
+                       position_ids=pos)
+        return forward
     impls = ("flashcore", "flashcore_mask", "flashcore_lp", "sdpa")
+    layers = 8
     with torch.no_grad():
         for b, sk in shapes:
-            fns = {impl: step_of(impl, b, sk) for impl in impls}
+            fns = {impl: step_of(impl, b, sk, layers) for impl in impls}
             for fn in fns.values():
-                for _ in range(30):
+                for _ in range(10):
                     fn()
             torch.cuda.synchronize()
-            row = {f"{k}_loop_us": x for k, x in
-                   per_call_us_interleaved(fns, 2000, round_s=0.05).items()}
+            row = {f"{k}_loop_us": x / layers for k, x in
+                   per_call_us_interleaved(fns, 300, round_s=0.05).items()}
             for i, impl in enumerate(impls):
                 first = sk + 8 + 2 * lengths * i
                 for phase in ("new", "seen"):

@@ -388,6 +388,42 @@ def test_cuda_graph_decode_key_mask(paged, splits):
     _replay_matches(step, fill)
 
 
+@pytest.mark.parametrize("route", ["positions", "key_mask", "left_padding"])
+def test_cuda_graph_transformers_decoding_layers(route):
+    """Two layers of a transformers decoding step through flashcore's attention function (the
+    cache lengths from position_ids or from the mask, which the layers of an eager forward
+    share) under torch.cuda.graph, the positions and the mask changed in place between
+    replays: each layer's length ops are captured, so replays equal eager calls bit for bit."""
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    from flashcore.integrations import transformers as fct
+    b, h, hk, sk, d = 3, 8, 2, 300, 64
+    q = torch.randn(b, h, 1, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, hk, sk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    pos = torch.full((b, 1), sk - 1, device="cuda", dtype=torch.int64)
+    mask = torch.ones(b, sk, device="cuda", dtype=torch.bool)
+    forward = (fct.flashcore_attention_forward_left_padded if route == "left_padding"
+               else fct.flashcore_attention_forward)
+
+    class M(torch.nn.Module):
+        is_causal = True
+
+    def fill(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        q.copy_(torch.randn(q.shape, generator=g, device="cuda", dtype=q.dtype))
+        n = torch.randint(100, sk, (b, 1), generator=g, device="cuda")
+        pos.copy_(n - 1)
+        mask.copy_(torch.arange(sk, device="cuda") < n)   # a static cache: slots past n unwritten
+        if route == "left_padding":
+            mask[:, :seed % 7] = False
+
+    def step():
+        m = None if route == "positions" else mask
+        with torch.no_grad():
+            return tuple(forward(M(), q, k, v, m, position_ids=pos)[0] for _ in range(2))
+    fill(3)
+    _replay_matches(step, fill)
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged256"])
 def test_cuda_graph_decode_in_place_append_with_rotary(paged):
     q, kc, vc, kw = _decode_case(paged, new=1, rotary=True)
