@@ -456,3 +456,26 @@ def test_per_forward_values_are_not_kept_while_compiling(monkeypatch):
         fct._per_forward(src, ("k",), lambda: calls.append(1))
     assert len(calls) == 4
     fct._SHARED.entries.clear()
+
+
+def test_inference_mode_tensors_are_not_shared_and_stay_right():
+    """Tensors made under torch.inference_mode have no version counter: their layers compute
+    the lengths each time (a change in place could not be told), and no call fails."""
+    class M(torch.nn.Module):
+        is_causal = True
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 1, 8, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(2, 2, 7, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    fct._SHARED.entries.clear()
+    with torch.inference_mode():
+        pos = torch.tensor([[6], [4]])
+        mask = fct.padding_mask(attention_mask=torch.ones(2, 7, dtype=torch.long), kv_length=7)
+        for m in (None, mask):
+            a = fct.flashcore_attention_forward(M(), q, k, v, m, position_ids=pos)[0]
+            pos[1, 0] = 2
+            if m is not None:
+                m[1, 3:] = False
+            b = fct.flashcore_attention_forward(M(), q, k, v, m, position_ids=pos)[0]
+            assert not b[1].equal(a[1]) and b[0].equal(a[0])
+            pos[1, 0] = 4
+    assert not fct._SHARED.entries

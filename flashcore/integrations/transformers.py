@@ -258,11 +258,13 @@ def _per_forward(source, key, compute):
     the H200's host) are the same for all of them. A value is kept for ``source`` itself (the
     same object, not changed in place since: its version), ``key`` (the shapes it was computed
     for) and the current stream; a few entries a thread, the oldest dropped. Nothing is kept or
-    taken under torch.compile (the ops are traced) or during CUDA-graph capture (each layer's
-    ops must be captured: a replay runs them again)."""
+    taken under torch.compile (the ops are traced), during CUDA-graph capture (each layer's
+    ops must be captured: a replay runs them again) or for tensors made under
+    ``torch.inference_mode`` (they have no version counter, so a change in place could not be
+    told)."""
     import torch
-    if torch.compiler.is_compiling():
-        return compute()
+    if torch.compiler.is_compiling() or source.is_inference():
+        return compute()        # (an inference tensor has no version to tell a change by)
     stream = None
     if source.is_cuda:
         if torch.cuda.is_current_stream_capturing():
