@@ -230,9 +230,8 @@ def _attention_forward(module, query, key, value, attention_mask, scaling, dropo
             keep, first, end = _per_forward(
                 attention_mask, ("cache", sk, sq, left_padding),
                 lambda: _cache_route_of(attention_mask, sk, sq, left_padding))
-            out = (attention_with_kvcache(q, k, v, cache_seqlens=end, cache_leftpad=first, **kw)
-                   if left_padding else
-                   attention_with_kvcache(q, k, v, cache_seqlens=end, key_mask=keep, **kw))
+            out = attention_with_kvcache(q, k, v, cache_seqlens=end, cache_leftpad=first,
+                                         key_mask=keep, **kw)
         else:
             out = _padded_via_varlen(q, k, v, _key_mask(attention_mask, sk), **kw, **drop)
     else:
