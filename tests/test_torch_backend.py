@@ -311,6 +311,39 @@ def test_kvcache_rotary_without_new_keys_is_refused_on_tensors():
                                          block_table=lens.numpy())
 
 
+@pytest.mark.parametrize("extra", ["none", "key_mask", "leftpad", "not_plain", "grad"])
+def test_kvcache_read_is_attention_with_kvcache(extra):
+    """torch_ops.kvcache_read (the transformers route's decoding steps) gives what
+    attention_with_kvcache gives for the same call, bit for bit; options that are not plain
+    values go the whole way (named errors), and a cache that requires grad is read without
+    a graph."""
+    import flashcore
+    from flashcore.backends.torch_ops import kvcache_read
+    g = torch.Generator().manual_seed(11)
+    b, sk, h, hk, d = 3, 13, 4, 2, 16
+    q = torch.randn(b, 2, h, d, dtype=torch.float64, generator=g)
+    kc, vc = (torch.randn(b, sk, hk, d, dtype=torch.float64, generator=g) for _ in range(2))
+    lens = torch.tensor([5, 13, 9], dtype=torch.int32)
+    leftpad = torch.tensor([0, 3, 2], dtype=torch.int32) if extra == "leftpad" else None
+    mask = None
+    if extra == "key_mask":
+        mask = torch.rand(b, sk, generator=g) > 0.3
+        mask[:, 4] = True
+    scale, window, cap = 0.3, (4, -1), 2.0
+    if extra == "grad":
+        kc.requires_grad_()
+    want = flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_leftpad=leftpad,
+                                            key_mask=mask, causal=True, softmax_scale=scale,
+                                            window_size=window, softcap=cap)
+    if extra == "not_plain":
+        with pytest.raises(TypeError, match="'softmax_scale'"):
+            kvcache_read(q, kc, vc, lens, None, None, True, "0.3", window, cap)
+        scale = np.float64(scale)    # (not a plain float: validated in full, the same result)
+    got = kvcache_read(q, kc, vc, lens, leftpad, mask, True, scale, window, cap)
+    assert got.equal(want) and not got.requires_grad
+    assert np.isfinite(got.detach().numpy()).all() and got.abs().sum() > 0
+
+
 @pytest.mark.parametrize("alias", ["qkv", "kv", "qk"])
 def test_one_tensor_passed_as_several_arguments_gets_the_summed_gradient(alias):
     """q is k is v (self-attention on one tensor), k is v, q is k: the Function's inputs are

@@ -123,7 +123,7 @@ def test_padding_mask_shorter_than_a_static_cache():
     """A static cache holds more slots than the mask covers (the slots past it are not written
     yet): the queries are the mask's last positions, the keys its kept ones."""
     import flashcore
-    from flashcore.integrations.transformers import _padded_via_varlen
+    from flashcore.integrations.transformers import _padded_via_varlen, _varlen_packing
     g = torch.Generator().manual_seed(6)
     q = torch.randn(2, 3, 2, 16, dtype=torch.float64, generator=g)
     k = torch.randn(2, 10, 2, 16, dtype=torch.float64, generator=g)
@@ -131,7 +131,7 @@ def test_padding_mask_shorter_than_a_static_cache():
     mask = torch.ones(2, 7, dtype=torch.long)
     mask[0, :2] = 0
     keep = fct.padding_mask(attention_mask=mask, kv_length=10)
-    out = _padded_via_varlen(q, k, v, keep, causal=True, softmax_scale=None,
+    out = _padded_via_varlen(q, k, v, _varlen_packing(keep, 3), causal=True, softmax_scale=None,
                              window_size=(-1, -1), softcap=0.0)
     for b, first in ((0, 2), (1, 0)):
         want = flashcore.attention(q[b:b + 1], k[b:b + 1, first:7], v[b:b + 1, first:7],
@@ -440,6 +440,54 @@ def test_layers_of_a_forward_share_the_cache_lengths(route, monkeypatch):
     m2 = None if mask is None else torch.nn.functional.pad(mask, (0, 1), value=True)
     grown = layer(k2, v2, m2)
     assert len(computed) == 3 and grown.equal(fresh(k2, v2, m2))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_layers_of_a_forward_share_the_varlen_packing(grad, monkeypatch):
+    """Prefill and training under a padding mask: the packing (orders, cu_seqlens) is computed
+    by the forward's first layer and taken by the others; a mask changed in place is packed
+    again; outputs (and gradients) are those computed from scratch."""
+    computed = []
+    orig = fct._varlen_packing_of
+    monkeypatch.setattr(fct, "_varlen_packing_of",
+                        lambda *a: computed.append(1) or orig(*a))
+    g = torch.Generator().manual_seed(4)
+    b, h, hk, s, d = 3, 4, 2, 7, 8
+    q, k, v = (torch.randn(b, n, s, d, dtype=torch.float64, generator=g) for n in (h, hk, hk))
+    given = torch.ones(b, s, dtype=torch.long)
+    given[0, :3] = 0
+    given[2, 5:] = 0
+    mask = fct.padding_mask(attention_mask=given, kv_length=s)
+
+    class M(torch.nn.Module):
+        is_causal = True
+
+    def layer():
+        x = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+        with torch.set_grad_enabled(grad):
+            out = fct.flashcore_attention_forward(M(), *x, mask)[0]
+            if grad:
+                out.sum().backward()
+        return [out.detach()] + ([t.grad for t in x] if grad else [])
+
+    def fresh():
+        fct._SHARED.entries.clear()
+        n = len(computed)
+        got = layer()
+        del computed[n:]
+        fct._SHARED.entries.clear()
+        return got
+
+    fct._SHARED.entries.clear()
+    first = layer()
+    for _ in range(2):
+        assert all(a.equal(c) for a, c in zip(layer(), first))
+    assert len(computed) == 1, "the second and third layers packed the batch again"
+    assert first[0][0, :3].abs().sum() == 0 and first[0][0, 3:].abs().sum() > 0
+    mask[1, 2:4] = False
+    after = layer()
+    assert len(computed) == 2
+    assert all(a.equal(c) for a, c in zip(after, fresh())) and not after[0].equal(first[0])
 
 
 def test_per_forward_values_are_not_kept_while_compiling(monkeypatch):

@@ -33,7 +33,8 @@ from ..spec import backward_spec, forward_spec, lse_shape, out_fp32
 from .base import choose, choose_kvcache
 from .torch_backend import _BACKEND, layout, replay
 
-__all__ = ["autograd_attention", "kvcache_attention", "torch_ops", "DOUBLE_BACKWARD_MESSAGE"]
+__all__ = ["autograd_attention", "kvcache_attention", "kvcache_read", "torch_ops",
+           "DOUBLE_BACKWARD_MESSAGE"]
 
 DOUBLE_BACKWARD_MESSAGE = (
     "flashcore: double backward is not supported (the attention backward is not itself "
@@ -686,6 +687,37 @@ def kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rot
         with torch.no_grad():       # (inference only: the results never require grad)
             return op(*call)
     return op(*call)
+
+
+def kvcache_read(q, k_cache, v_cache, cache_seqlens, cache_leftpad, key_mask, causal,
+                 softmax_scale, window_size, softcap):
+    """``attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=..., cache_leftpad=...,
+    key_mask=..., causal=..., softmax_scale=..., window_size=..., softcap=...)``'s output, for
+    a caller that holds torch tensors only (``cache_seqlens`` a tensor; ``cache_leftpad`` and
+    ``key_mask`` tensors or None) and appends nothing: the transformers route's decoding steps,
+    eight or more a forward, whose host time is the step's. The same read op as
+    :func:`kvcache_attention`'s call, without its checks of the arguments such a caller never
+    passes; options that are not plain values, and calls traced by torch.compile, go through
+    :func:`kvcache_attention` whole."""
+    import torch
+    sw = None if torch.compiler.is_compiling() else \
+        _plain_scale_window(q, causal, softmax_scale, window_size, softcap)
+    if sw is None:
+        return kvcache_attention(q, k_cache, v_cache, None, None, cache_seqlens, None, None,
+                                 None, False, causal, softmax_scale, window_size, softcap, None,
+                                 0, None, cache_leftpad, None, None, key_mask)[0]
+    options = (0, False, causal, sw[0], sw[1], sw[2], sw[3], 0)     # (see _KV_SCHEMA)
+    if not _OVERLOADS:
+        torch_ops()
+    op = _OVERLOADS["kvcache_read"]
+    call = (q, k_cache, v_cache, cache_seqlens, options) if key_mask is None and \
+        cache_leftpad is None else \
+        (q, k_cache, v_cache, cache_seqlens, options, None, None, cache_leftpad, None, None,
+         key_mask)
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad):
+        with torch.no_grad():       # (inference only, as kvcache_attention)
+            return op(*call)[0]
+    return op(*call)[0]
 
 
 def _trimmed(tensors: tuple) -> tuple:

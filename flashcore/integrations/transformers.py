@@ -34,7 +34,8 @@ What the attention function does with what transformers passes it:
     ``sq`` slots written (see :func:`_query_positions`). A sliding window counts positions,
     as sdpa's mask does.
   - *Varlen* (everything else: prefill, training): varlen attention over the tokens the mask
-    keeps, packed by a stable sort to static shapes. A query at a padded position gets output
+    keeps, packed by a stable sort to static shapes (once a forward: the layers share the
+    packing, as the decoding steps share their lengths). A query at a padded position gets output
     0 (it is not attended from; transformers warns against generating from right-padded
     prompts). A sliding window counts kept keys, as in transformers' flash-attention path (the
     same as positions wherever a row has no holes).
@@ -60,7 +61,9 @@ from __future__ import annotations
 import threading
 
 from .. import config
-from ..api import attention, attention_with_kvcache, varlen_attention
+from ..api import attention, varlen_attention
+from ..backends import torch_ops
+from ..kernels.device import torch_stream_getter
 
 __all__ = ["register", "flashcore_attention_forward", "flashcore_attention_forward_left_padded",
            "padding_mask", "DEFAULT_NAME"]
@@ -207,38 +210,47 @@ def _attention_forward(module, query, key, value, attention_mask, scaling, dropo
                        sliding_window, softcap, is_causal, left_padding, kwargs):
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    q, k, v = (x.transpose(1, 2) for x in (query, key, value))   # (b, s, h, d) views
-    kw = dict(causal=bool(is_causal), softmax_scale=scaling, window_size=_window(sliding_window),
-              softcap=0.0 if softcap is None else softcap)
-    drop = {"dropout_p": float(dropout)} if dropout else {}
+    # (b, s, h, d) views; written out, not a generator: this runs once a layer and token
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    causal, window = bool(is_causal), _window(sliding_window)
+    cap = 0.0 if softcap is None else softcap
     if attention_mask is not None and attention_mask.ndim == 4:
-        _check_4d_mask(attention_mask, q.shape[1], k.shape[1], kw["causal"], kw["window_size"])
+        _check_4d_mask(attention_mask, q.shape[1], k.shape[1], causal, window)
         attention_mask = None
     import torch
-    position_ids = kwargs.get("position_ids")
-    no_grad = not (torch.is_grad_enabled() and query.requires_grad)
     sq, sk = q.shape[1], k.shape[1]
-    if attention_mask is None and sk > sq and position_ids is not None and no_grad and not drop:
-        lens = _per_forward(position_ids, ("lens", sk, q.shape[0]),
-                            lambda: _lens_from_positions(position_ids, q.shape[0], sk))
-        out = attention_with_kvcache(q, k, v, cache_seqlens=lens, **kw)
-    elif attention_mask is None:
-        out = attention(q, k, v, **kw, **drop)
-    elif attention_mask.ndim == 2:
-        if sq < sk and sq <= CACHE_ROUTE_MAX_QUERIES and no_grad and not drop:
-            # (the decoding steps: what the mask says of the cache, once a forward)
-            keep, first, end = _per_forward(
-                attention_mask, ("cache", sk, sq, left_padding),
-                lambda: _cache_route_of(attention_mask, sk, sq, left_padding))
-            out = attention_with_kvcache(q, k, v, cache_seqlens=end, cache_leftpad=first,
-                                         key_mask=keep, **kw)
+    # the decoding steps (over the cache: fewer queries than keys, no gradient, no dropout):
+    # the decode kernel, its lengths computed once a forward (see _per_forward)
+    over_cache = sk > sq and not dropout and not (torch.is_grad_enabled() and query.requires_grad)
+    if attention_mask is None:
+        position_ids = kwargs.get("position_ids")
+        if over_cache and position_ids is not None:
+            lens = _per_forward(position_ids, ("lens", sk, q.shape[0]), _lens_from_positions,
+                                position_ids, q.shape[0], sk)
+            out = torch_ops.kvcache_read(q, k, v, lens, None, None, causal, scaling, window, cap)
         else:
-            out = _padded_via_varlen(q, k, v, _key_mask(attention_mask, sk), **kw, **drop)
+            out = attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window,
+                            softcap=cap, **_dropout(dropout))
+    elif attention_mask.ndim == 2:
+        if over_cache and sq <= CACHE_ROUTE_MAX_QUERIES:
+            keep, first, end = _per_forward(attention_mask, ("cache", sk, sq, left_padding),
+                                            _cache_route_of, attention_mask, sk, sq, left_padding)
+            out = torch_ops.kvcache_read(q, k, v, end, first, keep, causal, scaling, window, cap)
+        else:
+            # (prefill and training: the packing computed once a forward)
+            packing = _per_forward(attention_mask, ("varlen", sk, sq), _varlen_packing_of,
+                                   attention_mask, sk, sq)
+            out = _padded_via_varlen(q, k, v, packing, causal=causal, softmax_scale=scaling,
+                                     window_size=window, softcap=cap, **_dropout(dropout))
     else:
         raise ValueError("flashcore attention: argument 'attention_mask': expected None, a 2D "
                          f"(batch, kv_len) padding mask or a 4D mask, got shape "
                          f"{tuple(attention_mask.shape)}")
     return out.contiguous(), None
+
+
+def _dropout(p) -> dict:
+    return {"dropout_p": float(p)} if p else {}
 
 
 class _Shared(threading.local):
@@ -250,35 +262,48 @@ _SHARED = _Shared()
 _SHARED_ENTRIES = 4     # (models whose layers take different masks, e.g. sliding and full)
 
 
-def _per_forward(source, key, compute):
+def _per_forward(source, key, compute, *args):
     """What the layers of one forward compute alike, computed by the first and taken by the
     others: transformers hands every layer the same ``position_ids`` and mask tensors, and the
     cache's lengths derived from them (a few small torch ops, 27-45 us of host time a layer on
-    the H200's host) are the same for all of them. A value is kept for ``source`` itself (the
-    same object, not changed in place since: its version), ``key`` (the shapes it was computed
-    for) and the current stream; a few entries a thread, the oldest dropped. Nothing is kept or
-    taken under torch.compile (the ops are traced), during CUDA-graph capture (each layer's
-    ops must be captured: a replay runs them again) or for tensors made under
-    ``torch.inference_mode`` (they have no version counter, so a change in place could not be
-    told)."""
+    the H200's host) are the same for all of them. ``compute(*args)`` is kept for ``source``
+    itself (the same object, not changed in place since: its version), ``key`` (the shapes it
+    was computed for) and the current stream; a few entries a thread, the oldest dropped.
+    Nothing is kept or taken under torch.compile (the ops are traced), during CUDA-graph
+    capture (each layer's ops must be captured: a replay runs them again) or for tensors made
+    under ``torch.inference_mode`` (they have no version counter, so a change in place could
+    not be told)."""
     import torch
     if torch.compiler.is_compiling() or source.is_inference():
-        return compute()        # (an inference tensor has no version to tell a change by)
+        return compute(*args)   # (an inference tensor has no version to tell a change by)
     stream = None
     if source.is_cuda:
-        if torch.cuda.is_current_stream_capturing():
-            return compute()
-        stream = torch.cuda.current_stream(source.device).cuda_stream
+        if _capturing():
+            return compute(*args)
+        stream = torch_stream_getter()(source.get_device())
     entries = _SHARED.entries
     version = source._version
     for e in entries:
         if e[0] is source and e[1] == version and e[2] == key and e[3] == stream:
             return e[4]
-    value = compute()
+    value = compute(*args)
     entries.append((source, version, key, stream, value))
     if len(entries) > _SHARED_ENTRIES:
         del entries[0]
     return value
+
+
+_CAPTURING: list = []
+
+
+def _capturing() -> bool:
+    """Whether torch's current CUDA stream is capturing a graph (torch's own accessor, where
+    this torch has it: the Python wrapper costs a call more)."""
+    if not _CAPTURING:
+        import torch
+        _CAPTURING.append(getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+                          or torch.cuda.is_current_stream_capturing)
+    return _CAPTURING[0]()
 
 
 def _lens_from_positions(position_ids, batch, sk):
@@ -329,24 +354,44 @@ def _cache_route_of(attention_mask, sk, sq, left_padding):
     return None, first, end
 
 
-def _padded_via_varlen(q, k, v, keep_k, **kw):
-    """Varlen attention over the tokens the mask keeps, with no host sync and static shapes
-    (so no graph break under torch.compile): a stable sort moves each row's kept tokens to the
-    front, in order, and the padding behind them (one sort for the keys and values, which share
-    the mask); the packed tensors keep their full length, and the padding rows, past
-    ``cu_seqlens[-1]``, belong to no sequence. When a gradient may flow they are zeroed on the
-    way in (``torch.where``, whose gradient is exactly 0 there); the result's padding rows are
-    zeroed on the way out, and it goes back to the padded positions (zeros at pads)."""
+def _varlen_packing_of(attention_mask, sk, sq):
+    return _varlen_packing(_key_mask(attention_mask, sk), sq)
+
+
+def _varlen_packing(keep_k, sq):
+    """How :func:`_padded_via_varlen` packs a batch under the bool (batch, sk) key mask
+    ``keep_k``, the same for every layer of a forward (computed once a forward, see
+    :func:`_per_forward`): ``(order_q, kept_q, order_k, kept_k, cu_seqlens_q, cu_seqlens_k)``,
+    where a stable sort of each row's kept tokens to the front, in order, gives the orders, and
+    ``kept_*`` say which packed rows hold a token."""
     import torch
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
     keep_q = _query_positions(keep_k, sq)
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
     def order_of(keep):
         flat = keep.reshape(-1)
         order = torch.argsort((~flat).to(torch.int8), stable=True)
         return order, flat[order][:, None, None]
+
+    zero = torch.zeros(1, dtype=torch.int32, device=keep_k.device)
+    cu_q, cu_k = (torch.cat([zero, keep.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32)])
+                  for keep in (keep_q, keep_k))
+    return order_of(keep_q) + order_of(keep_k) + (cu_q, cu_k)
+
+
+def _padded_via_varlen(q, k, v, packing, **kw):
+    """Varlen attention over the tokens the mask keeps (``packing``: :func:`_varlen_packing`),
+    with no host sync and static shapes (so no graph break under torch.compile): each row's
+    kept tokens are moved to the front, in order, and the padding behind them (one order for
+    the keys and values, which share the mask); the packed tensors keep their full length, and
+    the padding rows, past ``cu_seqlens[-1]``, belong to no sequence. When a gradient may flow
+    they are zeroed on the way in (``torch.where``, whose gradient is exactly 0 there); the
+    result's padding rows are zeroed on the way out, and it goes back to the padded positions
+    (zeros at pads)."""
+    import torch
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    order_q, kept_q, order_k, kept_k, cu_q, cu_k = packing
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
     def pack(x, order, kept, n, heads):
         rows = x.reshape(b * n, heads, d)[order]
@@ -354,16 +399,10 @@ def _padded_via_varlen(q, k, v, keep_k, **kw):
             return rows
         return torch.where(kept, rows, torch.zeros((), dtype=x.dtype, device=x.device))
 
-    order_q, kept_q = order_of(keep_q)
-    order_k, kept_k = order_of(keep_k)
     qp = pack(q, order_q, kept_q, sq, h)
     kp = pack(k, order_k, kept_k, sk, hk)
     vp = pack(v, order_k, kept_k, sk, hk)
-    lens_q, lens_k = keep_q.sum(1, dtype=torch.int32), keep_k.sum(1, dtype=torch.int32)
-    zero = torch.zeros(1, dtype=torch.int32, device=q.device)
-    cu_q = torch.cat([zero, lens_q.cumsum(0, dtype=torch.int32)])
-    cu_k = torch.cat([zero, lens_k.cumsum(0, dtype=torch.int32)])
-    # the padded lengths bound the longest sequences: no read of lens back to the host
+    # the padded lengths bound the longest sequences: no read of the lengths back to the host
     out = varlen_attention(qp, kp, vp, cu_q, cu_k, sq, sk, **kw)
     out = torch.where(kept_q, out, torch.zeros((), dtype=out.dtype, device=out.device))
     full = out.new_empty(b * sq, h, d).index_copy(0, order_q, out)
