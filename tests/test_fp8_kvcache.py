@@ -513,7 +513,7 @@ def test_opcheck_kvcache_read_with_descales():
     # options: [cache_seqlens_int, rotary_interleaved, causal, softmax_scale, window_left,
     # window_right, softcap, num_splits]
     opts = [0.0, 0.0, 1.0, 0.125, -1.0, 0.0, 2.0, 0.0]
-    args = (q, kc, vc, lens, opts, None, None, None, kd, vd)
+    args = (q, kc, vc, lens, opts, None, None, None, None, kd, vd)
     for test in ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"):
         torch.library.opcheck(ops.kvcache_read.default, args, test_utils=test)
     torch.library.opcheck(ops.kvcache_read.default, args[:5], {"k_descale": kd,

@@ -311,7 +311,7 @@ def test_kvcache_rotary_without_new_keys_is_refused_on_tensors():
                                          block_table=lens.numpy())
 
 
-@pytest.mark.parametrize("extra", ["none", "key_mask", "leftpad", "not_plain", "grad"])
+@pytest.mark.parametrize("extra", ["none", "key_mask", "leftpad", "both", "not_plain", "grad"])
 def test_kvcache_read_is_attention_with_kvcache(extra):
     """torch_ops.kvcache_read (the transformers route's decoding steps) gives what
     attention_with_kvcache gives for the same call, bit for bit; options that are not plain
@@ -324,9 +324,9 @@ def test_kvcache_read_is_attention_with_kvcache(extra):
     q = torch.randn(b, 2, h, d, dtype=torch.float64, generator=g)
     kc, vc = (torch.randn(b, sk, hk, d, dtype=torch.float64, generator=g) for _ in range(2))
     lens = torch.tensor([5, 13, 9], dtype=torch.int32)
-    leftpad = torch.tensor([0, 3, 2], dtype=torch.int32) if extra == "leftpad" else None
+    leftpad = torch.tensor([0, 3, 2], dtype=torch.int32) if extra in ("leftpad", "both") else None
     mask = None
-    if extra == "key_mask":
+    if extra in ("key_mask", "both"):
         mask = torch.rand(b, sk, generator=g) > 0.3
         mask[:, 4] = True
     scale, window, cap = 0.3, (4, -1), 2.0

@@ -81,11 +81,13 @@ _KV_SCHEMA = ("(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Ten
 # The decode op without appending: nothing is written but the outputs, so the schema declares
 # no mutation (a mutable schema costs the dispatcher ~15 us a call on the H200 host). An FP8
 # cache (torch.float8_e4m3fn, read only: only this op takes one) comes with its descales:
-# float32 (batch, nheads_k), contiguous.
+# float32 (batch, nheads_k), contiguous. The optional tensors come in the order the common
+# calls need them (a paged cache's table, then the transformers route's key mask and left
+# padding), so that those calls pass few Nones.
 _KV_READ_SCHEMA = ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? cache_seqlens, "
-                   f"{_OPTIONS}, Tensor? block_table=None, Tensor? alibi_slopes=None, "
-                   "Tensor? cache_leftpad=None, Tensor? k_descale=None, Tensor? v_descale=None, "
-                   "Tensor? key_mask=None) -> (Tensor, Tensor)")
+                   f"{_OPTIONS}, Tensor? block_table=None, Tensor? key_mask=None, "
+                   "Tensor? cache_leftpad=None, Tensor? alibi_slopes=None, "
+                   "Tensor? k_descale=None, Tensor? v_descale=None) -> (Tensor, Tensor)")
 
 _OPS: list = []   # [torch.ops.flashcore], filled by torch_ops() on first use
 _OPS_LOCK = threading.Lock()
@@ -226,25 +228,26 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, options, block_table
     key = None
     cfg = config.get()
     if q.is_cuda and not cfg.debug:     # (debug mode validates every call)
-        # a plain or a paged cache and nothing else (the common calls): the block table's
-        # layout, or None, stands for the optional tensors (a layout is a 5-tuple, the
-        # general case's an 8-tuple)
-        table_only = (rotary_cos is None and rotary_sin is None and alibi_slopes is None
-                      and cache_leftpad is None and k_descale is None and v_descale is None
-                      and key_mask is None)
+        # a plain or a paged cache, with a key mask or left padding or neither, and nothing
+        # else (the common calls): those three layouts stand for the optional tensors (a
+        # 3-tuple, the general case's an 8-tuple)
+        common = (rotary_cos is None and rotary_sin is None and alibi_slopes is None
+                  and k_descale is None and v_descale is None)
         key = ("kvcache", layout(q), layout(k_cache), layout(v_cache),
                None if k is None else layout(k), None if v is None else layout(v),
                None if cache_seqlens is None else layout(cache_seqlens), tuple(options), cfg,
-               layout(block_table) if table_only else
+               (layout(block_table), layout(key_mask), layout(cache_leftpad)) if common else
                tuple(map(layout, (block_table, rotary_cos, rotary_sin, alibi_slopes,
                                   cache_leftpad, k_descale, v_descale, key_mask))))
         plan = plans.lookup(key)
         if plan is not None:
             out = _new_like(torch, q)
             lse = q.new_empty(*lse_shape(q.shape), dtype=torch.float32)
-            if table_only:
+            if common and key_mask is None and cache_leftpad is None:
                 extra = _NO_POINTERS if block_table is None else \
                     (block_table.data_ptr(),) + _NO_POINTERS_BUT_TABLE
+            elif common:
+                extra = (_ptr(block_table), 0, _ptr(cache_leftpad), 0, 0, _ptr(key_mask))
             else:
                 extra = (_ptr(block_table), _ptr(alibi_slopes), _ptr(cache_leftpad),
                          _ptr(k_descale), _ptr(v_descale), _ptr(key_mask))
@@ -309,8 +312,8 @@ def _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 
 
 def _kvcache_read_impl(q, k_cache, v_cache, cache_seqlens, options, block_table=None,
-                       alibi_slopes=None, cache_leftpad=None, k_descale=None, v_descale=None,
-                       key_mask=None):
+                       key_mask=None, cache_leftpad=None, alibi_slopes=None, k_descale=None,
+                       v_descale=None):
     return _kvcache_impl(q, k_cache, v_cache, None, None, cache_seqlens, options, block_table,
                          None, None, alibi_slopes, cache_leftpad, key_mask, k_descale,
                          v_descale)
@@ -674,8 +677,8 @@ def kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rot
     torch_ops()
     if k is None and v is None:
         op = _OVERLOADS["kvcache_read"]
-        tail = _trimmed((block_table, alibi_slopes, cache_leftpad, k_descale, v_descale,
-                         key_mask))
+        tail = _trimmed((block_table, key_mask, cache_leftpad, alibi_slopes, k_descale,
+                         v_descale))
         call = (q, k_cache, v_cache, lens, options) + tail
     else:
         op = _OVERLOADS["kvcache"]
@@ -710,10 +713,12 @@ def kvcache_read(q, k_cache, v_cache, cache_seqlens, cache_leftpad, key_mask, ca
     if not _OVERLOADS:
         torch_ops()
     op = _OVERLOADS["kvcache_read"]
-    call = (q, k_cache, v_cache, cache_seqlens, options) if key_mask is None and \
-        cache_leftpad is None else \
-        (q, k_cache, v_cache, cache_seqlens, options, None, None, cache_leftpad, None, None,
-         key_mask)
+    if cache_leftpad is not None:
+        call = (q, k_cache, v_cache, cache_seqlens, options, None, key_mask, cache_leftpad)
+    elif key_mask is not None:
+        call = (q, k_cache, v_cache, cache_seqlens, options, None, key_mask)
+    else:
+        call = (q, k_cache, v_cache, cache_seqlens, options)
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad):
         with torch.no_grad():       # (inference only, as kvcache_attention)
             return op(*call)[0]
