@@ -131,7 +131,7 @@ def test_padding_mask_shorter_than_a_static_cache():
     mask = torch.ones(2, 7, dtype=torch.long)
     mask[0, :2] = 0
     keep = fct.padding_mask(attention_mask=mask, kv_length=10)
-    out = _padded_via_varlen(q, k, v, _varlen_packing(keep, 3), causal=True, softmax_scale=None,
+    out = _padded_via_varlen(q, k, v, _varlen_packing(keep, 10, 3), causal=True, softmax_scale=None,
                              window_size=(-1, -1), softcap=0.0)
     for b, first in ((0, 2), (1, 0)):
         want = flashcore.attention(q[b:b + 1], k[b:b + 1, first:7], v[b:b + 1, first:7],
@@ -448,8 +448,8 @@ def test_layers_of_a_forward_share_the_varlen_packing(grad, monkeypatch):
     by the forward's first layer and taken by the others; a mask changed in place is packed
     again; outputs (and gradients) are those computed from scratch."""
     computed = []
-    orig = fct._varlen_packing_of
-    monkeypatch.setattr(fct, "_varlen_packing_of",
+    orig = fct._varlen_packing
+    monkeypatch.setattr(fct, "_varlen_packing",
                         lambda *a: computed.append(1) or orig(*a))
     g = torch.Generator().manual_seed(4)
     b, h, hk, s, d = 3, 4, 2, 7, 8

@@ -713,12 +713,8 @@ def kvcache_read(q, k_cache, v_cache, cache_seqlens, cache_leftpad, key_mask, ca
     if not _OVERLOADS:
         torch_ops()
     op = _OVERLOADS["kvcache_read"]
-    if cache_leftpad is not None:
-        call = (q, k_cache, v_cache, cache_seqlens, options, None, key_mask, cache_leftpad)
-    elif key_mask is not None:
-        call = (q, k_cache, v_cache, cache_seqlens, options, None, key_mask)
-    else:
-        call = (q, k_cache, v_cache, cache_seqlens, options)
+    call = (q, k_cache, v_cache, cache_seqlens, options) + \
+        _trimmed((None, key_mask, cache_leftpad))       # (block_table, key_mask, cache_leftpad)
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad):
         with torch.no_grad():       # (inference only, as kvcache_attention)
             return op(*call)[0]

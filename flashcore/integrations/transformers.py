@@ -238,7 +238,7 @@ def _attention_forward(module, query, key, value, attention_mask, scaling, dropo
             out = torch_ops.kvcache_read(q, k, v, end, first, keep, causal, scaling, window, cap)
         else:
             # (prefill and training: the packing computed once a forward)
-            packing = _per_forward(attention_mask, ("varlen", sk, sq), _varlen_packing_of,
+            packing = _per_forward(attention_mask, ("varlen", sk, sq), _varlen_packing,
                                    attention_mask, sk, sq)
             out = _padded_via_varlen(q, k, v, packing, causal=causal, softmax_scale=scaling,
                                      window_size=window, softcap=cap, **_dropout(dropout))
@@ -264,11 +264,12 @@ _SHARED_ENTRIES = 4     # (models whose layers take different masks, e.g. slidin
 
 def _per_forward(source, key, compute, *args):
     """What the layers of one forward compute alike, computed by the first and taken by the
-    others: transformers hands every layer the same ``position_ids`` and mask tensors, and the
-    cache's lengths derived from them (a few small torch ops, 27-45 us of host time a layer on
-    the H200's host) are the same for all of them. ``compute(*args)`` is kept for ``source``
-    itself (the same object, not changed in place since: its version), ``key`` (the shapes it
-    was computed for) and the current stream; a few entries a thread, the oldest dropped.
+    others: transformers hands every layer the same ``position_ids`` and mask tensors, and what
+    the routes derive from them (the cache's lengths: a few small torch ops, 27-45 us of host
+    time a layer on the H200's host; a padded batch's packing) is the same for all of them.
+    ``compute(*args)`` is kept for ``source`` itself (the same object, not changed in place
+    since: its version), ``key`` (the shapes it was computed for) and the current stream; a few
+    entries a thread, the oldest dropped.
     Nothing is kept or taken under torch.compile (the ops are traced), during CUDA-graph
     capture (each layer's ops must be captured: a replay runs them again) or for tensors made
     under ``torch.inference_mode`` (they have no version counter, so a change in place could
@@ -354,17 +355,15 @@ def _cache_route_of(attention_mask, sk, sq, left_padding):
     return None, first, end
 
 
-def _varlen_packing_of(attention_mask, sk, sq):
-    return _varlen_packing(_key_mask(attention_mask, sk), sq)
-
-
-def _varlen_packing(keep_k, sq):
-    """How :func:`_padded_via_varlen` packs a batch under the bool (batch, sk) key mask
-    ``keep_k``, the same for every layer of a forward (computed once a forward, see
-    :func:`_per_forward`): ``(order_q, kept_q, order_k, kept_k, cu_seqlens_q, cu_seqlens_k)``,
+def _varlen_packing(attention_mask, sk, sq):
+    """How :func:`_padded_via_varlen` packs a batch under the 2D mask (its keys: the bool
+    (batch, sk) mask :func:`_key_mask` makes of it), the same for every layer of a forward
+    (computed once a forward, see :func:`_per_forward`): ``(order_q, kept_q, order_k, kept_k,
+    cu_seqlens_q, cu_seqlens_k)``,
     where a stable sort of each row's kept tokens to the front, in order, gives the orders, and
     ``kept_*`` say which packed rows hold a token."""
     import torch
+    keep_k = _key_mask(attention_mask, sk)
     keep_q = _query_positions(keep_k, sq)
 
     def order_of(keep):
