@@ -311,10 +311,12 @@ def test_kvcache_rotary_without_new_keys_is_refused_on_tensors():
                                          block_table=lens.numpy())
 
 
+@pytest.mark.parametrize("heads_first", [False, True], ids=["bshd", "heads_first"])
 @pytest.mark.parametrize("extra", ["none", "key_mask", "leftpad", "both", "not_plain", "grad"])
-def test_kvcache_read_is_attention_with_kvcache(extra):
+def test_kvcache_read_is_attention_with_kvcache(extra, heads_first):
     """torch_ops.kvcache_read (the transformers route's decoding steps) gives what
-    attention_with_kvcache gives for the same call, bit for bit; options that are not plain
+    attention_with_kvcache gives for the same call, bit for bit, from (b, s, h, d) tensors or
+    (b, h, s, d) ones (heads_first, as transformers holds them); options that are not plain
     values go the whole way (named errors), and a cache that requires grad is read without
     a graph."""
     import flashcore
@@ -335,13 +337,42 @@ def test_kvcache_read_is_attention_with_kvcache(extra):
     want = flashcore.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_leftpad=leftpad,
                                             key_mask=mask, causal=True, softmax_scale=scale,
                                             window_size=window, softcap=cap)
+    if heads_first:     # (b, h, s, d) tensors of their own, the values the same
+        q, kc, vc = (t.detach().transpose(1, 2).contiguous().requires_grad_(t.requires_grad)
+                     for t in (q, kc, vc))
     if extra == "not_plain":
         with pytest.raises(TypeError, match="'softmax_scale'"):
-            kvcache_read(q, kc, vc, lens, None, None, True, "0.3", window, cap)
+            kvcache_read(q, kc, vc, lens, None, None, True, "0.3", window, cap,
+                         heads_first=heads_first)
         scale = np.float64(scale)    # (not a plain float: validated in full, the same result)
-    got = kvcache_read(q, kc, vc, lens, leftpad, mask, True, scale, window, cap)
+    got = kvcache_read(q, kc, vc, lens, leftpad, mask, True, scale, window, cap,
+                       heads_first=heads_first)
+    assert got.shape == want.shape and got.is_contiguous()
     assert got.equal(want) and not got.requires_grad
     assert np.isfinite(got.detach().numpy()).all() and got.abs().sum() > 0
+
+
+def test_opcheck_kvcache_read_heads_first():
+    """The read op with (b, h, s, d) tensors (options' ninth entry): its fake gives the real
+    output's (b, s, h, d) shape and the lse's (b, h, s), opcheck's tests pass, and the outputs
+    equal the (b, s, h, d) call's bit for bit; a 3D tensor is refused by name."""
+    from flashcore.backends.torch_ops import torch_ops
+    ops = torch_ops()
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 3, 32, generator=g)
+    kc, vc = (torch.randn(2, 2, 40, 32, generator=g) for _ in range(2))
+    lens = torch.tensor([7, 40], dtype=torch.int32)
+    mask = torch.rand(2, 40, generator=g) > 0.2
+    opts = [0.0, 0.0, 1.0, 0.2, -1.0, 0.0, 0.0, 0.0]
+    args = (q, kc, vc, lens, opts + [1.0], None, mask)
+    torch.library.opcheck(ops.kvcache_read.default, args)
+    out, lse = ops.kvcache_read(*args)
+    want = ops.kvcache_read(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2), lens,
+                            opts, None, mask)
+    assert out.shape == (2, 3, 4, 32) and out.is_contiguous() and lse.shape == (2, 4, 3)
+    assert out.equal(want[0]) and lse.equal(want[1]) and out.abs().sum() > 0
+    with pytest.raises(ValueError, match="'k_cache'"):
+        ops.kvcache_read(q, kc[0], vc, lens, opts + [1.0])
 
 
 @pytest.mark.parametrize("alias", ["qkv", "kv", "qk"])

@@ -83,7 +83,10 @@ _KV_SCHEMA = ("(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Ten
 # cache (torch.float8_e4m3fn, read only: only this op takes one) comes with its descales:
 # float32 (batch, nheads_k), contiguous. The optional tensors come in the order the common
 # calls need them (a paged cache's table, then the transformers route's key mask and left
-# padding), so that those calls pass few Nones.
+# padding), so that those calls pass few Nones. Its options may hold a ninth entry,
+# heads_first: q, k_cache and v_cache then come as (batch, heads, seq, dim), the layout
+# transformers hands its attention functions (three transposed views a call fewer: ~4 us of
+# host time a decoding layer), and out comes as (batch, seq_q, heads, dim), contiguous.
 _KV_READ_SCHEMA = ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? cache_seqlens, "
                    f"{_OPTIONS}, Tensor? block_table=None, Tensor? key_mask=None, "
                    "Tensor? cache_leftpad=None, Tensor? alibi_slopes=None, "
@@ -227,6 +230,7 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, options, block_table
     import torch
     key = None
     cfg = config.get()
+    heads_first = len(options) > 8 and options[8]     # (the read op's; see _KV_READ_SCHEMA)
     if q.is_cuda and not cfg.debug:     # (debug mode validates every call)
         # a plain or a paged cache, with a key mask or left padding or neither, and nothing
         # else (the common calls): those three layouts stand for the optional tensors (a
@@ -241,8 +245,13 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, options, block_table
                                   cache_leftpad, k_descale, v_descale, key_mask))))
         plan = plans.lookup(key)
         if plan is not None:
-            out = _new_like(torch, q)
-            lse = q.new_empty(*lse_shape(q.shape), dtype=torch.float32)
+            if heads_first:
+                b, h, s, d = q.shape
+                out = torch.empty((b, s, h, d), dtype=q.dtype, device=q.device)
+                lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+            else:
+                out = _new_like(torch, q)
+                lse = q.new_empty(*lse_shape(q.shape), dtype=torch.float32)
             if common and key_mask is None and cache_leftpad is None:
                 extra = _NO_POINTERS if block_table is None else \
                     (block_table.data_ptr(),) + _NO_POINTERS_BUT_TABLE
@@ -255,8 +264,11 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, options, block_table
                                     out.data_ptr(), lse.data_ptr(), cache_seqlens.data_ptr())
                       + extra, q.device):
                 return out, lse
+    if heads_first:     # (b, s, h, d) views, as every other call gives them
+        _check_heads_first(q, k_cache, v_cache)
+        q, k_cache, v_cache = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     cache_seqlens_int, rotary_interleaved, causal, softmax_scale, window_left, window_right, \
-        softcap, num_splits = options
+        softcap, num_splits = options[:8]
     cache_seqlens_int, window_left, window_right, num_splits = (
         int(cache_seqlens_int), int(window_left), int(window_right), int(num_splits))
     rotary_interleaved, causal = bool(rotary_interleaved), bool(causal)
@@ -309,6 +321,13 @@ def _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         spec = backward_spec(dout, q, k, v, out, lse, **kw)
     choose(spec, None, backward=True)
     return spec
+
+
+def _check_heads_first(q, k_cache, v_cache):
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 4:
+            raise ValueError(f"flashcore: argument '{name}': expected a 4D (batch, heads, seq, "
+                             f"headdim) tensor (heads_first), got shape {tuple(t.shape)}")
 
 
 def _kvcache_read_impl(q, k_cache, v_cache, cache_seqlens, options, block_table=None,
@@ -366,10 +385,17 @@ def _define_ops():
 
     def kvcache_fake(q, *_, **__):      # (k_descale, v_descale, key_mask too)
         return q.new_empty(q.shape), q.new_empty(lse_shape(q.shape), dtype=torch.float32)
+
+    def kvcache_read_fake(q, k_cache, v_cache, cache_seqlens, options, *_, **__):
+        if len(options) > 8 and options[8]:     # heads_first
+            _check_heads_first(q, k_cache, v_cache)
+            b, h, s, d = q.shape
+            return q.new_empty((b, s, h, d)), q.new_empty((b, h, s), dtype=torch.float32)
+        return kvcache_fake(q)
     torch.library.register_fake("flashcore::fwd", fwd_fake, lib=lib)
     torch.library.register_fake("flashcore::bwd", bwd_fake, lib=lib)
     torch.library.register_fake("flashcore::kvcache", kvcache_fake, lib=lib)
-    torch.library.register_fake("flashcore::kvcache_read", kvcache_fake, lib=lib)
+    torch.library.register_fake("flashcore::kvcache_read", kvcache_read_fake, lib=lib)
     _LIBRARY.append(lib)
     ops = torch.ops.flashcore
     _OVERLOADS.update(fwd=ops.fwd.default, bwd=ops.bwd.default, kvcache=ops.kvcache.default,
@@ -693,7 +719,7 @@ def kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rot
 
 
 def kvcache_read(q, k_cache, v_cache, cache_seqlens, cache_leftpad, key_mask, causal,
-                 softmax_scale, window_size, softcap):
+                 softmax_scale, window_size, softcap, heads_first=False):
     """``attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=..., cache_leftpad=...,
     key_mask=..., causal=..., softmax_scale=..., window_size=..., softcap=...)``'s output, for
     a caller that holds torch tensors only (``cache_seqlens`` a tensor; ``cache_leftpad`` and
@@ -701,15 +727,22 @@ def kvcache_read(q, k_cache, v_cache, cache_seqlens, cache_leftpad, key_mask, ca
     eight or more a forward, whose host time is the step's. The same read op as
     :func:`kvcache_attention`'s call, without its checks of the arguments such a caller never
     passes; options that are not plain values, and calls traced by torch.compile, go through
-    :func:`kvcache_attention` whole."""
+    :func:`kvcache_attention` whole. ``heads_first``: q, k_cache and v_cache come as (batch,
+    heads, seq, headdim), as transformers gives them (the output is (batch, seq_q, heads,
+    headdim) either way)."""
     import torch
     sw = None if torch.compiler.is_compiling() else \
         _plain_scale_window(q, causal, softmax_scale, window_size, softcap)
     if sw is None:
+        if heads_first:
+            q, k_cache, v_cache = q.transpose(1, 2), k_cache.transpose(1, 2), \
+                v_cache.transpose(1, 2)
         return kvcache_attention(q, k_cache, v_cache, None, None, cache_seqlens, None, None,
                                  None, False, causal, softmax_scale, window_size, softcap, None,
                                  0, None, cache_leftpad, None, None, key_mask)[0]
-    options = (0, False, causal, sw[0], sw[1], sw[2], sw[3], 0)     # (see _KV_SCHEMA)
+    # (see _KV_SCHEMA and _KV_READ_SCHEMA)
+    options = (0, False, causal, sw[0], sw[1], sw[2], sw[3], 0, True) if heads_first else \
+        (0, False, causal, sw[0], sw[1], sw[2], sw[3], 0)
     if not _OVERLOADS:
         torch_ops()
     op = _OVERLOADS["kvcache_read"]

@@ -210,38 +210,43 @@ def _attention_forward(module, query, key, value, attention_mask, scaling, dropo
                        sliding_window, softcap, is_causal, left_padding, kwargs):
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    # (b, s, h, d) views; written out, not a generator: this runs once a layer and token
-    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     causal, window = bool(is_causal), _window(sliding_window)
     cap = 0.0 if softcap is None else softcap
-    if attention_mask is not None and attention_mask.ndim == 4:
-        _check_4d_mask(attention_mask, q.shape[1], k.shape[1], causal, window)
-        attention_mask = None
     import torch
-    sq, sk = q.shape[1], k.shape[1]
+    batch, sq, sk = query.shape[0], query.shape[2], key.shape[2]     # ((b, h, s, d) tensors)
+    if attention_mask is not None and attention_mask.ndim == 4:
+        _check_4d_mask(attention_mask, sq, sk, causal, window)
+        attention_mask = None
     # the decoding steps (over the cache: fewer queries than keys, no gradient, no dropout):
-    # the decode kernel, its lengths computed once a forward (see _per_forward)
+    # the decode kernel, its lengths computed once a forward (see _per_forward), on
+    # transformers' (b, h, s, d) tensors as they come (heads_first); every other call on
+    # (b, s, h, d) views
     over_cache = sk > sq and not dropout and not (torch.is_grad_enabled() and query.requires_grad)
     if attention_mask is None:
         position_ids = kwargs.get("position_ids")
         if over_cache and position_ids is not None:
-            lens = _per_forward(position_ids, ("lens", sk, q.shape[0]), _lens_from_positions,
-                                position_ids, q.shape[0], sk)
-            out = torch_ops.kvcache_read(q, k, v, lens, None, None, causal, scaling, window, cap)
+            lens = _per_forward(position_ids, ("lens", sk, batch), _lens_from_positions,
+                                position_ids, batch, sk)
+            out = torch_ops.kvcache_read(query, key, value, lens, None, None, causal, scaling,
+                                         window, cap, heads_first=True)
         else:
-            out = attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window,
+            out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                            causal=causal, softmax_scale=scaling, window_size=window,
                             softcap=cap, **_dropout(dropout))
     elif attention_mask.ndim == 2:
         if over_cache and sq <= CACHE_ROUTE_MAX_QUERIES:
             keep, first, end = _per_forward(attention_mask, ("cache", sk, sq, left_padding),
                                             _cache_route_of, attention_mask, sk, sq, left_padding)
-            out = torch_ops.kvcache_read(q, k, v, end, first, keep, causal, scaling, window, cap)
+            out = torch_ops.kvcache_read(query, key, value, end, first, keep, causal, scaling,
+                                         window, cap, heads_first=True)
         else:
             # (prefill and training: the packing computed once a forward)
             packing = _per_forward(attention_mask, ("varlen", sk, sq), _varlen_packing,
                                    attention_mask, sk, sq)
-            out = _padded_via_varlen(q, k, v, packing, causal=causal, softmax_scale=scaling,
-                                     window_size=window, softcap=cap, **_dropout(dropout))
+            out = _padded_via_varlen(query.transpose(1, 2), key.transpose(1, 2),
+                                     value.transpose(1, 2), packing, causal=causal,
+                                     softmax_scale=scaling, window_size=window, softcap=cap,
+                                     **_dropout(dropout))
     else:
         raise ValueError("flashcore attention: argument 'attention_mask': expected None, a 2D "
                          f"(batch, kv_len) padding mask or a 4D mask, got shape "

@@ -424,6 +424,38 @@ def test_cuda_graph_transformers_decoding_layers(route):
     _replay_matches(step, fill)
 
 
+@pytest.mark.parametrize("sq", [1, 3])
+@pytest.mark.parametrize("extra", ["none", "key_mask", "leftpad"])
+def test_kvcache_read_heads_first_replays_equal_the_full_call(extra, sq):
+    """The transformers route's read op on (b, h, s, d) tensors (heads_first): its first call
+    runs in full and records a plan, later calls replay it; every call's output (b, s, h, d),
+    contiguous, equals attention_with_kvcache's on (b, s, h, d) copies bit for bit, with
+    fresh values each call and each output poisoned before it is freed."""
+    from flashcore.backends.torch_ops import kvcache_read
+    g = torch.Generator(device="cuda").manual_seed(21)
+    b, h, hk, sk, d = 3, 16, 4, 700, 128
+    mk = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)  # noqa
+    q, kc, vc = mk(b, h, sq, d), mk(b, hk, sk, d), mk(b, hk, sk, d)
+    lens = torch.tensor([sk, 450, 123], dtype=torch.int32, device="cuda")
+    leftpad = torch.tensor([0, 40, 7], dtype=torch.int32, device="cuda") \
+        if extra == "leftpad" else None
+    mask = (torch.rand(b, sk, generator=g, device="cuda") < 0.7) if extra == "key_mask" else None
+    for step in range(4):
+        for t in (q, kc, vc):
+            t.copy_(torch.randn(t.shape, generator=g, device="cuda", dtype=t.dtype))
+        got = kvcache_read(q, kc, vc, lens, leftpad, mask, True, 0.09, (-1, -1), 0.0,
+                           heads_first=True)
+        want = flashcore.attention_with_kvcache(
+            q.transpose(1, 2).contiguous(), kc.transpose(1, 2).contiguous(),
+            vc.transpose(1, 2).contiguous(), cache_seqlens=lens, cache_leftpad=leftpad,
+            key_mask=mask, causal=True, softmax_scale=0.09)
+        assert got.shape == (b, sq, h, d) and got.is_contiguous()
+        assert torch.equal(got, want), (step, (got.float() - want.float()).abs().max())
+        assert got.isfinite().all() and got.abs().sum() > 0
+        got.fill_(float("nan"))     # poisoned and freed: the next call's output likely reuses
+        del got, want               # the block, so a replay that skipped a write would show
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged256"])
 def test_cuda_graph_decode_in_place_append_with_rotary(paged):
     q, kc, vc, kw = _decode_case(paged, new=1, rotary=True)
