@@ -352,6 +352,66 @@ def test_kvcache_read_is_attention_with_kvcache(extra, heads_first):
     assert np.isfinite(got.detach().numpy()).all() and got.abs().sum() > 0
 
 
+@pytest.mark.parametrize("context", ["eager", "profiler", "flop_counter", "function_mode",
+                                     "fake_tensors", "compile"])
+def test_decode_ops_go_through_the_dispatcher_when_anything_must_see_them(context, monkeypatch):
+    """A plain eager decode call runs the op's implementation directly (the dispatcher's round
+    trip costs a decoding step ~6%); under the profiler, a dispatch mode (FlopCounterMode,
+    FakeTensorMode), a torch function mode or torch.compile the op is called, and the result
+    is the same (fake tensors: the fake's shapes)."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils.flop_counter import FlopCounterMode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from flashcore.backends import torch_ops
+    from flashcore.backends.torch_ops import kvcache_read
+    torch_ops.torch_ops()
+    calls = []
+    op = torch_ops._OVERLOADS["kvcache_read"]
+    monkeypatch.setitem(torch_ops._OVERLOADS, "kvcache_read",
+                        lambda *a: (calls.append(1), op(*a))[1])
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 1, 16, generator=g)
+    kc, vc = (torch.randn(2, 2, 20, 16, generator=g) for _ in range(2))
+    lens = torch.tensor([20, 9], dtype=torch.int32)
+
+    def call(q, kc, vc, lens):
+        return kvcache_read(q, kc, vc, lens, None, None, True, 0.25, (-1, -1), 0.0,
+                            heads_first=True)
+    want = call(q, kc, vc, lens)
+    assert not calls         # (eager: the implementation, directly)
+
+    class Passing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+    if context == "eager":
+        got = call(q, kc, vc, lens)
+    elif context == "profiler":
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            got = call(q, kc, vc, lens)
+        assert any("flashcore::kvcache_read" in e.name for e in prof.events())
+    elif context == "flop_counter":
+        with FlopCounterMode(display=False):
+            got = call(q, kc, vc, lens)
+    elif context == "function_mode":
+        with Passing():
+            got = call(q, kc, vc, lens)
+    elif context == "fake_tensors":
+        with FakeTensorMode() as mode:
+            fq, fkc, fvc, flens = (mode.from_tensor(t) for t in (q, kc, vc, lens))
+            got = call(fq, fkc, fvc, flens)
+        assert got.shape == want.shape and got.dtype == want.dtype
+    else:
+        calls.clear()
+        torch._dynamo.reset()
+        got = torch.compile(call, backend="eager", fullgraph=True)(q, kc, vc, lens)
+    if context == "eager":
+        assert not calls
+    elif context != "compile":   # (compiled: the op is in the graph, not called through _OVERLOADS)
+        assert calls
+    if context != "fake_tensors":
+        assert got.equal(want)
+
+
 def test_opcheck_kvcache_read_heads_first():
     """The read op with (b, h, s, d) tensors (options' ninth entry): its fake gives the real
     output's (b, s, h, d) shape and the lse's (b, h, s), opcheck's tests pass, and the outputs
