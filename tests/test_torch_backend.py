@@ -356,7 +356,7 @@ def test_kvcache_read_is_attention_with_kvcache(extra, heads_first):
                                      "fake_tensors", "compile"])
 def test_decode_ops_go_through_the_dispatcher_when_anything_must_see_them(context, monkeypatch):
     """A plain eager decode call runs the op's implementation directly (the dispatcher's round
-    trip costs a decoding step ~6%); under the profiler, a dispatch mode (FlopCounterMode,
+    trip costs a decoding step ~4%); under the profiler, a dispatch mode (FlopCounterMode,
     FakeTensorMode), a torch function mode or torch.compile the op is called, and the result
     is the same (fake tensors: the fake's shapes)."""
     from torch.overrides import TorchFunctionMode

@@ -85,8 +85,9 @@ _KV_SCHEMA = ("(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Ten
 # calls need them (a paged cache's table, then the transformers route's key mask and left
 # padding), so that those calls pass few Nones. Its options may hold a ninth entry,
 # heads_first: q, k_cache and v_cache then come as (batch, heads, seq, dim), the layout
-# transformers hands its attention functions (three transposed views a call fewer: ~4 us of
-# host time a decoding layer), and out comes as (batch, seq_q, heads, dim), contiguous.
+# transformers hands its attention functions (three transposed views a call fewer: 1-3 us of
+# host time a decoding layer on the H100's host, run 228), and out comes as (batch, seq_q,
+# heads, dim), contiguous.
 _KV_READ_SCHEMA = ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? cache_seqlens, "
                    f"{_OPTIONS}, Tensor? block_table=None, Tensor? key_mask=None, "
                    "Tensor? cache_leftpad=None, Tensor? alibi_slopes=None, "
@@ -759,8 +760,9 @@ def _run(torch, name, call):
     """The decode op ``name`` on ``call``: its implementation called directly in a plain eager
     call, else through the dispatcher. In a transformers generate, the dispatcher's round trip
     into a Python kernel (the arguments boxed, the tensors wrapped again, the results unboxed)
-    cost the decoding step ~6% (run 230, H100: 0.96x / 0.95x "sdpa"'s tokens/s through the
-    op, 1.02x / 1.02x calling the implementation). The op is the call whenever anything must
+    cost the decoding step ~4% (run 231, H100, one process: 0.92x / 0.91x "sdpa"'s tokens/s
+    through the op, 0.96x / 0.95x calling the implementation). The op is the call whenever
+    anything must
     see it: torch.compile or torch.jit tracing, a tensor subclass (fake, functional, DTensor),
     a torch function or dispatch mode (FakeTensorMode, make_fx, FlopCounterMode, a
     ``torch.device`` context), functorch transforms, the profiler (its trace names the op).
