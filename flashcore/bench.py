@@ -765,6 +765,94 @@ def tiny_calls(peers=()):
 
 
 # --------------------------------------------------------------------------------------------
+# End to end: the transformers Llama of issues #14 and #15
+# --------------------------------------------------------------------------------------------
+
+#: the model the end-to-end figures use: a transformers Llama, random init, 8 layers, hidden
+#: 2048, 16 query heads over 4 kv heads (head dim 128), bf16
+LLAMA = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+             num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=32768)
+#: the attention implementations compared: "sdpa" (torch's, cuDNN by default on Hopper),
+#: flashcore as ``register()`` installs it, and flashcore reading masks as left padding
+LLAMA_IMPLS = ("sdpa", "flashcore", "flashcore_lp")
+
+
+def require_transformers() -> None:
+    """NotImplementedError (a benchmark's skip) unless transformers imports."""
+    try:
+        import transformers
+        del transformers
+    except Exception as e:
+        raise NotImplementedError(f"transformers is not available: {e}") from None
+
+
+def llama_model(impl: str, layers: int = LLAMA["num_hidden_layers"]):
+    """:data:`LLAMA` on the GPU in bf16 (the same weights for every ``impl``: seed 0), its
+    attention ``impl``, one of :data:`LLAMA_IMPLS`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import flashcore.integrations.transformers as fct
+    # (the reading of a mask belongs to the registered name, so the models can be held together)
+    name = impl
+    if impl.startswith("flashcore"):
+        name = fct.register()
+        if impl == "flashcore_lp":
+            name = fct.register(name + "_lp", left_padding=True)
+    elif impl != "sdpa":
+        raise ValueError(f"impl: expected one of {LLAMA_IMPLS}, got {impl!r}")
+    cfg = LlamaConfig(**{**LLAMA, "num_hidden_layers": layers}, attn_implementation=name)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+
+
+def generate_rounds(models: dict, ids, kw: dict, rounds: int):
+    """Timed greedy generates of every model in turn, ``rounds`` times (a host that runs faster
+    or slower for a while moves them alike; timed once each, one model after the other,
+    static-cache generate at batch 1 read 0.87x "sdpa" in run 214 and 1.04x / 1.06x in run 215
+    on one tree). The order turns by one model each round, so that no model always runs
+    first: ``({impl: [seconds]}, {impl: the last generated ids})``."""
+    import torch
+    times, outs = {impl: [] for impl in models}, {}
+    order = list(models.items())
+    with torch.no_grad():
+        for r in range(rounds):
+            for impl, model in order[r % len(order):] + order[:r % len(order)]:
+                gen = []
+                times[impl].append(wall_time(lambda: gen.append(model.generate(ids, **kw))))
+                outs[impl] = gen[0][:, ids.shape[1]:]
+    return times, outs
+
+
+def generate_ids(batch: int, prompt: int, seed: int = 1):
+    """The prompts of the generate figures: random token ids, (batch, prompt), on the GPU."""
+    import torch
+    return torch.randint(0, LLAMA["vocab_size"], (batch, prompt), device="cuda",
+                         generator=torch.Generator(device="cuda").manual_seed(seed))
+
+
+def train_step_ms(model, batch: int, seqlen: int, steps: int = 8, warmup: int = 3,
+                  compiled: bool = False):
+    """(ms a training step (forward with labels, backward) in a loop of ``steps`` ended by one
+    synchronisation, the loss of the last warm-up step, the ``warmup`` steps' seconds:
+    torch.compile's compilation when ``compiled``). The warm-up is timed apart, not folded into
+    host_loop_us's own warm-up, since its time is a figure too."""
+    import torch
+    ids = torch.randint(0, LLAMA["vocab_size"], (batch, seqlen), device="cuda")
+    fwd = torch.compile(model) if compiled else model
+    last = [None]
+
+    def step():
+        loss = fwd(input_ids=ids, labels=ids).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        last[0] = loss
+    warm_s = wall_time(lambda: [step() for _ in range(warmup)])
+    loss = float(last[0])
+    return host_loop_us(step, steps=steps, warmup=0, rounds=1) / 1e3, loss, warm_s
+
+
+# --------------------------------------------------------------------------------------------
 # The command's modes
 # --------------------------------------------------------------------------------------------
 

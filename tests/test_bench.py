@@ -19,7 +19,8 @@ from flashcore import bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASV = os.path.join(ROOT, "asv_benchmarks")
-MODULES = ["common", "bench_attention_gpu", "bench_decode_gpu", "bench_fp8_gpu", "bench_jit", "bench_numpy"]
+MODULES = ["common", "bench_attention_gpu", "bench_decode_gpu", "bench_fp8_gpu", "bench_jit",
+           "bench_numpy", "bench_transformers_gpu"]
 
 
 def _gpu_here() -> bool:
@@ -49,7 +50,9 @@ def test_the_asv_modules_import(suite):
     assert set(suite) == set(MODULES)
     names = {(m, c) for m, c, _ in _benchmark_classes(suite)}
     for new in [("bench_decode_gpu", "DecodeWallClock"), ("bench_decode_gpu", "DecodeGraphReplay"),
-                ("bench_attention_gpu", "TrainStepWallClock")]:
+                ("bench_attention_gpu", "TrainStepWallClock"),
+                ("bench_transformers_gpu", "GenerateRatio"),
+                ("bench_transformers_gpu", "TrainStepRatio")]:
         assert new in names, names
 
 
@@ -73,6 +76,9 @@ def test_parameters_are_fixed_values(suite):
     a = suite["bench_attention_gpu"]
     assert a.TrainStepWallClock.params == [["flashcore", "sdpa_flash", "sdpa_cudnn"],
                                            ["forward", "forward_backward"]]
+    t = suite["bench_transformers_gpu"]
+    assert t.GenerateRatio.params == [["dynamic", "static"], ["1x512", "8x2048"]]
+    assert t.TrainStepRatio.params == [["eager", "compiled"], ["1x16384", "4x4096"]]
     for _, _, cls in _benchmark_classes(suite):
         for values in cls.params if isinstance(cls.params[0], list) else [cls.params]:
             assert all(isinstance(v, (bool, int, float, str)) for v in values), cls

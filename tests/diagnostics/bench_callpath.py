@@ -49,8 +49,9 @@ import sys
 import torch
 
 import flashcore
-from flashcore.bench import (DecodeProblem, host_loop_us, per_call_us_interleaved, tiny_calls,
-                             wall_time)
+from flashcore.bench import (LLAMA_IMPLS, DecodeProblem, generate_ids, generate_rounds,
+                             host_loop_us, llama_model, per_call_us_interleaved, tiny_calls,
+                             train_step_ms, wall_time)
 
 ROWS: list = []
 
@@ -176,49 +177,12 @@ def cupy_calls():
          decode_minus_torch_us=us["cupy_decode"] - us["torch_decode"])
 
 
-def _llama(impl, layers=8):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    import flashcore.integrations.transformers as fct
-    # "flashcore_lp": a second name, registered with left_padding=True (masked decoding steps
-    # on the decode kernel over each row's kept run); the reading belongs to the name, so the
-    # three models can be held together
-    name = impl
-    if impl.startswith("flashcore"):
-        name = fct.register()
-        if impl == "flashcore_lp":
-            name = fct.register(name + "_lp", left_padding=True)
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-                      num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
-                      max_position_embeddings=32768, attn_implementation=name)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
-
-
-def _train_step_ms(model, batch, seqlen, steps=8, warmup=3, compiled=False):
-    """(ms a training step in a loop of ``steps`` ended by one synchronisation, the loss of the
-    last warm-up step, the ``warmup`` steps' seconds: torch.compile's compilation when
-    ``compiled``). The warm-up is timed apart, not folded into host_loop_us's own warm-up, since
-    its time is a figure too."""
-    ids = torch.randint(0, 32000, (batch, seqlen), device="cuda")
-    fwd = torch.compile(model) if compiled else model
-    last = [None]
-
-    def step():
-        loss = fwd(input_ids=ids, labels=ids).loss
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        last[0] = loss
-    warm_s = wall_time(lambda: [step() for _ in range(warmup)])
-    loss = float(last[0])
-    return host_loop_us(step, steps=steps, warmup=0, rounds=1) / 1e3, loss, warm_s
-
-
 def llama(shapes=((1, 16384), (4, 4096))):
     for batch, seqlen in shapes:
         r = {}
         for impl in ("sdpa", "flashcore"):
-            model = _llama(impl)
-            r[impl + "_ms"], r[impl + "_loss"], _ = _train_step_ms(model, batch, seqlen)
+            model = llama_model(impl)
+            r[impl + "_ms"], r[impl + "_loss"], _ = train_step_ms(model, batch, seqlen)
             del model
             torch.cuda.empty_cache()
         emit(section="llama_train_eager", batch=batch, seqlen=seqlen, **r,
@@ -230,7 +194,7 @@ def compile_step(batch=4, seqlen=4096):
     r = {}
     for impl in ("sdpa", "flashcore"):
         torch._dynamo.reset()
-        model = _llama(impl)
+        model = llama_model(impl)
         torch._dynamo.config.capture_scalar_outputs = False
         explain = None
         try:
@@ -238,7 +202,7 @@ def compile_step(batch=4, seqlen=4096):
             explain = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
             torch._dynamo.reset()
             r[impl + "_graph_breaks"] = explain.graph_break_count
-            r[impl + "_ms"], r[impl + "_loss"], r[impl + "_compile_s"] = _train_step_ms(
+            r[impl + "_ms"], r[impl + "_loss"], r[impl + "_compile_s"] = train_step_ms(
                 model, batch, seqlen, compiled=True)
         except Exception as e:
             print(f"# compile failed for {impl}: {type(e).__name__}: {str(e)[:400]}")
@@ -247,26 +211,6 @@ def compile_step(batch=4, seqlen=4096):
         torch.cuda.empty_cache()
     emit(section="llama_train_compiled", batch=batch, seqlen=seqlen, **r,
          speedup=r["sdpa_ms"] / r["flashcore_ms"])
-
-
-_GEN_IMPLS = ("sdpa", "flashcore", "flashcore_lp")
-
-
-def _generate_rounds(models, ids, kw, rounds):
-    """Timed greedy generates of every model in turn, ``rounds`` times (a host that runs faster
-    or slower for a while then moves them alike; timed once each, one model after the other,
-    static-cache generate at batch 1 read 0.87x "sdpa" in run 214 and 1.04x / 1.06x in run 215
-    on one tree). The order turns by one model each round, so that no model always runs
-    first: ``({impl: [seconds]}, {impl: the last generated ids})``."""
-    times, outs = {impl: [] for impl in models}, {}
-    order = list(models.items())
-    with torch.no_grad():
-        for r in range(rounds):
-            for impl, model in order[r % len(order):] + order[:r % len(order)]:
-                gen = []
-                times[impl].append(wall_time(lambda: gen.append(model.generate(ids, **kw))))
-                outs[impl] = gen[0][:, ids.shape[1]:]
-    return times, outs
 
 
 def _by_round(batch, new, times):
@@ -298,10 +242,9 @@ def _generate_cold(models, batch, prompt, new, kw, rounds):
     import statistics
     cold = {"sdpa": [], "flashcore": []}
     for j in range(1, rounds + 1):
-        ids = torch.randint(0, 32000, (batch, prompt + j * new), device="cuda",
-                            generator=torch.Generator(device="cuda").manual_seed(1 + j))
+        ids = generate_ids(batch, prompt + j * new, seed=1 + j)
         pair = ("sdpa", "flashcore") if j % 2 else ("flashcore", "sdpa")
-        times, _ = _generate_rounds({impl: models[impl] for impl in pair}, ids, kw, 1)
+        times, _ = generate_rounds({impl: models[impl] for impl in pair}, ids, kw, 1)
         for impl in pair:
             cold[impl] += times[impl]
     print(f"# generate {batch} x {prompt}, new cache lengths, tokens/s by round: "
@@ -319,9 +262,8 @@ def generate(shapes=((1, 512), (8, 2048)), new=128, rounds=5, cold_rounds=2):
     same over cache lengths new to both (:func:`_generate_cold`); the first step's logits of
     sdpa and flashcore."""
     for batch, prompt in shapes:
-        models = {impl: _llama(impl).eval() for impl in _GEN_IMPLS}
-        ids = torch.randint(0, 32000, (batch, prompt), device="cuda",
-                            generator=torch.Generator(device="cuda").manual_seed(1))
+        models = {impl: llama_model(impl).eval() for impl in LLAMA_IMPLS}
+        ids = generate_ids(batch, prompt)
         kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
         with torch.no_grad():
             for model in models.values():
@@ -329,7 +271,7 @@ def generate(shapes=((1, 512), (8, 2048)), new=128, rounds=5, cold_rounds=2):
             # the first step's logits: how close the two are (greedy tokens of a random model
             # flip on near-ties)
             la, lb = (models[i](ids).logits[:, -1].float() for i in ("sdpa", "flashcore"))
-        times, outs = _generate_rounds(models, ids, kw, rounds)
+        times, outs = generate_rounds(models, ids, kw, rounds)
         r = dict(logits_maxdiff=float((la - lb).abs().max()), logits_scale=float(la.abs().max()))
         r.update(_generate_cold(models, batch, prompt, new, kw, cold_rounds))
         _generate_row("generate", batch, prompt, new, r, times, outs)
@@ -345,9 +287,8 @@ def generate_static(shapes=((1, 512), (8, 2048)), new=64, rounds=5):
     flashcore's."""
     for batch, prompt in shapes:
         torch._dynamo.reset()
-        models = {impl: _llama(impl).eval() for impl in _GEN_IMPLS}
-        ids = torch.randint(0, 32000, (batch, prompt), device="cuda",
-                            generator=torch.Generator(device="cuda").manual_seed(1))
+        models = {impl: llama_model(impl).eval() for impl in LLAMA_IMPLS}
+        ids = generate_ids(batch, prompt)
         kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False,
                   cache_implementation="static")
         r = {}
@@ -355,7 +296,7 @@ def generate_static(shapes=((1, 512), (8, 2048)), new=64, rounds=5):
             for impl, model in models.items():
                 r[impl + "_warm_s"] = wall_time(lambda: model.generate(ids, **kw))
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        times, outs = _generate_rounds(models, ids, kw, rounds)
+        times, outs = generate_rounds(models, ids, kw, rounds)
         r["new_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
         _generate_row("generate_static", batch, prompt, new, r, times, outs)
         del models

@@ -1,0 +1,90 @@
+"""End to end: the transformers Llama of issues #14 and #15 (``flashcore.bench.LLAMA``: random
+init, 8 layers, hidden 2048, 16 query heads over 4 kv heads, bf16) with flashcore as its
+attention (``flashcore.integrations.transformers.register()``) against the same weights under
+"sdpa" (torch's SDPA: cuDNN by default on Hopper), both in the same process. Each figure is a
+ratio, flashcore's speed over "sdpa"'s: above 1 flashcore is faster.
+
+* ``GenerateRatio``: greedy ``generate``, tokens/s. The dynamic cache (transformers' default:
+  a decoding step bound by the host's Python, 128 tokens) and the static cache
+  (``cache_implementation="static"``, which transformers compiles; 64 tokens), at batch 1 /
+  prompt 512 and batch 8 / prompt 2k. Each model is warmed by a whole generate (the static
+  cache's compiles), then the two are timed in turn, 5 rounds, the order turning each round
+  (``flashcore.bench.generate_rounds``); the ratio of the medians.
+* ``TrainStepRatio``: a training step (forward with labels, backward), eager and under
+  ``torch.compile``, at batch 1 x 16k and batch 4 x 4k tokens: "sdpa"'s ms a step over
+  flashcore's (``flashcore.bench.train_step_ms``: 3 untimed steps, then a loop of 8).
+
+``python tests/diagnostics/bench_callpath.py generate generate_static llama compile`` prints the
+same figures with their parts (tokens/s by round, first tokens, compile times, losses).
+"""
+import statistics
+
+from .common import (generate_ids, generate_rounds, llama_model, require_gpu_backend,
+                     require_transformers, train_step_ms)
+
+_IMPLS = ("sdpa", "flashcore")
+
+
+def _shape(text):
+    batch, n = text.split("x")
+    return int(batch), int(n)
+
+
+class GenerateRatio:
+    """flashcore's tokens/s over "sdpa"'s, greedy generate (see the module docstring)."""
+
+    params = [["dynamic", "static"], ["1x512", "8x2048"]]
+    param_names = ["cache", "batch_x_prompt"]
+    unit = "ratio"
+    timeout = 900       # the static cache's warm-up compiles the model twice
+    rounds = 1          # one process per parameter set; the figure is already a median
+
+    def setup(self, cache, shape):
+        require_gpu_backend("torch")
+        require_transformers()
+        import torch
+        if cache == "static":
+            torch._dynamo.reset()
+        batch, prompt = _shape(shape)
+        new = 128 if cache == "dynamic" else 64
+        self.kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        if cache == "static":
+            self.kw["cache_implementation"] = "static"
+        self.models = {impl: llama_model(impl).eval() for impl in _IMPLS}
+        self.ids = generate_ids(batch, prompt)
+        with torch.no_grad():
+            for model in self.models.values():
+                model.generate(self.ids, **self.kw)
+
+    def teardown(self, *params):
+        self.models = None
+
+    def track_ratio(self, cache, shape):
+        times, _ = generate_rounds(self.models, self.ids, self.kw, 5)
+        return statistics.median(times["sdpa"]) / statistics.median(times["flashcore"])
+
+
+class TrainStepRatio:
+    """"sdpa"'s ms a training step over flashcore's (see the module docstring)."""
+
+    params = [["eager", "compiled"], ["1x16384", "4x4096"]]
+    param_names = ["mode", "batch_x_seqlen"]
+    unit = "ratio"
+    timeout = 900
+    rounds = 1
+
+    def setup(self, mode, shape):
+        require_gpu_backend("torch")
+        require_transformers()
+
+    def track_ratio(self, mode, shape):
+        import torch
+        batch, seqlen = _shape(shape)
+        ms = {}
+        for impl in _IMPLS:
+            torch._dynamo.reset()
+            model = llama_model(impl)
+            ms[impl], _, _ = train_step_ms(model, batch, seqlen, compiled=mode == "compiled")
+            del model
+            torch.cuda.empty_cache()
+        return ms["sdpa"] / ms["flashcore"]
