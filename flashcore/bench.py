@@ -788,19 +788,18 @@ def require_transformers() -> None:
 
 def llama_model(impl: str, layers: int = LLAMA["num_hidden_layers"]):
     """:data:`LLAMA` on the GPU in bf16 (the same weights for every ``impl``: seed 0), its
-    attention ``impl``, one of :data:`LLAMA_IMPLS`."""
+    attention ``impl``: one of :data:`LLAMA_IMPLS`, or any name registered with transformers'
+    ``AttentionInterface`` (diagnostics' variants)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import flashcore.integrations.transformers as fct
     # (the reading of a mask belongs to the registered name, so the models can be held together)
     name = impl
-    if impl.startswith("flashcore"):
+    if impl in ("flashcore", "flashcore_lp"):
         name = fct.register()
         if impl == "flashcore_lp":
             name = fct.register(name + "_lp", left_padding=True)
-    elif impl != "sdpa":
-        raise ValueError(f"impl: expected one of {LLAMA_IMPLS}, got {impl!r}")
     cfg = LlamaConfig(**{**LLAMA, "num_hidden_layers": layers}, attn_implementation=name)
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)

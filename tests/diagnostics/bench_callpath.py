@@ -2,6 +2,7 @@
 
     python tests/diagnostics/bench_callpath.py [decode] [decode_host] [decode_lengths] [tiny]
                                                [cupy] [llama] [generate] [generate_static]
+                                               [generate_parts]
                                                [compile] [profile] [launch_gil] [--json F]
 
 decode    flashcore.bench.decode: attention_with_kvcache (cache_seqlens a CUDA int32 tensor,
@@ -26,6 +27,10 @@ generate  greedy generate of 128 tokens, batch 1 / prompt 512 and batch 8 / prom
           then "sdpa" and flashcore over cache lengths new to both (2 rounds).
 generate_static  the same with cache_implementation="static" (compiled by transformers), 64
           tokens after each model's warm-up generate, 5 rounds.
+generate_parts  where the dynamic-cache step goes, in the model: tokens/s over "sdpa"'s of
+          flashcore and of flashcore with parts taken away (the op through the dispatcher, the
+          mask dropped, the route's Python skipped, the plan launched by hand), 64 tokens,
+          7 rounds in turn.
 compile   torch.compile of the llama training step (batch 4 x 4k), flashcore vs "sdpa".
 decode_lengths  the transformers attention functions at a decoding step, flashcore's against
           sdpa's: a host loop at one cache length, and single calls at cache lengths new to
@@ -441,6 +446,109 @@ def decode_lengths(shapes=((1, 576), (8, 2176)), lengths=40):
             emit(section="decode_lengths", batch=b, cache=sk, **row)
 
 
+def _part_functions():
+    """The attention functions of :func:`generate_parts`, registered under their names
+    (``fc_`` + part): flashcore's own function as the model calls it, and the same step with a
+    part taken away each, down to a recorded plan launched by hand."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    import flashcore.integrations.transformers as fct
+    from flashcore.backends import torch_ops
+    from flashcore.kernels import plans
+    needed = torch_ops._dispatcher_needed
+    last = {}
+    lookup, remember = plans.lookup, plans.remember
+
+    def seen_lookup(key):           # (the plan a call replays, for fc_floor)
+        last["plan"] = lookup(key)
+        return last["plan"]
+
+    def seen_remember(key, plan):
+        last["plan"] = plan
+        return remember(key, plan)
+    plans.lookup, plans.remember = seen_lookup, seen_remember
+
+    def fc_op(module, q, k, v, mask, **kw):        # the op called through the dispatcher
+        torch_ops._dispatcher_needed = lambda torch: True
+        try:
+            return fct.flashcore_attention_forward(module, q, k, v, mask, **kw)
+        finally:
+            torch_ops._dispatcher_needed = needed
+
+    def fc_positions(module, q, k, v, mask, **kw):     # the mask dropped: positions' lengths
+        return fct.flashcore_attention_forward(module, q, k, v, None, **kw)
+
+    def _lens(module, q, k, v, kw):
+        pos = kw["position_ids"]
+        b, sk = q.shape[0], k.shape[2]
+        return fct._per_forward(pos, ("lens", sk, b), fct._lens_from_positions, pos, b, sk)
+
+    def fc_direct(module, q, k, v, mask, scaling=None, **kw):   # no route Python
+        if q.shape[2] >= k.shape[2]:
+            return fct.flashcore_attention_forward(module, q, k, v, None, scaling=scaling, **kw)
+        opts = [0.0, 0.0, 1.0, scaling, -1.0, 0.0, 0.0, 0.0, 1.0]
+        return torch_ops._kvcache_read_impl(q, k, v, _lens(module, q, k, v, kw), opts)[0], None
+
+    floor = {}
+    stream = torch._C._cuda_getCurrentRawStream
+
+    def fc_floor(module, q, k, v, mask, scaling=None, **kw):    # no key either
+        if q.shape[2] >= k.shape[2]:
+            return fct.flashcore_attention_forward(module, q, k, v, None, scaling=scaling, **kw)
+        lens = _lens(module, q, k, v, kw)
+        b, h, s, d = q.shape
+        plan = floor.get((b, k.shape[2]))
+        if plan is None:
+            out = torch_ops.kvcache_read(q, k, v, lens, None, None, True, scaling, (-1, -1),
+                                         0.0, heads_first=True)
+            if last.get("plan") is not None:
+                floor[(b, k.shape[2])] = last["plan"]
+            return out, None
+        out = torch.empty((b, s, h, d), dtype=q.dtype, device=q.device)
+        lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+        plan.run((q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                  lens.data_ptr(), 0, 0, 0, 0, 0, 0), stream(q.get_device()), None)
+        return out, None
+    fns = {"fc_op": fc_op, "fc_positions": fc_positions, "fc_direct": fc_direct,
+           "fc_floor": fc_floor}
+    for name, fn in fns.items():
+        AttentionInterface.register(name, fn)
+        AttentionMaskInterface.register(name, fct.padding_mask)
+    return list(fns)
+
+
+def generate_parts(shapes=((1, 512), (8, 2048)), new=64, rounds=7):
+    """Where the dynamic-cache generate's step goes, measured in the model (session 61: a host
+    loop of the layers alone shows about half of what the model pays for the same Python).
+    Tokens/s of one model under "sdpa", flashcore, and flashcore with parts taken away, held in
+    one process and timed in turn (rounds, the order turning), median, as a ratio to "sdpa":
+    ``fc_op`` the op called through the dispatcher (not directly: what the direct call saves);
+    ``fc_positions`` the mask dropped (the positions' lengths: what the masked route costs);
+    ``fc_direct`` the lengths, then the read op's implementation (none of the route's Python);
+    ``fc_floor`` the lengths, then the layer's recorded plan launched by hand (no plan key, no
+    checks: the floor of a Python launch). The parts give flashcore's tokens (checked)."""
+    import statistics
+    names = ["sdpa", "flashcore"] + _part_functions()
+    for batch, prompt in shapes:
+        models = {name: llama_model(name).eval() for name in names}
+        ids = generate_ids(batch, prompt)
+        kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        with torch.no_grad():
+            for model in models.values():
+                model.generate(ids, **kw)
+        times, outs = generate_rounds(models, ids, kw, rounds)
+        sdpa = statistics.median(times["sdpa"])
+        print(f"# generate_parts {batch} x {prompt}, tokens/s by round: "
+              + _by_round(batch, new, times))
+        emit(section="generate_parts", batch=batch, prompt=prompt,
+             **{f"{n}_ratio": sdpa / statistics.median(t) for n, t in times.items()},
+             tokens_equal=all(bool(torch.equal(o, outs["flashcore"])) for n, o in outs.items()
+                              if n != "sdpa"))
+        del models
+        torch.cuda.empty_cache()
+
+
 def main(argv):
     if argv[:1] == ["--first"]:      # (a fresh process of tiny())
         print(_first_steps(argv[1], int(argv[2])))
@@ -457,7 +565,7 @@ def main(argv):
             {"decode": decode, "decode_host": decode_host, "tiny": tiny, "cupy": cupy_calls,
              "llama": llama, "generate": generate, "generate_static": generate_static,
              "compile": compile_step, "profile": profile, "launch_gil": launch_gil,
-             "decode_lengths": decode_lengths}[s]()
+             "decode_lengths": decode_lengths, "generate_parts": generate_parts}[s]()
         except Exception as e:
             import traceback
             traceback.print_exc()

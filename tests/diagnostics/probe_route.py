@@ -16,6 +16,11 @@ call, the best of R interleaved rounds of up to N calls each, beside:
   no arithmetic;
 * ``op_fwd`` / ``op_bwd``: the two ops called directly, and the pieces of a replay (the
   launch-plan key and lookup, the allocations, ``Plan.run``);
+* ``tf_decode`` / ``tf_decode_mask``: a forward's 8 decoding layers through the transformers
+  integration's attention function (transformers' (b, h, s, d) tensors, batch 1, 16 query
+  heads over 4, head dim 128, a 576-token cache), without and with the all-ones mask that
+  ``generate`` passes; ``tf_direct``: the same lengths, then the read op's implementation
+  called directly (the route's own Python left out);
 * ``fc_decode`` / ``op_decode``: one decoding step (batch 1, one query token, 32 query heads
   over 8 kv heads, head dim 128, a 4k cache, ``cache_seqlens`` a tensor) through
   ``flashcore.attention_with_kvcache`` and through the ``flashcore::kvcache_read`` op directly;
@@ -85,6 +90,8 @@ def stub_device():
     stub = _StubDriver()
     device.driver = lambda: stub
     device._TORCH_STREAM[:] = [lambda index: 0]
+    from flashcore.integrations import transformers as fct
+    fct._CAPTURING[:] = [lambda: False]     # (the stream capture test: a CPU build has none)
 
 
 class _StandInBackend:
@@ -258,12 +265,48 @@ def cases(device):
     def op_decode_paged():
         kv_read(dq_, kp, vp, lens, (0, False, False, dscale, -1, -1, 0.0, 0), table)
 
+    # the transformers route's decoding step (#14's dynamic-cache generate): flashcore's
+    # attention function on transformers' (b, h, s, d) tensors, batch 1, 16 query heads over
+    # 4, head dim 128, a 576-token cache; a forward's 8 layers a call, its position_ids and
+    # mask new each forward (as in a model: the layers share what is computed from them).
+    # tf_direct: the lengths shared alike, then the read op's implementation called directly
+    # (none of the route's Python); the floor of the route above the plan's key.
+    from flashcore.integrations import transformers as fct
+    tq = torch.randn(1, 16, 1, 128, device=device, dtype=torch.bfloat16)
+    tk, tv = (torch.randn(1, 4, 576, 128, device=device, dtype=torch.bfloat16)
+              for _ in range(2))
+    pos0 = torch.full((1, 1), 575, dtype=torch.int64, device=device)
+    mask0 = torch.ones(1, 576, dtype=torch.bool, device=device)
+    layer = types.SimpleNamespace(is_causal=True)
+    tscale = 128 ** -0.5
+    read_opts = [0.0, 0.0, 1.0, tscale, -1.0, 0.0, 0.0, 0.0, 1.0]
+
+    def tf_decode():
+        pos = pos0.clone()
+        for _ in range(8):
+            fct.flashcore_attention_forward(layer, tq, tk, tv, None, scaling=tscale,
+                                            position_ids=pos)
+
+    def tf_decode_mask():
+        pos, mask = pos0.clone(), mask0.clone()
+        for _ in range(8):
+            fct.flashcore_attention_forward(layer, tq, tk, tv, mask, scaling=tscale,
+                                            position_ids=pos)
+
+    def tf_direct():
+        pos = pos0.clone()
+        for _ in range(8):
+            lens = fct._per_forward(pos, ("lens", 576, 1), fct._lens_from_positions, pos, 1,
+                                    576)
+            torch_ops._kvcache_read_impl(tq, tk, tv, lens, read_opts)
+
     return {"fc_fwd": fc_fwd, "sdpa_fwd": sdpa_fwd, "sdpa1_fwd": sdpa1_fwd,
             "fc_fwd_grad": fc_fwd_grad, "nothing_fwd_grad": nothing_fwd_grad,
             "fc_step": fc_step, "nothing_step": nothing_step, "sdpa_step": sdpa_step,
             "sdpa1_step": sdpa1_step, "op_fwd": op_fwd, "op_bwd": op_bwd,
             "fc_decode": fc_decode, "op_decode": op_decode, "fc_decode_paged": fc_decode_paged,
-            "op_decode_paged": op_decode_paged}, \
+            "op_decode_paged": op_decode_paged, "tf_decode": tf_decode,
+            "tf_decode_mask": tf_decode_mask, "tf_direct": tf_direct}, \
         (q, k, v, do, o, lse)
 
 
@@ -349,9 +392,10 @@ def main(argv=None):
                 if not name.startswith("sdpa"):
                     fn()
     if (not all(k[0] in ("fwd", "bwd", "kvcache") for k in plans.PLANS)
-            or len(plans.PLANS) != 4):
-        print(f"warning: {len(plans.PLANS)} plans recorded (expected fwd, bwd, two kvcache): the calls "
-              "may not be replaying", file=sys.stderr)
+            or len(plans.PLANS) != 6):
+        print(f"warning: {len(plans.PLANS)} plans recorded (expected fwd, bwd, four kvcache: "
+              "contiguous, paged, the transformers route's without and with a key mask): the "
+              "calls may not be replaying", file=sys.stderr)
 
     mode = "real" if args.real else "stubbed (CPU tensors, no device)"
     if args.real and args.no_launch:
