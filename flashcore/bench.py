@@ -830,6 +830,26 @@ def generate_ids(batch: int, prompt: int, seed: int = 1):
                          generator=torch.Generator(device="cuda").manual_seed(seed))
 
 
+def generate_setup(impls, batch: int, prompt: int, new: int, static: bool = False):
+    """A generate figure's pieces: ``(models, ids, kw, warm_s)``, the models of ``impls``
+    (:func:`llama_model`, eval mode), the prompts (:func:`generate_ids`), greedy generate's
+    keywords for ``new`` tokens (the static cache's with ``static``, after a dynamo reset), and
+    the seconds of each model's warm-up generate (the static cache's compiles), done here."""
+    import torch
+    if static:
+        torch._dynamo.reset()
+    models = {impl: llama_model(impl).eval() for impl in impls}
+    ids = generate_ids(batch, prompt)
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    if static:
+        kw["cache_implementation"] = "static"
+    warm_s = {}
+    with torch.no_grad():
+        for impl, model in models.items():
+            warm_s[impl] = wall_time(lambda: model.generate(ids, **kw))
+    return models, ids, kw, warm_s
+
+
 def train_step_ms(model, batch: int, seqlen: int, steps: int = 8, warmup: int = 3,
                   compiled: bool = False):
     """(ms a training step (forward with labels, backward) in a loop of ``steps`` ended by one

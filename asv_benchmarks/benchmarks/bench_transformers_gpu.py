@@ -19,7 +19,7 @@ same figures with their parts (tokens/s by round, first tokens, compile times, l
 """
 import statistics
 
-from .common import (generate_ids, generate_rounds, llama_model, require_gpu_backend,
+from .common import (generate_rounds, generate_setup, llama_model, require_gpu_backend,
                      require_transformers, train_step_ms)
 
 _IMPLS = ("sdpa", "flashcore")
@@ -42,19 +42,10 @@ class GenerateRatio:
     def setup(self, cache, shape):
         require_gpu_backend("torch")
         require_transformers()
-        import torch
-        if cache == "static":
-            torch._dynamo.reset()
         batch, prompt = _shape(shape)
         new = 128 if cache == "dynamic" else 64
-        self.kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
-        if cache == "static":
-            self.kw["cache_implementation"] = "static"
-        self.models = {impl: llama_model(impl).eval() for impl in _IMPLS}
-        self.ids = generate_ids(batch, prompt)
-        with torch.no_grad():
-            for model in self.models.values():
-                model.generate(self.ids, **self.kw)
+        self.models, self.ids, self.kw, _ = generate_setup(_IMPLS, batch, prompt, new,
+                                                           static=cache == "static")
 
     def teardown(self, *params):
         self.models = None

@@ -55,8 +55,8 @@ import torch
 
 import flashcore
 from flashcore.bench import (LLAMA_IMPLS, DecodeProblem, generate_ids, generate_rounds,
-                             host_loop_us, llama_model, per_call_us_interleaved, tiny_calls,
-                             train_step_ms, wall_time)
+                             generate_setup, host_loop_us, llama_model, per_call_us_interleaved,
+                             tiny_calls, train_step_ms, wall_time)
 
 ROWS: list = []
 
@@ -267,12 +267,8 @@ def generate(shapes=((1, 512), (8, 2048)), new=128, rounds=5, cold_rounds=2):
     same over cache lengths new to both (:func:`_generate_cold`); the first step's logits of
     sdpa and flashcore."""
     for batch, prompt in shapes:
-        models = {impl: llama_model(impl).eval() for impl in LLAMA_IMPLS}
-        ids = generate_ids(batch, prompt)
-        kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        models, ids, kw, _ = generate_setup(LLAMA_IMPLS, batch, prompt, new)
         with torch.no_grad():
-            for model in models.values():
-                model.generate(ids, **kw)
             # the first step's logits: how close the two are (greedy tokens of a random model
             # flip on near-ties)
             la, lb = (models[i](ids).logits[:, -1].float() for i in ("sdpa", "flashcore"))
@@ -291,15 +287,8 @@ def generate_static(shapes=((1, 512), (8, 2048)), new=64, rounds=5):
     rounds (recompiles: 0 when shapes stay static); the first tokens, sdpa's against
     flashcore's."""
     for batch, prompt in shapes:
-        torch._dynamo.reset()
-        models = {impl: llama_model(impl).eval() for impl in LLAMA_IMPLS}
-        ids = generate_ids(batch, prompt)
-        kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                  cache_implementation="static")
-        r = {}
-        with torch.no_grad():
-            for impl, model in models.items():
-                r[impl + "_warm_s"] = wall_time(lambda: model.generate(ids, **kw))
+        models, ids, kw, warm_s = generate_setup(LLAMA_IMPLS, batch, prompt, new, static=True)
+        r = {impl + "_warm_s": t for impl, t in warm_s.items()}
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         times, outs = generate_rounds(models, ids, kw, rounds)
         r["new_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
@@ -531,12 +520,7 @@ def generate_parts(shapes=((1, 512), (8, 2048)), new=64, rounds=7):
     import statistics
     names = ["sdpa", "flashcore"] + _part_functions()
     for batch, prompt in shapes:
-        models = {name: llama_model(name).eval() for name in names}
-        ids = generate_ids(batch, prompt)
-        kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
-        with torch.no_grad():
-            for model in models.values():
-                model.generate(ids, **kw)
+        models, ids, kw, _ = generate_setup(names, batch, prompt, new)
         times, outs = generate_rounds(models, ids, kw, rounds)
         sdpa = statistics.median(times["sdpa"])
         print(f"# generate_parts {batch} x {prompt}, tokens/s by round: "
