@@ -353,12 +353,14 @@ def test_kvcache_read_is_attention_with_kvcache(extra, heads_first):
 
 
 @pytest.mark.parametrize("context", ["eager", "profiler", "flop_counter", "function_mode",
-                                     "fake_tensors", "compile"])
+                                     "fake_tensors", "meta", "make_fx", "jit_trace", "vmap",
+                                     "subclass_cache", "compile"])
 def test_decode_ops_go_through_the_dispatcher_when_anything_must_see_them(context, monkeypatch):
     """A plain eager decode call runs the op's implementation directly (the dispatcher's round
     trip costs a decoding step ~4%); under the profiler, a dispatch mode (FlopCounterMode,
-    FakeTensorMode), a torch function mode or torch.compile the op is called, and the result
-    is the same (fake tensors: the fake's shapes)."""
+    FakeTensorMode, make_fx's), a torch function mode, torch.jit tracing, vmap or
+    torch.compile, on meta tensors or with a tensor subclass among the arguments, the op is
+    called, and the result is the same (fake and meta tensors: the fake's shapes)."""
     from torch.overrides import TorchFunctionMode
     from torch.utils.flop_counter import FlopCounterMode
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -400,6 +402,25 @@ def test_decode_ops_go_through_the_dispatcher_when_anything_must_see_them(contex
             fq, fkc, fvc, flens = (mode.from_tensor(t) for t in (q, kc, vc, lens))
             got = call(fq, fkc, fvc, flens)
         assert got.shape == want.shape and got.dtype == want.dtype
+    elif context == "meta":
+        got = call(*(t.to("meta") for t in (q, kc, vc, lens)))
+        assert got.shape == want.shape and got.device.type == "meta"
+    elif context == "make_fx":      # (real tensors, make_fx's proxy mode on)
+        from torch.fx.experimental.proxy_tensor import make_fx
+        gm = make_fx(call, tracing_mode="real")(q, kc, vc, lens)
+        assert "flashcore.kvcache_read" in str(gm.graph)
+        got = gm(q, kc, vc, lens)
+    elif context == "jit_trace":
+        got = torch.jit.trace(call, (q, kc, vc, lens), check_trace=False)(q, kc, vc, lens)
+    elif context == "vmap":
+        import warnings
+        with warnings.catch_warnings():     # (no batching rule: vmap's loop over the op)
+            warnings.simplefilter("ignore")
+            got = torch.vmap(lambda x: call(x, kc, vc, lens))(torch.stack([q, q]))[1]
+    elif context == "subclass_cache":       # (one argument a subclass, q plain)
+        class Sub(torch.Tensor):
+            pass
+        got = call(q, kc, vc.as_subclass(Sub), lens).as_subclass(torch.Tensor)
     else:
         calls.clear()
         torch._dynamo.reset()
@@ -408,7 +429,7 @@ def test_decode_ops_go_through_the_dispatcher_when_anything_must_see_them(contex
         assert not calls
     elif context != "compile":   # (compiled: the op is in the graph, not called through _OVERLOADS)
         assert calls
-    if context != "fake_tensors":
+    if context not in ("fake_tensors", "meta"):
         assert got.equal(want)
 
 

@@ -227,11 +227,13 @@ _NO_POINTERS_BUT_TABLE = (0,) * 5   # (a paged cache's, after the block table's)
 
 def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, options, block_table=None,
                   rotary_cos=None, rotary_sin=None, alibi_slopes=None, cache_leftpad=None,
-                  key_mask=None, k_descale=None, v_descale=None):
+                  key_mask=None, k_descale=None, v_descale=None, heads_first=None):
+    """The decode ops' implementation. ``heads_first``: None for the append op (its eight
+    options), a bool for the read op (whose options may hold it as a ninth entry, kept in the
+    plan's key with the rest)."""
     import torch
     key = None
     cfg = config.get()
-    heads_first = len(options) > 8 and options[8]     # (the read op's; see _KV_READ_SCHEMA)
     if q.is_cuda and not cfg.debug:     # (debug mode validates every call)
         # a plain or a paged cache, with a key mask or left padding or neither, and nothing
         # else (the common calls): those three layouts stand for the optional tensors (a
@@ -269,7 +271,7 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, options, block_table
         _check_heads_first(q, k_cache, v_cache)
         q, k_cache, v_cache = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     cache_seqlens_int, rotary_interleaved, causal, softmax_scale, window_left, window_right, \
-        softcap, num_splits = options[:8]
+        softcap, num_splits = options if heads_first is None else options[:8]
     cache_seqlens_int, window_left, window_right, num_splits = (
         int(cache_seqlens_int), int(window_left), int(window_right), int(num_splits))
     rotary_interleaved, causal = bool(rotary_interleaved), bool(causal)
@@ -336,7 +338,17 @@ def _kvcache_read_impl(q, k_cache, v_cache, cache_seqlens, options, block_table=
                        v_descale=None):
     return _kvcache_impl(q, k_cache, v_cache, None, None, cache_seqlens, options, block_table,
                          None, None, alibi_slopes, cache_leftpad, key_mask, k_descale,
-                         v_descale)
+                         v_descale, _read_heads_first(options))
+
+
+def _read_heads_first(options) -> bool:
+    """The read op's heads_first option (its options' ninth entry, if any)."""
+    if len(options) == 9:
+        return bool(options[8])
+    if len(options) != 8:
+        raise ValueError("flashcore::kvcache_read: argument 'options': expected 8 or 9 "
+                         f"entries, got {len(options)}")
+    return False
 
 
 def _ptr(t) -> int:
@@ -389,7 +401,7 @@ def _define_ops():
         return q.new_empty(q.shape), q.new_empty(lse_shape(q.shape), dtype=torch.float32)
 
     def kvcache_read_fake(q, k_cache, v_cache, cache_seqlens, options, *_, **__):
-        if len(options) > 8 and options[8]:     # heads_first
+        if _read_heads_first(options):
             _check_heads_first(q, k_cache, v_cache)
             b, h, s, d = q.shape
             return q.new_empty((b, s, h, d)), q.new_empty((b, h, s), dtype=torch.float32)
@@ -715,7 +727,9 @@ def kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rot
                          key_mask))
         call = (q, k_cache, v_cache, k, v, lens, options) + tail
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or
-                                    (k is not None and k.requires_grad)):
+                                    v_cache.requires_grad or
+                                    (k is not None and k.requires_grad) or
+                                    (v is not None and v.requires_grad)):
         with torch.no_grad():       # (inference only: the results never require grad)
             return _run(torch, op, call)
     return _run(torch, op, call)
@@ -750,7 +764,8 @@ def kvcache_read(q, k_cache, v_cache, cache_seqlens, cache_leftpad, key_mask, ca
         torch_ops()
     call = (q, k_cache, v_cache, cache_seqlens, options) + \
         _trimmed((None, key_mask, cache_leftpad))       # (block_table, key_mask, cache_leftpad)
-    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad):
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
+                                    or v_cache.requires_grad):
         with torch.no_grad():       # (inference only, as kvcache_attention)
             return _run(torch, "kvcache_read", call)[0]
     return _run(torch, "kvcache_read", call)[0]
@@ -766,10 +781,14 @@ def _run(torch, name, call):
     see it: torch.compile or torch.jit tracing, a tensor subclass (fake, functional, DTensor),
     a torch function or dispatch mode (FakeTensorMode, make_fx, FlopCounterMode, a
     ``torch.device`` context), functorch transforms, the profiler (its trace names the op).
-    The implementation is the same either way."""
-    q, k_cache, v_cache = call[0], call[1], call[2]
-    if type(q) is torch.Tensor and type(k_cache) is torch.Tensor \
-            and type(v_cache) is torch.Tensor and not _dispatcher_needed(torch):
+    The implementation is the same either way. (Meta tensors go to the dispatcher too: their
+    kernel is the fake implementation.)"""
+    q = call[0]
+    if (q.is_cuda or q.device.type == "cpu") and not _dispatcher_needed(torch):
+        plain = torch.Tensor
+        for t in call:      # (tensors, None, the options' tuple)
+            if t is not None and type(t) is not plain and type(t) is not tuple:
+                return _OVERLOADS[name](*call)
         return _IMPLS[name](*call)
     return _OVERLOADS[name](*call)
 

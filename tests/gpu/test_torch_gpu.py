@@ -426,12 +426,21 @@ def test_cuda_graph_transformers_decoding_layers(route):
 
 @pytest.mark.parametrize("sq", [1, 3])
 @pytest.mark.parametrize("extra", ["none", "key_mask", "leftpad"])
-def test_kvcache_read_heads_first_replays_equal_the_full_call(extra, sq):
+def test_kvcache_read_heads_first_replays_equal_the_full_call(extra, sq, monkeypatch):
     """The transformers route's read op on (b, h, s, d) tensors (heads_first): its first call
-    runs in full and records a plan, later calls replay it; every call's output (b, s, h, d),
-    contiguous, equals attention_with_kvcache's on (b, s, h, d) copies bit for bit, with
-    fresh values each call and each output poisoned before it is freed."""
+    runs in full and records a plan, later calls replay it (counted); every call's output
+    (b, s, h, d), contiguous, equals attention_with_kvcache's on (b, s, h, d) copies bit for
+    bit, with fresh values each call and each output poisoned before it is freed."""
+    from flashcore.backends import torch_ops
     from flashcore.backends.torch_ops import kvcache_read
+    replayed = []
+    replay = torch_ops.replay
+
+    def counted(torch_, plan, pointers, device):
+        ok = replay(torch_, plan, pointers, device)
+        replayed.append(ok and pointers[0] == q.data_ptr())
+        return ok
+    monkeypatch.setattr(torch_ops, "replay", counted)
     g = torch.Generator(device="cuda").manual_seed(21)
     b, h, hk, sk, d = 3, 16, 4, 700, 128
     mk = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)  # noqa
@@ -454,6 +463,7 @@ def test_kvcache_read_heads_first_replays_equal_the_full_call(extra, sq):
         assert got.isfinite().all() and got.abs().sum() > 0
         got.fill_(float("nan"))     # poisoned and freed: the next call's output likely reuses
         del got, want               # the block, so a replay that skipped a write would show
+    assert sum(replayed) >= 3, replayed     # (the heads-first calls after the first replayed)
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged256"])
