@@ -512,11 +512,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         kd_shape = _kv_shape(q, k_cache)
         if kd_shape is not None:
             k_descale, v_descale = (exact_descale(d, *kd_shape) for d in (k_descale, v_descale))
-    key = _cupy_key("kvcache", (q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                                rotary_cos, rotary_sin, alibi_slopes, out, lse, cache_leftpad,
-                                k_descale, v_descale, key_mask),
-                    (rotary_interleaved, causal, softmax_scale, window_size, softcap, num_splits,
-                     backend))
+    # (a call that appends is never recorded: its decode reads the lengths the append computes
+    # on the device; no key is made for it)
+    key = None if k is not None else _cupy_key(
+        "kvcache", (q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos,
+                    rotary_sin, alibi_slopes, out, lse, cache_leftpad, k_descale, v_descale,
+                    key_mask),
+        (rotary_interleaved, causal, softmax_scale, window_size, softcap, num_splits, backend))
     if key is not None:
         plan = plans.lookup(key)
         if plan is not None and plans.enter(plan):

@@ -234,14 +234,15 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, options, block_table
     import torch
     key = None
     cfg = config.get()
-    if q.is_cuda and not cfg.debug:     # (debug mode validates every call)
+    # (debug mode validates every call; a call that appends is never recorded: its decode
+    # reads the lengths that the append computes on the device, so no key is made for it)
+    if q.is_cuda and k is None and not cfg.debug:
         # a plain or a paged cache, with a key mask or left padding or neither, and nothing
         # else (the common calls): those three layouts stand for the optional tensors (a
         # 3-tuple, the general case's an 8-tuple)
         common = (rotary_cos is None and rotary_sin is None and alibi_slopes is None
                   and k_descale is None and v_descale is None)
         key = ("kvcache", layout(q), layout(k_cache), layout(v_cache),
-               None if k is None else layout(k), None if v is None else layout(v),
                None if cache_seqlens is None else layout(cache_seqlens), tuple(options), cfg,
                (layout(block_table), layout(key_mask), layout(cache_leftpad)) if common else
                tuple(map(layout, (block_table, rotary_cos, rotary_sin, alibi_slopes,
