@@ -28,7 +28,9 @@ import threading
 
 from .. import config
 from .._arrays import dtype_name
+from ..jit import _GENERATION
 from ..kernels import plans
+from ..kernels.plans import PLANS
 from ..spec import backward_spec, forward_spec, lse_shape, out_fp32
 from .base import choose, choose_kvcache
 from .torch_backend import _BACKEND, layout, replay
@@ -221,10 +223,6 @@ def _bwd_impl(dout, q, k, v, out, lse, options, alibi_slopes=None, cu_seqlens_q=
     return dq, dk, dv
 
 
-_NO_POINTERS = (0,) * 6     # a plain cache's optional tensors' addresses
-_NO_POINTERS_BUT_TABLE = (0,) * 5   # (a paged cache's, after the block table's)
-
-
 def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, options, block_table=None,
                   rotary_cos=None, rotary_sin=None, alibi_slopes=None, cache_leftpad=None,
                   key_mask=None, k_descale=None, v_descale=None, heads_first=None):
@@ -237,36 +235,36 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, options, block_table
     # (debug mode validates every call; a call that appends is never recorded: its decode
     # reads the lengths that the append computes on the device, so no key is made for it)
     if q.is_cuda and k is None and not cfg.debug:
-        # a plain or a paged cache, with a key mask or left padding or neither, and nothing
-        # else (the common calls): those three layouts stand for the optional tensors (a
-        # 3-tuple, the general case's an 8-tuple)
-        common = (rotary_cos is None and rotary_sin is None and alibi_slopes is None
-                  and k_descale is None and v_descale is None)
+        # the optional tensors of the common calls (a plain or a paged cache, with a key mask
+        # or left padding or neither) are the key's last three entries; the others' layouts
+        # follow only when one is given
+        rest = None if (rotary_cos is None and rotary_sin is None and alibi_slopes is None
+                        and k_descale is None and v_descale is None) else \
+            tuple(map(layout, (rotary_cos, rotary_sin, alibi_slopes, k_descale, v_descale)))
         key = ("kvcache", layout(q), layout(k_cache), layout(v_cache),
                None if cache_seqlens is None else layout(cache_seqlens), tuple(options), cfg,
-               (layout(block_table), layout(key_mask), layout(cache_leftpad)) if common else
-               tuple(map(layout, (block_table, rotary_cos, rotary_sin, alibi_slopes,
-                                  cache_leftpad, k_descale, v_descale, key_mask))))
-        plan = plans.lookup(key)
-        if plan is not None:
+               layout(block_table), layout(key_mask), layout(cache_leftpad), rest)
+        plan = PLANS.get(key)
+        if plan is not None and plan.generation == _GENERATION[0]:   # (plans.lookup inline)
+            dev = q.device
             if heads_first:
                 b, h, s, d = q.shape
-                out = torch.empty((b, s, h, d), dtype=q.dtype, device=q.device)
-                lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+                out = torch.empty((b, s, h, d), dtype=q.dtype, device=dev)
+                lse = torch.empty((b, h, s), dtype=torch.float32, device=dev)
             else:
-                out = _new_like(torch, q)
-                lse = q.new_empty(*lse_shape(q.shape), dtype=torch.float32)
-            if common and key_mask is None and cache_leftpad is None:
-                extra = _NO_POINTERS if block_table is None else \
-                    (block_table.data_ptr(),) + _NO_POINTERS_BUT_TABLE
-            elif common:
-                extra = (_ptr(block_table), 0, _ptr(cache_leftpad), 0, 0, _ptr(key_mask))
+                b, s, h, d = q.shape
+                out = torch.empty((b, s, h, d), dtype=q.dtype, device=dev)
+                lse = torch.empty((b, h, s), dtype=torch.float32, device=dev)
+            ptrs = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                    lse.data_ptr(), cache_seqlens.data_ptr(),
+                    0 if block_table is None else block_table.data_ptr())
+            if rest is None:
+                ptrs += (0, 0 if cache_leftpad is None else cache_leftpad.data_ptr(), 0, 0,
+                         0 if key_mask is None else key_mask.data_ptr())
             else:
-                extra = (_ptr(block_table), _ptr(alibi_slopes), _ptr(cache_leftpad),
-                         _ptr(k_descale), _ptr(v_descale), _ptr(key_mask))
-            if replay(torch, plan, (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                    out.data_ptr(), lse.data_ptr(), cache_seqlens.data_ptr())
-                      + extra, q.device):
+                ptrs += (_ptr(alibi_slopes), _ptr(cache_leftpad), _ptr(k_descale),
+                         _ptr(v_descale), _ptr(key_mask))
+            if replay(torch, plan, ptrs, dev):
                 return out, lse
     if heads_first:     # (b, s, h, d) views, as every other call gives them
         _check_heads_first(q, k_cache, v_cache)
@@ -354,13 +352,6 @@ def _read_heads_first(options) -> bool:
 
 def _ptr(t) -> int:
     return 0 if t is None else t.data_ptr()
-
-
-def _new_like(torch, q):
-    """An uninitialised contiguous tensor of q's shape and dtype, as ``q.new_empty(q.shape)``
-    makes it, in fewer steps (``new_empty`` parses the shape: 1.8 against 0.9 us a call on the
-    CPU machine)."""
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def _roles(**tensors) -> tuple:
@@ -759,15 +750,34 @@ def kvcache_read(q, k_cache, v_cache, cache_seqlens, cache_leftpad, key_mask, ca
     # (see _KV_SCHEMA and _KV_READ_SCHEMA)
     options = (0, False, causal, sw[0], sw[1], sw[2], sw[3], 0, True) if heads_first else \
         (0, False, causal, sw[0], sw[1], sw[2], sw[3], 0)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
+                                        or v_cache.requires_grad)
+    if not grad and _direct(torch, q, k_cache, v_cache, cache_seqlens, key_mask, cache_leftpad):
+        # (a plain eager call: the read op's implementation, with nothing between; see _run)
+        return _kvcache_impl(q, k_cache, v_cache, None, None, cache_seqlens, options, None,
+                             None, None, None, cache_leftpad, key_mask, None, None,
+                             heads_first)[0]
     if not _OVERLOADS:
         torch_ops()
     call = (q, k_cache, v_cache, cache_seqlens, options) + \
         _trimmed((None, key_mask, cache_leftpad))       # (block_table, key_mask, cache_leftpad)
-    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
-                                    or v_cache.requires_grad):
+    if grad:
         with torch.no_grad():       # (inference only, as kvcache_attention)
             return _run(torch, "kvcache_read", call)[0]
     return _run(torch, "kvcache_read", call)[0]
+
+
+def _direct(torch, *tensors) -> bool:
+    """Whether a decode op's call on ``tensors`` (its arguments: torch tensors, None, the
+    options' tuple) may run its implementation directly: see _run."""
+    q = tensors[0]
+    if not (q.is_cuda or q.device.type == "cpu") or _dispatcher_needed(torch):
+        return False
+    plain = torch.Tensor
+    for t in tensors:
+        if t is not None and type(t) is not plain and type(t) is not tuple:
+            return False
+    return True
 
 
 def _run(torch, name, call):
@@ -782,12 +792,7 @@ def _run(torch, name, call):
     ``torch.device`` context), functorch transforms, the profiler (its trace names the op).
     The implementation is the same either way. (Meta tensors go to the dispatcher too: their
     kernel is the fake implementation.)"""
-    q = call[0]
-    if (q.is_cuda or q.device.type == "cpu") and not _dispatcher_needed(torch):
-        plain = torch.Tensor
-        for t in call:      # (tensors, None, the options' tuple)
-            if t is not None and type(t) is not plain and type(t) is not tuple:
-                return _OVERLOADS[name](*call)
+    if _direct(torch, *call):
         return _IMPLS[name](*call)
     return _OVERLOADS[name](*call)
 
