@@ -223,6 +223,17 @@ def _bwd_impl(dout, q, k, v, out, lse, options, alibi_slopes=None, cu_seqlens_q=
     return dq, dk, dv
 
 
+def _kvcache_key(q, k_cache, v_cache, cache_seqlens, options, cfg, block_table, key_mask,
+                 cache_leftpad, rest=None) -> tuple:
+    """A decode call's launch-plan key: the layouts of its tensors, its options, the settings.
+    The optional tensors of the common calls (a plain or a paged cache, with a key mask or left
+    padding or neither) are its last three entries; ``rest``: the others' layouts, when one is
+    given."""
+    return ("kvcache", layout(q), layout(k_cache), layout(v_cache),
+            None if cache_seqlens is None else layout(cache_seqlens), tuple(options), cfg,
+            layout(block_table), layout(key_mask), layout(cache_leftpad), rest)
+
+
 def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, options, block_table=None,
                   rotary_cos=None, rotary_sin=None, alibi_slopes=None, cache_leftpad=None,
                   key_mask=None, k_descale=None, v_descale=None, heads_first=None):
@@ -235,15 +246,11 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, options, block_table
     # (debug mode validates every call; a call that appends is never recorded: its decode
     # reads the lengths that the append computes on the device, so no key is made for it)
     if q.is_cuda and k is None and not cfg.debug:
-        # the optional tensors of the common calls (a plain or a paged cache, with a key mask
-        # or left padding or neither) are the key's last three entries; the others' layouts
-        # follow only when one is given
         rest = None if (rotary_cos is None and rotary_sin is None and alibi_slopes is None
                         and k_descale is None and v_descale is None) else \
             tuple(map(layout, (rotary_cos, rotary_sin, alibi_slopes, k_descale, v_descale)))
-        key = ("kvcache", layout(q), layout(k_cache), layout(v_cache),
-               None if cache_seqlens is None else layout(cache_seqlens), tuple(options), cfg,
-               layout(block_table), layout(key_mask), layout(cache_leftpad), rest)
+        key = _kvcache_key(q, k_cache, v_cache, cache_seqlens, options, cfg, block_table,
+                           key_mask, cache_leftpad, rest)
         plan = PLANS.get(key)
         if plan is not None and plan.generation == _GENERATION[0]:   # (plans.lookup inline)
             dev = q.device
@@ -726,7 +733,7 @@ def kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rot
 
 
 def kvcache_read(q, k_cache, v_cache, cache_seqlens, cache_leftpad, key_mask, causal,
-                 softmax_scale, window_size, softcap, heads_first=False):
+                 softmax_scale, window_size, softcap, heads_first=False, shared=None):
     """``attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=..., cache_leftpad=...,
     key_mask=..., causal=..., softmax_scale=..., window_size=..., softcap=...)``'s output, for
     a caller that holds torch tensors only (``cache_seqlens`` a tensor; ``cache_leftpad`` and
@@ -736,8 +743,20 @@ def kvcache_read(q, k_cache, v_cache, cache_seqlens, cache_leftpad, key_mask, ca
     passes; options that are not plain values, and calls traced by torch.compile, go through
     :func:`kvcache_attention` whole. ``heads_first``: q, k_cache and v_cache come as (batch,
     heads, seq, headdim), as transformers gives them (the output is (batch, seq_q, heads,
-    headdim) either way)."""
+    headdim) either way).
+
+    ``shared``: a list that the caller keeps for calls that come alike (a forward's decoding
+    layers: the same length, mask and left-padding tensors, the same options), empty at first.
+    The first plain eager call that replays or records a launch plan leaves it there, bound to
+    what it was made for (:func:`_bind`); a later call that matches it (the same tensors, options
+    and settings, q, k_cache and v_cache of the same layouts) launches it with no key made, its
+    log-sum-exp (which this function does not return) written to one buffer kept in the list."""
     import torch
+    if shared:
+        out = _bound_read(torch, shared, q, k_cache, v_cache, cache_seqlens, cache_leftpad,
+                          key_mask, (causal, softmax_scale, window_size, softcap, heads_first))
+        if out is not None:
+            return out
     sw = None if torch.compiler.is_compiling() else \
         _plain_scale_window(q, causal, softmax_scale, window_size, softcap)
     if sw is None:
@@ -754,9 +773,12 @@ def kvcache_read(q, k_cache, v_cache, cache_seqlens, cache_leftpad, key_mask, ca
                                         or v_cache.requires_grad)
     if not grad and _direct(torch, q, k_cache, v_cache, cache_seqlens, key_mask, cache_leftpad):
         # (a plain eager call: the read op's implementation, with nothing between; see _run)
-        return _kvcache_impl(q, k_cache, v_cache, None, None, cache_seqlens, options, None,
-                             None, None, None, cache_leftpad, key_mask, None, None,
-                             heads_first)[0]
+        out = _kvcache_impl(q, k_cache, v_cache, None, None, cache_seqlens, options, None, None,
+                            None, None, cache_leftpad, key_mask, None, None, heads_first)[0]
+        if shared is not None and not shared:
+            _bind(torch, shared, q, k_cache, v_cache, cache_seqlens, cache_leftpad, key_mask,
+                  options, (causal, softmax_scale, window_size, softcap, heads_first))
+        return out
     if not _OVERLOADS:
         torch_ops()
     call = (q, k_cache, v_cache, cache_seqlens, options) + \
@@ -765,6 +787,55 @@ def kvcache_read(q, k_cache, v_cache, cache_seqlens, cache_leftpad, key_mask, ca
         with torch.no_grad():       # (inference only, as kvcache_attention)
             return _run(torch, "kvcache_read", call)[0]
     return _run(torch, "kvcache_read", call)[0]
+
+
+def _bind(torch, shared, q, k_cache, v_cache, cache_seqlens, cache_leftpad, key_mask, options,
+          args):
+    """Fill ``shared`` (see kvcache_read) after a plain eager call that left a plan for its
+    key: [plan, settings, the call's tensors, its other arguments, q/k_cache/v_cache layouts,
+    the log-sum-exp buffer, heads_first]."""
+    cfg = config.get()
+    if cfg.debug or not q.is_cuda:
+        return
+    plan = PLANS.get(_kvcache_key(q, k_cache, v_cache, cache_seqlens, options, cfg, None,
+                                  key_mask, cache_leftpad))
+    if plan is None or plan.generation != _GENERATION[0]:
+        return
+    heads_first = args[-1]
+    b, h, s, _ = q.shape if heads_first else q.transpose(1, 2).shape
+    lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+    shared[:] = [plan, cfg, (cache_seqlens, cache_leftpad, key_mask), args,
+                 (layout(q), layout(k_cache), layout(v_cache)), lse, heads_first]
+
+
+def _bound_read(torch, shared, q, k_cache, v_cache, cache_seqlens, cache_leftpad, key_mask,
+                args):
+    """The output of a call that matches what ``shared`` is bound to, launched from its plan;
+    else None (the caller goes the usual way)."""
+    plan, cfg, tensors, bound_args, layouts, lse, heads_first = shared
+    if not (plan.generation == _GENERATION[0] and config.get() is cfg
+            and cache_seqlens is tensors[0] and cache_leftpad is tensors[1]
+            and key_mask is tensors[2] and args == bound_args
+            and (layout(q), layout(k_cache), layout(v_cache)) == layouts):
+        return None
+    plain = torch.Tensor
+    if (type(q) is not plain or type(k_cache) is not plain or type(v_cache) is not plain
+            or _dispatcher_needed(torch)
+            or (torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
+                                             or v_cache.requires_grad))):
+        return None
+    if heads_first:
+        b, h, s, d = q.shape
+    else:
+        b, s, h, d = q.shape
+    dev = q.device
+    out = torch.empty((b, s, h, d), dtype=q.dtype, device=dev)
+    if replay(torch, plan, (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                            out.data_ptr(), lse.data_ptr(), cache_seqlens.data_ptr(), 0, 0,
+                            0 if cache_leftpad is None else cache_leftpad.data_ptr(), 0, 0,
+                            0 if key_mask is None else key_mask.data_ptr()), dev):
+        return out
+    return None
 
 
 def _direct(torch, *tensors) -> bool:

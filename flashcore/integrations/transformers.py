@@ -225,20 +225,21 @@ def _attention_forward(module, query, key, value, attention_mask, scaling, dropo
     if attention_mask is None:
         position_ids = kwargs.get("position_ids")
         if over_cache and position_ids is not None:
-            lens = _per_forward(position_ids, ("lens", sk, batch), _lens_from_positions,
-                                position_ids, batch, sk)
+            lens, shared = _per_forward(position_ids, ("lens", sk, batch), _step,
+                                        _lens_from_positions, position_ids, batch, sk)
             out = torch_ops.kvcache_read(query, key, value, lens, None, None, causal, scaling,
-                                         window, cap, heads_first=True)
+                                         window, cap, True, shared)
         else:
             out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                             causal=causal, softmax_scale=scaling, window_size=window,
                             softcap=cap, **_dropout(dropout))
     elif attention_mask.ndim == 2:
         if over_cache and sq <= CACHE_ROUTE_MAX_QUERIES:
-            keep, first, end = _per_forward(attention_mask, ("cache", sk, sq, left_padding),
-                                            _cache_route_of, attention_mask, sk, sq, left_padding)
+            keep, first, end, shared = _per_forward(
+                attention_mask, ("cache", sk, sq, left_padding), _step, _cache_route_of,
+                attention_mask, sk, sq, left_padding)
             out = torch_ops.kvcache_read(query, key, value, end, first, keep, causal, scaling,
-                                         window, cap, heads_first=True)
+                                         window, cap, True, shared)
         else:
             # (prefill and training: the packing computed once a forward)
             packing = _per_forward(attention_mask, ("varlen", sk, sq), _varlen_packing,
@@ -252,6 +253,14 @@ def _attention_forward(module, query, key, value, attention_mask, scaling, dropo
                          f"(batch, kv_len) padding mask or a 4D mask, got shape "
                          f"{tuple(attention_mask.shape)}")
     return out.contiguous(), None
+
+
+def _step(compute, *args) -> tuple:
+    """What a forward's decoding layers share (see _per_forward): what ``compute(*args)``
+    derives from the mask or the positions, as a tuple, then a list in which the first layer's
+    read binds its launch plan for the others (``shared``: see torch_ops.kvcache_read)."""
+    value = compute(*args)
+    return (value if type(value) is tuple else (value,)) + ([],)
 
 
 def _dropout(p) -> dict:

@@ -1,5 +1,6 @@
 """The torch layer on CUDA: zero-copy DLPack, torch's stream and device, gradients within the
 flash-attn rule, CUDA graphs, torch.compile, a transformers model. Needs a GPU."""
+import contextlib
 import copy
 
 import pytest
@@ -464,6 +465,64 @@ def test_kvcache_read_heads_first_replays_equal_the_full_call(extra, sq, monkeyp
         got.fill_(float("nan"))     # poisoned and freed: the next call's output likely reuses
         del got, want               # the block, so a replay that skipped a write would show
     assert sum(replayed) >= 3, replayed     # (the heads-first calls after the first replayed)
+
+
+@pytest.mark.parametrize("extra", ["none", "key_mask", "leftpad"])
+def test_kvcache_read_shared_binds_the_plan_for_calls_alike(extra, monkeypatch):
+    """kvcache_read with ``shared`` (a forward's decoding layers in the transformers route):
+    the first call binds its launch plan in the list; later calls alike launch it from there
+    (counted: the bound log-sum-exp buffer is the one their launches write), and calls that
+    differ go the usual way: another layout of q, another scale, another setting, a dispatch
+    mode on (FlopCounterMode: the op must be seen). Every output equals
+    attention_with_kvcache's bit for bit, with fresh values each call, poisoned afterwards."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from flashcore.backends import torch_ops
+    shared = []
+    launched = []       # per replay: whether it wrote the bound log-sum-exp buffer
+    replay = torch_ops.replay
+
+    def counted(torch_, plan, pointers, device):
+        ok = replay(torch_, plan, pointers, device)
+        launched.append(bool(ok and shared and pointers[4] == shared[5].data_ptr()))
+        return ok
+    monkeypatch.setattr(torch_ops, "replay", counted)
+    g = torch.Generator(device="cuda").manual_seed(22)
+    b, h, hk, sk, d = 3, 16, 4, 700, 128
+    mk = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)  # noqa
+    q, kc, vc = mk(b, h, 1, d), mk(b, hk, sk, d), mk(b, hk, sk, d)
+    q_strided = mk(b, 1, h, d).transpose(1, 2)      # (b, h, 1, d) of other strides
+    lens = torch.tensor([sk, 450, 123], dtype=torch.int32, device="cuda")
+    leftpad = torch.tensor([0, 40, 7], dtype=torch.int32, device="cuda") \
+        if extra == "leftpad" else None
+    mask = (torch.rand(b, sk, generator=g, device="cuda") < 0.7) if extra == "key_mask" else None
+    setting = {"decode_cluster": not flashcore.config.get().decode_cluster}
+    layers = ["alike", "alike", "strided_q", "alike", "scale", "setting", "mode", "alike"]
+    bound_launches = []
+    for i, kind in enumerate(layers):
+        qq = q_strided if kind == "strided_q" else q
+        for t in (qq, kc, vc):
+            t.copy_(torch.randn(t.shape, generator=g, device="cuda", dtype=t.dtype))
+        scale = 0.1 if kind == "scale" else 0.09
+        n = len(launched)
+        with flashcore.config.override(**setting) if kind == "setting" else \
+                contextlib.nullcontext(), \
+                FlopCounterMode(display=False) if kind == "mode" else contextlib.nullcontext():
+            got = torch_ops.kvcache_read(qq, kc, vc, lens, leftpad, mask, True, scale, (-1, -1),
+                                         0.0, True, shared)
+            want = flashcore.attention_with_kvcache(
+                qq.transpose(1, 2).contiguous(), kc.transpose(1, 2).contiguous(),
+                vc.transpose(1, 2).contiguous(), cache_seqlens=lens, cache_leftpad=leftpad,
+                key_mask=mask, causal=True, softmax_scale=scale)
+        assert len(shared) == 7, (i, kind)          # (bound by the first call)
+        bound_launches.append(any(launched[n:]))
+        assert got.shape == (b, 1, h, d) and got.is_contiguous()
+        assert torch.equal(got, want), (i, kind, (got.float() - want.float()).abs().max())
+        assert got.isfinite().all() and got.abs().sum() > 0
+        got.fill_(float("nan"))
+        del got, want
+    assert bound_launches == [False, True, False, True, False, False, False, True], \
+        list(zip(layers, bound_launches))
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged256"])
