@@ -442,6 +442,50 @@ def test_layers_of_a_forward_share_the_cache_lengths(route, monkeypatch):
     assert len(computed) == 3 and grown.equal(fresh(k2, v2, m2))
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("route", ["positions", "key_mask", "left_padding"])
+def test_decoding_layers_share_one_binding_list_where_the_lengths_are_shared(route, mode,
+                                                                            monkeypatch):
+    """The decoding routes hand kvcache_read the list in which the forward's first read binds
+    its launch plan (torch_ops.kvcache_read's ``shared``): one list for the layers of a forward,
+    a new one for the next forward, and None where nothing is shared (tensors made under
+    torch.inference_mode: each layer computes its lengths, and binding would be wasted)."""
+    from flashcore.backends import torch_ops
+    seen = []
+    read = torch_ops.kvcache_read
+    monkeypatch.setattr(torch_ops, "kvcache_read",
+                        lambda *a: seen.append(a[11]) or read(*a))
+    g = torch.Generator().manual_seed(5)
+    b, h, hk, sk, d = 2, 4, 2, 9, 8
+    q = torch.randn(b, h, 1, d, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(b, hk, sk, d, dtype=torch.float64, generator=g) for _ in range(2))
+    forward = (fct.flashcore_attention_forward_left_padded if route == "left_padding"
+               else fct.flashcore_attention_forward)
+
+    class M(torch.nn.Module):
+        is_causal = True
+
+    ctx = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    fct._SHARED.entries.clear()
+    for _ in range(2):      # two forwards of three layers, each with its own inputs
+        with ctx():
+            pos = torch.full((b, 1), sk - 1)
+            mask = None if route == "positions" else \
+                fct.padding_mask(attention_mask=torch.ones(b, sk, dtype=torch.long),
+                                 kv_length=sk)
+            want = forward(M(), q, k, v, mask, position_ids=pos)[0]
+            for _ in range(2):
+                assert forward(M(), q, k, v, mask, position_ids=pos)[0].equal(want)
+    assert len(seen) == 6
+    if mode == "inference_mode":
+        assert all(s is None for s in seen), seen
+    else:
+        assert all(type(s) is list for s in seen)
+        assert seen[0] is seen[1] is seen[2] and seen[3] is seen[4] is seen[5]
+        assert seen[0] is not seen[3]
+    fct._SHARED.entries.clear()
+
+
 @pytest.mark.parametrize("grad", [False, True])
 def test_layers_of_a_forward_share_the_varlen_packing(grad, monkeypatch):
     """Prefill and training under a padding mask: the packing (orders, cu_seqlens) is computed

@@ -225,8 +225,8 @@ def _attention_forward(module, query, key, value, attention_mask, scaling, dropo
     if attention_mask is None:
         position_ids = kwargs.get("position_ids")
         if over_cache and position_ids is not None:
-            lens, shared = _per_forward(position_ids, ("lens", sk, batch), _step,
-                                        _lens_from_positions, position_ids, batch, sk)
+            lens, shared = _per_forward(position_ids, ("lens", sk, batch), _lens_from_positions,
+                                        position_ids, batch, sk, binding=True)
             out = torch_ops.kvcache_read(query, key, value, lens, None, None, causal, scaling,
                                          window, cap, True, shared)
         else:
@@ -236,8 +236,8 @@ def _attention_forward(module, query, key, value, attention_mask, scaling, dropo
     elif attention_mask.ndim == 2:
         if over_cache and sq <= CACHE_ROUTE_MAX_QUERIES:
             keep, first, end, shared = _per_forward(
-                attention_mask, ("cache", sk, sq, left_padding), _step, _cache_route_of,
-                attention_mask, sk, sq, left_padding)
+                attention_mask, ("cache", sk, sq, left_padding), _cache_route_of, attention_mask,
+                sk, sq, left_padding, binding=True)
             out = torch_ops.kvcache_read(query, key, value, end, first, keep, causal, scaling,
                                          window, cap, True, shared)
         else:
@@ -255,14 +255,6 @@ def _attention_forward(module, query, key, value, attention_mask, scaling, dropo
     return out.contiguous(), None
 
 
-def _step(compute, *args) -> tuple:
-    """What a forward's decoding layers share (see _per_forward): what ``compute(*args)``
-    derives from the mask or the positions, as a tuple, then a list in which the first layer's
-    read binds its launch plan for the others (``shared``: see torch_ops.kvcache_read)."""
-    value = compute(*args)
-    return (value if type(value) is tuple else (value,)) + ([],)
-
-
 def _dropout(p) -> dict:
     return {"dropout_p": float(p)} if p else {}
 
@@ -276,7 +268,7 @@ _SHARED = _Shared()
 _SHARED_ENTRIES = 4     # (models whose layers take different masks, e.g. sliding and full)
 
 
-def _per_forward(source, key, compute, *args):
+def _per_forward(source, key, compute, *args, binding=False):
     """What the layers of one forward compute alike, computed by the first and taken by the
     others: transformers hands every layer the same ``position_ids`` and mask tensors, and what
     the routes derive from them (the cache's lengths: a few small torch ops, 27-45 us of host
@@ -287,14 +279,17 @@ def _per_forward(source, key, compute, *args):
     Nothing is kept or taken under torch.compile (the ops are traced), during CUDA-graph
     capture (each layer's ops must be captured: a replay runs them again) or for tensors made
     under ``torch.inference_mode`` (they have no version counter, so a change in place could
-    not be told)."""
+    not be told).
+    ``binding`` (the decoding routes): the value is what ``compute`` returns, as a tuple, then
+    the list in which the forward's first read binds its launch plan for the other layers
+    (``shared``: see torch_ops.kvcache_read), or None where nothing is kept."""
     import torch
     if torch.compiler.is_compiling() or source.is_inference():
-        return compute(*args)   # (an inference tensor has no version to tell a change by)
+        return _unshared(compute, args, binding)   # (an inference tensor has no version)
     stream = None
     if source.is_cuda:
         if _capturing():
-            return compute(*args)
+            return _unshared(compute, args, binding)
         stream = torch_stream_getter()(source.get_device())
     entries = _SHARED.entries
     version = source._version
@@ -302,9 +297,18 @@ def _per_forward(source, key, compute, *args):
         if e[0] is source and e[1] == version and e[2] == key and e[3] == stream:
             return e[4]
     value = compute(*args)
+    if binding:
+        value = (value if type(value) is tuple else (value,)) + ([],)
     entries.append((source, version, key, stream, value))
     if len(entries) > _SHARED_ENTRIES:
         del entries[0]
+    return value
+
+
+def _unshared(compute, args, binding):
+    value = compute(*args)
+    if binding:
+        return (value if type(value) is tuple else (value,)) + (None,)
     return value
 
 
