@@ -475,3 +475,99 @@ def test_one_tensor_passed_as_several_arguments_gets_the_summed_gradient(alias):
     if alias != "qkv":
         want_b = sum(r.grad for r, t in zip(ref, args) if t is b)
         torch.testing.assert_close(b.grad, want_b, atol=1e-12, rtol=0)
+
+
+def test_a_bound_read_launches_only_what_it_was_bound_to(monkeypatch):
+    """torch_ops._bound_read (kvcache_read's ``shared`` list, bound by a forward's first
+    decoding layer): a call like the bound one launches the bound plan with its addresses in
+    the plan's role order and the list's log-sum-exp buffer; a call that differs in any one
+    respect the plan's key would have told -- the lengths, left-padding or mask tensor, an
+    option, q's strides or dtype, the settings, plans switched off, kernels reloaded -- or that
+    something must see (a dispatch mode, a tensor subclass, a gradient wanted) is not launched
+    (None: the caller goes the usual way). (CPU tensors and a stand-in plan: the launch is
+    recorded, not made.)"""
+    import types
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from flashcore import config, jit
+    from flashcore.backends import torch_ops
+    from flashcore.backends.torch_backend import layout
+    from flashcore.kernels import plans
+    launched = []
+    monkeypatch.setattr(torch_ops, "replay",
+                        lambda torch_, plan, ptrs, dev: launched.append(ptrs) or True)
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(2, 4, 1, 8, generator=g)
+    kc, vc = torch.randn(2, 2, 9, 8, generator=g), torch.randn(2, 2, 9, 8, generator=g)
+    lens = torch.tensor([9, 5], dtype=torch.int32)
+    mask = torch.rand(2, 9, generator=g) < 0.5
+    lse = torch.empty(2, 4, 1)
+    args = (True, 0.35, (-1, 0), 0.0, True)
+    shared = [types.SimpleNamespace(generation=jit.generation()), config.get(),
+              (lens, None, mask), args, (layout(q), layout(kc), layout(vc)), lse, True]
+
+    def read(q=q, kc=kc, vc=vc, lens=lens, leftpad=None, mask=mask, args=args):
+        n = len(launched)
+        out = torch_ops._bound_read(torch, shared, q, kc, vc, lens, leftpad, mask, args)
+        assert (out is not None) == (len(launched) == n + 1)
+        return out
+
+    out = read()
+    assert out.shape == (2, 1, 4, 8) and out.dtype == q.dtype
+    assert launched[-1] == (q.data_ptr(), kc.data_ptr(), vc.data_ptr(), out.data_ptr(),
+                            lse.data_ptr(), lens.data_ptr(), 0, 0, 0, 0, 0, mask.data_ptr())
+    grad_k = kc.clone().requires_grad_()
+    with torch.no_grad():
+        assert read(kc=grad_k) is not None          # (no gradient wanted: launched)
+    differing = {
+        "an equal lengths tensor": dict(lens=lens.clone()),
+        "left padding": dict(leftpad=torch.zeros(2, dtype=torch.int32)),
+        "no mask": dict(mask=None),
+        "another scale": dict(args=(True, 0.36, (-1, 0), 0.0, True)),
+        "another window": dict(args=(True, 0.35, (3, 0), 0.0, True)),
+        "q of other strides": dict(q=torch.randn(2, 1, 4, 8).transpose(1, 2)),
+        "q of another dtype": dict(q=q.double()),
+        "k_cache of another length": dict(kc=torch.randn(2, 2, 10, 8)),
+        "a subclass": dict(q=torch.nn.Parameter(q.clone(), requires_grad=False)),
+        "a gradient wanted": dict(kc=grad_k),
+    }
+    for name, kw in differing.items():
+        assert read(**kw) is None, name
+    toggled = {"decode_cluster": not config.get().decode_cluster}
+    for name, ctx in (("another setting", lambda: config.override(**toggled)),
+                      ("a dispatch mode", lambda: FlopCounterMode(display=False)),
+                      ("plans off", lambda: _plans_off(plans)),
+                      ("kernels reloaded", lambda: _generation_bumped(jit))):
+        with ctx():
+            assert read() is None, name
+    assert read() is not None       # (and like the bound call again afterwards)
+    shared[-1] = False              # bound heads-last: (b, s, h, d) in and out
+    shared[4] = (layout(q.transpose(1, 2)), layout(kc), layout(vc))
+    assert read(q=q.transpose(1, 2)).shape == (2, 1, 4, 8)
+
+
+def _plans_off(plans):
+    import contextlib
+
+    @contextlib.contextmanager
+    def off():
+        plans.set_enabled(False)
+        try:
+            yield
+        finally:
+            plans.set_enabled(True)
+    return off()
+
+
+def _generation_bumped(jit):
+    import contextlib
+
+    @contextlib.contextmanager
+    def bumped():
+        jit._GENERATION[0] += 1
+        try:
+            yield
+        finally:
+            jit._GENERATION[0] -= 1
+    return bumped()

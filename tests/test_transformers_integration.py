@@ -442,47 +442,46 @@ def test_layers_of_a_forward_share_the_cache_lengths(route, monkeypatch):
     assert len(computed) == 3 and grown.equal(fresh(k2, v2, m2))
 
 
-@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
-@pytest.mark.parametrize("route", ["positions", "key_mask", "left_padding"])
-def test_decoding_layers_share_one_binding_list_where_the_lengths_are_shared(route, mode,
-                                                                            monkeypatch):
-    """The decoding routes hand kvcache_read the list in which the forward's first read binds
-    its launch plan (torch_ops.kvcache_read's ``shared``): one list for the layers of a forward,
-    a new one for the next forward, and None where nothing is shared (tensors made under
-    torch.inference_mode: each layer computes its lengths, and binding would be wasted)."""
-    from flashcore.backends import torch_ops
-    seen = []
-    read = torch_ops.kvcache_read
-    monkeypatch.setattr(torch_ops, "kvcache_read",
-                        lambda *a: seen.append(a[11]) or read(*a))
-    g = torch.Generator().manual_seed(5)
-    b, h, hk, sk, d = 2, 4, 2, 9, 8
-    q = torch.randn(b, h, 1, d, dtype=torch.float64, generator=g)
-    k, v = (torch.randn(b, hk, sk, d, dtype=torch.float64, generator=g) for _ in range(2))
-    forward = (fct.flashcore_attention_forward_left_padded if route == "left_padding"
-               else fct.flashcore_attention_forward)
+def test_decoding_routes_bind_in_one_list_a_forward_where_it_is_the_streams(monkeypatch):
+    """_per_forward(..., binding=True), as the decoding routes call it: the value, then the list
+    in which the forward's first read binds its launch plan (torch_ops.kvcache_read's
+    ``shared``). The layers of a forward get one list; a source changed in place, another
+    stream or another source a new one; None where nothing is kept (inference-mode tensors,
+    capture) or the source is not a CUDA tensor (its entry is no stream's)."""
+    import types
+    stream = [11]
+    capturing = [False]
+    monkeypatch.setattr(fct, "torch_stream_getter", lambda: lambda index: stream[0])
+    monkeypatch.setattr(fct, "_capturing", lambda: capturing[0])
 
-    class M(torch.nn.Module):
-        is_causal = True
+    def source(cuda=True, inference=False):
+        return types.SimpleNamespace(is_cuda=cuda, _version=0, get_device=lambda: 0,
+                                     is_inference=lambda: inference)
 
-    ctx = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    def step(src, key=("lens", 9, 2)):
+        return fct._per_forward(src, key, lambda x: x * 2, 7, binding=True)
+
     fct._SHARED.entries.clear()
-    for _ in range(2):      # two forwards of three layers, each with its own inputs
-        with ctx():
-            pos = torch.full((b, 1), sk - 1)
-            mask = None if route == "positions" else \
-                fct.padding_mask(attention_mask=torch.ones(b, sk, dtype=torch.long),
-                                 kv_length=sk)
-            want = forward(M(), q, k, v, mask, position_ids=pos)[0]
-            for _ in range(2):
-                assert forward(M(), q, k, v, mask, position_ids=pos)[0].equal(want)
-    assert len(seen) == 6
-    if mode == "inference_mode":
-        assert all(s is None for s in seen), seen
-    else:
-        assert all(type(s) is list for s in seen)
-        assert seen[0] is seen[1] is seen[2] and seen[3] is seen[4] is seen[5]
-        assert seen[0] is not seen[3]
+    src = source()
+    first = step(src)
+    assert len(first) == 2 and first[0] == 14 and type(first[1]) is list and not first[1]
+    assert fct._per_forward(source(), ("cache",), lambda: (1, 2, 3), binding=True)[:3] == \
+        (1, 2, 3)       # (a tuple's entries, then the list)
+    assert step(src)[1] is first[1] and step(src)[1] is first[1]      # the forward's layers
+    src._version += 1
+    changed = step(src)
+    assert type(changed[1]) is list and changed[1] is not first[1]
+    assert step(source())[1] is not changed[1]                         # another forward
+    assert step(src, ("lens", 10, 2))[1] is not changed[1]             # another shape
+    stream[0] = 12
+    assert step(src)[1] is not changed[1]                              # another stream
+    assert step(source(cuda=False))[1] is None
+    assert step(source(inference=True))[1] is None
+    capturing[0] = True
+    assert step(src)[1] is None
+    # (without binding, the value alone, as before)
+    capturing[0] = False
+    assert fct._per_forward(source(), ("lens", 9, 2), lambda x: x, 5) == 5
     fct._SHARED.entries.clear()
 
 

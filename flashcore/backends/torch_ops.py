@@ -30,7 +30,7 @@ from .. import config
 from .._arrays import dtype_name
 from ..jit import _GENERATION
 from ..kernels import plans
-from ..kernels.plans import PLANS
+from ..kernels.plans import PLANS, _STATE as _PLAN_STATE
 from ..spec import backward_spec, forward_spec, lse_shape, out_fp32
 from .base import choose, choose_kvcache
 from .torch_backend import _BACKEND, layout, replay
@@ -746,11 +746,14 @@ def kvcache_read(q, k_cache, v_cache, cache_seqlens, cache_leftpad, key_mask, ca
     headdim) either way).
 
     ``shared``: a list that the caller keeps for calls that come alike (a forward's decoding
-    layers: the same length, mask and left-padding tensors, the same options), empty at first.
-    The first plain eager call that replays or records a launch plan leaves it there, bound to
-    what it was made for (:func:`_bind`); a later call that matches it (the same tensors, options
-    and settings, q, k_cache and v_cache of the same layouts) launches it with no key made, its
-    log-sum-exp (which this function does not return) written to one buffer kept in the list."""
+    layers: the same length, mask and left-padding tensors, the same options of the same
+    types), on one stream and never during CUDA-graph capture, empty at first. The first plain
+    eager call on CUDA tensors (no gradient wanted, debug mode off) that replays or records a
+    launch plan leaves it there, bound to what it was made for (:func:`_bind`); a later call
+    that matches it (the same tensors, options and settings, q, k_cache and v_cache of the same
+    layouts, plans enabled, nothing that must see the op) launches it with no key made, its
+    log-sum-exp (which this function does not return) written to one buffer kept in the list.
+    Anything else goes the usual way."""
     import torch
     if shared:
         out = _bound_read(torch, shared, q, k_cache, v_cache, cache_seqlens, cache_leftpad,
@@ -813,16 +816,16 @@ def _bound_read(torch, shared, q, k_cache, v_cache, cache_seqlens, cache_leftpad
     """The output of a call that matches what ``shared`` is bound to, launched from its plan;
     else None (the caller goes the usual way)."""
     plan, cfg, tensors, bound_args, layouts, lse, heads_first = shared
-    if not (plan.generation == _GENERATION[0] and config.get() is cfg
-            and cache_seqlens is tensors[0] and cache_leftpad is tensors[1]
-            and key_mask is tensors[2] and args == bound_args
-            and (layout(q), layout(k_cache), layout(v_cache)) == layouts):
-        return None
     plain = torch.Tensor
     if (type(q) is not plain or type(k_cache) is not plain or type(v_cache) is not plain
             or _dispatcher_needed(torch)
             or (torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
                                              or v_cache.requires_grad))):
+        return None
+    if not (plan.generation == _GENERATION[0] and config.get() is cfg
+            and _PLAN_STATE["enabled"] and cache_seqlens is tensors[0]
+            and cache_leftpad is tensors[1] and key_mask is tensors[2] and args == bound_args
+            and (layout(q), layout(k_cache), layout(v_cache)) == layouts):
         return None
     if heads_first:
         b, h, s, d = q.shape

@@ -282,7 +282,8 @@ def _per_forward(source, key, compute, *args, binding=False):
     not be told).
     ``binding`` (the decoding routes): the value is what ``compute`` returns, as a tuple, then
     the list in which the forward's first read binds its launch plan for the other layers
-    (``shared``: see torch_ops.kvcache_read), or None where nothing is kept."""
+    (``shared``: see torch_ops.kvcache_read; one stream's, never used under capture), or None
+    where nothing is kept or the source is not a CUDA tensor."""
     import torch
     if torch.compiler.is_compiling() or source.is_inference():
         return _unshared(compute, args, binding)   # (an inference tensor has no version)
@@ -297,8 +298,9 @@ def _per_forward(source, key, compute, *args, binding=False):
         if e[0] is source and e[1] == version and e[2] == key and e[3] == stream:
             return e[4]
     value = compute(*args)
-    if binding:
-        value = (value if type(value) is tuple else (value,)) + ([],)
+    if binding:     # (a list only where the entry is the stream's: a CUDA source's)
+        value = (value if type(value) is tuple else (value,)) + \
+            ([] if stream is not None else None,)
     entries.append((source, version, key, stream, value))
     if len(entries) > _SHARED_ENTRIES:
         del entries[0]
