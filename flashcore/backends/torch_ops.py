@@ -253,26 +253,11 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, options, block_table
                            key_mask, cache_leftpad, rest)
         plan = PLANS.get(key)
         if plan is not None and plan.generation == _GENERATION[0]:   # (plans.lookup inline)
-            dev = q.device
-            if heads_first:
-                b, h, s, d = q.shape
-                out = torch.empty((b, s, h, d), dtype=q.dtype, device=dev)
-                lse = torch.empty((b, h, s), dtype=torch.float32, device=dev)
-            else:
-                b, s, h, d = q.shape
-                out = torch.empty((b, s, h, d), dtype=q.dtype, device=dev)
-                lse = torch.empty((b, h, s), dtype=torch.float32, device=dev)
-            ptrs = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-                    lse.data_ptr(), cache_seqlens.data_ptr(),
-                    0 if block_table is None else block_table.data_ptr())
-            if rest is None:
-                ptrs += (0, 0 if cache_leftpad is None else cache_leftpad.data_ptr(), 0, 0,
-                         0 if key_mask is None else key_mask.data_ptr())
-            else:
-                ptrs += (_ptr(alibi_slopes), _ptr(cache_leftpad), _ptr(k_descale),
-                         _ptr(v_descale), _ptr(key_mask))
-            if replay(torch, plan, ptrs, dev):
-                return out, lse
+            done = _launch_read(torch, plan, q, k_cache, v_cache, cache_seqlens,
+                                (_ptr(block_table), _ptr(alibi_slopes), _ptr(cache_leftpad),
+                                 _ptr(k_descale), _ptr(v_descale), _ptr(key_mask)), heads_first)
+            if done is not None:
+                return done
     if heads_first:     # (b, s, h, d) views, as every other call gives them
         _check_heads_first(q, k_cache, v_cache)
         q, k_cache, v_cache = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
@@ -827,17 +812,28 @@ def _bound_read(torch, shared, q, k_cache, v_cache, cache_seqlens, cache_leftpad
             and cache_leftpad is tensors[1] and key_mask is tensors[2] and args == bound_args
             and (layout(q), layout(k_cache), layout(v_cache)) == layouts):
         return None
+    done = _launch_read(torch, plan, q, k_cache, v_cache, cache_seqlens,
+                        (0, 0, _ptr(cache_leftpad), 0, 0, _ptr(key_mask)), heads_first, lse)
+    return None if done is None else done[0]
+
+
+def _launch_read(torch, plan, q, k_cache, v_cache, cache_seqlens, tail, heads_first, lse=None):
+    """A decode call launched from its plan: the output, (b, s, h, d), allocated (and the
+    log-sum-exp, (b, h, s) float32, unless given), the addresses in the plan's role order
+    (q, k_cache, v_cache, out, lse, cache_seqlens, then ``tail``: block_table, alibi_slopes,
+    cache_leftpad, k_descale, v_descale, key_mask; 0 for None). ``(out, lse)``, or None when
+    the plan cannot run here (see replay): nothing was launched."""
     if heads_first:
         b, h, s, d = q.shape
     else:
         b, s, h, d = q.shape
     dev = q.device
     out = torch.empty((b, s, h, d), dtype=q.dtype, device=dev)
-    if replay(torch, plan, (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                            out.data_ptr(), lse.data_ptr(), cache_seqlens.data_ptr(), 0, 0,
-                            0 if cache_leftpad is None else cache_leftpad.data_ptr(), 0, 0,
-                            0 if key_mask is None else key_mask.data_ptr()), dev):
-        return out
+    if lse is None:
+        lse = torch.empty((b, h, s), dtype=torch.float32, device=dev)
+    if replay(torch, plan, (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                            lse.data_ptr(), cache_seqlens.data_ptr()) + tail, dev):
+        return out, lse
     return None
 
 
