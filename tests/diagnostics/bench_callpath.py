@@ -2,7 +2,7 @@
 
     python tests/diagnostics/bench_callpath.py [decode] [decode_host] [decode_lengths] [tiny]
                                                [cupy] [llama] [generate] [generate_static]
-                                               [generate_parts]
+                                               [generate_parts] [generate_ab:COMMIT]
                                                [compile] [profile] [launch_gil] [--json F]
 
 decode    flashcore.bench.decode: attention_with_kvcache (cache_seqlens a CUDA int32 tensor,
@@ -30,7 +30,10 @@ generate_static  the same with cache_implementation="static" (compiled by transf
 generate_parts  where the dynamic-cache step goes, in the model: tokens/s over "sdpa"'s of
           flashcore and of flashcore with parts taken away (the op through the dispatcher, the
           mask dropped, the route's Python skipped, the plan launched by hand), 64 tokens,
-          7 rounds in turn.
+          7 rounds in turn (``fc_unbound``: the layers not binding the forward's plan).
+generate_ab:COMMIT  this flashcore against the one of COMMIT (git archive, imported beside it
+          under another name), "sdpa" with them, in one process: greedy generate of 64 tokens,
+          7 rounds in turn, batch 1 / 512 and 8 / 2k; ratios to "sdpa" and to COMMIT's.
 compile   torch.compile of the llama training step (batch 4 x 4k), flashcore vs "sdpa".
 decode_lengths  the transformers attention functions at a decoding step, flashcore's against
           sdpa's: a host loop at one cache length, and single calls at cache lengths new to
@@ -443,20 +446,10 @@ def _part_functions():
     from transformers.masking_utils import AttentionMaskInterface
 
     import flashcore.integrations.transformers as fct
+    from flashcore import config
     from flashcore.backends import torch_ops
     from flashcore.kernels import plans
     needed = torch_ops._dispatcher_needed
-    last = {}
-    lookup, remember = plans.lookup, plans.remember
-
-    def seen_lookup(key):           # (the plan a call replays, for fc_floor)
-        last["plan"] = lookup(key)
-        return last["plan"]
-
-    def seen_remember(key, plan):
-        last["plan"] = plan
-        return remember(key, plan)
-    plans.lookup, plans.remember = seen_lookup, seen_remember
 
     def fc_op(module, q, k, v, mask, **kw):        # the op called through the dispatcher
         torch_ops._dispatcher_needed = lambda torch: True
@@ -491,16 +484,28 @@ def _part_functions():
         if plan is None:
             out = torch_ops.kvcache_read(q, k, v, lens, None, None, True, scaling, (-1, -1),
                                          0.0, heads_first=True)
-            if last.get("plan") is not None:
-                floor[(b, k.shape[2])] = last["plan"]
+            # (the plan that call replayed or recorded: its key, as the read op makes it)
+            opts = (0, False, True, scaling, -1, 0, 0.0, 0, True)
+            found = plans.PLANS.get(torch_ops._kvcache_key(q, k, v, lens, opts, config.get(),
+                                                           None, None, None))
+            if found is not None:
+                floor[(b, k.shape[2])] = found
             return out, None
         out = torch.empty((b, s, h, d), dtype=q.dtype, device=q.device)
         lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
         plan.run((q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
                   lens.data_ptr(), 0, 0, 0, 0, 0, 0), stream(q.get_device()), None)
         return out, None
+    def fc_unbound(module, q, k, v, mask, scaling=None, **kw):   # the masked route, unbound
+        sq, sk = q.shape[2], k.shape[2]
+        if sq >= sk or mask is None:
+            return fct.flashcore_attention_forward(module, q, k, v, mask, scaling=scaling, **kw)
+        keep, first, end = fct._per_forward(mask, ("cache_unbound", sk, sq), fct._cache_route_of,
+                                            mask, sk, sq, False)
+        return torch_ops.kvcache_read(q, k, v, end, first, keep, True, scaling, (-1, -1), 0.0,
+                                      True, None).contiguous(), None
     fns = {"fc_op": fc_op, "fc_positions": fc_positions, "fc_direct": fc_direct,
-           "fc_floor": fc_floor}
+           "fc_floor": fc_floor, "fc_unbound": fc_unbound}
     for name, fn in fns.items():
         AttentionInterface.register(name, fn)
         AttentionMaskInterface.register(name, fct.padding_mask)
@@ -516,7 +521,9 @@ def generate_parts(shapes=((1, 512), (8, 2048)), new=64, rounds=7):
     ``fc_positions`` the mask dropped (the positions' lengths: what the masked route costs);
     ``fc_direct`` the lengths, then the read op's implementation (none of the route's Python);
     ``fc_floor`` the lengths, then the layer's recorded plan launched by hand (no plan key, no
-    checks: the floor of a Python launch). The parts give flashcore's tokens (checked)."""
+    checks: the floor of a Python launch); ``fc_unbound`` the masked route with the layers not
+    binding the forward's plan (each builds its key: what the binding saves). The parts give
+    flashcore's tokens (checked)."""
     import statistics
     names = ["sdpa", "flashcore"] + _part_functions()
     for batch, prompt in shapes:
@@ -533,6 +540,62 @@ def generate_parts(shapes=((1, 512), (8, 2048)), new=64, rounds=7):
         torch.cuda.empty_cache()
 
 
+def _package_at(commit):
+    """flashcore's transformers integration as of ``commit``, importable beside this one: the
+    package and its CUDA sources (``git archive``) in a temporary folder, the package renamed
+    ``fc_<commit>`` and its torch.library namespace with it (a namespace is defined once a
+    process). Its plans, settings and loaded kernels are its own; the disk cache of compiled
+    kernels is shared."""
+    import importlib
+    import os
+    import re
+    import subprocess
+    import tempfile
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    archive = subprocess.run(["git", "-C", repo, "archive", commit, "flashcore", "cuda"],
+                             check=True, capture_output=True).stdout
+    root = tempfile.mkdtemp(prefix="flashcore_at_")
+    subprocess.run(["tar", "-x", "-C", root], input=archive, check=True)
+    name = "fc_" + re.sub(r"\W", "_", commit)
+    os.rename(os.path.join(root, "flashcore"), os.path.join(root, name))
+    ops = os.path.join(root, name, "backends", "torch_ops.py")
+    with open(ops) as f:
+        src = f.read()
+    src = (src.replace('Library("flashcore"', f'Library("{name}"')
+           .replace('"flashcore::', f'"{name}::').replace("torch.ops.flashcore", f"torch.ops.{name}"))
+    with open(ops, "w") as f:
+        f.write(src)
+    sys.path.insert(0, root)
+    return importlib.import_module(name + ".integrations.transformers")
+
+
+def generate_ab(commit, shapes=((1, 512), (8, 2048)), new=64, rounds=7):
+    """This flashcore against flashcore as of ``commit``, in one process (session 61: the
+    figure of one generate moves by +-2% from run to run on one tree, more than a change of
+    the route may): greedy generate of ``new`` tokens under "sdpa", flashcore and ``fc_old``
+    (the integration of ``commit``, :func:`_package_at`), timed in turn, ``rounds`` rounds,
+    median tokens/s; flashcore's and fc_old's ratios to "sdpa", and flashcore's to fc_old."""
+    import statistics
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    old = _package_at(commit)
+    AttentionInterface.register("fc_old", old.flashcore_attention_forward)
+    AttentionMaskInterface.register("fc_old", old.padding_mask)
+    for batch, prompt in shapes:
+        models, ids, kw, _ = generate_setup(["sdpa", "flashcore", "fc_old"], batch, prompt, new)
+        times, outs = generate_rounds(models, ids, kw, rounds)
+        med = {n: statistics.median(t) for n, t in times.items()}
+        print(f"# generate_ab {batch} x {prompt} against {commit}, tokens/s by round: "
+              + _by_round(batch, new, times))
+        emit(section="generate_ab", commit=commit, batch=batch, prompt=prompt,
+             ratio=med["sdpa"] / med["flashcore"], old_ratio=med["sdpa"] / med["fc_old"],
+             over_old=med["fc_old"] / med["flashcore"],
+             tokens_equal_old=bool(torch.equal(outs["flashcore"], outs["fc_old"])))
+        del models
+        torch.cuda.empty_cache()
+
+
 def main(argv):
     if argv[:1] == ["--first"]:      # (a fresh process of tiny())
         print(_first_steps(argv[1], int(argv[2])))
@@ -545,11 +608,18 @@ def main(argv):
     sections = argv or ["decode", "tiny", "llama", "generate"]
     print(f"# torch {torch.__version__}, {torch.cuda.get_device_name()}, sections {sections}")
     for s in sections:
+        if s.startswith("generate_ab:"):
+            s, commit = s.split(":", 1)
+            run = lambda: generate_ab(commit)  # noqa: E731
+        else:
+            run = {"decode": decode, "decode_host": decode_host, "tiny": tiny, "cupy": cupy_calls,
+                   "llama": llama, "generate": generate, "generate_static": generate_static,
+                   "compile": compile_step, "profile": profile, "launch_gil": launch_gil,
+                   "decode_lengths": decode_lengths, "generate_parts": generate_parts}.get(s)
         try:
-            {"decode": decode, "decode_host": decode_host, "tiny": tiny, "cupy": cupy_calls,
-             "llama": llama, "generate": generate, "generate_static": generate_static,
-             "compile": compile_step, "profile": profile, "launch_gil": launch_gil,
-             "decode_lengths": decode_lengths, "generate_parts": generate_parts}[s]()
+            if run is None:
+                raise ValueError(f"unknown section {s!r}")
+            run()
         except Exception as e:
             import traceback
             traceback.print_exc()
