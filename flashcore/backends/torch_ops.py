@@ -30,7 +30,7 @@ from .. import config
 from .._arrays import dtype_name
 from ..jit import _GENERATION
 from ..kernels import plans
-from ..kernels.plans import PLANS, _STATE as _PLAN_STATE
+from ..kernels.plans import PLANS
 from ..spec import backward_spec, forward_spec, lse_shape, out_fp32
 from .base import choose, choose_kvcache
 from .torch_backend import _BACKEND, layout, replay
@@ -801,14 +801,12 @@ def _bound_read(torch, shared, q, k_cache, v_cache, cache_seqlens, cache_leftpad
     """The output of a call that matches what ``shared`` is bound to, launched from its plan;
     else None (the caller goes the usual way)."""
     plan, cfg, tensors, bound_args, layouts, lse, heads_first = shared
-    plain = torch.Tensor
-    if (type(q) is not plain or type(k_cache) is not plain or type(v_cache) is not plain
-            or _dispatcher_needed(torch)
-            or (torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
-                                             or v_cache.requires_grad))):
+    if not _direct(torch, q, k_cache, v_cache) or (
+            torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
+                                         or v_cache.requires_grad)):
         return None
     if not (plan.generation == _GENERATION[0] and config.get() is cfg
-            and _PLAN_STATE["enabled"] and cache_seqlens is tensors[0]
+            and plans.enabled() and cache_seqlens is tensors[0]
             and cache_leftpad is tensors[1] and key_mask is tensors[2] and args == bound_args
             and (layout(q), layout(k_cache), layout(v_cache)) == layouts):
         return None

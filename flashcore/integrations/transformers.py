@@ -299,8 +299,7 @@ def _per_forward(source, key, compute, *args, binding=False):
             return e[4]
     value = compute(*args)
     if binding:     # (a list only where the entry is the stream's: a CUDA source's)
-        value = (value if type(value) is tuple else (value,)) + \
-            ([] if stream is not None else None,)
+        value = _with_list(value, [] if stream is not None else None)
     entries.append((source, version, key, stream, value))
     if len(entries) > _SHARED_ENTRIES:
         del entries[0]
@@ -309,9 +308,13 @@ def _per_forward(source, key, compute, *args, binding=False):
 
 def _unshared(compute, args, binding):
     value = compute(*args)
-    if binding:
-        return (value if type(value) is tuple else (value,)) + (None,)
-    return value
+    return _with_list(value, None) if binding else value
+
+
+def _with_list(value, shared) -> tuple:
+    """A decoding route's value as _per_forward gives it with ``binding``: the value's
+    entries, then ``shared`` (the binding list, or None)."""
+    return (value if type(value) is tuple else (value,)) + (shared,)
 
 
 _CAPTURING: list = []
