@@ -687,6 +687,94 @@ def test_decode_replay_equals_full_launch(seed, monkeypatch):
     assert replay2[0][4] != full1[0][4], "pointers were not updated"
 
 
+# ---------------- decoding: a plan for another cache length ----------------
+
+def _growing_cache(c, cap, heads_first, masked):
+    """A contiguous cache of ``cap`` keys as a transformers DynamicCache holds it ((b, hk, s, d),
+    passed as its (b, s, hk, d) view: ``heads_first``) or as (b, s, hk, d), and a key mask."""
+    b, hk, d = c["b"], c["hk"], c["d"]
+    isz = np.dtype(c["dtype"]).itemsize
+    if heads_first:
+        st = (hk * cap * d * isz, d * isz, cap * d * isz, isz)
+        kc, vc = (fake_array((b, cap, hk, d), c["dtype"], st) for _ in "kv")
+    else:
+        kc, vc = (fake_array((b, cap, hk, d), c["dtype"]) for _ in "kv")
+    mask = fake_array((b, cap), np.bool_) if masked else None
+    return kc, vc, mask
+
+
+def _decode_full(c, q, kc, vc, out, lse, seqlens, mask):
+    from flashcore.kernels import decode
+    with plans.record() as rec:
+        _, piece = decode.decode_launches(
+            q, kc, vc, out, lse, cache_seqlens=seqlens, softmax_scale=c["scale"],
+            window_left=c["wl"], window_right=c["wr"], softcap=c["softcap"],
+            num_splits=c["splits"], key_mask=mask)
+        plans.offer(piece)
+    return rec.plan(tuple(zip(("q", "k", "v", "o", "lse", "cache_seqlens", "key_mask"),
+                              map(_ptr, (q, kc, vc, out, lse, seqlens, mask)))), 0)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_decode_plan_for_another_length_equals_full_launch(seed, monkeypatch):
+    """A decode plan recorded at one cache length and written for another
+    (Plan.for_length) launches what the full launcher launches at that length, byte for byte;
+    it declines exactly where the full launch differs in kernel, grid, block or shared memory."""
+    from flashcore.kernels import decode
+    monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
+    rng = np.random.default_rng(9000 + seed)
+    c = _decode_case(rng)
+    c["paged"] = False
+    config.set(decode_cluster=bool(rng.random() < 0.6))
+    heads_first, masked = bool(rng.random() < 0.5), bool(rng.random() < 0.5)
+    cap1 = int(rng.integers(1, 9000))
+    q = fake_array((c["b"], c["sq"], c["h"], c["d"]), c["dtype"])
+    out, lse = fake_array(q.shape, q.dtype), fake_array((c["b"], c["h"], c["sq"]), np.float32)
+    seqlens = fake_array((c["b"],), np.int32)
+    kc, vc, mask = _growing_cache(c, cap1, heads_first, masked)
+    LOG.clear()
+    plan = _decode_full(c, q, kc, vc, out, lse, seqlens, mask)
+    assert plan is not None and plan.relength is not None
+    first = [e[:4] for e in LOG]
+    made = 0
+    for cap2 in (cap1 + 1, cap1 + 2, cap1 + 63, cap1 + 700, max(1, cap1 - 1),
+                 int(rng.integers(1, 70000))):
+        kc, vc, mask = _growing_cache(c, cap2, heads_first, masked)
+        LOG.clear()
+        _decode_full(c, q, kc, vc, out, lse, seqlens, mask)
+        full = list(LOG)
+        other = plan.for_length(cap2, decode._strides(kc), decode._strides(vc),
+                                0 if mask is None else mask.strides[0])
+        if other is None:
+            assert [e[:4] for e in full] != first, f"declined {cap2} that launches alike"
+            continue
+        made += 1
+        LOG.clear()
+
+        def alloc(nbytes):
+            a = cupy.empty((nbytes,), np.uint8)
+            return a, a.data.ptr
+        assert other.run(tuple(map(_ptr, (q, kc, vc, out, lse, seqlens, mask))), STREAM["ptr"],
+                         alloc) is not None
+        assert _decode_masked(LOG) == _decode_masked(full), cap2
+    assert made, "no other length launched alike"
+
+
+def test_decode_plan_for_another_length_declines_a_layout_it_would_copy(monkeypatch):
+    from flashcore.kernels import decode
+    monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
+    c = _fused_case(splits=0)
+    q = fake_array((1, 1, 32, 128), c["dtype"])
+    out, lse = fake_array(q.shape, q.dtype), fake_array((1, 32, 1), np.float32)
+    kc, vc, _ = _growing_cache(c, 4096, False, False)
+    plan = _decode_full(c, q, kc, vc, out, lse, fake_array((1,), np.int32), None)
+    st = decode._strides(kc)
+    assert plan.for_length(4100, st, st, 0) is not None
+    assert plan.for_length(4100, (st[0] + 4,) + st[1:], st, 0) is None    # not 16-byte steps
+    assert plan.for_length(4100, st[:3] + (2,), st, 0) is None            # not the last dim
+    assert plan.for_length(0, st, st, 0) is None
+
+
 # ---------------- decoding: the fused split combine ----------------
 
 def _counter_word():

@@ -477,6 +477,64 @@ def test_one_tensor_passed_as_several_arguments_gets_the_summed_gradient(alias):
         torch.testing.assert_close(b.grad, want_b, atol=1e-12, rtol=0)
 
 
+def test_a_growing_cache_takes_its_plan_from_another_length(monkeypatch):
+    """torch_ops' length-free key (_length_free_key): the decode key of a contiguous cache
+    (heads first or not) with the cache's length left out and nothing else; None for a cache
+    that is not contiguous, a mask of another length, a paged call or the append op. And
+    _other_length asks the plan kept under it for the call's length with the cache's strides
+    in the launcher's (batch, seq, heads, headdim) order (CPU tensors, a stand-in plan)."""
+    import types
+
+    from flashcore import config, jit
+    from flashcore.backends import torch_ops
+    from flashcore.kernels import plans
+    g = torch.Generator().manual_seed(9)
+
+    def call(n, heads_first=True, masked=True, **over):
+        q = torch.randn(2, 4, 1, 8, generator=g)
+        kc = torch.randn(2, 2, n, 8) if heads_first else torch.randn(2, n, 2, 8)
+        vc = torch.randn(kc.shape)
+        mask = (torch.rand(2, n, generator=g) < 0.5) if masked else None
+        c = dict(q=q, kc=kc, vc=vc, lens=torch.tensor([n, 3], dtype=torch.int32), mask=mask,
+                 block_table=None, rest=None, heads_first=heads_first)
+        c.update(over)
+        opts = (0, False, True, 0.35, -1, 0, 0.0, 0) + ((True,) if c["heads_first"] else ())
+        key = torch_ops._kvcache_key(c["q"], c["kc"], c["vc"], c["lens"], opts, config.get(),
+                                     c["block_table"], c["mask"], None, c["rest"])
+        free = torch_ops._length_free_key(key, c["kc"], c["vc"], c["heads_first"], c["mask"],
+                                          c["block_table"], c["rest"])
+        return key, free, c
+
+    for hf in (True, False):
+        for masked in (True, False):
+            (k1, f1, _), (k2, f2, c2) = call(700, hf, masked), call(701, hf, masked)
+            assert k1 != k2 and f1 is not None and f1 == f2
+            assert f1 != call(700, not hf, masked)[1] and f1 != call(700, hf, not masked)[1]
+    assert call(700, q=torch.randn(2, 4, 1, 8).double())[1] != call(700)[1]
+    assert call(700, kc=torch.randn(2, 2, 8, 700).transpose(2, 3))[1] is None
+    assert call(700, mask=torch.rand(2, 701) < 0.5)[1] is None
+    assert call(700, mask=(torch.rand(700, 2) < 0.5).t())[1] is None
+    assert call(700, block_table=torch.zeros(2, 3, dtype=torch.int32))[1] is None
+    assert call(700, rest=(None,) * 5)[1] is None
+    assert call(700, heads_first=None)[1] is None
+    asked = []
+    made = types.SimpleNamespace(generation=jit.generation())
+    kept = types.SimpleNamespace(generation=jit.generation(),
+                                 for_length=lambda *a: asked.append(a) or made)
+    monkeypatch.setattr(plans, "PLANS", {})
+    monkeypatch.setattr(torch_ops, "PLANS", plans.PLANS)
+    for hf in (True, False):
+        asked.clear()
+        plans.PLANS.clear()
+        key, free, c = call(901, hf)
+        assert torch_ops._other_length(key, free, c["kc"], c["vc"], hf, c["mask"]) is None
+        plans.PLANS[free] = kept
+        assert torch_ops._other_length(key, free, c["kc"], c["vc"], hf, c["mask"]) is made
+        assert asked == [(901, (2 * 901 * 8, 8, 901 * 8, 1) if hf else (901 * 16, 16, 8, 1),
+                          (2 * 901 * 8, 8, 901 * 8, 1) if hf else (901 * 16, 16, 8, 1), 901)]
+        assert plans.PLANS[key] is made and plans.PLANS[free] is made
+
+
 def test_a_bound_read_launches_only_what_it_was_bound_to(monkeypatch):
     """torch_ops._bound_read (kvcache_read's ``shared`` list, bound by a forward's first
     decoding layer): a call like the bound one launches the bound plan with its addresses in

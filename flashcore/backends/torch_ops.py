@@ -241,7 +241,7 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, options, block_table
     options), a bool for the read op (whose options may hold it as a ninth entry, kept in the
     plan's key with the rest)."""
     import torch
-    key = None
+    key = free = None
     cfg = config.get()
     # (debug mode validates every call; a call that appends is never recorded: its decode
     # reads the lengths that the append computes on the device, so no key is made for it)
@@ -252,7 +252,12 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, options, block_table
         key = _kvcache_key(q, k_cache, v_cache, cache_seqlens, options, cfg, block_table,
                            key_mask, cache_leftpad, rest)
         plan = PLANS.get(key)
-        if plan is not None and plan.generation == _GENERATION[0]:   # (plans.lookup inline)
+        if plan is None or plan.generation != _GENERATION[0]:   # (plans.lookup inline)
+            free = _length_free_key(key, k_cache, v_cache, heads_first, key_mask, block_table,
+                                    rest)
+            plan = None if free is None else _other_length(key, free, k_cache, v_cache,
+                                                           heads_first, key_mask)
+        if plan is not None:
             done = _launch_read(torch, plan, q, k_cache, v_cache, cache_seqlens,
                                 (_ptr(block_table), _ptr(alibi_slopes), _ptr(cache_leftpad),
                                  _ptr(k_descale), _ptr(v_descale), _ptr(key_mask)), heads_first)
@@ -287,13 +292,57 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, options, block_table
                                             cache_leftpad=cache_leftpad, k_descale=kd,
                                             v_descale=vd, key_mask=key_mask)
     if key is not None and cache_seqlens is not None:
-        plans.remember(key, rec.plan(_roles(q=q, k=k_cache, v=v_cache, o=out, lse=lse,
-                                            cache_seqlens=cache_seqlens, block_table=block_table,
-                                            alibi_slopes=alibi_slopes,
-                                            cache_leftpad=cache_leftpad, k_descale=k_descale,
-                                            v_descale=v_descale, key_mask=key_mask),
-                                     q.device.index))
+        plan = rec.plan(_roles(q=q, k=k_cache, v=v_cache, o=out, lse=lse,
+                               cache_seqlens=cache_seqlens, block_table=block_table,
+                               alibi_slopes=alibi_slopes, cache_leftpad=cache_leftpad,
+                               k_descale=k_descale, v_descale=v_descale, key_mask=key_mask),
+                        q.device.index)
+        plans.remember(key, plan)
+        if free is not None and plan is not None and plan.relength is not None:
+            plans.remember(free, plan)
     return out, lse
+
+
+def _length_free_key(key, k_cache, v_cache, heads_first, key_mask, block_table, rest):
+    """A decode call's key (_kvcache_key) without its cache's length, under which the launch
+    cache keeps the newest plan of such calls for whatever length (_other_length); None for a
+    call whose tensors are not those of a growing cache: k_cache and v_cache contiguous (a
+    transformers DynamicCache's, which grows by a key every step), the key mask (if any)
+    contiguous and of their length, no block table and none of the rarer tensors."""
+    if block_table is not None or rest is not None or heads_first is None:
+        return None
+    dim = 2 if heads_first else 1
+    n = k_cache.shape[dim]
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape[dim] == n
+            and (key_mask is None or (key_mask.is_contiguous() and key_mask.shape[1] == n))):
+        return None
+    lengthless = tuple((x[0][:dim] + x[0][dim + 1:], x[2], x[3], x[4])
+                       for x in (key[2], key[3]))
+    mask = None if key_mask is None else (key[8][0][0], *key[8][2:])
+    return ("kvcache-any-length", key[1], *lengthless, key[4], key[5], key[6], mask, key[9])
+
+
+def _other_length(key, free, k_cache, v_cache, heads_first, key_mask):
+    """The plan of a decode call (``key``; ``free``, its _length_free_key) that meets its cache
+    at a new length (a DynamicCache's, every step of a fresh generate), made from the newest
+    plan of the same call at another length
+    (Plan.for_length: the same launches, the struct's length fields written anew) and kept
+    under its own key; None when there is none, or that length launches otherwise: the call is
+    then run in full (validated, launched, recorded). No check is skipped that the length
+    could fail: the length-free key holds the rest of the call, and k_cache, v_cache and the
+    mask share the length (what validation asks of it)."""
+    other = PLANS.get(free)
+    if other is None or other.generation != _GENERATION[0]:
+        return None
+    ks, vs = k_cache.stride(), v_cache.stride()
+    if heads_first:     # (the launcher's (batch, seq, heads, headdim) order)
+        ks, vs = (ks[0], ks[2], ks[1], ks[3]), (vs[0], vs[2], vs[1], vs[3])
+    plan = other.for_length(k_cache.shape[2 if heads_first else 1], ks, vs,
+                            0 if key_mask is None else key_mask.stride(0))
+    if plan is not None:
+        plans.remember(key, plan)
+        plans.remember(free, plan)
+    return plan
 
 
 def _validated(q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

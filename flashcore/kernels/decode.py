@@ -20,6 +20,7 @@ The caller has validated shapes, dtypes and devices. Arrays are CuPy arrays or
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from typing import NamedTuple
@@ -497,6 +498,65 @@ def launch_decode(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=N
                            v_descale=v_descale, key_mask=key_mask)[0]
 
 
+def _decide(max_seqlen_k, *, device_id, hopper, cluster_ok, dtype_name, batch, nheads_k,
+            m_blocks, m_tiles, seqlen_q, headdim, wl, wr, page_size, has_softcap, has_alibi,
+            num_splits, fp8):
+    """A decode launch's decisions for a cache of ``max_seqlen_k`` keys (the rest of the call
+    given): ``(split count, cluster merge, kernel name, tile configuration, shared memory)``.
+    Host-side only (no read of cache_seqlens, which would synchronise); a function of the
+    cache's length for a call's other arguments, so that a plan recorded for one length
+    can tell whether another would launch alike (:func:`_relength`)."""
+    is_local = wl != WINDOW_NONE or wr != WINDOW_NONE
+
+    def key_blocks(cfg):   # key blocks a group walks (before splitting)
+        n_blocks = max(1, math.ceil(max_seqlen_k / cfg.block_n))
+        if wl != WINDOW_NONE:
+            span = wl + seqlen_q + (0 if wr == WINDOW_NONE else wr)
+            n_blocks = min(n_blocks, math.ceil(span / cfg.block_n) + 1)
+        return n_blocks
+
+    # keys a sequence's query rows can see at most (the window bounds them, not the cache)
+    span_keys = max_seqlen_k if wl == WINDOW_NONE else \
+        min(max_seqlen_k, wl + seqlen_q + (0 if wr == WINDOW_NONE else wr))
+    cluster_declined = False     # the cluster split rule handed the count to the global rule
+    if num_splits is None or num_splits <= 0:
+        base_ctas = batch * nheads_k * m_blocks
+        if cluster_ok:
+            cl_cfg = decode_config(headdim, True, m_tiles, fp8=fp8)
+            from ..jit import peak_memory_bandwidth
+            num_splits = sm90_num_splits(base_ctas, _sm_count(device_id), key_blocks(cl_cfg),
+                                         headdim, m_tiles, span_keys if hopper else 0,
+                                         peak_memory_bandwidth(device_id))
+            cluster_declined = num_splits == 0
+        if not cluster_ok or cluster_declined:
+            num_splits = choose_num_splits(base_ctas, _sm_count(device_id),
+                                           ctas_per_sm(smem_bytes(headdim, m_tiles, fp8=fp8)),
+                                           key_blocks(decode_config(headdim, fp8=fp8)))
+        if (fp8 and base_ctas <= _FP8_MANY_SPLITS_MAX_GROUPS
+                and span_keys >= _FP8_MANY_SPLITS_MIN_KEYS):
+            # long caches of few groups take splits of 4k keys (at most 32, merged through
+            # global memory): see _FP8_MANY_SPLITS_MIN_KEYS
+            num_splits = max(int(num_splits), min(32, span_keys // 4096))
+    num_splits = int(max(1, min(int(num_splits), MAX_SPLITS)))
+    is_split = num_splits > 1
+
+    cluster = is_split and cluster_ok and not cluster_declined and num_splits <= MAX_CLUSTER
+    if cluster:
+        cl_cfg = decode_config(headdim, True, m_tiles, fp8=fp8)
+        name = cluster_kernel_name(dtype_name, headdim, m_tiles, bool(page_size), is_local,
+                                   has_softcap, has_alibi, num_splits, fp8)
+        cluster = ((device_id, name) not in _CLUSTER_REFUSED
+                   and _cluster_layout_fits(headdim, m_tiles, cl_cfg, fp8))
+    cfg = decode_config(headdim, cluster, m_tiles,
+                        single_ctas=0 if is_split or not hopper else batch * nheads_k * m_blocks,
+                        num_sms=_sm_count(device_id), keys=span_keys, fp8=fp8)
+    smem = smem_bytes(headdim, m_tiles, cfg=cfg, fp8=fp8)
+    if not cluster:
+        name = kernel_name(dtype_name, headdim, m_tiles, bool(page_size), is_local,
+                           has_softcap, has_alibi, is_split, cfg, fp8)
+    return num_splits, cluster, name, cfg, smem
+
+
 def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table=None,
                     softmax_scale: float, window_left: int, window_right: int,
                     softcap: float = 0.0, alibi_slopes=None, num_splits: int = 0,
@@ -548,7 +608,7 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
         raise ValueError("decode grid too large "
                          f"(batch * nheads_k = {batch * nheads_k}, m-blocks = {m_blocks})")
     device_id = q.device.id
-    from ..jit import device_facts, get_kernel, peak_memory_bandwidth
+    from ..jit import device_facts, get_kernel
     cc = device_facts(device_id)[0]
     if fp8 and (cc < 89 or headdim not in FP8_HEADDIMS):
         raise ValueError(
@@ -558,10 +618,8 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
     # Splits merge inside a thread-block cluster on sm_90 (the fused path's default there);
     # that path has its own split rule and tile configuration.
     cluster_ok = fused and cfg_now.decode_cluster and cc >= 90
-    cluster_declined = False     # the cluster split rule handed the count to the global rule
 
     wl, wr = _window(window_left), _window(window_right)
-    is_local = wl != WINDOW_NONE or wr != WINDOW_NONE
     has_softcap = softcap is not None and softcap > 0.0
     has_alibi = alibi_slopes is not None
 
@@ -582,60 +640,17 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
         page_size = 0
         max_seqlen_k = int(k_cache.shape[1])
 
-    def key_blocks(cfg):   # key blocks a group walks (before splitting)
-        n_blocks = max(1, math.ceil(max_seqlen_k / cfg.block_n))
-        if wl != WINDOW_NONE:
-            span = wl + seqlen_q + (0 if wr == WINDOW_NONE else wr)
-            n_blocks = min(n_blocks, math.ceil(span / cfg.block_n) + 1)
-        return n_blocks
-
-    # keys a sequence's query rows can see at most (the window bounds them, not the cache)
-    span_keys = max_seqlen_k if wl == WINDOW_NONE else \
-        min(max_seqlen_k, wl + seqlen_q + (0 if wr == WINDOW_NONE else wr))
     hopper = cc // 10 == 9      # the sm_90 tile rules were measured on the H200 only
-
-    # Split count (host-side only: no read of cache_seqlens, which would synchronise).
-    if num_splits is None or num_splits <= 0:
-        base_ctas = batch * nheads_k * m_blocks
-        if cluster_ok:
-            cl_cfg = decode_config(headdim, True, m_tiles, fp8=fp8)
-            num_splits = sm90_num_splits(base_ctas, _sm_count(device_id), key_blocks(cl_cfg),
-                                         headdim, m_tiles, span_keys if hopper else 0,
-                                         peak_memory_bandwidth(device_id))
-            cluster_declined = num_splits == 0
-        if not cluster_ok or cluster_declined:
-            num_splits = choose_num_splits(base_ctas, _sm_count(device_id),
-                                           ctas_per_sm(smem_bytes(headdim, m_tiles, fp8=fp8)),
-                                           key_blocks(decode_config(headdim, fp8=fp8)))
-        if (fp8 and base_ctas <= _FP8_MANY_SPLITS_MAX_GROUPS
-                and span_keys >= _FP8_MANY_SPLITS_MIN_KEYS):
-            # long caches of few groups take splits of 4k keys (at most 32, merged through
-            # global memory): see _FP8_MANY_SPLITS_MIN_KEYS
-            num_splits = max(int(num_splits), min(32, span_keys // 4096))
-    num_splits = int(max(1, min(int(num_splits), MAX_SPLITS)))
+    decide = functools.partial(
+        _decide, device_id=device_id, hopper=hopper, cluster_ok=cluster_ok,
+        dtype_name=dtype_name, batch=batch, nheads_k=nheads_k, m_blocks=m_blocks,
+        m_tiles=m_tiles, seqlen_q=seqlen_q, headdim=headdim, wl=wl, wr=wr, page_size=page_size,
+        has_softcap=has_softcap, has_alibi=has_alibi, num_splits=num_splits, fp8=fp8)
+    choice = decide(max_seqlen_k)
+    num_splits, cluster, name, cfg, smem = choice
     is_split = num_splits > 1
-
-    cluster = is_split and cluster_ok and not cluster_declined and num_splits <= MAX_CLUSTER
-    cname = None
-    if cluster:
-        cl_cfg = decode_config(headdim, True, m_tiles, fp8=fp8)
-        cname = cluster_kernel_name(dtype_name, headdim, m_tiles,
-                                    bool(page_size), is_local, has_softcap,
-                                    has_alibi, num_splits, fp8)
-        cluster = ((device_id, cname) not in _CLUSTER_REFUSED
-                   and _cluster_layout_fits(headdim, m_tiles, cl_cfg, fp8))
-    cfg = decode_config(headdim, cluster, m_tiles,
-                        single_ctas=0 if is_split or not hopper else batch * nheads_k * m_blocks,
-                        num_sms=_sm_count(device_id), keys=span_keys, fp8=fp8)
-    smem = smem_bytes(headdim, m_tiles, cfg=cfg, fp8=fp8)
     defines = config.get().sm90_defines if cc == 90 else ()   # (a diagnostic's: none by default)
-    if cluster:
-        kernel = get_kernel(SOURCE, cname, device_id, cc, smem, defines)
-    else:
-        kernel = get_kernel(SOURCE, kernel_name(dtype_name, headdim, m_tiles,
-                                                bool(page_size), is_local,
-                                                has_softcap, has_alibi, is_split, cfg, fp8),
-                            device_id, cc, smem, defines)
+    kernel = get_kernel(SOURCE, name, device_id, cc, smem, defines)
 
     o_accum = lse_accum = None
     counter = None
@@ -701,7 +716,7 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
                     raise
                 # this cluster is refused here (its size, or its resources): this kernel takes
                 # the global-memory merge from now on
-                _CLUSTER_REFUSED.add((device_id, cname))
+                _CLUSTER_REFUSED.add((device_id, name))
                 plans.clear()
                 return decode_launches(given[0], given[1], given[2], out_final if out_final
                                      is not None else out, lse, cache_seqlens=given[3],
@@ -725,8 +740,34 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
                                               "lse_accum": lse_accum.nbytes}
         piece = plans.Piece(launches, params, scratch,
                             ("split_counter", batch * nheads_k * m_blocks, existing_split_counter)
-                            if counter else None)
+                            if counter else None,
+                            relength=None if paged else functools.partial(
+                                _relength, decide, choice, fp8, key_mask is not None))
     return num_splits, piece
+
+
+def _relength(decide, choice, fp8, masked, capacity, k_strides, v_strides, mask_stride):
+    """A plan's ``relength`` (plans.Piece): the struct fields that a contiguous-cache decode
+    launch takes from the cache's length, for a cache of ``capacity`` keys whose k_cache and
+    v_cache have ``k_strides`` and ``v_strides`` (elements, in the launcher's (batch, seq, heads,
+    headdim) order) and whose key mask's rows are ``mask_stride`` apart; None when that cache
+    would launch otherwise (another split count, kernel or tile: ``decide``, the launch's
+    decisions as a function of the length, gives another ``choice``) or be copied first
+    (:func:`_as_input`). The rest of the call is the recorded one's: the caller's key says so."""
+    multiple = 16 if fp8 else 8
+    if capacity < 1 or any(st[-1] != 1 or any(x % multiple for x in st[:-1])
+                           for st in (k_strides, v_strides)):
+        return None
+    if decide(capacity) != choice:
+        return None
+    if fp8:      # (as decode_launches: 16-bit units)
+        k_strides, v_strides = (tuple(x // 2 for x in st) for st in (k_strides, v_strides))
+    return {"seqlen_k": capacity,
+            "k_batch_stride": k_strides[0], "k_row_stride": k_strides[1],
+            "k_head_stride": k_strides[2],
+            "v_batch_stride": v_strides[0], "v_row_stride": v_strides[1],
+            "v_head_stride": v_strides[2],
+            "key_mask_batch_stride": mask_stride if masked else 0}
 
 
 def launch_rotary_append(k_cache, v_cache, k_new, v_new, cache_seqlens_before, block_table,

@@ -41,6 +41,7 @@ PLANS: dict = {}
 _MAX_PLANS = 1024
 _STATE = {"enabled": True}
 _WORD = struct.Struct("<Q")
+_INT64, _INT32 = struct.Struct("<q"), struct.Struct("<i")
 
 
 def set_enabled(on: bool) -> None:
@@ -86,16 +87,20 @@ class Piece:
     address ``lookup(device_id, stream, groups)`` gives, or None (decode's
     ``existing_split_counter``: the recording launcher names it, so plans imports no
     launcher); ``maps`` [(field, tma.MapSpec)] or None: the launches take a second parameter, tensor maps of the
-    arrays whose addresses those struct fields hold (encoded again for every call)."""
+    arrays whose addresses those struct fields hold (encoded again for every call);
+    ``relength`` or None: ``relength(capacity, *layout)`` gives the struct fields {name: value}
+    that the same launches take for a cache of another length, or None where that length
+    would launch otherwise (a decode launch's; see :meth:`Plan.for_length`)."""
 
-    __slots__ = ("launches", "params", "scratch", "counter", "maps")
+    __slots__ = ("launches", "params", "scratch", "counter", "maps", "relength")
 
-    def __init__(self, launches, params, scratch=None, counter=None, maps=None):
+    def __init__(self, launches, params, scratch=None, counter=None, maps=None, relength=None):
         self.launches = [(k, _dim3(g), _dim3(b), int(s)) for k, g, b, s in launches]
         self.params = params
         self.scratch = dict(scratch or {})
         self.counter = counter
         self.maps = tuple(maps) if maps else None
+        self.relength = relength
 
 
 def _dim3(d) -> tuple:
@@ -182,7 +187,7 @@ class Plan:
     (one allocation a call); ``counters``: whether any piece takes split counters."""
 
     __slots__ = ("generation", "device_id", "context", "groups", "result", "kernels",
-                 "scratch_bytes", "counters")
+                 "scratch_bytes", "counters", "relength")
 
     @classmethod
     def build(cls, pieces, roles, device_id, result=None, generation=None):
@@ -241,6 +246,33 @@ class Plan:
         plan.counters = any(g[6] is not None for g in groups)
         plan.scratch_bytes = scratch_bytes
         plan.result = result
+        plan.relength = pieces[0].relength if len(pieces) == 1 else None
+        return plan
+
+    def for_length(self, capacity, *layout):
+        """This plan for a KV cache of ``capacity`` keys (a decode plan's only, whose struct is
+        the one thing that the cache's length changes: ``Piece.relength`` says how, given the
+        cache's ``layout``), or None: the call is then run in full. The same launches, scratch
+        and counters; the fields that the length sets written into a copy of the struct."""
+        values = None if self.relength is None else self.relength(capacity, *layout)
+        if values is None:
+            return None
+        fields = params_dtype().fields
+        groups = []
+        for g in self.groups:
+            raw = bytearray(g[1])
+            head = 8 if g[8] is None else 16
+            for name, value in values.items():
+                dt, off = fields[name][:2]
+                st = _INT64 if dt == np.int64 else _INT32
+                if (st.unpack_from(raw, head + off)[0] == 0) != (value == 0):
+                    return None     # (a zero word more or fewer: run's word runs, see _runs)
+                st.pack_into(raw, head + off, value)
+            groups.append((g[0], bytes(raw)) + tuple(g[2:]))
+        plan = Plan()
+        for name in Plan.__slots__:
+            setattr(plan, name, getattr(self, name))
+        plan.groups = tuple(groups)
         return plan
 
     def run(self, pointers, stream: int, alloc):

@@ -239,21 +239,21 @@ def _generate_row(section, batch, prompt, new, r, times, outs):
          equal_prefix_min=int(same.min()), equal_prefix_mean=float(same.float().mean()))
 
 
-def _generate_cold(models, batch, prompt, new, kw, rounds):
-    """Tokens/s of "sdpa" and flashcore (one generate each, in turn, the order swapped each
-    round, ``rounds`` times) over cache lengths that neither has seen in this process: prompts
+def _generate_cold(models, batch, prompt, new, kw, rounds, names=("sdpa", "flashcore")):
+    """Tokens/s of the models ``names`` (one generate each, in turn, the order rotated each
+    round, ``rounds`` times) over cache lengths that none has seen in this process: prompts
     of prompt + j * new tokens, j = 1 .. rounds (the warm rounds covered prompt .. prompt +
-    new - 1). What a server pays for a length the first time: flashcore runs a step's first
-    call in full and records its launch plan, which the other layers replay (a decode step's
-    plan is keyed on the cache's length); "sdpa" pays whatever its backend does for a new
-    shape. (flashcore_lp would find flashcore's plans: not timed.)"""
+    new - 1). What a server pays for a length the first time: a flashcore step's first call
+    makes the launch plan of the new length (from the last length's, or in full where the
+    launch differs), which the other layers replay; "sdpa" pays whatever its backend does for
+    a new shape. (flashcore_lp would find flashcore's plans: not timed.)"""
     import statistics
-    cold = {"sdpa": [], "flashcore": []}
+    cold = {n: [] for n in names}
     for j in range(1, rounds + 1):
         ids = generate_ids(batch, prompt + j * new, seed=1 + j)
-        pair = ("sdpa", "flashcore") if j % 2 else ("flashcore", "sdpa")
-        times, _ = generate_rounds({impl: models[impl] for impl in pair}, ids, kw, 1)
-        for impl in pair:
+        order = names[j % len(names):] + names[:j % len(names)]
+        times, _ = generate_rounds({impl: models[impl] for impl in order}, ids, kw, 1)
+        for impl in order:
             cold[impl] += times[impl]
     print(f"# generate {batch} x {prompt}, new cache lengths, tokens/s by round: "
           + _by_round(batch, new, cold))
@@ -569,12 +569,13 @@ def _package_at(commit):
     return importlib.import_module(name + ".integrations.transformers")
 
 
-def generate_ab(commit, shapes=((1, 512), (8, 2048)), new=64, rounds=7):
+def generate_ab(commit, shapes=((1, 512), (8, 2048)), new=64, rounds=7, cold_rounds=3):
     """This flashcore against flashcore as of ``commit``, in one process (session 61: the
     figure of one generate moves by +-2% from run to run on one tree, more than a change of
     the route may): greedy generate of ``new`` tokens under "sdpa", flashcore and ``fc_old``
     (the integration of ``commit``, :func:`_package_at`), timed in turn, ``rounds`` rounds,
-    median tokens/s; flashcore's and fc_old's ratios to "sdpa", and flashcore's to fc_old."""
+    median tokens/s; flashcore's and fc_old's ratios to "sdpa", and flashcore's to fc_old;
+    then the three over cache lengths new to the process (:func:`_generate_cold`)."""
     import statistics
 
     from transformers import AttentionInterface
@@ -588,10 +589,15 @@ def generate_ab(commit, shapes=((1, 512), (8, 2048)), new=64, rounds=7):
         med = {n: statistics.median(t) for n, t in times.items()}
         print(f"# generate_ab {batch} x {prompt} against {commit}, tokens/s by round: "
               + _by_round(batch, new, times))
+        cold = _generate_cold(models, batch, prompt, new, kw, cold_rounds,
+                              ("sdpa", "flashcore", "fc_old"))
         emit(section="generate_ab", commit=commit, batch=batch, prompt=prompt,
              ratio=med["sdpa"] / med["flashcore"], old_ratio=med["sdpa"] / med["fc_old"],
              over_old=med["fc_old"] / med["flashcore"],
-             tokens_equal_old=bool(torch.equal(outs["flashcore"], outs["fc_old"])))
+             tokens_equal_old=bool(torch.equal(outs["flashcore"], outs["fc_old"])),
+             ratio_cold=cold["ratio_cold"],
+             old_ratio_cold=cold["fc_old_cold_tok_s"] / cold["sdpa_cold_tok_s"],
+             over_old_cold=cold["flashcore_cold_tok_s"] / cold["fc_old_cold_tok_s"])
         del models
         torch.cuda.empty_cache()
 

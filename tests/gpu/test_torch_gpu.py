@@ -525,6 +525,48 @@ def test_kvcache_read_shared_binds_the_plan_for_calls_alike(extra, monkeypatch):
         list(zip(layers, bound_launches))
 
 
+@pytest.mark.parametrize("extra", ["none", "key_mask"])
+def test_kvcache_read_on_a_growing_cache_takes_its_plans_from_another_length(extra, monkeypatch):
+    """A cache that grows by a key a call (a transformers DynamicCache: (b, hk, s, d),
+    contiguous, concatenated anew each step), read through kvcache_read as the transformers
+    route reads it: after the first length, a length whose launch is alike is not run in full
+    but launched from the plan of another length written for it (Plan.for_length; counted:
+    the backend's decode runs only where the launch differs). Every output equals a full run's
+    (debug mode: no plan) bit for bit, at every length, with fresh values, poisoned afterwards."""
+    from flashcore.backends import torch_ops
+    full = []
+    forward_kvcache = torch_ops._BACKEND.forward_kvcache
+
+    def counted(*a, **k):
+        full.append(1)
+        return forward_kvcache(*a, **k)
+    monkeypatch.setattr(torch_ops._BACKEND, "forward_kvcache", counted)
+    g = torch.Generator(device="cuda").manual_seed(23)
+    b, h, hk, d = 2, 16, 4, 128
+    mk = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)  # noqa
+    kc, vc = mk(b, hk, 1000, d), mk(b, hk, 1000, d)
+    lengths = list(range(1000, 1040)) + [1100, 2047, 2048, 2049, 5000, 5001]
+    runs = []
+    for n in lengths:
+        grow = n - kc.shape[2]
+        kc, vc = torch.cat([kc, mk(b, hk, grow, d)], 2), torch.cat([vc, mk(b, hk, grow, d)], 2)
+        q = mk(b, h, 1, d)
+        lens = torch.tensor([n, n - 37], dtype=torch.int32, device="cuda")
+        mask = (torch.rand(b, n, generator=g, device="cuda") < 0.8) \
+            if extra == "key_mask" else None
+        k0 = len(full)
+        got = torch_ops.kvcache_read(q, kc, vc, lens, None, mask, True, 0.09, (-1, -1), 0.0, True)
+        runs.append(len(full) - k0)
+        with flashcore.config.override(debug=True):    # (no plan: validated, run in full)
+            want = torch_ops.kvcache_read(q, kc, vc, lens, None, mask, True, 0.09, (-1, -1), 0.0,
+                                          True)
+        assert torch.equal(got, want), (n, (got.float() - want.float()).abs().max())
+        assert got.isfinite().all() and got.abs().sum() > 0
+        got.fill_(float("nan"))
+        del got, want
+    assert runs[0] == 1 and sum(runs[1:40]) <= 4, runs
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged256"])
 def test_cuda_graph_decode_in_place_append_with_rotary(paged):
     q, kc, vc, kw = _decode_case(paged, new=1, rotary=True)
