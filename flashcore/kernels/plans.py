@@ -177,6 +177,18 @@ def _pointer_fields():
     return _POINTER_FIELDS
 
 
+_INT_FIELDS: dict = {}
+
+
+def _int_fields() -> dict:
+    """{name: (struct.Struct, byte offset)} of every integer field of the struct."""
+    dt = params_dtype()
+    fields = {name: (_INT64 if dt.fields[name][0] == np.int64 else _INT32, dt.fields[name][1])
+              for name in dt.names if dt.fields[name][0] in (np.int64, np.int32)}
+    _INT_FIELDS.update(fields)
+    return _INT_FIELDS
+
+
 class Plan:
     """A recorded call: for each launcher piece, the bytes of its ``cuLaunchKernel``
     kernelParams (one word, the struct's address, or two with the tensor maps') followed by the
@@ -257,18 +269,18 @@ class Plan:
         values = None if self.relength is None else self.relength(capacity, *layout)
         if values is None:
             return None
-        fields = params_dtype().fields
+        at = _INT_FIELDS or _int_fields()
         groups = []
         for g in self.groups:
             raw = bytearray(g[1])
             head = 8 if g[8] is None else 16
             for name, value in values.items():
-                dt, off = fields[name][:2]
-                st = _INT64 if dt == np.int64 else _INT32
-                if (st.unpack_from(raw, head + off)[0] == 0) != (value == 0):
+                st, off = at[name]
+                off += head
+                if (st.unpack_from(raw, off)[0] == 0) != (value == 0):
                     return None     # (a zero word more or fewer: run's word runs, see _runs)
-                st.pack_into(raw, head + off, value)
-            groups.append((g[0], bytes(raw)) + tuple(g[2:]))
+                st.pack_into(raw, off, value)
+            groups.append((g[0], bytes(raw)) + g[2:])
         plan = Plan()
         for name in Plan.__slots__:
             setattr(plan, name, getattr(self, name))
