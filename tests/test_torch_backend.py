@@ -507,7 +507,7 @@ def test_a_growing_cache_takes_its_plan_from_another_length(monkeypatch):
 
     for hf in (True, False):
         for masked in (True, False):
-            (k1, f1, _), (k2, f2, c2) = call(700, hf, masked), call(701, hf, masked)
+            (k1, f1, _), (k2, f2, _) = call(700, hf, masked), call(701, hf, masked)
             assert k1 != k2 and f1 is not None and f1 == f2
             assert f1 != call(700, not hf, masked)[1] and f1 != call(700, hf, not masked)[1]
     assert call(700, q=torch.randn(2, 4, 1, 8).double())[1] != call(700)[1]
