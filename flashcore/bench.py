@@ -823,6 +823,25 @@ def generate_rounds(models: dict, ids, kw: dict, rounds: int):
     return times, outs
 
 
+def generate_new_length_rounds(models: dict, batch: int, prompt: int, new: int, kw: dict,
+                               rounds: int):
+    """:func:`generate_rounds` over cache lengths that no model has met in this process (after
+    :func:`generate_setup`'s warm-up, which covered prompt .. prompt + new - 1): round j
+    generates from prompts of prompt + j * new tokens (j = 1 .. ``rounds``), the models in
+    turn, the order turning each round. What a fresh process or a server pays for a length
+    the first time (cuDNN builds a plan for every new shape; a flashcore decoding step makes
+    its launch plan from the last length's): ``{impl: [seconds]}``."""
+    times = {impl: [] for impl in models}
+    names = list(models)
+    for j in range(1, rounds + 1):
+        ids = generate_ids(batch, prompt + j * new, seed=1 + j)
+        order = names[j % len(names):] + names[:j % len(names)]
+        t, _ = generate_rounds({impl: models[impl] for impl in order}, ids, kw, 1)
+        for impl in order:
+            times[impl] += t[impl]
+    return times
+
+
 def generate_ids(batch: int, prompt: int, seed: int = 1):
     """The prompts of the generate figures: random token ids, (batch, prompt), on the GPU."""
     import torch

@@ -77,7 +77,8 @@ def test_parameters_are_fixed_values(suite):
     assert a.TrainStepWallClock.params == [["flashcore", "sdpa_flash", "sdpa_cudnn"],
                                            ["forward", "forward_backward"]]
     t = suite["bench_transformers_gpu"]
-    assert t.GenerateRatio.params == [["dynamic", "static"], ["1x512", "8x2048"]]
+    assert t.GenerateRatio.params == [["dynamic", "dynamic_new_lengths", "static"],
+                                      ["1x512", "8x2048"]]
     assert t.TrainStepRatio.params == [["eager", "compiled"], ["1x16384", "4x4096"]]
     for _, _, cls in _benchmark_classes(suite):
         for values in cls.params if isinstance(cls.params[0], list) else [cls.params]:

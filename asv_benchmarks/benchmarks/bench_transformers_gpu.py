@@ -9,7 +9,10 @@ ratio, flashcore's speed over "sdpa"'s: above 1 flashcore is faster.
   (``cache_implementation="static"``, which transformers compiles; 64 tokens), at batch 1 /
   prompt 512 and batch 8 / prompt 2k. Each model is warmed by a whole generate (the static
   cache's compiles), then the two are timed in turn, 5 rounds, the order turning each round
-  (``flashcore.bench.generate_rounds``); the ratio of the medians.
+  (``flashcore.bench.generate_rounds``); the ratio of the medians. ``dynamic_new_lengths``:
+  the dynamic cache over cache lengths new to the process, 3 rounds
+  (``flashcore.bench.generate_new_length_rounds``): what a fresh process pays, each step
+  meeting a new length.
 * ``TrainStepRatio``: a training step (forward with labels, backward), eager and under
   ``torch.compile``, at batch 1 x 16k and batch 4 x 4k tokens: "sdpa"'s ms a step over
   flashcore's (``flashcore.bench.train_step_ms``: 3 untimed steps, then a loop of 8).
@@ -19,8 +22,8 @@ same figures with their parts (tokens/s by round, first tokens, compile times, l
 """
 import statistics
 
-from .common import (generate_rounds, generate_setup, llama_model, require_gpu_backend,
-                     require_transformers, train_step_ms)
+from .common import (generate_new_length_rounds, generate_rounds, generate_setup, llama_model,
+                     require_gpu_backend, require_transformers, train_step_ms)
 
 _IMPLS = ("sdpa", "flashcore")
 
@@ -33,7 +36,7 @@ def _shape(text):
 class GenerateRatio:
     """flashcore's tokens/s over "sdpa"'s, greedy generate (see the module docstring)."""
 
-    params = [["dynamic", "static"], ["1x512", "8x2048"]]
+    params = [["dynamic", "dynamic_new_lengths", "static"], ["1x512", "8x2048"]]
     param_names = ["cache", "batch_x_prompt"]
     unit = "ratio"
     timeout = 900       # the static cache's warm-up compiles the model twice
@@ -43,15 +46,20 @@ class GenerateRatio:
         require_gpu_backend("torch")
         require_transformers()
         batch, prompt = _shape(shape)
-        new = 128 if cache == "dynamic" else 64
-        self.models, self.ids, self.kw, _ = generate_setup(_IMPLS, batch, prompt, new,
+        self.batch, self.prompt = batch, prompt
+        self.new = 64 if cache == "static" else 128
+        self.models, self.ids, self.kw, _ = generate_setup(_IMPLS, batch, prompt, self.new,
                                                            static=cache == "static")
 
     def teardown(self, *params):
         self.models = None
 
     def track_ratio(self, cache, shape):
-        times, _ = generate_rounds(self.models, self.ids, self.kw, 5)
+        if cache == "dynamic_new_lengths":
+            times = generate_new_length_rounds(self.models, self.batch, self.prompt, self.new,
+                                               self.kw, 3)
+        else:
+            times, _ = generate_rounds(self.models, self.ids, self.kw, 5)
         return statistics.median(times["sdpa"]) / statistics.median(times["flashcore"])
 
 

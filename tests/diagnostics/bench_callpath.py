@@ -57,8 +57,8 @@ import sys
 import torch
 
 import flashcore
-from flashcore.bench import (LLAMA_IMPLS, DecodeProblem, generate_ids, generate_rounds,
-                             generate_setup, host_loop_us, llama_model, per_call_us_interleaved,
+from flashcore.bench import (LLAMA_IMPLS, DecodeProblem, generate_new_length_rounds,
+                             generate_rounds, generate_setup, host_loop_us, llama_model, per_call_us_interleaved,
                              tiny_calls, train_step_ms, wall_time)
 
 ROWS: list = []
@@ -240,21 +240,13 @@ def _generate_row(section, batch, prompt, new, r, times, outs):
 
 
 def _generate_cold(models, batch, prompt, new, kw, rounds, names=("sdpa", "flashcore")):
-    """Tokens/s of the models ``names`` (one generate each, in turn, the order rotated each
-    round, ``rounds`` times) over cache lengths that none has seen in this process: prompts
-    of prompt + j * new tokens, j = 1 .. rounds (the warm rounds covered prompt .. prompt +
-    new - 1). What a server pays for a length the first time: a flashcore step's first call
-    makes the launch plan of the new length (from the last length's, or in full where the
-    launch differs), which the other layers replay; "sdpa" pays whatever its backend does for
-    a new shape. (flashcore_lp would find flashcore's plans: not timed.)"""
+    """Tokens/s of the models ``names`` over cache lengths new to the process
+    (:func:`flashcore.bench.generate_new_length_rounds`, ``rounds`` rounds): each model's
+    tokens/s by round printed, then the medians and flashcore's ratio to "sdpa".
+    (flashcore_lp would find flashcore's plans: not timed.)"""
     import statistics
-    cold = {n: [] for n in names}
-    for j in range(1, rounds + 1):
-        ids = generate_ids(batch, prompt + j * new, seed=1 + j)
-        order = names[j % len(names):] + names[:j % len(names)]
-        times, _ = generate_rounds({impl: models[impl] for impl in order}, ids, kw, 1)
-        for impl in order:
-            cold[impl] += times[impl]
+    cold = generate_new_length_rounds({n: models[n] for n in names}, batch, prompt, new, kw,
+                                      rounds)
     print(f"# generate {batch} x {prompt}, new cache lengths, tokens/s by round: "
           + _by_round(batch, new, cold))
     out = {f"{impl}_cold_tok_s": batch * new / statistics.median(t) for impl, t in cold.items()}
