@@ -731,6 +731,11 @@ def test_decode_plan_for_another_length_equals_full_launch(seed, monkeypatch):
     q = fake_array((c["b"], c["sq"], c["h"], c["d"]), c["dtype"])
     out, lse = fake_array(q.shape, q.dtype), fake_array((c["b"], c["h"], c["sq"]), np.float32)
     seqlens = fake_array((c["b"],), np.int32)
+    if seed % 3 == 2:       # an FP8 cache (bytes; strides halved, 16-element steps)
+        c["d"] = int(rng.choice([128, 256]))
+        q = fake_array((c["b"], c["sq"], c["h"], c["d"]), c["dtype"])
+        out = fake_array(q.shape, q.dtype)
+        c = dict(c, dtype=np.uint8, q_dtype=c["dtype"])
     kc, vc, mask = _growing_cache(c, cap1, heads_first, masked)
     LOG.clear()
     plan = _decode_full(c, q, kc, vc, out, lse, seqlens, mask)
@@ -770,9 +775,60 @@ def test_decode_plan_for_another_length_declines_a_layout_it_would_copy(monkeypa
     plan = _decode_full(c, q, kc, vc, out, lse, fake_array((1,), np.int32), None)
     st = decode._strides(kc)
     assert plan.for_length(4100, st, st, 0) is not None
-    assert plan.for_length(4100, (st[0] + 4,) + st[1:], st, 0) is None    # not 16-byte steps
+    assert plan.for_length(4100, (st[0], st[1] + 4) + st[2:], st, 0) is None  # rows not 16 B
     assert plan.for_length(4100, st[:3] + (2,), st, 0) is None            # not the last dim
     assert plan.for_length(0, st, st, 0) is None
+    # a field that would turn non-zero (or zero) would change the plan's word runs: declined
+    relength = plan.relength
+    for value in (5, 0):
+        plan.relength = lambda *a, v=value: dict(relength(*a), key_mask_batch_stride=v,
+                                                 seqlen_k=v or 4100)
+        assert (plan.for_length(4100, st, st, 0) is None) == (value == 5)
+        plan.relength = lambda *a, v=value: dict(relength(*a), k_head_stride=v)
+        assert (plan.for_length(4100, st, st, 0) is None) == (value == 0)
+
+
+def test_decode_plan_for_another_length_after_a_cluster_refusal(monkeypatch):
+    """A device that refuses the cluster launch: the call falls back to the global merge, and
+    a plan it records, written for another length, launches what the full launcher launches
+    there (whose split rule runs again for that length), or declines."""
+    from flashcore.kernels import decode
+    monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
+    monkeypatch.setattr(DRIVER, "set_function_attribute", lambda *a: None)
+    config.set(decode_cluster=True)
+
+    class DriverError(device.CUDADriverError):
+        def __init__(self, status):
+            Exception.__init__(self, f"CUDA driver error {status} (stand-in)")
+            self.status = status
+
+    def call(self, grid, block, args, shared_mem=0, stream=0):
+        if self.name.startswith("flash_decode_cluster_kernel"):
+            raise DriverError(912)     # every cluster size refused
+        LOG.append((self.name, tuple(grid), tuple(block), shared_mem, bytes(args[0].tobytes())))
+    monkeypatch.setattr(FakeKernel, "__call__", call)
+    c = _fused_case(splits=0, b=1, hk=8, h=32)
+    q = fake_array((1, 1, 32, 128), c["dtype"])
+    out, lse = fake_array(q.shape, q.dtype), fake_array((1, 32, 1), np.float32)
+    seqlens = fake_array((1,), np.int32)
+    LOG.clear()
+    plan = _decode_full(c, q, *_growing_cache(c, 500, True, False)[:2], out, lse, seqlens, None)
+    assert decode._CLUSTER_REFUSED and _kernel_launches()[0][0].startswith("flash_decode_kernel<")
+    made = 0
+    for cap in (501, 520, 695, 1000, 3000, 9000):
+        kc, vc, _ = _growing_cache(c, cap, True, False)
+        LOG.clear()
+        _decode_full(c, q, kc, vc, out, lse, seqlens, None)
+        full = list(LOG)
+        other = plan.for_length(cap, decode._strides(kc), decode._strides(vc), 0)
+        if other is None:
+            continue
+        made += 1
+        LOG.clear()
+        other.run(tuple(map(_ptr, (q, kc, vc, out, lse, seqlens, None))), STREAM["ptr"],
+                  lambda n: (lambda a: (a, a.data.ptr))(cupy.empty((n,), np.uint8)))
+        assert _decode_masked(LOG) == _decode_masked(full), cap
+    assert made
 
 
 # ---------------- decoding: the fused split combine ----------------

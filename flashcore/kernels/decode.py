@@ -647,7 +647,7 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
         m_tiles=m_tiles, seqlen_q=seqlen_q, headdim=headdim, wl=wl, wr=wr, page_size=page_size,
         has_softcap=has_softcap, has_alibi=has_alibi, num_splits=num_splits, fp8=fp8)
     choice = decide(max_seqlen_k)
-    num_splits, cluster, name, cfg, smem = choice
+    requested, (num_splits, cluster, name, cfg, smem) = num_splits, choice
     is_split = num_splits > 1
     defines = config.get().sm90_defines if cc == 90 else ()   # (a diagnostic's: none by default)
     kernel = get_kernel(SOURCE, name, device_id, cc, smem, defines)
@@ -715,7 +715,9 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
                 if getattr(e, "status", None) not in _CLUSTER_REFUSALS:
                     raise
                 # this cluster is refused here (its size, or its resources): this kernel takes
-                # the global-memory merge from now on
+                # the global-memory merge from now on (the call asked again as it asked: its
+                # decisions, _decide, now see the refusal, and so do those of a plan made for
+                # another length from the one it records)
                 _CLUSTER_REFUSED.add((device_id, name))
                 plans.clear()
                 return decode_launches(given[0], given[1], given[2], out_final if out_final
@@ -723,7 +725,7 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
                                      block_table=given[4], softmax_scale=softmax_scale,
                                      window_left=window_left, window_right=window_right,
                                      softcap=softcap, alibi_slopes=given[5],
-                                     num_splits=num_splits, cache_leftpad=given[6],
+                                     num_splits=requested, cache_leftpad=given[6],
                                      k_descale=given[7], v_descale=given[8],
                                      key_mask=given[9])
         else:
@@ -753,7 +755,8 @@ def _relength(decide, choice, fp8, masked, capacity, k_strides, v_strides, mask_
     headdim) order) and whose key mask's rows are ``mask_stride`` apart; None when that cache
     would launch otherwise (another split count, kernel or tile: ``decide``, the launch's
     decisions as a function of the length, gives another ``choice``) or be copied first
-    (:func:`_as_input`). The rest of the call is the recorded one's: the caller's key says so."""
+    (:func:`_as_input`; here a size-1 dimension's stride counts too, which only declines more).
+    The rest of the call is the recorded one's: the caller's key says so."""
     multiple = 16 if fp8 else 8
     if capacity < 1 or any(st[-1] != 1 or any(x % multiple for x in st[:-1])
                            for st in (k_strides, v_strides)):

@@ -182,11 +182,12 @@ _INT_FIELDS: dict = {}
 
 def _int_fields() -> dict:
     """{name: (struct.Struct, byte offset)} of every integer field of the struct."""
+    global _INT_FIELDS
     dt = params_dtype()
     fields = {name: (_INT64 if dt.fields[name][0] == np.int64 else _INT32, dt.fields[name][1])
               for name in dt.names if dt.fields[name][0] in (np.int64, np.int32)}
-    _INT_FIELDS.update(fields)
-    return _INT_FIELDS
+    _INT_FIELDS = fields        # (one assignment: a reader never sees it half made)
+    return fields
 
 
 class Plan:
