@@ -788,10 +788,9 @@ def test_decode_plan_for_another_length_declines_a_layout_it_would_copy(monkeypa
         assert (plan.for_length(4100, st, st, 0) is None) == (value == 0)
 
 
-def test_decode_plan_for_another_length_after_a_cluster_refusal(monkeypatch):
-    """A device that refuses the cluster launch: the call falls back to the global merge, and
-    a plan it records, written for another length, launches what the full launcher launches
-    there (whose split rule runs again for that length), or declines."""
+def _refusing_clusters(monkeypatch, status):
+    """Cluster launches refused with the driver error ``status["code"]`` (a stand-in device
+    that cannot place them); other launches logged. The decode launcher's copies off."""
     from flashcore.kernels import decode
     monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
     monkeypatch.setattr(DRIVER, "set_function_attribute", lambda *a: None)
@@ -804,9 +803,17 @@ def test_decode_plan_for_another_length_after_a_cluster_refusal(monkeypatch):
 
     def call(self, grid, block, args, shared_mem=0, stream=0):
         if self.name.startswith("flash_decode_cluster_kernel"):
-            raise DriverError(912)     # every cluster size refused
+            raise DriverError(status["code"])
         LOG.append((self.name, tuple(grid), tuple(block), shared_mem, bytes(args[0].tobytes())))
     monkeypatch.setattr(FakeKernel, "__call__", call)
+
+
+def test_decode_plan_for_another_length_after_a_cluster_refusal(monkeypatch):
+    """A device that refuses the cluster launch: the call falls back to the global merge, and
+    a plan it records, written for another length, launches what the full launcher launches
+    there (whose split rule runs again for that length), or declines."""
+    from flashcore.kernels import decode
+    _refusing_clusters(monkeypatch, {"code": 912})     # every cluster size refused
     c = _fused_case(splits=0, b=1, hk=8, h=32)
     q = fake_array((1, 1, 32, 128), c["dtype"])
     out, lse = fake_array(q.shape, q.dtype), fake_array((1, 32, 1), np.float32)
@@ -1027,24 +1034,9 @@ def test_decode_cluster_merge_only_where_it_applies(monkeypatch):
 def test_decode_cluster_refused_falls_back_to_the_global_merge(monkeypatch):
     """A device that refuses the cluster launch (say, a size it cannot place) gets the fused
     global-memory merge for that split count, on that call and the later ones."""
-    driver = DRIVER
     from flashcore.kernels import decode
-    monkeypatch.setattr(decode, "_as_input", lambda a, *_: a)
-    monkeypatch.setattr(driver, "set_function_attribute", lambda *a: None)
-    config.set(decode_cluster=True)
-
-    class DriverError(device.CUDADriverError):
-        def __init__(self, status):
-            Exception.__init__(self, f"CUDA driver error {status} (stand-in)")
-            self.status = status
-
     status = {"code": 912}    # CUDA_ERROR_INVALID_CLUSTER_SIZE
-
-    def call(self, grid, block, args, shared_mem=0, stream=0):
-        if self.name.startswith("flash_decode_cluster_kernel"):
-            raise DriverError(status["code"])
-        LOG.append((self.name, tuple(grid), tuple(block), shared_mem, bytes(args[0].tobytes())))
-    monkeypatch.setattr(FakeKernel, "__call__", call)
+    _refusing_clusters(monkeypatch, status)
     rng = np.random.default_rng(8)
     c = _fused_case(splits=12)
     arrays = _decode_arrays(rng, c)
