@@ -776,6 +776,8 @@ def test_decode_plan_for_another_length_declines_a_layout_it_would_copy(monkeypa
     st = decode._strides(kc)
     assert plan.for_length(4100, st, st, 0) is not None
     assert plan.for_length(4100, (st[0], st[1] + 4) + st[2:], st, 0) is None  # rows not 16 B
+    assert plan.for_length(4100, (st[0] + 4,) + st[1:], st, 0) is not None   # (batch 1: unused,
+    #                                                                    as the launcher has it)
     assert plan.for_length(4100, st[:3] + (2,), st, 0) is None            # not the last dim
     assert plan.for_length(0, st, st, 0) is None
     # a field that would turn non-zero (or zero) would change the plan's word runs: declined

@@ -49,11 +49,16 @@ def _strides(arr):
     return tuple(s // isz for s in arr.strides)
 
 
+def _strides_fit(shape, strides, multiple: int) -> bool:
+    """Element ``strides`` of a ``shape`` that the kernels read in 16-byte pieces: the last
+    dimension contiguous, every other stride a multiple of ``multiple`` elements. The stride
+    of a size-1 dimension is never multiplied by a non-zero index: it is ignored."""
+    return strides[-1] == 1 and all(s % multiple == 0
+                                    for s, n in zip(strides[:-1], shape[:-1]) if n > 1)
+
+
 def _used_strides_ok(arr, multiple: int, align: int) -> bool:
-    # The stride of a size-1 dimension is never multiplied by a non-zero index: ignore it.
-    st = _strides(arr)
-    return (arr.data.ptr % align == 0 and st[-1] == 1 and
-            all(s % multiple == 0 for s, n in zip(st[:-1], arr.shape[:-1]) if n > 1))
+    return arr.data.ptr % align == 0 and _strides_fit(arr.shape, _strides(arr), multiple)
 
 
 def _as_input(arr, multiple: int = 8):

@@ -25,7 +25,7 @@ import itertools
 import math
 from typing import NamedTuple
 
-from .common import (_as_input, _strides, _used_strides_ok, elem_tag as _elem_tag,
+from .common import (_as_input, _strides, _strides_fit, _used_strides_ok, elem_tag as _elem_tag,
                      kernel_dtype_name as _dtype_name, smallest_tile, tpl_bool as _b,
                      window_arg as _window)
 import numpy as np
@@ -744,22 +744,24 @@ def decode_launches(q, k_cache, v_cache, out, lse, *, cache_seqlens, block_table
                             ("split_counter", batch * nheads_k * m_blocks, existing_split_counter)
                             if counter else None,
                             relength=None if paged else functools.partial(
-                                _relength, decide, choice, fp8, key_mask is not None))
+                                _relength, decide, choice, fp8, key_mask is not None,
+                                (batch, nheads_k, headdim)))
     return num_splits, piece
 
 
-def _relength(decide, choice, fp8, masked, capacity, k_strides, v_strides, mask_stride):
+def _relength(decide, choice, fp8, masked, dims, capacity, k_strides, v_strides, mask_stride):
     """A plan's ``relength`` (plans.Piece): the struct fields that a contiguous-cache decode
     launch takes from the cache's length, for a cache of ``capacity`` keys whose k_cache and
     v_cache have ``k_strides`` and ``v_strides`` (elements, in the launcher's (batch, seq, heads,
     headdim) order) and whose key mask's rows are ``mask_stride`` apart; None when that cache
     would launch otherwise (another split count, kernel or tile: ``decide``, the launch's
     decisions as a function of the length, gives another ``choice``) or be copied first
-    (:func:`_as_input`; here a size-1 dimension's stride counts too, which only declines more).
-    The rest of the call is the recorded one's: the caller's key says so."""
+    (:func:`_as_input`'s rule; ``dims``: the cache's batch, heads and head dim). The rest of
+    the call is the recorded one's: the caller's key says so."""
+    shape = (dims[0], capacity, dims[1], dims[2])
     multiple = 16 if fp8 else 8
-    if capacity < 1 or any(st[-1] != 1 or any(x % multiple for x in st[:-1])
-                           for st in (k_strides, v_strides)):
+    if capacity < 1 or not (_strides_fit(shape, k_strides, multiple)
+                            and _strides_fit(shape, v_strides, multiple)):
         return None
     if decide(capacity) != choice:
         return None
