@@ -24,14 +24,20 @@ What the attention function does with what transformers passes it:
 * Padding: :func:`register` also registers :func:`padding_mask` as the name's mask function
   (transformers >= 4.53), so the attention function receives None when no mask was given and
   the 2D ``(batch, kv_len)`` padding mask otherwise (not tested for being all ones: that would
-  read it back to the host), padded with False to the cache's length when a static cache holds
-  more slots than the mask covers (so its shape stays static from step to step, and a compiled
-  decoding step is not recompiled each token). Routes, none with a host sync or graph break:
+  read it back to the host). Its last column is the last query's position, as transformers
+  builds it. A static cache holds more slots than the mask covers; only while compiling is
+  such a mask padded with False to the cache's length (so that its shape stays static from
+  step to step and a compiled decoding step is not recompiled each token). So the end of the
+  slots written is read on the host: the mask's width where it is narrower than the cache;
+  the cache's length where it is as wide and an eager step does not depend on it (one query,
+  no window: the keys past the end are masked anyway). Otherwise (and in compiled or
+  captured steps, whose device ops cost no host time) it is found from the mask on the
+  device. Routes, none with a host sync or graph break:
 
   - *Over the cache* (the default for fewer queries than keys, at most 64 of them, no gradient,
     no dropout: decoding steps and speculative drafts): the decode kernel with the mask as its
     ``key_mask`` (any pattern, holes included; one byte a key), the queries at the last
-    ``sq`` slots written (see :func:`_query_positions`). A sliding window counts positions,
+    ``sq`` slots written (see :func:`_mask_end`). A sliding window counts positions,
     as sdpa's mask does.
   - *Varlen* (everything else: prefill, training): varlen attention over the tokens the mask
     keeps, packed by a stable sort to static shapes (once a forward: the layers share the
@@ -41,10 +47,10 @@ What the attention function does with what transformers passes it:
     same as positions wherever a row has no holes).
   - With ``register(left_padding=True)``, decoding steps instead read each row of the mask as
     left padding, then the sequence, then slots not written yet, and the decode kernel runs
-    over keys ``[first kept, last kept]`` of each row (``cache_leftpad`` and
-    ``cache_seqlens``, computed on the device). A row with holes inside its kept run (right
-    padding followed by new tokens) is outside this reading: debug mode
-    (``FLASHCORE_DEBUG=1``) refuses it with a named error.
+    over keys ``[first kept, end written)`` of each row (``cache_leftpad`` computed on the
+    device). A row with holes in its run or padding on its right (right padding followed by
+    new tokens) is outside this reading: debug mode (``FLASHCORE_DEBUG=1``) refuses it with a
+    named error.
 
   Older transformers pass a 4D mask: it is
   accepted when it is exactly the causal/window mask flashcore applies anyway (checked on
@@ -124,10 +130,14 @@ def register(name: str | None = None, *, left_padding: bool = False) -> str:
 
 def padding_mask(*args, attention_mask=None, kv_length=None, **kwargs):
     """The mask function registered with the attention function: the 2D padding mask as
-    given (its last ``kv_length`` columns), or None when there is none. A mask shorter than
-    ``kv_length`` (a static cache, whose slots past the mask are not written yet) is padded with
-    False to that length, so that its shape does not change from one decoding step to the next
-    (transformers passes the result through this function a second time, as a bool mask).
+    given (its last ``kv_length`` columns, as bool), or None when there is none. The mask's
+    last column is the position of the last query (transformers' convention). Only while
+    compiling is a mask shorter than ``kv_length`` (a static cache, whose slots past the mask
+    are not written yet) padded with False to that length, so that its shape does not change
+    from one decoding step to the next (no recompilation each token); eagerly its width tells
+    the attention function, on the host, where the slots written end (:func:`_mask_end`).
+    (transformers passes the result through this function a second time, as a bool mask:
+    that changes nothing.)
     Unlike transformers' flash-attention mask function, it does not test whether the mask is all
     ones (a read back to the host, and a graph break under torch.compile): a mask that is given
     is applied, whatever its values. (Its signature takes what every transformers version
@@ -138,7 +148,11 @@ def padding_mask(*args, attention_mask=None, kv_length=None, **kwargs):
         kv_length = args[2]
     if kv_length is None:
         return attention_mask
-    return _key_mask(attention_mask, int(kv_length))
+    import torch
+    sk = int(kv_length)
+    if torch.compiler.is_compiling():
+        return _key_mask(attention_mask, sk)
+    return attention_mask[:, -sk:].to(torch.bool)
 
 
 def _key_mask(attention_mask, sk):
@@ -151,25 +165,43 @@ def _key_mask(attention_mask, sk):
     return mask
 
 
+def _mask_end(attention_mask, sk, sq, free=False):
+    """L, the end of the cache slots written (the queries are slots L - sq .. L - 1), as a
+    host int where the mask's shape says it; None where it must be found from the mask's
+    values on the device (:func:`_written_end`). A mask narrower than the cache is not padded
+    (:func:`padding_mask` pads only while compiling), so its last column is the last query's:
+    L is its width. A mask as wide as the cache may be a static cache's, padded (a compiled
+    step's, or a caller's own, e.g. for a captured CUDA graph), so L is taken as the cache's
+    length only where the result does not depend on it (``free``: one query over a key mask,
+    no window, whose keys past L are masked anyway). At least ``sq``."""
+    n = attention_mask.shape[1]
+    if n < sk:
+        return max(n, sq)
+    return max(sk, sq) if free else None
+
+
 def _written_end(keep, sq):
-    """L, the end of the cache slots written, the same for every row: the queries are the last
-    ``sq`` of them, L - sq .. L - 1. Where the mask ends, which a static cache's padded mask no
-    longer says, so it is taken as the last kept key + 1 over the batch, at least sq -- exact
-    whenever a row's last query is kept (decoding: the new token is) or the cache held nothing
-    before the queries (a prefill, right padding included). A 0-d int32 tensor."""
+    """L as a 0-d int32 tensor, found on the device from a mask as wide as the cache (where
+    :func:`_mask_end` cannot say it), the same for every row: the last kept key + 1 over
+    the batch, at least sq -- exact whenever a row's last query is kept (decoding: the new
+    token is) or the cache held nothing before the queries (a prefill, right padding
+    included)."""
     import torch
     sk = keep.shape[1]
     end = (keep * torch.arange(1, sk + 1, device=keep.device, dtype=torch.int32)).amax()
     return torch.clamp(end, min=sq).to(torch.int32)
 
 
-def _query_positions(keep, sq):
-    """The bool (batch, sq) mask of the queries kept, at the slots :func:`_written_end` says;
-    a query at a masked position is not kept (its output is 0)."""
+def _query_positions(keep, sq, end):
+    """The bool (batch, sq) mask of the queries kept: ``keep``'s (batch, sk) columns at the
+    query slots, L - sq .. L - 1 (``end``: L from :func:`_mask_end`, or None for
+    :func:`_written_end`'s); a query at a masked position is not kept (its output is 0)."""
     import torch
     b, sk = keep.shape
     if sq == sk:
         return keep
+    if end is not None:
+        return keep[:, end - sq:end]
     pos = _written_end(keep, sq) - sq + torch.arange(sq, device=keep.device, dtype=torch.int32)
     return keep.gather(1, pos.expand(b, sq).to(torch.int64))
 
@@ -236,8 +268,8 @@ def _attention_forward(module, query, key, value, attention_mask, scaling, dropo
     elif attention_mask.ndim == 2:
         if over_cache and sq <= CACHE_ROUTE_MAX_QUERIES:
             keep, first, end, shared = _per_forward(
-                attention_mask, ("cache", sk, sq, left_padding), _cache_route_of, attention_mask,
-                sk, sq, left_padding, binding=True)
+                attention_mask, ("cache", sk, sq, left_padding, window[0]), _cache_route_of,
+                attention_mask, sk, sq, left_padding, window[0], binding=True)
             out = torch_ops.kvcache_read(query, key, value, end, first, keep, causal, scaling,
                                          window, cap, True, shared)
         else:
@@ -350,32 +382,52 @@ def _kept_run(mask):
     return first.to(torch.int32), end.to(torch.int32)
 
 
-def _cache_route_of(attention_mask, sk, sq, left_padding):
+def _cache_route_of(attention_mask, sk, sq, left_padding, window_left):
     """``(key mask, cache_leftpad, cache_seqlens)`` of the decode kernel's call for queries over
-    a cache under a 2D mask (see the module docstring's routes):
+    a cache under a 2D mask (see the module docstring's routes), L the end of the slots
+    written (:func:`_mask_end`, a host int where the mask's shape says it; else
+    :func:`_written_end`, on the device). A mask as wide as the cache gives the cache's length
+    for a step that does not depend on L (one query, no window) in eager calls only: in a
+    compiled or captured step the device ops cost no host time, and the kernel then walks no
+    slot past L of a padded static cache's mask.
 
     * any mask: the decode kernel over the cache's first L slots with the mask as its
-      ``key_mask`` (one byte a key), the queries at slots L - sq .. L - 1 (bottom-right causal),
-      L = :func:`_written_end` for every row; ``cache_leftpad`` None;
-    * ``left_padding``: each row is left padding, the sequence, then slots not written yet
-      (``register(left_padding=True)`` declares it): the kernel over keys [first kept, last
-      kept] (``cache_leftpad``, ``cache_seqlens``), the queries at the last positions of that
-      run (bottom-right causal); no key mask."""
+      ``key_mask`` (one byte a key, padded to the cache's length), the queries at slots
+      L - sq .. L - 1 (bottom-right causal); ``cache_leftpad`` None;
+    * ``left_padding``: each row is left padding, then the sequence up to L (then slots not
+      written yet: ``register(left_padding=True)`` declares it): the kernel over keys
+      [first kept, L) (``cache_leftpad``, ``cache_seqlens``), the queries at the last
+      positions of that run (bottom-right causal); no key mask."""
     import torch
-    keep = _key_mask(attention_mask, sk)
+    batch = attention_mask.shape[0]
     if not left_padding:
-        return keep, None, _written_end(keep, sq).expand(keep.shape[0]).contiguous()
-    first, end = _kept_run(keep)
+        keep = _key_mask(attention_mask, sk)
+        free = sq == 1 and (window_left < 0 or window_left >= sk - 1) and not (
+            torch.compiler.is_compiling() or (keep.is_cuda and _capturing()))
+        end = _mask_end(attention_mask, sk, sq, free)
+        if end is None:
+            return keep, None, _written_end(keep, sq).expand(batch).contiguous()
+        return keep, None, torch.full((batch,), end, dtype=torch.int32, device=keep.device)
+    end = _mask_end(attention_mask, sk, sq)
+    if end is None:
+        rows = _key_mask(attention_mask, sk)
+        first, last = _kept_run(rows)
+    else:       # (the mask narrower than the cache: its columns are the slots up to L)
+        rows = attention_mask.to(torch.bool)
+        # (a bool tensor read as bytes: no copy)
+        first = torch.argmax(rows.view(torch.uint8), dim=1).to(torch.int32)
+        last = torch.full((batch,), end, dtype=torch.int32, device=rows.device)
     if config.debug() and not torch.compiler.is_compiling():
-        holes = keep.sum(1, dtype=torch.int32) != end - first
+        holes = rows.sum(1, dtype=torch.int32) != last - first
         if bool(holes.any()):
-            rows = holes.nonzero().flatten().tolist()
+            bad = holes.nonzero().flatten().tolist()
             raise ValueError(
                 "flashcore attention: argument 'attention_mask': with left_padding=True each row "
                 "must keep one run of positions (left padding, the sequence, unwritten slots); "
-                f"rows {rows} have holes inside their run (debug-mode check; register without "
-                "left_padding to attend with any mask)")
-    return None, first, end
+                f"rows {bad} do not keep one run up to the mask's end (holes, or padding on "
+                "the right; debug-mode check: register without left_padding to attend with "
+                "any mask)")
+    return None, first, last
 
 
 def _varlen_packing(attention_mask, sk, sq):
@@ -387,7 +439,7 @@ def _varlen_packing(attention_mask, sk, sq):
     ``kept_*`` say which packed rows hold a token."""
     import torch
     keep_k = _key_mask(attention_mask, sk)
-    keep_q = _query_positions(keep_k, sq)
+    keep_q = _query_positions(keep_k, sq, _mask_end(attention_mask, sk, sq))
 
     def order_of(keep):
         flat = keep.reshape(-1)

@@ -493,7 +493,7 @@ def _part_functions():
         if sq >= sk or mask is None:
             return fct.flashcore_attention_forward(module, q, k, v, mask, scaling=scaling, **kw)
         keep, first, end = fct._per_forward(mask, ("cache_unbound", sk, sq), fct._cache_route_of,
-                                            mask, sk, sq, False)
+                                            mask, sk, sq, False, -1)
         return torch_ops.kvcache_read(q, k, v, end, first, keep, True, scaling, (-1, -1), 0.0,
                                       True, None).contiguous(), None
     fns = {"fc_op": fc_op, "fc_positions": fc_positions, "fc_direct": fc_direct,
