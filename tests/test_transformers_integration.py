@@ -139,24 +139,20 @@ def test_padding_mask_shorter_than_a_static_cache():
         torch.testing.assert_close(out[b:b + 1], want, atol=1e-12, rtol=0)
 
 
-def test_padding_mask_is_padded_to_a_static_cache_only_while_compiling(monkeypatch):
-    """Shorter than kv_length (a static cache): eagerly the mask keeps its width (the end of
-    the slots written, which the attention function reads from it); while compiling it is
-    padded with False (slots not written yet), so the shape that a compiled decoding step
-    sees does not change from token to token. Passing the result through again (transformers
-    does) changes nothing."""
+def test_padding_mask_is_padded_to_a_static_cache():
+    """Shorter than kv_length (a static cache): padded with False (slots not written yet), so
+    the shape that a compiled decoding step sees does not change from token to token (eagerly
+    too: transformers makes a static cache's mask outside the compiled step and passes it in);
+    passing the result through again (transformers does) changes nothing. Only a caller's own
+    mask narrower than the cache tells the end of the slots written by its width."""
     m = torch.ones(2, 5, dtype=torch.bool)
     m[0, :2] = False
-    eager = fct.padding_mask(batch_size=2, q_length=1, kv_length=9, attention_mask=m.long())
-    assert eager.dtype == torch.bool and eager.equal(m)
-    assert fct.padding_mask(batch_size=2, q_length=1, kv_length=9, attention_mask=eager).equal(m)
-    assert fct._mask_end(eager, 9, 1) == 5
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    got = fct.padding_mask(batch_size=2, q_length=1, kv_length=9, attention_mask=m)
+    got = fct.padding_mask(batch_size=2, q_length=1, kv_length=9, attention_mask=m.long())
     assert got.shape == (2, 9) and got.dtype == torch.bool
     assert got[:, :5].equal(m) and not got[:, 5:].any()
     assert fct.padding_mask(batch_size=2, q_length=1, kv_length=9, attention_mask=got).equal(got)
-    assert fct._mask_end(got, 9, 1) is None
+    assert fct._mask_end(got, 9, 1) is None and fct._mask_end(got, 9, 1, free=True) == 9
+    assert fct._mask_end(m, 9, 1) == 5 and fct._mask_end(m, 9, 7) == 7
 
 
 def _row_reference(q, k, v, mask_row, sq, window, route):
@@ -181,20 +177,20 @@ def _row_reference(q, k, v, mask_row, sq, window, route):
     return out
 
 
-@pytest.mark.parametrize("compiling", [False, True])
+@pytest.mark.parametrize("mask_as", ["padded", "narrower", "compiling"])
 @pytest.mark.parametrize("sq", [1, 3])
 @pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("route", ["varlen", "key_mask", "left_padding"])
-def test_masks_over_a_cache_match_each_row(sq, window, route, compiling, monkeypatch):
+def test_masks_over_a_cache_match_each_row(sq, window, route, mask_as, monkeypatch):
     """Queries over a static cache (the mask shorter than the cache): left-padded rows through
     the three routes (varlen, taken when a gradient may flow; the decode kernel with the mask
     as its key_mask, the default without; the decode kernel over each row's kept run with
     left_padding=True), and, except on the last, right-padded rows and rows with holes, each
-    equal to attention over its kept keys as _row_reference says: eagerly (the end of the
-    slots written read from the mask's width) and as a compiled step finds it (``compiling``:
-    the mask padded to the cache, the end found on the device; torch.compiler.is_compiling
-    patched, the ops run eagerly)."""
-    if compiling:
+    equal to attention over its kept keys as _row_reference says: with the mask padded to the
+    cache by padding_mask (eagerly, and as a compiled step sees it: ``compiling``,
+    torch.compiler.is_compiling patched, the ops run eagerly) and given narrower than the
+    cache (the end of the slots written read from its width)."""
+    if mask_as == "compiling":
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     g = torch.Generator().manual_seed(7)
     b, L, sk, h, hk, d = 5, 10, 14, 4, 2, 16
@@ -207,7 +203,9 @@ def test_masks_over_a_cache_match_each_row(sq, window, route, compiling, monkeyp
     if route != "left_padding":
         given[3, 4:6] = 0             # holes (a right-padded prompt, then new tokens)
         given[4, 7:] = 0              # right padding: the queries sit on pad positions
-    mask = fct.padding_mask(attention_mask=given, kv_length=sk)
+    mask = given.bool() if mask_as == "narrower" else \
+        fct.padding_mask(attention_mask=given, kv_length=sk)
+    assert mask.shape[1] == (L if mask_as == "narrower" else sk)
 
     class M(torch.nn.Module):
         is_causal = True
@@ -235,26 +233,29 @@ def test_masked_cache_route_refuses_holes_in_debug_mode():
     with torch.no_grad(), config.override(debug=True):
         with pytest.raises(ValueError, match="argument 'attention_mask'.*holes"):
             fct.flashcore_attention_forward_left_padded(M(), q, k, k, mask)
-        # padding on the right: the run does not reach the mask's end
-        right = fct.padding_mask(attention_mask=torch.tensor([[0, 1, 1, 0]]), kv_length=6)
+        # a mask narrower than the cache (its width the end of the slots written), padding on
+        # the right: the run does not reach the end
+        right = torch.tensor([[False, True, True, False]])
         with pytest.raises(ValueError, match="argument 'attention_mask'.*rows \\[0\\]"):
             fct.flashcore_attention_forward_left_padded(M(), q, k, k, right)
-        fine = fct.padding_mask(attention_mask=torch.tensor([[0, 1, 1, 1]]), kv_length=6)
-        fct.flashcore_attention_forward_left_padded(M(), q, k, k, fine)
+        fct.flashcore_attention_forward_left_padded(M(), q, k, k, ~right.cumsum(1).eq(0))
 
 
-@pytest.mark.parametrize("width, sq, window, on_device", [
-    (9, 1, None, False),     # a dynamic cache's decoding step: the end is the cache's length
-    (9, 1, 9, False),        # a window over every key is none
-    (6, 3, 4, False),        # narrower than the cache: the end is the mask's width
-    (9, 3, None, True),      # as wide as the cache: maybe a padded static cache's mask
-    (9, 1, 4, True),
+@pytest.mark.parametrize("width, sq, window, compiling, on_device", [
+    (9, 1, None, False, False),  # a dynamic cache's decoding step: the end is the cache's length
+    (9, 1, 9, False, False),     # a window over every key is none
+    (6, 3, 4, False, False),     # narrower than the cache: the end is the mask's width
+    (9, 3, None, False, True),   # as wide as the cache: maybe a padded static cache's mask
+    (9, 1, 4, False, True),
+    (9, 1, None, True, True),    # compiled: the kernel walks no slot past the end
 ])
 def test_decoding_steps_find_the_end_on_the_device_only_where_the_mask_cannot_say_it(
-        width, sq, window, on_device, monkeypatch):
+        width, sq, window, compiling, on_device, monkeypatch):
     """Where the masked decoding route finds the end of the slots written: from the mask's
     shape (no device ops), or from its values with _written_end; the output is the one with
     the end found from the values."""
+    if compiling:
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     found = []
     orig = fct._written_end
     monkeypatch.setattr(fct, "_written_end", lambda *a: found.append(1) or orig(*a))
@@ -280,9 +281,9 @@ def test_decoding_steps_find_the_end_on_the_device_only_where_the_mask_cannot_sa
 
 @pytest.mark.parametrize("route", ["varlen", "key_mask"])
 def test_queries_sit_at_the_masks_last_columns_where_no_row_keeps_them(route):
-    """The queries are the mask's last sq columns even where every row masks them (a chunk
-    that ends in padding, over a cache): the end of the slots written is read from the mask's
-    width, not found from the kept keys (which would place the queries earlier)."""
+    """A mask narrower than the cache: its last sq columns are the queries even where every
+    row masks them (a chunk that ends in padding): the end of the slots written is read from
+    the mask's width, not found from the kept keys (which would place the queries earlier)."""
     g = torch.Generator().manual_seed(11)
     b, L, sk, sq, h, hk, d = 2, 10, 14, 3, 4, 2, 16
     q = torch.randn(b, h, sq, d, dtype=torch.float64, generator=g)
@@ -291,13 +292,12 @@ def test_queries_sit_at_the_masks_last_columns_where_no_row_keeps_them(route):
     given = torch.ones(b, L, dtype=torch.long)
     given[:, 8:] = 0
     given[1, :2] = 0
-    mask = fct.padding_mask(attention_mask=given, kv_length=sk)
 
     class M(torch.nn.Module):
         is_causal = True
     if route == "varlen":
         q.requires_grad_(True)
-    out, _ = fct.flashcore_attention_forward(M(), q, k, v, mask)
+    out, _ = fct.flashcore_attention_forward(M(), q, k, v, given.bool())
     qt, kt, vt = (x.detach().transpose(1, 2) for x in (q, k, v))
     hkv = torch.repeat_interleave(torch.arange(hk), h // hk)
     for r in range(b):

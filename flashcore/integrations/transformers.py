@@ -24,15 +24,15 @@ What the attention function does with what transformers passes it:
 * Padding: :func:`register` also registers :func:`padding_mask` as the name's mask function
   (transformers >= 4.53), so the attention function receives None when no mask was given and
   the 2D ``(batch, kv_len)`` padding mask otherwise (not tested for being all ones: that would
-  read it back to the host). Its last column is the last query's position, as transformers
-  builds it. A static cache holds more slots than the mask covers; only while compiling is
-  such a mask padded with False to the cache's length (so that its shape stays static from
-  step to step and a compiled decoding step is not recompiled each token). So the end of the
-  slots written is read on the host: the mask's width where it is narrower than the cache;
-  the cache's length where it is as wide and an eager step does not depend on it (one query,
-  no window: the keys past the end are masked anyway). Otherwise (and in compiled or
-  captured steps, whose device ops cost no host time) it is found from the mask on the
-  device. Routes, none with a host sync or graph break:
+  read it back to the host), padded with False to the cache's length when a static cache holds
+  more slots than the mask covers (so its shape stays static from step to step, and a compiled
+  decoding step is not recompiled each token). Its last column before any such padding is the
+  last query's position, as transformers builds it. So the end of the slots written is taken
+  on the host where the mask's shape says it: the cache's length where the mask is as wide and
+  an eager step does not depend on it (one query, no window: the keys past the end are masked
+  anyway), the mask's width where a caller's own mask is narrower than the cache. Otherwise
+  (and in compiled or captured steps, whose device ops cost no host time) it is found from
+  the mask on the device. Routes, none with a host sync or graph break:
 
   - *Over the cache* (the default for fewer queries than keys, at most 64 of them, no gradient,
     no dropout: decoding steps and speculative drafts): the decode kernel with the mask as its
@@ -130,14 +130,15 @@ def register(name: str | None = None, *, left_padding: bool = False) -> str:
 
 def padding_mask(*args, attention_mask=None, kv_length=None, **kwargs):
     """The mask function registered with the attention function: the 2D padding mask as
-    given (its last ``kv_length`` columns, as bool), or None when there is none. The mask's
-    last column is the position of the last query (transformers' convention). Only while
-    compiling is a mask shorter than ``kv_length`` (a static cache, whose slots past the mask
-    are not written yet) padded with False to that length, so that its shape does not change
-    from one decoding step to the next (no recompilation each token); eagerly its width tells
-    the attention function, on the host, where the slots written end (:func:`_mask_end`).
-    (transformers passes the result through this function a second time, as a bool mask:
-    that changes nothing.)
+    given (its last ``kv_length`` columns, as bool), or None when there is none. A mask
+    shorter than ``kv_length`` (a static cache, whose slots past the mask are not written yet)
+    is padded with False to that length, so that its shape does not change from one decoding
+    step to the next: transformers builds a static cache's mask outside its compiled decoding
+    step and passes it in, so a mask of the written length would be a new input shape each
+    token (session 64 measured that: 0.16x "sdpa", the step's CUDA graph recorded anew). The
+    attention function therefore reads the end of the slots written from the shape only where
+    it can (:func:`_mask_end`). (transformers passes the result through this function a
+    second time, as a bool mask: that changes nothing.)
     Unlike transformers' flash-attention mask function, it does not test whether the mask is all
     ones (a read back to the host, and a graph break under torch.compile): a mask that is given
     is applied, whatever its values. (Its signature takes what every transformers version
@@ -148,11 +149,7 @@ def padding_mask(*args, attention_mask=None, kv_length=None, **kwargs):
         kv_length = args[2]
     if kv_length is None:
         return attention_mask
-    import torch
-    sk = int(kv_length)
-    if torch.compiler.is_compiling():
-        return _key_mask(attention_mask, sk)
-    return attention_mask[:, -sk:].to(torch.bool)
+    return _key_mask(attention_mask, int(kv_length))
 
 
 def _key_mask(attention_mask, sk):
@@ -169,11 +166,10 @@ def _mask_end(attention_mask, sk, sq, free=False):
     """L, the end of the cache slots written (the queries are slots L - sq .. L - 1), as a
     host int where the mask's shape says it; None where it must be found from the mask's
     values on the device (:func:`_written_end`). A mask narrower than the cache is not padded
-    (:func:`padding_mask` pads only while compiling), so its last column is the last query's:
-    L is its width. A mask as wide as the cache may be a static cache's, padded (a compiled
-    step's, or a caller's own, e.g. for a captured CUDA graph), so L is taken as the cache's
-    length only where the result does not depend on it (``free``: one query over a key mask,
-    no window, whose keys past L are masked anyway). At least ``sq``."""
+    (a caller's own: :func:`padding_mask` pads), so its last column is the last query's: L is
+    its width. A mask as wide as the cache may be a static cache's, padded, so L is taken as
+    the cache's length only where the result does not depend on it (``free``: one query over
+    a key mask, no window, whose keys past L are masked anyway). At least ``sq``."""
     n = attention_mask.shape[1]
     if n < sk:
         return max(n, sq)
