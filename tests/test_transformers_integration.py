@@ -233,27 +233,29 @@ def test_masked_cache_route_refuses_holes_in_debug_mode():
     with torch.no_grad(), config.override(debug=True):
         with pytest.raises(ValueError, match="argument 'attention_mask'.*holes"):
             fct.flashcore_attention_forward_left_padded(M(), q, k, k, mask)
-        # a mask narrower than the cache (its width the end of the slots written), padding on
-        # the right: the run does not reach the end
-        right = torch.tensor([[False, True, True, False]])
-        with pytest.raises(ValueError, match="argument 'attention_mask'.*rows \\[0\\]"):
-            fct.flashcore_attention_forward_left_padded(M(), q, k, k, right)
-        fct.flashcore_attention_forward_left_padded(M(), q, k, k, ~right.cumsum(1).eq(0))
 
 
-@pytest.mark.parametrize("width, sq, window, compiling, on_device", [
-    (9, 1, None, False, False),  # a dynamic cache's decoding step: the end is the cache's length
-    (9, 1, 9, False, False),     # a window over every key is none
-    (6, 3, 4, False, False),     # narrower than the cache: the end is the mask's width
-    (9, 3, None, False, True),   # as wide as the cache: maybe a padded static cache's mask
-    (9, 1, 4, False, True),
-    (9, 1, None, True, True),    # compiled: the kernel walks no slot past the end
+_AS_WIDE = [(9, sq, window, compiling, on_device, unwritten) for unwritten in (0, 1)
+            for sq, window, compiling, on_device in (
+                (1, None, False, False),  # a dynamic cache's step: the end is the cache's length
+                (1, 9, False, False),     # a window over every key is none (left side sk - 1)
+                (1, 8, False, True),      # one that is not (left side sk - 2)
+                (3, None, False, True),   # maybe a padded static cache's mask
+                (1, 4, False, True),
+                (1, None, True, True))]   # compiled: the kernel walks no slot past the end
+
+
+@pytest.mark.parametrize("width, sq, window, compiling, on_device, unwritten", _AS_WIDE + [
+    (6, 3, 4, False, False, 0),   # narrower than the cache: the end is the mask's width
 ])
 def test_decoding_steps_find_the_end_on_the_device_only_where_the_mask_cannot_say_it(
-        width, sq, window, compiling, on_device, monkeypatch):
+        width, sq, window, compiling, on_device, unwritten, monkeypatch):
     """Where the masked decoding route finds the end of the slots written: from the mask's
     shape (no device ops), or from its values with _written_end; the output is the one with
-    the end found from the values."""
+    the end found from the values, also where a mask as wide as the cache (9) has its last
+    ``unwritten`` columns masked in every row (a padded static cache's: the end before the
+    mask's). (A narrower mask whose last column no row keeps is where the two differ, by
+    design: test_queries_sit_at_the_masks_last_columns_where_no_row_keeps_them.)"""
     if compiling:
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     found = []
@@ -265,6 +267,7 @@ def test_decoding_steps_find_the_end_on_the_device_only_where_the_mask_cannot_sa
     k, v = (torch.randn(b, hk, sk, d, dtype=torch.float64, generator=g) for _ in range(2))
     given = torch.ones(b, width, dtype=torch.bool)
     given[1, :2] = False
+    given[:, width - unwritten:] = False
 
     class M(torch.nn.Module):
         is_causal = True
@@ -277,6 +280,33 @@ def test_decoding_steps_find_the_end_on_the_device_only_where_the_mask_cannot_sa
         want = fct.flashcore_attention_forward(M(), q, k, v, given, sliding_window=window)[0]
         assert found
     torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+
+
+def test_a_mask_shared_by_layers_with_and_without_a_window_gives_each_its_own_end():
+    """One mask object (a padded static cache's: its last slots unwritten) read by a layer
+    with no window (whose end is the cache's length) and then by one with a window (whose end
+    must be found from the mask): each layer's output is the one it gets alone."""
+    g = torch.Generator().manual_seed(12)
+    b, h, hk, sk, d = 2, 4, 2, 9, 8
+    q = torch.randn(b, h, 1, d, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(b, hk, sk, d, dtype=torch.float64, generator=g) for _ in range(2))
+    mask = torch.ones(b, sk, dtype=torch.bool)
+    mask[:, 6:] = False
+
+    class M(torch.nn.Module):
+        is_causal = True
+
+    def layer(window):
+        return fct.flashcore_attention_forward(M(), q, k, v, mask, sliding_window=window)[0]
+    with torch.no_grad():
+        alone = {}
+        for w in (None, 4):
+            fct._SHARED.entries.clear()
+            alone[w] = layer(w)
+        fct._SHARED.entries.clear()
+        for w in (None, 4, None, 4):
+            assert layer(w).equal(alone[w]), w
+    assert not alone[None].equal(alone[4])
 
 
 @pytest.mark.parametrize("route", ["varlen", "key_mask"])

@@ -27,10 +27,11 @@ What the attention function does with what transformers passes it:
   read it back to the host), padded with False to the cache's length when a static cache holds
   more slots than the mask covers (so its shape stays static from step to step, and a compiled
   decoding step is not recompiled each token). Its last column before any such padding is the
-  last query's position, as transformers builds it. So the end of the slots written is taken
-  on the host where the mask's shape says it: the cache's length where the mask is as wide and
-  an eager step does not depend on it (one query, no window: the keys past the end are masked
-  anyway), the mask's width where a caller's own mask is narrower than the cache. Otherwise
+  last query's position, as transformers builds it. So the decoding route takes the end of
+  the slots written on the host where the mask's shape says it: the cache's length where the
+  mask is as wide and an eager step does not depend on it (one query, no window or one over
+  every key: the keys past the end are masked anyway; the kernel then walks the cache's whole
+  length), the mask's width where a caller's own mask is narrower than the cache. Otherwise
   (and in compiled or captured steps, whose device ops cost no host time) it is found from
   the mask on the device. Routes, none with a host sync or graph break:
 
@@ -47,10 +48,10 @@ What the attention function does with what transformers passes it:
     same as positions wherever a row has no holes).
   - With ``register(left_padding=True)``, decoding steps instead read each row of the mask as
     left padding, then the sequence, then slots not written yet, and the decode kernel runs
-    over keys ``[first kept, end written)`` of each row (``cache_leftpad`` computed on the
-    device). A row with holes in its run or padding on its right (right padding followed by
-    new tokens) is outside this reading: debug mode (``FLASHCORE_DEBUG=1``) refuses it with a
-    named error.
+    over keys ``[first kept, last kept]`` of each row (``cache_leftpad`` and
+    ``cache_seqlens``, computed on the device). A row with holes inside its kept run (right
+    padding followed by new tokens) is outside this reading: debug mode
+    (``FLASHCORE_DEBUG=1``) refuses it with a named error.
 
   Older transformers pass a 4D mask: it is
   accepted when it is exactly the causal/window mask flashcore applies anyway (checked on
@@ -135,10 +136,10 @@ def padding_mask(*args, attention_mask=None, kv_length=None, **kwargs):
     is padded with False to that length, so that its shape does not change from one decoding
     step to the next: transformers builds a static cache's mask outside its compiled decoding
     step and passes it in, so a mask of the written length would be a new input shape each
-    token (session 64 measured that: 0.16x "sdpa", the step's CUDA graph recorded anew). The
-    attention function therefore reads the end of the slots written from the shape only where
-    it can (:func:`_mask_end`). (transformers passes the result through this function a
-    second time, as a bool mask: that changes nothing.)
+    token (run 242 of the performance log measured that: 0.16x "sdpa", the step's CUDA graph
+    recorded anew). The attention function therefore takes the end of the slots written
+    from the shape only where it can (:func:`_mask_end`). (transformers passes the result
+    through this function a second time, as a bool mask: that changes nothing.)
     Unlike transformers' flash-attention mask function, it does not test whether the mask is all
     ones (a read back to the host, and a graph break under torch.compile): a mask that is given
     is applied, whatever its values. (Its signature takes what every transformers version
@@ -169,7 +170,8 @@ def _mask_end(attention_mask, sk, sq, free=False):
     (a caller's own: :func:`padding_mask` pads), so its last column is the last query's: L is
     its width. A mask as wide as the cache may be a static cache's, padded, so L is taken as
     the cache's length only where the result does not depend on it (``free``: one query over
-    a key mask, no window, whose keys past L are masked anyway). At least ``sq``."""
+    a key mask, no window or one over every key, whose keys past L are masked anyway). At
+    least ``sq``."""
     n = attention_mask.shape[1]
     if n < sk:
         return max(n, sq)
@@ -263,9 +265,11 @@ def _attention_forward(module, query, key, value, attention_mask, scaling, dropo
                             softcap=cap, **_dropout(dropout))
     elif attention_mask.ndim == 2:
         if over_cache and sq <= CACHE_ROUTE_MAX_QUERIES:
+            # (the window's left side: whether the step depends on where the slots written end)
+            left = -1 if left_padding else window[0]
             keep, first, end, shared = _per_forward(
-                attention_mask, ("cache", sk, sq, left_padding, window[0]), _cache_route_of,
-                attention_mask, sk, sq, left_padding, window[0], binding=True)
+                attention_mask, ("cache", sk, sq, left_padding, left), _cache_route_of,
+                attention_mask, sk, sq, left_padding, left, binding=True)
             out = torch_ops.kvcache_read(query, key, value, end, first, keep, causal, scaling,
                                          window, cap, True, shared)
         else:
@@ -380,50 +384,41 @@ def _kept_run(mask):
 
 def _cache_route_of(attention_mask, sk, sq, left_padding, window_left):
     """``(key mask, cache_leftpad, cache_seqlens)`` of the decode kernel's call for queries over
-    a cache under a 2D mask (see the module docstring's routes), L the end of the slots
-    written (:func:`_mask_end`, a host int where the mask's shape says it; else
-    :func:`_written_end`, on the device). A mask as wide as the cache gives the cache's length
-    for a step that does not depend on L (one query, no window) in eager calls only: in a
-    compiled or captured step the device ops cost no host time, and the kernel then walks no
-    slot past L of a padded static cache's mask.
+    a cache under a 2D mask (see the module docstring's routes):
 
     * any mask: the decode kernel over the cache's first L slots with the mask as its
       ``key_mask`` (one byte a key, padded to the cache's length), the queries at slots
-      L - sq .. L - 1 (bottom-right causal); ``cache_leftpad`` None;
-    * ``left_padding``: each row is left padding, then the sequence up to L (then slots not
-      written yet: ``register(left_padding=True)`` declares it): the kernel over keys
-      [first kept, L) (``cache_leftpad``, ``cache_seqlens``), the queries at the last
-      positions of that run (bottom-right causal); no key mask."""
+      L - sq .. L - 1 (bottom-right causal); ``cache_leftpad`` None. L, the end of the slots
+      written: :func:`_mask_end`'s host int where the mask's shape says it, else
+      :func:`_written_end`'s, on the device. A mask as wide as the cache gives the cache's
+      length where the step does not depend on L (one query, no window or one over every
+      key) in eager calls only: in a compiled or captured step the device ops cost no host
+      time, and the kernel then walks no slot past L of a padded static cache's mask;
+    * ``left_padding``: each row is left padding, the sequence, then slots not written yet
+      (``register(left_padding=True)`` declares it): the kernel over keys [first kept, last
+      kept] (``cache_leftpad``, ``cache_seqlens``, computed on the device), the queries at the
+      last positions of that run (bottom-right causal); no key mask."""
     import torch
-    batch = attention_mask.shape[0]
+    keep = _key_mask(attention_mask, sk)
     if not left_padding:
-        keep = _key_mask(attention_mask, sk)
         free = sq == 1 and (window_left < 0 or window_left >= sk - 1) and not (
             torch.compiler.is_compiling() or (keep.is_cuda and _capturing()))
         end = _mask_end(attention_mask, sk, sq, free)
+        batch = keep.shape[0]
         if end is None:
             return keep, None, _written_end(keep, sq).expand(batch).contiguous()
         return keep, None, torch.full((batch,), end, dtype=torch.int32, device=keep.device)
-    end = _mask_end(attention_mask, sk, sq)
-    if end is None:
-        rows = _key_mask(attention_mask, sk)
-        first, last = _kept_run(rows)
-    else:       # (the mask narrower than the cache: its columns are the slots up to L)
-        rows = attention_mask.to(torch.bool)
-        # (a bool tensor read as bytes: no copy)
-        first = torch.argmax(rows.view(torch.uint8), dim=1).to(torch.int32)
-        last = torch.full((batch,), end, dtype=torch.int32, device=rows.device)
+    first, end = _kept_run(keep)
     if config.debug() and not torch.compiler.is_compiling():
-        holes = rows.sum(1, dtype=torch.int32) != last - first
+        holes = keep.sum(1, dtype=torch.int32) != end - first
         if bool(holes.any()):
-            bad = holes.nonzero().flatten().tolist()
+            rows = holes.nonzero().flatten().tolist()
             raise ValueError(
                 "flashcore attention: argument 'attention_mask': with left_padding=True each row "
                 "must keep one run of positions (left padding, the sequence, unwritten slots); "
-                f"rows {bad} do not keep one run up to the mask's end (holes, or padding on "
-                "the right; debug-mode check: register without left_padding to attend with "
-                "any mask)")
-    return None, first, last
+                f"rows {rows} have holes inside their run (debug-mode check; register without "
+                "left_padding to attend with any mask)")
+    return None, first, end
 
 
 def _varlen_packing(attention_mask, sk, sq):
