@@ -32,8 +32,8 @@ What the attention function does with what transformers passes it:
   mask is as wide and an eager step does not depend on it (one query, no window or one over
   every key: the keys past the end are masked anyway; the kernel then walks the cache's whole
   length), the mask's width where a caller's own mask is narrower than the cache. Otherwise
-  (and in compiled or captured steps, whose device ops cost no host time) it is found from
-  the mask on the device. Routes, none with a host sync or graph break:
+  (and in compiled steps, whose device ops cost no host time) it is found from the mask on
+  the device. Routes, none with a host sync or graph break:
 
   - *Over the cache* (the default for fewer queries than keys, at most 64 of them, no gradient,
     no dropout: decoding steps and speculative drafts): the decode kernel with the mask as its
@@ -392,8 +392,10 @@ def _cache_route_of(attention_mask, sk, sq, left_padding, window_left):
       written: :func:`_mask_end`'s host int where the mask's shape says it, else
       :func:`_written_end`'s, on the device. A mask as wide as the cache gives the cache's
       length where the step does not depend on L (one query, no window or one over every
-      key) in eager calls only: in a compiled or captured step the device ops cost no host
-      time, and the kernel then walks no slot past L of a padded static cache's mask;
+      key), except while compiling: a compiled step's device ops cost no host time, and the
+      kernel then walks no slot past L of a padded static cache's mask. (A CUDA-graph capture
+      takes the eager choice, so that its replays equal eager calls bit for bit: the split
+      ranges follow L.)
     * ``left_padding``: each row is left padding, the sequence, then slots not written yet
       (``register(left_padding=True)`` declares it): the kernel over keys [first kept, last
       kept] (``cache_leftpad``, ``cache_seqlens``, computed on the device), the queries at the
@@ -401,8 +403,8 @@ def _cache_route_of(attention_mask, sk, sq, left_padding, window_left):
     import torch
     keep = _key_mask(attention_mask, sk)
     if not left_padding:
-        free = sq == 1 and (window_left < 0 or window_left >= sk - 1) and not (
-            torch.compiler.is_compiling() or (keep.is_cuda and _capturing()))
+        free = sq == 1 and (window_left < 0 or window_left >= sk - 1) and \
+            not torch.compiler.is_compiling()
         end = _mask_end(attention_mask, sk, sq, free)
         batch = keep.shape[0]
         if end is None:
