@@ -823,6 +823,15 @@ def generate_rounds(models: dict, ids, kw: dict, rounds: int):
     return times, outs
 
 
+def speed_ratio(times: dict, impl: str, peer: str) -> float:
+    """``impl``'s speed over ``peer``'s from timed rounds (``{name: [seconds]}`` as
+    :func:`generate_rounds` gives them): the median over rounds of peer's seconds / impl's in
+    the same round. The two ran one after the other, so a host that drifts slower or faster
+    for a while moves both (on session 64's noisy H100 host the rounds of one model spread by
+    +-20%); a ratio of the two medians pairs rounds far apart."""
+    return statistics.median(p / i for p, i in zip(times[peer], times[impl], strict=True))
+
+
 def generate_new_length_rounds(models: dict, batch: int, prompt: int, new: int, kw: dict,
                                rounds: int):
     """:func:`generate_rounds` over cache lengths that no model has met in this process (after

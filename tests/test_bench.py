@@ -10,6 +10,7 @@ import json
 import os
 import time
 import re
+import statistics
 import subprocess
 import sys
 
@@ -63,6 +64,7 @@ def test_the_suite_uses_flashcore_bench_definitions(suite):
     assert common.DecodeProblem is bench.DecodeProblem
     assert common.gpu_time is bench.gpu_time and common.host_loop_us is bench.host_loop_us
     assert common.flops is bench.flops and common.shape_for is bench.shape_for
+    assert common.speed_ratio is bench.speed_ratio
 
 
 def test_parameters_are_fixed_values(suite):
@@ -135,6 +137,20 @@ def test_wall_time_is_one_call_per_round_and_an_exact_warm_up():
     calls.clear()
     bench.wall_time(lambda: calls.append(1), sync=lambda: None)
     assert len(calls) == 1
+
+
+def test_speed_ratio_pairs_each_round():
+    """The median of each round's ratio, not the ratio of the medians: a host that slows for
+    a while slows both models of a round. Here impl is 10% faster in every round but the
+    third, in which the host slowed between the two: the paired figure says 1.11x, the ratio
+    of the two medians (pairing the peer's slow rounds with impl's fast ones) 4.4x."""
+    times = {"peer": [1.0, 1.0, 4.0, 4.0, 4.0], "impl": [0.9, 0.9, 0.9, 3.6, 3.6]}
+    assert statistics.median(times["peer"]) / statistics.median(times["impl"]) == \
+        pytest.approx(4.0 / 0.9)
+    assert bench.speed_ratio(times, "impl", "peer") == pytest.approx(1 / 0.9)
+    assert bench.speed_ratio(times, "peer", "impl") == pytest.approx(0.9)
+    with pytest.raises(ValueError):
+        bench.speed_ratio({"peer": [1.0, 2.0], "impl": [1.0]}, "impl", "peer")
 
 
 def test_per_call_us_interleaved_takes_a_clock_a_sync_and_a_round_budget():

@@ -9,7 +9,9 @@ ratio, flashcore's speed over "sdpa"'s: above 1 flashcore is faster.
   (``cache_implementation="static"``, which transformers compiles; 64 tokens), at batch 1 /
   prompt 512 and batch 8 / prompt 2k. Each model is warmed by a whole generate (the static
   cache's compiles), then the two are timed in turn, 5 rounds, the order turning each round
-  (``flashcore.bench.generate_rounds``); the ratio of the medians. ``dynamic_new_lengths``:
+  (``flashcore.bench.generate_rounds``); the median of the rounds' ratios
+  (``flashcore.bench.speed_ratio``: each round's two generates ran one after the other).
+  ``dynamic_new_lengths``:
   the dynamic cache over cache lengths new to the process, 3 rounds
   (``flashcore.bench.generate_new_length_rounds``): what a fresh process pays, each step
   meeting a new length.
@@ -20,10 +22,8 @@ ratio, flashcore's speed over "sdpa"'s: above 1 flashcore is faster.
 ``python tests/diagnostics/bench_callpath.py generate generate_static llama compile`` prints the
 same figures with their parts (tokens/s by round, first tokens, compile times, losses).
 """
-import statistics
-
 from .common import (generate_new_length_rounds, generate_rounds, generate_setup, llama_model,
-                     require_gpu_backend, require_transformers, train_step_ms)
+                     require_gpu_backend, require_transformers, speed_ratio, train_step_ms)
 
 _IMPLS = ("sdpa", "flashcore")
 
@@ -60,7 +60,7 @@ class GenerateRatio:
                                                self.kw, 3)
         else:
             times, _ = generate_rounds(self.models, self.ids, self.kw, 5)
-        return statistics.median(times["sdpa"]) / statistics.median(times["flashcore"])
+        return speed_ratio(times, "flashcore", "sdpa")
 
 
 class TrainStepRatio:

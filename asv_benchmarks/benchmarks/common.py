@@ -29,7 +29,8 @@ from flashcore.bench import (  # noqa: E402,F401  (the one definition of each, r
     decode_step, flops, fp8_quantise, generate_new_length_rounds, generate_rounds,
     generate_setup, gpu_time,
     gpu_time_l2_flushed, graph_replay_time, host_loop_us, llama_model, random_arrays, require,
-    require_transformers, sdpa_backend, sdpa_pinned, shape_for, tiny_calls, train_step_ms)
+    require_transformers, sdpa_backend, sdpa_pinned, shape_for, speed_ratio, tiny_calls,
+    train_step_ms)
 
 # --------------------------------------------------------------------------------------------
 # The parameter space (fixed: it never depends on what is installed)

@@ -59,7 +59,7 @@ import torch
 import flashcore
 from flashcore.bench import (LLAMA_IMPLS, DecodeProblem, generate_new_length_rounds,
                              generate_rounds, generate_setup, host_loop_us, llama_model, per_call_us_interleaved,
-                             tiny_calls, train_step_ms, wall_time)
+                             speed_ratio, tiny_calls, train_step_ms, wall_time)
 
 ROWS: list = []
 
@@ -234,15 +234,16 @@ def _generate_row(section, batch, prompt, new, r, times, outs):
     print(f"# {section} {batch} x {prompt}, tokens/s by round: " + _by_round(batch, new, times))
     same = (outs["sdpa"] == outs["flashcore"]).int().cumprod(1).sum(1)
     emit(section=section, batch=batch, prompt=prompt, **r,
-         ratio=r["flashcore_tok_s"] / r["sdpa_tok_s"],
-         ratio_left_padding=r["flashcore_lp_tok_s"] / r["sdpa_tok_s"],
+         ratio=speed_ratio(times, "flashcore", "sdpa"),
+         ratio_left_padding=speed_ratio(times, "flashcore_lp", "sdpa"),
          equal_prefix_min=int(same.min()), equal_prefix_mean=float(same.float().mean()))
 
 
 def _generate_cold(models, batch, prompt, new, kw, rounds, names=("sdpa", "flashcore")):
     """Tokens/s of the models ``names`` over cache lengths new to the process
     (:func:`flashcore.bench.generate_new_length_rounds`, ``rounds`` rounds): each model's
-    tokens/s by round printed, then the medians and flashcore's ratio to "sdpa".
+    tokens/s by round printed, then the medians and flashcore's ratio to "sdpa"
+    (flashcore.bench.speed_ratio), with the rounds' seconds.
     (flashcore_lp would find flashcore's plans: not timed.)"""
     import statistics
     cold = generate_new_length_rounds({n: models[n] for n in names}, batch, prompt, new, kw,
@@ -250,8 +251,8 @@ def _generate_cold(models, batch, prompt, new, kw, rounds, names=("sdpa", "flash
     print(f"# generate {batch} x {prompt}, new cache lengths, tokens/s by round: "
           + _by_round(batch, new, cold))
     out = {f"{impl}_cold_tok_s": batch * new / statistics.median(t) for impl, t in cold.items()}
-    out["ratio_cold"] = out["flashcore_cold_tok_s"] / out["sdpa_cold_tok_s"]
-    return out
+    out["ratio_cold"] = speed_ratio(cold, "flashcore", "sdpa")
+    return out, cold
 
 
 def generate(shapes=((1, 512), (8, 2048)), new=128, rounds=5, cold_rounds=2):
@@ -269,7 +270,7 @@ def generate(shapes=((1, 512), (8, 2048)), new=128, rounds=5, cold_rounds=2):
             la, lb = (models[i](ids).logits[:, -1].float() for i in ("sdpa", "flashcore"))
         times, outs = generate_rounds(models, ids, kw, rounds)
         r = dict(logits_maxdiff=float((la - lb).abs().max()), logits_scale=float(la.abs().max()))
-        r.update(_generate_cold(models, batch, prompt, new, kw, cold_rounds))
+        r.update(_generate_cold(models, batch, prompt, new, kw, cold_rounds)[0])
         _generate_row("generate", batch, prompt, new, r, times, outs)
         del models, la, lb
         torch.cuda.empty_cache()
@@ -508,7 +509,8 @@ def generate_parts(shapes=((1, 512), (8, 2048)), new=64, rounds=7):
     """Where the dynamic-cache generate's step goes, measured in the model (session 61: a host
     loop of the layers alone shows about half of what the model pays for the same Python).
     Tokens/s of one model under "sdpa", flashcore, and flashcore with parts taken away, held in
-    one process and timed in turn (rounds, the order turning), median, as a ratio to "sdpa":
+    one process and timed in turn (rounds, the order turning), each a ratio to "sdpa" (the
+    median of the rounds' ratios, flashcore.bench.speed_ratio):
     ``fc_op`` the op called through the dispatcher (not directly: what the direct call saves);
     ``fc_positions`` the mask dropped (the positions' lengths: what the masked route costs);
     ``fc_direct`` the lengths, then the read op's implementation (none of the route's Python);
@@ -516,16 +518,14 @@ def generate_parts(shapes=((1, 512), (8, 2048)), new=64, rounds=7):
     checks: the floor of a Python launch); ``fc_unbound`` the masked route with the layers not
     binding the forward's plan (each builds its key: what the binding saves). The parts give
     flashcore's tokens (checked)."""
-    import statistics
     names = ["sdpa", "flashcore"] + _part_functions()
     for batch, prompt in shapes:
         models, ids, kw, _ = generate_setup(names, batch, prompt, new)
         times, outs = generate_rounds(models, ids, kw, rounds)
-        sdpa = statistics.median(times["sdpa"])
         print(f"# generate_parts {batch} x {prompt}, tokens/s by round: "
               + _by_round(batch, new, times))
         emit(section="generate_parts", batch=batch, prompt=prompt,
-             **{f"{n}_ratio": sdpa / statistics.median(t) for n, t in times.items()},
+             **{f"{n}_ratio": speed_ratio(times, n, "sdpa") for n in times},
              tokens_equal=all(bool(torch.equal(o, outs["flashcore"])) for n, o in outs.items()
                               if n != "sdpa"))
         del models
@@ -566,9 +566,9 @@ def generate_ab(commit, shapes=((1, 512), (8, 2048)), new=64, rounds=7, cold_rou
     figure of one generate moves by +-2% from run to run on one tree, more than a change of
     the route may): greedy generate of ``new`` tokens under "sdpa", flashcore and ``fc_old``
     (the integration of ``commit``, :func:`_package_at`), timed in turn, ``rounds`` rounds,
-    median tokens/s; flashcore's and fc_old's ratios to "sdpa", and flashcore's to fc_old;
+    flashcore's and fc_old's speed ratios to "sdpa", and flashcore's to fc_old (medians of the
+    rounds' ratios, flashcore.bench.speed_ratio);
     then the three over cache lengths new to the process (:func:`_generate_cold`)."""
-    import statistics
 
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
@@ -578,18 +578,18 @@ def generate_ab(commit, shapes=((1, 512), (8, 2048)), new=64, rounds=7, cold_rou
     for batch, prompt in shapes:
         models, ids, kw, _ = generate_setup(["sdpa", "flashcore", "fc_old"], batch, prompt, new)
         times, outs = generate_rounds(models, ids, kw, rounds)
-        med = {n: statistics.median(t) for n, t in times.items()}
         print(f"# generate_ab {batch} x {prompt} against {commit}, tokens/s by round: "
               + _by_round(batch, new, times))
-        cold = _generate_cold(models, batch, prompt, new, kw, cold_rounds,
-                              ("sdpa", "flashcore", "fc_old"))
+        cold, cold_times = _generate_cold(models, batch, prompt, new, kw, cold_rounds,
+                                          ("sdpa", "flashcore", "fc_old"))
         emit(section="generate_ab", commit=commit, batch=batch, prompt=prompt,
-             ratio=med["sdpa"] / med["flashcore"], old_ratio=med["sdpa"] / med["fc_old"],
-             over_old=med["fc_old"] / med["flashcore"],
+             ratio=speed_ratio(times, "flashcore", "sdpa"),
+             old_ratio=speed_ratio(times, "fc_old", "sdpa"),
+             over_old=speed_ratio(times, "flashcore", "fc_old"),
              tokens_equal_old=bool(torch.equal(outs["flashcore"], outs["fc_old"])),
              ratio_cold=cold["ratio_cold"],
-             old_ratio_cold=cold["fc_old_cold_tok_s"] / cold["sdpa_cold_tok_s"],
-             over_old_cold=cold["flashcore_cold_tok_s"] / cold["fc_old_cold_tok_s"])
+             old_ratio_cold=speed_ratio(cold_times, "fc_old", "sdpa"),
+             over_old_cold=speed_ratio(cold_times, "flashcore", "fc_old"))
         del models
         torch.cuda.empty_cache()
 
