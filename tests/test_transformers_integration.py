@@ -13,6 +13,11 @@ from flashcore.backends import get_backend  # noqa: E402
 from flashcore.integrations import transformers as fct  # noqa: E402
 
 
+class _Layer(torch.nn.Module):
+    """The module an attention function is handed: a causal attention layer."""
+    is_causal = True
+
+
 @pytest.fixture(scope="module")
 def name():
     return fct.register()
@@ -207,13 +212,11 @@ def test_masks_over_a_cache_match_each_row(sq, window, route, mask_as, monkeypat
         fct.padding_mask(attention_mask=given, kv_length=sk)
     assert mask.shape[1] == (L if mask_as == "narrower" else sk)
 
-    class M(torch.nn.Module):
-        is_causal = True
     forward = (fct.flashcore_attention_forward_left_padded if route == "left_padding"
                else fct.flashcore_attention_forward)
     if route == "varlen":
         q.requires_grad_(True)
-    out, _ = forward(M(), q, k, v, mask, sliding_window=window)
+    out, _ = forward(_Layer(), q, k, v, mask, sliding_window=window)
     qt, kt, vt = (x.detach().transpose(1, 2) for x in (q, k, v))
     for r in range(b):
         hkv = torch.repeat_interleave(torch.arange(hk), h // hk)
@@ -228,11 +231,9 @@ def test_masked_cache_route_refuses_holes_in_debug_mode():
     q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 6, 8)
     mask = fct.padding_mask(attention_mask=torch.tensor([[1, 1, 0, 1]]), kv_length=6)
 
-    class M(torch.nn.Module):
-        is_causal = True
     with torch.no_grad(), config.override(debug=True):
         with pytest.raises(ValueError, match="argument 'attention_mask'.*holes"):
-            fct.flashcore_attention_forward_left_padded(M(), q, k, k, mask)
+            fct.flashcore_attention_forward_left_padded(_Layer(), q, k, k, mask)
 
 
 _AS_WIDE = [(9, sq, window, compiling, on_device, unwritten) for unwritten in (0, 1)
@@ -269,15 +270,13 @@ def test_decoding_steps_find_the_end_on_the_device_only_where_the_mask_cannot_sa
     given[1, :2] = False
     given[:, width - unwritten:] = False
 
-    class M(torch.nn.Module):
-        is_causal = True
     with torch.no_grad():
         fct._SHARED.entries.clear()
-        out = fct.flashcore_attention_forward(M(), q, k, v, given, sliding_window=window)[0]
+        out = fct.flashcore_attention_forward(_Layer(), q, k, v, given, sliding_window=window)[0]
         assert bool(found) == on_device
         fct._SHARED.entries.clear()
         monkeypatch.setattr(fct, "_mask_end", lambda *a: None)     # (always from the values)
-        want = fct.flashcore_attention_forward(M(), q, k, v, given, sliding_window=window)[0]
+        want = fct.flashcore_attention_forward(_Layer(), q, k, v, given, sliding_window=window)[0]
         assert found
     torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
 
@@ -293,11 +292,8 @@ def test_a_mask_shared_by_layers_with_and_without_a_window_gives_each_its_own_en
     mask = torch.ones(b, sk, dtype=torch.bool)
     mask[:, 6:] = False
 
-    class M(torch.nn.Module):
-        is_causal = True
-
     def layer(window):
-        return fct.flashcore_attention_forward(M(), q, k, v, mask, sliding_window=window)[0]
+        return fct.flashcore_attention_forward(_Layer(), q, k, v, mask, sliding_window=window)[0]
     with torch.no_grad():
         alone = {}
         for w in (None, 4):
@@ -323,11 +319,9 @@ def test_queries_sit_at_the_masks_last_columns_where_no_row_keeps_them(route):
     given[:, 8:] = 0
     given[1, :2] = 0
 
-    class M(torch.nn.Module):
-        is_causal = True
     if route == "varlen":
         q.requires_grad_(True)
-    out, _ = fct.flashcore_attention_forward(M(), q, k, v, given.bool())
+    out, _ = fct.flashcore_attention_forward(_Layer(), q, k, v, given.bool())
     qt, kt, vt = (x.detach().transpose(1, 2) for x in (q, k, v))
     hkv = torch.repeat_interleave(torch.arange(hk), h // hk)
     for r in range(b):
@@ -455,21 +449,19 @@ def test_attention_function_handles_window_softcap_and_4d_causal_mask():
     import flashcore
     q, k = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8)
 
-    class M(torch.nn.Module):
-        is_causal = True
-    out, w = fct.flashcore_attention_forward(M(), q, k, k, None, scaling=0.5, sliding_window=3,
+    out, w = fct.flashcore_attention_forward(_Layer(), q, k, k, None, scaling=0.5, sliding_window=3,
                                              softcap=2.0)
     assert w is None and out.shape == (1, 6, 4, 8) and out.is_contiguous()
     ref = flashcore.attention(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2),
                               causal=True, softmax_scale=0.5, window_size=(2, 2), softcap=2.0)
     torch.testing.assert_close(out, ref)
     causal4d = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
-    out4d, _ = fct.flashcore_attention_forward(M(), q, k, k, causal4d)
-    torch.testing.assert_close(out4d, fct.flashcore_attention_forward(M(), q, k, k, None)[0])
+    out4d, _ = fct.flashcore_attention_forward(_Layer(), q, k, k, causal4d)
+    torch.testing.assert_close(out4d, fct.flashcore_attention_forward(_Layer(), q, k, k, None)[0])
     custom = causal4d.clone()
     custom[..., 3, 0] = False
     with pytest.raises(NotImplementedError, match="attention_mask"):
-        fct.flashcore_attention_forward(M(), q, k, k, custom)
+        fct.flashcore_attention_forward(_Layer(), q, k, k, custom)
 
 
 _WHOLE_MODEL_COMPILE = r"""
@@ -547,14 +539,12 @@ def test_layers_of_a_forward_share_the_cache_lengths(route, monkeypatch):
     given[1, :2] = 0
     mask = None if route == "positions" else fct.padding_mask(attention_mask=given, kv_length=sk)
 
-    class M(torch.nn.Module):
-        is_causal = True
     forward = (fct.flashcore_attention_forward_left_padded if route == "left_padding"
                else fct.flashcore_attention_forward)
 
     def layer(kk=k, vv=v, m=None):
         with torch.no_grad():
-            return forward(M(), q, kk, vv, mask if m is None else m, position_ids=pos)[0]
+            return forward(_Layer(), q, kk, vv, mask if m is None else m, position_ids=pos)[0]
 
     def fresh(kk=k, vv=v, m=None):
         fct._SHARED.entries.clear()
@@ -643,13 +633,10 @@ def test_layers_of_a_forward_share_the_varlen_packing(grad, monkeypatch):
     given[2, 5:] = 0
     mask = fct.padding_mask(attention_mask=given, kv_length=s)
 
-    class M(torch.nn.Module):
-        is_causal = True
-
     def layer():
         x = [t.clone().requires_grad_(grad) for t in (q, k, v)]
         with torch.set_grad_enabled(grad):
-            out = fct.flashcore_attention_forward(M(), *x, mask)[0]
+            out = fct.flashcore_attention_forward(_Layer(), *x, mask)[0]
             if grad:
                 out.sum().backward()
         return [out.detach()] + ([t.grad for t in x] if grad else [])
@@ -693,8 +680,6 @@ def test_per_forward_values_are_not_kept_while_compiling(monkeypatch):
 def test_inference_mode_tensors_are_not_shared_and_stay_right():
     """Tensors made under torch.inference_mode have no version counter: their layers compute
     the lengths each time (a change in place could not be told), and no call fails."""
-    class M(torch.nn.Module):
-        is_causal = True
     g = torch.Generator().manual_seed(5)
     q = torch.randn(2, 4, 1, 8, dtype=torch.float64, generator=g)
     k, v = (torch.randn(2, 2, 7, 8, dtype=torch.float64, generator=g) for _ in range(2))
@@ -703,11 +688,11 @@ def test_inference_mode_tensors_are_not_shared_and_stay_right():
         pos = torch.tensor([[6], [4]])
         mask = fct.padding_mask(attention_mask=torch.ones(2, 7, dtype=torch.long), kv_length=7)
         for m in (None, mask):
-            a = fct.flashcore_attention_forward(M(), q, k, v, m, position_ids=pos)[0]
+            a = fct.flashcore_attention_forward(_Layer(), q, k, v, m, position_ids=pos)[0]
             pos[1, 0] = 2
             if m is not None:
                 m[1, 3:] = False
-            b = fct.flashcore_attention_forward(M(), q, k, v, m, position_ids=pos)[0]
+            b = fct.flashcore_attention_forward(_Layer(), q, k, v, m, position_ids=pos)[0]
             assert not b[1].equal(a[1]) and b[0].equal(a[0])
             pos[1, 0] = 4
     assert not fct._SHARED.entries

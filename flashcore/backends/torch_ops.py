@@ -228,7 +228,7 @@ def _kvcache_key(q, k_cache, v_cache, cache_seqlens, options, cfg, block_table, 
     """A decode call's launch-plan key: the layouts of its tensors, its options, the settings.
     The optional tensors of the common calls (a plain or a paged cache, with a key mask or left
     padding or neither) are its last three entries; ``rest``: the others' layouts, when one is
-    given."""
+    given. (:func:`_length_free_key` reads its entries by position: keep the two in step.)"""
     return ("kvcache", layout(q), layout(k_cache), layout(v_cache),
             None if cache_seqlens is None else layout(cache_seqlens), tuple(options), cfg,
             layout(block_table), layout(key_mask), layout(cache_leftpad), rest)

@@ -58,8 +58,9 @@ import torch
 
 import flashcore
 from flashcore.bench import (LLAMA_IMPLS, DecodeProblem, generate_new_length_rounds,
-                             generate_rounds, generate_setup, host_loop_us, llama_model, per_call_us_interleaved,
-                             speed_ratio, tiny_calls, train_step_ms, wall_time)
+                             generate_rounds, generate_setup, host_loop_us, llama_model,
+                             per_call_us_interleaved, speed_ratio, tiny_calls, train_step_ms,
+                             wall_time)
 
 ROWS: list = []
 
