@@ -550,7 +550,6 @@ def test_a_bound_read_launches_only_what_it_was_bound_to(monkeypatch):
 
     from flashcore import config, jit
     from flashcore.backends import torch_ops
-    from flashcore.backends.torch_backend import layout
     from flashcore.kernels import plans
     launched = []
     monkeypatch.setattr(torch_ops, "replay",
@@ -563,7 +562,7 @@ def test_a_bound_read_launches_only_what_it_was_bound_to(monkeypatch):
     lse = torch.empty(2, 4, 1)
     args = (True, 0.35, (-1, 0), 0.0, True)
     shared = [types.SimpleNamespace(generation=jit.generation()), config.get(),
-              (lens, None, mask), args, (layout(q), layout(kc), layout(vc)), lse, True]
+              (lens, None, mask), args, torch_ops._bound_layout(q, kc, vc), lse, (2, 1, 4, 8)]
 
     def read(q=q, kc=kc, vc=vc, lens=lens, leftpad=None, mask=mask, args=args):
         n = len(launched)
@@ -587,6 +586,9 @@ def test_a_bound_read_launches_only_what_it_was_bound_to(monkeypatch):
         "q of other strides": dict(q=torch.randn(2, 1, 4, 8).transpose(1, 2)),
         "q of another dtype": dict(q=q.double()),
         "k_cache of another length": dict(kc=torch.randn(2, 2, 10, 8)),
+        "v_cache of other strides": dict(vc=torch.randn(2, 9, 2, 8).transpose(1, 2)),
+        "v_cache of another dtype": dict(vc=vc.double()),
+        "q at another alignment": dict(q=torch.randn(2 * 4 * 8 + 1)[1:].view(2, 4, 1, 8)),
         "a subclass": dict(q=torch.nn.Parameter(q.clone(), requires_grad=False)),
         "a gradient wanted": dict(kc=grad_k),
     }
@@ -600,8 +602,7 @@ def test_a_bound_read_launches_only_what_it_was_bound_to(monkeypatch):
         with ctx():
             assert read() is None, name
     assert read() is not None       # (and like the bound call again afterwards)
-    shared[-1] = False              # bound heads-last: (b, s, h, d) in and out
-    shared[4] = (layout(q.transpose(1, 2)), layout(kc), layout(vc))
+    shared[4] = torch_ops._bound_layout(q.transpose(1, 2), kc, vc)    # bound heads-last
     assert read(q=q.transpose(1, 2)).shape == (2, 1, 4, 8)
 
 

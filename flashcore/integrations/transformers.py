@@ -240,10 +240,12 @@ def _attention_forward(module, query, key, value, attention_mask, scaling, dropo
                        sliding_window, softcap, is_causal, left_padding, kwargs):
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    causal, window = bool(is_causal), _window(sliding_window)
+    causal = bool(is_causal)
+    window = (-1, -1) if sliding_window is None else _window(sliding_window)
     cap = 0.0 if softcap is None else softcap
     import torch
-    batch, sq, sk = query.shape[0], query.shape[2], key.shape[2]     # ((b, h, s, d) tensors)
+    batch, _, sq, _ = query.shape       # ((b, h, s, d) tensors)
+    sk = key.shape[2]
     if attention_mask is not None and attention_mask.ndim == 4:
         _check_4d_mask(attention_mask, sq, sk, causal, window)
         attention_mask = None
