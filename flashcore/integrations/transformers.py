@@ -157,6 +157,8 @@ def _key_mask(attention_mask, sk):
     """The 2D mask as a bool (batch, sk) mask of the keys: its last sk columns, padded with
     False on the right when it is shorter (a static cache's slots not written yet)."""
     import torch
+    if attention_mask.dtype == torch.bool and attention_mask.shape[1] == sk:
+        return attention_mask       # (already one: transformers' second pass, the routes')
     mask = attention_mask[:, -sk:].to(torch.bool)
     if mask.shape[1] < sk:
         mask = torch.nn.functional.pad(mask, (0, sk - mask.shape[1]))
