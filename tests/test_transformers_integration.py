@@ -156,8 +156,14 @@ def test_padding_mask_is_padded_to_a_static_cache():
     assert got.shape == (2, 9) and got.dtype == torch.bool
     assert got[:, :5].equal(m) and not got[:, 5:].any()
     assert fct.padding_mask(batch_size=2, q_length=1, kv_length=9, attention_mask=got).equal(got)
-    # (a bool mask of the cache's width is taken as it is: no view, no conversion)
-    assert fct.padding_mask(batch_size=2, q_length=1, kv_length=9, attention_mask=got) is got
+    # (a bool mask of the cache's width is aliased, not converted: a new object each call, so
+    # that no forward finds another's values kept for the mask object; the routes take it as
+    # it is)
+    again = [fct.padding_mask(batch_size=2, q_length=1, kv_length=9, attention_mask=got)
+             for _ in range(2)]
+    assert again[0] is not got and again[1] is not again[0]
+    assert again[0].data_ptr() == got.data_ptr() and again[0].equal(got)
+    assert fct._key_mask(got, 9) is got
     wider = torch.cat([torch.zeros(2, 3, dtype=torch.bool), got], 1)
     assert fct.padding_mask(attention_mask=wider, kv_length=9).equal(got)
     assert fct._mask_end(got, 9, 1) is None and fct._mask_end(got, 9, 1, free=True) == 9

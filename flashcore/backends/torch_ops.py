@@ -848,11 +848,11 @@ def _bind(torch, shared, q, k_cache, v_cache, cache_seqlens, cache_leftpad, key_
 def _bound_layout(q, k_cache, v_cache) -> tuple:
     """What a launch plan may depend on of q, k_cache and v_cache (what layout() gives of each:
     shapes, strides, dtypes, devices, addresses modulo 16), as one flat tuple: compared whole
-    by the bound calls of a forward (see _bound_read), one per decoding layer."""
+    by the bound calls of a forward (see _bound_read), one per decoding layer. (The devices
+    whole: get_device() gives only the index, the same for cuda:0 and another kind's 0.)"""
     return (q.shape, k_cache.shape, v_cache.shape, q.stride(), k_cache.stride(),
-            v_cache.stride(), q.dtype, k_cache.dtype, v_cache.dtype, q.get_device(),
-            k_cache.get_device(), v_cache.get_device(), q.data_ptr() & 15,
-            k_cache.data_ptr() & 15, v_cache.data_ptr() & 15)
+            v_cache.stride(), q.dtype, k_cache.dtype, v_cache.dtype, q.device, k_cache.device,
+            v_cache.device, q.data_ptr() & 15, k_cache.data_ptr() & 15, v_cache.data_ptr() & 15)
 
 
 def _bound_read(torch, shared, q, k_cache, v_cache, cache_seqlens, cache_leftpad, key_mask,

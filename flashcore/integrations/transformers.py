@@ -150,7 +150,12 @@ def padding_mask(*args, attention_mask=None, kv_length=None, **kwargs):
         kv_length = args[2]
     if kv_length is None:
         return attention_mask
-    return _key_mask(attention_mask, int(kv_length))
+    mask = _key_mask(attention_mask, int(kv_length))
+    # (a new tensor object for every forward, as the layers' shared values are kept per mask
+    # object and version (_per_forward): a caller's own mask, already bool and as wide, is
+    # aliased, not taken itself, so that one forward never finds another's values, even where
+    # the mask was written without its version moving, through .data or a DLPack alias)
+    return attention_mask.detach() if mask is attention_mask else mask
 
 
 def _key_mask(attention_mask, sk):
@@ -158,7 +163,7 @@ def _key_mask(attention_mask, sk):
     False on the right when it is shorter (a static cache's slots not written yet)."""
     import torch
     if attention_mask.dtype == torch.bool and attention_mask.shape[1] == sk:
-        return attention_mask       # (already one: transformers' second pass, the routes')
+        return attention_mask       # (already one: the routes', within one forward)
     mask = attention_mask[:, -sk:].to(torch.bool)
     if mask.shape[1] < sk:
         mask = torch.nn.functional.pad(mask, (0, sk - mask.shape[1]))
