@@ -586,6 +586,7 @@ def test_a_bound_read_launches_only_what_it_was_bound_to(monkeypatch):
         "q of other strides": dict(q=torch.randn(2, 1, 4, 8).transpose(1, 2)),
         "q of another dtype": dict(q=q.double()),
         "k_cache of another length": dict(kc=torch.randn(2, 2, 10, 8)),
+        "k_cache of other strides": dict(kc=torch.randn(2, 9, 2, 8).transpose(1, 2)),
         "v_cache of other strides": dict(vc=torch.randn(2, 9, 2, 8).transpose(1, 2)),
         "v_cache of another dtype": dict(vc=vc.double()),
         "q at another alignment": dict(q=torch.randn(2 * 4 * 8 + 1)[1:].view(2, 4, 1, 8)),
