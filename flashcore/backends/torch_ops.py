@@ -860,11 +860,9 @@ def _bound_read(torch, shared, q, k_cache, v_cache, cache_seqlens, cache_leftpad
     """The output of a call that matches what ``shared`` is bound to (see _bind), launched
     from its plan; else None (the caller goes the usual way)."""
     plan, cfg, tensors, bound_args, bound_layout, lse, out_shape = shared
-    plain = torch.Tensor
-    if (type(q) is not plain or type(k_cache) is not plain or type(v_cache) is not plain
-            or _dispatcher_needed(torch)
-            or (torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
-                                             or v_cache.requires_grad))):
+    if not _direct(torch, q, k_cache, v_cache) or (
+            torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
+                                         or v_cache.requires_grad)):
         return None
     if not (cache_seqlens is tensors[0] and cache_leftpad is tensors[1]
             and key_mask is tensors[2] and args == bound_args

@@ -247,8 +247,7 @@ def _attention_forward(module, query, key, value, attention_mask, scaling, dropo
                        sliding_window, softcap, is_causal, left_padding, kwargs):
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    causal = bool(is_causal)
-    window = (-1, -1) if sliding_window is None else _window(sliding_window)
+    causal, window = bool(is_causal), _window(sliding_window)
     cap = 0.0 if softcap is None else softcap
     import torch
     batch, _, sq, _ = query.shape       # ((b, h, s, d) tensors)
