@@ -19,7 +19,8 @@ call, the best of R interleaved rounds of up to N calls each, beside:
 * ``tf_decode`` / ``tf_decode_mask``: a forward's 8 decoding layers through the transformers
   integration's attention function (transformers' (b, h, s, d) tensors, batch 1, 16 query
   heads over 4, head dim 128, a 576-token cache), without and with the all-ones mask that
-  ``generate`` passes; ``tf_direct``: the same lengths, then the read op's implementation
+  ``generate`` passes (int64, through the registered mask function twice a forward, as
+  transformers calls it); ``tf_direct``: the same lengths, then the read op's implementation
   called directly (the route's own Python left out);
 * ``fc_decode`` / ``op_decode``: one decoding step (batch 1, one query token, 32 query heads
   over 8 kv heads, head dim 128, a 4k cache, ``cache_seqlens`` a tensor) through
@@ -276,7 +277,7 @@ def cases(device):
     tk, tv = (torch.randn(1, 4, 576, 128, device=device, dtype=torch.bfloat16)
               for _ in range(2))
     pos0 = torch.full((1, 1), 575, dtype=torch.int64, device=device)
-    mask0 = torch.ones(1, 576, dtype=torch.bool, device=device)
+    mask0 = torch.ones(1, 576, dtype=torch.int64, device=device)     # (as generate passes it)
     layer = types.SimpleNamespace(is_causal=True)
     tscale = 128 ** -0.5
     read_opts = [0.0, 0.0, 1.0, tscale, -1.0, 0.0, 0.0, 0.0, 1.0]
@@ -289,6 +290,9 @@ def cases(device):
 
     def tf_decode_mask():
         pos, mask = pos0.clone(), mask0.clone()
+        # (the mask function, twice, as transformers calls it for a forward)
+        mask = fct.padding_mask(attention_mask=fct.padding_mask(attention_mask=mask,
+                                                                kv_length=576), kv_length=576)
         for _ in range(8):
             fct.flashcore_attention_forward(layer, tq, tk, tv, mask, scaling=tscale,
                                             position_ids=pos)
