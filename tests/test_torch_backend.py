@@ -562,7 +562,7 @@ def test_a_bound_read_launches_only_what_it_was_bound_to(monkeypatch):
     lse = torch.empty(2, 4, 1)
     args = (True, 0.35, (-1, 0), 0.0, True)
     shared = [types.SimpleNamespace(generation=jit.generation()), config.get(),
-              (lens, None, mask), args, torch_ops._bound_layout(q, kc, vc), lse, (2, 1, 4, 8)]
+              (lens, None, mask), args, torch_ops._bound_layout(q, kc, vc), lse, True]
 
     def read(q=q, kc=kc, vc=vc, lens=lens, leftpad=None, mask=mask, args=args):
         n = len(launched)

@@ -830,8 +830,8 @@ def _bind(torch, shared, q, k_cache, v_cache, cache_seqlens, cache_leftpad, key_
           args):
     """Fill ``shared`` (see kvcache_read) after a plain eager call that left a plan for its
     key: [plan, settings, the call's tensors, its other arguments, :func:`_bound_layout` of
-    q/k_cache/v_cache, the log-sum-exp buffer, the output's shape]. What a later call must
-    match is what the plan's key holds of it."""
+    q/k_cache/v_cache, the log-sum-exp buffer, heads_first]. What a later call must match is
+    what the plan's key holds of it."""
     cfg = config.get()
     if cfg.debug or not q.is_cuda:
         return
@@ -839,10 +839,11 @@ def _bind(torch, shared, q, k_cache, v_cache, cache_seqlens, cache_leftpad, key_
                                   key_mask, cache_leftpad))
     if plan is None or plan.generation != _GENERATION[0]:
         return
-    b, h, s, d = q.shape if args[-1] else q.transpose(1, 2).shape    # (args[-1]: heads_first)
+    heads_first = args[-1]
+    b, h, s, _ = q.shape if heads_first else q.transpose(1, 2).shape
     lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
     shared[:] = [plan, cfg, (cache_seqlens, cache_leftpad, key_mask), args,
-                 _bound_layout(q, k_cache, v_cache), lse, (b, s, h, d)]
+                 _bound_layout(q, k_cache, v_cache), lse, heads_first]
 
 
 def _bound_layout(q, k_cache, v_cache) -> tuple:
@@ -859,7 +860,7 @@ def _bound_read(torch, shared, q, k_cache, v_cache, cache_seqlens, cache_leftpad
                 args):
     """The output of a call that matches what ``shared`` is bound to (see _bind), launched
     from its plan; else None (the caller goes the usual way)."""
-    plan, cfg, tensors, bound_args, bound_layout, lse, out_shape = shared
+    plan, cfg, tensors, bound_args, bound_layout, lse, heads_first = shared
     if not _direct(torch, q, k_cache, v_cache) or (
             torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
                                          or v_cache.requires_grad)):
@@ -869,27 +870,25 @@ def _bound_read(torch, shared, q, k_cache, v_cache, cache_seqlens, cache_leftpad
             and plan.generation == _GENERATION[0] and config.get() is cfg and plans.enabled()
             and _bound_layout(q, k_cache, v_cache) == bound_layout):
         return None
-    out = torch.empty(out_shape, dtype=q.dtype, device=lse.device)
-    if replay(torch, plan, (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                            out.data_ptr(), lse.data_ptr(), cache_seqlens.data_ptr(), 0, 0,
-                            _ptr(cache_leftpad), 0, 0, _ptr(key_mask)), lse.device):
-        return out
-    return None
+    done = _launch_read(torch, plan, q, k_cache, v_cache, cache_seqlens,
+                        (0, 0, _ptr(cache_leftpad), 0, 0, _ptr(key_mask)), heads_first, lse)
+    return None if done is None else done[0]
 
 
-def _launch_read(torch, plan, q, k_cache, v_cache, cache_seqlens, tail, heads_first):
-    """A decode call launched from its plan: the output, (b, s, h, d), and the log-sum-exp,
-    (b, h, s) float32, allocated, the addresses in the plan's role order (q, k_cache, v_cache,
-    out, lse, cache_seqlens, then ``tail``: block_table, alibi_slopes, cache_leftpad,
-    k_descale, v_descale, key_mask; 0 for None). ``(out, lse)``, or None when the plan cannot
-    run here (see replay): nothing was launched."""
+def _launch_read(torch, plan, q, k_cache, v_cache, cache_seqlens, tail, heads_first, lse=None):
+    """A decode call launched from its plan: the output, (b, s, h, d), allocated (and the
+    log-sum-exp, (b, h, s) float32, unless given), the addresses in the plan's role order
+    (q, k_cache, v_cache, out, lse, cache_seqlens, then ``tail``: block_table, alibi_slopes,
+    cache_leftpad, k_descale, v_descale, key_mask; 0 for None). ``(out, lse)``, or None when
+    the plan cannot run here (see replay): nothing was launched."""
     if heads_first:
         b, h, s, d = q.shape
     else:
         b, s, h, d = q.shape
     dev = q.device
     out = torch.empty((b, s, h, d), dtype=q.dtype, device=dev)
-    lse = torch.empty((b, h, s), dtype=torch.float32, device=dev)
+    if lse is None:
+        lse = torch.empty((b, h, s), dtype=torch.float32, device=dev)
     if replay(torch, plan, (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                             lse.data_ptr(), cache_seqlens.data_ptr()) + tail, dev):
         return out, lse
