@@ -236,10 +236,12 @@ def _kvcache_key(q, k_cache, v_cache, cache_seqlens, options, cfg, block_table, 
 
 def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, options, block_table=None,
                   rotary_cos=None, rotary_sin=None, alibi_slopes=None, cache_leftpad=None,
-                  key_mask=None, k_descale=None, v_descale=None, heads_first=None):
+                  key_mask=None, k_descale=None, v_descale=None, heads_first=None, made=None):
     """The decode ops' implementation. ``heads_first``: None for the append op (its eight
     options), a bool for the read op (whose options may hold it as a ninth entry, kept in the
-    plan's key with the rest)."""
+    plan's key with the rest). ``made``: a list (kvcache_read's direct call; never the op's) to
+    which the plan the call launched or recorded under its key is appended, with the settings
+    it was keyed under (what _bind binds: no key made twice)."""
     import torch
     key = free = None
     cfg = config.get()
@@ -262,6 +264,8 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, options, block_table
                                 (_ptr(block_table), _ptr(alibi_slopes), _ptr(cache_leftpad),
                                  _ptr(k_descale), _ptr(v_descale), _ptr(key_mask)), heads_first)
             if done is not None:
+                if made is not None:
+                    made += (plan, cfg)
                 return done
     if heads_first:     # (b, s, h, d) views, as every other call gives them
         _check_heads_first(q, k_cache, v_cache)
@@ -300,6 +304,8 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, options, block_table
         plans.remember(key, plan)
         if free is not None and plan is not None and plan.relength is not None:
             plans.remember(free, plan)
+        if made is not None and plan is not None and plans.enabled():
+            made += (plan, cfg)
     return out, lse
 
 
@@ -810,11 +816,12 @@ def kvcache_read(q, k_cache, v_cache, cache_seqlens, cache_leftpad, key_mask, ca
                                         or v_cache.requires_grad)
     if not grad and _direct(torch, q, k_cache, v_cache, cache_seqlens, key_mask, cache_leftpad):
         # (a plain eager call: the read op's implementation, with nothing between; see _run)
+        made = [] if shared is not None and not shared else None
         out = _kvcache_impl(q, k_cache, v_cache, None, None, cache_seqlens, options, None, None,
-                            None, None, cache_leftpad, key_mask, None, None, heads_first)[0]
-        if shared is not None and not shared:
-            _bind(torch, shared, q, k_cache, v_cache, cache_seqlens, cache_leftpad, key_mask,
-                  options, (causal, softmax_scale, window_size, softcap, heads_first))
+                            None, None, cache_leftpad, key_mask, None, None, heads_first, made)[0]
+        if made:
+            _bind(torch, shared, made, q, k_cache, v_cache, cache_seqlens, cache_leftpad,
+                  key_mask, (causal, softmax_scale, window_size, softcap, heads_first))
         return out
     if not _OVERLOADS:
         torch_ops()
@@ -826,19 +833,14 @@ def kvcache_read(q, k_cache, v_cache, cache_seqlens, cache_leftpad, key_mask, ca
     return _run(torch, "kvcache_read", call)[0]
 
 
-def _bind(torch, shared, q, k_cache, v_cache, cache_seqlens, cache_leftpad, key_mask, options,
+def _bind(torch, shared, made, q, k_cache, v_cache, cache_seqlens, cache_leftpad, key_mask,
           args):
-    """Fill ``shared`` (see kvcache_read) after a plain eager call that left a plan for its
-    key: [plan, settings, the call's tensors, its other arguments, :func:`_bound_layout` of
-    q/k_cache/v_cache, the log-sum-exp buffer, heads_first]. What a later call must match is
-    what the plan's key holds of it."""
-    cfg = config.get()
-    if cfg.debug or not q.is_cuda:
-        return
-    plan = PLANS.get(_kvcache_key(q, k_cache, v_cache, cache_seqlens, options, cfg, None,
-                                  key_mask, cache_leftpad))
-    if plan is None or plan.generation != _GENERATION[0]:
-        return
+    """Fill ``shared`` (see kvcache_read) after a plain eager call that launched or recorded a
+    plan under its key (``made``: that plan and the settings it was keyed under, as
+    _kvcache_impl leaves them): [plan, settings, the call's tensors, its other arguments,
+    :func:`_bound_layout` of q/k_cache/v_cache, the log-sum-exp buffer, heads_first]. What a
+    later call must match is what the plan's key holds of it."""
+    plan, cfg = made
     heads_first = args[-1]
     b, h, s, _ = q.shape if heads_first else q.transpose(1, 2).shape
     lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
