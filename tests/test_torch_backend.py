@@ -640,3 +640,61 @@ def _generation_bumped(jit):
         finally:
             jit._GENERATION[0] -= 1
     return bumped()
+
+
+@pytest.mark.parametrize("made_by", ["a plan launched", "a plan recorded"])
+def test_a_forwards_first_read_binds_the_plan_it_ran(made_by, monkeypatch):
+    """kvcache_read with an empty ``shared`` list (a forward's first decoding layer): the call
+    launches its plan (or records one), and binds that plan with the settings it was keyed
+    under, making no key a second time; the next layer's call, alike, launches the bound plan
+    with no key made at all. (CPU tensors read as CUDA ones; the launch and the recording are
+    stand-ins: nothing runs on a device.)"""
+    import contextlib
+    import types
+
+    from flashcore import config, jit
+    from flashcore.backends import torch_ops
+    from flashcore.kernels import plans
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    launched, keys = [], []
+    monkeypatch.setattr(torch_ops, "replay",
+                        lambda torch_, plan, ptrs, dev: launched.append((plan, ptrs)) or True)
+    real_key = torch_ops._kvcache_key
+    monkeypatch.setattr(torch_ops, "_kvcache_key",
+                        lambda *a, **k: keys.append(1) or real_key(*a, **k))
+    plan = types.SimpleNamespace(generation=jit.generation(), relength=None)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 1, 8, generator=g)            # (batch, heads, seq, headdim)
+    kc, vc = torch.randn(2, 2, 9, 8, generator=g), torch.randn(2, 2, 9, 8, generator=g)
+    lens = torch.tensor([9, 9], dtype=torch.int32)
+    mask = torch.rand(2, 9, generator=g) < 0.5
+    mask[:, -1] = True
+    call = (q, kc, vc, lens, None, mask, True, 0.35, (-1, -1), 0.0, True)
+    plans.clear()
+    if made_by == "a plan launched":
+        options = (0, False, True, 0.35, -1, 0, 0.0, 0, True)
+        plans.remember(real_key(q, kc, vc, lens, options, config.get(), None, mask, None), plan)
+    else:
+        class Recording:
+            def plan(self, roles, device):
+                return plan
+
+        class StandIn:
+            @staticmethod
+            def forward_kvcache(spec, q, *a, **k):
+                return (torch.empty(q.shape, dtype=q.dtype),
+                        torch.empty(spec.attn.batch, spec.attn.nheads, spec.attn.seqlen_q))
+        monkeypatch.setattr(plans, "record", lambda: contextlib.nullcontext(Recording()))
+        monkeypatch.setattr(torch_ops, "_BACKEND", StandIn())
+        monkeypatch.setattr(torch_ops, "choose_kvcache", lambda *a, **k: None)
+    shared = []
+    try:
+        torch_ops.kvcache_read(*call, shared=shared)
+        assert len(keys) == 1, "the first read made its key more than once"
+        assert shared and shared[0] is plan and shared[1] is config.get()
+        assert len(launched) == (made_by == "a plan launched")
+        torch_ops.kvcache_read(*call, shared=shared)
+        assert len(keys) == 1, "the bound read made a key"
+        assert launched[-1][0] is plan and launched[-1][1][4] == shared[5].data_ptr()
+    finally:
+        plans.clear()
