@@ -832,6 +832,42 @@ def speed_ratio(times: dict, impl: str, peer: str) -> float:
     return statistics.median(p / i for p, i in zip(times[peer], times[impl], strict=True))
 
 
+def prefill_mask(batch: int, prompt: int, padded: bool, device="cuda"):
+    """The 2D attention mask of a prefill figure, int64 (batch, prompt) on ``device``, as
+    ``generate`` passes it: all ones, or (``padded``) left padding, row b keeping its last
+    ``prompt - b * prompt // (2 * batch)`` tokens and at least half (row 0 the whole prompt, at
+    batch 1 a quarter padded)."""
+    import torch
+    mask = torch.ones(batch, prompt, dtype=torch.int64, device=device)
+    if padded:
+        for b in range(batch):
+            mask[b, :max(b * prompt // (2 * batch), prompt // 4 if batch == 1 else 0)] = 0
+    return mask
+
+
+def prefill_rounds(models: dict, ids, mask, rounds: int, calls: int = 3):
+    """Timed prefills: one forward of each model over ``ids`` under ``mask`` into a fresh
+    ``DynamicCache`` (what ``generate``'s first step runs), synchronised before and after
+    (host and GPU time together: the time to the first token's logits), the models in turn,
+    the order turning each round; each round's figure is the best of ``calls`` forwards
+    (:func:`wall_time`). ``{impl: [seconds]}`` for :func:`speed_ratio`."""
+    import torch
+    from transformers import DynamicCache
+    times = {impl: [] for impl in models}
+    order = list(models.items())
+
+    def forward(model):
+        model(input_ids=ids, attention_mask=mask, use_cache=True,
+              past_key_values=DynamicCache(config=model.config))
+    with torch.no_grad():
+        for model in models.values():      # (warm: plans recorded, kernels loaded)
+            forward(model)
+        for r in range(rounds):
+            for impl, model in order[r % len(order):] + order[:r % len(order)]:
+                times[impl].append(wall_time(lambda: forward(model), reps=calls))
+    return times
+
+
 def generate_new_length_rounds(models: dict, batch: int, prompt: int, new: int, kw: dict,
                                rounds: int):
     """:func:`generate_rounds` over cache lengths that no model has met in this process (after

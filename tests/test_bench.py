@@ -53,6 +53,7 @@ def test_the_asv_modules_import(suite):
     for new in [("bench_decode_gpu", "DecodeWallClock"), ("bench_decode_gpu", "DecodeGraphReplay"),
                 ("bench_attention_gpu", "TrainStepWallClock"),
                 ("bench_transformers_gpu", "GenerateRatio"),
+                ("bench_transformers_gpu", "PrefillRatio"),
                 ("bench_transformers_gpu", "TrainStepRatio")]:
         assert new in names, names
 
@@ -81,6 +82,7 @@ def test_parameters_are_fixed_values(suite):
     t = suite["bench_transformers_gpu"]
     assert t.GenerateRatio.params == [["dynamic", "dynamic_new_lengths", "static"],
                                       ["1x512", "8x2048"]]
+    assert t.PrefillRatio.params == [["all_ones", "left_padded"], ["1x512", "8x2048"]]
     assert t.TrainStepRatio.params == [["eager", "compiled"], ["1x16384", "4x4096"]]
     for _, _, cls in _benchmark_classes(suite):
         for values in cls.params if isinstance(cls.params[0], list) else [cls.params]:
@@ -504,3 +506,20 @@ def test_the_benchmark_page_names_later_runs_of_its_groups(tmp_path):
     assert f"**Commit `{full[:8]}`" in md
     assert f"`{later[:8]}`" in md and "`TrainStepWallClock`)" in md.split("Later commits")[1]
     assert unrelated[:8] not in md
+
+
+def test_prefill_masks_are_all_ones_or_left_padded():
+    """flashcore.bench.prefill_mask: all ones, or each row's padding on its left, row 0 whole
+    (at batch 1 a quarter padded), every row keeping at least half."""
+    torch = pytest.importorskip("torch")
+    assert bench.prefill_mask(3, 16, False, "cpu").equal(torch.ones(3, 16, dtype=torch.int64))
+    for batch, prompt in ((1, 512), (8, 2048)):
+        m = bench.prefill_mask(batch, prompt, True, "cpu")
+        kept = m.sum(1)
+        assert m.dtype == torch.int64 and m.shape == (batch, prompt)
+        assert bool((m[:, -1] == 1).all()) and bool((m.diff(dim=1) >= 0).all())   # left padding
+        assert int(kept.min()) >= prompt // 2
+        if batch == 1:
+            assert int(kept[0]) == prompt - prompt // 4
+        else:
+            assert int(kept[0]) == prompt and int(kept[-1]) < prompt

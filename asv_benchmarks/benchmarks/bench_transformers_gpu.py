@@ -15,6 +15,12 @@ ratio, flashcore's speed over "sdpa"'s: above 1 flashcore is faster.
   the dynamic cache over cache lengths new to the process, 3 rounds
   (``flashcore.bench.generate_new_length_rounds``): what a fresh process pays, each step
   meeting a new length.
+* ``PrefillRatio``: one prefill forward (a fresh ``DynamicCache``, under the 2D mask
+  ``generate`` passes: all ones, or left padding, ``flashcore.bench.prefill_mask``), host and
+  GPU time to the logits, at batch 1 / 512 and batch 8 / 2k; 7 rounds, the models in turn,
+  each round the best of 3 (``flashcore.bench.prefill_rounds``), the median of the rounds'
+  ratios. The masked prefill is where flashcore's route and "sdpa"'s differ most (the varlen
+  packing, or the decode kernel over the keys for small calls).
 * ``TrainStepRatio``: a training step (forward with labels, backward), eager and under
   ``torch.compile``, at batch 1 x 16k and batch 4 x 4k tokens: "sdpa"'s ms a step over
   flashcore's (``flashcore.bench.train_step_ms``: 3 untimed steps, then a loop of 8).
@@ -22,8 +28,9 @@ ratio, flashcore's speed over "sdpa"'s: above 1 flashcore is faster.
 ``python tests/diagnostics/bench_callpath.py generate generate_static llama compile`` prints the
 same figures with their parts (tokens/s by round, first tokens, compile times, losses).
 """
-from .common import (generate_new_length_rounds, generate_rounds, generate_setup, llama_model,
-                     require_gpu_backend, require_transformers, speed_ratio, train_step_ms)
+from .common import (generate_ids, generate_new_length_rounds, generate_rounds, generate_setup,
+                     llama_model, prefill_mask, prefill_rounds, require_gpu_backend,
+                     require_transformers, speed_ratio, train_step_ms)
 
 _IMPLS = ("sdpa", "flashcore")
 
@@ -61,6 +68,31 @@ class GenerateRatio:
         else:
             times, _ = generate_rounds(self.models, self.ids, self.kw, 5)
         return speed_ratio(times, "flashcore", "sdpa")
+
+
+class PrefillRatio:
+    """flashcore's prefill speed over "sdpa"'s under a 2D mask (see the module docstring)."""
+
+    params = [["all_ones", "left_padded"], ["1x512", "8x2048"]]
+    param_names = ["mask", "batch_x_prompt"]
+    unit = "ratio"
+    timeout = 600
+    rounds = 1
+
+    def setup(self, mask, shape):
+        require_gpu_backend("torch")
+        require_transformers()
+        batch, prompt = _shape(shape)
+        self.models = {impl: llama_model(impl).eval() for impl in _IMPLS}
+        self.ids = generate_ids(batch, prompt)
+        self.mask = prefill_mask(batch, prompt, mask == "left_padded")
+
+    def teardown(self, *params):
+        self.models = None
+
+    def track_ratio(self, mask, shape):
+        return speed_ratio(prefill_rounds(self.models, self.ids, self.mask, 7), "flashcore",
+                           "sdpa")
 
 
 class TrainStepRatio:

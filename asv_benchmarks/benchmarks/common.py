@@ -26,11 +26,11 @@ except Exception:
 from flashcore.bench import (  # noqa: E402,F401  (the one definition of each, re-exported)
     DECODE_BATCHES, DECODE_CACHES, DECODE_HEADDIM, DECODE_HEADS, DECODE_HEADS_K,
     DECODE_PAGE_SIZE, HIDDEN, TOKENS_PER_BATCH, AttentionProblem, DecodeProblem, decode_graph,
-    decode_step, flops, fp8_quantise, generate_new_length_rounds, generate_rounds,
-    generate_setup, gpu_time,
-    gpu_time_l2_flushed, graph_replay_time, host_loop_us, llama_model, random_arrays, require,
-    require_transformers, sdpa_backend, sdpa_pinned, shape_for, speed_ratio, tiny_calls,
-    train_step_ms)
+    decode_step, flops, fp8_quantise, generate_ids, generate_new_length_rounds,
+    generate_rounds, generate_setup, gpu_time,
+    gpu_time_l2_flushed, graph_replay_time, host_loop_us, llama_model, prefill_mask,
+    prefill_rounds, random_arrays, require, require_transformers, sdpa_backend, sdpa_pinned,
+    shape_for, speed_ratio, tiny_calls, train_step_ms)
 
 # --------------------------------------------------------------------------------------------
 # The parameter space (fixed: it never depends on what is installed)
