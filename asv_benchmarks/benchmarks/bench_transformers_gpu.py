@@ -40,26 +40,35 @@ def _shape(text):
     return int(batch), int(n)
 
 
-class GenerateRatio:
+class _LlamaRatio:
+    """What the figures share: a ratio, one round (one process per parameter set; the figure
+    is already a median), torch's GPU backend and transformers required."""
+
+    unit = "ratio"
+    timeout = 900       # (the static cache's warm-up compiles the model twice)
+    rounds = 1
+
+    def setup(self, *params):
+        require_gpu_backend("torch")
+        require_transformers()
+
+    def teardown(self, *params):
+        self.models = None
+
+
+class GenerateRatio(_LlamaRatio):
     """flashcore's tokens/s over "sdpa"'s, greedy generate (see the module docstring)."""
 
     params = [["dynamic", "dynamic_new_lengths", "static"], ["1x512", "8x2048"]]
     param_names = ["cache", "batch_x_prompt"]
-    unit = "ratio"
-    timeout = 900       # the static cache's warm-up compiles the model twice
-    rounds = 1          # one process per parameter set; the figure is already a median
 
     def setup(self, cache, shape):
-        require_gpu_backend("torch")
-        require_transformers()
+        super().setup()
         batch, prompt = _shape(shape)
         self.batch, self.prompt = batch, prompt
         self.new = 64 if cache == "static" else 128
         self.models, self.ids, self.kw, _ = generate_setup(_IMPLS, batch, prompt, self.new,
                                                            static=cache == "static")
-
-    def teardown(self, *params):
-        self.models = None
 
     def track_ratio(self, cache, shape):
         if cache == "dynamic_new_lengths":
@@ -70,43 +79,29 @@ class GenerateRatio:
         return speed_ratio(times, "flashcore", "sdpa")
 
 
-class PrefillRatio:
+class PrefillRatio(_LlamaRatio):
     """flashcore's prefill speed over "sdpa"'s under a 2D mask (see the module docstring)."""
 
     params = [["all_ones", "left_padded"], ["1x512", "8x2048"]]
     param_names = ["mask", "batch_x_prompt"]
-    unit = "ratio"
-    timeout = 600
-    rounds = 1
 
     def setup(self, mask, shape):
-        require_gpu_backend("torch")
-        require_transformers()
+        super().setup()
         batch, prompt = _shape(shape)
         self.models = {impl: llama_model(impl).eval() for impl in _IMPLS}
         self.ids = generate_ids(batch, prompt)
         self.mask = prefill_mask(batch, prompt, mask == "left_padded")
-
-    def teardown(self, *params):
-        self.models = None
 
     def track_ratio(self, mask, shape):
         return speed_ratio(prefill_rounds(self.models, self.ids, self.mask, 7), "flashcore",
                            "sdpa")
 
 
-class TrainStepRatio:
+class TrainStepRatio(_LlamaRatio):
     """"sdpa"'s ms a training step over flashcore's (see the module docstring)."""
 
     params = [["eager", "compiled"], ["1x16384", "4x4096"]]
     param_names = ["mode", "batch_x_seqlen"]
-    unit = "ratio"
-    timeout = 900
-    rounds = 1
-
-    def setup(self, mode, shape):
-        require_gpu_backend("torch")
-        require_transformers()
 
     def track_ratio(self, mode, shape):
         import torch
