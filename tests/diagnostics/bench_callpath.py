@@ -3,6 +3,7 @@
     python tests/diagnostics/bench_callpath.py [decode] [decode_host] [decode_lengths] [tiny]
                                                [cupy] [llama] [generate] [generate_static]
                                                [generate_parts] [generate_ab:COMMIT]
+                                               [forwards]
                                                [compile] [profile] [launch_gil] [--json F]
 
 decode    flashcore.bench.decode: attention_with_kvcache (cache_seqlens a CUDA int32 tensor,
@@ -34,6 +35,10 @@ generate_parts  where the dynamic-cache step goes, in the model: tokens/s over "
 generate_ab:COMMIT  this flashcore against the one of COMMIT (git archive, imported beside it
           under another name), "sdpa" with them, in one process: greedy generate of 64 tokens,
           7 rounds in turn, batch 1 / 512 and 8 / 2k; ratios to "sdpa" and to COMMIT's.
+forwards  the dynamic-cache generate's decoding step and prefill forwards timed apart, "sdpa"
+          against flashcore (12 rounds in turn, all-ones mask, the step's cache cropped back
+          each time), ms a forward and the ratio; then, to stderr, torch.profiler's table of
+          one prefill and cProfile of 40 steps of each model.
 compile   torch.compile of the llama training step (batch 4 x 4k), flashcore vs "sdpa".
 decode_lengths  the transformers attention functions at a decoding step, flashcore's against
           sdpa's: a host loop at one cache length, and single calls at cache lengths new to
@@ -533,6 +538,87 @@ def generate_parts(shapes=((1, 512), (8, 2048)), new=64, rounds=7):
         torch.cuda.empty_cache()
 
 
+def forwards(shapes=((1, 512), (8, 2048)), rounds=12, steps=40, prefills=3):
+    """The dynamic-cache generate's two kinds of forward timed apart, "sdpa" against flashcore
+    in one process (what the generate figures cannot split: session 66's forward-hook stamps
+    put flashcore's prefill 3-5 ms and its median step 2-4% behind on a busy host, and the whole
+    generate at 0.99x): a decoding step (one token over a DynamicCache holding the prompt,
+    cropped back by one after each forward, so that every step meets the same length) and the
+    prefill (the prompt into a fresh DynamicCache), both under the all-ones mask ``generate``
+    passes. ``rounds`` rounds in turn, the order turning, each round ``steps`` steps or
+    ``prefills`` prefills a model, ended by a synchronisation (flashcore.bench.wall_time):
+    ms a forward, and flashcore's speed over "sdpa"'s (flashcore.bench.speed_ratio). Then, to
+    stderr: torch.profiler's table of one prefill of each model (kernels and host ops), and
+    cProfile's top entries of ``steps`` decoding steps of each (where the host time goes)."""
+    import cProfile
+    import io
+    import pstats
+    import statistics
+
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from transformers import DynamicCache
+
+    from flashcore.bench import generate_ids
+    for batch, prompt in shapes:
+        models = {impl: llama_model(impl).eval() for impl in ("sdpa", "flashcore")}
+        ids = generate_ids(batch, prompt)
+        mask = torch.ones(batch, prompt + 1, dtype=torch.int64, device="cuda")
+        caches = {}
+
+        def step(impl, n=steps):
+            model, cache = models[impl], caches[impl]
+            for _ in range(n):
+                model(input_ids=ids[:, -1:], attention_mask=mask, past_key_values=cache,
+                      use_cache=True)
+                cache.crop(-1)      # (a negative count: every transformers version's meaning)
+
+        def prefill(impl, n=prefills):
+            model = models[impl]
+            for _ in range(n):
+                model(input_ids=ids, attention_mask=mask[:, :prompt], use_cache=True,
+                      past_key_values=DynamicCache(config=model.config))
+
+        with torch.no_grad():
+            for impl, model in models.items():
+                caches[impl] = DynamicCache(config=model.config)
+                model(input_ids=ids, attention_mask=mask[:, :prompt], use_cache=True,
+                      past_key_values=caches[impl])
+            row = {}
+            for kind, fn, n in (("step", step, steps), ("prefill", prefill, prefills)):
+                times = {impl: [] for impl in models}
+                order = list(models)
+                for impl in order:
+                    fn(impl)        # (warm)
+                for r in range(rounds):
+                    for impl in order[r % 2:] + order[:r % 2]:
+                        times[impl].append(wall_time(lambda: fn(impl)) / n)
+                for impl, t in times.items():
+                    row[f"{impl}_{kind}_ms"] = 1e3 * statistics.median(t)
+                row[f"{kind}_ratio"] = speed_ratio(times, "flashcore", "sdpa")
+                row[f"sdpa_{kind}_spread"] = max(times["sdpa"]) / min(times["sdpa"])
+            emit(section="forwards", batch=batch, prompt=prompt, **row)
+            for impl in models:
+                with torch_profile(activities=[ProfilerActivity.CPU,
+                                               ProfilerActivity.CUDA]) as prof:
+                    prefill(impl, 1)
+                    torch.cuda.synchronize()
+                print(f"=== forwards {batch} x {prompt}: torch.profiler, one prefill, {impl}\n"
+                      + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=16,
+                                                  max_name_column_width=50),
+                      file=sys.stderr)
+                pr = cProfile.Profile()
+                pr.enable()
+                step(impl)
+                torch.cuda.synchronize()
+                pr.disable()
+                text = io.StringIO()
+                pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(24)
+                print(f"=== forwards {batch} x {prompt}: cProfile, {steps} decoding steps, "
+                      f"{impl}\n" + text.getvalue(), file=sys.stderr)
+        models = caches = None      # (freed before the next shape's models)
+        torch.cuda.empty_cache()
+
+
 def _package_at(commit):
     """flashcore's transformers integration as of ``commit``, importable beside this one: the
     package and its CUDA sources (``git archive``) in a temporary folder, the package renamed
@@ -614,7 +700,8 @@ def main(argv):
             run = {"decode": decode, "decode_host": decode_host, "tiny": tiny, "cupy": cupy_calls,
                    "llama": llama, "generate": generate, "generate_static": generate_static,
                    "compile": compile_step, "profile": profile, "launch_gil": launch_gil,
-                   "decode_lengths": decode_lengths, "generate_parts": generate_parts}.get(s)
+                   "decode_lengths": decode_lengths, "generate_parts": generate_parts,
+                   "forwards": forwards}.get(s)
         try:
             if run is None:
                 raise ValueError(f"unknown section {s!r}")
