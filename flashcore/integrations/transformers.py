@@ -434,52 +434,58 @@ def _cache_route_of(attention_mask, sk, sq, left_padding, window_left):
 def _varlen_packing(attention_mask, sk, sq):
     """How :func:`_padded_via_varlen` packs a batch under the 2D mask (its keys: the bool
     (batch, sk) mask :func:`_key_mask` makes of it), the same for every layer of a forward
-    (computed once a forward, see :func:`_per_forward`): ``(order_q, kept_q, order_k, kept_k,
-    cu_seqlens_q, cu_seqlens_k)``,
-    where a stable sort of each row's kept tokens to the front, in order, gives the orders, and
-    ``kept_*`` say which packed rows hold a token."""
+    (computed once a forward, see :func:`_per_forward`): ``(rows_q, pad_q, order_q, rows_k,
+    pad_k, cu_seqlens_q, cu_seqlens_k)``. A stable sort of each row's kept tokens to the front,
+    in order, gives the orders (packed row p holds token ``order[p]`` of the flattened (batch,
+    seq) positions); ``rows_*``, the (batch, position) index pair of each packed row, gather
+    the packed rows in one pass from any layout (transformers' (b, h, s, d) tensors arrive
+    contiguous, so a flattening reshape would copy them first: a second pass over q, k and v
+    each layer, run 246 of the performance log); ``pad_*`` says which packed rows hold no
+    token, ``pad_q`` also which query positions are padding."""
     import torch
     keep_k = _key_mask(attention_mask, sk)
     keep_q = _query_positions(keep_k, sq, _mask_end(attention_mask, sk, sq))
 
-    def order_of(keep):
+    def order_of(keep, n):
         flat = keep.reshape(-1)
         order = torch.argsort((~flat).to(torch.int8), stable=True)
-        return order, flat[order][:, None, None]
+        b = torch.div(order, n, rounding_mode="floor")
+        return order, (b, order - b * n), ~flat[order][:, None, None]
 
+    order_q, rows_q, pad_q = order_of(keep_q, sq)
+    _, rows_k, pad_k = order_of(keep_k, sk)
     zero = torch.zeros(1, dtype=torch.int32, device=keep_k.device)
     cu_q, cu_k = (torch.cat([zero, keep.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32)])
                   for keep in (keep_q, keep_k))
-    return order_of(keep_q) + order_of(keep_k) + (cu_q, cu_k)
+    return rows_q, pad_q, order_q, rows_k, pad_k, cu_q, cu_k
 
 
 def _padded_via_varlen(q, k, v, packing, **kw):
     """Varlen attention over the tokens the mask keeps (``packing``: :func:`_varlen_packing`),
     with no host sync and static shapes (so no graph break under torch.compile): each row's
     kept tokens are moved to the front, in order, and the padding behind them (one order for
-    the keys and values, which share the mask); the packed tensors keep their full length, and
-    the padding rows, past ``cu_seqlens[-1]``, belong to no sequence. When a gradient may flow
-    they are zeroed on the way in (``torch.where``, whose gradient is exactly 0 there); the
-    result's padding rows are zeroed on the way out, and it goes back to the padded positions
-    (zeros at pads)."""
+    the keys and values, which share the mask), each tensor gathered in one pass from its
+    (batch, seq, heads, dim) view; the packed tensors keep their full length, and the padding
+    rows, past ``cu_seqlens[-1]``, belong to no sequence. When a gradient may flow they are
+    zeroed on the way in (``masked_fill``, whose gradient is exactly 0 there); the result's
+    padding rows are zeroed on the way out, and it goes back to the padded positions (zeros
+    at pads)."""
     import torch
     b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    order_q, kept_q, order_k, kept_k, cu_q, cu_k = packing
+    sk = k.shape[1]
+    rows_q, pad_q, order_q, rows_k, pad_k, cu_q, cu_k = packing
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
-    def pack(x, order, kept, n, heads):
-        rows = x.reshape(b * n, heads, d)[order]
-        if not grad:    # (rows past the sequences are never read: only their gradient matters)
-            return rows
-        return torch.where(kept, rows, torch.zeros((), dtype=x.dtype, device=x.device))
+    def pack(x, rows, pad):
+        packed = x[rows]        # ((N, heads, dim): one gather from the strided view)
+        # (rows past the sequences are never read: only their gradient matters)
+        return packed.masked_fill(pad, 0) if grad else packed
 
-    qp = pack(q, order_q, kept_q, sq, h)
-    kp = pack(k, order_k, kept_k, sk, hk)
-    vp = pack(v, order_k, kept_k, sk, hk)
+    qp = pack(q, rows_q, pad_q)
+    kp = pack(k, rows_k, pad_k)
+    vp = pack(v, rows_k, pad_k)
     # the padded lengths bound the longest sequences: no read of the lengths back to the host
-    out = varlen_attention(qp, kp, vp, cu_q, cu_k, sq, sk, **kw)
-    out = torch.where(kept_q, out, torch.zeros((), dtype=out.dtype, device=out.device))
+    out = varlen_attention(qp, kp, vp, cu_q, cu_k, sq, sk, **kw).masked_fill(pad_q, 0)
     full = out.new_empty(b * sq, h, d).index_copy(0, order_q, out)
     return full.view(b, sq, h, d)
 
