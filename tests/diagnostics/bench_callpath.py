@@ -37,8 +37,9 @@ generate_ab:COMMIT  this flashcore against the one of COMMIT (git archive, impor
           7 rounds in turn, batch 1 / 512 and 8 / 2k; ratios to "sdpa" and to COMMIT's.
 forwards  the dynamic-cache generate's decoding step and prefill forwards timed apart, "sdpa"
           against flashcore (12 rounds in turn, all-ones mask, the step's cache cropped back
-          each time), ms a forward and the ratio; then, to stderr, torch.profiler's table of
-          one prefill and cProfile of 40 steps of each model.
+          each time), ms a forward and the ratio, a prefill's kernel launches and GPU time
+          (torch.profiler); to stderr, that profile's table and cProfile of 40 steps of each
+          model.
 compile   torch.compile of the llama training step (batch 4 x 4k), flashcore vs "sdpa".
 decode_lengths  the transformers attention functions at a decoding step, flashcore's against
           sdpa's: a host loop at one cache length, and single calls at cache lengths new to
@@ -538,6 +539,9 @@ def generate_parts(shapes=((1, 512), (8, 2048)), new=64, rounds=7):
         torch.cuda.empty_cache()
 
 
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+
+
 def forwards(shapes=((1, 512), (8, 2048)), rounds=12, steps=40, prefills=3):
     """The dynamic-cache generate's two kinds of forward timed apart, "sdpa" against flashcore
     in one process (what the generate figures cannot split: session 66's forward-hook stamps
@@ -547,9 +551,11 @@ def forwards(shapes=((1, 512), (8, 2048)), rounds=12, steps=40, prefills=3):
     prefill (the prompt into a fresh DynamicCache), both under the all-ones mask ``generate``
     passes. ``rounds`` rounds in turn, the order turning, each round ``steps`` steps or
     ``prefills`` prefills a model, ended by a synchronisation (flashcore.bench.wall_time):
-    ms a forward, and flashcore's speed over "sdpa"'s (flashcore.bench.speed_ratio). Then, to
-    stderr: torch.profiler's table of one prefill of each model (kernels and host ops), and
-    cProfile's top entries of ``steps`` decoding steps of each (where the host time goes)."""
+    ms a forward, and flashcore's speed over "sdpa"'s (flashcore.bench.speed_ratio); and,
+    from torch.profiler over one prefill of each model, its kernel launches and GPU time
+    (what a busy host does not move: run 246's rounds of "sdpa" spread by 1.3-1.6x). To
+    stderr: that profile's table (kernels and host ops), and cProfile's top entries of
+    ``steps`` decoding steps of each (where the host time goes)."""
     import cProfile
     import io
     import pstats
@@ -596,12 +602,18 @@ def forwards(shapes=((1, 512), (8, 2048)), rounds=12, steps=40, prefills=3):
                     row[f"{impl}_{kind}_ms"] = 1e3 * statistics.median(t)
                 row[f"{kind}_ratio"] = speed_ratio(times, "flashcore", "sdpa")
                 row[f"sdpa_{kind}_spread"] = max(times["sdpa"]) / min(times["sdpa"])
-            emit(section="forwards", batch=batch, prompt=prompt, **row)
             for impl in models:
                 with torch_profile(activities=[ProfilerActivity.CPU,
                                                ProfilerActivity.CUDA]) as prof:
                     prefill(impl, 1)
                     torch.cuda.synchronize()
+                # what host noise does not move: the prefill's kernel launches and GPU time
+                events = prof.key_averages()
+                row[f"{impl}_prefill_launches"] = sum(
+                    e.count for e in events if e.key in _LAUNCHES)
+                row[f"{impl}_prefill_gpu_ms"] = 1e-3 * sum(
+                    getattr(e, "self_device_time_total", None)
+                    or getattr(e, "self_cuda_time_total", 0) for e in events)
                 print(f"=== forwards {batch} x {prompt}: torch.profiler, one prefill, {impl}\n"
                       + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=16,
                                                   max_name_column_width=50),
@@ -615,6 +627,7 @@ def forwards(shapes=((1, 512), (8, 2048)), rounds=12, steps=40, prefills=3):
                 pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(24)
                 print(f"=== forwards {batch} x {prompt}: cProfile, {steps} decoding steps, "
                       f"{impl}\n" + text.getvalue(), file=sys.stderr)
+            emit(section="forwards", batch=batch, prompt=prompt, **row)
         models = caches = None      # (freed before the next shape's models)
         torch.cuda.empty_cache()
 
