@@ -441,7 +441,7 @@ def _varlen_packing(attention_mask, sk, sq):
     the packed rows in one pass from any layout (transformers' (b, h, s, d) tensors arrive
     contiguous, so a flattening reshape would copy them first: a second pass over q, k and v
     each layer, run 246 of the performance log); ``pad_*`` says which packed rows hold no
-    token, ``pad_q`` also which query positions are padding."""
+    token."""
     import torch
     keep_k = _key_mask(attention_mask, sk)
     keep_q = _query_positions(keep_k, sq, _mask_end(attention_mask, sk, sq))
