@@ -452,12 +452,16 @@ def _varlen_packing(attention_mask, sk, sq):
         b = torch.div(order, n, rounding_mode="floor")
         return order, (b, order - b * n), ~flat[order][:, None, None]
 
+    def cu_seqlens(keep):
+        zero = torch.zeros(1, dtype=torch.int32, device=keep.device)
+        return torch.cat([zero, keep.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32)])
+
     order_q, rows_q, pad_q = order_of(keep_q, sq)
+    cu_q = cu_seqlens(keep_q)
+    if keep_q is keep_k:    # (a prefill or a training batch: the queries are the keys)
+        return rows_q, pad_q, order_q, rows_q, pad_q, cu_q, cu_q
     _, rows_k, pad_k = order_of(keep_k, sk)
-    zero = torch.zeros(1, dtype=torch.int32, device=keep_k.device)
-    cu_q, cu_k = (torch.cat([zero, keep.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32)])
-                  for keep in (keep_q, keep_k))
-    return rows_q, pad_q, order_q, rows_k, pad_k, cu_q, cu_k
+    return rows_q, pad_q, order_q, rows_k, pad_k, cu_q, cu_seqlens(keep_k)
 
 
 def _padded_via_varlen(q, k, v, packing, **kw):
