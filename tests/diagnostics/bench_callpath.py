@@ -549,10 +549,10 @@ def forwards(shapes=((1, 512), (8, 2048)), rounds=12, steps=40, prefills=3):
     generate at 0.99x): a decoding step (one token over a DynamicCache holding the prompt,
     cropped back by one after each forward, so that every step meets the same length) and the
     prefill (the prompt into a fresh DynamicCache), both under the all-ones mask ``generate``
-    passes. ``rounds`` rounds in turn, the order turning, each round ``steps`` steps or
-    ``prefills`` prefills a model, ended by a synchronisation (flashcore.bench.wall_time):
-    ms a forward, and flashcore's speed over "sdpa"'s (flashcore.bench.speed_ratio); and,
-    from torch.profiler over one prefill of each model, its kernel launches and GPU time
+    passes. ``rounds`` rounds in turn, the order turning, each round ``steps`` steps a model
+    ended by a synchronisation (flashcore.bench.wall_time), or the best of ``prefills``
+    prefills (flashcore.bench.prefill_rounds, asv's PrefillRatio's timer): ms a forward,
+    and flashcore's speed over "sdpa"'s (flashcore.bench.speed_ratio); and, from torch.profiler over one prefill of each model, its kernel launches and GPU time
     (what a busy host does not move: run 246's rounds of "sdpa" spread by 1.3-1.6x). To
     stderr: that profile's table (kernels and host ops), and cProfile's top entries of
     ``steps`` decoding steps of each (where the host time goes)."""
@@ -564,7 +564,7 @@ def forwards(shapes=((1, 512), (8, 2048)), rounds=12, steps=40, prefills=3):
     from torch.profiler import ProfilerActivity, profile as torch_profile
     from transformers import DynamicCache
 
-    from flashcore.bench import generate_ids
+    from flashcore.bench import generate_ids, prefill_rounds
     for batch, prompt in shapes:
         models = {impl: llama_model(impl).eval() for impl in ("sdpa", "flashcore")}
         ids = generate_ids(batch, prompt)
@@ -578,26 +578,26 @@ def forwards(shapes=((1, 512), (8, 2048)), rounds=12, steps=40, prefills=3):
                       use_cache=True)
                 cache.crop(-1)      # (a negative count: every transformers version's meaning)
 
-        def prefill(impl, n=prefills):
+        def prefill(impl):      # (the profiled one; the timed ones: prefill_rounds)
             model = models[impl]
-            for _ in range(n):
-                model(input_ids=ids, attention_mask=mask[:, :prompt], use_cache=True,
-                      past_key_values=DynamicCache(config=model.config))
+            model(input_ids=ids, attention_mask=mask[:, :prompt], use_cache=True,
+                  past_key_values=DynamicCache(config=model.config))
 
         with torch.no_grad():
             for impl, model in models.items():
                 caches[impl] = DynamicCache(config=model.config)
                 model(input_ids=ids, attention_mask=mask[:, :prompt], use_cache=True,
                       past_key_values=caches[impl])
+            order = list(models)
+            steps_s = {impl: [] for impl in order}
+            for impl in order:
+                step(impl)        # (warm)
+            for r in range(rounds):
+                for impl in order[r % 2:] + order[:r % 2]:
+                    steps_s[impl].append(wall_time(lambda: step(impl)) / steps)
             row = {}
-            for kind, fn, n in (("step", step, steps), ("prefill", prefill, prefills)):
-                times = {impl: [] for impl in models}
-                order = list(models)
-                for impl in order:
-                    fn(impl)        # (warm)
-                for r in range(rounds):
-                    for impl in order[r % 2:] + order[:r % 2]:
-                        times[impl].append(wall_time(lambda: fn(impl)) / n)
+            for kind, times in (("step", steps_s), ("prefill", prefill_rounds(
+                    models, ids, mask[:, :prompt], rounds, calls=prefills))):
                 for impl, t in times.items():
                     row[f"{impl}_{kind}_ms"] = 1e3 * statistics.median(t)
                 row[f"{kind}_ratio"] = speed_ratio(times, "flashcore", "sdpa")
@@ -605,7 +605,7 @@ def forwards(shapes=((1, 512), (8, 2048)), rounds=12, steps=40, prefills=3):
             for impl in models:
                 with torch_profile(activities=[ProfilerActivity.CPU,
                                                ProfilerActivity.CUDA]) as prof:
-                    prefill(impl, 1)
+                    prefill(impl)
                     torch.cuda.synchronize()
                 # what host noise does not move: the prefill's kernel launches and GPU time
                 events = prof.key_averages()
