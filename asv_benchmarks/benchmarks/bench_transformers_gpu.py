@@ -19,8 +19,8 @@ ratio, flashcore's speed over "sdpa"'s: above 1 flashcore is faster.
   ``generate`` passes: all ones, or left padding, ``flashcore.bench.prefill_mask``), host and
   GPU time to the logits, at batch 1 / 512 and batch 8 / 2k; 7 rounds, the models in turn,
   each round the best of 3 (``flashcore.bench.prefill_rounds``), the median of the rounds'
-  ratios. The masked prefill is where flashcore's route and "sdpa"'s differ most (the varlen
-  packing, or the decode kernel over the keys for small calls).
+  ratios. The masked prefill is where flashcore's route and "sdpa"'s differ most (flashcore
+  packs the kept tokens for its varlen kernel; "sdpa" drops an all-ones mask).
 * ``TrainStepRatio``: a training step (forward with labels, backward), eager and under
   ``torch.compile``, at batch 1 x 16k and batch 4 x 4k tokens: "sdpa"'s ms a step over
   flashcore's (``flashcore.bench.train_step_ms``: 3 untimed steps, then a loop of 8).

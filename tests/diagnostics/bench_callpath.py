@@ -552,8 +552,9 @@ def forwards(shapes=((1, 512), (8, 2048)), rounds=12, steps=40, prefills=3):
     passes. ``rounds`` rounds in turn, the order turning, each round ``steps`` steps a model
     ended by a synchronisation (flashcore.bench.wall_time), or the best of ``prefills``
     prefills (flashcore.bench.prefill_rounds, asv's PrefillRatio's timer): ms a forward,
-    and flashcore's speed over "sdpa"'s (flashcore.bench.speed_ratio); and, from torch.profiler over one prefill of each model, its kernel launches and GPU time
-    (what a busy host does not move: run 246's rounds of "sdpa" spread by 1.3-1.6x). To
+    and flashcore's speed over "sdpa"'s (flashcore.bench.speed_ratio); and, from
+    torch.profiler over one prefill of each model, its kernel launches and GPU time (what a
+    busy host does not move: run 246's rounds of "sdpa" spread by 1.3-1.6x). To
     stderr: that profile's table (kernels and host ops), and cProfile's top entries of
     ``steps`` decoding steps of each (where the host time goes)."""
     import cProfile
@@ -564,11 +565,11 @@ def forwards(shapes=((1, 512), (8, 2048)), rounds=12, steps=40, prefills=3):
     from torch.profiler import ProfilerActivity, profile as torch_profile
     from transformers import DynamicCache
 
-    from flashcore.bench import generate_ids, prefill_rounds
+    from flashcore.bench import generate_ids, prefill_mask, prefill_rounds
     for batch, prompt in shapes:
         models = {impl: llama_model(impl).eval() for impl in ("sdpa", "flashcore")}
         ids = generate_ids(batch, prompt)
-        mask = torch.ones(batch, prompt + 1, dtype=torch.int64, device="cuda")
+        mask = prefill_mask(batch, prompt + 1, False)   # (all ones; a step's is one wider)
         caches = {}
 
         def step(impl, n=steps):
