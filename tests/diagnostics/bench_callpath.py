@@ -3,7 +3,7 @@
     python tests/diagnostics/bench_callpath.py [decode] [decode_host] [decode_lengths] [tiny]
                                                [cupy] [llama] [generate] [generate_static]
                                                [generate_parts] [generate_ab:COMMIT]
-                                               [forwards]
+                                               [forwards] [prefills]
                                                [compile] [profile] [launch_gil] [--json F]
 
 decode    flashcore.bench.decode: attention_with_kvcache (cache_seqlens a CUDA int32 tensor,
@@ -40,6 +40,10 @@ forwards  the dynamic-cache generate's decoding step and prefill forwards timed 
           each time), ms a forward and the ratio, a prefill's kernel launches and GPU time
           (torch.profiler); to stderr, that profile's table and cProfile of 40 steps of each
           model.
+prefills  where the prefill's gap goes: the prefill (all-ones mask) of "sdpa", flashcore and
+          flashcore with the mask dropped (the dense call, no packing), 9 rounds in turn: ms,
+          ratio, the host's own time, launches and GPU time (torch.profiler); cProfile of
+          each to stderr.
 compile   torch.compile of the llama training step (batch 4 x 4k), flashcore vs "sdpa".
 decode_lengths  the transformers attention functions at a decoding step, flashcore's against
           sdpa's: a host loop at one cache length, and single calls at cache lengths new to
@@ -633,6 +637,68 @@ def forwards(shapes=((1, 512), (8, 2048)), rounds=12, steps=40, prefills=3):
         torch.cuda.empty_cache()
 
 
+def prefills(shapes=((1, 512), (8, 2048)), rounds=9, calls=3):
+    """Where the prefill's gap goes (run 246: flashcore's b1/512 prefill 0.754x "sdpa" with 58
+    launches more and 0.25 ms more GPU time, which do not add up to its 3.8 ms): one forward of
+    the prompt into a fresh DynamicCache under the all-ones mask, "sdpa", flashcore, and
+    flashcore with the mask dropped (``fc_positions``: the dense causal call, no packing), timed
+    in turn (flashcore.bench.prefill_rounds, ``rounds`` rounds, the best of ``calls`` each):
+    ms, ratio to "sdpa"; the host's own time of a prefill (started on an idle device, the clock
+    read before the synchronisation: flashcore.bench.enqueue_us), and from torch.profiler its
+    kernel launches and GPU time. To stderr: cProfile of ``calls`` prefills of each model, its
+    top entries by own time (where the host time goes)."""
+    import cProfile
+    import io
+    import pstats
+    import statistics
+
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from transformers import DynamicCache
+
+    from flashcore.bench import enqueue_us, generate_ids, prefill_mask, prefill_rounds
+    names = ["sdpa", "flashcore", "fc_positions"]
+    _part_functions()
+    for batch, prompt in shapes:
+        models = {impl: llama_model(impl).eval() for impl in names}
+        ids = generate_ids(batch, prompt)
+        mask = prefill_mask(batch, prompt, False)
+
+        def prefill(model):
+            model(input_ids=ids, attention_mask=mask, use_cache=True,
+                  past_key_values=DynamicCache(config=model.config))
+
+        row = {}
+        with torch.no_grad():
+            times = prefill_rounds(models, ids, mask, rounds, calls=calls)
+            for impl, model in models.items():
+                row[f"{impl}_ms"] = 1e3 * statistics.median(times[impl])
+                row[f"{impl}_ratio"] = speed_ratio(times, impl, "sdpa")
+                row[f"{impl}_host_ms"] = 1e-3 * enqueue_us(lambda: prefill(model), calls=1,
+                                                           rounds=calls)
+                with torch_profile(activities=[ProfilerActivity.CPU,
+                                               ProfilerActivity.CUDA]) as prof:
+                    prefill(model)
+                    torch.cuda.synchronize()
+                events = prof.key_averages()
+                row[f"{impl}_launches"] = sum(e.count for e in events if e.key in _LAUNCHES)
+                row[f"{impl}_gpu_ms"] = 1e-3 * sum(
+                    getattr(e, "self_device_time_total", None)
+                    or getattr(e, "self_cuda_time_total", 0) for e in events)
+                pr = cProfile.Profile()
+                pr.enable()
+                for _ in range(calls):
+                    prefill(model)
+                torch.cuda.synchronize()
+                pr.disable()
+                text = io.StringIO()
+                pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(20)
+                print(f"=== prefills {batch} x {prompt}: cProfile, {calls} prefills, {impl}\n"
+                      + text.getvalue(), file=sys.stderr)
+        emit(section="prefills", batch=batch, prompt=prompt, **row)
+        models = None
+        torch.cuda.empty_cache()
+
+
 def _package_at(commit):
     """flashcore's transformers integration as of ``commit``, importable beside this one: the
     package and its CUDA sources (``git archive``) in a temporary folder, the package renamed
@@ -715,7 +781,7 @@ def main(argv):
                    "llama": llama, "generate": generate, "generate_static": generate_static,
                    "compile": compile_step, "profile": profile, "launch_gil": launch_gil,
                    "decode_lengths": decode_lengths, "generate_parts": generate_parts,
-                   "forwards": forwards}.get(s)
+                   "forwards": forwards, "prefills": prefills}.get(s)
         try:
             if run is None:
                 raise ValueError(f"unknown section {s!r}")
