@@ -489,9 +489,12 @@ def _padded_via_varlen(q, k, v, packing, **kw):
     kp = pack(k, rows_k, pad_k)
     vp = pack(v, rows_k, pad_k)
     # the padded lengths bound the longest sequences: no read of the lengths back to the host
-    out = varlen_attention(qp, kp, vp, cu_q, cu_k, sq, sk, **kw).masked_fill(pad_q, 0)
-    full = out.new_empty(b * sq, h, d).index_copy(0, order_q, out)
-    return full.view(b, sq, h, d)
+    out = varlen_attention(qp, kp, vp, cu_q, cu_k, sq, sk, **kw)
+    # (in place where nothing is differentiated: the out-of-place ops copy the whole tensor
+    # first, a pass over the output each, run 247; the Function keeps its output for the
+    # backward, so with a gradient the fill makes a new tensor)
+    out = out.masked_fill(pad_q, 0) if grad else out.masked_fill_(pad_q, 0)
+    return out.new_empty(b * sq, h, d).index_copy_(0, order_q, out).view(b, sq, h, d)
 
 
 def _check_4d_mask(mask, sq, sk, causal, window_size):
