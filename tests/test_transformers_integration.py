@@ -671,6 +671,43 @@ def test_layers_of_a_forward_share_the_varlen_packing(grad, monkeypatch):
     assert all(a.equal(c) for a, c in zip(after, fresh())) and not after[0].equal(first[0])
 
 
+def test_varlen_route_moves_wide_elements_where_nothing_is_differentiated(monkeypatch):
+    """A prefill under a padding mask (no gradient) gathers and scatters the packed rows as
+    16-byte elements (fct._wide): the same bytes as the 16-bit gathers a training step makes,
+    so the same output bit for bit; a layout whose rows or strides are not whole 16-byte
+    elements keeps the 16-bit gathers."""
+    made = []
+    orig = fct._wide
+    monkeypatch.setattr(fct, "_wide", lambda x: made.append(orig(x)) or made[-1])
+    g = torch.Generator().manual_seed(9)
+    b, h, hk, s, d = 3, 4, 2, 9, 16
+    q, k, v = (torch.randn(b, n, s, d, generator=g).half() for n in (h, hk, hk))
+    given = torch.ones(b, s, dtype=torch.long)
+    given[0, :3] = 0          # left padding
+    given[1, 6:] = 0          # right padding
+    given[2, 2:4] = 0         # a hole
+    mask = fct.padding_mask(attention_mask=given, kv_length=s)
+
+    def run(grad):
+        fct._SHARED.entries.clear()
+        x = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+        with torch.set_grad_enabled(grad):
+            return fct.flashcore_attention_forward(_Layer(), *x, mask)[0].detach()
+
+    trained = run(True)
+    assert not made, "a differentiated call took the 16-byte view"
+    prefill = run(False)
+    assert len(made) == 5 and all(m is not None and m.dtype == torch.complex128 for m in made)
+    assert prefill.equal(trained)
+    assert prefill[0, :3].abs().sum() == 0 and prefill[1, 6:].abs().sum() == 0
+    x = torch.randn(2, 8, 4, 24).to(torch.bfloat16).transpose(1, 2)
+    assert orig(x).view(torch.bfloat16).equal(x)
+    assert orig(x[..., :12]) is None                         # rows of 24 bytes
+    assert orig(x.reshape(-1)[4:4 + 8 * 24].view(8, 24)) is None   # 8-byte offset
+    assert orig(torch.zeros(4, 10)) is None                  # 40-byte rows of float32
+    assert orig(torch.zeros(4, 10)[:, :8]) is None           # a 40-byte row stride
+
+
 def test_per_forward_values_are_not_kept_while_compiling(monkeypatch):
     """Under torch.compile each layer's ops are traced: nothing is kept or taken."""
     calls = []
