@@ -679,6 +679,14 @@ def test_varlen_route_moves_wide_elements_where_nothing_is_differentiated(monkey
     made = []
     orig = fct._wide
     monkeypatch.setattr(fct, "_wide", lambda x: made.append(orig(x)) or made[-1])
+    varlen = fct.varlen_attention
+
+    def poisoned(q, k, v, cu_q, *args, **kw):    # (rows past the sequences: NaN)
+        out = varlen(q, k, v, cu_q, *args, **kw)
+        with torch.no_grad():
+            out[int(cu_q[-1]):] = float("nan")
+        return out
+    monkeypatch.setattr(fct, "varlen_attention", poisoned)
     g = torch.Generator().manual_seed(9)
     b, h, hk, s, d = 3, 4, 2, 9, 16
     q, k, v = (torch.randn(b, n, s, d, generator=g).half() for n in (h, hk, hk))

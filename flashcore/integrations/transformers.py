@@ -496,9 +496,12 @@ def _padded_via_varlen(q, k, v, packing, **kw):
     # (in place where nothing is differentiated: the out-of-place ops copy the whole tensor
     # first, a pass over the output each, run 247; the Function keeps its output for the
     # backward, so with a gradient the fill makes a new tensor)
-    out = out.masked_fill(pad_q, 0) if grad else out.masked_fill_(pad_q, 0)
     full = out.new_empty(b * sq, h, d)
     wf, wo = (_wide(full), _wide(out)) if wide else (None, None)
+    if grad:
+        out = out.masked_fill(pad_q, 0)
+    else:
+        (out if wo is None else wo).masked_fill_(pad_q, 0)    # (wo: out's bytes)
     if wf is not None and wo is not None:
         wf.index_copy_(0, order_q, wo)
     else:
