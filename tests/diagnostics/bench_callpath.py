@@ -3,7 +3,7 @@
     python tests/diagnostics/bench_callpath.py [decode] [decode_host] [decode_lengths] [tiny]
                                                [cupy] [llama] [generate] [generate_static]
                                                [generate_parts] [generate_ab:COMMIT]
-                                               [forwards] [prefills]
+                                               [forwards] [prefills] [prefill_calls]
                                                [compile] [profile] [launch_gil] [--json F]
 
 decode    flashcore.bench.decode: attention_with_kvcache (cache_seqlens a CUDA int32 tensor,
@@ -44,6 +44,10 @@ prefills  where the prefill's gap goes: the prefill (all-ones mask) of "sdpa", f
           flashcore with the mask dropped (the dense call, no packing), 9 rounds in turn: ms,
           ratio, the host's own time, launches and GPU time (torch.profiler); cProfile of
           each to stderr.
+prefill_calls  one prefill layer's attention call alone (b1 / 512 and b8 / 2k, 16 / 4 heads,
+          d128, bf16, causal): flashcore.varlen_attention over packed rows, flashcore.attention
+          dense, and SDPA, host loops interleaved and GPU time, plans recorded in the loops;
+          cProfile of the varlen calls to stderr.
 compile   torch.compile of the llama training step (batch 4 x 4k), flashcore vs "sdpa".
 decode_lengths  the transformers attention functions at a decoding step, flashcore's against
           sdpa's: a host loop at one cache length, and single calls at cache lengths new to
@@ -699,6 +703,64 @@ def prefills(shapes=((1, 512), (8, 2048)), rounds=9, calls=3):
         torch.cuda.empty_cache()
 
 
+def prefill_calls(shapes=((1, 512), (8, 2048)), calls=200):
+    """One prefill layer's attention call alone, as the model makes it (16 query heads over 4,
+    head dim 128, bf16, causal): ``flashcore.varlen_attention`` over the packed rows (what the
+    padded route runs), ``flashcore.attention`` over the same tensors as one dense batch, and
+    SDPA (torch's choice, cuDNN on Hopper), interleaved host loops (µs a call) and GPU time,
+    and how many launch plans the loop recorded (0: every call replayed one). Run 247 put
+    the varlen op's own host time at about 110 µs a call in the model against cuDNN's 43; the
+    stubbed probe (tests/diagnostics/probe_route.py) reads 18.6. To stderr: cProfile of the
+    varlen calls."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch.nn.functional as F
+
+    from flashcore.bench import gpu_time
+    from flashcore.kernels import plans
+    recorded = [0]
+    remember = plans.remember
+
+    def counting(*a, **kw):
+        recorded[0] += 1
+        return remember(*a, **kw)
+    plans.remember = counting
+    try:
+        for b, s in shapes:
+            h, hk, d = 16, 4, 128
+            q, k, v = (torch.randn(b * s, n, d, device="cuda", dtype=torch.bfloat16)
+                       for n in (h, hk, hk))
+            cu = torch.arange(0, b + 1, dtype=torch.int32, device="cuda") * s
+            qd, kd, vd = (x.view(b, s, -1, d) for x in (q, k, v))
+            qt, kt, vt = (x.transpose(1, 2) for x in (qd, kd, vd))
+            fns = {"varlen": lambda: flashcore.varlen_attention(q, k, v, cu, cu, s, s,
+                                                                causal=True),
+                   "dense": lambda: flashcore.attention(qd, kd, vd, causal=True),
+                   "sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True,
+                                                                  enable_gqa=True)}
+            with torch.no_grad():
+                before = recorded[0]
+                loop = per_call_us_interleaved(fns, calls, warmup=20, rounds=5, round_s=0.05)
+                row = {f"{n}_loop_us": us for n, us in loop.items()}
+                row.update({f"{n}_gpu_us": 1e6 * gpu_time(fn) for n, fn in fns.items()})
+                row["records_in_loops"] = recorded[0] - before
+                pr = cProfile.Profile()
+                pr.enable()
+                for _ in range(calls):
+                    fns["varlen"]()
+                torch.cuda.synchronize()
+                pr.disable()
+            text = io.StringIO()
+            pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(16)
+            print(f"=== prefill_calls {b} x {s}: cProfile, {calls} varlen calls\n"
+                  + text.getvalue(), file=sys.stderr)
+            emit(section="prefill_calls", batch=b, seqlen=s, **row)
+    finally:
+        plans.remember = remember
+
+
 def _package_at(commit):
     """flashcore's transformers integration as of ``commit``, importable beside this one: the
     package and its CUDA sources (``git archive``) in a temporary folder, the package renamed
@@ -781,7 +843,7 @@ def main(argv):
                    "llama": llama, "generate": generate, "generate_static": generate_static,
                    "compile": compile_step, "profile": profile, "launch_gil": launch_gil,
                    "decode_lengths": decode_lengths, "generate_parts": generate_parts,
-                   "forwards": forwards, "prefills": prefills}.get(s)
+                   "forwards": forwards, "prefills": prefills, "prefill_calls": prefill_calls}.get(s)
         try:
             if run is None:
                 raise ValueError(f"unknown section {s!r}")
