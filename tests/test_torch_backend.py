@@ -352,15 +352,18 @@ def test_kvcache_read_is_attention_with_kvcache(extra, heads_first):
     assert np.isfinite(got.detach().numpy()).all() and got.abs().sum() > 0
 
 
+@pytest.mark.parametrize("op", ["kvcache_read", "fwd", "fwd_varlen"])
 @pytest.mark.parametrize("context", ["eager", "profiler", "flop_counter", "function_mode",
                                      "fake_tensors", "meta", "make_fx", "jit_trace", "vmap",
                                      "subclass_cache", "compile"])
-def test_decode_ops_go_through_the_dispatcher_when_anything_must_see_them(context, monkeypatch):
-    """A plain eager decode call runs the op's implementation directly (the dispatcher's round
+def test_ops_go_through_the_dispatcher_when_anything_must_see_them(op, context, monkeypatch):
+    """A plain eager decode call, or a forward with nothing to differentiate (a prefill's
+    layers, dense or varlen), runs the op's implementation directly (the dispatcher's round
     trip costs a decoding step ~4%); under the profiler, a dispatch mode (FlopCounterMode,
     FakeTensorMode, make_fx's), a torch function mode, torch.jit tracing, vmap or
     torch.compile, on meta tensors or with a tensor subclass among the arguments, the op is
     called, and the result is the same (fake and meta tensors: the fake's shapes)."""
+    import flashcore
     from torch.overrides import TorchFunctionMode
     from torch.utils.flop_counter import FlopCounterMode
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -368,17 +371,33 @@ def test_decode_ops_go_through_the_dispatcher_when_anything_must_see_them(contex
     from flashcore.backends.torch_ops import kvcache_read
     torch_ops.torch_ops()
     calls = []
-    op = torch_ops._OVERLOADS["kvcache_read"]
-    monkeypatch.setitem(torch_ops._OVERLOADS, "kvcache_read",
-                        lambda *a: (calls.append(1), op(*a))[1])
+    name = "kvcache_read" if op == "kvcache_read" else "fwd"
+    overload = torch_ops._OVERLOADS[name]
+    monkeypatch.setitem(torch_ops._OVERLOADS, name,
+                        lambda *a: (calls.append(1), overload(*a))[1])
     g = torch.Generator().manual_seed(4)
-    q = torch.randn(2, 4, 1, 16, generator=g)
-    kc, vc = (torch.randn(2, 2, 20, 16, generator=g) for _ in range(2))
-    lens = torch.tensor([20, 9], dtype=torch.int32)
+    if op == "kvcache_read":
+        q = torch.randn(2, 4, 1, 16, generator=g)
+        kc, vc = (torch.randn(2, 2, 20, 16, generator=g) for _ in range(2))
+        lens = torch.tensor([20, 9], dtype=torch.int32)
 
-    def call(q, kc, vc, lens):
-        return kvcache_read(q, kc, vc, lens, None, None, True, 0.25, (-1, -1), 0.0,
-                            heads_first=True)
+        def call(q, kc, vc, lens):
+            return kvcache_read(q, kc, vc, lens, None, None, True, 0.25, (-1, -1), 0.0,
+                                heads_first=True)
+    elif op == "fwd":
+        q = torch.randn(2, 9, 4, 16, generator=g)
+        kc, vc = (torch.randn(2, 9, 2, 16, generator=g) for _ in range(2))
+        lens = torch.zeros(1)       # (unused)
+
+        def call(q, kc, vc, lens):
+            return flashcore.attention(q, kc, vc, causal=True)
+    else:
+        q = torch.randn(18, 4, 16, generator=g)
+        kc, vc = (torch.randn(18, 2, 16, generator=g) for _ in range(2))
+        lens = torch.tensor([0, 5, 18], dtype=torch.int32)
+
+        def call(q, kc, vc, lens):
+            return flashcore.varlen_attention(q, kc, vc, lens, lens, 13, 13, causal=True)
     want = call(q, kc, vc, lens)
     assert not calls         # (eager: the implementation, directly)
 
@@ -390,7 +409,7 @@ def test_decode_ops_go_through_the_dispatcher_when_anything_must_see_them(contex
     elif context == "profiler":
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             got = call(q, kc, vc, lens)
-        assert any("flashcore::kvcache_read" in e.name for e in prof.events())
+        assert any(f"flashcore::{name}" in e.name for e in prof.events())
     elif context == "flop_counter":
         with FlopCounterMode(display=False):
             got = call(q, kc, vc, lens)
@@ -408,7 +427,7 @@ def test_decode_ops_go_through_the_dispatcher_when_anything_must_see_them(contex
     elif context == "make_fx":      # (real tensors, make_fx's proxy mode on)
         from torch.fx.experimental.proxy_tensor import make_fx
         gm = make_fx(call, tracing_mode="real")(q, kc, vc, lens)
-        assert "flashcore.kvcache_read" in str(gm.graph)
+        assert f"flashcore.{name}" in str(gm.graph)
         got = gm(q, kc, vc, lens)
     elif context == "jit_trace":
         got = torch.jit.trace(call, (q, kc, vc, lens), check_trace=False)(q, kc, vc, lens)

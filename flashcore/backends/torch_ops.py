@@ -451,7 +451,7 @@ def _define_ops():
     ops = torch.ops.flashcore
     _OVERLOADS.update(fwd=ops.fwd.default, bwd=ops.bwd.default, kvcache=ops.kvcache.default,
                       kvcache_read=ops.kvcache_read.default)
-    _IMPLS.update(kvcache=_kvcache_impl, kvcache_read=_kvcache_read_impl)
+    _IMPLS.update(fwd=_fwd_impl, kvcache=_kvcache_impl, kvcache_read=_kvcache_read_impl)
     _FUNCTION.extend(_attention_function(torch, ops))
     return ops
 
@@ -606,11 +606,13 @@ def autograd_attention(q, k, v, *, backend=None, varlen=False, causal=False, sof
         return out, lse
     rng = rng_state if dropout_p else None
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        # nothing to differentiate: the op alone (what autograd would run)
-        if dropout_p or alibi_slopes is not None or cu_q is not None or cu_k is not None:
-            return _OVERLOADS["fwd"](q, k, v, opts, alibi_slopes, cu_q, cu_k,
-                                     *((None, False, dropout_p, rng) if dropout_p else ()))
-        return _OVERLOADS["fwd"](q, k, v, opts)     # (the dense call: the defaults left out)
+        # nothing to differentiate: the op alone (what autograd would run), its
+        # implementation called directly in a plain eager call (_run: a prefill's layers pay
+        # the dispatcher's round trip as a decoding step's do)
+        if dropout_p:
+            return _OVERLOADS["fwd"](q, k, v, opts, alibi_slopes, cu_q, cu_k, None, False,
+                                     dropout_p, rng)
+        return _run(torch, "fwd", _trimmed((q, k, v, opts, alibi_slopes, cu_q, cu_k)))
     if alibi_slopes is None and cu_q is None and rng is None and k is not q and v is not q \
             and v is not k:
         return _FUNCTION[0].apply((_DISTINCT_QKV, opts, 0.0), q, k, v)   # (the common case)
@@ -898,7 +900,7 @@ def _launch_read(torch, plan, q, k_cache, v_cache, cache_seqlens, tail, heads_fi
 
 
 def _direct(torch, *tensors) -> bool:
-    """Whether a decode op's call on ``tensors`` (its arguments: torch tensors, None, the
+    """Whether an op's call on ``tensors`` (its arguments: torch tensors, None, the
     options' tuple) may run its implementation directly: see _run."""
     q = tensors[0]
     if not (q.is_cuda or q.device.type == "cpu") or _dispatcher_needed(torch):
@@ -911,8 +913,9 @@ def _direct(torch, *tensors) -> bool:
 
 
 def _run(torch, name, call):
-    """The decode op ``name`` on ``call``: its implementation called directly in a plain eager
-    call, else through the dispatcher. In a transformers generate, the dispatcher's round trip
+    """The op ``name`` (a decode op, or the forward with nothing to differentiate) on
+    ``call``: its implementation called directly in a plain eager call, else through the
+    dispatcher. In a transformers generate, the dispatcher's round trip
     into a Python kernel (the arguments boxed, the tensors wrapped again, the results unboxed)
     cost the decoding step ~4% (run 231, H100, one process: 0.92x / 0.91x "sdpa"'s tokens/s
     through the op, 0.96x / 0.95x calling the implementation). The op is the call whenever
@@ -944,8 +947,8 @@ _IN_DISPATCH_MODE: list = []
 
 
 def _trimmed(tensors: tuple) -> tuple:
-    """The optional tensors of a decode op's call up to the last one given (each argument
-    passed costs the dispatcher, None too)."""
+    """The optional tensors of an op's call up to the last one given (each argument passed
+    costs the dispatcher, None too)."""
     n = len(tensors)
     while n and tensors[n - 1] is None:
         n -= 1
