@@ -452,6 +452,45 @@ def test_ops_go_through_the_dispatcher_when_anything_must_see_them(op, context, 
         assert got.equal(want)
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_a_training_step_calls_the_ops_implementations_unless_anything_must_see_them(
+        varlen, monkeypatch):
+    """The autograd Function's forward and backward run the fwd and bwd ops' implementations
+    directly in a plain eager step (torch_ops._run); under the profiler both ops are called
+    through the dispatcher; the gradients are the same bit for bit either way."""
+    import flashcore
+    from flashcore.backends import torch_ops
+    torch_ops.torch_ops()
+    calls = []
+    for name in ("fwd", "bwd"):
+        overload = torch_ops._OVERLOADS[name]
+        monkeypatch.setitem(torch_ops._OVERLOADS, name,
+                            lambda *a, n=name, o=overload: (calls.append(n), o(*a))[1])
+    g = torch.Generator().manual_seed(8)
+    if varlen:
+        q = torch.randn(18, 4, 16, generator=g)
+        k, v = (torch.randn(18, 2, 16, generator=g) for _ in range(2))
+        cu = torch.tensor([0, 5, 18], dtype=torch.int32)
+    else:
+        q = torch.randn(2, 9, 4, 16, generator=g)
+        k, v = (torch.randn(2, 9, 2, 16, generator=g) for _ in range(2))
+
+    def step():
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = flashcore.varlen_attention(*x, cu, cu, 13, 13, causal=True) if varlen else \
+            flashcore.attention(*x, causal=True)
+        (out * out).sum().backward()
+        return [out.detach()] + [t.grad for t in x]
+
+    direct = step()
+    assert not calls
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        seen = step()
+    assert calls == ["fwd", "bwd"]
+    assert all(a.equal(b) for a, b in zip(direct, seen))
+    assert all(t.abs().sum() > 0 for t in direct)
+
+
 def test_opcheck_kvcache_read_heads_first():
     """The read op with (b, h, s, d) tensors (options' ninth entry): its fake gives the real
     output's (b, s, h, d) shape and the lse's (b, h, s), opcheck's tests pass, and the outputs

@@ -451,7 +451,8 @@ def _define_ops():
     ops = torch.ops.flashcore
     _OVERLOADS.update(fwd=ops.fwd.default, bwd=ops.bwd.default, kvcache=ops.kvcache.default,
                       kvcache_read=ops.kvcache_read.default)
-    _IMPLS.update(fwd=_fwd_impl, kvcache=_kvcache_impl, kvcache_read=_kvcache_read_impl)
+    _IMPLS.update(fwd=_fwd_impl, bwd=_bwd_impl, kvcache=_kvcache_impl,
+                  kvcache_read=_kvcache_read_impl)
     _FUNCTION.extend(_attention_function(torch, ops))
     return ops
 
@@ -480,13 +481,18 @@ def _attention_function(torch, ops):
         @staticmethod
         def forward(ctx, call, *tensors):
             where, options, dropout_p = call
+            # (the ops' implementations called directly in a plain eager step: _run)
             if where is _DISTINCT_QKV:    # (the common case: _roles_of's answer, without it;
                 q, k, v = tensors         # no optional tensor, no dropout)
-                out, lse = fwd_op(q, k, v, options)
+                out, lse = _run(torch, "fwd", (q, k, v, options))
             else:
                 q, k, v, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng = _roles_of(where, tensors)
-                out, lse = fwd_op(q, k, v, options, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                                  *((None, False, dropout_p, rng) if dropout_p else ()))
+                if dropout_p:
+                    out, lse = fwd_op(q, k, v, options, alibi_slopes, cu_seqlens_q,
+                                      cu_seqlens_k, None, False, dropout_p, rng)
+                else:
+                    out, lse = _run(torch, "fwd", _trimmed((q, k, v, options, alibi_slopes,
+                                                            cu_seqlens_q, cu_seqlens_k)))
             ctx.save_for_backward(out, lse, *tensors)
             ctx.call = call
             ctx.mark_non_differentiable(lse)
@@ -506,13 +512,13 @@ def _attention_function(torch, ops):
             # anything (an expanded scalar from .sum() has stride 0 everywhere).
             if dout.stride(-1) != 1 and dout.shape[-1] > 1:
                 dout = dout.contiguous()
-            if dropout_p or alibi_slopes is not None or cu_seqlens_q is not None \
-                    or cu_seqlens_k is not None:
+            if dropout_p:
                 dq, dk, dv = bwd_op(dout, q, k, v, out, lse, options, alibi_slopes,
-                                    cu_seqlens_q, cu_seqlens_k,
-                                    *((dropout_p, rng) if dropout_p else ()))
-            else:       # (the dense call: the defaults left out)
-                dq, dk, dv = bwd_op(dout, q, k, v, out, lse, options)
+                                    cu_seqlens_q, cu_seqlens_k, dropout_p, rng)
+            else:       # (the defaults left out)
+                dq, dk, dv = _run(torch, "bwd", _trimmed((dout, q, k, v, out, lse, options,
+                                                          alibi_slopes, cu_seqlens_q,
+                                                          cu_seqlens_k)))
             if torch.is_grad_enabled():      # create_graph=True: refuse when differentiated
                 dq, dk, dv = NoSecondDerivative.apply(dout, q, k, v, dq, dk, dv)
             if where is _DISTINCT_QKV:
