@@ -550,6 +550,16 @@ def generate_parts(shapes=((1, 512), (8, 2048)), new=64, rounds=7):
 _LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
 
+def _gpu_ms(events) -> float:
+    """The GPU time of a torch.profiler run's averaged events, ms: the device events' own
+    time (the table's "Self CUDA time total"; the host ops' rows carry their kernels' time
+    too, so a sum over every row counts each kernel twice, as run 247's rows did)."""
+    from torch.autograd import DeviceType
+    return 1e-3 * sum(getattr(e, "self_device_time_total", None)
+                      or getattr(e, "self_cuda_time_total", 0)
+                      for e in events if e.device_type == DeviceType.CUDA)
+
+
 def forwards(shapes=((1, 512), (8, 2048)), rounds=12, steps=40, prefills=3):
     """The dynamic-cache generate's two kinds of forward timed apart, "sdpa" against flashcore
     in one process (what the generate figures cannot split: session 66's forward-hook stamps
@@ -620,9 +630,7 @@ def forwards(shapes=((1, 512), (8, 2048)), rounds=12, steps=40, prefills=3):
                 events = prof.key_averages()
                 row[f"{impl}_prefill_launches"] = sum(
                     e.count for e in events if e.key in _LAUNCHES)
-                row[f"{impl}_prefill_gpu_ms"] = 1e-3 * sum(
-                    getattr(e, "self_device_time_total", None)
-                    or getattr(e, "self_cuda_time_total", 0) for e in events)
+                row[f"{impl}_prefill_gpu_ms"] = _gpu_ms(events)
                 print(f"=== forwards {batch} x {prompt}: torch.profiler, one prefill, {impl}\n"
                       + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=16,
                                                   max_name_column_width=50),
@@ -685,9 +693,7 @@ def prefills(shapes=((1, 512), (8, 2048)), rounds=9, calls=3):
                     torch.cuda.synchronize()
                 events = prof.key_averages()
                 row[f"{impl}_launches"] = sum(e.count for e in events if e.key in _LAUNCHES)
-                row[f"{impl}_gpu_ms"] = 1e-3 * sum(
-                    getattr(e, "self_device_time_total", None)
-                    or getattr(e, "self_cuda_time_total", 0) for e in events)
+                row[f"{impl}_gpu_ms"] = _gpu_ms(events)
                 pr = cProfile.Profile()
                 pr.enable()
                 for _ in range(calls):
