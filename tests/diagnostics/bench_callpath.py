@@ -550,6 +550,23 @@ def generate_parts(shapes=((1, 512), (8, 2048)), new=64, rounds=7):
 _LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
 
+def _profile_to_stderr(title, fn, n, top):
+    """cProfile of ``n`` calls of ``fn`` (ended by a synchronisation), its ``top`` entries by
+    own time, to stderr under ``=== title``."""
+    import cProfile
+    import io
+    import pstats
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    pr.disable()
+    text = io.StringIO()
+    pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(top)
+    print(f"=== {title}\n" + text.getvalue(), file=sys.stderr)
+
+
 def _gpu_ms(events) -> float:
     """The GPU time of a torch.profiler run's averaged events, ms: the device events' own
     time (the table's "Self CUDA time total"; the host ops' rows carry their kernels' time
@@ -575,9 +592,6 @@ def forwards(shapes=((1, 512), (8, 2048)), rounds=12, steps=40, prefills=3):
     busy host does not move: run 246's rounds of "sdpa" spread by 1.3-1.6x). To
     stderr: that profile's table (kernels and host ops), and cProfile's top entries of
     ``steps`` decoding steps of each (where the host time goes)."""
-    import cProfile
-    import io
-    import pstats
     import statistics
 
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -635,15 +649,8 @@ def forwards(shapes=((1, 512), (8, 2048)), rounds=12, steps=40, prefills=3):
                       + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=16,
                                                   max_name_column_width=50),
                       file=sys.stderr)
-                pr = cProfile.Profile()
-                pr.enable()
-                step(impl)
-                torch.cuda.synchronize()
-                pr.disable()
-                text = io.StringIO()
-                pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(24)
-                print(f"=== forwards {batch} x {prompt}: cProfile, {steps} decoding steps, "
-                      f"{impl}\n" + text.getvalue(), file=sys.stderr)
+                _profile_to_stderr(f"forwards {batch} x {prompt}: cProfile, {steps} decoding "
+                                   f"steps, {impl}", lambda: step(impl), 1, 24)
             emit(section="forwards", batch=batch, prompt=prompt, **row)
         models = caches = None      # (freed before the next shape's models)
         torch.cuda.empty_cache()
@@ -659,9 +666,6 @@ def prefills(shapes=((1, 512), (8, 2048)), rounds=9, calls=3):
     read before the synchronisation: flashcore.bench.enqueue_us), and from torch.profiler its
     kernel launches and GPU time. To stderr: cProfile of ``calls`` prefills of each model, its
     top entries by own time (where the host time goes)."""
-    import cProfile
-    import io
-    import pstats
     import statistics
 
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -694,16 +698,8 @@ def prefills(shapes=((1, 512), (8, 2048)), rounds=9, calls=3):
                 events = prof.key_averages()
                 row[f"{impl}_launches"] = sum(e.count for e in events if e.key in _LAUNCHES)
                 row[f"{impl}_gpu_ms"] = _gpu_ms(events)
-                pr = cProfile.Profile()
-                pr.enable()
-                for _ in range(calls):
-                    prefill(model)
-                torch.cuda.synchronize()
-                pr.disable()
-                text = io.StringIO()
-                pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(20)
-                print(f"=== prefills {batch} x {prompt}: cProfile, {calls} prefills, {impl}\n"
-                      + text.getvalue(), file=sys.stderr)
+                _profile_to_stderr(f"prefills {batch} x {prompt}: cProfile, {calls} prefills, "
+                                   f"{impl}", lambda: prefill(model), calls, 20)
         emit(section="prefills", batch=batch, prompt=prompt, **row)
         models = None
         torch.cuda.empty_cache()
@@ -718,9 +714,6 @@ def prefill_calls(shapes=((1, 512), (8, 2048)), calls=200):
     the varlen op's own host time at about 110 µs a call in the model against cuDNN's 43; the
     stubbed probe (tests/diagnostics/probe_route.py) reads 18.6. To stderr: cProfile of the
     varlen calls."""
-    import cProfile
-    import io
-    import pstats
 
     import torch.nn.functional as F
 
@@ -752,16 +745,8 @@ def prefill_calls(shapes=((1, 512), (8, 2048)), calls=200):
                 row = {f"{n}_loop_us": us for n, us in loop.items()}
                 row.update({f"{n}_gpu_us": 1e6 * gpu_time(fn) for n, fn in fns.items()})
                 row["records_in_loops"] = recorded[0] - before
-                pr = cProfile.Profile()
-                pr.enable()
-                for _ in range(calls):
-                    fns["varlen"]()
-                torch.cuda.synchronize()
-                pr.disable()
-            text = io.StringIO()
-            pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(16)
-            print(f"=== prefill_calls {b} x {s}: cProfile, {calls} varlen calls\n"
-                  + text.getvalue(), file=sys.stderr)
+                _profile_to_stderr(f"prefill_calls {b} x {s}: cProfile, {calls} varlen calls",
+                                   fns["varlen"], calls, 16)
             emit(section="prefill_calls", batch=b, seqlen=s, **row)
     finally:
         plans.remember = remember
