@@ -714,6 +714,7 @@ def test_varlen_route_moves_wide_elements_where_nothing_is_differentiated(monkey
     assert orig(x.reshape(-1)[4:4 + 8 * 24].view(8, 24)) is None   # 8-byte offset
     assert orig(torch.zeros(4, 10)) is None                  # 40-byte rows of float32
     assert orig(torch.zeros(4, 10)[:, :8]) is None           # a 40-byte row stride
+    assert orig(torch.zeros(4, 8, device="meta")) is None     # no address
 
 
 def test_per_forward_values_are_not_kept_while_compiling(monkeypatch):

@@ -515,8 +515,11 @@ def _wide(x):
     element a thread: at 2 bytes an element the packing's gathers ran at a quarter of a copy's
     speed (run 247: 2.4 ms of a batch-8 / 2k prefill). Not differentiable (a view between
     element sizes), so only where nothing is. The address too must be a whole number of 16-byte
-    elements: torch's kernels load them as aligned 16-byte words."""
+    elements: torch's kernels load them as aligned 16-byte words. (Plain tensors of the GPU or
+    the CPU only: a fake, meta or functional tensor has no address to ask.)"""
     import torch
+    if type(x) is not torch.Tensor or not (x.is_cuda or x.device.type == "cpu"):
+        return None
     r = 16 // x.element_size()
     if r <= 1 or x.shape[-1] % r or x.stride(-1) != 1 or x.storage_offset() % r \
             or x.data_ptr() % 16 or any(st % r for st in x.stride()[:-1]):
