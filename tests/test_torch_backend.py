@@ -352,13 +352,14 @@ def test_kvcache_read_is_attention_with_kvcache(extra, heads_first):
     assert np.isfinite(got.detach().numpy()).all() and got.abs().sum() > 0
 
 
-@pytest.mark.parametrize("op", ["kvcache_read", "fwd", "fwd_varlen"])
+@pytest.mark.parametrize("op", ["kvcache_read", "fwd", "fwd_varlen", "explicit"])
 @pytest.mark.parametrize("context", ["eager", "profiler", "flop_counter", "function_mode",
                                      "fake_tensors", "meta", "make_fx", "jit_trace", "vmap",
                                      "subclass_cache", "compile"])
 def test_ops_go_through_the_dispatcher_when_anything_must_see_them(op, context, monkeypatch):
-    """A plain eager decode call, or a forward with nothing to differentiate (a prefill's
-    layers, dense or varlen), runs the op's implementation directly (the dispatcher's round
+    """A plain eager decode call, a forward with nothing to differentiate (a prefill's layers,
+    dense or varlen), or the functional forward and backward (``explicit``: the bwd op
+    counted), runs the op's implementation directly (the dispatcher's round
     trip costs a decoding step ~4%); under the profiler, a dispatch mode (FlopCounterMode,
     FakeTensorMode, make_fx's), a torch function mode, torch.jit tracing, vmap or
     torch.compile, on meta tensors or with a tensor subclass among the arguments, the op is
@@ -371,7 +372,7 @@ def test_ops_go_through_the_dispatcher_when_anything_must_see_them(op, context, 
     from flashcore.backends.torch_ops import kvcache_read
     torch_ops.torch_ops()
     calls = []
-    name = "kvcache_read" if op == "kvcache_read" else "fwd"
+    name = {"kvcache_read": "kvcache_read", "explicit": "bwd"}.get(op, "fwd")
     overload = torch_ops._OVERLOADS[name]
     monkeypatch.setitem(torch_ops._OVERLOADS, name,
                         lambda *a: (calls.append(1), overload(*a))[1])
@@ -391,13 +392,21 @@ def test_ops_go_through_the_dispatcher_when_anything_must_see_them(op, context, 
 
         def call(q, kc, vc, lens):
             return flashcore.attention(q, kc, vc, causal=True)
-    else:
+    elif op == "fwd_varlen":
         q = torch.randn(18, 4, 16, generator=g)
         kc, vc = (torch.randn(18, 2, 16, generator=g) for _ in range(2))
         lens = torch.tensor([0, 5, 18], dtype=torch.int32)
 
         def call(q, kc, vc, lens):
             return flashcore.varlen_attention(q, kc, vc, lens, lens, 13, 13, causal=True)
+    else:
+        q = torch.randn(2, 9, 4, 16, generator=g)
+        kc, vc = (torch.randn(2, 9, 2, 16, generator=g) for _ in range(2))
+        lens = torch.zeros(1)       # (unused)
+
+        def call(q, kc, vc, lens):
+            out, lse = flashcore.attention_forward(q, kc, vc, causal=True)
+            return flashcore.attention_backward(out, q, kc, vc, out, lse, causal=True)[0]
     want = call(q, kc, vc, lens)
     assert not calls         # (eager: the implementation, directly)
 

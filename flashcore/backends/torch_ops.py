@@ -1003,10 +1003,12 @@ def _explicit(kind, tensors, backend, varlen, kw):
     # the ops' defaulted tails, given only as far as needed: fwd (block_table, out_fp32,
     # dropout_p, rng_state), bwd (dropout_p, rng_state)
     tail = ((kw.get("block_table"), fp32) + drop) if kind == "fwd" else drop
+    call = (*tensors, opts, args["alibi_slopes"], args["cu_seqlens_q"], args["cu_seqlens_k"])
     torch_ops()
     with torch.no_grad():
-        return _OVERLOADS[kind](*tensors, opts, args["alibi_slopes"], args["cu_seqlens_q"],
-                                args["cu_seqlens_k"], *tail)
+        if drop or fp32 or kw.get("block_table") is not None:
+            return _OVERLOADS[kind](*call, *tail)
+        return _run(torch, kind, _trimmed(call))    # (the implementation, in a plain call)
 
 
 def _compiling() -> bool:
