@@ -497,15 +497,11 @@ def _padded_via_varlen(q, k, v, packing, **kw):
     # first, a pass over the output each, run 247; the Function keeps its output for the
     # backward, so with a gradient the fill makes a new tensor)
     full = out.new_empty(b * sq, h, d)
-    wf, wo = (_wide(full), _wide(out)) if wide else (None, None)
-    if grad:
-        out = out.masked_fill(pad_q, 0)
-    else:
-        (out if wo is None else wo).masked_fill_(pad_q, 0)    # (wo: out's bytes)
-    if wf is not None and wo is not None:
-        wf.index_copy_(0, order_q, wo)
-    else:
-        full.index_copy_(0, order_q, out)
+    src, dst = (_wide(out), _wide(full)) if wide else (None, None)
+    if src is None or dst is None:
+        src, dst = out, full
+    src = src.masked_fill(pad_q, 0) if grad else src.masked_fill_(pad_q, 0)
+    dst.index_copy_(0, order_q, src)
     return full.view(b, sq, h, d)
 
 

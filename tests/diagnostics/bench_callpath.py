@@ -567,14 +567,25 @@ def _profile_to_stderr(title, fn, n, top):
     print(f"=== {title}\n" + text.getvalue(), file=sys.stderr)
 
 
-def _gpu_ms(events) -> float:
-    """The GPU time of a torch.profiler run's averaged events, ms: the device events' own
-    time (the table's "Self CUDA time total"; the host ops' rows carry their kernels' time
-    too, so a sum over every row counts each kernel twice, as run 247's rows did)."""
+def _launches_and_gpu_ms(fn, title=None):
+    """torch.profiler over one call of ``fn`` (ended by a synchronisation): its kernel launches
+    and GPU time in ms, what host noise does not move. The GPU time is the device events' own
+    (the table's "Self CUDA time total"; the host ops' rows carry their kernels' time too, so
+    a sum over every row counts each kernel twice, as run 247's rows did). With ``title``, the
+    profile's table goes to stderr under ``=== title``."""
     from torch.autograd import DeviceType
-    return 1e-3 * sum(getattr(e, "self_device_time_total", None)
-                      or getattr(e, "self_cuda_time_total", 0)
-                      for e in events if e.device_type == DeviceType.CUDA)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    if title is not None:
+        print(f"=== {title}\n" + events.table(sort_by="self_cpu_time_total", row_limit=16,
+                                              max_name_column_width=50), file=sys.stderr)
+    return (sum(e.count for e in events if e.key in _LAUNCHES),
+            1e-3 * sum(getattr(e, "self_device_time_total", None)
+                       or getattr(e, "self_cuda_time_total", 0)
+                       for e in events if e.device_type == DeviceType.CUDA))
 
 
 def forwards(shapes=((1, 512), (8, 2048)), rounds=12, steps=40, prefills=3):
@@ -594,7 +605,6 @@ def forwards(shapes=((1, 512), (8, 2048)), rounds=12, steps=40, prefills=3):
     ``steps`` decoding steps of each (where the host time goes)."""
     import statistics
 
-    from torch.profiler import ProfilerActivity, profile as torch_profile
     from transformers import DynamicCache
 
     from flashcore.bench import generate_ids, prefill_mask, prefill_rounds
@@ -636,19 +646,11 @@ def forwards(shapes=((1, 512), (8, 2048)), rounds=12, steps=40, prefills=3):
                 row[f"{kind}_ratio"] = speed_ratio(times, "flashcore", "sdpa")
                 row[f"sdpa_{kind}_spread"] = max(times["sdpa"]) / min(times["sdpa"])
             for impl in models:
-                with torch_profile(activities=[ProfilerActivity.CPU,
-                                               ProfilerActivity.CUDA]) as prof:
-                    prefill(impl)
-                    torch.cuda.synchronize()
                 # what host noise does not move: the prefill's kernel launches and GPU time
-                events = prof.key_averages()
-                row[f"{impl}_prefill_launches"] = sum(
-                    e.count for e in events if e.key in _LAUNCHES)
-                row[f"{impl}_prefill_gpu_ms"] = _gpu_ms(events)
-                print(f"=== forwards {batch} x {prompt}: torch.profiler, one prefill, {impl}\n"
-                      + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=16,
-                                                  max_name_column_width=50),
-                      file=sys.stderr)
+                (row[f"{impl}_prefill_launches"],
+                 row[f"{impl}_prefill_gpu_ms"]) = _launches_and_gpu_ms(
+                    lambda: prefill(impl),
+                    f"forwards {batch} x {prompt}: torch.profiler, one prefill, {impl}")
                 _profile_to_stderr(f"forwards {batch} x {prompt}: cProfile, {steps} decoding "
                                    f"steps, {impl}", lambda: step(impl), 1, 24)
             emit(section="forwards", batch=batch, prompt=prompt, **row)
@@ -668,7 +670,6 @@ def prefills(shapes=((1, 512), (8, 2048)), rounds=9, calls=3):
     top entries by own time (where the host time goes)."""
     import statistics
 
-    from torch.profiler import ProfilerActivity, profile as torch_profile
     from transformers import DynamicCache
 
     from flashcore.bench import enqueue_us, generate_ids, prefill_mask, prefill_rounds
@@ -691,13 +692,8 @@ def prefills(shapes=((1, 512), (8, 2048)), rounds=9, calls=3):
                 row[f"{impl}_ratio"] = speed_ratio(times, impl, "sdpa")
                 row[f"{impl}_host_ms"] = 1e-3 * enqueue_us(lambda: prefill(model), calls=1,
                                                            rounds=calls)
-                with torch_profile(activities=[ProfilerActivity.CPU,
-                                               ProfilerActivity.CUDA]) as prof:
-                    prefill(model)
-                    torch.cuda.synchronize()
-                events = prof.key_averages()
-                row[f"{impl}_launches"] = sum(e.count for e in events if e.key in _LAUNCHES)
-                row[f"{impl}_gpu_ms"] = _gpu_ms(events)
+                row[f"{impl}_launches"], row[f"{impl}_gpu_ms"] = _launches_and_gpu_ms(
+                    lambda: prefill(model))
                 _profile_to_stderr(f"prefills {batch} x {prompt}: cProfile, {calls} prefills, "
                                    f"{impl}", lambda: prefill(model), calls, 20)
         emit(section="prefills", batch=batch, prompt=prompt, **row)
