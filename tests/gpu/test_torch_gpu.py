@@ -259,7 +259,6 @@ def test_llama_bf16_matches_sdpa():
     torch.testing.assert_close(compiled(ids).logits.float(), lr.logits.float(), atol=5e-2, rtol=5e-2)
 
 
-
 @pytest.mark.parametrize("layout", ["heads_first", "seq_first"])
 @pytest.mark.parametrize("s", [300, 1000])
 @pytest.mark.parametrize("grad", [False, True])
@@ -318,6 +317,7 @@ def test_transformers_padded_batch_within_the_flash_attn_rule(grad, s, layout):
     if grad:
         assert grads[0].transpose(1, 2)[~keep].abs().max().item() == 0
         assert grads[1].transpose(1, 2)[~keep].abs().max().item() == 0
+
 
 # ---------------- CUDA graphs: capture, replay, bit for bit ----------------
 
